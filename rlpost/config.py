@@ -1,0 +1,347 @@
+"""One typed config tree for a whole rlpost job: YAML in, dotted overrides on top, checked.
+
+Every field has a description and a default (or is required). Unknown keys are errors that name
+the full dotted path; cross-field mistakes raise :class:`ConfigError` naming the keys involved.
+Treat renaming a key as a breaking change: configs and run directories outlive the code.
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["trainer.steps=20", "rollout.temperature=0.7"])
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the key or file."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The policy model (also the frozen reference and the learner's starting point)."""
+
+    name_or_path: str = Field(
+        ".cache/tiny-model",
+        description="Hugging Face hub name (GPU users) or local folder; the default is the offline tiny "
+        "model that `rlpost make-tiny-model` builds.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype for inference and the reference; fp32 on CPU."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer name or path; defaults to `name_or_path`.")
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template (inline text or a path to a .jinja file) replacing the "
+        "tokenizer's own; it must mark assistant turns with {% generation %} for assistant masks.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.name_or_path
+
+
+class DataConfig(_Section):
+    """Where prompts come from, how completions are rewarded, and the GRPO group size."""
+
+    dataset: str | None = Field(
+        None,
+        description="Hugging Face dataset name or a local json/jsonl/parquet path. Leave empty with "
+        "task=arithmetic to generate the synthetic task offline.",
+    )
+    subset: str | None = Field(None, description="Dataset configuration name (e.g. 'main' for openai/gsm8k).")
+    split: str = Field("train", description="Dataset split to draw prompts from.")
+    prompt_column: str = Field("question", description="Column holding the user prompt.")
+    answer_column: str = Field("answer", description="Column holding the reference answer for the reward.")
+    task: Literal["arithmetic", "gsm8k", "custom"] = Field(
+        "arithmetic",
+        description="Reward and prompt format: 'arithmetic' (offline synthetic), 'gsm8k' (answer after "
+        "####), or 'custom' (reward_fn).",
+    )
+    reward_fn: str | None = Field(
+        None,
+        description="Dotted path 'package.module:function' called as fn(completion, row) -> float; "
+        "required for task=custom, optional extra reward otherwise.",
+    )
+    system_prompt: str | None = Field(None, description="System prompt; None uses the task's default.")
+    group_size: int = Field(8, description="Samples per prompt (the GRPO group); at least 2.")
+    num_synthetic_rows: int = Field(2000, ge=1, description="Rows generated for task=arithmetic without a dataset.")
+    shuffle: bool = Field(True, description="Shuffle prompts with `seed` (the order is reproducible).")
+    seed: int = Field(0, description="Seed of the prompt shuffle and the synthetic task.")
+
+
+class EngineConfig(_Section):
+    """Options handed to each vLLM engine."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per inference worker (vLLM tensor parallel).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    kv_cache_space_gb: float = Field(1.0, gt=0, description="KV cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + completion the engine accepts.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine schedules at once.")
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph / compile warm-up (faster start, slower decode).")
+    seed: int = Field(0, description="Engine sampling seed.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
+
+
+class RolloutConfig(_Section):
+    """Sampling and the inference / environment worker counts."""
+
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs are the processed ones).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_tokens: int = Field(64, ge=1, description="Most new tokens per completion (also Dr.GRPO's L_max).")
+    max_turns: int = Field(1, ge=1, description="Most assistant turns per episode (tool turns continue it).")
+    num_inference_workers: int = Field(1, ge=1, description="Inference worker actors, one vLLM engine each.")
+    num_env_pools: int = Field(1, ge=1, description="Env-pool actors, each running an LLM collector.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
+
+
+class ReferenceConfig(_Section):
+    """The frozen reference model and the KL penalty to it."""
+
+    enabled: bool = Field(False, description="Start the reference actor and compute KL to the initial model.")
+    kl_coef: float = Field(0.0, ge=0, description="KL coefficient (beta).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman).")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Add KL as a loss term ('loss', GRPO) or subtract it from the reward ('reward', k1, RLHF)."
+    )
+
+
+class LossConfig(_Section):
+    """The GRPO loss family (GRPO, DAPO clip-higher, Dr.GRPO aggregation)."""
+
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
+    clip_eps_high: float = Field(0.2, gt=0, description="Upper clip: ratio <= 1 + clip_eps_high (DAPO uses 0.28).")
+    aggregation: Literal["token_mean", "sequence_mean", "sequence_sum_norm"] = Field(
+        "token_mean", description="How per-token terms become a scalar (sequence_sum_norm = Dr.GRPO)."
+    )
+    advantage_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage normalisation: group std, batch std, or none (Dr.GRPO)."
+    )
+    filter_equal_rewards: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    kl_to_inference_coef: float = Field(
+        0.0, ge=0, description="Penalty on the k3 KL between the learner and the behaviour (inference) log-probs."
+    )
+
+
+class OptimizerConfig(_Section):
+    """AdamW and its schedule."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    grad_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
+
+
+class TrainerConfig(_Section):
+    """The training loop."""
+
+    steps: int = Field(20, ge=1, description="Learner steps (one batch of prompts_per_step groups each).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
+    epochs_per_batch: int = Field(1, ge=1, description="Passes over each batch (PPO epochs).")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: collect -> train -> publish; async: collection never stops.")
+    max_staleness: int = Field(1, ge=0, description="async: drop groups more than this many policy versions old.")
+    weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
+    checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
+    auto_resume: bool = Field(False, description="Resume from the last checkpoint by itself when the learner dies.")
+    seed: int = Field(0, description="Seed of the learner (torch RNG).")
+
+
+class WeightSyncConfig(_Section):
+    """The learner -> inference weight bus (a torch.distributed group of its own)."""
+
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL when the roles have GPUs, else gloo.")
+    bucket_mb: int = Field(64, ge=1, description="Size of the flattened parameter buckets sent per collective.")
+    timeout_s: float = Field(60.0, gt=0, description="Timeout of every collective; a dead peer is detected after it.")
+
+
+class RoleResources(_Section):
+    num_cpus: float = Field(..., ge=0, description="CPUs reserved per actor of this role.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor of this role.")
+
+
+class ResourcesConfig(_Section):
+    """What each role reserves on the Ray cluster (declared, never assumed)."""
+
+    address: str | None = Field(None, description="Ray address; None starts a local cluster (RAY_ADDRESS/--address override).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the run's bundles."
+    )
+    inference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker.")
+    env_pool: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="Per env pool.")
+    learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="The learner.")
+    reference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="The reference actor.")
+    buffer: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.0), description="The buffer actor.")
+
+
+class LoggingConfig(_Section):
+    run_dir: str = Field("runs", description="Parent folder of run directories.")
+    run_name: str | None = Field(None, description="Run name (Ray namespace rlpost-<run_name>); default: a timestamp.")
+    metrics_interval: int = Field(1, ge=1, description="Learner steps between metrics.jsonl lines.")
+    progress: bool = Field(True, description="Show a progress bar on the driver.")
+
+
+class JobConfig(_Section):
+    """A whole rlpost job."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts, rewards and group size.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and worker counts.")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model and KL.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="GRPO loss family.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Training loop.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Weight bus.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources per role.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Run directory and metrics.")
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "JobConfig":
+        for message in _cross_field_errors(self):
+            raise ValueError(message)
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.trainer.prompts_per_step * self.data.group_size
+
+
+def _cross_field_errors(cfg: JobConfig) -> list[str]:
+    errors = []
+    if cfg.data.group_size < 2:
+        errors.append(f"data.group_size is {cfg.data.group_size}; GRPO compares samples of a prompt, so it must be >= 2")
+    if cfg.data.task in ("gsm8k", "custom") and not cfg.data.dataset:
+        errors.append(f"data.dataset is required for data.task={cfg.data.task}")
+    if cfg.data.task == "custom" and not cfg.data.reward_fn:
+        errors.append("data.reward_fn is required for data.task=custom ('package.module:function')")
+    if cfg.trainer.prompts_per_step % cfg.rollout.num_env_pools:
+        errors.append(
+            f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) must be divisible by "
+            f"rollout.num_env_pools ({cfg.rollout.num_env_pools}) so every pool collects whole groups"
+        )
+    if cfg.samples_per_step % cfg.optimizer.grad_accumulation:
+        errors.append(
+            f"optimizer.grad_accumulation ({cfg.optimizer.grad_accumulation}) must divide the samples per step "
+            f"(trainer.prompts_per_step * data.group_size = {cfg.samples_per_step})"
+        )
+    if cfg.reference.kl_coef > 0 and not cfg.reference.enabled:
+        errors.append(f"reference.kl_coef is {cfg.reference.kl_coef} but reference.enabled is false")
+    if cfg.weight_sync.backend == "nccl" and (cfg.resources.inference.num_gpus == 0 or cfg.resources.learner.num_gpus == 0):
+        errors.append("weight_sync.backend=nccl needs GPUs: set resources.inference.num_gpus and resources.learner.num_gpus")
+    if cfg.rollout.max_tokens >= cfg.rollout.engine.max_model_len:
+        errors.append(
+            f"rollout.max_tokens ({cfg.rollout.max_tokens}) must be below rollout.engine.max_model_len "
+            f"({cfg.rollout.engine.max_model_len}) to leave room for the prompt"
+        )
+    return errors
+
+
+# ---------------------------------------------------------------------------- loading and saving
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load a YAML job config (or the defaults when ``path`` is None) and apply dotted overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate_config(raw, source=str(path) if path else "defaults")
+
+
+def validate_config(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> Path:
+    """Write the resolved config (every default filled in) as YAML."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def default_run_name() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply ``a.b.c=value``; the value is parsed as YAML (so 20 is an int, [0.9, 0.95] a list)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    _check_known_path(key)
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_known_path(key: str) -> None:
+    model: type[BaseModel] | None = JobConfig
+    walked = []
+    for part in key.split("."):
+        walked.append(part)
+        if model is None:
+            raise ConfigError(f"unknown config key: {'.'.join(walked)}")
+        if part not in model.model_fields:
+            raise ConfigError(f"unknown config key: {'.'.join(walked)}")
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if annotation is not None and getattr(annotation, "__origin__", None) is dict:
+            return  # free-form mapping (engine.extra): any sub-key is allowed
+
+
+def _describe(exc: ValidationError) -> str:
+    """One line per problem, each naming the full dotted key path."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown config key: {loc}")
+        elif err["type"] == "value_error" and not loc:
+            lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+        else:
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{loc}: {err['msg']}{shown}")
+    return "; ".join(lines)

@@ -1,0 +1,36 @@
+"""Shared fixtures. The tiny model is built once into .cache/tiny-model (or $RLPOST_TINY_MODEL)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_model_dir() -> Path:
+    return Path(os.environ.get("RLPOST_TINY_MODEL", REPO / ".cache" / "tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """Path of the offline tiny model, built on first use (a file lock keeps parallel sessions safe)."""
+    path = tiny_model_dir()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            from rlpost.tiny_model import build_tiny_model
+
+            build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)

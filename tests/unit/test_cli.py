@@ -1,0 +1,65 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rlpost.cli import main
+from rlpost.config import load_config
+from rlpost.runs import create_run_dir
+
+pytestmark = pytest.mark.unit
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "rlpost.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"]])
+def test_help_on_every_command(command):
+    out = run_cli(*command, "--help")
+    assert out.returncode == 0
+    assert "usage: rlpost" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "missing.yaml"], "rlpost: error: config file not found: missing.yaml"),
+        (["train", "configs/tiny-cpu.yaml", "trainer.stepz=1"], "rlpost: error: unknown config key: trainer.stepz"),
+        (["train", "configs/tiny-cpu.yaml", "data.group_size=1"], "data.group_size is 1"),
+        (["train", "configs/tiny-cpu.yaml", "model.name_or_path=./no-such-model"], "model.name_or_path: no model folder"),
+        (["train", "configs/tiny-cpu.yaml", "data.task=gsm8k", "data.dataset=./none.jsonl"], "data.dataset: file not found"),
+    ],
+)
+def test_input_errors_exit_2_with_one_line(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_check_config_prints_resolved_yaml(capsys):
+    assert main(["check-config", "configs/tiny-cpu.yaml", "trainer.steps=3"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["trainer"]["steps"] == 3
+    assert data["weight_sync"]["backend"] == "gloo"
+
+
+def test_create_run_dir_writes_resolved_config(tmp_path):
+    cfg = load_config("configs/tiny-cpu.yaml", ["trainer.steps=1"])
+    run_dir = create_run_dir(cfg, tmp_path / "run")
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["steps"] == 1
+    assert saved["logging"]["run_name"] == "run" == cfg.logging.run_name
+
+
+def test_train_refuses_to_reuse_a_run_dir(tmp_path, tiny_model_path):
+    run_dir = tmp_path / "run"
+    create_run_dir(load_config("configs/tiny-cpu.yaml"), run_dir)
+    before = (run_dir / "config.yaml").read_text()
+    out = run_cli("train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}", "--run-dir", str(run_dir))
+    assert out.returncode == 2
+    assert f"run directory {run_dir} already holds a run" in out.stderr
+    assert (run_dir / "config.yaml").read_text() == before  # nothing of the earlier run is lost
