@@ -1,0 +1,32 @@
+"""Pure GRPO math: group advantages, KL estimators, the clipped loss and its aggregations.
+
+Imports torch only (no ray, vllm, transformers, tensordict or torch.distributed) so that it can
+be tested and reused anywhere; tests/unit/test_algo_purity.py enforces it. The TensorDict-facing
+modules built on it live in ``rlpost.objectives``.
+"""
+
+from rlpost.algo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
+from rlpost.algo.grpo import (
+    AGGREGATIONS,
+    Aggregation,
+    GRPOLossTerms,
+    effective_sample_size,
+    grpo_loss,
+    masked_aggregate,
+)
+from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
+
+__all__ = [
+    "ADVANTAGE_SCALES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "AdvantageScale",
+    "Aggregation",
+    "GRPOLossTerms",
+    "KLEstimator",
+    "effective_sample_size",
+    "group_advantages",
+    "grpo_loss",
+    "kl_per_token",
+    "masked_aggregate",
+]

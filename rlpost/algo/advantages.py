@@ -1,0 +1,72 @@
+"""Group-relative advantages: one scalar advantage per sampled completion.
+
+GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) samples ``group_size`` completions
+for each prompt and scores each one against its siblings instead of against a learned value
+function. With rewards ``r_1..r_n`` of one group:
+
+- ``scale="group"`` (GRPO, TRL default, TorchRL ``MCAdvantage``):
+  ``A_i = (r_i - mean(r)) / (std(r) + eps)``, ``std`` with Bessel's correction (n - 1).
+- ``scale="batch"``: same numerator, ``std`` taken over every reward in the batch.
+- ``scale="none"`` (Dr.GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training",
+  arXiv:2503.20783): ``A_i = r_i - mean(r)``; dividing by the std biases towards prompts that
+  are too easy or too hard.
+
+A group whose rewards are all equal carries no signal and gets ``A = 0`` exactly. Deliberate
+deviation: that case is detected by comparing the rewards, not left to arithmetic, because
+``r - mean(r)`` of equal floats is not always exactly zero (e.g. three rewards of 0.1), and with
+``eps`` small the residue would be amplified into a spurious advantage. A group of one sample is
+all-equal by definition (its Bessel std would be NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+AdvantageScale = Literal["group", "batch", "none"]
+ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    scale: AdvantageScale = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Return advantages shaped like ``rewards`` ([num_groups, group_size]).
+
+    Args:
+        rewards: [num_groups, group_size], one row per prompt. Integer or bool rewards are
+            converted to the default float dtype.
+        scale: "group", "batch" or "none" (see the module docstring).
+        eps: added to the std before dividing (TRL uses 1e-4); must be >= 0.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D, ``scale`` is unknown or ``eps`` is negative.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    rewards_gn = torch.as_tensor(rewards)
+    if rewards_gn.ndim != 2:
+        raise ValueError(
+            f"rewards must have shape [num_groups, group_size], got {tuple(rewards_gn.shape)}"
+        )
+    if not rewards_gn.is_floating_point():
+        rewards_gn = rewards_gn.to(torch.get_default_dtype())
+
+    if rewards_gn.shape[1] < 2:
+        # A group of one (or none) is all-equal; its Bessel std is undefined.
+        return torch.zeros_like(rewards_gn)
+    is_equal_g1 = (rewards_gn == rewards_gn[:, :1]).all(dim=1, keepdim=True)
+    centred_gn = rewards_gn - rewards_gn.mean(dim=1, keepdim=True)
+    if scale == "group":
+        advantages_gn = centred_gn / (rewards_gn.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        advantages_gn = centred_gn / (rewards_gn.std() + eps)
+    else:
+        advantages_gn = centred_gn
+    # torch.where, not a multiply: with eps = 0 an all-equal group divides 0 by 0.
+    return torch.where(is_equal_g1, torch.zeros_like(advantages_gn), advantages_gn)

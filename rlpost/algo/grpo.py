@@ -1,0 +1,283 @@
+"""The GRPO loss family: a clipped policy-gradient objective, a KL term and an entropy bonus.
+
+Per token t of sequence i, with ``ratio = exp(lp - old)`` (``old``: the behaviour log-prob the
+inference engine returned) and the sequence's advantage ``A_i`` broadcast over its tokens:
+
+    objective_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+
+the clipped surrogate of PPO (Schulman et al. 2017, arXiv:1707.06347) used by GRPO (Shao et al.
+2024, "DeepSeekMath", arXiv:2402.03300). ``clip_eps=(eps_low, eps_high)`` with
+``eps_high > eps_low`` is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476; 0.2, 0.28).
+
+Each per-token term x_t (objective, KL, entropy) is reduced with the same ``aggregation``
+(m = mask, B = rows in the batch):
+
+- ``"token_mean"`` (DAPO token-level loss, TRL "bnpo"/"dapo", verl "token-mean"):
+  ``sum(m * x) / sum(m)``.
+- ``"sequence_mean"`` (original GRPO, TRL "grpo", verl "seq-mean-token-mean"):
+  ``mean_i(sum_t(m * x) / sum_t(m))``.
+- ``"sequence_sum_norm"`` (Dr.GRPO, Liu et al. 2025, arXiv:2503.20783):
+  ``sum(m * x) / (B * max_tokens)``, ``max_tokens`` the configured completion-length cap, a
+  constant so that long answers are not down-weighted.
+
+    loss = objective + kl_coef * KL - entropy_coef * entropy
+
+with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, as in GRPO).
+
+Deliberate deviations and choices, each for a reason:
+
+- Padding (mask False) never affects a value or a gradient, whatever it holds: inputs are
+  sanitised with ``torch.where`` before any arithmetic (``0 * nan`` is ``nan``, so multiplying by
+  the mask would not do).
+- ``old_logprobs``, ``ref_logprobs`` and ``advantages`` are constants of the objective and are
+  detached; an ``old`` that shares the graph with ``lp`` would otherwise cancel the gradient.
+- The math runs in at least float32 (bf16 ``exp`` of a log-ratio is too coarse for clipping).
+- The KL is aggregated over masked tokens like the objective (TorchRL averages it over every
+  position, padding included).
+- ``sequence_mean`` averages over the rows that have at least one counted token (TRL counts an
+  empty row as a zero, which lets padding rows dilute the loss). ``sequence_sum_norm`` keeps
+  the paper's B = number of rows.
+- An empty mask gives a zero loss (and zero gradient), not NaN.
+- ``loss_kl`` and ``loss_entropy`` carry their coefficients and sign (TorchRL's convention), so
+  ``loss == loss_objective + loss_kl + loss_entropy``; a term whose coefficient is 0 is exactly 0
+  and is not computed into ``loss`` (so a non-finite KL cannot poison it through ``0 * inf``).
+- Diagnostics (clip fractions, ``kl_approx``, ``ess``, ``kl_to_ref``, ``entropy``) are token
+  means over masked tokens whatever the aggregation, so they compare across runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
+
+Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm")
+
+
+@dataclass(frozen=True, eq=False)
+class GRPOLossTerms:
+    """What :func:`grpo_loss` returns; every field is a 0-d tensor (or None).
+
+    ``loss`` = ``loss_objective + loss_kl + loss_entropy`` and these four keep their graph.
+    The rest are detached diagnostics: ``clip_fraction`` (share of masked tokens where the min
+    picks the clipped term, split into ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``:
+    ratio > 1 + eps_high with A > 0), ``kl_approx`` (mean of old - lp: how far the policy has
+    moved from the behaviour policy), ``ess`` (normalised effective sample size of the
+    importance weights, 1 = on-policy), ``kl_to_ref`` (mean per-token KL estimate; None without
+    ``ref_logprobs``) and ``entropy`` (mean entropy; None without ``entropy``).
+    """
+
+    loss: torch.Tensor
+    loss_objective: torch.Tensor
+    loss_kl: torch.Tensor
+    loss_entropy: torch.Tensor
+    clip_fraction: torch.Tensor
+    clip_fraction_low: torch.Tensor
+    clip_fraction_high: torch.Tensor
+    kl_approx: torch.Tensor
+    ess: torch.Tensor
+    kl_to_ref: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+    def metrics(self) -> dict[str, float]:
+        """Every field that is set, as python floats (for metrics.jsonl)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: float(value.item()) for name, value in values.items() if value is not None}
+
+
+def masked_aggregate(
+    x_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    aggregation: Aggregation = "token_mean",
+    max_tokens: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, T] to a 0-d tensor over the tokens where ``mask_bt`` is True.
+
+    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. See the module
+    docstring for the formulas.
+    """
+    _check_aggregation(aggregation, max_tokens)
+    if x_bt.ndim != 2 or x_bt.shape != mask_bt.shape:
+        raise ValueError(
+            f"x_bt {tuple(x_bt.shape)} and mask_bt {tuple(mask_bt.shape)} must be the same [B, T]"
+        )
+    if mask_bt.dtype != torch.bool:
+        raise ValueError(f"mask_bt must be a bool tensor, got dtype {mask_bt.dtype}")
+    x_bt = torch.where(mask_bt, x_bt, 0.0)
+    if aggregation == "token_mean":
+        return x_bt.sum() / mask_bt.sum().clamp(min=1)
+    if aggregation == "sequence_mean":
+        num_tokens_b = mask_bt.sum(dim=1)
+        # An empty row contributes 0 to the sum and is left out of the count.
+        per_sequence_b = x_bt.sum(dim=1) / num_tokens_b.clamp(min=1)
+        return per_sequence_b.sum() / (num_tokens_b > 0).sum().clamp(min=1)
+    return x_bt.sum() / (max(x_bt.shape[0], 1) * max_tokens)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float | tuple[float, float] = 0.2,
+    aggregation: Aggregation = "token_mean",
+    max_tokens: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> GRPOLossTerms:
+    """Compute the GRPO loss and its diagnostics (see the module docstring for the math).
+
+    Args:
+        logprobs: [B, T] current-policy log-probs of the sampled tokens (carries the graph).
+        old_logprobs: [B, T] behaviour log-probs (from the engine that generated the tokens).
+        advantages: [B] one advantage per sequence.
+        mask: [B, T] bool, True on the tokens that count (completion / assistant tokens).
+        clip_eps: eps, or (eps_low, eps_high) for asymmetric (clip-higher) clipping.
+        aggregation: "token_mean", "sequence_mean" or "sequence_sum_norm".
+        max_tokens: the completion-length cap; required by "sequence_sum_norm".
+        ref_logprobs: [B, T] reference-model log-probs; required when ``kl_coef != 0``.
+        kl_coef: weight of the KL term.
+        kl_estimator: "k1", "k2" or "k3".
+        entropy: [B, T] per-token policy entropy; required when ``entropy_coef != 0``.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+
+    Raises:
+        ValueError: bad shapes (the message carries them), a non-bool mask, an unknown
+            aggregation or estimator, bad ``clip_eps``, or a coefficient without its input.
+    """
+    eps_low, eps_high = _clip_bounds(clip_eps)
+    _check_aggregation(aggregation, max_tokens)
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy)
+    if kl_coef != 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy")
+
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    lp_bt = _sanitise(logprobs, mask, dtype)
+    old_bt = _sanitise(old_logprobs.detach(), mask, dtype)
+    adv_bt = torch.where(mask, advantages.detach().to(dtype)[:, None], 0.0)
+
+    log_ratio_bt = lp_bt - old_bt
+    ratio_bt = log_ratio_bt.exp()
+    # -min(ratio*A, clip(ratio)*A) picks the clipped term strictly below the unclipped one on
+    # exactly these tokens; there clip() is constant, so their gradient is exactly zero.
+    clipped_low_bt = (ratio_bt < 1 - eps_low) & (adv_bt < 0)
+    clipped_high_bt = (ratio_bt > 1 + eps_high) & (adv_bt > 0)
+    clipped_bt = clipped_low_bt | clipped_high_bt
+    clamped_ratio_bt = ratio_bt.clamp(1 - eps_low, 1 + eps_high)
+    objective_bt = -torch.where(clipped_bt, clamped_ratio_bt, ratio_bt) * adv_bt
+
+    def aggregate(x_bt: torch.Tensor) -> torch.Tensor:
+        return masked_aggregate(x_bt, mask, aggregation, max_tokens)
+
+    def token_mean(x_bt: torch.Tensor) -> torch.Tensor:
+        return masked_aggregate(x_bt.detach().to(dtype), mask, "token_mean")
+
+    loss_objective = aggregate(objective_bt)
+    loss_kl = loss_objective.new_zeros(())
+    loss_entropy = loss_objective.new_zeros(())
+    kl_to_ref = entropy_mean = None
+    if ref_logprobs is not None:
+        kl_bt = kl_per_token(lp_bt, _sanitise(ref_logprobs.detach(), mask, dtype), kl_estimator)
+        kl_to_ref = token_mean(kl_bt)
+        if kl_coef != 0:
+            loss_kl = kl_coef * aggregate(kl_bt)
+    if entropy is not None:
+        entropy_bt = _sanitise(entropy, mask, dtype)
+        entropy_mean = token_mean(entropy_bt)
+        if entropy_coef != 0:
+            loss_entropy = -entropy_coef * aggregate(entropy_bt)
+
+    return GRPOLossTerms(
+        loss=loss_objective + loss_kl + loss_entropy,
+        loss_objective=loss_objective,
+        loss_kl=loss_kl,
+        loss_entropy=loss_entropy,
+        clip_fraction=token_mean(clipped_bt),
+        clip_fraction_low=token_mean(clipped_low_bt),
+        clip_fraction_high=token_mean(clipped_high_bt),
+        kl_approx=token_mean(-log_ratio_bt),
+        ess=effective_sample_size(log_ratio_bt.detach(), mask),
+        kl_to_ref=kl_to_ref,
+        entropy=entropy_mean,
+    )
+
+
+def effective_sample_size(log_weights_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """Normalised ESS of importance weights ``exp(log_weights)`` over the masked tokens.
+
+    ``exp(2 * logsumexp(w) - logsumexp(2 * w)) / N`` (Kish's ESS in log space; 1 when all
+    weights are equal). Defined as 1 when no token is masked.
+    """
+    w = torch.where(mask_bt, log_weights_bt, float("-inf")).flatten()
+    num_tokens = mask_bt.sum()
+    ess = torch.exp(2 * torch.logsumexp(w, dim=0) - torch.logsumexp(2 * w, dim=0)) / num_tokens
+    return torch.where(num_tokens > 0, ess, torch.ones_like(ess))
+
+
+def _sanitise(x_bt: torch.Tensor, mask_bt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(mask_bt, x_bt.to(dtype), 0.0)
+
+
+def _clip_bounds(clip_eps: float | tuple[float, float]) -> tuple[float, float]:
+    if isinstance(clip_eps, (int, float)) and not isinstance(clip_eps, bool):
+        eps_low = eps_high = float(clip_eps)
+    elif isinstance(clip_eps, (tuple, list)) and len(clip_eps) == 2:
+        eps_low, eps_high = (float(e) for e in clip_eps)
+    else:
+        raise ValueError(f"clip_eps must be a float or a (low, high) pair, got {clip_eps!r}")
+    if not (0.0 <= eps_low <= 1.0 and eps_high >= 0.0):
+        raise ValueError(
+            f"clip_eps must satisfy 0 <= low <= 1 and high >= 0, got low={eps_low}, high={eps_high}"
+        )
+    return eps_low, eps_high
+
+
+def _check_aggregation(aggregation: str, max_tokens: int | None) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "sequence_sum_norm" and (max_tokens is None or max_tokens <= 0):
+        raise ValueError(
+            f"aggregation 'sequence_sum_norm' (Dr.GRPO) needs max_tokens > 0, got {max_tokens!r}"
+        )
+
+
+def _check_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> None:
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    same_shape = {
+        "old_logprobs": old_logprobs,
+        "mask": mask,
+        "ref_logprobs": ref_logprobs,
+        "entropy": entropy,
+    }
+    for name, tensor in same_shape.items():
+        if tensor is not None and tensor.shape != logprobs.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(logprobs.shape)}"
+            )
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages must have shape [B] = ({logprobs.shape[0]},), "
+            f"got {tuple(advantages.shape)}"
+        )
