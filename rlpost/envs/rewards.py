@@ -1,0 +1,145 @@
+"""The answer-format reward shared by GSM8K and the tiny model's arithmetic task, and user rewards.
+
+A completion answers with ``<think>...</think><answer>...</answer>``; the reward looks only at the
+last ``<answer>`` (DeepSeek-R1-style format reward, as in the GSM8K environments of the seed
+systems):
+
+    reward = 1.0  if normalize(answer) == normalize(target)
+             0.1  if an answer tag is present but the answer is wrong
+             0.0  otherwise
+
+User reward functions come from a dotted path in the config (:func:`load_reward_fn`) and are
+called through :func:`call_user_reward`, which turns any exception into reward 0 and the error's
+type name, for the metrics, so that one bad sample never stops an env.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+CORRECT_REWARD, FORMAT_REWARD = 1.0, 0.1
+
+_NUMBER_RE = re.compile(r"-?(\d+|\d*\.\d+)")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The stripped content of the last ``<answer>`` tag, or None when there is none.
+
+    A last ``<answer>`` with no ``</answer>`` after it takes the rest of the text: generation
+    usually stops *at* ``</answer>`` (a stop string, which inference engines strip from the
+    output), so the text ending inside the tag is the normal case, not a malformed one.
+    """
+    start = completion.rfind(ANSWER_OPEN)
+    if start < 0:
+        return None
+    content = completion[start + len(ANSWER_OPEN) :]
+    end = content.find(ANSWER_CLOSE)
+    return (content if end < 0 else content[:end]).strip()
+
+
+def has_answer(completion: str) -> bool:
+    """Whether the completion contains an answer, which ends a GSM8K/arithmetic episode."""
+    return extract_answer(completion) is not None
+
+
+def normalize_answer(answer: str) -> str:
+    """The comparable form of a numeric answer: ``" $1,234.50. "`` -> ``"1234.5"``.
+
+    Removes whitespace, commas and ``$``; then trailing ``.`` and a leading ``+``; then writes
+    numbers canonically (``"12.0"`` -> ``"12"``, ``"12.50"`` -> ``"12.5"``, ``".5"`` -> ``"0.5"``,
+    ``"007"`` -> ``"7"``, ``"-0"`` -> ``"0"``). Text that is not a number is kept as it is after the
+    removals (case included).
+    """
+    text = re.sub(r"[\s,$]", "", answer).rstrip(".")
+    if text.startswith("+"):
+        text = text[1:]
+    if not _NUMBER_RE.fullmatch(text):
+        return text
+    # String operations, not int()/float(): exact for any length and any number of decimals.
+    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+    whole, _, fraction = digits.partition(".")
+    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
+    number = whole + ("." + fraction if fraction else "")
+    return number if number == "0" else sign + number
+
+
+def parse_gsm8k_target(answer_field: str) -> str:
+    """The normalised final answer of a GSM8K ``answer`` field: the text after ``####``."""
+    marker = answer_field.rfind("####")
+    target = answer_field[marker + 4 :].strip() if marker >= 0 else ""
+    if not target:
+        preview = answer_field if len(answer_field) <= 200 else answer_field[:200] + "..."
+        raise ValueError(f"GSM8K answer has no final answer after '####': {preview!r}")
+    return normalize_answer(target)
+
+
+def answer_reward(completion: str, target: str) -> float:
+    """1.0 if the last answer equals ``target`` once both are normalised, 0.1 if it is wrong, 0.0
+    if there is no answer tag."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    return CORRECT_REWARD if normalize_answer(answer) == normalize_answer(target) else FORMAT_REWARD
+
+
+RewardFn = Callable[[str, Mapping[str, Any]], float]
+
+
+def call_user_reward(
+    fn: RewardFn, completion: str, row: Mapping[str, Any]
+) -> tuple[float, str | None]:
+    """``(fn(completion, row), None)``, or ``(0.0, error type name)`` when it fails. Never raises.
+
+    A failure is an exception (``SystemExit`` included, so a stray ``sys.exit`` cannot stop the
+    env), a result that is not a number (the ``TypeError``/``ValueError`` of ``float()``), or a
+    NaN/infinite result (``"NonFiniteReward"``), which would poison the advantages of the group.
+    ``KeyboardInterrupt`` still propagates: it is the operator's, not the function's.
+    """
+    try:
+        reward = float(fn(completion, row))
+    except (Exception, SystemExit) as exc:  # reported as the result's error type
+        return 0.0, type(exc).__name__
+    if not math.isfinite(reward):
+        return 0.0, "NonFiniteReward"
+    return reward, None
+
+
+def load_reward_fn(dotted_path: str) -> RewardFn:
+    """The callable at ``"package.module:function"`` or ``"package.module.function"``.
+
+    The part after ``:`` may itself be dotted (``"pkg.mod:Scorer.score"``). A malformed path, a
+    module that fails to import, a missing attribute or a non-callable raise ``ValueError`` naming
+    the path (the config layer adds the key).
+    """
+    if ":" in dotted_path:
+        module_name, _, attr_path = dotted_path.partition(":")
+    else:
+        module_name, _, attr_path = dotted_path.rpartition(".")
+    if not module_name or not attr_path or ":" in attr_path:
+        raise ValueError(
+            f"reward function {dotted_path!r} is not of the form 'package.module:function' "
+            "or 'package.module.function'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward function {dotted_path!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ValueError(
+                f"reward function {dotted_path!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from exc
+    if not callable(obj):
+        raise ValueError(
+            f"reward function {dotted_path!r} is not callable (it is a {type(obj).__name__})"
+        )
+    return obj
