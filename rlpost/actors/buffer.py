@@ -1,0 +1,51 @@
+"""The ``buffer`` actor: a thin Ray shell around :class:`rlpost.transport.buffer.LocalBuffer`.
+
+It is a threaded actor (``max_concurrency`` > 1) so that a producer blocked in ``put`` by
+backpressure does not stop the learner's ``get`` from running and freeing space.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import ray
+
+from rlpost.transport.buffer import BufferStats, LocalBuffer, RayBuffer
+
+
+class BufferActor:
+    def __init__(self, capacity: int, max_staleness: int | None):
+        self.buffer = LocalBuffer(capacity, max_staleness)
+
+    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
+        self.buffer.put(groups, timeout_s)
+
+    def get(self, num_groups: int, timeout_s: float, current_version: int | None) -> list[Any]:
+        return self.buffer.get(num_groups, timeout_s, current_version)
+
+    def drop_stale(self, current_version: int) -> int:
+        return self.buffer.drop_stale(current_version)
+
+    def drain(self) -> list[Any]:
+        return self.buffer.drain()
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+
+def start_buffer(
+    capacity: int,
+    max_staleness: int | None,
+    *,
+    name: str = "buffer",
+    namespace: str | None = None,
+    num_cpus: float = 0.0,
+    max_concurrency: int = 16,
+) -> RayBuffer:
+    """Start the named buffer actor and return a client for it."""
+    handle = (
+        ray.remote(BufferActor)
+        .options(name=name, namespace=namespace, num_cpus=num_cpus, max_concurrency=max_concurrency)
+        .remote(capacity, max_staleness)
+    )
+    return RayBuffer(handle)

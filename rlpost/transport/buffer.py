@@ -1,0 +1,189 @@
+"""The buffer between collectors and the learner: bounded, batched, with a staleness cap.
+
+Producers (env pools) ``put`` whole GRPO groups; the learner ``get``s a batch of groups. The pipe
+has one interface and two implementations (STYLE rule 5):
+
+- :class:`LocalBuffer`: a bounded deque guarded by a condition variable; used in-process and as
+  the state inside the Ray actor.
+- :class:`RayBuffer`: a client over the ``buffer`` actor (:mod:`rlpost.actors.buffer`), which
+  holds a LocalBuffer. One actor call moves a whole batch: single-item Ray queue calls cost
+  ~2.5 ms each here, batched ones ~1000x less per item.
+
+Rules (DESIGN invariants):
+- Backpressure: ``put`` blocks while the buffer is full, up to ``timeout_s``, then raises
+  :class:`BufferTimeout`; nothing is dropped to make room.
+- Staleness: a group whose ``policy_version`` is more than ``max_staleness`` behind the consumer's
+  version is dropped and counted (``num_dropped_stale``). Nothing else is ever dropped.
+- Every blocking call has a timeout.
+
+Items are opaque to the buffer except for their ``policy_version`` attribute (or key).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+
+class BufferTimeout(TimeoutError):
+    """A put or get waited ``timeout_s`` without completing."""
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    size: int
+    capacity: int
+    num_put: int
+    num_got: int
+    num_dropped_stale: int
+    put_wait_s: float  # total time producers spent blocked (backpressure)
+
+
+class Buffer(Protocol):
+    def put(self, groups: Sequence[Any], timeout_s: float) -> None: ...
+    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
+    def stats(self) -> BufferStats: ...
+    def drain(self) -> list[Any]: ...
+
+
+def policy_version_of(group: Any) -> int:
+    version = group["policy_version"] if isinstance(group, dict) else getattr(group, "policy_version")
+    return int(version)
+
+
+class LocalBuffer:
+    """Bounded FIFO of groups with blocking, batched put/get and a staleness cap."""
+
+    def __init__(self, capacity: int, max_staleness: int | None = None):
+        if capacity < 1:
+            raise ValueError(f"buffer capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self._num_put = self._num_got = self._num_dropped_stale = 0
+        self._put_wait_s = 0.0
+
+    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
+        """Append all ``groups`` in order, blocking while full; all-or-timeout per free slot.
+
+        Groups already appended stay when a later one times out (they are complete groups and
+        must not be lost); the error says how many went in.
+        """
+        deadline = time.monotonic() + timeout_s
+        for i, group in enumerate(groups):
+            with self._cond:
+                start = time.monotonic()
+                while len(self._items) >= self.capacity:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BufferTimeout(
+                            f"buffer full ({self.capacity} groups) for {timeout_s:.1f}s: put {i} of {len(groups)} groups"
+                        )
+                    self._cond.wait(left)
+                self._put_wait_s += time.monotonic() - start
+                self._items.append(group)
+                self._num_put += 1
+                self._cond.notify_all()
+
+    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
+        """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s``.
+
+        With ``current_version``, stale groups are dropped (and counted) before taking. On a
+        timeout nothing is taken: the groups stay for the next call.
+        """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if current_version is not None:
+                    self._drop_stale(current_version)
+                if len(self._items) >= num_groups:
+                    batch = [self._items.popleft() for _ in range(num_groups)]
+                    self._num_got += num_groups
+                    self._cond.notify_all()
+                    return batch
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BufferTimeout(
+                        f"waited {timeout_s:.1f}s for {num_groups} groups, buffer holds {len(self._items)}"
+                    )
+                self._cond.wait(left)
+
+    def drop_stale(self, current_version: int) -> int:
+        with self._cond:
+            return self._drop_stale(current_version)
+
+    def _drop_stale(self, current_version: int) -> int:
+        if self.max_staleness is None:
+            return 0
+        fresh = [g for g in self._items if current_version - policy_version_of(g) <= self.max_staleness]
+        dropped = len(self._items) - len(fresh)
+        if dropped:
+            self._items = deque(fresh)
+            self._num_dropped_stale += dropped
+            self._cond.notify_all()
+        return dropped
+
+    def drain(self) -> list[Any]:
+        """Remove and return every group held (for a checkpoint); nothing is counted as dropped."""
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return items
+
+    def stats(self) -> BufferStats:
+        with self._cond:
+            return BufferStats(
+                size=len(self._items),
+                capacity=self.capacity,
+                num_put=self._num_put,
+                num_got=self._num_got,
+                num_dropped_stale=self._num_dropped_stale,
+                put_wait_s=self._put_wait_s,
+            )
+
+
+class RayBuffer:
+    """Client of the ``buffer`` actor; same interface as :class:`LocalBuffer`.
+
+    Each call is one actor round trip for the whole batch. The client waits ``timeout_s`` plus
+    ``rpc_margin_s`` for the reply, so a dead actor surfaces as an error, never a hang.
+    """
+
+    def __init__(self, handle, rpc_margin_s: float = 30.0):
+        self.handle = handle
+        self.rpc_margin_s = rpc_margin_s
+
+    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
+        self._call(self.handle.put.remote(list(groups), timeout_s), timeout_s)
+
+    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
+        return self._call(self.handle.get.remote(num_groups, timeout_s, current_version), timeout_s)
+
+    def drop_stale(self, current_version: int) -> int:
+        return self._call(self.handle.drop_stale.remote(current_version), 0.0)
+
+    def drain(self) -> list[Any]:
+        return self._call(self.handle.drain.remote(), 0.0)
+
+    def stats(self) -> BufferStats:
+        return self._call(self.handle.stats.remote(), 0.0)
+
+    def _call(self, ref, timeout_s: float):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout_s + self.rpc_margin_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, BufferTimeout):
+                raise BufferTimeout(str(cause).splitlines()[-1]) from None
+            raise
+        except ray.exceptions.GetTimeoutError:
+            raise BufferTimeout(f"buffer actor did not answer within {timeout_s + self.rpc_margin_s:.1f}s") from None

@@ -1,0 +1,81 @@
+import threading
+import time
+
+import pytest
+
+from rlpost.transport.buffer import BufferTimeout, LocalBuffer
+
+pytestmark = pytest.mark.unit
+
+
+def groups(versions, start=0):
+    return [{"prompt_id": start + i, "policy_version": v} for i, v in enumerate(versions)]
+
+
+def test_batched_fifo_put_get_and_stats():
+    buf = LocalBuffer(capacity=8)
+    buf.put(groups([0, 0, 0]), timeout_s=1)
+    got = buf.get(2, timeout_s=1)
+    assert [g["prompt_id"] for g in got] == [0, 1]
+    stats = buf.stats()
+    assert (stats.size, stats.num_put, stats.num_got, stats.num_dropped_stale) == (1, 3, 2, 0)
+
+
+def test_get_times_out_without_taking_anything():
+    buf = LocalBuffer(capacity=8)
+    buf.put(groups([0]), timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(BufferTimeout, match="waited 0.2s for 2 groups, buffer holds 1"):
+        buf.get(2, timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - start < 1.0
+    assert buf.stats().size == 1  # nothing lost
+
+
+def test_backpressure_blocks_producer_until_consumer_frees_space():
+    buf = LocalBuffer(capacity=2)
+    buf.put(groups([0, 0]), timeout_s=1)
+    done = threading.Event()
+
+    def produce():
+        buf.put(groups([0, 0], start=2), timeout_s=5)
+        done.set()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    time.sleep(0.3)
+    assert not done.is_set()  # blocked: the buffer is full
+    assert [g["prompt_id"] for g in buf.get(2, timeout_s=1)] == [0, 1]
+    thread.join(timeout=5)
+    assert done.is_set()
+    assert [g["prompt_id"] for g in buf.get(2, timeout_s=1)] == [2, 3]
+    assert buf.stats().put_wait_s >= 0.25
+
+
+def test_put_timeout_keeps_groups_already_in():
+    buf = LocalBuffer(capacity=2)
+    with pytest.raises(BufferTimeout, match="put 2 of 3 groups"):
+        buf.put(groups([0, 0, 0]), timeout_s=0.2)
+    assert buf.stats().size == 2
+
+
+def test_stale_groups_are_dropped_and_counted():
+    buf = LocalBuffer(capacity=10, max_staleness=1)
+    buf.put(groups([0, 1, 2, 3, 3]), timeout_s=1)
+    got = buf.get(2, timeout_s=1, current_version=3)  # versions 0 and 1 are > 1 behind 3
+    assert [g["policy_version"] for g in got] == [2, 3]
+    assert buf.stats().num_dropped_stale == 2
+    assert buf.stats().size == 1
+
+
+def test_drain_returns_everything_without_counting_drops():
+    buf = LocalBuffer(capacity=4, max_staleness=0)
+    buf.put(groups([5, 5]), timeout_s=1)
+    assert [g["prompt_id"] for g in buf.drain()] == [0, 1]
+    assert buf.stats().num_dropped_stale == 0 and buf.stats().size == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        LocalBuffer(0)
+    with pytest.raises(ValueError, match="num_groups must be >= 1"):
+        LocalBuffer(1).get(0, timeout_s=1)
