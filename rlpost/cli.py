@@ -70,6 +70,15 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="YAML job config")
     check.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     check.set_defaults(handler=_cmd_check_config)
+
+    plot = sub.add_parser(
+        "plot",
+        help="draw reward.png (reward and loss against step) from a run's metrics.jsonl",
+        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/reward.png (or --out).",
+    )
+    plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    plot.add_argument("--out", help="output PNG path (default: RUN_DIR/reward.png)")
+    plot.set_defaults(handler=_cmd_plot)
     return parser
 
 
@@ -111,6 +120,20 @@ def _cmd_train(args) -> int:
         )
         return EXIT_OK
     return run_training(cfg, run_dir)
+
+
+def _cmd_plot(args) -> int:
+    from rlpost.metrics import plot_metrics, read_metrics
+
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(f"no metrics.jsonl in run directory {args.run_dir}")
+    records = read_metrics(metrics)
+    if not records:
+        raise ConfigError(f"{metrics} holds no steps yet")
+    out = plot_metrics(records, args.out or Path(args.run_dir) / "reward.png", title=Path(args.run_dir).name)
+    print(f"rlpost: wrote {out} ({len(records)} steps)")
+    return EXIT_OK
 
 
 def _cmd_make_tiny_model(args) -> int:

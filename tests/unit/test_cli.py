@@ -15,7 +15,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "rlpost.cli", *args], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"], ["plot"]])
 def test_help_on_every_command(command):
     out = run_cli(*command, "--help")
     assert out.returncode == 0
@@ -63,3 +63,15 @@ def test_train_refuses_to_reuse_a_run_dir(tmp_path, tiny_model_path):
     assert out.returncode == 2
     assert f"run directory {run_dir} already holds a run" in out.stderr
     assert (run_dir / "config.yaml").read_text() == before  # nothing of the earlier run is lost
+
+
+def test_plot_command(tmp_path):
+    from rlpost.metrics import REQUIRED_KEYS, MetricsWriter
+
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 2 and f"no metrics.jsonl in run directory {tmp_path}" in out.stderr
+    for step in range(3):
+        MetricsWriter(tmp_path).write({k: 0.0 for k in REQUIRED_KEYS} | {"step": step, "reward_mean": 0.1 * step})
+    out = run_cli("plot", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "reward.png").stat().st_size > 1000
