@@ -26,7 +26,8 @@ $(VENV)/.installed-%: pyproject.toml | $(PY)
 	@# rlpost uses none of them: remove them so the environment imports cleanly.
 	@if [ "$(EXTRA)" = "cpu" ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	$(PY) -c "import torch, transformers, tensordict, ray; print('rlpost env ok: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
-	@touch $@
+	@# A superset install also satisfies the base one (demo after test reinstalls nothing).
+	@touch $@ $(VENV)/.installed-$(EXTRA)
 
 comma := ,
 install: $(VENV)/.installed-$(EXTRA)

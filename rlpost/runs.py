@@ -21,14 +21,25 @@ def create_run_dir(cfg: JobConfig, run_dir: str | Path | None = None) -> Path:
     The run name is filled in on ``cfg`` (so the Ray namespace and the folder agree). An existing
     run directory is never overwritten: that would mix two runs' metrics and checkpoints.
     """
+    if run_dir is None and cfg.logging.run_name is None:
+        cfg.logging.run_name = _unused_name(Path(cfg.logging.run_dir), default_run_name())
     if cfg.logging.run_name is None:
-        cfg.logging.run_name = Path(run_dir).name if run_dir else default_run_name()
+        cfg.logging.run_name = Path(run_dir).name
     path = Path(run_dir) if run_dir else Path(cfg.logging.run_dir) / cfg.logging.run_name
     if (path / "config.yaml").exists():
         raise ConfigError(f"run directory {path} already holds a run; choose another --run-dir or logging.run_name")
     path.mkdir(parents=True, exist_ok=True)
     save_config(cfg, path / "config.yaml")
     return path
+
+
+def _unused_name(parent: Path, base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``... when runs started within the same second."""
+    name, n = base, 1
+    while (parent / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def check_inputs_exist(cfg: JobConfig) -> None:

@@ -75,3 +75,9 @@ def test_plot_command(tmp_path):
     out = run_cli("plot", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "reward.png").stat().st_size > 1000
+
+
+def test_automatic_run_names_never_collide(tmp_path):
+    first = create_run_dir(load_config("configs/tiny-cpu.yaml", [f"logging.run_dir={tmp_path}"]))
+    second = create_run_dir(load_config("configs/tiny-cpu.yaml", [f"logging.run_dir={tmp_path}"]))
+    assert first != second and (first / "config.yaml").exists() and (second / "config.yaml").exists()
