@@ -1,0 +1,485 @@
+"""ChatEnv: the conversation around the LLM, in history, text or tokens mode (seed 002).
+
+The env never calls the model. ``reset`` turns a query (and a system prompt) into the first
+prompt; the policy reads the prompt and writes its output (``full`` = prompt + response);
+``step`` makes ``full`` the next prompt and writes ``reward``, ``done``, ``terminated`` and
+``truncated``. Transforms (:mod:`rlpost.envs.transforms`) add the rest: prompts from a dataset,
+rewards, tools. Keys per ``input_mode`` (B = batch)::
+
+    "history": reset -> history.prompt (History [B, n]);  step reads history.full
+    "text":    reset -> text.prompt (rendered str per row); step reads text.full
+    "tokens":  reset -> tokens.prompt (int64 ids per row, lazily stacked, unpadded);
+               step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask)
+
+TorchRL conventions kept: ``step(td)`` returns ``td`` with a ``"next"`` sub-TensorDict;
+``step_and_maybe_reset(td)`` also returns the next root input, in which done envs were reset;
+``reward`` is float32 ``[B, 1]`` and the flags bool ``[B, 1]``; the reset input's keys are
+carried into the reset output.
+
+Deliberate deviations: no torchrl dependency, no specs; transforms live in ``env.transforms``
+(``append_transform`` returns the env itself, not a new ``TransformedEnv``); ``max_steps``
+truncates episodes (TorchRL uses a ``StepCounter`` transform) and ``step_count`` is carried in
+the TensorDict; a reset input may carry a per-row ``"system_prompt"``; a partial reset is a
+``reset`` of the sub-batch of done envs (batch ``[k]``) rather than a ``"_reset"`` mask.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+
+from rlpost.data import PAD_ROLE, ChatHistory, History, Text, Tokens
+from rlpost.envs.transforms import Transform
+
+INPUT_MODES = ("history", "text", "tokens")
+_FLAGS = ("done", "terminated", "truncated")
+
+
+class ChatEnv:
+    """A batch of ``B`` conversations; see the module docstring for the keys of each mode.
+
+    Keyword Args:
+        input_mode: "history", "text" or "tokens".
+        batch_size: number of conversations, an int or a 1-D size; defaults to ``(1,)``.
+        system_prompt: system message put before every query at reset (None: none).
+        tokenizer: renders histories in text and tokens modes (its chat template).
+        template_kwargs: extra keyword arguments for ``apply_chat_template``.
+        system_role, user_role, policy_role: message roles of the system prompt, the query and
+            the policy's messages.
+        data_key: key of the query in the reset input; defaults to the class attribute
+            ``data_key`` ("query").
+        device: device of the tensors the env creates.
+        max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
+            None for no limit.
+    """
+
+    data_key = "query"
+    text_key = ("text", "prompt")
+    response_key = ("text", "response")
+
+    def __init__(
+        self,
+        *,
+        input_mode: Literal["history", "text", "tokens"] = "history",
+        batch_size: int | tuple[int, ...] | torch.Size | None = None,
+        system_prompt: str | None = None,
+        tokenizer: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+        system_role: str = "system",
+        user_role: str = "user",
+        policy_role: str = "assistant",
+        data_key: str | None = None,
+        device: torch.device | str | None = None,
+        max_steps: int | None = None,
+    ) -> None:
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+        if input_mode != "history" and tokenizer is None:
+            raise ValueError(f"input_mode={input_mode!r} renders chats and needs a tokenizer")
+        batch_size = torch.Size([batch_size] if isinstance(batch_size, int) else (batch_size or (1,)))
+        if len(batch_size) != 1:
+            raise ValueError(f"{type(self).__name__} needs a 1-D batch size, got {tuple(batch_size)}")
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+        self.input_mode, self.batch_size = input_mode, batch_size
+        self.system_prompt, self.tokenizer = system_prompt, tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.system_role, self.user_role, self.policy_role = system_role, user_role, policy_role
+        if data_key is not None:
+            self.data_key = data_key
+        self.device = torch.device(device) if device is not None else None
+        self.max_steps = max_steps
+        self.transforms: list[Transform] = []
+
+    # ------------------------------------------------------------------ transforms and state
+
+    def append_transform(self, transform: Transform) -> ChatEnv:
+        """Attach ``transform`` after the existing ones and return the env (for chaining)."""
+        if not isinstance(transform, Transform):
+            raise ValueError(f"append_transform expects a Transform, got {type(transform).__name__}")
+        transform.parent = self
+        self.transforms.append(transform)
+        return self
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Keys carried from each step's input to its ``next`` (and into partial resets)."""
+        keys = [self.data_key, "system_prompt", "step_count"]
+        for transform in self.transforms:
+            keys += [key for key in transform.state_keys if key not in keys]
+        return tuple(keys)
+
+    @property
+    def reward_errors(self) -> Counter:
+        """Failed reward computations so far, by error type, summed over the reward transforms."""
+        total: Counter = Counter()
+        for transform in self.transforms:
+            total.update(getattr(transform, "errors", Counter()))
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The transforms' state (e.g. the prompt stream's position), for resume."""
+        return {"transforms": [t.state_dict() for t in self.transforms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state["transforms"]
+        if len(states) != len(self.transforms):
+            raise ValueError(
+                f"state has {len(states)} transform states, this env has {len(self.transforms)} transforms"
+            )
+        for transform, transform_state in zip(self.transforms, states):
+            transform.load_state_dict(transform_state)
+
+    def set_seed(self, seed: int | None) -> int | None:
+        """TorchRL compatibility; a no-op: the prompt order is seeded by the DataLoadingPrimer and
+        sampling by the policy."""
+        return seed
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
+        """The first prompt of each conversation of ``td`` (batch ``[k]``, default the env's).
+
+        ``td`` holds the query under ``data_key`` (a transform such as DataLoadingPrimer may
+        fill it) and optionally ``"system_prompt"`` per row. The output holds the prompt under
+        the mode's key, ``step_count`` 0, the flags False, and every key of the input.
+        """
+        td = self._reset_input(td)
+        for transform in self.transforms:
+            td = transform.reset_preprocess(td)
+        num_envs = td.batch_size[0]
+        chats = [self._first_chat(query, system) for query, system in zip(self._queries(td), self._system_prompts(td))]
+        out = td.exclude(self.input_mode, "next").clone(recurse=False)
+        out.set(self.input_mode, self._make_prompt(chats))
+        out.set("step_count", torch.zeros(num_envs, 1, dtype=torch.int64, device=self.device))
+        for flag in _FLAGS:
+            out.set(flag, torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
+        for transform in self.transforms:
+            out = transform.on_reset(td, out)
+        return out
+
+    def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
+        if td is None:
+            return TensorDict(batch_size=self.batch_size, device=self.device)
+        if td.batch_dims == 0:  # one query for every env, as TorchRL allows
+            td = td.expand(self.batch_size).clone()
+        if td.batch_dims != 1:
+            raise ValueError(f"reset expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}")
+        return td
+
+    def _queries(self, td: TensorDictBase) -> list[str]:
+        if self.data_key not in td.keys():
+            raise ValueError(
+                f"{type(self).__name__}.reset needs the query under {self.data_key!r}; "
+                f"the reset input has keys {sorted(map(str, td.keys()))}"
+            )
+        return as_list(td.get(self.data_key), td.batch_size[0])
+
+    def _system_prompts(self, td: TensorDictBase) -> list[str | None]:
+        if "system_prompt" in td.keys():
+            return as_list(td.get("system_prompt"), td.batch_size[0])
+        return [self.system_prompt] * td.batch_size[0]
+
+    def _first_chat(self, query: str, system: str | None) -> list[dict]:
+        chat = [] if system is None else [{"role": self.system_role, "content": system}]
+        return chat + [{"role": self.user_role, "content": query}]
+
+    def _make_prompt(self, chats: list[list[dict]]) -> Any:
+        """The mode's prompt container for a batch of chats (lists of message dicts)."""
+        history = History.from_chats(chats)
+        if self.input_mode == "history":
+            return ChatHistory(prompt=history, batch_size=[len(chats)])
+        if self.input_mode == "text":
+            return make_text(self._render(history, tokenize=False))
+        return make_tokens([torch.as_tensor(ids, dtype=torch.int64) for ids in self._render(history, tokenize=True)])
+
+    def _render(self, history: History, *, tokenize: bool) -> list:
+        return history.apply_chat_template(
+            tokenizer=self.tokenizer, add_generation_prompt=True, tokenize=tokenize, **self.template_kwargs
+        )
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        """Make the policy's ``full`` the next prompt; ``td["next"]`` gets it, the carried state
+        keys, ``reward`` (0 before reward transforms), ``step_count`` and the flags."""
+        num_envs = td.batch_size[0]
+        next_td = TensorDict(batch_size=td.batch_size, device=self.device)
+        next_td.set(self.input_mode, self._next_prompt(td))
+        for key in self.state_keys:
+            if key in td.keys() and key != "step_count":
+                next_td.set(key, td.get(key))
+        step_count = td.get("step_count", torch.zeros(num_envs, 1, dtype=torch.int64)) + 1
+        truncated = step_count >= self.max_steps if self.max_steps else torch.zeros_like(step_count, dtype=torch.bool)
+        next_td.set("step_count", step_count)
+        next_td.set("reward", torch.zeros(num_envs, 1, dtype=torch.float32, device=self.device))
+        next_td.set("terminated", torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
+        next_td.set("truncated", truncated)
+        next_td.set("done", truncated.clone())
+        for transform in self.transforms:
+            next_td = transform.on_step(td, next_td)
+        next_td.set("done", next_td.get("done") | next_td.get("terminated") | next_td.get("truncated"))
+        td.set("next", next_td)
+        return td
+
+    def _next_prompt(self, td: TensorDictBase) -> Any:
+        if self.input_mode == "history":
+            full = self._policy_field(td, "full")
+            return ChatHistory(prompt=full, batch_size=td.batch_size)
+        if self.input_mode == "text":
+            return make_text(self._full_texts(td))
+        return make_tokens(self._full_tokens(td))
+
+    def _policy_field(self, td: TensorDictBase, field: str) -> Any:
+        """``td[input_mode].<field>`` (a History, or strings); tokens mode only checks presence,
+        its ragged rows are read row by row."""
+        if (self.input_mode, field) not in td.keys(include_nested=True):
+            raise ValueError(
+                f"{type(self).__name__} (input_mode={self.input_mode!r}) needs the policy's output "
+                f"under ({self.input_mode!r}, {field!r})"
+            )
+        return None if self.input_mode == "tokens" else getattr(td.get(self.input_mode), field)
+
+    def _full_texts(self, td: TensorDictBase) -> list[str]:
+        return as_list(self._policy_field(td, "full"), td.batch_size[0])
+
+    def _full_tokens(self, td: TensorDictBase) -> list[torch.Tensor]:
+        self._policy_field(td, "full")
+        rows = [row.full for row in td.get("tokens").unbind(0)]
+        if ("masks", "all_attention_mask") in td.keys(include_nested=True):
+            masks = [row.all_attention_mask for row in td.get("masks").unbind(0)]
+            rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
+        return rows
+
+    def step_and_maybe_reset(self, td: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        """``step(td)``, and the root input of the next step: ``td["next"]``'s prompt and state
+        keys, where the envs that are done were reset (new prompts from the transforms)."""
+        td = self.step(td)
+        keys = [self.input_mode, *self.state_keys, *_FLAGS]
+        next_root = td.get("next").select(*keys, strict=False)
+        done_idx = next_root.get("done").view(-1).nonzero().flatten().tolist()
+        if not done_idx:
+            return td, next_root.clone(recurse=False)
+        # The reset input keeps the query only when no transform supplies it (a plain ChatEnv
+        # restarts the same conversation; a DataLoadingPrimer draws the next prompts).
+        owned = {key for transform in self.transforms for key in transform.state_keys}
+        reset_keys = [key for key in (self.data_key, "system_prompt") if key not in owned]
+        reset_out = self.reset(next_root[done_idx].select(*reset_keys, strict=False))
+        return td, self._merge_rows(next_root, reset_out.select(*next_root.keys(), strict=False), done_idx)
+
+    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+        """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
+        source = [(kept, i) for i in range(kept.batch_size[0])]
+        for j, i in enumerate(fresh_idx):
+            source[i] = (fresh, j)
+        out = TensorDict(batch_size=kept.batch_size, device=self.device)
+        for key in kept.keys():
+            if key == self.input_mode:
+                continue
+            values = {id(t): _rows(t.get(key), t.batch_size[0]) for t in (kept, fresh) if key in t.keys()}
+            if len(values) < 2:
+                raise ValueError(f"cannot merge reset rows: key {key!r} is missing from the reset output")
+            out.set(key, stack_values([values[id(t)][i] for t, i in source]))
+        prompts = {id(t): self.prompt_rows(t) for t in (kept, fresh)}
+        out.set(self.input_mode, self._from_prompt_rows([prompts[id(t)][i] for t, i in source]))
+        return out
+
+    # ------------------------------------------------------------------ helpers for transforms
+
+    def last_responses(self, td: TensorDictBase) -> list[str]:
+        """The text of each row's latest policy response in a step input ``td``.
+
+        History mode: the last message of ``history.full`` when its role is ``policy_role``
+        (else ""). Text mode: ``text.response`` (or ``full`` minus ``prompt``) without its
+        end-of-turn marker. Tokens mode: ``tokens.response`` decoded without special tokens.
+        """
+        num_envs = td.batch_size[0]
+        if self.input_mode == "history":
+            rows = history_rows(self._policy_field(td, "full"))
+            return [row[-1]["content"] if row and row[-1]["role"] == self.policy_role else "" for row in rows]
+        if self.input_mode == "text":
+            response = td.get(self.response_key, None)
+            if response is not None:
+                texts = as_list(response, num_envs)
+            else:
+                prompts = as_list(td.get(self.text_key), num_envs)
+                texts = [full[len(p) :] if full.startswith(p) else "" for full, p in zip(self._full_texts(td), prompts)]
+            return [self._turns.strip_turn_end(text) for text in texts]
+        self._policy_field(td, "response")
+        responses = [row.response for row in td.get("tokens").unbind(0)]
+        return [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in responses]
+
+    def prompt_rows(self, td: TensorDictBase) -> list:
+        """Per-row prompts of a reset output or ``next``: message-dict lists, strings or ids."""
+        if self.input_mode == "history":
+            return history_rows(td.get("history").prompt)
+        if self.input_mode == "text":
+            return as_list(td.get(self.text_key), td.batch_size[0])
+        return [row.prompt for row in td.get("tokens").unbind(0)]
+
+    def _from_prompt_rows(self, rows: list) -> Any:
+        if self.input_mode == "history":
+            return ChatHistory(prompt=History.from_chats(rows), batch_size=[len(rows)])
+        return make_text(rows) if self.input_mode == "text" else make_tokens(rows)
+
+    def append_messages(self, next_td: TensorDictBase, role: str, contents: list[str | None]) -> TensorDictBase:
+        """Add a ``role`` message with ``contents[i]`` to the prompt of row ``i`` of ``next_td``
+        (rows whose content is None are left as they are); used by tool transforms.
+
+        Text and tokens modes render the message with the chat template: the previous
+        assistant turn is closed (its end-of-turn text is completed when the response stopped
+        before or inside it), then the message and a new generation prompt are added.
+        """
+        rows = self.prompt_rows(next_td)
+        for i, content in enumerate(contents):
+            if content is None:
+                continue
+            if self.input_mode == "history":
+                rows[i] = rows[i] + [{"role": role, "content": content}]
+            elif self.input_mode == "text":
+                rows[i] = self._turns.append_text(rows[i], role, content)
+            else:
+                rows[i] = self._turns.append_tokens(rows[i], role, content)
+        next_td.set(self.input_mode, self._from_prompt_rows(rows))
+        return next_td
+
+    @property
+    def _turns(self) -> TurnRenderer:
+        if getattr(self, "_turn_renderer", None) is None:
+            self._turn_renderer = TurnRenderer(self.tokenizer, self.policy_role, self.template_kwargs)
+        return self._turn_renderer
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_mode={self.input_mode!r}, batch_size={tuple(self.batch_size)}, "
+            f"max_steps={self.max_steps}, transforms={self.transforms})"
+        )
+
+
+class TurnRenderer:
+    """Renders one more message at the end of an already rendered conversation (text or ids).
+
+    The message's text is the difference between rendering ``[system, message]`` with a
+    generation prompt and rendering ``[system]``; the end of an assistant turn is what follows
+    the content when ``[system, assistant]`` is rendered. Both rely on the template rendering
+    message by message (true of ChatML/Qwen, Llama and most templates); a template for which
+    this does not hold raises ``ValueError``. Token ids of these pieces are encoded separately
+    (``add_special_tokens=False``): exact when the pieces start and end at special tokens, as in
+    ChatML.
+    """
+
+    _MARK = "\u2063rlpost-content\u2063"
+
+    def __init__(self, tokenizer: Any, policy_role: str, template_kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.policy_role, self.template_kwargs = tokenizer, policy_role, template_kwargs
+        self._cache: dict[str, Any] = {}
+
+    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+        )
+
+    def _suffix(self, message: dict, generation_prompt: bool) -> str:
+        base_chat = [{"role": "system", "content": "s"}]
+        base = self._text(base_chat, False)
+        both = self._text(base_chat + [message], generation_prompt)
+        if not both.startswith(base):
+            raise ValueError("this chat template does not render message by message; use input_mode='history'")
+        return both[len(base) :]
+
+    def turn_end(self) -> str:
+        """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
+        if "end" not in self._cache:
+            rendered = self._suffix({"role": self.policy_role, "content": self._MARK}, False)
+            self._cache["end"] = rendered[rendered.index(self._MARK) + len(self._MARK) :]
+        return self._cache["end"]
+
+    def strip_turn_end(self, text: str) -> str:
+        """``text`` without a trailing end-of-turn marker (e.g. ``"<|im_end|>"``), if it has one."""
+        marker = self.turn_end().strip()
+        stripped = text.rstrip()
+        return stripped[: -len(marker)] if marker and stripped.endswith(marker) else text
+
+    def append_text(self, text: str, role: str, content: str) -> str:
+        turn = self._suffix({"role": role, "content": content}, True)
+        return close_with(text, self.turn_end()) + turn
+
+    def append_tokens(self, ids: torch.Tensor, role: str, content: str) -> torch.Tensor:
+        end_ids = self.tokenizer.encode(self.turn_end(), add_special_tokens=False)
+        turn = self._suffix({"role": role, "content": content}, True)
+        turn_ids = self.tokenizer.encode(turn, add_special_tokens=False)
+        closed = close_with(ids.tolist(), end_ids)
+        return torch.tensor(closed + turn_ids, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def close_with(seq: Any, end: Any) -> Any:
+    """``seq`` followed by the part of ``end`` it does not already end with (str or list)."""
+    for overlap in range(min(len(seq), len(end)), 0, -1):
+        if seq[len(seq) - overlap :] == end[:overlap]:
+            return seq + end[overlap:]
+    return seq + end
+
+
+def as_list(value: Any, num_rows: int) -> list:
+    """Python values of a batch ``[num_rows]`` entry (non-tensor stack, data or plain list)."""
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    elif isinstance(value, NonTensorData):
+        value = [value.data] * num_rows
+    elif isinstance(value, str) or not isinstance(value, (list, tuple)):
+        value = [value] * num_rows
+    if len(value) != num_rows:
+        raise ValueError(f"expected {num_rows} values, got {len(value)}")
+    return list(value)
+
+
+def _rows(value: Any, num_rows: int) -> list:
+    if isinstance(value, (torch.Tensor, TensorDictBase)) and not isinstance(value, (NonTensorStack, NonTensorData)):
+        return list(value.unbind(0))
+    return as_list(value, num_rows)
+
+
+def stack_values(values: list) -> Any:
+    """Tensors stacked, TensorDicts lazily stacked; anything else as a NonTensorStack (dicts
+    stay dicts)."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values)
+    if all(isinstance(v, TensorDictBase) and not isinstance(v, NonTensorData) for v in values):
+        return lazy_stack(values)
+    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[len(values)])
+
+
+def make_text(prompts: list[str]) -> Text:
+    stacked = NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=[len(prompts)])
+    return Text(prompt=stacked, batch_size=[len(prompts)])
+
+
+def make_tokens(rows: list[torch.Tensor]) -> Tokens:
+    """Unpadded token rows as a lazy stack of Tokens (read with ``as_list=True``)."""
+    return lazy_stack([Tokens(prompt=ids, padded=False) for ids in rows])
+
+
+def history_rows(history: History) -> list[list[dict]]:
+    """Each conversation of a ``[B, n]`` History as message dicts (``is_complete`` and
+    ``tool_calls`` kept, padding dropped): the form ``History.from_chats`` takes back."""
+    rows = []
+    for conversation in history.unbind(0):
+        roles, contents = list(conversation.role), list(conversation.content)
+        complete = conversation.is_complete.tolist()
+        tool_calls = conversation.tool_calls
+        messages = []
+        for i, role in enumerate(roles):
+            if role == PAD_ROLE:
+                continue
+            message = {"role": role, "content": contents[i], "is_complete": complete[i]}
+            if tool_calls is not None and tool_calls[i] is not None:
+                message["tool_calls"] = tool_calls[i]
+            messages.append(message)
+        rows.append(messages)
+    return rows

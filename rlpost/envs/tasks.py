@@ -1,0 +1,232 @@
+"""Tasks: GSM8K, the synthetic arithmetic task, user reward functions, and :func:`make_env`.
+
+A task is a :class:`DatasetChatEnv` with a system prompt and reward transforms. The reward
+transforms add to ``next["reward"]`` (0 after the base step), so several compose: e.g. the
+answer reward plus a user's extra reward.
+
+- :class:`AnswerRewardParser`: the answer-format reward of :mod:`rlpost.envs.rewards` (1.0
+  correct, 0.1 answer tag present but wrong, 0.0 no answer tag) against the row's ``answer``;
+  with ``set_done_if_answer`` the episode terminates as soon as a response holds an answer.
+  :class:`GSM8KRewardParser` reads the target after ``####`` in the GSM8K answer field.
+- :class:`UserReward`: ``fn(completion, row)`` from a dotted path. A failure (exception,
+  non-number, NaN) gives that sample 0 and is counted by error type in ``errors`` (the env sums
+  them in ``env.reward_errors``); it never stops the env.
+
+Deviation from TorchRL's ``GSM8KRewardParser``: one scalar reward per step (no separate
+format/answer/think components in the TensorDict), read from the latest policy response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+
+from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
+from rlpost.envs.chat import as_list
+from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.rewards import answer_reward, call_user_reward, has_answer, load_reward_fn, parse_gsm8k_target
+from rlpost.envs.transforms import Transform
+
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+GSM8K_SYSTEM_PROMPT = (
+    "You are a careful assistant who solves grade-school math word problems. First reason about "
+    "the problem step by step inside <think> </think> tags, then write only the final number "
+    "inside <answer> </answer> tags, e.g. <think>reasoning</think><answer>42</answer>."
+)
+
+
+class AnswerRewardParser(Transform):
+    """``reward += answer_reward(latest response, parse_target(td[answer_key]))``.
+
+    Args:
+        answer_key: key of the reference answer (written by the DataLoadingPrimer).
+        parse_target: turns the answer field into the target (identity by default). A failure
+            (a malformed dataset row) gives reward 0 and is counted in ``errors``.
+        set_done_if_answer: terminate the episode when the response holds an ``<answer>``.
+    """
+
+    def __init__(
+        self,
+        *,
+        answer_key: str = "answer",
+        parse_target: Callable[[Any], str] = str,
+        set_done_if_answer: bool = True,
+    ) -> None:
+        super().__init__()
+        self.answer_key, self.parse_target, self.set_done_if_answer = answer_key, parse_target, set_done_if_answer
+        self.errors: Counter = Counter()
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        num_envs = td.batch_size[0]
+        if self.answer_key not in td.keys():
+            raise ValueError(
+                f"{type(self).__name__} needs the reference answer under {self.answer_key!r} in the step input"
+            )
+        completions = self._env().last_responses(td)
+        answers = as_list(td.get(self.answer_key), num_envs)
+        rewards = [self._reward(completion, answer) for completion, answer in zip(completions, answers)]
+        add_reward(next_td, rewards)
+        if self.set_done_if_answer:
+            answered = torch.tensor([has_answer(c) for c in completions], dtype=torch.bool).view(num_envs, 1)
+            next_td.set("terminated", next_td.get("terminated") | answered)
+            next_td.set("done", next_td.get("done") | answered)
+        return next_td
+
+    def _reward(self, completion: str, answer: Any) -> float:
+        try:
+            target = self.parse_target(answer)
+        except ValueError as exc:
+            if not self.errors[type(exc).__name__]:
+                logger.warning(
+                    "%s: bad reference answer, reward 0 (counted in reward_errors): %s", type(self).__name__, exc
+                )
+            self.errors[type(exc).__name__] += 1
+            return 0.0
+        return answer_reward(completion, target)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(answer_key={self.answer_key!r}, set_done_if_answer={self.set_done_if_answer})"
+
+
+class GSM8KRewardParser(AnswerRewardParser):
+    """The GSM8K reward: the target is the text after ``####`` in the dataset's answer field."""
+
+    def __init__(self, *, answer_key: str = "answer", set_done_if_answer: bool = True) -> None:
+        super().__init__(answer_key=answer_key, parse_target=parse_gsm8k_target, set_done_if_answer=set_done_if_answer)
+
+
+class UserReward(Transform):
+    """``reward += fn(latest response, row)`` for a user function (callable or dotted path).
+
+    ``row`` is the dataset row dict under ``row_key`` (written by the DataLoadingPrimer).
+    Failures give 0 and are counted by error type in ``errors``; the first of each type is
+    logged. Deviation from the peer systems: a bad reward function never stops collection.
+    """
+
+    def __init__(self, fn: str | Callable[[str, Any], float], *, row_key: str = "row") -> None:
+        super().__init__()
+        self.name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+        self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
+        self.row_key = row_key
+        self.errors: Counter = Counter()
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        num_envs = td.batch_size[0]
+        if self.row_key not in td.keys():
+            raise ValueError(f"UserReward needs the dataset row under {self.row_key!r} in the step input")
+        rows = as_list(td.get(self.row_key), num_envs)
+        rewards = []
+        for completion, row in zip(self._env().last_responses(td), rows):
+            reward, error = call_user_reward(self.fn, completion, row)
+            if error is not None:
+                if not self.errors[error]:
+                    logger.warning(
+                        "reward function %s failed with %s; reward 0 (counted in reward_errors)", self.name, error
+                    )
+                self.errors[error] += 1
+            rewards.append(reward)
+        return add_reward(next_td, rewards)
+
+    def __repr__(self) -> str:
+        return f"UserReward({self.name!r})"
+
+
+def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
+    """``next_td["reward"] += rewards`` (one per env), keeping the ``[B, 1]`` float32 layout."""
+    reward = next_td.get("reward")
+    next_td.set("reward", reward + torch.tensor(rewards, dtype=reward.dtype, device=reward.device).view_as(reward))
+    return next_td
+
+
+_GSM8K_HUB_NAMES = ("openai/gsm8k", "gsm8k")
+
+
+class GSM8KEnv(DatasetChatEnv):
+    """GSM8K (Cobbe et al. 2021) as a chat env: ``openai/gsm8k`` (subset ``main`` unless
+    ``name`` says otherwise) by default.
+
+    Keyword args are those of :class:`DatasetChatEnv`, plus ``compute_reward`` (append a
+    :class:`GSM8KRewardParser`, default True). As in TorchRL, ``max_steps`` defaults to 1 (one
+    answer per episode); raise it for tool use. Pass a local jsonl/parquet with ``question``
+    and ``answer`` columns as ``dataset`` to run offline.
+    """
+
+    SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
+
+    def __init__(
+        self, *, dataset: Any = "openai/gsm8k", name: str | None = None, compute_reward: bool = True,
+        max_steps: int | None = 1, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if name is None and dataset in _GSM8K_HUB_NAMES:
+            name = "main"  # the hub dataset's configurations are "main" and "socratic"
+        super().__init__(dataset=dataset, name=name, max_steps=max_steps, **kwargs)
+        if compute_reward:
+            self.append_transform(GSM8KRewardParser())
+
+
+class ArithmeticEnv(DatasetChatEnv):
+    """The tiny model's synthetic task: "What is a + b?" -> ``<answer>c</answer>``, offline.
+
+    Without ``dataset``, ``num_rows`` rows are generated by
+    :func:`~rlpost.envs.arithmetic.make_arithmetic_rows` with ``row_seed`` (default: ``seed``,
+    or 0). The reward is the same answer-format reward as GSM8K, against the ``answer`` column.
+    """
+
+    SYSTEM_PROMPT = ARITHMETIC_SYSTEM_PROMPT
+
+    def __init__(
+        self, *, dataset: Any = None, num_rows: int = 2000, row_seed: int | None = None,
+        compute_reward: bool = True, max_steps: int | None = 1, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if dataset is None:
+            seed = kwargs.get("seed")
+            dataset = make_arithmetic_rows(num_rows, seed=row_seed if row_seed is not None else (seed or 0))
+        super().__init__(dataset=dataset, max_steps=max_steps, **kwargs)
+        if compute_reward:
+            self.append_transform(AnswerRewardParser())
+
+
+def make_env(
+    cfg: JobConfig, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
+    num_shards: int = 1, shard_index: int = 0,
+) -> DatasetChatEnv:  # fmt: skip
+    """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size).
+
+    task "arithmetic": ArithmeticEnv (generated rows unless ``data.dataset`` is set); "gsm8k":
+    GSM8KEnv; "custom": DatasetChatEnv with ``data.reward_fn`` as the reward. ``data.reward_fn``
+    with another task adds to the task's reward. ``rollout.max_turns`` bounds the steps of an
+    episode. ``num_shards``/``shard_index`` split the prompt order between env pools. Mistakes in
+    the data section (a missing column, a bad reward path) raise ``ConfigError`` naming it.
+    """
+    from rlpost.config import ConfigError
+
+    data = cfg.data
+    common = dict(
+        num_envs=batch_size, repeats=data.group_size, seed=data.seed, shuffle=data.shuffle,
+        tokenizer=tokenizer, input_mode=input_mode, system_prompt=data.system_prompt,
+        prompt_column=data.prompt_column, answer_column=data.answer_column,
+        max_steps=cfg.rollout.max_turns, num_shards=num_shards, shard_index=shard_index,
+    )  # fmt: skip
+    try:
+        if data.task == "arithmetic":
+            env = ArithmeticEnv(
+                dataset=data.dataset, name=data.subset, split=data.split, num_rows=data.num_synthetic_rows, **common
+            )
+        elif data.task == "gsm8k":
+            env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
+        else:
+            env = DatasetChatEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
+        if data.reward_fn:
+            env.append_transform(UserReward(data.reward_fn))
+    except ValueError as exc:
+        raise ConfigError(f"data (task={data.task}, dataset={data.dataset!r}): {exc}") from exc
+    return env
