@@ -1,0 +1,143 @@
+"""Bucketing of named parameters into flat per-dtype buffers, and back into views.
+
+The weight bus sends a model as a few large flat tensors ("buckets") instead of one collective
+per parameter (REFERENCE.md pitfall 4). `plan_buckets` packs tensors of one dtype, in the order
+given, into buckets of at most `bucket_bytes`; a tensor larger than a bucket travels alone in a
+bucket of its own size (never split, so the receiver can hand it out as a view). The plan is a
+`BucketLayout`: plain data that both sides agree on (it travels as JSON), so the receiver can
+allocate the buckets before the bytes arrive and `unflatten` them into views without copies.
+
+Pure: imports torch only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one named tensor lives: `bucket` index, element `offset` in it, and its shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The agreed packing of a set of named tensors: slots in the sender's order, bucket sizes.
+
+    Made by the publisher (`plan_buckets`), read by every receiver (`from_json`).
+    """
+
+    slots: tuple[TensorSlot, ...]
+    bucket_dtypes: tuple[str, ...]
+    bucket_numels: tuple[int, ...]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_numels)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(n * dtype_from_str(d).itemsize for d, n in zip(self.bucket_dtypes, self.bucket_numels))
+
+    def to_json(self) -> str:
+        slots = [[s.name, s.dtype, list(s.shape), s.bucket, s.offset] for s in self.slots]
+        return json.dumps({"slots": slots, "dtypes": self.bucket_dtypes, "numels": self.bucket_numels})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "BucketLayout":
+        raw = json.loads(text)
+        slots = tuple(TensorSlot(n, d, tuple(shape), b, o) for n, d, shape, b, o in raw["slots"])
+        return cls(slots, tuple(raw["dtypes"]), tuple(raw["numels"]))
+
+    def signature(self) -> str:
+        """A short content hash: equal layouts have equal signatures."""
+        return hashlib.sha1(self.to_json().encode()).hexdigest()[:16]
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def as_named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Materialise a dict or an iterable of (name, tensor) pairs; names must be unique."""
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    seen: set[str] = set()
+    for name, tensor in items:
+        if name in seen:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        seen.add(name)
+    return items
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketLayout:
+    """Pack tensors by dtype (first-seen dtype order, input order inside a dtype) into buckets."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+    placed: dict[str, TensorSlot] = {}
+    dtypes: list[str] = []
+    numels: list[int] = []
+    for dtype, group in by_dtype.items():
+        capacity = max(1, bucket_bytes // dtype.itemsize)
+        first = True
+        for name, tensor in group:
+            n = tensor.numel()
+            if first or (numels[-1] > 0 and numels[-1] + n > capacity):
+                dtypes.append(dtype_to_str(dtype))
+                numels.append(0)
+                first = False
+            placed[name] = TensorSlot(name, dtype_to_str(dtype), tuple(tensor.shape), len(numels) - 1, numels[-1])
+            numels[-1] += n
+    slots = tuple(placed[name] for name, _ in named)
+    return BucketLayout(slots, tuple(dtypes), tuple(numels))
+
+
+def flatten_bucket(layout: BucketLayout, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Copy the tensors of bucket `index` into one new flat tensor on `device`."""
+    flat = torch.empty(layout.bucket_numels[index], dtype=dtype_from_str(layout.bucket_dtypes[index]), device=device)
+    for slot in layout.slots:
+        if slot.bucket == index:
+            # view(shape).copy_ reads a non-contiguous or other-device source without a temporary
+            flat[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(tensors[slot.name].detach())
+    return flat
+
+
+def empty_buckets(layout: BucketLayout, device: torch.device) -> list[torch.Tensor]:
+    """Receiver side: allocate every bucket of `layout` on `device`, ready to be filled."""
+    return [torch.empty(n, dtype=dtype_from_str(d), device=device) for d, n in zip(layout.bucket_dtypes, layout.bucket_numels)]
+
+
+def unflatten(layout: BucketLayout, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views of `buckets` shaped as the original tensors, in the sender's order (no copies)."""
+    if len(buckets) != layout.num_buckets:
+        raise ValueError(f"layout has {layout.num_buckets} buckets, got {len(buckets)}")
+    return {s.name: buckets[s.bucket][s.offset : s.offset + s.numel].view(s.shape) for s in layout.slots}

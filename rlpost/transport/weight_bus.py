@@ -1,0 +1,522 @@
+"""Weight-sync bus: the learner publishes versioned weights, every inference worker receives them.
+
+Two implementations behind one small interface (STYLE rule 5):
+
+- `LocalWeightBus` / `LocalWeightReceiver`: one process; `publish` snapshots (copies) the
+  tensors, `receive` hands each receiver its own copy of the latest update.
+- `TorchWeightPublisher` (rank 0, the learner) / `TorchWeightReceiver` (ranks 1..N, one per
+  inference worker): a torch.distributed group of the bus's own, gloo on CPU and NCCL on GPU
+  through the same code. It never touches the global default group (vLLM owns one in its
+  worker): the group is a bare `ProcessGroupGloo` / `ProcessGroupNCCL` backend built on a
+  `TCPStore`, without `init_process_group`, and collectives are called on it directly.
+
+Protocol (store keys live under `rlpost-bus/gen{g}/`, g = the generation):
+
+1. The publisher hosts the `TCPStore` (`host`, `port`; port 0 picks a free one) and hands
+   `publisher.spec` (a `BusSpec`) to every worker, which builds `TorchWeightReceiver(spec, rank)`.
+2. Connect (`connect()`, or lazily in the first `publish` / `receive`): each rank sets
+   `joined/{rank}` and waits up to `timeout_s` for all the others (so a missing rank is named,
+   NCCL never starts a communicator without it, and this timeout can simply be retried), then
+   builds the backend on the prefix `pg/`.
+3. Update s of a generation (s = 0, 1, ...): the publisher plans per-dtype buckets of
+   `bucket_mb` (`bucketing.plan_buckets`), stores the layout once per generation under
+   `layout/{signature}`, sets `update/{s}` = {version, layout}, and broadcasts the buckets from
+   rank 0, two in flight. Metadata thus travels over the store and the group carries only
+   bucket bytes; no checksum (TCP / NCCL deliver exact bytes; the integration test checks bit
+   equality). A receiver waits for `update/{s}`, receives into fresh buckets, hands out views
+   (no copies) and sets `done/{s}/{rank}`. `publish` returns once every `done` key is set, so
+   every receiver then holds the version.
+4. Versions: `publish` refuses a version below the last published (`ValueError`); a receiver
+   refuses one below what it holds (`WeightSyncError`, after draining the bytes so the group
+   stays in step). An equal version is a resend and is accepted.
+5. Timeouts: store waits, every collective (`work.wait(timeout)`) and the backend carry
+   `timeout_s`. A timeout or a dead peer (gloo sees the closed socket at once; NCCL only by the
+   timeout) raises `WeightSyncError` with the version, generation, suspect ranks and elapsed
+   time. The failing side destroys its backend, so the others fail fast too; a failing receiver
+   sets `failed/{s}/{rank}`, and a failing publisher waits up to 1 s for those reports: the
+   suspects are the receivers that stayed silent (dead or stuck). Both sides then refuse work
+   until `reform`. A `receive` that finds no update announced in time leaves the group usable.
+6. Recovery: `spec = publisher.reform(world_size)` opens generation g+1 (fresh keys, nothing of
+   the broken group reused); each surviving worker calls `receiver.reform(spec, rank)` and a
+   restarted one builds a receiver from `spec` (ranks 1..world_size-1); the learner then
+   publishes its current weights (the same version is fine). Whom to drop or restart is the
+   caller's decision (the controller sees actor deaths).
+
+NCCL: by default a timed-out NCCL collective makes torch's watchdog kill the process
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the bus builds its NCCL backend with mode 2 (abort the
+communicator, keep the process), so a dead inference worker cannot take the learner with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol
+
+import torch
+from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
+from rlpost.transport.bucketing import BucketLayout, as_named_list, empty_buckets, flatten_bucket, plan_buckets, unflatten
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+_MAX_IN_FLIGHT = 2  # buckets the publisher keeps in flight: overlap flattening with sending, bound memory
+_REPORT_GRACE_S = 1.0  # how long a failed publish waits for live receivers to report their side
+_NCCL_ERROR_MODE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed (timeout, dead peer, broken group); recover with `reform`. `peers`: the
+    suspect ranks where known (publish: receivers that neither confirmed nor reported a failure of
+    their own; connect: ranks that never joined; receive: [0], the publisher)."""
+
+    def __init__(self, message: str, *, version: int | None = None, generation: int | None = None,
+                 peers: Iterable[int] = (), elapsed_s: float = 0.0):
+        self.version, self.generation, self.peers, self.elapsed_s = version, generation, sorted(peers), elapsed_s
+        super().__init__(f"weight sync of version {version} (generation {generation}) failed after {elapsed_s:.1f}s; "
+                         f"suspect peer ranks: {self.peers or 'unknown'}: {message}")
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What one `publish` did. Made by the publisher, read by the learner's metrics."""
+
+    version: int
+    generation: int
+    num_tensors: int
+    num_buckets: int
+    num_bytes: int
+    seconds: float
+    connect_s: float = 0.0
+
+
+class WeightUpdate(NamedTuple):
+    """One received update: `version, tensors = receiver.receive()`; tensors in the sender's order."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+class WeightPublisher(Protocol):
+    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats: ...
+    def close(self) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    version: int  # the last version received; -1 before the first
+
+    def receive(self, timeout_s: float | None = None) -> WeightUpdate: ...
+    def close(self) -> None: ...
+
+
+def _check_version(version: int, last: int) -> None:
+    if not isinstance(version, int) or version < last:
+        raise ValueError(f"weight version must be an int >= the last published ({last}), got {version!r}")
+
+
+# --------------------------------------------------------------------------------------- local
+
+
+class LocalWeightBus:
+    """In-process bus (tests, single process): publish snapshots, each receiver gets copies.
+
+    A receiver that falls behind sees only the latest update, not every one.
+    """
+
+    def __init__(self, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._latest: WeightUpdate | None = None
+
+    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
+        t0 = time.perf_counter()
+        named = as_named_list(named_tensors)
+        _check_version(version, self._latest.version if self._latest else -1)
+        snapshot = {name: t.detach().clone() for name, t in named}
+        with self._cond:
+            self._seq += 1
+            self._latest = WeightUpdate(version, snapshot)
+            self._cond.notify_all()
+        num_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
+        return PublishStats(version, 0, len(snapshot), 0, num_bytes, time.perf_counter() - t0)
+
+    def receiver(self) -> "LocalWeightReceiver":
+        return LocalWeightReceiver(self)
+
+    def close(self) -> None:
+        self._latest = None
+
+
+class LocalWeightReceiver:
+    """Receiving end of a `LocalWeightBus`; `version` is the last version received (-1: none)."""
+
+    def __init__(self, bus: LocalWeightBus):
+        self._bus, self._seen, self.version = bus, 0, -1
+
+    def receive(self, timeout_s: float | None = None) -> WeightUpdate:
+        wait_s = self._bus.timeout_s if timeout_s is None else timeout_s
+        with self._bus._cond:
+            if not self._bus._cond.wait_for(lambda: self._bus._seq > self._seen, wait_s):
+                raise WeightSyncError(f"no update published within {wait_s}s", version=None, elapsed_s=wait_s)
+            self._seen, update = self._bus._seq, self._bus._latest
+        assert update is not None
+        self.version = update.version
+        return WeightUpdate(update.version, {name: t.clone() for name, t in update.tensors.items()})
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------- distributed
+
+
+@dataclass(frozen=True)
+class BusSpec:
+    """How to join the bus. Made by `TorchWeightPublisher.spec`, read by each `TorchWeightReceiver`
+    (it crosses process boundaries: plain, picklable data)."""
+
+    host: str
+    port: int
+    world_size: int
+    generation: int = 0
+    backend: str = "gloo"
+    bucket_mb: float = 64
+    timeout_s: float = 60.0
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "nccl" when CUDA and NCCL are available and the weights live on a GPU, else "gloo"."""
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"weight_sync.backend must be auto, nccl or gloo, got {backend!r}")
+    if backend == "auto":
+        gpu = device.type == "cuda" and torch.cuda.is_available() and torch.distributed.is_nccl_available()
+        return "nccl" if gpu else "gloo"
+    return backend
+
+
+def _full_device(device: torch.device) -> torch.device:
+    """"cuda" -> "cuda:<current>": NCCL binds its communicator to one indexed device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _connect_store(spec: BusSpec, is_master: bool) -> TCPStore:
+    return TCPStore(spec.host, spec.port, None, is_master, timedelta(seconds=spec.timeout_s), wait_for_workers=False)
+
+
+class _Group:
+    """One generation of the bus: its key space in the store and its collective backend."""
+
+    def __init__(self, store: TCPStore, spec: BusSpec, rank: int, device: torch.device):
+        self.spec, self.rank, self.device = spec, rank, device
+        self.timeout = timedelta(seconds=spec.timeout_s)
+        self.keys = PrefixStore(f"rlpost-bus/gen{spec.generation}/", store)
+        self.backend = None
+
+    def await_peers(self, wait_s: float) -> None:
+        """Announce this rank and wait (bounded) until every rank has; safe to retry."""
+        self.keys.set(f"joined/{self.rank}", str(os.getpid()))
+        self.keys.wait([f"joined/{r}" for r in range(self.spec.world_size)], timedelta(seconds=wait_s))
+
+    def build_backend(self) -> None:
+        store = PrefixStore("pg/", self.keys)
+        self.backend = self._gloo(store) if self.spec.backend == "gloo" else self._nccl(store)
+
+    def _gloo(self, store: PrefixStore):
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        local = self.spec.host in _LOOPBACK  # every rank on this host: talk over loopback
+        device = ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else ProcessGroupGloo.create_default_device()
+        opts._devices = [device]
+        return ProcessGroupGloo(store, self.rank, self.spec.world_size, opts)
+
+    def _nccl(self, store: PrefixStore):
+        from torch._C._distributed_c10d import ProcessGroupNCCL  # absent from CPU builds of torch
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = self.timeout
+        opts.is_high_priority_stream = False
+        previous = os.environ.get(_NCCL_ERROR_MODE)
+        os.environ[_NCCL_ERROR_MODE] = "2"  # read by the constructor: abort on error, don't kill (docstring)
+        try:
+            backend = ProcessGroupNCCL(store, self.rank, self.spec.world_size, opts)
+        finally:
+            if previous is None:
+                del os.environ[_NCCL_ERROR_MODE]
+            else:
+                os.environ[_NCCL_ERROR_MODE] = previous
+        backend.eager_connect_single_device(self.device)  # form the communicator now, not in the first broadcast
+        return backend
+
+    def broadcast(self, flat: torch.Tensor):
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
+        return self.backend.broadcast([flat], opts)
+
+    def broadcast_all(self, flats: Iterable[torch.Tensor]) -> None:
+        """Broadcast each tensor from rank 0 in turn, at most `_MAX_IN_FLIGHT` posted at once.
+
+        The window bounds the sender's memory and how many ops can still be pending after a
+        failure (gloo finishes or times out pending ops before its backend can be destroyed).
+        """
+        in_flight: deque = deque()
+        for flat in flats:
+            if len(in_flight) == _MAX_IN_FLIGHT:
+                in_flight.popleft()[0].wait(self.timeout)
+            in_flight.append((self.broadcast(flat), flat))  # keep `flat` alive until sent
+        while in_flight:
+            in_flight.popleft()[0].wait(self.timeout)
+
+    def unconfirmed(self, ranks: Iterable[int], *patterns: str) -> list[int]:
+        """The `ranks` for which none of the keys `pattern.format(rank)` is set (best effort)."""
+        try:
+            return [r for r in ranks if not any(self.keys.check([p.format(r)]) for p in patterns)]
+        except (RuntimeError, OSError):
+            return []  # the store is gone too: nothing to tell
+
+    def abort(self) -> None:
+        """Drop the backend now: destroying it closes its sockets, so the peers fail fast too."""
+        if self.backend is not None:
+            try:
+                self.backend.abort()  # NCCL: abort the communicator; gloo: no-op, destruction closes
+            except (RuntimeError, OSError):
+                pass  # already broken; dropping it below is what matters
+            self.backend = None
+
+
+class _SyncFailure:
+    """Turns torch/store errors of one operation into a `WeightSyncError` with its context."""
+
+    def __init__(self, version: int | None, generation: int, peers: Callable[[], list[int]]):
+        self.version, self.generation, self.peers, self.t0 = version, generation, peers, time.perf_counter()
+
+    def error(self, message: str, cause: BaseException | None = None) -> WeightSyncError:
+        detail = f"{message}: {cause}" if cause is not None else message
+        return WeightSyncError(detail, version=self.version, generation=self.generation, peers=self.peers(),
+                               elapsed_s=time.perf_counter() - self.t0)
+
+    @contextmanager
+    def guard(self, message: str) -> Iterator[None]:
+        try:
+            yield
+        except WeightSyncError:
+            raise
+        except (RuntimeError, OSError) as exc:
+            # The finished frames of the failed call hold gloo works, which own the group's
+            # sockets: clear them now, or the sockets outlive the abort for as long as someone
+            # keeps the exception, and the peers wait for their timeout instead of failing fast.
+            traceback.clear_frames(exc.__traceback__)
+            raise self.error(message, exc) from exc
+
+
+class _TorchEnd:
+    """What publisher and receiver share: the store client, the current group, failure state."""
+
+    def __init__(self, spec: BusSpec, rank: int, device: torch.device, store: TCPStore):
+        self.spec, self.rank, self.device, self._store = spec, rank, device, store
+        self._group: _Group | None = None
+        self._broken: str | None = None  # why the current generation is unusable
+        self._seq = 0
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    def connect(self, timeout_s: float | None = None) -> float:
+        """Join the current generation (no-op when joined); returns the seconds it took."""
+        return self._join(timeout_s, version=None)
+
+    def _join(self, wait_s: float | None, version: int | None) -> float:
+        if self._broken:
+            raise WeightSyncError(f"bus is broken ({self._broken}); call reform() first",
+                                  version=version, generation=self.generation)
+        if self._group is not None:
+            return 0.0
+        group = _Group(self._store, self.spec, self.rank, self.device)
+        fail = _SyncFailure(version, self.generation, lambda: group.unconfirmed(range(self.spec.world_size), "joined/{}"))
+        with fail.guard("not every rank joined the bus"):  # nothing built yet: connect can be retried
+            group.await_peers(self.spec.timeout_s if wait_s is None else wait_s)
+        self._group = group
+        with self._failing(fail, "could not build the bus group"):
+            group.build_backend()
+        return time.perf_counter() - fail.t0
+
+    @contextmanager
+    def _failing(self, fail: _SyncFailure, message: str, report: str | None = None) -> Iterator[None]:
+        """Like `fail.guard`; on failure also set the key `report` (if given) for the publisher to
+        see, and abort the group so that the peers stop waiting."""
+        try:
+            with fail.guard(message):
+                yield
+        except WeightSyncError as exc:
+            if report and self._group is not None:
+                try:
+                    self._group.keys.set(report, str(exc)[:500])
+                except (RuntimeError, OSError):
+                    pass  # the publisher (and its store) is gone: nobody to tell
+            self._broken = f"sync of version {exc.version} failed in generation {exc.generation}"
+            if self._group is not None:
+                self._group.abort()
+            raise
+
+    def close(self) -> None:
+        """Leave the group (its sockets close at once); the store goes with this object."""
+        self._drop_group()
+        self._broken = "closed"
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.abort()
+        self._group, self._broken, self._seq = None, None, 0
+
+
+class TorchWeightPublisher(_TorchEnd):
+    """Learner side (rank 0) of the distributed bus; hosts the store. See the module docstring.
+
+    `world_size`: 1 + number of receivers. `host`: the address receivers dial (this node's IP on
+    a cluster). `device`: where the weights live; with backend "auto" it picks NCCL for a GPU.
+    """
+
+    def __init__(self, world_size: int, *, host: str = "127.0.0.1", port: int = 0, backend: str = "auto",
+                 device: str | torch.device | None = None, bucket_mb: float = 64, timeout_s: float = 60.0):
+        if world_size < 1 or bucket_mb <= 0 or timeout_s <= 0:
+            raise ValueError(f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}")
+        device = _full_device(torch.device(device if device is not None else "cpu"))
+        spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s)
+        if spec.backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"weight_sync.backend nccl needs the publisher's weights on a GPU, not {device}")
+        store = _connect_store(spec, is_master=True)
+        super().__init__(replace(spec, port=store.port), 0, device, store)
+        self._version = -1
+        self._layouts: set[str] = set()
+
+    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
+        """Send `named_tensors` as `version` to every receiver; returns once all confirmed."""
+        _check_version(version, self._version)
+        named = as_named_list(named_tensors)
+        layout = plan_buckets(named, int(self.spec.bucket_mb * 2**20))
+        t0 = time.perf_counter()
+        connect_s = self._join(None, version)
+        seq = self._seq
+        fail = _SyncFailure(version, self.generation, lambda: self._silent_peers(seq))
+        with self._failing(fail, "publish"):
+            self._announce(layout, version, seq)
+            self._send(layout, dict(named))
+            self._await_done(seq)
+        self._seq, self._version = seq + 1, version
+        return PublishStats(version, self.generation, len(named), layout.num_buckets, layout.num_bytes,
+                            time.perf_counter() - t0, connect_s)
+
+    def reform(self, world_size: int | None = None) -> BusSpec:
+        """Drop the current group and open the next generation; hand the result to the receivers."""
+        self._drop_group()
+        self._layouts.clear()
+        world_size = self.spec.world_size if world_size is None else world_size
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.spec = replace(self.spec, world_size=world_size, generation=self.generation + 1)
+        return self.spec
+
+    def _silent_peers(self, seq: int) -> list[int]:
+        """Receivers that neither confirmed update `seq` nor reported a failure of their own.
+
+        Live receivers only notice a broken broadcast once this side's backend is gone, so abort
+        first and give their `failed/` reports a moment: what stays silent is dead or stuck.
+        """
+        group = self._group
+        pending = group.unconfirmed(range(1, self.spec.world_size), f"done/{seq}/{{}}")
+        group.abort()
+        deadline = time.monotonic() + min(_REPORT_GRACE_S, self.spec.timeout_s)
+        silent = pending
+        while silent and time.monotonic() < deadline:
+            time.sleep(0.05)
+            silent = group.unconfirmed(pending, f"done/{seq}/{{}}", f"failed/{seq}/{{}}")
+        return silent
+
+    def _announce(self, layout: BucketLayout, version: int, seq: int) -> None:
+        keys = self._group.keys
+        signature = layout.signature()
+        if signature not in self._layouts:
+            keys.set(f"layout/{signature}", layout.to_json())
+            self._layouts.add(signature)
+        keys.set(f"update/{seq}", json.dumps({"version": version, "layout": signature}))
+
+    def _send(self, layout: BucketLayout, tensors: dict[str, torch.Tensor]) -> None:
+        flats = (flatten_bucket(layout, i, tensors, self.device) for i, n in enumerate(layout.bucket_numels) if n > 0)
+        self._group.broadcast_all(flats)
+
+    def _await_done(self, seq: int) -> None:
+        keys = self._group.keys
+        done = [f"done/{seq}/{r}" for r in range(1, self.spec.world_size)]
+        if done:
+            keys.wait(done, self._group.timeout)
+        for key in [f"update/{seq}", *done]:
+            keys.delete_key(key)
+
+
+class TorchWeightReceiver(_TorchEnd):
+    """Inference side (rank 1..N) of the distributed bus. `version`: last version held (-1: none).
+
+    `device` defaults to the current GPU on NCCL, the CPU on gloo. Received tensors are views into
+    the bucket buffers of that update (one full copy of the weights lives until they are dropped).
+    """
+
+    def __init__(self, spec: BusSpec, rank: int, *, device: str | torch.device | None = None):
+        _check_rank(spec, rank)
+        device = _full_device(torch.device(device if device is not None else "cuda" if spec.backend == "nccl" else "cpu"))
+        super().__init__(spec, rank, device, _connect_store(spec, is_master=False))
+        self.version = -1
+        self._layouts: dict[str, BucketLayout] = {}
+
+    def receive(self, timeout_s: float | None = None) -> WeightUpdate:
+        """Wait up to `timeout_s` (default: the bus timeout) for the next update and receive it."""
+        wait_s = self.spec.timeout_s if timeout_s is None else timeout_s
+        self._join(wait_s, None)
+        seq = self._seq
+        fail = _SyncFailure(None, self.generation, lambda: [0])
+        with fail.guard(f"no update announced within {wait_s}s"):  # nothing sent yet: group stays usable
+            self._group.keys.wait([f"update/{seq}"], timedelta(seconds=wait_s))
+        with self._failing(fail, "receive", report=f"failed/{seq}/{self.rank}"):
+            header = json.loads(self._group.keys.get(f"update/{seq}"))
+            fail.version = header["version"]
+            layout = self._layout(header["layout"])
+            buckets = self._recv(layout)
+            self._group.keys.set(f"done/{seq}/{self.rank}", "1")
+        self._seq = seq + 1
+        if header["version"] < self.version:
+            raise fail.error(f"version went backwards ({self.version} -> {header['version']}); update rejected")
+        self.version = header["version"]
+        return WeightUpdate(self.version, unflatten(layout, buckets))
+
+    def reform(self, spec: BusSpec, rank: int) -> None:
+        """Leave the current group and join generation `spec.generation` as `rank` (lazily)."""
+        _check_rank(spec, rank)
+        self._drop_group()
+        if (spec.host, spec.port) != (self.spec.host, self.spec.port):
+            self._store = _connect_store(spec, is_master=False)
+        self.spec, self.rank = spec, rank
+        self._layouts.clear()
+
+    def _layout(self, signature: str) -> BucketLayout:
+        if signature not in self._layouts:
+            self._layouts[signature] = BucketLayout.from_json(self._group.keys.get(f"layout/{signature}"))
+        return self._layouts[signature]
+
+    def _recv(self, layout: BucketLayout) -> list[torch.Tensor]:
+        buckets = empty_buckets(layout, self.device)
+        self._group.broadcast_all(b for b in buckets if b.numel() > 0)
+        return buckets
+
+
+def _check_rank(spec: BusSpec, rank: int) -> None:
+    if not 1 <= rank < spec.world_size:
+        raise ValueError(f"receiver rank must be in 1..{spec.world_size - 1}, got {rank}")

@@ -1,0 +1,240 @@
+"""The distributed weight bus over gloo, with plain torch processes (no Ray, no vLLM).
+
+The publisher (rank 0) runs in the test process; each receiver is a spawned process driven by a
+command queue. Receivers check what they got against `model_weights(version)`, recomputed on
+their side, bit for bit, and report back only the verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlpost.transport import BusSpec, TorchWeightPublisher, TorchWeightReceiver, WeightSyncError
+from rlpost.transport.bucketing import empty_buckets
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 4.0
+SLACK_S = 4.0  # detection may take the timeout plus scheduling on 2 busy cores
+REPLY_S = 30.0
+
+
+def model_weights(version: int) -> dict[str, torch.Tensor]:
+    """A model-like state dict: fp32, bf16 and int64, odd sizes, one oversized, one non-contiguous."""
+    g = torch.Generator().manual_seed(version)
+    weights = {"embed.weight": torch.randn(1000, 333, generator=g)}  # 1.3 MB: more than one bucket
+    for i in range(3):
+        weights[f"layers.{i}.attn.qkv"] = torch.randn(333, 3 * 111 + 1, generator=g)
+        weights[f"layers.{i}.norm"] = torch.randn(333, generator=g)
+        weights[f"layers.{i}.mlp.up"] = torch.randn(333, 777, generator=g).to(torch.bfloat16)
+        weights[f"layers.{i}.mlp.down"] = torch.randn(333, 777, generator=g).to(torch.bfloat16).t()
+    weights["position_ids"] = torch.arange(97) * version
+    weights["scale"] = torch.tensor(float(version))
+    return weights
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    same_kind = a.dtype == b.dtype and a.shape == b.shape
+    return same_kind and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def check_update(version: int, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names that differ from `model_weights(version)` (also order and set of names)."""
+    expected = model_weights(version)
+    if list(tensors) != list(expected):
+        return ["<names or order differ>"]
+    return [name for name in expected if not bit_equal(tensors[name], expected[name])]
+
+
+class DiesMidBroadcast(TorchWeightReceiver):
+    """Receives its first update normally; in the second, exits once the first of its buckets
+    arrived (overrides the receiver's private per-update step: a test-only fault injection)."""
+
+    calls = 0
+
+    def _recv(self, layout):
+        self.calls += 1
+        if self.calls < 2:
+            return super()._recv(layout)
+        first = empty_buckets(layout, self.device)[0]
+        self._group.broadcast(first).wait()
+        os._exit(17)
+
+
+def receiver_main(spec: BusSpec, rank: int, commands, replies, dies: bool) -> None:
+    receiver = (DiesMidBroadcast if dies else TorchWeightReceiver)(spec, rank)
+    while True:
+        command, arg = commands.get()
+        try:
+            if command == "receive":
+                version, tensors = receiver.receive(arg)
+                replies.put(("ok", version, check_update(version, tensors)))
+            elif command == "connect":
+                receiver.connect(arg)
+                replies.put(("ok", None, []))
+            elif command == "reform":
+                receiver.reform(*arg)
+                replies.put(("ok", None, []))
+            else:
+                receiver.close()
+                return
+        except WeightSyncError as exc:
+            replies.put(("error", exc.version, str(exc)))
+
+
+class Peer:
+    """A receiver process and its command / reply queues."""
+
+    def __init__(self, spec: BusSpec, rank: int, dies: bool = False):
+        ctx = mp.get_context("spawn")
+        self.commands, self.replies = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=receiver_main, args=(spec, rank, self.commands, self.replies, dies), daemon=True)
+        self.process.start()
+
+    def send(self, command: str, arg=None) -> None:
+        self.commands.put((command, arg))
+
+    def reply(self):
+        return self.replies.get(timeout=REPLY_S)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.send("exit")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+@pytest.fixture
+def peers():
+    started: list[Peer] = []
+    yield started
+    for peer in started:
+        peer.stop()
+
+
+def connect_all(publisher: TorchWeightPublisher, receivers: list[Peer]) -> None:
+    """Join the group with a generous wait: spawned processes take seconds to import torch."""
+    for peer in receivers:
+        peer.send("connect", REPLY_S)
+    publisher.connect(REPLY_S)
+    for peer in receivers:
+        assert peer.reply() == ("ok", None, [])
+
+
+def publish_to(publisher: TorchWeightPublisher, receivers: list[Peer], version: int) -> None:
+    for peer in receivers:
+        peer.send("receive", REPLY_S)
+    publisher.publish(model_weights(version), version)
+    for peer in receivers:
+        assert peer.reply() == ("ok", version, [])
+
+
+@pytest.mark.timeout(60)
+def test_two_receivers_get_every_version_bit_exact(peers):
+    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+    peers += [Peer(publisher.spec, 1), Peer(publisher.spec, 2)]
+    connect_all(publisher, peers)
+    for version in (1, 2, 3):
+        for peer in peers:
+            peer.send("receive", REPLY_S)
+        stats = publisher.publish(model_weights(version), version)
+        assert [peer.reply() for peer in peers] == [("ok", version, [])] * 2
+        assert stats.num_buckets >= 5 and stats.num_tensors == len(model_weights(version))
+    with pytest.raises(ValueError, match="version"):
+        publisher.publish(model_weights(2), 2)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_peer_dying_mid_broadcast_raises_then_reform_without_it(peers):
+    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S)
+    survivor, doomed = Peer(publisher.spec, 1), Peer(publisher.spec, 2, dies=True)
+    peers += [survivor, doomed]
+    connect_all(publisher, peers)
+    publish_to(publisher, peers, 1)
+
+    survivor.send("receive", REPLY_S)
+    doomed.send("receive", REPLY_S)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.publish(model_weights(2), 2)
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert (failure.value.version, failure.value.generation, failure.value.peers) == (2, 0, [2])
+    doomed.process.join(10)
+    assert doomed.process.exitcode == 17
+    status, version, _ = survivor.reply()  # it either got all of version 2 or saw the group break
+    assert (status, version) in (("ok", 2), ("error", 2))
+    with pytest.raises(WeightSyncError, match="reform"):
+        publisher.publish(model_weights(2), 2)
+
+    spec = publisher.reform(world_size=2)
+    assert spec.generation == 1 and spec.world_size == 2
+    survivor.send("reform", (spec, 1))
+    assert survivor.reply()[0] == "ok"
+    publish_to(publisher, [survivor], 3)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_restarted_peer_rejoins_in_a_new_generation(peers):
+    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S)
+    first, second = Peer(publisher.spec, 1), Peer(publisher.spec, 2)
+    peers += [first, second]
+    connect_all(publisher, peers)
+    publish_to(publisher, peers, 1)
+
+    second.process.kill()
+    second.process.join(10)
+    first.send("receive", REPLY_S)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.publish(model_weights(2), 2)
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert (failure.value.version, failure.value.peers) == (2, [2])
+    assert first.reply()[0] in ("ok", "error")
+
+    spec = publisher.reform()  # same world size: rank 2 comes back as a new process
+    restarted = Peer(spec, 2)
+    peers.append(restarted)
+    first.send("reform", (spec, 1))
+    assert first.reply()[0] == "ok"
+    connect_all(publisher, [first, restarted])
+    publish_to(publisher, [first, restarted], 2)  # resend of the version that failed
+    publish_to(publisher, [first, restarted], 3)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_peer_that_never_joins_times_out_naming_it_and_connect_can_be_retried(peers):
+    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.publish(model_weights(1), 1)
+    assert TIMEOUT_S - 0.5 < time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert failure.value.peers == [1] and failure.value.version == 1
+
+    peers.append(Peer(publisher.spec, 1))  # the late peer arrives: same generation, no reform needed
+    connect_all(publisher, peers)
+    publish_to(publisher, peers, 1)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_peer_that_stops_receiving_times_out_naming_it(peers):
+    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S)
+    idle = Peer(publisher.spec, 1)
+    peers.append(idle)
+    connect_all(publisher, [idle])  # it joins the group, then never calls receive
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.publish(model_weights(1), 1)
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert failure.value.peers == [1] and failure.value.version == 1
+    publisher.close()
