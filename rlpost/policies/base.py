@@ -1,0 +1,586 @@
+"""LLMWrapperBase: the one interface every LLM policy in rlpost has (TorchRL's ``LLMWrapperBase``).
+
+A wrapper reads a TensorDict of prompts (or full sequences) and writes the seed containers of
+:mod:`rlpost.data.llm_data`::
+
+    input_mode="history": ("history", "prompt") History [B, n]   -> ChatHistory under "history"
+    input_mode="text":    ("text", "prompt") strings            -> Text under "text"
+    input_mode="tokens":  ("tokens", "prompt") token ids        -> Tokens under "tokens"
+    + "tokens" (Tokens), "masks" (Masks), "log_probs" (LogProbs), "text" (Text) as asked for.
+
+``generate=True`` samples ``num_samples`` completions per prompt (output batch ``[B]``, or
+``[B, num_samples]`` when ``num_samples`` is set) and returns the engine's log-probs of the
+sampled tokens. ``generate=False`` scores given full sequences (``("history"|"text"|"tokens",
+"full")``): ``log_probs.full[t] = log p(full[t] | full[:t])`` at the wrapper's temperature, so a
+scoring twin (``get_new_version(generate=False)``) reproduces the generator's log-probs.
+
+The base class does everything engine-independent (templates, tokenisation, layouts, masks);
+a backend implements two methods on plain token-id lists:
+
+- ``_generate_ids(prompt_ids, num_samples) -> list[list[Completion]]``
+- ``_score_ids(full_ids) -> list[Tensor]`` (float32, length ``len(ids)``, 0 at position 0)
+
+Token ids returned by the engine are used as they are; generated text is decoded for display and
+for the history but never re-tokenised (REFERENCE.md pitfall 2).
+
+Deliberate deviations from TorchRL: no ``device``/``layout``/``batching``/``tokenizer_kwargs``
+arguments (rlpost batches at the collector); ``return_log_probs`` defaults to True; text inputs
+are tokenised with ``add_special_tokens=False`` (chat-rendered text carries its own markers);
+``generate_kwargs`` accept both the transformers and the vLLM names (``max_new_tokens`` /
+``max_tokens``) and ``n`` is the same as ``num_samples``; in generate mode prompt positions are
+not scored (``log_probs.prompt`` is None, ``log_probs.full`` holds 0 there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase, lazy_stack
+from tensordict.nn import TensorDictModuleBase
+
+from rlpost.data.history import History, parse_chatml
+from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens, pad_full, pad_rows
+
+INPUT_MODES = ("history", "text", "tokens")
+DEFAULT_MAX_NEW_TOKENS = 128
+# Standard generation keys and the backend-specific aliases accepted for them.
+_ALIASES = {"max_tokens": "max_new_tokens", "n": "num_samples"}
+
+
+@dataclass
+class Completion:
+    """One sampled continuation, as an engine returns it (plain data: it crosses processes).
+
+    ``token_ids`` include the EOS token when generation stopped on it (``finished=True``);
+    ``logprobs`` are the processed log-probs of those tokens, or None when not requested.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+
+
+def normalize_generate_kwargs(generate_kwargs: dict | None, num_samples: int | None) -> tuple[dict, int | None]:
+    """Map user generation kwargs to rlpost's standard names; returns (params, num_samples).
+
+    Standard keys: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``
+    (0 = off), ``seed``; anything else is passed to the backend unchanged. ``max_tokens`` is an
+    alias of ``max_new_tokens``, ``n`` of ``num_samples``, ``do_sample=False`` of temperature 0.
+    """
+    params: dict[str, Any] = {}
+    for key, value in dict(generate_kwargs or {}).items():
+        std = _ALIASES.get(key, key)
+        if std in params and params[std] != value:
+            raise ValueError(f"generate_kwargs: {key}={value!r} conflicts with {std}={params[std]!r}")
+        params[std] = value
+    if params.pop("do_sample", True) is False:
+        params["temperature"] = 0.0
+    n = params.pop("num_samples", None)
+    if n is not None and num_samples is not None and n != num_samples:
+        raise ValueError(f"generate_kwargs n={n} conflicts with num_samples={num_samples}")
+    num_samples = num_samples if num_samples is not None else n
+    if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    params.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    params.setdefault("temperature", 1.0)
+    params.setdefault("top_p", 1.0)
+    params.setdefault("top_k", 0)
+    params.setdefault("seed", None)
+    if params["temperature"] < 0:
+        raise ValueError(f"temperature must be >= 0, got {params['temperature']}")
+    return params, num_samples
+
+
+@dataclass
+class _Rows:
+    """Per-row inputs after reading the TensorDict (lists of python ints)."""
+
+    prompt_ids: list[list[int]] | None = None
+    full_ids: list[list[int]] | None = None
+    prompt_text: list[str] | None = None
+    full_text: list[str] | None = None
+    prompt_history: History | None = None
+    full_assistant: list[list[int]] | None = None
+
+
+class LLMWrapperBase(TensorDictModuleBase):
+    """Common constructor, validation, input reading and output layout of the LLM wrappers.
+
+    Keyword Args:
+        tokenizer: a transformers tokenizer (needed for history and text modes and to decode).
+        input_mode: "history", "text" or "tokens".
+        input_key: the container key to read; defaults to ``history_key``/``text_key``/
+            ``tokens_key`` of the mode.
+        generate: True samples completions; False scores the given full sequences.
+        generate_kwargs: max_new_tokens (alias max_tokens), temperature, top_p, top_k, seed, n...
+        pad_output: dense padded tensors (True) or lazy stacks of per-row tensors (False).
+        num_samples: completions per prompt; adds a trailing batch dim of that size.
+        return_log_probs: return LogProbs (default True; required when scoring).
+        return_text, return_tokens, return_masks: return Text / Tokens / Masks.
+        inplace: write into the input TensorDict (default when ``num_samples`` is None), return
+            a new one (False, default with ``num_samples``) or ``"empty"`` (outputs only).
+        chat_template: a Jinja template to use instead of the tokenizer's.
+        history_key, text_key, tokens_key, masks_key, log_probs_key: output keys.
+        attention_mask_key: where a dense padded token input finds its mask (pad == EOS makes
+            the mask impossible to infer from ids).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer=None,
+        input_mode: Literal["history", "text", "tokens"] = "history",
+        input_key: NestedKey | None = None,
+        generate: bool = True,
+        generate_kwargs: dict | None = None,
+        pad_output: bool = False,
+        num_samples: int | None = None,
+        return_log_probs: bool | None = None,
+        return_text: bool = True,
+        return_tokens: bool = True,
+        return_masks: bool = True,
+        inplace: bool | Literal["empty"] | None = None,
+        chat_template: str | None = None,
+        history_key: NestedKey = "history",
+        text_key: NestedKey = "text",
+        tokens_key: NestedKey = "tokens",
+        masks_key: NestedKey = "masks",
+        log_probs_key: NestedKey = "log_probs",
+        attention_mask_key: NestedKey = ("masks", "all_attention_mask"),
+    ):
+        super().__init__()
+        # the constructor arguments, for get_new_version twins (input_key None follows input_mode)
+        self._kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__", "generate_kwargs")}
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+        if input_mode in ("history", "text") and tokenizer is None:
+            raise ValueError(f"input_mode={input_mode!r} needs a tokenizer")
+        params, num_samples = normalize_generate_kwargs(generate_kwargs, num_samples)
+        if return_log_probs is None:
+            return_log_probs = True
+        if not generate:
+            if not return_log_probs:
+                raise ValueError("generate=False scores sequences: return_log_probs must be True (or None)")
+            if num_samples is not None:
+                raise ValueError("num_samples (or generate_kwargs n) needs generate=True")
+        self._kwargs["num_samples"] = num_samples
+        if inplace is None:
+            inplace = num_samples is None
+        if inplace is True and num_samples is not None:
+            raise ValueError("inplace=True is impossible with num_samples: the output has an extra batch dim")
+        self.tokenizer = tokenizer
+        self.input_mode = input_mode
+        self.generate = generate
+        self.generate_params = params
+        self.pad_output = pad_output
+        self.num_samples = num_samples
+        self.return_log_probs = return_log_probs
+        self.return_text = return_text
+        self.return_tokens = return_tokens
+        self.return_masks = return_masks
+        self.inplace = inplace
+        self.chat_template = chat_template
+        self.history_key, self.text_key, self.tokens_key = history_key, text_key, tokens_key
+        self.masks_key, self.log_probs_key = masks_key, log_probs_key
+        self.attention_mask_key = attention_mask_key
+        mode_keys = {"history": history_key, "text": text_key, "tokens": tokens_key}
+        self.input_key = input_key if input_key is not None else mode_keys[input_mode]
+        part = "prompt" if generate else "full"
+        self.in_keys = [_join(self.input_key, part)]
+        self.out_keys = self._make_out_keys()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def temperature(self) -> float:
+        """Sampling temperature; scoring divides logits by it (1 when greedy)."""
+        return float(self.generate_params["temperature"]) or 1.0
+
+    def _engine(self) -> Any:
+        """The model / engine client handed to the constructor (shared by twins)."""
+        raise NotImplementedError
+
+    def get_new_version(self, **overrides) -> LLMWrapperBase:
+        """A twin on the same model with some constructor arguments changed.
+
+        ``get_new_version(generate=False)`` gives the scoring twin of a generator (same
+        tokenizer, temperature and keys). Settings tied to generation are dropped when switching
+        to scoring unless given again: ``num_samples`` and ``inplace``.
+        """
+        kwargs = dict(self._kwargs, generate_kwargs=dict(self.generate_params))
+        if overrides.get("generate") is False and self.generate:
+            kwargs["num_samples"] = None
+            kwargs["inplace"] = None
+            kwargs["generate_kwargs"].pop("num_samples", None)
+        if "generate_kwargs" in overrides:
+            kwargs["generate_kwargs"] = {**kwargs["generate_kwargs"], **(overrides.pop("generate_kwargs") or {})}
+            if "n" in kwargs["generate_kwargs"] and "num_samples" not in overrides:
+                kwargs["num_samples"] = None
+        unknown = set(overrides) - set(kwargs)
+        if unknown:
+            raise ValueError(f"get_new_version: unknown arguments {sorted(unknown)}")
+        kwargs.update(overrides)
+        return type(self)(self._engine(), **kwargs)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if tensordict.ndim == 0:
+            return self.forward(tensordict.unsqueeze(0))[0]
+        if tensordict.ndim > 1:
+            shape = tensordict.shape
+            out = self.forward(tensordict.reshape(-1))
+            return out.reshape(*shape, *out.shape[1:])
+        rows = self._read_inputs(tensordict)
+        outputs = self._generate_outputs(rows) if self.generate else self._score_outputs(rows)
+        return self._write(tensordict, outputs)
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _generate_ids(self, prompt_ids: list[list[int]], num_samples: int) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ keys
+
+    def _make_out_keys(self) -> list[NestedKey]:
+        keys = []
+        if self.return_log_probs:
+            keys.append(self.log_probs_key)
+        if self.return_tokens:
+            keys.append(self.tokens_key)
+        if self.return_masks:
+            keys.append(self.masks_key)
+        if self.return_text:
+            keys.append(self.text_key)
+        if self.input_mode == "history" and self.generate:
+            keys.append(self.history_key)
+        return keys
+
+    # ------------------------------------------------------------------ reading inputs
+
+    def _read_inputs(self, td: TensorDictBase) -> _Rows:
+        part = "prompt" if self.generate else "full"
+        container = td.get(self.input_key, None)
+        if container is None:
+            raise ValueError(self._missing(td, part))
+        reader = {"history": self._read_history, "text": self._read_text, "tokens": self._read_tokens}
+        return reader[self.input_mode](td, container)
+
+    def _missing(self, td: TensorDictBase, part: str) -> str:
+        what = "scoring (generate=False) needs the full sequence" if part == "full" else "generation needs the prompt"
+        return (
+            f"{type(self).__name__}(input_mode={self.input_mode!r}): {what} at "
+            f"{_join(self.input_key, part)!r}; the input has keys {sorted(map(str, td.keys(True, True)))}"
+        )
+
+    @property
+    def _main_part(self) -> str:
+        return "prompt" if self.generate else "full"
+
+    def _part(self, td: TensorDictBase, part: str, container_cls: type) -> Any:
+        """``td[input_key].part``; a bare value at the input key (a History, strings or ids
+        instead of a ChatHistory/Text/Tokens, as TorchRL accepts) counts as the main part."""
+        container = td.get(self.input_key, None)
+        if container is None:
+            return None
+        if isinstance(container, container_cls):
+            key = _join(self.input_key, part)
+            if key not in td.keys(include_nested=True):
+                return None
+            # ragged token rows cannot be read as one tensor: leave them to _token_rows
+            return key if container_cls is Tokens else getattr(container, part)
+        if part != self._main_part:
+            return None
+        return td[self.input_key] if self.input_mode == "text" else container
+
+    def _read_history(self, td, container) -> _Rows:
+        main = self._part(td, self._main_part, ChatHistory)
+        if main is None:
+            raise ValueError(self._missing(td, self._main_part))
+        if not isinstance(main, History) or main.batch_dims != 2:
+            raise ValueError(f"history input must be a History of batch [B, n_messages], got {type(main).__name__}")
+        rows = _Rows()
+        if self.generate:
+            texts, ids, _ = self._render(main, add_generation_prompt=True, masks=False)
+            rows.prompt_history, rows.prompt_text, rows.prompt_ids = main, texts, ids
+            return rows
+        texts, ids, assistant = self._render(main, add_generation_prompt=False)
+        rows.full_text, rows.full_ids, rows.full_assistant = texts, ids, assistant
+        prompt = self._part(td, "prompt", ChatHistory)
+        if prompt is not None:
+            rows.prompt_text, rows.prompt_ids, _ = self._render(prompt, add_generation_prompt=True, masks=False)
+            _check_prefixes(rows.prompt_ids, rows.full_ids, "history.prompt", "history.full")
+        return rows
+
+    def _render(self, history: History, *, add_generation_prompt: bool, masks: bool | None = None):
+        kw = dict(add_generation_prompt=add_generation_prompt, chat_template=self.chat_template)
+        texts = history.apply_chat_template(self.tokenizer, **kw)
+        if self.return_masks if masks is None else masks:
+            enc = history.apply_chat_template(
+                self.tokenizer, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kw
+            )
+            return texts, [list(x) for x in enc["input_ids"]], [list(m) for m in enc["assistant_masks"]]
+        return texts, self._encode(texts), None
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def _read_text(self, td, container) -> _Rows:
+        main = _strings(self._part(td, self._main_part, Text))
+        if main is None:
+            raise ValueError(self._missing(td, self._main_part))
+        rows = _Rows()
+        if self.generate:
+            rows.prompt_text, rows.prompt_ids = main, self._encode(main)
+            return rows
+        rows.full_text, rows.full_ids = main, self._encode(main)
+        prompt = _strings(self._part(td, "prompt", Text))
+        if prompt is not None:
+            rows.prompt_text, rows.prompt_ids = prompt, self._encode(prompt)
+            _check_prefixes(rows.prompt_ids, rows.full_ids, "text.prompt", "text.full")
+        return rows
+
+    def _read_tokens(self, td, container) -> _Rows:
+        main = self._token_rows(td, self._main_part)
+        if main is None:
+            raise ValueError(self._missing(td, self._main_part))
+        rows = _Rows()
+        if self.generate:
+            rows.prompt_ids = main
+            return rows
+        rows.full_ids = main
+        prompt = self._token_rows(td, "prompt")
+        if prompt is not None:
+            _check_prefixes(prompt, main, "tokens.prompt", "tokens.full")
+            rows.prompt_ids = prompt
+        return rows
+
+    def _token_rows(self, td, part: str) -> list[list[int]] | None:
+        """Token ids of each row: lazy stacks as they are, dense tensors cut by their mask."""
+        found = self._part(td, part, Tokens)
+        if found is None:
+            return None
+        container = td.get(self.input_key)
+        key = found if isinstance(found, tuple) else self.input_key
+        if _is_lazy(container):
+            return [t.tolist() for t in td.get(key, as_list=True)]
+        value = td.get(key)
+        if getattr(value, "is_nested", False):
+            return [t.tolist() for t in value.unbind(0)]
+        padded = _flag(container.padded) if isinstance(container, Tokens) else None
+        mask = td.get(self.attention_mask_key, None)
+        if mask is None:
+            if padded:
+                raise ValueError(
+                    f"{key!r} is padded but no attention mask was found at {self.attention_mask_key!r}: "
+                    "with pad token == EOS the padding cannot be told from real EOS tokens"
+                )
+            return value.tolist()
+        if part == "prompt" and mask.shape[-1] > value.shape[-1]:
+            mask = mask[..., : value.shape[-1]]  # a full-sequence mask: the prompt is its left part
+        if mask.shape != value.shape:
+            raise ValueError(f"attention mask {tuple(mask.shape)} does not match {key!r} {tuple(value.shape)}")
+        return [row[m.bool()].tolist() for row, m in zip(value, mask)]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _generate_outputs(self, rows: _Rows) -> dict[NestedKey, Any]:
+        k = self.num_samples or 1
+        completions = self._generate_ids(rows.prompt_ids, k)
+        flat = [c for group in completions for c in group]
+        if len(completions) != len(rows.prompt_ids) or any(len(g) != k for g in completions):
+            raise RuntimeError(f"engine returned {[len(g) for g in completions]} completions for {len(rows.prompt_ids)} prompts x {k}")
+        repeat = lambda xs: None if xs is None else [x for x in xs for _ in range(k)]  # noqa: E731
+        prompt_ids = repeat(rows.prompt_ids)
+        response_ids = [c.token_ids for c in flat]
+        split = [len(p) for p in prompt_ids]
+        full_ids = [p + r for p, r in zip(prompt_ids, response_ids)]
+        out: dict[NestedKey, Any] = {}
+        need_text = self.return_text or self.input_mode == "history"
+        response_text = self.tokenizer.batch_decode(response_ids, skip_special_tokens=False) if need_text else None
+        prompt_text = repeat(rows.prompt_text)
+        if need_text and prompt_text is None:
+            prompt_text = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
+        if self.return_log_probs:
+            response_lp = [_float_tensor(c.logprobs) for c in flat]
+            full_lp = [torch.cat([torch.zeros(len(p)), lp]) for p, lp in zip(prompt_ids, response_lp)]
+            out[self.log_probs_key] = self._pack(LogProbs, 0.0, None, response_lp, full_lp, split)
+        if self.return_tokens:
+            out[self.tokens_key] = self._pack(
+                Tokens, self._pad_id(), _long_rows(prompt_ids), _long_rows(response_ids), _long_rows(full_ids), split
+            )
+        if self.return_masks:
+            # Only this call's tokens: earlier assistant turns inside the prompt have no behaviour
+            # log-prob here (log_probs.full is 0 there), so a loss must not count them.
+            assist = [torch.arange(len(f)) >= s for f, s in zip(full_ids, split)]
+            out[self.masks_key] = self._pack_masks(full_ids, assist, split)
+        if self.return_text:
+            full_text = [p + r for p, r in zip(prompt_text, response_text)]
+            out[self.text_key] = self._text(prompt_text, response_text, full_text)
+        if self.input_mode == "history":
+            out[self.history_key] = self._chat_history(rows.prompt_history, prompt_text, response_text, k)
+        return out
+
+    def _score_outputs(self, rows: _Rows) -> dict[NestedKey, Any]:
+        full_ids = rows.full_ids
+        full_lp = self._score_ids(full_ids)
+        for ids, lp in zip(full_ids, full_lp):
+            if lp.shape != (len(ids),):
+                raise RuntimeError(f"backend scored {tuple(lp.shape)} log-probs for a sequence of {len(ids)} tokens")
+        split = [len(p) for p in rows.prompt_ids] if rows.prompt_ids is not None else None
+        cut = (lambda xs, first: [x[:s] if first else x[s:] for x, s in zip(xs, split)]) if split else None
+        out: dict[NestedKey, Any] = {}
+        out[self.log_probs_key] = self._pack(
+            LogProbs, 0.0, cut(full_lp, True) if cut else None, cut(full_lp, False) if cut else None, full_lp, split
+        )
+        if self.return_tokens:
+            full_t = _long_rows(full_ids)
+            out[self.tokens_key] = self._pack(
+                Tokens, self._pad_id(), cut(full_t, True) if cut else None, cut(full_t, False) if cut else None, full_t, split
+            )
+        if self.return_masks:
+            if rows.full_assistant is not None:
+                assist = [torch.tensor(a, dtype=torch.bool) for a in rows.full_assistant]
+            elif split is not None:
+                assist = [torch.arange(len(ids)) >= s for ids, s in zip(full_ids, split)]
+            else:
+                assist = None
+            out[self.masks_key] = self._pack_masks(full_ids, assist, split)
+        if self.return_text:
+            full_text = rows.full_text or self.tokenizer.batch_decode(full_ids, skip_special_tokens=False)
+            prompt_text = rows.prompt_text
+            response_text = None
+            if prompt_text is not None and all(f.startswith(p) for f, p in zip(full_text, prompt_text)):
+                response_text = [f[len(p) :] for f, p in zip(full_text, prompt_text)]
+            out[self.text_key] = self._text(prompt_text, response_text, full_text)
+        return out
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+    def _batch_shape(self, n_rows: int) -> list[int]:
+        return [n_rows // self.num_samples, self.num_samples] if self.num_samples else [n_rows]
+
+    def _pack(self, cls, value, prompt, response, full, split):
+        """Build ``cls(prompt, response, full, padded)`` in the layout ``pad_output`` asks for."""
+        fields = {"prompt": prompt, "response": response, "full": full}
+        if self.pad_output:
+            sides = {"prompt": "left", "response": "right"}
+            dense = {k: pad_rows(v, sides[k], value) for k, v in fields.items() if v is not None and k in sides}
+            dense["full"] = pad_full(full, split, value)
+            return cls(**dense, padded=True, batch_size=[len(full)]).reshape(self._batch_shape(len(full)))
+        return self._ragged(cls, fields)
+
+    def _ragged(self, cls, fields: dict[str, list[torch.Tensor] | None]):
+        """A lazy stack of per-row tensors; built from plain TensorDicts because constructing one
+        tensorclass per row costs ~10x more (it showed in the rollout benchmark)."""
+        present = {k: v for k, v in fields.items() if v is not None}
+        n = len(next(iter(present.values())))
+        rows = [TensorDict({k: v[i] for k, v in present.items()}) for i in range(n)]
+        stacked = cls._from_tensordict(lazy_stack(rows))
+        stacked.padded = False
+        return _reshape(stacked, self._batch_shape(n))
+
+    def _pack_masks(self, full_ids, assist, split) -> Masks:
+        attention = [torch.ones(len(ids), dtype=torch.bool) for ids in full_ids]
+        fields = {"all_attention_mask": attention, "all_assistant_mask": assist}
+        if not self.pad_output:
+            return self._ragged(Masks, fields)
+        n = len(full_ids)
+        return Masks(
+            all_attention_mask=pad_full(attention, split, False),
+            all_assistant_mask=None if assist is None else pad_full(assist, split, False),
+            padded=True,
+            batch_size=[n],
+        ).reshape(self._batch_shape(n))
+
+    def _text(self, prompt, response, full) -> Text:
+        n = len(full)
+        return Text(prompt=prompt, response=response, full=full, batch_size=[n]).reshape(self._batch_shape(n))
+
+    def _chat_history(self, prompt: History, prompt_text, response_text, k: int) -> ChatHistory:
+        """prompt / response / full Histories; the response is parsed from the decoded tokens.
+
+        The decoded response is parsed together with the rendered prompt (ChatML), so a response
+        that ends without EOS becomes an assistant message with ``is_complete=False``.
+        """
+        prompt_chats = [chat for chat in prompt.to_chats(include_state=True) for _ in range(k)]
+        responses = []
+        for chat, p_text, r_text in zip(prompt_chats, prompt_text, response_text):
+            parsed = parse_chatml(p_text + r_text)
+            responses.append(parsed[len(chat) :] or [{"role": "assistant", "content": "", "is_complete": False}])
+        shape = self._batch_shape(len(responses))
+        prompt_h = prompt if not self.num_samples else prompt.unsqueeze(1).expand(*shape, prompt.shape[-1])
+        response_h = History.from_chats(responses)
+        full_h = History.from_chats([chat + resp for chat, resp in zip(prompt_chats, responses)])
+        if self.num_samples:
+            response_h = response_h.reshape(*shape, response_h.shape[-1])
+            full_h = full_h.reshape(*shape, full_h.shape[-1])
+        return ChatHistory(prompt=prompt_h, response=response_h, full=full_h, batch_size=shape)
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, td: TensorDictBase, outputs: dict[NestedKey, Any]) -> TensorDictBase:
+        if self.num_samples:
+            shape = [td.shape[0], self.num_samples]
+            if self.inplace == "empty":
+                result = TensorDict(batch_size=shape)
+            else:
+                result = td.exclude(*outputs.keys()).unsqueeze(1).expand(*shape).clone(False)
+        elif self.inplace is True:
+            result = td
+        elif self.inplace == "empty":
+            result = td.empty()
+        else:
+            result = td.copy()
+        for key, value in outputs.items():
+            result.set(key, value)
+        return result
+
+
+def _join(key: NestedKey, part: str) -> tuple:
+    return (*key, part) if isinstance(key, tuple) else (key, part)
+
+
+def _flag(value) -> bool | None:
+    """The ``padded`` flag of a container: a bool, or a (nested) list of them for lazy stacks."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        return bool(value.any())
+    flags = [_flag(v) for v in value]
+    return any(flags) if flags else None
+
+
+def _strings(value) -> list[str] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def _is_lazy(obj) -> bool:
+    return isinstance(getattr(obj, "_tensordict", obj), LazyStackedTensorDict)
+
+
+def _check_prefixes(prompts: list[list[int]], fulls: list[list[int]], prompt_name: str, full_name: str) -> None:
+    for i, (p, f) in enumerate(zip(prompts, fulls)):
+        if f[: len(p)] != p:
+            raise ValueError(f"row {i}: {prompt_name} is not a prefix of {full_name}; cannot split prompt and response")
+
+
+def _float_tensor(values) -> torch.Tensor:
+    if values is None:
+        raise RuntimeError("the engine returned no log-probs although return_log_probs=True")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _long_rows(rows: list[list[int]]) -> list[torch.Tensor]:
+    return [torch.tensor(r, dtype=torch.long) for r in rows]
+
+
+def _reshape(stacked, shape: list[int]):
+    return stacked if len(shape) == 1 else stacked.reshape(*shape)

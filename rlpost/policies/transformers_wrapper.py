@@ -1,0 +1,128 @@
+"""TransformersWrapper: the LLM policy interface on a Hugging Face causal LM (the learner's view).
+
+Generation uses ``model.generate`` on left-padded prompts and returns the *processed*
+log-probs of the sampled tokens (``log_softmax`` of the scores after temperature / top-p /
+top-k), i.e. the same quantity vLLM returns with ``logprobs_mode="processed_logprobs"``.
+
+Scoring (``generate=False``) is one forward pass over right-padded full sequences:
+``log_softmax(logits / T)`` in float32, gathered at the next token, where ``T`` is the wrapper's
+temperature (1 when greedy). Top-p / top-k are not applied when scoring (as in TorchRL and TRL),
+so scores equal sampling log-probs only when those are off. Scoring runs under the caller's
+grad mode: a loss can backpropagate through ``log_probs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpost.policies.base import Completion, LLMWrapperBase
+
+_STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class TransformersWrapper(LLMWrapperBase):
+    """LLM wrapper around a ``transformers`` causal LM; see :class:`LLMWrapperBase` for the
+    keyword arguments, inputs and outputs.
+
+    Args:
+        model: a ``PreTrainedModel`` (or a path, loaded with ``AutoModelForCausalLM`` in fp32).
+        tokenizer: its tokenizer (or a path); loaded from the model path when omitted.
+    """
+
+    def __init__(self, model, *, tokenizer=None, **kwargs):
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            path, model = model, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+            tokenizer = tokenizer if tokenizer is not None else path
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if tokenizer is None:
+            raise ValueError("TransformersWrapper needs a tokenizer (decoding, padding and EOS ids)")
+        super().__init__(tokenizer=tokenizer, **kwargs)
+        self.model = model
+
+    def _engine(self):
+        return self.model
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+    @torch.no_grad()
+    def _generate_ids(self, prompt_ids: list[list[int]], num_samples: int) -> list[list[Completion]]:
+        params = self.generate_params
+        device = next(self.model.parameters()).device
+        pad_id = self._pad_id()
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for i, ids in enumerate(prompt_ids):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            attention[i, width - len(ids) :] = 1
+        greedy = params["temperature"] == 0
+        sampling = {} if greedy else dict(temperature=params["temperature"], top_p=params["top_p"], top_k=params["top_k"])
+        extra = {k: v for k, v in params.items() if k not in _STANDARD}
+        eos = sorted(self._eos_ids())
+        with torch.random.fork_rng(devices=[]):
+            if params["seed"] is not None:
+                torch.manual_seed(params["seed"])
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                do_sample=not greedy,
+                max_new_tokens=params["max_new_tokens"],
+                num_return_sequences=num_samples,
+                output_scores=self.return_log_probs,
+                return_dict_in_generate=True,
+                pad_token_id=pad_id,
+                eos_token_id=eos,
+                **sampling,
+                **extra,
+            )
+        new_tokens = out.sequences[:, width:].cpu()
+        logprobs = _sampled_logprobs(out.scores, new_tokens) if self.return_log_probs else None
+        completions = [self._cut(new_tokens[i], None if logprobs is None else logprobs[i]) for i in range(len(new_tokens))]
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompt_ids))]
+
+    def _cut(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> Completion:
+        """Keep the tokens up to and including the first EOS: later ones are padding, which has
+        the EOS id when pad == EOS (the first EOS is real and keeps its log-prob)."""
+        ids = tokens.tolist()
+        eos = self._eos_ids()
+        end = next((t + 1 for t, tok in enumerate(ids) if tok in eos), None)
+        length = len(ids) if end is None else end
+        return Completion(
+            token_ids=ids[:length],
+            logprobs=None if logprobs is None else logprobs[:length].tolist(),
+            finished=end is not None,
+        )
+
+    def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
+        device = next(self.model.parameters()).device
+        width = max(len(ids) for ids in full_ids)
+        input_ids = torch.full((len(full_ids), width), self._pad_id(), dtype=torch.long)
+        attention = torch.zeros((len(full_ids), width), dtype=torch.long)
+        for i, ids in enumerate(full_ids):
+            # right padding keeps position ids 0..len-1 without passing them explicitly
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+        next_lp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        next_lp = torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp], dim=1).cpu()
+        return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
+
+
+def _sampled_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
+    """[N, T] log-probs of ``tokens`` under the processed per-step scores (float32)."""
+    steps = [
+        torch.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, t, None].to(step.device)).squeeze(-1).cpu()
+        for t, step in enumerate(scores)
+    ]
+    return torch.stack(steps, dim=1) if steps else torch.zeros(tokens.shape, dtype=torch.float32)

@@ -1,0 +1,46 @@
+"""Methods mixed into vLLM's worker process (``worker_extension_cls``) for weight updates.
+
+The weights live in vLLM's worker process, so that process is the weight-bus rank: it joins the
+bus, receives buckets, and reloads them in place with ``model_runner.reload_weights`` — the call
+that works on the CPU backend, whose repacked linear layers make ``model.load_weights`` fail
+after start-up (REFERENCE.md section 4). Methods are reached with
+``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data (vLLM serialises them).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class WeightSyncExtension:
+    """Bus receiver + in-place weight reload, running inside each vLLM worker."""
+
+    def rlpost_join_bus(self, spec: dict, rank: int) -> int:
+        """Join (or re-join, after a reform) the weight bus as ``rank``; returns the rank."""
+        from rlpost.transport.weight_bus import BusSpec, TorchWeightReceiver
+
+        bus_spec = BusSpec(**spec)
+        receiver = getattr(self, "_rlpost_receiver", None)
+        if receiver is None:
+            self._rlpost_receiver = TorchWeightReceiver(bus_spec, rank)
+        else:
+            receiver.reform(bus_spec, rank)
+        return rank
+
+    def rlpost_receive_weights(self, timeout_s: float) -> dict:
+        """Receive the next update from the bus and load it in place; returns version and timings."""
+        start = time.perf_counter()
+        version, tensors = self._rlpost_receiver.receive(timeout_s)
+        received = time.perf_counter()
+        self._rlpost_reload(tensors.items())
+        return {"version": version, "receive_s": received - start, "load_s": time.perf_counter() - received,
+                "num_tensors": len(tensors)}
+
+    def rlpost_load_weights(self, named_tensors: list) -> int:
+        """Load weights handed over directly (tests, single-process use); returns the tensor count."""
+        self._rlpost_reload(named_tensors)
+        return len(named_tensors)
+
+    def _rlpost_reload(self, named_tensors) -> None:
+        # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
+        self.reload_weights(weights_iterator=iter(list(named_tensors)))
