@@ -1,0 +1,66 @@
+"""Types that cross process boundaries (STYLE rule 4), with who makes them and who reads them.
+
+They are plain dataclasses of Python lists and numbers: cheap to pickle through Ray, readable
+without torch, and independent of any padding layout. Tensors are built where they are used.
+
+    GenerateResult  made by an inference worker (rlpost.actors.inference), read by env pools
+    Sample          made by an env pool's collector, one completed episode
+    Group           made by an env pool (all samples of one prompt + advantages), put in the
+                    buffer, read by the learner (and by the reference actor when KL is on)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerateResult:
+    """One prompt's completions from one inference worker, stamped with the weights' version."""
+
+    token_ids: list[list[int]]  # [n][T_i] generated ids, EOS included when generation stopped on it
+    logprobs: list[list[float]]  # [n][T_i] processed (post-temperature) sampled-token log-probs
+    finished: list[bool]  # [n] stopped on EOS / a stop condition (False: hit max_tokens)
+    policy_version: int  # the weights version that generated every completion here
+    worker: int  # index of the inference worker that served the request
+
+
+@dataclass
+class Sample:
+    """One completed episode, in full-sequence form (multi-turn safe).
+
+    ``token_ids`` is prompt + everything after it, exactly the ids the engine generated (never
+    re-tokenised text) plus, in multi-turn episodes, the env's tool/user turns. ``loss_mask`` is
+    True on generated tokens only; ``logprobs`` holds the behaviour log-prob of each generated
+    token and 0.0 elsewhere.
+    """
+
+    prompt_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[bool]
+    prompt_len: int
+    reward: float
+    policy_version: int  # oldest version that generated any of its tokens
+    finished: bool
+    completion_text: str = ""
+    ref_logprobs: list[float] | None = None  # filled by the reference actor when KL is on
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class Group:
+    """All samples of one prompt (a GRPO group) with their advantages."""
+
+    prompt_id: int
+    samples: list[Sample]
+    advantages: list[float]
+    policy_version: int  # min over the samples: the staleness of the group
+    info: dict = field(default_factory=dict)  # e.g. reward errors by type, env pool index
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
