@@ -1,0 +1,149 @@
+"""Inference workers: one vLLM engine each, versioned weights, load-balanced clients.
+
+- :class:`InferenceWorker` (plain class) owns a real ``vllm.LLM`` with
+  :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
+  batched generate requests (n samples per prompt, processed log-probs, generated ids) stamped
+  with its policy version, and applies weight updates: receive from the bus and reload in place
+  -> reset the prefix cache (its KV was computed with the old weights, pitfall 3) -> bump the
+  version. ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it runs one call
+  at a time, so an update waits for the running generate and new requests wait for the update:
+  that ordering is the "pause new work -> load -> resume" of DESIGN.
+- :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
+  to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
+  split across workers, pitfall 8); it records the version that served the call in
+  ``last_policy_version``; a dead worker's request is re-issued to another worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from rlpost.config import EngineConfig
+from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
+
+EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
+
+
+def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
+    """vllm.LLM arguments from the config's engine section (CPU: a fixed KV-cache size)."""
+    kwargs = dict(
+        enforce_eager=engine.enforce_eager,
+        max_model_len=engine.max_model_len,
+        seed=engine.seed,
+        max_num_seqs=engine.max_num_seqs,
+        worker_extension_cls=EXTENSION,
+        **engine.extra,
+    )
+    if on_gpu:
+        kwargs.update(
+            kv_cache_memory_bytes=None,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            tensor_parallel_size=engine.tensor_parallel_size,
+        )
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(engine.kv_cache_space_gb * 2**30)
+    return kwargs
+
+
+class InferenceWorker:
+    """A vLLM engine behind generate / score / weight-update calls; see the module docstring."""
+
+    def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0):
+        import torch
+
+        self.index = index
+        self.version = 0
+        self.llm = make_vllm_engine(model_path, dtype=dtype, **engine_kwargs(engine, on_gpu=torch.cuda.is_available()))
+        self.client = LocalVLLMClient(self.llm)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
+        """Completions per prompt plus the version of the weights that produced all of them."""
+        return self.client.generate(prompt_token_ids, sampling), self.version
+
+    def score(self, token_ids: list[list[int]], temperature: float) -> list[list[float]]:
+        return self.client.score(token_ids, temperature=temperature)
+
+    def join_bus(self, spec: dict, rank: int) -> int:
+        return self.llm.collective_rpc("rlpost_join_bus", args=(spec, rank))[0]
+
+    def update_weights(self, timeout_s: float) -> dict:
+        """Receive the next published weights (blocking up to ``timeout_s``) and switch to them."""
+        info = self.llm.collective_rpc("rlpost_receive_weights", args=(timeout_s,), timeout=timeout_s + 30)[0]
+        self.llm.reset_prefix_cache()
+        self.version = int(info["version"])
+        return info
+
+    def get_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        shutdown_vllm_engine(self.llm)
+
+
+class InferenceActor(InferenceWorker):
+    """The Ray actor ``inference-<i>``: the plain worker, one call at a time."""
+
+
+class RemoteVLLMClient:
+    """Load-balancing :class:`~rlpost.policies.VLLMEngineClient` over inference actor handles.
+
+    ``request_timeout_s`` bounds every call. A worker that died (RayActorError) is skipped and
+    the request re-issued on the next one; when none is left the error propagates.
+    """
+
+    def __init__(self, handles: list, *, request_timeout_s: float = 600.0, tokenizer=None):
+        if not handles:
+            raise ValueError("RemoteVLLMClient needs at least one inference worker handle")
+        self.handles = list(handles)
+        self.request_timeout_s = request_timeout_s
+        self.last_policy_version: int | None = None
+        self.num_reissued = 0
+        self._tokenizer = tokenizer
+        self._in_flight = [0] * len(self.handles)
+        self._lock = threading.Lock()
+        self._order = itertools.count()
+
+    def get_tokenizer(self):
+        return self._tokenizer
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
+        completions, version = self._call("generate", prompt_token_ids, sampling)
+        self.last_policy_version = version
+        return completions
+
+    def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
+        return self._call("score", token_ids, temperature)
+
+    def _call(self, method: str, *args):
+        import ray
+
+        tried: set[int] = set()
+        while True:
+            i = self._pick(tried)
+            try:
+                return ray.get(getattr(self.handles[i], method).remote(*args), timeout=self.request_timeout_s)
+            except ray.exceptions.RayActorError:
+                tried.add(i)
+                self.num_reissued += 1
+                if len(tried) == len(self.handles):
+                    raise
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"inference worker {i} did not answer {method} within {self.request_timeout_s}s"
+                ) from None
+            finally:
+                with self._lock:
+                    self._in_flight[i] -= 1
+
+    def _pick(self, tried: set[int]) -> int:
+        """The least-busy worker not yet tried (ties broken round-robin)."""
+        with self._lock:
+            start = next(self._order)
+            candidates = [(self._in_flight[i], (i - start) % len(self.handles), i)
+                          for i in range(len(self.handles)) if i not in tried]
+            i = min(candidates)[2]
+            self._in_flight[i] += 1
+            return i

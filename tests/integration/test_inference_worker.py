@@ -1,0 +1,103 @@
+"""An inference worker actor with a real vLLM engine on a real Ray cluster, updated over the real bus."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlpost.config import EngineConfig
+from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def worker(ray_cluster, tiny_model_path):
+    import ray
+
+    from rlpost.actors.inference import InferenceActor
+
+    engine = EngineConfig(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=64)
+    handle = ray.remote(InferenceActor).options(name="inference-0", num_cpus=0.5).remote(
+        str(tiny_model_path), engine, dtype="float32", index=0
+    )
+    ray.get(handle.get_version.remote(), timeout=180)
+    yield handle
+    ray.get(handle.shutdown.remote(), timeout=60)
+    ray.kill(handle)
+
+
+def prompt_ids(tok, question="What is 3 + 4?"):
+    chat = [{"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+def transformers_scores(model, ids, temperature):
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1] / temperature
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    return [0.0] + lp.tolist()
+
+
+def test_generate_returns_n_samples_ids_logprobs_and_version(worker, tiny_tokenizer):
+    import ray
+
+    from rlpost.actors.inference import RemoteVLLMClient
+
+    client = RemoteVLLMClient([worker])
+    ids = prompt_ids(tiny_tokenizer)
+    out = client.generate([ids, ids[:]], {"n": 3, "max_tokens": 12, "temperature": 1.0, "top_p": 1.0, "logprobs": True})
+    assert client.last_policy_version == 0
+    assert [len(c) for c in out] == [3, 3]
+    for completion in out[0]:
+        assert len(completion.token_ids) == len(completion.logprobs) > 0
+        assert all(lp <= 0 for lp in completion.logprobs)
+    assert ray.get_actor("inference-0") is not None
+
+
+def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_model_path, tiny_tokenizer):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.transport.weight_bus import TorchWeightPublisher
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    publisher = TorchWeightPublisher(2, backend="gloo", bucket_mb=1, timeout_s=60)
+    assert ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60) == 1
+    update = worker.update_weights.remote(60)
+    named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+    stats = publisher.publish(named, version=1)
+    info = ray.get(update, timeout=120)
+    assert info["version"] == 1 and stats.version == 1
+    assert ray.get(worker.get_version.remote()) == 1
+
+    probe = prompt_ids(tiny_tokenizer) + tiny_tokenizer("<answer>7</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    for temperature in (1.0, 0.7):
+        served = ray.get(worker.score.remote([probe], temperature), timeout=60)[0]
+        with torch.no_grad():
+            expected = transformers_scores(model, probe, temperature)
+        assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-3
+
+    # a second update reuses the joined group; the generate stamp follows the version
+    update = worker.update_weights.remote(60)
+    publisher.publish(named, version=2)
+    assert ray.get(update, timeout=120)["version"] == 2
+    _, version = ray.get(worker.generate.remote([probe[:10]], {"n": 1, "max_tokens": 4, "logprobs": True}), timeout=60)
+    assert version == 2
+    publisher.close()
+
+
+def test_update_times_out_instead_of_hanging_when_nothing_is_published(worker, tiny_model_path):
+    import ray
+
+    from rlpost.transport.weight_bus import TorchWeightPublisher
+
+    publisher = TorchWeightPublisher(2, backend="gloo", timeout_s=5)
+    ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60)
+    # the publisher never connects: the worker's receive fails after its timeout, naming rank 0
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"failed after 3\.\ds; suspect peer ranks: \[0\]"):
+        ray.get(worker.update_weights.remote(3), timeout=90)
+    publisher.close()
