@@ -1,0 +1,94 @@
+"""The ``reference`` actor: the frozen initial model, scoring completed groups for the KL term.
+
+One shared actor (only when ``reference.enabled``). For each batch of groups it computes the
+reference log-probs of every generated token with :class:`~rlpost.envs.RetrieveKL` (the
+generation log-probs are the ones the inference engine returned). With ``kl_in: loss`` they are
+stored on the samples for GRPOLoss's KL term; with ``kl_in: reward`` the k1 KL summed over the
+generated tokens is subtracted from each reward (RLHF style) and the group advantages are
+recomputed from the new rewards.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from rlpost.algo import group_advantages
+from rlpost.config import JobConfig
+from rlpost.data import Tokens
+from rlpost.envs.kl import RetrieveKL
+from rlpost.types import Group
+
+
+class Reference:
+    def __init__(self, cfg: JobConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlpost.policies import TransformersWrapper
+
+        self.cfg = cfg
+        dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype).eval()
+        model.requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        scorer = TransformersWrapper(
+            model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=True,
+            return_text=False, return_tokens=False, return_masks=False, log_probs_key="ref_log_probs",
+            generate_kwargs={"temperature": cfg.rollout.temperature},
+        )
+        ref = cfg.reference
+        self.kl = RetrieveKL(
+            None, scorer, assistant_only=False, add_to_reward=ref.kl_in == "reward", coeff=ref.kl_coef, estimator="k1"
+        )
+
+    def annotate(self, groups: list[Group]) -> list[Group]:
+        """Fill ``ref_logprobs`` on every sample (and apply the reward-side KL when configured)."""
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            return groups
+        batch = self.kl(_collate(samples))
+        mask_bt = batch.get(("masks", "all_assistant_mask"))
+        ref_bt = torch.where(mask_bt, batch.get(("ref_log_probs", "full")), torch.zeros(()))
+        for i, sample in enumerate(samples):
+            sample.ref_logprobs = ref_bt[i, : len(sample.token_ids)].tolist()
+        if self.cfg.reference.kl_in == "reward":
+            rewards = batch.get("reward").reshape(-1).tolist()
+            for sample, reward in zip(samples, rewards):
+                sample.reward = reward
+            for group in groups:
+                rewards_g = torch.tensor([group.rewards])
+                group.advantages = group_advantages(rewards_g, scale=_scale(self.cfg)).reshape(-1).tolist()
+        return groups
+
+
+def _scale(cfg: JobConfig) -> str:
+    return "group" if cfg.loss.advantage_scale == "batch" else cfg.loss.advantage_scale
+
+
+def _collate(samples) -> TensorDict:
+    """Right-padded tokens-mode batch with the loss mask as the assistant mask."""
+    width = max(len(s.token_ids) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    attention = torch.zeros(len(samples), width, dtype=torch.bool)
+    loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    logprobs = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = torch.tensor(s.token_ids)
+        attention[i, :n] = True
+        loss_mask[i, :n] = torch.tensor(s.loss_mask)
+        logprobs[i, :n] = torch.tensor(s.logprobs)
+    return TensorDict(
+        {
+            "tokens": Tokens(full=ids, padded=True, batch_size=[len(samples)]),
+            ("masks", "all_attention_mask"): attention,
+            ("masks", "all_assistant_mask"): loss_mask,
+            ("log_probs", "full"): logprobs,
+            "reward": torch.tensor([[s.reward] for s in samples]),
+        },
+        batch_size=[len(samples)],
+    )
+
+
+class ReferenceActor(Reference):
+    """The Ray actor ``reference``: the plain class as is (one call at a time)."""
