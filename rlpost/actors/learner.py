@@ -1,0 +1,485 @@
+"""The learner: a transformers model, AdamW and :class:`~rlpost.objectives.GRPOLoss`.
+
+It trains on completed GRPO groups from the buffer, publishes versioned weights on the weight bus
+and writes checkpoints. :class:`Learner` is a plain class (no Ray); :class:`LearnerActor` is the
+thin Ray shell the controller starts as ``learner`` (STYLE rule 3).
+
+One learner step, ``train_step(groups)``::
+
+    batch = collate(groups)                                 # right-padded [B, T]
+    repeat epochs_per_batch times:                          # PPO epochs over the same batch
+        for micro in grad_accumulation contiguous slices of the samples:
+            (loss_fn(micro).loss * share(micro)).backward()
+        clip_grad_norm_(grad_clip); optimizer.step(); scheduler.step(); zero_grad()
+        version += 1
+
+Micro-batch scaling. Every term of the loss (objective, KL, entropy, KL to inference) is
+``sum(masked terms) / D`` with a denominator ``D`` set by the aggregation: the number of loss
+tokens (``token_mean``), of rows with at least one loss token (``sequence_mean``), or of rows
+(``sequence_sum_norm``, times the constant ``max_tokens``). A micro-batch's loss is weighted by
+``share = D_micro / D_batch``, so the accumulated gradient equals the gradient of the loss over
+the whole batch exactly, for any split and any aggregation: unequal token counts in the
+micro-batches do not tilt the step. (Averaging micro-batch losses, ``1 / grad_accumulation``
+each, is only equal to it when every micro-batch has the same denominator.)
+
+Versions. ``version`` = the number of optimizer steps taken since the initial weights (version 0,
+the weights on disk that the inference engines start from); each optimizer step adds 1, so a
+step with ``epochs_per_batch = k`` adds k. Published weights carry the version they are, and
+staleness is measured in it (``version at the start of the step - sample.policy_version``).
+
+Precision. Master weights and optimizer state are always float32. On CUDA with
+``model.dtype: bfloat16`` the forward runs under ``torch.autocast(bfloat16)`` (the log-softmax
+and the loss math stay float32); float16 is not autocast (it would need loss scaling) and
+trains in float32. On CPU everything is float32. Weights are published in ``model.dtype``, the
+dtype of the inference engines; checkpoints hold the float32 masters.
+
+Dropout is off (``model.eval()``) for good: the learner's scores must match the engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from rlpost.config import JobConfig
+from rlpost.objectives import GRPOLoss
+from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
+from rlpost.policies import TransformersWrapper
+from rlpost.types import Group, Sample
+
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Diagnostics that are token means over the loss tokens whatever the aggregation: combined over
+# micro-batches weighted by their loss tokens (exact, except for ess, which is not a mean).
+_TOKEN_MEAN_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "kl_approx", "ess",
+                       "kl_to_ref", "entropy", "kl_to_inference")
+_LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def batch_rows(groups: Sequence[Group]) -> list[tuple[Sample, float]]:
+    """The samples of ``groups`` in order, each with its advantage."""
+    rows: list[tuple[Sample, float]] = []
+    for group in groups:
+        if len(group.advantages) != len(group.samples):
+            raise ValueError(f"group of prompt {group.prompt_id}: {len(group.samples)} samples "
+                             f"but {len(group.advantages)} advantages")
+        rows.extend(zip(group.samples, group.advantages))
+    if not rows:
+        raise ValueError("a learner batch needs at least one sample; got no samples")
+    return rows
+
+
+def collate_rows(rows: Sequence[tuple[Sample, float]], pad_token_id: int) -> TensorDict:
+    """Right-padded [B, T] TensorDict with GRPOLoss's keys plus "policy_version" and "reward" [B].
+
+    ``("ref_log_probs", "full")`` is present only when every sample carries reference log-probs.
+    Padding: token ``pad_token_id``, masks False, log-probs 0.
+    """
+    for sample, _ in rows:
+        _check_sample(sample)
+    num_rows, width = len(rows), max(len(s.token_ids) for s, _ in rows)
+    tokens_bt = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
+    attention_bt = torch.zeros((num_rows, width), dtype=torch.bool)
+    assistant_bt = torch.zeros((num_rows, width), dtype=torch.bool)
+    logprobs_bt = torch.zeros((num_rows, width), dtype=torch.float32)
+    with_ref = all(s.ref_logprobs is not None for s, _ in rows)
+    ref_bt = torch.zeros((num_rows, width), dtype=torch.float32)
+    for i, (sample, _) in enumerate(rows):
+        n = len(sample.token_ids)
+        tokens_bt[i, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
+        attention_bt[i, :n] = True
+        assistant_bt[i, :n] = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        logprobs_bt[i, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        if with_ref:
+            ref_bt[i, :n] = torch.tensor(sample.ref_logprobs, dtype=torch.float32)
+    data = {
+        TOKENS_FULL: tokens_bt,
+        ATTENTION_MASK: attention_bt,
+        ASSISTANT_MASK: assistant_bt,
+        LOG_PROBS_FULL: logprobs_bt,
+        "advantage": torch.tensor([a for _, a in rows], dtype=torch.float32),
+        "policy_version": torch.tensor([s.policy_version for s, _ in rows], dtype=torch.long),
+        "reward": torch.tensor([s.reward for s, _ in rows], dtype=torch.float32),
+    }
+    if with_ref:
+        data[REF_LOG_PROBS_FULL] = ref_bt
+    return TensorDict(data, batch_size=[num_rows])
+
+
+def _check_sample(sample: Sample) -> None:
+    lengths = {len(sample.token_ids), len(sample.logprobs), len(sample.loss_mask)}
+    if sample.ref_logprobs is not None:
+        lengths.add(len(sample.ref_logprobs))
+    if len(lengths) != 1 or not sample.token_ids:
+        raise ValueError(f"sample of prompt {sample.prompt_id}: token_ids ({len(sample.token_ids)}), logprobs "
+                         f"({len(sample.logprobs)}), loss_mask ({len(sample.loss_mask)}) and ref_logprobs "
+                         f"must be non-empty and of one length")
+
+
+def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
+    """``num_chunks`` contiguous slices of ``rows`` (sizes differ by at most 1; never empty)."""
+    num_chunks = max(1, min(num_chunks, len(rows)))
+    size, extra = divmod(len(rows), num_chunks)
+    bounds = [0]
+    for i in range(num_chunks):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return [list(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def loss_denominator(batch: TensorDict, aggregation: str) -> int:
+    """The denominator of ``aggregation`` over ``batch`` (see the module docstring)."""
+    mask_bt = batch.get(ASSISTANT_MASK) & batch.get(ATTENTION_MASK)
+    if aggregation == "token_mean":
+        return int(mask_bt.sum())
+    if aggregation == "sequence_mean":
+        return int((mask_bt.sum(dim=1) > 0).sum())
+    if aggregation == "sequence_sum_norm":
+        return int(mask_bt.shape[0])
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def _warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR multiplier: linear warm-up over ``warmup_steps`` optimizer steps (1/W, 2/W, ..., 1), then 1."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+# ------------------------------------------------------------------------------------ learner
+
+
+class Learner:
+    """Trains the policy with GRPO on groups of samples; see the module docstring.
+
+    Args:
+        cfg: the job config (model, optimizer, loss, reference, trainer, rollout sections).
+        publisher: a :class:`~rlpost.transport.weight_bus.WeightPublisher` for ``publish()``;
+            may be set later (``learner.publisher = ...``).
+    """
+
+    def __init__(self, cfg: JobConfig, *, publisher=None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg, self.publisher = cfg, publisher
+        torch.manual_seed(cfg.trainer.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        remote = cfg.model.trust_remote_code
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=remote)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
+        ).to(self.device)
+        self.model.eval()  # dropout off for good (module docstring)
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                           weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
+        )
+        self.loss_fn = self._make_loss()
+        self._version = 0
+        self._step = 0  # train_step calls completed (the controller's step, saved in checkpoints)
+
+    def _make_loss(self) -> GRPOLoss:
+        cfg = self.cfg
+        scorer = TransformersWrapper(self.model, tokenizer=self.tokenizer, input_mode="tokens", generate=False,
+                                     generate_kwargs={"temperature": cfg.rollout.temperature})
+        kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
+        return GRPOLoss(
+            scorer,
+            clip_epsilon=(cfg.loss.clip_eps_low, cfg.loss.clip_eps_high),
+            aggregation=cfg.loss.aggregation,
+            max_tokens=cfg.rollout.max_tokens,
+            kl_to_ref_coeff=cfg.reference.kl_coef if kl_in_loss else 0.0,
+            kl_estimator=cfg.reference.kl_estimator,
+            entropy_coeff=cfg.loss.entropy_coef,
+            kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
+        )
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken since the initial weights (version 0)."""
+        return self._version
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def collate(self, groups: Sequence[Group]) -> TensorDict:
+        """The whole batch of ``groups`` as one right-padded TensorDict (see :func:`collate_rows`)."""
+        return collate_rows(batch_rows(groups), self.pad_token_id)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -------------------------------------------------------------------------------- training
+
+    def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
+        """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics."""
+        start, version_at_start = time.perf_counter(), self._version
+        rows = batch_rows(groups)
+        micro_batches = [collate_rows(chunk, self.pad_token_id)
+                         for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)]
+        denominators = [loss_denominator(mb, self.cfg.loss.aggregation) for mb in micro_batches]
+        shares = [d / max(sum(denominators), 1) for d in denominators]
+        passes = [self._optimizer_step(micro_batches, shares) for _ in range(self.cfg.trainer.epochs_per_batch)]
+        self._step += 1
+        metrics = _mean_dicts(passes)
+        metrics.update(_batch_metrics(rows, version_at_start))
+        metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
+        return metrics
+
+    def _optimizer_step(self, micro_batches: list[TensorDict], shares: list[float]) -> dict[str, float]:
+        """Accumulate the scaled micro-batch gradients, clip, step; returns this pass's metrics."""
+        parts = []
+        for batch, share in zip(micro_batches, shares):
+            with self._autocast():
+                out = self.loss_fn(batch)
+            (out.loss * share).backward()
+            num_tokens = int((batch.get(ASSISTANT_MASK) & batch.get(ATTENTION_MASK)).sum())
+            parts.append((out.metrics(), share, num_tokens))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        metrics = _combine_micro_metrics(parts)
+        metrics.update(grad_norm=float(grad_norm), lr=float(lr))
+        return metrics
+
+    # ------------------------------------------------------------------------ scoring, weights
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-probs ``log p(ids[t] | ids[:t])`` at the sampling temperature (0.0 at t = 0),
+        computed by the loss's own scoring path (the controller's ``sync_logprob_diff`` probe)."""
+        rows = [list(map(int, ids)) for ids in token_ids]
+        if not rows or not all(rows):
+            raise ValueError("score needs at least one non-empty token sequence")
+        width = max(len(ids) for ids in rows)
+        tokens_bt = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_bt = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, ids in enumerate(rows):
+            tokens_bt[i, : len(ids)] = torch.tensor(ids)
+            attention_bt[i, : len(ids)] = True
+        with self._autocast():
+            logprobs_bt = self.loss_fn.score(tokens_bt, attention_bt)
+        return [logprobs_bt[i, : len(ids)].float().tolist() for i, ids in enumerate(rows)]
+
+    def named_parameters_for_sync(self, device: str | torch.device = "cpu") -> Iterable[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs for the inference engines, lazily.
+
+        Names are ``model.state_dict()`` keys, i.e. the Hugging Face checkpoint names vLLM's
+        ``load_weights`` / ``reload_weights`` expect; tensors are detached, contiguous copies on
+        ``device`` in ``model.dtype``. With tied embeddings ``lm_head.weight`` is still sent:
+        vLLM's CPU backend keeps its own (repacked) copy of the LM head, so updating only
+        ``model.embed_tokens.weight`` leaves the head stale (measured: sync_logprob_diff 2e-2
+        after one step without it, 3e-6 with it).
+        """
+        dtype = _DTYPES[self.cfg.model.dtype]
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach().to(device=device, dtype=dtype).contiguous()
+
+    def _tied_embeddings(self) -> bool:
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return bool(getattr(text_config, "tie_word_embeddings", False))
+
+    def publish(self) -> dict[str, float]:
+        """Publish the current weights at the current version; returns timing and size metrics."""
+        if self.publisher is None:
+            raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_publisher)")
+        device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
+        stats = self.publisher.publish(self.named_parameters_for_sync(device), self._version)
+        return {"weight_sync_s": stats.seconds, "bytes": float(stats.num_bytes), "policy_version": float(stats.version)}
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, run_dir: str | Path, step: int) -> Path:
+        """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``.
+
+        The folder holds the model (float32 masters) and tokenizer in HF format and
+        ``trainer_state.pt`` (optimizer, scheduler, step, version, torch RNG states). It is
+        written to a temporary folder beside it and renamed into place, so a crash never leaves
+        a half-written ``step_<N>``.
+        """
+        root = Path(run_dir) / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step_{int(step)}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{int(step)}-", dir=root))
+        try:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(self._trainer_state(step), tmp / TRAINER_STATE)
+            if final.exists():  # re-saving a step: os.replace cannot replace a non-empty folder
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _prune_checkpoints(root, self.cfg.trainer.keep_checkpoints)
+        return final
+
+    def _trainer_state(self, step: int) -> dict:
+        return {
+            "step": int(step),
+            "version": self._version,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, int]:
+        """Restore weights, optimizer, scheduler, version and RNG from a ``step_<N>`` folder in
+        place (the optimizer keeps pointing at the same parameters); returns its step and version."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / TRAINER_STATE).is_file():
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE})")
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     trust_remote_code=self.cfg.model.trust_remote_code)
+        self.model.load_state_dict(saved.state_dict())
+        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        self._version, self._step = int(state["version"]), int(state["step"])
+        return {"step": self._step, "version": self._version}
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The ``step_<N>`` folders of ``run_dir/checkpoints``, oldest (lowest N) first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _prune_checkpoints(root: Path, keep: int) -> None:
+    for old in list_checkpoints(root.parent)[:-keep]:
+        shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, int]]) -> dict[str, float]:
+    """Loss terms: sum of the scaled micro-batch losses (= the full-batch loss); token-mean
+    diagnostics: weighted by each micro-batch's loss tokens."""
+    total_tokens = max(sum(n for _, _, n in parts), 1)
+    out: dict[str, float] = {}
+    for name in _LOSS_METRICS:
+        out[name] = sum(m.get(name, 0.0) * share for m, share, _ in parts)
+    for name in _TOKEN_MEAN_METRICS:
+        if any(name in m for m, _, _ in parts):
+            out[name] = sum(m.get(name, 0.0) * n for m, _, n in parts) / total_tokens
+    out.setdefault("kl_to_ref", 0.0)  # metrics.jsonl requires it; 0 without a reference
+    return out
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over the optimizer steps of one learner step (lr: the last one's)."""
+    out = {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]}
+    out["lr"] = dicts[-1]["lr"]
+    return out
+
+
+def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s, _ in rows], dtype=torch.float64)
+    staleness = [version_at_start - s.policy_version for s, _ in rows]
+    lengths = [s.num_generated for s, _ in rows]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "num_samples": float(len(rows)),
+        "num_tokens": float(sum(lengths)),  # loss (generated) tokens trained on
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+    }
+
+
+# ---------------------------------------------------------------------------------- Ray shell
+
+
+class LearnerActor:
+    """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`)."""
+
+    def __init__(self, cfg: JobConfig):
+        self.learner = Learner(cfg)
+
+    def connect_publisher(self, world_size: int, host: str, port: int, backend: str, bucket_mb: float,
+                          timeout_s: float):
+        """Create the bus publisher (rank 0) in this process; returns its BusSpec for the workers.
+
+        The group forms lazily in the first ``publish``, which waits up to ``timeout_s`` for every
+        worker to join: start the workers' receives (or joins) alongside it.
+        """
+        from rlpost.transport.weight_bus import TorchWeightPublisher
+
+        if self.learner.publisher is not None:
+            self.learner.publisher.close()
+        self.learner.publisher = TorchWeightPublisher(world_size, host=host, port=port, backend=backend,
+                                                      device=self.learner.device, bucket_mb=bucket_mb,
+                                                      timeout_s=timeout_s)
+        return self.learner.publisher.spec
+
+    def reform_publisher(self, world_size: int | None = None):
+        """Open the bus's next generation after a failure (``TorchWeightPublisher.reform``)."""
+        return self.learner.publisher.reform(world_size)
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        return self.learner.train_step(groups)
+
+    def publish(self) -> dict[str, float]:
+        return self.learner.publish()
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        return self.learner.score(token_ids)
+
+    def save_checkpoint(self, run_dir: str, step: int) -> str:
+        return str(self.learner.save_checkpoint(run_dir, step))
+
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        return self.learner.load_checkpoint(path)
+
+    def version(self) -> int:
+        return self.learner.version
+
+    def close(self) -> None:
+        if self.learner.publisher is not None:
+            self.learner.publisher.close()
+
+
+def start_learner(cfg: JobConfig, *, name: str = "learner", namespace: str | None = None, num_cpus: float | None = None,
+                  num_gpus: float | None = None, **options):
+    """Start the named learner actor with the resources of ``cfg.resources.learner`` by default."""
+    import ray
+
+    res = cfg.resources.learner
+    return (
+        ray.remote(LearnerActor)
+        .options(name=name, namespace=namespace, num_cpus=res.num_cpus if num_cpus is None else num_cpus,
+                 num_gpus=res.num_gpus if num_gpus is None else num_gpus, **options)
+        .remote(cfg)
+    )

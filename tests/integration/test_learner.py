@@ -1,0 +1,265 @@
+"""The learner on the real tiny model: collate layout, learning, grad accumulation, publishing,
+checkpoints and scoring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from rlpost.actors.learner import Learner, list_checkpoints
+from rlpost.config import JobConfig
+from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
+from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
+from rlpost.transport.weight_bus import LocalWeightBus
+from rlpost.types import Group, Sample
+
+pytestmark = pytest.mark.integration
+
+GOOD, BAD = "<answer>7</answer><|im_end|>", "<answer>5</answer><|im_end|>"
+
+
+def make_cfg(model_path, **sections) -> JobConfig:
+    raw = {"model": {"name_or_path": str(model_path)}, "rollout": {"temperature": 0.9}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return JobConfig.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_tokenizer) -> list[int]:
+    messages = [{"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}, {"role": "user", "content": "What is 3 + 4?"}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def completion(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_sample(prompt: list[int], reply: list[int], *, reward=0.0, version=0, logprobs=None, ref=None) -> Sample:
+    ids = prompt + reply
+    return Sample(prompt_id=0, token_ids=ids, logprobs=logprobs or [0.0] * len(ids),
+                  loss_mask=[False] * len(prompt) + [True] * len(reply), prompt_len=len(prompt), reward=reward,
+                  policy_version=version, finished=True, ref_logprobs=ref)
+
+
+def on_policy_groups(learner: Learner, prompt: list[int], replies: list[list[list[int]]], rewards) -> list[Group]:
+    """Groups whose behaviour log-probs are the learner's own scores (on-policy), group advantages."""
+    groups = []
+    for g, (group_replies, group_rewards) in enumerate(zip(replies, rewards)):
+        scores = learner.score([prompt + r for r in group_replies])
+        samples = [make_sample(prompt, r, reward=rw, version=learner.version,
+                               logprobs=[0.0] * len(prompt) + s[len(prompt):])
+                   for r, rw, s in zip(group_replies, group_rewards, scores)]
+        rw = torch.tensor(group_rewards)
+        adv = ((rw - rw.mean()) / (rw.std() + 1e-4)).tolist()
+        groups.append(Group(prompt_id=g, samples=samples, advantages=adv, policy_version=learner.version))
+    return groups
+
+
+def completion_logprob(learner: Learner, prompt: list[int], reply: list[int]) -> float:
+    return sum(learner.score([prompt + reply])[0][len(prompt):])
+
+
+def test_collate_layout(tiny_model_path):
+    learner = Learner(make_cfg(tiny_model_path))
+    pad = learner.pad_token_id
+    a = make_sample([5, 6, 7], [8, 9], reward=1.0, version=3, logprobs=[0, 0, 0, -0.5, -0.25], ref=[0, 0, 0, -1, -2])
+    b = make_sample([5, 6], [8], reward=0.0, version=2, logprobs=[0, 0, -0.75], ref=[0, 0, -3])
+    c = make_sample([5], [8, 9, 10, 11], version=1)
+    batch = learner.collate([Group(0, [a, b], [0.7, -0.7], 2), Group(1, [c], [0.0], 1)])
+    assert batch.batch_size == torch.Size([3])
+    assert batch.get(TOKENS_FULL).tolist() == [[5, 6, 7, 8, 9], [5, 6, 8, pad, pad], [5, 8, 9, 10, 11]]
+    assert batch.get(ATTENTION_MASK).tolist() == [[True] * 5, [True] * 3 + [False] * 2, [True] * 5]
+    assert batch.get(ASSISTANT_MASK).int().tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch.get(LOG_PROBS_FULL)[:2].tolist() == [[0, 0, 0, -0.5, -0.25], [0, 0, -0.75, 0, 0]]
+    assert torch.allclose(batch.get("advantage"), torch.tensor([0.7, -0.7, 0.0]))
+    assert batch.get("policy_version").tolist() == [3, 2, 1]
+    assert batch.get(REF_LOG_PROBS_FULL, None) is None  # c has no reference log-probs
+    with_ref = learner.collate([Group(0, [a, b], [0.7, -0.7], 2)])
+    assert with_ref.get(REF_LOG_PROBS_FULL).tolist() == [[0, 0, 0, -1, -2], [0, 0, -3, 0, 0]]
+    with pytest.raises(ValueError, match="advantages"):
+        learner.collate([Group(0, [a, b], [0.7], 2)])
+
+
+def train_on_policy(learner: Learner, prompt: list[int], good: list[int], bad: list[int], num_steps: int):
+    """``num_steps`` on-policy steps on 2 groups of 4 (7 rewarded 1, 5 rewarded 0); returns the
+    (log p(good), log p(bad)) pairs before the first and after every step."""
+    trace = [tuple(completion_logprob(learner, prompt, r) for r in (good, bad))]
+    for step in range(1, num_steps + 1):
+        groups = on_policy_groups(learner, prompt, [[good, bad, good, bad], [bad, bad, good, bad]],
+                                  [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+        metrics = learner.train_step(groups)
+        assert learner.version == step and metrics["policy_version"] == step
+        assert metrics["staleness_mean"] == metrics["staleness_max"] == 0
+        assert metrics["num_samples"] == 8 and metrics["reward_mean"] == pytest.approx(3 / 8)
+        assert metrics["num_tokens"] == 8 * len(good) == 8 * metrics["completion_len_mean"]
+        assert metrics["kl_approx"] == pytest.approx(0, abs=1e-5) and metrics["clip_fraction"] == 0
+        assert metrics["lr"] == learner.cfg.optimizer.lr and metrics["grad_norm"] > 0 and metrics["kl_to_ref"] == 0
+        trace.append(tuple(completion_logprob(learner, prompt, r) for r in (good, bad)))
+    return trace
+
+
+def test_learning_prefers_the_rewarded_completion(tiny_model_path, tiny_tokenizer, prompt_ids):
+    # The advantages of a group sum to 0, so with only "7" and "5" in the batch GRPO's objective
+    # is c * (log p(7) - log p(5)): the gap must widen. log p(7) itself rises only while the
+    # steps are small: AdamW's first step moves every weight by ~lr (sign-like), which at 1e-3 is
+    # a large jolt to the tiny model (both log-probs drop to about -6, then "7" recovers), and
+    # later steps also lift the digits "6" and "8" that sit next to "7" and are never penalised.
+    good, bad = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)
+    small = train_on_policy(Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-5})), prompt_ids, good, bad, 3)
+    for (good_before, bad_before), (good_after, bad_after) in zip(small, small[1:]):
+        assert good_after > good_before + 0.01 and bad_after < bad_before - 0.05, small
+    large = train_on_policy(Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3})), prompt_ids, good, bad, 3)
+    (good_0, bad_0), (good_3, bad_3) = large[0], large[-1]
+    assert (good_3 - bad_3) > (good_0 - bad_0) + 3.0 and bad_3 < bad_0 - 3.0, large
+
+
+def test_epochs_take_one_optimizer_step_each(tiny_model_path, tiny_tokenizer, prompt_ids):
+    cfg = make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "warmup_steps": 4}, trainer={"epochs_per_batch": 2})
+    learner = Learner(cfg)
+    replies = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]]
+    groups = on_policy_groups(learner, prompt_ids, replies, [[1.0, 0.0]])
+    metrics = learner.train_step(groups)
+    assert learner.version == metrics["policy_version"] == 2  # one version per optimizer step
+    assert metrics["lr"] == pytest.approx(1e-3 * 2 / 4)  # warm-up: 1/4, then 2/4 of the peak (the last step's)
+    assert metrics["kl_approx"] > 1e-4  # the second pass is off-policy: the first step moved the weights
+    later = learner.train_step(groups)
+    assert later["staleness_mean"] == later["staleness_max"] == 2
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum_norm"])
+def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, prompt_ids, aggregation):
+    # Micro-batches with unequal loss-token counts (a long and a short group): the shares
+    # D_micro / D_batch make 1 and 2 micro-batches the same step for every aggregation.
+    long_reply, short_reply = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, "<answer>")
+    runs = {}
+    for accumulation in (1, 2):
+        learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "grad_accumulation": accumulation},
+                                   loss={"aggregation": aggregation}))
+        groups = on_policy_groups(learner, prompt_ids, [[long_reply] * 4, [short_reply] * 4],
+                                  [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+        for group in groups:  # off-policy behaviour log-probs, so clipping and ratios matter too
+            for i, sample in enumerate(group.samples):
+                sample.logprobs = [lp + 0.3 * (i % 2) * m for lp, m in zip(sample.logprobs, sample.loss_mask)]
+        grads = {}
+        learner.optimizer.register_step_pre_hook(
+            lambda *_: grads.update({n: p.grad.clone() for n, p in learner.model.named_parameters()}))
+        runs[accumulation] = (learner, learner.train_step(groups), grads)
+    (one, m1, g1), (two, m2, g2) = runs[1], runs[2]
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["clip_fraction"] > 0
+    assert m1["clip_fraction"] == pytest.approx(m2["clip_fraction"], abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5) and m1["grad_norm"] < 1  # no clipping
+    for name, grad in g1.items():  # the accumulated gradient is the full-batch one (float32 noise)
+        assert torch.allclose(grad, g2[name], atol=1e-7, rtol=1e-5), name
+    # AdamW's first step is lr * g / (|g| + eps): float noise on near-zero gradients moves a weight
+    # by up to ~lr / 100, so the weights agree to that, not to float precision.
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-5, rtol=0), name
+
+
+def test_publish_through_local_bus(tiny_model_path, tiny_tokenizer, prompt_ids):
+    bus = LocalWeightBus(timeout_s=5)
+    receiver = bus.receiver()
+    learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3}), publisher=bus)
+    learner.train_step(on_policy_groups(learner, prompt_ids, [[completion(tiny_tokenizer, GOOD)] * 2],
+                                        [[1.0, 0.0]]))
+    stats = learner.publish()
+    version, tensors = receiver.receive(timeout_s=1)
+    assert version == learner.version == 1
+    with safe_open(tiny_model_path / "model.safetensors", "pt") as f:
+        checkpoint_keys = set(f.keys())
+    # the checkpoint's keys plus the tied LM head: vLLM's CPU backend keeps its own copy of it
+    assert set(tensors) == checkpoint_keys | {"lm_head.weight"}
+    state = learner.model.state_dict()
+    for name, tensor in tensors.items():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        assert torch.equal(tensor, state[name]), name
+    assert stats["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    bf16 = Learner(make_cfg(tiny_model_path, model={"dtype": "bfloat16"}))
+    assert {t.dtype for _, t in bf16.named_parameters_for_sync()} == {torch.bfloat16}
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # fp32 masters
+
+
+def _snapshot(learner: Learner) -> dict:
+    opt = learner.optimizer.state_dict()
+    return {
+        "params": {k: v.clone() for k, v in learner.model.state_dict().items()},
+        "exp_avg": [s["exp_avg"].clone() for s in opt["state"].values()],
+        "opt_steps": [float(s["step"]) for s in opt["state"].values()],
+        "version": learner.version,
+        "lr_epoch": learner.scheduler.last_epoch,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def test_checkpoint_round_trip(tiny_model_path, tiny_tokenizer, prompt_ids, tmp_path):
+    learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "warmup_steps": 4},
+                               trainer={"keep_checkpoints": 2}))
+    replies, rewards = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]], [[1.0, 0.0]]
+    for step in (1, 2, 3):
+        learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
+        path = learner.save_checkpoint(tmp_path, step)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"] == \
+        [p.name for p in (tmp_path / "checkpoints").iterdir()]  # no temporary folders left behind
+    saved = _snapshot(learner)
+    learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
+    assert learner.version == 4 and not torch.equal(learner.model.state_dict()["model.norm.weight"],
+                                                     saved["params"]["model.norm.weight"])
+    assert learner.load_checkpoint(path) == {"step": 3, "version": 3}
+    restored = _snapshot(learner)
+    assert restored["version"] == 3 and restored["opt_steps"] == saved["opt_steps"] == [3.0] * len(saved["opt_steps"])
+    assert restored["lr_epoch"] == saved["lr_epoch"] == 3
+    assert torch.equal(restored["rng"], saved["rng"])
+    for name, tensor in saved["params"].items():
+        assert torch.equal(restored["params"][name], tensor), name
+    for got, want in zip(restored["exp_avg"], saved["exp_avg"]):
+        assert torch.equal(got, want)
+
+
+def test_score_matches_the_loss_and_a_manual_forward(tiny_model_path, prompt_ids):
+    learner = Learner(make_cfg(tiny_model_path))
+    rows = [prompt_ids + [40, 41, 42], prompt_ids[:7]]
+    scores = learner.score(rows)
+    assert [len(s) for s in scores] == [len(r) for r in rows] and scores[0][0] == scores[1][0] == 0.0
+    batch = learner.collate([Group(0, [make_sample(r[:3], r[3:]) for r in rows], [0.0, 0.0], 0)])
+    with torch.no_grad():
+        loss_scores = learner.loss_fn.score(batch.get(TOKENS_FULL), batch.get(ATTENTION_MASK))
+        for i, ids in enumerate(rows):
+            assert scores[i] == loss_scores[i, : len(ids)].tolist()
+            logits = learner.model(input_ids=torch.tensor([ids])).logits[0, :-1] / 0.9  # rollout temperature
+            manual = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+            assert torch.allclose(torch.tensor(scores[i][1:]), manual, atol=1e-5)
+
+
+def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, prompt_ids):
+    import threading
+
+    from rlpost.actors.learner import start_learner
+    from rlpost.transport.weight_bus import TorchWeightReceiver
+
+    cfg = make_cfg(tiny_model_path)
+    actor = start_learner(cfg, namespace="rlpost-test-learner", num_cpus=0)
+    try:
+        spec = ray_cluster.get(actor.connect_publisher.remote(2, "127.0.0.1", 0, "gloo", 1, 30.0), timeout=120)
+        receiver = TorchWeightReceiver(spec, 1)
+        received = {}
+        thread = threading.Thread(target=lambda: received.update(update=receiver.receive(timeout_s=60)))
+        thread.start()
+        stats = ray_cluster.get(actor.publish.remote(), timeout=90)
+        thread.join(timeout=90)
+        receiver.close()
+        local = Learner(cfg)
+        version, tensors = received["update"]
+        assert version == stats["policy_version"] == 0 and stats["bytes"] > 0
+        expected = dict(local.named_parameters_for_sync())
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[name], expected[name]) for name in expected)  # bit for bit
+        probe = [prompt_ids + [40, 41]]
+        assert ray_cluster.get(actor.score.remote(probe), timeout=60) == local.score(probe)
+        assert ray_cluster.get(actor.version.remote(), timeout=60) == 0
+        assert ray_cluster.get_actor("learner", namespace="rlpost-test-learner") is not None
+    finally:
+        ray_cluster.get(actor.close.remote(), timeout=60)
+        ray_cluster.kill(actor)
