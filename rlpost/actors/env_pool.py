@@ -1,0 +1,318 @@
+"""The env pool: prompts -> inference -> rewards -> whole GRPO groups -> buffer.
+
+:class:`EnvPool` is a plain class (no Ray needed): the env of the job config (its shard of the
+prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process
+``LocalVLLMClient`` or the inference workers' remote client), and an
+:class:`~rlpost.collect.LLMCollector`. The controller drives it in one of two ways::
+
+    sync:   groups = pool.collect(num_groups)            one batch with the current weights
+    async:  pool.start(num_groups_total) ... pool.stop() a background thread runs
+            run(): collect -> buffer.put(groups) (ONE batched put per collect; backpressure
+            blocks there) until the total, stop(), or an error
+
+:class:`EnvPoolActor` is the thin Ray shell (actor name ``env-pool-<i>``), threaded so that
+``stop()`` and ``stats()`` answer while the background thread collects.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlpost.collect import LLMCollector, PolicyVersion
+from rlpost.envs import make_env
+from rlpost.policies import vLLMWrapper
+from rlpost.types import Group
+
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
+
+DEFAULT_PUT_TIMEOUT_S = 600.0
+
+
+class EnvPool:
+    """One env pool: collects whole groups from its shard of the prompts.
+
+    Args:
+        cfg: the job config (data, rollout sampling, loss.advantage_scale /
+            filter_equal_rewards, trainer.prompts_per_step).
+        pool_index: this pool's index; it takes shard ``pool_index`` of
+            ``rollout.num_env_pools``, so prompt ids never collide across pools.
+        engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
+            ``last_policy_version``).
+        buffer: where ``run`` puts groups (``put(groups, timeout_s)``); None for collect-only.
+
+    Keyword Args:
+        tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
+        input_mode: "tokens" (default: exact ids across turns) or "history".
+        policy_version: a shared :class:`PolicyVersion` (e.g. set by the owner after a local
+            weight load); a new one when None.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        pool_index: int,
+        engine_client: Any,
+        buffer: Any = None,
+        *,
+        tokenizer: Any = None,
+        input_mode: str = "tokens",
+        policy_version: PolicyVersion | None = None,
+    ) -> None:
+        num_pools = cfg.rollout.num_env_pools
+        if not 0 <= pool_index < num_pools:
+            raise ValueError(f"pool_index must be in [0, rollout.num_env_pools={num_pools}), got {pool_index}")
+        self.cfg, self.pool_index, self.buffer = cfg, pool_index, buffer
+        self.groups_per_batch = max(1, cfg.trainer.prompts_per_step // num_pools)
+        tokenizer = _with_chat_template(tokenizer if tokenizer is not None else _load_tokenizer(cfg), cfg)
+        group_size = cfg.data.group_size
+        self.env = make_env(
+            cfg, tokenizer, self.groups_per_batch * group_size, input_mode=input_mode,
+            num_shards=num_pools, shard_index=pool_index,
+        )  # fmt: skip
+        rollout = cfg.rollout
+        self.policy = vLLMWrapper(
+            engine_client,
+            tokenizer=tokenizer,
+            input_mode=input_mode,
+            generate_kwargs={
+                "temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens,
+            },  # fmt: skip
+            return_log_probs=True,
+            return_tokens=True,
+            pad_output=False,
+        )
+        self.collector = LLMCollector(
+            self.env,
+            self.policy,
+            group_size=group_size,
+            groups_per_batch=self.groups_per_batch,
+            max_turns=rollout.max_turns,
+            advantage_scale=cfg.loss.advantage_scale,
+            filter_equal_rewards=cfg.loss.filter_equal_rewards,
+            track_policy_version=policy_version if policy_version is not None else PolicyVersion(),
+            group_info={"env_pool": pool_index},
+        )
+        self.num_batches_put = 0
+        self.put_s = 0.0  # seconds blocked in buffer.put (backpressure)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._error_text: str | None = None
+
+    # ------------------------------------------------------------------ collecting
+
+    def collect(self, num_groups: int | None = None) -> list[Group]:
+        """One batch of ``num_groups`` prompts (default: this pool's share of a learner step);
+        fewer groups come back when the DAPO filter drops some."""
+        if self.running:
+            raise RuntimeError(
+                f"env pool {self.pool_index} is collecting in the background (start()); stop() it before collect()"
+            )
+        return self.collector.collect(num_groups or self.groups_per_batch)
+
+    def run(
+        self,
+        num_groups_total: int | None = None,
+        stop: threading.Event | None = None,
+        put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S,
+    ) -> None:
+        """Collect and put into the buffer until ``num_groups_total`` prompts were collected
+        (None: until ``stop`` is set). Each collect's groups go in with one batched put, which
+        blocks while the buffer is full (a :class:`~rlpost.transport.buffer.BufferTimeout`
+        after ``put_timeout_s`` propagates: a partial put cannot be retried without duplicates).
+        Prompts whose groups the DAPO filter dropped count towards the total."""
+        if self.buffer is None:
+            raise ValueError(f"env pool {self.pool_index}: run() needs a buffer")
+        collected = 0
+        while num_groups_total is None or collected < num_groups_total:
+            if stop is not None and stop.is_set():
+                return
+            num_groups = self.groups_per_batch
+            if num_groups_total is not None:
+                num_groups = min(num_groups, num_groups_total - collected)
+            groups = self.collector.collect(num_groups)
+            collected += num_groups
+            if groups:
+                start = time.perf_counter()
+                self.buffer.put(groups, timeout_s=put_timeout_s)
+                self.put_s += time.perf_counter() - start
+                self.num_batches_put += 1
+
+    # ------------------------------------------------------------------ background (async mode)
+
+    def start(self, num_groups_total: int | None = None, put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S) -> None:
+        """Run :meth:`run` in a background thread; :meth:`stop` ends it."""
+        if self.running:
+            raise RuntimeError(f"env pool {self.pool_index} is already running")
+        self._stop.clear()
+        self._error = self._error_text = None
+        self._thread = threading.Thread(
+            target=self._run_guarded, args=(num_groups_total, put_timeout_s),
+            name=f"env-pool-{self.pool_index}", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def _run_guarded(self, num_groups_total: int | None, put_timeout_s: float) -> None:
+        try:
+            self.run(num_groups_total, self._stop, put_timeout_s)
+        except BaseException as exc:  # kept and re-raised by stop()/wait(); shown by stats()
+            self._error = exc
+            self._error_text = "".join(traceback.format_exception(exc))
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background run to end; True if it ended. Raises the run's error."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._raise_error()
+        return not self.running
+
+    def stop(self, timeout_s: float = DEFAULT_PUT_TIMEOUT_S + 60.0) -> dict[str, Any]:
+        """Ask the background run to stop after its current collect/put; wait up to
+        ``timeout_s``. Returns the stats; raises the run's error if it failed, or
+        ``TimeoutError`` if it did not stop in time."""
+        self._stop.set()
+        if not self.wait(timeout_s):
+            raise TimeoutError(f"env pool {self.pool_index} did not stop within {timeout_s:.0f}s")
+        return self.stats()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"env pool {self.pool_index} failed:\n{self._error_text}") from self._error
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self.collector.policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Tell the pool the weights version its engine now serves (clients without
+        ``last_policy_version``, e.g. an in-process engine after a local weight load)."""
+        self.collector.policy_version.set_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        """Running totals: samples, generated tokens, reward errors, filtered groups, seconds
+        generating / collecting / blocked in put, and the background run's state."""
+        out = self.collector.stats.as_dict()
+        out.update(
+            env_pool=self.pool_index,
+            policy_version=self.collector.policy_version.version,
+            num_batches_put=self.num_batches_put,
+            put_s=self.put_s,
+            running=self.running,
+            error=self._error_text,
+        )
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt stream's position (and the version tracker), for resume."""
+        return {
+            "pool_index": self.pool_index,
+            "num_env_pools": self.cfg.rollout.num_env_pools,
+            "collector": self.collector.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = (state["pool_index"], state["num_env_pools"])
+        if saved != (self.pool_index, self.cfg.rollout.num_env_pools):
+            raise ValueError(
+                f"env pool state of pool {saved[0]} of {saved[1]} cannot resume pool {self.pool_index} "
+                f"of {self.cfg.rollout.num_env_pools} (rollout.num_env_pools changed?)"
+            )
+        self.collector.load_state_dict(state["collector"])
+
+
+class EnvPoolActor:
+    """Ray shell around :class:`EnvPool` (named ``env-pool-<i>``); forwards every call.
+
+    Start it with :func:`start_env_pool` (threaded: ``max_concurrency`` >= 2, so ``stop`` and
+    ``stats`` run while the background collection does).
+    """
+
+    def __init__(self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None):
+        self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer)
+
+    def collect(self, num_groups: int | None = None) -> list[Group]:
+        return self.pool.collect(num_groups)
+
+    def start(self, num_groups_total: int | None = None, put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S) -> None:
+        self.pool.start(num_groups_total, put_timeout_s)
+
+    def stop(self, timeout_s: float = DEFAULT_PUT_TIMEOUT_S + 60.0) -> dict[str, Any]:
+        return self.pool.stop(timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.pool.wait(timeout_s)
+
+    def set_policy_version(self, version: int) -> None:
+        self.pool.set_policy_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        return self.pool.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.pool.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pool.load_state_dict(state)
+
+
+def start_env_pool(
+    cfg: JobConfig,
+    pool_index: int,
+    engine_client: Any,
+    buffer: Any,
+    *,
+    namespace: str | None = None,
+    max_concurrency: int = 4,
+    **options: Any,
+):
+    """Start the actor ``env-pool-<pool_index>`` (CPUs/GPUs from ``cfg.resources.env_pool``;
+    ``options`` go to ``.options()``, e.g. a placement-group scheduling strategy) and return
+    its handle."""
+    import ray  # here, not at import: EnvPool must work where Ray is not installed
+
+    if max_concurrency < 2:
+        raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
+    resources = cfg.resources.env_pool
+    return (
+        ray.remote(EnvPoolActor)
+        .options(
+            name=f"env-pool-{pool_index}", namespace=namespace, num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus, max_concurrency=max_concurrency, **options,
+        )  # fmt: skip
+        .remote(cfg, pool_index, engine_client, buffer)
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _load_tokenizer(cfg: JobConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def _with_chat_template(tokenizer: Any, cfg: JobConfig) -> Any:
+    """``tokenizer`` with ``model.chat_template`` (inline Jinja or a file path) when set; a
+    shallow copy, so the caller's tokenizer is left as it is."""
+    template = cfg.model.chat_template
+    if not template:
+        return tokenizer
+    path = Path(template)
+    if "{" not in template and path.is_file():
+        template = path.read_text()
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer

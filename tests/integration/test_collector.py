@@ -1,0 +1,331 @@
+"""LLMCollector, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
+
+One engine serves the module (start-up ~20 s on CPU). Engine calls go through a recording
+client, so the tests compare every sample with the exact ids and log-probs the engine returned.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+
+from rlpost.actors.env_pool import EnvPool, EnvPoolActor
+from rlpost.algo import group_advantages
+from rlpost.collect import LLMCollector, PolicyVersion
+from rlpost.config import JobConfig
+from rlpost.envs import Transform, make_env
+from rlpost.envs.rewards import answer_reward
+from rlpost.policies import LocalVLLMClient, vLLMWrapper
+from rlpost.transport.buffer import LocalBuffer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+GROUP_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    from rlpost.policies import make_vllm_engine, shutdown_vllm_engine
+
+    llm = make_vllm_engine(tiny_model_path, max_model_len=256, seed=0)
+    yield LocalVLLMClient(llm)
+    shutdown_vllm_engine(llm)
+
+
+class RecordingClient:
+    """An engine client over the real engine that records each call's prompts and completions.
+
+    ``versions[k]`` becomes ``last_policy_version`` after call k (the last one repeats);
+    ``overrides[k]`` updates call k's sampling; ``same_completion_rows`` gives those rows of
+    every call the completion of the first of them (identical completions: equal rewards).
+    """
+
+    def __init__(self, inner, *, versions=None, overrides=None, same_completion_rows=()):
+        self.inner, self.versions, self.overrides = inner, versions, overrides or []
+        self.same_completion_rows = list(same_completion_rows)
+        self.calls = []
+        self.last_policy_version = None
+
+    def get_tokenizer(self):
+        return self.inner.get_tokenizer()
+
+    def generate(self, prompt_token_ids, sampling):
+        k = len(self.calls)
+        sampling = {**sampling, **(self.overrides[k] if k < len(self.overrides) else {})}
+        out = self.inner.generate(prompt_token_ids, sampling)
+        if self.same_completion_rows:
+            first = out[self.same_completion_rows[0]][0]
+            for row in self.same_completion_rows:
+                out[row] = [copy.deepcopy(first)]
+        self.calls.append(([list(p) for p in prompt_token_ids], out))
+        if self.versions:
+            self.last_policy_version = self.versions[min(k, len(self.versions) - 1)]
+        return out
+
+    def score(self, token_ids, *, temperature):
+        return self.inner.score(token_ids, temperature=temperature)
+
+
+class CountingBuffer(LocalBuffer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.put_sizes = []
+
+    def put(self, groups, timeout_s):
+        self.put_sizes.append(len(groups))
+        super().put(groups, timeout_s)
+
+
+class Nudge(Transform):
+    """A user turn "Try again." after every response that did not end the episode."""
+
+    def on_step(self, td, next_td):
+        done = next_td.get("done").view(-1).tolist()
+        return self._env().append_messages(next_td, "user", [None if d else "Try again." for d in done])
+
+
+def make_cfg(**sections):
+    raw = {
+        "data": {"group_size": GROUP_SIZE},
+        "rollout": {"max_tokens": 24, "engine": {"max_model_len": 256}},
+        "trainer": {"prompts_per_step": 4},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return JobConfig.model_validate(raw)
+
+
+def make_collector(cfg, client, tokenizer, *, input_mode="tokens", num_groups=4, **kwargs):
+    env = make_env(cfg, tokenizer, num_groups * GROUP_SIZE, input_mode=input_mode)
+    policy = vLLMWrapper(
+        client, tokenizer=tokenizer, input_mode=input_mode, pad_output=False,
+        generate_kwargs={"max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature},
+    )  # fmt: skip
+    kwargs.setdefault("advantage_scale", cfg.loss.advantage_scale)
+    kwargs.setdefault("filter_equal_rewards", cfg.loss.filter_equal_rewards)
+    return LLMCollector(env, policy, group_size=GROUP_SIZE, **kwargs)
+
+
+def row_of(env, prompt_id):
+    primer = env.primer
+    epoch, position = divmod(prompt_id, primer.num_rows)
+    return primer.rows[int(primer.order(epoch)[position])]
+
+
+def flat(groups):
+    return [s for g in groups for s in g.samples]
+
+
+# ---------------------------------------------------------------------------- the collector
+
+
+@pytest.mark.parametrize("input_mode", ["tokens", "history"])
+def test_collect_whole_groups_from_the_engine_ids(engine, tiny_tokenizer, input_mode):
+    client = RecordingClient(engine)
+    collector = make_collector(make_cfg(), client, tiny_tokenizer, input_mode=input_mode)
+    groups = collector.collect(4)
+
+    assert len(groups) == 4
+    assert all(len(g.samples) == GROUP_SIZE and {s.prompt_id for s in g.samples} == {g.prompt_id} for g in groups)
+    assert len({g.prompt_id for g in groups}) == 4
+    # all rows of all groups went to the engine in one call, in row order
+    assert len(client.calls) == 1
+    prompts, completions = client.calls[0]
+    assert len(prompts) == 16
+    for sample, prompt, (completion,) in zip(flat(groups), prompts, completions):
+        n = sample.prompt_len
+        assert sample.token_ids[:n] == prompt
+        assert sample.token_ids[n:] == completion.token_ids  # the engine's ids, not re-tokenised text
+        assert sample.loss_mask == [False] * n + [True] * len(completion.token_ids)
+        assert sample.logprobs[n:] == pytest.approx(completion.logprobs, abs=0)
+        assert all(lp == 0.0 for lp in sample.logprobs[:n])
+        assert all(lp < 0.0 for lp in sample.logprobs[n:])
+        assert sample.finished == completion.finished
+        assert sample.policy_version == 0
+        row = row_of(collector.env, sample.prompt_id)
+        assert row["question"] in tiny_tokenizer.decode(prompt)
+        assert sample.reward == pytest.approx(answer_reward(sample.completion_text, row["answer"]))
+    for g in groups:
+        expected = group_advantages(torch.tensor([g.rewards], dtype=torch.float64))[0].tolist()
+        assert g.advantages == pytest.approx(expected, abs=1e-9)
+        assert g.policy_version == 0
+        assert g.info["num_filtered_groups"] == 0
+    assert collector.stats.num_samples == 16
+    assert collector.stats.num_generated_tokens == sum(s.num_generated for s in flat(groups))
+
+
+def test_iterator_and_batch_scaled_advantages(engine, tiny_tokenizer):
+    client = RecordingClient(engine)
+    cfg = make_cfg(loss={"advantage_scale": "batch"})
+    collector = make_collector(cfg, client, tiny_tokenizer, groups_per_batch=2, total_groups=5)
+    batches = list(collector)
+    assert [len(b) for b in batches] == [2, 2, 1]
+    assert len(client.calls) == 3  # one engine call per batch, whole groups each
+    ids = [g.prompt_id for b in batches for g in b]
+    assert len(set(ids)) == 5
+    for batch in batches:
+        rewards = torch.tensor([g.rewards for g in batch], dtype=torch.float64)
+        expected = group_advantages(rewards, scale="batch")
+        assert [a for g in batch for a in g.advantages] == pytest.approx(expected.flatten().tolist(), abs=1e-9)
+
+
+def test_policy_version_follows_the_engine(engine, tiny_tokenizer):
+    client = RecordingClient(engine, versions=[7])
+    collector = make_collector(make_cfg(), client, tiny_tokenizer)
+    groups = collector.collect(4)
+    assert {s.policy_version for s in flat(groups)} == {7}
+    assert {g.policy_version for g in groups} == {7}
+    assert collector.get_policy_version() == 7
+    client.versions = [9]
+    assert {g.policy_version for g in collector.collect(2)} == {9}
+
+
+def test_multi_turn_sequences_and_oldest_version(engine, tiny_tokenizer):
+    # Turn 1 is cut at 2 tokens (no answer yet: the episode goes on), the env adds a user turn,
+    # turn 2 is served by newer weights. The sample keeps both generated turns, the env's ids
+    # between them unmasked, and the older version.
+    client = RecordingClient(engine, versions=[7, 8], overrides=[{"max_tokens": 2}])
+    collector = make_collector(make_cfg(rollout={"max_turns": 2}), client, tiny_tokenizer, num_groups=2)
+    collector.env.append_transform(Nudge())
+    groups = collector.collect(2)
+    assert len(client.calls) == 2
+    (prompts1, out1), (prompts2, out2) = client.calls
+    assert len(prompts2) == 8  # no row answered in 2 tokens: every row took a second turn
+    for sample, p1, (c1,), p2, (c2,) in zip(flat(groups), prompts1, out1, prompts2, out2):
+        first = p1 + c1.token_ids
+        assert p2[: len(first)] == first and len(p2) > len(first)  # the env added the user turn
+        assert sample.token_ids == p2 + c2.token_ids
+        assert sample.prompt_len == len(p1)
+        added = len(p2) - len(first)
+        mask = [False] * len(p1) + [True] * len(c1.token_ids) + [False] * added + [True] * len(c2.token_ids)
+        assert sample.loss_mask == mask
+        assert sample.logprobs == pytest.approx([0.0] * len(p1) + c1.logprobs + [0.0] * added + c2.logprobs, abs=0)
+        assert "Try again." in sample.completion_text
+        assert sample.policy_version == 7
+    assert collector.get_policy_version() == 8
+
+
+def test_dapo_filter_drops_and_counts_equal_groups(engine, tiny_tokenizer):
+    # Rows 0-7 (groups 0 and 1) all get one identical completion: equal rewards in each group.
+    client = RecordingClient(engine, same_completion_rows=range(8))
+    collector = make_collector(make_cfg(loss={"filter_equal_rewards": True}), client, tiny_tokenizer)
+    groups = collector.collect(4)
+    num_filtered = collector.stats.num_filtered_groups
+    assert num_filtered >= 2 and len(groups) == 4 - num_filtered
+    assert collector.last_batch_info["num_filtered_groups"] == num_filtered
+    assert all(len(set(g.rewards)) > 1 for g in groups)
+    assert {g.prompt_id for g in groups} <= {2, 3}  # a fresh stream's groups 0, 1 are prompts 0, 1
+    assert len(client.calls) == 1
+    if groups:
+        assert groups[0].info["num_filtered_groups"] == num_filtered
+        assert sum(g.info["num_filtered_groups"] for g in groups) == num_filtered
+
+
+# ---------------------------------------------------------------------------- the env pool
+
+
+def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
+    cfg = make_cfg(rollout={"num_env_pools": 2})
+    client = RecordingClient(engine)
+    buffer = CountingBuffer(capacity=100)
+    pool = EnvPool(cfg, 1, client, buffer, tokenizer=tiny_tokenizer)
+    assert pool.groups_per_batch == 2
+
+    groups = pool.collect()
+    assert len(groups) == 2 and all(g.info["env_pool"] == 1 for g in groups)
+    assert all(g.prompt_id % 2 == 1 for g in groups)  # shard 1 of 2: odd positions only
+    assert buffer.put_sizes == []
+
+    pool.run(num_groups_total=4, put_timeout_s=10)
+    assert buffer.put_sizes == [2, 2]  # one batched put per collect
+    in_buffer = buffer.get(4, timeout_s=1)
+    assert all(len(g.samples) == GROUP_SIZE for g in in_buffer)
+    stats = pool.stats()
+    assert stats["num_samples"] == 6 * GROUP_SIZE and stats["num_batches_put"] == 2
+    assert stats["num_generated_tokens"] > 0 and stats["generate_s"] > 0 and stats["reward_errors"] == {}
+
+    state = pool.state_dict()
+    expected = [g.prompt_id for g in pool.collect()]
+    resumed = EnvPool(cfg, 1, client, None, tokenizer=tiny_tokenizer)
+    resumed.load_state_dict(state)
+    assert [g.prompt_id for g in resumed.collect()] == expected
+    with pytest.raises(ValueError, match="cannot resume pool"):
+        EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
+
+
+def test_env_pool_background_run_stops(engine, tiny_tokenizer):
+    cfg = make_cfg()
+    buffer = CountingBuffer(capacity=1000)
+    pool = EnvPool(cfg, 0, RecordingClient(engine, versions=[3]), buffer, tokenizer=tiny_tokenizer)
+    pool.start(num_groups_total=8)
+    assert pool.wait(timeout_s=60)
+    assert buffer.put_sizes == [4, 4]
+
+    pool.start()  # until stopped
+    deadline = time.monotonic() + 30
+    while buffer.stats().num_put < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = pool.stop(timeout_s=30)
+    assert not stats["running"] and stats["error"] is None and stats["policy_version"] == 3
+    assert sum(buffer.put_sizes) == buffer.stats().num_put >= 12
+    assert {g.policy_version for g in buffer.drain()} == {3}
+
+
+def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
+    class Broken:
+        def put(self, groups, timeout_s):
+            raise OSError("buffer gone")
+
+    pool = EnvPool(make_cfg(), 0, RecordingClient(engine), Broken(), tokenizer=tiny_tokenizer)
+    pool.start(num_groups_total=4)
+    with pytest.raises(RuntimeError, match="buffer gone"):
+        pool.wait(timeout_s=60)
+    assert "buffer gone" in pool.stats()["error"]
+
+
+# ---------------------------------------------------------------------------- the Ray actor
+
+
+def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
+    from rlpost.actors.buffer import start_buffer
+    from rlpost.actors.env_pool import start_env_pool
+
+    class FixedClient:
+        """Every row answers "<answer>1</answer>" (defined here: pickled by value into the actor)."""
+
+        def __init__(self, ids, version):
+            self.ids, self.last_policy_version = ids, version
+
+        def generate(self, prompt_token_ids, sampling):
+            from rlpost.policies import Completion
+
+            return [[Completion(list(self.ids), [-0.5] * len(self.ids), True)] for _ in prompt_token_ids]
+
+        def score(self, token_ids, *, temperature):
+            return [[0.0] * len(ids) for ids in token_ids]
+
+    ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)
+    cfg = make_cfg(model={"name_or_path": str(tiny_model_path)})  # the actor loads the tokenizer
+    buffer = start_buffer(capacity=10**6, max_staleness=None, name="buffer-env-pool-test")
+    actor = start_env_pool(cfg, 0, FixedClient(ids, 5), buffer)
+    assert ray_cluster.get_actor("env-pool-0") is not None
+    groups = ray_cluster.get(actor.collect.remote(2), timeout=120)
+    assert len(groups) == 2 and all(s.token_ids[s.prompt_len :] == ids for s in flat(groups))
+    assert {g.policy_version for g in groups} == {5}
+    ray_cluster.get(actor.start.remote(None), timeout=30)
+    time.sleep(0.5)
+    running = ray_cluster.get(actor.stats.remote(), timeout=10)  # answers while the run goes on
+    assert running["running"]
+    stats = ray_cluster.get(actor.stop.remote(30), timeout=60)
+    assert not stats["running"] and stats["error"] is None and stats["num_batches_put"] >= 1
+    assert buffer.stats().num_put == stats["num_batches_put"] * 4
+    ray_cluster.kill(actor)
+
+
+def test_plain_pool_works_without_the_actor_shell():
+    # EnvPoolActor only forwards: its methods are EnvPool's
+    forwarded = {"collect", "start", "stop", "wait", "stats", "state_dict", "load_state_dict", "set_policy_version"}
+    assert forwarded <= {name for name in vars(EnvPoolActor) if not name.startswith("_")}
+    assert all(hasattr(EnvPool, name) for name in forwarded)
+    assert PolicyVersion(3).increment_version() == 4
