@@ -109,6 +109,13 @@ class RemoteVLLMClient:
     def get_tokenizer(self):
         return self._tokenizer
 
+    def __getstate__(self) -> dict:
+        # travels to the env-pool actor: handles and settings, not the lock or the local counters
+        return {"handles": self.handles, "request_timeout_s": self.request_timeout_s, "tokenizer": self._tokenizer}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["handles"], request_timeout_s=state["request_timeout_s"], tokenizer=state["tokenizer"])
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         completions, version = self._call("generate", prompt_token_ids, sampling)
         self.last_policy_version = version
