@@ -114,8 +114,8 @@ class History(TensorClass["nocast"]):
         becomes a ``"tool"`` message. A list of texts gives a padded ``[B, max_n]`` batch.
         """
         if isinstance(text, str):
-            return cls._from_rows([_parse_chatml(text)], squeeze=True)
-        return cls._from_rows([_parse_chatml(t) for t in text], squeeze=False)
+            return cls._from_rows([parse_chatml(text)], squeeze=True)
+        return cls._from_rows([parse_chatml(t) for t in text], squeeze=False)
 
     # ------------------------------------------------------------------ conversion
 
@@ -241,7 +241,9 @@ def _content_text(content: Any) -> str:
     raise ValueError(f"message content must be a string or a list of content blocks, got {type(content).__name__}")
 
 
-def _parse_chatml(text: str) -> list[dict]:
+def parse_chatml(text: str) -> list[dict]:
+    """Message dicts (``role``, ``content``, ``is_complete``) of a rendered ChatML text; the
+    parser behind :meth:`History.from_text`, without building a History (cheap per row)."""
     messages = []
     pos = 0
     while pos < len(text):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorClass
+from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.data.history import History
 
@@ -89,16 +90,9 @@ class Masks(TensorClass["nocast"]):
 
 def pad_rows(rows: list[torch.Tensor], side: str, value) -> torch.Tensor:
     """Stack 1-D rows into ``[len(rows), max_len]``, padding with ``value`` on ``side``."""
-    length = max((len(r) for r in rows), default=0)
-    dtype = rows[0].dtype if rows else torch.float32
-    out = torch.full((len(rows), length), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        if len(row):
-            if side == "left":
-                out[i, length - len(row) :] = row
-            else:
-                out[i, : len(row)] = row
-    return out
+    if not rows:
+        return torch.zeros((0, 0))
+    return pad_sequence(rows, batch_first=True, padding_value=value, padding_side=side)
 
 
 def pad_full(rows: list[torch.Tensor], split: list[int] | None, value) -> torch.Tensor:

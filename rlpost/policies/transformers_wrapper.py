@@ -65,7 +65,7 @@ class TransformersWrapper(LLMWrapperBase):
             input_ids[i, width - len(ids) :] = torch.tensor(ids)
             attention[i, width - len(ids) :] = 1
         greedy = params["temperature"] == 0
-        sampling = {} if greedy else dict(temperature=params["temperature"], top_p=params["top_p"], top_k=params["top_k"])
+        sampling = {} if greedy else {k: params[k] for k in ("temperature", "top_p", "top_k")}
         extra = {k: v for k, v in params.items() if k not in _STANDARD}
         eos = sorted(self._eos_ids())
         with torch.random.fork_rng(devices=[]):
@@ -86,7 +86,9 @@ class TransformersWrapper(LLMWrapperBase):
             )
         new_tokens = out.sequences[:, width:].cpu()
         logprobs = _sampled_logprobs(out.scores, new_tokens) if self.return_log_probs else None
-        completions = [self._cut(new_tokens[i], None if logprobs is None else logprobs[i]) for i in range(len(new_tokens))]
+        completions = [
+            self._cut(new_tokens[i], None if logprobs is None else logprobs[i]) for i in range(len(new_tokens))
+        ]
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompt_ids))]
 
     def _cut(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> Completion:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any, Protocol
 
 import torch
@@ -72,7 +73,9 @@ class LocalVLLMClient:
             max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False
         )
         outputs = self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
-        return [_prompt_scores(ids, out.prompt_logprobs, temperature, full_vocab) for ids, out in zip(token_ids, outputs)]
+        return [
+            _prompt_scores(ids, out.prompt_logprobs, temperature, full_vocab) for ids, out in zip(token_ids, outputs)
+        ]
 
     def shutdown(self) -> None:
         """Stop the engine's child processes (vLLM 0.32: ``llm_engine.engine_core.shutdown()``)."""
@@ -135,13 +138,18 @@ def make_vllm_engine(
 ):
     """Create a ``vllm.LLM`` configured the way rlpost needs it.
 
-    Always sets ``logprobs_mode="processed_logprobs"`` (a different value is a ValueError).
-    ``dtype`` float32 by default so inference log-probs match the fp32 learner. On the CPU
-    backend the KV cache is sized by ``kv_cache_memory_bytes`` (256 MiB holds ~250k tokens of
-    the tiny model); vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` variable (whole GiB) overrides it
-    when set in the environment, and is set here to that size in GiB, rounded up, only when
-    ``kv_cache_memory_bytes`` is None. The engine runs in child processes: create it under
-    ``if __name__ == "__main__":`` in scripts and release it with :func:`shutdown_vllm_engine`.
+    Always sets ``logprobs_mode="processed_logprobs"`` (another value is a ValueError), and
+    ``max_logprobs=-1`` (tempered scoring reads full prompt distributions). ``dtype`` is float32
+    by default so that inference log-probs match the fp32 learner. On the CPU backend:
+
+    - the KV cache is ``kv_cache_memory_bytes`` (256 MiB holds ~250k tokens of the tiny model,
+      and keeps one engine under 2 GB resident). vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE``
+      variable (whole GiB) overrides it when set in the environment; with
+      ``kv_cache_memory_bytes=None`` it is set to 1 GiB unless already set.
+    - chunked prefill is off (see the comment below); pass ``enable_chunked_prefill`` to override.
+
+    The engine runs in child processes: create it under ``if __name__ == "__main__":`` in
+    scripts and release it with :func:`shutdown_vllm_engine`.
     """
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -156,6 +164,8 @@ def make_vllm_engine(
         # engine ("CPU Generator does not use offset") once a batch's prompts exceed
         # max_num_batched_tokens; without chunked prefill prompts are scheduled whole.
         engine_kwargs.setdefault("enable_chunked_prefill", False)
+        if not engine_kwargs["enable_chunked_prefill"]:
+            engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))
     if kv_cache_memory_bytes is not None:
         engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     return LLM(
@@ -182,7 +192,8 @@ def _is_client(obj) -> bool:
 
 
 def _is_vllm_llm(obj) -> bool:
-    return type(obj).__name__ == "LLM" and type(obj).__module__.startswith("vllm")
+    vllm = sys.modules.get("vllm")  # an LLM instance implies vllm is imported; never import it here
+    return vllm is not None and isinstance(obj, vllm.LLM)
 
 
 def _token_prompts(token_ids: list[list[int]]) -> list[dict]:

@@ -85,6 +85,12 @@ def rows(td: TensorDict, key) -> list[torch.Tensor]:
     return td.get(key, as_list=True)
 
 
+def transformers_scorer(hf_model, tokenizer, temperature: float) -> TransformersWrapper:
+    return TransformersWrapper(
+        hf_model, tokenizer=tokenizer, input_mode="tokens", generate=False, generate_kwargs={"temperature": temperature}
+    )
+
+
 def make_generator(backend, vllm_engine, hf_model, tokenizer, **kwargs):
     if backend == "vllm":
         return vLLMWrapper(vllm_engine, tokenizer=tokenizer, **kwargs)
@@ -101,9 +107,7 @@ def test_vllm_sampled_logprobs_equal_transformers_scores(vllm_engine, hf_model, 
         generate_kwargs={"max_tokens": 16, "temperature": temperature, "seed": 11},
     )
     out = generator(history_td(prompt_history())).reshape(-1)
-    scorer = TransformersWrapper(
-        hf_model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False, generate_kwargs={"temperature": temperature}
-    )
+    scorer = transformers_scorer(hf_model, tiny_tokenizer, temperature)
     assert scorer.temperature == temperature
     with torch.no_grad():
         scored = scorer(TensorDict(tokens=out["tokens"], batch_size=out.batch_size))
@@ -112,7 +116,7 @@ def test_vllm_sampled_logprobs_equal_transformers_scores(vllm_engine, hf_model, 
         )
     worst, worst_raw = 0.0, 0.0
     for sampled, score, score_raw in zip(
-        rows(out, ("log_probs", "response")), rows(scored, ("log_probs", "response")), rows(raw, ("log_probs", "response"))
+        *(rows(td, ("log_probs", "response")) for td in (out, scored, raw))
     ):
         assert sampled.shape == score.shape and len(sampled) > 0
         worst = max(worst, (sampled - score).abs().max().item())
@@ -141,9 +145,9 @@ def test_transformers_sampled_logprobs_equal_vllm_scores(vllm_engine, hf_model, 
         assert (sampled - score).abs().max().item() <= TOLERANCE
     # vLLM prompt scores agree with the transformers forward pass on every position
     with torch.no_grad():
-        reference = TransformersWrapper(
-            hf_model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False, generate_kwargs={"temperature": temperature}
-        )(TensorDict(tokens=out["tokens"], batch_size=out.batch_size))
+        reference = transformers_scorer(hf_model, tiny_tokenizer, temperature)(
+            TensorDict(tokens=out["tokens"], batch_size=out.batch_size)
+        )
     for ours, theirs in zip(rows(scored, ("log_probs", "full")), rows(reference, ("log_probs", "full"))):
         assert ours[0] == 0 and (ours - theirs).abs().max().item() <= TOLERANCE
 
@@ -219,8 +223,12 @@ def test_prompt_plus_response_is_full_on_a_ragged_batch(vllm_engine, hf_model, t
 
 def test_vllm_padded_and_unpadded_outputs_agree(vllm_engine, tiny_tokenizer):
     kwargs = dict(input_mode="history", generate_kwargs={"max_tokens": 12, "temperature": 1.0, "seed": 2})
-    ragged = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=False, **kwargs)(history_td(prompt_history()))
-    dense = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=True, **kwargs)(history_td(prompt_history()))
+    ragged = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=False, **kwargs)(
+        history_td(prompt_history())
+    )
+    dense = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=True, **kwargs)(
+        history_td(prompt_history())
+    )
     attention = dense["masks"].all_attention_mask
     for i, (full, lp) in enumerate(zip(rows(ragged, ("tokens", "full")), rows(ragged, ("log_probs", "full")))):
         assert torch.equal(dense["tokens"].full[i][attention[i]], full)
@@ -237,7 +245,11 @@ def test_assistant_mask_covers_exactly_the_assistant_tokens(vllm_engine, hf_mode
                 {"role": "user", "content": "What is 3 + 4?"},
                 {"role": "assistant", "content": "<answer>7</answer>"},
             ],
-            [SYSTEM, {"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "<answer>2</answer>"}],
+            [
+                SYSTEM,
+                {"role": "user", "content": "What is 1 + 1?"},
+                {"role": "assistant", "content": "<answer>2</answer>"},
+            ],
         ]
     )
     td = TensorDict(history=ChatHistory(full=full, batch_size=[2]), batch_size=[2])
@@ -265,7 +277,10 @@ def test_history_round_trip(vllm_engine, tiny_tokenizer, max_tokens):
     # are the canonical tokenisation (greedy decoding of this model gives it). Training never
     # relies on this: it uses tokens.full.
     generator = vLLMWrapper(
-        vllm_engine, tokenizer=tiny_tokenizer, input_mode="history", generate_kwargs={"max_tokens": max_tokens, "temperature": 0}
+        vllm_engine,
+        tokenizer=tiny_tokenizer,
+        input_mode="history",
+        generate_kwargs={"max_tokens": max_tokens, "temperature": 0},
     )
     out = generator(history_td(prompt_history()))
     chat = out["history"]
@@ -305,6 +320,18 @@ def test_text_and_tokens_modes_and_twins(vllm_engine, tiny_tokenizer):
     assert by_tokens["tokens"].prompt[0].tolist() == ids[0].tolist()
 
 
+def test_seeded_batch_larger_than_one_prefill_step(vllm_engine, tiny_tokenizer):
+    # vLLM 0.32 on CPU crashed the engine here with chunked prefill on (make_vllm_engine turns it off)
+    history = prompt_history(200)
+    assert sum(len(ids) for ids in history.apply_chat_template(tiny_tokenizer, tokenize=True)) > 4096
+    generator = vLLMWrapper(
+        vllm_engine, tokenizer=tiny_tokenizer, input_mode="history", return_text=False,
+        generate_kwargs={"max_tokens": 2, "temperature": 1.0, "seed": 0},
+    )
+    out = generator(history_td(history))
+    assert out.batch_size == torch.Size([201])
+
+
 def test_engine_client_interface_gives_identical_results(vllm_engine, tiny_tokenizer):
     class PicklingClient:
         """Stands in for a remote inference worker: every argument and result is pickled."""
@@ -318,7 +345,8 @@ def test_engine_client_interface_gives_identical_results(vllm_engine, tiny_token
         def score(self, token_ids, *, temperature):
             return _roundtrip(self.inner.score(_roundtrip(token_ids), temperature=temperature))
 
-    kwargs = dict(input_mode="history", num_samples=2, generate_kwargs={"max_tokens": 10, "temperature": 0.8, "seed": 9})
+    sampling = {"max_tokens": 10, "temperature": 0.8, "seed": 9}
+    kwargs = dict(input_mode="history", num_samples=2, generate_kwargs=sampling)
     local = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, **kwargs)
     remote = vLLMWrapper(PicklingClient(LocalVLLMClient(vllm_engine)), tokenizer=tiny_tokenizer, **kwargs)
     a, b = local(history_td(prompt_history())), remote(history_td(prompt_history()))

@@ -68,7 +68,8 @@ def test_none_padding_is_dropped(tiny_tokenizer):
 def test_tool_messages_render_qwen_style_and_parse_back(tiny_tokenizer):
     history = History.from_chats([SYSTEM, USER, ANSWER, TOOL])
     text = history.apply_chat_template(tiny_tokenizer, add_generation_prompt=False)
-    assert "<|im_start|>user\n<tool_response>\nCode block 1 executed successfully:\n7\n\n</tool_response><|im_end|>" in text
+    tool_turn = f"<|im_start|>user\n<tool_response>\n{TOOL['content']}\n</tool_response><|im_end|>"
+    assert tool_turn in text
     parsed = History.from_text(text)
     assert parsed.to_chats() == [SYSTEM, USER, ANSWER, TOOL]
 
@@ -133,7 +134,9 @@ def test_append_and_extend():
     assert [m["role"] for m in longer.to_chats()] == ["system", "user", "assistant", "user", "assistant"]
 
     batch = History.from_chats([[SYSTEM, USER], [SYSTEM, USER2]])
-    replies = History(role=["assistant", "assistant"], content=["<answer>7</answer>", "<answer>8</answer>"], batch_size=[2])
+    replies = History(
+        role=["assistant", "assistant"], content=["<answer>7</answer>", "<answer>8</answer>"], batch_size=[2]
+    )
     batch.append(replies)
     assert batch.batch_size == torch.Size([2, 3])
     assert [row[-1]["content"] for row in batch.to_chats()] == ["<answer>7</answer>", "<answer>8</answer>"]
