@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser(
         "make-tiny-model",
         help="build the offline tiny model (tokenizer + Qwen2 LM) used by the demo and tests",
-        description="Build the offline tiny model into DIR; skipped when DIR already holds one (use --force).",
+        description="Build the offline tiny model into DIR; skipped when DIR already holds one built from the same spec (use --force).",
     )
     tiny.add_argument("dir", help="output folder, e.g. .cache/tiny-model")
     tiny.add_argument("--seed", type=int, default=0, help="seed (the same seed gives identical files)")
@@ -108,18 +109,16 @@ def _cmd_train(args) -> int:
     check_inputs_exist(cfg)
     run_dir = create_run_dir(cfg, args.run_dir)
     print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
-    try:
-        from rlpost.controller import run_training
-    except ImportError:
-        # The service (inference workers, env pools, learner, weight bus) is not part of this
-        # build yet: stop after the checks above rather than pretend to train.
-        print(
-            "rlpost: config and inputs are valid; the training service is not in this build yet, "
-            "so no steps were run",
-            file=sys.stderr,
-        )
-        return EXIT_OK
+    from rlpost.controller import run_training
+
+    # `ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C so the controller stops
+    # every actor (and its vLLM engine) instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     return run_training(cfg, run_dir)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _cmd_plot(args) -> int:
@@ -137,13 +136,13 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_make_tiny_model(args) -> int:
-    from rlpost.tiny_model import TinyModelSpec, build_tiny_model
+    from rlpost.tiny_model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 
-    out = Path(args.dir)
-    if (out / "config.json").is_file() and not args.force:
+    out, spec = Path(args.dir), TinyModelSpec(seed=args.seed)
+    if args.force:
+        build_tiny_model(out, spec)
+    elif not ensure_tiny_model(out, spec):
         print(f"rlpost: tiny model already built at {out} (use --force to rebuild)")
-        return EXIT_OK
-    build_tiny_model(out, TinyModelSpec(seed=args.seed))
     return EXIT_OK
 
 

@@ -70,10 +70,10 @@ class TinyModelSpec:
     sft_rows: int = 4000
     batch_size: int = 64
     lr: float = 1e-3
-    max_sft_steps: int = 1200
+    max_sft_steps: int = 2000
     eval_every: int = 25
     eval_prompts: int = 128
-    target_reward: tuple[float, float] = (0.2, 0.4)
+    target_reward: tuple[float, float] = (0.35, 0.5)
     num_threads: int = 2  # fixed so that float reductions, hence the files, do not vary by machine
 
 
@@ -119,6 +119,30 @@ def build_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny model written to {out_dir} in {meta['build_seconds']} s")
     return meta
+
+
+def built_spec(out_dir: str | Path) -> dict | None:
+    """The spec a folder was built with (None when it holds no tiny model)."""
+    meta = Path(out_dir) / "rlpost_tiny_model.json"
+    if not (Path(out_dir) / "config.json").is_file() or not meta.is_file():
+        return None
+    return json.loads(meta.read_text()).get("spec")
+
+
+def ensure_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print) -> bool:
+    """Build the tiny model unless ``out_dir`` already holds one built from the same spec.
+
+    Returns True when it built. A cached model from an older spec is rebuilt, so a change of
+    :class:`TinyModelSpec` never leaves tests or the demo on stale weights.
+    """
+    current = json.loads(json.dumps(asdict(spec)))  # tuples -> lists, as stored
+    found = built_spec(out_dir)
+    if found == current:
+        return False
+    if found is not None:
+        log(f"tiny model at {out_dir} was built from another spec; rebuilding")
+    build_tiny_model(out_dir, spec, log)
+    return True
 
 
 def _chat(question: str, answer: str | None = None) -> list[dict[str, str]]:

@@ -22,10 +22,9 @@ def tiny_model_path() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".tiny-model.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "config.json").is_file():
-            from rlpost.tiny_model import build_tiny_model
+        from rlpost.tiny_model import ensure_tiny_model
 
-            build_tiny_model(path)
+        ensure_tiny_model(path)  # builds, or rebuilds a cache made from an older spec
     return path
 
 

@@ -81,3 +81,26 @@ def test_automatic_run_names_never_collide(tmp_path):
     first = create_run_dir(load_config("configs/tiny-cpu.yaml", [f"logging.run_dir={tmp_path}"]))
     second = create_run_dir(load_config("configs/tiny-cpu.yaml", [f"logging.run_dir={tmp_path}"]))
     assert first != second and (first / "config.yaml").exists() and (second / "config.yaml").exists()
+
+
+def test_tiny_model_cache_is_rebuilt_only_when_the_spec_changes(tmp_path, monkeypatch):
+    import json
+
+    from rlpost import tiny_model
+
+    builds = []
+
+    def fake_build(out_dir, spec, log=print):
+        builds.append(spec)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "rlpost_tiny_model.json").write_text(json.dumps({"spec": json.loads(json.dumps(
+            __import__("dataclasses").asdict(spec)))}))
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", fake_build)
+    spec = tiny_model.TinyModelSpec()
+    assert tiny_model.ensure_tiny_model(tmp_path / "m", spec, log=lambda _: None) is True
+    assert tiny_model.ensure_tiny_model(tmp_path / "m", spec, log=lambda _: None) is False
+    changed = tiny_model.TinyModelSpec(seed=1)
+    assert tiny_model.ensure_tiny_model(tmp_path / "m", changed, log=lambda _: None) is True
+    assert builds == [spec, changed]
