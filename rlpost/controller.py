@@ -61,6 +61,7 @@ class Actors:
     env_pools: list
     learner: object
     reference: object | None
+    placement_group: object | None = None
 
 
 def run_training(cfg: JobConfig, run_dir: Path) -> int:
@@ -97,7 +98,8 @@ def _init_ray(cfg: JobConfig) -> bool:
 
 
 def start_actors(cfg: JobConfig) -> Actors:
-    """Start every role's actors under their DESIGN names, wire the weight bus, wait until ready."""
+    """Start every role's actors under their DESIGN names in the run's placement group, wire the
+    weight bus, and wait until the engines are up."""
     import ray
 
     from rlpost.actors.buffer import start_buffer
@@ -107,35 +109,83 @@ def start_actors(cfg: JobConfig) -> Actors:
     from rlpost.actors.reference import ReferenceActor
 
     res = cfg.resources
+    pg, place = make_placement_group(cfg)
+
+    def options(name: str, role, **extra) -> dict:
+        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=place(name), **extra)
+
     buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus)
     inference = [
         ray.remote(InferenceActor)
-        .options(name=f"inference-{i}", num_cpus=res.inference.num_cpus, num_gpus=res.inference.num_gpus)
+        .options(**options(f"inference-{i}", res.inference))
         .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=i)
         for i in range(cfg.rollout.num_inference_workers)
     ]
-    learner = (
-        ray.remote(LearnerActor)
-        .options(name="learner", num_cpus=res.learner.num_cpus, num_gpus=res.learner.num_gpus)
-        .remote(cfg)
-    )
+    learner = ray.remote(LearnerActor).options(**options("learner", res.learner)).remote(cfg)
     reference = None
     if cfg.reference.enabled:
-        reference = (
-            ray.remote(ReferenceActor)
-            .options(name="reference", num_cpus=res.reference.num_cpus, num_gpus=res.reference.num_gpus)
-            .remote(cfg)
-        )
+        reference = ray.remote(ReferenceActor).options(**options("reference", res.reference)).remote(cfg)
     env_pools = [
         ray.remote(EnvPoolActor)
-        .options(name=f"env-pool-{i}", num_cpus=res.env_pool.num_cpus, num_gpus=res.env_pool.num_gpus, max_concurrency=4)
+        .options(**options(f"env-pool-{i}", res.env_pool, max_concurrency=4))
         .remote(cfg, i, RemoteVLLMClient(inference), buffer)
         for i in range(cfg.rollout.num_env_pools)
     ]
     startup_s = 600.0
     ray.get([w.get_version.remote() for w in inference], timeout=startup_s)
     _connect_bus(cfg, learner, inference, timeout_s=startup_s)
-    return Actors(buffer, inference, env_pools, learner, reference)
+    return Actors(buffer, inference, env_pools, learner, reference, pg)
+
+
+def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
+    """(actor name, its RoleResources) for every actor of the run, in start order."""
+    res = cfg.resources
+    plan = [(f"inference-{i}", res.inference) for i in range(cfg.rollout.num_inference_workers)]
+    plan.append(("learner", res.learner))
+    if cfg.reference.enabled:
+        plan.append(("reference", res.reference))
+    plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
+    return plan
+
+
+def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
+    """One placement group for the run: a bundle per actor that reserves CPUs or GPUs.
+
+    Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
+    actor that reserves nothing). The strategy (PACK/SPREAD/...) comes from
+    ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
+    on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
+    ``timeout_s`` the run stops, naming what it asked for and what the cluster has.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles, index = [], {}
+    for name, role in role_plan(cfg):
+        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0}
+        if bundle:
+            index[name] = len(bundles)
+            bundles.append(bundle)
+    if not bundles:
+        return None, lambda name: None
+    pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        asked = {k: round(sum(b.get(k, 0) for b in bundles), 2) for k in ("CPU", "GPU")}
+        raise RuntimeError(
+            f"the cluster cannot place the run's actors: they ask for {asked} "
+            f"({cfg.resources.placement_strategy}), the cluster has {ray.cluster_resources()}; "
+            "lower resources.* or add nodes"
+        )
+
+    def place(name: str):
+        if name not in index:
+            return None
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index[name])
+
+    return pg, place
 
 
 def _connect_bus(cfg: JobConfig, learner, inference: list, timeout_s: float) -> None:
@@ -162,6 +212,8 @@ def stop_actors(actors: Actors) -> None:
     handles = actors.env_pools + actors.inference + [actors.learner, actors.buffer.handle]
     for handle in handles + ([actors.reference] if actors.reference is not None else []):
         _quietly(lambda: ray.kill(handle))
+    if actors.placement_group is not None:
+        _quietly(lambda: ray.util.remove_placement_group(actors.placement_group))
 
 
 def _quietly(fn) -> None:
@@ -193,6 +245,7 @@ class Controller:
         self.probe: list[int] | None = None
         self.samples_total = 0
         self.tokens_total = 0
+        self.bus_reforms = 0
 
     def run(self) -> None:
         import ray
@@ -251,7 +304,42 @@ class Controller:
         return record
 
     def _sync_weights(self) -> dict:
-        """Publish from the learner while every inference worker receives; then the probe check."""
+        """Publish the learner's weights to every worker; on a failure re-form the bus and resend.
+
+        A dead or silent worker makes the collective fail within ``weight_sync.timeout_s`` (the
+        bus names the suspect ranks). The controller then opens the bus's next generation with
+        the workers still alive and publishes the same version again; a second failure stops the
+        run with the cause.
+        """
+        import ray
+
+        try:
+            return self._sync_once()
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("weight sync of version %d failed: %s; re-forming the bus", self.version, _first_line(exc))
+            self._reform_bus()
+            try:
+                record = self._sync_once()
+            except (ray.exceptions.RayError, TimeoutError) as again:
+                raise RuntimeError(f"weight sync failed again after re-forming the bus: {_first_line(again)}") from again
+            record["bus_reforms"] = self.bus_reforms
+            return record
+
+    def _reform_bus(self) -> None:
+        import ray
+
+        alive = [w for w in self.actors.inference if _answers(w)]
+        if not alive:
+            raise RuntimeError("no inference worker is alive to receive weights")
+        spec = ray.get(self.actors.learner.reform_publisher.remote(len(alive) + 1), timeout=60)
+        spec = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec
+        ray.get([w.join_bus.remote(spec, rank) for rank, w in enumerate(alive, start=1)], timeout=60)
+        dropped = len(self.actors.inference) - len(alive)
+        self.actors.inference = alive
+        self.bus_reforms += 1
+        log.warning("weight bus re-formed (generation %s) with %d workers; %d dropped", spec["generation"], len(alive), dropped)
+
+    def _sync_once(self) -> dict:
         import ray
 
         timeout = self.cfg.weight_sync.timeout_s
@@ -310,6 +398,21 @@ class Controller:
 
         path = ray.get(self.actors.learner.save_checkpoint.remote(str(self.run_dir), step), timeout=600)
         log.info("checkpoint written: %s", path)
+
+
+def _answers(handle, timeout_s: float = 30.0) -> bool:
+    import ray
+
+    try:
+        ray.get(handle.get_version.remote(), timeout=timeout_s)
+        return True
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
 
 
 def probe_sequence(cfg: JobConfig) -> list[int]:

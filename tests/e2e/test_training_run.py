@@ -68,3 +68,39 @@ def test_async_run_with_reference_keeps_staleness_bounded_and_names_actors(tmp_p
         assert r["staleness_max"] <= 1  # never beyond trainer.max_staleness
         assert r["sync_logprob_diff"] <= 1e-3
         assert r["kl_to_ref"] is not None and r["kl_to_ref"] >= 0
+
+
+def test_a_worker_lost_before_a_weight_sync_is_dropped_and_the_bus_reformed(tmp_path, tiny_model_path):
+    import ray
+
+    from rlpost.config import load_config
+    from rlpost.controller import Controller, start_actors, stop_actors
+    from rlpost.runs import create_run_dir
+
+    cfg = load_config("configs/tiny-cpu.yaml", [
+        f"model.name_or_path={tiny_model_path}", "rollout.num_inference_workers=2", "trainer.steps=4",
+        "trainer.prompts_per_step=4", "weight_sync.timeout_s=10", "logging.progress=false",
+        "resources.inference.num_cpus=0.25", "logging.run_name=e2e-reform",
+    ])
+    run_dir = create_run_dir(cfg, tmp_path / "reform")
+
+    class KillOneWorker(Controller):
+        def _train(self, groups, step):
+            record = super()._train(groups, step)
+            if step == 2:  # dies between training and the weight sync of step 2
+                ray.kill(self.actors.inference[1])
+            return record
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-reform", log_to_driver=False)
+    actors = None
+    try:
+        actors = start_actors(cfg)
+        KillOneWorker(cfg, run_dir, actors).run()
+    finally:
+        if actors is not None:
+            stop_actors(actors)
+        ray.shutdown()
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert rows[1]["bus_reforms"] == 1  # the sync of step 2 failed, re-formed and was resent
+    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
