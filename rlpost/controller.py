@@ -224,8 +224,14 @@ def _quietly(fn) -> None:
 
 
 def _buffer_capacity(cfg: JobConfig) -> int:
-    # async: room for the step being trained plus the next ones in flight; sync needs one step
-    steps_ahead = 1 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness + 2
+    """Groups the buffer holds: one step in sync mode; in async mode ``max_staleness`` steps.
+
+    A bigger buffer only ages its groups past the staleness cap: with room for 3 steps and
+    ``max_staleness: 1`` a 600-step demo dropped 7568 stale groups (44% of all it generated).
+    Groups generated while the learner trains a step are at most ``max_staleness`` behind when
+    taken, so the producers' backpressure paces them to what the learner can use.
+    """
+    steps_ahead = 1 if cfg.trainer.mode == "sync" else max(1, cfg.trainer.max_staleness)
     return cfg.trainer.prompts_per_step * steps_ahead
 
 

@@ -23,6 +23,9 @@ class BufferActor:
     def get(self, num_groups: int, timeout_s: float, current_version: int | None) -> list[Any]:
         return self.buffer.get(num_groups, timeout_s, current_version)
 
+    def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
+        return self.buffer.wait_for_space(num_groups, timeout_s)
+
     def drop_stale(self, current_version: int) -> int:
         return self.buffer.drop_stale(current_version)
 

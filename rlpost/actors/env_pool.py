@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rlpost.collect import LLMCollector, PolicyVersion
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
+from rlpost.transport.buffer import BufferTimeout
 from rlpost.types import Group
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class EnvPool:
             num_groups = self.groups_per_batch
             if num_groups_total is not None:
                 num_groups = min(num_groups, num_groups_total - collected)
+            if not self._wait_for_room(num_groups, stop, put_timeout_s):
+                return
             groups = self.collector.collect(num_groups)
             collected += num_groups
             if groups:
@@ -143,6 +146,25 @@ class EnvPool:
                 self.buffer.put(groups, timeout_s=put_timeout_s)
                 self.put_s += time.perf_counter() - start
                 self.num_batches_put += 1
+
+    def _wait_for_room(self, num_groups: int, stop: threading.Event | None, timeout_s: float) -> bool:
+        """Block until the buffer has room for the next batch; False when ``stop`` was set.
+
+        Generating only when the batch can go straight in keeps the pipeline one batch deep:
+        a batch generated while an older one waits for room would age past the staleness cap
+        and be dropped (measured: 30-44% of the async demo's groups before this wait).
+        """
+        wait = getattr(self.buffer, "wait_for_space", None)
+        if wait is None:
+            return True
+        start = time.perf_counter()
+        while not wait(num_groups, 1.0):
+            if stop is not None and stop.is_set():
+                return False
+            if time.perf_counter() - start > timeout_s:
+                raise BufferTimeout(f"env pool {self.pool_index}: no room in the buffer for {timeout_s:.0f}s")
+        self.put_s += time.perf_counter() - start
+        return True
 
     # ------------------------------------------------------------------ background (async mode)
 

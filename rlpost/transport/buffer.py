@@ -44,6 +44,7 @@ class BufferStats:
 
 class Buffer(Protocol):
     def put(self, groups: Sequence[Any], timeout_s: float) -> None: ...
+    def wait_for_space(self, num_groups: int, timeout_s: float) -> bool: ...
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
     def stats(self) -> BufferStats: ...
     def drain(self) -> list[Any]: ...
@@ -88,6 +89,16 @@ class LocalBuffer:
                 self._items.append(group)
                 self._num_put += 1
                 self._cond.notify_all()
+
+    def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
+        """Wait until ``num_groups`` more groups would fit (capped at the capacity); False on timeout.
+
+        Producers call it *before* generating, so a batch is not generated while an older one
+        still waits for room: each waiting batch ages towards the staleness cap.
+        """
+        need = min(num_groups, self.capacity)
+        with self._cond:
+            return self._cond.wait_for(lambda: self.capacity - len(self._items) >= need, timeout=timeout_s)
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
         """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s``.
@@ -165,6 +176,9 @@ class RayBuffer:
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
         return self._call(self.handle.get.remote(num_groups, timeout_s, current_version), timeout_s)
+
+    def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
+        return self._call(self.handle.wait_for_space.remote(num_groups, timeout_s), timeout_s)
 
     def drop_stale(self, current_version: int) -> int:
         return self._call(self.handle.drop_stale.remote(current_version), 0.0)

@@ -79,3 +79,14 @@ def test_bad_arguments():
         LocalBuffer(0)
     with pytest.raises(ValueError, match="num_groups must be >= 1"):
         LocalBuffer(1).get(0, timeout_s=1)
+
+
+def test_wait_for_space_blocks_until_a_batch_fits():
+    buf = LocalBuffer(capacity=4)
+    buf.put(groups([0, 0, 0]), timeout_s=1)
+    assert buf.wait_for_space(1, timeout_s=0.1) is True
+    assert buf.wait_for_space(2, timeout_s=0.1) is False
+    threading.Timer(0.2, lambda: buf.get(2, timeout_s=1)).start()
+    assert buf.wait_for_space(2, timeout_s=5) is True
+    buf.drain()
+    assert buf.wait_for_space(10, timeout_s=0.1) is True  # capped at the capacity: an empty buffer fits

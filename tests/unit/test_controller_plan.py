@@ -25,4 +25,4 @@ def test_buffer_bounds_follow_the_mode():
     sync = load_config("configs/tiny-cpu.yaml", ["trainer.prompts_per_step=8"])
     assert (_buffer_capacity(sync), _staleness_cap(sync)) == (8, 0)
     asynchronous = load_config("configs/tiny-cpu.yaml", ["trainer.mode=async", "trainer.max_staleness=2", "trainer.prompts_per_step=8"])
-    assert (_buffer_capacity(asynchronous), _staleness_cap(asynchronous)) == (8 * 4, 2)
+    assert (_buffer_capacity(asynchronous), _staleness_cap(asynchronous)) == (8 * 2, 2)
