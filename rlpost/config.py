@@ -150,7 +150,10 @@ class TrainerConfig(_Section):
     prompts_per_step: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
     epochs_per_batch: int = Field(1, ge=1, description="Passes over each batch (PPO epochs).")
     mode: Literal["sync", "async"] = Field("sync", description="sync: collect -> train -> publish; async: collection never stops.")
-    max_staleness: int = Field(1, ge=0, description="async: drop groups more than this many policy versions old.")
+    max_staleness: int = Field(
+        1, ge=0,
+        description="async: drop groups more than this many policy versions old; the buffer holds this many steps.",
+    )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")

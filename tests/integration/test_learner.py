@@ -105,15 +105,15 @@ def test_learning_prefers_the_rewarded_completion(tiny_model_path, tiny_tokenize
     # The advantages of a group sum to 0, so with only "7" and "5" in the batch GRPO's objective
     # is c * (log p(7) - log p(5)): the gap must widen. log p(7) itself rises only while the
     # steps are small: AdamW's first step moves every weight by ~lr (sign-like), which at 1e-3 is
-    # a large jolt to the tiny model (both log-probs drop to about -6, then "7" recovers), and
-    # later steps also lift the digits "6" and "8" that sit next to "7" and are never penalised.
+    # a jolt that knocks both log-probs down on the tiny model (measured), and later steps also
+    # lift the digits "6" and "8" that sit next to "7" and are never penalised.
     good, bad = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)
     small = train_on_policy(Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-5})), prompt_ids, good, bad, 3)
     for (good_before, bad_before), (good_after, bad_after) in zip(small, small[1:]):
         assert good_after > good_before + 0.01 and bad_after < bad_before - 0.05, small
-    large = train_on_policy(Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3})), prompt_ids, good, bad, 3)
-    (good_0, bad_0), (good_3, bad_3) = large[0], large[-1]
-    assert (good_3 - bad_3) > (good_0 - bad_0) + 3.0 and bad_3 < bad_0 - 3.0, large
+    large = train_on_policy(Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-4})), prompt_ids, good, bad, 3)
+    gaps = [g - b for g, b in large]
+    assert all(after > before for before, after in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0] + 1.0, large
 
 
 def test_epochs_take_one_optimizer_step_each(tiny_model_path, tiny_tokenizer, prompt_ids):
