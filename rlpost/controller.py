@@ -114,11 +114,12 @@ def start_actors(cfg: JobConfig) -> Actors:
     def options(name: str, role, **extra) -> dict:
         return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=place(name), **extra)
 
-    buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus)
+    run = cfg.logging.run_name or ""
+    buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus, run_name=run)
     inference = [
         ray.remote(InferenceActor)
         .options(**options(f"inference-{i}", res.inference))
-        .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=i)
+        .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=i, run_name=run)
         for i in range(cfg.rollout.num_inference_workers)
     ]
     learner = ray.remote(LearnerActor).options(**options("learner", res.learner)).remote(cfg)

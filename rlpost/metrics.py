@@ -143,3 +143,43 @@ class RayMetrics:
             value = values.get(key)
             if value:
                 counter.inc(float(value), tags=self.tags)
+
+
+class RoleMetrics:
+    """Metrics one role reports from its own actor process (Ray metrics: dashboard, Prometheus).
+
+    Names are ``rlpost_<role>_<name>`` (Prometheus shows them with Ray's ``ray_`` prefix), tagged
+    with the run name and the actor's name, e.g. ``rlpost_inference_tokens_generated{run=...,
+    actor="inference-0"}``. Gauges take the last value, counters add up.
+    """
+
+    ROLES = {
+        "inference": ({"policy_version": "Weights version served", "weight_load_s": "Seconds to receive and load the last update"},
+                      {"samples_generated": "Completions generated", "tokens_generated": "Completion tokens generated"}),
+        "env_pool": ({"reward_mean": "Mean reward of the last collected batch"},
+                     {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"}),
+        "learner": ({"loss": "Learner loss", "kl_to_ref": "KL to the reference model", "clip_fraction": "Share of clipped tokens",
+                     "step_time_s": "Seconds per learner step", "policy_version": "Learner policy version",
+                     "staleness_mean": "Mean policy-version lag of trained samples",
+                     "weight_sync_s": "Seconds of the last weight publication"}, {}),
+        "buffer": ({"size": "Groups waiting in the buffer", "groups_dropped_stale": "Groups dropped for staleness (total)"}, {}),
+        "reference": ({}, {"samples_scored": "Samples scored by the reference model"}),
+    }
+
+    def __init__(self, role: str, run_name: str, actor: str):
+        from ray.util import metrics
+
+        gauges, counters = self.ROLES[role]
+        tags = ("run", "actor")
+        self.tags = {"run": run_name or "", "actor": actor}
+        self.gauges = {k: metrics.Gauge(f"rlpost_{role}_{k}", description=d, tag_keys=tags) for k, d in gauges.items()}
+        self.counters = {k: metrics.Counter(f"rlpost_{role}_{k}", description=d, tag_keys=tags) for k, d in counters.items()}
+
+    def record(self, **values: Any) -> None:
+        for key, value in values.items():
+            if value is None or not math.isfinite(float(value)):
+                continue
+            if key in self.gauges:
+                self.gauges[key].set(float(value), tags=self.tags)
+            elif key in self.counters and value > 0:
+                self.counters[key].inc(float(value), tags=self.tags)

@@ -14,14 +14,27 @@ from rlpost.transport.buffer import BufferStats, LocalBuffer, RayBuffer
 
 
 class BufferActor:
-    def __init__(self, capacity: int, max_staleness: int | None):
+    def __init__(self, capacity: int, max_staleness: int | None, run_name: str = ""):
+        from rlpost.metrics import RoleMetrics
+
         self.buffer = LocalBuffer(capacity, max_staleness)
+        self.metrics = RoleMetrics("buffer", run_name, "buffer")
 
     def put(self, groups: Sequence[Any], timeout_s: float) -> None:
-        self.buffer.put(groups, timeout_s)
+        try:
+            self.buffer.put(groups, timeout_s)
+        finally:
+            self._report()
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None) -> list[Any]:
-        return self.buffer.get(num_groups, timeout_s, current_version)
+        try:
+            return self.buffer.get(num_groups, timeout_s, current_version)
+        finally:
+            self._report()
+
+    def _report(self) -> None:
+        stats = self.buffer.stats()
+        self.metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
 
     def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
         return self.buffer.wait_for_space(num_groups, timeout_s)
@@ -44,11 +57,12 @@ def start_buffer(
     namespace: str | None = None,
     num_cpus: float = 0.0,
     max_concurrency: int = 16,
+    run_name: str = "",
 ) -> RayBuffer:
     """Start the named buffer actor and return a client for it."""
     handle = (
         ray.remote(BufferActor)
         .options(name=name, namespace=namespace, num_cpus=num_cpus, max_concurrency=max_concurrency)
-        .remote(capacity, max_staleness)
+        .remote(capacity, max_staleness, run_name)
     )
     return RayBuffer(handle)

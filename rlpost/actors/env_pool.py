@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlpost.collect import LLMCollector, PolicyVersion
 from rlpost.envs import make_env
@@ -102,6 +102,7 @@ class EnvPool:
         self.num_batches_put = 0
         self.put_s = 0.0  # seconds blocked in buffer.put (backpressure)
         self._thread: threading.Thread | None = None
+        self.on_batch: Callable[[list[Group]], None] | None = None  # e.g. the actor's metrics
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._error_text: str | None = None
@@ -115,7 +116,13 @@ class EnvPool:
             raise RuntimeError(
                 f"env pool {self.pool_index} is collecting in the background (start()); stop() it before collect()"
             )
-        return self.collector.collect(num_groups or self.groups_per_batch)
+        return self._collect(num_groups or self.groups_per_batch)
+
+    def _collect(self, num_groups: int) -> list[Group]:
+        groups = self.collector.collect(num_groups)
+        if self.on_batch is not None:
+            self.on_batch(groups)
+        return groups
 
     def run(
         self,
@@ -139,7 +146,7 @@ class EnvPool:
                 num_groups = min(num_groups, num_groups_total - collected)
             if not self._wait_for_room(num_groups, stop, put_timeout_s):
                 return
-            groups = self.collector.collect(num_groups)
+            groups = self._collect(num_groups)
             collected += num_groups
             if groups:
                 start = time.perf_counter()
@@ -262,7 +269,19 @@ class EnvPoolActor:
     """
 
     def __init__(self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None):
+        from rlpost.metrics import RoleMetrics
+
         self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer)
+        self.metrics = RoleMetrics("env_pool", cfg.logging.run_name, f"env-pool-{pool_index}")
+        self.pool.on_batch = self._report
+
+    def _report(self, groups: list[Group]) -> None:
+        rewards = [r for g in groups for r in g.rewards]
+        self.metrics.record(
+            reward_mean=sum(rewards) / len(rewards) if rewards else None,
+            groups_collected=len(groups),
+            samples_collected=len(rewards),
+        )
 
     def collect(self, num_groups: int | None = None) -> list[Group]:
         return self.pool.collect(num_groups)

@@ -84,7 +84,27 @@ class InferenceWorker:
 
 
 class InferenceActor(InferenceWorker):
-    """The Ray actor ``inference-<i>``: the plain worker, one call at a time."""
+    """The Ray actor ``inference-<i>``: the plain worker, one call at a time, reporting metrics."""
+
+    def __init__(self, *args, run_name: str = "", **kwargs):
+        from rlpost.metrics import RoleMetrics
+
+        super().__init__(*args, **kwargs)
+        self.metrics = RoleMetrics("inference", run_name, f"inference-{self.index}")
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
+        completions, version = super().generate(prompt_token_ids, sampling)
+        self.metrics.record(
+            samples_generated=sum(len(c) for c in completions),
+            tokens_generated=sum(len(x.token_ids) for c in completions for x in c),
+            policy_version=version,
+        )
+        return completions, version
+
+    def update_weights(self, timeout_s: float) -> dict:
+        info = super().update_weights(timeout_s)
+        self.metrics.record(policy_version=self.version, weight_load_s=info["receive_s"] + info["load_s"])
+        return info
 
 
 class RemoteVLLMClient:

@@ -426,7 +426,10 @@ class LearnerActor:
     """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`)."""
 
     def __init__(self, cfg: JobConfig):
+        from rlpost.metrics import RoleMetrics
+
         self.learner = Learner(cfg)
+        self.metrics = RoleMetrics("learner", cfg.logging.run_name, "learner")
 
     def connect_publisher(self, world_size: int, host: str, port: int, backend: str, bucket_mb: float,
                           timeout_s: float):
@@ -449,10 +452,15 @@ class LearnerActor:
         return self.learner.publisher.reform(world_size)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        return self.learner.train_step(groups)
+        metrics = self.learner.train_step(groups)
+        keys = ("loss", "kl_to_ref", "clip_fraction", "step_time_s", "policy_version", "staleness_mean")
+        self.metrics.record(**{k: metrics[k] for k in keys if k in metrics})
+        return metrics
 
     def publish(self) -> dict[str, float]:
-        return self.learner.publish()
+        stats = self.learner.publish()
+        self.metrics.record(weight_sync_s=stats["weight_sync_s"])
+        return stats
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self.learner.score(token_ids)

@@ -91,4 +91,15 @@ def _collate(samples) -> TensorDict:
 
 
 class ReferenceActor(Reference):
-    """The Ray actor ``reference``: the plain class as is (one call at a time)."""
+    """The Ray actor ``reference``: the plain class, one call at a time, reporting metrics."""
+
+    def __init__(self, cfg: JobConfig):
+        from rlpost.metrics import RoleMetrics
+
+        super().__init__(cfg)
+        self.metrics = RoleMetrics("reference", cfg.logging.run_name, "reference")
+
+    def annotate(self, groups: list[Group]) -> list[Group]:
+        groups = super().annotate(groups)
+        self.metrics.record(samples_scored=sum(len(g.samples) for g in groups))
+        return groups

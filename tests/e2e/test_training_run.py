@@ -15,6 +15,31 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# what each role reports from its own process, plus the driver's run-level gauges
+EXPECTED_METRICS = {
+    "rlpost_inference_tokens_generated", "rlpost_inference_policy_version", "rlpost_env_pool_reward_mean",
+    "rlpost_learner_loss", "rlpost_learner_clip_fraction", "rlpost_buffer_size", "rlpost_reference_samples_scored",
+    "rlpost_reward_mean", "rlpost_weight_sync_s",
+}
+
+
+def scrape_rlpost_metrics(expected, timeout_s=60.0):
+    """rlpost metric names on this node's Prometheus endpoint (Ray exports every ~10 s)."""
+    import re
+    import time
+    import urllib.request
+
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    deadline, found = time.monotonic() + timeout_s, set()
+    while time.monotonic() < deadline and not expected <= found:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {m.group(1) for m in re.finditer(r"^ray_(rlpost_\w+?)(?:_total)?\{", text, re.M)}
+        time.sleep(2)
+    return found
+
+
 def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
     run_dir = tmp_path / "sync"
     out = subprocess.run(
@@ -58,10 +83,12 @@ def test_async_run_with_reference_keeps_staleness_bounded_and_names_actors(tmp_p
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlpost-e2e-async"}
         assert {"inference-0", "env-pool-0", "learner", "reference", "buffer"} <= names
         Controller(cfg, run_dir, actors).run()
+        exported = scrape_rlpost_metrics(EXPECTED_METRICS)
     finally:
         if actors is not None:
             stop_actors(actors)
         ray.shutdown()
+    assert EXPECTED_METRICS <= exported, f"missing in Prometheus: {EXPECTED_METRICS - exported}"
     rows = read(run_dir / "metrics.jsonl")
     assert len(rows) == 6
     for r in rows:
