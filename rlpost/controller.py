@@ -91,10 +91,29 @@ def _init_ray(cfg: JobConfig) -> bool:
         return False
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if address:
+        _use_ray_token_if_present()
         ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
     return True
+
+
+def _use_ray_token_if_present() -> None:
+    """Authenticate to an existing cluster the way Ray's CLI does.
+
+    Ray 2.60 clusters use token authentication by default, but a driver that connects to one only
+    sends a token when RAY_AUTH_MODE=token. When the mode is unset and a token is available
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token written by `ray start`), turn it on.
+    """
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if os.environ.get("RAY_AUTH_TOKEN") or token_path.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        # Ray caches its config at import (vLLM imports Ray early): re-read it, as Ray's CLI does
+        from ray._raylet import Config
+
+        Config.initialize("")
 
 
 def start_actors(cfg: JobConfig) -> Actors:

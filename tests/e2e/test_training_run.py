@@ -1,6 +1,7 @@
 """Whole runs of the service on a local Ray cluster with the tiny model (real vLLM, real bus)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -131,3 +132,28 @@ def test_a_worker_lost_before_a_weight_sync_is_dropped_and_the_bus_reformed(tmp_
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert rows[1]["bus_reforms"] == 1  # the sync of step 2 failed, re-formed and was resent
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
+
+
+def test_train_joins_an_existing_token_authenticated_cluster(tmp_path, tiny_model_path):
+    """`ray start --head` (token auth on by default in Ray 2.60), then `rlpost train --address`."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    started = subprocess.run([*ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        run_dir = tmp_path / "joined"
+        out = subprocess.run(
+            [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
+             "trainer.steps=2", "trainer.prompts_per_step=4", "logging.progress=false",
+             "--address", f"127.0.0.1:{port}", "--run-dir", str(run_dir)],
+            capture_output=True, text=True, timeout=400, env={k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"},
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2]
+    finally:
+        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120)
