@@ -269,8 +269,6 @@ class Controller:
         self.start_time = time.perf_counter()
         self.version = 0
         self.probe: list[int] | None = None
-        self.samples_total = 0
-        self.tokens_total = 0
         self.bus_reforms = 0
 
     def run(self) -> None:
@@ -278,7 +276,7 @@ class Controller:
 
         cfg = self.cfg
         steps = cfg.trainer.steps
-        progress = _progress(steps, cfg.logging.progress)
+        progress = _Progress(steps, cfg.logging.progress)
         if cfg.trainer.mode == "async":
             per_pool = None  # run until stopped
             ray.get([p.start.remote(per_pool) for p in self.actors.env_pools], timeout=60)
@@ -309,19 +307,19 @@ class Controller:
             share = n // cfg.rollout.num_env_pools
             pools = self.actors.env_pools
             ray.get([p.start.remote(share) for p in pools], timeout=60)
-            done = ray.get([p.wait.remote(_collect_timeout(cfg)) for p in pools], timeout=_collect_timeout(cfg) + 30)
+            done = ray.get([p.wait.remote(COLLECT_TIMEOUT_S) for p in pools], timeout=COLLECT_TIMEOUT_S + 30)
             if not all(done):
-                raise TimeoutError(f"env pools did not finish collecting within {_collect_timeout(cfg)}s")
+                raise TimeoutError(f"env pools did not finish collecting within {COLLECT_TIMEOUT_S}s")
             n = max(1, self.actors.buffer.stats().size)
-        groups = self.actors.buffer.get(n, timeout_s=_collect_timeout(cfg), current_version=self.version)
+        groups = self.actors.buffer.get(n, timeout_s=COLLECT_TIMEOUT_S, current_version=self.version)
         if self.actors.reference is not None:
-            groups = ray.get(self.actors.reference.annotate.remote(groups), timeout=_collect_timeout(cfg))
+            groups = ray.get(self.actors.reference.annotate.remote(groups), timeout=COLLECT_TIMEOUT_S)
         return groups
 
     def _train(self, groups: list, step: int) -> dict:
         import ray
 
-        metrics = ray.get(self.actors.learner.train_step.remote(groups), timeout=_collect_timeout(self.cfg))
+        metrics = ray.get(self.actors.learner.train_step.remote(groups), timeout=COLLECT_TIMEOUT_S)
         self.version = int(metrics["policy_version"])
         rewards = [r for g in groups for r in g.rewards]
         record = dict(metrics)
@@ -398,8 +396,6 @@ class Controller:
         elapsed_step = time.perf_counter() - step_start
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(s.num_generated for g in groups for s in g.samples)
-        self.samples_total += samples
-        self.tokens_total += tokens
         stats = self.actors.buffer.stats()
         return {
             "step_time_s": elapsed_step,
@@ -456,9 +452,9 @@ def probe_sequence(cfg: JobConfig) -> list[int]:
     return tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
 
 
-def _collect_timeout(cfg: JobConfig) -> float:
-    # a generous bound on one step's collection; a stuck worker surfaces as a clear timeout
-    return 600.0
+# A generous bound on one step's collection, reference scoring or training call: a stuck actor
+# surfaces as a clear timeout instead of a hang.
+COLLECT_TIMEOUT_S = 600.0
 
 
 class _Progress:
@@ -477,6 +473,3 @@ class _Progress:
     def close(self) -> None:
         self.bar.close()
 
-
-def _progress(steps: int, enabled: bool) -> _Progress:
-    return _Progress(steps, enabled)

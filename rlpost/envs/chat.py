@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
 
-from rlpost.data import PAD_ROLE, ChatHistory, History, Text, Tokens
+from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.envs.transforms import Transform
 
 INPUT_MODES = ("history", "text", "tokens")
@@ -298,7 +298,7 @@ class ChatEnv:
         """
         num_envs = td.batch_size[0]
         if self.input_mode == "history":
-            rows = history_rows(self._policy_field(td, "full"))
+            rows = self._policy_field(td, "full").to_chats(include_state=True)
             return [row[-1]["content"] if row and row[-1]["role"] == self.policy_role else "" for row in rows]
         if self.input_mode == "text":
             response = td.get(self.response_key, None)
@@ -315,7 +315,7 @@ class ChatEnv:
     def prompt_rows(self, td: TensorDictBase) -> list:
         """Per-row prompts of a reset output or ``next``: message-dict lists, strings or ids."""
         if self.input_mode == "history":
-            return history_rows(td.get("history").prompt)
+            return td.get("history").prompt.to_chats(include_state=True)
         if self.input_mode == "text":
             return as_list(td.get(self.text_key), td.batch_size[0])
         return [row.prompt for row in td.get("tokens").unbind(0)]
@@ -463,23 +463,3 @@ def make_text(prompts: list[str]) -> Text:
 def make_tokens(rows: list[torch.Tensor]) -> Tokens:
     """Unpadded token rows as a lazy stack of Tokens (read with ``as_list=True``)."""
     return lazy_stack([Tokens(prompt=ids, padded=False) for ids in rows])
-
-
-def history_rows(history: History) -> list[list[dict]]:
-    """Each conversation of a ``[B, n]`` History as message dicts (``is_complete`` and
-    ``tool_calls`` kept, padding dropped): the form ``History.from_chats`` takes back."""
-    rows = []
-    for conversation in history.unbind(0):
-        roles, contents = list(conversation.role), list(conversation.content)
-        complete = conversation.is_complete.tolist()
-        tool_calls = conversation.tool_calls
-        messages = []
-        for i, role in enumerate(roles):
-            if role == PAD_ROLE:
-                continue
-            message = {"role": role, "content": contents[i], "is_complete": complete[i]}
-            if tool_calls is not None and tool_calls[i] is not None:
-                message["tool_calls"] = tool_calls[i]
-            messages.append(message)
-        rows.append(messages)
-    return rows
