@@ -186,6 +186,9 @@ class ResourcesConfig(_Section):
     learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="The learner.")
     reference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="The reference actor.")
     buffer: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.0), description="The buffer actor.")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables for every process of the run (Ray runtime_env)."
+    )
 
 
 class LoggingConfig(_Section):
