@@ -6,7 +6,13 @@ systems):
 
     reward = 1.0  if normalize(answer) == normalize(target)
              0.1  if an answer tag is present but the answer is wrong
-             0.0  otherwise
+             0.0  otherwise, or when text follows the last ``</answer>`` (the answer must end the
+                  completion, as in R1's strict format reward)
+
+The last rule matters for RL: without it what the policy writes after ``</answer>`` is reward-free,
+nothing holds the end-of-sequence token up, and the tiny model drifted within 25 GRPO steps from
+"<answer>8</answer><|im_end|>" to "<answer>8</answer>0</answer>1</answer>..." up to ``max_tokens``
+(twice the tokens per step, and answers spoilt by a stray ``<answer>``).
 
 User reward functions come from a dotted path in the config (:func:`load_reward_fn`) and are
 called through :func:`call_user_reward`, which turns any exception into reward 0 and the error's
@@ -40,6 +46,13 @@ def extract_answer(completion: str) -> str | None:
     content = completion[start + len(ANSWER_OPEN) :]
     end = content.find(ANSWER_CLOSE)
     return (content if end < 0 else content[:end]).strip()
+
+
+def _text_after_answer(completion: str) -> bool:
+    """Whether anything but whitespace follows the ``</answer>`` that closes the last answer."""
+    start = completion.rfind(ANSWER_OPEN)
+    end = completion.find(ANSWER_CLOSE, start)
+    return end >= 0 and bool(completion[end + len(ANSWER_CLOSE) :].strip())
 
 
 def has_answer(completion: str) -> bool:
@@ -80,9 +93,9 @@ def parse_gsm8k_target(answer_field: str) -> str:
 
 def answer_reward(completion: str, target: str) -> float:
     """1.0 if the last answer equals ``target`` once both are normalised, 0.1 if it is wrong, 0.0
-    if there is no answer tag."""
+    if there is no answer tag or text other than whitespace follows its ``</answer>``."""
     answer = extract_answer(completion)
-    if answer is None:
+    if answer is None or _text_after_answer(completion):
         return 0.0
     return CORRECT_REWARD if normalize_answer(answer) == normalize_answer(target) else FORMAT_REWARD
 

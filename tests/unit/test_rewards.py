@@ -44,6 +44,9 @@ GSM8K_ROW = {
         ("<answer>seventy-two</answer>", "72", 0.1),
         ("<answer>72</answer> wait, no: <answer>70</answer>", "72", 0.1),  # the last tag counts
         ("<answer>70</answer> wait, no: <answer>72</answer>", "72", 1.0),
+        ("<answer>72</answer>\n", "72", 1.0),  # whitespace may follow the answer
+        ("<answer>72</answer> done", "72", 0.0),  # anything else may not: the answer ends it
+        ("<answer>72</answer>0</answer>1</answer>", "72", 0.0),  # the drift the rule stops
         ("The answer is 72.", "72", 0.0),  # no tag
         ("<think>72</think>", "72", 0.0),
         ("<Answer>72</Answer>", "72", 0.0),  # tags are case-sensitive
