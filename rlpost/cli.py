@@ -1,7 +1,9 @@
 """The `rlpost` command line.
 
 Exit codes (a DESIGN.md contract): 0 success; 2 a config or input error, printed as one line that
-names the offending key or file (no traceback); 1 any other failure, with its cause.
+names the offending key or file (no traceback); 1 any other failure, with its cause. For the Ray
+Jobs commands a job that failed or was stopped is a failure (1), an unknown job id an input error
+(2), and an unreachable or refusing cluster a failure (1) named by its address.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rlpost.config import ConfigError, load_config
+from rlpost.jobs import ClusterError, JobNotFoundError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -22,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except ConfigError as exc:
+    except (ConfigError, JobNotFoundError) as exc:
         print(f"rlpost: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ClusterError as exc:
+        print(f"rlpost: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)
         return 130
@@ -80,6 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
     plot.add_argument("--out", help="output PNG path (default: RUN_DIR/reward.png)")
     plot.set_defaults(handler=_cmd_plot)
+    _add_job_commands(sub)
     return parser
 
 
@@ -143,6 +150,107 @@ def _cmd_make_tiny_model(args) -> int:
         build_tiny_model(out, spec)
     elif not ensure_tiny_model(out, spec):
         print(f"rlpost: tiny model already built at {out} (use --force to rebuild)")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ Ray Jobs
+
+
+def _add_job_commands(sub) -> None:
+    submit = sub.add_parser(
+        "submit",
+        help="submit a training job to a Ray cluster (Ray Jobs)",
+        description="Validate CONFIG locally, then run `rlpost train CONFIG key=value ...` on the cluster as a Ray job. "
+        "The rlpost checkout around the current directory is uploaded as the job's working dir (without .venv, .git, "
+        "runs/, .cache/ and build outputs); resources.env_vars become the job's environment. Prints the job id and "
+        "its dashboard URL.",
+    )
+    submit.add_argument("config", help="YAML job config inside the working dir, e.g. configs/gsm8k-qwen2.5-1.5b.yaml")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    upload = submit.add_mutually_exclusive_group()
+    upload.add_argument("--working-dir", help="folder to upload as the job's working dir (default: the rlpost checkout)")
+    upload.add_argument("--no-working-dir", action="store_true",
+                        help="upload nothing: the cluster's image holds rlpost and CONFIG at the same relative path")
+    submit.add_argument("--job-id", "--submission-id", dest="job_id",
+                        help="job id (default: rlpost-<logging.run_name>; a run name is chosen when the config has none)")
+    submit.add_argument("--follow", action="store_true", help="then print the job's logs until it ends; exit with its result")
+    _add_cluster_arguments(submit)
+    submit.set_defaults(handler=_cmd_submit)
+
+    status = sub.add_parser("status", help="print a Ray job's status",
+                            description="Print a job's status and message. Exit 0 pending/running/succeeded, 1 failed/stopped.")
+    logs = sub.add_parser("logs", help="print a Ray job's logs",
+                          description="Print a job's logs; with --follow, until it ends (exit 0 if it succeeded, else 1).")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    stop = sub.add_parser("stop", help="stop a Ray job",
+                          description="Stop a job (`rlpost train` gets SIGTERM and stops its actors) and wait for it to end.")
+    stop.add_argument("--wait", type=float, default=60.0, metavar="SECONDS", help="how long to wait for it to end (default 60)")
+    for command, handler in ((status, _cmd_status), (logs, _cmd_logs), (stop, _cmd_stop)):
+        command.add_argument("job_id", metavar="JOB", help="job id, as printed by `rlpost submit`")
+        _add_cluster_arguments(command)
+        command.set_defaults(handler=handler)
+
+
+def _add_cluster_arguments(parser) -> None:
+    parser.add_argument("--address", help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)")
+    parser.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="timeout of each request (default 30)")
+
+
+def _cmd_submit(args) -> int:
+    from rlpost import jobs
+
+    working_dir = jobs.choose_working_dir(args.working_dir, upload=not args.no_working_dir)
+    submission = jobs.plan_submission(args.config, args.overrides, working_dir=working_dir, job_id=args.job_id)
+    address = jobs.resolve_address(args.address)
+    job_id = jobs.submit(jobs.connect(address, timeout_s=args.timeout), submission)
+    print(f"rlpost: submitted job {job_id} to {address}")
+    print(f"  entrypoint:  {submission.entrypoint}")
+    print(f"  working dir: {working_dir or '(none: the image provides rlpost and the config)'}")
+    print(f"  dashboard:   {jobs.dashboard_url(address, job_id)}  (Ray namespace rlpost-{submission.run_name})")
+    print(f"  follow:      rlpost logs {job_id} --address {address} --follow")
+    for note in submission.notes:
+        print(f"  note: {note}")
+    if args.follow:
+        return _follow(jobs, address, job_id, args.timeout)
+    return EXIT_OK
+
+
+def _cmd_status(args) -> int:
+    from rlpost import jobs
+
+    address = jobs.resolve_address(args.address)
+    info = jobs.job_info(jobs.connect(address, timeout_s=args.timeout), args.job_id)
+    print(f"{args.job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
+    print(f"  entrypoint: {info.entrypoint}")
+    print(f"  dashboard:  {jobs.dashboard_url(address, args.job_id)}")
+    return jobs.status_exit_code(info.status)
+
+
+def _cmd_logs(args) -> int:
+    from rlpost import jobs
+
+    address = jobs.resolve_address(args.address)
+    if args.follow:
+        return _follow(jobs, address, args.job_id, args.timeout)
+    jobs.print_logs(jobs.connect(address, timeout_s=args.timeout), args.job_id)
+    return EXIT_OK
+
+
+def _follow(jobs, address: str, job_id: str, timeout_s: float) -> int:
+    status = jobs.follow_logs(jobs.connect(address, timeout_s=timeout_s), job_id)
+    print(f"rlpost: job {job_id} {status}", file=sys.stderr)
+    return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILURE
+
+
+def _cmd_stop(args) -> int:
+    from rlpost import jobs
+
+    address = jobs.resolve_address(args.address)
+    status = jobs.stop(jobs.connect(address, timeout_s=args.timeout), args.job_id, wait_s=args.wait)
+    print(f"rlpost: job {args.job_id} {status}")
+    if status not in jobs.TERMINAL_STATUSES:
+        print(f"rlpost: failed: job {args.job_id} still {status} after {args.wait:g} s", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -35,6 +35,24 @@ What each loop waits on:
   applies an update between two generate calls.
 Every wait is bounded; on an error or Ctrl-C the controller stops every actor and keeps the last
 checkpoint (a final one is written on a clean finish).
+
+Failures (the controller polls while it waits, and checks the actors' names every few seconds):
+- an inference worker dies: it is started again under its name in its placement bundle, the bus
+  re-forms with every worker, the current weights are published, and the env pools get the new
+  handles; a request that was in flight on the dead worker is re-issued (RemoteVLLMClient).
+- an env pool dies: it is started again from the position its last buffer put recorded (see
+  rlpost.transport.buffer), so no completed group is lost or repeated; in sync mode it collects
+  what is left of its share of the step.
+- the learner dies: LearnerDied names the last checkpoint and the resume command; with
+  ``trainer.auto_resume`` the run restarts every actor from that checkpoint by itself.
+- a bus peer dies mid-broadcast: the collective times out (``weight_sync.timeout_s``), the dead
+  worker is restarted, the bus re-forms and the update is sent again.
+Restarts are logged and counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
+``bus_reforms``, ``learner_resumes``).
+
+Resume (``rlpost train --resume RUN_DIR``): the learner loads the latest checkpoint (weights,
+optimizer, step, version, RNG), the workers receive those weights, the buffer gets back the
+groups it held and each env pool its position; training goes on at the next step.
 """
 
 from __future__ import annotations
@@ -49,6 +67,7 @@ from statistics import mean, pstdev
 
 from rlpost.config import JobConfig
 from rlpost.metrics import MetricsWriter, RayMetrics, plot_metrics, read_metrics
+from rlpost.runs import latest_checkpoint, supersede_metrics_after
 
 log = logging.getLogger("rlpost")
 SYNC_LOGPROB_WARN = 1e-3
@@ -62,22 +81,45 @@ class Actors:
     learner: object
     reference: object | None
     placement_group: object | None = None
+    place: object = None  # name -> the actor's scheduling strategy in the placement group
 
 
-def run_training(cfg: JobConfig, run_dir: Path) -> int:
-    """Run the job; returns the process exit code (0 on success)."""
+class LearnerDied(RuntimeError):
+    """The learner actor is gone; the message says how to resume."""
+
+
+MAX_AUTO_RESUMES = 3
+
+
+def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
+    """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
+    process exit code (0 on success). With ``trainer.auto_resume`` a dead learner restarts the
+    run from its last checkpoint, at most MAX_AUTO_RESUMES times."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     started_ray = _init_ray(cfg)
-    actors = None
+    learner_resumes = 0
     try:
-        actors = start_actors(cfg)
-        Controller(cfg, run_dir, actors).run()
-        return 0
+        while True:
+            actors = None
+            try:
+                actors = start_actors(cfg)
+                controller = Controller(cfg, run_dir, actors, resume=resume)
+                controller.learner_resumes = learner_resumes
+                controller.run()
+                return 0
+            except LearnerDied as exc:
+                if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
+                    raise
+                learner_resumes += 1
+                log.warning("%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
+                            exc, learner_resumes, MAX_AUTO_RESUMES)
+                resume = True
+            finally:
+                if actors is not None:
+                    stop_actors(actors)
     finally:
-        if actors is not None:
-            stop_actors(actors)
         if started_ray:
             ray.shutdown()
 
@@ -89,7 +131,7 @@ def _init_ray(cfg: JobConfig) -> bool:
     address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **cfg.resources.env_vars}}
     if address:
         _use_ray_token_if_present()
         ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
@@ -122,39 +164,54 @@ def start_actors(cfg: JobConfig) -> Actors:
     import ray
 
     from rlpost.actors.buffer import start_buffer
-    from rlpost.actors.env_pool import EnvPoolActor
-    from rlpost.actors.inference import InferenceActor, RemoteVLLMClient
     from rlpost.actors.learner import LearnerActor
     from rlpost.actors.reference import ReferenceActor
 
     res = cfg.resources
     pg, place = make_placement_group(cfg)
-
-    def options(name: str, role, **extra) -> dict:
-        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=place(name), **extra)
-
     run = cfg.logging.run_name or ""
     buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus, run_name=run)
-    inference = [
-        ray.remote(InferenceActor)
-        .options(**options(f"inference-{i}", res.inference))
-        .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=i, run_name=run)
-        for i in range(cfg.rollout.num_inference_workers)
-    ]
-    learner = ray.remote(LearnerActor).options(**options("learner", res.learner)).remote(cfg)
+    inference = [new_inference_worker(cfg, i, place) for i in range(cfg.rollout.num_inference_workers)]
+    learner = ray.remote(LearnerActor).options(**_options("learner", res.learner, place)).remote(cfg)
     reference = None
     if cfg.reference.enabled:
-        reference = ray.remote(ReferenceActor).options(**options("reference", res.reference)).remote(cfg)
-    env_pools = [
+        reference = ray.remote(ReferenceActor).options(**_options("reference", res.reference, place)).remote(cfg)
+    env_pools = [new_env_pool(cfg, i, inference, buffer, place) for i in range(cfg.rollout.num_env_pools)]
+    ray.get([w.get_version.remote() for w in inference], timeout=STARTUP_TIMEOUT_S)
+    _connect_bus(cfg, learner, inference, timeout_s=STARTUP_TIMEOUT_S)
+    return Actors(buffer, inference, env_pools, learner, reference, pg, place)
+
+
+def new_inference_worker(cfg: JobConfig, index: int, place):
+    """Start the actor ``inference-<index>`` (its engine loads ``model.name_or_path``)."""
+    import ray
+
+    from rlpost.actors.inference import InferenceActor
+
+    return (
+        ray.remote(InferenceActor)
+        .options(**_options(f"inference-{index}", cfg.resources.inference, place))
+        .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=index,
+                run_name=cfg.logging.run_name or "")
+    )
+
+
+def new_env_pool(cfg: JobConfig, index: int, inference: list, buffer, place):
+    """Start the actor ``env-pool-<index>`` over the inference workers ``inference``."""
+    import ray
+
+    from rlpost.actors.env_pool import EnvPoolActor
+    from rlpost.actors.inference import RemoteVLLMClient
+
+    return (
         ray.remote(EnvPoolActor)
-        .options(**options(f"env-pool-{i}", res.env_pool, max_concurrency=4))
-        .remote(cfg, i, RemoteVLLMClient(inference), buffer)
-        for i in range(cfg.rollout.num_env_pools)
-    ]
-    startup_s = 600.0
-    ray.get([w.get_version.remote() for w in inference], timeout=startup_s)
-    _connect_bus(cfg, learner, inference, timeout_s=startup_s)
-    return Actors(buffer, inference, env_pools, learner, reference, pg)
+        .options(**_options(f"env-pool-{index}", cfg.resources.env_pool, place, max_concurrency=4))
+        .remote(cfg, index, RemoteVLLMClient(inference), buffer)
+    )
+
+
+def _options(name: str, role, place, **extra) -> dict:
+    return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=place(name), **extra)
 
 
 def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
@@ -260,27 +317,40 @@ def _staleness_cap(cfg: JobConfig) -> int:
 
 
 class Controller:
-    """Runs the sync or async loop over started actors and records the run's metrics."""
+    """Runs the sync or async loop over started actors, keeps them alive, records the metrics."""
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, actors: Actors):
+    def __init__(self, cfg: JobConfig, run_dir: Path, actors: Actors, resume: bool = False):
         self.cfg, self.run_dir, self.actors = cfg, Path(run_dir), actors
         self.writer = MetricsWriter(run_dir)
         self.ray_metrics = RayMetrics(cfg.logging.run_name)
         self.start_time = time.perf_counter()
         self.version = 0
+        self.step = 0  # the step being trained
+        self.first_step = 1
         self.probe: list[int] | None = None
-        self.bus_reforms = 0
+        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "bus_reforms": 0}
+        self.learner_resumes = 0
+        # each pool's prompts collected at the start of the current step (sync mode's shares)
+        self.pool_prompts = [0] * len(actors.env_pools)
+        self.last_health_check = time.monotonic()
+        if resume:
+            self._resume()
+
+    # ----------------------------------------------------------------------------- the loops
 
     def run(self) -> None:
         import ray
 
         cfg = self.cfg
         steps = cfg.trainer.steps
-        progress = _Progress(steps, cfg.logging.progress)
+        if self.first_step > steps:
+            print(f"rlpost: {self.run_dir} already trained {steps} steps (raise trainer.steps to continue)")
+            return
+        progress = _Progress(steps, cfg.logging.progress, initial=self.first_step - 1)
         if cfg.trainer.mode == "async":
-            per_pool = None  # run until stopped
-            ray.get([p.start.remote(per_pool) for p in self.actors.env_pools], timeout=60)
-        for step in range(1, steps + 1):
+            ray.get([p.start.remote(None) for p in self.actors.env_pools], timeout=60)  # until stopped
+        for step in range(self.first_step, steps + 1):
+            self.step = step
             step_start = time.perf_counter()
             groups = self._collect_step()
             record = self._train(groups, step)
@@ -299,27 +369,70 @@ class Controller:
     def _collect_step(self) -> list:
         import ray
 
-        cfg = self.cfg
-        n = cfg.trainer.prompts_per_step
-        if cfg.trainer.mode == "sync":
-            # each pool collects its share with the current weights into the buffer; the DAPO
-            # filter may drop groups, so the step is whatever arrived (at least one group)
-            share = n // cfg.rollout.num_env_pools
-            pools = self.actors.env_pools
-            ray.get([p.start.remote(share) for p in pools], timeout=60)
-            done = ray.get([p.wait.remote(COLLECT_TIMEOUT_S) for p in pools], timeout=COLLECT_TIMEOUT_S + 30)
-            if not all(done):
-                raise TimeoutError(f"env pools did not finish collecting within {COLLECT_TIMEOUT_S}s")
-            n = max(1, self.actors.buffer.stats().size)
-        groups = self.actors.buffer.get(n, timeout_s=COLLECT_TIMEOUT_S, current_version=self.version)
+        n = self.cfg.trainer.prompts_per_step
+        if self.cfg.trainer.mode == "sync":
+            self._collect_shares()
+            n = max(1, self.actors.buffer.stats().size)  # the DAPO filter may have dropped groups
+        groups = self._get_groups(n)
         if self.actors.reference is not None:
             groups = ray.get(self.actors.reference.annotate.remote(groups), timeout=COLLECT_TIMEOUT_S)
         return groups
 
-    def _train(self, groups: list, step: int) -> dict:
+    def _collect_shares(self) -> None:
+        """Sync mode: every pool collects its share of the step into the buffer.
+
+        The controller polls the pools instead of blocking on them, so a dead inference worker
+        or env pool is restarted while the step is collected; a restarted pool collects what is
+        left of its share (its last put recorded how far it got).
+        """
         import ray
 
-        metrics = ray.get(self.actors.learner.train_step.remote(groups), timeout=COLLECT_TIMEOUT_S)
+        share = self.cfg.trainer.prompts_per_step // self.cfg.rollout.num_env_pools
+        pending = set(range(len(self.actors.env_pools)))
+        for j in pending:
+            self._call_pool(j, "start", share)
+        deadline = time.monotonic() + COLLECT_TIMEOUT_S
+        while pending:
+            for j in list(pending):
+                if self._call_pool(j, "wait", POLL_S, timeout_s=POLL_S + 60):
+                    pending.discard(j)
+            if not pending:
+                break
+            for j in self._check_health(force=True):  # restarted pools
+                left = share - (self._recorded_prompts(j) - self.pool_prompts[j])
+                if left > 0:
+                    self._call_pool(j, "start", left)
+                else:
+                    pending.discard(j)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"env pools {sorted(pending)} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s")
+        self.pool_prompts = [count + share for count in self.pool_prompts]
+
+    def _call_pool(self, j: int, method: str, *args, timeout_s: float = 60.0):
+        """Call env pool ``j``; None if it is dead (the next health check restarts it)."""
+        import ray
+
+        try:
+            return ray.get(getattr(self.actors.env_pools[j], method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return None
+
+    def _get_groups(self, n: int) -> list:
+        """Take ``n`` groups from the buffer, checking the actors' health while waiting."""
+        from rlpost.transport.buffer import BufferTimeout
+
+        deadline = time.monotonic() + COLLECT_TIMEOUT_S
+        while True:
+            self._check_health()
+            try:
+                return self.actors.buffer.get(n, timeout_s=POLL_S, current_version=self.version)
+            except BufferTimeout:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the buffer did not receive {n} groups within {COLLECT_TIMEOUT_S:.0f}s") from None
+                self._check_health(force=True)
+
+    def _train(self, groups: list, step: int) -> dict:
+        metrics = self._learner("train_step", groups, timeout_s=COLLECT_TIMEOUT_S)
         self.version = int(metrics["policy_version"])
         rewards = [r for g in groups for r in g.rewards]
         record = dict(metrics)
@@ -327,13 +440,27 @@ class Controller:
         record.setdefault("kl_to_ref", None)
         return record
 
+    def _learner(self, method: str, *args, timeout_s: float):
+        """Call the learner; its death becomes LearnerDied, naming the checkpoint to resume from."""
+        import ray
+
+        try:
+            return ray.get(getattr(self.actors.learner, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayActorError as exc:
+            last = latest_checkpoint(self.run_dir)
+            where = (f"the last checkpoint is {last}; resume with: rlpost train --resume {self.run_dir}"
+                     if last else "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again")
+            raise LearnerDied(f"the learner died during step {self.step} ({_first_line(exc)}); {where}") from exc
+
+    # ----------------------------------------------------------------------- weights and the bus
+
     def _sync_weights(self) -> dict:
-        """Publish the learner's weights to every worker; on a failure re-form the bus and resend.
+        """Publish the learner's weights to every worker; on a failure recover the bus and resend.
 
         A dead or silent worker makes the collective fail within ``weight_sync.timeout_s`` (the
-        bus names the suspect ranks). The controller then opens the bus's next generation with
-        the workers still alive and publishes the same version again; a second failure stops the
-        run with the cause.
+        bus names the suspect ranks). The controller restarts dead workers, opens the bus's next
+        generation with every worker and publishes the same version again; a second failure
+        stops the run with the cause.
         """
         import ray
 
@@ -341,27 +468,30 @@ class Controller:
             return self._sync_once()
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("weight sync of version %d failed: %s; re-forming the bus", self.version, _first_line(exc))
-            self._reform_bus()
-            try:
-                record = self._sync_once()
-            except (ray.exceptions.RayError, TimeoutError) as again:
-                raise RuntimeError(f"weight sync failed again after re-forming the bus: {_first_line(again)}") from again
-            record["bus_reforms"] = self.bus_reforms
-            return record
+            return self._recover_bus()
 
-    def _reform_bus(self) -> None:
+    def _recover_bus(self) -> dict:
+        """Restart dead workers, re-form the bus with all workers, publish the current version,
+        and give the env pools the (new) worker handles. Returns the sync's metrics."""
         import ray
 
-        alive = [w for w in self.actors.inference if _answers(w)]
-        if not alive:
-            raise RuntimeError("no inference worker is alive to receive weights")
-        spec = ray.get(self.actors.learner.reform_publisher.remote(len(alive) + 1), timeout=60)
+        self._restart_dead_workers()
+        workers = self.actors.inference
+        spec = self._learner("reform_publisher", len(workers) + 1, timeout_s=60)
         spec = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec
-        ray.get([w.join_bus.remote(spec, rank) for rank, w in enumerate(alive, start=1)], timeout=60)
-        dropped = len(self.actors.inference) - len(alive)
-        self.actors.inference = alive
-        self.bus_reforms += 1
-        log.warning("weight bus re-formed (generation %s) with %d workers; %d dropped", spec["generation"], len(alive), dropped)
+        ray.get([w.join_bus.remote(spec, rank) for rank, w in enumerate(workers, start=1)], timeout=60)
+        self.counts["bus_reforms"] += 1
+        log.warning("weight bus re-formed (generation %s) with %d workers", spec["generation"], len(workers))
+        try:
+            record = self._sync_once()
+        except (ray.exceptions.RayError, TimeoutError) as again:
+            raise RuntimeError(f"weight sync failed again after re-forming the bus: {_first_line(again)}") from again
+        for pool in self.actors.env_pools:
+            try:
+                ray.get(pool.set_inference.remote(workers), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # a dead pool is restarted with the current workers
+        return record
 
     def _sync_once(self) -> dict:
         import ray
@@ -369,7 +499,7 @@ class Controller:
         timeout = self.cfg.weight_sync.timeout_s
         receives = [w.update_weights.remote(timeout) for w in self.actors.inference]
         start = time.perf_counter()
-        published = ray.get(self.actors.learner.publish.remote(), timeout=timeout + 30)
+        published = self._learner("publish", timeout_s=timeout + 30)
         infos = ray.get(receives, timeout=timeout + 60)
         sync_s = time.perf_counter() - start
         versions = {int(i["version"]) for i in infos}
@@ -386,11 +516,103 @@ class Controller:
             self.probe = probe_sequence(self.cfg)
         temperature = self.cfg.rollout.temperature
         served = ray.get(self.actors.inference[0].score.remote([self.probe], temperature), timeout=120)[0]
-        learned = ray.get(self.actors.learner.score.remote([self.probe]), timeout=120)[0]
+        learned = self._learner("score", [self.probe], timeout_s=120)[0]
         diff = max(abs(a - b) for a, b in zip(served, learned))
         if diff > SYNC_LOGPROB_WARN and self.cfg.model.dtype == "float32":
             log.warning("sync_logprob_diff %.2e exceeds %.0e: inference and learner weights disagree", diff, SYNC_LOGPROB_WARN)
         return diff
+
+    # ------------------------------------------------------------------------------ restarts
+
+    def _check_health(self, force: bool = False) -> list[int]:
+        """Restart dead inference workers and env pools (looked up by name: a dead actor's name
+        is free); at most every HEALTH_CHECK_S unless ``force``. Returns the restarted pools."""
+        if not force and time.monotonic() - self.last_health_check < HEALTH_CHECK_S:
+            return []
+        self.last_health_check = time.monotonic()
+        if any(not _alive(f"inference-{i}", w) for i, w in enumerate(self.actors.inference)):
+            self._recover_bus()
+        return self._restart_dead_pools()
+
+    def _restart_dead_workers(self) -> None:
+        import ray
+
+        for i, worker in enumerate(self.actors.inference):
+            if _alive(f"inference-{i}", worker):
+                continue
+            log.warning("inference-%d died; starting it again", i)
+            self.actors.inference[i] = new_inference_worker(self.cfg, i, self.actors.place)
+            self.counts["restarts_inference"] += 1
+        ray.get([w.get_version.remote() for w in self.actors.inference], timeout=STARTUP_TIMEOUT_S)
+
+    def _restart_dead_pools(self) -> list[int]:
+        import ray
+
+        restarted = []
+        for j, pool in enumerate(self.actors.env_pools):
+            if _alive(f"env-pool-{j}", pool):
+                continue
+            state = self.actors.buffer.producer_state(f"env-pool-{j}")
+            log.warning("env-pool-%d died; starting it again from its last put (%s prompts collected)",
+                        j, state["num_prompts_collected"] if state else 0)
+            pool = new_env_pool(self.cfg, j, self.actors.inference, self.actors.buffer, self.actors.place)
+            if state is not None:
+                ray.get(pool.load_state_dict.remote(state), timeout=STARTUP_TIMEOUT_S)
+            if self.cfg.trainer.mode == "async":
+                ray.get(pool.start.remote(None), timeout=STARTUP_TIMEOUT_S)
+            self.actors.env_pools[j] = pool
+            self.counts["restarts_env_pool"] += 1
+            restarted.append(j)
+        return restarted
+
+    def _recorded_prompts(self, j: int) -> int:
+        state = self.actors.buffer.producer_state(f"env-pool-{j}")
+        return state["num_prompts_collected"] if state else 0
+
+    # ------------------------------------------------------------------ checkpoints and resume
+
+    def _checkpoint(self, step: int) -> None:
+        """The learner writes its checkpoint with the rollout state: the groups waiting in the
+        buffer and every pool's position after its last put (one consistent snapshot)."""
+        snapshot = self.actors.buffer.snapshot()
+        rollout_state = {
+            "buffer_groups": snapshot.groups,
+            "producer_states": snapshot.producer_states,
+            "pool_prompts": self.pool_prompts,
+            "counts": dict(self.counts),
+            "elapsed_s": time.perf_counter() - self.start_time,
+        }
+        path = self._learner("save_checkpoint", str(self.run_dir), step, rollout_state, timeout_s=600)
+        log.info("checkpoint written: %s (%d groups from the buffer)", path, len(snapshot.groups))
+
+    def _resume(self) -> None:
+        """Continue from the run's latest checkpoint (see the module docstring)."""
+        import ray
+
+        from rlpost.transport.buffer import BufferSnapshot
+
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
+        info = self._learner("load_checkpoint", str(path), timeout_s=600)
+        self.version, self.first_step = int(info["version"]), int(info["step"]) + 1
+        state = info["rollout_state"] or {}
+        if state:
+            self.actors.buffer.restore(BufferSnapshot(state["buffer_groups"], state["producer_states"]))
+            for j, pool in enumerate(self.actors.env_pools):
+                pool_state = state["producer_states"].get(f"env-pool-{j}")
+                if pool_state is not None:
+                    ray.get(pool.load_state_dict.remote(pool_state), timeout=60)
+            self.pool_prompts = list(state["pool_prompts"])
+            self.counts.update(state["counts"])
+            self.start_time -= state["elapsed_s"]
+        moved = supersede_metrics_after(self.run_dir, info["step"])
+        self._sync_weights()  # the workers serve the checkpoint's weights at its version
+        log.info("resumed from %s: step %d, policy version %d, %d groups back in the buffer%s", path, info["step"],
+                 self.version, len(state.get("buffer_groups", [])),
+                 f"; {moved} metrics lines of later steps moved to metrics.superseded.jsonl" if moved else "")
+
+    # ------------------------------------------------------------------------------- metrics
 
     def _timing(self, groups: list, step_start: float) -> dict:
         elapsed_step = time.perf_counter() - step_start
@@ -412,23 +634,19 @@ class Controller:
         record.setdefault("weight_sync_s", None)
         record.setdefault("sync_logprob_diff", None)
         record.setdefault("staleness_mean", 0.0)
+        record.update(self.counts, learner_resumes=self.learner_resumes)
         self.writer.write(record)
         self.ray_metrics.record(record)
 
-    def _checkpoint(self, step: int) -> None:
-        import ray
 
-        path = ray.get(self.actors.learner.save_checkpoint.remote(str(self.run_dir), step), timeout=600)
-        log.info("checkpoint written: %s", path)
-
-
-def _answers(handle, timeout_s: float = 30.0) -> bool:
+def _alive(name: str, handle) -> bool:
+    """Whether the actor ``handle`` named ``name`` is alive. Asked of Ray's control store (a dead
+    actor's name is free again), not of the actor, whose queue may be busy with a long call."""
     import ray
 
     try:
-        ray.get(handle.get_version.remote(), timeout=timeout_s)
-        return True
-    except (ray.exceptions.RayError, TimeoutError):
+        return ray.get_actor(name) == handle
+    except ValueError:
         return False
 
 
@@ -455,13 +673,16 @@ def probe_sequence(cfg: JobConfig) -> list[int]:
 # A generous bound on one step's collection, reference scoring or training call: a stuck actor
 # surfaces as a clear timeout instead of a hang.
 COLLECT_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
+POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
+HEALTH_CHECK_S = 5.0  # actors' names are looked up at most this often while things go well
 
 
 class _Progress:
-    def __init__(self, steps: int, enabled: bool):
+    def __init__(self, steps: int, enabled: bool, initial: int = 0):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=steps, desc="rlpost", unit="step", disable=not enabled, file=sys.stderr)
+        self.bar = tqdm(total=steps, initial=initial, desc="rlpost", unit="step", disable=not enabled, file=sys.stderr)
 
     def update(self, record: dict) -> None:
         self.bar.set_postfix(

@@ -120,6 +120,9 @@ class RayMetrics:
         "kl_to_ref": "KL to the reference model",
         "clip_fraction": "Share of clipped tokens",
         "step_time_s": "Seconds per learner step",
+        "restarts_inference": "Inference workers restarted so far",
+        "restarts_env_pool": "Env pools restarted so far",
+        "bus_reforms": "Weight-bus re-formations so far",
     }
     COUNTERS = {
         "samples_generated": "Completions generated",

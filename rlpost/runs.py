@@ -4,13 +4,22 @@
     <run_dir>/metrics.jsonl      one JSON object per learner step
     <run_dir>/checkpoints/step_<N>/
     <run_dir>/reward.png
+
+A resumed run (``rlpost train --resume RUN_DIR``) continues in the same folder: the config comes
+from its ``config.yaml`` (plus overrides), training goes on after the latest checkpoint, and the
+metrics lines of steps after that checkpoint (they are trained again) move to
+``metrics.superseded.jsonl``, so ``metrics.jsonl`` keeps one line per step.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
-from rlpost.config import ConfigError, JobConfig, default_run_name, save_config
+from rlpost.config import ConfigError, JobConfig, default_run_name, load_config, save_config
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
@@ -60,3 +69,65 @@ def check_inputs_exist(cfg: JobConfig) -> None:
 
 def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).exists()
+
+
+# ------------------------------------------------------------------------------------ resume
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The ``step_<N>`` folders of ``run_dir/checkpoints``, oldest (lowest N) first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    return int(_STEP_DIR.match(Path(path).name).group(1))
+
+
+def open_run_for_resume(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> JobConfig:
+    """The config to resume ``run_dir`` with: ``config`` (default: the run's own config.yaml)
+    plus ``overrides``; errors name the folder when it holds no run or no checkpoint."""
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+    if latest_checkpoint(run_dir) is None:
+        raise ConfigError(
+            f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} (set trainer.checkpoint_interval "
+            "to write them during a run)"
+        )
+    cfg = load_config(config or saved, overrides)
+    cfg.logging.run_name = cfg.logging.run_name or run_dir.name
+    if overrides or config:
+        save_config(cfg, saved)  # the folder's config is the one the run goes on with
+    return cfg
+
+
+def supersede_metrics_after(run_dir: str | Path, step: int) -> int:
+    """Move metrics.jsonl lines of steps after ``step`` to metrics.superseded.jsonl (appended);
+    returns how many moved. Nothing is deleted: those steps are trained again after a resume."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        try:
+            later = json.loads(line).get("step", 0) > step
+        except json.JSONDecodeError:  # a torn last line from the crash
+            later = True
+        (moved if later else keep).append(line)
+    if moved:
+        with (Path(run_dir) / "metrics.superseded.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in moved))
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+    return len(moved)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import ray
 
-from rlpost.transport.buffer import BufferStats, LocalBuffer, RayBuffer
+from rlpost.transport.buffer import BufferSnapshot, BufferStats, LocalBuffer, RayBuffer
 
 
 class BufferActor:
@@ -20,9 +20,10 @@ class BufferActor:
         self.buffer = LocalBuffer(capacity, max_staleness)
         self.metrics = RoleMetrics("buffer", run_name, "buffer")
 
-    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
+    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
+            producer_state: Any = None) -> None:
         try:
-            self.buffer.put(groups, timeout_s)
+            self.buffer.put(groups, timeout_s, producer, producer_state)
         finally:
             self._report()
 
@@ -47,6 +48,16 @@ class BufferActor:
 
     def stats(self) -> BufferStats:
         return self.buffer.stats()
+
+    def snapshot(self) -> BufferSnapshot:
+        return self.buffer.snapshot()
+
+    def restore(self, snapshot: BufferSnapshot) -> None:
+        self.buffer.restore(snapshot)
+        self._report()
+
+    def producer_state(self, producer: str) -> Any:
+        return self.buffer.producer_state(producer)
 
 
 def start_buffer(

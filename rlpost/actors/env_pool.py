@@ -10,6 +10,11 @@ prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an
             run(): collect -> buffer.put(groups) (ONE batched put per collect; backpressure
             blocks there) until the total, stop(), or an error
 
+Every put carries the pool's :meth:`EnvPool.state_dict` (its position in the prompt stream and
+the number of prompts collected so far), which the buffer keeps beside the groups: a pool that
+dies is restarted from the position its last put ended at, so no completed group is lost or
+repeated (the prompts it was generating are generated again).
+
 :class:`EnvPoolActor` is the thin Ray shell (actor name ``env-pool-<i>``), threaded so that
 ``stop()`` and ``stats()`` answer while the background thread collects.
 """
@@ -45,7 +50,8 @@ class EnvPool:
             ``rollout.num_env_pools``, so prompt ids never collide across pools.
         engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
             ``last_policy_version``).
-        buffer: where ``run`` puts groups (``put(groups, timeout_s)``); None for collect-only.
+        buffer: where ``run`` puts groups (``put(groups, timeout_s, producer, producer_state)``);
+            None for collect-only.
 
     Keyword Args:
         tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
@@ -99,7 +105,10 @@ class EnvPool:
             track_policy_version=policy_version if policy_version is not None else PolicyVersion(),
             group_info={"env_pool": pool_index},
         )
+        self.name = f"env-pool-{pool_index}"
+        self.engine_client = engine_client
         self.num_batches_put = 0
+        self.num_prompts_collected = 0  # monotonic across restarts (part of the state)
         self.put_s = 0.0  # seconds blocked in buffer.put (backpressure)
         self._thread: threading.Thread | None = None
         self.on_batch: Callable[[list[Group]], None] | None = None  # e.g. the actor's metrics
@@ -120,6 +129,7 @@ class EnvPool:
 
     def _collect(self, num_groups: int) -> list[Group]:
         groups = self.collector.collect(num_groups)
+        self.num_prompts_collected += num_groups
         if self.on_batch is not None:
             self.on_batch(groups)
         return groups
@@ -148,11 +158,11 @@ class EnvPool:
                 return
             groups = self._collect(num_groups)
             collected += num_groups
-            if groups:
-                start = time.perf_counter()
-                self.buffer.put(groups, timeout_s=put_timeout_s)
-                self.put_s += time.perf_counter() - start
-                self.num_batches_put += 1
+            # even an empty put (the DAPO filter dropped every group) records the new position
+            start = time.perf_counter()
+            self.buffer.put(groups, timeout_s=put_timeout_s, producer=self.name, producer_state=self.state_dict())
+            self.put_s += time.perf_counter() - start
+            self.num_batches_put += 1
 
     def _wait_for_room(self, num_groups: int, stop: threading.Event | None, timeout_s: float) -> bool:
         """Block until the buffer has room for the next batch; False when ``stop`` was set.
@@ -243,11 +253,17 @@ class EnvPool:
         )
         return out
 
+    def set_inference(self, handles: list) -> None:
+        """Serve from these inference workers from now on (the controller restarted one); a
+        request waiting for a worker is re-issued to them."""
+        self.engine_client.set_handles(handles)
+
     def state_dict(self) -> dict[str, Any]:
-        """The prompt stream's position (and the version tracker), for resume."""
+        """The prompt stream's position, the prompts collected so far and the version tracker."""
         return {
             "pool_index": self.pool_index,
             "num_env_pools": self.cfg.rollout.num_env_pools,
+            "num_prompts_collected": self.num_prompts_collected,
             "collector": self.collector.state_dict(),
         }
 
@@ -259,6 +275,7 @@ class EnvPool:
                 f"of {self.cfg.rollout.num_env_pools} (rollout.num_env_pools changed?)"
             )
         self.collector.load_state_dict(state["collector"])
+        self.num_prompts_collected = int(state.get("num_prompts_collected", 0))
 
 
 class EnvPoolActor:
@@ -300,6 +317,9 @@ class EnvPoolActor:
 
     def stats(self) -> dict[str, Any]:
         return self.pool.stats()
+
+    def set_inference(self, handles: list) -> None:
+        self.pool.set_inference(handles)
 
     def state_dict(self) -> dict[str, Any]:
         return self.pool.state_dict()

@@ -11,7 +11,8 @@
 - :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
   to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
   split across workers, pitfall 8); it records the version that served the call in
-  ``last_policy_version``; a dead worker's request is re-issued to another worker.
+  ``last_policy_version``; a dead worker's request is re-issued to another worker, or, when
+  none is left, to the workers the controller restarts (``set_handles``).
 """
 
 from __future__ import annotations
@@ -111,30 +112,48 @@ class RemoteVLLMClient:
     """Load-balancing :class:`~rlpost.policies.VLLMEngineClient` over inference actor handles.
 
     ``request_timeout_s`` bounds every call. A worker that died (RayActorError) is skipped and
-    the request re-issued on the next one; when none is left the error propagates.
+    the request re-issued on the next one. When every worker has failed, the request waits up to
+    ``worker_wait_s`` for :meth:`set_handles` (the controller restarting workers) and is then
+    re-issued to the new ones; after that the error propagates.
     """
 
-    def __init__(self, handles: list, *, request_timeout_s: float = 600.0, tokenizer=None):
+    def __init__(self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0,
+                 tokenizer=None):
         if not handles:
             raise ValueError("RemoteVLLMClient needs at least one inference worker handle")
-        self.handles = list(handles)
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.worker_wait_s = request_timeout_s, worker_wait_s
         self.last_policy_version: int | None = None
         self.num_reissued = 0
         self._tokenizer = tokenizer
-        self._in_flight = [0] * len(self.handles)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._order = itertools.count()
+        self._generation = 0
+        self._set(handles)
+
+    def _set(self, handles: list) -> None:
+        self.handles = list(handles)
+        self._in_flight = [0] * len(self.handles)
+
+    def set_handles(self, handles: list) -> None:
+        """Use these workers from now on; requests waiting for a worker go to them."""
+        if not handles:
+            raise ValueError("set_handles needs at least one inference worker handle")
+        with self._cond:
+            self._set(handles)
+            self._generation += 1
+            self._cond.notify_all()
 
     def get_tokenizer(self):
         return self._tokenizer
 
     def __getstate__(self) -> dict:
         # travels to the env-pool actor: handles and settings, not the lock or the local counters
-        return {"handles": self.handles, "request_timeout_s": self.request_timeout_s, "tokenizer": self._tokenizer}
+        return {"handles": self.handles, "request_timeout_s": self.request_timeout_s,
+                "worker_wait_s": self.worker_wait_s, "tokenizer": self._tokenizer}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["handles"], request_timeout_s=state["request_timeout_s"], tokenizer=state["tokenizer"])
+        self.__init__(state["handles"], request_timeout_s=state["request_timeout_s"],
+                      worker_wait_s=state["worker_wait_s"], tokenizer=state["tokenizer"])
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         completions, version = self._call("generate", prompt_token_ids, sampling)
@@ -148,29 +167,47 @@ class RemoteVLLMClient:
         import ray
 
         tried: set[int] = set()
+        generation = self._generation
         while True:
-            i = self._pick(tried)
+            picked = self._pick(tried, generation)
+            if picked is None:  # every worker failed: wait for the controller's replacements
+                generation = self._wait_for_new_handles(generation)
+                tried = set()
+                continue
+            i, handle, generation = picked
             try:
-                return ray.get(getattr(self.handles[i], method).remote(*args), timeout=self.request_timeout_s)
+                return ray.get(getattr(handle, method).remote(*args), timeout=self.request_timeout_s)
             except ray.exceptions.RayActorError:
                 tried.add(i)
                 self.num_reissued += 1
-                if len(tried) == len(self.handles):
-                    raise
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(
                     f"inference worker {i} did not answer {method} within {self.request_timeout_s}s"
                 ) from None
             finally:
-                with self._lock:
-                    self._in_flight[i] -= 1
+                with self._cond:
+                    if generation == self._generation:
+                        self._in_flight[i] -= 1
 
-    def _pick(self, tried: set[int]) -> int:
-        """The least-busy worker not yet tried (ties broken round-robin)."""
-        with self._lock:
+    def _pick(self, tried: set[int], generation: int) -> tuple[int, Any, int] | None:
+        """The least-busy worker not yet tried (ties broken round-robin), or None when all were.
+        Handles replaced since ``generation`` start a fresh round."""
+        with self._cond:
+            if generation != self._generation:
+                tried.clear()
             start = next(self._order)
             candidates = [(self._in_flight[i], (i - start) % len(self.handles), i)
                           for i in range(len(self.handles)) if i not in tried]
+            if not candidates:
+                return None
             i = min(candidates)[2]
             self._in_flight[i] += 1
-            return i
+            return i, self.handles[i], self._generation
+
+    def _wait_for_new_handles(self, generation: int) -> int:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._generation != generation, timeout=self.worker_wait_s):
+                raise RuntimeError(
+                    f"every inference worker failed and none was replaced within {self.worker_wait_s:.0f}s"
+                )
+            return self._generation

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
+import pickle
 import shutil
 import tempfile
 import time
@@ -55,10 +55,11 @@ from rlpost.config import JobConfig
 from rlpost.objectives import GRPOLoss
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
+from rlpost.runs import list_checkpoints
 from rlpost.types import Group, Sample
 
 TRAINER_STATE = "trainer_state.pt"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+ROLLOUT_STATE = "rollout_state.pkl"  # the controller's part: buffer groups, env-pool positions
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Diagnostics that are token means over the loss tokens whatever the aggregation: combined over
 # micro-batches weighted by their loss tokens (exact, except for ess, which is not a mean).
@@ -310,13 +311,14 @@ class Learner:
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, run_dir: str | Path, step: int) -> Path:
+    def save_checkpoint(self, run_dir: str | Path, step: int, rollout_state: dict | None = None) -> Path:
         """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``.
 
-        The folder holds the model (float32 masters) and tokenizer in HF format and
-        ``trainer_state.pt`` (optimizer, scheduler, step, version, torch RNG states). It is
-        written to a temporary folder beside it and renamed into place, so a crash never leaves
-        a half-written ``step_<N>``.
+        The folder holds the model (float32 masters) and tokenizer in HF format,
+        ``trainer_state.pt`` (optimizer, scheduler, step, version, torch RNG states) and, when
+        given, ``rollout_state.pkl`` (the controller's: the groups still in the buffer and every
+        env pool's position, taken together). It is written to a temporary folder beside it and
+        renamed into place, so a crash never leaves a half-written ``step_<N>``.
         """
         root = Path(run_dir) / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
@@ -326,6 +328,9 @@ class Learner:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             torch.save(self._trainer_state(step), tmp / TRAINER_STATE)
+            if rollout_state is not None:
+                # pickle: the groups are rlpost dataclasses; the file is this run's own output
+                (tmp / ROLLOUT_STATE).write_bytes(pickle.dumps(rollout_state))
             if final.exists():  # re-saving a step: os.replace cannot replace a non-empty folder
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -345,9 +350,10 @@ class Learner:
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
 
-    def load_checkpoint(self, path: str | Path) -> dict[str, int]:
+    def load_checkpoint(self, path: str | Path) -> dict:
         """Restore weights, optimizer, scheduler, version and RNG from a ``step_<N>`` folder in
-        place (the optimizer keeps pointing at the same parameters); returns its step and version."""
+        place (the optimizer keeps pointing at the same parameters); returns its ``step``,
+        ``version`` and ``rollout_state`` (None when the checkpoint has none)."""
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
@@ -363,16 +369,9 @@ class Learner:
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
         self._version, self._step = int(state["version"]), int(state["step"])
-        return {"step": self._step, "version": self._version}
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The ``step_<N>`` folders of ``run_dir/checkpoints``, oldest (lowest N) first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+        rollout = path / ROLLOUT_STATE
+        rollout_state = pickle.loads(rollout.read_bytes()) if rollout.is_file() else None
+        return {"step": self._step, "version": self._version, "rollout_state": rollout_state}
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
@@ -465,10 +464,10 @@ class LearnerActor:
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self.learner.score(token_ids)
 
-    def save_checkpoint(self, run_dir: str, step: int) -> str:
-        return str(self.learner.save_checkpoint(run_dir, step))
+    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict | None = None) -> str:
+        return str(self.learner.save_checkpoint(run_dir, step, rollout_state))
 
-    def load_checkpoint(self, path: str) -> dict[str, int]:
+    def load_checkpoint(self, path: str) -> dict:
         return self.learner.load_checkpoint(path)
 
     def version(self) -> int:

@@ -16,6 +16,12 @@ Rules (DESIGN invariants):
   version is dropped and counted (``num_dropped_stale``). Nothing else is ever dropped.
 - Every blocking call has a timeout.
 
+Producer positions: a producer may pass its state (e.g. an env pool's position in the prompt
+stream) with each put; the buffer stores it with the groups, under the same lock. Then
+:meth:`LocalBuffer.snapshot` gives the groups still waiting *and* every producer's position after
+its last put, consistent with each other: a checkpoint of both (plus the learner's) loses no
+completed group and repeats none, and a restarted producer resumes from where its last put ended.
+
 Items are opaque to the buffer except for their ``policy_version`` attribute (or key).
 """
 
@@ -42,12 +48,24 @@ class BufferStats:
     put_wait_s: float  # total time producers spent blocked (backpressure)
 
 
+@dataclass
+class BufferSnapshot:
+    """The groups waiting in the buffer and each producer's state after its last put."""
+
+    groups: list[Any]
+    producer_states: dict[str, Any]
+
+
 class Buffer(Protocol):
-    def put(self, groups: Sequence[Any], timeout_s: float) -> None: ...
+    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
+            producer_state: Any = None) -> None: ...
     def wait_for_space(self, num_groups: int, timeout_s: float) -> bool: ...
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
     def stats(self) -> BufferStats: ...
     def drain(self) -> list[Any]: ...
+    def snapshot(self) -> BufferSnapshot: ...
+    def restore(self, snapshot: BufferSnapshot) -> None: ...
+    def producer_state(self, producer: str) -> Any: ...
 
 
 def policy_version_of(group: Any) -> int:
@@ -67,12 +85,15 @@ class LocalBuffer:
         self._cond = threading.Condition()
         self._num_put = self._num_got = self._num_dropped_stale = 0
         self._put_wait_s = 0.0
+        self._producer_states: dict[str, Any] = {}
 
-    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
+    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
+            producer_state: Any = None) -> None:
         """Append all ``groups`` in order, blocking while full; all-or-timeout per free slot.
 
         Groups already appended stay when a later one times out (they are complete groups and
-        must not be lost); the error says how many went in.
+        must not be lost); the error says how many went in. ``producer_state`` is recorded for
+        ``producer`` once every group is in (see the module docstring).
         """
         deadline = time.monotonic() + timeout_s
         for i, group in enumerate(groups):
@@ -89,6 +110,9 @@ class LocalBuffer:
                 self._items.append(group)
                 self._num_put += 1
                 self._cond.notify_all()
+        if producer is not None:
+            with self._cond:
+                self._producer_states[producer] = producer_state
 
     def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
         """Wait until ``num_groups`` more groups would fit (capped at the capacity); False on timeout.
@@ -148,6 +172,26 @@ class LocalBuffer:
             self._cond.notify_all()
             return items
 
+    def snapshot(self) -> BufferSnapshot:
+        """A copy of the waiting groups and the producer states, taken under one lock."""
+        with self._cond:
+            return BufferSnapshot(list(self._items), dict(self._producer_states))
+
+    def restore(self, snapshot: BufferSnapshot) -> None:
+        """Put a checkpoint's groups back (oldest first, beyond the capacity if need be: they
+        were in the buffer when it was taken) and its producer states; the buffer must be empty."""
+        with self._cond:
+            if self._items:
+                raise RuntimeError(f"restore needs an empty buffer, it holds {len(self._items)} groups")
+            self._items.extend(snapshot.groups)
+            self._producer_states = dict(snapshot.producer_states)
+            self._cond.notify_all()
+
+    def producer_state(self, producer: str) -> Any:
+        """``producer``'s state after its last put (None before its first)."""
+        with self._cond:
+            return self._producer_states.get(producer)
+
     def stats(self) -> BufferStats:
         with self._cond:
             return BufferStats(
@@ -171,8 +215,9 @@ class RayBuffer:
         self.handle = handle
         self.rpc_margin_s = rpc_margin_s
 
-    def put(self, groups: Sequence[Any], timeout_s: float) -> None:
-        self._call(self.handle.put.remote(list(groups), timeout_s), timeout_s)
+    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
+            producer_state: Any = None) -> None:
+        self._call(self.handle.put.remote(list(groups), timeout_s, producer, producer_state), timeout_s)
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
         return self._call(self.handle.get.remote(num_groups, timeout_s, current_version), timeout_s)
@@ -188,6 +233,15 @@ class RayBuffer:
 
     def stats(self) -> BufferStats:
         return self._call(self.handle.stats.remote(), 0.0)
+
+    def snapshot(self) -> BufferSnapshot:
+        return self._call(self.handle.snapshot.remote(), 0.0)
+
+    def restore(self, snapshot: BufferSnapshot) -> None:
+        self._call(self.handle.restore.remote(snapshot), 0.0)
+
+    def producer_state(self, producer: str) -> Any:
+        return self._call(self.handle.producer_state.remote(producer), 0.0)
 
     def _call(self, ref, timeout_s: float):
         import ray

@@ -72,9 +72,9 @@ class CountingBuffer(LocalBuffer):
         super().__init__(*args, **kwargs)
         self.put_sizes = []
 
-    def put(self, groups, timeout_s):
+    def put(self, groups, timeout_s, producer=None, producer_state=None):
         self.put_sizes.append(len(groups))
-        super().put(groups, timeout_s)
+        super().put(groups, timeout_s, producer, producer_state)
 
 
 class Nudge(Transform):
@@ -245,11 +245,14 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     assert stats["num_samples"] == 6 * GROUP_SIZE and stats["num_batches_put"] == 2
     assert stats["num_generated_tokens"] > 0 and stats["generate_s"] > 0 and stats["reward_errors"] == {}
 
-    state = pool.state_dict()
+    # each put recorded the pool's position after it: a pool restarted from it goes on exactly
+    state = buffer.producer_state("env-pool-1")
+    assert state["num_prompts_collected"] == 6 and state["pool_index"] == 1
     expected = [g.prompt_id for g in pool.collect()]
     resumed = EnvPool(cfg, 1, client, None, tokenizer=tiny_tokenizer)
     resumed.load_state_dict(state)
     assert [g.prompt_id for g in resumed.collect()] == expected
+    assert resumed.num_prompts_collected == pool.num_prompts_collected == 8
     with pytest.raises(ValueError, match="cannot resume pool"):
         EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
 
@@ -274,7 +277,7 @@ def test_env_pool_background_run_stops(engine, tiny_tokenizer):
 
 def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
     class Broken:
-        def put(self, groups, timeout_s):
+        def put(self, groups, timeout_s, producer=None, producer_state=None):
             raise OSError("buffer gone")
 
     pool = EnvPool(make_cfg(), 0, RecordingClient(engine), Broken(), tokenizer=tiny_tokenizer)
@@ -325,7 +328,8 @@ def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_m
 
 def test_plain_pool_works_without_the_actor_shell():
     # EnvPoolActor only forwards: its methods are EnvPool's
-    forwarded = {"collect", "start", "stop", "wait", "stats", "state_dict", "load_state_dict", "set_policy_version"}
+    forwarded = {"collect", "start", "stop", "wait", "stats", "state_dict", "load_state_dict", "set_policy_version",
+                 "set_inference"}
     assert forwarded <= {name for name in vars(EnvPoolActor) if not name.startswith("_")}
     assert all(hasattr(EnvPool, name) for name in forwarded)
     assert PolicyVersion(3).increment_version() == 4

@@ -101,3 +101,43 @@ def test_update_times_out_instead_of_hanging_when_nothing_is_published(worker, t
     with pytest.raises(ray.exceptions.RayTaskError, match=r"failed after 3\.\ds; suspect peer ranks: \[0\]"):
         ray.get(worker.update_weights.remote(3), timeout=90)
     publisher.close()
+
+
+def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluster):
+    """RemoteVLLMClient's failover with stand-in actors (the real engine's failover is in the e2e
+    fault-tolerance tests): a dead worker's request goes to another; when none is left it waits
+    for set_handles and goes to the new workers."""
+    import threading
+    import time
+
+    import ray
+
+    from rlpost.actors.inference import RemoteVLLMClient
+
+    @ray.remote(num_cpus=0)
+    class StandIn:
+        def __init__(self, version):
+            self.version = version
+
+        def generate(self, prompt_token_ids, sampling):
+            return [[f"from {self.version}"] for _ in prompt_token_ids], self.version
+
+    first, second = StandIn.remote(1), StandIn.remote(2)
+    client = RemoteVLLMClient([first, second], worker_wait_s=30)
+    ray.kill(first)
+    for _ in range(3):  # whichever it picks, the answer comes from the live worker
+        assert client.generate([[1]], {}) == [["from 2"]] and client.last_policy_version == 2
+    assert client.num_reissued >= 1
+
+    ray.kill(second)
+    replacement = StandIn.remote(3)
+    timer = threading.Timer(1.0, client.set_handles, args=([replacement],))
+    timer.start()
+    start = time.monotonic()
+    assert client.generate([[1]], {}) == [["from 3"]]  # waited for the replacement, then re-issued
+    assert time.monotonic() - start >= 0.9 and client.last_policy_version == 3
+
+    ray.kill(replacement)
+    impatient = RemoteVLLMClient([replacement], worker_wait_s=0.5)
+    with pytest.raises(RuntimeError, match="every inference worker failed and none was replaced"):
+        impatient.generate([[1]], {})

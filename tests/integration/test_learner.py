@@ -200,14 +200,14 @@ def test_checkpoint_round_trip(tiny_model_path, tiny_tokenizer, prompt_ids, tmp_
     replies, rewards = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]], [[1.0, 0.0]]
     for step in (1, 2, 3):
         learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
-        path = learner.save_checkpoint(tmp_path, step)
+        path = learner.save_checkpoint(tmp_path, step, rollout_state={"step": step, "groups": replies})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"] == \
         [p.name for p in (tmp_path / "checkpoints").iterdir()]  # no temporary folders left behind
     saved = _snapshot(learner)
     learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
     assert learner.version == 4 and not torch.equal(learner.model.state_dict()["model.norm.weight"],
                                                      saved["params"]["model.norm.weight"])
-    assert learner.load_checkpoint(path) == {"step": 3, "version": 3}
+    assert learner.load_checkpoint(path) == {"step": 3, "version": 3, "rollout_state": {"step": 3, "groups": replies}}
     restored = _snapshot(learner)
     assert restored["version"] == 3 and restored["opt_steps"] == saved["opt_steps"] == [3.0] * len(saved["opt_steps"])
     assert restored["lr_epoch"] == saved["lr_epoch"] == 3

@@ -90,3 +90,29 @@ def test_wait_for_space_blocks_until_a_batch_fits():
     assert buf.wait_for_space(2, timeout_s=5) is True
     buf.drain()
     assert buf.wait_for_space(10, timeout_s=0.1) is True  # capped at the capacity: an empty buffer fits
+
+
+def test_producer_state_is_recorded_with_its_put_and_snapshot_restores():
+    buf = LocalBuffer(capacity=10)
+    assert buf.producer_state("env-pool-0") is None
+    buf.put(groups([0, 0]), timeout_s=1, producer="env-pool-0", producer_state={"position": 2})
+    buf.put([], timeout_s=1, producer="env-pool-1", producer_state={"position": 1})  # all filtered
+    buf.put(groups([1], start=2), timeout_s=1)  # no producer: no state change
+    assert buf.producer_state("env-pool-0") == {"position": 2}
+    snap = buf.snapshot()
+    assert len(snap.groups) == 3 and snap.producer_states == {"env-pool-0": {"position": 2}, "env-pool-1": {"position": 1}}
+    assert buf.stats().size == 3  # a snapshot takes nothing
+
+    other = LocalBuffer(capacity=2)  # smaller than the snapshot: restore still keeps every group
+    other.restore(snap)
+    assert [g["policy_version"] for g in other.get(3, timeout_s=1)] == [0, 0, 1]
+    assert other.producer_state("env-pool-1") == {"position": 1}
+    with pytest.raises(RuntimeError, match="empty buffer"):
+        buf.restore(snap)
+
+
+def test_put_that_times_out_does_not_record_the_producer_state():
+    buf = LocalBuffer(capacity=1)
+    with pytest.raises(BufferTimeout):
+        buf.put(groups([0, 0]), timeout_s=0.05, producer="p", producer_state={"position": 2})
+    assert buf.producer_state("p") is None and buf.stats().size == 1

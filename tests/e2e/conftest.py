@@ -1,0 +1,115 @@
+"""A `ray start --head` cluster of a test's own, stopped without touching anyone else's.
+
+`ray stop` kills every Ray process on the machine (other test sessions and training runs
+included), so the cluster runs as `ray start --head --block` in its own temp dir with its own
+ports; at the end that process gets SIGTERM (it stops what it started) and any process left of
+its tree (workers, job drivers, vLLM engines) is killed by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+@dataclasses.dataclass
+class RayHead:
+    gcs_address: str  # for ray.init / rlpost train --address
+    dashboard: str | None  # http://127.0.0.1:PORT, for the Jobs API
+    env: dict[str, str]  # the environment the cluster was started with; clients use it too
+    process: subprocess.Popen
+    temp_dir: Path
+
+
+def free_ports(count: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+@contextlib.contextmanager
+def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = None, num_cpus: int = 2):
+    # short: Ray's unix socket paths under the temp dir must stay below 108 characters
+    temp_dir = Path(tempfile.mkdtemp(prefix="rlpost-ray-", dir="/tmp"))
+    env = dict(env or os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `rlpost` for job entrypoints
+    gcs, dash, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(7)
+    args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={gcs}",
+            "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={runtime_env}"]
+    args += (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard
+             else ["--include-dashboard=false"])
+    log = temp_dir / "ray-start.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=temp_dir)
+    head = RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}" if dashboard else None, env, process, temp_dir)
+    try:
+        _wait_until_up(head, log, timeout_s=180)
+        yield head
+    finally:
+        _stop(head)
+
+
+def _wait_until_up(head: RayHead, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.process.returncode}:\n{log.read_text()[-3000:]}")
+        if "Ray runtime started" in log.read_text() and (head.dashboard is None or _dashboard_answers(head)):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the Ray head did not come up in {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _dashboard_answers(head: RayHead) -> bool:
+    try:
+        urllib.request.urlopen(f"{head.dashboard}/api/version", timeout=5).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (401 without a token)
+    except OSError:
+        return False
+    return True
+
+
+def _stop(head: RayHead) -> None:
+    import psutil
+
+    try:
+        tree = [psutil.Process(head.process.pid), *psutil.Process(head.process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    head.process.terminate()
+    try:
+        head.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        head.process.kill()
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.is_running():  # also guards against a reused pid
+                proc.kill()
+    psutil.wait_procs(tree, timeout=30)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def start_ray_head():
+    """``start_ray_head(dashboard=..., env=...) -> RayHead``; every cluster stops when the module ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **kwargs: stack.enter_context(ray_head_cluster(**kwargs))

@@ -1,0 +1,158 @@
+"""Runs that lose actors (killed with ray.kill mid-run) and runs resumed from checkpoints.
+
+Real actors throughout: vLLM engines, the gloo bus, the buffer actor, the learner. Each test
+runs a few small steps of the tiny-model job; the kills are placed by overriding one controller
+method, so they land at a known step.
+"""
+
+import json
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tiny_cfg(tiny_model_path, run_name, *overrides):
+    from rlpost.config import load_config
+
+    return load_config("configs/tiny-cpu.yaml", [
+        f"model.name_or_path={tiny_model_path}", "trainer.prompts_per_step=4", "logging.progress=false",
+        "weight_sync.timeout_s=20", f"logging.run_name={run_name}", *overrides,
+    ])
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(tmp_path, tiny_model_path, local_ray):
+    """Sync mode, one worker and one pool: the worker is killed while step 2 is being collected
+    (its request is re-issued to the restarted worker), the pool while step 4 is (it restarts
+    from its last put). Every prompt of the stream is trained exactly once, in order."""
+    import time
+
+    from rlpost.controller import Controller, start_actors, stop_actors
+    from rlpost.runs import create_run_dir
+
+    ray = local_ray
+    cfg = tiny_cfg(tiny_model_path, "e2e-restarts", "trainer.steps=5")
+    run_dir = create_run_dir(cfg, tmp_path / "restarts")
+    trained = []
+
+    class KillMidCollection(Controller):
+        def _collect_shares(self):
+            victim = {2: self.actors.inference[0], 4: self.actors.env_pools[0]}.get(self.step)
+            if victim is not None:  # killed shortly after the pool starts generating
+                threading.Timer(0.05, ray.kill, args=(victim,)).start()
+            super()._collect_shares()
+
+        def _train(self, groups, step):
+            trained.append([g.prompt_id for g in groups])
+            return super()._train(groups, step)
+
+    actors = start_actors(cfg)
+    try:
+        start = time.monotonic()
+        KillMidCollection(cfg, run_dir, actors).run()
+        assert time.monotonic() - start < 400
+    finally:
+        stop_actors(actors)
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [(r["restarts_inference"], r["restarts_env_pool"]) for r in rows] == [(0, 0), (1, 0), (1, 0), (1, 1), (1, 1)]
+    assert all(r["staleness_max"] == 0 and r["sync_logprob_diff"] <= 1e-3 for r in rows)
+    assert sorted(p for step in trained for p in step) == list(range(20))  # nothing lost, nothing twice
+    assert [sorted(step) for step in trained] == [list(range(4 * k, 4 * k + 4)) for k in range(5)]
+
+
+def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_path, tiny_model_path, local_ray):
+    """The learner dies in step 6 (checkpoints every 2 steps, so step_4 is the last); the run
+    stops with LearnerDied naming step_4 and the resume command; `rlpost train --resume` then
+    trains steps 5-6 again (step 5's first metrics line is kept aside) with the same numbering."""
+    from rlpost import controller as ctl
+    from rlpost.runs import create_run_dir
+
+    ray = local_ray
+    cfg = tiny_cfg(tiny_model_path, "e2e-learner", "trainer.steps=6", "trainer.checkpoint_interval=2")
+    run_dir = create_run_dir(cfg, tmp_path / "learner")
+
+    class KillLearner(ctl.Controller):
+        def _train(self, groups, step):
+            if step == 6:
+                ray.kill(self.actors.learner)
+            return super()._train(groups, step)
+
+    original, ctl.Controller = ctl.Controller, KillLearner
+    try:
+        with pytest.raises(ctl.LearnerDied) as died:
+            ctl.run_training(cfg, run_dir)
+    finally:
+        ctl.Controller = original
+    message = str(died.value)
+    assert "during step 6" in message and str(run_dir / "checkpoints" / "step_4") in message
+    assert f"rlpost train --resume {run_dir}" in message
+    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    ray.shutdown()  # the CLI below starts its own local cluster
+
+    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir)],
+                         capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stderr and f"run finished: {run_dir}" in out.stdout
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [5]
+    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]
+
+    extended = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), "trainer.steps=7"],
+                              capture_output=True, text=True, timeout=500)
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    assert "steps: 7" in (run_dir / "config.yaml").read_text()
+
+
+def test_async_run_with_auto_resume_survives_a_learner_death(tmp_path, tiny_model_path, local_ray):
+    """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
+    the learner dies in step 4 and the run resumes from step_2 by itself and finishes."""
+    from rlpost import controller as ctl
+    from rlpost.runs import create_run_dir
+
+    ray = local_ray
+    cfg = tiny_cfg(tiny_model_path, "e2e-auto", "trainer.mode=async", "trainer.steps=5", "trainer.checkpoint_interval=2",
+                   "trainer.auto_resume=true", "trainer.keep_checkpoints=5")
+    run_dir = create_run_dir(cfg, tmp_path / "auto")
+    killed = []
+
+    class KillLearnerOnce(ctl.Controller):
+        def _train(self, groups, step):
+            if step == 4 and not killed:
+                killed.append(step)
+                ray.kill(self.actors.learner)
+            return super()._train(groups, step)
+
+    original, ctl.Controller = ctl.Controller, KillLearnerOnce
+    try:
+        assert ctl.run_training(cfg, run_dir) == 0
+    finally:
+        ctl.Controller = original
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["learner_resumes"] for r in rows] == [0, 0, 1, 1, 1]  # step 3 was trained again after the resume
+    assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [3]
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    state = pickle.loads((run_dir / "checkpoints" / "step_2" / "rollout_state.pkl").read_bytes())
+    assert set(state["producer_states"]) == {"env-pool-0"}
+    assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])
