@@ -64,7 +64,7 @@ def test_normal_block_prints_its_output(sandbox_parent):
     result = run_python(SEED_CODE)
     expected = "testing the square function with input 2: 4\n"
     assert result == PythonResult(True, expected, None, 0, result.duration_s)
-    assert 0 < result.duration_s < 5
+    assert 0 < result.duration_s < 30
     assert_nothing_left(sandbox_parent)
 
 
@@ -95,21 +95,21 @@ def test_infinite_loop_times_out(sandbox_parent):
     assert not result.ok
     assert result.error == "timeout after 1.0s"
     assert result.output == "started\n"  # output before the kill is kept (unbuffered child)
-    assert 1.0 <= result.duration_s < 3.0
+    assert 1.0 <= result.duration_s < 30.0  # killed at the timeout, not hung (generous: CI machines are busy)
     assert_nothing_left(sandbox_parent)
 
 
 def test_cpu_time_limit(sandbox_parent):
-    result = run_python("while True:\n    pass\n", timeout_s=10.0, cpu_s=1)
+    # a wall-clock timeout far beyond the CPU limit: on a loaded machine one CPU second can take
+    # many wall seconds, and the error must still be the CPU limit's
+    result = run_python("while True:\n    pass\n", timeout_s=120.0, cpu_s=1)
     assert result.error == "CPU time limit"
-    assert result.duration_s < 5.0
 
 
 def test_os_fork_bomb_is_refused(sandbox_parent):
     result = run_python("import os\nwhile True:\n    os.fork()\n")
     assert not result.ok and result.error == "process limit"
     assert "process creation disabled in rlpost sandbox (fork)" in result.output
-    assert result.duration_s < 3.0
     assert_nothing_left(sandbox_parent)
 
 
@@ -129,8 +129,7 @@ def test_fork_bomb_bypassing_the_prelude_is_killed_without_strays(sandbox_parent
     # (RLIMIT_NPROC alone would not: it is not enforced for root, which runs CI).
     bomb = "import ctypes\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
     result = run_python(bomb, timeout_s=10.0, max_procs=16)
-    assert not result.ok and result.error == "process limit"
-    assert result.duration_s < 5.0
+    assert not result.ok and result.error == "process limit"  # not "timeout after 10.0s"
     assert_nothing_left(sandbox_parent)
 
 
@@ -149,7 +148,7 @@ def test_background_processes_die_with_the_code(sandbox_parent):
     )
     result = run_python(code)
     assert result.ok and result.output == "parent done\n"
-    assert result.duration_s < 5.0
+    assert result.duration_s < 30.0  # did not wait for the children's 60 s sleep
     assert_nothing_left(sandbox_parent)
 
 
@@ -162,7 +161,7 @@ def test_ten_gigabyte_allocation_is_a_memory_error(sandbox_parent):
 
 def test_growing_memory_is_a_memory_error_with_a_traceback(sandbox_parent):
     code = "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))\n"
-    result = run_python(code, memory_mb=128)
+    result = run_python(code, memory_mb=128, timeout_s=60.0)
     assert result.error == "memory limit 128 MB exceeded"
     assert "Traceback" in result.output
 
