@@ -87,6 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="output PNG path (default: RUN_DIR/reward.png)")
     plot.set_defaults(handler=_cmd_plot)
     _add_job_commands(sub)
+    _add_doctor_command(sub)
     return parser
 
 
@@ -252,6 +253,37 @@ def _cmd_stop(args) -> int:
         print(f"rlpost: failed: job {args.job_id} still {status} after {args.wait:g} s", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ doctor
+
+
+def _add_doctor_command(sub) -> None:
+    doctor = sub.add_parser(
+        "doctor",
+        help="check versions, devices, Ray auth and (given a config) that its model and tokenizer load",
+        description="Print Python/torch/vLLM/Ray/transformers/tensordict/pydantic/datasets versions, known-bad version "
+        "combinations, CPUs and GPUs, the Ray authentication this machine would use, and with CONFIG whether its model "
+        "config, tokenizer and local dataset load. Exit 1 when a check fails.",
+    )
+    doctor.add_argument("config", nargs="?", help="YAML job config to check (optional)")
+    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    doctor.add_argument("--address", help="also compare Ray versions with the cluster at this dashboard address")
+    doctor.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args) -> int:
+    from rlpost.doctor import print_checks, run_checks
+
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    address = None
+    if args.address:
+        from rlpost.jobs import resolve_address
+
+        address = resolve_address(args.address)
+    checks = run_checks(cfg, address=address)
+    print_checks(checks)
+    return EXIT_FAILURE if any(c.status == "fail" for c in checks) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -102,3 +102,8 @@ def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):
     assert f"rlpost: job {job} STOPPED" in out.stdout
     status = rlpost(cluster, "status", job)
     assert status.returncode == 1 and status.stdout.startswith(f"{job}: STOPPED")
+
+
+def test_doctor_compares_ray_with_the_clusters(cluster):
+    out = rlpost(cluster, "doctor")
+    assert "ok    cluster" in out.stdout and f"{cluster.dashboard} runs Ray " in out.stdout and ", as here" in out.stdout

@@ -206,7 +206,7 @@ def test_a_silent_cluster_times_out_instead_of_hanging():
             jobs.connect(address, timeout_s=1.0, environ={})
 
 
-@pytest.mark.parametrize("command", ["submit", "status", "logs", "stop"])
+@pytest.mark.parametrize("command", ["submit", "status", "logs", "stop", "doctor"])
 def test_help_of_the_cluster_commands(command):
     out = subprocess.run([sys.executable, "-m", "rlpost.cli", command, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and f"usage: rlpost {command}" in out.stdout
