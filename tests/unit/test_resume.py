@@ -67,6 +67,7 @@ def test_metrics_of_steps_after_the_checkpoint_move_aside(run_dir):
     ],
 )
 def test_resume_command_line_errors(args, message, capsys, run_dir):
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
     args = [str(run_dir) if a == "RUN" else a for a in args]
     assert main(args) == 2
     assert message in capsys.readouterr().err
