@@ -413,6 +413,8 @@ async def _follow(client, job_id: str, out: TextIO, poll_s: float) -> None:
             out.write(chunk)
             out.flush()
         await task  # re-raises a stream failure
+    except ClusterError:
+        raise
     except (aiohttp.ClientError, RuntimeError) as exc:
         raise ClusterError(f"the log stream of job {job_id} from {client.rlpost_address} broke: {exc}") from None
     finally:

@@ -210,3 +210,57 @@ def test_a_silent_cluster_times_out_instead_of_hanging():
 def test_help_of_the_cluster_commands(command):
     out = subprocess.run([sys.executable, "-m", "rlpost.cli", command, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and f"usage: rlpost {command}" in out.stdout
+
+
+class FakeClient:
+    """What follow_logs uses of a JobSubmissionClient: a log stream and status calls."""
+
+    rlpost_address = "http://fake:8265"
+
+    def __init__(self, chunks, statuses, hang=False, status_error=None):
+        self.chunks, self.statuses, self.hang, self.status_error = chunks, list(statuses), hang, status_error
+
+    async def tail_job_logs(self, job_id):
+        import asyncio
+
+        for chunk in self.chunks:
+            yield chunk
+        if self.hang:  # a stream that never closes
+            await asyncio.sleep(3600)
+
+    def get_job_status(self, job_id):
+        if self.status_error:
+            raise self.status_error
+        return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+    def get_job_info(self, job_id):
+        class Info:
+            status = self.get_job_status(job_id)
+
+        return Info()
+
+
+def test_follow_prints_the_stream_and_returns_the_final_status():
+    import io
+
+    out = io.StringIO()
+    client = FakeClient(["a\n", "b\n"], ["RUNNING", "SUCCEEDED"])
+    assert jobs.follow_logs(client, "j", out, poll_s=0.05) == "SUCCEEDED"
+    assert out.getvalue() == "a\nb\n"
+
+
+def test_follow_ends_when_the_job_ends_even_if_the_stream_stays_open():
+    import io
+
+    client = FakeClient(["a\n"], ["RUNNING", "RUNNING", "FAILED"], hang=True)
+    assert jobs.follow_logs(client, "j", io.StringIO(), poll_s=0.05) == "FAILED"
+
+
+def test_follow_reports_a_vanished_cluster_instead_of_waiting():
+    import io
+
+    client = FakeClient([], ["RUNNING"], hang=True)
+    client.get_job_info = lambda job_id: type("Info", (), {"status": "RUNNING"})()
+    client.status_error = jobs.ClusterError("cannot reach the Ray dashboard at http://fake:8265 (gone)")
+    with pytest.raises(jobs.ClusterError, match=r"^cannot reach the Ray dashboard at http://fake:8265 \(gone\)$"):
+        jobs.follow_logs(client, "j", io.StringIO(), poll_s=0.05)
