@@ -1,19 +1,70 @@
-"""`make bench` / `python -m bench`: run the benchmarks that exist so far, one after another.
+"""`make bench` / `python -m bench`: run the benchmarks, then render BENCHMARKS.md.
 
-Each benchmark is a standalone script under bench/ that reports ratios against a baseline run in
-the same process (medians of repeats). Issue 8 adds the end-to-end, weight-sync, buffer and
-scaling benchmarks and the results files.
+    python -m bench                          every benchmark (~50 min on 2 CPU cores), then the report
+    python -m bench weight_sync buffer       only these (names as below, or their module names)
+    python -m bench --quick weight_sync      smoke test: tiny sizes, results in bench/results/quick/
+    python -m bench --report                 only render BENCHMARKS.md from bench/results/*.json
+
+Each benchmark runs in a process of its own (a fresh Ray cluster and vLLM engines each time) and
+writes bench/results/<name>.json; options after ``--`` go to every benchmark named
+(``python -m bench e2e -- --workloads tiny``). Every figure is a ratio against a baseline
+measured in the same process or session, the median of at least 3 repeats.
 """
 
-import runpy
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-BENCHMARKS = ["bench_rollout_wrapper.py"]
+import argparse
+import subprocess
+import sys
+import time
+
+from bench.common import REPO
+
+# name -> module, in the order `make bench` runs them (the buffer benchmark reads the e2e runs)
+BENCHMARKS = {
+    "rollout": "bench.bench_rollout_wrapper",
+    "e2e": "bench.bench_e2e",
+    "weight_sync": "bench.bench_weight_sync",
+    "buffer": "bench.bench_buffer",
+    "scaling": "bench.bench_scaling",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m bench", description="rlpost benchmarks")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {list(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat where possible")
+    parser.add_argument("--report", action="store_true", help="only render BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if not args.report:
+        names = [_resolve(n) for n in args.names] or list(BENCHMARKS)
+        failed = []
+        for name in names:
+            print(f"== {name} ({BENCHMARKS[name]})", flush=True)
+            t0 = time.perf_counter()
+            cmd = [sys.executable, "-m", BENCHMARKS[name], *(["--quick"] if args.quick else []), *extra]
+            code = subprocess.run(cmd, cwd=REPO).returncode
+            print(f"== {name}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
+            if code:
+                failed.append(name)
+        if failed:
+            print(f"failed: {failed}", flush=True)
+    from bench.report import render
+
+    out = render(quick=args.quick)
+    print(f"wrote {out.relative_to(REPO)}")
+    return 1 if not args.report and failed else 0
+
+
+def _resolve(name: str) -> str:
+    for key, module in BENCHMARKS.items():
+        if name in (key, module, module.split(".")[-1], module.split(".")[-1] + ".py"):
+            return key
+    raise SystemExit(f"unknown benchmark {name!r}; choose from {list(BENCHMARKS)}")
+
 
 if __name__ == "__main__":
-    here = Path(__file__).resolve().parent
-    for name in BENCHMARKS:
-        print(f"== {name}", flush=True)
-        sys.argv = [name]
-        runpy.run_path(str(here / name), run_name="__main__")
+    sys.exit(main())

@@ -1,15 +1,21 @@
-"""Rollout throughput of vLLMWrapper against calling ``vllm.LLM.generate`` directly.
+"""Rollout throughput through rlpost's inference worker against ``vllm.LLM.generate`` called directly.
 
-Both sides get the same prompt token ids and the same SamplingParams (n samples, max tokens,
-temperature 1, sampled-token log-probs, no detokenisation in the engine); the wrapper also
-builds its TensorDict outputs (and decodes text unless "ids only"), which is the overhead
-measured. Cases run interleaved after ``gc.freeze()`` (see the comment there); the "overhead"
-rows time the wrapper alone on replayed completions, which CPU contention from other processes
-disturbs less than the end-to-end ratios. Target
-(issue 3): wrapper throughput within 5% of the direct call. Also reports the resident memory of
-the engine's processes (target: under 2 GB for the tiny model).
+The headline case is the path an env pool uses in a run: ``vLLMWrapper`` (tokens in, TensorDict
+out) -> ``RemoteVLLMClient`` (least-busy worker, version stamp) -> the Ray actor ``inference-0``
+(``InferenceActor``: its own vLLM engine, metrics) and back. The baseline is a second engine,
+built with the same arguments (``engine_kwargs`` of configs/tiny-cpu.yaml's engine section),
+called directly in this process: same prompt token ids, same SamplingParams (n samples, max
+tokens, temperature 1, seed 0 so that both sides generate the same tokens, sampled-token
+log-probs, no detokenisation). Cases run interleaved (each repeat runs every case once) after
+``gc.freeze()`` (see the comment there), so load drift hits every case alike.
 
-    python bench/bench_rollout_wrapper.py [--model .cache/tiny-model] [--prompts 64] [--samples 8]
+Further rows split the overhead: the actor's ``generate`` alone (Ray call + version stamp), the
+wrapper on the in-process engine, and the wrapper alone on replayed completions (engine
+excluded), which CPU contention from other processes disturbs less than the end-to-end ratios.
+Targets: rlpost path >= 0.95 of the direct call (issue 8), wrapper within 5% (issue 3); the
+resident memory of an engine's processes under 2 GB for the tiny model.
+
+    python -m bench bench_rollout_wrapper [--quick] [--prompts 64] [--samples 8] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -18,51 +24,75 @@ import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import CONFIG, TINY_MODEL, Result, summary, wait_for_quiet
+
+DIRECT = "vllm.LLM.generate (direct)"
+RLPOST = "rlpost: vLLMWrapper -> RemoteVLLMClient -> inference-0 actor"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO / ".cache" / "tiny-model"))
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--no-gc-freeze", action="store_true", help="keep start-up objects in the collected generations"
-    )
+    parser.add_argument("--quick", action="store_true", help="smoke test: 8 prompts x 4 samples x 8 tokens")
+    parser.add_argument("--model", default=str(TINY_MODEL))
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--samples", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--no-gc-freeze", action="store_true", help="keep start-up objects in the collected generations")
     args = parser.parse_args()
+    q = args.quick
+    prompts, samples = args.prompts or (8 if q else 64), args.samples or (4 if q else 8)
+    max_tokens, repeats = args.max_tokens or (8 if q else 32), args.repeats or (3 if q else 5)
 
     import psutil
+    import ray
     import torch
     from tensordict import TensorDict, lazy_stack
-    from vllm import SamplingParams
 
+    from rlpost.actors.inference import InferenceActor, RemoteVLLMClient, engine_kwargs
+    from rlpost.config import load_config
     from rlpost.data import ChatHistory, History, Tokens
     from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
     from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine, vLLMWrapper
 
-    llm = make_vllm_engine(args.model)
+    engine_cfg = load_config(CONFIG).rollout.engine
+    result = Result("rollout", q, {
+        "model": args.model, "prompts": prompts, "samples": samples, "max_tokens": max_tokens,
+        "repeats": repeats, "engine": engine_cfg.model_dump(), "temperature": 1.0, "seed": 0,
+        "gc_freeze": not args.no_gc_freeze,
+    })
+    wait_for_quiet(q)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rlpost-bench-rollout")
+    actor = (ray.remote(InferenceActor).options(name="inference-0", num_cpus=0.5)
+             .remote(args.model, engine_cfg, dtype="float32", index=0, run_name="bench-rollout"))
+    llm = make_vllm_engine(args.model, dtype="float32", **engine_kwargs(engine_cfg, on_gpu=False))
+    ray.get(actor.get_version.remote(), timeout=600)
     tokenizer = llm.get_tokenizer()
-    rows = make_arithmetic_rows(args.prompts, seed=0)
+    rows = make_arithmetic_rows(prompts, seed=0)
     system = {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}
     chats = [[system, {"role": "user", "content": r["question"]}] for r in rows]
     history = History.from_chats(chats)
     prompt_ids = history.apply_chat_template(tokenizer, tokenize=True)
-    sampling = dict(n=args.samples, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+    sampling = dict(n=samples, max_tokens=max_tokens, temperature=1.0, seed=0)
+    prompt_tokens = samples * sum(len(p) for p in prompt_ids)
 
     def direct():
+        from vllm import SamplingParams
+
         params = SamplingParams(**sampling, logprobs=0, detokenize=False)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    def wrapper(engine, mode: str, pad_output: bool, return_text: bool = True):
+    def actor_generate():
+        completions, _version = ray.get(actor.generate.remote(prompt_ids, dict(sampling, logprobs=True)))
+        return sum(len(c.token_ids) for group in completions for c in group)
+
+    def wrapper(engine, mode: str = "tokens", pad_output: bool = False, return_text: bool = True):
         policy = vLLMWrapper(
-            engine, tokenizer=tokenizer, input_mode=mode, num_samples=args.samples, pad_output=pad_output,
-            return_text=return_text,
-            generate_kwargs={"max_tokens": args.max_tokens, "temperature": 1.0, "seed": 0},
+            engine, tokenizer=tokenizer, input_mode=mode, num_samples=samples, pad_output=pad_output,
+            return_text=return_text, return_log_probs=True, return_tokens=True,
+            generate_kwargs={"max_tokens": max_tokens, "temperature": 1.0, "seed": 0},
         )
         if mode == "tokens":
             tokens = lazy_stack([Tokens(prompt=torch.tensor(ids), padded=False) for ids in prompt_ids])
@@ -73,26 +103,27 @@ def main() -> None:
         def run():
             out = policy(td.copy())
             attention = out.get(("masks", "all_attention_mask"), as_list=not pad_output)
-            return _count(attention) - args.samples * sum(len(p) for p in prompt_ids)
+            return _count(attention) - prompt_tokens
 
         return run
 
+    remote = RemoteVLLMClient([actor], tokenizer=tokenizer)
     cases = {
-        "vllm.LLM.generate": direct,
-        "vLLMWrapper tokens, ragged": wrapper(llm, "tokens", False),
-        "vLLMWrapper tokens, ragged, ids only": wrapper(llm, "tokens", False, return_text=False),
-        "vLLMWrapper tokens, padded": wrapper(llm, "tokens", True),
-        "vLLMWrapper history, ragged": wrapper(llm, "history", False),
+        DIRECT: direct,
+        RLPOST: wrapper(remote),
+        "inference-0 actor generate (ray.get, no wrapper)": actor_generate,
+        "vLLMWrapper on the in-process engine, tokens, ragged": wrapper(llm),
+        "vLLMWrapper on the in-process engine, history, ragged": wrapper(llm, "history"),
     }
     # The wrapper's own cost, engine excluded: the same calls on a client that replays recorded
     # completions. Robust to CPU contention from other processes, unlike the end-to-end ratios.
     recorded = LocalVLLMClient(llm).generate(prompt_ids, dict(sampling, logprobs=True))
     replay = _ReplayClient(recorded)
     overhead = {
-        "overhead tokens, ragged": wrapper(replay, "tokens", False),
-        "overhead tokens, ragged, ids only": wrapper(replay, "tokens", False, return_text=False),
-        "overhead tokens, padded": wrapper(replay, "tokens", True),
-        "overhead history, ragged": wrapper(replay, "history", False),
+        "wrapper alone (replayed completions), tokens, ragged": wrapper(replay),
+        "wrapper alone, tokens, ragged, ids only": wrapper(replay, return_text=False),
+        "wrapper alone, tokens, padded": wrapper(replay, pad_output=True),
+        "wrapper alone, history, ragged": wrapper(replay, "history"),
     }
     if not args.no_gc_freeze:
         # Start-up leaves millions of long-lived objects (vLLM, transformers, torch); a full
@@ -102,30 +133,44 @@ def main() -> None:
         gc.freeze()
     times = {name: [] for name in cases}
     tokens = {name: fn() for name, fn in cases.items()}  # warm-up
-    for _ in range(args.repeats):  # interleaved, so that load drift hits every case alike
+    for _ in range(repeats):  # interleaved, so that load drift hits every case alike
         for name, fn in cases.items():
             start = time.perf_counter()
             tokens[name] = fn()
             times[name].append(time.perf_counter() - start)
-    results = {name: (statistics.median(times[name]), tokens[name]) for name in cases}
-
-    base_time, base_tokens = results["vllm.LLM.generate"]
-    sequences = args.prompts * args.samples
-    print(f"{args.prompts} prompts x {args.samples} samples, max_tokens={args.max_tokens}, median of {args.repeats}")
-    for name, (seconds, tokens) in results.items():
-        ratio = (tokens / seconds) / (base_tokens / base_time)
-        rates = f"{sequences / seconds:8.0f} seq/s  {tokens / seconds:9.0f} tok/s"
-        print(f"  {name:38s} {seconds * 1e3:8.1f} ms  {rates}  ratio {ratio:.3f}")
-    engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
-    engine_rss = sum(p.memory_info().rss for p in engine) / 2**30
-    driver_rss = psutil.Process().memory_info().rss / 2**30
+    base_s = statistics.median(times[DIRECT])
+    base_rate = tokens[DIRECT] / base_s
+    sequences = prompts * samples
+    print(f"{prompts} prompts x {samples} samples, max_tokens={max_tokens}, median of {repeats}")
+    for name in cases:
+        seconds = statistics.median(times[name])
+        rate = tokens[name] / seconds
+        result.cases[name] = {"seconds": summary(times[name]), "generated_tokens": tokens[name],
+                              "tokens_per_s": rate, "sequences_per_s": sequences / seconds, "ratio": rate / base_rate}
+        print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f}", flush=True)
     for name, fn in overhead.items():
         fn()
-        seconds = statistics.median([_timed(fn) for _ in range(args.repeats)])
-        print(f"  {name:38s} {seconds * 1e3:8.1f} ms  ({seconds / base_time:.1%} of the direct call)")
-    names = ", ".join(p.name() for p in engine)
-    print(f"resident memory: engine processes {engine_rss:.2f} GiB ({names}), driver {driver_rss:.2f} GiB")
+        seconds_list = [_timed(fn) for _ in range(repeats)]
+        seconds = statistics.median(seconds_list)
+        result.cases[name] = {"seconds": summary(seconds_list), "share_of_direct_call": seconds / base_s}
+        print(f"  {name:58s} {seconds * 1e3:8.1f} ms  ({seconds / base_s:.1%} of the direct call)", flush=True)
+    result.ratios["rlpost rollout path / direct vllm.LLM.generate, tokens/s"] = result.cases[RLPOST]["ratio"]
+    result.ratios["inference-0 actor generate / direct, tokens/s"] = result.cases[
+        "inference-0 actor generate (ray.get, no wrapper)"]["ratio"]
+    result.ratios["vLLMWrapper in-process / direct, tokens/s"] = result.cases[
+        "vLLMWrapper on the in-process engine, tokens, ragged"]["ratio"]
+    if tokens[RLPOST] != tokens[DIRECT]:
+        result.note(f"generated tokens differ: direct {tokens[DIRECT]}, rlpost path {tokens[RLPOST]} (ratios use tokens/s)")
+    engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    result.data["memory_gib"] = {
+        "driver_engine_processes": sum(p.memory_info().rss for p in engine) / 2**30,
+        "driver": psutil.Process().memory_info().rss / 2**30,
+    }
+    print(f"resident memory: engine processes {result.data['memory_gib']['driver_engine_processes']:.2f} GiB", flush=True)
+    result.write()
     shutdown_vllm_engine(llm)
+    ray.get(actor.shutdown.remote(), timeout=60)
+    ray.shutdown()
     gc.unfreeze()  # let interpreter shutdown free the start-up objects normally
 
 

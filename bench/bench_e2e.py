@@ -1,0 +1,143 @@
+"""End to end: N GRPO steps of rlpost (sync, async) against TRL's GRPOTrainer, same workload.
+
+Both systems train the same model folder on the same synthetic arithmetic task with the same
+reward (rlpost.envs.rewards.answer_reward), group size, prompts per step, completion length and
+optimizer settings (see bench/trl_grpo.py for the field-by-field mapping). rlpost runs go
+through the real service (``rlpost train configs/tiny-cpu.yaml <overrides>``, a local Ray
+cluster, vLLM inference worker, env pool, learner, buffer, gloo weight bus); figures come from
+its metrics.jsonl. Each repeat runs every system once, interleaved, so load drift hits all alike.
+
+Workloads:
+- ``tiny``: the offline tiny model (.cache/tiny-model), 16 prompts x 8 samples, 16 tokens, lr
+  3e-4 (the demo's settings); its reward curves compare learning per sample.
+- ``qwen05b``: a random-initialised model of Qwen2.5-0.5B's shape (494M parameters, built
+  offline), 2 prompts x 4 samples, 8 tokens, few steps: a throughput test only (rewards are 0).
+
+Headline ratios: samples/s of rlpost sync and async over TRL (medians of the repeats).
+
+    python -m bench bench_e2e [--quick] [--workloads tiny,qwen05b] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench.common import Result, TINY_MODEL, median, qwen05b_model, summary, wait_for_quiet
+from bench.runs import Workload, model_path, run_rlpost, run_trl
+
+SYSTEMS = {
+    "rlpost sync": ["trainer.mode=sync"],
+    "rlpost async": ["trainer.mode=async"],
+    "TRL GRPOTrainer": None,
+    # item 6's fix, applied by configuration: the learner actor gets both cores (see BENCHMARKS.md)
+    "rlpost sync, learner 2 threads": ["trainer.mode=sync", "resources.env_vars.OMP_NUM_THREADS='2'"],
+    "rlpost async, learner 2 threads": ["trainer.mode=async", "resources.env_vars.OMP_NUM_THREADS='2'"],
+}
+DEFAULT_SYSTEMS = ["rlpost sync", "rlpost async", "TRL GRPOTrainer"]
+
+
+def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dict[str, Workload]:
+    if quick:
+        return {
+            "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 3, prompts_per_step=4, group_size=4, max_tokens=8),
+            "qwen05b": Workload(model_path(qwen05b_model(quick=True)), steps=big_steps or 2, prompts_per_step=2,
+                                group_size=2, max_tokens=4, lr=1e-6),
+        }
+    return {
+        "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 30),
+        "qwen05b": Workload(model_path(qwen05b_model(quick=False)), steps=big_steps or 3, prompts_per_step=2,
+                            group_size=4, max_tokens=8, lr=1e-6),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat")
+    parser.add_argument("--workloads", default="tiny,qwen05b")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--tiny-steps", type=int, default=None)
+    parser.add_argument("--big-steps", type=int, default=None)
+    parser.add_argument("--name", default="e2e", help="results file name (bench/results/<name>.json)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    systems = [s.strip() for s in args.systems.split(",")]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    chosen = {k: w for k, w in workloads(args.quick, args.tiny_steps, args.big_steps).items()
+              if k in args.workloads.split(",")}
+    result = Result(args.name, args.quick, {
+        "repeats": repeats, "systems": systems,
+        "workloads": {k: vars(w) | {"samples_per_step": w.samples_per_step} for k, w in chosen.items()},
+        "rlpost_config": "configs/tiny-cpu.yaml + workload overrides + logging.progress=false",
+    })
+    for key, work in chosen.items():
+        runs: dict[str, list[dict]] = {s: [] for s in systems}
+        for r in range(repeats):
+            for system in systems:
+                load = wait_for_quiet(args.quick)
+                tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '')}-{r}"
+                print(f"== {key} repeat {r + 1}/{repeats}: {system} (load {load:.2f})", flush=True)
+                run = run_trl(tag, work, quick=args.quick) if SYSTEMS[system] is None else \
+                    run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)
+                print(f"   {run.steps} steps in {run.steps_wall_s:.1f} s: {run.samples_per_s:.2f} samples/s "
+                      f"(process {run.process_wall_s:.0f} s)", flush=True)
+                runs[system].append(run.to_dict() | {"load_at_start": load})
+                result.cases[key] = _summarise(runs, work)
+                result.write()  # partial results survive an interrupted session
+        _ratios(result, key, systems)
+    if "tiny" in chosen:
+        result.note("tiny: reward_gain = mean reward of the last quarter of steps minus the first quarter "
+                    "(per run; samples per step are equal, so per step is per sample)")
+    if "qwen05b" in chosen:
+        result.note("qwen05b: random weights never answer (reward 0) nor stop early: a throughput test")
+    result.write()
+
+
+def _summarise(runs: dict[str, list[dict]], work: Workload) -> dict:
+    out = {}
+    for system, items in runs.items():
+        if not items:
+            continue
+        out[system] = {
+            "samples_per_s": summary([i["samples_per_s"] for i in items]),
+            "steady_samples_per_s": summary([i["steady_samples_per_s"] for i in items]),
+            "steps_wall_s": summary([i["steps_wall_s"] for i in items]),
+            "process_wall_s": summary([i["process_wall_s"] for i in items]),
+            "reward_gain": summary([_gain(i["rewards"]) for i in items]),
+            "final_reward": summary([statistics.mean(i["rewards"][-max(1, len(i["rewards"]) // 4):]) for i in items]),
+            "runs": items,
+        }
+    return out
+
+
+def _gain(rewards: list[float]) -> float | None:
+    q = len(rewards) // 4
+    if q < 1:
+        return None
+    return statistics.mean(rewards[-q:]) - statistics.mean(rewards[:q])
+
+
+def _ratios(result: Result, key: str, systems: list[str]) -> None:
+    cases = result.cases.get(key, {})
+    base = cases.get("TRL GRPOTrainer")
+    if base is None:
+        return
+    for system in systems:
+        if system == "TRL GRPOTrainer" or system not in cases:
+            continue
+        for metric in ("samples_per_s", "steady_samples_per_s"):
+            ours, theirs = cases[system][metric]["median"], base[metric]["median"]
+            if ours and theirs:
+                result.ratios[f"{key}: {system} / TRL, {metric}"] = ours / theirs
+        if key == "tiny":
+            ours, theirs = cases[system]["reward_gain"]["median"], base["reward_gain"]["median"]
+            if ours is not None and theirs is not None:
+                result.ratios[f"{key}: {system} - TRL, reward_gain"] = ours - theirs
+    print("  ratios:", {k: round(v, 3) for k, v in result.ratios.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()

