@@ -51,11 +51,14 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="run a training job from a YAML config",
-        description="Run a training job. Overrides use dotted keys, e.g. trainer.steps=20 rollout.temperature=0.7.",
+        description="Run a training job. Overrides use dotted keys, e.g. trainer.steps=20 rollout.temperature=0.7. "
+        "`rlpost train --resume RUN_DIR [key=value ...]` continues a run after its latest checkpoint "
+        "(with the run's config.yaml unless CONFIG is given; e.g. trainer.steps=1000 extends it).",
     )
-    train.add_argument("config", help="YAML job config, e.g. configs/tiny-cpu.yaml")
+    train.add_argument("config", nargs="?", help="YAML job config, e.g. configs/tiny-cpu.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     train.add_argument("--run-dir", help="run directory (default: <logging.run_dir>/<logging.run_name>)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
     train.add_argument("--address", help="Ray address of an existing cluster (overrides resources.address)")
     train.set_defaults(handler=_cmd_train)
 
@@ -91,11 +94,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args) -> "JobConfig":  # noqa: F821
-    overrides = list(args.overrides)
+def _check_overrides(overrides: list[str]) -> None:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
+
+
+def _load(args) -> "JobConfig":  # noqa: F821
+    overrides = list(args.overrides)
+    _check_overrides(overrides)
     cfg = load_config(args.config, overrides)
     if getattr(args, "address", None):
         cfg.resources.address = args.address
@@ -111,18 +118,35 @@ def _cmd_check_config(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from rlpost.runs import check_inputs_exist, create_run_dir
+    from rlpost.runs import check_inputs_exist, create_run_dir, open_run_for_resume
 
-    cfg = _load(args)
+    if args.config and "=" in args.config and not Path(args.config).exists():
+        args.overrides.insert(0, args.config)  # `--resume RUN_DIR key=value`: no CONFIG given
+        args.config = None
+    if args.resume:
+        if args.run_dir:
+            raise ConfigError("--resume RUN_DIR and --run-dir cannot be combined: a resumed run stays in its folder")
+        _check_overrides(args.overrides)
+        cfg = open_run_for_resume(args.resume, args.config, args.overrides)
+        if args.address:
+            cfg.resources.address = args.address
+        run_dir = Path(args.resume)
+        print(f"rlpost: resuming {run_dir} from its latest checkpoint")
+    else:
+        if not args.config:
+            raise ConfigError("train needs a CONFIG file (or --resume RUN_DIR)")
+        cfg = _load(args)
+        run_dir = None
     check_inputs_exist(cfg)
-    run_dir = create_run_dir(cfg, args.run_dir)
-    print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
+    if run_dir is None:
+        run_dir = create_run_dir(cfg, args.run_dir)
+        print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
     from rlpost.controller import run_training
 
     # `ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C so the controller stops
     # every actor (and its vLLM engine) instead of leaving them behind.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    return run_training(cfg, run_dir)
+    return run_training(cfg, run_dir, resume=bool(args.resume))
 
 
 def _raise_keyboard_interrupt(signum, frame):
