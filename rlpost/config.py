@@ -181,6 +181,9 @@ class ResourcesConfig(_Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the run's bundles."
     )
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for the cluster to place every actor (raise it when an autoscaler adds GPU nodes)."
+    )
     inference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker.")
     env_pool: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="Per env pool.")
     learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="The learner.")

@@ -168,7 +168,7 @@ def start_actors(cfg: JobConfig) -> Actors:
     from rlpost.actors.reference import ReferenceActor
 
     res = cfg.resources
-    pg, place = make_placement_group(cfg)
+    pg, place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
     run = cfg.logging.run_name or ""
     buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus, run_name=run)
     inference = [new_inference_worker(cfg, i, place) for i in range(cfg.rollout.num_inference_workers)]
@@ -232,7 +232,8 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     actor that reserves nothing). The strategy (PACK/SPREAD/...) comes from
     ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
     on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
-    ``timeout_s`` the run stops, naming what it asked for and what the cluster has.
+    ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming what it asked for
+    and what the cluster has.
     """
     import ray
     from ray.util.placement_group import placement_group
