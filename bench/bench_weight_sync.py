@@ -21,7 +21,7 @@ import argparse
 import multiprocessing as mp
 import time
 
-from bench.common import Result, median, qwen05b_model, summary, wait_for_quiet
+from bench.common import TINY_MODEL, Result, median, qwen05b_model, summary, wait_for_quiet
 
 RECEIVE_TIMEOUT_S = 300.0
 
@@ -112,16 +112,16 @@ def _sweep_point(named, conns, bucket_mb: int, repeats: int) -> tuple[list[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: a 2-layer model, small sweep")
+    parser.add_argument("--quick", action="store_true", help="smoke test: the tiny model, small sweep")
     parser.add_argument("--buckets", default=None, help="bucket sizes in MB, comma-separated")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    buckets = [int(b) for b in (args.buckets or ("4,16" if args.quick else "16,64,256,1024")).split(",")]
+    buckets = [int(b) for b in (args.buckets or ("1,4" if args.quick else "16,64,256,1024")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
     import torch
 
-    model_dir = qwen05b_model(args.quick)
+    model_dir = TINY_MODEL if args.quick else qwen05b_model(quick=False)
     named, num_bytes = _state_dict(model_dir)
     result = Result("weight_sync", args.quick, {
         "model": str(model_dir.name), "payload_bytes": num_bytes, "num_tensors": len(named),
