@@ -20,13 +20,16 @@ import time
 
 from bench.common import REPO
 
-# name -> module, in the order `make bench` runs them (the buffer benchmark reads the e2e runs)
+# name -> module (and its arguments), in the order `make bench` runs them (the buffer benchmark
+# reads the e2e runs; profile_* are the phase profiles of one sync step, issue 8 item 6)
 BENCHMARKS = {
     "rollout": "bench.bench_rollout_wrapper",
     "e2e": "bench.bench_e2e",
     "weight_sync": "bench.bench_weight_sync",
     "buffer": "bench.bench_buffer",
     "scaling": "bench.bench_scaling",
+    "profile_tiny": "bench.profile_step --model tiny",
+    "profile_qwen05b": "bench.profile_step --model qwen05b",
 }
 
 
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"== {name} ({BENCHMARKS[name]})", flush=True)
             t0 = time.perf_counter()
-            cmd = [sys.executable, "-m", BENCHMARKS[name], *(["--quick"] if args.quick else []), *extra]
+            cmd = [sys.executable, "-m", *BENCHMARKS[name].split(), *(["--quick"] if args.quick else []), *extra]
             code = subprocess.run(cmd, cwd=REPO).returncode
             print(f"== {name}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
             if code:
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve(name: str) -> str:
     for key, module in BENCHMARKS.items():
+        module = module.split()[0]
         if name in (key, module, module.split(".")[-1], module.split(".")[-1] + ".py"):
             return key
     raise SystemExit(f"unknown benchmark {name!r}; choose from {list(BENCHMARKS)}")

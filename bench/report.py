@@ -32,6 +32,9 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
             parts.append(section(data[name], results, out.parent))
         else:
             parts.append(f"## {TITLES[name]}\n\nNot measured yet (`python -m bench {name}`).\n")
+    profiles = [k for k in data if k.startswith("profile_step_")]
+    if profiles:
+        parts.append(_profiles({k: data[k] for k in profiles}))
     if ANALYSIS.is_file() and not quick:
         parts.append(ANALYSIS.read_text())
     out.write_text("\n".join(parts))
@@ -300,6 +303,25 @@ def _scaling(d: dict, results: Path, base: Path) -> str:
         plt.close(fig)
         lines += ["", f"![scaling]({_rel(path, base)})"]
     return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _profiles(files: dict[str, dict]) -> str:
+    lines = ["## 6. Profile of one sync step (phases, plain classes in one process)", "",
+             "bench/profile_step.py: an InferenceWorker (vLLM engine), an EnvPool, a Learner and the gloo bus "
+             "in one process, timing the phases of the controller's sync step; the learner's torch threads "
+             "are the variable (a Ray actor reserving < 2 CPUs gets OMP_NUM_THREADS=1). Seconds, medians "
+             "of the repeats after a warm-up.", ""]
+    for name, d in files.items():
+        w = d["settings"]["workload"]
+        cases = d["cases"]
+        phases = list(next(iter(cases.values()), {}))
+        lines += [f"### {Path(w['model']).name}: {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+                  f"{w['max_tokens']} tokens", "", _ratios(d),
+                  "| case | " + " | ".join(phases) + " |", "| --- |" + " --- |" * len(phases)]
+        for case, values in cases.items():
+            lines.append(f"| {case} | " + " | ".join(_fmt(values[p]["median"]) for p in phases) + " |")
+        lines += ["", _notes(d)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
