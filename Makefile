@@ -11,7 +11,7 @@ DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
 
-.PHONY: demo test install install-dev install-bench tiny-model bench clean
+.PHONY: demo test install install-dev install-bench tiny-model bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,14 @@ demo: install tiny-model
 test: install-dev
 	$(PY) -m pytest tests
 
+# `make bench` runs every benchmark (~55 min on 2 CPU cores) and renders BENCHMARKS.md;
+# `make bench BENCH="weight_sync buffer"` runs some; `make bench-quick` smoke-tests them all.
+BENCH ?=
 bench: install-bench tiny-model
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH)
+
+bench-quick: install-bench tiny-model
+	$(PY) -m bench --quick $(BENCH)
 
 clean:
 	rm -rf $(VENV) .cache runs

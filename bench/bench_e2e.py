@@ -45,7 +45,7 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
                                 group_size=2, max_tokens=4, lr=1e-6),
         }
     return {
-        "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 30),
+        "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 50),
         "qwen05b": Workload(model_path(qwen05b_model(quick=False)), steps=big_steps or 3, prompts_per_step=2,
                             group_size=4, max_tokens=8, lr=1e-6),
     }
