@@ -31,8 +31,8 @@ SYSTEMS = {
     "rlpost async": ["trainer.mode=async"],
     "TRL GRPOTrainer": None,
     # item 6's fix, applied by configuration: the learner actor gets both cores (see BENCHMARKS.md)
-    "rlpost sync, learner 2 threads": ["trainer.mode=sync", "resources.env_vars.OMP_NUM_THREADS='2'"],
-    "rlpost async, learner 2 threads": ["trainer.mode=async", "resources.env_vars.OMP_NUM_THREADS='2'"],
+    "rlpost sync (learner 2 threads)": ["trainer.mode=sync", "resources.env_vars.OMP_NUM_THREADS='2'"],
+    "rlpost async (learner 2 threads)": ["trainer.mode=async", "resources.env_vars.OMP_NUM_THREADS='2'"],
 }
 DEFAULT_SYSTEMS = ["rlpost sync", "rlpost async", "TRL GRPOTrainer"]
 
@@ -78,7 +78,7 @@ def main() -> None:
         for r in range(repeats):
             for system in systems:
                 load = wait_for_quiet(args.quick)
-                tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '')}-{r}"
+                tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '').replace('(', '').replace(')', '')}-{r}"
                 print(f"== {key} repeat {r + 1}/{repeats}: {system} (load {load:.2f})", flush=True)
                 run = run_trl(tag, work, quick=args.quick) if SYSTEMS[system] is None else \
                     run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)

@@ -19,15 +19,20 @@ import argparse
 from bench.common import Result, TINY_MODEL, median, summary, wait_for_quiet
 from bench.runs import Workload, model_path, run_rlpost
 
-POINTS = {  # name -> (mode, inference workers, env pools)
-    "async, 1 worker, 1 pool": ("async", 1, 1),
-    "async, 2 workers, 1 pool": ("async", 2, 1),
-    "async, 1 worker, 2 pools": ("async", 1, 2),
-    "async, 2 workers, 2 pools": ("async", 2, 2),
-    "sync, 1 worker, 1 pool": ("sync", 1, 1),
+POINTS = {  # id -> (mode, inference workers, env pools)
+    "async-1w1p": ("async", 1, 1),
+    "async-2w1p": ("async", 2, 1),
+    "async-1w2p": ("async", 1, 2),
+    "async-2w2p": ("async", 2, 2),
+    "sync-1w1p": ("sync", 1, 1),
 }
 DEFAULT_POINTS = [p for p in POINTS if p.startswith("async")]  # sync 1x1: see the e2e results
 BASE = "async, 1 worker, 1 pool"
+
+
+def label(point: str) -> str:
+    mode, workers, pools = POINTS[point]
+    return f"{mode}, {workers} worker{'s' if workers > 1 else ''}, {pools} pool{'s' if pools > 1 else ''}"
 
 
 def main() -> None:
@@ -45,10 +50,14 @@ def main() -> None:
         work = Workload(model_path(TINY_MODEL), steps=args.steps or 20)
     result = Result("scaling", args.quick, {"workload": vars(work), "repeats": repeats, "points": points,
                                             "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU)"})
-    runs: dict[str, list[dict]] = {p: [] for p in points}
+    unknown = [p for p in points if p not in POINTS]
+    if unknown:
+        raise SystemExit(f"unknown points {unknown}; choose from {list(POINTS)}")
+    runs: dict[str, list[dict]] = {label(p): [] for p in points}
     for r in range(repeats):
-        for point in points:
-            mode, workers, pools = POINTS[point]
+        for point_id in points:
+            mode, workers, pools = POINTS[point_id]
+            point = label(point_id)
             load = wait_for_quiet(args.quick)
             overrides = [f"trainer.mode={mode}", f"rollout.num_inference_workers={workers}",
                          f"rollout.num_env_pools={pools}"]
@@ -69,7 +78,7 @@ def main() -> None:
             result.write()
     base = result.cases.get(BASE)
     if base:
-        for point in points:
+        for point in map(label, points):
             if point != BASE and point in result.cases:
                 for metric in ("samples_per_s", "steady_samples_per_s"):
                     ours, ref = result.cases[point][metric]["median"], base[metric]["median"]
