@@ -386,8 +386,6 @@ class Controller:
         or env pool is restarted while the step is collected; a restarted pool collects what is
         left of its share (its last put recorded how far it got).
         """
-        import ray
-
         share = self.cfg.trainer.prompts_per_step // self.cfg.rollout.num_env_pools
         pending = set(range(len(self.actors.env_pools)))
         for j in pending:
