@@ -120,9 +120,7 @@ def _cmd_check_config(args) -> int:
 def _cmd_train(args) -> int:
     from rlpost.runs import check_inputs_exist, create_run_dir, open_run_for_resume
 
-    if args.config and "=" in args.config and not Path(args.config).exists():
-        args.overrides.insert(0, args.config)  # `--resume RUN_DIR key=value`: no CONFIG given
-        args.config = None
+    _config_or_override(args)
     if args.resume:
         if args.run_dir:
             raise ConfigError("--resume RUN_DIR and --run-dir cannot be combined: a resumed run stays in its folder")
@@ -147,6 +145,13 @@ def _cmd_train(args) -> int:
     # every actor (and its vLLM engine) instead of leaving them behind.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     return run_training(cfg, run_dir, resume=bool(args.resume))
+
+
+def _config_or_override(args) -> None:
+    """``--resume RUN_DIR key=value``: argparse took the first override for CONFIG."""
+    if args.config and "=" in args.config and not Path(args.config).exists():
+        args.overrides.insert(0, args.config)
+        args.config = None
 
 
 def _raise_keyboard_interrupt(signum, frame):
@@ -190,8 +195,11 @@ def _add_job_commands(sub) -> None:
         "runs/, .cache/ and build outputs); resources.env_vars become the job's environment. Prints the job id and "
         "its dashboard URL.",
     )
-    submit.add_argument("config", help="YAML job config inside the working dir, e.g. configs/gsm8k-qwen2.5-1.5b.yaml")
+    submit.add_argument("config", nargs="?",
+                        help="YAML job config inside the working dir, e.g. configs/gsm8k-qwen2.5-1.5b.yaml")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    submit.add_argument("--resume", metavar="RUN_DIR",
+                        help="run `rlpost train --resume RUN_DIR` instead (RUN_DIR: absolute, on storage the nodes share)")
     upload = submit.add_mutually_exclusive_group()
     upload.add_argument("--working-dir", help="folder to upload as the job's working dir (default: the rlpost checkout)")
     upload.add_argument("--no-working-dir", action="store_true",
@@ -225,7 +233,15 @@ def _cmd_submit(args) -> int:
     from rlpost import jobs
 
     working_dir = jobs.choose_working_dir(args.working_dir, upload=not args.no_working_dir)
-    submission = jobs.plan_submission(args.config, args.overrides, working_dir=working_dir, job_id=args.job_id)
+    _config_or_override(args)
+    if args.resume:
+        if args.config:
+            raise ConfigError("submit --resume RUN_DIR takes the run's own config.yaml; give changes as key=value")
+        submission = jobs.plan_resume(args.resume, args.overrides, working_dir=working_dir, job_id=args.job_id)
+    elif args.config:
+        submission = jobs.plan_submission(args.config, args.overrides, working_dir=working_dir, job_id=args.job_id)
+    else:
+        raise ConfigError("submit needs a CONFIG file (or --resume RUN_DIR)")
     address = jobs.resolve_address(args.address)
     job_id = jobs.submit(jobs.connect(address, timeout_s=args.timeout), submission)
     print(f"rlpost: submitted job {job_id} to {address}")

@@ -11,6 +11,9 @@ head node in a runtime environment built here:
       env vars:    resources.env_vars of the config
       job id:      rlpost-<logging.run_name> (a run name is chosen now when the config has none)
 
+    rlpost submit --resume RUN_DIR [key=value ...] --address http://HEAD:8265
+      runs `rlpost train --resume RUN_DIR ...` (RUN_DIR on storage the nodes share)
+
 Authentication follows Ray's own CLI: with RAY_AUTH_MODE unset or "token", the token comes from
 RAY_AUTH_TOKEN, else the file named by RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (the order of
 Ray's AuthenticationTokenLoader), and goes in an ``Authorization: Bearer`` header.
@@ -144,6 +147,47 @@ def plan_submission(
         job_id=job_id,
         run_name=cfg.logging.run_name,
         metadata={"rlpost_config": config_arg, "rlpost_run_name": cfg.logging.run_name},
+        notes=notes,
+    )
+
+
+def plan_resume(
+    run_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    working_dir: Path | None,
+    job_id: str | None = None,
+) -> Submission:
+    """A job that runs ``rlpost train --resume RUN_DIR key=value ...`` on the cluster (no network).
+
+    RUN_DIR lies on storage the cluster's nodes share, so it must be absolute (a relative one
+    would resolve in the job's temporary working dir). When it is visible here too (the same
+    mount), its config.yaml plus ``overrides`` is validated now and its ``resources.env_vars``
+    go to the job; otherwise the job checks it on the cluster.
+    """
+    path = Path(run_dir)
+    if not path.is_absolute():
+        raise ConfigError(f"--resume {run_dir}: give the run directory's absolute path on the cluster's shared storage")
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    notes = []
+    if (path / "config.yaml").is_file():
+        cfg = load_config(path / "config.yaml", overrides)
+    else:
+        cfg = JobConfig()
+        notes.append(f"{path} is not visible here: the job checks on the cluster that it holds a run and a checkpoint")
+    run_name = cfg.logging.run_name or path.name
+    job_id = job_id or f"rlpost-{run_name}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not _JOB_ID.match(job_id):
+        raise ConfigError(f"--job-id: job id {job_id!r} may hold only letters, digits, '.', '_' and '-'")
+    return Submission(
+        entrypoint=shlex.join(["rlpost", "train", "--resume", str(path), *overrides]),
+        runtime_env=build_runtime_env(cfg, working_dir.resolve() if working_dir is not None else None),
+        job_id=job_id,
+        run_name=run_name,
+        metadata={"rlpost_resume": str(path), "rlpost_run_name": run_name},
         notes=notes,
     )
 

@@ -86,6 +86,13 @@ def test_submit_follow_status_and_logs_of_a_tiny_run(cluster, tiny_model_path, t
     assert info.runtime_env["working_dir"].startswith("gcs://")  # the checkout went up as a package
     assert info.entrypoint.startswith("rlpost train configs/tiny-cpu.yaml ")
 
+    # the run goes on as a new job: `rlpost train --resume RUN_DIR` from its final checkpoint
+    run_dir = tmp_path / "jobs-e2e"
+    resumed = rlpost(cluster, "submit", "--resume", str(run_dir), "trainer.steps=3", "--job-id", f"{job}-resume", "--follow")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"rlpost: job {job}-resume SUCCEEDED" in resumed.stderr
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
 
 def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):
     job = "rlpost-jobs-e2e-stop"

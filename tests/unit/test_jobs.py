@@ -264,3 +264,44 @@ def test_follow_reports_a_vanished_cluster_instead_of_waiting():
     client.status_error = jobs.ClusterError("cannot reach the Ray dashboard at http://fake:8265 (gone)")
     with pytest.raises(jobs.ClusterError, match=r"^cannot reach the Ray dashboard at http://fake:8265 \(gone\)$"):
         jobs.follow_logs(client, "j", io.StringIO(), poll_s=0.05)
+
+
+def test_plan_resume_of_a_run_visible_here_validates_its_config(tmp_path):
+    from rlpost.config import load_config, save_config
+
+    run_dir = tmp_path / "runs" / "r7"
+    cfg = load_config("configs/tiny-cpu.yaml", ["logging.run_name=r7", "resources.env_vars.MARK=kept"])
+    save_config(cfg, run_dir / "config.yaml")
+    plan = jobs.plan_resume(run_dir, ["trainer.steps=900"], working_dir=None, job_id="again")
+    assert shlex.split(plan.entrypoint) == ["rlpost", "train", "--resume", str(run_dir), "trainer.steps=900"]
+    assert plan.job_id == "again" and plan.run_name == "r7" and plan.notes == []
+    assert plan.runtime_env["env_vars"]["MARK"] == "kept"
+    with pytest.raises(ConfigError, match="unknown config key: trainer.stepz"):
+        jobs.plan_resume(run_dir, ["trainer.stepz=1"], working_dir=None)
+    default = jobs.plan_resume(run_dir, [], working_dir=REPO)
+    assert default.job_id.startswith("rlpost-r7-resume-") and default.runtime_env["working_dir"] == str(REPO)
+
+
+def test_plan_resume_of_a_run_only_the_cluster_sees_and_bad_input(tmp_path):
+    plan = jobs.plan_resume("/data/runs/r8", [], working_dir=None)
+    assert shlex.split(plan.entrypoint) == ["rlpost", "train", "--resume", "/data/runs/r8"]
+    assert plan.run_name == "r8" and "is not visible here" in plan.notes[0]
+    with pytest.raises(ConfigError, match="give the run directory's absolute path"):
+        jobs.plan_resume("runs/r8", [], working_dir=None)
+    with pytest.raises(ConfigError, match="override 'trainer.steps' is not of the form"):
+        jobs.plan_resume("/data/runs/r8", ["trainer.steps"], working_dir=None)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["submit", "--address", "http://127.0.0.1:1"], "submit needs a CONFIG file (or --resume RUN_DIR)"),
+        (["submit", "--resume", "/data/runs/r", "configs/tiny-cpu.yaml", "--address", "http://127.0.0.1:1"],
+         "submit --resume RUN_DIR takes the run's own config.yaml"),
+    ],
+)
+def test_submit_command_line_errors(args, message, capsys):
+    from rlpost.cli import main
+
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
