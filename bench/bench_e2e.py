@@ -79,12 +79,12 @@ def main() -> None:
             for system in systems:
                 load = wait_for_quiet(args.quick)
                 tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '').replace('(', '').replace(')', '')}-{r}"
-                print(f"== {key} repeat {r + 1}/{repeats}: {system} (load {load:.2f})", flush=True)
+                print(f"== {key} repeat {r + 1}/{repeats}: {system} (busy cores {load:.2f})", flush=True)
                 run = run_trl(tag, work, quick=args.quick) if SYSTEMS[system] is None else \
                     run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)
                 print(f"   {run.steps} steps in {run.steps_wall_s:.1f} s: {run.samples_per_s:.2f} samples/s "
                       f"(process {run.process_wall_s:.0f} s)", flush=True)
-                runs[system].append(run.to_dict() | {"load_at_start": load})
+                runs[system].append(run.to_dict() | {"busy_cores_at_start": load})
                 result.cases[key] = _summarise(runs, work)
                 result.write()  # partial results survive an interrupted session
         _ratios(result, key, systems)

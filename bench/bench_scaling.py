@@ -62,11 +62,11 @@ def main() -> None:
             overrides = [f"trainer.mode={mode}", f"rollout.num_inference_workers={workers}",
                          f"rollout.num_env_pools={pools}"]
             tag = f"scaling-{mode}-{workers}w{pools}p-{r}"
-            print(f"== repeat {r + 1}/{repeats}: {point} (load {load:.2f})", flush=True)
+            print(f"== repeat {r + 1}/{repeats}: {point} (busy cores {load:.2f})", flush=True)
             run = run_rlpost(tag, work, overrides, quick=args.quick)
             print(f"   {run.samples_per_s:.1f} samples/s (steady {run.steady_samples_per_s or 0:.1f}), "
                   f"process {run.process_wall_s:.0f} s", flush=True)
-            runs[point].append(run.to_dict() | {"load_at_start": load})
+            runs[point].append(run.to_dict() | {"busy_cores_at_start": load})
             result.cases[point] = {
                 "mode": mode, "workers": workers, "pools": pools,
                 "samples_per_s": summary([i["samples_per_s"] for i in runs[point]]),

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TINY_MODEL = REPO / ".cache" / "tiny-model"
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
-MAX_QUIET_LOAD = 1.5  # 1-minute load average under which a measurement may start
+MAX_BUSY_CORES = 0.5  # CPU in use by anything (cores, over a few seconds) under which a measurement starts
 
 
 def results_dir(quick: bool) -> Path:
@@ -83,24 +83,39 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def wait_for_quiet(quick: bool, max_load: float = MAX_QUIET_LOAD, max_wait_s: float = 300.0) -> float:
-    """Wait (bounded) until the 1-minute load average is below ``max_load``; returns the load.
+def busy_cores(interval_s: float = 3.0) -> float:
+    """Cores in use on the whole machine over the next ``interval_s`` seconds (from /proc/stat)."""
+    def sample():
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields), idle
 
-    The CPU is shared with whatever else runs on the machine; a benchmark started under load
-    measures the load. Quick mode (a smoke test) does not wait. After ``max_wait_s`` it goes on
-    and the load is recorded in the results, so a disturbed run can be recognised.
+    total0, idle0 = sample()
+    time.sleep(interval_s)
+    total1, idle1 = sample()
+    busy = 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    return busy * (os.cpu_count() or 1)
+
+
+def wait_for_quiet(quick: bool, max_busy: float = MAX_BUSY_CORES, max_wait_s: float = 300.0) -> float:
+    """Wait (bounded) until the machine is idle: less than ``max_busy`` cores in use over 3 s.
+
+    The CPU is shared with whatever else runs on the machine; a benchmark started beside another
+    heavy process measures the contention. (Not the load average: after each of our own runs it
+    stays high for a minute with nothing running.) Quick mode (a smoke test) does not wait. After
+    ``max_wait_s`` it goes on; the busy cores are returned and recorded with each run.
     """
-    load = os.getloadavg()[0]
     if quick:
-        return load
+        return busy_cores(0.5)
     deadline = time.monotonic() + max_wait_s
-    while load >= max_load and time.monotonic() < deadline:
-        print(f"  load average {load:.2f} >= {max_load}: waiting for a quiet machine", flush=True)
-        time.sleep(15)
-        load = os.getloadavg()[0]
-    if load >= max_load:
-        print(f"  WARNING: measuring under load {load:.2f}", flush=True)
-    return load
+    busy = busy_cores()
+    while busy >= max_busy and time.monotonic() < deadline:
+        print(f"  {busy:.2f} cores busy (>= {max_busy}): waiting for a quiet machine", flush=True)
+        time.sleep(10)
+        busy = busy_cores()
+    if busy >= max_busy:
+        print(f"  WARNING: measuring while {busy:.2f} cores are busy", flush=True)
+    return busy
 
 
 class Result:
