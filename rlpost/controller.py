@@ -43,12 +43,13 @@ Failures (the controller polls while it waits, and checks the actors' names ever
 - an env pool dies: it is started again from the position its last buffer put recorded (see
   rlpost.transport.buffer), so no completed group is lost or repeated; in sync mode it collects
   what is left of its share of the step.
+- the reference actor dies: it is started again (it is stateless) and the step's groups annotated.
 - the learner dies: LearnerDied names the last checkpoint and the resume command; with
   ``trainer.auto_resume`` the run restarts every actor from that checkpoint by itself.
 - a bus peer dies mid-broadcast: the collective times out (``weight_sync.timeout_s``), the dead
   worker is restarted, the bus re-forms and the update is sent again.
 Restarts are logged and counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
-``bus_reforms``, ``learner_resumes``).
+``restarts_reference``, ``bus_reforms``, ``learner_resumes``).
 
 Resume (``rlpost train --resume RUN_DIR``): the learner loads the latest checkpoint (weights,
 optimizer, step, version, RNG), the workers receive those weights, the buffer gets back the
@@ -165,7 +166,6 @@ def start_actors(cfg: JobConfig) -> Actors:
 
     from rlpost.actors.buffer import start_buffer
     from rlpost.actors.learner import LearnerActor
-    from rlpost.actors.reference import ReferenceActor
 
     res = cfg.resources
     pg, place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
@@ -173,9 +173,7 @@ def start_actors(cfg: JobConfig) -> Actors:
     buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus, run_name=run)
     inference = [new_inference_worker(cfg, i, place) for i in range(cfg.rollout.num_inference_workers)]
     learner = ray.remote(LearnerActor).options(**_options("learner", res.learner, place)).remote(cfg)
-    reference = None
-    if cfg.reference.enabled:
-        reference = ray.remote(ReferenceActor).options(**_options("reference", res.reference, place)).remote(cfg)
+    reference = new_reference(cfg, place) if cfg.reference.enabled else None
     env_pools = [new_env_pool(cfg, i, inference, buffer, place) for i in range(cfg.rollout.num_env_pools)]
     ray.get([w.get_version.remote() for w in inference], timeout=STARTUP_TIMEOUT_S)
     _connect_bus(cfg, learner, inference, timeout_s=STARTUP_TIMEOUT_S)
@@ -194,6 +192,15 @@ def new_inference_worker(cfg: JobConfig, index: int, place):
         .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=index,
                 run_name=cfg.logging.run_name or "")
     )
+
+
+def new_reference(cfg: JobConfig, place):
+    """Start the actor ``reference`` (the frozen initial model; stateless, so a restart is whole)."""
+    import ray
+
+    from rlpost.actors.reference import ReferenceActor
+
+    return ray.remote(ReferenceActor).options(**_options("reference", cfg.resources.reference, place)).remote(cfg)
 
 
 def new_env_pool(cfg: JobConfig, index: int, inference: list, buffer, place):
@@ -329,7 +336,7 @@ class Controller:
         self.step = 0  # the step being trained
         self.first_step = 1
         self.probe: list[int] | None = None
-        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "bus_reforms": 0}
+        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "restarts_reference": 0, "bus_reforms": 0}
         self.learner_resumes = 0
         # each pool's prompts collected at the start of the current step (sync mode's shares)
         self.pool_prompts = [0] * len(actors.env_pools)
@@ -376,8 +383,20 @@ class Controller:
             n = max(1, self.actors.buffer.stats().size)  # the DAPO filter may have dropped groups
         groups = self._get_groups(n)
         if self.actors.reference is not None:
-            groups = ray.get(self.actors.reference.annotate.remote(groups), timeout=COLLECT_TIMEOUT_S)
+            groups = self._annotate(groups)
         return groups
+
+    def _annotate(self, groups: list) -> list:
+        """Reference log-probs for ``groups``; a dead reference actor is started again first."""
+        import ray
+
+        try:
+            return ray.get(self.actors.reference.annotate.remote(groups), timeout=COLLECT_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            log.warning("the reference actor died; starting it again")
+            self.actors.reference = new_reference(self.cfg, self.actors.place)
+            self.counts["restarts_reference"] += 1
+            return ray.get(self.actors.reference.annotate.remote(groups), timeout=STARTUP_TIMEOUT_S + COLLECT_TIMEOUT_S)
 
     def _collect_shares(self) -> None:
         """Sync mode: every pool collects its share of the step into the buffer.

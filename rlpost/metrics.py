@@ -122,6 +122,7 @@ class RayMetrics:
         "step_time_s": "Seconds per learner step",
         "restarts_inference": "Inference workers restarted so far",
         "restarts_env_pool": "Env pools restarted so far",
+        "restarts_reference": "Reference actors restarted so far",
         "bus_reforms": "Weight-bus re-formations so far",
     }
     COUNTERS = {

@@ -64,7 +64,7 @@ def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
     assert f"run finished: {run_dir}" in out.stdout
 
 
-def test_async_run_with_reference_keeps_staleness_bounded_and_names_actors(tmp_path, tiny_model_path):
+def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_restarts_the_reference(tmp_path, tiny_model_path):
     import ray
 
     from rlpost.config import load_config
@@ -77,13 +77,20 @@ def test_async_run_with_reference_keeps_staleness_bounded_and_names_actors(tmp_p
         "logging.run_name=e2e-async",
     ])
     run_dir = create_run_dir(cfg, tmp_path / "async")
+
+    class KillTheReferenceOnce(Controller):
+        def _collect_step(self):
+            if self.step == 3:  # it dies before annotating step 3's groups: started again, no step lost
+                ray.kill(self.actors.reference)
+            return super()._collect_step()
+
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-async", log_to_driver=False)
     actors = None
     try:
         actors = start_actors(cfg)
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlpost-e2e-async"}
         assert {"inference-0", "env-pool-0", "learner", "reference", "buffer"} <= names
-        Controller(cfg, run_dir, actors).run()
+        KillTheReferenceOnce(cfg, run_dir, actors).run()
         exported = scrape_rlpost_metrics(EXPECTED_METRICS)
     finally:
         if actors is not None:
@@ -92,6 +99,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_and_names_actors(tmp_p
     assert EXPECTED_METRICS <= exported, f"missing in Prometheus: {EXPECTED_METRICS - exported}"
     rows = read(run_dir / "metrics.jsonl")
     assert len(rows) == 6
+    assert [r["restarts_reference"] for r in rows] == [0, 0, 1, 1, 1, 1]
     for r in rows:
         assert r["staleness_max"] <= 1  # never beyond trainer.max_staleness
         assert r["sync_logprob_diff"] <= 1e-3
