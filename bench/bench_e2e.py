@@ -80,7 +80,7 @@ def main() -> None:
                 load = wait_for_quiet(args.quick)
                 tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '').replace('(', '').replace(')', '')}-{r}"
                 print(f"== {key} repeat {r + 1}/{repeats}: {system} (busy cores {load:.2f})", flush=True)
-                run = run_trl(tag, work, quick=args.quick) if SYSTEMS[system] is None else \
+                run = run_trl(tag, work, seed=r, quick=args.quick) if SYSTEMS[system] is None else \
                     run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)
                 print(f"   {run.steps} steps in {run.steps_wall_s:.1f} s: {run.samples_per_s:.2f} samples/s "
                       f"(process {run.process_wall_s:.0f} s)", flush=True)

@@ -112,14 +112,17 @@ def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bo
     )
 
 
-def run_trl(tag: str, work: Workload, *, quick: bool = False, timeout_s: float = 1800.0) -> RunResult:
-    """TRL's GRPOTrainer on the same workload (bench/trl_grpo.py in a process of its own)."""
+def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, timeout_s: float = 1800.0) -> RunResult:
+    """TRL's GRPOTrainer on the same workload (bench/trl_grpo.py in a process of its own).
+
+    TRL is deterministic at a fixed seed, so each repeat gets its own ``seed`` (sampling and
+    prompt order) to show its run-to-run spread, as rlpost's runs show theirs."""
     keep = results_dir(quick) / "runs" / tag
     keep.mkdir(parents=True, exist_ok=True)
     out = keep / "trl.json"
     cmd = [python(), "-m", "bench.trl_grpo", "--model", work.model, "--steps", str(work.steps),
            "--prompts-per-step", str(work.prompts_per_step), "--group-size", str(work.group_size),
-           "--max-tokens", str(work.max_tokens), "--lr", str(work.lr), "--out", str(out)]
+           "--max-tokens", str(work.max_tokens), "--lr", str(work.lr), "--seed", str(seed), "--out", str(out)]
     wall = run_logged(cmd, keep / "run.log", timeout_s)
     data = json.loads(out.read_text())
     return RunResult(
