@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlpost.config import ConfigError, load_config
+from rlpost.config import ConfigError, check_overrides, load_config
 from rlpost.jobs import ClusterError, JobNotFoundError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -94,16 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_overrides(overrides: list[str]) -> None:
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
-
-
 def _load(args) -> "JobConfig":  # noqa: F821
-    overrides = list(args.overrides)
-    _check_overrides(overrides)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, list(args.overrides))
     if getattr(args, "address", None):
         cfg.resources.address = args.address
     return cfg
@@ -124,7 +116,7 @@ def _cmd_train(args) -> int:
     if args.resume:
         if args.run_dir:
             raise ConfigError("--resume RUN_DIR and --run-dir cannot be combined: a resumed run stays in its folder")
-        _check_overrides(args.overrides)
+        check_overrides(args.overrides)
         cfg = open_run_for_resume(args.resume, args.config, args.overrides)
         if args.address:
             cfg.resources.address = args.address

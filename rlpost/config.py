@@ -304,6 +304,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return raw
 
 
+def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """Raise ConfigError for an override that is not ``section.key=value`` or names an unknown
+    key (for callers that have no config file to apply them to yet)."""
+    for item in overrides:
+        _apply_override({}, item)
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply ``a.b.c=value``; the value is parsed as YAML (so 20 is an int, [0.9, 0.95] a list)."""
     key, sep, text = item.partition("=")

@@ -37,7 +37,7 @@ import tomllib
 from pathlib import Path
 from typing import Mapping, TextIO
 
-from rlpost.config import ConfigError, JobConfig, default_run_name, load_config
+from rlpost.config import ConfigError, JobConfig, check_overrides, default_run_name, load_config
 
 REQUEST_TIMEOUT_S = 30.0
 UPLOAD_TIMEOUT_S = 600.0  # the working-dir package goes up in one PUT
@@ -169,9 +169,7 @@ def plan_resume(
     if not path.is_absolute():
         raise ConfigError(f"--resume {run_dir}: give the run directory's absolute path on the cluster's shared storage")
     overrides = list(overrides)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    check_overrides(overrides)
     notes = []
     if (path / "config.yaml").is_file():
         cfg = load_config(path / "config.yaml", overrides)

@@ -88,10 +88,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def checkpoint_step(path: str | Path) -> int:
-    return int(_STEP_DIR.match(Path(path).name).group(1))
-
-
 def open_run_for_resume(run_dir: str | Path, config: str | Path | None, overrides: list[str]) -> JobConfig:
     """The config to resume ``run_dir`` with: ``config`` (default: the run's own config.yaml)
     plus ``overrides``; errors name the folder when it holds no run or no checkpoint."""

@@ -8,7 +8,6 @@ import pytest
 from rlpost.cli import main
 from rlpost.config import ConfigError, load_config
 from rlpost.runs import (
-    checkpoint_step,
     create_run_dir,
     latest_checkpoint,
     list_checkpoints,
@@ -30,7 +29,7 @@ def test_checkpoints_are_ordered_by_step_not_by_name(run_dir):
         (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
     (run_dir / "checkpoints" / ".tmp-step_12-abc").mkdir()  # a write that never finished
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_2", "step_4", "step_10"]
-    assert checkpoint_step(latest_checkpoint(run_dir)) == 10
+    assert latest_checkpoint(run_dir).name == "step_10"
 
 
 def test_resume_takes_the_runs_config_plus_overrides_and_records_them(run_dir):
