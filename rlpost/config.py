@@ -174,6 +174,17 @@ class RoleResources(_Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor of this role.")
 
 
+class TorchRoleResources(RoleResources):
+    """A role that computes with torch in its own process (the learner, the reference)."""
+
+    num_threads: int | None = Field(
+        None, ge=1,
+        description="torch intra-op threads of this actor. None keeps Ray's default: OMP_NUM_THREADS = the "
+        "reserved num_cpus rounded up, so a 0.5-CPU learner trains on 1 core. On a CPU-only node give the "
+        "learner the node's cores (the inference engine idles while a sync step trains).",
+    )
+
+
 class ResourcesConfig(_Section):
     """What each role reserves on the Ray cluster (declared, never assumed)."""
 
@@ -186,8 +197,12 @@ class ResourcesConfig(_Section):
     )
     inference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker.")
     env_pool: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="Per env pool.")
-    learner: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="The learner.")
-    reference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="The reference actor.")
+    learner: TorchRoleResources = Field(
+        default_factory=lambda: TorchRoleResources(num_cpus=0.5), description="The learner."
+    )
+    reference: TorchRoleResources = Field(
+        default_factory=lambda: TorchRoleResources(num_cpus=0.25), description="The reference actor."
+    )
     buffer: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.0), description="The buffer actor.")
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables for every process of the run (Ray runtime_env)."

@@ -421,12 +421,21 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
 # ---------------------------------------------------------------------------------- Ray shell
 
 
+def set_torch_threads(num_threads: int | None) -> int:
+    """Give this process ``num_threads`` torch threads (None: keep Ray's OMP_NUM_THREADS); returns
+    the count in effect. Ray sets OMP_NUM_THREADS from an actor's reserved CPUs, at least 1."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
 class LearnerActor:
     """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`)."""
 
     def __init__(self, cfg: JobConfig):
         from rlpost.metrics import RoleMetrics
 
+        set_torch_threads(cfg.resources.learner.num_threads)
         self.learner = Learner(cfg)
         self.metrics = RoleMetrics("learner", cfg.logging.run_name, "learner")
 
@@ -472,6 +481,10 @@ class LearnerActor:
 
     def version(self) -> int:
         return self.learner.version
+
+    def num_threads(self) -> int:
+        """torch threads this actor trains with (``resources.learner.num_threads``)."""
+        return torch.get_num_threads()
 
     def close(self) -> None:
         if self.learner.publisher is not None:

@@ -94,8 +94,10 @@ class ReferenceActor(Reference):
     """The Ray actor ``reference``: the plain class, one call at a time, reporting metrics."""
 
     def __init__(self, cfg: JobConfig):
+        from rlpost.actors.learner import set_torch_threads
         from rlpost.metrics import RoleMetrics
 
+        set_torch_threads(cfg.resources.reference.num_threads)
         super().__init__(cfg)
         self.metrics = RoleMetrics("reference", cfg.logging.run_name, "reference")
 

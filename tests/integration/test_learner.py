@@ -239,7 +239,7 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
     from rlpost.actors.learner import start_learner
     from rlpost.transport.weight_bus import TorchWeightReceiver
 
-    cfg = make_cfg(tiny_model_path)
+    cfg = make_cfg(tiny_model_path, resources={"learner": {"num_cpus": 0.5, "num_threads": 2}})
     actor = start_learner(cfg, namespace="rlpost-test-learner", num_cpus=0)
     try:
         spec = ray_cluster.get(actor.connect_publisher.remote(2, "127.0.0.1", 0, "gloo", 1, 30.0), timeout=120)
@@ -259,6 +259,7 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
         probe = [prompt_ids + [40, 41]]
         assert ray_cluster.get(actor.score.remote(probe), timeout=60) == local.score(probe)
         assert ray_cluster.get(actor.version.remote(), timeout=60) == 0
+        assert ray_cluster.get(actor.num_threads.remote(), timeout=60) == 2  # not Ray's 1 for its CPU share
         assert ray_cluster.get_actor("learner", namespace="rlpost-test-learner") is not None
     finally:
         ray_cluster.get(actor.close.remote(), timeout=60)

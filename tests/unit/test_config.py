@@ -65,6 +65,8 @@ def test_overrides_apply_with_types(tmp_path):
     "text, overrides, expected",
     [
         ("trainer:\n  stepz: 3\n", [], "unknown config key: trainer.stepz"),
+        ("", ["resources.inference.num_threads=2"], "unknown config key: resources.inference.num_threads"),
+        ("", ["resources.learner.num_threads=0"], "resources.learner.num_threads: Input should be greater than"),
         ("rollout:\n  engine:\n    tp: 2\n", [], "unknown config key: rollout.engine.tp"),
         ("bogus: {}\n", [], "unknown config key: bogus"),
         ("", ["trainer.stepz=3"], "unknown config key: trainer.stepz"),
