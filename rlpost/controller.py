@@ -361,7 +361,9 @@ class Controller:
             self.step = step
             step_start = time.perf_counter()
             groups = self._collect_step()
+            collected = time.perf_counter()
             record = self._train(groups, step)
+            record.update(collect_s=collected - step_start, train_s=time.perf_counter() - collected)
             if step % cfg.trainer.weight_sync_interval == 0 or step == steps:
                 record.update(self._sync_weights())
             record.update(self._timing(groups, step_start))
@@ -454,6 +456,7 @@ class Controller:
         self.version = int(metrics["policy_version"])
         rewards = [r for g in groups for r in g.rewards]
         record = dict(metrics)
+        record["learner_step_s"] = record.pop("step_time_s")  # the learner's own compute; train_s adds the transfer
         record.update(step=step, policy_version=self.version, reward_mean=mean(rewards), reward_std=pstdev(rewards))
         record.setdefault("kl_to_ref", None)
         return record
@@ -524,6 +527,7 @@ class Controller:
         if versions != {self.version}:
             raise RuntimeError(f"after the weight sync the workers hold versions {sorted(versions)}, learner {self.version}")
         return {"weight_sync_s": sync_s, "weight_sync_bytes": published.get("bytes"),
+                "weight_load_s": max(float(i["load_s"]) for i in infos),  # the engines' in-place reload
                 "sync_logprob_diff": self._probe_diff()}
 
     def _probe_diff(self) -> float:

@@ -58,6 +58,10 @@ def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
         assert r["sync_logprob_diff"] <= 1e-3  # inference and learner hold the same weights
         assert r["staleness_mean"] == 0  # sync mode is on-policy
         assert 0 <= r["reward_mean"] <= 1 and r["samples_per_s"] > 0
+        # where the step's time went: the parts are positive and add up to at most the whole
+        parts = [r["collect_s"], r["train_s"], r["weight_sync_s"]]
+        assert min(parts) > 0 and sum(parts) <= r["step_time_s"]
+        assert 0 < r["learner_step_s"] <= r["train_s"] and 0 < r["weight_load_s"] <= r["weight_sync_s"]
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert (run_dir / "checkpoints" / "step_4" / "config.json").is_file()
