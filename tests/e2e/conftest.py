@@ -113,3 +113,14 @@ def start_ray_head():
     """``start_ray_head(dashboard=..., env=...) -> RayHead``; every cluster stops when the module ends."""
     with contextlib.ExitStack() as stack:
         yield lambda **kwargs: stack.enter_context(ray_head_cluster(**kwargs))
+
+
+@pytest.fixture(autouse=True)
+def no_ray_connection_from_an_earlier_tier():
+    """e2e tests start clusters of their own; the integration tier's session cluster (when
+    integration tests ran first in this process) would make their ``ray.init`` fail."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
