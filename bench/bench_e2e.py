@@ -30,9 +30,9 @@ SYSTEMS = {
     "rlpost sync": ["trainer.mode=sync"],
     "rlpost async": ["trainer.mode=async"],
     "TRL GRPOTrainer": None,
-    # item 6's fix, applied by configuration: the learner actor gets both cores (see BENCHMARKS.md)
-    "rlpost sync (learner 2 threads)": ["trainer.mode=sync", "resources.env_vars.OMP_NUM_THREADS='2'"],
-    "rlpost async (learner 2 threads)": ["trainer.mode=async", "resources.env_vars.OMP_NUM_THREADS='2'"],
+    # before item 6's fix: the learner on Ray's default of 1 torch thread (its 0.5 reserved CPU)
+    "rlpost sync (learner 1 thread)": ["trainer.mode=sync", "resources.learner.num_threads=null"],
+    "rlpost async (learner 1 thread)": ["trainer.mode=async", "resources.learner.num_threads=null"],
 }
 DEFAULT_SYSTEMS = ["rlpost sync", "rlpost async", "TRL GRPOTrainer"]
 

@@ -26,6 +26,7 @@ import statistics
 import time
 
 from bench.common import CONFIG, TINY_MODEL, Result, summary, wait_for_quiet
+from rlpost.actors.inference import InferenceActor
 
 DIRECT = "vllm.LLM.generate (direct)"
 RLPOST = "rlpost: vLLMWrapper -> RemoteVLLMClient -> inference-0 actor"
@@ -43,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     q = args.quick
     prompts, samples = args.prompts or (8 if q else 64), args.samples or (4 if q else 8)
-    max_tokens, repeats = args.max_tokens or (8 if q else 32), args.repeats or (3 if q else 5)
+    max_tokens, repeats = args.max_tokens or (8 if q else 32), args.repeats or (3 if q else 11)
 
     import psutil
     import ray
@@ -64,7 +65,7 @@ def main() -> None:
     })
     wait_for_quiet(q)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rlpost-bench-rollout")
-    actor = (ray.remote(InferenceActor).options(name="inference-0", num_cpus=0.5)
+    actor = (ray.remote(TimedInferenceActor).options(name="inference-0", num_cpus=0.5)
              .remote(args.model, engine_cfg, dtype="float32", index=0, run_name="bench-rollout"))
     llm = make_vllm_engine(args.model, dtype="float32", **engine_kwargs(engine_cfg, on_gpu=False))
     ray.get(actor.get_version.remote(), timeout=600)
@@ -148,6 +149,15 @@ def main() -> None:
         result.cases[name] = {"seconds": summary(times[name]), "generated_tokens": tokens[name],
                               "tokens_per_s": rate, "sequences_per_s": sequences / seconds, "ratio": rate / base_rate}
         print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f}", flush=True)
+    inside = {
+        "in the actor: llm.generate alone": actor.timed_engine,
+        "in the actor: InferenceActor.generate (engine + plain completions + metrics)": actor.timed_generate,
+    }
+    for name, method in inside.items():
+        seconds_list = [ray.get(method.remote(prompt_ids, sampling)) for _ in range(repeats + 1)][1:]
+        seconds = statistics.median(seconds_list)
+        result.cases[name] = {"seconds": summary(seconds_list), "share_of_direct_call": seconds / base_s}
+        print(f"  {name:58s} {seconds * 1e3:8.1f} ms  ({seconds / base_s:.1%} of the direct call)", flush=True)
     for name, fn in overhead.items():
         fn()
         seconds_list = [_timed(fn) for _ in range(repeats)]
@@ -172,6 +182,24 @@ def main() -> None:
     ray.get(actor.shutdown.remote(), timeout=60)
     ray.shutdown()
     gc.unfreeze()  # let interpreter shutdown free the start-up objects normally
+
+
+class TimedInferenceActor(InferenceActor):
+    """``InferenceActor`` plus timers read inside the actor, to split the round trip into the engine
+    in the actor's process, the actor's own work (completions as plain objects, metrics) and Ray."""
+
+    def timed_engine(self, prompt_ids, sampling):
+        from vllm import SamplingParams
+
+        params = SamplingParams(**sampling, logprobs=0, detokenize=False)
+        start = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    def timed_generate(self, prompt_ids, sampling):
+        start = time.perf_counter()
+        self.generate(prompt_ids, dict(sampling, logprobs=True))
+        return time.perf_counter() - start
 
 
 class _ReplayClient:
