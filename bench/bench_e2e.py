@@ -24,7 +24,7 @@ import argparse
 import statistics
 
 from bench.common import Result, TINY_MODEL, median, qwen05b_model, summary, wait_for_quiet
-from bench.runs import Workload, model_path, run_rlpost, run_trl
+from bench.runs import PHASES, Workload, model_path, run_rlpost, run_trl
 
 SYSTEMS = {
     "rlpost sync": ["trainer.mode=sync"],
@@ -34,7 +34,13 @@ SYSTEMS = {
     "rlpost sync (learner 1 thread)": ["trainer.mode=sync", "resources.learner.num_threads=null"],
     "rlpost async (learner 1 thread)": ["trainer.mode=async", "resources.learner.num_threads=null"],
 }
-DEFAULT_SYSTEMS = ["rlpost sync", "rlpost async", "TRL GRPOTrainer"]
+# per workload: the fix's before/after on the tiny model (runs of ~1 min); the 0.5B-shaped runs take
+# ~3 min each, so there only the current systems against TRL (the before is the previous results)
+DEFAULT_SYSTEMS = {
+    "tiny": ["rlpost sync", "rlpost async", "TRL GRPOTrainer", "rlpost sync (learner 1 thread)",
+             "rlpost async (learner 1 thread)"],
+    "qwen05b": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
+}
 
 
 def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dict[str, Workload]:
@@ -55,25 +61,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat")
     parser.add_argument("--workloads", default="tiny,qwen05b")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    parser.add_argument("--systems", default=None,
+                        help=f"comma-separated, from {list(SYSTEMS)} (default: per workload, {DEFAULT_SYSTEMS})")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--tiny-steps", type=int, default=None)
     parser.add_argument("--big-steps", type=int, default=None)
     parser.add_argument("--name", default="e2e", help="results file name (bench/results/<name>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
-    systems = [s.strip() for s in args.systems.split(",")]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     chosen = {k: w for k, w in workloads(args.quick, args.tiny_steps, args.big_steps).items()
               if k in args.workloads.split(",")}
+    systems_of = {k: [s.strip() for s in args.systems.split(",")] if args.systems else DEFAULT_SYSTEMS[k]
+                  for k in chosen}
+    unknown = [s for names in systems_of.values() for s in names if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     result = Result(args.name, args.quick, {
-        "repeats": repeats, "systems": systems,
+        "repeats": repeats, "systems": systems_of,
         "workloads": {k: vars(w) | {"samples_per_step": w.samples_per_step} for k, w in chosen.items()},
         "rlpost_config": "configs/tiny-cpu.yaml + workload overrides + logging.progress=false",
     })
     for key, work in chosen.items():
+        systems = systems_of[key]
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for r in range(repeats):
             for system in systems:
@@ -108,8 +117,24 @@ def _summarise(runs: dict[str, list[dict]], work: Workload) -> dict:
             "process_wall_s": summary([i["process_wall_s"] for i in items]),
             "reward_gain": summary([_gain(i["rewards"]) for i in items]),
             "final_reward": summary([statistics.mean(i["rewards"][-max(1, len(i["rewards"]) // 4):]) for i in items]),
+            "phases_s": _phases(items),
             "runs": items,
         }
+    return out
+
+
+def _phases(items: list[dict]) -> dict:
+    """Per phase of an rlpost step (metrics.jsonl's split), the median over repeats of its mean
+    over the steady steps (step 1 left out); empty for TRL."""
+    out = {}
+    for key in ("step_s", "weight_sync_s", *PHASES):
+        means = []
+        for item in items:
+            values = [v for v in (item.get(key) or [])[1:] if v is not None]
+            if values:
+                means.append(statistics.mean(values))
+        if means and "rlpost" in items[0]["system"]:
+            out[key] = statistics.median(means)
     return out
 
 

@@ -49,7 +49,7 @@ def main() -> None:
     else:
         work = Workload(model_path(TINY_MODEL), steps=args.steps or 20)
     result = Result("scaling", args.quick, {"workload": vars(work), "repeats": repeats, "points": points,
-                                            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU)"})
+                                            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU with 2 torch threads)"})
     unknown = [p for p in points if p not in POINTS]
     if unknown:
         raise SystemExit(f"unknown points {unknown}; choose from {list(POINTS)}")

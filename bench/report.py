@@ -174,10 +174,25 @@ def _e2e(d: dict, results: Path, base: Path) -> str:
                 f"{_fmt(c['reward_gain']['median'])} | {_fmt(c['final_reward']['median'])} | "
                 f"{_repeats(c['samples_per_s'])} |")
         lines.append("")
+        lines += _phase_table(cases)
         plot = _e2e_plot(key, cases, results)
         if plot:
             lines += [f"![{key}]({_rel(plot, base)})", ""]
     return "\n".join(lines) + "\n" + _notes(d)
+
+
+def _phase_table(cases: dict) -> list[str]:
+    """Where an rlpost step's time goes (metrics.jsonl's split, steady steps, median of repeats)."""
+    names = ("step_s", "collect_s", "train_s", "learner_step_s", "weight_sync_s", "weight_load_s")
+    rows = [(system, c["phases_s"]) for system, c in cases.items() if c.get("phases_s", {}).get("collect_s")]
+    if not rows:
+        return []
+    lines = ["Where a steady rlpost step's time goes (seconds; `train_s` includes `learner_step_s`, "
+             "`weight_sync_s` includes `weight_load_s`, the engines' in-place reload):", "",
+             "| system | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for system, phases in rows:
+        lines.append(f"| {system} | " + " | ".join(_fmt(phases.get(n)) for n in names) + " |")
+    return lines + [""]
 
 
 def _e2e_plot(key: str, cases: dict, results: Path) -> Path | None:

@@ -79,6 +79,9 @@ class RunResult:
         }
 
 
+PHASES = ("collect_s", "train_s", "learner_step_s", "weight_load_s")
+
+
 def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bool = False,
                timeout_s: float = 1200.0) -> RunResult:
     """``rlpost train configs/tiny-cpu.yaml <workload> <overrides>``; figures from metrics.jsonl."""
@@ -103,6 +106,8 @@ def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bo
         steps_wall_s=elapsed[-1], process_wall_s=wall, rewards=[r["reward_mean"] for r in records],
         extra={
             "weight_sync_s": [r.get("weight_sync_s") for r in records],
+            # where each step's time went (metrics.jsonl's split; absent in runs before it existed)
+            **{key: [r.get(key) for r in records] for key in PHASES},
             "staleness_mean": [r.get("staleness_mean") for r in records],
             "completion_len": [r.get("completion_len_mean") for r in records],
             "samples_generated": [r.get("samples_generated") for r in records],
