@@ -146,9 +146,16 @@ def main() -> None:
     for name in cases:
         seconds = statistics.median(times[name])
         rate = tokens[name] / seconds
+        # paired: each repeat's case against the direct call next to it, so drift in the machine's
+        # speed over the run (it is there: see the repeats) cancels out of each pair
+        paired = statistics.median(
+            (tokens[name] / t) / (tokens[DIRECT] / d) for t, d in zip(times[name], times[DIRECT])
+        )
         result.cases[name] = {"seconds": summary(times[name]), "generated_tokens": tokens[name],
-                              "tokens_per_s": rate, "sequences_per_s": sequences / seconds, "ratio": rate / base_rate}
-        print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f}", flush=True)
+                              "tokens_per_s": rate, "sequences_per_s": sequences / seconds, "ratio": rate / base_rate,
+                              "paired_ratio": paired}
+        print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f} "
+              f"(paired {paired:.3f})", flush=True)
     inside = {
         "in the actor: llm.generate alone": actor.timed_engine,
         "in the actor: InferenceActor.generate (engine + plain completions + metrics)": actor.timed_generate,
@@ -165,6 +172,7 @@ def main() -> None:
         result.cases[name] = {"seconds": summary(seconds_list), "share_of_direct_call": seconds / base_s}
         print(f"  {name:58s} {seconds * 1e3:8.1f} ms  ({seconds / base_s:.1%} of the direct call)", flush=True)
     result.ratios["rlpost rollout path / direct vllm.LLM.generate, tokens/s"] = result.cases[RLPOST]["ratio"]
+    result.ratios["the same, median of the per-repeat (paired) ratios"] = result.cases[RLPOST]["paired_ratio"]
     result.ratios["inference-0 actor generate / direct, tokens/s"] = result.cases[
         "inference-0 actor generate (ray.get, no wrapper)"]["ratio"]
     result.ratios["vLLMWrapper in-process / direct, tokens/s"] = result.cases[

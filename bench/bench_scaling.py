@@ -49,7 +49,7 @@ def main() -> None:
     else:
         work = Workload(model_path(TINY_MODEL), steps=args.steps or 20)
     result = Result("scaling", args.quick, {"workload": vars(work), "repeats": repeats, "points": points,
-                                            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU with 2 torch threads)"})
+                                            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU; 1 torch thread in async, 2 in sync)"})
     unknown = [p for p in points if p not in POINTS]
     if unknown:
         raise SystemExit(f"unknown points {unknown}; choose from {list(POINTS)}")
@@ -59,8 +59,10 @@ def main() -> None:
             mode, workers, pools = POINTS[point_id]
             point = label(point_id)
             load = wait_for_quiet(args.quick)
+            # async as the README runs it: the learner on 1 thread, the engines on the other core
+            threads = 1 if mode == "async" else 2
             overrides = [f"trainer.mode={mode}", f"rollout.num_inference_workers={workers}",
-                         f"rollout.num_env_pools={pools}"]
+                         f"rollout.num_env_pools={pools}", f"resources.learner.num_threads={threads}"]
             tag = f"scaling-{mode}-{workers}w{pools}p-{r}"
             print(f"== repeat {r + 1}/{repeats}: {point} (busy cores {load:.2f})", flush=True)
             run = run_rlpost(tag, work, overrides, quick=args.quick)

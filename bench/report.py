@@ -130,16 +130,18 @@ def _rollout(d: dict, results: Path, base: Path) -> str:
         f"## {TITLES['rollout']}",
         "",
         f"{s['prompts']} prompts x {s['samples']} samples, up to {s['max_tokens']} tokens, temperature 1, seed 0, "
-        f"tiny model; median of {s['repeats']} interleaved repeats. Target: the rlpost path >= 0.95.",
+        f"tiny model; median of {s['repeats']} interleaved repeats. Target: the rlpost path >= 0.95. The paired "
+        "ratio is the median over repeats of each case against the direct call of the same repeat (robust to "
+        "the machine's speed drifting during the run).",
         "",
         _ratios(d),
-        "| case | median ms | tokens/s | ratio to direct | repeats (s) |",
-        "| --- | --- | --- | --- | --- |",
+        "| case | median ms | tokens/s | ratio to direct | paired ratio | repeats (s) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, c in d["cases"].items():
         if "tokens_per_s" in c:
             lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['tokens_per_s']:.0f} | "
-                         f"{c['ratio']:.3f} | {_repeats(c['seconds'])} |")
+                         f"{c['ratio']:.3f} | {_fmt(c.get('paired_ratio'))} | {_repeats(c['seconds'])} |")
     lines += ["", "| wrapper alone (engine excluded) | median ms | share of the direct call |", "| --- | --- | --- |"]
     for name, c in d["cases"].items():
         if "share_of_direct_call" in c:
