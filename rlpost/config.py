@@ -180,8 +180,9 @@ class TorchRoleResources(RoleResources):
     num_threads: int | None = Field(
         None, ge=1,
         description="torch intra-op threads of this actor. None keeps Ray's default: OMP_NUM_THREADS = the "
-        "reserved num_cpus rounded up, so a 0.5-CPU learner trains on 1 core. On a CPU-only node give the "
-        "learner the node's cores (the inference engine idles while a sync step trains).",
+        "reserved num_cpus rounded up, so a 0.5-CPU learner trains on 1 core. On a CPU-only node, sync mode: "
+        "the node's cores (the engine idles while the learner trains); async mode: leave the engine its "
+        "cores, or both slow down (BENCHMARKS.md).",
     )
 
 

@@ -37,8 +37,8 @@ class BufferActor:
         stats = self.buffer.stats()
         self.metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
 
-    def wait_for_space(self, num_groups: int, timeout_s: float) -> bool:
-        return self.buffer.wait_for_space(num_groups, timeout_s)
+    def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
+        return self.buffer.reserve(num_groups, timeout_s, producer)
 
     def drop_stale(self, current_version: int) -> int:
         return self.buffer.drop_stale(current_version)

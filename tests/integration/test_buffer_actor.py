@@ -45,6 +45,15 @@ def test_backpressure_and_staleness_through_the_actor(ray_cluster):
     assert buf.stats().num_dropped_stale == 2
 
 
+def test_reservations_through_the_actor(ray_cluster):
+    buf = start_buffer(capacity=4, max_staleness=None, name="buffer-reserve")
+    assert buf.reserve(3, timeout_s=1, producer="env-pool-0") is True
+    assert buf.reserve(3, timeout_s=0.2, producer="env-pool-1") is False  # room held for env-pool-0
+    buf.put(groups([0, 0, 0]), timeout_s=1, producer="env-pool-0")
+    buf.get(3, timeout_s=1)
+    assert buf.reserve(3, timeout_s=1, producer="env-pool-1") is True  # released by its put
+
+
 def test_get_after_staleness_drop_times_out_and_counts(ray_cluster):
     buf = start_buffer(capacity=4, max_staleness=0, name="buffer-stale")
     buf.put(groups([1, 1, 2]), timeout_s=5)

@@ -81,15 +81,31 @@ def test_bad_arguments():
         LocalBuffer(1).get(0, timeout_s=1)
 
 
-def test_wait_for_space_blocks_until_a_batch_fits():
+def test_reserve_blocks_until_a_batch_fits():
     buf = LocalBuffer(capacity=4)
     buf.put(groups([0, 0, 0]), timeout_s=1)
-    assert buf.wait_for_space(1, timeout_s=0.1) is True
-    assert buf.wait_for_space(2, timeout_s=0.1) is False
+    assert buf.reserve(1, timeout_s=0.1) is True
+    assert buf.reserve(2, timeout_s=0.1) is False
     threading.Timer(0.2, lambda: buf.get(2, timeout_s=1)).start()
-    assert buf.wait_for_space(2, timeout_s=5) is True
+    assert buf.reserve(2, timeout_s=5) is True
     buf.drain()
-    assert buf.wait_for_space(10, timeout_s=0.1) is True  # capped at the capacity: an empty buffer fits
+    assert buf.reserve(10, timeout_s=0.1) is True  # capped at the capacity: an empty buffer fits
+
+
+def test_two_producers_never_reserve_the_same_room():
+    buf = LocalBuffer(capacity=4)
+    assert buf.reserve(3, timeout_s=0.1, producer="env-pool-0") is True
+    assert buf.reserve(3, timeout_s=0.1, producer="env-pool-1") is False  # 1 slot left, not 3
+    assert buf.reserve(1, timeout_s=0.1, producer="env-pool-1") is True
+    assert buf.reserve(3, timeout_s=0.1, producer="env-pool-0") is True  # replaces its own, not added to it
+    buf.put(groups([0, 0]), timeout_s=0.1, producer="env-pool-0")  # fewer than held (filtered): all released
+    assert buf.reserve(1, timeout_s=0.1, producer="env-pool-2") is True  # 4 - 2 held - 1 of env-pool-1
+    assert buf.reserve(1, timeout_s=0.1, producer="env-pool-3") is False
+    # the room comes back when a put releases a reservation
+    threading.Timer(0.2, lambda: buf.put(groups([1], start=2), timeout_s=1, producer="env-pool-1")).start()
+    assert buf.reserve(1, timeout_s=1, producer="env-pool-3") is False  # env-pool-1's group took its slot
+    buf.get(3, timeout_s=1)
+    assert buf.reserve(2, timeout_s=0.1, producer="env-pool-3") is True  # empty: 4 - env-pool-2's 1 held
 
 
 def test_producer_state_is_recorded_with_its_put_and_snapshot_restores():
