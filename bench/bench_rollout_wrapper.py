@@ -30,6 +30,7 @@ from rlpost.actors.inference import InferenceActor
 
 DIRECT = "vllm.LLM.generate (direct)"
 RLPOST = "rlpost: vLLMWrapper -> RemoteVLLMClient -> inference-0 actor"
+DIRECT_TEXT = "vllm.LLM.generate (direct, detokenize=True: vLLM's default, returns text)"
 
 
 def main() -> None:
@@ -85,6 +86,13 @@ def main() -> None:
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
+    def direct_with_text():
+        from vllm import SamplingParams
+
+        params = SamplingParams(**sampling, logprobs=0)  # vLLM's default: detokenize, text returned
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
     def actor_generate():
         completions, _version = ray.get(actor.generate.remote(prompt_ids, dict(sampling, logprobs=True)))
         return sum(len(c.token_ids) for group in completions for c in group)
@@ -113,6 +121,7 @@ def main() -> None:
         DIRECT: direct,
         RLPOST: wrapper(remote),
         "inference-0 actor generate (ray.get, no wrapper)": actor_generate,
+        DIRECT_TEXT: direct_with_text,
         "vLLMWrapper on the in-process engine, tokens, ragged": wrapper(llm),
         "vLLMWrapper on the in-process engine, history, ragged": wrapper(llm, "history"),
     }
@@ -132,13 +141,28 @@ def main() -> None:
         # few calls (~0.2 s here). Freezing them is what a long-running rollout process should do.
         gc.collect()
         gc.freeze()
+    # The actor's time from inside it, and the Ray call's own cost: the round trip minus the time
+    # the actor spent, measured on the same call (so CPU drift cancels).
+    inside: dict[str, list[float]] = {"in the actor: llm.generate alone": [],
+                                      "in the actor: InferenceActor.generate (engine + plain completions + metrics)": [],
+                                      "Ray call overhead (round trip - time in the actor, same call)": []}
+
+    def split_actor_time() -> list[float]:
+        engine_s = ray.get(actor.timed_engine.remote(prompt_ids, sampling))
+        start = time.perf_counter()
+        _, in_actor_s = ray.get(actor.timed_generate.remote(prompt_ids, sampling))
+        return [engine_s, in_actor_s, time.perf_counter() - start - in_actor_s]
+
     times = {name: [] for name in cases}
     tokens = {name: fn() for name, fn in cases.items()}  # warm-up
+    split_actor_time()
     for _ in range(repeats):  # interleaved, so that load drift hits every case alike
         for name, fn in cases.items():
             start = time.perf_counter()
             tokens[name] = fn()
             times[name].append(time.perf_counter() - start)
+        for name, value in zip(inside, split_actor_time()):
+            inside[name].append(value)
     base_s = statistics.median(times[DIRECT])
     base_rate = tokens[DIRECT] / base_s
     sequences = prompts * samples
@@ -156,12 +180,7 @@ def main() -> None:
                               "paired_ratio": paired}
         print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f} "
               f"(paired {paired:.3f})", flush=True)
-    inside = {
-        "in the actor: llm.generate alone": actor.timed_engine,
-        "in the actor: InferenceActor.generate (engine + plain completions + metrics)": actor.timed_generate,
-    }
-    for name, method in inside.items():
-        seconds_list = [ray.get(method.remote(prompt_ids, sampling)) for _ in range(repeats + 1)][1:]
+    for name, seconds_list in inside.items():
         seconds = statistics.median(seconds_list)
         result.cases[name] = {"seconds": summary(seconds_list), "share_of_direct_call": seconds / base_s}
         print(f"  {name:58s} {seconds * 1e3:8.1f} ms  ({seconds / base_s:.1%} of the direct call)", flush=True)
@@ -173,6 +192,8 @@ def main() -> None:
         print(f"  {name:58s} {seconds * 1e3:8.1f} ms  ({seconds / base_s:.1%} of the direct call)", flush=True)
     result.ratios["rlpost rollout path / direct vllm.LLM.generate, tokens/s"] = result.cases[RLPOST]["ratio"]
     result.ratios["the same, median of the per-repeat (paired) ratios"] = result.cases[RLPOST]["paired_ratio"]
+    result.ratios["rlpost rollout path / direct call returning text (detokenize=True), paired"] = statistics.median(
+        d / t for t, d in zip(times[RLPOST], times[DIRECT_TEXT]))
     result.ratios["inference-0 actor generate / direct, tokens/s"] = result.cases[
         "inference-0 actor generate (ray.get, no wrapper)"]["ratio"]
     result.ratios["vLLMWrapper in-process / direct, tokens/s"] = result.cases[
@@ -205,9 +226,10 @@ class TimedInferenceActor(InferenceActor):
         return time.perf_counter() - start
 
     def timed_generate(self, prompt_ids, sampling):
+        """The completions too, so that the caller's round trip includes returning them."""
         start = time.perf_counter()
-        self.generate(prompt_ids, dict(sampling, logprobs=True))
-        return time.perf_counter() - start
+        completions = self.generate(prompt_ids, dict(sampling, logprobs=True))
+        return completions, time.perf_counter() - start
 
 
 class _ReplayClient:
