@@ -44,7 +44,7 @@ demo: install tiny-model
 test: install-dev
 	$(PY) -m pytest tests
 
-# `make bench` runs every benchmark (~60-65 min on 2 CPU cores) and renders BENCHMARKS.md;
+# `make bench` runs every benchmark (~70 min on 2 CPU cores) and renders BENCHMARKS.md;
 # `make bench BENCH="weight_sync buffer"` runs some; `make bench-quick` smoke-tests them all.
 BENCH ?=
 bench: install-bench tiny-model

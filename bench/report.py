@@ -142,7 +142,7 @@ def _rollout(d: dict, results: Path, base: Path) -> str:
         if "tokens_per_s" in c:
             lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['tokens_per_s']:.0f} | "
                          f"{c['ratio']:.3f} | {_fmt(c.get('paired_ratio'))} | {_repeats(c['seconds'])} |")
-    lines += ["", "| wrapper alone (engine excluded) | median ms | share of the direct call |", "| --- | --- | --- |"]
+    lines += ["", "| part of the rlpost path, timed alone | median ms | share of the direct call |", "| --- | --- | --- |"]
     for name, c in d["cases"].items():
         if "share_of_direct_call" in c:
             lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['share_of_direct_call']:.1%} |")
