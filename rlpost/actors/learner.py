@@ -421,12 +421,11 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
 # ---------------------------------------------------------------------------------- Ray shell
 
 
-def set_torch_threads(num_threads: int | None) -> int:
-    """Give this process ``num_threads`` torch threads (None: keep Ray's OMP_NUM_THREADS); returns
-    the count in effect. Ray sets OMP_NUM_THREADS from an actor's reserved CPUs, at least 1."""
+def set_torch_threads(num_threads: int | None) -> None:
+    """Give this process ``num_threads`` torch threads (None: keep Ray's OMP_NUM_THREADS, which
+    Ray sets from an actor's reserved CPUs, at least 1)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
 
 
 class LearnerActor:

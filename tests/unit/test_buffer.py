@@ -99,11 +99,11 @@ def test_two_producers_never_reserve_the_same_room():
     assert buf.reserve(1, timeout_s=0.1, producer="env-pool-1") is True
     assert buf.reserve(3, timeout_s=0.1, producer="env-pool-0") is True  # replaces its own, not added to it
     buf.put(groups([0, 0]), timeout_s=0.1, producer="env-pool-0")  # fewer than held (filtered): all released
-    assert buf.reserve(1, timeout_s=0.1, producer="env-pool-2") is True  # 4 - 2 held - 1 of env-pool-1
+    assert buf.reserve(1, timeout_s=0.1, producer="env-pool-2") is True  # 4 - 2 put - 1 held by env-pool-1
     assert buf.reserve(1, timeout_s=0.1, producer="env-pool-3") is False
-    # the room comes back when a put releases a reservation
+    # a put turns its reservation into groups: no room comes back until they are taken
     threading.Timer(0.2, lambda: buf.put(groups([1], start=2), timeout_s=1, producer="env-pool-1")).start()
-    assert buf.reserve(1, timeout_s=1, producer="env-pool-3") is False  # env-pool-1's group took its slot
+    assert buf.reserve(1, timeout_s=1, producer="env-pool-3") is False  # env-pool-1's group is in its slot
     buf.get(3, timeout_s=1)
     assert buf.reserve(2, timeout_s=0.1, producer="env-pool-3") is True  # empty: 4 - env-pool-2's 1 held
 
