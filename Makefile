@@ -11,7 +11,7 @@ DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
 
-.PHONY: demo test install install-dev install-bench tiny-model bench bench-quick clean
+.PHONY: demo test install install-dev install-bench tiny-model bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,14 @@ bench: install-bench tiny-model
 
 bench-quick: install-bench tiny-model
 	$(PY) -m bench --quick $(BENCH)
+
+# `make chaos` runs 20 tiny-model runs that each lose a random actor at a random moment (every
+# third run two in a row) and checks that every run finishes with consistent accounting
+# (scripts/chaos.py; ~1-2 min a run here). CHAOS_RUNS / CHAOS_SEED change the count and the plans.
+CHAOS_RUNS ?= 20
+CHAOS_SEED ?= 0
+chaos: install-dev tiny-model
+	$(PY) scripts/chaos.py --runs $(CHAOS_RUNS) --seed $(CHAOS_SEED) --out runs/chaos
 
 clean:
 	rm -rf $(VENV) .cache runs

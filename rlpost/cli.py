@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
 from rlpost.config import ConfigError, check_overrides, load_config
 from rlpost.jobs import ClusterError, JobNotFoundError
+from rlpost.shutdown import StopRequested, exit_code
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterError as exc:
         print(f"rlpost: failed: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except StopRequested as stop:  # `rlpost train` stopped cleanly on SIGTERM / Ctrl-C
+        print(f"rlpost: stopped by {stop.signal_name}", file=sys.stderr)
+        return exit_code(stop)
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)
         return 130
@@ -133,9 +136,8 @@ def _cmd_train(args) -> int:
         print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
     from rlpost.controller import run_training
 
-    # `ray job stop` and schedulers send SIGTERM: treat it like Ctrl-C so the controller stops
-    # every actor (and its vLLM engine) instead of leaving them behind.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # `ray job stop` and schedulers send SIGTERM: run_training turns it (and Ctrl-C) into a clean
+    # stop that writes a final checkpoint and stops every actor (rlpost.shutdown)
     return run_training(cfg, run_dir, resume=bool(args.resume))
 
 
@@ -144,10 +146,6 @@ def _config_or_override(args) -> None:
     if args.config and "=" in args.config and not Path(args.config).exists():
         args.overrides.insert(0, args.config)
         args.config = None
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _cmd_plot(args) -> int:

@@ -1,4 +1,4 @@
-"""The controller: the one place a run is wired (it runs on the driver).
+"""The controller: the training loop, run on the driver over the actors' clients.
 
             prompts (HF datasets)                          new weights (versioned)
                   |                                  +------------------------------+
@@ -21,35 +21,27 @@
  +-------------------------+              | checkpoints             |
                                           +-------------------------+
 
-What each loop waits on:
+What each loop waits on (every wait is bounded):
 - sync: every env pool collects its share of ``prompts_per_step`` groups with the current weights
-  and puts them in the buffer (the controller waits on those calls); the controller takes the
-  whole step from the buffer (staleness 0), the reference actor annotates it (KL on), the learner
-  trains one step, and every ``weight_sync_interval`` steps the learner publishes while every
-  inference worker receives (the controller waits on all of them, bounded by
-  ``weight_sync.timeout_s``); then a probe sequence scored by a worker and by the learner gives
-  ``sync_logprob_diff``.
-- async: env pools run on their own (threads inside their actors), blocking only on the buffer
-  when it is full; the controller waits on ``buffer.get`` (bounded), which drops groups more than
-  ``max_staleness`` versions behind the learner; training and publishing as in sync. A worker
-  applies an update between two generate calls.
-Every wait is bounded; on an error or Ctrl-C the controller stops every actor and keeps the last
-checkpoint (a final one is written on a clean finish).
+  and puts it in the buffer (the controller polls the pools); the controller takes the whole step
+  from the buffer (staleness 0), the reference actor annotates it (KL on), the learner trains one
+  step, and every ``weight_sync_interval`` steps the learner publishes while every inference
+  worker receives (bounded by ``weight_sync.timeout_s``); then a probe sequence scored by a
+  worker and by the learner gives ``sync_logprob_diff``.
+- async: env pools collect on their own (threads inside their actors), blocking only on the
+  buffer when it is full; the controller waits on ``buffer.take`` (polled), which drops groups
+  more than ``max_staleness`` versions behind the learner; training and publishing as in sync. A
+  worker applies an update between two generate calls.
 
-Failures (the controller polls while it waits, and checks the actors' names every few seconds):
-- an inference worker dies: it is started again under its name in its placement bundle, the bus
-  re-forms with every worker, the current weights are published, and the env pools get the new
-  handles; a request that was in flight on the dead worker is re-issued (RemoteVLLMClient).
-- an env pool dies: it is started again from the position its last buffer put recorded (see
-  rlpost.transport.buffer), so no completed group is lost or repeated; in sync mode it collects
-  what is left of its share of the step.
-- the reference actor dies: it is started again (it is stateless) and the step's groups annotated.
-- the learner dies: LearnerDied names the last checkpoint and the resume command; with
-  ``trainer.auto_resume`` the run restarts every actor from that checkpoint by itself.
-- a bus peer dies mid-broadcast: the collective times out (``weight_sync.timeout_s``), the dead
-  worker is restarted, the bus re-forms and the update is sent again.
-Restarts are logged and counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
-``restarts_reference``, ``bus_reforms``, ``learner_resumes``).
+Failures are the supervisor's (:mod:`rlpost.supervisor`): each part of a step runs through
+``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
+``Supervisor.check`` so a death is noticed while the loop waits. A lost learner ends the loop
+with LearnerDied; :func:`run_training` then restarts the run from its last checkpoint when
+``trainer.auto_resume`` is on. SIGTERM or Ctrl-C stops every actor after writing a final
+checkpoint (when the learner is alive); a second signal exits at once.
+
+Accounting (metrics.jsonl, after every step): ``groups_put == groups_trained +
+groups_dropped_stale + groups_in_buffer``; it holds across restarts of any actor.
 
 Resume (``rlpost train --resume RUN_DIR``): the learner loads the latest checkpoint (weights,
 optimizer, step, version, RNG), the workers receive those weights, the buffer gets back the
@@ -66,63 +58,75 @@ import time
 from pathlib import Path
 from statistics import mean, pstdev
 
+from rlpost.clients import ActorFailure
 from rlpost.config import JobConfig
 from rlpost.metrics import MetricsWriter, RayMetrics, plot_metrics, read_metrics
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
+from rlpost.shutdown import StopRequested, stop_on_signals
+from rlpost.supervisor import (
+    ActorStarter,
+    Ledger,
+    LearnerDied,
+    ResumeNeeded,
+    Supervisor,
+    run_with_auto_resume,
+    stop_actors,
+)
+from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
 SYNC_LOGPROB_WARN = 1e-3
+# A generous bound on one step's collection, reference scoring or training call: a stuck actor
+# surfaces as a clear timeout instead of a hang.
+COLLECT_TIMEOUT_S = 600.0
+CHECKPOINT_TIMEOUT_S = 600.0
+POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
 
-
-@dataclasses.dataclass
-class Actors:
-    buffer: object
-    inference: list
-    env_pools: list
-    learner: object
-    reference: object | None
-    placement_group: object | None = None
-    place: object = None  # name -> the actor's scheduling strategy in the placement group
-
-
-class LearnerDied(RuntimeError):
-    """The learner actor is gone; the message says how to resume."""
-
-
-MAX_AUTO_RESUMES = 3
+__all__ = ["Controller", "LearnerDied", "ResumeNeeded", "run_training", "start_run", "stop_actors"]
 
 
 def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
-    process exit code (0 on success). With ``trainer.auto_resume`` a dead learner restarts the
-    run from its last checkpoint, at most MAX_AUTO_RESUMES times."""
+    process exit code (0 on success). With ``trainer.auto_resume`` a lost learner (or an actor
+    lost with the state it needed) restarts the run from its last checkpoint
+    (:func:`rlpost.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested after
+    the final checkpoint."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     started_ray = _init_ray(cfg)
-    learner_resumes = 0
+    # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
+    (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
     try:
-        while True:
-            actors = None
-            try:
-                actors = start_actors(cfg)
-                controller = Controller(cfg, run_dir, actors, resume=resume)
-                controller.learner_resumes = learner_resumes
-                controller.run()
-                return 0
-            except LearnerDied as exc:
-                if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
-                    raise
-                learner_resumes += 1
-                log.warning("%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
-                            exc, learner_resumes, MAX_AUTO_RESUMES)
-                resume = True
-            finally:
-                if actors is not None:
-                    stop_actors(actors)
+        # after ray.init: Ray installs a C++ SIGTERM handler there that aborts the driver (exit -6)
+        with stop_on_signals():
+            run_with_auto_resume(cfg, run_dir, resume, lambda again, resumes: _run_once(cfg, run_dir, again, resumes))
+        return 0
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int) -> None:
+    supervisor = None
+    try:
+        supervisor = start_run(cfg, run_dir)
+        controller = Controller(cfg, run_dir, supervisor, resume=resume)
+        controller.learner_resumes = learner_resumes
+        try:
+            controller.run()
+        except StopRequested:
+            controller.checkpoint_on_stop()
+            raise
+    finally:
+        if supervisor is not None:
+            stop_actors(supervisor.actors)
+
+
+def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
+    """Start every actor of the run and the supervisor that keeps them alive."""
+    starter = ActorStarter(cfg)
+    return Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
 
 
 def _init_ray(cfg: JobConfig) -> bool:
@@ -134,14 +138,14 @@ def _init_ray(cfg: JobConfig) -> bool:
         return False
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **cfg.resources.env_vars}}
     if address:
-        _use_ray_token_if_present()
+        use_ray_token_if_present()
         ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
     return True
 
 
-def _use_ray_token_if_present() -> None:
+def use_ray_token_if_present() -> None:
     """Authenticate to an existing cluster the way Ray's CLI does.
 
     Ray 2.60 clusters use token authentication by default, but a driver that connects to one only
@@ -157,68 +161,6 @@ def _use_ray_token_if_present() -> None:
         from ray._raylet import Config
 
         Config.initialize("")
-
-
-def start_actors(cfg: JobConfig) -> Actors:
-    """Start every role's actors under their DESIGN names in the run's placement group, wire the
-    weight bus, and wait until the engines are up."""
-    import ray
-
-    from rlpost.actors.buffer import start_buffer
-    from rlpost.actors.learner import LearnerActor
-
-    res = cfg.resources
-    pg, place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
-    run = cfg.logging.run_name or ""
-    buffer = start_buffer(_buffer_capacity(cfg), _staleness_cap(cfg), num_cpus=res.buffer.num_cpus, run_name=run)
-    inference = [new_inference_worker(cfg, i, place) for i in range(cfg.rollout.num_inference_workers)]
-    learner = ray.remote(LearnerActor).options(**_options("learner", res.learner, place)).remote(cfg)
-    reference = new_reference(cfg, place) if cfg.reference.enabled else None
-    env_pools = [new_env_pool(cfg, i, inference, buffer, place) for i in range(cfg.rollout.num_env_pools)]
-    ray.get([w.get_version.remote() for w in inference], timeout=STARTUP_TIMEOUT_S)
-    _connect_bus(cfg, learner, inference, timeout_s=STARTUP_TIMEOUT_S)
-    return Actors(buffer, inference, env_pools, learner, reference, pg, place)
-
-
-def new_inference_worker(cfg: JobConfig, index: int, place):
-    """Start the actor ``inference-<index>`` (its engine loads ``model.name_or_path``)."""
-    import ray
-
-    from rlpost.actors.inference import InferenceActor
-
-    return (
-        ray.remote(InferenceActor)
-        .options(**_options(f"inference-{index}", cfg.resources.inference, place))
-        .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=index,
-                run_name=cfg.logging.run_name or "")
-    )
-
-
-def new_reference(cfg: JobConfig, place):
-    """Start the actor ``reference`` (the frozen initial model; stateless, so a restart is whole)."""
-    import ray
-
-    from rlpost.actors.reference import ReferenceActor
-
-    return ray.remote(ReferenceActor).options(**_options("reference", cfg.resources.reference, place)).remote(cfg)
-
-
-def new_env_pool(cfg: JobConfig, index: int, inference: list, buffer, place):
-    """Start the actor ``env-pool-<index>`` over the inference workers ``inference``."""
-    import ray
-
-    from rlpost.actors.env_pool import EnvPoolActor
-    from rlpost.actors.inference import RemoteVLLMClient
-
-    return (
-        ray.remote(EnvPoolActor)
-        .options(**_options(f"env-pool-{index}", cfg.resources.env_pool, place, max_concurrency=4))
-        .remote(cfg, index, RemoteVLLMClient(inference), buffer)
-    )
-
-
-def _options(name: str, role, place, **extra) -> dict:
-    return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=place(name), **extra)
 
 
 def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
@@ -273,42 +215,7 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     return pg, place
 
 
-def _connect_bus(cfg: JobConfig, learner, inference: list, timeout_s: float) -> None:
-    import ray
-
-    ws = cfg.weight_sync
-    host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
-    spec = ray.get(
-        learner.connect_publisher.remote(len(inference) + 1, host, 0, ws.backend, ws.bucket_mb, ws.timeout_s),
-        timeout=timeout_s,
-    )
-    spec = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec
-    ray.get([w.join_bus.remote(spec, rank) for rank, w in enumerate(inference, start=1)], timeout=timeout_s)
-
-
-def stop_actors(actors: Actors) -> None:
-    """Stop collection, shut engines down, kill every actor (best effort, bounded)."""
-    import ray
-
-    for pool in actors.env_pools:
-        _quietly(lambda: ray.get(pool.stop.remote(), timeout=30))
-    for worker in actors.inference:
-        _quietly(lambda: ray.get(worker.shutdown.remote(), timeout=60))
-    handles = actors.env_pools + actors.inference + [actors.learner, actors.buffer.handle]
-    for handle in handles + ([actors.reference] if actors.reference is not None else []):
-        _quietly(lambda: ray.kill(handle))
-    if actors.placement_group is not None:
-        _quietly(lambda: ray.util.remove_placement_group(actors.placement_group))
-
-
-def _quietly(fn) -> None:
-    try:
-        fn()
-    except Exception as exc:  # shutdown must reach every actor even when one is already gone
-        log.debug("shutdown step failed: %s", exc)
-
-
-def _buffer_capacity(cfg: JobConfig) -> int:
+def buffer_capacity(cfg: JobConfig) -> int:
     """Groups the buffer holds: one step in sync mode; in async mode ``max_staleness`` steps.
 
     A bigger buffer only ages its groups past the staleness cap: with room for 3 steps and
@@ -320,45 +227,50 @@ def _buffer_capacity(cfg: JobConfig) -> int:
     return cfg.trainer.prompts_per_step * steps_ahead
 
 
-def _staleness_cap(cfg: JobConfig) -> int:
+def staleness_cap(cfg: JobConfig) -> int:
     return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
 
 
 class Controller:
-    """Runs the sync or async loop over started actors, keeps them alive, records the metrics."""
+    """Runs the sync or async loop over a supervisor's actors and records the metrics."""
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, actors: Actors, resume: bool = False):
-        self.cfg, self.run_dir, self.actors = cfg, Path(run_dir), actors
+    def __init__(self, cfg: JobConfig, run_dir: Path, supervisor: Supervisor, resume: bool = False):
+        self.cfg, self.run_dir, self.supervisor = cfg, Path(run_dir), supervisor
         self.writer = MetricsWriter(run_dir)
         self.ray_metrics = RayMetrics(cfg.logging.run_name)
         self.start_time = time.perf_counter()
         self.version = 0
         self.step = 0  # the step being trained
+        self.trained_step = 0  # the last step the learner finished training
         self.first_step = 1
         self.probe: list[int] | None = None
-        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "restarts_reference": 0, "bus_reforms": 0}
         self.learner_resumes = 0
+        self.taken: list = []  # groups of the current step taken from the buffer, not yet trained
         # each pool's prompts collected at the start of the current step (sync mode's shares)
-        self.pool_prompts = [0] * len(actors.env_pools)
-        self.last_health_check = time.monotonic()
+        self.pool_prompts = [0] * cfg.rollout.num_env_pools
         if resume:
             self._resume()
 
-    # ----------------------------------------------------------------------------- the loops
+    @property
+    def actors(self):
+        return self.supervisor.actors
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.supervisor.ledger
+
+    # ----------------------------------------------------------------------------- the loop
 
     def run(self) -> None:
-        import ray
-
-        cfg = self.cfg
-        steps = cfg.trainer.steps
+        cfg, steps = self.cfg, self.cfg.trainer.steps
         if self.first_step > steps:
             print(f"rlpost: {self.run_dir} already trained {steps} steps (raise trainer.steps to continue)")
             return
         progress = _Progress(steps, cfg.logging.progress, initial=self.first_step - 1)
         if cfg.trainer.mode == "async":
-            ray.get([p.start.remote(None) for p in self.actors.env_pools], timeout=60)  # until stopped
+            self.supervisor.run("start collection", self.supervisor.start_collection)
         for step in range(self.first_step, steps + 1):
-            self.step = step
+            self.step = self.supervisor.step = step
             step_start = time.perf_counter()
             groups = self._collect_step()
             collected = time.perf_counter()
@@ -376,84 +288,87 @@ class Controller:
         out = plot_metrics(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "reward.png", cfg.logging.run_name)
         print(f"rlpost: run finished: {self.run_dir} (metrics.jsonl, {out.name}, checkpoints/)")
 
+    # ----------------------------------------------------------------------------- collecting
+
     def _collect_step(self) -> list:
-        import ray
-
-        n = self.cfg.trainer.prompts_per_step
+        """The step's groups: taken from the buffer (sync: after every pool collected its
+        share), annotated by the reference actor when KL is on."""
         if self.cfg.trainer.mode == "sync":
-            self._collect_shares()
-            n = max(1, self.actors.buffer.stats().size)  # the DAPO filter may have dropped groups
-        groups = self._get_groups(n)
-        if self.actors.reference is not None:
-            groups = self._annotate(groups)
-        return groups
+            share = self.cfg.trainer.prompts_per_step // self.cfg.rollout.num_env_pools
+            targets = [count + share for count in self.pool_prompts]
+            self.taken = self.supervisor.run("collect", lambda: self._collect_sync(targets))
+            self.pool_prompts = targets
+        else:
+            self.taken = self.supervisor.run("take", lambda: self._take(self.cfg.trainer.prompts_per_step))
+        if self.actors.reference is None:
+            return self.taken
+        return self.supervisor.run("reference", lambda: self.actors.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 
-    def _annotate(self, groups: list) -> list:
-        """Reference log-probs for ``groups``; a dead reference actor is started again first."""
-        import ray
+    def _collect_sync(self, targets: list[int]) -> list:
+        self._collect_shares(targets)
+        size = self.actors.buffer.stats().size
+        return self._take(max(1, size))  # the DAPO filter may have dropped groups
 
-        try:
-            return ray.get(self.actors.reference.annotate.remote(groups), timeout=COLLECT_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            log.warning("the reference actor died; starting it again")
-            self.actors.reference = new_reference(self.cfg, self.actors.place)
-            self.counts["restarts_reference"] += 1
-            return ray.get(self.actors.reference.annotate.remote(groups), timeout=STARTUP_TIMEOUT_S + COLLECT_TIMEOUT_S)
+    def _collect_shares(self, targets: list[int]) -> None:
+        """Sync mode: every pool collects prompts into the buffer until it has collected
+        ``targets[j]`` in all (its share of the step).
 
-    def _collect_shares(self) -> None:
-        """Sync mode: every pool collects its share of the step into the buffer.
-
-        The controller polls the pools instead of blocking on them, so a dead inference worker
-        or env pool is restarted while the step is collected; a restarted pool collects what is
-        left of its share (its last put recorded how far it got).
+        The controller polls the pools, checking the actors' health between polls. Run again
+        after a recovery, it starts each pool on what is left of its share (the buffer recorded
+        how far each pool's puts got), so a restarted pool neither skips nor repeats prompts.
         """
-        share = self.cfg.trainer.prompts_per_step // self.cfg.rollout.num_env_pools
-        pending = set(range(len(self.actors.env_pools)))
-        for j in pending:
-            self._call_pool(j, "start", share)
+        pending = {j for j in range(len(targets)) if self._start_share(j, targets[j])}
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         while pending:
             for j in list(pending):
-                if self._call_pool(j, "wait", POLL_S, timeout_s=POLL_S + 60):
+                if self.actors.env_pools[j].wait(POLL_S):
                     pending.discard(j)
-            if not pending:
-                break
-            for j in self._check_health(force=True):  # restarted pools
-                left = share - (self._recorded_prompts(j) - self.pool_prompts[j])
-                if left > 0:
-                    self._call_pool(j, "start", left)
-                else:
-                    pending.discard(j)
-            if time.monotonic() > deadline:
+            self.supervisor.check()
+            if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"env pools {sorted(pending)} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s")
-        self.pool_prompts = [count + share for count in self.pool_prompts]
 
-    def _call_pool(self, j: int, method: str, *args, timeout_s: float = 60.0):
-        """Call env pool ``j``; None if it is dead (the next health check restarts it)."""
-        import ray
+    def _start_share(self, j: int, target: int) -> bool:
+        """Start pool ``j`` on what is left of its share; False when nothing is left. A pool
+        still collecting is left alone (True)."""
+        pool = self.actors.env_pools[j]
+        if not pool.wait(0.0):
+            return True
+        state = self.actors.buffer.producer_state(pool.name)
+        left = target - (state["num_prompts_collected"] if state else 0)
+        if left <= 0:
+            return False
+        if state is not None:  # back to its last put (a collection that failed went further)
+            pool.load_state_dict(state)
+        pool.start(left)
+        return True
 
-        try:
-            return ray.get(getattr(self.actors.env_pools[j], method).remote(*args), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return None
-
-    def _get_groups(self, n: int) -> list:
-        """Take ``n`` groups from the buffer, checking the actors' health while waiting."""
-        from rlpost.transport.buffer import BufferTimeout
-
+    def _take(self, num_groups: int) -> list:
+        """Take ``num_groups`` groups from the buffer, checking the actors' health while waiting;
+        what was taken (and dropped as stale) goes in the ledger."""
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         while True:
-            self._check_health()
+            self.supervisor.check()
             try:
-                return self.actors.buffer.get(n, timeout_s=POLL_S, current_version=self.version)
+                taken = self.actors.buffer.take(num_groups, POLL_S, self.version, self.ledger.acknowledged)
             except BufferTimeout:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the buffer did not receive {n} groups within {COLLECT_TIMEOUT_S:.0f}s") from None
-                self._check_health(force=True)
+                    raise TimeoutError(f"the buffer did not receive {num_groups} groups within {COLLECT_TIMEOUT_S:.0f}s") from None
+                continue
+            self.ledger.record(taken)
+            return taken.groups
+
+    # ----------------------------------------------------------------------------- training
 
     def _train(self, groups: list, step: int) -> dict:
-        metrics = self._learner("train_step", groups, timeout_s=COLLECT_TIMEOUT_S)
-        self.version = int(metrics["policy_version"])
+        """One learner step. Not run again after a failure (it would train twice): a lost
+        learner becomes LearnerDied (the supervisor's recovery raises it)."""
+        try:
+            metrics = self.actors.learner.train_step(groups, timeout_s=COLLECT_TIMEOUT_S)
+        except ActorFailure as failure:
+            self.supervisor.recover(failure)
+            raise
+        self.version = self.supervisor.version = int(metrics["policy_version"])
+        self.trained_step, self.taken = step, []
         rewards = [r for g in groups for r in g.rewards]
         record = dict(metrics)
         record["learner_step_s"] = record.pop("step_time_s")  # the learner's own compute; train_s adds the transfer
@@ -461,172 +376,90 @@ class Controller:
         record.setdefault("kl_to_ref", None)
         return record
 
-    def _learner(self, method: str, *args, timeout_s: float):
-        """Call the learner; its death becomes LearnerDied, naming the checkpoint to resume from."""
-        import ray
-
-        try:
-            return ray.get(getattr(self.actors.learner, method).remote(*args), timeout=timeout_s)
-        except ray.exceptions.RayActorError as exc:
-            last = latest_checkpoint(self.run_dir)
-            where = (f"the last checkpoint is {last}; resume with: rlpost train --resume {self.run_dir}"
-                     if last else "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again")
-            raise LearnerDied(f"the learner died during step {self.step} ({_first_line(exc)}); {where}") from exc
-
-    # ----------------------------------------------------------------------- weights and the bus
-
     def _sync_weights(self) -> dict:
-        """Publish the learner's weights to every worker; on a failure recover the bus and resend.
-
-        A dead or silent worker makes the collective fail within ``weight_sync.timeout_s`` (the
-        bus names the suspect ranks). The controller restarts dead workers, opens the bus's next
-        generation with every worker and publishes the same version again; a second failure
-        stops the run with the cause.
-        """
-        import ray
-
-        try:
-            return self._sync_once()
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("weight sync of version %d failed: %s; re-forming the bus", self.version, _first_line(exc))
-            return self._recover_bus()
-
-    def _recover_bus(self) -> dict:
-        """Restart dead workers, re-form the bus with all workers, publish the current version,
-        and give the env pools the (new) worker handles. Returns the sync's metrics."""
-        import ray
-
-        self._restart_dead_workers()
-        workers = self.actors.inference
-        spec = self._learner("reform_publisher", len(workers) + 1, timeout_s=60)
-        spec = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec
-        ray.get([w.join_bus.remote(spec, rank) for rank, w in enumerate(workers, start=1)], timeout=60)
-        self.counts["bus_reforms"] += 1
-        log.warning("weight bus re-formed (generation %s) with %d workers", spec["generation"], len(workers))
-        try:
-            record = self._sync_once()
-        except (ray.exceptions.RayError, TimeoutError) as again:
-            raise RuntimeError(f"weight sync failed again after re-forming the bus: {_first_line(again)}") from again
-        for pool in self.actors.env_pools:
-            try:
-                ray.get(pool.set_inference.remote(workers), timeout=60)
-            except ray.exceptions.RayActorError:
-                pass  # a dead pool is restarted with the current workers
-        return record
+        """Publish the learner's weights to every worker, then score the probe; a failure
+        re-forms the bus and the sync runs again."""
+        return self.supervisor.run("weight sync", self._sync_once, bus=True)
 
     def _sync_once(self) -> dict:
-        import ray
-
-        timeout = self.cfg.weight_sync.timeout_s
-        receives = [w.update_weights.remote(timeout) for w in self.actors.inference]
-        start = time.perf_counter()
-        published = self._learner("publish", timeout_s=timeout + 30)
-        infos = ray.get(receives, timeout=timeout + 60)
-        sync_s = time.perf_counter() - start
-        versions = {int(i["version"]) for i in infos}
-        if versions != {self.version}:
-            raise RuntimeError(f"after the weight sync the workers hold versions {sorted(versions)}, learner {self.version}")
-        return {"weight_sync_s": sync_s, "weight_sync_bytes": published.get("bytes"),
-                "weight_load_s": max(float(i["load_s"]) for i in infos),  # the engines' in-place reload
-                "sync_logprob_diff": self._probe_diff()}
+        record = self.supervisor.publish_weights()
+        record["sync_logprob_diff"] = self._probe_diff()
+        return record
 
     def _probe_diff(self) -> float:
         """Max |log-prob difference| between a worker and the learner on a fixed probe sequence."""
-        import ray
-
         if self.probe is None:
             self.probe = probe_sequence(self.cfg)
-        temperature = self.cfg.rollout.temperature
-        served = ray.get(self.actors.inference[0].score.remote([self.probe], temperature), timeout=120)[0]
-        learned = self._learner("score", [self.probe], timeout_s=120)[0]
+        served = self.actors.inference[0].score([self.probe], self.cfg.rollout.temperature, timeout_s=120)[0]
+        learned = self.actors.learner.score([self.probe], timeout_s=120)[0]
         diff = max(abs(a - b) for a, b in zip(served, learned))
         if diff > SYNC_LOGPROB_WARN and self.cfg.model.dtype == "float32":
             log.warning("sync_logprob_diff %.2e exceeds %.0e: inference and learner weights disagree", diff, SYNC_LOGPROB_WARN)
         return diff
 
-    # ------------------------------------------------------------------------------ restarts
-
-    def _check_health(self, force: bool = False) -> list[int]:
-        """Restart dead inference workers and env pools (looked up by name: a dead actor's name
-        is free); at most every HEALTH_CHECK_S unless ``force``. Returns the restarted pools."""
-        if not force and time.monotonic() - self.last_health_check < HEALTH_CHECK_S:
-            return []
-        self.last_health_check = time.monotonic()
-        if any(not _alive(f"inference-{i}", w) for i, w in enumerate(self.actors.inference)):
-            self._recover_bus()
-        return self._restart_dead_pools()
-
-    def _restart_dead_workers(self) -> None:
-        import ray
-
-        for i, worker in enumerate(self.actors.inference):
-            if _alive(f"inference-{i}", worker):
-                continue
-            log.warning("inference-%d died; starting it again", i)
-            self.actors.inference[i] = new_inference_worker(self.cfg, i, self.actors.place)
-            self.counts["restarts_inference"] += 1
-        ray.get([w.get_version.remote() for w in self.actors.inference], timeout=STARTUP_TIMEOUT_S)
-
-    def _restart_dead_pools(self) -> list[int]:
-        import ray
-
-        restarted = []
-        for j, pool in enumerate(self.actors.env_pools):
-            if _alive(f"env-pool-{j}", pool):
-                continue
-            state = self.actors.buffer.producer_state(f"env-pool-{j}")
-            log.warning("env-pool-%d died; starting it again from its last put (%s prompts collected)",
-                        j, state["num_prompts_collected"] if state else 0)
-            pool = new_env_pool(self.cfg, j, self.actors.inference, self.actors.buffer, self.actors.place)
-            if state is not None:
-                ray.get(pool.load_state_dict.remote(state), timeout=STARTUP_TIMEOUT_S)
-            if self.cfg.trainer.mode == "async":
-                ray.get(pool.start.remote(None), timeout=STARTUP_TIMEOUT_S)
-            self.actors.env_pools[j] = pool
-            self.counts["restarts_env_pool"] += 1
-            restarted.append(j)
-        return restarted
-
-    def _recorded_prompts(self, j: int) -> int:
-        state = self.actors.buffer.producer_state(f"env-pool-{j}")
-        return state["num_prompts_collected"] if state else 0
-
     # ------------------------------------------------------------------ checkpoints and resume
 
     def _checkpoint(self, step: int) -> None:
+        self.supervisor.run("checkpoint", lambda: self._write_checkpoint(step))
+
+    def _write_checkpoint(self, step: int) -> None:
         """The learner writes its checkpoint with the rollout state: the groups waiting in the
-        buffer and every pool's position after its last put (one consistent snapshot)."""
+        buffer (after any taken but not trained), every pool's position after its last put, and
+        the ledger (one consistent snapshot)."""
         snapshot = self.actors.buffer.snapshot()
+        ledger = Ledger(self.ledger.groups_taken - len(self.taken), self.ledger.groups_dropped_stale,
+                        dict(self.ledger.acknowledged))
         rollout_state = {
-            "buffer_groups": snapshot.groups,
+            "buffer_groups": list(self.taken) + snapshot.groups,
             "producer_states": snapshot.producer_states,
+            "last_seqs": snapshot.last_seqs,
+            "ledger": dataclasses.asdict(ledger),
             "pool_prompts": self.pool_prompts,
-            "counts": dict(self.counts),
+            "counts": dict(self.supervisor.counts),
             "elapsed_s": time.perf_counter() - self.start_time,
         }
-        path = self._learner("save_checkpoint", str(self.run_dir), step, rollout_state, timeout_s=600)
-        log.info("checkpoint written: %s (%d groups from the buffer)", path, len(snapshot.groups))
+        path = self.actors.learner.save_checkpoint(str(self.run_dir), step, rollout_state, timeout_s=CHECKPOINT_TIMEOUT_S)
+        log.info("checkpoint written: %s (%d groups from the buffer)", path, len(rollout_state["buffer_groups"]))
+
+    def checkpoint_on_stop(self) -> None:
+        """After SIGTERM / Ctrl-C: a final checkpoint of the last trained step when the learner
+        is alive (a train call the signal interrupted finishes first: the learner runs one
+        call at a time, and its version says whether it did)."""
+        if not self.actors.learner.alive():
+            log.warning("stopping: the learner is gone, so no final checkpoint (the last one on disk stays)")
+            return
+        try:
+            version = self.actors.learner.call("version", timeout_s=CHECKPOINT_TIMEOUT_S)
+            if version != self.version:  # the interrupted step was trained after all
+                self.trained_step, self.taken = self.step, []
+            if self.trained_step < self.first_step:
+                log.warning("stopping before the first step was trained: no checkpoint written")
+                return
+            self._write_checkpoint(self.trained_step)
+            log.warning("stopped after step %d; resume with: rlpost train --resume %s", self.trained_step, self.run_dir)
+        except Exception as exc:  # the stop goes on: the previous checkpoint stays on disk
+            log.error("stopping: the final checkpoint failed (%s); the last complete one stays", exc)
 
     def _resume(self) -> None:
         """Continue from the run's latest checkpoint (see the module docstring)."""
-        import ray
-
-        from rlpost.transport.buffer import BufferSnapshot
-
         path = latest_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
-        info = self._learner("load_checkpoint", str(path), timeout_s=600)
+        info = self.actors.learner.load_checkpoint(str(path), timeout_s=CHECKPOINT_TIMEOUT_S)
         self.version, self.first_step = int(info["version"]), int(info["step"]) + 1
+        self.supervisor.version, self.trained_step = self.version, int(info["step"])
         state = info["rollout_state"] or {}
         if state:
-            self.actors.buffer.restore(BufferSnapshot(state["buffer_groups"], state["producer_states"]))
+            ledger = Ledger(**state.get("ledger", {}))
+            self.supervisor.ledger = ledger
+            self.actors.buffer.restore(BufferSnapshot(state["buffer_groups"], state["producer_states"],
+                                                      state.get("last_seqs", {}), dict(ledger.acknowledged)))
             for j, pool in enumerate(self.actors.env_pools):
-                pool_state = state["producer_states"].get(f"env-pool-{j}")
+                pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
-                    ray.get(pool.load_state_dict.remote(pool_state), timeout=60)
+                    pool.load_state_dict(pool_state)
             self.pool_prompts = list(state["pool_prompts"])
-            self.counts.update(state["counts"])
+            self.supervisor.counts.update(state["counts"])
             self.start_time -= state["elapsed_s"]
         moved = supersede_metrics_after(self.run_dir, info["step"])
         self._sync_weights()  # the workers serve the checkpoint's weights at its version
@@ -640,41 +473,25 @@ class Controller:
         elapsed_step = time.perf_counter() - step_start
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(s.num_generated for g in groups for s in g.samples)
-        stats = self.actors.buffer.stats()
+        stats = self.supervisor.run("buffer stats", lambda: self.actors.buffer.stats())
         return {
             "step_time_s": elapsed_step,
             "samples_per_s": samples / elapsed_step,
             "tokens_per_s": tokens / elapsed_step,
             "elapsed_s": time.perf_counter() - self.start_time,
             "buffer_size": stats.size,
-            "groups_dropped_stale": stats.num_dropped_stale,
             "samples_generated": samples,
             "tokens_generated": tokens,
+            **self.ledger.accounting(stats.size, stats.last_seqs),
         }
 
     def _record(self, step: int, record: dict) -> None:
         record.setdefault("weight_sync_s", None)
         record.setdefault("sync_logprob_diff", None)
         record.setdefault("staleness_mean", 0.0)
-        record.update(self.counts, learner_resumes=self.learner_resumes)
+        record.update(self.supervisor.counts, learner_resumes=self.learner_resumes)
         self.writer.write(record)
         self.ray_metrics.record(record)
-
-
-def _alive(name: str, handle) -> bool:
-    """Whether the actor ``handle`` named ``name`` is alive. Asked of Ray's control store (a dead
-    actor's name is free again), not of the actor, whose queue may be busy with a long call."""
-    import ray
-
-    try:
-        return ray.get_actor(name) == handle
-    except ValueError:
-        return False
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
 
 
 def probe_sequence(cfg: JobConfig) -> list[int]:
@@ -690,14 +507,6 @@ def probe_sequence(cfg: JobConfig) -> list[int]:
         {"role": "assistant", "content": "<answer>2</answer>"},
     ]
     return tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
-
-
-# A generous bound on one step's collection, reference scoring or training call: a stuck actor
-# surfaces as a clear timeout instead of a hang.
-COLLECT_TIMEOUT_S = 600.0
-STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
-POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
-HEALTH_CHECK_S = 5.0  # actors' names are looked up at most this often while things go well
 
 
 class _Progress:

@@ -123,12 +123,17 @@ class RayMetrics:
         "restarts_inference": "Inference workers restarted so far",
         "restarts_env_pool": "Env pools restarted so far",
         "restarts_reference": "Reference actors restarted so far",
+        "restarts_buffer": "Buffer actors restarted so far",
         "bus_reforms": "Weight-bus re-formations so far",
+        # the accounting: groups_put == groups_trained + groups_dropped_stale + groups_in_buffer
+        "groups_put": "Groups the env pools put in the buffer so far",
+        "groups_trained": "Groups trained so far",
+        "groups_dropped_stale": "Groups dropped for staleness so far",
+        "groups_in_buffer": "Groups waiting in the buffer",
     }
     COUNTERS = {
         "samples_generated": "Completions generated",
         "tokens_generated": "Completion tokens generated",
-        "groups_dropped_stale": "Groups dropped for staleness",
     }
 
     def __init__(self, run_name: str):

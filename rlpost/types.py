@@ -60,6 +60,11 @@ class Group:
     advantages: list[float]
     policy_version: int  # min over the samples: the staleness of the group
     info: dict = field(default_factory=dict)  # e.g. reward errors by type, env pool index
+    # set by the env pool that puts the group in the buffer: its name and the group's number
+    # (1, 2, 3, ... over that pool's puts, across restarts); the buffer uses them to skip replays
+    # and the learner's side to acknowledge what it received
+    producer: str | None = None
+    seq: int | None = None
 
     @property
     def rewards(self) -> list[float]:

@@ -1,7 +1,7 @@
 """The ``buffer`` actor: a thin Ray shell around :class:`rlpost.transport.buffer.LocalBuffer`.
 
 It is a threaded actor (``max_concurrency`` > 1) so that a producer blocked in ``put`` by
-backpressure does not stop the learner's ``get`` from running and freeing space.
+backpressure does not stop the learner's ``take`` from running and freeing space.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import ray
 
-from rlpost.transport.buffer import BufferSnapshot, BufferStats, LocalBuffer, RayBuffer
+from rlpost.transport.buffer import BufferSnapshot, BufferStats, LocalBuffer, PutReceipt, RayBuffer, Taken
 
 
 class BufferActor:
@@ -21,17 +21,21 @@ class BufferActor:
         self.metrics = RoleMetrics("buffer", run_name, "buffer")
 
     def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None) -> None:
+            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
         try:
-            self.buffer.put(groups, timeout_s, producer, producer_state)
+            return self.buffer.put(groups, timeout_s, producer, producer_state, epoch, force)
         finally:
             self._report()
 
-    def get(self, num_groups: int, timeout_s: float, current_version: int | None) -> list[Any]:
+    def take(self, num_groups: int, timeout_s: float, current_version: int | None,
+             acknowledged: dict[str, int] | None = None) -> Taken:
         try:
-            return self.buffer.get(num_groups, timeout_s, current_version)
+            return self.buffer.take(num_groups, timeout_s, current_version, acknowledged)
         finally:
             self._report()
+
+    def fence(self, producer: str, epoch: int) -> Any:
+        return self.buffer.fence(producer, epoch)
 
     def _report(self) -> None:
         stats = self.buffer.stats()

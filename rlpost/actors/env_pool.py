@@ -13,7 +13,14 @@ prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an
 Every put carries the pool's :meth:`EnvPool.state_dict` (its position in the prompt stream and
 the number of prompts collected so far), which the buffer keeps beside the groups: a pool that
 dies is restarted from the position its last put ended at, so no completed group is lost or
-repeated (the prompts it was generating are generated again).
+repeated (the prompts it was generating are generated again). A restarted pool has a higher
+``epoch``; the buffer refuses puts of older epochs once it is replaced (a put the dead pool left
+in flight cannot land after it).
+
+The pool also survives its buffer: it numbers the groups it puts (``Group.seq``) and keeps them in
+its outbox until the learner's side acknowledges them (each put's receipt says how far). When
+the buffer actor dies, a call to it waits for :meth:`EnvPool.set_buffer` (the supervisor starting
+a new one), which puts the outbox again; groups the new buffer already has are skipped.
 
 :class:`EnvPoolActor` is the thin Ray shell (actor name ``env-pool-<i>``), threaded so that
 ``stop()`` and ``stats()`` answer while the background thread collects.
@@ -31,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlpost.collect import LLMCollector, PolicyVersion
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
-from rlpost.transport.buffer import BufferTimeout
+from rlpost.transport.buffer import BufferLost, BufferTimeout
 from rlpost.types import Group
 
 if TYPE_CHECKING:
@@ -58,6 +65,8 @@ class EnvPool:
         input_mode: "tokens" (default: exact ids across turns) or "history".
         policy_version: a shared :class:`PolicyVersion` (e.g. set by the owner after a local
             weight load); a new one when None.
+        epoch: this pool's incarnation (0 first; the supervisor gives a restarted pool a
+            higher one, and the buffer then refuses puts of older epochs).
     """
 
     def __init__(
@@ -70,6 +79,7 @@ class EnvPool:
         tokenizer: Any = None,
         input_mode: str = "tokens",
         policy_version: PolicyVersion | None = None,
+        epoch: int = 0,
     ) -> None:
         num_pools = cfg.rollout.num_env_pools
         if not 0 <= pool_index < num_pools:
@@ -109,7 +119,13 @@ class EnvPool:
         self.engine_client = engine_client
         self.num_batches_put = 0
         self.num_prompts_collected = 0  # monotonic across restarts (part of the state)
+        self.num_groups_put = 0  # the last group's seq (part of the state)
+        self.epoch = epoch
+        self.outbox: list[Group] = []  # groups put and not yet acknowledged by the learner's side
+        self._buffer_changed = threading.Condition()  # guards buffer, outbox and the numbering
+        self._buffer_generation = 0
         self.put_s = 0.0  # seconds blocked in buffer.put (backpressure)
+        self.buffer_wait_s = DEFAULT_PUT_TIMEOUT_S  # how long a call waits for a new buffer
         self._thread: threading.Thread | None = None
         self.on_batch: Callable[[list[Group]], None] | None = None  # e.g. the actor's metrics
         self._stop = threading.Event()
@@ -160,9 +176,61 @@ class EnvPool:
             collected += num_groups
             # even an empty put (the DAPO filter dropped every group) records the new position
             start = time.perf_counter()
-            self.buffer.put(groups, timeout_s=put_timeout_s, producer=self.name, producer_state=self.state_dict())
+            self._put(groups, put_timeout_s)
             self.put_s += time.perf_counter() - start
             self.num_batches_put += 1
+
+    def _put(self, groups: list[Group], timeout_s: float) -> None:
+        """Number ``groups``, keep them in the outbox and put them with the pool's new state."""
+        with self._buffer_changed:
+            for group in groups:
+                self.num_groups_put += 1
+                group.producer, group.seq = self.name, self.num_groups_put
+            self.outbox.extend(groups)
+            state = self.state_dict()
+        receipt = self._buffer_call("put", groups, timeout_s=timeout_s, producer=self.name, producer_state=state,
+                                    epoch=self.epoch)
+        self._after_put(receipt)
+
+    def _after_put(self, receipt: Any) -> None:
+        if receipt is None:  # a buffer without receipts (e.g. a test's stand-in)
+            return
+        if not receipt.accepted:
+            raise RuntimeError(f"{self.name} (epoch {self.epoch}) was replaced: the buffer refuses its puts")
+        with self._buffer_changed:
+            self.outbox = [g for g in self.outbox if g.seq > receipt.acknowledged]
+
+    def _buffer_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the buffer; when its actor died, wait for :meth:`set_buffer` and call the new one
+        (its replay already holds this pool's outbox, so a put again only skips duplicates)."""
+        while True:
+            with self._buffer_changed:
+                buffer, generation = self.buffer, self._buffer_generation
+            try:
+                return getattr(buffer, method)(*args, **kwargs)
+            except BufferLost:
+                self._wait_for_new_buffer(generation)
+
+    def _wait_for_new_buffer(self, generation: int) -> None:
+        with self._buffer_changed:
+            if not self._buffer_changed.wait_for(lambda: self._buffer_generation != generation,
+                                                 timeout=self.buffer_wait_s):
+                raise BufferLost(f"{self.name}: the buffer died and no new one came within {self.buffer_wait_s:.0f}s")
+
+    def set_buffer(self, buffer: Any, timeout_s: float = 60.0) -> int:
+        """Use ``buffer`` from now on (the supervisor started it after the old one died): put
+        the outbox into it (beyond its capacity if need be: the old buffer held these groups)
+        with the pool's state. Returns how many groups the new buffer took (those the learner's
+        side had not received)."""
+        with self._buffer_changed:
+            self.buffer = buffer
+            self._buffer_generation += 1
+            replay, state = list(self.outbox), self.state_dict()
+            self._buffer_changed.notify_all()
+        receipt = buffer.put(replay, timeout_s=timeout_s, producer=self.name, producer_state=state, epoch=self.epoch,
+                             force=True)
+        self._after_put(receipt)
+        return sum(g.seq > receipt.acknowledged for g in replay)
 
     def _wait_for_room(self, num_groups: int, stop: threading.Event | None, timeout_s: float) -> bool:
         """Block until the buffer holds room for the next batch for this pool (a reservation
@@ -173,11 +241,10 @@ class EnvPool:
         and be dropped (measured: 30-44% of the async demo's groups before this wait; 18% with
         2 pools before it reserved, as both saw the same room).
         """
-        reserve = getattr(self.buffer, "reserve", None)
-        if reserve is None:
+        if not hasattr(self.buffer, "reserve"):
             return True
         start = time.perf_counter()
-        while not reserve(num_groups, 1.0, self.name):
+        while not self._buffer_call("reserve", num_groups, 1.0, self.name):
             if stop is not None and stop.is_set():
                 return False
             if time.perf_counter() - start > timeout_s:
@@ -266,6 +333,7 @@ class EnvPool:
             "pool_index": self.pool_index,
             "num_env_pools": self.cfg.rollout.num_env_pools,
             "num_prompts_collected": self.num_prompts_collected,
+            "num_groups_put": self.num_groups_put,
             "collector": self.collector.state_dict(),
         }
 
@@ -278,6 +346,8 @@ class EnvPool:
             )
         self.collector.load_state_dict(state["collector"])
         self.num_prompts_collected = int(state.get("num_prompts_collected", 0))
+        self.num_groups_put = int(state.get("num_groups_put", 0))
+        self.outbox = []  # what a restarted pool put before is in the buffer (or acknowledged)
 
 
 class EnvPoolActor:
@@ -287,10 +357,11 @@ class EnvPoolActor:
     ``stats`` run while the background collection does).
     """
 
-    def __init__(self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None):
+    def __init__(self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None,
+                 epoch: int = 0):
         from rlpost.metrics import RoleMetrics
 
-        self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer)
+        self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer, epoch=epoch)
         self.metrics = RoleMetrics("env_pool", cfg.logging.run_name, f"env-pool-{pool_index}")
         self.pool.on_batch = self._report
 
@@ -322,6 +393,11 @@ class EnvPoolActor:
 
     def set_inference(self, handles: list) -> None:
         self.pool.set_inference(handles)
+
+    def set_buffer(self, buffer_handle: Any, timeout_s: float = 60.0) -> int:
+        from rlpost.transport.buffer import RayBuffer
+
+        return self.pool.set_buffer(RayBuffer(buffer_handle), timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         return self.pool.state_dict()

@@ -39,9 +39,11 @@ Dropout is off (``model.eval()``) for good: the learner's scores must match the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import time
@@ -55,7 +57,7 @@ from rlpost.config import JobConfig
 from rlpost.objectives import GRPOLoss
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
-from rlpost.runs import list_checkpoints
+from rlpost.runs import latest_checkpoint, list_checkpoints
 from rlpost.types import Group, Sample
 
 TRAINER_STATE = "trainer_state.pt"
@@ -66,6 +68,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKEN_MEAN_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "kl_approx", "ess",
                        "kl_to_ref", "entropy", "kl_to_inference")
 _LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written because of an I/O error (disk full, quota, permissions).
+
+    Raised by :meth:`Learner.save_checkpoint` once nothing of the failed write is left on disk
+    and every earlier checkpoint is intact. ``errno`` is the cause's (``errno.ENOSPC`` for a full
+    disk), and the message names the folder, the cause and the checkpoint to resume from.
+    """
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -319,26 +331,53 @@ class Learner:
         given, ``rollout_state.pkl`` (the controller's: the groups still in the buffer and every
         env pool's position, taken together). It is written to a temporary folder beside it and
         renamed into place, so a crash never leaves a half-written ``step_<N>``.
+
+        A failed write never costs an earlier checkpoint: older ones are pruned only after the
+        new one is in place. A ``step_<N>`` saved again stays in place during the write. It is
+        then renamed aside, and deleted only once the new folder has taken its name; if that
+        rename fails it is renamed back. (A crash between those two renames leaves it as
+        ``.old-step_<N>-*``.) When the write fails with an I/O error (disk full, quota,
+        permissions; also when torch or safetensors report it as their own exception type), the
+        temporary folder is removed and :class:`CheckpointWriteError` is raised. Its message names
+        the folder, the cause and the latest intact checkpoint to resume from. Any other error
+        also removes the temporary folder, then propagates as it is.
         """
         root = Path(run_dir) / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
         final = root / f"step_{int(step)}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{int(step)}-", dir=root))
         try:
-            self.model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            torch.save(self._trainer_state(step), tmp / TRAINER_STATE)
-            if rollout_state is not None:
-                # pickle: the groups are rlpost dataclasses; the file is this run's own output
-                (tmp / ROLLOUT_STATE).write_bytes(pickle.dumps(rollout_state))
-            if final.exists():  # re-saving a step: os.replace cannot replace a non-empty folder
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        except OSError as err:
+            raise _write_error(final, err) from err
+        try:
+            self._write_checkpoint_files(tmp, step, rollout_state)
+            aside = _move_into_place(tmp, final)
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            cause = _os_error_behind(err) if isinstance(err, Exception) else None
+            if cause is None:
+                raise
+            raise _write_error(final, cause) from err
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         _prune_checkpoints(root, self.cfg.trainer.keep_checkpoints)
         return final
+
+    def _write_checkpoint_files(self, folder: Path, step: int, rollout_state: dict | None) -> None:
+        """Every file of a checkpoint, into ``folder``.
+
+        ``trainer_state.pt`` is written through a Python file object: torch.save to a path
+        writes from C++, and on a full disk it fails with a RuntimeError that has lost the
+        errno. Through a file object, the OSError of the failed write stays in the
+        exception's ``__context__``, where :func:`_os_error_behind` finds it.
+        """
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        with open(folder / TRAINER_STATE, "wb") as f:
+            torch.save(self._trainer_state(step), f)
+        if rollout_state is not None:
+            # pickle: the groups are rlpost dataclasses; the file is this run's own output
+            (folder / ROLLOUT_STATE).write_bytes(pickle.dumps(rollout_state))
 
     def _trainer_state(self, step: int) -> dict:
         return {
@@ -377,6 +416,62 @@ class Learner:
 def _prune_checkpoints(root: Path, keep: int) -> None:
     for old in list_checkpoints(root.parent)[:-keep]:
         shutil.rmtree(old)
+
+
+def _move_into_place(tmp: Path, final: Path) -> Path | None:
+    """Rename the complete ``tmp`` to ``final``; returns the old ``final`` renamed aside (the
+    caller deletes it), or None when there was none.
+
+    ``os.replace`` cannot replace a non-empty folder, and deleting the old one first would
+    leave no ``step_<N>`` at all if the rename then failed. So the old one is renamed aside
+    under a name that needs no new directory, and renamed back if ``tmp`` cannot take its place.
+    """
+    if not final.exists():
+        os.replace(tmp, final)
+        return None
+    aside = final.with_name(f".old-{final.name}-{os.getpid()}-{time.time_ns()}")
+    os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
+    return aside
+
+
+def _os_error_behind(err: BaseException) -> OSError | None:
+    """The OSError that made a checkpoint write fail, or None when ``err`` is no I/O error.
+
+    Writers in C++ and Rust do not raise OSError themselves. torch.save into a Python file
+    raises a RuntimeError ("unexpected pos ...") whose ``__context__`` is the OSError. safetensors
+    (the model's weights) raises SafetensorError("... No space left on device (os error 28)").
+    So this follows the exception chain, and reads an ``(os error N)`` code from a message.
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        match = _OS_ERROR_CODE.search(str(err))
+        if match:
+            code = int(match.group(1))
+            return OSError(code, f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _write_error(final: Path, cause: OSError) -> CheckpointWriteError:
+    """The CheckpointWriteError for ``final``, naming the cause and the checkpoint to resume from."""
+    reason = os.strerror(cause.errno).lower() if cause.errno else type(cause).__name__
+    latest = latest_checkpoint(final.parent.parent)
+    intact = f"the latest intact checkpoint is {latest}" if latest else "there is no earlier checkpoint"
+    hint = ""
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = f" (free space on the disk of {final.parent}: every save needs room for one more checkpoint)"
+    message = (f"could not write checkpoint {final}: {reason}{hint}; its partial copy was removed and {intact}. "
+               f"Cause: {cause}")
+    # (errno, message): OSError keeps errno in its args, so it survives pickling (a Ray actor's error)
+    return CheckpointWriteError(cause.errno, message) if cause.errno else CheckpointWriteError(message)
 
 
 # ------------------------------------------------------------------------------------ metrics

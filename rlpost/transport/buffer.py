@@ -1,19 +1,23 @@
 """The buffer between collectors and the learner: bounded, batched, with a staleness cap.
 
-Producers (env pools) ``put`` whole GRPO groups; the learner ``get``s a batch of groups. The pipe
-has one interface and two implementations (STYLE rule 5):
+Producers (env pools) ``put`` whole GRPO groups; the learner ``take``s a batch of groups. The pipe
+has one interface and two implementations:
 
-- :class:`LocalBuffer`: a bounded deque guarded by a condition variable; used in-process and as
-  the state inside the Ray actor.
+- :class:`LocalBuffer`: a deque guarded by a condition variable; used in-process and as the
+  state inside the Ray actor.
 - :class:`RayBuffer`: a client over the ``buffer`` actor (:mod:`rlpost.actors.buffer`), which
   holds a LocalBuffer. One actor call moves a whole batch: single-item Ray queue calls cost
   ~2.5 ms each here, batched ones ~1000x less per item.
 
-Rules (DESIGN invariants):
+Rules:
 - Backpressure: ``put`` blocks while the buffer is full, up to ``timeout_s``, then raises
-  :class:`BufferTimeout`; nothing is dropped to make room.
+  :class:`BufferTimeout` with nothing put. A put is atomic: its groups go in together, as soon as
+  one slot is free, so the buffer may hold up to one batch beyond its capacity. (Appending group
+  by group left a timed-out batch half in, which its producer could not put again without
+  duplicates; waiting for room for the whole batch could deadlock with a consumer waiting for a
+  full step when the DAPO filter made a batch short.)
 - Staleness: a group whose ``policy_version`` is more than ``max_staleness`` behind the consumer's
-  version is dropped and counted (``num_dropped_stale``). Nothing else is ever dropped.
+  version is dropped and counted. Nothing else is ever dropped.
 - Every blocking call has a timeout.
 - Reservations: a producer ``reserve``s room for its next batch *before* generating it and its
   next ``put`` releases it, so two producers never generate for the same free slots (without it,
@@ -26,7 +30,24 @@ stream) with each put; the buffer stores it with the groups, under the same lock
 its last put, consistent with each other: a checkpoint of both (plus the learner's) loses no
 completed group and repeats none, and a restarted producer resumes from where its last put ended.
 
-Items are opaque to the buffer except for their ``policy_version`` attribute (or key).
+Surviving a lost actor. Groups that carry a ``seq`` (an env pool numbers the groups it puts 1, 2,
+3, ... across its restarts) get three more guarantees:
+
+- Replays are harmless: a group whose ``seq`` is not above its producer's last accepted one is
+  skipped, so a producer may put again what it is not sure went in.
+- Fencing: :meth:`LocalBuffer.fence` (called when a dead producer is replaced) returns the
+  producer's state and refuses every later put of an older ``epoch``; a put that the dead
+  producer left in flight cannot land after its replacement started from that state.
+- Acknowledgements: the consumer passes ``acknowledged`` (per producer, the highest ``seq`` it has
+  received, taken or reported dropped) to :meth:`LocalBuffer.take`; each put's
+  :class:`PutReceipt` hands it back to the producer, which keeps every group it put until then.
+  If the buffer actor dies, a new one is started with the consumer's acknowledgements and the
+  producers put again what they keep: nothing completed is lost and nothing is taken twice.
+  :meth:`LocalBuffer.take` reports the groups it dropped as stale for the same reason: the
+  consumer counts a drop once, from the reply it received.
+
+Items are opaque to the buffer except for ``policy_version`` and, when present, ``producer`` and
+``seq`` (attributes or keys).
 """
 
 from __future__ import annotations
@@ -34,12 +55,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 
 class BufferTimeout(TimeoutError):
-    """A put or get waited ``timeout_s`` without completing."""
+    """A put or take waited ``timeout_s`` without completing."""
+
+
+class BufferLost(ConnectionError):
+    """The buffer actor died; its client's call cannot complete."""
 
 
 @dataclass(frozen=True)
@@ -50,21 +75,48 @@ class BufferStats:
     num_got: int
     num_dropped_stale: int
     put_wait_s: float  # total time producers spent blocked (backpressure)
+    last_seqs: dict[str, int] = field(default_factory=dict)  # producer -> highest seq accepted
 
 
 @dataclass
 class BufferSnapshot:
-    """The groups waiting in the buffer and each producer's state after its last put."""
+    """The groups waiting in the buffer and each producer's state after its last put (plus the
+    sequence numbers and acknowledgements, for a buffer rebuilt after its actor died)."""
 
     groups: list[Any]
     producer_states: dict[str, Any]
+    last_seqs: dict[str, int] = field(default_factory=dict)
+    acknowledged: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PutReceipt:
+    """What a put tells its producer: whether the buffer took the batch (False: the producer was
+    fenced off), its highest accepted ``seq``, and the consumer's acknowledgement for it."""
+
+    accepted: bool
+    last_seq: int
+    acknowledged: int
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A take's groups and the groups the buffer dropped as stale since the last take's reply:
+    how many, and per producer the highest ``seq`` among them."""
+
+    groups: list[Any]
+    num_dropped_stale: int
+    dropped_seqs: dict[str, int]
 
 
 class Buffer(Protocol):
     def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None) -> None: ...
+            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt: ...
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool: ...
+    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
+             acknowledged: dict[str, int] | None = None) -> Taken: ...
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
+    def fence(self, producer: str, epoch: int) -> Any: ...
     def stats(self) -> BufferStats: ...
     def drain(self) -> list[Any]: ...
     def snapshot(self) -> BufferSnapshot: ...
@@ -72,13 +124,16 @@ class Buffer(Protocol):
     def producer_state(self, producer: str) -> Any: ...
 
 
+def _field(item: Any, name: str) -> Any:
+    return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
+
 def policy_version_of(group: Any) -> int:
-    version = group["policy_version"] if isinstance(group, dict) else getattr(group, "policy_version")
-    return int(version)
+    return int(_field(group, "policy_version"))
 
 
 class LocalBuffer:
-    """Bounded FIFO of groups with blocking, batched put/get and a staleness cap."""
+    """Bounded FIFO of groups with blocking, batched put/take and a staleness cap."""
 
     def __init__(self, capacity: int, max_staleness: int | None = None):
         if capacity < 1:
@@ -91,38 +146,49 @@ class LocalBuffer:
         self._put_wait_s = 0.0
         self._producer_states: dict[str, Any] = {}
         self._reserved: dict[str, int] = {}  # producer -> slots held for its next put
+        self._last_seqs: dict[str, int] = {}  # producer -> highest seq accepted
+        self._epochs: dict[str, int] = {}  # producer -> lowest epoch still accepted (fence)
+        self._acknowledged: dict[str, int] = {}  # producer -> highest seq the consumer received
+        self._unreported: list[Any] = []  # dropped as stale, not yet in a take's reply
 
     def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None) -> None:
-        """Append all ``groups`` in order, blocking while full; all-or-timeout per free slot.
+            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
+        """Append ``groups`` together, blocking until a slot is free (see the module docstring).
 
-        Groups already appended stay when a later one times out (they are complete groups and
-        must not be lost); the error says how many went in. ``producer_state`` is recorded for
-        ``producer`` once every group is in (see the module docstring). The producer's
-        reservation is released first: these groups are what it held the room for.
+        ``producer_state`` is recorded for ``producer`` with them. Groups already accepted (their
+        ``seq`` is not above the producer's last) are skipped; a put from a fenced-off ``epoch``
+        takes nothing. The producer's reservation is released first: these groups are what it
+        held the room for. ``force`` puts without waiting for room (a producer putting again
+        what a buffer that died held: waiting could block the consumer that rebuilds it).
         """
         deadline = time.monotonic() + timeout_s
-        if producer is not None:
-            with self._cond:
-                if self._reserved.pop(producer, 0):
-                    self._cond.notify_all()
-        for i, group in enumerate(groups):
-            with self._cond:
-                start = time.monotonic()
-                while len(self._items) >= self.capacity:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise BufferTimeout(
-                            f"buffer full ({self.capacity} groups) for {timeout_s:.1f}s: put {i} of {len(groups)} groups"
-                        )
-                    self._cond.wait(left)
-                self._put_wait_s += time.monotonic() - start
-                self._items.append(group)
-                self._num_put += 1
+        with self._cond:
+            if producer is not None and self._reserved.pop(producer, 0):
                 self._cond.notify_all()
-        if producer is not None:
-            with self._cond:
+            if producer is not None and epoch < self._epochs.get(producer, 0):
+                return self._receipt(producer, accepted=False)
+            last = self._last_seqs.get(producer, 0) if producer is not None else 0
+            new = [g for g in groups if _field(g, "seq") is None or _field(g, "seq") > last]
+            start = time.monotonic()
+            while new and not force and len(self._items) >= self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BufferTimeout(f"buffer full ({self.capacity} groups) for {timeout_s:.1f}s: "
+                                        f"none of {len(new)} groups put")
+                self._cond.wait(left)
+            self._put_wait_s += time.monotonic() - start
+            self._items.extend(new)
+            self._num_put += len(new)
+            seqs = [_field(g, "seq") for g in new if _field(g, "seq") is not None]
+            if producer is not None:
+                if seqs:
+                    self._last_seqs[producer] = max(seqs)
                 self._producer_states[producer] = producer_state
+            self._cond.notify_all()
+            return self._receipt(producer, accepted=True)
+
+    def _receipt(self, producer: str | None, accepted: bool) -> PutReceipt:
+        return PutReceipt(accepted, self._last_seqs.get(producer, 0), self._acknowledged.get(producer, 0))
 
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
         """Wait until ``num_groups`` more groups fit (capped at the capacity) beside what the
@@ -144,30 +210,40 @@ class LocalBuffer:
                 self._reserved[producer] = need
             return True
 
-    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
+    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
+             acknowledged: dict[str, int] | None = None) -> Taken:
         """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s``.
 
-        With ``current_version``, stale groups are dropped (and counted) before taking. On a
-        timeout nothing is taken: the groups stay for the next call.
+        With ``current_version``, stale groups are dropped (counted, and reported in this or the
+        next successful take's reply) before taking. ``acknowledged`` records what the consumer
+        has received (see the module docstring). On a timeout nothing is taken: the groups stay
+        for the next call.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            for producer, seq in (acknowledged or {}).items():
+                self._acknowledged[producer] = max(seq, self._acknowledged.get(producer, 0))
             while True:
                 if current_version is not None:
                     self._drop_stale(current_version)
                 if len(self._items) >= num_groups:
                     batch = [self._items.popleft() for _ in range(num_groups)]
                     self._num_got += num_groups
+                    dropped, self._unreported = self._unreported, []
                     self._cond.notify_all()
-                    return batch
+                    return Taken(batch, len(dropped), _highest_seqs(dropped))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise BufferTimeout(
                         f"waited {timeout_s:.1f}s for {num_groups} groups, buffer holds {len(self._items)}"
                     )
                 self._cond.wait(left)
+
+    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
+        """:meth:`take`'s groups alone (for a consumer that needs no drop report)."""
+        return self.take(num_groups, timeout_s, current_version).groups
 
     def drop_stale(self, current_version: int) -> int:
         with self._cond:
@@ -176,13 +252,25 @@ class LocalBuffer:
     def _drop_stale(self, current_version: int) -> int:
         if self.max_staleness is None:
             return 0
-        fresh = [g for g in self._items if current_version - policy_version_of(g) <= self.max_staleness]
-        dropped = len(self._items) - len(fresh)
-        if dropped:
-            self._items = deque(fresh)
-            self._num_dropped_stale += dropped
+        fresh, stale = deque(), []
+        for g in self._items:
+            (fresh if current_version - policy_version_of(g) <= self.max_staleness else stale).append(g)
+        if stale:
+            self._items = fresh
+            self._num_dropped_stale += len(stale)
+            self._unreported.extend(stale)
             self._cond.notify_all()
-        return dropped
+        return len(stale)
+
+    def fence(self, producer: str, epoch: int) -> Any:
+        """Accept puts of ``producer`` only from ``epoch`` on (a replacement of a dead producer)
+        and return its state after its last accepted put (None before its first); its room
+        reservation is released."""
+        with self._cond:
+            self._epochs[producer] = max(epoch, self._epochs.get(producer, 0))
+            if self._reserved.pop(producer, 0):
+                self._cond.notify_all()
+            return self._producer_states.get(producer)
 
     def drain(self) -> list[Any]:
         """Remove and return every group held (for a checkpoint); nothing is counted as dropped."""
@@ -193,18 +281,23 @@ class LocalBuffer:
             return items
 
     def snapshot(self) -> BufferSnapshot:
-        """A copy of the waiting groups and the producer states, taken under one lock."""
+        """A copy of the waiting groups, producer states and sequence numbers, under one lock."""
         with self._cond:
-            return BufferSnapshot(list(self._items), dict(self._producer_states))
+            return BufferSnapshot(list(self._items), dict(self._producer_states), dict(self._last_seqs),
+                                  dict(self._acknowledged))
 
     def restore(self, snapshot: BufferSnapshot) -> None:
         """Put a checkpoint's groups back (oldest first, beyond the capacity if need be: they
-        were in the buffer when it was taken) and its producer states; the buffer must be empty."""
+        were in the buffer when it was taken), its producer states, sequence numbers and
+        acknowledgements; the buffer must be empty."""
         with self._cond:
             if self._items:
                 raise RuntimeError(f"restore needs an empty buffer, it holds {len(self._items)} groups")
             self._items.extend(snapshot.groups)
+            self._num_put = len(snapshot.groups)
             self._producer_states = dict(snapshot.producer_states)
+            self._last_seqs = dict(snapshot.last_seqs)
+            self._acknowledged = dict(snapshot.acknowledged)
             self._reserved.clear()  # the producers that held room are gone or start again
             self._cond.notify_all()
 
@@ -222,29 +315,50 @@ class LocalBuffer:
                 num_got=self._num_got,
                 num_dropped_stale=self._num_dropped_stale,
                 put_wait_s=self._put_wait_s,
+                last_seqs=dict(self._last_seqs),
             )
+
+
+def _highest_seqs(groups: list[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in groups:
+        producer, seq = _field(g, "producer"), _field(g, "seq")
+        if producer is not None and seq is not None:
+            out[producer] = max(seq, out.get(producer, 0))
+    return out
 
 
 class RayBuffer:
     """Client of the ``buffer`` actor; same interface as :class:`LocalBuffer`.
 
     Each call is one actor round trip for the whole batch. The client waits ``timeout_s`` plus
-    ``rpc_margin_s`` for the reply, so a dead actor surfaces as an error, never a hang.
+    ``rpc_margin_s`` for the reply, so a dead actor surfaces as an error, never a hang: a dead
+    actor as :class:`BufferLost`, no reply in time as :class:`BufferTimeout`.
     """
+
+    name = "buffer"
 
     def __init__(self, handle, rpc_margin_s: float = 30.0):
         self.handle = handle
         self.rpc_margin_s = rpc_margin_s
 
     def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None) -> None:
-        self._call(self.handle.put.remote(list(groups), timeout_s, producer, producer_state), timeout_s)
+            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
+        ref = self.handle.put.remote(list(groups), timeout_s, producer, producer_state, epoch, force)
+        return self._call(ref, timeout_s)
+
+    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
+             acknowledged: dict[str, int] | None = None) -> Taken:
+        return self._call(self.handle.take.remote(num_groups, timeout_s, current_version, acknowledged), timeout_s)
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
-        return self._call(self.handle.get.remote(num_groups, timeout_s, current_version), timeout_s)
+        return self.take(num_groups, timeout_s, current_version).groups
 
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
         return self._call(self.handle.reserve.remote(num_groups, timeout_s, producer), timeout_s)
+
+    def fence(self, producer: str, epoch: int) -> Any:
+        return self._call(self.handle.fence.remote(producer, epoch), 0.0)
 
     def drop_stale(self, current_version: int) -> int:
         return self._call(self.handle.drop_stale.remote(current_version), 0.0)
@@ -264,11 +378,30 @@ class RayBuffer:
     def producer_state(self, producer: str) -> Any:
         return self._call(self.handle.producer_state.remote(producer), 0.0)
 
+    def alive(self) -> bool:
+        """Whether the buffer actor still holds its name (asked of Ray, not of the actor)."""
+        import ray
+
+        try:
+            return ray.get_actor(self.name) == self.handle
+        except ValueError:
+            return False
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.handle)
+        except Exception:  # already gone
+            pass
+
     def _call(self, ref, timeout_s: float):
         import ray
 
         try:
             return ray.get(ref, timeout=timeout_s + self.rpc_margin_s)
+        except ray.exceptions.RayActorError as exc:
+            raise BufferLost(f"the buffer actor died: {str(exc).strip().splitlines()[0]}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if isinstance(cause, BufferTimeout):

@@ -44,32 +44,33 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     from its last put). Every prompt of the stream is trained exactly once, in order."""
     import time
 
-    from rlpost.controller import Controller, start_actors, stop_actors
+    from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
     ray = local_ray
     cfg = tiny_cfg(tiny_model_path, "e2e-restarts", "trainer.steps=5")
     run_dir = create_run_dir(cfg, tmp_path / "restarts")
-    trained = []
+    trained, killed = [], set()
 
     class KillMidCollection(Controller):
-        def _collect_shares(self):
+        def _collect_shares(self, targets):
             victim = {2: self.actors.inference[0], 4: self.actors.env_pools[0]}.get(self.step)
-            if victim is not None:  # killed shortly after the pool starts generating
-                threading.Timer(0.05, ray.kill, args=(victim,)).start()
-            super()._collect_shares()
+            if victim is not None and self.step not in killed:  # killed shortly after the pool starts generating
+                killed.add(self.step)  # once: the collection runs again after the restart
+                threading.Timer(0.05, ray.kill, args=(victim.handle,)).start()
+            super()._collect_shares(targets)
 
         def _train(self, groups, step):
             trained.append([g.prompt_id for g in groups])
             return super()._train(groups, step)
 
-    actors = start_actors(cfg)
+    supervisor = start_run(cfg, run_dir)
     try:
         start = time.monotonic()
-        KillMidCollection(cfg, run_dir, actors).run()
+        KillMidCollection(cfg, run_dir, supervisor).run()
         assert time.monotonic() - start < 400
     finally:
-        stop_actors(actors)
+        stop_actors(supervisor.actors)
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
     assert [(r["restarts_inference"], r["restarts_env_pool"]) for r in rows] == [(0, 0), (1, 0), (1, 0), (1, 1), (1, 1)]
@@ -92,7 +93,7 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     class KillLearner(ctl.Controller):
         def _train(self, groups, step):
             if step == 6:
-                ray.kill(self.actors.learner)
+                ray.kill(self.actors.learner.handle)
             return super()._train(groups, step)
 
     original, ctl.Controller = ctl.Controller, KillLearner
@@ -140,7 +141,7 @@ def test_async_run_with_auto_resume_survives_a_learner_death(tmp_path, tiny_mode
         def _train(self, groups, step):
             if step == 4 and not killed:
                 killed.append(step)
-                ray.kill(self.actors.learner)
+                ray.kill(self.actors.learner.handle)
             return super()._train(groups, step)
 
     original, ctl.Controller = ctl.Controller, KillLearnerOnce

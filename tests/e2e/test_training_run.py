@@ -72,7 +72,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     import ray
 
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_actors, stop_actors
+    from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
     cfg = load_config("configs/tiny-cpu.yaml", [
@@ -85,16 +85,17 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     class KillTheReferenceOnce(Controller):
         def _collect_step(self):
             if self.step == 3:  # it dies before annotating step 3's groups: started again, no step lost
-                ray.kill(self.actors.reference)
+                ray.kill(self.actors.reference.handle)
             return super()._collect_step()
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-async", log_to_driver=False)
     actors = None
     try:
-        actors = start_actors(cfg)
+        supervisor = start_run(cfg, run_dir)
+        actors = supervisor.actors
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlpost-e2e-async"}
         assert {"inference-0", "env-pool-0", "learner", "reference", "buffer"} <= names
-        KillTheReferenceOnce(cfg, run_dir, actors).run()
+        KillTheReferenceOnce(cfg, run_dir, supervisor).run()
         exported = scrape_rlpost_metrics(EXPECTED_METRICS)
     finally:
         if actors is not None:
@@ -114,7 +115,7 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     import ray
 
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_actors, stop_actors
+    from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
     cfg = load_config("configs/tiny-cpu.yaml", [
@@ -128,14 +129,15 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
         def _train(self, groups, step):
             record = super()._train(groups, step)
             if step == 2:  # dies between training and the weight sync of step 2
-                ray.kill(self.actors.inference[1])
+                ray.kill(self.actors.inference[1].handle)
             return record
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-reform", log_to_driver=False)
     actors = None
     try:
-        actors = start_actors(cfg)
-        KillOneWorker(cfg, run_dir, actors).run()
+        supervisor = start_run(cfg, run_dir)
+        actors = supervisor.actors
+        KillOneWorker(cfg, run_dir, supervisor).run()
     finally:
         if actors is not None:
             stop_actors(actors)

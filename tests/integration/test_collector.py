@@ -17,7 +17,7 @@ from rlpost.config import JobConfig
 from rlpost.envs import Transform, make_env
 from rlpost.envs.rewards import answer_reward
 from rlpost.policies import LocalVLLMClient, vLLMWrapper
-from rlpost.transport.buffer import LocalBuffer
+from rlpost.transport.buffer import BufferLost, BufferTimeout, LocalBuffer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -72,9 +72,9 @@ class CountingBuffer(LocalBuffer):
         super().__init__(*args, **kwargs)
         self.put_sizes = []
 
-    def put(self, groups, timeout_s, producer=None, producer_state=None):
+    def put(self, groups, timeout_s, producer=None, producer_state=None, epoch=0, force=False):
         self.put_sizes.append(len(groups))
-        super().put(groups, timeout_s, producer, producer_state)
+        return super().put(groups, timeout_s, producer, producer_state, epoch, force)
 
 
 class Nudge(Transform):
@@ -277,7 +277,7 @@ def test_env_pool_background_run_stops(engine, tiny_tokenizer):
 
 def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
     class Broken:
-        def put(self, groups, timeout_s, producer=None, producer_state=None):
+        def put(self, groups, timeout_s, producer=None, producer_state=None, epoch=0):
             raise OSError("buffer gone")
 
     pool = EnvPool(make_cfg(), 0, RecordingClient(engine), Broken(), tokenizer=tiny_tokenizer)
@@ -285,6 +285,38 @@ def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
     with pytest.raises(RuntimeError, match="buffer gone"):
         pool.wait(timeout_s=60)
     assert "buffer gone" in pool.stats()["error"]
+
+
+def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(engine, tiny_tokenizer):
+    """The buffer dies at the pool's second put. The pool waits for a new buffer, puts again
+    every group it kept (nothing was acknowledged), and goes on: the new buffer ends with groups
+    1..12 exactly once each, whenever set_buffer came. An acknowledgement then empties the outbox."""
+
+    class Dying(LocalBuffer):
+        def put(self, groups, timeout_s, producer=None, producer_state=None, epoch=0, force=False):
+            if self.stats().num_put >= 4:
+                raise BufferLost("the buffer actor died")
+            return super().put(groups, timeout_s, producer, producer_state, epoch, force)
+
+    old, new = Dying(capacity=100), LocalBuffer(capacity=100)
+    pool = EnvPool(make_cfg(), 0, RecordingClient(engine), old, tokenizer=tiny_tokenizer)
+    pool.buffer_wait_s = 60
+    pool.start(num_groups_total=12)
+    deadline = time.monotonic() + 60
+    while old.stats().num_put < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    pool.set_buffer(new)
+    assert pool.wait(timeout_s=60)
+    got = new.get(new.stats().size, timeout_s=1)
+    assert [g.seq for g in got] == list(range(1, 13)) and {g.producer for g in got} == {"env-pool-0"}
+    assert new.producer_state("env-pool-0")["num_groups_put"] == 12 and len(pool.outbox) == 12
+    with pytest.raises(BufferTimeout):  # an empty buffer: the take waits in vain but records the acknowledgement
+        new.take(1, timeout_s=0.05, acknowledged={"env-pool-0": 12})
+    new.put([], timeout_s=1, producer="p")  # another producer's put does not acknowledge this one's
+    assert len(pool.outbox) == 12
+    pool._put([], timeout_s=1)  # its own next put learns the acknowledgement
+    assert pool.outbox == []
 
 
 # ---------------------------------------------------------------------------- the Ray actor

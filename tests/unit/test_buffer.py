@@ -51,11 +51,29 @@ def test_backpressure_blocks_producer_until_consumer_frees_space():
     assert buf.stats().put_wait_s >= 0.25
 
 
-def test_put_timeout_keeps_groups_already_in():
+def test_a_put_is_atomic_and_goes_in_when_one_slot_is_free():
     buf = LocalBuffer(capacity=2)
-    with pytest.raises(BufferTimeout, match="put 2 of 3 groups"):
-        buf.put(groups([0, 0, 0]), timeout_s=0.2)
-    assert buf.stats().size == 2
+    buf.put(groups([0]), timeout_s=0.2)
+    buf.put(groups([0, 0, 0], start=1), timeout_s=0.2)  # one slot free: the whole batch goes in
+    assert buf.stats().size == 4
+    with pytest.raises(BufferTimeout, match="none of 2 groups put"):
+        buf.put(groups([0, 0], start=4), timeout_s=0.2)
+    assert buf.stats().size == 4 and buf.stats().num_put == 4  # nothing of the timed-out batch
+
+
+def test_replays_are_skipped_by_seq_and_takes_report_drops_and_acknowledge():
+    def keyed(seqs, version=0):
+        return [{"policy_version": version, "producer": "p", "seq": q} for q in seqs]
+
+    buf = LocalBuffer(capacity=8, max_staleness=1)
+    receipt = buf.put(keyed([1, 2]), timeout_s=1, producer="p", producer_state={"at": 2})
+    assert (receipt.accepted, receipt.last_seq, receipt.acknowledged) == (True, 2, 0)
+    buf.put(keyed([2, 3], version=3), timeout_s=1, producer="p", producer_state={"at": 3})  # 2 again: skipped
+    assert buf.stats().size == 3 and buf.stats().last_seqs == {"p": 3}
+    taken = buf.take(1, timeout_s=1, current_version=3, acknowledged={"p": 1})
+    assert [g["seq"] for g in taken.groups] == [3]  # seqs 1 and 2 (version 0) were stale
+    assert (taken.num_dropped_stale, taken.dropped_seqs) == (2, {"p": 2})
+    assert buf.put([], timeout_s=1, producer="p", producer_state={"at": 3}).acknowledged == 1
 
 
 def test_stale_groups_are_dropped_and_counted():
@@ -129,6 +147,17 @@ def test_producer_state_is_recorded_with_its_put_and_snapshot_restores():
 
 def test_put_that_times_out_does_not_record_the_producer_state():
     buf = LocalBuffer(capacity=1)
+    buf.put(groups([0]), timeout_s=0.05)
     with pytest.raises(BufferTimeout):
-        buf.put(groups([0, 0]), timeout_s=0.05, producer="p", producer_state={"position": 2})
+        buf.put(groups([0, 0], start=1), timeout_s=0.05, producer="p", producer_state={"position": 2})
     assert buf.producer_state("p") is None and buf.stats().size == 1
+
+
+def test_drops_of_a_take_that_timed_out_are_reported_by_the_next():
+    buf = LocalBuffer(capacity=4, max_staleness=0)
+    buf.put([{"policy_version": 0, "producer": "p", "seq": 1}], timeout_s=1)
+    with pytest.raises(BufferTimeout):
+        buf.take(1, timeout_s=0.05, current_version=1)  # drops seq 1, then times out
+    buf.put([{"policy_version": 1, "producer": "p", "seq": 2}], timeout_s=1)
+    taken = buf.take(1, timeout_s=1, current_version=1)
+    assert (taken.num_dropped_stale, taken.dropped_seqs, [g["seq"] for g in taken.groups]) == (1, {"p": 1}, [2])

@@ -1,7 +1,7 @@
 import pytest
 
 from rlpost.config import load_config
-from rlpost.controller import _buffer_capacity, _staleness_cap, role_plan
+from rlpost.controller import buffer_capacity, staleness_cap, role_plan
 
 pytestmark = pytest.mark.unit
 
@@ -23,6 +23,6 @@ def test_the_demo_fits_two_cpu_cores_and_no_gpu():
 
 def test_buffer_bounds_follow_the_mode():
     sync = load_config("configs/tiny-cpu.yaml", ["trainer.prompts_per_step=8"])
-    assert (_buffer_capacity(sync), _staleness_cap(sync)) == (8, 0)
+    assert (buffer_capacity(sync), staleness_cap(sync)) == (8, 0)
     asynchronous = load_config("configs/tiny-cpu.yaml", ["trainer.mode=async", "trainer.max_staleness=2", "trainer.prompts_per_step=8"])
-    assert (_buffer_capacity(asynchronous), _staleness_cap(asynchronous)) == (8 * 2, 2)
+    assert (buffer_capacity(asynchronous), staleness_cap(asynchronous)) == (8 * 2, 2)

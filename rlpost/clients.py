@@ -1,0 +1,261 @@
+"""Clients of the run's actors: the only place the driver waits on a Ray call.
+
+The controller and the supervisor never call ``ray.get`` themselves; they hold one client per
+actor (:class:`InferenceClient`, :class:`EnvPoolClient`, :class:`ReferenceClient`,
+:class:`LearnerClient`, :class:`BufferClient`). A
+client call waits a bounded time and turns Ray's ways of failing into the errors the supervisor
+recovers from:
+
+    the called actor died or was killed                     -> ActorLost(name)
+    the call failed because another actor it used died
+    (an env pool whose inference worker or buffer died)     -> ActorLost(None)
+    a weight sync failed (a bus peer died or went silent)   -> BusFailure
+    no answer within the call's timeout                     -> CallTimeout(name)
+
+Any other error (a bug, a bad input reaching an actor, a checkpoint that cannot be written)
+propagates as the actor raised it, with the remote traceback chained: retrying it would only fail
+again.
+
+Every client has ``alive()``, a question asked of Ray's control store by actor name (a dead
+actor's name is free again), never of the actor, whose queue may be busy with a long call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlpost.transport.buffer import BufferLost, BufferTimeout, RayBuffer
+
+
+class ActorFailure(RuntimeError):
+    """A call failed because an actor of the run is gone or silent; the supervisor recovers.
+
+    ``name`` is the actor known to be lost (None when the failure came from further away).
+    """
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
+
+
+class ActorLost(ActorFailure):
+    """An actor died: the one called (``name``) or one the called actor depended on."""
+
+
+class BusFailure(ActorFailure):
+    """A weight sync failed: a bus peer died or did not answer within ``weight_sync.timeout_s``."""
+
+
+class CallTimeout(ActorFailure):
+    """The actor ``name`` did not answer a call within its timeout."""
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, BufferLost))
+
+
+def _causes(exc: BaseException):
+    """``exc`` and the errors it was raised from, nearest first (Ray's task errors included)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+
+
+def classify(exc: BaseException, name: str, method: str) -> BaseException:
+    """The error a failed call of ``name.method`` should raise (see the module docstring)."""
+    import ray
+
+    from rlpost.transport.weight_bus import WeightSyncError
+
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return CallTimeout(f"{name} did not answer {method}", name)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return ActorLost(f"{name} died during {method}", name)
+    causes = list(_causes(exc))
+    if any(isinstance(c, WeightSyncError) for c in causes):
+        return BusFailure(f"weight sync failed in {name}.{method}: {first_line(exc)}", None)
+    if any(_is_actor_death(c) for c in causes[1:]):
+        return ActorLost(f"{name}.{method} failed because an actor it used died: {first_line(exc)}", None)
+    return exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The last line of an error's text (Ray's task errors put the cause's message there)."""
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+@dataclasses.dataclass
+class Pending:
+    """A call in flight (``ref``) whose result is collected later, with the same error mapping."""
+
+    name: str
+    method: str
+    ref: Any
+
+    def result(self, timeout_s: float):
+        import ray
+
+        try:
+            return ray.get(self.ref, timeout=timeout_s)
+        except Exception as exc:
+            mapped = classify(exc, self.name, self.method)
+            if mapped is not exc:
+                raise mapped from exc
+            cause = getattr(exc, "cause", None)
+            if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, Exception):
+                # the actor's own error, with its own message (the remote traceback stays chained)
+                raise cause from exc
+            raise
+
+
+def wait_all(pending: list[Pending], timeout_s: float) -> list:
+    """Results of every call in ``pending``; all are waited for (so none is left running
+    unobserved) and the first failure is raised afterwards."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    results, failure = [], None
+    for call in pending:
+        try:
+            results.append(call.result(max(0.0, deadline - time.monotonic())))
+        except Exception as exc:
+            results.append(None)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return results
+
+
+def alive(name: str, handle: Any) -> bool:
+    """Whether the actor ``handle`` still holds the name ``name`` in Ray's control store."""
+    import ray
+
+    try:
+        return ray.get_actor(name) == handle
+    except ValueError:
+        return False
+
+
+class ActorClient:
+    """A named actor behind bounded calls; subclasses give each role its methods."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name, self.handle = name, handle
+
+    def submit(self, method: str, *args: Any) -> Pending:
+        return Pending(self.name, method, getattr(self.handle, method).remote(*args))
+
+    def call(self, method: str, *args: Any, timeout_s: float) -> Any:
+        return self.submit(method, *args).result(timeout_s)
+
+    def alive(self) -> bool:
+        return alive(self.name, self.handle)
+
+    def kill(self) -> None:
+        """Kill the actor (no-op when it is already gone)."""
+        import ray
+
+        try:
+            ray.kill(self.handle)
+        except Exception:  # already dead: nothing to do
+            pass
+
+
+class InferenceClient(ActorClient):
+    """``inference-<i>``: a vLLM engine; weight receives run beside the learner's publish."""
+
+    def wait_ready(self, timeout_s: float) -> int:
+        return self.call("get_version", timeout_s=timeout_s)
+
+    def join_bus(self, spec: dict, rank: int) -> Pending:
+        return self.submit("join_bus", spec, rank)
+
+    def update_weights(self, timeout_s: float) -> Pending:
+        return self.submit("update_weights", timeout_s)
+
+    def score(self, token_ids: list[list[int]], temperature: float, timeout_s: float) -> list[list[float]]:
+        return self.call("score", token_ids, temperature, timeout_s=timeout_s)
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.call("shutdown", timeout_s=timeout_s)
+
+
+class EnvPoolClient(ActorClient):
+    """``env-pool-<i>``: collects groups in a background thread and puts them in the buffer."""
+
+    def start(self, num_groups_total: int | None, timeout_s: float = 60.0) -> None:
+        self.call("start", num_groups_total, timeout_s=timeout_s)
+
+    def wait(self, wait_s: float) -> bool:
+        """True once the background run ended; raises (mapped) its error."""
+        return self.call("wait", wait_s, timeout_s=wait_s + 60.0)
+
+    def stop(self, timeout_s: float) -> None:
+        self.call("stop", timeout_s, timeout_s=timeout_s + 30.0)
+
+    def set_inference(self, handles: list, timeout_s: float = 60.0) -> None:
+        self.call("set_inference", handles, timeout_s=timeout_s)
+
+    def set_buffer(self, buffer_handle: Any, timeout_s: float) -> int:
+        return self.call("set_buffer", buffer_handle, timeout_s=timeout_s)
+
+    def load_state_dict(self, state: dict, timeout_s: float = 60.0) -> None:
+        self.call("load_state_dict", state, timeout_s=timeout_s)
+
+
+class ReferenceClient(ActorClient):
+    """``reference``: the frozen initial model; stateless."""
+
+    def annotate(self, groups: list, timeout_s: float) -> list:
+        return self.call("annotate", groups, timeout_s=timeout_s)
+
+
+class LearnerClient(ActorClient):
+    """``learner``: trains, publishes on the bus, scores the probe, writes checkpoints."""
+
+    def train_step(self, groups: list, timeout_s: float) -> dict:
+        return self.call("train_step", groups, timeout_s=timeout_s)
+
+    def publish(self) -> Pending:
+        return self.submit("publish")
+
+    def score(self, token_ids: list[list[int]], timeout_s: float) -> list[list[float]]:
+        return self.call("score", token_ids, timeout_s=timeout_s)
+
+    def connect_publisher(self, *args: Any, timeout_s: float) -> dict:
+        return _as_dict(self.call("connect_publisher", *args, timeout_s=timeout_s))
+
+    def reform_publisher(self, world_size: int, timeout_s: float) -> dict:
+        return _as_dict(self.call("reform_publisher", world_size, timeout_s=timeout_s))
+
+    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict, timeout_s: float) -> str:
+        return self.call("save_checkpoint", run_dir, step, rollout_state, timeout_s=timeout_s)
+
+    def load_checkpoint(self, path: str, timeout_s: float) -> dict:
+        return self.call("load_checkpoint", path, timeout_s=timeout_s)
+
+
+class BufferClient(RayBuffer):
+    """``buffer``, seen from the learner's side: :class:`RayBuffer` (a take that waits its own
+    ``timeout_s`` in vain still raises BufferTimeout) with the actor's loss and silence mapped
+    like every other client's."""
+
+    def _call(self, ref: Any, timeout_s: float) -> Any:
+        try:
+            return super()._call(ref, timeout_s)
+        except BufferLost as exc:
+            raise ActorLost(f"the buffer died: {first_line(exc)}", self.name) from exc
+        except BufferTimeout as exc:
+            if "did not answer" in str(exc):  # RayBuffer's own reply timeout: the actor is silent
+                raise CallTimeout(str(exc), self.name) from exc
+            raise
+
+
+def _as_dict(spec: Any) -> dict:
+    return dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec

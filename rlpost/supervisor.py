@@ -1,0 +1,438 @@
+"""The supervisor: starts the run's actors and owns every failure of one.
+
+The training loop (:mod:`rlpost.controller`) runs each part of a step through
+:meth:`Supervisor.run`. When an actor is lost the part's call raises one of the clients' errors
+(:mod:`rlpost.clients`); the supervisor then recovers and runs the part again. A part is safe
+to run again: taking from the buffer, annotating, a weight sync and a checkpoint repeat
+harmlessly, and collection goes on from what the buffer recorded. Between parts,
+:meth:`Supervisor.check` looks up every actor by name every few seconds, so a death is noticed
+while the loop waits. Recovery restarts what is dead, in this order:
+
+    learner dead        -> LearnerDied: run_with_auto_resume restarts the whole run from its
+                           last checkpoint (trainer.auto_resume) or it stops naming the
+                           resume command
+    buffer dead         -> a new buffer, told what the learner's side already received (the
+                           ledger); every env pool puts again what it put and was not
+                           acknowledged, so no completed group is lost or taken twice
+    inference-<i> dead  -> started again in its bundle; the bus re-forms with every worker and
+                           the current weights are published; the env pools get the new
+                           handles (their request in flight on the dead worker is re-issued by
+                           their RemoteVLLMClient)
+    a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
+    reference dead      -> started again (it is stateless)
+    env-pool-<i> dead   -> started again with a higher epoch from the position its last put
+                           recorded (the buffer fences off the old one's late puts); in async
+                           mode it starts collecting
+    an async pool's collection failed -> the pool is replaced the same way
+
+A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
+so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
+Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
+``restarts_reference``, ``restarts_buffer``, ``bus_reforms``; ``learner_resumes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from rlpost.clients import (
+    ActorFailure,
+    BufferClient,
+    BusFailure,
+    CallTimeout,
+    EnvPoolClient,
+    InferenceClient,
+    LearnerClient,
+    ReferenceClient,
+    first_line,
+    wait_all,
+)
+from rlpost.config import JobConfig
+from rlpost.runs import latest_checkpoint
+from rlpost.transport.buffer import BufferSnapshot, Taken
+
+log = logging.getLogger("rlpost")
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
+STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
+CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
+HEALTH_CHECK_S = 5.0  # actors' names are looked up at most this often while things go well
+MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
+MAX_AUTO_RESUMES = 3  # restarts of a whole run from its last checkpoint (trainer.auto_resume)
+
+
+class ResumeNeeded(RuntimeError):
+    """The run cannot go on with the actors it has; it can restart from its last checkpoint."""
+
+
+class LearnerDied(ResumeNeeded):
+    """The learner actor is gone; the message says how to resume."""
+
+
+def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool,
+                         run_once: Callable[[bool, int], None]) -> None:
+    """``run_once(resume, learner_resumes)``; when it raises ResumeNeeded (the learner died) and
+    ``trainer.auto_resume`` is on, run it again from the last checkpoint, at most
+    MAX_AUTO_RESUMES times. Otherwise the error propagates, naming the resume command."""
+    learner_resumes = 0
+    while True:
+        try:
+            return run_once(resume, learner_resumes)
+        except ResumeNeeded as exc:
+            if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
+                raise
+            learner_resumes += 1
+            log.warning("%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
+                        exc, learner_resumes, MAX_AUTO_RESUMES)
+            resume = True
+
+
+# ----------------------------------------------------------------------------- the actors
+
+
+@dataclasses.dataclass
+class RunActors:
+    """A client for every actor of the run (the supervisor replaces them as it restarts actors)."""
+
+    buffer: BufferClient
+    inference: list[InferenceClient]
+    env_pools: list[EnvPoolClient]
+    learner: LearnerClient
+    reference: ReferenceClient | None
+    placement_group: Any = None
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What the learner's side received from the buffer. It outlives the buffer actor: a new
+    buffer is started from it, and the accounting in metrics.jsonl comes from it."""
+
+    groups_taken: int = 0  # trained once their step ends
+    groups_dropped_stale: int = 0
+    acknowledged: dict[str, int] = dataclasses.field(default_factory=dict)  # producer -> highest seq received
+
+    def record(self, taken: Taken) -> None:
+        self.groups_taken += len(taken.groups)
+        self.groups_dropped_stale += taken.num_dropped_stale
+        seqs = dict(taken.dropped_seqs)
+        for group in taken.groups:
+            if group.producer is not None and group.seq is not None:
+                seqs[group.producer] = max(group.seq, seqs.get(group.producer, 0))
+        for producer, seq in seqs.items():
+            self.acknowledged[producer] = max(seq, self.acknowledged.get(producer, 0))
+
+    def accounting(self, buffer_size: int, last_seqs: dict[str, int]) -> dict[str, int]:
+        """The metrics.jsonl counts; after a step, ``groups_put == groups_trained +
+        groups_dropped_stale + groups_in_buffer``."""
+        return {"groups_put": sum(last_seqs.values()), "groups_trained": self.groups_taken,
+                "groups_dropped_stale": self.groups_dropped_stale, "groups_in_buffer": buffer_size}
+
+
+class ActorStarter:
+    """The one way each role's actor is started: its name, resources and placement bundle."""
+
+    def __init__(self, cfg: JobConfig):
+        from rlpost.controller import make_placement_group
+
+        self.cfg = cfg
+        self.placement_group, self.place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
+
+    def _options(self, name: str, role, **extra) -> dict:
+        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=self.place(name),
+                    **extra)
+
+    def buffer(self) -> BufferClient:
+        import ray
+
+        from rlpost.actors.buffer import BufferActor
+        from rlpost.controller import buffer_capacity, staleness_cap
+
+        cfg = self.cfg
+        handle = (ray.remote(BufferActor)
+                  .options(name="buffer", num_cpus=cfg.resources.buffer.num_cpus, max_concurrency=16)
+                  .remote(buffer_capacity(cfg), staleness_cap(cfg), cfg.logging.run_name or ""))
+        return BufferClient(handle)
+
+    def inference(self, index: int) -> InferenceClient:
+        import ray
+
+        from rlpost.actors.inference import InferenceActor
+
+        cfg, name = self.cfg, f"inference-{index}"
+        handle = (ray.remote(InferenceActor).options(**self._options(name, cfg.resources.inference))
+                  .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=index,
+                          run_name=cfg.logging.run_name or ""))
+        return InferenceClient(name, handle)
+
+    def learner(self) -> LearnerClient:
+        import ray
+
+        from rlpost.actors.learner import LearnerActor
+
+        handle = ray.remote(LearnerActor).options(**self._options("learner", self.cfg.resources.learner)).remote(self.cfg)
+        return LearnerClient("learner", handle)
+
+    def reference(self) -> ReferenceClient:
+        import ray
+
+        from rlpost.actors.reference import ReferenceActor
+
+        options = self._options("reference", self.cfg.resources.reference)
+        return ReferenceClient("reference", ray.remote(ReferenceActor).options(**options).remote(self.cfg))
+
+    def env_pool(self, index: int, inference: list[InferenceClient], buffer: BufferClient,
+                 epoch: int = 0) -> EnvPoolClient:
+        import ray
+
+        from rlpost.actors.env_pool import EnvPoolActor
+        from rlpost.actors.inference import RemoteVLLMClient
+        from rlpost.transport.buffer import RayBuffer
+
+        name = f"env-pool-{index}"
+        options = self._options(name, self.cfg.resources.env_pool, max_concurrency=4)
+        handle = (ray.remote(EnvPoolActor).options(**options)
+                  .remote(self.cfg, index, RemoteVLLMClient([w.handle for w in inference]), RayBuffer(buffer.handle),
+                          epoch=epoch))
+        return EnvPoolClient(name, handle)
+
+    def start_all(self) -> RunActors:
+        """Every actor of the run, its engines up and the weight bus connected."""
+        cfg = self.cfg
+        buffer = self.buffer()
+        inference = [self.inference(i) for i in range(cfg.rollout.num_inference_workers)]
+        learner = self.learner()
+        reference = self.reference() if cfg.reference.enabled else None
+        env_pools = [self.env_pool(j, inference, buffer) for j in range(cfg.rollout.num_env_pools)]
+        wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S)
+        actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group)
+        connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
+        return actors
+
+
+def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:
+    """Create the bus publisher in the learner and join every worker to it."""
+    import ray
+
+    ws = cfg.weight_sync
+    host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
+    spec = actors.learner.connect_publisher(len(actors.inference) + 1, host, 0, ws.backend, ws.bucket_mb,
+                                            ws.timeout_s, timeout_s=timeout_s)
+    wait_all([w.join_bus(spec, rank) for rank, w in enumerate(actors.inference, start=1)], timeout_s)
+
+
+def stop_actors(actors: RunActors) -> None:
+    """Stop collection, shut engines down, kill every actor (best effort, bounded)."""
+    import ray
+
+    for pool in actors.env_pools:
+        _quietly(lambda: pool.stop(timeout_s=30))
+    for worker in actors.inference:
+        _quietly(lambda: worker.shutdown(timeout_s=60))
+    clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer]
+    for client in clients + ([actors.reference] if actors.reference is not None else []):
+        client.kill()
+    if actors.placement_group is not None:
+        _quietly(lambda: ray.util.remove_placement_group(actors.placement_group))
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as exc:  # shutdown must reach every actor even when one is already gone
+        log.debug("shutdown step failed: %s", exc)
+
+
+# ----------------------------------------------------------------------------- the supervisor
+
+
+class Supervisor:
+    """Keeps the run's actors alive for the training loop; see the module docstring.
+
+    Args:
+        cfg: the job config.
+        run_dir: the run directory (named in LearnerDied's message).
+        actors: the started actors' clients; replaced in place as actors are restarted.
+        starter: starts a role's actor again (an :class:`ActorStarter`, or a test's stand-in).
+        ledger: what the learner's side received from the buffer (to rebuild a buffer).
+    """
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, actors: RunActors, starter: Any, ledger: Ledger):
+        self.cfg, self.run_dir, self.actors, self.starter, self.ledger = cfg, Path(run_dir), actors, starter, ledger
+        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "restarts_reference": 0,
+                       "restarts_buffer": 0, "bus_reforms": 0}
+        self.version = 0  # the learner's weights version (the loop sets it after each step)
+        self.step = 0  # the step being trained (for messages)
+        self.epochs = [0] * len(actors.env_pools)
+        self.pool_failures = [0] * len(actors.env_pools)
+        self.last_check = time.monotonic()
+        self.health_check_s = HEALTH_CHECK_S
+        self.collecting = False  # async mode: the pools collect on their own from now on
+
+    # ------------------------------------------------------------------ what the loop calls
+
+    def run(self, what: str, part: Callable[[], T], *, bus: bool = False) -> T:
+        """``part()``, run again after a recovery when an actor it needed is lost (``bus``: the
+        part is a weight sync, so a failure re-forms the bus even when no worker died)."""
+        failure: ActorFailure | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                if failure is not None:
+                    self.recover(failure, reform_bus=bus)
+                return part()
+            except ActorFailure as exc:
+                log.warning("%s (attempt %d of %d): %s", what, attempt, MAX_ATTEMPTS, exc)
+                failure = exc
+        raise RuntimeError(f"{what} failed {MAX_ATTEMPTS} times in step {self.step}; last: {failure}") from failure
+
+    def start_collection(self) -> None:
+        """Async mode: every env pool starts collecting until it is stopped."""
+        for pool in self.actors.env_pools:
+            if pool.wait(0.0):  # not running yet (a retry after a recovery skips the started)
+                pool.start(None)
+        self.collecting = True
+
+    def check(self, force: bool = False) -> None:
+        """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover."""
+        if not force and time.monotonic() - self.last_check < self.health_check_s:
+            return
+        self.last_check = time.monotonic()
+        self.run("health check", lambda: self.recover(None))
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
+        """Restart every lost actor in dependency order (module docstring); re-form the bus
+        when a worker was restarted or ``reform_bus``."""
+        lost = failure.name if failure is not None else None
+        if not self._alive(self.actors.learner, lost):
+            raise LearnerDied(self._learner_message(failure))
+        if not self._alive(self.actors.buffer, lost):
+            self._restart_buffer()
+        dead = [i for i, w in enumerate(self.actors.inference) if not self._alive(w, lost)]
+        for i in dead:
+            self._restart_inference(i)
+        bus_failed = isinstance(failure, BusFailure) or (isinstance(failure, CallTimeout) and reform_bus)
+        if dead or (failure is not None and reform_bus) or bus_failed:
+            self._reform_bus()
+        if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
+            self._restart_reference()
+        for j, pool in enumerate(self.actors.env_pools):
+            if not self._alive(pool, lost):
+                self._restart_pool(j)
+        if self.collecting:
+            self._replace_failed_pools()
+
+    def _alive(self, client: Any, lost: str | None) -> bool:
+        """False for the actor a failure named (killed to be sure: a silent actor is as good as
+        dead) and for any actor whose name Ray no longer holds."""
+        if client.name == lost:
+            client.kill()
+            return False
+        return client.alive()
+
+    def _learner_message(self, failure: ActorFailure | None) -> str:
+        last = latest_checkpoint(self.run_dir)
+        where = (f"the last checkpoint is {last}; resume with: rlpost train --resume {self.run_dir}" if last else
+                 "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again")
+        cause = f" ({first_line(failure)})" if failure is not None else ""
+        return f"the learner died during step {self.step}{cause}; {where}"
+
+    def _restart_buffer(self) -> None:
+        """A new buffer from the ledger; every live pool puts again what it keeps."""
+        log.warning("the buffer died; starting it again and asking the env pools for the groups it held")
+        self.actors.buffer.kill()
+        buffer = self.starter.buffer()
+        acknowledged = dict(self.ledger.acknowledged)
+        buffer.restore(BufferSnapshot([], {}, last_seqs=acknowledged, acknowledged=acknowledged))
+        self.actors.buffer = buffer
+        self.counts["restarts_buffer"] += 1
+        for j, pool in enumerate(self.actors.env_pools):
+            if pool.alive():
+                count = pool.set_buffer(buffer.handle, timeout_s=CALL_TIMEOUT_S)
+                log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
+
+    def _restart_inference(self, i: int) -> None:
+        log.warning("inference-%d died; starting it again", i)
+        self.actors.inference[i].kill()
+        worker = self.starter.inference(i)
+        worker.wait_ready(STARTUP_TIMEOUT_S)
+        self.actors.inference[i] = worker
+        self.counts["restarts_inference"] += 1
+
+    def _reform_bus(self) -> None:
+        """Open the bus's next generation with every worker, publish the current weights, and
+        give the live env pools the workers' handles."""
+        workers = self.actors.inference
+        spec = self.actors.learner.reform_publisher(len(workers) + 1, timeout_s=CALL_TIMEOUT_S)
+        wait_all([w.join_bus(spec, rank) for rank, w in enumerate(workers, start=1)], CALL_TIMEOUT_S)
+        self.counts["bus_reforms"] += 1
+        log.warning("weight bus re-formed (generation %s) with %d workers", spec.get("generation"), len(workers))
+        self.publish_weights()
+        for pool in self.actors.env_pools:
+            if pool.alive():
+                pool.set_inference([w.handle for w in workers])
+
+    def _restart_reference(self) -> None:
+        log.warning("the reference actor died; starting it again")
+        self.actors.reference.kill()
+        self.actors.reference = self.starter.reference()
+        self.counts["restarts_reference"] += 1
+
+    def _restart_pool(self, j: int) -> None:
+        """A new ``env-pool-<j>`` (next epoch) from the position of its predecessor's last put."""
+        name = f"env-pool-{j}"
+        self.actors.env_pools[j].kill()
+        self.epochs[j] += 1
+        pool = self.starter.env_pool(j, self.actors.inference, self.actors.buffer, epoch=self.epochs[j])
+        state = self.actors.buffer.fence(name, self.epochs[j])
+        if state is None and self.ledger.acknowledged.get(name):
+            raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
+        if state is not None:
+            pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
+        if self.collecting:
+            pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
+        log.warning("%s started again (epoch %d) from its last put: %s prompts collected", name, self.epochs[j],
+                    state["num_prompts_collected"] if state else 0)
+        self.actors.env_pools[j] = pool
+        self.counts["restarts_env_pool"] += 1
+
+    def _replace_failed_pools(self) -> None:
+        """Async mode: a pool whose collection ended with an error is replaced (its error is
+        logged); one that fails this way MAX_POOL_FAILURES times stops the run with it."""
+        for j, pool in enumerate(self.actors.env_pools):
+            try:
+                ended = pool.wait(0.0)
+            except ActorFailure:
+                raise
+            except Exception as exc:
+                self.pool_failures[j] += 1
+                if self.pool_failures[j] >= MAX_POOL_FAILURES:
+                    raise
+                log.warning("env-pool-%d stopped collecting (%s); replacing it", j, first_line(exc))
+                self._restart_pool(j)
+                continue
+            if ended:
+                log.warning("env-pool-%d stopped collecting; replacing it", j)
+                self._restart_pool(j)
+
+    # ------------------------------------------------------------------ the weight bus
+
+    def publish_weights(self) -> dict:
+        """The learner publishes its weights while every worker receives them; returns the
+        sync's metrics. Raises a client error when a peer fails (the caller recovers)."""
+        timeout = self.cfg.weight_sync.timeout_s
+        receives = [w.update_weights(timeout) for w in self.actors.inference]
+        start = time.perf_counter()
+        published, *infos = wait_all([self.actors.learner.publish(), *receives], timeout + 60)
+        sync_s = time.perf_counter() - start
+        versions = {int(info["version"]) for info in infos}
+        if versions != {self.version}:
+            raise RuntimeError(f"after the weight sync the workers hold versions {sorted(versions)}, "
+                               f"the learner {self.version}")
+        return {"weight_sync_s": sync_s, "weight_sync_bytes": published.get("bytes"),
+                "weight_load_s": max(float(info["load_s"]) for info in infos)}  # the engines' reload

@@ -1,0 +1,195 @@
+"""Chaos harness: runs of the tiny job that lose actors, killed through Ray at random moments.
+
+Each run is a real ``rlpost train`` of the tiny model (vLLM engine, gloo bus, Ray actors) in a
+subprocess. While it trains, the harness attaches to the run's Ray cluster (the address is in
+``RUN_DIR/ray_address``) and kills actors by name, as an operator or a failing node would:
+``ray.kill(ray.get_actor("inference-0", namespace="rlpost-<run>"))``. A kill lands a random
+delay after a random metrics line, so it hits generation, a weight receive, the sync probe, a
+buffer put or a checkpoint by chance; every third run kills two actors in a row. A run passes
+when it finishes every step within its time bound, metrics.jsonl has one line per step, every
+line's accounting holds (``groups_put == groups_trained + groups_dropped_stale +
+groups_in_buffer``) and the restart was counted.
+
+    python scripts/chaos.py                      # 20 runs (make chaos), ~1-2 min each here
+    python scripts/chaos.py --runs 3 --seed 1    # a short one
+
+Exit status 0 when every run passed; the summary (a table, and chaos.json in --out) says what
+each run killed, when, and how it ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VICTIMS = ("inference-0", "env-pool-0", "reference", "buffer", "learner")
+COUNTER = {"inference-0": "restarts_inference", "env-pool-0": "restarts_env_pool", "reference": "restarts_reference",
+           "buffer": "restarts_buffer", "learner": "learner_resumes"}
+
+
+@dataclasses.dataclass
+class Kill:
+    victim: str
+    after_line: int  # killed once metrics.jsonl has this many lines ...
+    delay_s: float  # ... plus this delay
+
+
+@dataclasses.dataclass
+class Plan:
+    name: str
+    mode: str
+    kills: list[Kill]
+
+
+@dataclasses.dataclass
+class Outcome:
+    plan: Plan
+    passed: bool
+    seconds: float
+    problems: list[str]
+    killed: list[str]  # what was actually killed (a victim already gone is skipped)
+    restarts: dict[str, int]
+
+
+def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
+    """Random plans: modes alternate, every third run kills two actors in a row."""
+    rng = random.Random(seed)
+    plans = []
+    for i in range(num_runs):
+        victims = rng.sample(VICTIMS, 2 if i % 3 == 2 else 1)
+        first = rng.randint(1, max(1, steps // 2 - 1))
+        lines = [first, first + rng.randint(2, 3)][: len(victims)]
+        kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2)) for v, line in zip(victims, lines)]
+        plans.append(Plan(f"chaos-{seed}-{i}", "sync" if i % 2 == 0 else "async", kills))
+    return plans
+
+
+def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
+    return [
+        f"model.name_or_path={model}", f"trainer.steps={steps}", "trainer.prompts_per_step=8",
+        f"trainer.mode={plan.mode}", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=3",
+        "trainer.auto_resume=true", "reference.enabled=true", "reference.kl_coef=0.01", "weight_sync.timeout_s=20",
+        "logging.progress=false", f"logging.run_name={plan.name}",
+    ]
+
+
+def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -> Outcome:
+    """One run of ``plan``: train in a subprocess, kill its actors, check what it wrote."""
+    run_dir = out / plan.name
+    log = (out / f"{plan.name}.log").open("w")
+    cmd = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
+           "--run-dir", str(run_dir)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    killed, problems = [], []
+    try:
+        killed = _kill_as_planned(plan, proc, run_dir, start + timeout_s)
+        proc.wait(timeout=max(1.0, start + timeout_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        problems.append(f"did not finish within {timeout_s:.0f}s")
+        proc.kill()
+        proc.wait()
+    finally:
+        log.close()
+    seconds = time.monotonic() - start
+    if proc.returncode not in (0, None) and not problems:
+        tail = (out / f"{plan.name}.log").read_text().strip().splitlines()[-3:]
+        problems.append(f"exit {proc.returncode}: {' | '.join(tail)}")
+    rows = _read_metrics(run_dir)
+    problems += check_metrics(rows, steps)
+    restarts = {COUNTER[v]: rows[-1].get(COUNTER[v], 0) for v in killed} if rows else {}
+    problems += [f"{v} was killed but {COUNTER[v]} is 0" for v in killed if rows and not rows[-1].get(COUNTER[v])]
+    return Outcome(plan, not problems, round(seconds, 1), problems, killed, restarts)
+
+
+def _kill_as_planned(plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float) -> list[str]:
+    import ray
+
+    from rlpost.controller import use_ray_token_if_present
+
+    address_file = run_dir / "ray_address"
+    while not address_file.is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return []
+        time.sleep(0.5)
+    use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
+    ray.init(address=address_file.read_text().strip(), namespace=f"rlpost-{plan.name}", log_to_driver=False,
+             logging_level="ERROR")
+    killed = []
+    try:
+        for kill in plan.kills:
+            while len(_read_metrics(run_dir)) < kill.after_line:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return killed
+                time.sleep(0.2)
+            time.sleep(kill.delay_s)
+            try:
+                ray.kill(ray.get_actor(kill.victim))
+            except ValueError:  # not there at this moment (e.g. the run is restarting it)
+                continue
+            killed.append(kill.victim)
+            print(f"  {plan.name}: killed {kill.victim} after line {kill.after_line} + {kill.delay_s}s", flush=True)
+    finally:
+        ray.shutdown()
+    return killed
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return rows
+
+
+def check_metrics(rows: list[dict], steps: int) -> list[str]:
+    """What is wrong with a finished run's metrics.jsonl (empty: nothing)."""
+    problems = []
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        problems.append(f"steps {[r['step'] for r in rows]}, expected 1..{steps}")
+    for r in rows:
+        if r["groups_put"] != r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"]:
+            problems.append(f"step {r['step']}: groups_put {r['groups_put']} != trained {r['groups_trained']} + dropped "
+                            f"{r['groups_dropped_stale']} + in buffer {r['groups_in_buffer']}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="number of runs (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill plans")
+    parser.add_argument("--steps", type=int, default=10, help="steps per run")
+    parser.add_argument("--timeout", type=float, default=480.0, help="seconds one run may take")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "chaos", help="where the runs and chaos.json go")
+    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-model", help="the tiny model")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for plan in make_plans(args.runs, args.seed, args.steps):
+        print(f"{plan.name} ({plan.mode}): " + ", ".join(f"{k.victim} after line {k.after_line}" for k in plan.kills),
+              flush=True)
+        outcome = run_plan(plan, args.out, args.model, args.steps, args.timeout)
+        print(f"  {'passed' if outcome.passed else 'FAILED'} in {outcome.seconds}s {outcome.restarts} "
+              f"{'; '.join(outcome.problems)}", flush=True)
+        outcomes.append(outcome)
+    (args.out / "chaos.json").write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
+    passed = sum(o.passed for o in outcomes)
+    print(f"chaos: {passed} of {len(outcomes)} runs passed ({sum(len(o.killed) for o in outcomes)} kills); "
+          f"details in {args.out / 'chaos.json'}")
+    return 0 if passed == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""The training loop and its supervisor over local stand-ins, with a death injected at every call.
+
+The stand-ins behave like the run's actors as their clients show them (same methods, the same
+errors when an actor is gone): a real LocalBuffer holds the groups, env pools number and keep
+what they put, the learner counts versions, the bus fails while a worker is dead. One world
+counts every call; a run kills an actor at call k (the callee, or a named actor), for every k
+of a clean run. Each run must finish its steps with every prompt trained exactly once (sync) or
+at most once (async), and the accounting consistent on every metrics line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlpost.clients import ActorLost, BusFailure
+from rlpost.supervisor import LearnerDied, Ledger, RunActors, Supervisor
+from rlpost.transport.buffer import BufferSnapshot, LocalBuffer
+from rlpost.types import Group, Sample
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+
+NAMES = ["buffer", "inference-0", "inference-1", "env-pool-0", "env-pool-1", "reference", "learner"]
+
+
+class World:
+    """Counts calls and kills an actor at call ``kill_at`` (the callee when ``victim`` is None)."""
+
+    def __init__(self, kill_at: int | None = None, victim: str | None = None):
+        self.calls, self.kill_at, self.victim = 0, kill_at, victim
+        self.actors: dict[str, Stand] = {}
+        self.trained: list[tuple[str, int]] = []  # (producer, prompt position) per trained group
+        self.served_version = 0
+
+    def enter(self, actor: "Stand", method: str) -> None:
+        if actor.dead:
+            raise ActorLost(f"{actor.name} is dead", actor.name)
+        self.calls += 1
+        if self.calls != self.kill_at:
+            return
+        target = actor if self.victim is None else self.actors.get(self.victim)
+        if target is not None:
+            target.dead = True
+        if target is actor:
+            raise ActorLost(f"{actor.name} was killed during {method}", actor.name)
+
+
+class Done:
+    """A finished call, as a client's Pending."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout_s: float):
+        return self.value
+
+
+class Stand:
+    def __init__(self, world: World, name: str):
+        self.world, self.name, self.dead = world, name, False
+        world.actors[name] = self
+
+    @property
+    def handle(self):
+        return self
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def kill(self) -> None:
+        self.dead = True
+
+
+class FakeBuffer(Stand):
+    def __init__(self, world, capacity, max_staleness):
+        super().__init__(world, "buffer")
+        self.local = LocalBuffer(capacity, max_staleness)
+
+    def __getattr__(self, method):  # put, take, stats, snapshot, restore, producer_state, fence
+        local = self.__dict__["local"]
+
+        def call(*args, **kwargs):
+            self.world.enter(self, method)
+            if method == "take":
+                for pool in [a for a in self.world.actors.values() if isinstance(a, FakePool)]:
+                    pool.collect_async()  # the async pools' threads ran meanwhile
+                args = (args[0], 0.01, *args[2:])
+            return getattr(local, method)(*args, **kwargs)
+
+        return call
+
+
+class FakeInference(Stand):
+    def __init__(self, world, index):
+        super().__init__(world, f"inference-{index}")
+        self.version = 0
+
+    def wait_ready(self, timeout_s):
+        self.world.enter(self, "get_version")
+        return self.version
+
+    def join_bus(self, spec, rank):
+        self.world.enter(self, "join_bus")
+        return Done(rank)
+
+    def update_weights(self, timeout_s):
+        self.world.enter(self, "update_weights")
+        self.version = self.world.actors["learner"].version
+        return Done({"version": self.version, "load_s": 0.0})
+
+    def score(self, token_ids, temperature, timeout_s):
+        self.world.enter(self, "score")
+        return [[0.0] * len(t) for t in token_ids]
+
+
+class FakeReference(Stand):
+    def __init__(self, world):
+        super().__init__(world, "reference")
+
+    def annotate(self, groups, timeout_s):
+        self.world.enter(self, "annotate")
+        return groups
+
+
+class FakeLearner(Stand):
+    def __init__(self, world):
+        super().__init__(world, "learner")
+        self.version = 0
+
+    def train_step(self, groups, timeout_s):
+        self.world.enter(self, "train_step")
+        self.version += 1
+        self.world.trained += [(g.producer, g.info["position"]) for g in groups]
+        return {"loss": 0.0, "clip_fraction": 0.0, "policy_version": self.version, "step_time_s": 0.01,
+                "staleness_max": 0.0, "staleness_mean": 0.0}
+
+    def publish(self):
+        self.world.enter(self, "publish")
+        if any(a.dead for a in self.world.actors.values() if isinstance(a, FakeInference)):
+            raise BusFailure("a bus peer is gone")
+        self.world.served_version = self.version
+        return Done({"bytes": 1.0})
+
+    def reform_publisher(self, world_size, timeout_s):
+        self.world.enter(self, "reform_publisher")
+        return {"generation": 1}
+
+    def score(self, token_ids, timeout_s):
+        self.world.enter(self, "score")
+        return [[0.0] * len(t) for t in token_ids]
+
+    def save_checkpoint(self, run_dir, step, rollout_state, timeout_s):
+        self.world.enter(self, "save_checkpoint")
+        return f"{run_dir}/checkpoints/step_{step}"
+
+    def call(self, method, *args, timeout_s):
+        self.world.enter(self, method)
+        return getattr(self, method)
+
+
+class FakePool(Stand):
+    """An env pool: one group per prompt, numbered and kept until acknowledged (as EnvPool)."""
+
+    def __init__(self, world, index, buffer, epoch, batch=2):
+        super().__init__(world, f"env-pool-{index}")
+        self.buffer, self.epoch, self.batch = buffer, epoch, batch
+        self.position = self.num_groups_put = 0
+        self.outbox: list[Group] = []
+        self.left = 0  # sync: prompts left of the share
+        self.forever = False  # async: collecting until stopped
+        self.blocked = False  # its buffer died: waiting for set_buffer
+
+    def start(self, num_groups_total, timeout_s=60.0):
+        self.world.enter(self, "start")
+        if num_groups_total is None:
+            self.forever = True
+        else:
+            self.left = num_groups_total
+            while self.left > 0 and not self.blocked and not self.dead:
+                self._batch(min(self.batch, self.left))
+
+    def collect_async(self):
+        local = self.buffer.local
+        if self.forever and not self.blocked and not self.dead and local.stats().size < local.capacity:
+            self._batch(self.batch)
+
+    def _version(self):
+        return self.world.served_version
+
+    def _batch(self, n):
+        groups = []
+        for i in range(n):
+            self.num_groups_put += 1
+            sample = Sample(prompt_id=self.position + i, token_ids=[1, 2, 3], logprobs=[0.0, 0.0, 0.0],
+                            loss_mask=[False, True, True], prompt_len=1, reward=1.0, policy_version=self._version(),
+                            finished=True)
+            groups.append(Group(self.position + i, [sample], [0.0], self._version(), {"position": self.position + i},
+                                producer=self.name, seq=self.num_groups_put))
+        self.position += n
+        self.left -= n
+        self.outbox += groups
+        state = self.state_dict()
+        try:
+            receipt = self.buffer.put(groups, 1.0, self.name, state, self.epoch)
+        except ActorLost:
+            self.blocked = True  # EnvPool waits for set_buffer here
+            return
+        self.outbox = [g for g in self.outbox if g.seq > receipt.acknowledged]
+
+    def wait(self, wait_s):
+        self.world.enter(self, "wait")
+        return not self.blocked and self.left <= 0 and not self.forever
+
+    def set_buffer(self, buffer, timeout_s):
+        self.world.enter(self, "set_buffer")
+        self.buffer, self.blocked = buffer, False
+        receipt = buffer.local.put(self.outbox, 1.0, self.name, self.state_dict(), self.epoch, force=True)
+        self.outbox = [g for g in self.outbox if g.seq > receipt.acknowledged]
+        while self.left > 0 and not self.blocked:
+            self._batch(min(self.batch, self.left))
+        return len(self.outbox)
+
+    def set_inference(self, handles, timeout_s=60.0):
+        self.world.enter(self, "set_inference")
+
+    def stop(self, timeout_s):
+        self.forever = False
+
+    def state_dict(self):
+        return {"num_prompts_collected": self.position, "num_groups_put": self.num_groups_put}
+
+    def load_state_dict(self, state, timeout_s=60.0):
+        self.world.enter(self, "load_state_dict")
+        self.position, self.num_groups_put = state["num_prompts_collected"], state["num_groups_put"]
+        self.outbox, self.left = [], 0
+
+
+class Starter:
+    def __init__(self, world, cfg):
+        self.world, self.cfg = world, cfg
+
+    def buffer(self):
+        from rlpost.controller import buffer_capacity, staleness_cap
+
+        return FakeBuffer(self.world, buffer_capacity(self.cfg), staleness_cap(self.cfg))
+
+    def inference(self, index):
+        return FakeInference(self.world, index)
+
+    def reference(self):
+        return FakeReference(self.world)
+
+    def env_pool(self, index, inference, buffer, epoch=0):
+        return FakePool(self.world, index, buffer, epoch)
+
+    def start_all(self):
+        buffer = self.buffer()
+        inference = [self.inference(i) for i in range(2)]
+        pools = [self.env_pool(j, inference, buffer) for j in range(2)]
+        return RunActors(buffer, inference, pools, FakeLearner(self.world), self.reference())
+
+
+def make_cfg(mode):
+    from rlpost.config import load_config
+
+    return load_config("configs/tiny-cpu.yaml", [
+        f"trainer.mode={mode}", "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.max_staleness=1",
+        "rollout.num_env_pools=2", "rollout.num_inference_workers=2", "reference.enabled=true",
+        "logging.progress=false", "logging.run_name=stand-ins",
+    ])
+
+
+def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None):
+    """One run over stand-ins; returns the world and the metrics lines."""
+    import rlpost.controller as ctl
+
+    monkeypatch.setattr(ctl, "plot_metrics", lambda records, out, title: out)
+    monkeypatch.setattr(ctl, "POLL_S", 0.0)
+    world = World(kill_at, victim)
+    cfg = make_cfg(mode)
+    starter = Starter(world, cfg)
+    run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}"
+    run_dir.mkdir()
+    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
+    supervisor.health_check_s = 0.0
+    controller = ctl.Controller(cfg, run_dir, supervisor)
+    controller.probe = [1, 2, 3]
+    controller.run()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return world, rows
+
+
+def check_run(world, rows, mode):
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # nothing completed is lost silently, nothing counted twice
+        assert r["groups_put"] == r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"], r
+    assert len(world.trained) == len(set(world.trained)), "a group was trained twice"
+    if mode == "sync":  # each pool's prompts 0..5, every one trained once
+        assert sorted(world.trained) == [(f"env-pool-{j}", p) for j in range(2) for p in range(6)]
+        assert all(r["staleness_mean"] == 0.0 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_clean_run_over_stand_ins(tmp_path, monkeypatch, mode):
+    world, rows = run_world(tmp_path, monkeypatch, mode)
+    check_run(world, rows, mode)
+    assert rows[-1]["groups_trained"] == 12 and rows[-1]["restarts_env_pool"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_callee_dies_at_every_call(tmp_path, monkeypatch, mode):
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    recovered = 0
+    for k in range(1, clean.calls + 1):
+        try:
+            world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k)
+        except LearnerDied as died:
+            assert "the learner died during step" in str(died)
+            continue
+        check_run(world, rows, mode)
+        recovered += sum(rows[-1][key] for key in ("restarts_inference", "restarts_env_pool", "restarts_reference",
+                                                   "restarts_buffer"))
+    assert recovered >= clean.calls // 2  # most kills were restarts, not learner deaths
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("victim", [n for n in NAMES if n != "learner"])
+def test_any_actor_dies_at_any_call(tmp_path, monkeypatch, mode, victim):
+    """``victim`` dies while another actor is being called, at every call of a clean run."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    role = {"buffer": "restarts_buffer", "reference": "restarts_reference"}.get(victim)
+    role = role or ("restarts_inference" if victim.startswith("inference") else "restarts_env_pool")
+    restarted = 0
+    for k in range(1, clean.calls + 1):
+        world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim=victim)
+        check_run(world, rows, mode)
+        assert rows[-1][role] <= 1
+        restarted += rows[-1][role]
+    # a death noticed by no later call (e.g. a pool killed after its last share) needs no restart
+    assert restarted >= clean.calls // 2, (restarted, clean.calls)
+
+
+def test_a_buffer_rebuilt_from_the_ledger_skips_what_was_received():
+    ledger = Ledger(acknowledged={"env-pool-0": 3})
+    buffer = LocalBuffer(capacity=4)
+    buffer.restore(BufferSnapshot([], {}, last_seqs=dict(ledger.acknowledged), acknowledged=dict(ledger.acknowledged)))
+    replay = [Group(i, [], [], 0, producer="env-pool-0", seq=i) for i in (2, 3, 4, 5)]
+    receipt = buffer.put(replay, 1.0, "env-pool-0", {"num_prompts_collected": 5}, force=True)
+    assert [g.seq for g in buffer.get(2, 1.0)] == [4, 5] and receipt.acknowledged == 3
+
+
+def test_a_fenced_producer_cannot_put():
+    buffer = LocalBuffer(capacity=4)
+    buffer.put([Group(0, [], [], 0, producer="p", seq=1)], 1.0, "p", {"at": 1})
+    assert buffer.fence("p", 1) == {"at": 1}
+    late = buffer.put([Group(1, [], [], 0, producer="p", seq=2)], 1.0, "p", {"at": 2}, epoch=0)
+    assert not late.accepted and buffer.stats().size == 1 and buffer.producer_state("p") == {"at": 1}
