@@ -228,6 +228,10 @@ class LearnerClient(ActorClient):
     def score(self, token_ids: list[list[int]], timeout_s: float) -> list[list[float]]:
         return self.call("score", token_ids, timeout_s=timeout_s)
 
+    def version(self, timeout_s: float) -> int:
+        """The learner's weights version (after any call it is still running)."""
+        return self.call("version", timeout_s=timeout_s)
+
     def connect_publisher(self, *args: Any, timeout_s: float) -> dict:
         return _as_dict(self.call("connect_publisher", *args, timeout_s=timeout_s))
 

@@ -429,7 +429,7 @@ class Controller:
             log.warning("stopping: the learner is gone, so no final checkpoint (the last one on disk stays)")
             return
         try:
-            version = self.actors.learner.call("version", timeout_s=CHECKPOINT_TIMEOUT_S)
+            version = self.actors.learner.version(timeout_s=CHECKPOINT_TIMEOUT_S)
             if version != self.version:  # the interrupted step was trained after all
                 self.trained_step, self.taken = self.step, []
             if self.trained_step < self.first_step:

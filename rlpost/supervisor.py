@@ -43,7 +43,6 @@ from rlpost.clients import (
     ActorFailure,
     BufferClient,
     BusFailure,
-    CallTimeout,
     EnvPoolClient,
     InferenceClient,
     LearnerClient,
@@ -316,8 +315,7 @@ class Supervisor:
         dead = [i for i, w in enumerate(self.actors.inference) if not self._alive(w, lost)]
         for i in dead:
             self._restart_inference(i)
-        bus_failed = isinstance(failure, BusFailure) or (isinstance(failure, CallTimeout) and reform_bus)
-        if dead or (failure is not None and reform_bus) or bus_failed:
+        if dead or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
             self._restart_reference()

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from rlpost.actors.buffer import start_buffer
-from rlpost.transport.buffer import BufferTimeout
+from rlpost.transport.buffer import BufferLost, BufferTimeout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -69,6 +69,6 @@ def test_dead_actor_is_an_error_not_a_hang(ray_cluster):
     buf = start_buffer(capacity=4, max_staleness=None, name="buffer-dead")
     ray.kill(buf.handle)
     start = time.monotonic()
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(BufferLost, match="the buffer actor died"):
         buf.get(1, timeout_s=1)
     assert time.monotonic() - start < 30

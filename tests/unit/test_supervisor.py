@@ -15,6 +15,7 @@ import json
 import pytest
 
 from rlpost.clients import ActorLost, BusFailure
+from rlpost.shutdown import StopRequested
 from rlpost.supervisor import LearnerDied, Ledger, RunActors, Supervisor
 from rlpost.transport.buffer import BufferSnapshot, LocalBuffer
 from rlpost.types import Group, Sample
@@ -57,9 +58,12 @@ class Done:
 
 
 class Stand:
+    registry: list["Stand"] = []  # every stand-in made (the test of a stop looks its learner up)
+
     def __init__(self, world: World, name: str):
         self.world, self.name, self.dead = world, name, False
         world.actors[name] = self
+        Stand.registry.append(self)
 
     @property
     def handle(self):
@@ -106,7 +110,7 @@ class FakeInference(Stand):
 
     def update_weights(self, timeout_s):
         self.world.enter(self, "update_weights")
-        self.version = self.world.actors["learner"].version
+        self.version = self.world.actors["learner"].weights
         return Done({"version": self.version, "load_s": 0.0})
 
     def score(self, token_ids, temperature, timeout_s):
@@ -126,20 +130,24 @@ class FakeReference(Stand):
 class FakeLearner(Stand):
     def __init__(self, world):
         super().__init__(world, "learner")
-        self.version = 0
+        self.weights = 0  # the weights version
+        self.saved: list[tuple[int, dict]] = []
+        self.stop_at_step: int | None = None  # a SIGTERM arrives while this step trains
 
     def train_step(self, groups, timeout_s):
         self.world.enter(self, "train_step")
-        self.version += 1
+        if self.weights + 1 == self.stop_at_step:
+            raise StopRequested("SIGTERM")
+        self.weights += 1
         self.world.trained += [(g.producer, g.info["position"]) for g in groups]
-        return {"loss": 0.0, "clip_fraction": 0.0, "policy_version": self.version, "step_time_s": 0.01,
+        return {"loss": 0.0, "clip_fraction": 0.0, "policy_version": self.weights, "step_time_s": 0.01,
                 "staleness_max": 0.0, "staleness_mean": 0.0}
 
     def publish(self):
         self.world.enter(self, "publish")
         if any(a.dead for a in self.world.actors.values() if isinstance(a, FakeInference)):
             raise BusFailure("a bus peer is gone")
-        self.world.served_version = self.version
+        self.world.served_version = self.weights
         return Done({"bytes": 1.0})
 
     def reform_publisher(self, world_size, timeout_s):
@@ -152,11 +160,13 @@ class FakeLearner(Stand):
 
     def save_checkpoint(self, run_dir, step, rollout_state, timeout_s):
         self.world.enter(self, "save_checkpoint")
+        self.saved.append((step, rollout_state))
         return f"{run_dir}/checkpoints/step_{step}"
 
-    def call(self, method, *args, timeout_s):
-        self.world.enter(self, method)
-        return getattr(self, method)
+    def version(self, timeout_s):
+        self.world.enter(self, "version")
+        return self.weights
+
 
 
 class FakePool(Stand):
@@ -271,7 +281,7 @@ def make_cfg(mode):
     ])
 
 
-def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None):
+def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None):
     """One run over stand-ins; returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
@@ -286,7 +296,12 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None):
     supervisor.health_check_s = 0.0
     controller = ctl.Controller(cfg, run_dir, supervisor)
     controller.probe = [1, 2, 3]
-    controller.run()
+    supervisor.actors.learner.stop_at_step = stop_at_step
+    try:
+        controller.run()
+    except StopRequested:
+        controller.checkpoint_on_stop()
+        raise
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return world, rows
 
@@ -356,3 +371,17 @@ def test_a_fenced_producer_cannot_put():
     assert buffer.fence("p", 1) == {"at": 1}
     late = buffer.put([Group(1, [], [], 0, producer="p", seq=2)], 1.0, "p", {"at": 2}, epoch=0)
     assert not late.accepted and buffer.stats().size == 1 and buffer.producer_state("p") == {"at": 1}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_checkpoints_the_last_trained_step_with_the_taken_groups_back_in_the_buffer(tmp_path, monkeypatch,
+                                                                                           mode):
+    with pytest.raises(StopRequested):
+        run_world(tmp_path, monkeypatch, mode, stop_at_step=2)
+    learner = next(a for a in reversed(Stand.registry) if isinstance(a, FakeLearner))
+    (step, state), = learner.saved  # one checkpoint: the stop's, of step 1
+    assert step == 1
+    assert state["ledger"]["groups_taken"] == 4  # step 1's groups; step 2's were taken, not trained
+    assert len(state["buffer_groups"]) >= 4  # step 2's groups go back first
+    positions = [(g.producer, g.info["position"]) for g in state["buffer_groups"][:4]]
+    assert not set(positions) & set(learner.world.trained)
