@@ -142,6 +142,16 @@ def alive(name: str, handle: Any) -> bool:
         return False
 
 
+def kill(handle: Any) -> None:
+    """Kill the actor ``handle`` (no-op when it is already gone)."""
+    import ray
+
+    try:
+        ray.kill(handle)
+    except Exception:  # already dead: nothing to do
+        pass
+
+
 class ActorClient:
     """A named actor behind bounded calls; subclasses give each role its methods."""
 
@@ -158,13 +168,7 @@ class ActorClient:
         return alive(self.name, self.handle)
 
     def kill(self) -> None:
-        """Kill the actor (no-op when it is already gone)."""
-        import ray
-
-        try:
-            ray.kill(self.handle)
-        except Exception:  # already dead: nothing to do
-            pass
+        kill(self.handle)
 
 
 class InferenceClient(ActorClient):
@@ -259,6 +263,12 @@ class BufferClient(RayBuffer):
             if "did not answer" in str(exc):  # RayBuffer's own reply timeout: the actor is silent
                 raise CallTimeout(str(exc), self.name) from exc
             raise
+
+    def alive(self) -> bool:
+        return alive(self.name, self.handle)
+
+    def kill(self) -> None:
+        kill(self.handle)
 
 
 def _as_dict(spec: Any) -> dict:

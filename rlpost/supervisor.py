@@ -141,21 +141,17 @@ class ActorStarter:
         self.cfg = cfg
         self.placement_group, self.place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
 
-    def _options(self, name: str, role, **extra) -> dict:
-        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=self.place(name),
-                    **extra)
+    def _options(self, name: str, role) -> dict:
+        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=self.place(name))
 
     def buffer(self) -> BufferClient:
-        import ray
-
-        from rlpost.actors.buffer import BufferActor
+        from rlpost.actors.buffer import start_buffer
         from rlpost.controller import buffer_capacity, staleness_cap
 
         cfg = self.cfg
-        handle = (ray.remote(BufferActor)
-                  .options(name="buffer", num_cpus=cfg.resources.buffer.num_cpus, max_concurrency=16)
-                  .remote(buffer_capacity(cfg), staleness_cap(cfg), cfg.logging.run_name or ""))
-        return BufferClient(handle)
+        started = start_buffer(buffer_capacity(cfg), staleness_cap(cfg), num_cpus=cfg.resources.buffer.num_cpus,
+                               run_name=cfg.logging.run_name or "")
+        return BufferClient(started.handle)
 
     def inference(self, index: int) -> InferenceClient:
         import ray
@@ -169,12 +165,9 @@ class ActorStarter:
         return InferenceClient(name, handle)
 
     def learner(self) -> LearnerClient:
-        import ray
+        from rlpost.actors.learner import start_learner
 
-        from rlpost.actors.learner import LearnerActor
-
-        handle = ray.remote(LearnerActor).options(**self._options("learner", self.cfg.resources.learner)).remote(self.cfg)
-        return LearnerClient("learner", handle)
+        return LearnerClient("learner", start_learner(self.cfg, scheduling_strategy=self.place("learner")))
 
     def reference(self) -> ReferenceClient:
         import ray
@@ -186,17 +179,13 @@ class ActorStarter:
 
     def env_pool(self, index: int, inference: list[InferenceClient], buffer: BufferClient,
                  epoch: int = 0) -> EnvPoolClient:
-        import ray
-
-        from rlpost.actors.env_pool import EnvPoolActor
+        from rlpost.actors.env_pool import start_env_pool
         from rlpost.actors.inference import RemoteVLLMClient
         from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"
-        options = self._options(name, self.cfg.resources.env_pool, max_concurrency=4)
-        handle = (ray.remote(EnvPoolActor).options(**options)
-                  .remote(self.cfg, index, RemoteVLLMClient([w.handle for w in inference]), RayBuffer(buffer.handle),
-                          epoch=epoch))
+        handle = start_env_pool(self.cfg, index, RemoteVLLMClient([w.handle for w in inference]),
+                                RayBuffer(buffer.handle), epoch=epoch, scheduling_strategy=self.place(name))
         return EnvPoolClient(name, handle)
 
     def start_all(self) -> RunActors:

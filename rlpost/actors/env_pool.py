@@ -193,8 +193,6 @@ class EnvPool:
         self._after_put(receipt)
 
     def _after_put(self, receipt: Any) -> None:
-        if receipt is None:  # a buffer without receipts (e.g. a test's stand-in)
-            return
         if not receipt.accepted:
             raise RuntimeError(f"{self.name} (epoch {self.epoch}) was replaced: the buffer refuses its puts")
         with self._buffer_changed:
@@ -414,10 +412,12 @@ def start_env_pool(
     *,
     namespace: str | None = None,
     max_concurrency: int = 4,
+    epoch: int = 0,
     **options: Any,
 ):
     """Start the actor ``env-pool-<pool_index>`` (CPUs/GPUs from ``cfg.resources.env_pool``;
-    ``options`` go to ``.options()``, e.g. a placement-group scheduling strategy) and return
+    ``options`` go to ``.options()``, e.g. a placement-group scheduling strategy; ``epoch``: the
+    pool's incarnation, see :class:`EnvPool`) and return
     its handle."""
     import ray  # here, not at import: EnvPool must work where Ray is not installed
 
@@ -430,7 +430,7 @@ def start_env_pool(
             name=f"env-pool-{pool_index}", namespace=namespace, num_cpus=resources.num_cpus,
             num_gpus=resources.num_gpus, max_concurrency=max_concurrency, **options,
         )  # fmt: skip
-        .remote(cfg, pool_index, engine_client, buffer)
+        .remote(cfg, pool_index, engine_client, buffer, epoch=epoch)
     )
 
 

@@ -92,10 +92,9 @@ class BufferSnapshot:
 @dataclass(frozen=True)
 class PutReceipt:
     """What a put tells its producer: whether the buffer took the batch (False: the producer was
-    fenced off), its highest accepted ``seq``, and the consumer's acknowledgement for it."""
+    fenced off) and the consumer's acknowledgement for it (the highest ``seq`` received)."""
 
     accepted: bool
-    last_seq: int
     acknowledged: int
 
 
@@ -188,7 +187,7 @@ class LocalBuffer:
             return self._receipt(producer, accepted=True)
 
     def _receipt(self, producer: str | None, accepted: bool) -> PutReceipt:
-        return PutReceipt(accepted, self._last_seqs.get(producer, 0), self._acknowledged.get(producer, 0))
+        return PutReceipt(accepted, self._acknowledged.get(producer, 0))
 
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
         """Wait until ``num_groups`` more groups fit (capped at the capacity) beside what the
@@ -377,23 +376,6 @@ class RayBuffer:
 
     def producer_state(self, producer: str) -> Any:
         return self._call(self.handle.producer_state.remote(producer), 0.0)
-
-    def alive(self) -> bool:
-        """Whether the buffer actor still holds its name (asked of Ray, not of the actor)."""
-        import ray
-
-        try:
-            return ray.get_actor(self.name) == self.handle
-        except ValueError:
-            return False
-
-    def kill(self) -> None:
-        import ray
-
-        try:
-            ray.kill(self.handle)
-        except Exception:  # already gone
-            pass
 
     def _call(self, ref, timeout_s: float):
         import ray
