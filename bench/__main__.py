@@ -28,6 +28,7 @@ BENCHMARKS = {
     "weight_sync": "bench.bench_weight_sync",
     "buffer": "bench.bench_buffer",
     "scaling": "bench.bench_scaling",
+    "sandbox": "bench.bench_sandbox",
     "profile_tiny": "bench.profile_step --model tiny",  # the e2e runs now carry the same split
     "profile_qwen05b": "bench.profile_step --model qwen05b",
 }

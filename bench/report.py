@@ -27,7 +27,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
     data = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
     parts = [_header(data, quick)]
     for name, section in (("rollout", _rollout), ("e2e", _e2e), ("weight_sync", _weight_sync),
-                          ("buffer", _buffer), ("scaling", _scaling)):
+                          ("buffer", _buffer), ("scaling", _scaling), ("sandbox", _sandbox)):
         if name in data:
             parts.append(section(data[name], results, out.parent))
         else:
@@ -47,6 +47,7 @@ TITLES = {
     "weight_sync": "3. Weight sync: the 0.5B-shaped model over the gloo bus",
     "buffer": "4. Buffer: groups/s and share of step time",
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
+    "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
 }
 
 
@@ -290,6 +291,19 @@ def _buffer(d: dict, results: Path, base: Path) -> str:
             lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
         else:
             lines.append(f"| {name} | {_fmt(c)} | - |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _sandbox(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [f"## {TITLES['sandbox']}", "",
+             f"One Python tool call (`{s['code'].strip()}` in a fresh interpreter, output collected, everything "
+             "killed) behind bubblewrap's namespaces (`bwrap`, the default) against the in-process guard alone "
+             f"(`guard`), a block in a running persistent interpreter, and a user tool function in a warm worker "
+             f"process; medians of {s['repeats']} repeats of {s['calls_per_repeat']} calls.", "", _ratios(d),
+             "| case | median (s) | repeats |", "| --- | --- | --- |"]
+    for name, c in d["cases"].items():
+        lines.append(f"| {name} | {_fmt(c['median'], 4)} | {_repeats(c, 4)} |")
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

@@ -61,21 +61,62 @@ class DataConfig(_Section):
     split: str = Field("train", description="Dataset split to draw prompts from.")
     prompt_column: str = Field("question", description="Column holding the user prompt.")
     answer_column: str = Field("answer", description="Column holding the reference answer for the reward.")
-    task: Literal["arithmetic", "gsm8k", "custom"] = Field(
+    task: Literal["arithmetic", "tool_arithmetic", "gsm8k", "custom"] = Field(
         "arithmetic",
-        description="Reward and prompt format: 'arithmetic' (offline synthetic), 'gsm8k' (answer after "
-        "####), or 'custom' (reward_fn).",
+        description="Reward and prompt format: 'arithmetic' (offline synthetic), 'tool_arithmetic' (offline "
+        "synthetic products too large to do in the head: needs tools.python), 'gsm8k' (answer after ####), "
+        "or 'custom' (reward_fn).",
     )
     reward_fn: str | None = Field(
         None,
         description="Dotted path 'package.module:function' called as fn(completion, row) -> float; "
         "required for task=custom, optional extra reward otherwise.",
     )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="Wall-clock limit of one reward_fn call (it runs in a worker process); past it "
+        "the sample scores 0 and counts in reward_errors.",
+    )
     system_prompt: str | None = Field(None, description="System prompt; None uses the task's default.")
     group_size: int = Field(8, description="Samples per prompt (the GRPO group); at least 2.")
     num_synthetic_rows: int = Field(2000, ge=1, description="Rows generated for task=arithmetic without a dataset.")
     shuffle: bool = Field(True, description="Shuffle prompts with `seed` (the order is reproducible).")
     seed: int = Field(0, description="Seed of the prompt shuffle and the synthetic task.")
+
+
+class PythonToolConfig(_Section):
+    """The Python tool: ```python blocks in the model's answers run in the sandbox."""
+
+    enabled: bool = Field(False, description="Run the ```python blocks of each assistant turn and show the output.")
+    timeout_s: float = Field(5.0, gt=0, description="Wall-clock limit of one code block.")
+    memory_mb: int = Field(512, ge=32, description="Address-space limit of the interpreter.")
+    max_output_bytes: int = Field(4096, ge=1, description="Output shown to the model; more stops the block.")
+    persistent: bool = Field(
+        False, description="One interpreter per episode (names persist between blocks), as TorchRL's "
+        "persistent=True; otherwise a fresh one per block.",
+    )
+    max_workers: int = Field(2, ge=1, description="Code blocks of one batch run at once per env pool.")
+
+
+class ToolsConfig(_Section):
+    """Tools the model may call during an episode (multi-turn: set rollout.max_turns >= 2)."""
+
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="The sandboxed Python tool.")
+    functions: list[str] = Field(
+        default_factory=list,
+        description="Your tool functions as 'package.module:function' paths, called by name from "
+        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks (Qwen/Hermes format).",
+    )
+    function_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool function call.")
+    sandbox: Literal["bwrap", "guard"] = Field(
+        "bwrap",
+        description="'bwrap': Linux namespaces (the run refuses where they are unavailable); 'guard': only the "
+        "in-process guard and rlimits, NOT a security boundary (accept it explicitly on hosts without user "
+        "namespaces).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.python.enabled or bool(self.functions)
 
 
 class EngineConfig(_Section):
@@ -223,6 +264,7 @@ class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts, rewards and group size.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and worker counts.")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools the model may call.")
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model and KL.")
     loss: LossConfig = Field(default_factory=LossConfig, description="GRPO loss family.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
@@ -250,6 +292,13 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(f"data.dataset is required for data.task={cfg.data.task}")
     if cfg.data.task == "custom" and not cfg.data.reward_fn:
         errors.append("data.reward_fn is required for data.task=custom ('package.module:function')")
+    if cfg.tools.enabled and cfg.rollout.max_turns < 2:
+        errors.append(
+            f"tools are enabled but rollout.max_turns is {cfg.rollout.max_turns}; a tool's result is read on the "
+            "next turn, so set rollout.max_turns >= 2"
+        )
+    if cfg.data.task == "tool_arithmetic" and not cfg.tools.python.enabled:
+        errors.append("data.task=tool_arithmetic needs the Python tool: set tools.python.enabled=true")
     if cfg.trainer.prompts_per_step % cfg.rollout.num_env_pools:
         errors.append(
             f"trainer.prompts_per_step ({cfg.trainer.prompts_per_step}) must be divisible by "

@@ -60,7 +60,7 @@ from statistics import mean, pstdev
 
 from rlpost.clients import ActorFailure
 from rlpost.config import JobConfig
-from rlpost.metrics import MetricsWriter, RayMetrics, plot_metrics, read_metrics
+from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_metrics, read_metrics
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
 from rlpost.shutdown import StopRequested, stop_on_signals
 from rlpost.supervisor import (
@@ -373,6 +373,7 @@ class Controller:
         record = dict(metrics)
         record["learner_step_s"] = record.pop("step_time_s")  # the learner's own compute; train_s adds the transfer
         record.update(step=step, policy_version=self.version, reward_mean=mean(rewards), reward_std=pstdev(rewards))
+        record.update(episode_metrics(groups))
         record.setdefault("kl_to_ref", None)
         return record
 

@@ -317,8 +317,31 @@ def _looks_local(name: str) -> bool:
 # ------------------------------------------------------------------------------ all of it
 
 
+def sandbox_check(cfg: JobConfig | None, problem: Callable[[], str | None] | None = None) -> Check:
+    """Whether the tool sandbox's Linux namespaces (bwrap) work here, and what the config asks for.
+
+    Fails when the config enables tools with ``tools.sandbox: bwrap`` and namespaces do not work
+    (the run would refuse); warns when the config accepts the weaker ``guard``, or without a
+    config when namespaces are unavailable."""
+    from rlpost.envs.sandbox import namespace_problem
+
+    reason = (problem or namespace_problem)()
+    tools = cfg.tools if cfg is not None else None
+    if tools is not None and tools.enabled and tools.sandbox == "guard":
+        state = "available" if reason is None else f"unavailable ({reason})"
+        return Check("tool sandbox", "warn", f"tools.sandbox=guard: model-written code runs behind the in-process "
+                     f"guard only, not a security boundary (namespaces {state})")
+    if reason is None:
+        return Check("tool sandbox", "ok", "Linux namespaces (bwrap) work: model-written code runs isolated")
+    if tools is not None and tools.enabled:
+        return Check("tool sandbox", "fail", f"namespaces unavailable: {reason}; the run refuses its tools "
+                     "(set tools.sandbox: guard to accept the weaker guard)")
+    return Check("tool sandbox", "warn", f"namespaces unavailable: {reason}; jobs with tools need tools.sandbox: guard")
+
+
 def run_checks(cfg: JobConfig | None = None, *, address: str | None = None) -> list[Check]:
     checks = version_checks(collect_installed()) + import_checks() + device_checks(cfg) + [auth_check()]
+    checks.append(sandbox_check(cfg))
     if address:
         checks.append(cluster_check(address))
     if cfg is not None:

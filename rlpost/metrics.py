@@ -104,6 +104,23 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
+    """Per-step episode figures from the trained groups (``rlpost.types.Group``): ``turns_mean``
+    and ``tool_calls_mean`` per sample, ``tool_error_fraction`` of the tool calls (0 without
+    calls), ``tool_time_s`` summed over the samples, and ``reward_errors``: failed reward
+    computations in the batches these groups came from."""
+    groups = list(groups)
+    samples = [s for g in groups for s in g.samples]
+    calls = sum(s.num_tool_calls for s in samples)
+    return {
+        "turns_mean": sum(s.num_turns for s in samples) / max(len(samples), 1),
+        "tool_calls_mean": calls / max(len(samples), 1),
+        "tool_error_fraction": sum(s.num_tool_errors for s in samples) / calls if calls else 0.0,
+        "tool_time_s": sum(s.tool_time_s for s in samples),
+        "reward_errors": sum(sum(g.info.get("reward_errors", {}).values()) for g in groups),
+    }
+
+
 class RayMetrics:
     """The run's metrics in Ray's metrics system (dashboard, Prometheus), tagged by run name.
 
@@ -130,6 +147,11 @@ class RayMetrics:
         "groups_trained": "Groups trained so far",
         "groups_dropped_stale": "Groups dropped for staleness so far",
         "groups_in_buffer": "Groups waiting in the buffer",
+        "turns_mean": "Assistant turns per trained sample",
+        "tool_calls_mean": "Tool calls per trained sample",
+        "tool_error_fraction": "Share of the step's tool calls that failed",
+        "tool_time_s": "Seconds the step's samples spent in tools",
+        "reward_errors": "Failed reward computations in the step's batches",
     }
     COUNTERS = {
         "samples_generated": "Completions generated",

@@ -45,6 +45,10 @@ class Sample:
     finished: bool
     completion_text: str = ""
     ref_logprobs: list[float] | None = None  # filled by the reference actor when KL is on
+    num_turns: int = 1  # assistant turns in the episode
+    num_tool_calls: int = 0  # tool calls the env ran for it (code blocks, function calls)
+    num_tool_errors: int = 0  # of which failed (an exception, a limit, an unknown tool)
+    tool_time_s: float = 0.0  # wall-clock seconds its tool calls took
 
     @property
     def num_generated(self) -> int:

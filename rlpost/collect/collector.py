@@ -46,6 +46,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlpost.algo import group_advantages
 from rlpost.collect.policy_version import PolicyVersion
+from rlpost.envs.transforms import TOOL_STAT_KEYS
 from rlpost.objectives.mc_advantage import MCAdvantage
 from rlpost.types import Group, Sample
 
@@ -102,6 +103,8 @@ class _Episode:
     policy_version: int | None = None
     finished: bool = False
     frozen: bool = False  # drifted: the sequence ends at the previous turn
+    num_turns: int = 0
+    tool_stats: list[float] = field(default_factory=lambda: [0, 0, 0.0])  # calls, errors, seconds
 
     def add_turn(self, prompt_ids: list[int], generated: list[int], logprobs: list[float]) -> bool:
         """Append one turn; False (nothing appended) when ``prompt_ids`` does not extend the
@@ -277,11 +280,14 @@ class LLMCollector:
             next_td = self.env.step(td).get("next")
             rewards = next_td.get("reward").view(-1).tolist()
             done = next_td.get("done").view(-1).tolist()
+            tool_stats = _tool_stats(next_td, len(active))
             keep = []
             for j, i in enumerate(active):
                 if episodes[i].frozen:  # this turn's response is not in its sample
                     continue
                 episodes[i].reward += rewards[j]
+                episodes[i].num_turns += 1
+                episodes[i].tool_stats = [a + b for a, b in zip(episodes[i].tool_stats, tool_stats[j])]
                 if not done[j]:
                     keep.append(j)
             if not keep or turn == self.max_turns - 1:
@@ -363,6 +369,10 @@ class LLMCollector:
             policy_version=int(version),
             finished=bool(ep.finished),
             completion_text=text,
+            num_turns=ep.num_turns,
+            num_tool_calls=int(ep.tool_stats[0]),
+            num_tool_errors=int(ep.tool_stats[1]),
+            tool_time_s=float(ep.tool_stats[2]),
         )
 
     def _assemble(self, samples: list[Sample]) -> tuple[list[Group], int]:
@@ -449,6 +459,16 @@ def _prompt_ids(td: TensorDictBase, num_rows: int) -> list[int]:
     if len(ids) != num_rows:
         raise RuntimeError(f"reset of {num_rows} rows gave {len(ids)} prompt ids")
     return ids
+
+
+def _tool_stats(next_td: TensorDictBase, num_rows: int) -> list[tuple[float, float, float]]:
+    """Per row: the tool calls, tool errors and tool seconds of this step (the tool transforms
+    write them; zeros without tools)."""
+    columns = []
+    for key in TOOL_STAT_KEYS:
+        value = next_td.get(key, None)
+        columns.append(value.view(-1).tolist() if value is not None else [0] * num_rows)
+    return list(zip(*columns))
 
 
 def _logprobs(completion: Any) -> list[float]:

@@ -1,12 +1,15 @@
-"""Environments: everything around the LLM (seed 000) -- prompts, formatting, rewards, tools.
+"""Environments: everything around the LLM -- prompts, formatting, rewards, tools.
 
-- :class:`ChatEnv` (history / text / tokens modes) and its transforms (:class:`Transform`,
-  :class:`PythonInterpreter`),
+- :class:`ChatEnv` (history / text / tokens modes) and its transforms (:class:`Transform`; the
+  tools :class:`PythonInterpreter`, :class:`SimpleToolTransform`, :class:`StopWithoutToolCall`),
 - :class:`DataLoadingPrimer` / :class:`DatasetChatEnv`: prompts from a dataset, resumable,
-- tasks: :class:`GSM8KEnv`, :class:`ArithmeticEnv`, reward transforms, and :func:`make_env`,
+- tasks: :class:`GSM8KEnv`, :class:`ArithmeticEnv`, :class:`ToolArithmeticEnv`, reward
+  transforms, and :func:`make_env`,
   which builds the env of a job config,
 - KL retrieval on batches: :class:`RetrieveLogProb`, :class:`KLComputation`, :class:`RetrieveKL`,
-- :mod:`rlpost.envs.tools` (the sandboxed ``run_python``) and :mod:`rlpost.envs.rewards`.
+- :mod:`rlpost.envs.tools` (the sandboxed ``run_python`` / ``PythonSession``, over
+  :mod:`rlpost.envs.sandbox`), :mod:`rlpost.envs.function_pool` (user functions with a time
+  limit) and :mod:`rlpost.envs.rewards`.
 
 Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset is loaded.
 """
@@ -18,11 +21,19 @@ from rlpost.envs.tasks import (
     ArithmeticEnv,
     GSM8KEnv,
     GSM8KRewardParser,
+    ToolArithmeticEnv,
     UserReward,
     make_env,
 )
 from rlpost.envs.kl import KLComputation, RetrieveKL, RetrieveLogProb
-from rlpost.envs.transforms import PythonInterpreter, Transform
+from rlpost.envs.transforms import (
+    HermesToolCallParser,
+    PythonInterpreter,
+    SimpleToolTransform,
+    StopWithoutToolCall,
+    ToolCall,
+    Transform,
+)
 
 __all__ = [
     "AnswerRewardParser",
@@ -32,10 +43,15 @@ __all__ = [
     "DatasetChatEnv",
     "GSM8KEnv",
     "GSM8KRewardParser",
+    "HermesToolCallParser",
     "KLComputation",
     "PythonInterpreter",
     "RetrieveKL",
     "RetrieveLogProb",
+    "SimpleToolTransform",
+    "StopWithoutToolCall",
+    "ToolArithmeticEnv",
+    "ToolCall",
     "Transform",
     "UserReward",
     "make_env",

@@ -1,4 +1,4 @@
-"""The synthetic arithmetic task of the tiny model, generated offline from a seed.
+"""The synthetic arithmetic tasks of the tiny model, generated offline from a seed.
 
 Rows look like GSM8K rows reduced to their essentials: ``{"question": "What is 7 + 5?",
 "answer": "12"}``. The completion is graded with the same answer format as GSM8K
@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 ARITHMETIC_SYSTEM_PROMPT = "Answer with <answer>number</answer>."
+TOOL_ARITHMETIC_SYSTEM_PROMPT = "Compute with a ```python block, then answer with <answer>number</answer>."
 
 
 def make_arithmetic_rows(num_rows: int, *, seed: int = 0, max_operand: int = 10) -> list[dict[str, str]]:
@@ -29,6 +30,20 @@ def make_arithmetic_rows(num_rows: int, *, seed: int = 0, max_operand: int = 10)
         op = rng.choice("+-")
         result = a + b if op == "+" else a - b
         rows.append({"question": f"What is {a} {op} {b}?", "answer": str(result)})
+    return rows
+
+
+def make_tool_arithmetic_rows(num_rows: int, *, seed: int = 0) -> list[dict[str, str]]:
+    """``num_rows`` questions "What is a * b?" with a in [100, 9999] and b in [10, 999]: products
+    too large for a small model to work out in its head, so the way to the reward is the Python
+    tool (the ``tool_arithmetic`` task). Same seed, same rows."""
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, b = rng.randint(100, 9999), rng.randint(10, 999)
+        rows.append({"question": f"What is {a} * {b}?", "answer": str(a * b)})
     return rows
 
 

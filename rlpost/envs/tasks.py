@@ -26,14 +26,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
+from rlpost.envs.arithmetic import (
+    ARITHMETIC_SYSTEM_PROMPT,
+    TOOL_ARITHMETIC_SYSTEM_PROMPT,
+    make_arithmetic_rows,
+    make_tool_arithmetic_rows,
+)
 from rlpost.envs.chat import as_list
 from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.rewards import answer_reward, call_user_reward, has_answer, load_reward_fn, parse_gsm8k_target
-from rlpost.envs.transforms import Transform
+from rlpost.envs.sandbox import SandboxUnavailable
+from rlpost.envs.transforms import (
+    HermesToolCallParser,
+    PythonInterpreter,
+    SimpleToolTransform,
+    StopWithoutToolCall,
+    ToolTransformBase,
+    Transform,
+)
 
 if TYPE_CHECKING:
-    from rlpost.config import JobConfig
+    from rlpost.config import JobConfig, ToolsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +121,25 @@ class GSM8KRewardParser(AnswerRewardParser):
 class UserReward(Transform):
     """``reward += fn(latest response, row)`` for a user function (callable or dotted path).
 
-    ``row`` is the dataset row dict under ``row_key`` (written by the DataLoadingPrimer).
-    Failures give 0 and are counted by error type in ``errors``; the first of each type is
-    logged. Deviation from the peer systems: a bad reward function never stops collection.
+    ``row`` is the dataset row dict under ``row_key`` (written by the DataLoadingPrimer). The
+    function runs in a worker process of ``pool`` (:class:`~rlpost.envs.function_pool.FunctionPool`,
+    shared with the env's tool functions) with a wall-clock limit of ``timeout_s``: one that
+    hangs is killed. A failure (an exception, a timeout, a result that is not a finite number)
+    gives that sample 0 and is counted by error type in ``errors``; the first of each type is
+    logged with its traceback. Deviation from the peer systems: a bad reward function never
+    stops collection.
     """
 
-    def __init__(self, fn: str | Callable[[str, Any], float], *, row_key: str = "row") -> None:
+    def __init__(self, fn: str | Callable[[str, Any], float], *, row_key: str = "row", timeout_s: float = 30.0,
+                 pool: FunctionPool | None = None) -> None:  # fmt: skip
         super().__init__()
+        if timeout_s <= 0:
+            raise ValueError(f"UserReward timeout_s must be > 0, got {timeout_s}")
         self.name = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
-        self.fn = load_reward_fn(fn) if isinstance(fn, str) else fn
-        self.row_key = row_key
+        if isinstance(fn, str):
+            load_reward_fn(fn)  # a bad path fails here, naming it, not at the first sample
+        self.fn, self.row_key, self.timeout_s = fn, row_key, timeout_s
+        self.pool = pool if pool is not None else FunctionPool()
         self.errors: Counter = Counter()
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
@@ -124,20 +147,25 @@ class UserReward(Transform):
         if self.row_key not in td.keys():
             raise ValueError(f"UserReward needs the dataset row under {self.row_key!r} in the step input")
         rows = as_list(td.get(self.row_key), num_envs)
-        rewards = []
-        for completion, row in zip(self._env().last_responses(td), rows):
-            reward, error = call_user_reward(self.fn, completion, row)
-            if error is not None:
-                if not self.errors[error]:
-                    logger.warning(
-                        "reward function %s failed with %s; reward 0 (counted in reward_errors)", self.name, error
-                    )
-                self.errors[error] += 1
-            rewards.append(reward)
+        rewards = [self._score(completion, row) for completion, row in zip(self._env().last_responses(td), rows)]
         return add_reward(next_td, rewards)
 
+    def _score(self, completion: str, row: Any) -> float:
+        result = self.pool.call(self.fn, (completion, row), timeout_s=self.timeout_s)
+        if result.ok:
+            reward, error = call_user_reward(lambda *_: result.value, completion, row)
+            detail = f"it returned {result.value!r}"
+        else:
+            reward, error, detail = 0.0, result.error, result.traceback or result.message
+        if error is not None:
+            if not self.errors[error]:
+                logger.warning("reward function %s failed with %s; reward 0 (counted in reward_errors; logged once "
+                               "per error type):\n%s", self.name, error, detail)
+            self.errors[error] += 1
+        return reward
+
     def __repr__(self) -> str:
-        return f"UserReward({self.name!r})"
+        return f"UserReward({self.name!r}, timeout_s={self.timeout_s})"
 
 
 def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
@@ -195,6 +223,28 @@ class ArithmeticEnv(DatasetChatEnv):
             self.append_transform(AnswerRewardParser())
 
 
+class ToolArithmeticEnv(DatasetChatEnv):
+    """Products too large to work out in the head ("What is 4821 * 937?"), offline: the tiny
+    model's tool-use task. Rows from :func:`~rlpost.envs.arithmetic.make_tool_arithmetic_rows`
+    (``num_rows``, ``row_seed``) unless ``dataset`` is given; the answer-format reward on the final
+    answer. Append a :class:`~rlpost.envs.transforms.PythonInterpreter` (``make_env`` does) and
+    allow ``max_steps`` >= 2: the model computes in one turn and answers in the next.
+    """
+
+    SYSTEM_PROMPT = TOOL_ARITHMETIC_SYSTEM_PROMPT
+
+    def __init__(
+        self, *, dataset: Any = None, num_rows: int = 2000, row_seed: int | None = None,
+        compute_reward: bool = True, max_steps: int | None = 2, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if dataset is None:
+            seed = kwargs.get("seed")
+            dataset = make_tool_arithmetic_rows(num_rows, seed=row_seed if row_seed is not None else (seed or 0))
+        super().__init__(dataset=dataset, max_steps=max_steps, **kwargs)
+        if compute_reward:
+            self.append_transform(AnswerRewardParser())
+
+
 def make_env(
     cfg: JobConfig, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
     num_shards: int = 1, shard_index: int = 0,
@@ -217,16 +267,59 @@ def make_env(
         max_steps=cfg.rollout.max_turns, num_shards=num_shards, shard_index=shard_index,
     )  # fmt: skip
     try:
-        if data.task == "arithmetic":
-            env = ArithmeticEnv(
+        if data.task in ("arithmetic", "tool_arithmetic"):
+            env_class = ArithmeticEnv if data.task == "arithmetic" else ToolArithmeticEnv
+            env = env_class(
                 dataset=data.dataset, name=data.subset, split=data.split, num_rows=data.num_synthetic_rows, **common
             )
         elif data.task == "gsm8k":
             env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
         else:
             env = DatasetChatEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
+        pool = FunctionPool() if data.reward_fn or cfg.tools.functions else None
         if data.reward_fn:
-            env.append_transform(UserReward(data.reward_fn))
+            env.append_transform(UserReward(data.reward_fn, timeout_s=data.reward_timeout_s, pool=pool))
     except ValueError as exc:
         raise ConfigError(f"data (task={data.task}, dataset={data.dataset!r}): {exc}") from exc
+    add_tools(env, cfg.tools, pool)
     return env
+
+
+def add_tools(env: DatasetChatEnv, tools: ToolsConfig, pool: FunctionPool | None = None) -> DatasetChatEnv:
+    """Append the tools of a ``tools`` config section to ``env``: the sandboxed Python tool, the
+    user's functions (run in ``pool``'s worker processes), then :class:`StopWithoutToolCall`.
+    A function path that does not load, or a sandbox that cannot start here, raises
+    ``ConfigError`` naming the key."""
+    from rlpost.config import ConfigError
+
+    if not tools.enabled:
+        return env
+    python = tools.python
+    try:
+        if python.enabled:
+            env.append_transform(PythonInterpreter(
+                persistent=python.persistent, max_workers=python.max_workers, timeout_s=python.timeout_s,
+                memory_mb=python.memory_mb, max_output_bytes=python.max_output_bytes, sandbox=tools.sandbox,
+            ))  # fmt: skip
+    except SandboxUnavailable as exc:
+        raise ConfigError(f"tools.sandbox={tools.sandbox}: {exc}") from exc
+    if tools.functions:
+        functions = {}
+        for path in tools.functions:
+            try:
+                fn = load_reward_fn(path)
+            except ValueError as exc:
+                raise ConfigError(f"tools.functions: {str(exc).replace('reward function', 'tool function')}") from exc
+            name = getattr(fn, "__name__", path.rpartition(":")[2])
+            if name in functions:
+                raise ConfigError(f"tools.functions: two functions are named {name!r} ({functions[name]!r}, {path!r})")
+            functions[name] = path
+        env.append_transform(SimpleToolTransform(
+            functions, parser=HermesToolCallParser(), timeout=tools.function_timeout_s,
+            pool=pool if pool is not None else FunctionPool(),
+        ))  # fmt: skip
+    logger.info("tools: %s (sandbox %s)", [repr(t) for t in env.transforms if isinstance(t, ToolTransformBase)], tools.sandbox)
+    if tools.sandbox == "guard" and python.enabled:
+        logger.warning("tools.sandbox=guard: model-written code runs behind the in-process guard only, which is "
+                       "NOT a security boundary (ctypes or a re-imported module get past it)")
+    return env.append_transform(StopWithoutToolCall())

@@ -15,24 +15,41 @@ the way in or out), and no ``TransformedEnv``: the env holds its transforms in a
 (``env.append_transform(t)`` appends and returns the env).
 
 :class:`PythonInterpreter` runs the ```` ```python ```` blocks of the last assistant message in
-the sandbox of :func:`rlpost.envs.tools.run_python` and appends the results as a ``"tool"``
-message to the next prompt, rendered as in seed 000.
+the sandbox (:mod:`rlpost.envs.sandbox`) and :class:`SimpleToolTransform` calls the user's
+functions named in ``<tool_call>`` blocks (Qwen/Hermes JSON, :class:`HermesToolCallParser`) or
+TorchRL's ``<tool>name\nargs</tool>`` blocks; both append the results as a ``"tool"`` message to
+the next prompt and count their calls, errors and seconds per row under :data:`TOOL_STAT_KEYS`
+in ``next`` (the collector sums them per episode). :class:`StopWithoutToolCall` ends an episode
+whose turn called no tool (a tool-using episode goes on only while there is a result to read).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from tensordict import TensorDictBase
 
-from rlpost.envs.tools import extract_python_blocks, format_tool_response, run_python
+from rlpost.envs.function_pool import FunctionPool
+from rlpost.envs.sandbox import check_sandbox
+from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks, format_tool_response, run_python
 
 if TYPE_CHECKING:
     from rlpost.envs.chat import ChatEnv
 
+logger = logging.getLogger(__name__)
+
 _OPEN, _CLOSE = "<tool_response>\n", "\n</tool_response>"
+TOOL_STAT_KEYS = ("tool_calls", "tool_errors", "tool_time_s")  # per row of ``next``, summed over tools
 
 
 class Transform:
@@ -79,51 +96,139 @@ class Transform:
         return f"{type(self).__name__}()"
 
 
-class PythonInterpreter(Transform):
-    """Run the ```` ```python ```` blocks of each last assistant message; append a tool message.
+def add_tool_stats(next_td: TensorDictBase, calls: list[int], errors: list[int], seconds: list[float]) -> None:
+    """Add one tool transform's per-row counts to ``next_td``'s :data:`TOOL_STAT_KEYS` ([B, 1])."""
+    for key, values, dtype in zip(TOOL_STAT_KEYS, (calls, errors, seconds), (torch.int64, torch.int64, torch.float64)):
+        added = torch.tensor(values, dtype=dtype).view(-1, 1)
+        current = next_td.get(key, None)
+        next_td.set(key, added if current is None else current + added)
 
-    For each env of the batch whose latest response holds closed python blocks, every block runs
-    in its own sandboxed process (:func:`~rlpost.envs.tools.run_python` with ``run_kwargs``) and
-    a ``tool_role`` message whose content is :func:`~rlpost.envs.tools.format_tool_response` is
-    appended to the next prompt, so the policy sees the results on its next turn. A failing
-    block (exception, timeout, limit, hostile code) is reported in that message; nothing raises.
-    Responses without code leave the next prompt unchanged.
 
-    Deviations from TorchRL's ``PythonInterpreter``: blocks never share state (no persistent
-    interpreter: each block is a fresh process, so a block cannot use a name defined by an
-    earlier one), and the sandbox limits CPU, memory, files, processes and network rather than
-    only time. ``max_workers`` > 1 runs the blocks of a batch concurrently (threads, each
-    waiting on its own child process).
+class ToolTransformBase(Transform):
+    """What every tool transform does on a step: for each row that is not done, find the calls in
+    the latest response, run them (rows concurrently, up to ``max_workers``), append one tool
+    message with the results and count calls, errors and seconds. Subclasses say how to find
+    calls (:meth:`find_calls`), run one (:meth:`run_call`) and render a row's results
+    (:meth:`render`). A failing call is reported to the model in the message; nothing raises.
     """
 
-    def __init__(self, *, tool_role: str = "tool", max_workers: int = 1, **run_kwargs: Any) -> None:
+    def __init__(self, *, tool_role: str = "tool", max_workers: int = 1) -> None:
         super().__init__()
         if max_workers < 1:
-            raise ValueError(f"PythonInterpreter max_workers must be >= 1, got {max_workers}")
+            raise ValueError(f"{type(self).__name__} max_workers must be >= 1, got {max_workers}")
+        self.tool_role, self.max_workers = tool_role, max_workers
+        self.num_calls = self.num_errors = 0
+        # Long-lived threads: a sandbox dies with the thread that started it (bwrap's
+        # --die-with-parent is per thread), so a persistent interpreter must not be started
+        # from a thread that exits after the step.
+        self._executor: ThreadPoolExecutor | None = None
+
+    def find_calls(self, text: str) -> list:
+        raise NotImplementedError
+
+    def run_call(self, call: Any, row: int, td: TensorDictBase) -> tuple[str, bool]:
+        """Run one call for row ``row``: (its rendered result, whether it succeeded)."""
+        raise NotImplementedError
+
+    def render(self, parts: list[str]) -> str:
+        return "\n".join(parts)
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        env = self._env()
+        done = next_td.get("done").view(-1).tolist()
+        calls_per_row = [[] if done[i] else self.find_calls(text) for i, text in enumerate(env.last_responses(td))]
+        self.after_turn(td, done)
+        rows = [i for i, calls in enumerate(calls_per_row) if calls]
+        results = self._run_rows(rows, calls_per_row, td)
+        num = len(calls_per_row)
+        calls, errors, seconds = [0] * num, [0] * num, [0.0] * num
+        messages: list[str | None] = [None] * num
+        for i, (parts, oks, elapsed) in zip(rows, results):
+            calls[i], errors[i], seconds[i] = len(oks), oks.count(False), elapsed
+            messages[i] = self.render(parts)
+        self.num_calls += sum(calls)
+        self.num_errors += sum(errors)
+        add_tool_stats(next_td, calls, errors, seconds)
+        return env.append_messages(next_td, self.tool_role, messages) if rows else next_td
+
+    def after_turn(self, td: TensorDictBase, done: list[bool]) -> None:
+        """Hook after the calls were found: e.g. free what a finished episode held."""
+
+    def _run_rows(self, rows: list[int], calls_per_row: list[list], td: TensorDictBase) -> list:
+        def run_row(i: int) -> tuple[list[str], list[bool], float]:
+            start = time.monotonic()
+            outcomes = [self.run_call(call, i, td) for call in calls_per_row[i]]
+            return [text for text, _ in outcomes], [ok for _, ok in outcomes], time.monotonic() - start
+
+        if self.max_workers == 1 or len(rows) <= 1:
+            return [run_row(i) for i in rows]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=type(self).__name__)
+        return list(self._executor.map(run_row, rows))
+
+    def close(self) -> None:
+        """Stop the transform's threads (it stays usable: they start again when needed)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+class PythonInterpreter(ToolTransformBase):
+    """Run the ```` ```python ```` blocks of each latest assistant message; append a tool message.
+
+    Each block runs in the sandbox (:mod:`rlpost.envs.sandbox`: namespaces, rlimits, a prelude)
+    with ``run_kwargs`` (``timeout_s``, ``memory_mb``, ``max_output_bytes``, ``sandbox``, ... as
+    :func:`~rlpost.envs.tools.run_python` takes them), and a ``tool_role`` message whose content
+    is :func:`~rlpost.envs.tools.format_tool_response` is appended to the next prompt. A failing
+    block (exception, timeout, limit, hostile code) is reported in that message; nothing raises.
+    Responses without code leave the next prompt unchanged; rows already done run nothing.
+
+    ``persistent=True`` (TorchRL's keyword) gives each episode one interpreter, so a block sees
+    the names earlier blocks of the same episode defined; the interpreter is killed when its
+    episode ends. Otherwise every block is a fresh process. Deviation from TorchRL: the sandbox
+    limits CPU, memory, files, processes and network (TorchRL's only limits time) and the
+    ``sandbox`` option refuses to run where namespaces are unavailable unless "guard" is asked for.
+    ``max_workers`` > 1 runs the rows of a batch concurrently (threads, each waiting on its own
+    sandboxed process).
+    """
+
+    state_keys = ("tool_episode",)
+
+    def __init__(self, *, tool_role: str = "tool", max_workers: int = 1, persistent: bool = False,
+                 **run_kwargs: Any) -> None:  # fmt: skip
+        super().__init__(tool_role=tool_role, max_workers=max_workers)
         try:  # an unknown sandbox option should fail here, not at the first tool call
             inspect.signature(run_python).bind("", **run_kwargs)
         except TypeError as exc:
             raise ValueError(f"PythonInterpreter: bad run_python options {sorted(run_kwargs)}: {exc}") from exc
-        self.tool_role = tool_role
-        self.max_workers = max_workers
-        self.run_kwargs = run_kwargs
-        self.num_blocks_run = 0
+        check_sandbox(run_kwargs.get("sandbox", "bwrap"))
+        self.run_kwargs, self.persistent = run_kwargs, persistent
+        self.sessions: dict[int, PythonSession] = {}
+        self._episode_ids = itertools.count()
 
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        env = self._env()
-        blocks_per_env = [extract_python_blocks(text) for text in env.last_responses(td)]
-        flat = [code for blocks in blocks_per_env for code in blocks]
-        if not flat:
-            return next_td
-        results = self._run_all(flat)
-        self.num_blocks_run += len(flat)
-        messages: list[str | None] = []
-        for blocks in blocks_per_env:
-            mine, results = results[: len(blocks)], results[len(blocks) :]
-            messages.append(self._message_content(mine) if mine else None)
-        return env.append_messages(next_td, self.tool_role, messages)
+    @property
+    def num_blocks_run(self) -> int:
+        return self.num_calls
 
-    def _message_content(self, results: list) -> str:
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        ids = [next(self._episode_ids) for _ in range(reset_td.batch_size[0])]
+        reset_td.set("tool_episode", torch.tensor(ids, dtype=torch.int64))
+        return reset_td
+
+    def find_calls(self, text: str) -> list[str]:
+        return extract_python_blocks(text)
+
+    def run_call(self, code: str, row: int, td: TensorDictBase) -> tuple[PythonResult, bool]:
+        if not self.persistent:
+            result = run_python(code, **self.run_kwargs)
+        else:
+            episode = int(td.get("tool_episode")[row])
+            if episode not in self.sessions:
+                self.sessions[episode] = PythonSession(**self.run_kwargs)
+            result = self.sessions[episode].run(code)
+        return result, result.ok
+
+    def render(self, results: list[PythonResult]) -> str:
         """The tool message's content. Qwen-style templates (the tiny model's too) wrap a
         ``"tool"`` message in ``<tool_response>\\n...\\n</tool_response>`` themselves, so that
         role gets the inner text and renders exactly as :func:`format_tool_response`; any other
@@ -134,11 +239,143 @@ class PythonInterpreter(Transform):
         assert wrapped.startswith(_OPEN) and wrapped.endswith(_CLOSE), wrapped[:40]
         return wrapped[len(_OPEN) : -len(_CLOSE)]
 
-    def _run_all(self, codes: list[str]) -> list:
-        if self.max_workers == 1 or len(codes) == 1:
-            return [run_python(code, **self.run_kwargs) for code in codes]
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(codes))) as pool:
-            return list(pool.map(lambda code: run_python(code, **self.run_kwargs), codes))
+    def after_turn(self, td: TensorDictBase, done: list[bool]) -> None:
+        if not self.persistent or "tool_episode" not in td.keys():
+            return
+        for row, episode in enumerate(td.get("tool_episode").view(-1).tolist()):
+            if done[row] and episode in self.sessions:
+                self.sessions.pop(episode).close()
+
+    def close(self) -> None:
+        """Kill every episode's interpreter (persistent mode) and stop the threads."""
+        while self.sessions:
+            self.sessions.popitem()[1].close()
+        super().close()
 
     def __repr__(self) -> str:
-        return f"PythonInterpreter(tool_role={self.tool_role!r}, run_kwargs={self.run_kwargs})"
+        return f"PythonInterpreter(tool_role={self.tool_role!r}, persistent={self.persistent}, run_kwargs={self.run_kwargs})"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call found in a response: the tool's name and its arguments (``error`` when the call
+    could not be read, e.g. invalid JSON; it is reported to the model as that tool's failure)."""
+
+    tool: str
+    args: dict
+    error: str | None = None
+
+
+class HermesToolCallParser:
+    """Tool calls in the Qwen/Hermes format that their chat templates teach::
+
+        <tool_call>
+        {"name": "multiply", "arguments": {"a": 3, "b": 4}}
+        </tool_call>
+
+    ``parser(text)`` returns ``{"text": text without the calls, "calls": [ToolCall, ...]}``
+    (TorchRL's parser result layout). ``arguments`` may also be a JSON string (some models write
+    one). A block that is not valid JSON, or lacks ``name``, is a call whose ``error`` says why.
+    """
+
+    pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def __call__(self, text: str) -> dict[str, Any]:
+        calls = [self._parse(body) for body in self.pattern.findall(text)]
+        return {"text": self.pattern.sub("", text), "calls": calls}
+
+    @staticmethod
+    def _parse(body: str) -> ToolCall:
+        try:
+            data = json.loads(body)
+            name = data["name"]
+            args = data.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args) if args.strip() else {}
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("'name' must be a string and 'arguments' an object")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return ToolCall("?", {}, error=f"invalid tool call {body[:200]!r}: {type(exc).__name__}: {exc}")
+        return ToolCall(name, args)
+
+
+class SimpleToolTransform(ToolTransformBase):
+    """Call the user's functions named in the latest assistant message; append a tool message.
+
+    TorchRL's constructor: ``tools`` maps a tool name to a function (or a
+    ``"package.module:function"`` path); ``parser`` finds the calls (e.g.
+    :class:`HermesToolCallParser`); without one, ``tool_call_pattern`` (default
+    ``<tool>name\\nargs-json</tool>``) does. Each result renders as ``Tool NAME executed
+    successfully:\\nRESULT`` or ``Tool NAME failed:\\nERROR``, as in TorchRL.
+
+    Deviation from TorchRL: the functions run in worker processes (:class:`FunctionPool`) with
+    ``timeout`` enforced (a call past it is killed and reported as failed); TorchRL calls them in
+    the env's process and does not enforce its timeout. Functions must therefore be importable
+    (module-level, or given by path).
+    """
+
+    def __init__(
+        self,
+        tools: dict[str, Callable | str],
+        tool_schemas: dict[str, dict] | None = None,
+        parser: Callable[[str], dict] | None = None,
+        tool_call_pattern: str | None = None,
+        tool_name: str = "tool",
+        timeout: float = 10.0,
+        *,
+        pool: FunctionPool | None = None,
+        max_workers: int = 1,
+    ) -> None:
+        super().__init__(tool_role=tool_name, max_workers=max_workers)
+        if not tools:
+            raise ValueError("SimpleToolTransform needs at least one tool")
+        if timeout <= 0:
+            raise ValueError(f"SimpleToolTransform timeout must be > 0, got {timeout}")
+        self.tools, self.tool_schemas = dict(tools), dict(tool_schemas or {})
+        self.parser = parser
+        self.tool_call_pattern = re.compile(tool_call_pattern or r"<tool>(.*?)\n(.*?)</tool>", re.DOTALL)
+        self.timeout = timeout
+        self.pool = pool if pool is not None else FunctionPool(max_workers)
+
+    def find_calls(self, text: str) -> list[ToolCall]:
+        if self.parser is not None:
+            return list(self.parser(text)["calls"])
+        calls = []
+        for name, args_json in self.tool_call_pattern.findall(text):
+            try:
+                args = json.loads(args_json) if args_json.strip() else {}
+                if not isinstance(args, dict):
+                    raise TypeError("arguments must be a JSON object")
+                calls.append(ToolCall(name.strip(), args))
+            except (ValueError, TypeError) as exc:
+                calls.append(ToolCall(name.strip(), {}, error=f"Failed to parse tool arguments: {exc}"))
+        return calls
+
+    def run_call(self, call: ToolCall, row: int, td: TensorDictBase) -> tuple[str, bool]:
+        if call.error is not None:
+            return f"Tool {call.tool} failed:\n{call.error}", False
+        fn = self.tools.get(call.tool)
+        if fn is None:
+            return f"Tool {call.tool} failed:\nTool {call.tool} not found (known: {sorted(self.tools)})", False
+        result = self.pool.call(fn, kwargs=call.args, timeout_s=self.timeout)
+        if result.ok:
+            return f"Tool {call.tool} executed successfully:\n{result.value}", True
+        return f"Tool {call.tool} failed:\n{result.message}", False
+
+    def __repr__(self) -> str:
+        return f"SimpleToolTransform(tools={sorted(self.tools)}, timeout={self.timeout})"
+
+
+class StopWithoutToolCall(Transform):
+    """End (``terminated``, ``done``) every episode whose latest turn called no tool.
+
+    Append it after the tool transforms. Without it an episode whose response neither answered
+    nor called a tool would continue with nothing new to respond to, until ``max_steps``.
+    """
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        calls = next_td.get("tool_calls", None)
+        no_call = torch.ones_like(next_td.get("done")) if calls is None else (calls == 0).view_as(next_td.get("done"))
+        next_td.set("terminated", next_td.get("terminated") | no_call)
+        next_td.set("done", next_td.get("done") | no_call)
+        return next_td

@@ -365,3 +365,52 @@ def test_plain_pool_works_without_the_actor_shell():
     assert forwarded <= {name for name in vars(EnvPoolActor) if not name.startswith("_")}
     assert all(hasattr(EnvPool, name) for name in forwarded)
     assert PolicyVersion(3).increment_version() == 4
+
+
+class ScriptedFirstTurn(RecordingClient):
+    """The real engine, except that every row's first turn is ``text`` (+ EOS), with the real
+    engine's log-probs of those ids (``score``): a model that always calls the tool."""
+
+    def __init__(self, inner, tokenizer, text):
+        super().__init__(inner)
+        self.script = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def generate(self, prompt_token_ids, sampling):
+        if self.calls:
+            return super().generate(prompt_token_ids, sampling)
+        from rlpost.policies.base import Completion
+
+        scores = self.inner.score([list(p) + self.script for p in prompt_token_ids], temperature=sampling["temperature"])
+        out = [[Completion(list(self.script), s[-len(self.script) :], True)] for s in scores]
+        self.calls.append(([list(p) for p in prompt_token_ids], out))
+        return out
+
+
+def test_tool_turns_train_only_generated_ids_and_keep_each_turns_logprobs(engine, tiny_tokenizer):
+    # Turn 1 computes with the sandboxed Python tool; the env appends the tool's output; turn 2 is
+    # sampled. The sample holds both turns' ids with their engine log-probs, the tool message
+    # masked out, and the tool counts.
+    cfg = make_cfg(data={"task": "tool_arithmetic"}, tools={"python": {"enabled": True}}, rollout={"max_turns": 3})
+    client = ScriptedFirstTurn(engine, tiny_tokenizer, "```python\nprint(6 * 7)\n```")
+    collector = make_collector(cfg, client, tiny_tokenizer, num_groups=2)
+    groups = collector.collect(2)
+    (prompts1, out1), (prompts2, out2), *rest = client.calls
+    assert len(prompts2) == 8  # every row called the tool, so every row took a second turn
+    tool_text = "<tool_response>\nCode block 1 executed successfully:\n42\n\n</tool_response>"
+    for sample, p1, (c1,), p2, (c2,) in zip(flat(groups), prompts1, out1, prompts2, out2):
+        first = p1 + c1.token_ids
+        added = p2[len(first) :]
+        assert p2[: len(first)] == first and tool_text in tiny_tokenizer.decode(added)
+        assert sample.token_ids[: len(p2) + len(c2.token_ids)] == p2 + c2.token_ids
+        assert sample.loss_mask[: len(p2) + len(c2.token_ids)] == (
+            [False] * len(p1) + [True] * len(c1.token_ids) + [False] * len(added) + [True] * len(c2.token_ids)
+        )
+        assert sample.logprobs[len(p1) : len(first)] == c1.logprobs  # turn 1's engine log-probs, kept
+        assert sample.logprobs[len(p2) : len(p2) + len(c2.token_ids)] == pytest.approx(c2.logprobs, abs=0)
+        assert sample.num_tool_calls == 1 and sample.num_tool_errors == 0 and sample.tool_time_s > 0
+        assert sample.num_turns >= 2
+    from rlpost.metrics import episode_metrics
+
+    metrics = episode_metrics(groups)
+    assert metrics["tool_calls_mean"] == 1.0 and metrics["tool_error_fraction"] == 0.0
+    assert 2.0 <= metrics["turns_mean"] <= 3.0

@@ -148,10 +148,14 @@ def test_multi_turn_tool_conversation_stops_at_max_steps(tiny_tokenizer):
         s, td = env.step_and_maybe_reset(act_history(td, [f"```python\nprint({turn} + 1)\n```"]))
         lengths.append(len(s["next", "history"].prompt.to_chats()[0]))
         assert s["next", "done"].item() == (turn == 2)
-    assert lengths == [4, 6, 8]  # each turn adds the assistant message and the tool result
+    # each turn adds the assistant message and the tool result, but the last: the episode ends
+    # there, so its code is not run (nobody would read the result)
+    assert lengths == [4, 6, 7]
     assert s["next", "truncated"].item() and not s["next", "terminated"].item()
-    last_tool = s["next", "history"].prompt.to_chats()[0][-1]
-    assert last_tool == {"role": "tool", "content": "Code block 1 executed successfully:\n3\n"}
+    chat = s["next", "history"].prompt.to_chats()[0]
+    assert chat[-2] == {"role": "tool", "content": "Code block 1 executed successfully:\n2\n"}
+    assert chat[-1]["role"] == "assistant"
+    assert env.transforms[-1].num_calls == 2 and s["next", "tool_calls"].item() == 0
     # after the limit the env starts over
     assert len(td["history"].prompt.to_chats()[0]) == 2 and td["step_count"].item() == 0
 

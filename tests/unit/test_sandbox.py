@@ -6,6 +6,7 @@ process, file or directory behind.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -40,6 +41,13 @@ def sandbox_parent(tmp_path, monkeypatch) -> Path:
     return parent
 
 
+@pytest.fixture(params=["bwrap", "guard"])
+def py(request):
+    """``run_python`` in one sandbox mode: every case holds behind the namespace boundary and
+    behind the prelude alone."""
+    return functools.partial(run_python, sandbox=request.param)
+
+
 def live_processes_naming(text: str) -> list[int]:
     """Pids of live processes whose command line contains ``text`` (zombies have none)."""
     found = []
@@ -60,21 +68,21 @@ def assert_nothing_left(parent: Path) -> None:
     assert list(parent.iterdir()) == []
 
 
-def test_normal_block_prints_its_output(sandbox_parent):
-    result = run_python(SEED_CODE)
+def test_normal_block_prints_its_output(py, sandbox_parent):
+    result = py(SEED_CODE)
     expected = "testing the square function with input 2: 4\n"
     assert result == PythonResult(True, expected, None, 0, result.duration_s)
     assert 0 < result.duration_s < 30
     assert_nothing_left(sandbox_parent)
 
 
-def test_stdout_and_stderr_are_interleaved_in_order(sandbox_parent):
-    result = run_python("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')")
+def test_stdout_and_stderr_are_interleaved_in_order(py, sandbox_parent):
+    result = py("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')")
     assert result.ok and result.output == "a\nb\nc\n"
 
 
-def test_exception_gives_its_last_line_and_a_traceback_of_the_code_only(sandbox_parent):
-    result = run_python("x = 1\nprint('before')\nx / 0\n")
+def test_exception_gives_its_last_line_and_a_traceback_of_the_code_only(py, sandbox_parent):
+    result = py("x = 1\nprint('before')\nx / 0\n")
     assert not result.ok
     assert result.error == "ZeroDivisionError: division by zero"
     assert result.returncode == 1
@@ -83,15 +91,15 @@ def test_exception_gives_its_last_line_and_a_traceback_of_the_code_only(sandbox_
     assert "<string>" not in result.output  # the sandbox's own frames are hidden
 
 
-def test_syntax_error_and_exit_codes(sandbox_parent):
-    assert run_python("def f(\n").error == "SyntaxError: '(' was never closed"
-    assert run_python("import sys; sys.exit(3)").error == "exit code 3"
-    assert run_python("import sys; sys.exit(0)").ok
-    assert run_python("import os; os._exit(4)").error == "exit code 4"
+def test_syntax_error_and_exit_codes(py, sandbox_parent):
+    assert py("def f(\n").error == "SyntaxError: '(' was never closed"
+    assert py("import sys; sys.exit(3)").error == "exit code 3"
+    assert py("import sys; sys.exit(0)").ok
+    assert py("import os; os._exit(4)").error == "exit code 4"
 
 
-def test_infinite_loop_times_out(sandbox_parent):
-    result = run_python("print('started')\nwhile True:\n    pass\n", timeout_s=1.0)
+def test_infinite_loop_times_out(py, sandbox_parent):
+    result = py("print('started')\nwhile True:\n    pass\n", timeout_s=1.0)
     assert not result.ok
     assert result.error == "timeout after 1.0s"
     assert result.output == "started\n"  # output before the kill is kept (unbuffered child)
@@ -99,41 +107,41 @@ def test_infinite_loop_times_out(sandbox_parent):
     assert_nothing_left(sandbox_parent)
 
 
-def test_cpu_time_limit(sandbox_parent):
+def test_cpu_time_limit(py, sandbox_parent):
     # a wall-clock timeout far beyond the CPU limit: on a loaded machine one CPU second can take
     # many wall seconds, and the error must still be the CPU limit's
-    result = run_python("while True:\n    pass\n", timeout_s=120.0, cpu_s=1)
+    result = py("while True:\n    pass\n", timeout_s=120.0, cpu_s=1)
     assert result.error == "CPU time limit"
 
 
-def test_os_fork_bomb_is_refused(sandbox_parent):
-    result = run_python("import os\nwhile True:\n    os.fork()\n")
+def test_os_fork_bomb_is_refused(py, sandbox_parent):
+    result = py("import os\nwhile True:\n    os.fork()\n")
     assert not result.ok and result.error == "process limit"
     assert "process creation disabled in rlpost sandbox (fork)" in result.output
     assert_nothing_left(sandbox_parent)
 
 
-def test_subprocess_and_signalling_others_are_refused(sandbox_parent):
-    result = run_python("import subprocess\nsubprocess.run(['ls', '/'])\n")
+def test_subprocess_and_signalling_others_are_refused(py, sandbox_parent):
+    result = py("import subprocess\nsubprocess.run(['ls', '/'])\n")
     assert result.error == "process limit"
-    assert run_python("import os\nos.system('echo hi')").error == "process limit"
-    assert run_python("import os\nos.kill(1, 9)").error == "process control disabled"
-    assert run_python("import os\nos.setsid()").error == "process control disabled"
-    assert run_python("import signal, os\nos.kill(os.getpid(), signal.SIGTERM)").error == (
+    assert py("import os\nos.system('echo hi')").error == "process limit"
+    assert py("import os\nos.kill(1, 9)").error == "process control disabled"
+    assert py("import os\nos.setsid()").error == "process control disabled"
+    assert py("import signal, os\nos.kill(os.getpid(), signal.SIGTERM)").error == (
         "killed by SIGTERM"
     )
 
 
-def test_fork_bomb_bypassing_the_prelude_is_killed_without_strays(sandbox_parent):
+def test_fork_bomb_bypassing_the_prelude_is_killed_without_strays(py, sandbox_parent):
     # ctypes reaches libc's fork directly; the parent's process count and session kill end it
     # (RLIMIT_NPROC alone would not: it is not enforced for root, which runs CI).
     bomb = "import ctypes\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
-    result = run_python(bomb, timeout_s=10.0, max_procs=16)
+    result = py(bomb, timeout_s=10.0, max_procs=16)
     assert not result.ok and result.error == "process limit"  # not "timeout after 10.0s"
     assert_nothing_left(sandbox_parent)
 
 
-def test_background_processes_die_with_the_code(sandbox_parent):
+def test_background_processes_die_with_the_code(py, sandbox_parent):
     # Children that left the process group (but not the session) must not outlive the run.
     code = textwrap.dedent(
         """
@@ -146,39 +154,39 @@ def test_background_processes_die_with_the_code(sandbox_parent):
         print('parent done')
         """
     )
-    result = run_python(code)
+    result = py(code)
     assert result.ok and result.output == "parent done\n"
     assert result.duration_s < 30.0  # did not wait for the children's 60 s sleep
     assert_nothing_left(sandbox_parent)
 
 
-def test_ten_gigabyte_allocation_is_a_memory_error(sandbox_parent):
-    result = run_python("x = bytearray(10 * 1024**3)\n", memory_mb=256)
+def test_ten_gigabyte_allocation_is_a_memory_error(py, sandbox_parent):
+    result = py("x = bytearray(10 * 1024**3)\n", memory_mb=256)
     assert not result.ok
     assert result.error == "memory limit 256 MB exceeded"
     assert result.output.rstrip().endswith("MemoryError")
 
 
-def test_growing_memory_is_a_memory_error_with_a_traceback(sandbox_parent):
+def test_growing_memory_is_a_memory_error_with_a_traceback(py, sandbox_parent):
     code = "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))\n"
-    result = run_python(code, memory_mb=128, timeout_s=60.0)
+    result = py(code, memory_mb=128, timeout_s=60.0)
     assert result.error == "memory limit 128 MB exceeded"
     assert "Traceback" in result.output
 
 
-def test_file_size_limit(sandbox_parent):
+def test_file_size_limit(py, sandbox_parent):
     code = "with open('big.bin', 'wb') as f:\n    f.write(b'x' * 2 * 2**20)\n"
-    result = run_python(code, max_file_mb=1)
+    result = py(code, max_file_mb=1)
     assert result.error == "file size limit"
 
 
-def test_writes_outside_the_working_directory_are_refused(sandbox_parent, tmp_path):
+def test_writes_outside_the_working_directory_are_refused(py, sandbox_parent, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     keep = outside / "keep.txt"
     keep.write_text("precious")
     repo_escape = REPO_ROOT / f"escape-{uuid.uuid4().hex}.txt"
-    result = run_python(f"open({str(outside / 'escape.txt')!r}, 'w').write('x')")
+    result = py(f"open({str(outside / 'escape.txt')!r}, 'w').write('x')")
     assert result.error == f"write outside working directory: {outside / 'escape.txt'}"
     attempts = {
         "relative": "open('../escape.txt', 'w')",
@@ -199,7 +207,7 @@ def test_writes_outside_the_working_directory_are_refused(sandbox_parent, tmp_pa
     lines += [allowed, "os.chdir(os.environ['HOME'])", "open('inside.txt', 'w').write('fine')",
               "os.makedirs('sub/dir'); os.rename('inside.txt', 'sub/dir/moved.txt')",
               "print(sorted(results.items()), open('sub/dir/moved.txt').read())"]
-    result = run_python("\n".join(lines))
+    result = py("\n".join(lines))
     assert result.ok, result.output
     assert result.output == f"{sorted((name, 'refused') for name in attempts)} fine\n"
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
@@ -209,41 +217,44 @@ def test_writes_outside_the_working_directory_are_refused(sandbox_parent, tmp_pa
     assert_nothing_left(sandbox_parent)
 
 
-def test_socket_to_localhost_is_refused(sandbox_parent):
+def test_socket_to_localhost_is_refused(py, sandbox_parent):
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)
         port = server.getsockname()[1]
         code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        result = run_python(code)
+        result = py(code)
         assert not result.ok and result.error == "network disabled"
         assert "network disabled in rlpost sandbox" in result.output
         with pytest.raises(BlockingIOError):
             server.accept()  # nothing connected
         code = f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/')\n"
-        url = run_python(code)
+        url = py(code)
         assert url.error == "network disabled"  # found through URLError's context
 
 
-def test_network_namespace_stops_code_that_bypasses_the_prelude(sandbox_parent):
-    probe = run_python("import os\nprint(os.readlink('/proc/self/ns/net'))")
+def test_network_namespace_stops_code_that_bypasses_the_prelude(py, sandbox_parent):
+    probe = py("import os\nprint(os.readlink('/proc/self/ns/net'))")
     if probe.output.strip() == os.readlink("/proc/self/ns/net"):
-        pytest.skip("no network namespace for the sandbox here (needs CAP_SYS_ADMIN)")
+        assert py.keywords["sandbox"] == "guard", "the bwrap sandbox always has its own network namespace"
+        pytest.skip("guard mode: no network namespace for the sandbox here (needs CAP_SYS_ADMIN)")
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)
         port = server.getsockname()[1]
         code = f"import _socket\ns = _socket.socket()\ns.settimeout(2)\n"
         code += f"s.connect(('127.0.0.1', {port}))\n"
-        result = run_python(code)
-        assert not result.ok and result.error.startswith("OSError")  # network unreachable
+        result = py(code)
+        # its own namespace: unreachable, or a loopback of its own where nothing listens
+        assert not result.ok
+        assert result.error.split(":")[0] in ("OSError", "ConnectionRefusedError"), result.error
         with pytest.raises(BlockingIOError):
             server.accept()
 
 
-def test_printing_100_megabytes_is_cut_fast_with_flat_memory(sandbox_parent):
+def test_printing_100_megabytes_is_cut_fast_with_flat_memory(py, sandbox_parent):
     tracemalloc.start()
     try:
         start = time.monotonic()
-        result = run_python("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\n")
+        result = py("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\n")
         elapsed = time.monotonic() - start
         _, peak_bytes = tracemalloc.get_traced_memory()
     finally:
@@ -255,37 +266,40 @@ def test_printing_100_megabytes_is_cut_fast_with_flat_memory(sandbox_parent):
     assert_nothing_left(sandbox_parent)
 
 
-def test_working_directory_is_fresh_empty_and_removed(sandbox_parent, monkeypatch):
+def test_working_directory_is_fresh_empty_and_removed(py, sandbox_parent, monkeypatch):
     monkeypatch.setenv("RLPOST_SECRET_TOKEN", "hunter2")
     code = "import os\nprint(os.getcwd())\nprint(os.listdir('.'))\nprint(sorted(os.environ))\n"
     code += "open('f', 'w').write('x')\n"
-    result = run_python(code)
+    result = py(code)
     cwd, listing, env_keys = result.output.splitlines()
     assert listing == "[]"
-    assert Path(cwd).parent.parent == sandbox_parent
-    assert not Path(cwd).exists()
+    if py.keywords["sandbox"] == "guard":
+        assert Path(cwd).parent.parent == sandbox_parent
+        assert not Path(cwd).exists()
+    else:
+        assert cwd == "/sandbox"  # a tmpfs of its own, gone with its mount namespace
     assert "RLPOST_SECRET_TOKEN" not in env_keys
-    allowed = {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE"}
+    allowed = {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE", "PWD"}
     allowed |= {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
     assert set(eval(env_keys)) <= allowed
     # also after a timeout
-    run_python("open('f', 'w').write('x')\nwhile True:\n    pass\n", timeout_s=0.5)
+    py("open('f', 'w').write('x')\nwhile True:\n    pass\n", timeout_s=0.5)
     assert_nothing_left(sandbox_parent)
 
 
-def test_concurrent_calls_from_threads_are_independent(sandbox_parent):
+def test_concurrent_calls_from_threads_are_independent(py, sandbox_parent):
     # An env-pool actor may run the tool for several samples at once.
     codes = [f"print({i} * {i})" if i % 2 else f"import time\ntime.sleep(0.2)\nprint({i})"
              for i in range(6)]
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(run_python, codes))
+        results = list(pool.map(py, codes))
     assert [r.output for r in results] == [f"{i * i if i % 2 else i}\n" for i in range(6)]
     assert all(r.ok for r in results)
     assert_nothing_left(sandbox_parent)
 
 
-def test_crash_by_signal_is_reported(sandbox_parent):
-    result = run_python("import ctypes\nctypes.string_at(0)\n")
+def test_crash_by_signal_is_reported(py, sandbox_parent):
+    result = py("import ctypes\nctypes.string_at(0)\n")
     assert result.returncode == -11 and result.error == "killed by SIGSEGV"
 
 
@@ -314,10 +328,10 @@ SEED_TOOL_RESPONSE = (
 )
 
 
-def test_seed_000_tool_turn_renders_exactly(sandbox_parent):
+def test_seed_000_tool_turn_renders_exactly(py, sandbox_parent):
     blocks = extract_python_blocks(SEED_ACTION)
     assert blocks == [SEED_CODE]
-    assert format_tool_response([run_python(block) for block in blocks]) == SEED_TOOL_RESPONSE
+    assert format_tool_response([py(block) for block in blocks]) == SEED_TOOL_RESPONSE
 
 
 def test_extract_python_blocks():
