@@ -304,16 +304,26 @@ def add_tools(env: DatasetChatEnv, tools: ToolsConfig, pool: FunctionPool | None
     except SandboxUnavailable as exc:
         raise ConfigError(f"tools.sandbox={tools.sandbox}: {exc}") from exc
     if tools.functions:
-        functions = {}
+        from transformers.utils import get_json_schema
+
+        functions, schemas = {}, []
         for path in tools.functions:
             try:
                 fn = load_reward_fn(path)
+                schemas.append(get_json_schema(fn))
             except ValueError as exc:
                 raise ConfigError(f"tools.functions: {str(exc).replace('reward function', 'tool function')}") from exc
+            except Exception as exc:  # transformers' schema errors: no docstring, an untyped argument
+                raise ConfigError(
+                    f"tools.functions: {path!r} cannot be described to the model ({exc}); give it type hints and "
+                    "a docstring with an Args section"
+                ) from exc
             name = getattr(fn, "__name__", path.rpartition(":")[2])
             if name in functions:
                 raise ConfigError(f"tools.functions: two functions are named {name!r} ({functions[name]!r}, {path!r})")
             functions[name] = path
+        # the chat template lists them in the system prompt (Qwen/Hermes templates do; others ignore it)
+        env.template_kwargs = {**env.template_kwargs, "tools": schemas}
         env.append_transform(SimpleToolTransform(
             functions, parser=HermesToolCallParser(), timeout=tools.function_timeout_s,
             pool=pool if pool is not None else FunctionPool(),

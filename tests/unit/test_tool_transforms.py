@@ -35,6 +35,12 @@ pytestmark = pytest.mark.unit
 
 
 def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
     return a * b
 
 
@@ -248,6 +254,7 @@ def test_make_env_builds_the_tools_of_the_config(tiny_tokenizer):
     assert isinstance(python, PythonInterpreter) and python.persistent and python.run_kwargs["sandbox"] == "bwrap"
     assert isinstance(functions, SimpleToolTransform) and functions.tools == {"multiply": "test_tool_transforms:multiply"}
     assert isinstance(stop, StopWithoutToolCall)
+    assert [t["function"]["name"] for t in env.template_kwargs["tools"]] == ["multiply"]  # shown to the model
     question = env.reset()["history"].prompt.to_chats()[0]
     assert question[0]["content"].startswith("Compute with a ```python block") and " * " in question[1]["content"]
 
@@ -255,6 +262,9 @@ def test_make_env_builds_the_tools_of_the_config(tiny_tokenizer):
 def test_make_env_names_bad_tool_keys(tiny_tokenizer, monkeypatch):
     cfg = tools_config(tools={"functions": ["no_such_module_xyz:fn"]})
     with pytest.raises(ConfigError, match="tools.functions: tool function 'no_such_module_xyz:fn'"):
+        make_env(cfg, tiny_tokenizer, batch_size=2)
+    cfg = tools_config(tools={"functions": ["test_tool_transforms:divide"]})  # no docstring
+    with pytest.raises(ConfigError, match="'test_tool_transforms:divide' cannot be described to the model"):
         make_env(cfg, tiny_tokenizer, batch_size=2)
     monkeypatch.setenv("RLPOST_BWRAP", "/bin/false")  # a host where namespaces do not work
     with pytest.raises(ConfigError, match="tools.sandbox=bwrap: the namespace sandbox"):
