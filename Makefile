@@ -7,11 +7,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TINY_MODEL := .cache/tiny-model
+TINY_TOOL_MODEL := .cache/tiny-model-tools
 DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
 
-.PHONY: demo test install install-dev install-bench tiny-model bench bench-quick chaos clean
+.PHONY: demo demo-tools test install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,14 @@ tiny-model: install
 
 demo: install tiny-model
 	$(VENV)/bin/rlpost train $(DEMO_CONFIG)
+
+# The tool-use demo: the tiny model's variant warm-started to sometimes compute with a ```python
+# block, trained multi-turn with the sandboxed Python tool (configs/tiny-cpu-tools.yaml).
+tiny-model-tools: install
+	$(VENV)/bin/rlpost make-tiny-model --task tool_arithmetic $(TINY_TOOL_MODEL)
+
+demo-tools: install tiny-model-tools
+	$(VENV)/bin/rlpost train configs/tiny-cpu-tools.yaml
 
 test: install-dev
 	$(PY) -m pytest tests

@@ -73,6 +73,13 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="output folder, e.g. .cache/tiny-model")
     tiny.add_argument("--seed", type=int, default=0, help="seed (the same seed gives identical files)")
     tiny.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
+    tiny.add_argument(
+        "--task",
+        choices=["arithmetic", "tool_arithmetic"],
+        default="arithmetic",
+        help="arithmetic: the default model (a + b, answers at once); tool_arithmetic: the variant "
+        "warm-started to sometimes compute a * b with a ```python block",
+    )
     tiny.set_defaults(handler=_cmd_make_tiny_model)
 
     check = sub.add_parser(
@@ -165,7 +172,7 @@ def _cmd_plot(args) -> int:
 def _cmd_make_tiny_model(args) -> int:
     from rlpost.tiny_model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 
-    out, spec = Path(args.dir), TinyModelSpec(seed=args.seed)
+    out, spec = Path(args.dir), TinyModelSpec.for_task(args.task, seed=args.seed)
     if args.force:
         build_tiny_model(out, spec)
     elif not ensure_tiny_model(out, spec):

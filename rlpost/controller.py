@@ -94,6 +94,7 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
+    _check_tools(cfg)
     started_ray = _init_ray(cfg)
     # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
     (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
@@ -105,6 +106,29 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _check_tools(cfg: JobConfig) -> None:
+    """Say in the log what guards the tools' code; refuse (ConfigError) before any actor starts when
+    the namespace sandbox is asked for and cannot run here. (Each env pool checks again on its own
+    node.)"""
+    from rlpost.config import ConfigError
+    from rlpost.envs.sandbox import SandboxUnavailable, check_sandbox
+
+    tools = cfg.tools
+    if not tools.enabled:
+        return
+    names = (["python"] if tools.python.enabled else []) + list(tools.functions)
+    log.info("tools: %s; model-written code runs in sandbox %s", ", ".join(names), tools.sandbox)
+    if not tools.python.enabled:
+        return
+    if tools.sandbox == "guard":
+        log.warning("tools.sandbox=guard: the in-process guard and rlimits only, NOT a security boundary")
+        return
+    try:
+        check_sandbox(tools.sandbox)
+    except SandboxUnavailable as exc:
+        raise ConfigError(f"tools.sandbox={tools.sandbox}: {exc}") from None
 
 
 def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int) -> None:

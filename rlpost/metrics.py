@@ -118,6 +118,7 @@ def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
         "tool_error_fraction": sum(s.num_tool_errors for s in samples) / calls if calls else 0.0,
         "tool_time_s": sum(s.tool_time_s for s in samples),
         "reward_errors": sum(sum(g.info.get("reward_errors", {}).values()) for g in groups),
+        "length_truncated": sum(g.info.get("num_length_truncated", 0) for g in groups),
     }
 
 
@@ -152,6 +153,7 @@ class RayMetrics:
         "tool_error_fraction": "Share of the step's tool calls that failed",
         "tool_time_s": "Seconds the step's samples spent in tools",
         "reward_errors": "Failed reward computations in the step's batches",
+        "length_truncated": "Episodes ended because their next prompt would not fit the engine",
     }
     COUNTERS = {
         "samples_generated": "Completions generated",

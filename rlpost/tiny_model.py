@@ -9,10 +9,19 @@ seed, in well under 3 minutes:
    template whose assistant turns are wrapped in ``{% generation %}`` so that
    ``return_assistant_tokens_mask=True`` works. ``pad_token == eos_token == <|im_end|>`` on
    purpose: it is the configuration that hides the "EOS log-prob masked as padding" bug
-   (REFERENCE.md pitfall 2), so every test runs with the trap armed.
+   (a trap several RL trainers fell into), so every test runs with the trap armed.
 2. a Qwen2-architecture causal LM with head_dim 64 (the vLLM CPU backend rejects 16), trained with
    a short supervised pass on "What is a + b?" -> "<answer>c</answer>" until its sampled reward
    (temperature 1.0) lies in ``target_reward`` — room for GRPO to show learning.
+
+The ``tool_arithmetic`` variant (:data:`TOOL_SPEC`, ``rlpost make-tiny-model --task
+tool_arithmetic``) is the same recipe for the multi-turn Python-tool task: its tokenizer also learns
+the tool episodes' text (```` ```python ````, ``print(``, ``<tool_response>``, ``Code block 1
+executed successfully:``) and its supervised pass mixes episodes that call the tool and copy its
+result with episodes that guess the product outright, so that after the warm start it calls the
+tool in some samples but not all (:func:`evaluate_tool_episodes` measures both the reward and the
+tool-call rate) and GRPO has something to learn in both directions. Same architecture, about 2.5
+minutes on 2 cores (most of it the plateau before the model learns to copy digits).
 
 The result is an ordinary Hugging Face folder that both transformers and vLLM load.
 """
@@ -22,16 +31,23 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
+from rlpost.envs.arithmetic import (
+    ARITHMETIC_SYSTEM_PROMPT,
+    TOOL_ARITHMETIC_SYSTEM_PROMPT,
+    make_arithmetic_rows,
+    make_tool_arithmetic_rows,
+)
 from rlpost.envs.rewards import answer_reward
 
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -75,6 +91,57 @@ class TinyModelSpec:
     eval_prompts: int = 128
     target_reward: tuple[float, float] = (0.35, 0.5)
     num_threads: int = 2  # fixed so that float reductions, hence the files, do not vary by machine
+    # The fields below matter only for task "tool_arithmetic"; an "arithmetic" spec leaves them out
+    # of its stored form (spec_dict), so the default model's metadata is what it always was.
+    task: str = "arithmetic"  # "arithmetic" or "tool_arithmetic"
+    tool_fraction: float = 0.5  # share of supervised episodes that call the tool (the rest guess)
+    target_tool_rate: tuple[float, float] = (0.3, 0.7)  # sampled tool-call rate to stop in
+    max_turn_tokens: int = 24  # new tokens per sampled assistant turn in the evaluation
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"TinyModelSpec.task must be one of {TASKS}, got {self.task!r}")
+
+    @classmethod
+    def for_task(cls, task: str, **overrides) -> TinyModelSpec:
+        """The preset spec of ``task`` (:data:`TOOL_SPEC` for "tool_arithmetic"), with overrides."""
+        base = TOOL_SPEC if task == "tool_arithmetic" else cls(task=task)
+        return replace(base, **overrides)
+
+
+TASKS = ("arithmetic", "tool_arithmetic")
+# Fields that only the tool task reads; kept out of an arithmetic build's stored spec.
+_TOOL_ONLY_FIELDS = ("task", "tool_fraction", "target_tool_rate", "max_turn_tokens")
+
+# The tool variant. The same architecture learns to copy the operands into the code block and the
+# tool's output into the answer, after a plateau of some 500 steps; smaller batches (more steps for
+# the same compute) get it there sooner, lr 2e-3 never left the plateau in a trial. Half the
+# episodes call the tool, so the reward cannot pass 0.5 + 0.1 * 0.5 = 0.55 and the build stops
+# once roughly a third to a half of the tool calls are copied right: room for GRPO both to call
+# the tool more and to copy better. Many distinct rows so that copying, not memorising, is what pays.
+TOOL_SPEC = TinyModelSpec(
+    task="tool_arithmetic",
+    sft_rows=20000,
+    batch_size=32,
+    max_sft_steps=3000,
+    eval_every=25,
+    eval_prompts=256,
+    target_reward=(0.3, 0.55),
+)
+
+
+def spec_dict(spec: TinyModelSpec) -> dict:
+    """The spec as stored in ``rlpost_tiny_model.json`` (JSON types: tuples become lists).
+
+    An "arithmetic" spec omits the tool-only fields: they do not touch its bytes, and leaving them
+    out keeps the stored spec, hence :func:`ensure_tiny_model`'s up-to-date check, of builds made
+    before the tool task existed.
+    """
+    d = asdict(spec)
+    if spec.task == "arithmetic":
+        for name in _TOOL_ONLY_FIELDS:
+            del d[name]
+    return json.loads(json.dumps(d))
 
 
 def build_tiny_model(
@@ -94,15 +161,18 @@ def build_tiny_model(
     log(f"tokenizer: {len(tokenizer)} tokens, eos=pad={tokenizer.eos_token!r}")
     model = _init_model(spec, tokenizer)
     log(f"model: Qwen2, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    steps, reward = _supervised_warm_start(model, tokenizer, spec, log)
+    steps, reward, tool_rate = _supervised_warm_start(model, tokenizer, spec, log)
 
     meta = {
-        "spec": asdict(spec),
+        "spec": spec_dict(spec),
         "sft_steps": steps,
         "start_reward_estimate": reward,
         "build_seconds": round(time.perf_counter() - start, 1),
         "system_prompt": ARITHMETIC_SYSTEM_PROMPT,
     }
+    if spec.task == "tool_arithmetic":
+        meta["start_tool_call_rate"] = tool_rate
+        meta["system_prompt"] = TOOL_ARITHMETIC_SYSTEM_PROMPT
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
@@ -135,7 +205,7 @@ def ensure_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()
     Returns True when it built. A cached model from an older spec is rebuilt, so a change of
     :class:`TinyModelSpec` never leaves tests or the demo on stale weights.
     """
-    current = json.loads(json.dumps(asdict(spec)))  # tuples -> lists, as stored
+    current = spec_dict(spec)
     found = built_spec(out_dir)
     if found == current:
         return False
@@ -155,6 +225,84 @@ def _chat(question: str, answer: str | None = None) -> list[dict[str, str]]:
     return messages
 
 
+def tool_prompt(question: str) -> list[dict[str, str]]:
+    """The opening messages of a tool_arithmetic episode: system prompt and question."""
+    return [
+        {"role": "system", "content": TOOL_ARITHMETIC_SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+    ]
+
+
+def tool_episode(question: str) -> list[dict[str, str]]:
+    """The whole episode that uses the tool, as the warm start teaches it: a ```` ```python ````
+    block printing the product of the question's operands, the tool's reply, and the answer."""
+    a, b = _operands(question)
+    return tool_prompt(question) + [
+        {"role": "assistant", "content": f"```python\nprint({a} * {b})\n```"},
+        {"role": "tool", "content": tool_success_message(str(a * b))},
+        {"role": "assistant", "content": f"<answer>{a * b}</answer>"},
+    ]
+
+
+def guess_episode(question: str, guess: str) -> list[dict[str, str]]:
+    """The episode that answers at once, without the tool, with ``guess``."""
+    return tool_prompt(question) + [{"role": "assistant", "content": f"<answer>{guess}</answer>"}]
+
+
+def tool_success_message(output: str) -> str:
+    """The content of the tool message for one code block that ran and printed ``output`` (one
+    line): the text that ``rlpost.envs.tools.format_tool_response`` puts between
+    ``<tool_response>\\n`` and ``\\n</tool_response>``; the chat template adds the tags."""
+    return f"Code block 1 executed successfully:\n{output}\n"
+
+
+_QUESTION_RE = re.compile(r"What is (\d+) \* (\d+)\?")
+_PYTHON_BLOCK_RE = re.compile(r"```python\n(.*?)```", re.DOTALL)
+# The only code the evaluation "runs": a product of two decimal literals (no leading zeros, which
+# Python rejects), computed by the evaluation itself.
+_PRODUCT_CODE_RE = re.compile(r"print\(\s*(0|[1-9]\d*)\s*\*\s*(0|[1-9]\d*)\s*\)")
+
+
+def _operands(question: str) -> tuple[int, int]:
+    match = _QUESTION_RE.fullmatch(question)
+    if match is None:
+        raise ValueError(f"not a tool_arithmetic question: {question!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _guess(rng: random.Random, answer: str) -> str:
+    """A random number with as many digits as ``answer``: a guess of the right magnitude, almost
+    always wrong. (Near misses, the product with its last digits made up, ask the model to
+    multiply in its head, which it cannot; in a trial with them it took longer to learn to copy.)"""
+    digits = len(answer)
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def _tool_sft_episodes(spec: TinyModelSpec, rows: list[dict[str, str]], seed: int) -> list[list[dict[str, str]]]:
+    """One supervised episode per row: the tool episode with probability ``spec.tool_fraction``,
+    otherwise a guess (mostly wrong). A private ``random.Random(seed)`` picks, so no global state."""
+    rng = random.Random(seed)
+    episodes = []
+    for r in rows:
+        if rng.random() < spec.tool_fraction:
+            episodes.append(tool_episode(r["question"]))
+        else:
+            episodes.append(guess_episode(r["question"], _guess(rng, r["answer"])))
+    return episodes
+
+
+def _render_chatml(messages: list[dict[str, str]]) -> str:
+    """``messages`` as :data:`CHAT_TEMPLATE` renders them, for the tokenizer's training corpus
+    (the tokenizer that would render them does not exist yet)."""
+    parts = []
+    for m in messages:
+        if m["role"] == "tool":
+            parts.append(f"<|im_start|>user\n<tool_response>\n{m['content']}\n</tool_response><|im_end|>\n")
+        else:
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    return "".join(parts)
+
+
 def _build_tokenizer(spec: TinyModelSpec):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -172,12 +320,16 @@ def _build_tokenizer(spec: TinyModelSpec):
         min_frequency=2,
         show_progress=False,
     )
-    rows = make_arithmetic_rows(2000, seed=spec.seed + 7)
-    corpus = [
-        f"<|im_start|>system\n{ARITHMETIC_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{r['question']}"
-        f"<|im_end|>\n<|im_start|>assistant\n<think>{r['question']}</think><answer>{r['answer']}</answer>"
-        for r in rows
-    ]
+    if spec.task == "tool_arithmetic":
+        rows = make_tool_arithmetic_rows(2000, seed=spec.seed + 7)
+        corpus = [_render_chatml(e) for e in _tool_sft_episodes(spec, rows, seed=spec.seed + 8)]
+    else:
+        rows = make_arithmetic_rows(2000, seed=spec.seed + 7)
+        corpus = [
+            f"<|im_start|>system\n{ARITHMETIC_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{r['question']}"
+            f"<|im_end|>\n<|im_start|>assistant\n<think>{r['question']}</think><answer>{r['answer']}</answer>"
+            for r in rows
+        ]
     corpus += [_GENERAL_TEXT] * 20
     backend.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(
@@ -226,18 +378,20 @@ def _init_model(spec: TinyModelSpec, tokenizer):
     return model
 
 
-def _encode_sft_batch(tokenizer, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask and labels (-100 outside assistant tokens)."""
+def _encode_sft_batch(tokenizer, chats: list[list[dict[str, str]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask and labels (-100 outside assistant tokens).
+
+    Each chat is a full message list; every assistant turn in it is trained (the chat template's
+    assistant mask), so a tool episode teaches both the code block and the answer after the tool.
+    """
     encoded = [
-        tokenizer.apply_chat_template(
-            _chat(r["question"], r["answer"]), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        for r in rows
+        tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        for chat in chats
     ]
     length = max(len(e["input_ids"]) for e in encoded)
-    ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), length), dtype=torch.long)
-    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    ids = torch.full((len(chats), length), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(chats), length), dtype=torch.long)
+    labels = torch.full((len(chats), length), -100, dtype=torch.long)
     for i, e in enumerate(encoded):
         n = len(e["input_ids"])
         ids[i, :n] = torch.tensor(e["input_ids"])
@@ -247,37 +401,60 @@ def _encode_sft_batch(tokenizer, rows: list[dict[str, str]]) -> tuple[torch.Tens
     return ids, attn, labels
 
 
-def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[int, float]:
-    """Train on assistant tokens until the sampled reward enters ``spec.target_reward``."""
-    rows = make_arithmetic_rows(spec.sft_rows, seed=spec.seed + 1)
-    eval_rows = make_arithmetic_rows(spec.eval_prompts, seed=spec.seed + 2)
+def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[int, float, float | None]:
+    """Train on assistant tokens until the sampled reward enters ``spec.target_reward`` (and, for
+    the tool task, the tool-call rate ``spec.target_tool_rate``).
+
+    Returns the steps taken, the reward and the tool-call rate (None for "arithmetic").
+    """
+    tool = spec.task == "tool_arithmetic"
+    if tool:
+        rows = make_tool_arithmetic_rows(spec.sft_rows, seed=spec.seed + 1)
+        chats = _tool_sft_episodes(spec, rows, seed=spec.seed + 3)
+        eval_rows = make_tool_arithmetic_rows(spec.eval_prompts, seed=spec.seed + 2)
+    else:
+        rows = make_arithmetic_rows(spec.sft_rows, seed=spec.seed + 1)
+        chats = [_chat(r["question"], r["answer"]) for r in rows]
+        eval_rows = make_arithmetic_rows(spec.eval_prompts, seed=spec.seed + 2)
+
+    def evaluate() -> tuple[float, float | None, str]:
+        if not tool:
+            reward = evaluate_reward(model, tokenizer, eval_rows, seed=spec.seed)
+            return reward, None, f"sampled reward {reward:.3f}"
+        result = evaluate_tool_episodes(model, tokenizer, eval_rows, seed=spec.seed, max_new_tokens=spec.max_turn_tokens)
+        text = f"sampled reward {result.reward:.3f}, tool-call rate {result.tool_call_rate:.3f}"
+        return result.reward, result.tool_call_rate, text
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(spec.seed)
-    reward = evaluate_reward(model, tokenizer, eval_rows, seed=spec.seed)
-    log(f"sft step 0: sampled reward {reward:.3f}")
+    reward, tool_rate, text = evaluate()
+    log(f"sft step 0: {text}")
     low, high = spec.target_reward
     for step in range(1, spec.max_sft_steps + 1):
         model.train()
-        idx = torch.randint(len(rows), (spec.batch_size,), generator=generator).tolist()
-        ids, attn, labels = _encode_sft_batch(tokenizer, [rows[i] for i in idx])
+        idx = torch.randint(len(chats), (spec.batch_size,), generator=generator).tolist()
+        ids, attn, labels = _encode_sft_batch(tokenizer, [chats[i] for i in idx])
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % spec.eval_every == 0:
-            reward = evaluate_reward(model, tokenizer, eval_rows, seed=spec.seed)
-            log(f"sft step {step}: loss {loss.item():.3f}, sampled reward {reward:.3f}")
-            if low <= reward <= high:
-                return step, reward
+            reward, tool_rate, text = evaluate()
+            log(f"sft step {step}: loss {loss.item():.3f}, {text}")
+            rate_ok = tool_rate is None or spec.target_tool_rate[0] <= tool_rate <= spec.target_tool_rate[1]
+            if low <= reward <= high and rate_ok:
+                return step, reward, tool_rate
             if reward > high:
                 raise RuntimeError(
                     f"tiny model overshot the target reward band {spec.target_reward} at step {step} "
                     f"(reward {reward:.3f}); lower TinyModelSpec.eval_every or lr"
                 )
     raise RuntimeError(
-        f"tiny model did not reach the target reward band {spec.target_reward} in "
-        f"{spec.max_sft_steps} steps (last reward {reward:.3f})"
+        f"tiny model did not reach the target reward band {spec.target_reward}"
+        + (f" with a tool-call rate in {spec.target_tool_rate}" if tool else "")
+        + f" in {spec.max_sft_steps} steps (last reward {reward:.3f}"
+        + (f", tool-call rate {tool_rate:.3f})" if tool else ")")
     )
 
 
@@ -301,3 +478,90 @@ def evaluate_reward(model, tokenizer, rows: list[dict[str, str]], *, seed: int, 
     completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     rewards = [answer_reward(c, r["answer"]) for c, r in zip(completions, rows)]
     return sum(rewards) / len(rewards)
+
+
+@dataclass
+class ToolEvaluation:
+    """What :func:`evaluate_tool_episodes` measured: the mean episode reward, the share of samples
+    whose first turn holds a ```` ```python ```` block (malformed ones included), and every
+    episode as played (messages and reward) for inspection."""
+
+    reward: float
+    tool_call_rate: float
+    episodes: list[tuple[list[dict[str, str]], float]] = field(default_factory=list)
+
+
+def tool_message_for(completion: str) -> str | None:
+    """The tool message the evaluation gives for a first turn that holds a ```` ```python ```` block.
+
+    The warm-start evaluation never executes model-written code: it recognises only a block whose
+    code is exactly ``print(<int> * <int>)`` and computes the product itself. Any other code gives
+    None, and :func:`evaluate_tool_episodes` scores that sample 0 (as if the tool call failed and
+    the episode ended without an answer). Only the first block counts; text around it is ignored.
+    """
+    block = _PYTHON_BLOCK_RE.search(completion)
+    if block is None:
+        return None
+    match = _PRODUCT_CODE_RE.fullmatch(block.group(1).strip())
+    if match is None:
+        return None
+    return tool_success_message(str(int(match.group(1)) * int(match.group(2))))
+
+
+def _sample_turn(model, tokenizer, chats: list[list[dict[str, str]]], *, temperature: float, max_new_tokens: int) -> list[str]:
+    """One sampled assistant turn per chat (batched, left-padded), decoded without special tokens."""
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(
+        **batch,
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def evaluate_tool_episodes(
+    model, tokenizer, rows: list[dict[str, str]], *, seed: int, temperature: float = 1.0, max_new_tokens: int = 24
+) -> ToolEvaluation:
+    """Play one tool_arithmetic episode per row and score it; for the warm start's band check.
+
+    Turn 1 is sampled for every row (transformers ``generate``, seeded). A first turn with a
+    ```` ```python ```` block counts as a tool call: when its code is ``print(<int> * <int>)`` the
+    tool message with the product (:func:`tool_message_for`) is appended and turn 2 is sampled,
+    otherwise the sample scores 0. The reward is ``answer_reward`` of the last assistant message:
+    turn 2 after a tool call, turn 1 otherwise.
+    """
+    model.eval()
+    torch.manual_seed(seed)
+    chats = [tool_prompt(r["question"]) for r in rows]
+    firsts = _sample_turn(model, tokenizer, chats, temperature=temperature, max_new_tokens=max_new_tokens)
+    tool_calls, follow_up = 0, []
+    for i, (chat, first) in enumerate(zip(chats, firsts)):
+        chat.append({"role": "assistant", "content": first})
+        if _PYTHON_BLOCK_RE.search(first):
+            tool_calls += 1
+            message = tool_message_for(first)
+            if message is not None:
+                chat.append({"role": "tool", "content": message})
+                follow_up.append(i)
+    if follow_up:
+        seconds = _sample_turn(
+            model, tokenizer, [chats[i] for i in follow_up], temperature=temperature, max_new_tokens=max_new_tokens
+        )
+        for i, second in zip(follow_up, seconds):
+            chats[i].append({"role": "assistant", "content": second})
+    episodes = []
+    for chat, r in zip(chats, rows):
+        last = chat[-1]
+        malformed_call = last["role"] == "assistant" and len(chat) == 3 and _PYTHON_BLOCK_RE.search(last["content"])
+        reward = 0.0 if malformed_call else answer_reward(last["content"], r["answer"])
+        episodes.append((chat, reward))
+    return ToolEvaluation(
+        reward=sum(e[1] for e in episodes) / len(episodes), tool_call_rate=tool_calls / len(rows), episodes=episodes
+    )

@@ -1,4 +1,5 @@
-"""Shared fixtures. The tiny model is built once into .cache/tiny-model (or $RLPOST_TINY_MODEL)."""
+"""Shared fixtures. The tiny model is built once into .cache/tiny-model (or $RLPOST_TINY_MODEL), its
+tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ def tiny_model_path() -> Path:
         from rlpost.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(path)  # builds, or rebuilds a cache made from an older spec
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_path() -> Path:
+    """The tool_arithmetic variant (``make-tiny-model --task tool_arithmetic``), built on first use
+    (~2.5 min on 2 cores) and rebuilt when its spec changes."""
+    from rlpost.tiny_model import TOOL_SPEC, ensure_tiny_model
+
+    path = Path(os.environ.get("RLPOST_TINY_TOOL_MODEL", REPO / ".cache" / "tiny-model-tools"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".tiny-model-tools.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_tiny_model(path, TOOL_SPEC)
     return path
 
 

@@ -114,6 +114,7 @@ class EnvPool:
             filter_equal_rewards=cfg.loss.filter_equal_rewards,
             track_policy_version=policy_version if policy_version is not None else PolicyVersion(),
             group_info={"env_pool": pool_index},
+            max_prompt_tokens=rollout.engine.max_model_len - 1,
         )
         self.name = f"env-pool-{pool_index}"
         self.engine_client = engine_client

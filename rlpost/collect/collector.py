@@ -133,6 +133,7 @@ class CollectorStats:
     num_generated_tokens: int = 0  # every generated token, filtered groups included
     num_policy_calls: int = 0
     num_drift_truncated: int = 0  # episodes ended early by history-mode re-tokenisation drift
+    num_length_truncated: int = 0  # episodes ended early: the next prompt was past max_prompt_tokens
     generate_s: float = 0.0  # seconds inside policy calls
     collect_s: float = 0.0  # seconds inside collect()
     reward_errors: Counter = field(default_factory=Counter)
@@ -167,6 +168,9 @@ class LLMCollector:
         track_policy_version: a :class:`PolicyVersion` to share (e.g. with the owner that
             sets the version after a weight load); True or None makes a new one.
         group_info: extra entries put in every emitted ``Group.info`` (e.g. the env pool index).
+        max_prompt_tokens: the longest prompt the engine takes (its context length less one). An
+            episode whose next prompt would be longer (a long tool output, many turns) ends at the
+            turn before, counted in ``num_length_truncated``; None: no check.
     """
 
     def __init__(
@@ -183,6 +187,7 @@ class LLMCollector:
         filter_equal_rewards: bool = False,
         track_policy_version: bool | PolicyVersion | None = True,
         group_info: dict[str, Any] | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
@@ -213,6 +218,7 @@ class LLMCollector:
             track_policy_version if isinstance(track_policy_version, PolicyVersion) else PolicyVersion()
         )
         self.group_info = dict(group_info or {})
+        self.max_prompt_tokens = max_prompt_tokens
         self.stats = CollectorStats()
         self._num_batches = 0
 
@@ -223,21 +229,21 @@ class LLMCollector:
 
         Fewer groups come back when the DAPO filter drops some (counted). Every group's samples
         were generated together. Batch-level counts in ``Group.info`` (``reward_errors``,
-        ``num_filtered_groups``, ``num_drift_truncated``) sit on the batch's first group and are
-        zero on the others, so summing them over groups is right.
+        ``num_filtered_groups``, ``num_drift_truncated``, ``num_length_truncated``) sit on the
+        batch's first group and are zero on the others, so summing them over groups is right.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         start = time.perf_counter()
         errors_before = Counter(self.env.reward_errors)
-        drift_before = self.stats.num_drift_truncated
+        truncated_before = (self.stats.num_drift_truncated, self.stats.num_length_truncated)
         episodes = self._run_episodes(num_groups * self.group_size)
         samples = [self._to_sample(ep) for ep in episodes]
         groups, num_filtered = self._assemble(samples)
         reward_errors = Counter(self.env.reward_errors)
         reward_errors.subtract(errors_before)
         reward_errors = Counter({k: v for k, v in reward_errors.items() if v})
-        self._record(groups, num_groups, num_filtered, reward_errors, drift_before)
+        self._record(groups, num_groups, num_filtered, reward_errors, truncated_before)
         self.stats.collect_s += time.perf_counter() - start
         return groups
 
@@ -290,12 +296,22 @@ class LLMCollector:
                 episodes[i].tool_stats = [a + b for a, b in zip(episodes[i].tool_stats, tool_stats[j])]
                 if not done[j]:
                     keep.append(j)
+            keep = self._drop_long_prompts(next_td, keep)
             if not keep or turn == self.max_turns - 1:
                 break
             keys = [self.env.input_mode, *self.env.state_keys, *_FLAGS]
             td = next_td.select(*keys, strict=False)[keep]
             active = [active[j] for j in keep]
         return episodes
+
+    def _drop_long_prompts(self, next_td: TensorDictBase, keep: list[int]) -> list[int]:
+        """``keep`` without the rows whose next prompt the engine could not take (counted)."""
+        if self.max_prompt_tokens is None or not keep:
+            return keep
+        rows = self.env.prompt_rows(next_td)
+        fits = [j for j in keep if _num_tokens(rows[j], self.env) <= self.max_prompt_tokens]
+        self.stats.num_length_truncated += len(keep) - len(fits)
+        return fits
 
     def _policy_turn(self, td: TensorDictBase, episodes: list[_Episode]) -> TensorDictBase:
         """One policy call over ``td`` (all active rows: whole groups), recorded into ``episodes``.
@@ -403,9 +419,11 @@ class LLMCollector:
         return groups, mc.num_dropped_equal
 
     def _record(
-        self, groups: list[Group], num_groups: int, num_filtered: int, reward_errors: Counter, drift_before: int
-    ) -> None:
-        num_drift = self.stats.num_drift_truncated - drift_before
+        self, groups: list[Group], num_groups: int, num_filtered: int, reward_errors: Counter,
+        truncated_before: tuple[int, int],
+    ) -> None:  # fmt: skip
+        num_drift = self.stats.num_drift_truncated - truncated_before[0]
+        num_length = self.stats.num_length_truncated - truncated_before[1]
         for i, group in enumerate(groups):
             first = i == 0
             group.info.update(
@@ -413,6 +431,7 @@ class LLMCollector:
                 reward_errors=dict(reward_errors) if first else {},
                 num_filtered_groups=num_filtered if first else 0,
                 num_drift_truncated=num_drift if first else 0,
+                num_length_truncated=num_length if first else 0,
             )
         self._num_batches += 1
         self.stats.num_groups_collected += num_groups
@@ -423,6 +442,7 @@ class LLMCollector:
         self.last_batch_info = {
             "num_groups": len(groups), "num_filtered_groups": num_filtered,
             "reward_errors": dict(reward_errors), "num_drift_truncated": num_drift,
+            "num_length_truncated": num_length,
         }  # fmt: skip
 
 
@@ -459,6 +479,18 @@ def _prompt_ids(td: TensorDictBase, num_rows: int) -> list[int]:
     if len(ids) != num_rows:
         raise RuntimeError(f"reset of {num_rows} rows gave {len(ids)} prompt ids")
     return ids
+
+
+def _num_tokens(prompt: Any, env: Any) -> int:
+    """Length in tokens of one of ``env.prompt_rows``: ids, rendered text, or messages."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.numel()
+    tokenizer = env.tokenizer
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                        **env.template_kwargs)["input_ids"]  # fmt: skip
+    return len(ids)
 
 
 def _tool_stats(next_td: TensorDictBase, num_rows: int) -> list[tuple[float, float, float]]:

@@ -64,8 +64,8 @@ class _Options:
     limits: Limits
 
     @classmethod
-    def make(cls, timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb, max_procs, disk_mb, sandbox,
-             cpu_blocks=1) -> _Options:  # fmt: skip
+    def make(cls, timeout_s: float, memory_mb: int, cpu_s: int | None, max_output_bytes: int, max_file_mb: int,
+             max_procs: int, disk_mb: int, sandbox: str, cpu_blocks: int = 1) -> _Options:  # fmt: skip
         if timeout_s <= 0 or memory_mb < 32 or max_output_bytes < 1 or max_file_mb < 1 or max_procs < 1:
             raise ValueError(
                 "run_python needs timeout_s > 0, memory_mb >= 32 and positive max_output_bytes, "
@@ -242,7 +242,8 @@ def extract_python_blocks(text: str) -> list[str]:
 
 
 def format_tool_response(results: list[PythonResult]) -> str:
-    """The tool message for the results of one assistant message's code blocks (seed 000 format).
+    """The tool message for the results of one assistant message's code blocks (the format of
+    TorchRL's LLM tutorial).
 
     Each block renders as ``Code block i executed successfully:\n<output>\n``, or when it failed
     as ``Code block i failed:\n<error>\n<output>\n``; all inside

@@ -414,3 +414,18 @@ def test_tool_turns_train_only_generated_ids_and_keep_each_turns_logprobs(engine
     metrics = episode_metrics(groups)
     assert metrics["tool_calls_mean"] == 1.0 and metrics["tool_error_fraction"] == 0.0
     assert 2.0 <= metrics["turns_mean"] <= 3.0
+
+
+def test_an_episode_whose_next_prompt_would_not_fit_the_engine_ends_and_is_counted(engine, tiny_tokenizer):
+    # A long tool output can push the next prompt past the engine's context (vLLM refuses such a
+    # prompt, which would stop the whole batch): those episodes end at the turn before, counted.
+    cfg = make_cfg(data={"task": "tool_arithmetic"}, tools={"python": {"enabled": True}}, rollout={"max_turns": 2})
+    script = "```python\nprint('x' * 500)\n```"
+    client = ScriptedFirstTurn(engine, tiny_tokenizer, script)
+    collector = make_collector(cfg, client, tiny_tokenizer, num_groups=2, max_prompt_tokens=200)
+    groups = collector.collect(2)
+    assert len(client.calls) == 1  # nobody took a second turn
+    assert collector.stats.num_length_truncated == 8 and groups[0].info["num_length_truncated"] == 8
+    for sample in flat(groups):
+        assert sample.num_turns == 1 and sample.num_tool_calls == 1 and sample.reward == 0.0
+        assert sample.token_ids[-len(client.script) :] == client.script  # the sample ends with turn 1

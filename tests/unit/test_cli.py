@@ -94,8 +94,7 @@ def test_tiny_model_cache_is_rebuilt_only_when_the_spec_changes(tmp_path, monkey
         builds.append(spec)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text("{}")
-        (out_dir / "rlpost_tiny_model.json").write_text(json.dumps({"spec": json.loads(json.dumps(
-            __import__("dataclasses").asdict(spec)))}))
+        (out_dir / "rlpost_tiny_model.json").write_text(json.dumps({"spec": tiny_model.spec_dict(spec)}))
 
     monkeypatch.setattr(tiny_model, "build_tiny_model", fake_build)
     spec = tiny_model.TinyModelSpec()
@@ -104,3 +103,6 @@ def test_tiny_model_cache_is_rebuilt_only_when_the_spec_changes(tmp_path, monkey
     changed = tiny_model.TinyModelSpec(seed=1)
     assert tiny_model.ensure_tiny_model(tmp_path / "m", changed, log=lambda _: None) is True
     assert builds == [spec, changed]
+    tools = tiny_model.TinyModelSpec.for_task("tool_arithmetic")
+    assert tiny_model.ensure_tiny_model(tmp_path / "m", tools, log=lambda _: None) is True
+    assert tiny_model.ensure_tiny_model(tmp_path / "m", tools, log=lambda _: None) is False

@@ -292,11 +292,24 @@ def sample(turns, calls, errors, seconds):
 
 def test_episode_metrics():
     groups = [
-        Group(0, [sample(2, 1, 0, 0.5), sample(1, 0, 0, 0.0)], [1.0, -1.0], 0, info={"reward_errors": {"Timeout": 2}}),
+        Group(0, [sample(2, 1, 0, 0.5), sample(1, 0, 0, 0.0)], [1.0, -1.0], 0,
+              info={"reward_errors": {"Timeout": 2}, "num_length_truncated": 1}),
         Group(1, [sample(3, 2, 1, 1.0), sample(2, 1, 1, 0.25)], [1.0, -1.0], 0, info={"reward_errors": {}}),
     ]
     assert episode_metrics(groups) == {
         "turns_mean": 2.0, "tool_calls_mean": 1.0, "tool_error_fraction": 0.5, "tool_time_s": 1.75,
-        "reward_errors": 2,
+        "reward_errors": 2, "length_truncated": 1,
     }  # fmt: skip
     assert episode_metrics([Group(0, [sample(1, 0, 0, 0.0)], [0.0], 0)])["tool_error_fraction"] == 0.0
+
+
+def test_train_refuses_before_starting_actors_when_the_sandbox_cannot_run(monkeypatch, caplog):
+    from rlpost.controller import _check_tools
+
+    monkeypatch.setenv("RLPOST_BWRAP", "/bin/false")
+    with pytest.raises(ConfigError, match="tools.sandbox=bwrap: the namespace sandbox .* tools.sandbox: guard"):
+        _check_tools(tools_config())
+    with caplog.at_level(logging.INFO, logger="rlpost.controller"):
+        _check_tools(tools_config(tools={"sandbox": "guard"}))  # asked for: runs, and the log says so
+    assert "NOT a security boundary" in caplog.text
+    _check_tools(tools_config(tools={"python": {"enabled": False}}, data={"task": "arithmetic"}))  # no code: no check
