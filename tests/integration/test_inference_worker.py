@@ -103,6 +103,21 @@ def test_update_times_out_instead_of_hanging_when_nothing_is_published(worker, t
     publisher.close()
 
 
+def wait_dead(handle, timeout_s: float = 30.0) -> None:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.generate.remote([[1]], {}), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"actor {handle} still answers {timeout_s:.0f}s after ray.kill")
+
+
 def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluster):
     """RemoteVLLMClient's failover with stand-in actors (the real engine's failover is in the e2e
     fault-tolerance tests): a dead worker's request goes to another; when none is left it waits
@@ -125,11 +140,13 @@ def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluste
     first, second = StandIn.remote(1), StandIn.remote(2)
     client = RemoteVLLMClient([first, second], worker_wait_s=30)
     ray.kill(first)
+    wait_dead(first)
     for _ in range(3):  # whichever it picks, the answer comes from the live worker
         assert client.generate([[1]], {}) == [["from 2"]] and client.last_policy_version == 2
     assert client.num_reissued >= 1
 
     ray.kill(second)
+    wait_dead(second)  # ray.kill is asynchronous: a call right after it could still be answered
     replacement = StandIn.remote(3)
     timer = threading.Timer(1.0, client.set_handles, args=([replacement],))
     timer.start()
@@ -138,6 +155,7 @@ def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluste
     assert time.monotonic() - start >= 0.9 and client.last_policy_version == 3
 
     ray.kill(replacement)
+    wait_dead(replacement)
     impatient = RemoteVLLMClient([replacement], worker_wait_s=0.5)
     with pytest.raises(RuntimeError, match="every inference worker failed and none was replaced"):
         impatient.generate([[1]], {})
