@@ -114,8 +114,18 @@ def call_user_reward(
     ``KeyboardInterrupt`` still propagates: it is the operator's, not the function's.
     """
     try:
-        reward = float(fn(completion, row))
+        value = fn(completion, row)
     except (Exception, SystemExit) as exc:  # reported as the result's error type
+        return 0.0, type(exc).__name__
+    return reward_value(value)
+
+
+def reward_value(value: Any) -> tuple[float, str | None]:
+    """``(float(value), None)`` for a finite number; ``(0.0, error type name)`` otherwise (the
+    ``TypeError``/``ValueError`` of ``float()``, or ``"NonFiniteReward"`` for NaN/inf)."""
+    try:
+        reward = float(value)
+    except (TypeError, ValueError) as exc:
         return 0.0, type(exc).__name__
     if not math.isfinite(reward):
         return 0.0, "NonFiniteReward"

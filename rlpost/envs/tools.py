@@ -19,6 +19,7 @@ message, which renders as in TorchRL's LLM tutorial::
 from __future__ import annotations
 
 import errno
+import inspect
 import math
 import re
 import signal
@@ -133,6 +134,12 @@ def run_python(
     return options.result(outcome, start)
 
 
+def _run_python_defaults() -> dict:
+    """run_python's keyword options and their defaults (PythonSession takes the same)."""
+    parameters = inspect.signature(run_python).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
 class PythonSession:
     """One sandboxed interpreter that runs many blocks: what one block defines, the next sees.
 
@@ -144,8 +151,7 @@ class PythonSession:
     """
 
     def __init__(self, **options) -> None:
-        defaults = dict(timeout_s=5.0, memory_mb=512, cpu_s=None, max_output_bytes=16384, max_file_mb=16,
-                        max_procs=64, disk_mb=64, sandbox="bwrap")
+        defaults = _run_python_defaults()
         unknown = sorted(set(options) - set(defaults))
         if unknown:
             raise TypeError(f"PythonSession got unexpected options {unknown}; known: {sorted(defaults)}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
-import logging
 import re
 import time
 from collections.abc import Callable
@@ -45,8 +44,6 @@ from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks
 
 if TYPE_CHECKING:
     from rlpost.envs.chat import ChatEnv
-
-logger = logging.getLogger(__name__)
 
 _OPEN, _CLOSE = "<tool_response>\n", "\n</tool_response>"
 TOOL_STAT_KEYS = ("tool_calls", "tool_errors", "tool_time_s")  # per row of ``next``, summed over tools
