@@ -75,7 +75,7 @@ def main() -> None:
     system = {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}
     chats = [[system, {"role": "user", "content": r["question"]}] for r in rows]
     history = History.from_chats(chats)
-    prompt_ids = history.apply_chat_template(tokenizer, tokenize=True)
+    prompt_ids = [p.tolist() for p in history.apply_chat_template(tokenizer, tokenize=True)]
     sampling = dict(n=samples, max_tokens=max_tokens, temperature=1.0, seed=0)
     prompt_tokens = samples * sum(len(p) for p in prompt_ids)
 

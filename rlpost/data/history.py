@@ -1,37 +1,62 @@
 """History: a batch of chat messages as a tensorclass (TorchRL's ``torchrl.data.llm.History``).
 
-A ``History`` holds one message per batch element: ``role``, ``content`` (strings, stored as
-non-tensor data), ``is_complete`` (a bool tensor) and, optionally, ``tool_calls``. A conversation
-is a History of batch ``[n_messages]``; a batch of conversations is ``[B, n_messages]``. It
-batches, indexes, stacks and concatenates like any tensorclass: ``h[0]`` is the first
-conversation, ``h[:, -1]`` the last message of each, ``torch.stack([h1, h2])`` a batch.
+A ``History`` holds one message per batch element: ``role``, ``content`` (a string, or a stack of
+:class:`~rlpost.data.ContentBase` blocks for multimodal messages), ``is_complete`` (a bool
+tensor), and optionally ``tool_calls`` and ``tool_responses``. A conversation is a History of
+batch ``[n_messages]``; a batch of conversations is ``[B, n_messages]``. It batches, indexes,
+stacks and concatenates like any tensorclass: ``h[0]`` is the first conversation, ``h[:, -1]``
+the last message of each, ``torch.stack([h1, h2])`` a batch. ``append`` / ``extend`` grow it
+along any dim, in place or not, dense or lazily stacked.
 
 Conversations of different lengths are padded on the right with messages whose role is
-``"<none>"`` (:data:`PAD_ROLE`), so a batch stays dense; padding messages are dropped whenever a
-History is turned back into chats or rendered. (A ``lazy_stack`` of ragged Histories also works
-everywhere a History is read.)
+``"<none>"`` (:data:`PAD_ROLE`), so that a batch stays dense; padding messages are dropped
+whenever a History is turned back into chats or rendered. (A ``lazy_stack`` of ragged Histories
+works everywhere a History is read.)
 
-Rendering delegates to the tokenizer's own ``apply_chat_template`` so that rlpost and
-transformers never disagree on a prompt. Deliberate deviation from TorchRL: a conversation whose
-last message is unfinished (``is_complete=False``, e.g. a response cut at ``max_tokens``) is
-rendered with ``continue_final_message=True`` (no end-of-turn marker, no generation prompt), so
-that rendering the history of a truncated sample gives back the text the model actually saw.
+Deliberate deviations from TorchRL, each because TorchRL's behaviour is wrong for training:
+
+- Rendering uses the tokenizer's own chat template unless a template is asked for by name
+  (``chat_template_name``) or registered for the model with :func:`add_chat_template`. TorchRL
+  swaps in its own template for Qwen, Llama, DeepSeek, ... tokenizers; the inference engine
+  renders prompts with the model's template, so the learner would score other tokens.
+- A conversation whose last message is unfinished (``is_complete=False``, e.g. a response cut
+  at ``max_tokens``) is rendered with ``continue_final_message=True`` (no end-of-turn marker, no
+  generation prompt), so that rendering the history of a truncated sample gives back the text
+  the model actually saw; its assistant mask is the complete rendering's mask, cut.
+- ``from_text`` keeps each content exactly as written (TorchRL strips whitespace) and leaves
+  tool calls in the assistant's content instead of also copying them to ``tool_calls`` (a
+  template that renders ``tool_calls`` would write them twice); a last message ending with
+  ``<|endoftext|>`` stays unfinished with the marker in its content, so it renders back as the
+  model wrote it. ``from_chats`` and ``from_text`` of several chats give a ``"<none>"``-padded
+  dense batch (TorchRL: a ragged lazy stack).
+- ``is_complete`` is a bool tensor (TorchRL: non-tensor data), so masks can be computed from it.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
 import torch
-from tensordict import TensorClass
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorClass, TensorDict, lazy_stack
+from tensordict.utils import is_non_tensor
+
+from rlpost.data import specs, templates
+from rlpost.data.content import ContentBase, blocks_to_content, is_content_blocks
+from rlpost.data.rendering import RenderRequest
+from rlpost.data.templates import add_chat_template, parse_chatml
+
+__all__ = ["PAD_ROLE", "History", "HistoryError", "add_chat_template", "parse_chatml"]
 
 PAD_ROLE = "<none>"
+_OPTIONAL_FIELDS = ("tool_calls", "tool_responses")
 
-# ChatML / Qwen markers. ``from_text`` parses this format only (the tiny model's and Qwen's).
-_IM_START = "<|im_start|>"
-_IM_END = "<|im_end|>"
-_TOOL_RESPONSE = re.compile(r"\A<tool_response>\n(.*)\n</tool_response>\Z", re.DOTALL)
+
+class HistoryError(ValueError, RuntimeError):
+    """A History operation that cannot be done as asked (wrong batch dims, unparseable text).
+
+    Both a ValueError (rlpost's convention for a caller's mistake) and a RuntimeError (what
+    TorchRL raises in the same cases), so code written against either catches it.
+    """
 
 
 class History(TensorClass["nocast"]):
@@ -39,21 +64,27 @@ class History(TensorClass["nocast"]):
 
     Fields:
         role: "system", "user", "assistant", "tool" or the padding role ``"<none>"``.
-        content: the message text.
+        content: the message text, or a :class:`ContentBase` stack (one more batch dim than the
+            History) for multimodal content; rendered as a list of block dicts.
         is_complete: bool tensor shaped like the batch; False for a message that was cut before
             its end-of-turn marker. Defaults to True.
-        tool_calls: optional list of tool-call dicts per message (passed to the chat template as
-            ``message["tool_calls"]``); messages joined by ``append``/``extend`` must agree on
-            whether they carry it.
+        tool_calls: optional list of tool-call dicts per message, passed to the chat template as
+            ``message["tool_calls"]``.
+        tool_responses: optional list of response strings per message, passed to the chat
+            template as ``message["tool_responses"]`` (the ``"qwen"`` template renders one
+            ``<tool_response>`` block per response).
     """
 
     role: str
-    content: str
+    content: Any
     is_complete: Any = True
     tool_calls: Any = None
+    tool_responses: Any = None
 
     def __post_init__(self):
-        complete = self.is_complete
+        complete = self._tensordict.get("is_complete", None)
+        if is_non_tensor(complete):
+            complete = complete.tolist()
         if not isinstance(complete, torch.Tensor):
             if complete is None or isinstance(complete, bool):
                 complete = torch.full(self.batch_size, complete is not False, dtype=torch.bool)
@@ -61,7 +92,7 @@ class History(TensorClass["nocast"]):
                 complete = torch.as_tensor(complete, dtype=torch.bool)
         elif complete.dtype != torch.bool:
             complete = complete.bool()
-        if complete.shape != self.batch_size:
+        if complete.shape[: self.batch_dims] != self.batch_size:
             complete = complete.expand(self.batch_size).clone()
         self.is_complete = complete
 
@@ -73,49 +104,73 @@ class History(TensorClass["nocast"]):
 
         One chat gives batch ``[n_messages]``; a batch gives ``[B, max_n_messages]`` with shorter
         chats padded by ``"<none>"`` messages. Message dicts need ``role`` and ``content``;
-        ``is_complete`` and ``tool_calls`` are read when present.
+        ``is_complete``, ``tool_calls`` and ``tool_responses`` are read when present. A content
+        given as a list of blocks (``[{"type": "image", "url": ...}, {"type": "text", ...}]``)
+        becomes a :class:`ContentBase` stack (the result is then a lazy stack).
         """
         if len(chats) == 0:
-            raise ValueError("from_chats needs at least one message or one chat")
+            raise HistoryError("from_chats needs at least one message or one chat")
         if isinstance(chats[0], dict):
             return cls._from_rows([list(chats)], squeeze=True)
         if any(len(chat) == 0 for chat in chats):
-            raise ValueError("from_chats: every chat needs at least one message")
+            raise HistoryError("from_chats: every chat needs at least one message")
         return cls._from_rows([list(chat) for chat in chats], squeeze=False)
 
     @classmethod
     def _from_rows(cls, rows: list[list[dict]], *, squeeze: bool) -> History:
+        for row in rows:
+            for message in row:
+                if "role" not in message or "content" not in message:
+                    raise HistoryError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
+        if any(not isinstance(m["content"], str) for row in rows for m in row):
+            history = lazy_stack([_blocks_row(row, max(len(r) for r in rows)) for row in rows])
+            return history[0] if squeeze else history
         num_messages = max(len(row) for row in rows)
         pad = {"role": PAD_ROLE, "content": "", "is_complete": True}
         padded = [row + [pad] * (num_messages - len(row)) for row in rows]
-        for row in padded:
-            for message in row:
-                if "role" not in message or "content" not in message:
-                    raise ValueError(f"a chat message needs 'role' and 'content', got keys {sorted(message)}")
-        has_tools = any(message.get("tool_calls") is not None for row in padded for message in row)
         fields = {
             "role": [[m["role"] for m in row] for row in padded],
-            "content": [[_content_text(m["content"]) for m in row] for row in padded],
+            "content": [[m["content"] for m in row] for row in padded],
             "is_complete": torch.tensor([[bool(m.get("is_complete", True)) for m in row] for row in padded]),
         }
-        if has_tools:
-            fields["tool_calls"] = [[m.get("tool_calls") for m in row] for row in padded]
+        for name in _OPTIONAL_FIELDS:
+            if any(m.get(name) is not None for row in padded for m in row):
+                fields[name] = _nontensor([[m.get(name) for m in row] for row in padded], 2)
         history = cls(**fields, batch_size=[len(padded), num_messages])
         return history[0] if squeeze else history
 
     @classmethod
-    def from_text(cls, text: str | Sequence[str]) -> History:
-        """Parse rendered ChatML / Qwen text back into messages.
+    def from_text(
+        cls,
+        text: str | Sequence[str],
+        chat_template_name: str | None = None,
+        chat_template: str | None = None,
+        tokenizer=None,
+    ) -> History:
+        """Parse rendered text back into messages (TorchRL's ``History.from_text``).
 
-        ``"<|im_start|>role\\ncontent<|im_end|>"`` blocks become messages; a last block without
-        ``<|im_end|>`` (an open generation prompt, or a response cut at ``max_tokens``) becomes a
-        message with ``is_complete=False``, so rendering the result gives the text back. A user
-        turn that only wraps ``<tool_response>`` tags (how Qwen templates render tool messages)
-        becomes a ``"tool"`` message. A list of texts gives a padded ``[B, max_n]`` batch.
+        ``chat_template_name`` picks the format ("chatml_format", "qwen", "dialogpt", "falcon",
+        "deepseek", "llama", or one registered with :func:`add_chat_template`); when None it is
+        detected from ``tokenizer.name_or_path`` as TorchRL does ("chatml_format" without a
+        tokenizer). ``chat_template`` is accepted for TorchRL compatibility and has no effect.
+        The tokenizer's BOS/EOS tokens are used by the formats that render them.
+
+        A last message without its end marker is ``is_complete=False``, so rendering the result
+        gives the text back (see :func:`parse_chatml` for ChatML's tool turns). A list of texts
+        gives a ``"<none>"``-padded ``[B, max_n]`` batch.
         """
-        if isinstance(text, str):
-            return cls._from_rows([parse_chatml(text)], squeeze=True)
-        return cls._from_rows([parse_chatml(t) for t in text], squeeze=False)
+        del chat_template  # TorchRL's parser ignores it too
+        name = chat_template_name or templates.detect_chat_template_name(tokenizer)
+        texts = [text] if isinstance(text, str) else list(text)
+        parsed = []
+        for one in texts:
+            try:
+                parsed.append(templates.parse_text(one, name, tokenizer))
+            except ValueError as err:
+                raise HistoryError(str(err)) from err
+        if all(isinstance(p, History) for p in parsed):  # a custom inverse parser
+            return parsed[0] if isinstance(text, str) else lazy_stack(parsed)
+        return cls._from_rows(parsed, squeeze=isinstance(text, str))
 
     # ------------------------------------------------------------------ conversion
 
@@ -123,196 +178,282 @@ class History(TensorClass["nocast"]):
         """Message dicts, nested like the batch dims minus the last; ``"<none>"`` messages dropped.
 
         A ``[n]`` History gives ``list[dict]``, ``[B, n]`` gives ``list[list[dict]]``. Dicts carry
-        ``role`` and ``content`` (and ``tool_calls`` when set), which is what chat templates read;
-        ``include_state=True`` adds ``is_complete`` so that ``from_chats`` restores it.
+        ``role`` and ``content`` (a string, or a list of block dicts), and ``tool_calls`` /
+        ``tool_responses`` when set: what chat templates read. ``include_state=True`` adds
+        ``is_complete`` so that ``from_chats`` restores it.
         """
         if self.batch_dims == 0:
             return self.unsqueeze(0).to_chats(include_state=include_state)
         if self.batch_dims > 1:
             return [row.to_chats(include_state=include_state) for row in self.unbind(0)]
-        messages = []
-        tool_calls = self.tool_calls
+        columns = {name: self._column(name) for name in ("role", "content", *_OPTIONAL_FIELDS)}
         complete = self.is_complete.tolist()
-        for i, (role, content) in enumerate(zip(list(self.role), list(self.content))):
+        messages = []
+        for i, role in enumerate(columns["role"]):
             if role == PAD_ROLE:
                 continue
-            message = {"role": role, "content": content}
-            if tool_calls is not None and tool_calls[i] is not None:
-                message["tool_calls"] = list(tool_calls[i])
+            content = columns["content"][i]
+            message = {"role": role, "content": content.to_blocks() if isinstance(content, ContentBase) else content}
+            for name in _OPTIONAL_FIELDS:
+                if columns[name] is not None and columns[name][i] is not None:
+                    message[name] = list(columns[name][i])
             if include_state:
                 message["is_complete"] = complete[i]
             messages.append(message)
         return messages
 
+    def _column(self, name: str) -> list | None:
+        """One field of a ``[n]`` History as a list of ``n`` values (None when no message has it)."""
+        try:
+            raw = self._tensordict.get(name, None)
+        except (KeyError, RuntimeError):  # a lazy stack whose messages disagree on the field
+            raw = None
+            values = [getattr(message, name) for message in self.unbind(0)]
+        else:
+            if raw is None:
+                return None
+            if isinstance(raw, NonTensorData):  # one value shared by every message
+                values = [raw.data] * self.batch_size[0]
+            elif is_non_tensor(raw):
+                values = raw.tolist()
+            else:  # content blocks
+                values = list(getattr(self, name).unbind(0))
+        return None if all(v is None for v in values) else values
+
     def _last_is_incomplete(self) -> bool:
         """For a ``[n]`` History: whether the last non-padding message is unfinished."""
-        roles = list(self.role)
-        complete = self.is_complete.tolist()
-        for role, done in zip(reversed(roles), reversed(complete)):
+        for role, done in zip(reversed(list(self.role)), reversed(self.is_complete.tolist())):
             if role != PAD_ROLE:
                 return not done
         return False
 
     def apply_chat_template(
         self,
-        tokenizer,
+        tokenizer=None,
         *,
         add_generation_prompt: bool = True,
-        tokenize: bool = False,
-        return_dict: bool = False,
-        return_assistant_tokens_mask: bool = False,
         chat_template: str | None = None,
+        chat_template_name: str | None = None,
+        continue_final_message: bool = False,
+        tokenize: bool | None = None,
         padding: bool | str = False,
+        truncation: bool | str = False,
         return_tensors: str | None = None,
+        return_dict: bool | None = None,
+        return_assistant_tokens_mask: bool = False,
         **kwargs,
     ):
-        """Render (and optionally tokenize) the conversations with the tokenizer's chat template.
+        """Render (and optionally tokenize) the conversations (TorchRL's signature and defaults).
 
-        The result is exactly ``tokenizer.apply_chat_template(self.to_chats(), ...)`` with the same
-        arguments: a string for a ``[n]`` History, a list for ``[B, n]``; token ids or a dict
-        (``input_ids``, ``attention_mask``, ``assistant_masks``) when ``tokenize=True``.
-        Differences from calling the tokenizer yourself: ``"<none>"`` padding messages are
-        dropped, ``add_generation_prompt`` defaults to True (as in TorchRL), and a conversation
-        whose last message is unfinished is rendered with ``continue_final_message=True`` (its
-        assistant mask is the complete rendering's mask cut to the shorter sequence).
+        ``tokenize=None`` means True when ``return_assistant_tokens_mask`` or ``return_tensors``
+        is set, else False. Tokenizing implies ``return_tensors="pt"`` (the only format
+        supported), and ``return_dict=True`` when the assistant mask is asked for. Results:
+
+        - text: a string for a ``[n]`` History, a list for ``[B, n]`` (nested for more dims);
+        - ids (``return_dict`` False): a ``[L]`` tensor per conversation (list for ``[B, n]``);
+        - dict: a TensorDict of ``input_ids``, ``attention_mask`` (and ``assistant_masks``),
+          each ``[L]``, per conversation; for ``[B, n]`` a lazy stack of them (read ragged
+          fields with ``td.get(key, as_list=True)`` or ``as_padded_tensor=True``).
+        - ``padding=True`` on ``[B, n]``: one dense ``[B, L_max]`` tensor or TensorDict, padded
+          as the tokenizer pads (its ``padding_side`` and pad id; masks hold 0 there).
+
+        Template: ``chat_template`` if given, else the template named ``chat_template_name``,
+        else one registered for the model with :func:`add_chat_template`, else the tokenizer's
+        own (``"chatml_format"`` when it has none). ``"<none>"`` messages are dropped and an
+        unfinished last message is continued (module docstring). Deviations from TorchRL beyond
+        those: one conversation's ids are ``[L]`` with or without ``return_dict`` (TorchRL gives
+        ``[1, L]`` without it), and ``padding`` pads across the batch (TorchRL renders each
+        conversation alone, so padding has no effect there).
         """
-        if self.batch_dims == 0:
-            history, batched = self.unsqueeze(0), False
-        elif self.batch_dims == 1:
-            history, batched = self, False
-        elif self.batch_dims == 2:
-            history, batched = self, True
-        else:
-            raise ValueError(f"apply_chat_template expects a History of 0 to 2 batch dims, got {self.batch_size}")
-        rows = history.unbind(0) if batched else [history]
-        chats = [row.to_chats() for row in rows]
-        incomplete = [row._last_is_incomplete() for row in rows]
-        template_kwargs = dict(
+        if tokenizer is None:
+            raise HistoryError("apply_chat_template needs a tokenizer (or processor) to render with")
+        if tokenize is None:
+            tokenize = bool(return_assistant_tokens_mask or return_tensors is not None)
+        if tokenize:
+            return_tensors = return_tensors or "pt"
+            if return_tensors != "pt":
+                raise HistoryError(f"return_tensors={return_tensors!r}: History returns torch tensors ('pt') only")
+            if return_dict is None:
+                return_dict = bool(return_assistant_tokens_mask)
+            if return_assistant_tokens_mask and not return_dict:
+                raise HistoryError("return_assistant_tokens_mask=True needs return_dict=True")
+        request = RenderRequest(
+            tokenizer=tokenizer,
+            chat_template=_resolve_template(tokenizer, chat_template, chat_template_name),
             add_generation_prompt=add_generation_prompt,
-            tokenize=tokenize,
-            return_dict=return_dict,
-            return_assistant_tokens_mask=return_assistant_tokens_mask,
-            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            tokenize=bool(tokenize),
             padding=padding,
-            return_tensors=return_tensors,
-            **kwargs,
+            truncation=truncation,
+            return_dict=bool(return_dict),
+            return_assistant_tokens_mask=return_assistant_tokens_mask,
+            template_kwargs=kwargs,
         )
-        if not any(incomplete):
-            return tokenizer.apply_chat_template(chats if batched else chats[0], **template_kwargs)
-        return _render_rows_with_unfinished(tokenizer, chats, incomplete, batched, template_kwargs)
+        return request.render(self)
 
     # ------------------------------------------------------------------ growth
 
     def append(self, history: History, *, inplace: bool = True, dim: int = -1) -> History:
-        """Append one message per conversation (``history`` has one batch dim less) along ``dim``.
+        """Append ``history`` (one batch dim less than ``self``) along ``dim`` (TorchRL's append).
 
-        ``history`` may also carry the message dim already (same number of batch dims). With
-        ``inplace=True`` (TorchRL's default) ``self`` is updated and returned.
+        With ``inplace=True`` (the default) ``self`` is updated and returned. A 0-d History has
+        no dim to grow: ``unsqueeze(0)`` it first.
         """
-        if history.batch_dims == self.batch_dims - 1:
-            history = history.unsqueeze(dim)
-        if history.batch_dims != self.batch_dims:
-            raise ValueError(
-                f"append: got a History of batch {history.batch_size} for a History of batch {self.batch_size}"
+        if not self.batch_dims:
+            raise HistoryError("Cannot append an element to a batchless History. Call unsqueeze(dim=0) first on self.")
+        if history.batch_dims != self.batch_dims - 1:
+            raise HistoryError(
+                "The new history to append must have one less dimension than self. "
+                f"Got self.batch_size={tuple(self.batch_size)} and history.batch_size={tuple(history.batch_size)}."
             )
-        return self.extend(history, inplace=inplace, dim=dim)
+        dim = _positive_dim(dim, self.batch_dims)
+        return self._grow(history.unsqueeze(dim), dim, inplace)
 
-    def extend(self, history: History, *, inplace: bool = True, dim: int = -1) -> History:
-        """Concatenate ``history`` (same batch dims) along the message dim ``dim``."""
+    def extend(self, history: History, *, inplace: bool = True, dim: int = 0) -> History:
+        """Concatenate ``history`` (as many batch dims as ``self``) along ``dim`` (TorchRL's extend).
+
+        ``dim=0`` (TorchRL's default) adds conversations to a ``[B, n]`` batch and messages to a
+        ``[n]`` conversation; ``dim=-1`` adds messages to each conversation of a batch.
+        """
+        if not self.batch_dims:
+            raise HistoryError("Cannot add an element to a batchless History. Call unsqueeze(dim=0) first on self.")
         if history.batch_dims != self.batch_dims:
-            raise ValueError(
-                f"extend: got a History of batch {history.batch_size} for a History of batch {self.batch_size}"
+            raise HistoryError(
+                "The new history to extend must have as many dimensions as self. "
+                f"Got self.batch_size={tuple(self.batch_size)} and history.batch_size={tuple(history.batch_size)}."
             )
-        if (self.tool_calls is None) != (history.tool_calls is None):
-            raise ValueError("extend/append: both Histories must carry tool_calls, or neither")
-        joined = torch.cat([self, history], dim=dim)
+        return self._grow(history, _positive_dim(dim, self.batch_dims), inplace)
+
+    def _grow(self, history: History, dim: int, inplace: bool) -> History:
+        if history.device != self.device:
+            history = history.to(self.device) if self.device is not None else history.copy().clear_device_()
+        joined = _join(self, history, dim)
         if not inplace:
             return joined
         # A tensorclass is a view over its tensordict: swapping it resizes self in place.
         self.__dict__["_tensordict"] = joined._tensordict
         return self
 
+    # ------------------------------------------------------------------ specs
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI-style content blocks: keep the text parts
-        return "".join(block.get("text", "") for block in content if isinstance(block, dict))
-    raise ValueError(f"message content must be a string or a list of content blocks, got {type(content).__name__}")
+    @classmethod
+    def default_spec(cls, shape=(-1,)):
+        """The spec of a History field in an env or transform (TorchRL's ``History.default_spec``).
+
+        ``shape`` is the History's batch shape, message dim last (``-1``: any length). As in
+        TorchRL, the Composite has ``shape[:-1]`` and each field ``shape``; ``zero()`` gives a
+        History with one ``"foo"`` message per conversation. Deviation: ``is_complete`` is an
+        ``Unbounded`` bool spec, because rlpost stores it as a bool tensor.
+        """
+        shape = tuple(shape)
+        fields = {
+            "role": specs.NonTensor(shape=shape, example_data="foo"),
+            "content": specs.NonTensor(shape=shape, example_data="foo"),
+            "is_complete": specs.Unbounded(shape=shape, dtype=torch.bool),
+            "tool_calls": specs.NonTensor(shape=shape, example_data=None),
+            "tool_responses": specs.NonTensor(shape=shape, example_data=None),
+        }
+        return specs.Composite(fields, shape=shape[:-1], data_cls=cls)
 
 
-def parse_chatml(text: str) -> list[dict]:
-    """Message dicts (``role``, ``content``, ``is_complete``) of a rendered ChatML text; the
-    parser behind :meth:`History.from_text`, without building a History (cheap per row)."""
+# ---------------------------------------------------------------------- helpers
+
+
+def _resolve_template(tokenizer, chat_template: str | None, chat_template_name: str | None) -> str | None:
+    """The Jinja template to render with; None means the tokenizer's own."""
+    if chat_template is not None:
+        return chat_template
+    if chat_template_name is not None:
+        return templates.chat_template(chat_template_name)
+    custom = templates.custom_template_name(tokenizer)
+    if custom is not None:
+        return templates.chat_template(custom)
+    if not getattr(tokenizer, "chat_template", None):
+        return templates.chat_template("chatml_format")
+    return None
+
+
+def _blocks_row(row: list[dict], num_messages: int) -> History:
+    """A ``[num_messages]`` lazy stack of one chat's messages with :class:`ContentBase` content."""
+    pad = {"role": PAD_ROLE, "content": "", "is_complete": True}
     messages = []
-    pos = 0
-    while pos < len(text):
-        start = text.find(_IM_START, pos)
-        if start < 0 or text[pos:start].strip():
-            junk = text[pos:] if start < 0 else text[pos:start]
-            if not junk.strip():
-                break
-            raise ValueError(f"from_text: text outside a <|im_start|>...<|im_end|> block: {junk[:80]!r}")
-        header_end = text.find("\n", start)
-        if header_end < 0:  # "<|im_start|>assistant" with no newline yet: an open, empty turn
-            role, body_start = text[start + len(_IM_START) :], len(text)
-        else:
-            role, body_start = text[start + len(_IM_START) : header_end], header_end + 1
-        end = text.find(_IM_END, body_start)
-        complete = end >= 0
-        content = text[body_start:end] if complete else text[body_start:]
-        if role == "user" and complete and (tool := _TOOL_RESPONSE.match(content)):
-            role, content = "tool", tool.group(1)
-        messages.append({"role": role, "content": content, "is_complete": complete})
-        pos = end + len(_IM_END) if complete else len(text)
-    if not messages:
-        raise ValueError(f"from_text: no <|im_start|> message found in {text[:80]!r}")
-    return messages
+    for message in row + [pad] * (num_messages - len(row)):
+        content = message["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        elif not is_content_blocks(content):
+            raise HistoryError(f"message content must be a string or a list of block dicts, got {type(content).__name__}")
+        fields = {name: message[name] for name in _OPTIONAL_FIELDS if message.get(name) is not None}
+        messages.append(
+            History(
+                role=message["role"],
+                content=blocks_to_content(content),
+                is_complete=bool(message.get("is_complete", True)),
+                **fields,
+            )
+        )
+    return lazy_stack(messages)
 
 
-def _render_rows_with_unfinished(tokenizer, chats, incomplete, batched, template_kwargs):
-    """Per-conversation rendering when some last messages are unfinished; same output layout."""
-    kw = dict(template_kwargs)
-    padding, return_tensors = kw.pop("padding"), kw.pop("return_tensors")
-    want_mask = kw["return_assistant_tokens_mask"]
-    results = []
-    for chat, open_end in zip(chats, incomplete):
-        if not open_end:
-            results.append(tokenizer.apply_chat_template(chat, **kw))
-            continue
-        cont = dict(kw, add_generation_prompt=False, continue_final_message=True, return_assistant_tokens_mask=False)
-        rendered = tokenizer.apply_chat_template(chat, **cont)
-        if want_mask:
-            # transformers refuses masks with continue_final_message: take the complete rendering's
-            # mask and cut it; valid when the cut ids are a prefix of the complete ids, which holds
-            # whenever an end-of-turn special token follows the content (ChatML, Qwen, Llama).
-            full = tokenizer.apply_chat_template(chat, **dict(kw, add_generation_prompt=False))
-            n = len(rendered["input_ids"])
-            if list(full["input_ids"][:n]) != list(rendered["input_ids"]):
-                raise ValueError("cannot derive the assistant mask of an unfinished message with this chat template")
-            rendered["assistant_masks"] = list(full["assistant_masks"][:n])
-        results.append(rendered)
-    if not kw["tokenize"]:
-        return results if batched else results[0]
-    if kw["return_dict"]:
-        merged = {key: [list(r[key]) for r in results] for key in results[0].keys()}
-    else:
-        merged = {"input_ids": [list(r) for r in results]}
-    if padding or return_tensors:
-        merged = _pad_dict(merged, tokenizer, return_tensors)
-    if not batched and not return_tensors:
-        merged = {key: rows[0] for key, rows in merged.items()}
-    return merged if kw["return_dict"] else merged["input_ids"]
+def _nontensor(nested, ndim: int):
+    """Non-tensor data of ``ndim`` batch dims from nested lists, leaves kept as they are
+    (``NonTensorStack.from_list`` would also split a leaf that is itself a list, e.g. tool calls)."""
+    if ndim == 0:
+        return NonTensorData(data=nested)
+    return NonTensorStack(*[_nontensor(item, ndim - 1) for item in nested])
 
 
-def _pad_dict(encoded: dict[str, list[list[int]]], tokenizer, return_tensors: str | None) -> dict:
-    if return_tensors not in (None, "pt"):
-        raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' is supported for unfinished messages")
-    length = max(len(ids) for ids in encoded["input_ids"])
-    left = getattr(tokenizer, "padding_side", "right") == "left"
-    out = {}
-    for key, rows in encoded.items():
-        value = tokenizer.pad_token_id if key == "input_ids" else 0
-        padded = [([value] * (length - len(r)) + r) if left else (r + [value] * (length - len(r))) for r in rows]
-        out[key] = torch.tensor(padded) if return_tensors == "pt" else padded
-    return out
+def _positive_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise HistoryError(f"dim {dim} is out of range for a History of {ndim} batch dims")
+    return dim % ndim
+
+
+def _is_lazy(history: History) -> bool:
+    return isinstance(history._tensordict, LazyStackedTensorDict)
+
+
+def _join(a: History, b: History, dim: int) -> History:
+    """``cat([a, b], dim)`` for any mix of dense, lazily stacked and unsqueezed Histories.
+
+    A lazy stack is joined element by element along its stack dim; dense Histories whose other
+    dims differ become a lazy stack along ``dim``; dense ones are concatenated once their
+    non-tensor fields are rebuilt the same way (``unsqueeze`` leaves them stacked along other
+    dims, which ``torch.cat`` refuses).
+    """
+    lazy = a if _is_lazy(a) else b if _is_lazy(b) else None
+    if lazy is not None:
+        stack_dim = lazy._tensordict.stack_dim
+        if stack_dim == dim:
+            return lazy_stack(list(a.unbind(dim)) + list(b.unbind(dim)), dim)
+        if a.batch_size[stack_dim] != b.batch_size[stack_dim]:
+            raise HistoryError(
+                f"cannot join Histories of batch {tuple(a.batch_size)} and {tuple(b.batch_size)} along dim {dim}"
+            )
+        inner = dim - 1 if dim > stack_dim else dim
+        return lazy_stack([_join(x, y, inner) for x, y in zip(a.unbind(stack_dim), b.unbind(stack_dim))], stack_dim)
+    if a.batch_size[:dim] + a.batch_size[dim + 1 :] != b.batch_size[:dim] + b.batch_size[dim + 1 :]:
+        return lazy_stack(list(a.unbind(dim)) + list(b.unbind(dim)), dim)
+    keys = set(a._tensordict.keys()) | set(b._tensordict.keys())
+    try:
+        return torch.cat([_canonical(a, keys), _canonical(b, keys)], dim)
+    except RuntimeError:  # e.g. content blocks of different counts: keep them ragged
+        return lazy_stack(list(a.unbind(dim)) + list(b.unbind(dim)), dim)
+
+
+def _canonical(history: History, keys: set[str]) -> History:
+    """The same History with every field in ``keys`` present (missing optional fields as None)
+    and its non-tensor fields stacked along dim 0 at every level."""
+    td = TensorDict(batch_size=history.batch_size, device=history.device)
+    for key in sorted(keys):
+        value = history._tensordict.get(key, None)
+        if value is None:
+            value = _nontensor(_filled(None, history.batch_size), history.batch_dims)
+        elif is_non_tensor(value):
+            value = _nontensor(value.tolist(), history.batch_dims)
+        td.set(key, value)
+    return History._from_tensordict(td)
+
+
+def _filled(value: Any, shape: torch.Size) -> Any:
+    return value if not shape else [_filled(value, shape[1:]) for _ in range(shape[0])]

@@ -1,5 +1,6 @@
 """The containers LLM wrappers read and write (TorchRL's ``ChatHistory``, ``Text``, ``Tokens``,
-``LogProbs``, ``Masks``), as tensorclasses that live under one key of a TensorDict each.
+``LogProbs``, ``Masks``, and the older ``LLMData``), as tensorclasses that live under one key of a
+TensorDict each.
 
 Who makes them: the policies (:mod:`rlpost.policies`) write them; environments write the
 ``prompt`` fields; the loss, the KL transforms and the collector read them. They cross process
@@ -14,40 +15,163 @@ Layout shared by all of them (``B`` = batch, one row per sequence):
 - ``padded=True``: dense tensors. ``prompt`` is padded on the left, ``response`` on the right and
   ``full`` is ``cat(prompt, response)`` along the last dim (so padded on both sides).
   ``Masks.all_attention_mask`` marks the real tokens: never infer it from the pad id, which is
-  the EOS id for Qwen-family tokenizers (REFERENCE.md pitfall 2).
+  the EOS id for Qwen-family tokenizers.
 - ``LogProbs.full[t]`` is ``log p(full[t] | full[:t])``; position 0 has no context and holds 0.
   ``LogProbs`` and ``Masks`` always have the shape of ``Tokens.full``.
+
+Each class has TorchRL's fields (in TorchRL's order) and ``default_spec``; conversions between
+them (``ChatHistory.to_tokens`` / ``to_text``, ``Text.to_tokens`` / ``to_history``,
+``Tokens.to_text`` / ``to_history``) render with the tokenizer, as the wrappers do.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from tensordict import TensorClass
+from tensordict import LazyStackedTensorDict, TensorClass, lazy_stack
 from torch.nn.utils.rnn import pad_sequence
 
+from rlpost.data import specs, templates
 from rlpost.data.history import History
+
+_PARTS = ("prompt", "response", "full")
 
 
 class ChatHistory(TensorClass["nocast"]):
     """Conversation state under the ``"history"`` key: the prompt, the response and both joined.
 
     Each field is a :class:`History` with one more batch dim than the ChatHistory (the messages);
-    ``response`` holds the message(s) the model produced for each row.
+    ``response`` holds the message(s) the model produced for each row. A History given with as
+    many batch dims as the ChatHistory is read as one message per row and unsqueezed (with a
+    warning), as TorchRL does.
     """
 
     prompt: History | None = None
     response: History | None = None
     full: History | None = None
 
+    def __post_init__(self):
+        for name in _PARTS:
+            history = getattr(self, name)
+            if history is not None and history.batch_dims == self.batch_dims:
+                warnings.warn(
+                    f"ChatHistory.{name} should have one more batch dim than the ChatHistory (the messages); "
+                    f"got {history.batch_dims} and {self.batch_dims}: unsqueezing it along its last dim",
+                    stacklevel=2,
+                )
+                setattr(self, name, lazy_stack([history], -1))
+
+    @classmethod
+    def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
+        """The spec of a ChatHistory of batch ``shape`` (TorchRL's): each of ``keys`` (default
+        prompt, response, full) a ``History.default_spec(shape + (-1,))``; ``step_mdp_static``."""
+        shape = tuple(shape)
+        entries = {key: History.default_spec(shape=shape + (-1,)) for key in (keys or _PARTS)}
+        return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
+
+    def to_text(self, tokenizer, chat_template_name: str | None = None, chat_template: str | None = None) -> Text:
+        """Render the conversations into a :class:`Text` (TorchRL's ``ChatHistory.to_text``).
+
+        ``prompt`` is rendered with the generation prompt, ``full`` without; ``response`` is
+        ``full`` minus the ``prompt`` text when both are set (a ValueError when the prompt's
+        text is not a prefix of the full text), else the ``response`` History rendered alone.
+        An unfinished last message is continued, not closed (see :class:`History`).
+        """
+        kwargs = _template_kwargs(chat_template_name, chat_template)
+        out: dict[str, Any] = {}
+        if self.prompt is not None:
+            out["prompt"] = self.prompt.apply_chat_template(tokenizer, add_generation_prompt=True, **kwargs)
+        if self.full is not None:
+            out["full"] = self.full.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs)
+        if self.prompt is not None and self.full is not None:
+            out["response"] = _map_rows(_text_suffix, out["prompt"], out["full"])
+        elif self.response is not None:
+            out["response"] = self.response.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs)
+        return Text(**out, batch_size=self.batch_size)
+
+    def to_tokens(self, tokenizer, chat_template_name: str | None = None, chat_template: str | None = None) -> Tokens:
+        """Tokenize the conversations into unpadded :class:`Tokens` (TorchRL's ``ChatHistory.to_tokens``).
+
+        Same renderings as :meth:`to_text`; ``response`` is ``full`` sliced after the prompt's
+        length (a ValueError when the prompt's ids are not a prefix of the full ids: the
+        response would not be what follows the prompt). ``padded`` is False; for a batch the
+        result is a lazy stack of per-row Tokens.
+        """
+        if self.batch_dims > 1:
+            return lazy_stack([row.to_tokens(tokenizer, chat_template_name, chat_template) for row in self.unbind(0)])
+        kwargs = dict(tokenize=True, return_dict=True, **_template_kwargs(chat_template_name, chat_template))
+        parts: dict[str, list[torch.Tensor]] = {}
+        if self.prompt is not None:
+            parts["prompt"] = _ids(self.prompt.apply_chat_template(tokenizer, add_generation_prompt=True, **kwargs))
+        if self.full is not None:
+            parts["full"] = _ids(self.full.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs))
+        if self.prompt is not None and self.full is not None:
+            parts["response"] = [_ids_suffix(p, f) for p, f in zip(parts["prompt"], parts["full"])]
+        elif self.response is not None:
+            parts["response"] = _ids(self.response.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs))
+        return _unpadded_tokens(parts, self.batch_size)
+
 
 class Text(TensorClass["nocast"]):
-    """Strings under the ``"text"`` key: rendered prompt, decoded response, and their concatenation."""
+    """Strings under the ``"text"`` key: rendered prompt, decoded response, and their concatenation.
+
+    ``padded`` is TorchRL's field as its LLM-wrapper tutorial reads it (``result["text"].padded``);
+    strings are never padded, so wrappers leave it None.
+    """
 
     prompt: Any = None
     response: Any = None
     full: Any = None
+    padded: Any = None
+
+    @classmethod
+    def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
+        """The spec of a Text of batch ``shape`` (TorchRL's): ``NonTensor`` strings per key."""
+        shape = tuple(shape)
+        entries = {key: specs.NonTensor(shape=shape, example_data="a string") for key in (keys or _PARTS)}
+        return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
+
+    def to_tokens(self, tokenizer, padding: bool = False, truncation: bool = False, return_tensors: str = "pt") -> Tokens:
+        """Tokenize each text field into unpadded :class:`Tokens` (TorchRL's ``Text.to_tokens``).
+
+        Deviation: no special tokens are added (``add_special_tokens=False``): rendered chat
+        text already holds the template's, and a second BOS would change what the model sees.
+        """
+        if padding:
+            raise ValueError("Text.to_tokens gives unpadded Tokens; pad them with as_padded_tensor or pad_rows")
+        del return_tensors  # rows are always torch tensors
+        parts = {}
+        for name in _PARTS:
+            texts = getattr(self, name)
+            if texts is not None:
+                rows = [texts] if isinstance(texts, str) else list(texts)
+                encoded = tokenizer(rows, add_special_tokens=False, truncation=truncation)["input_ids"]
+                parts[name] = [torch.tensor(ids, dtype=torch.int64) for ids in encoded]
+        return _unpadded_tokens(parts, self.batch_size)
+
+    def to_history(self, tokenizer, chat_template_name: str | None = None) -> ChatHistory:
+        """Parse the texts back into a :class:`ChatHistory` (TorchRL's ``Text.to_history``).
+
+        ``response`` texts hold no header of their own: they are parsed after their prompt and
+        the messages beyond the prompt's finished ones are the response.
+        """
+        name = chat_template_name or templates.detect_chat_template_name(tokenizer)
+        rows = lambda texts: [texts] if isinstance(texts, str) else list(texts)  # noqa: E731
+        out = {}
+        if self.prompt is not None:
+            out["prompt"] = History.from_text(rows(self.prompt), chat_template_name=name, tokenizer=tokenizer)
+        if self.full is not None:
+            out["full"] = History.from_text(rows(self.full), chat_template_name=name, tokenizer=tokenizer)
+        if self.prompt is not None and self.response is not None:
+            responses = []
+            for prompt, response in zip(rows(self.prompt), rows(self.response)):
+                done = sum(m["is_complete"] for m in templates.parse_text(prompt, name, tokenizer))
+                responses.append(templates.parse_text(prompt + response, name, tokenizer)[done:])
+            out["response"] = History._from_rows(responses, squeeze=False)
+        out = {key: value[0] if self.batch_dims == 0 else value for key, value in out.items()}
+        return ChatHistory(**out, batch_size=self.batch_size)
 
 
 class Tokens(TensorClass["nocast"]):
@@ -57,6 +181,28 @@ class Tokens(TensorClass["nocast"]):
     response: torch.Tensor | None = None
     full: torch.Tensor | None = None
     padded: Any = None
+
+    @classmethod
+    def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
+        """The spec of Tokens of batch ``shape`` (TorchRL's): ``[*shape, -1]`` ids per key and a
+        ``padded`` flag. Deviation: the ids are int64 (TorchRL leaves the default float dtype)."""
+        return _sequence_spec(cls, shape, keys or _PARTS, torch.int64)
+
+    def to_text(self, tokenizer, skip_special_tokens: bool = False) -> Text:
+        """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only."""
+        if _any_flag(self.padded):
+            raise ValueError("Tokens.to_text needs unpadded tokens (padded=False): padding ids would be decoded")
+        out = {}
+        for name in _PARTS:
+            if name in self._tensordict.keys():
+                rows = _rows(self, name)
+                out[name] = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+        out = {key: value[0] if self.batch_dims == 0 else value for key, value in out.items()}
+        return Text(**out, batch_size=self.batch_size)
+
+    def to_history(self, tokenizer, chat_template_name: str | None = None, skip_special_tokens: bool = False) -> ChatHistory:
+        """Decode, then parse: ``self.to_text(...).to_history(...)`` (TorchRL's ``Tokens.to_history``)."""
+        return self.to_text(tokenizer, skip_special_tokens).to_history(tokenizer, chat_template_name)
 
 
 class LogProbs(TensorClass["nocast"]):
@@ -72,6 +218,11 @@ class LogProbs(TensorClass["nocast"]):
     full: torch.Tensor | None = None
     padded: Any = None
 
+    @classmethod
+    def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
+        """The spec of LogProbs of batch ``shape`` (TorchRL's): float32 ``[*shape, -1]`` per key."""
+        return _sequence_spec(cls, shape, keys or _PARTS, torch.float32)
+
 
 class Masks(TensorClass["nocast"]):
     """Bool masks shaped like ``Tokens.full`` under the ``"masks"`` key.
@@ -86,6 +237,56 @@ class Masks(TensorClass["nocast"]):
     all_attention_mask: torch.Tensor | None = None
     all_assistant_mask: torch.Tensor | None = None
     padded: Any = None
+
+    @classmethod
+    def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
+        """The spec of Masks of batch ``shape`` (TorchRL's), bool ``[*shape, -1]`` per key.
+        Deviation: the masks are bool (TorchRL leaves the default float dtype)."""
+        return _sequence_spec(cls, shape, keys or ("all_attention_mask", "all_assistant_mask"), torch.bool)
+
+
+class LLMData(TensorClass["nocast"]):
+    """The input or output of an LLM as one record (TorchRL's older ``torchrl.data.llm.LLMData``).
+
+    rlpost's wrappers write :class:`Tokens`, :class:`Text`, ... instead; this record is kept for
+    code written against TorchRL's data API. Every field defaults to None: ``tokens`` (input or
+    output ids), ``tokens_response`` (the generated ids only), ``attention_mask``,
+    ``token_list`` / ``tokens_response_list`` (the same as Python lists), ``logits``,
+    ``log_probs``, ``text`` and ``text_response``.
+    """
+
+    tokens: torch.Tensor | None = None
+    tokens_response: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    token_list: Any = None
+    tokens_response_list: Any = None
+    logits: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    text: Any = None
+    text_response: Any = None
+
+
+class _RaggedField:
+    """A tensor field that also reads rows of different lengths: on a lazy stack whose rows
+    differ (``pad_output=False``), ``tokens.response`` is a jagged nested tensor (TorchRL's
+    tutorial reads ``.response.shape`` there) where tensordict would raise."""
+
+    def __init__(self, name: str, getter):
+        self.name, self.getter = name, getter
+
+    def __get__(self, obj, objtype=None):
+        try:
+            return self.getter.__get__(obj, objtype)
+        except RuntimeError:
+            td = getattr(obj, "_tensordict", None)
+            if not isinstance(td, LazyStackedTensorDict):
+                raise
+            return td.get(self.name, as_nested_tensor=True, layout=torch.jagged)
+
+
+for _cls, _fields in ((Tokens, _PARTS), (LogProbs, _PARTS), (Masks, ("all_attention_mask", "all_assistant_mask"))):
+    for _name in _fields:
+        setattr(_cls, _name, _RaggedField(_name, vars(_cls)[_name]))
 
 
 def pad_rows(rows: list[torch.Tensor], side: str, value) -> torch.Tensor:
@@ -103,3 +304,65 @@ def pad_full(rows: list[torch.Tensor], split: list[int] | None, value) -> torch.
     left = pad_rows([r[:s] for r, s in zip(rows, split)], "left", value)
     right = pad_rows([r[s:] for r, s in zip(rows, split)], "right", value)
     return torch.cat([left, right], dim=-1)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _sequence_spec(cls, shape, keys, dtype: torch.dtype):
+    shape = tuple(shape)
+    entries: dict[str, Any] = {key: specs.Unbounded(shape=shape + (-1,), dtype=dtype) for key in keys}
+    entries["padded"] = specs.NonTensor(shape=shape, example_data=False)
+    return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
+
+
+def _template_kwargs(chat_template_name: str | None, chat_template: str | None) -> dict:
+    return {"chat_template_name": chat_template_name, "chat_template": chat_template}
+
+
+def _map_rows(fn, *columns):
+    """``fn`` over rows given as strings (one conversation) or lists of strings (a batch)."""
+    if isinstance(columns[0], str):
+        return fn(*columns)
+    return [fn(*row) for row in zip(*columns)]
+
+
+def _text_suffix(prompt: str, full: str) -> str:
+    if not full.startswith(prompt):
+        raise ValueError(f"the full text does not start with the prompt text: prompt {prompt[:50]!r}..., full {full[:50]!r}...")
+    return full[len(prompt) :]
+
+
+def _ids(encoded) -> list[torch.Tensor]:
+    """Per-conversation ``input_ids`` of an ``apply_chat_template(return_dict=True)`` result."""
+    if encoded.batch_dims == 0:
+        return [encoded["input_ids"]]
+    return list(encoded.get("input_ids", as_list=True))
+
+
+def _ids_suffix(prompt: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    n = prompt.shape[-1]
+    if not torch.equal(full[:n], prompt):
+        raise ValueError("the prompt's token ids are not a prefix of the full ids: cannot slice the response")
+    return full[n:]
+
+
+def _unpadded_tokens(parts: dict[str, list[torch.Tensor]], batch_size: torch.Size) -> Tokens:
+    if len(batch_size) == 0:
+        return Tokens(**{name: rows[0] for name, rows in parts.items()}, padded=False)
+    count = batch_size[0]
+    return lazy_stack([Tokens(**{name: rows[i] for name, rows in parts.items()}, padded=False) for i in range(count)])
+
+
+def _rows(container, name: str) -> list[torch.Tensor]:
+    if container.batch_dims == 0:
+        return [container._tensordict.get(name)]
+    return list(container._tensordict.get(name, as_list=True))
+
+
+def _any_flag(value) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, torch.Tensor):
+        return bool(value.any())
+    return any(_any_flag(v) for v in value)

@@ -1,12 +1,12 @@
 """LLMWrapperBase: the one interface every LLM policy in rlpost has (TorchRL's ``LLMWrapperBase``).
 
-A wrapper reads a TensorDict of prompts (or full sequences) and writes the seed containers of
+A wrapper reads a TensorDict of prompts (or full sequences) and writes the containers of
 :mod:`rlpost.data.llm_data`::
 
     input_mode="history": ("history", "prompt") History [B, n]   -> ChatHistory under "history"
     input_mode="text":    ("text", "prompt") strings            -> Text under "text"
     input_mode="tokens":  ("tokens", "prompt") token ids        -> Tokens under "tokens"
-    + "tokens" (Tokens), "masks" (Masks), "log_probs" (LogProbs), "text" (Text) as asked for.
+    + "text" (Text), "masks" (Masks), "tokens" (Tokens), "log_probs" (LogProbs) as asked for.
 
 ``generate=True`` samples ``num_samples`` completions per prompt (output batch ``[B]``, or
 ``[B, num_samples]`` when ``num_samples`` is set) and returns the engine's log-probs of the
@@ -21,16 +21,21 @@ a backend implements two methods on plain token-id lists:
 - ``_score_ids(full_ids) -> list[Tensor]`` (float32, length ``len(ids)``, 0 at position 0)
 
 Token ids returned by the engine are used as they are; generated text is decoded for display and
-for the history but never re-tokenised (REFERENCE.md pitfall 2).
+for the history but never re-tokenised: a decode/encode round trip does not give the same ids
+back in general, and the log-probs belong to the engine's ids.
 
-Deliberate deviations from TorchRL: no ``device``/``layout``/``batching``/``tokenizer_kwargs``
-arguments (rlpost batches at the collector); ``return_log_probs`` defaults to True; text inputs
-are tokenised with ``add_special_tokens=False`` (chat-rendered text carries its own markers);
-``generate_kwargs`` accept both the transformers and the vLLM names (``max_new_tokens`` /
-``max_tokens``) and ``n`` is the same as ``num_samples``; in generate mode prompt positions are
-not scored (``log_probs.prompt`` is None, ``log_probs.full`` holds 0 there) and
-``masks.all_assistant_mask`` covers this call's response tokens only (earlier assistant turns of a
-multi-turn prompt have no behaviour log-prob; scoring a history gives the template's full mask).
+TorchRL's behaviour kept: ``in_keys``/``out_keys`` and ``input_key`` semantics, the output
+flags chosen from the mode, ``max_tokens`` winning over ``max_new_tokens`` and ``n`` over
+``num_return_sequences``, TorchRL's exception types (ValueError for bad arguments and missing
+keys, TypeError for a wrong input type). Deliberate deviations: ``batching`` is not supported
+(rlpost batches at the collector); ``return_text`` / ``return_tokens`` / ``return_masks`` can
+turn outputs off; text inputs are tokenised with ``add_special_tokens=False`` (chat-rendered
+text carries its own markers); the output is richer than TorchRL's where TorchRL leaves fields
+None (e.g. ``tokens.prompt``/``full`` in text mode): every row has prompt, response and full; in
+generate mode prompt positions are not scored (``log_probs.prompt`` is None, ``log_probs.full``
+holds 0 there) and ``masks.all_assistant_mask`` covers this call's response tokens only
+(earlier assistant turns of a multi-turn prompt have no behaviour log-prob; scoring a history
+gives the template's full mask).
 
 This file is over 500 lines on purpose: it is the single place where the layout contract of
 :mod:`rlpost.data.llm_data` is produced, for every backend.
@@ -38,6 +43,7 @@ This file is over 500 lines on purpose: it is the single place where the layout 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,11 +53,16 @@ from tensordict.nn import TensorDictModuleBase
 
 from rlpost.data.history import History, parse_chatml
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens, pad_full, pad_rows
+from rlpost.policies.categorical import CategoricalSequential
 
 INPUT_MODES = ("history", "text", "tokens")
-DEFAULT_MAX_NEW_TOKENS = 128
-# Standard generation keys and the backend-specific aliases accepted for them.
-_ALIASES = {"max_tokens": "max_new_tokens", "n": "num_samples"}
+# vLLM's SamplingParams default; TorchRL's vLLMWrapper passes no length, so vLLM's 16 applies.
+DEFAULT_MAX_NEW_TOKENS = 16
+# Backend names and the standard names they stand for. As in TorchRL, when both are given the
+# backend name wins (``max_tokens`` over ``max_new_tokens``, ``n`` over ``num_return_sequences``).
+# Tokenizer arguments the wrapper decides itself (padding follows pad_output).
+_WRAPPER_TOKENIZER_KWARGS = ("padding", "padding_side", "return_tensors", "return_attention_mask")
+_BACKEND_NAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences"}
 
 
 @dataclass
@@ -68,24 +79,35 @@ class Completion:
 
 
 def normalize_generate_kwargs(generate_kwargs: dict | None, num_samples: int | None) -> tuple[dict, int | None]:
-    """Map user generation kwargs to rlpost's standard names; returns (params, num_samples).
+    """Map user generation kwargs to the standard names; returns (params, num_samples).
 
-    Standard keys: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``
-    (0 = off), ``seed``; anything else is passed to the backend unchanged. ``max_tokens`` is an
-    alias of ``max_new_tokens``, ``n`` of ``num_samples``, ``do_sample=False`` of temperature 0.
+    Standard keys: ``max_new_tokens`` (default 16, vLLM's), ``temperature`` (0 = greedy),
+    ``top_p``, ``top_k`` (0 = off), ``seed``; anything else is passed to the backend unchanged.
+    TorchRL's rules: ``max_tokens`` and ``n`` are the backend names of ``max_new_tokens`` and
+    ``num_return_sequences`` and win over them (with a warning here); ``n`` > 1 is
+    ``num_samples`` (a different ``num_samples`` is a ValueError); ``do_sample=False`` means
+    greedy and is a ValueError with a non-zero temperature; temperature must be >= 0, top_p in
+    [0, 1], top_k and repetition_penalty > 0.
     """
-    params: dict[str, Any] = {}
-    for key, value in dict(generate_kwargs or {}).items():
-        std = _ALIASES.get(key, key)
-        if std in params and params[std] != value:
-            raise ValueError(f"generate_kwargs: {key}={value!r} conflicts with {std}={params[std]!r}")
-        params[std] = value
+    params: dict[str, Any] = dict(generate_kwargs or {})
+    for backend, standard in _BACKEND_NAMES.items():
+        if backend not in params:
+            continue
+        if standard in params and params[standard] != params[backend]:
+            warnings.warn(
+                f"generate_kwargs has {backend}={params[backend]!r} and {standard}={params[standard]!r}: "
+                f"{backend} wins (TorchRL's rule)",
+                stacklevel=3,
+            )
+        params[standard] = params.pop(backend)
+    _validate_sampling(params)
     if params.pop("do_sample", True) is False:
         params["temperature"] = 0.0
-    n = params.pop("num_samples", None)
-    if n is not None and num_samples is not None and n != num_samples:
-        raise ValueError(f"generate_kwargs n={n} conflicts with num_samples={num_samples}")
-    num_samples = num_samples if num_samples is not None else n
+    n = params.pop("num_return_sequences", None)
+    if n is not None and n > 1 and num_samples is not None and n != num_samples:
+        raise ValueError(f"num_samples={num_samples} differs from generate_kwargs['n']={n}")
+    if num_samples is None and n is not None and n > 1:
+        num_samples = n
     if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
     params.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
@@ -93,9 +115,25 @@ def normalize_generate_kwargs(generate_kwargs: dict | None, num_samples: int | N
     params.setdefault("top_p", 1.0)
     params.setdefault("top_k", 0)
     params.setdefault("seed", None)
-    if params["temperature"] < 0:
-        raise ValueError(f"temperature must be >= 0, got {params['temperature']}")
     return params, num_samples
+
+
+def _validate_sampling(params: dict[str, Any]) -> None:
+    """TorchRL's checks on user-given sampling values (all ValueError)."""
+    temperature = params.get("temperature")
+    if params.get("do_sample") is False and temperature not in (None, 0, 0.0):
+        raise ValueError(f"do_sample=False (greedy decoding) needs temperature 0, got temperature={temperature}")
+    if temperature is not None and temperature < 0:
+        raise ValueError(f"temperature must be non-negative, got {temperature}")
+    top_p = params.get("top_p")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise ValueError(f"top_p must be between 0 and 1, got {top_p}")
+    top_k = params.get("top_k")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be positive, got {top_k} (leave it out to disable top-k)")
+    penalty = params.get("repetition_penalty")
+    if penalty is not None and penalty <= 0:
+        raise ValueError(f"repetition_penalty must be positive, got {penalty}")
 
 
 @dataclass
@@ -110,26 +148,39 @@ class _Rows:
     full_assistant: list[list[int]] | None = None
 
 
-class LLMWrapperBase(TensorDictModuleBase):
+class LLMWrapperBase(CategoricalSequential):
     """Common constructor, validation, input reading and output layout of the LLM wrappers.
 
     Keyword Args:
-        tokenizer: a transformers tokenizer (needed for history and text modes and to decode).
+        tokenizer: a transformers tokenizer (needed for history and text modes and to decode);
+            each backend finds the model's own when it is omitted.
         input_mode: "history", "text" or "tokens".
-        input_key: the container key to read; defaults to ``history_key``/``text_key``/
-            ``tokens_key`` of the mode.
+        input_key: the key the main input is read from, as in TorchRL: defaults to
+            ``(mode, "prompt")`` when generating and ``(mode, "full")`` when scoring. A bare
+            value (a History, strings or token ids) at the mode's key, or at ``input_key``, is
+            read as that main input.
+        attention_mask_key: where a dense padded token input finds its mask (pad == EOS makes
+            the mask impossible to infer from ids); defaults to ``("masks", "all_attention_mask")``.
         generate: True samples completions; False scores the given full sequences.
-        generate_kwargs: max_new_tokens (alias max_tokens), temperature, top_p, top_k, seed, n...
+        generate_kwargs: max_new_tokens (backend name max_tokens), temperature, top_p, top_k,
+            seed, n (num_return_sequences), do_sample...; see :func:`normalize_generate_kwargs`.
+        tokenizer_kwargs: extra keyword arguments for tokenizing text inputs (padding options
+            are decided by the wrapper).
         pad_output: dense padded tensors (True) or lazy stacks of per-row tensors (False).
-        num_samples: completions per prompt; adds a trailing batch dim of that size.
-        return_log_probs: return LogProbs (default True; required when scoring).
-        return_text, return_tokens, return_masks: return Text / Tokens / Masks.
         inplace: write into the input TensorDict (default when ``num_samples`` is None), return
             a new one (False, default with ``num_samples``) or ``"empty"`` (outputs only).
+        device: device the outputs are moved to (None: where they are made, the CPU).
+        num_samples: completions per prompt; adds a trailing batch dim of that size.
+        chat_template_name: a named template of :meth:`History.apply_chat_template`.
         chat_template: a Jinja template to use instead of the tokenizer's.
+        return_log_probs: return LogProbs (default True; required when scoring).
+        return_text, return_tokens, return_masks: return Text / Tokens / Masks; by default as
+            TorchRL decides from the mode (text for "text" and "history", tokens and masks
+            always). Turning them off saves work where a caller only needs log-probs.
         history_key, text_key, tokens_key, masks_key, log_probs_key: output keys.
-        attention_mask_key: where a dense padded token input finds its mask (pad == EOS makes
-            the mask impossible to infer from ids).
+
+    ``out_keys`` are, in TorchRL's order: text, masks, tokens, log_probs, history (those
+    returned). The history is returned in "history" mode, also when scoring (the input's).
     """
 
     def __init__(
@@ -138,62 +189,78 @@ class LLMWrapperBase(TensorDictModuleBase):
         tokenizer=None,
         input_mode: Literal["history", "text", "tokens"] = "history",
         input_key: NestedKey | None = None,
+        attention_mask_key: NestedKey | None = None,
         generate: bool = True,
         generate_kwargs: dict | None = None,
+        tokenizer_kwargs: dict | None = None,
         pad_output: bool = False,
-        num_samples: int | None = None,
-        return_log_probs: bool | None = None,
-        return_text: bool = True,
-        return_tokens: bool = True,
-        return_masks: bool = True,
         inplace: bool | Literal["empty"] | None = None,
+        device: torch.device | str | None = None,
+        layout: torch.layout | None = None,
+        num_samples: int | None = None,
+        chat_template_name: str | None = None,
         chat_template: str | None = None,
+        return_log_probs: bool | None = None,
+        return_text: bool | None = None,
+        return_tokens: bool | None = None,
+        return_masks: bool | None = None,
         history_key: NestedKey = "history",
         text_key: NestedKey = "text",
         tokens_key: NestedKey = "tokens",
         masks_key: NestedKey = "masks",
         log_probs_key: NestedKey = "log_probs",
-        attention_mask_key: NestedKey = ("masks", "all_attention_mask"),
+        batching: bool | None = None,
     ):
         super().__init__()
         # the constructor arguments, for get_new_version twins (input_key None follows input_mode)
         self._kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__", "generate_kwargs")}
         if input_mode not in INPUT_MODES:
-            raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+            raise ValueError(f"input_mode must be one of 'history', 'text', 'tokens'. Got {input_mode!r}")
+        if not isinstance(pad_output, bool):
+            raise ValueError(f"pad_output must be a boolean, got {pad_output!r}")
         if input_mode in ("history", "text") and tokenizer is None:
             raise ValueError(f"input_mode={input_mode!r} needs a tokenizer")
+        if layout not in (None, torch.strided):
+            raise ValueError(f"layout={layout}: rlpost returns lazy stacks of strided tensors (pad_output=False)")
+        if batching:
+            raise ValueError("batching=True is not supported: rlpost batches requests in the collector")
+        if return_log_probs is False and not generate:
+            raise ValueError("return_log_probs must be True when generate=False (scoring returns log-probs)")
         params, num_samples = normalize_generate_kwargs(generate_kwargs, num_samples)
-        if return_log_probs is None:
-            return_log_probs = True
-        if not generate:
-            if not return_log_probs:
-                raise ValueError("generate=False scores sequences: return_log_probs must be True (or None)")
-            if num_samples is not None:
-                raise ValueError("num_samples (or generate_kwargs n) needs generate=True")
+        if not generate and num_samples is not None:
+            raise ValueError("num_samples (or generate_kwargs n) needs generate=True")
         self._kwargs["num_samples"] = num_samples
         if inplace is None:
             inplace = num_samples is None
-        if inplace is True and num_samples is not None:
-            raise ValueError("inplace=True is impossible with num_samples: the output has an extra batch dim")
+        if inplace in (True, "empty") and num_samples is not None:
+            raise ValueError("inplace must be False (or None) when generating more than one sample")
         self.tokenizer = tokenizer
         self.input_mode = input_mode
         self.generate = generate
+        self.generate_kwargs = dict(generate_kwargs or {})  # as given; generate_params are the standard ones
         self.generate_params = params
+        self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
         self.pad_output = pad_output
         self.num_samples = num_samples
-        self.return_log_probs = return_log_probs
-        self.return_text = return_text
-        self.return_tokens = return_tokens
-        self.return_masks = return_masks
+        self.return_log_probs = True if return_log_probs is None else bool(return_log_probs)
+        self.return_text = input_mode in ("text", "history") if return_text is None else bool(return_text)
+        self.return_tokens = True if return_tokens is None else bool(return_tokens)
+        self.return_masks = True if return_masks is None else bool(return_masks)
+        self.return_history = input_mode == "history"
         self.inplace = inplace
+        self._device = torch.device(device) if device is not None else None
+        self.layout = torch.strided if not pad_output else layout
+        self.chat_template_name = chat_template_name
         self.chat_template = chat_template
         self.history_key, self.text_key, self.tokens_key = history_key, text_key, tokens_key
         self.masks_key, self.log_probs_key = masks_key, log_probs_key
-        self.attention_mask_key = attention_mask_key
-        mode_keys = {"history": history_key, "text": text_key, "tokens": tokens_key}
-        self.input_key = input_key if input_key is not None else mode_keys[input_mode]
+        self.attention_mask_key = attention_mask_key if attention_mask_key is not None else (masks_key, "all_attention_mask")
+        mode_key = {"history": history_key, "text": text_key, "tokens": tokens_key}[input_mode]
         part = "prompt" if generate else "full"
-        self.in_keys = [_join(self.input_key, part)]
+        self.input_key = input_key if input_key is not None else _join(mode_key, part)
+        # where the other parts (the prompt, when scoring) live: the input key's container
+        self._container_key = _container_of(self.input_key) if input_key is not None else mode_key
+        self.in_keys = [self.input_key]
         self.out_keys = self._make_out_keys()
 
     # ------------------------------------------------------------------ public API
@@ -212,17 +279,21 @@ class LLMWrapperBase(TensorDictModuleBase):
 
         ``get_new_version(generate=False)`` gives the scoring twin of a generator (same
         tokenizer, temperature and keys). Settings tied to generation are dropped when switching
-        to scoring unless given again: ``num_samples`` and ``inplace``.
+        to scoring unless given again: ``num_samples``, ``inplace`` and ``n``; a changed
+        ``input_mode`` or ``generate`` resets an ``input_key`` that was not given again.
         """
-        kwargs = dict(self._kwargs, generate_kwargs=dict(self.generate_params))
+        kwargs = dict(self._kwargs, generate_kwargs=dict(self.generate_kwargs))
         if overrides.get("generate") is False and self.generate:
             kwargs["num_samples"] = None
             kwargs["inplace"] = None
-            kwargs["generate_kwargs"].pop("num_samples", None)
+            for key in ("n", "num_return_sequences"):
+                kwargs["generate_kwargs"].pop(key, None)
         if "generate_kwargs" in overrides:
             kwargs["generate_kwargs"] = {**kwargs["generate_kwargs"], **(overrides.pop("generate_kwargs") or {})}
-            if "n" in kwargs["generate_kwargs"] and "num_samples" not in overrides:
+            if {"n", "num_return_sequences"} & set(kwargs["generate_kwargs"]) and "num_samples" not in overrides:
                 kwargs["num_samples"] = None
+        if ({"input_mode", "generate"} & set(overrides)) and "input_key" not in overrides:
+            kwargs["input_key"] = None
         unknown = set(overrides) - set(kwargs)
         if unknown:
             raise ValueError(f"get_new_version: unknown arguments {sorted(unknown)}")
@@ -238,6 +309,10 @@ class LLMWrapperBase(TensorDictModuleBase):
             return out.reshape(*shape, *out.shape[1:])
         rows = self._read_inputs(tensordict)
         outputs = self._generate_outputs(rows) if self.generate else self._score_outputs(rows)
+        if not self.generate and self.return_history:
+            outputs[self.history_key] = self._scored_history(tensordict)
+        if self._device is not None:
+            outputs = {key: value.to(self._device) for key, value in outputs.items()}
         return self._write(tensordict, outputs)
 
     # ------------------------------------------------------------------ backend hooks
@@ -251,60 +326,59 @@ class LLMWrapperBase(TensorDictModuleBase):
     # ------------------------------------------------------------------ keys
 
     def _make_out_keys(self) -> list[NestedKey]:
-        keys = []
-        if self.return_log_probs:
-            keys.append(self.log_probs_key)
-        if self.return_tokens:
-            keys.append(self.tokens_key)
-        if self.return_masks:
-            keys.append(self.masks_key)
-        if self.return_text:
-            keys.append(self.text_key)
-        if self.input_mode == "history" and self.generate:
-            keys.append(self.history_key)
-        return keys
+        flags = [
+            (self.return_text, self.text_key),
+            (self.return_masks, self.masks_key),
+            (self.return_tokens, self.tokens_key),
+            (self.return_log_probs, self.log_probs_key),
+            (self.return_history, self.history_key),
+        ]
+        return [key for wanted, key in flags if wanted]
 
     # ------------------------------------------------------------------ reading inputs
-
-    def _read_inputs(self, td: TensorDictBase) -> _Rows:
-        if td.get(self.input_key, None) is None:
-            raise ValueError(self._missing(td, self._main_part))
-        reader = {"history": self._read_history, "text": self._read_text, "tokens": self._read_tokens}
-        return reader[self.input_mode](td)
-
-    def _missing(self, td: TensorDictBase, part: str) -> str:
-        what = "scoring (generate=False) needs the full sequence" if part == "full" else "generation needs the prompt"
-        return (
-            f"{type(self).__name__}(input_mode={self.input_mode!r}): {what} at "
-            f"{_join(self.input_key, part)!r}; the input has keys {sorted(map(str, td.keys(True, True)))}"
-        )
 
     @property
     def _main_part(self) -> str:
         return "prompt" if self.generate else "full"
 
-    def _part(self, td: TensorDictBase, part: str, container_cls: type) -> Any:
-        """``td[input_key].part``; a bare value at the input key (a History, strings or ids
-        instead of a ChatHistory/Text/Tokens, as TorchRL accepts) counts as the main part."""
-        container = td.get(self.input_key, None)
-        if container is None:
-            return None
-        if isinstance(container, container_cls):
-            key = _join(self.input_key, part)
-            if key not in td.keys(include_nested=True):
-                return None
-            # ragged token rows cannot be read as one tensor: leave them to _token_rows
-            return key if container_cls is Tokens else getattr(container, part)
-        if part != self._main_part:
-            return None
-        return td[self.input_key] if self.input_mode == "text" else container
+    def _read_inputs(self, td: TensorDictBase) -> _Rows:
+        reader = {"history": self._read_history, "text": self._read_text, "tokens": self._read_tokens}
+        return reader[self.input_mode](td)
+
+    def _missing(self, td: TensorDictBase) -> str:
+        what = "scoring (generate=False) needs the full sequence" if not self.generate else "generation needs the prompt"
+        return (
+            f"Expected {self.input_key!r} key for {self.input_mode} input mode: {type(self).__name__} {what}; "
+            f"the input has keys {sorted(map(str, td.keys(True, True)))}"
+        )
+
+    def _main_key(self, td: TensorDictBase, container_cls: type) -> NestedKey | None:
+        """Where the main input is: ``input_key``; else a bare value at the container key (a
+        History, strings or ids instead of a ChatHistory/Text/Tokens, which TorchRL's tutorial
+        passes); ``input_key`` pointing at a container means that container's main part."""
+        if _has(td, self.input_key):
+            value = _peek(td, self.input_key)
+            if not isinstance(value, container_cls):
+                return self.input_key
+            key = _join(self.input_key, self._main_part)
+            return key if _has(td, key) else None
+        if self.input_key != self._container_key and _has(td, self._container_key):
+            if not isinstance(_peek(td, self._container_key), container_cls):
+                return self._container_key
+        return None
+
+    def _side_key(self, td: TensorDictBase, part: str, container_cls: type) -> NestedKey | None:
+        """Where another part of the input's container is (the prompt, when scoring), if given."""
+        key = _join(self._container_key, part)
+        if _has(td, key) and isinstance(_peek(td, self._container_key), container_cls):
+            return key
+        return None
 
     def _read_history(self, td: TensorDictBase) -> _Rows:
-        main = self._part(td, self._main_part, ChatHistory)
-        if main is None:
-            raise ValueError(self._missing(td, self._main_part))
-        if not isinstance(main, History) or main.batch_dims != 2:
-            raise ValueError(f"history input must be a History of batch [B, n_messages], got {type(main).__name__}")
+        key = self._main_key(td, ChatHistory)
+        if key is None:
+            raise ValueError(self._missing(td))
+        main = _as_conversations(td.get(key), key, td.batch_dims)
         rows = _Rows()
         if self.generate:
             texts, ids, _ = self._render(main, add_generation_prompt=True, masks=False)
@@ -312,67 +386,84 @@ class LLMWrapperBase(TensorDictModuleBase):
             return rows
         texts, ids, assistant = self._render(main, add_generation_prompt=False)
         rows.full_text, rows.full_ids, rows.full_assistant = texts, ids, assistant
-        prompt = self._part(td, "prompt", ChatHistory)
-        if prompt is not None:
+        prompt_key = self._side_key(td, "prompt", ChatHistory)
+        if prompt_key is not None:
+            prompt = _as_conversations(td.get(prompt_key), prompt_key, td.batch_dims)
             rows.prompt_text, rows.prompt_ids, _ = self._render(prompt, add_generation_prompt=True, masks=False)
             _check_prefixes(rows.prompt_ids, rows.full_ids, "history.prompt", "history.full")
         return rows
 
+    def _scored_history(self, td: TensorDictBase) -> ChatHistory:
+        """The history a scoring call returns: the input's ChatHistory as it is, or a bare
+        History as ``ChatHistory(full=...)`` (TorchRL's)."""
+        container = td.get(self._container_key, None)
+        if isinstance(container, ChatHistory):
+            return container
+        full = _as_conversations(td.get(self._main_key(td, ChatHistory)), self.input_key, td.batch_dims)
+        return ChatHistory(full=full, batch_size=td.batch_size)
+
     def _render(self, history: History, *, add_generation_prompt: bool, masks: bool | None = None):
         kw = dict(add_generation_prompt=add_generation_prompt, chat_template=self.chat_template)
+        if self.chat_template_name is not None:
+            kw["chat_template_name"] = self.chat_template_name
         texts = history.apply_chat_template(self.tokenizer, **kw)
         if self.return_masks if masks is None else masks:
             enc = history.apply_chat_template(
                 self.tokenizer, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kw
             )
-            return texts, [list(x) for x in enc["input_ids"]], [list(m) for m in enc["assistant_masks"]]
+            ids = [t.tolist() for t in enc.get("input_ids", as_list=True)]
+            return texts, ids, [t.tolist() for t in enc.get("assistant_masks", as_list=True)]
         return texts, self._encode(texts), None
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+        extra = {k: v for k, v in self.tokenizer_kwargs.items() if k not in _WRAPPER_TOKENIZER_KWARGS}
+        extra.setdefault("add_special_tokens", False)
+        return [list(x) for x in self.tokenizer(list(texts), **extra)["input_ids"]]
 
     def _read_text(self, td: TensorDictBase) -> _Rows:
-        main = _strings(self._part(td, self._main_part, Text))
+        key = self._main_key(td, Text)
+        main = _strings(td.get(key)) if key is not None else None
         if main is None:
-            raise ValueError(self._missing(td, self._main_part))
+            raise ValueError(self._missing(td))
         rows = _Rows()
         if self.generate:
             rows.prompt_text, rows.prompt_ids = main, self._encode(main)
             return rows
         rows.full_text, rows.full_ids = main, self._encode(main)
-        prompt = _strings(self._part(td, "prompt", Text))
-        if prompt is not None:
+        prompt_key = self._side_key(td, "prompt", Text)
+        if prompt_key is not None:
+            prompt = _strings(td.get(prompt_key))
             rows.prompt_text, rows.prompt_ids = prompt, self._encode(prompt)
             _check_prefixes(rows.prompt_ids, rows.full_ids, "text.prompt", "text.full")
         return rows
 
     def _read_tokens(self, td: TensorDictBase) -> _Rows:
-        main = self._token_rows(td, self._main_part)
-        if main is None:
-            raise ValueError(self._missing(td, self._main_part))
+        key = self._main_key(td, Tokens)
+        if key is None:
+            raise ValueError(self._missing(td))
+        main = self._token_rows(td, key, is_prompt=self.generate)
         rows = _Rows()
         if self.generate:
             rows.prompt_ids = main
             return rows
         rows.full_ids = main
-        prompt = self._token_rows(td, "prompt")
-        if prompt is not None:
+        prompt_key = self._side_key(td, "prompt", Tokens)
+        if prompt_key is not None:
+            prompt = self._token_rows(td, prompt_key, is_prompt=True)
             _check_prefixes(prompt, main, "tokens.prompt", "tokens.full")
             rows.prompt_ids = prompt
         return rows
 
-    def _token_rows(self, td, part: str) -> list[list[int]] | None:
+    def _token_rows(self, td: TensorDictBase, key: NestedKey, *, is_prompt: bool) -> list[list[int]]:
         """Token ids of each row: lazy stacks as they are, dense tensors cut by their mask."""
-        found = self._part(td, part, Tokens)
-        if found is None:
-            return None
-        container = td.get(self.input_key)
-        key = found if isinstance(found, tuple) else self.input_key
-        if _is_lazy(container):
+        container = _peek(td, self._container_key) if _has(td, self._container_key) else None
+        if _is_lazy(td) or _is_lazy(container):
             return [t.tolist() for t in td.get(key, as_list=True)]
         value = td.get(key)
         if getattr(value, "is_nested", False):
             return [t.tolist() for t in value.unbind(0)]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Expected token ids (a tensor) at {key!r}, got {type(value).__name__}")
         padded = _flag(container.padded) if isinstance(container, Tokens) else None
         mask = td.get(self.attention_mask_key, None)
         if mask is None:
@@ -382,7 +473,7 @@ class LLMWrapperBase(TensorDictModuleBase):
                     "with pad token == EOS the padding cannot be told from real EOS tokens"
                 )
             return value.tolist()
-        if part == "prompt" and mask.shape[-1] > value.shape[-1]:
+        if is_prompt and mask.shape[-1] > value.shape[-1]:
             mask = mask[..., : value.shape[-1]]  # a full-sequence mask: the prompt is its left part
         if mask.shape != value.shape:
             raise ValueError(f"attention mask {tuple(mask.shape)} does not match {key!r} {tuple(value.shape)}")
@@ -507,7 +598,8 @@ class LLMWrapperBase(TensorDictModuleBase):
 
     def _text(self, prompt, response, full) -> Text:
         n = len(full)
-        return Text(prompt=prompt, response=response, full=full, batch_size=[n]).reshape(self._batch_shape(n))
+        text = Text(prompt=prompt, response=response, full=full, padded=self.pad_output, batch_size=[n])
+        return text.reshape(self._batch_shape(n))
 
     def _chat_history(self, prompt: History, prompt_text, response_text, k: int) -> ChatHistory:
         """prompt / response / full Histories; the response is parsed from the decoded tokens.
@@ -553,6 +645,46 @@ def _join(key: NestedKey, part: str) -> tuple:
     return (*key, part) if isinstance(key, tuple) else (key, part)
 
 
+def _has(td: TensorDictBase, key: NestedKey) -> bool:
+    """Whether ``td`` has an entry at ``key`` (without reading it: a ragged lazy stack cannot be
+    read as one tensor)."""
+    key = key if isinstance(key, str) else (key[0] if len(key) == 1 else tuple(key))
+    return key in set(td.keys(include_nested=True))
+
+
+def _peek(td: TensorDictBase, key: NestedKey) -> Any:
+    """The entry at ``key`` if it is a container (a sub-TensorDict, tensorclass or strings),
+    else None: leaves are read by the callers that know how (``as_list`` for ragged rows)."""
+    key = key if isinstance(key, str) else (key[0] if len(key) == 1 else tuple(key))
+    if key in set(td.keys(include_nested=True, leaves_only=True, is_leaf=_is_tensor_leaf)):
+        return None
+    return td.get(key)
+
+
+def _is_tensor_leaf(cls: type) -> bool:
+    return issubclass(cls, torch.Tensor)
+
+
+def _container_of(input_key: NestedKey) -> NestedKey:
+    """The container key of a user-given ``input_key``: ``("history", "prompt")`` lives in
+    ``"history"``; a key that names no part is its own container."""
+    if isinstance(input_key, tuple) and len(input_key) > 1 and input_key[-1] in ("prompt", "response", "full"):
+        return input_key[:-1] if len(input_key) > 2 else input_key[0]
+    return input_key
+
+
+def _as_conversations(value: Any, key: NestedKey, batch_dims: int) -> History:
+    """A History of batch ``[B, n_messages]``; a ``[B]`` History (one message per row) counts
+    as ``[B, 1]``. Anything else is TorchRL's TypeError."""
+    if not isinstance(value, History):
+        raise TypeError(f"Expected History object for {key!r}, got {type(value).__name__}")
+    if value.batch_dims == batch_dims:
+        value = value.unsqueeze(-1)
+    if value.batch_dims != 2:
+        raise ValueError(f"history input at {key!r} must be a History of batch [B, n_messages], got {value.batch_size}")
+    return value
+
+
 def _flag(value) -> bool | None:
     """The ``padded`` flag of a container: a bool, or a (nested) list of them for lazy stacks."""
     if value is None or isinstance(value, bool):
@@ -566,7 +698,13 @@ def _flag(value) -> bool | None:
 def _strings(value) -> list[str] | None:
     if value is None:
         return None
-    return [value] if isinstance(value, str) else [str(v) for v in value]
+    if isinstance(value, str):
+        return [value]
+    if hasattr(value, "tolist"):  # a NonTensorStack (its items are NonTensorData, not str)
+        value = value.tolist()
+    if not all(isinstance(v, str) for v in value):
+        raise TypeError(f"Expected strings for a text input, got {[type(v).__name__ for v in value][:3]}")
+    return list(value)
 
 
 def _is_lazy(obj) -> bool:

@@ -18,6 +18,8 @@ import torch
 from rlpost.policies.base import Completion, LLMWrapperBase
 
 _STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+# TorchRL's common names that need another name (or nothing) in ``model.generate``.
+_HF_NAMES = {"stop_sequences": "stop_strings", "logprobs": None, "skip_special_tokens": None}
 
 
 class TransformersWrapper(LLMWrapperBase):
@@ -26,21 +28,26 @@ class TransformersWrapper(LLMWrapperBase):
 
     Args:
         model: a ``PreTrainedModel`` (or a path, loaded with ``AutoModelForCausalLM`` in fp32).
-        tokenizer: its tokenizer (or a path); loaded from the model path when omitted.
+        tokenizer: its tokenizer (or a path); loaded from the model's ``name_or_path`` when
+            omitted.
     """
 
     def __init__(self, model, *, tokenizer=None, **kwargs):
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
-            path, model = model, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-            tokenizer = tokenizer if tokenizer is not None else path
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        if tokenizer is None:
+            tokenizer = _name_or_path(model)
+            if tokenizer is None:
+                raise ValueError(
+                    "TransformersWrapper: no tokenizer given and the model has no name_or_path to load one "
+                    "from; pass tokenizer=AutoTokenizer.from_pretrained(...)"
+                )
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        if tokenizer is None:
-            raise ValueError("TransformersWrapper needs a tokenizer (decoding, padding and EOS ids)")
         super().__init__(tokenizer=tokenizer, **kwargs)
         self.model = model
 
@@ -66,7 +73,9 @@ class TransformersWrapper(LLMWrapperBase):
             attention[i, width - len(ids) :] = 1
         greedy = params["temperature"] == 0
         sampling = {} if greedy else {k: params[k] for k in ("temperature", "top_p", "top_k")}
-        extra = {k: v for k, v in params.items() if k not in _STANDARD}
+        extra = {_HF_NAMES.get(k, k): v for k, v in params.items() if k not in _STANDARD and _HF_NAMES.get(k, k)}
+        if "stop_strings" in extra:
+            extra["tokenizer"] = self.tokenizer
         eos = sorted(self._eos_ids())
         with torch.random.fork_rng(devices=[]):
             if params["seed"] is not None:
@@ -105,6 +114,25 @@ class TransformersWrapper(LLMWrapperBase):
         )
 
     def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
+        logits, input_ids = self._forward_logits(full_ids)
+        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+        next_lp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        next_lp = torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp], dim=1).cpu()
+        return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
+
+    def _full_logits(self, tensordict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered logits ``[B, T, V]`` with ``logits[:, t]`` predicting token ``t`` (row 0 holds
+        zeros: no context), and the mask of real, predicted positions (for ``get_dist``)."""
+        full_ids = self._read_inputs(tensordict).full_ids
+        logits, _ = self._forward_logits(full_ids)
+        shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1).float() / self.temperature
+        mask = torch.zeros(shifted.shape[:2], dtype=torch.bool)
+        for i, ids in enumerate(full_ids):
+            mask[i, 1 : len(ids)] = True
+        return shifted, mask.to(shifted.device)
+
+    def _forward_logits(self, full_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward pass over right-padded rows: ``(logits [B, T, V], input_ids [B, T])``."""
         device = next(self.model.parameters()).device
         width = max(len(ids) for ids in full_ids)
         input_ids = torch.full((len(full_ids), width), self._pad_id(), dtype=torch.long)
@@ -114,11 +142,13 @@ class TransformersWrapper(LLMWrapperBase):
             input_ids[i, : len(ids)] = torch.tensor(ids)
             attention[i, : len(ids)] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        logits = self.model(input_ids=input_ids, attention_mask=attention).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-        next_lp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        next_lp = torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp], dim=1).cpu()
-        return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
+        return self.model(input_ids=input_ids, attention_mask=attention).logits, input_ids
+
+
+def _name_or_path(model) -> str | None:
+    """Where a Hugging Face model was loaded from (its tokenizer usually lives there too)."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return name or None
 
 
 def _sampled_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +31,15 @@ import torch
 from rlpost.policies.base import Completion, LLMWrapperBase
 
 _STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+# TorchRL's common names and their vLLM names (None: not a vLLM sampling option).
+_VLLM_NAMES = {
+    "stop_sequences": "stop", "num_beams": None, "length_penalty": None, "early_stopping": None, "logprobs": None,
+}  # fmt: skip
+# Sampling options that change the distribution beyond temperature / top-k / top-p.
+_DISTRIBUTION_CHANGING = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "bad_words",
+    "allowed_token_ids", "logits_processors",
+)  # fmt: skip
 
 
 class VLLMEngineClient(Protocol):
@@ -55,6 +65,41 @@ class LocalVLLMClient:
 
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
+
+    @property
+    def logprobs_mode(self) -> str:
+        """What the engine's sampled-token log-probs are (vLLM's ``logprobs_mode``)."""
+        return str(self.llm.llm_engine.model_config.logprobs_mode)
+
+    @property
+    def max_logprobs(self) -> int:
+        """The engine's cap on log-probs per position (-1: the whole vocabulary)."""
+        return int(self.llm.llm_engine.model_config.max_logprobs)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def rescore(
+        self, token_ids: list[list[int]], starts: list[int], *, temperature: float, top_p: float, top_k: int
+    ) -> list[list[float]]:
+        """Processed log-probs of ``ids[start:]`` in each sequence: ``log_softmax`` of the
+        logits after temperature, top-k and top-p, vLLM's sampler's order and rules (one
+        full-vocabulary prefill; needs ``max_logprobs=-1``)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1, detokenize=False)
+        outputs = self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
+        vocab = self.vocab_size
+        result = []
+        for ids, start, out in zip(token_ids, starts, outputs):
+            row = []
+            for t in range(max(start, 1), len(ids)):
+                raw = _dense(out.prompt_logprobs[t], vocab)
+                processed = processed_logprobs(raw, temperature=temperature, top_p=top_p, top_k=top_k)
+                row.append(float(processed[ids[t]]))
+            result.append(row)
+        return result
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -87,12 +132,27 @@ class vLLMWrapper(LLMWrapperBase):
     inputs and outputs.
 
     Args:
-        model: a ``vllm.LLM`` (wrapped in :class:`LocalVLLMClient`) or any
-            :class:`VLLMEngineClient` (e.g. a remote inference worker's client).
-        tokenizer: the model's tokenizer; taken from the client's ``get_tokenizer()`` if omitted.
+        model: a ``vllm.LLM`` (wrapped in :class:`LocalVLLMClient`), any
+            :class:`VLLMEngineClient` (e.g. a remote inference worker's client), or a model path
+            (an engine is made with :func:`make_vllm_engine`).
+        tokenizer: the model's tokenizer (or a path); taken from the engine's
+            ``get_tokenizer()`` when omitted.
+
+    Log-probs are never silently wrong. vLLM's default ``logprobs_mode="raw_logprobs"`` returns
+    log-probs *before* temperature / top-k / top-p, which are not the behaviour policy's when
+    sampling changes the distribution. On such an engine (a plain ``vllm.LLM(model=...)``) the
+    wrapper re-scores the sampled tokens under the processed distribution, which needs the full
+    vocabulary per position (``max_logprobs=-1``), and otherwise refuses at construction with a
+    ValueError naming ``logprobs_mode`` and the fix. Engines made by :func:`make_vllm_engine`
+    return processed log-probs and need neither.
+
+    Attributes:
+        sampling_params: the ``vllm.SamplingParams`` a call uses (built on access).
     """
 
     def __init__(self, model, *, tokenizer=None, **kwargs):
+        if isinstance(model, (str, os.PathLike)):
+            model = make_vllm_engine(model)
         client = model if _is_client(model) else LocalVLLMClient(model)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
@@ -102,15 +162,28 @@ class vLLMWrapper(LLMWrapperBase):
             tokenizer = client.get_tokenizer()
         super().__init__(tokenizer=tokenizer, **kwargs)
         self.client = client
+        self.model = model
+        self._rescore = self._check_logprobs_mode()
 
     def _engine(self):
         return self.client
 
-    def _generate_ids(self, prompt_ids: list[list[int]], num_samples: int) -> list[list[Completion]]:
+    @property
+    def sampling_params(self):
+        """The ``vllm.SamplingParams`` of a generation call (or of a scoring call's prefill)."""
+        from vllm import SamplingParams
+
+        sampling = dict(self._sampling())
+        want = bool(sampling.pop("logprobs"))
+        if not self.generate:
+            sampling.update(max_tokens=1, n=1, prompt_logprobs=0)
+        return SamplingParams(**sampling, logprobs=0 if want else None, detokenize=False)
+
+    def _sampling(self) -> dict[str, Any]:
         params = self.generate_params
-        sampling = {k: v for k, v in params.items() if k not in _STANDARD}
+        sampling = {_VLLM_NAMES.get(k, k): v for k, v in params.items() if k not in _STANDARD and _VLLM_NAMES.get(k, k)}
         sampling.update(
-            n=num_samples,
+            n=self.num_samples or 1,
             max_tokens=params["max_new_tokens"],
             temperature=params["temperature"],
             top_p=params["top_p"],
@@ -118,11 +191,112 @@ class vLLMWrapper(LLMWrapperBase):
             seed=params["seed"],
             logprobs=self.return_log_probs,
         )
-        return self.client.generate(prompt_ids, sampling)
+        return sampling
+
+    def _generate_ids(self, prompt_ids: list[list[int]], num_samples: int) -> list[list[Completion]]:
+        sampling = self._sampling()
+        sampling["n"] = num_samples
+        completions = self.client.generate(prompt_ids, sampling)
+        if self._rescore and self.return_log_probs:
+            self._replace_raw_logprobs(prompt_ids, completions)
+        return completions
+
+    def _replace_raw_logprobs(self, prompt_ids: list[list[int]], completions: list[list[Completion]]) -> None:
+        """Swap the engine's raw log-probs for the processed ones (see the class docstring)."""
+        params = self.generate_params
+        fulls, starts, flat = [], [], []
+        for prompt, group in zip(prompt_ids, completions):
+            for completion in group:
+                fulls.append(list(prompt) + list(completion.token_ids))
+                starts.append(len(prompt))
+                flat.append(completion)
+        scores = self.client.rescore(
+            fulls, starts, temperature=params["temperature"], top_p=params["top_p"], top_k=params["top_k"]
+        )
+        for completion, row in zip(flat, scores):
+            completion.logprobs = row
 
     def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
         scores = self.client.score(full_ids, temperature=self.temperature)
         return [torch.tensor(s, dtype=torch.float32) for s in scores]
+
+    def _check_logprobs_mode(self) -> bool:
+        """Whether sampled-token log-probs must be re-scored; a ValueError when they would be
+        wrong and cannot be fixed (see the class docstring)."""
+        mode = getattr(self.client, "logprobs_mode", "processed_logprobs")
+        if mode == "processed_logprobs":
+            return False
+        fix = (
+            "create the engine with logprobs_mode='processed_logprobs' "
+            "(vllm.LLM(model=..., logprobs_mode='processed_logprobs') or rlpost.policies.make_vllm_engine)"
+        )
+        if mode != "raw_logprobs":
+            raise ValueError(f"vLLMWrapper needs log-probs, but this engine returns logprobs_mode={mode!r}: {fix}")
+        params = self.generate_params
+        full_vocab = self.client.max_logprobs == -1 or self.client.max_logprobs >= self.client.vocab_size
+        if not self.generate:
+            if not math.isclose(self.temperature, 1.0) and not full_vocab:
+                raise ValueError(
+                    f"scoring at temperature {self.temperature} reads the whole vocabulary per position, but this "
+                    f"engine caps log-probs at max_logprobs={self.client.max_logprobs}: create it with max_logprobs=-1"
+                )
+            return False
+        if not self.return_log_probs or _unprocessed(params):
+            return False
+        unsupported = _distribution_changing(params)
+        if unsupported or not full_vocab:
+            reason = (
+                f"{unsupported} cannot be re-applied"
+                if unsupported
+                else f"re-scoring needs the whole vocabulary and the engine has max_logprobs={self.client.max_logprobs}"
+            )
+            raise ValueError(
+                f"this vLLM engine returns raw log-probs (logprobs_mode='raw_logprobs', vLLM's default), which ignore "
+                f"temperature={params['temperature']}, top_p={params['top_p']}, top_k={params['top_k']}: the "
+                f"behaviour policy's log-probs would be wrong and {reason}. Fix: {fix}, or create it with "
+                "max_logprobs=-1 so that vLLMWrapper can re-score the sampled tokens."
+            )
+        warnings.warn(
+            "vLLMWrapper: the engine returns raw log-probs (logprobs_mode='raw_logprobs'); sampled tokens are "
+            "re-scored under the processed distribution (one more prefill per call). "
+            "Use logprobs_mode='processed_logprobs' to avoid it.",
+            stacklevel=3,
+        )
+        return True
+
+
+def processed_logprobs(raw: torch.Tensor, *, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """``log_softmax`` over the vocabulary after vLLM's sampling processors, from raw log-probs.
+
+    Raw log-probs are ``logits - logsumexp(logits)``; dividing them by the temperature shifts
+    every logit by the same constant, so the tempered softmax is exact. Then, as vLLM's sampler:
+    top-k keeps the logits >= the k-th largest; top-p sorts ascending, drops the tokens whose
+    cumulative probability is <= 1 - p, and always keeps the largest; the rest get -inf.
+    """
+    logits = raw.float() / (temperature or 1.0)
+    if top_k and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[-1] = False
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _unprocessed(params: dict[str, Any]) -> bool:
+    """Whether sampling leaves the distribution as it is (raw log-probs are then the processed ones)."""
+    greedy = params["temperature"] == 0
+    plain = math.isclose(params["temperature"], 1.0) and params["top_p"] >= 1.0 and not params["top_k"]
+    return (greedy or plain) and not _distribution_changing(params)
+
+
+def _distribution_changing(params: dict[str, Any]) -> list[str]:
+    """The options given that change the sampling distribution (neutral values do not count)."""
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+    return sorted(k for k in _DISTRIBUTION_CHANGING if params.get(k) not in (None, neutral.get(k)))
 
 
 def make_vllm_engine(
@@ -206,6 +380,13 @@ def _completion(output, want_logprobs: bool) -> Completion:
     if want_logprobs:
         logprobs = [position[tok].logprob for tok, position in zip(ids, output.logprobs)]
     return Completion(token_ids=ids, logprobs=logprobs, finished=output.finish_reason == "stop")
+
+
+def _dense(position: dict, vocab: int) -> torch.Tensor:
+    """A vocabulary-sized tensor of the log-probs vLLM returned for one position (-inf elsewhere)."""
+    dense = torch.full((vocab,), float("-inf"))
+    dense[torch.tensor(list(position.keys()))] = torch.tensor([lp.logprob for lp in position.values()])
+    return dense
 
 
 def _prompt_scores(ids: list[int], prompt_logprobs, temperature: float, full_vocab: bool) -> list[float]:

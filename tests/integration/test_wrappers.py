@@ -188,7 +188,7 @@ def test_prompt_plus_response_is_full_on_a_ragged_batch(vllm_engine, hf_model, t
     )
     out = generator(history_td(history))
     assert out.batch_size == history.batch_size[:1]
-    expected_prompts = history.apply_chat_template(tiny_tokenizer, tokenize=True)
+    expected_prompts = [p.tolist() for p in history.apply_chat_template(tiny_tokenizer, tokenize=True)]
     assert len({len(p) for p in expected_prompts}) > 1  # ragged
     if pad_output:
         tokens, masks, lps = out["tokens"], out["masks"], out["log_probs"]
@@ -292,7 +292,7 @@ def test_history_round_trip(vllm_engine, tiny_tokenizer, max_tokens):
         assert bool(chat.response[i, -1].is_complete) == finished
         assert chat.response[i, -1].role == "assistant"
         assert chat.full[i].to_chats() == chat.prompt[i].to_chats() + chat.response[i].to_chats()
-        rendered = chat.full[i].apply_chat_template(tiny_tokenizer, add_generation_prompt=False, tokenize=True)
+        rendered = chat.full[i].apply_chat_template(tiny_tokenizer, add_generation_prompt=False, tokenize=True).tolist()
         # a finished turn is followed by the template's "\n"; an unfinished one is continued
         assert rendered == prompt + response + (newline if finished else [])
     assert not all(chat.response.is_complete.flatten()) if max_tokens == 3 else all(chat.response.is_complete.flatten())
@@ -367,7 +367,7 @@ def test_clear_value_errors(vllm_engine, hf_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="input_mode"):
         TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, input_mode="invalid_mode")
     generator = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, input_mode="tokens")
-    with pytest.raises(ValueError, match=r"\('tokens', 'prompt'\)"):
+    with pytest.raises(ValueError, match=r"Expected \('tokens', 'prompt'\) key"):
         generator(TensorDict(batch_size=[2]))
     scorer = TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, input_mode="history", generate=False)
     with pytest.raises(ValueError, match="full sequence"):
@@ -377,9 +377,10 @@ def test_clear_value_errors(vllm_engine, hf_model, tiny_tokenizer):
     )
     with pytest.raises(ValueError, match="attention mask"):
         scorer.get_new_version(input_mode="tokens")(padded.select("tokens"))
-    with pytest.raises(ValueError, match="conflicts"):
-        vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, generate_kwargs={"max_new_tokens": 4, "max_tokens": 8})
-    with pytest.raises(ValueError, match="conflicts"):
+    with pytest.warns(UserWarning, match="max_tokens wins"):  # TorchRL's precedence
+        both = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, generate_kwargs={"max_new_tokens": 4, "max_tokens": 8})
+    assert both.generate_params["max_new_tokens"] == 8
+    with pytest.raises(ValueError, match="differs"):
         vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, num_samples=2, generate_kwargs={"n": 3})
     with pytest.raises(ValueError, match="num_samples"):
         TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, generate=False, num_samples=2)

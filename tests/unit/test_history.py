@@ -30,20 +30,28 @@ def test_render_text_equals_tokenizer(tiny_tokenizer, add_generation_prompt):
     assert single == expected[0]
 
 
+def _rows(encoded, key):
+    """Per-conversation lists of a batched (lazily stacked) apply_chat_template result."""
+    return [t.tolist() for t in encoded.get(key, as_list=True)]
+
+
 def test_render_tokens_and_assistant_masks_equal_tokenizer(tiny_tokenizer):
     history = History.from_chats(CHATS)
     kwargs = dict(add_generation_prompt=False, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ours = history.apply_chat_template(tiny_tokenizer, **kwargs)
     theirs = tiny_tokenizer.apply_chat_template(CHATS, **kwargs)
-    assert ours["input_ids"] == theirs["input_ids"]
-    assert ours["assistant_masks"] == theirs["assistant_masks"]
-    assert ours["attention_mask"] == theirs["attention_mask"]
+    # TorchRL's layout: one TensorDict of tensors per conversation, lazily stacked
+    assert ours.batch_size == torch.Size([3])
+    assert _rows(ours, "input_ids") == theirs["input_ids"]
+    assert _rows(ours, "assistant_masks") == theirs["assistant_masks"]
+    assert _rows(ours, "attention_mask") == theirs["attention_mask"]
     # the mask covers exactly each assistant content and its <|im_end|>
-    ids, mask = ours["input_ids"][2], ours["assistant_masks"][2]
-    assistant_text = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
-    assert assistant_text == "<answer>7</answer><|im_end|>" * 2
+    ids, mask = ours[2]["input_ids"], ours[2]["assistant_masks"]
+    assert tiny_tokenizer.decode(ids[mask.bool()]) == "<answer>7</answer><|im_end|>" * 2
     ids_only = history.apply_chat_template(tiny_tokenizer, add_generation_prompt=True, tokenize=True)
-    assert ids_only == tiny_tokenizer.apply_chat_template(CHATS, add_generation_prompt=True, return_dict=False)
+    assert [t.tolist() for t in ids_only] == tiny_tokenizer.apply_chat_template(
+        CHATS, add_generation_prompt=True, return_dict=False
+    )
 
 
 def test_render_padded_tensors_equal_tokenizer(tiny_tokenizer):
@@ -91,12 +99,9 @@ def test_from_text_marks_an_unfinished_last_message_incomplete(tiny_tokenizer):
     assert parsed.is_complete.tolist() == [True, True, False]
     # rendering continues the unfinished message instead of closing it
     assert parsed.apply_chat_template(tiny_tokenizer) == cut
-    encoded = parsed.apply_chat_template(
-        tiny_tokenizer, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    assert encoded["input_ids"] == tiny_tokenizer(cut, add_special_tokens=False)["input_ids"]
-    masked = [t for t, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]
-    assert tiny_tokenizer.decode(masked) == "<answer>4"
+    encoded = parsed.apply_chat_template(tiny_tokenizer, return_assistant_tokens_mask=True)
+    assert encoded["input_ids"].tolist() == tiny_tokenizer(cut, add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer.decode(encoded["input_ids"][encoded["assistant_masks"].bool()]) == "<answer>4"
     # an open generation prompt is an empty unfinished assistant message; it renders back too
     open_turn = History.from_text(prompt)
     assert open_turn[-1].role == "assistant" and open_turn[-1].content == ""
@@ -110,16 +115,15 @@ def test_batch_with_complete_and_unfinished_rows(tiny_tokenizer):
     batch = History.from_text([done, prompt + "<answer>"])
     assert batch.batch_size == torch.Size([2, 3])
     assert batch.is_complete[:, -1].tolist() == [True, False]
-    out = batch.apply_chat_template(
-        tiny_tokenizer, add_generation_prompt=False, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    assert tiny_tokenizer.decode(out["input_ids"][0]) == done
-    assert tiny_tokenizer.decode(out["input_ids"][1]) == prompt + "<answer>"
-    assert sum(out["assistant_masks"][1]) == len(tiny_tokenizer("<answer>", add_special_tokens=False)["input_ids"])
+    out = batch.apply_chat_template(tiny_tokenizer, add_generation_prompt=False, return_assistant_tokens_mask=True)
+    ids = _rows(out, "input_ids")
+    assert tiny_tokenizer.decode(ids[0]) == done
+    assert tiny_tokenizer.decode(ids[1]) == prompt + "<answer>"
+    assert sum(_rows(out, "assistant_masks")[1]) == len(tiny_tokenizer("<answer>", add_special_tokens=False)["input_ids"])
     padded = batch.apply_chat_template(
         tiny_tokenizer, add_generation_prompt=False, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
     )
-    lengths = [len(ids) for ids in out["input_ids"]]
+    lengths = [len(row) for row in ids]
     assert padded["input_ids"].shape == (2, max(lengths))
     assert padded["attention_mask"].sum(-1).tolist() == lengths
 
@@ -164,3 +168,28 @@ def test_from_chats_and_from_text_errors():
         History.from_chats([{"role": "user"}])
     with pytest.raises(ValueError):
         History.from_text("no chat markers here")
+
+
+def test_from_text_keeps_the_models_text_exact(tiny_tokenizer):
+    """Deliberate deviations from TorchRL's parser, so that re-rendering gives back the sampled
+    text: whitespace is kept, tool calls stay in the content (tool_calls stays None), and a last
+    message ending with <|endoftext|> stays unfinished with the marker in its content."""
+    prompt = tiny_tokenizer.apply_chat_template([SYSTEM, USER], add_generation_prompt=True, tokenize=False)
+    call = '  <tool_call>\n{"name": "python", "arguments": {"code": "3+4"}}\n</tool_call>\n'
+    text = prompt + call + "<|im_end|>\n"
+    parsed = History.from_text(text)
+    assert parsed[-1].content == call and parsed.tool_calls is None
+    assert parsed.apply_chat_template(tiny_tokenizer, add_generation_prompt=False) == text
+    eos = prompt + "<answer>7</answer><|endoftext|>"
+    ended = History.from_text(eos)
+    assert ended[-1].content == "<answer>7</answer><|endoftext|>" and not ended[-1].is_complete
+    assert ended.apply_chat_template(tiny_tokenizer) == eos
+
+
+def test_history_errors_are_value_and_runtime_errors():
+    """rlpost raises ValueError for a caller's mistake, TorchRL RuntimeError: HistoryError is both."""
+    with pytest.raises(ValueError, match="unsqueeze"):
+        History(role="user", content="x").append(History(role="user", content="y"))
+    with pytest.raises(RuntimeError, match="one less dimension"):
+        History.from_chats([SYSTEM, USER]).append(History.from_chats([USER2]))
+    assert History.from_chats([SYSTEM]).is_complete.dtype == torch.bool
