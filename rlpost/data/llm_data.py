@@ -71,6 +71,15 @@ class ChatHistory(TensorClass["nocast"]):
         entries = {key: History.default_spec(shape=shape + (-1,)) for key in (keys or _PARTS)}
         return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
 
+    def apply_chat_template(self, tokenizer=None, **kwargs):
+        """Render the conversation so far: ``full`` when the policy has answered, else
+        ``prompt``; keyword arguments as :meth:`History.apply_chat_template`. Code written for
+        TorchRL 0.9, where ``td["history"]`` held the History itself, keeps working."""
+        history = self.full if self.full is not None else self.prompt
+        if history is None:
+            raise ValueError("ChatHistory.apply_chat_template: neither full nor prompt is set")
+        return history.apply_chat_template(tokenizer=tokenizer, **kwargs)
+
     def to_text(self, tokenizer, chat_template_name: str | None = None, chat_template: str | None = None) -> Text:
         """Render the conversations into a :class:`Text` (TorchRL's ``ChatHistory.to_text``).
 

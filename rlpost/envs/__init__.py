@@ -6,6 +6,9 @@
 - tasks: :class:`GSM8KEnv`, :class:`ArithmeticEnv`, :class:`ToolArithmeticEnv`, reward
   transforms, and :func:`make_env`,
   which builds the env of a job config,
+- ``as_nested_tensor`` / ``as_padded_tensor`` (stacking rows of different lengths; they live in
+  :mod:`rlpost.data` and are re-exported here and in :mod:`rlpost.envs.transforms`, TorchRL's
+  place for them),
 - KL retrieval on batches: :class:`RetrieveLogProb`, :class:`KLComputation`, :class:`RetrieveKL`,
 - :mod:`rlpost.envs.tools` (the sandboxed ``run_python`` / ``PythonSession``, over
   :mod:`rlpost.envs.sandbox`), :mod:`rlpost.envs.function_pool` (user functions with a time
@@ -33,6 +36,8 @@ from rlpost.envs.transforms import (
     StopWithoutToolCall,
     ToolCall,
     Transform,
+    as_nested_tensor,
+    as_padded_tensor,
 )
 
 __all__ = [
@@ -54,5 +59,7 @@ __all__ = [
     "ToolCall",
     "Transform",
     "UserReward",
+    "as_nested_tensor",
+    "as_padded_tensor",
     "make_env",
 ]

@@ -16,6 +16,10 @@ TorchRL conventions kept: ``step(td)`` returns ``td`` with a ``"next"`` sub-Tens
 ``reward`` is float32 ``[B, 1]`` and the flags bool ``[B, 1]``; the reset input's keys are
 carried into the reset output.
 
+TorchRL 0.9's keys also work in history mode (TorchRL's LLM API page still shows them): a reset
+input may give the query under ``"text"``, and a step input the response text under
+``"text_response"`` instead of ``history.full``.
+
 Deliberate deviations: no torchrl dependency, no specs; transforms live in ``env.transforms``
 (``append_transform`` returns the env itself, not a new ``TransformedEnv``); ``max_steps``
 truncates episodes (TorchRL uses a ``StepCounter`` transform) and ``step_count`` is carried in
@@ -35,6 +39,10 @@ from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.envs.transforms import Transform
 
 INPUT_MODES = ("history", "text", "tokens")
+# TorchRL 0.9's keys, still shown in TorchRL's LLM API page: the query of a reset under "text",
+# the policy's response text under "text_response".
+LEGACY_QUERY_KEY = "text"
+LEGACY_RESPONSE_KEY = "text_response"
 _FLAGS = ("done", "terminated", "truncated")
 
 
@@ -171,6 +179,8 @@ class ChatEnv:
         return td
 
     def _queries(self, td: TensorDictBase) -> list[str]:
+        if self.data_key not in td.keys() and _is_strings(td.get(LEGACY_QUERY_KEY, None)):
+            return as_list(td.get(LEGACY_QUERY_KEY), td.batch_size[0])
         if self.data_key not in td.keys():
             raise ValueError(
                 f"{type(self).__name__}.reset needs the query under {self.data_key!r}; "
@@ -207,6 +217,7 @@ class ChatEnv:
         """Make the policy's ``full`` the next prompt; ``td["next"]`` gets it, the carried state
         keys, ``reward`` (0 before reward transforms), ``step_count`` and the flags."""
         num_envs = td.batch_size[0]
+        self._read_legacy_response(td)
         next_td = TensorDict(batch_size=td.batch_size, device=self.device)
         next_td.set(self.input_mode, self._next_prompt(td))
         for key in self.state_keys:
@@ -224,6 +235,22 @@ class ChatEnv:
         next_td.set("done", next_td.get("done") | next_td.get("terminated") | next_td.get("truncated"))
         td.set("next", next_td)
         return td
+
+    def _read_legacy_response(self, td: TensorDictBase) -> None:
+        """TorchRL 0.9's action: the response text under ``"text_response"`` (history mode),
+        turned into ``history.full`` = prompt + one policy message, in place. The message's
+        content is the text without its end-of-turn marker and surrounding whitespace (as
+        TorchRL 0.9 parsed it)."""
+        if self.input_mode != "history" or LEGACY_RESPONSE_KEY not in td.keys():
+            return
+        chat = td.get("history", None)
+        if not isinstance(chat, ChatHistory) or chat.prompt is None or chat.full is not None:
+            return
+        texts = as_list(td.get(LEGACY_RESPONSE_KEY), td.batch_size[0])
+        rows = chat.prompt.to_chats(include_state=True)
+        for row, text in zip(rows, texts):
+            row.append({"role": self.policy_role, "content": self._turns.strip_turn_end(text).strip()})
+        td.set("history", ChatHistory(prompt=chat.prompt, full=History.from_chats(rows), batch_size=td.batch_size))
 
     def _next_prompt(self, td: TensorDictBase) -> Any:
         if self.input_mode == "history":
@@ -424,6 +451,16 @@ def close_with(seq: Any, end: Any) -> Any:
         if seq[len(seq) - overlap :] == end[:overlap]:
             return seq + end[overlap:]
     return seq + end
+
+
+def _is_strings(value: Any) -> bool:
+    """A plain string entry (str, NonTensorData or NonTensorStack of str), not a Text container."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, (NonTensorData, NonTensorStack)):
+        data = value.tolist() if isinstance(value, NonTensorStack) else [value.data]
+        return all(isinstance(v, str) for v in data)
+    return False
 
 
 def as_list(value: Any, num_rows: int) -> list:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase
 
+from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
 from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.sandbox import check_sandbox
 from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks, format_tool_response, run_python
