@@ -153,7 +153,15 @@ def test_tokens_step_padded_uses_the_attention_mask(tiny_tokenizer):
 def test_missing_query_is_a_clear_error(tiny_tokenizer):
     env = make_env(tiny_tokenizer, "history")
     with pytest.raises(ValueError, match="'query'.*keys"):
-        env.reset(TensorDict({"text": QUERIES}, batch_size=[2]))
+        env.reset(TensorDict({"prompt": QUERIES}, batch_size=[2]))
+
+
+def test_torchrl_09_query_key_text(tiny_tokenizer):
+    """TorchRL 0.9's reset key: the query under "text" (when there is no "query")."""
+    env = make_env(tiny_tokenizer, "history")
+    by_text = env.reset(TensorDict({"text": QUERIES}, batch_size=[2]))["history"].prompt.to_chats()
+    by_query = env.reset(TensorDict({"query": QUERIES}, batch_size=[2]))["history"].prompt.to_chats()
+    assert by_text == by_query
 
 
 def test_custom_data_key_per_row_system_prompt_and_no_system(tiny_tokenizer):
