@@ -21,7 +21,11 @@ Layout shared by all of them (``B`` = batch, one row per sequence):
 
 Each class has TorchRL's fields (in TorchRL's order) and ``default_spec``; conversions between
 them (``ChatHistory.to_tokens`` / ``to_text``, ``Text.to_tokens`` / ``to_history``,
-``Tokens.to_text`` / ``to_history``) render with the tokenizer, as the wrappers do.
+``Tokens.to_text`` / ``to_history``) render with the tokenizer, as the wrappers do. They keep
+TorchRL's layout when a field holds more rows than the container's batch: a 0-d ChatHistory whose
+``full`` is a ``[k, n]`` History (TorchRL's tests build ``ChatHistory(full=History.from_chats([chat]))``)
+converts to a list of ``k`` strings, to ``[k, L]`` ids (a jagged nested tensor when the lengths
+differ), and back; a str, ``[L]`` ids or ``[n]`` History is one row.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class ChatHistory(TensorClass["nocast"]):
     Each field is a :class:`History` with one more batch dim than the ChatHistory (the messages);
     ``response`` holds the message(s) the model produced for each row. A History given with as
     many batch dims as the ChatHistory is read as one message per row and unsqueezed (with a
-    warning), as TorchRL does.
+    warning), as TorchRL does. The conversions also take fields with two more batch dims (a 0-d
+    ChatHistory over a ``[k, n]`` History: see the module docstring).
     """
 
     prompt: History | None = None
@@ -55,7 +60,7 @@ class ChatHistory(TensorClass["nocast"]):
     def __post_init__(self):
         for name in _PARTS:
             history = getattr(self, name)
-            if history is not None and history.batch_dims == self.batch_dims:
+            if isinstance(history, History) and history.batch_dims == self.batch_dims:
                 warnings.warn(
                     f"ChatHistory.{name} should have one more batch dim than the ChatHistory (the messages); "
                     f"got {history.batch_dims} and {self.batch_dims}: unsqueezing it along its last dim",
@@ -106,21 +111,40 @@ class ChatHistory(TensorClass["nocast"]):
         Same renderings as :meth:`to_text`; ``response`` is ``full`` sliced after the prompt's
         length (a ValueError when the prompt's ids are not a prefix of the full ids: the
         response would not be what follows the prompt). ``padded`` is False; for a batch the
-        result is a lazy stack of per-row Tokens.
+        result is a lazy stack of per-row Tokens. A field with one batch dim more than
+        ``batch + messages`` gives one ids row per conversation (module docstring).
         """
-        if self.batch_dims > 1:
+        if self.batch_dims > 1 or (self.batch_dims == 1 and self._num_extra_dims() > 0):
             return lazy_stack([row.to_tokens(tokenizer, chat_template_name, chat_template) for row in self.unbind(0)])
+        if self._num_extra_dims() > 1:
+            raise ValueError(
+                "ChatHistory.to_tokens: a History field may have at most one batch dim more than the ChatHistory "
+                "and its messages"
+            )
         kwargs = dict(tokenize=True, return_dict=True, **_template_kwargs(chat_template_name, chat_template))
         parts: dict[str, list[torch.Tensor]] = {}
+        several: dict[str, bool] = {}  # for a 0-d ChatHistory: whether the field holds several rows
         if self.prompt is not None:
             parts["prompt"] = _ids(self.prompt.apply_chat_template(tokenizer, add_generation_prompt=True, **kwargs))
+            several["prompt"] = self.prompt.batch_dims > 1
         if self.full is not None:
             parts["full"] = _ids(self.full.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs))
+            several["full"] = self.full.batch_dims > 1
         if self.prompt is not None and self.full is not None:
-            parts["response"] = [_ids_suffix(p, f) for p, f in zip(parts["prompt"], parts["full"])]
+            parts["response"] = [_ids_suffix(p, f) for p, f in zip(parts["prompt"], parts["full"], strict=True)]
+            several["response"] = several["full"]
         elif self.response is not None:
             parts["response"] = _ids(self.response.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs))
+            several["response"] = self.response.batch_dims > 1
+        if self.batch_dims == 0:
+            fields = {name: _stack_rows(rows) if several[name] else rows[0] for name, rows in parts.items()}
+            return Tokens(**fields, padded=False)
         return _unpadded_tokens(parts, self.batch_size)
+
+    def _num_extra_dims(self) -> int:
+        """How many batch dims the fields have beyond ``self.batch_dims + 1`` (the messages)."""
+        dims = [h.batch_dims for h in (self.prompt, self.response, self.full) if h is not None]
+        return max(dims, default=self.batch_dims + 1) - self.batch_dims - 1
 
 
 class Text(TensorClass["nocast"]):
@@ -145,12 +169,19 @@ class Text(TensorClass["nocast"]):
     def to_tokens(self, tokenizer, padding: bool = False, truncation: bool = False, return_tensors: str = "pt") -> Tokens:
         """Tokenize each text field into unpadded :class:`Tokens` (TorchRL's ``Text.to_tokens``).
 
-        Deviation: no special tokens are added (``add_special_tokens=False``): rendered chat
-        text already holds the template's, and a second BOS would change what the model sees.
+        A string gives ``[L]`` ids; a list of ``k`` strings in a 0-d Text gives ``[k, L]`` (a
+        jagged nested tensor when the lengths differ). Deviation: no special tokens are added
+        (``add_special_tokens=False``): rendered chat text already holds the template's, and a
+        second BOS would change what the model sees.
         """
         if padding:
-            raise ValueError("Text.to_tokens gives unpadded Tokens; pad them with as_padded_tensor or pad_rows")
+            raise ValueError(
+                "Padding is not yet supported by Text.to_tokens: it gives unpadded Tokens; "
+                "pad them with as_padded_tensor or pad_rows"
+            )
         del return_tensors  # rows are always torch tensors
+        if self.batch_dims > 1 or (self.batch_dims == 1 and any(_is_nested_list(getattr(self, n)) for n in _PARTS)):
+            return lazy_stack([row.to_tokens(tokenizer, truncation=truncation) for row in self.unbind(0)])
         parts = {}
         for name in _PARTS:
             texts = getattr(self, name)
@@ -158,28 +189,27 @@ class Text(TensorClass["nocast"]):
                 rows = [texts] if isinstance(texts, str) else list(texts)
                 encoded = tokenizer(rows, add_special_tokens=False, truncation=truncation)["input_ids"]
                 parts[name] = [torch.tensor(ids, dtype=torch.int64) for ids in encoded]
+        if self.batch_dims == 0:
+            one_row = {name: isinstance(getattr(self, name), str) for name in parts}
+            fields = {name: rows[0] if one_row[name] else _stack_rows(rows) for name, rows in parts.items()}
+            return Tokens(**fields, padded=False)
         return _unpadded_tokens(parts, self.batch_size)
 
     def to_history(self, tokenizer, chat_template_name: str | None = None) -> ChatHistory:
         """Parse the texts back into a :class:`ChatHistory` (TorchRL's ``Text.to_history``).
 
-        ``response`` texts hold no header of their own: they are parsed after their prompt and
-        the messages beyond the prompt's finished ones are the response.
+        A string gives an ``[n]`` History, a list of strings a ``"<none>"``-padded ``[k, n]`` one,
+        nested lists a lazy stack of those. ``response`` texts hold no header of their own: they
+        are parsed after their prompt and the messages beyond the prompt's finished ones are the
+        response.
         """
         name = chat_template_name or templates.detect_chat_template_name(tokenizer)
-        rows = lambda texts: [texts] if isinstance(texts, str) else list(texts)  # noqa: E731
         out = {}
-        if self.prompt is not None:
-            out["prompt"] = History.from_text(rows(self.prompt), chat_template_name=name, tokenizer=tokenizer)
-        if self.full is not None:
-            out["full"] = History.from_text(rows(self.full), chat_template_name=name, tokenizer=tokenizer)
+        for key in ("prompt", "full"):
+            if getattr(self, key) is not None:
+                out[key] = _parse_texts(getattr(self, key), name, tokenizer)
         if self.prompt is not None and self.response is not None:
-            responses = []
-            for prompt, response in zip(rows(self.prompt), rows(self.response)):
-                done = sum(m["is_complete"] for m in templates.parse_text(prompt, name, tokenizer))
-                responses.append(templates.parse_text(prompt + response, name, tokenizer)[done:])
-            out["response"] = History._from_rows(responses, squeeze=False)
-        out = {key: value[0] if self.batch_dims == 0 else value for key, value in out.items()}
+            out["response"] = _parse_responses(self.prompt, self.response, name, tokenizer)
         return ChatHistory(**out, batch_size=self.batch_size)
 
 
@@ -198,15 +228,17 @@ class Tokens(TensorClass["nocast"]):
         return _sequence_spec(cls, shape, keys or _PARTS, torch.int64)
 
     def to_text(self, tokenizer, skip_special_tokens: bool = False) -> Text:
-        """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only."""
+        """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only.
+
+        ``[L]`` ids give a string, ``[k, L]`` ids (or a nested tensor) a list of ``k`` strings.
+        """
         if _any_flag(self.padded):
             raise ValueError("Tokens.to_text needs unpadded tokens (padded=False): padding ids would be decoded")
         out = {}
         for name in _PARTS:
             if name in self._tensordict.keys():
-                rows = _rows(self, name)
-                out[name] = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
-        out = {key: value[0] if self.batch_dims == 0 else value for key, value in out.items()}
+                value = self._tensordict.get(name, as_list=True) if self.batch_dims else self._tensordict.get(name)
+                out[name] = _decode(value, tokenizer, skip_special_tokens)
         return Text(**out, batch_size=self.batch_size)
 
     def to_history(self, tokenizer, chat_template_name: str | None = None, skip_special_tokens: bool = False) -> ChatHistory:
@@ -357,16 +389,53 @@ def _ids_suffix(prompt: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 def _unpadded_tokens(parts: dict[str, list[torch.Tensor]], batch_size: torch.Size) -> Tokens:
-    if len(batch_size) == 0:
-        return Tokens(**{name: rows[0] for name, rows in parts.items()}, padded=False)
+    """A ``[B]`` lazy stack of Tokens, row ``i`` holding ``rows[i]`` of every field."""
     count = batch_size[0]
     return lazy_stack([Tokens(**{name: rows[i] for name, rows in parts.items()}, padded=False) for i in range(count)])
 
 
-def _rows(container, name: str) -> list[torch.Tensor]:
-    if container.batch_dims == 0:
-        return [container._tensordict.get(name)]
-    return list(container._tensordict.get(name, as_list=True))
+def _stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``[k, L]`` from ``k`` id rows: dense when they have one length, else a jagged nested tensor."""
+    if all(row.shape == rows[0].shape for row in rows):
+        return torch.stack(rows)
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def _decode(value, tokenizer, skip_special_tokens: bool):
+    """A string per 1-D row of ids, nested like ``value`` (a tensor, nested tensor or list)."""
+    if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() == 1:
+        return tokenizer.decode(value.tolist(), skip_special_tokens=skip_special_tokens)
+    rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
+    return [_decode(row, tokenizer, skip_special_tokens) for row in rows]
+
+
+def _is_nested_list(texts) -> bool:
+    return isinstance(texts, list) and any(not isinstance(t, str) for t in texts)
+
+
+def _parse_texts(texts, name: str, tokenizer) -> History:
+    """A History from a string (``[n]``), a list of strings (``[k, n]``) or nested lists (a lazy stack)."""
+    texts = texts if isinstance(texts, str) else list(texts)
+    if isinstance(texts, str) or not _is_nested_list(texts):
+        return History.from_text(texts, chat_template_name=name, tokenizer=tokenizer)
+    return lazy_stack([_parse_texts(t, name, tokenizer) for t in texts])
+
+
+def _parse_responses(prompt, response, name: str, tokenizer) -> History:
+    """The messages that ``response`` adds after ``prompt``, laid out as :func:`_parse_texts` does."""
+    if isinstance(prompt, str):
+        return History._from_rows([_response_messages(prompt, response, name, tokenizer)], squeeze=True)
+    pairs = list(zip(prompt, response, strict=True))
+    if all(isinstance(p, str) for p, _ in pairs):
+        return History._from_rows([_response_messages(p, r, name, tokenizer) for p, r in pairs], squeeze=False)
+    return lazy_stack([_parse_responses(p, r, name, tokenizer) for p, r in pairs])
+
+
+def _response_messages(prompt: str, response: str, name: str, tokenizer) -> list[dict]:
+    # The prompt ends with the generation header, parsed as an unfinished empty message: the
+    # response's messages are those after the prompt's finished ones.
+    done = sum(m["is_complete"] for m in templates.parse_text(prompt, name, tokenizer))
+    return templates.parse_text(prompt + response, name, tokenizer)[done:]
 
 
 def _any_flag(value) -> bool:

@@ -26,13 +26,17 @@ back in general, and the log-probs belong to the engine's ids.
 
 TorchRL's behaviour kept: ``in_keys``/``out_keys`` and ``input_key`` semantics, the output
 flags chosen from the mode, ``max_tokens`` winning over ``max_new_tokens`` and ``n`` over
-``num_return_sequences``, TorchRL's exception types (ValueError for bad arguments and missing
-keys, TypeError for a wrong input type). Deliberate deviations: ``batching`` is not supported
-(rlpost batches at the collector); ``return_text`` / ``return_tokens`` / ``return_masks`` can
-turn outputs off; text inputs are tokenised with ``add_special_tokens=False`` (chat-rendered
-text carries its own markers); the output is richer than TorchRL's where TorchRL leaves fields
-None (e.g. ``tokens.prompt``/``full`` in text mode): every row has prompt, response and full; in
-generate mode prompt positions are not scored (``log_probs.prompt`` is None, ``log_probs.full``
+``num_return_sequences``, ``inplace`` (True updates the input, also a 0-d one; False and
+"empty" hold the outputs only), 0-d and N-d batches, TorchRL's exception types and messages
+(ValueError for bad arguments and missing keys, TypeError for a wrong input type). Deliberate
+deviations: ``batching`` is not supported (rlpost batches at the collector); ``return_text`` /
+``return_tokens`` / ``return_masks`` can turn outputs off; text inputs are tokenised with
+``add_special_tokens=False`` (chat-rendered text carries its own markers); dense token ids
+without a mask at ``attention_mask_key`` are read as they are (TorchRL drops every id equal to
+the pad id, which with pad == EOS drops real EOS tokens too; a container flagged ``padded``
+needs its mask); the output is richer than TorchRL's where TorchRL leaves fields None (e.g.
+``tokens.prompt``/``full`` in text mode): every row has prompt, response and full; in generate
+mode prompt positions are not scored (``log_probs.prompt`` is None, ``log_probs.full``
 holds 0 there) and ``masks.all_assistant_mask`` covers this call's response tokens only
 (earlier assistant turns of a multi-turn prompt have no behaviour log-prob; scoring a history
 gives the template's full mask).
@@ -58,10 +62,10 @@ from rlpost.policies.categorical import CategoricalSequential
 INPUT_MODES = ("history", "text", "tokens")
 # vLLM's SamplingParams default; TorchRL's vLLMWrapper passes no length, so vLLM's 16 applies.
 DEFAULT_MAX_NEW_TOKENS = 16
-# Backend names and the standard names they stand for. As in TorchRL, when both are given the
-# backend name wins (``max_tokens`` over ``max_new_tokens``, ``n`` over ``num_return_sequences``).
 # Tokenizer arguments the wrapper decides itself (padding follows pad_output).
 _WRAPPER_TOKENIZER_KWARGS = ("padding", "padding_side", "return_tensors", "return_attention_mask")
+# Backend names and the standard names they stand for. As in TorchRL, when both are given the
+# backend name wins (``max_tokens`` over ``max_new_tokens``, ``n`` over ``num_return_sequences``).
 _BACKEND_NAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences"}
 
 
@@ -118,13 +122,23 @@ def normalize_generate_kwargs(generate_kwargs: dict | None, num_samples: int | N
     return params, num_samples
 
 
+def _standard_names(generate_kwargs: dict | None) -> dict:
+    """The kwargs as given, with backend names renamed to the standard ones (the backend name wins,
+    as in :func:`normalize_generate_kwargs`)."""
+    kwargs = dict(generate_kwargs or {})
+    for backend, standard in _BACKEND_NAMES.items():
+        if backend in kwargs:
+            kwargs[standard] = kwargs.pop(backend)
+    return kwargs
+
+
 def _validate_sampling(params: dict[str, Any]) -> None:
     """TorchRL's checks on user-given sampling values (all ValueError)."""
     temperature = params.get("temperature")
     if params.get("do_sample") is False and temperature not in (None, 0, 0.0):
-        raise ValueError(f"do_sample=False (greedy decoding) needs temperature 0, got temperature={temperature}")
+        raise ValueError(f"When do_sample=False (greedy decoding), temperature must be 0, got {temperature}")
     if temperature is not None and temperature < 0:
-        raise ValueError(f"temperature must be non-negative, got {temperature}")
+        raise ValueError(f"Temperature must be non-negative, got {temperature}")
     top_p = params.get("top_p")
     if top_p is not None and not 0 <= top_p <= 1:
         raise ValueError(f"top_p must be between 0 and 1, got {top_p}")
@@ -164,11 +178,15 @@ class LLMWrapperBase(CategoricalSequential):
         generate: True samples completions; False scores the given full sequences.
         generate_kwargs: max_new_tokens (backend name max_tokens), temperature, top_p, top_k,
             seed, n (num_return_sequences), do_sample...; see :func:`normalize_generate_kwargs`.
+            Kept as ``self.generate_kwargs`` under the standard names (``max_tokens`` read back
+            as ``max_new_tokens``, ``n`` as ``num_return_sequences``), as TorchRL's
+            TransformersWrapper keeps them; ``self.generate_params`` adds the defaults.
         tokenizer_kwargs: extra keyword arguments for tokenizing text inputs (padding options
             are decided by the wrapper).
         pad_output: dense padded tensors (True) or lazy stacks of per-row tensors (False).
-        inplace: write into the input TensorDict (default when ``num_samples`` is None), return
-            a new one (False, default with ``num_samples``) or ``"empty"`` (outputs only).
+        inplace: True writes into the input TensorDict (default when ``num_samples`` is None);
+            False (default with ``num_samples``) returns a new TensorDict of the outputs only;
+            ``"empty"`` returns ``input.empty()`` (its type and batch size) holding the outputs.
         device: device the outputs are moved to (None: where they are made, the CPU).
         num_samples: completions per prompt; adds a trailing batch dim of that size.
         chat_template_name: a named template of :meth:`History.apply_chat_template`.
@@ -237,7 +255,9 @@ class LLMWrapperBase(CategoricalSequential):
         self.tokenizer = tokenizer
         self.input_mode = input_mode
         self.generate = generate
-        self.generate_kwargs = dict(generate_kwargs or {})  # as given; generate_params are the standard ones
+        # TorchRL's TransformersWrapper exposes the kwargs under the standard names (its tests read
+        # generate_kwargs["max_new_tokens"] after passing max_tokens); generate_params adds the defaults
+        self.generate_kwargs = _standard_names(generate_kwargs)
         self.generate_params = params
         self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
         self.pad_output = pad_output
@@ -302,7 +322,9 @@ class LLMWrapperBase(CategoricalSequential):
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         if tensordict.ndim == 0:
-            return self.forward(tensordict.unsqueeze(0))[0]
+            # a lazy stack of the one row (TorchRL's): writing into it writes into the row, so that
+            # inplace=True updates a 0-d input, and [0] gives that same TensorDict back
+            return self.forward(lazy_stack([tensordict]))[0]
         if tensordict.ndim > 1:
             shape = tensordict.shape
             out = self.forward(tensordict.reshape(-1))
@@ -455,29 +477,29 @@ class LLMWrapperBase(CategoricalSequential):
         return rows
 
     def _token_rows(self, td: TensorDictBase, key: NestedKey, *, is_prompt: bool) -> list[list[int]]:
-        """Token ids of each row: lazy stacks as they are, dense tensors cut by their mask."""
+        """Token ids of each row, cut by the attention mask when one is found at
+        ``attention_mask_key``. Lazy stacks are read row by row: their rows may be ragged, or
+        the padded rows of a dense batch (a 0-d input, or TorchRL's ``to_lazystack(0)``)."""
         container = _peek(td, self._container_key) if _has(td, self._container_key) else None
+        has_mask = _has(td, self.attention_mask_key)
         if _is_lazy(td) or _is_lazy(container):
-            return [t.tolist() for t in td.get(key, as_list=True)]
+            ids = td.get(key, as_list=True)
+            masks = td.get(self.attention_mask_key, as_list=True) if has_mask else [None] * len(ids)
+            return [_masked_ids(row, mask, key, is_prompt) for row, mask in zip(ids, masks)]
         value = td.get(key)
         if getattr(value, "is_nested", False):
             return [t.tolist() for t in value.unbind(0)]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Expected token ids (a tensor) at {key!r}, got {type(value).__name__}")
         padded = _flag(container.padded) if isinstance(container, Tokens) else None
-        mask = td.get(self.attention_mask_key, None)
-        if mask is None:
-            if padded:
-                raise ValueError(
-                    f"{key!r} is padded but no attention mask was found at {self.attention_mask_key!r}: "
-                    "with pad token == EOS the padding cannot be told from real EOS tokens"
-                )
+        if not has_mask and padded:
+            raise ValueError(
+                f"{key!r} is padded but no attention mask was found at {self.attention_mask_key!r}: "
+                "with pad token == EOS the padding cannot be told from real EOS tokens"
+            )
+        if not has_mask:
             return value.tolist()
-        if is_prompt and mask.shape[-1] > value.shape[-1]:
-            mask = mask[..., : value.shape[-1]]  # a full-sequence mask: the prompt is its left part
-        if mask.shape != value.shape:
-            raise ValueError(f"attention mask {tuple(mask.shape)} does not match {key!r} {tuple(value.shape)}")
-        return [row[m.bool()].tolist() for row, m in zip(value, mask)]
+        return [_masked_ids(row, mask, key, is_prompt) for row, mask in zip(value, td.get(self.attention_mask_key))]
 
     # ------------------------------------------------------------------ outputs
 
@@ -624,21 +646,29 @@ class LLMWrapperBase(CategoricalSequential):
     # ------------------------------------------------------------------ writing
 
     def _write(self, td: TensorDictBase, outputs: dict[NestedKey, Any]) -> TensorDictBase:
-        if self.num_samples:
-            shape = [td.shape[0], self.num_samples]
-            if self.inplace == "empty":
-                result = TensorDict(batch_size=shape)
-            else:
-                result = td.exclude(*outputs.keys()).unsqueeze(1).expand(*shape).clone(False)
-        elif self.inplace is True:
+        """TorchRL's ``inplace``: True writes into ``td``; "empty" into ``td.empty()`` (type and
+        batch size kept); False into a new TensorDict, of batch ``[B, num_samples]`` with samples.
+        Either of the last two holds the outputs only (the input's other entries are not copied)."""
+        if self.inplace is True:
             result = td
         elif self.inplace == "empty":
             result = td.empty()
         else:
-            result = td.copy()
+            result = TensorDict(batch_size=self._batch_shape(td.shape[0] * (self.num_samples or 1)))
         for key, value in outputs.items():
             result.set(key, value)
         return result
+
+
+def _masked_ids(ids: torch.Tensor, mask: torch.Tensor | None, key: NestedKey, is_prompt: bool) -> list[int]:
+    """The ids of one row where its attention mask is True (all of them without a mask)."""
+    if mask is None:
+        return ids.tolist()
+    if is_prompt and mask.shape[-1] > ids.shape[-1]:
+        mask = mask[..., : ids.shape[-1]]  # a full-sequence mask: the prompt is its left part
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention mask {tuple(mask.shape)} does not match {key!r} {tuple(ids.shape)}")
+    return ids[mask.bool()].tolist()
 
 
 def _join(key: NestedKey, part: str) -> tuple:

@@ -168,6 +168,14 @@ class vLLMWrapper(LLMWrapperBase):
     def _engine(self):
         return self.client
 
+    def _full_logits(self, tensordict):
+        """vLLM returns log-probs of given tokens, never the logits: ``get_dist`` raises TorchRL's
+        NotImplementedError (score with ``generate=False``, or use TransformersWrapper.get_dist)."""
+        raise NotImplementedError(
+            "vLLM does not return logits: get_dist needs a TransformersWrapper; "
+            "vLLMWrapper(generate=False) returns the log-probs of given tokens"
+        )
+
     @property
     def sampling_params(self):
         """The ``vllm.SamplingParams`` of a generation call (or of a scoring call's prefill)."""

@@ -12,6 +12,7 @@ serves the whole session.
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,19 +28,40 @@ CPU_ENGINE_SETTINGS = dict(
 )
 
 
-@pytest.fixture(scope="session")
-def plain_llm(tiny_model_path):
-    """``vllm.LLM(model=tiny)`` in vLLM's default ``logprobs_mode`` (raw log-probs)."""
-    from vllm import LLM
+_ENGINES: dict[str, object] = {}
 
+
+@pytest.fixture
+def plain_llm(tiny_model_path):
+    """``vllm.LLM(model=tiny)`` in vLLM's default ``logprobs_mode`` (raw log-probs); shared by
+    the tier's modules and shut down when the tier's last test is done (an idle engine still
+    takes CPU and ~2 GB while the other tiers run)."""
+    if "plain" not in _ENGINES:
+        from vllm import LLM
+
+        llm = LLM(model=str(tiny_model_path), max_logprobs=-1, **CPU_ENGINE_SETTINGS)
+        assert llm.llm_engine.model_config.logprobs_mode == "raw_logprobs"
+        _ENGINES["plain"] = llm
+    return _ENGINES["plain"]
+
+
+def _shutdown_engines() -> None:
     from rlpost.policies import shutdown_vllm_engine
 
-    llm = LLM(model=str(tiny_model_path), max_logprobs=-1, **CPU_ENGINE_SETTINGS)
-    assert llm.llm_engine.model_config.logprobs_mode == "raw_logprobs"
-    yield llm
-    shutdown_vllm_engine(llm)
-    del llm
+    while _ENGINES:
+        _, llm = _ENGINES.popitem()
+        shutdown_vllm_engine(llm)
+        del llm
     gc.collect()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _ENGINES and (nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents):
+        _shutdown_engines()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _shutdown_engines()
 
 
 @pytest.fixture(scope="session")

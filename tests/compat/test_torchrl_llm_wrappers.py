@@ -44,7 +44,7 @@ def history():
     return History.from_chats(CHATS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vllm_wrapper(plain_llm, tokenizer):
     return vLLMWrapper(
         plain_llm,
@@ -289,7 +289,7 @@ def test_generate_kwargs_precedence_and_attributes(plain_llm, hf_model, tokenize
     assert all(len(r) <= 2 for r in out.get(("tokens", "response"), as_list=True))
     params = wrapper.sampling_params
     assert isinstance(params, SamplingParams) and params.max_tokens == 2 and params.temperature == 0
-    assert wrapper.generate_kwargs == {"max_new_tokens": 9, "max_tokens": 2, "temperature": 0}
+    assert wrapper.generate_kwargs == {"max_new_tokens": 2, "temperature": 0}  # standard names, max_tokens won
     assert vLLMWrapper(plain_llm, tokenizer=tokenizer).sampling_params.max_tokens == 16  # vLLM's default
     tf = TransformersWrapper(hf_model, tokenizer=tokenizer, generate_kwargs={"n": 3, "num_return_sequences": 2})
     assert tf.num_samples == 3 and tf.inplace is False  # n wins, and several samples are never in place
