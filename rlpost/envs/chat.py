@@ -1,4 +1,4 @@
-"""ChatEnv: the conversation around the LLM, in history, text or tokens mode (seed 002).
+"""ChatEnv: the conversation around the LLM, in history, text or tokens mode (TorchRL's ``ChatEnv``).
 
 The env never calls the model. ``reset`` turns a query (and a system prompt) into the first
 prompt; the policy reads the prompt and writes its output (``full`` = prompt + response);

@@ -7,15 +7,17 @@ methods on plain data (:class:`VLLMEngineClient`)::
     score(token_ids: list[list[int]], *, temperature: float) -> list[list[float]]
 
 :class:`LocalVLLMClient` implements it on an in-process ``vllm.LLM``; a Ray inference-worker
-handle that forwards the same calls (the service issue) gives identical results, because the
-arguments and results are plain lists and dicts.
+handle that forwards the same calls gives identical results, because the arguments and results
+are plain lists and dicts.
 
 Engine requirements (:func:`make_vllm_engine` sets them): ``logprobs_mode="processed_logprobs"``
-so that sampled-token log-probs are taken after temperature / top-p (the behaviour policy's,
-REFERENCE.md pitfall 2); ``max_logprobs=-1`` so that scoring at temperature != 1 can read the
+so that sampled-token log-probs are taken after temperature / top-p (the behaviour policy's;
+vLLM's default raw log-probs are taken before, and a loss built on them would be off by the
+temperature); ``max_logprobs=-1`` so that scoring at temperature != 1 can read the
 full prompt distribution (vLLM's prompt log-probs skip the sampling processors, i.e. are always
 at temperature 1, so the client renormalises ``log_softmax(lp / T)`` over the whole vocabulary --
 exact, but heavy for large vocabularies; the Transformers wrapper is the cheap scorer there).
+A plain ``vllm.LLM`` in raw mode is handled by :class:`vLLMWrapper` (re-scored or refused).
 """
 
 from __future__ import annotations
