@@ -8,7 +8,8 @@ on first access (it subclasses ``vllm.LLM``).
 """
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens
-from rlpost.policies.base import Completion, LLMWrapperBase, normalize_generate_kwargs
+from rlpost.policies.base import Completion, LLMWrapperBase
+from rlpost.policies.generation import normalize_generate_kwargs
 from rlpost.policies.categorical import CategoricalSequential
 from rlpost.policies.transformers_wrapper import TransformersWrapper
 from rlpost.policies.vllm_wrapper import (

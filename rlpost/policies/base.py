@@ -42,33 +42,38 @@ holds 0 there) and ``masks.all_assistant_mask`` covers this call's response toke
 gives the template's full mask).
 
 This file is over 500 lines on purpose: it is the single place where the layout contract of
-:mod:`rlpost.data.llm_data` is produced, for every backend.
+:mod:`rlpost.data.llm_data` is produced, for every backend. Generation arguments live in
+:mod:`rlpost.policies.generation`, the TensorDict reading helpers in :mod:`rlpost.policies.inputs`.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from tensordict import LazyStackedTensorDict, NestedKey, NonTensorData, TensorDict, TensorDictBase, lazy_stack
-from tensordict.nn import TensorDictModuleBase
+from tensordict import NestedKey, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.data.history import History, parse_chatml
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens, pad_full, pad_rows
 from rlpost.policies.categorical import CategoricalSequential
+from rlpost.policies.generation import normalize_generate_kwargs, standard_names
+from rlpost.policies.inputs import (
+    as_conversations,
+    check_prefixes,
+    container_of,
+    padded_flag,
+    has_entry,
+    is_lazy,
+    join_key,
+    masked_ids,
+    peek,
+    strings,
+)
 
 INPUT_MODES = ("history", "text", "tokens")
-# vLLM's SamplingParams default; TorchRL's vLLMWrapper passes no length, so vLLM's 16 applies.
-DEFAULT_MAX_NEW_TOKENS = 16
 # Tokenizer arguments the wrapper decides itself (padding follows pad_output).
 _WRAPPER_TOKENIZER_KWARGS = ("padding", "padding_side", "return_tensors", "return_attention_mask")
-# Backend names and the standard names they stand for. As in TorchRL, when both are given the
-# backend name wins (``max_tokens`` over ``max_new_tokens``, ``n`` over ``num_return_sequences``).
-_BACKEND_NAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences"}
-
-
 @dataclass
 class Completion:
     """One sampled continuation, as an engine returns it (plain data: it crosses processes).
@@ -80,74 +85,6 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
-
-
-def normalize_generate_kwargs(generate_kwargs: dict | None, num_samples: int | None) -> tuple[dict, int | None]:
-    """Map user generation kwargs to the standard names; returns (params, num_samples).
-
-    Standard keys: ``max_new_tokens`` (default 16, vLLM's), ``temperature`` (0 = greedy),
-    ``top_p``, ``top_k`` (0 = off), ``seed``; anything else is passed to the backend unchanged.
-    TorchRL's rules: ``max_tokens`` and ``n`` are the backend names of ``max_new_tokens`` and
-    ``num_return_sequences`` and win over them (with a warning here); ``n`` > 1 is
-    ``num_samples`` (a different ``num_samples`` is a ValueError); ``do_sample=False`` means
-    greedy and is a ValueError with a non-zero temperature; temperature must be >= 0, top_p in
-    [0, 1], top_k and repetition_penalty > 0.
-    """
-    params: dict[str, Any] = dict(generate_kwargs or {})
-    for backend, standard in _BACKEND_NAMES.items():
-        if backend not in params:
-            continue
-        if standard in params and params[standard] != params[backend]:
-            warnings.warn(
-                f"generate_kwargs has {backend}={params[backend]!r} and {standard}={params[standard]!r}: "
-                f"{backend} wins (TorchRL's rule)",
-                stacklevel=3,
-            )
-        params[standard] = params.pop(backend)
-    _validate_sampling(params)
-    if params.pop("do_sample", True) is False:
-        params["temperature"] = 0.0
-    n = params.pop("num_return_sequences", None)
-    if n is not None and n > 1 and num_samples is not None and n != num_samples:
-        raise ValueError(f"num_samples={num_samples} differs from generate_kwargs['n']={n}")
-    if num_samples is None and n is not None and n > 1:
-        num_samples = n
-    if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-    params.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    params.setdefault("temperature", 1.0)
-    params.setdefault("top_p", 1.0)
-    params.setdefault("top_k", 0)
-    params.setdefault("seed", None)
-    return params, num_samples
-
-
-def _standard_names(generate_kwargs: dict | None) -> dict:
-    """The kwargs as given, with backend names renamed to the standard ones (the backend name wins,
-    as in :func:`normalize_generate_kwargs`)."""
-    kwargs = dict(generate_kwargs or {})
-    for backend, standard in _BACKEND_NAMES.items():
-        if backend in kwargs:
-            kwargs[standard] = kwargs.pop(backend)
-    return kwargs
-
-
-def _validate_sampling(params: dict[str, Any]) -> None:
-    """TorchRL's checks on user-given sampling values (all ValueError)."""
-    temperature = params.get("temperature")
-    if params.get("do_sample") is False and temperature not in (None, 0, 0.0):
-        raise ValueError(f"When do_sample=False (greedy decoding), temperature must be 0, got {temperature}")
-    if temperature is not None and temperature < 0:
-        raise ValueError(f"Temperature must be non-negative, got {temperature}")
-    top_p = params.get("top_p")
-    if top_p is not None and not 0 <= top_p <= 1:
-        raise ValueError(f"top_p must be between 0 and 1, got {top_p}")
-    top_k = params.get("top_k")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k} (leave it out to disable top-k)")
-    penalty = params.get("repetition_penalty")
-    if penalty is not None and penalty <= 0:
-        raise ValueError(f"repetition_penalty must be positive, got {penalty}")
 
 
 @dataclass
@@ -257,7 +194,7 @@ class LLMWrapperBase(CategoricalSequential):
         self.generate = generate
         # TorchRL's TransformersWrapper exposes the kwargs under the standard names (its tests read
         # generate_kwargs["max_new_tokens"] after passing max_tokens); generate_params adds the defaults
-        self.generate_kwargs = _standard_names(generate_kwargs)
+        self.generate_kwargs = standard_names(generate_kwargs)
         self.generate_params = params
         self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
         self.pad_output = pad_output
@@ -277,9 +214,9 @@ class LLMWrapperBase(CategoricalSequential):
         self.attention_mask_key = attention_mask_key if attention_mask_key is not None else (masks_key, "all_attention_mask")
         mode_key = {"history": history_key, "text": text_key, "tokens": tokens_key}[input_mode]
         part = "prompt" if generate else "full"
-        self.input_key = input_key if input_key is not None else _join(mode_key, part)
+        self.input_key = input_key if input_key is not None else join_key(mode_key, part)
         # where the other parts (the prompt, when scoring) live: the input key's container
-        self._container_key = _container_of(self.input_key) if input_key is not None else mode_key
+        self._container_key = container_of(self.input_key) if input_key is not None else mode_key
         self.in_keys = [self.input_key]
         self.out_keys = self._make_out_keys()
 
@@ -378,21 +315,21 @@ class LLMWrapperBase(CategoricalSequential):
         """Where the main input is: ``input_key``; else a bare value at the container key (a
         History, strings or ids instead of a ChatHistory/Text/Tokens, which TorchRL's tutorial
         passes); ``input_key`` pointing at a container means that container's main part."""
-        if _has(td, self.input_key):
-            value = _peek(td, self.input_key)
+        if has_entry(td, self.input_key):
+            value = peek(td, self.input_key)
             if not isinstance(value, container_cls):
                 return self.input_key
-            key = _join(self.input_key, self._main_part)
-            return key if _has(td, key) else None
-        if self.input_key != self._container_key and _has(td, self._container_key):
-            if not isinstance(_peek(td, self._container_key), container_cls):
+            key = join_key(self.input_key, self._main_part)
+            return key if has_entry(td, key) else None
+        if self.input_key != self._container_key and has_entry(td, self._container_key):
+            if not isinstance(peek(td, self._container_key), container_cls):
                 return self._container_key
         return None
 
     def _side_key(self, td: TensorDictBase, part: str, container_cls: type) -> NestedKey | None:
         """Where another part of the input's container is (the prompt, when scoring), if given."""
-        key = _join(self._container_key, part)
-        if _has(td, key) and isinstance(_peek(td, self._container_key), container_cls):
+        key = join_key(self._container_key, part)
+        if has_entry(td, key) and isinstance(peek(td, self._container_key), container_cls):
             return key
         return None
 
@@ -400,7 +337,7 @@ class LLMWrapperBase(CategoricalSequential):
         key = self._main_key(td, ChatHistory)
         if key is None:
             raise ValueError(self._missing(td))
-        main = _as_conversations(td.get(key), key, td.batch_dims)
+        main = as_conversations(td.get(key), key, td.batch_dims)
         rows = _Rows()
         if self.generate:
             texts, ids, _ = self._render(main, add_generation_prompt=True, masks=False)
@@ -410,9 +347,9 @@ class LLMWrapperBase(CategoricalSequential):
         rows.full_text, rows.full_ids, rows.full_assistant = texts, ids, assistant
         prompt_key = self._side_key(td, "prompt", ChatHistory)
         if prompt_key is not None:
-            prompt = _as_conversations(td.get(prompt_key), prompt_key, td.batch_dims)
+            prompt = as_conversations(td.get(prompt_key), prompt_key, td.batch_dims)
             rows.prompt_text, rows.prompt_ids, _ = self._render(prompt, add_generation_prompt=True, masks=False)
-            _check_prefixes(rows.prompt_ids, rows.full_ids, "history.prompt", "history.full")
+            check_prefixes(rows.prompt_ids, rows.full_ids, "history.prompt", "history.full")
         return rows
 
     def _scored_history(self, td: TensorDictBase) -> ChatHistory:
@@ -421,7 +358,7 @@ class LLMWrapperBase(CategoricalSequential):
         container = td.get(self._container_key, None)
         if isinstance(container, ChatHistory):
             return container
-        full = _as_conversations(td.get(self._main_key(td, ChatHistory)), self.input_key, td.batch_dims)
+        full = as_conversations(td.get(self._main_key(td, ChatHistory)), self.input_key, td.batch_dims)
         return ChatHistory(full=full, batch_size=td.batch_size)
 
     def _render(self, history: History, *, add_generation_prompt: bool, masks: bool | None = None):
@@ -444,7 +381,7 @@ class LLMWrapperBase(CategoricalSequential):
 
     def _read_text(self, td: TensorDictBase) -> _Rows:
         key = self._main_key(td, Text)
-        main = _strings(td.get(key)) if key is not None else None
+        main = strings(td.get(key)) if key is not None else None
         if main is None:
             raise ValueError(self._missing(td))
         rows = _Rows()
@@ -454,9 +391,9 @@ class LLMWrapperBase(CategoricalSequential):
         rows.full_text, rows.full_ids = main, self._encode(main)
         prompt_key = self._side_key(td, "prompt", Text)
         if prompt_key is not None:
-            prompt = _strings(td.get(prompt_key))
+            prompt = strings(td.get(prompt_key))
             rows.prompt_text, rows.prompt_ids = prompt, self._encode(prompt)
-            _check_prefixes(rows.prompt_ids, rows.full_ids, "text.prompt", "text.full")
+            check_prefixes(rows.prompt_ids, rows.full_ids, "text.prompt", "text.full")
         return rows
 
     def _read_tokens(self, td: TensorDictBase) -> _Rows:
@@ -472,7 +409,7 @@ class LLMWrapperBase(CategoricalSequential):
         prompt_key = self._side_key(td, "prompt", Tokens)
         if prompt_key is not None:
             prompt = self._token_rows(td, prompt_key, is_prompt=True)
-            _check_prefixes(prompt, main, "tokens.prompt", "tokens.full")
+            check_prefixes(prompt, main, "tokens.prompt", "tokens.full")
             rows.prompt_ids = prompt
         return rows
 
@@ -480,18 +417,18 @@ class LLMWrapperBase(CategoricalSequential):
         """Token ids of each row, cut by the attention mask when one is found at
         ``attention_mask_key``. Lazy stacks are read row by row: their rows may be ragged, or
         the padded rows of a dense batch (a 0-d input, or TorchRL's ``to_lazystack(0)``)."""
-        container = _peek(td, self._container_key) if _has(td, self._container_key) else None
-        has_mask = _has(td, self.attention_mask_key)
-        if _is_lazy(td) or _is_lazy(container):
+        container = peek(td, self._container_key) if has_entry(td, self._container_key) else None
+        has_mask = has_entry(td, self.attention_mask_key)
+        if is_lazy(td) or is_lazy(container):
             ids = td.get(key, as_list=True)
             masks = td.get(self.attention_mask_key, as_list=True) if has_mask else [None] * len(ids)
-            return [_masked_ids(row, mask, key, is_prompt) for row, mask in zip(ids, masks)]
+            return [masked_ids(row, mask, key, is_prompt) for row, mask in zip(ids, masks)]
         value = td.get(key)
         if getattr(value, "is_nested", False):
             return [t.tolist() for t in value.unbind(0)]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Expected token ids (a tensor) at {key!r}, got {type(value).__name__}")
-        padded = _flag(container.padded) if isinstance(container, Tokens) else None
+        padded = padded_flag(container.padded) if isinstance(container, Tokens) else None
         if not has_mask and padded:
             raise ValueError(
                 f"{key!r} is padded but no attention mask was found at {self.attention_mask_key!r}: "
@@ -499,7 +436,7 @@ class LLMWrapperBase(CategoricalSequential):
             )
         if not has_mask:
             return value.tolist()
-        return [_masked_ids(row, mask, key, is_prompt) for row, mask in zip(value, td.get(self.attention_mask_key))]
+        return [masked_ids(row, mask, key, is_prompt) for row, mask in zip(value, td.get(self.attention_mask_key))]
 
     # ------------------------------------------------------------------ outputs
 
@@ -660,91 +597,26 @@ class LLMWrapperBase(CategoricalSequential):
         return result
 
 
-def _masked_ids(ids: torch.Tensor, mask: torch.Tensor | None, key: NestedKey, is_prompt: bool) -> list[int]:
-    """The ids of one row where its attention mask is True (all of them without a mask)."""
-    if mask is None:
-        return ids.tolist()
-    if is_prompt and mask.shape[-1] > ids.shape[-1]:
-        mask = mask[..., : ids.shape[-1]]  # a full-sequence mask: the prompt is its left part
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention mask {tuple(mask.shape)} does not match {key!r} {tuple(ids.shape)}")
-    return ids[mask.bool()].tolist()
 
 
-def _join(key: NestedKey, part: str) -> tuple:
-    return (*key, part) if isinstance(key, tuple) else (key, part)
 
 
-def _has(td: TensorDictBase, key: NestedKey) -> bool:
-    """Whether ``td`` has an entry at ``key`` (without reading it: a ragged lazy stack cannot be
-    read as one tensor)."""
-    key = key if isinstance(key, str) else (key[0] if len(key) == 1 else tuple(key))
-    return key in set(td.keys(include_nested=True))
 
 
-def _peek(td: TensorDictBase, key: NestedKey) -> Any:
-    """The entry at ``key`` if it is a container (a sub-TensorDict, tensorclass or strings),
-    else None: leaves are read by the callers that know how (``as_list`` for ragged rows)."""
-    key = key if isinstance(key, str) else (key[0] if len(key) == 1 else tuple(key))
-    if key in set(td.keys(include_nested=True, leaves_only=True, is_leaf=_is_tensor_leaf)):
-        return None
-    return td.get(key)
 
 
-def _is_tensor_leaf(cls: type) -> bool:
-    return issubclass(cls, torch.Tensor)
 
 
-def _container_of(input_key: NestedKey) -> NestedKey:
-    """The container key of a user-given ``input_key``: ``("history", "prompt")`` lives in
-    ``"history"``; a key that names no part is its own container."""
-    if isinstance(input_key, tuple) and len(input_key) > 1 and input_key[-1] in ("prompt", "response", "full"):
-        return input_key[:-1] if len(input_key) > 2 else input_key[0]
-    return input_key
 
 
-def _as_conversations(value: Any, key: NestedKey, batch_dims: int) -> History:
-    """A History of batch ``[B, n_messages]``; a ``[B]`` History (one message per row) counts
-    as ``[B, 1]``. Anything else is TorchRL's TypeError."""
-    if not isinstance(value, History):
-        raise TypeError(f"Expected History object for {key!r}, got {type(value).__name__}")
-    if value.batch_dims == batch_dims:
-        value = value.unsqueeze(-1)
-    if value.batch_dims != 2:
-        raise ValueError(f"history input at {key!r} must be a History of batch [B, n_messages], got {value.batch_size}")
-    return value
 
 
-def _flag(value) -> bool | None:
-    """The ``padded`` flag of a container: a bool, or a (nested) list of them for lazy stacks."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, torch.Tensor):
-        return bool(value.any())
-    flags = [_flag(v) for v in value]
-    return any(flags) if flags else None
 
 
-def _strings(value) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    if hasattr(value, "tolist"):  # a NonTensorStack (its items are NonTensorData, not str)
-        value = value.tolist()
-    if not all(isinstance(v, str) for v in value):
-        raise TypeError(f"Expected strings for a text input, got {[type(v).__name__ for v in value][:3]}")
-    return list(value)
 
 
-def _is_lazy(obj) -> bool:
-    return isinstance(getattr(obj, "_tensordict", obj), LazyStackedTensorDict)
 
 
-def _check_prefixes(prompts: list[list[int]], fulls: list[list[int]], prompt_name: str, full_name: str) -> None:
-    for i, (p, f) in enumerate(zip(prompts, fulls)):
-        if f[: len(p)] != p:
-            raise ValueError(f"row {i}: {prompt_name} is not a prefix of {full_name}; cannot split prompt and response")
 
 
 def _logprobs(completion: Completion) -> list[float]:
