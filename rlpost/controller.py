@@ -270,6 +270,10 @@ class Controller:
         self.probe: list[int] | None = None
         self.learner_resumes = 0
         self.taken: list = []  # groups of the current step taken from the buffer, not yet trained
+        # the metrics row of the trained step while it is being finished (sync, timing), so that a
+        # stop in between still records every trained step before the final checkpoint
+        self.unrecorded: dict | None = None
+        self.recorded_step = 0  # the last step whose metrics row this process wrote
         # each pool's prompts collected at the start of the current step (sync mode's shares)
         self.pool_prompts = [0] * cfg.rollout.num_env_pools
         if resume:
@@ -298,7 +302,7 @@ class Controller:
             step_start = time.perf_counter()
             groups = self._collect_step()
             collected = time.perf_counter()
-            record = self._train(groups, step)
+            record = self.unrecorded = self._train(groups, step)
             record.update(collect_s=collected - step_start, train_s=time.perf_counter() - collected)
             if step % cfg.trainer.weight_sync_interval == 0 or step == steps:
                 record.update(self._sync_weights())
@@ -456,14 +460,34 @@ class Controller:
         try:
             version = self.actors.learner.version(timeout_s=CHECKPOINT_TIMEOUT_S)
             if version != self.version:  # the interrupted step was trained after all
+                self.unrecorded = self._interrupted_row(self.taken, version)
+                self.version = self.supervisor.version = version
                 self.trained_step, self.taken = self.step, []
             if self.trained_step < self.first_step:
                 log.warning("stopping before the first step was trained: no checkpoint written")
                 return
+            if self.unrecorded is not None and self.unrecorded["step"] > self.recorded_step:
+                # trained, but stopped before its row was written
+                self._record(self.trained_step, {**self.unrecorded, "stopped": True, **self._elapsed()})
             self._write_checkpoint(self.trained_step)
             log.warning("stopped after step %d; resume with: rlpost train --resume %s", self.trained_step, self.run_dir)
         except Exception as exc:  # the stop goes on: the previous checkpoint stays on disk
             log.error("stopping: the final checkpoint failed (%s); the last complete one stays", exc)
+
+    def _interrupted_row(self, groups: list, version: int) -> dict:
+        """The metrics row of a step whose train call the stop interrupted after the learner
+        finished it: what the controller knows (rewards, version); the learner's loss is lost."""
+        rewards = [r for g in groups for r in g.rewards]
+        row = {"step": self.step, "policy_version": version, "loss": None, "kl_to_ref": None, "clip_fraction": None}
+        row.update(reward_mean=mean(rewards) if rewards else None, reward_std=pstdev(rewards) if rewards else None)
+        return row
+
+    def _elapsed(self) -> dict:
+        """Timing keys of a row finished by a stop (rates unknown)."""
+        row = {"elapsed_s": time.perf_counter() - self.start_time}
+        for key in ("samples_per_s", "tokens_per_s"):
+            row[key] = (self.unrecorded or {}).get(key)
+        return row
 
     def _resume(self) -> None:
         """Continue from the run's latest checkpoint (see the module docstring)."""
@@ -516,6 +540,7 @@ class Controller:
         record.setdefault("staleness_mean", 0.0)
         record.update(self.supervisor.counts, learner_resumes=self.learner_resumes)
         self.writer.write(record)
+        self.recorded_step = step
         self.ray_metrics.record(record)
 
 

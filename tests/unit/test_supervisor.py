@@ -133,6 +133,8 @@ class FakeLearner(Stand):
         self.weights = 0  # the weights version
         self.saved: list[tuple[int, dict]] = []
         self.stop_at_step: int | None = None  # a SIGTERM arrives while this step trains
+        self.stop_after_training: int | None = None  # ... after the learner trained it, before it returns
+        self.stop_at_publish: int | None = None  # ... while this step's weights are published
 
     def train_step(self, groups, timeout_s):
         self.world.enter(self, "train_step")
@@ -140,11 +142,15 @@ class FakeLearner(Stand):
             raise StopRequested("SIGTERM")
         self.weights += 1
         self.world.trained += [(g.producer, g.info["position"]) for g in groups]
+        if self.weights == self.stop_after_training:
+            raise StopRequested("SIGTERM")
         return {"loss": 0.0, "clip_fraction": 0.0, "policy_version": self.weights, "step_time_s": 0.01,
                 "staleness_max": 0.0, "staleness_mean": 0.0}
 
     def publish(self):
         self.world.enter(self, "publish")
+        if self.weights == self.stop_at_publish:
+            raise StopRequested("SIGTERM")
         if any(a.dead for a in self.world.actors.values() if isinstance(a, FakeInference)):
             raise BusFailure("a bus peer is gone")
         self.world.served_version = self.weights
@@ -281,7 +287,7 @@ def make_cfg(mode):
     ])
 
 
-def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None):
+def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, **learner_stops):
     """One run over stand-ins; returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
@@ -297,6 +303,8 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     controller = ctl.Controller(cfg, run_dir, supervisor)
     controller.probe = [1, 2, 3]
     supervisor.actors.learner.stop_at_step = stop_at_step
+    for name, value in learner_stops.items():  # stop_after_training / stop_at_publish
+        setattr(supervisor.actors.learner, name, value)
     try:
         controller.run()
     except StopRequested:
@@ -385,3 +393,25 @@ def test_a_stop_checkpoints_the_last_trained_step_with_the_taken_groups_back_in_
     assert len(state["buffer_groups"]) >= 4  # step 2's groups go back first
     positions = [(g.producer, g.info["position"]) for g in state["buffer_groups"][:4]]
     assert not set(positions) & set(learner.world.trained)
+
+
+@pytest.mark.parametrize("stop", ["stop_after_training", "stop_at_publish"])
+def test_a_stop_after_a_step_trained_still_records_its_row(tmp_path, monkeypatch, stop):
+    """A SIGTERM after the learner trained step 2 (its train call interrupted, or the weight sync
+    after it): the final checkpoint is step 2's, and metrics.jsonl has step 2's row, so a resumed
+    run continues at step 3 with no step missing."""
+    with pytest.raises(StopRequested):
+        run_world(tmp_path, monkeypatch, "sync", **{stop: 2})
+    learner = next(a for a in reversed(Stand.registry) if isinstance(a, FakeLearner))
+    (step, _), = learner.saved
+    assert step == 2
+    run_dir = next(tmp_path.iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["policy_version"] == 2
+    assert rows[1]["stopped"] is True and "stopped" not in rows[0]
+    assert rows[1]["reward_mean"] is not None
+    if stop == "stop_at_publish":  # the learner's numbers came back before the stop
+        assert rows[1]["loss"] == 0.0
+    else:
+        assert rows[1]["loss"] is None
+
