@@ -88,20 +88,20 @@ class LocalVLLMClient:
         """Processed log-probs of ``ids[start:]`` in each sequence: ``log_softmax`` of the
         logits after temperature, top-k and top-p, vLLM's sampler's order and rules (one
         full-vocabulary prefill; needs ``max_logprobs=-1``)."""
+        outputs = self._prompt_logprobs(token_ids, full_vocab=True)
+        processing = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        return [
+            _prompt_scores(ids, out.prompt_logprobs, self.vocab_size, start=start, **processing)[start:]
+            for ids, start, out in zip(token_ids, starts, outputs)
+        ]
+
+    def _prompt_logprobs(self, token_ids: list[list[int]], *, full_vocab: bool) -> list:
+        """One prefill per sequence returning its prompt log-probs: the whole vocabulary per
+        position, or only the given tokens'."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1, detokenize=False)
-        outputs = self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
-        vocab = self.vocab_size
-        result = []
-        for ids, start, out in zip(token_ids, starts, outputs):
-            row = []
-            for t in range(max(start, 1), len(ids)):
-                raw = _dense(out.prompt_logprobs[t], vocab)
-                processed = processed_logprobs(raw, temperature=temperature, top_p=top_p, top_k=top_k)
-                row.append(float(processed[ids[t]]))
-            result.append(row)
-        return result
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False)
+        return self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -113,15 +113,12 @@ class LocalVLLMClient:
         return [[_completion(c, want_logprobs) for c in request.outputs] for request in outputs]
 
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
-        from vllm import SamplingParams
-
-        full_vocab = not math.isclose(temperature, 1.0)
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False
-        )
-        outputs = self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
+        # prompt log-probs skip the sampling processors: at T != 1 they are renormalised over the
+        # whole vocabulary (exact, see processed_logprobs)
+        outputs = self._prompt_logprobs(token_ids, full_vocab=not math.isclose(temperature, 1.0))
         return [
-            _prompt_scores(ids, out.prompt_logprobs, temperature, full_vocab) for ids, out in zip(token_ids, outputs)
+            _prompt_scores(ids, out.prompt_logprobs, self.vocab_size, temperature=temperature)
+            for ids, out in zip(token_ids, outputs)
         ]
 
     def shutdown(self) -> None:
@@ -401,15 +398,19 @@ def _dense(position: dict, vocab: int) -> torch.Tensor:
     return dense
 
 
-def _prompt_scores(ids: list[int], prompt_logprobs, temperature: float, full_vocab: bool) -> list[float]:
-    scores = [0.0]
-    for tok, position in zip(ids[1:], prompt_logprobs[1:]):
-        if not full_vocab:
+def _prompt_scores(
+    ids: list[int], prompt_logprobs, vocab_size: int, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
+    start: int = 1,
+) -> list[float]:
+    """``log p(ids[t] | ids[:t])`` for ``t >= start`` (0.0 before) from vLLM's prompt log-probs:
+    the engine's values when sampling leaves the distribution as it is, else re-processed from
+    the whole vocabulary with :func:`processed_logprobs`."""
+    plain = math.isclose(temperature, 1.0) and top_p >= 1.0 and not top_k
+    scores = [0.0] * max(start, 1)
+    for tok, position in zip(ids[len(scores) :], prompt_logprobs[len(scores) :]):
+        if plain:
             scores.append(position[tok].logprob)
             continue
-        vocab = torch.tensor(list(position.keys()))
-        raw = torch.tensor([lp.logprob for lp in position.values()], dtype=torch.float32)
-        # raw = log_softmax(logits); log_softmax(raw / T) == log_softmax(logits / T)
-        tempered = torch.log_softmax(raw / temperature, dim=-1)
-        scores.append(float(tempered[vocab == tok][0]))
+        processed = processed_logprobs(_dense(position, vocab_size), temperature=temperature, top_p=top_p, top_k=top_k)
+        scores.append(float(processed[tok]))
     return scores
