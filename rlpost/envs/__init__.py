@@ -18,6 +18,7 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 """
 
 from rlpost.envs.chat import ChatEnv
+from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv
 from rlpost.envs.tasks import (
     AnswerRewardParser,
@@ -30,6 +31,7 @@ from rlpost.envs.tasks import (
 )
 from rlpost.envs.kl import KLComputation, RetrieveKL, RetrieveLogProb
 from rlpost.envs.transforms import (
+    Compose,
     HermesToolCallParser,
     PythonInterpreter,
     SimpleToolTransform,
@@ -44,8 +46,11 @@ __all__ = [
     "AnswerRewardParser",
     "ArithmeticEnv",
     "ChatEnv",
+    "Compose",
     "DataLoadingPrimer",
     "DatasetChatEnv",
+    "EnvBase",
+    "EnvInputError",
     "GSM8KEnv",
     "GSM8KRewardParser",
     "HermesToolCallParser",
@@ -58,6 +63,7 @@ __all__ = [
     "ToolArithmeticEnv",
     "ToolCall",
     "Transform",
+    "TransformedEnv",
     "UserReward",
     "as_nested_tensor",
     "as_padded_tensor",

@@ -16,26 +16,36 @@ TorchRL conventions kept: ``step(td)`` returns ``td`` with a ``"next"`` sub-Tens
 ``reward`` is float32 ``[B, 1]`` and the flags bool ``[B, 1]``; the reset input's keys are
 carried into the reset output.
 
-TorchRL 0.9's keys also work in history mode (TorchRL's LLM API page still shows them): a reset
-input may give the query under ``"text"``, and a step input the response text under
-``"text_response"`` instead of ``history.full``.
+TorchRL 0.9's keys also work in history mode (TorchRL's LLM API page and ChatEnv docstring still
+show them): a reset input may give the query under ``"text"``, and a step input the response
+text under ``"text_response"``, or the whole conversation as a bare History under ``"history"``,
+instead of ``history.full``.
 
-Deliberate deviations: no torchrl dependency, no specs; transforms live in ``env.transforms``
-(``append_transform`` returns the env itself, not a new ``TransformedEnv``); ``max_steps``
-truncates episodes (TorchRL uses a ``StepCounter`` transform) and ``step_count`` is carried in
-the TensorDict; a reset input may carry a per-row ``"system_prompt"``; a partial reset is a
-``reset`` of the sub-batch of done envs (batch ``[k]``) rather than a ``"_reset"`` mask.
+``env.append_transform(t)`` returns a new :class:`~rlpost.envs.common.TransformedEnv` (this env
+is left as it was); ``reset(None)`` and a reset input without the query raise
+:class:`~rlpost.envs.common.EnvInputError` (a RuntimeError, as in TorchRL). Specs
+(``full_observation_spec``, ``full_action_spec``, ``full_state_spec``, reward and done specs)
+describe the mode's keys. In tokens mode a policy that returns only ``tokens.response`` is
+accepted: the next prompt is the prompt followed by the response.
+
+Deliberate deviations: no torchrl dependency; transforms use rlpost's hooks
+(:mod:`rlpost.envs.transforms`); ``max_steps`` truncates episodes (TorchRL uses a
+``StepCounter`` transform) and ``step_count`` is carried in the TensorDict; a reset input may
+carry a per-row ``"system_prompt"``; a partial reset is a ``reset`` of the sub-batch of done
+envs (batch ``[k]``) rather than a ``"_reset"`` mask; batch sizes have one dim (``[B]``; more
+raise ``ValueError``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Literal
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.data import ChatHistory, History, Text, Tokens
+from rlpost.data.specs import Composite, NonTensor, Unbounded
+from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.transforms import Transform
 
 INPUT_MODES = ("history", "text", "tokens")
@@ -46,7 +56,7 @@ LEGACY_RESPONSE_KEY = "text_response"
 _FLAGS = ("done", "terminated", "truncated")
 
 
-class ChatEnv:
+class ChatEnv(EnvBase):
     """A batch of ``B`` conversations; see the module docstring for the keys of each mode.
 
     Keyword Args:
@@ -100,89 +110,105 @@ class ChatEnv:
             self.data_key = data_key
         self.device = torch.device(device) if device is not None else None
         self.max_steps = max_steps
-        self.transforms: list[Transform] = []
 
     # ------------------------------------------------------------------ transforms and state
 
-    def append_transform(self, transform: Transform) -> ChatEnv:
-        """Attach ``transform`` after the existing ones and return the env (for chaining)."""
-        if not isinstance(transform, Transform):
-            raise ValueError(f"append_transform expects a Transform, got {type(transform).__name__}")
-        transform.parent = self
-        self.transforms.append(transform)
+    @property
+    def base_env(self) -> ChatEnv:
         return self
 
     @property
-    def state_keys(self) -> tuple[str, ...]:
-        """Keys carried from each step's input to its ``next`` (and into partial resets)."""
-        keys = [self.data_key, "system_prompt", "step_count"]
-        for transform in self.transforms:
-            keys += [key for key in transform.state_keys if key not in keys]
-        return tuple(keys)
+    def base_state_keys(self) -> tuple[str, ...]:
+        """The keys this env carries from step to step by itself (transforms add theirs)."""
+        return (self.data_key, "system_prompt", "step_count")
 
-    @property
-    def reward_errors(self) -> Counter:
-        """Failed reward computations so far, by error type, summed over the reward transforms."""
-        total: Counter = Counter()
-        for transform in self.transforms:
-            total.update(getattr(transform, "errors", Counter()))
-        return total
+    def append_transform(self, transform: Transform) -> TransformedEnv:
+        """A new :class:`~rlpost.envs.common.TransformedEnv` of this env and ``transform``; this
+        env is left as it was (TorchRL's ``EnvBase.append_transform``)."""
+        return TransformedEnv(self, transform)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The transforms' state (e.g. the prompt stream's position), for resume."""
-        return {"transforms": [t.state_dict() for t in self.transforms]}
+    @classmethod
+    def from_dataloader(cls, dataloader: Any, **kwargs: Any) -> Any:
+        """A chat env whose prompts come from ``dataloader`` (a DataLoader, any iterable of
+        batches, or rows): :meth:`DatasetChatEnv.from_dataloader <rlpost.envs.datasets.DatasetChatEnv.from_dataloader>`,
+        with the same keywords (``repeats``, ``device``, ``group_repeats``, ``batch_size``,
+        ``primers``, ``tokenizer``, ``template_kwargs``, ``input_mode``, ``data_key``,
+        ``system_prompt``)."""
+        from rlpost.envs.datasets import DatasetChatEnv
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state["transforms"]
-        if len(states) != len(self.transforms):
-            raise ValueError(
-                f"state has {len(states)} transform states, this env has {len(self.transforms)} transforms"
-            )
-        for transform, transform_state in zip(self.transforms, states):
-            transform.load_state_dict(transform_state)
+        return DatasetChatEnv.from_dataloader(dataloader, **kwargs)
 
-    def set_seed(self, seed: int | None) -> int | None:
-        """TorchRL compatibility; a no-op: the prompt order is seeded by the DataLoadingPrimer and
-        sampling by the policy."""
-        return seed
+    # ------------------------------------------------------------------ specs
+
+    def _observation_spec(self) -> Composite:
+        """What reset and step write: the mode's container with its ``prompt``."""
+        return self._container_spec(["prompt"])
+
+    def _action_spec(self) -> Composite:
+        """What the policy must write before a step: the mode's container with ``full``."""
+        return self._container_spec(["full"])
+
+    def _container_spec(self, keys: list[str]) -> Composite:
+        container = {"history": ChatHistory, "text": Text, "tokens": Tokens}[self.input_mode]
+        inner = container.default_spec(shape=self.batch_size, keys=keys)
+        return Composite({self.input_mode: inner}, shape=self.batch_size, device=self.device)
+
+    def _state_spec(self) -> Composite:
+        """What a reset reads: the query under ``data_key``."""
+        query = NonTensor(example_data="a string", shape=self.batch_size, device=self.device)
+        return Composite({self.data_key: query}, shape=self.batch_size, device=self.device)
+
+    def _reward_spec(self) -> Composite:
+        reward = Unbounded(shape=(*self.batch_size, 1), dtype=torch.float32, device=self.device)
+        return Composite({"reward": reward}, shape=self.batch_size, device=self.device)
+
+    def _done_spec(self) -> Composite:
+        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool, device=self.device) for flag in _FLAGS}
+        return Composite(flags, shape=self.batch_size, device=self.device)
 
     # ------------------------------------------------------------------ reset
 
-    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
-        """The first prompt of each conversation of ``td`` (batch ``[k]``, default the env's).
-
-        ``td`` holds the query under ``data_key`` (a transform such as DataLoadingPrimer may
-        fill it) and optionally ``"system_prompt"`` per row. The output holds the prompt under
-        the mode's key, ``step_count`` 0, the flags False, and every key of the input.
-        """
-        td = self._reset_input(td)
-        for transform in self.transforms:
-            td = transform.reset_preprocess(td)
+    def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
+        """The base reset (see :meth:`EnvBase.reset <rlpost.envs.common.EnvBase.reset>`): the
+        prompt under the mode's key, ``step_count`` 0, the flags False, and every key of the
+        input ``td`` (which holds the query under ``data_key`` and optionally a per-row
+        ``"system_prompt"``)."""
         num_envs = td.batch_size[0]
-        chats = [self._first_chat(query, system) for query, system in zip(self._queries(td), self._system_prompts(td))]
+        chats = [
+            self._first_chat(query, system)
+            for query, system in zip(self._queries(td, given=given), self._system_prompts(td))
+        ]
         out = td.exclude(self.input_mode, "next").clone(recurse=False)
         out.set(self.input_mode, self._make_prompt(chats))
         out.set("step_count", torch.zeros(num_envs, 1, dtype=torch.int64, device=self.device))
         for flag in _FLAGS:
             out.set(flag, torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
-        for transform in self.transforms:
-            out = transform.on_reset(td, out)
         return out
 
     def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
         if td is None:
             return TensorDict(batch_size=self.batch_size, device=self.device)
+        if not isinstance(td, TensorDictBase):
+            raise EnvInputError(f"{type(self).__name__}.reset expects a TensorDict, got {type(td).__name__}")
         if td.batch_dims == 0:  # one query for every env, as TorchRL allows
             td = td.expand(self.batch_size).clone()
         if td.batch_dims != 1:
-            raise ValueError(f"reset expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}")
+            raise EnvInputError(
+                f"{type(self).__name__}.reset expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}"
+            )
         return td
 
-    def _queries(self, td: TensorDictBase) -> list[str]:
+    def _queries(self, td: TensorDictBase, *, given: bool = True) -> list[str]:
         if self.data_key not in td.keys() and _is_strings(td.get(LEGACY_QUERY_KEY, None)):
             return as_list(td.get(LEGACY_QUERY_KEY), td.batch_size[0])
+        if self.data_key not in td.keys() and not given:
+            raise EnvInputError(
+                f"{type(self).__name__} expects a tensordict as input (got None): reset needs the query under "
+                f"{self.data_key!r}, e.g. env.reset(TensorDict({{{self.data_key!r}: 'Hello'}}, batch_size=[1])), "
+                "or a DataLoadingPrimer transform that supplies it"
+            )
         if self.data_key not in td.keys():
-            raise ValueError(
+            raise EnvInputError(
                 f"{type(self).__name__}.reset needs the query under {self.data_key!r}; "
                 f"the reset input has keys {sorted(map(str, td.keys()))}"
             )
@@ -213,16 +239,19 @@ class ChatEnv:
 
     # ------------------------------------------------------------------ step
 
-    def step(self, td: TensorDictBase) -> TensorDictBase:
-        """Make the policy's ``full`` the next prompt; ``td["next"]`` gets it, the carried state
-        keys, ``reward`` (0 before reward transforms), ``step_count`` and the flags."""
+    def _step(self, td: TensorDictBase) -> TensorDictBase:
+        """The base step (see :meth:`EnvBase.step <rlpost.envs.common.EnvBase.step>`): the
+        next prompt from the policy's ``full``, ``step_count`` + 1, ``reward`` 0 and the flags
+        (``truncated`` and ``done`` once ``max_steps`` is reached)."""
+        if td.batch_dims != 1:
+            raise EnvInputError(
+                f"{type(self).__name__}.step expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}"
+            )
         num_envs = td.batch_size[0]
+        self._read_legacy_history(td)
         self._read_legacy_response(td)
         next_td = TensorDict(batch_size=td.batch_size, device=self.device)
         next_td.set(self.input_mode, self._next_prompt(td))
-        for key in self.state_keys:
-            if key in td.keys() and key != "step_count":
-                next_td.set(key, td.get(key))
         step_count = td.get("step_count", torch.zeros(num_envs, 1, dtype=torch.int64)) + 1
         truncated = step_count >= self.max_steps if self.max_steps else torch.zeros_like(step_count, dtype=torch.bool)
         next_td.set("step_count", step_count)
@@ -230,11 +259,19 @@ class ChatEnv:
         next_td.set("terminated", torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
         next_td.set("truncated", truncated)
         next_td.set("done", truncated.clone())
-        for transform in self.transforms:
-            next_td = transform.on_step(td, next_td)
-        next_td.set("done", next_td.get("done") | next_td.get("terminated") | next_td.get("truncated"))
-        td.set("next", next_td)
-        return td
+        return next_td
+
+    def _read_legacy_history(self, td: TensorDictBase) -> None:
+        """TorchRL 0.9's action: the whole conversation as a bare History under ``"history"``
+        (TorchRL's ChatEnv docstring still shows it). Turned in place into
+        ``ChatHistory(prompt=..., full=history)``, the prompt being the conversation without
+        its last message when that one is the policy's."""
+        if self.input_mode != "history" or not isinstance(td.get("history", None), History):
+            return
+        rows = td.get("history").to_chats(include_state=True)
+        prompts = [row[:-1] if row and row[-1]["role"] == self.policy_role else row for row in rows]
+        full = History.from_chats(rows)
+        td.set("history", ChatHistory(prompt=History.from_chats(prompts), full=full, batch_size=td.batch_size))
 
     def _read_legacy_response(self, td: TensorDictBase) -> None:
         """TorchRL 0.9's action: the response text under ``"text_response"`` (history mode),
@@ -264,7 +301,7 @@ class ChatEnv:
         """``td[input_mode].<field>`` (a History, or strings); tokens mode only checks presence,
         its ragged rows are read row by row."""
         if (self.input_mode, field) not in td.keys(include_nested=True):
-            raise ValueError(
+            raise EnvInputError(
                 f"{type(self).__name__} (input_mode={self.input_mode!r}) needs the policy's output "
                 f"under ({self.input_mode!r}, {field!r})"
             )
@@ -274,28 +311,23 @@ class ChatEnv:
         return as_list(self._policy_field(td, "full"), td.batch_size[0])
 
     def _full_tokens(self, td: TensorDictBase) -> list[torch.Tensor]:
+        """Each row's full ids: ``tokens.full`` (padding removed with ``masks.all_attention_mask``),
+        or, when the policy wrote only ``tokens.response``, the row's prompt followed by it."""
+        keys = td.keys(include_nested=True)
+        if ("tokens", "full") not in keys and ("tokens", "prompt") in keys and ("tokens", "response") in keys:
+            rows = td.get("tokens").unbind(0)
+            if any(_is_padded(row) for row in rows):
+                raise EnvInputError(
+                    "tokens mode: the policy wrote padded tokens.prompt/tokens.response without tokens.full; "
+                    "padding cannot be told apart from ids here: return tokens.full (return_tokens=True) or use pad_output=False"
+                )
+            return [torch.cat([row.prompt.reshape(-1), row.response.reshape(-1).to(row.prompt.dtype)]) for row in rows]
         self._policy_field(td, "full")
         rows = [row.full for row in td.get("tokens").unbind(0)]
         if ("masks", "all_attention_mask") in td.keys(include_nested=True):
             masks = [row.all_attention_mask for row in td.get("masks").unbind(0)]
             rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
         return rows
-
-    def step_and_maybe_reset(self, td: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
-        """``step(td)``, and the root input of the next step: ``td["next"]``'s prompt and state
-        keys, where the envs that are done were reset (new prompts from the transforms)."""
-        td = self.step(td)
-        keys = [self.input_mode, *self.state_keys, *_FLAGS]
-        next_root = td.get("next").select(*keys, strict=False)
-        done_idx = next_root.get("done").view(-1).nonzero().flatten().tolist()
-        if not done_idx:
-            return td, next_root.clone(recurse=False)
-        # The reset input keeps the query only when no transform supplies it (a plain ChatEnv
-        # restarts the same conversation; a DataLoadingPrimer draws the next prompts).
-        owned = {key for transform in self.transforms for key in transform.state_keys}
-        reset_keys = [key for key in (self.data_key, "system_prompt") if key not in owned]
-        reset_out = self.reset(next_root[done_idx].select(*reset_keys, strict=False))
-        return td, self._merge_rows(next_root, reset_out.select(*next_root.keys(), strict=False), done_idx)
 
     def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
         """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
@@ -382,7 +414,7 @@ class ChatEnv:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(input_mode={self.input_mode!r}, batch_size={tuple(self.batch_size)}, "
-            f"max_steps={self.max_steps}, transforms={self.transforms})"
+            f"max_steps={self.max_steps})"
         )
 
 
@@ -451,6 +483,13 @@ def close_with(seq: Any, end: Any) -> Any:
         if seq[len(seq) - overlap :] == end[:overlap]:
             return seq + end[overlap:]
     return seq + end
+
+
+def _is_padded(tokens: Any) -> bool:
+    padded = getattr(tokens, "padded", None)
+    if isinstance(padded, torch.Tensor):
+        return bool(padded.any())
+    return bool(padded)
 
 
 def _is_strings(value: Any) -> bool:

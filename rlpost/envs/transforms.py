@@ -9,10 +9,12 @@ a tool) through hooks the env calls around its own reset and step::
     step(td):   next = base step(td)                                  # full -> next prompt
                 next = t.on_step(td, next)     for t in transforms    # e.g. reward, tool turn
 
-This mirrors TorchRL's ``Transform._reset_env_preprocess`` / ``_reset`` / ``_step``. Deliberate
-deviations: no specs, no ``_call``/``_inv_call`` (observations and actions are not rewritten on
-the way in or out), and no ``TransformedEnv``: the env holds its transforms in a list
-(``env.append_transform(t)`` appends and returns the env).
+This mirrors TorchRL's ``Transform._reset_env_preprocess`` / ``_reset`` / ``_step``; the loop
+that calls the hooks is :class:`~rlpost.envs.common.EnvBase` (a base env alone, or a
+:class:`~rlpost.envs.common.TransformedEnv` holding its transforms in a :class:`Compose`).
+``base_env.append_transform(t)`` returns a new TransformedEnv, as in TorchRL. Deliberate
+deviations: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
+or out) and no per-transform specs.
 
 :class:`PythonInterpreter` runs the ```` ```python ```` blocks of the last assistant message in
 the sandbox (:mod:`rlpost.envs.sandbox`) and :class:`SimpleToolTransform` calls the user's
@@ -54,7 +56,7 @@ class Transform:
     """Base class of env transforms; every hook defaults to "no change".
 
     Attributes:
-        parent: the env the transform was appended to (set by ``ChatEnv.append_transform``).
+        parent: the env the transform was appended to (set by ``append_transform``).
         state_keys: keys this transform writes at reset that must be carried from step to step
             (the env copies them into ``next``), e.g. the dataset row a reward reads later.
     """
@@ -92,6 +94,95 @@ class Transform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class Compose(Transform):
+    """Transforms run in order as one (TorchRL's ``Compose``): each hook calls the transforms'
+    hooks one after the other. A :class:`~rlpost.envs.common.TransformedEnv` keeps its
+    transforms in one; ``compose[i]``, ``len(compose)`` and iteration reach them."""
+
+    def __init__(self, *transforms: Transform) -> None:
+        super().__init__()
+        self._transforms: list[Transform] = []
+        for transform in transforms:
+            self.append(transform)
+
+    def append(self, transform: Transform) -> None:
+        self.insert(len(self._transforms), transform)
+
+    def insert(self, index: int, transform: Transform) -> None:
+        if not isinstance(transform, Transform):
+            raise ValueError(f"Compose holds Transforms, got {type(transform).__name__}")
+        self._transforms.insert(index, transform)
+
+    def __getitem__(self, index: int) -> Transform:
+        return self._transforms[index]
+
+    def __len__(self) -> int:
+        return len(self._transforms)
+
+    def __iter__(self):
+        return iter(self._transforms)
+
+    @property
+    def parent(self):
+        return self.__dict__.get("_parent")
+
+    @parent.setter
+    def parent(self, env) -> None:
+        self.__dict__["_parent"] = env
+        for transform in getattr(self, "_transforms", ()):
+            transform.parent = env
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        keys: list[str] = []
+        for transform in self._transforms:
+            keys += [key for key in transform.state_keys if key not in keys]
+        return tuple(keys)
+
+    @property
+    def errors(self):
+        from collections import Counter
+
+        total: Counter = Counter()
+        for transform in self._transforms:
+            total.update(getattr(transform, "errors", Counter()))
+        return total
+
+    def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
+        for transform in self._transforms:
+            td = transform.reset_preprocess(td)
+        return td
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        for transform in self._transforms:
+            reset_td = transform.on_reset(td, reset_td)
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        for transform in self._transforms:
+            next_td = transform.on_step(td, next_td)
+        return next_td
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"transforms": [transform.state_dict() for transform in self._transforms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("transforms", []) if state else []
+        if len(states) != len(self._transforms):
+            raise ValueError(f"Compose state has {len(states)} transform states, this Compose has {len(self._transforms)}")
+        for transform, transform_state in zip(self._transforms, states):
+            transform.load_state_dict(transform_state)
+
+    def close(self) -> None:
+        for transform in self._transforms:
+            close = getattr(transform, "close", None)
+            if close is not None:
+                close()
+
+    def __repr__(self) -> str:
+        return f"Compose({', '.join(map(repr, self._transforms))})"
 
 
 def add_tool_stats(next_td: TensorDictBase, calls: list[int], errors: list[int], seconds: list[float]) -> None:

@@ -8,6 +8,7 @@ from tensordict import TensorDict, lazy_stack
 
 from rlpost.data import ChatHistory, History, Masks, Text, Tokens
 from rlpost.envs import ChatEnv, Transform
+from rlpost.envs.common import TransformedEnv
 from rlpost.envs.chat import close_with
 
 pytestmark = pytest.mark.unit
@@ -238,10 +239,16 @@ class _Scripted(Transform):
         return next_td
 
 
+class _Noop(Transform):
+    pass
+
+
 def test_transforms_hooks_partial_reset_and_carried_state(tiny_tokenizer):
     scripted = _Scripted()
-    env = make_env(tiny_tokenizer, "history")
-    assert env.append_transform(scripted) is env
+    base = make_env(tiny_tokenizer, "history")
+    env = base.append_transform(scripted)
+    assert isinstance(env, TransformedEnv) and env.base_env is base and base.transforms == ()
+    assert env.append_transform(_Noop()) is env  # a TransformedEnv appends in place
     td = env.reset(reset_input())
     assert td["tag"].tolist() == [10, 11]
     stepped, nxt = _step_with_responses(env, td, ["x", "y"])
@@ -263,8 +270,7 @@ def test_close_with_completes_a_partial_end_marker():
 
 
 def test_state_dict_round_trip_and_set_seed(tiny_tokenizer):
-    env = make_env(tiny_tokenizer, "history")
-    env.append_transform(_Scripted())
+    env = make_env(tiny_tokenizer, "history").append_transform(_Scripted())
     state = env.state_dict()
     assert state == {"transforms": [{}]}
     env.load_state_dict(state)

@@ -112,7 +112,7 @@ def pool():
 def function_env(pool, batch_size=4, timeout=10.0):
     tools = {"multiply": multiply, "shout": "test_tool_transforms:shout", "divide": divide, "sleepy": sleepy}
     env = ChatEnv(batch_size=[batch_size], max_steps=3)
-    env.append_transform(SimpleToolTransform(tools, parser=HermesToolCallParser(), timeout=timeout, pool=pool,
+    env = env.append_transform(SimpleToolTransform(tools, parser=HermesToolCallParser(), timeout=timeout, pool=pool,
                                              max_workers=2))  # fmt: skip
     return env.append_transform(StopWithoutToolCall())
 

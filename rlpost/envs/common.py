@@ -1,0 +1,328 @@
+"""The run loop of an env and its transforms: :class:`EnvBase` and :class:`TransformedEnv`.
+
+A base env (:class:`~rlpost.envs.chat.ChatEnv`) knows how to build a first prompt (``_reset``)
+and the next one (``_step``). Transforms (:class:`~rlpost.envs.transforms.Transform`) add data
+loading, rewards and tools through hooks. :class:`EnvBase` runs both, for a base env alone and
+for a :class:`TransformedEnv` (a base env plus a :class:`~rlpost.envs.transforms.Compose` of
+transforms)::
+
+    reset(td):  td = t.reset_preprocess(td)   for t in transforms    # e.g. load the query
+                out = base._reset(td)
+                out = t.on_reset(td, out)      for t in transforms
+    step(td):   next = base._step(td)                                  # full -> next prompt
+                copy the state keys (query, dataset row, ...) from td into next
+                next = t.on_step(td, next)     for t in transforms    # e.g. reward, tool turn
+                next["done"] |= terminated | truncated;  td["next"] = next
+
+As in TorchRL, ``base_env.append_transform(t)`` returns a new :class:`TransformedEnv` and
+leaves ``base_env`` as it was; ``TransformedEnv.append_transform(t)`` appends in place and
+returns the same env. A TransformedEnv answers every attribute it does not have from its base
+env (``env.input_mode``, ``env.tokenizer``, ``env.last_responses``...), so transforms and
+callers treat both alike.
+
+:meth:`EnvBase.rollout` runs a policy for up to ``max_steps`` steps and stacks the steps along a
+new last batch dim (``[*batch_size, T]``), as TorchRL's ``EnvBase.rollout`` does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase, lazy_stack
+
+from rlpost.envs.transforms import Compose, Transform
+
+if TYPE_CHECKING:
+    from rlpost.data.specs import Composite
+
+FLAGS = ("done", "terminated", "truncated")
+
+
+class EnvInputError(RuntimeError, ValueError):
+    """Bad input to an env's reset or step (a missing key, no input at all).
+
+    A RuntimeError, as TorchRL's envs raise, and a ValueError, as rlpost's other input checks
+    raise: code catching either keeps working."""
+
+
+class EnvBase:
+    """What every env here does with its transforms: reset, step, rollout, state and specs.
+
+    Subclasses provide ``base_env`` (the env whose ``_reset`` / ``_step`` build the prompts)
+    and ``transforms`` (a sequence of :class:`~rlpost.envs.transforms.Transform`).
+    """
+
+    base_env: Any
+    transforms: Any = ()
+
+    # ------------------------------------------------------------------ reset and step
+
+    def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        """The first prompt of each conversation of ``tensordict`` (batch ``[k]``, default the
+        env's batch). The base env reads the query from it (a DataLoadingPrimer can fill it);
+        the output also holds every key of the input."""
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}.reset got unexpected keyword arguments {sorted(kwargs)}")
+        base = self.base_env
+        td = base._reset_input(tensordict)
+        for transform in self.transforms:
+            td = transform.reset_preprocess(td)
+        out = base._reset(td, given=tensordict is not None)
+        for transform in self.transforms:
+            out = transform.on_reset(td, out)
+        return out
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Make the policy's output the next prompt: ``tensordict["next"]`` gets it, the state
+        keys, ``reward``, ``step_count`` and the done flags; returns ``tensordict``."""
+        if not isinstance(tensordict, TensorDictBase):
+            raise EnvInputError(f"{type(self).__name__}.step expects a TensorDict, got {type(tensordict).__name__}")
+        next_td = self.base_env._step(tensordict)
+        for key in self.state_keys:
+            if key in tensordict.keys() and key not in next_td.keys():
+                next_td.set(key, tensordict.get(key))
+        for transform in self.transforms:
+            next_td = transform.on_step(tensordict, next_td)
+        next_td.set("done", next_td.get("done") | next_td.get("terminated") | next_td.get("truncated"))
+        tensordict.set("next", next_td)
+        return tensordict
+
+    def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        """``step(tensordict)``, and the root input of the next step: ``tensordict["next"]``'s
+        prompt and state keys, where the envs that are done were reset (new prompts from the
+        transforms)."""
+        tensordict = self.step(tensordict)
+        return tensordict, self.maybe_reset(tensordict.get("next"))
+
+    def maybe_reset(self, next_td: TensorDictBase) -> TensorDictBase:
+        """The next step's root input from a step's ``next``: its prompt, state keys and flags,
+        with the rows that are done replaced by a reset of those rows."""
+        base = self.base_env
+        next_root = next_td.select(base.input_mode, *self.state_keys, *FLAGS, strict=False)
+        done_idx = next_root.get("done").view(-1).nonzero().flatten().tolist()
+        if not done_idx:
+            return next_root.clone(recurse=False)
+        # The reset input keeps the query only when no transform supplies it (a plain ChatEnv
+        # restarts the same conversation; a DataLoadingPrimer draws the next prompts).
+        owned = {key for transform in self.transforms for key in transform.state_keys}
+        reset_keys = [key for key in (base.data_key, "system_prompt") if key not in owned]
+        reset_out = self.reset(next_root[done_idx].select(*reset_keys, strict=False))
+        return base._merge_rows(next_root, reset_out.select(*next_root.keys(), strict=False), done_idx)
+
+    def rollout(
+        self,
+        max_steps: int,
+        policy: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        callback: Callable[[Any, TensorDictBase], Any] | None = None,
+        *,
+        auto_reset: bool = True,
+        break_when_any_done: bool | None = None,
+        break_when_all_done: bool | None = None,
+        tensordict: TensorDictBase | None = None,
+    ) -> TensorDictBase:
+        """Run ``policy`` for up to ``max_steps`` steps; the steps stacked along a new last
+        batch dim (``[*batch_size, T]``, lazily: rows may hold prompts of different lengths).
+
+        As TorchRL: the env is reset first (``auto_reset=True``; else ``tensordict`` is the
+        first step's input), the rollout stops after the step where any env is done
+        (``break_when_any_done``, the default) or all are (``break_when_all_done=True``), and
+        with neither the envs that are done are reset and go on. ``callback(env, td)`` runs
+        after each step. Deviation: a policy is required (an LLM env has no random action).
+        """
+        if policy is None:
+            raise EnvInputError(
+                f"{type(self).__name__}.rollout needs a policy (an LLM wrapper or any callable td -> td): "
+                "a chat env has no random action"
+            )
+        if max_steps < 1:
+            raise ValueError(f"rollout max_steps must be >= 1, got {max_steps}")
+        if break_when_any_done is None:
+            break_when_any_done = not break_when_all_done
+        if auto_reset:
+            td = self.reset(tensordict)
+        elif tensordict is None:
+            raise EnvInputError("rollout(auto_reset=False) needs the first step's input as tensordict=")
+        else:
+            td = tensordict
+        steps = []
+        for _ in range(max_steps):
+            td = self.step(policy(td))
+            steps.append(td)
+            if callback is not None:
+                callback(self, td)
+            done = td.get(("next", "done"))
+            if (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
+                break
+            td = self.maybe_reset(td.get("next"))
+        return lazy_stack(steps, dim=len(self.batch_size))
+
+    # ------------------------------------------------------------------ transforms and state
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Keys carried from each step's input to its ``next`` (and into partial resets)."""
+        keys = list(self.base_env.base_state_keys)
+        for transform in self.transforms:
+            keys += [key for key in transform.state_keys if key not in keys]
+        return tuple(keys)
+
+    @property
+    def reward_errors(self) -> Counter:
+        """Failed reward computations so far, by error type, summed over the transforms."""
+        total: Counter = Counter()
+        for transform in self.transforms:
+            total.update(getattr(transform, "errors", Counter()))
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The transforms' state (e.g. the prompt stream's position), for resume."""
+        return {"transforms": [t.state_dict() for t in self.transforms]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state["transforms"]
+        if len(states) != len(self.transforms):
+            raise ValueError(
+                f"state has {len(states)} transform states, this env has {len(self.transforms)} transforms"
+            )
+        for transform, transform_state in zip(self.transforms, states):
+            transform.load_state_dict(transform_state)
+
+    def set_seed(self, seed: int | None, static_seed: bool = False) -> int | None:
+        """TorchRL compatibility; a no-op: the prompt order is seeded by the DataLoadingPrimer and
+        sampling by the policy."""
+        return seed
+
+    def close(self) -> None:
+        """Release what the transforms hold (sandboxes, worker threads)."""
+        for transform in self.transforms:
+            close = getattr(transform, "close", None)
+            if close is not None:
+                close()
+
+    # ------------------------------------------------------------------ specs (from the base env)
+
+    @property
+    def full_observation_spec(self) -> Composite:
+        return self.base_env._observation_spec()
+
+    @property
+    def full_action_spec(self) -> Composite:
+        return self.base_env._action_spec()
+
+    @property
+    def full_state_spec(self) -> Composite:
+        return self.base_env._state_spec()
+
+    @property
+    def full_reward_spec(self) -> Composite:
+        return self.base_env._reward_spec()
+
+    @property
+    def full_done_spec(self) -> Composite:
+        return self.base_env._done_spec()
+
+    @property
+    def observation_spec(self) -> Composite:
+        return self.full_observation_spec
+
+    @property
+    def state_spec(self) -> Composite:
+        return self.full_state_spec
+
+    @property
+    def action_spec(self) -> Any:
+        """The action's leaf spec when there is one action key (TorchRL's rule)."""
+        keys = self.action_keys
+        return self.full_action_spec[keys[0]] if len(keys) == 1 else self.full_action_spec
+
+    @property
+    def reward_spec(self) -> Any:
+        return self.full_reward_spec["reward"]
+
+    @property
+    def done_spec(self) -> Composite:
+        return self.full_done_spec
+
+    @property
+    def action_keys(self) -> list:
+        """The one action: the policy's ``full`` in the env's mode (the container is read as a
+        whole, as TorchRL's KL transforms do)."""
+        return [(self.base_env.input_mode, "full")]
+
+    @property
+    def action_key(self) -> Any:
+        return self.action_keys[0]
+
+    @property
+    def reward_keys(self) -> list:
+        return ["reward"]
+
+    @property
+    def reward_key(self) -> str:
+        return "reward"
+
+    @property
+    def done_keys(self) -> list:
+        return list(FLAGS)
+
+
+class TransformedEnv(EnvBase):
+    """A base env with a :class:`~rlpost.envs.transforms.Compose` of transforms (TorchRL's
+    ``TransformedEnv``).
+
+    Args:
+        env: the base env; a TransformedEnv's base env and transforms are taken over (its own
+            transform list is left as it was).
+        transform: a transform, a Compose, or None.
+
+    ``env.transform`` is the Compose (``env.transform[0]`` is the first transform);
+    ``append_transform`` and ``insert_transform`` edit it in place.
+    """
+
+    def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
+        if not isinstance(env, EnvBase):
+            raise ValueError(f"TransformedEnv expects an env, got {type(env).__name__}")
+        inner = list(env.transforms) if isinstance(env, TransformedEnv) else []
+        self.__dict__["base_env"] = env.base_env
+        self.__dict__["transform"] = Compose()
+        for existing in inner:
+            self.append_transform(existing)
+        if transform is not None:
+            self.append_transform(transform)
+
+    @property
+    def transforms(self) -> list[Transform]:
+        return list(self.transform)
+
+    def append_transform(self, transform: Transform) -> TransformedEnv:
+        """Append ``transform`` (in place) and return this env, for chaining."""
+        if not isinstance(transform, Transform):
+            raise ValueError(f"append_transform expects a Transform, got {type(transform).__name__}")
+        transform.parent = self
+        self.transform.append(transform)
+        return self
+
+    def insert_transform(self, index: int, transform: Transform) -> TransformedEnv:
+        """Insert ``transform`` at ``index`` (in place) and return this env."""
+        if not isinstance(transform, Transform):
+            raise ValueError(f"insert_transform expects a Transform, got {type(transform).__name__}")
+        transform.parent = self
+        self.transform.insert(index, transform)
+        return self
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return self.base_env.batch_size
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this env does not have: ask the base env.
+        base = self.__dict__.get("base_env")
+        if base is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(base, name)
+
+    def __repr__(self) -> str:
+        return f"TransformedEnv(env={self.base_env!r}, transform={self.transform!r})"
