@@ -276,8 +276,8 @@ class ChatEnv(EnvBase):
     def _read_legacy_response(self, td: TensorDictBase) -> None:
         """TorchRL 0.9's action: the response text under ``"text_response"`` (history mode),
         turned into ``history.full`` = prompt + one policy message, in place. The message's
-        content is the text without its end-of-turn marker and surrounding whitespace (as
-        TorchRL 0.9 parsed it)."""
+        content is the text without its end-of-turn marker (when the env has a tokenizer to
+        know it) and surrounding whitespace (as TorchRL 0.9 parsed it)."""
         if self.input_mode != "history" or LEGACY_RESPONSE_KEY not in td.keys():
             return
         chat = td.get("history", None)
@@ -286,7 +286,9 @@ class ChatEnv(EnvBase):
         texts = as_list(td.get(LEGACY_RESPONSE_KEY), td.batch_size[0])
         rows = chat.prompt.to_chats(include_state=True)
         for row, text in zip(rows, texts):
-            row.append({"role": self.policy_role, "content": self._turns.strip_turn_end(text).strip()})
+            if self.tokenizer is not None:  # without one the end-of-turn marker is unknown: kept
+                text = self._turns.strip_turn_end(text)
+            row.append({"role": self.policy_role, "content": text.strip()})
         td.set("history", ChatHistory(prompt=chat.prompt, full=History.from_chats(rows), batch_size=td.batch_size))
 
     def _next_prompt(self, td: TensorDictBase) -> Any:

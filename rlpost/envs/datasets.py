@@ -6,10 +6,11 @@ row dicts (the synthetic arithmetic task) or a loaded ``datasets.Dataset``.
 
 The primer (:class:`DataLoadingPrimer`) takes either such rows or, as TorchRL's does, a
 DataLoader or any iterable of batches. Rows are walked in a seeded order, ``batch_size_dl`` at a
-time; each loaded batch goes through ``collate_fn`` and into a queue replayed ``repeats`` times
-(TorchRL's meaning: a batch ``a b`` with ``repeats=3`` serves ``a b a b a b`` over the next
-resets; with one-row batches the copies of a prompt are consecutive, one GRPO group). Every copy
-carries the same ``prompt_id`` and the row itself (for the reward). When the rows run out, the
+time; each loaded batch goes through ``collate_fn`` and into a queue, every row ``repeats``
+times in a row (TorchRL's meaning: a batch ``a b`` with ``repeats=3`` queues ``a a a b b b``;
+each reset of ``k`` envs takes the next ``k`` items, so the copies of a batch continue over the
+next resets until the queue is empty). The copies of a row, one GRPO group, carry the same
+``prompt_id`` and the row itself (for the reward). When the rows run out, the
 next epoch starts with a new seeded order.
 
 What rlpost adds to TorchRL's primer, on purpose:
@@ -23,8 +24,8 @@ What rlpost adds to TorchRL's primer, on purpose:
 - ``num_shards`` / ``shard_index`` split one order between several env pools (pool ``i`` takes
   positions ``i, i + num_shards, ...``); ``prompt_id = epoch * num_rows + position`` stays
   unique across the pools.
-- ``group_repeats=True`` checks that every reset takes whole replayed batches (TorchRL sizes its
-  primer's batch so that it does).
+- ``group_repeats=True`` checks that every reset takes whole loaded batches with their copies
+  (TorchRL sizes its primer's batch so that it does).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensor_collection
 
 from rlpost.data.specs import Composite, NonTensor
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
@@ -163,12 +164,11 @@ class DataLoadingPrimer(Transform):
       read as the ``data_key`` column); iterated endlessly (restarted at its end).
 
     Each loaded batch goes through ``collate_fn`` (default: :func:`default_collate_fn`, the
-    ``"text"`` -> ``"query"`` rename) and then, as in TorchRL, into a queue **replayed
-    ``repeats`` times**: with ``batch_size_dl=2`` and ``repeats=3`` the queue is ``a b a b a b``
-    and each reset of ``k`` envs takes the next ``k`` items. With the default
-    ``batch_size_dl=1`` the copies of a row are consecutive (one GRPO group). With
-    ``group_repeats=True`` every reset must take whole replayed batches (all copies of a prompt
-    in one reset).
+    ``"text"`` -> ``"query"`` rename) and then, as in TorchRL, into a queue with every row
+    ``repeats`` times in a row: with ``batch_size_dl=2`` and ``repeats=3`` the queue is
+    ``a a a b b b`` and each reset of ``k`` envs takes the next ``k`` items (copies continue
+    over the next resets). With ``group_repeats=True`` every reset must take whole loaded
+    batches with all their copies (all copies of a prompt in one reset).
 
     A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
     collated row (or those of ``primers``), the prompt under ``data_key`` (from
@@ -369,9 +369,9 @@ class DataLoadingPrimer(Transform):
         return collated
 
     def _fill_queue(self) -> None:
-        """Load the next batch into the queue, replayed ``repeats`` times."""
+        """Load the next batch into the queue, each row ``repeats`` times in a row."""
         batch = self._load_iterable_batch() if self.is_iterable else self._load_rows_batch()
-        self._queue.extend(item for _ in range(self.repeats) for item in batch)
+        self._queue.extend(item for item in batch for _ in range(self.repeats))
         self.served = 0
 
     def _peek_item(self) -> PromptItem:
@@ -398,7 +398,8 @@ class DataLoadingPrimer(Transform):
         return item
 
     def _check_whole_groups(self, num_items: int) -> None:
-        """With group_repeats, a reset must start and end at the boundary of a replayed batch."""
+        """With group_repeats, a reset must start and end at the boundary of a loaded batch's
+        copies."""
         aligned = self.served == 0
         if aligned and not self.is_iterable:
             epoch, position, left = self.epoch, self.position, num_items
@@ -509,10 +510,13 @@ def _is_batch_iterable(source: Any) -> bool:
 
 
 def _batch_rows(batch: Any, data_key: str, description: str) -> list[dict[str, Any]]:
-    """A loaded batch as a list of row dicts: from a dict of columns, a list of dicts, or bare
-    strings (read as the ``data_key`` column)."""
+    """A loaded batch as a list of row dicts: from a TensorDict of batch ``[n]``, a dict of
+    columns, a list of dicts, or bare strings (read as the ``data_key`` column)."""
     if isinstance(batch, str):
         return [{data_key: batch}]
+    if is_tensor_collection(batch):  # a TensorDict of batch [n] (TorchRL's collate functions build one)
+        rows = batch.unbind(0) if batch.batch_dims else [batch]
+        return [row.to_dict() for row in rows]
     if isinstance(batch, Mapping):
         columns = {key: _column_values(value) for key, value in batch.items()}
         lengths = {len(values) for values in columns.values()}

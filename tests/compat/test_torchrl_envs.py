@@ -221,16 +221,18 @@ def test_from_dataloader_with_a_torch_dataloader_and_the_default_text_rename():
     assert env.reset()["query"] == ["question 2", "question 3"]
 
 
-def test_repeats_replay_a_whole_batch_over_the_next_resets():
-    """TorchRL's meaning: the loaded batch goes into a queue ``repeats`` times, so with a
-    dataloader batch of 2 and 2 envs, each batch is replayed over the next resets."""
+def test_repeats_queue_each_row_repeats_times_across_resets():
+    """TorchRL's meaning: each row of a loaded batch is queued ``repeats`` times in a row and a
+    reset of k envs takes the next k items, so copies continue over the next resets."""
     primer = DataLoadingPrimer(StrLoader(batch_size=2), repeats=3)
     env = ChatEnv(batch_size=(2,)).append_transform(primer)
     assert env.transform.state_keys[0] == "query" and primer.repeats == 3
-    queries = [env.reset()["query"] for _ in range(4)]
-    assert queries == [["prompt 1-0", "prompt 1-1"]] * 3 + [["prompt 2-0", "prompt 2-1"]]
-    ids = env.reset()["prompt_id"].tolist()
-    assert ids == [2, 3]  # copies share an id, each loaded item gets a new one
+    resets = [env.reset() for _ in range(4)]
+    assert [td["query"] for td in resets] == [
+        ["prompt 1-0", "prompt 1-0"], ["prompt 1-0", "prompt 1-1"], ["prompt 1-1", "prompt 1-1"],
+        ["prompt 2-0", "prompt 2-0"],
+    ]  # fmt: skip
+    assert [td["prompt_id"].tolist() for td in resets] == [[0, 0], [0, 1], [1, 1], [2, 2]]
 
 
 def test_repeats_with_one_row_batches_give_consecutive_groups():
@@ -242,7 +244,7 @@ def test_repeats_with_one_row_batches_give_consecutive_groups():
 def test_group_repeats_puts_every_copy_of_a_batch_in_one_reset():
     rows = [{"query": f"q{i}"} for i in range(4)]
     env = DatasetChatEnv(dataset=rows, shuffle=False, num_envs=4, repeats=2, batch_size_dl=2, group_repeats=True)
-    assert env.reset()["query"] == ["q0", "q1", "q0", "q1"]
+    assert env.reset()["query"] == ["q0", "q0", "q1", "q1"]
     assert env.primer.batch_size == (8,)  # TorchRL: group_repeats multiplies the primer's batch by repeats
     with pytest.raises(ValueError, match="whole groups of 4"):
         env.reset(TensorDict(batch_size=(3,)))
