@@ -6,6 +6,10 @@
 - tasks: :class:`GSM8KEnv`, :class:`ArithmeticEnv`, :class:`ToolArithmeticEnv`, reward
   transforms, and :func:`make_env`,
   which builds the env of a job config,
+- GSM8K (:mod:`rlpost.envs.gsm8k`): :func:`make_gsm8k_env`, the prompt transform
+  :class:`GSM8KPrepareQuestion` (and :class:`GSM8KEnv`, :class:`GSM8KRewardParser`),
+- IFEval (:mod:`rlpost.envs.ifeval`): :class:`IFEvalEnv`, the reward transform
+  :class:`IfEvalScorer` and its :class:`IFEvalScoreData`,
 - ``as_nested_tensor`` / ``as_padded_tensor`` (stacking rows of different lengths; they live in
   :mod:`rlpost.data` and are re-exported here and in :mod:`rlpost.envs.transforms`, TorchRL's
   place for them),
@@ -20,6 +24,8 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv
+from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
+from rlpost.envs.ifeval import IFEvalEnv, IFEvalScoreData, IfEvalScorer
 from rlpost.envs.tasks import (
     AnswerRewardParser,
     ArithmeticEnv,
@@ -30,6 +36,7 @@ from rlpost.envs.tasks import (
     make_env,
 )
 from rlpost.envs.kl import KLComputation, RetrieveKL, RetrieveLogProb
+from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
 from rlpost.envs.transforms import (
     Compose,
     HermesToolCallParser,
@@ -52,9 +59,14 @@ __all__ = [
     "EnvBase",
     "EnvInputError",
     "GSM8KEnv",
+    "GSM8KPrepareQuestion",
     "GSM8KRewardParser",
     "HermesToolCallParser",
+    "IFEvalEnv",
+    "IFEvalScoreData",
+    "IfEvalScorer",
     "KLComputation",
+    "MLGymWrapper",
     "PythonInterpreter",
     "RetrieveKL",
     "RetrieveLogProb",
@@ -68,4 +80,6 @@ __all__ = [
     "as_nested_tensor",
     "as_padded_tensor",
     "make_env",
+    "make_gsm8k_env",
+    "make_mlgym",
 ]

@@ -91,11 +91,18 @@ def parse_gsm8k_target(answer_field: str) -> str:
     return normalize_answer(target)
 
 
+def final_answer(completion: str) -> str | None:
+    """The last answer (:func:`extract_answer`) when it ends the completion, else None: None when
+    there is no answer tag or when text other than whitespace follows its ``</answer>``."""
+    answer = extract_answer(completion)
+    return None if answer is None or _text_after_answer(completion) else answer
+
+
 def answer_reward(completion: str, target: str) -> float:
     """1.0 if the last answer equals ``target`` once both are normalised, 0.1 if it is wrong, 0.0
     if there is no answer tag or text other than whitespace follows its ``</answer>``."""
-    answer = extract_answer(completion)
-    if answer is None or _text_after_answer(completion):
+    answer = final_answer(completion)
+    if answer is None:
         return 0.0
     return CORRECT_REWARD if normalize_answer(answer) == normalize_answer(target) else FORMAT_REWARD
 

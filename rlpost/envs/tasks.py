@@ -1,4 +1,4 @@
-"""Tasks: GSM8K, the synthetic arithmetic task, user reward functions, and :func:`make_env`.
+"""Tasks: the synthetic arithmetic task, user reward functions, and :func:`make_env`.
 
 A task is a :class:`DatasetChatEnv` with a system prompt and reward transforms. The reward
 transforms add to ``next["reward"]`` (0 after the base step), so several compose: e.g. the
@@ -7,13 +7,12 @@ answer reward plus a user's extra reward.
 - :class:`AnswerRewardParser`: the answer-format reward of :mod:`rlpost.envs.rewards` (1.0
   correct, 0.1 answer tag present but wrong, 0.0 no answer tag) against the row's ``answer``;
   with ``set_done_if_answer`` the episode terminates as soon as a response holds an answer.
-  :class:`GSM8KRewardParser` reads the target after ``####`` in the GSM8K answer field.
 - :class:`UserReward`: ``fn(completion, row)`` from a dotted path. A failure (exception,
   non-number, NaN) gives that sample 0 and is counted by error type in ``errors`` (the env sums
   them in ``env.reward_errors``); it never stops the env.
 
-Deviation from TorchRL's ``GSM8KRewardParser``: one scalar reward per step (no separate
-format/answer/think components in the TensorDict), read from the latest policy response.
+GSM8K (:class:`GSM8KEnv`, :class:`GSM8KRewardParser`, TorchRL's reward fields) lives in
+:mod:`rlpost.envs.gsm8k` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -35,7 +34,8 @@ from rlpost.envs.arithmetic import (
 from rlpost.envs.chat import as_list
 from rlpost.envs.datasets import DatasetChatEnv
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.rewards import answer_reward, has_answer, load_reward_fn, parse_gsm8k_target, reward_value
+from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT, GSM8KEnv, GSM8KRewardParser  # noqa: F401  (re-exported)
+from rlpost.envs.rewards import answer_reward, has_answer, load_reward_fn, reward_value
 from rlpost.envs.sandbox import SandboxUnavailable
 from rlpost.envs.transforms import (
     HermesToolCallParser,
@@ -50,12 +50,6 @@ if TYPE_CHECKING:
     from rlpost.config import JobConfig, ToolsConfig
 
 logger = logging.getLogger(__name__)
-
-GSM8K_SYSTEM_PROMPT = (
-    "You are a careful assistant who solves grade-school math word problems. First reason about "
-    "the problem step by step inside <think> </think> tags, then write only the final number "
-    "inside <answer> </answer> tags, e.g. <think>reasoning</think><answer>42</answer>."
-)
 
 
 class AnswerRewardParser(Transform):
@@ -109,13 +103,6 @@ class AnswerRewardParser(Transform):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(answer_key={self.answer_key!r}, set_done_if_answer={self.set_done_if_answer})"
-
-
-class GSM8KRewardParser(AnswerRewardParser):
-    """The GSM8K reward: the target is the text after ``####`` in the dataset's answer field."""
-
-    def __init__(self, *, answer_key: str = "answer", set_done_if_answer: bool = True) -> None:
-        super().__init__(answer_key=answer_key, parse_target=parse_gsm8k_target, set_done_if_answer=set_done_if_answer)
 
 
 class UserReward(Transform):
@@ -175,32 +162,6 @@ def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
     return next_td
 
 
-_GSM8K_HUB_NAMES = ("openai/gsm8k", "gsm8k")
-
-
-class GSM8KEnv(DatasetChatEnv):
-    """GSM8K (Cobbe et al. 2021) as a chat env: ``openai/gsm8k`` (subset ``main`` unless
-    ``name`` says otherwise) by default.
-
-    Keyword args are those of :class:`DatasetChatEnv`, plus ``compute_reward`` (append a
-    :class:`GSM8KRewardParser`, default True). As in TorchRL, ``max_steps`` defaults to 1 (one
-    answer per episode); raise it for tool use. Pass a local jsonl/parquet with ``question``
-    and ``answer`` columns as ``dataset`` to run offline.
-    """
-
-    SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
-
-    def __init__(
-        self, *, dataset: Any = "openai/gsm8k", name: str | None = None, compute_reward: bool = True,
-        max_steps: int | None = 1, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        if name is None and dataset in _GSM8K_HUB_NAMES:
-            name = "main"  # the hub dataset's configurations are "main" and "socratic"
-        super().__init__(dataset=dataset, name=name, max_steps=max_steps, **kwargs)
-        if compute_reward:
-            self.append_transform(GSM8KRewardParser())
-
-
 class ArithmeticEnv(DatasetChatEnv):
     """The tiny model's synthetic task: "What is a + b?" -> ``<answer>c</answer>``, offline.
 
@@ -246,10 +207,11 @@ def make_env(
     """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size).
 
     task "arithmetic": ArithmeticEnv (generated rows unless ``data.dataset`` is set); "gsm8k":
-    GSM8KEnv; "custom": DatasetChatEnv with ``data.reward_fn`` as the reward. ``data.reward_fn``
-    with another task adds to the task's reward. ``rollout.max_turns`` bounds the steps of an
-    episode. ``num_shards``/``shard_index`` split the prompt order between env pools. Mistakes in
-    the data section (a missing column, a bad reward path) raise ``ConfigError`` naming it.
+    GSM8KEnv with ``strict_format=True``; "custom": DatasetChatEnv with ``data.reward_fn`` as the
+    reward. ``data.reward_fn`` with another task adds to the task's reward. ``rollout.max_turns``
+    bounds the steps of an episode. ``num_shards``/``shard_index`` split the prompt order between
+    env pools. Mistakes in the data section (a missing column, a bad reward path) raise
+    ``ConfigError`` naming it.
     """
     from rlpost.config import ConfigError
 
@@ -267,7 +229,9 @@ def make_env(
                 dataset=data.dataset, name=data.subset, split=data.split, num_rows=data.num_synthetic_rows, **common
             )
         elif data.task == "gsm8k":
-            env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
+            # rlpost's strict answer rule: text after </answer> scores 0, so the policy learns to
+            # stop after its answer (see rlpost.envs.rewards)
+            env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, strict_format=True, **common)
         else:
             env = DatasetChatEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
         pool = FunctionPool() if data.reward_fn or cfg.tools.functions else None

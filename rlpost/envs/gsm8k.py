@@ -1,0 +1,586 @@
+"""GSM8K (Cobbe et al. 2021) with TorchRL's API: :class:`GSM8KEnv`, :func:`make_gsm8k_env`,
+:class:`GSM8KPrepareQuestion` and :class:`GSM8KRewardParser`.
+
+The reward follows TorchRL's GRPO convention. For each policy response :class:`GSM8KRewardParser`
+writes, in ``next``::
+
+    reward_answer  1.0 if the response holds a non-empty <answer>...</answer>, else 0.0
+    reward_think   1.0 if it holds a non-empty <think>...</think>, else 0.0
+    reward_right   correct_reward (1.0) if the answer is right, format_reward (0.1) if it is
+                   wrong, 0.0 without an answer
+    reward         reward_right (added to what ``next["reward"]`` already holds)
+    success        True if the answer is right
+
+The reference answer is the text after the last ``####`` of the dataset's answer field. An answer
+is right when it equals the reference once both are normalised (TorchRL's rule,
+:meth:`GSM8KRewardParser.normalize_answer`) or, unless ``use_math_verify=False``, when the
+math-verify library finds them equivalent (``\\boxed{1/2}`` and ``0.5``; two plain numbers are
+compared by value directly, as math-verify would). math-verify runs in a worker process with a
+wall-clock limit: its own time limits use ``signal.alarm``, which works only on a process's main
+thread, so they are turned off here.
+
+Deliberate deviations from TorchRL:
+
+- Answers TorchRL's string comparison rejects but math-verify accepts are right: equivalent forms
+  (``\\frac{1}{2}`` for ``0.5``) and a number in words (``<answer>36 snakes</answer>`` for 36),
+  which TorchRL scores 0.1. ``use_math_verify=False`` gives TorchRL's comparison exactly.
+- A verification that runs past ``verify_timeout_s`` scores 0 (``reward_right`` 0, ``success``
+  False) and is counted in ``errors["Timeout"]`` (the env's ``reward_errors``); it never hangs.
+- The fields are ``[B, 1]`` like every reward of a :class:`~rlpost.envs.chat.ChatEnv` (TorchRL
+  writes ``[B, 1, 1]``, broadcastable to token rewards).
+- The reference is the text after the *last* ``####`` (TorchRL splits on ``"#### "`` and needs
+  exactly one). A dataset row whose answer has none scores 0 and is counted in
+  ``errors["ValueError"]`` (TorchRL stops with an unpacking error); a missing or empty reference
+  answer raises, naming the key.
+- ``strict_format=True`` keeps rlpost's own answer rule (:func:`~rlpost.envs.rewards.final_answer`:
+  the last ``<answer>``, which may be left unclosed at the end, and nothing but whitespace after
+  its ``</answer>``); :func:`~rlpost.envs.tasks.make_env` uses it for training runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from typing import Any, Literal
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+from rlpost.envs.chat import as_list
+from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.function_pool import FunctionPool
+from rlpost.envs.rewards import final_answer
+from rlpost.envs.rewards import has_answer as has_answer_tag
+from rlpost.envs.transforms import Transform
+
+logger = logging.getLogger(__name__)
+
+# TorchRL's GSM8KEnv.SYSTEM_PROMPT, word for word (line breaks included).
+GSM8K_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\n"
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer.\n"
+    "The reasoning process and answer are enclosed within <think></think> and <answer></answer> tags, "
+    "respectively,\n"
+    "i.e., <think>reasoning process here</think> <answer>answer here</answer>. The answer should be a number."
+)
+
+# TorchRL's template of GSM8KPrepareQuestion (``%s`` is the question).
+BASE_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think></think> and <answer></answer> "
+    "tags, respectively, i.e., <think>reasoning process here</think> <answer>answer here</answer>. "
+    "User: %s. Assistant: <think>"
+)
+
+GSM8K_HUB_NAMES = ("openai/gsm8k", "gsm8k")
+REWARD_KEYS = ("reward_answer", "reward_think", "reward_right", "reward", "success")
+MATH_VERIFY_REQUIREMENT = "math-verify>=0.9,<0.10"
+
+_RESPONSE_KEYS = {(mode, field) for mode in ("history", "text", "tokens") for field in ("full", "response")}
+_RESPONSE_KEYS.add("text_response")  # TorchRL 0.9's action key: its make_gsm8k_env names it in in_keys
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_TURN_END = "<|im_end|>"
+_POOL_LOCK = threading.Lock()  # module-level, so that parsers (and the envs holding them) stay picklable
+
+
+# ---------------------------------------------------------------------------- math-verify
+
+
+class _DropDisabledTimeoutNotice(logging.Filter):
+    """math-verify logs a warning the first time its time limits are off; here that is intended
+    (the caller enforces the limit), so the notice is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_NOTICE_FILTER = _DropDisabledTimeoutNotice()
+
+
+def math_verify_equal(answer: str, target: str) -> bool:
+    """Whether math-verify finds ``answer`` equivalent to ``target``: ``verify(parse(target),
+    parse(answer))``, False when either has nothing math-verify can read.
+
+    math-verify's own time limits are turned off (``parse(..., parsing_timeout=None)``,
+    ``verify(..., timeout_seconds=None)``): they use ``signal.alarm``, which only works on the main
+    thread of the main interpreter, so off it (a thread, a Ray actor's executor) math-verify
+    raises instead of checking. This function therefore works from any thread but has no time
+    limit of its own: :class:`GSM8KRewardParser` runs it in a
+    :class:`~rlpost.envs.function_pool.FunctionPool` worker process that is killed past the limit.
+    """
+    from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        math_logger = logging.getLogger(name)
+        if _NOTICE_FILTER not in math_logger.filters:
+            math_logger.addFilter(_NOTICE_FILTER)
+    gold = parse(target, parsing_timeout=None)
+    prediction = parse(answer, parsing_timeout=None)
+    return bool(gold) and bool(prediction) and bool(verify(gold, prediction, timeout_seconds=None))
+
+
+def gsm8k_target(answer_field: Any) -> str:
+    """The reference answer of a GSM8K answer field: the stripped text after its last ``####``.
+    A field without one (or with nothing after it) raises ``ValueError``."""
+    text = answer_field if isinstance(answer_field, str) else str(answer_field)
+    marker = text.rfind("####")
+    target = text[marker + 4 :].strip() if marker >= 0 else ""
+    if not target:
+        preview = text if len(text) <= 200 else text[:200] + "..."
+        raise ValueError(f"GSM8K answer has no final answer after '####': {preview!r}")
+    return target
+
+
+# ---------------------------------------------------------------------------- the reward
+
+
+class GSM8KRewardParser(Transform):
+    """TorchRL's GSM8K reward (see the module docstring for the fields and the deviations).
+
+    Args (TorchRL's, in its order):
+        tokenizer: the model's tokenizer; only its ``eos_token`` is used (removed from the end of
+            a response). The env decodes token responses itself.
+        in_keys: ``[response key, answer key]``. The response is always read from the env's
+            ``input_mode`` (:meth:`~rlpost.envs.chat.ChatEnv.last_responses`), so the first key
+            must be one of TorchRL's response keys (``("history", "full")``, ``("text",
+            "response")``, ``"text_response"``, ...); the second names the reference answer.
+        out_keys: the names written for ``reward_answer``, ``reward_think``, ``reward_right``,
+            ``reward`` and ``success``, in that order.
+        eos_token: removed from the end of responses; defaults to ``tokenizer.eos_token``.
+        set_done_if_answer: end the episode (``terminated`` and ``done``) once a response holds
+            an answer.
+        input_mode: the env's input mode; read from the env when None, and an error if it differs.
+        format_reward: ``reward_right`` of a wrong answer. correct_reward: that of a right one.
+
+    Keyword Args (rlpost's):
+        answer_key: the key of the reference answer (default ``in_keys[1]``, else ``"answer"``).
+        strict_format: rlpost's answer rule instead of TorchRL's (see the module docstring); the
+            episode then ends on any ``<answer>`` tag, as rlpost's other answer rewards do.
+        use_math_verify: also accept answers math-verify finds equivalent (default). False gives
+            TorchRL's string comparison.
+        verify_timeout_s: wall-clock limit of one math-verify check.
+        pool: the :class:`~rlpost.envs.function_pool.FunctionPool` that runs the checks (one
+            worker process, started on the first check, by default).
+
+    ``errors`` counts the samples scored 0 because of a failure, by type: ``"ValueError"`` (a
+    dataset answer without ``####``), ``"Timeout"`` (a check past ``verify_timeout_s``), or the
+    worker's error. The env sums them in ``reward_errors``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        in_keys: Sequence[Any] | None = None,
+        out_keys: Sequence[Any] | None = None,
+        eos_token: str | None = None,
+        set_done_if_answer: bool = True,
+        input_mode: Literal["history", "text", "tokens"] | None = None,
+        format_reward: float = 0.1,
+        correct_reward: float = 1.0,
+        *,
+        answer_key: str | None = None,
+        strict_format: bool = False,
+        use_math_verify: bool = True,
+        verify_timeout_s: float = 5.0,
+        pool: FunctionPool | None = None,
+    ) -> None:
+        super().__init__()
+        response_key, answer_key = self._check_in_keys(in_keys, answer_key)
+        self.in_keys = [response_key, answer_key]
+        self.answer_key = answer_key
+        self.state_keys = (answer_key,)  # carried step to step: a later turn is scored against it
+        if out_keys is None:
+            out_keys = REWARD_KEYS
+        if len(out_keys) != len(REWARD_KEYS):
+            raise ValueError(
+                f"GSM8KRewardParser out_keys must name the {len(REWARD_KEYS)} fields {list(REWARD_KEYS)} "
+                f"in that order; got {list(out_keys)}"
+            )
+        self.out_keys = list(out_keys)
+        self._out = dict(zip(REWARD_KEYS, self.out_keys))
+        if input_mode not in (None, "history", "text", "tokens"):
+            raise ValueError(f"GSM8KRewardParser input_mode must be 'history', 'text' or 'tokens', got {input_mode!r}")
+        if verify_timeout_s <= 0:
+            raise ValueError(f"GSM8KRewardParser verify_timeout_s must be > 0, got {verify_timeout_s}")
+        if use_math_verify and importlib.util.find_spec("math_verify") is None:
+            raise ImportError(
+                f"GSM8KRewardParser checks answers with math-verify, which is not installed: pip install "
+                f"'{MATH_VERIFY_REQUIREMENT}' (or pass use_math_verify=False for TorchRL's string comparison)"
+            )
+        self.tokenizer = tokenizer
+        self.eos_token = eos_token if eos_token is not None else getattr(tokenizer, "eos_token", None)
+        self.set_done_if_answer, self.input_mode = set_done_if_answer, input_mode
+        self.format_reward, self.correct_reward = float(format_reward), float(correct_reward)
+        self.strict_format, self.use_math_verify = strict_format, use_math_verify
+        self.verify_timeout_s = float(verify_timeout_s)
+        self._pool = pool
+        self.errors: Counter = Counter()
+
+    @staticmethod
+    def _check_in_keys(in_keys: Sequence[Any] | None, answer_key: str | None) -> tuple[Any, str]:
+        if in_keys is None:
+            return None, answer_key or "answer"
+        in_keys = list(in_keys)
+        if len(in_keys) != 2:
+            raise ValueError(f"GSM8KRewardParser in_keys must be [response key, answer key], got {in_keys}")
+        response_key, key = in_keys
+        response_key = tuple(response_key) if isinstance(response_key, (list, tuple)) else response_key
+        if response_key not in _RESPONSE_KEYS:
+            raise ValueError(
+                f"GSM8KRewardParser in_keys[0]={in_keys[0]!r} is not a response key: the response is read "
+                f"from the env's input_mode; use one of {sorted(map(str, _RESPONSE_KEYS))}"
+            )
+        if answer_key is not None and answer_key != key:
+            raise ValueError(f"GSM8KRewardParser: answer_key={answer_key!r} contradicts in_keys[1]={key!r}")
+        return response_key, key
+
+    # ------------------------------------------------------------------ TorchRL's helpers
+
+    @staticmethod
+    def extract_tags(text: str) -> tuple[str, str]:
+        """``(think, answer)``: the stripped contents of the first ``<think>...</think>`` and the
+        first ``<answer>...</answer>``, "" for a tag that is absent (or never closed)."""
+        think, answer = _THINK.search(text), _ANSWER.search(text)
+        return (think.group(1).strip() if think else "", answer.group(1).strip() if answer else "")
+
+    @staticmethod
+    def normalize_answer(answer: str) -> str:
+        """TorchRL's comparable form of a numeric answer: stripped, without ``,``, ``$`` and ``%``
+        or a trailing ``.``, and without trailing decimal zeros (``"$1,234.50"`` -> ``"1234.5"``,
+        ``"120.0"`` -> ``"120"``)."""
+        text = answer.strip()
+        for char in ",$%":
+            text = text.replace(char, "")
+        text = text.rstrip(".")
+        if "." in text:
+            text = text.rstrip("0").rstrip(".")
+        return text
+
+    # ------------------------------------------------------------------ scoring
+
+    def check_answer(self, answer: str, true_answer: str) -> bool:
+        """Whether ``answer`` is right for the reference ``true_answer`` (see the module
+        docstring). A check that fails or runs past ``verify_timeout_s`` is False and counted in
+        ``errors``. Safe from any thread."""
+        return self._verify(answer, true_answer)[0]
+
+    def score(self, completion: str, answer_field: Any) -> dict[str, Any]:
+        """The reward fields of one response against one dataset answer field, under TorchRL's
+        names (``reward_answer``, ``reward_think``, ``reward_right``, ``reward``, ``success``),
+        plus ``"answered"``: whether the response ends the episode (``set_done_if_answer``)."""
+        text = self._strip_end(completion)
+        think, answer = self.extract_tags(text)
+        if self.strict_format:
+            answer = final_answer(text)
+            has_answer, answered = answer is not None, has_answer_tag(text)
+        else:
+            has_answer = answered = bool(answer)
+        correct, error = False, None
+        if has_answer:
+            try:
+                target = gsm8k_target(answer_field)
+            except ValueError as exc:
+                error = self._count("ValueError", f"bad reference answer: {exc}")
+            else:
+                correct, error = self._verify(answer, target)
+        if correct:
+            right = self.correct_reward
+        elif has_answer and error is None:
+            right = self.format_reward
+        else:
+            right = 0.0
+        return {
+            "reward_answer": float(has_answer), "reward_think": float(bool(think)), "reward_right": right,
+            "reward": right, "success": correct, "answered": answered,
+        }  # fmt: skip
+
+    def _strip_end(self, completion: str) -> str:
+        text = completion
+        if self.eos_token:
+            text = text.removesuffix(self.eos_token)
+        return text.removesuffix(_TURN_END)
+
+    def _verify(self, answer: str, target: str) -> tuple[bool, str | None]:
+        """(right, error type or None). Cheap cases are decided here; the rest by math-verify in a
+        worker process with a deadline."""
+        mine, theirs = self.normalize_answer(answer), self.normalize_answer(target)
+        if not mine:
+            return False, None
+        if mine == theirs:
+            return True, None
+        if not self.use_math_verify:
+            return False, None
+        if _PLAIN_NUMBER.fullmatch(mine) and _PLAIN_NUMBER.fullmatch(theirs):
+            return Decimal(mine) == Decimal(theirs), None  # what math-verify decides, without a worker
+        result = self.pool.call(math_verify_equal, (answer, target), timeout_s=self.verify_timeout_s)
+        if result.ok:
+            return bool(result.value), None
+        return False, self._count(result.error or "Error", f"{result.message}\n{result.traceback}".strip())
+
+    def _count(self, error: str, detail: str) -> str:
+        if not self.errors[error]:
+            logger.warning(
+                "GSM8KRewardParser: %s; the sample scores 0 (counted in reward_errors; logged once per error "
+                "type): %s", error, detail,
+            )  # fmt: skip
+        self.errors[error] += 1
+        return error
+
+    @property
+    def pool(self) -> FunctionPool:
+        """The worker pool of the math-verify checks (created on first use)."""
+        with _POOL_LOCK:
+            if self._pool is None:
+                self._pool = FunctionPool()
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the math-verify worker (it starts again when needed)."""
+        if self._pool is not None:
+            self._pool.close()
+
+    # ------------------------------------------------------------------ the env hook
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        env = self._env()
+        if self.input_mode is not None and self.input_mode != env.input_mode:
+            raise ValueError(
+                f"GSM8KRewardParser(input_mode={self.input_mode!r}) is attached to an env with "
+                f"input_mode={env.input_mode!r}"
+            )
+        num_envs = td.batch_size[0]
+        answers = self._reference_answers(td, num_envs)
+        scores = [self.score(text, answer) for text, answer in zip(env.last_responses(td), answers)]
+        reward = next_td.get("reward")
+        for name in REWARD_KEYS:
+            dtype = torch.bool if name == "success" else reward.dtype
+            values = torch.tensor([s[name] for s in scores], dtype=dtype, device=reward.device).view(num_envs, 1)
+            current = next_td.get(self._out[name], None)
+            if current is not None:  # add to what is there, as TorchRL does (e.g. reward from another transform)
+                values = current | values.view_as(current) if dtype is torch.bool else current + values.view_as(current)
+            next_td.set(self._out[name], values)
+        if self.set_done_if_answer:
+            answered = torch.tensor([s["answered"] for s in scores], dtype=torch.bool, device=reward.device)
+            for flag in ("terminated", "done"):
+                next_td.set(flag, next_td.get(flag) | answered.view_as(next_td.get(flag)))
+        return next_td
+
+    def _reference_answers(self, td: TensorDictBase, num_envs: int) -> list[Any]:
+        if self.answer_key not in td.keys():
+            raise ValueError(
+                f"GSM8KRewardParser needs the reference answer under {self.answer_key!r} in the step input; it has "
+                f"keys {sorted(map(str, td.keys()))} (a DatasetChatEnv writes it from answer_column, or pass it "
+                "in the reset input)"
+            )
+        answers = as_list(td.get(self.answer_key), num_envs)
+        for row, answer in enumerate(answers):
+            if answer is None or (isinstance(answer, str) and not answer.strip()):
+                raise ValueError(
+                    f"GSM8KRewardParser: the reference answer under {self.answer_key!r} is empty in row {row} "
+                    f"({answer!r}); check the dataset's answer column"
+                )
+        return answers
+
+    def __repr__(self) -> str:
+        return (
+            f"GSM8KRewardParser(answer_key={self.answer_key!r}, strict_format={self.strict_format}, "
+            f"use_math_verify={self.use_math_verify}, verify_timeout_s={self.verify_timeout_s})"
+        )
+
+
+# ---------------------------------------------------------------------------- the question
+
+
+class GSM8KPrepareQuestion(Transform):
+    """TorchRL's transform that turns each question into the R1-style prompt :data:`BASE_PROMPT`
+    (``"A conversation between User and Assistant. ... User: <question>. Assistant: <think>"``)
+    before the env's reset builds the first prompt.
+
+    Args:
+        in_keys: keys of the questions in the reset input. out_keys: where the prompts go
+            (default: in place).
+
+    Deviations from TorchRL: ``in_keys`` defaults to the env's query key (``env.data_key``)
+    rather than ``"text"`` (TorchRL 0.9's query key; :func:`make_gsm8k_env`'s env reads its
+    query from ``"text"``, so there the two agree). A question already in the template is left
+    as it is, so a query carried into an automatic reset is not wrapped twice. Transforms run in
+    the order they were appended: append it after the DataLoadingPrimer that draws the
+    questions. A missing key or a value that is not a string raises ``ValueError`` naming it.
+    """
+
+    _PREFIX, _SUFFIX = BASE_PROMPT.split("%s")
+
+    def __init__(self, in_keys: Sequence[Any] | None = None, out_keys: Sequence[Any] | None = None) -> None:
+        super().__init__()
+        self._in_keys = None if in_keys is None else list(in_keys)
+        self._out_keys = None if out_keys is None else list(out_keys)
+        if self._in_keys is not None and self._out_keys is not None and len(self._in_keys) != len(self._out_keys):
+            raise ValueError(
+                f"GSM8KPrepareQuestion needs as many out_keys as in_keys, got {self._in_keys} and {self._out_keys}"
+            )
+        if self._in_keys is None and self._out_keys is not None and len(self._out_keys) != 1:
+            raise ValueError(f"GSM8KPrepareQuestion: out_keys={self._out_keys} without in_keys must name one key")
+
+    @property
+    def in_keys(self) -> list[Any]:
+        return self._in_keys if self._in_keys is not None else [self._env().data_key]
+
+    @property
+    def out_keys(self) -> list[Any]:
+        return self._out_keys if self._out_keys is not None else self.in_keys
+
+    @classmethod
+    def prepare(cls, question: str) -> str:
+        """``BASE_PROMPT % question``; a question already in that form is returned as it is."""
+        if question.startswith(cls._PREFIX) and question.endswith(cls._SUFFIX):
+            return question
+        return BASE_PROMPT % question
+
+    def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
+        num_envs = td.batch_size[0]
+        for in_key, out_key in zip(self.in_keys, self.out_keys):
+            if in_key not in td.keys(include_nested=True):
+                raise ValueError(
+                    f"GSM8KPrepareQuestion: no question under {in_key!r} in the reset input (keys "
+                    f"{sorted(map(str, td.keys()))}); append it after the transform that loads the questions"
+                )
+            questions = as_list(td.get(in_key), num_envs)
+            for row, question in enumerate(questions):
+                if not isinstance(question, str):
+                    raise ValueError(
+                        f"GSM8KPrepareQuestion: row {row} of {in_key!r} holds a {type(question).__name__}, "
+                        "expected a string"
+                    )
+            prompts = [self.prepare(q) for q in questions]
+            td.set(out_key, NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=td.batch_size))
+        return td
+
+    def __repr__(self) -> str:
+        return f"GSM8KPrepareQuestion(in_keys={self._in_keys}, out_keys={self._out_keys})"
+
+
+def _refuse_ray_backend(ray_backend: bool) -> None:
+    if ray_backend:
+        raise ValueError(
+            "ray_backend=True is not supported: TorchRL shares one DataLoader between envs through a Ray "
+            "actor; here env pools split one prompt order with num_shards/shard_index instead (each pool "
+            "draws positions shard_index, shard_index + num_shards, ...)"
+        )
+
+
+# ---------------------------------------------------------------------------- the env
+
+
+class GSM8KEnv(DatasetChatEnv):
+    """GSM8K as a chat env, with TorchRL's keywords; ``openai/gsm8k`` (subset ``main``) by default.
+
+    Keyword Args (TorchRL's): ``dataset``, ``shuffle``, ``num_envs``, ``repeats``,
+    ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
+    ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``: as
+    :class:`~rlpost.envs.datasets.DatasetChatEnv` takes them; plus
+
+        compute_reward: append a :class:`GSM8KRewardParser` (default True).
+        max_steps: steps per episode (default 1, one answer); 0 or None for no limit.
+        ray_backend: True raises ``ValueError`` (no Ray data-loading actor here; env pools
+            split the prompt order with ``num_shards``/``shard_index``).
+
+    Keyword Args (rlpost's): ``name`` (subset), ``split``, ``data_key``, ``system_prompt`` (default
+    :data:`GSM8K_SYSTEM_PROMPT`, TorchRL's), ``prompt_column`` (default: the query column a
+    ``collate_fn`` wrote, else ``"question"``), ``answer_column``, ``num_shards``, ``shard_index``,
+    and ``strict_format`` (passed to the reward parser).
+
+    ``dataset`` may be a hub name, a local json/jsonl/parquet file or folder, a list of rows, a
+    ``datasets.Dataset`` or a DataLoader, with ``question`` and ``answer`` columns. TorchRL's
+    default name ``"gsm8k"`` and ``"openai/gsm8k"`` both load subset ``main``.
+    """
+
+    SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
+
+    def __init__(
+        self,
+        *,
+        dataset: Any = "openai/gsm8k",
+        shuffle: bool = True,
+        num_envs: int = 1,
+        repeats: int | None = None,
+        batch_size_dl: int = 1,
+        seed: int | None = None,
+        group_repeats: bool = False,
+        tokenizer: Any = None,
+        device: torch.device | str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False,
+        compute_reward: bool = True,
+        collate_fn: Callable | None = None,
+        max_steps: int | None = 1,
+        input_mode: Literal["history", "text", "tokens"] = "history",
+        ray_backend: bool = False,
+        name: str | None = None,
+        split: str | None = "train",
+        data_key: str | None = None,
+        system_prompt: str | None = None,
+        prompt_column: str | None = None,
+        answer_column: str | None = "answer",
+        num_shards: int = 1,
+        shard_index: int = 0,
+        strict_format: bool = False,
+    ) -> None:
+        _refuse_ray_backend(ray_backend)
+        if name is None and isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES:
+            name = "main"  # the hub dataset's configurations are "main" and "socratic"
+        super().__init__(
+            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
+            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
+            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
+            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, prompt_column=prompt_column,
+            answer_column=answer_column, max_steps=max_steps or None, num_shards=num_shards,
+            shard_index=shard_index,
+        )  # fmt: skip
+        if compute_reward:
+            self.append_transform(GSM8KRewardParser(tokenizer=tokenizer, strict_format=strict_format))
+
+
+def make_gsm8k_env(
+    dataset: Any = "openai/gsm8k",
+    num_envs: int = 1,
+    repeats: int | None = None,
+    batch_size_dl: int = 1,
+    seed: int | None = None,
+    group_repeats: bool = False,
+    tokenizer: Any = None,
+) -> DatasetChatEnv:
+    """TorchRL's older GSM8K builder (TorchRL warns that it is to be deprecated: prefer
+    :class:`GSM8KEnv`, and so does this one).
+
+    As in TorchRL: shuffled train split, the question under ``"text"`` turned into
+    :data:`BASE_PROMPT` by :class:`GSM8KPrepareQuestion` (no system prompt), one step per episode,
+    and a :class:`GSM8KRewardParser` only when a ``tokenizer`` is given (otherwise a warning says
+    that no reward is assigned). Actions may use TorchRL 0.9's ``"text_response"`` key.
+
+    Deviations: the env is a history-mode :class:`~rlpost.envs.datasets.DatasetChatEnv` (the
+    prompt is also in ``history.prompt`` as a user message), and without a tokenizer ``next`` still
+    holds ``reward``, all zeros (a ChatEnv always writes it).
+    """
+    warnings.warn("This constructor is to be deprecated. Use GSM8KEnv instead.", UserWarning, stacklevel=2)
+    env = DatasetChatEnv(
+        dataset=dataset, name="main" if isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES else None,
+        split="train", shuffle=True, num_envs=num_envs, repeats=repeats, batch_size_dl=batch_size_dl, seed=seed,
+        group_repeats=group_repeats, tokenizer=tokenizer, data_key="text", prompt_column="question",
+        answer_column="answer", max_steps=1,
+    )  # fmt: skip
+    env = env.append_transform(GSM8KPrepareQuestion())
+    if tokenizer is not None:
+        env = env.append_transform(GSM8KRewardParser(tokenizer=tokenizer))
+    else:
+        warnings.warn("No tokenizer specified - reward will not be assigned.", UserWarning, stacklevel=2)
+    return env

@@ -1,0 +1,838 @@
+"""MLGym tasks as LLM chat environments (TorchRL's ``make_mlgym`` and ``MLGymWrapper``).
+
+`MLGym <https://github.com/facebookresearch/MLGym>`_ runs machine-learning research tasks in a
+container. Its env is gymnasium-shaped and speaks text: ``reset()`` starts a task,
+``step(command)`` runs one shell command (or an MLGym command such as ``validate`` /
+``submit``) and returns ``(observation, reward, done, info)``; an agent config (``env.config``)
+holds the prompt templates. :class:`MLGymWrapper` turns it into a chat for an LLM policy, in
+rlpost's history mode (the conventions of :class:`~rlpost.envs.ChatEnv`)::
+
+    reset() -> td (batch [B], one MLGym env per row):
+        ("history", "prompt")   ChatHistory: [system message, first user message]
+        ("text", "prompt")      the prompt rendered with the tokenizer (only with a tokenizer)
+        "observation"           the MLGym env's latest output ("" when it gave none)
+        "state"                 what the config's state command printed (JSON text)
+        "message"               the latest user message
+        "task"                  the task name (when tasks are sampled, or asked for at reset)
+        "done", "terminated", "truncated"   bool [B, 1], False
+    step(td) reads ("history", "full") = prompt + the policy's assistant message (or TorchRL's
+    older "text_response": the policy's text after the prompt), and writes
+        td["retry"]   bool [B, 1]: the response held no command, the MLGym env was not stepped
+        td["action"]  the command sent to the MLGym env ("" on retry)
+        td["next"]    the keys of a reset output (the chat grown by the assistant message and a
+                      user message showing the command's output) + "reward" float32 [B, 1]
+
+The command is the last fenced block (```...```) of the assistant message, as MLGym's
+``ThoughtActionParser`` reads it. The user message is the config's ``task_template`` (+
+``strategy_template``) at reset, then ``next_step_template`` (``next_step_no_output_template``
+when the command printed nothing), filled with the task's fields, the tools' docs and
+variables, the state command's JSON fields, ``current_step``, ``remaining_steps`` and
+``observation``. The reward is MLGym's (0) plus ``evaluation score - baseline score`` read from
+the message (:class:`EvaluationOutputParser`, e.g. after ``validate``), plus
+``reward_wrong_format`` on a retry. ``done`` is MLGym's ``done`` (``terminated``).
+
+:func:`make_mlgym` builds the MLGym env of a task (MLGym must be installed: it is not on PyPI,
+``pip install git+https://github.com/facebookresearch/MLGym``; it is imported only there).
+
+Deliberate deviations from TorchRL (whose ``make_mlgym`` is a ``TransformedEnv`` over a
+batch-less ``MLGymWrapper`` and its transforms):
+
+- One class does the work of TorchRL's wrapper and transforms; no specs, no
+  ``append_transform``. Keys are rlpost's history mode: a :class:`ChatHistory` under
+  ``"history"`` (TorchRL: a plain History) and the rendered prompt under ``("text",
+  "prompt")``; a tokenizer is optional (TorchRL's template transform fails without one).
+- Batch ``[B]``, one MLGym env per row (TorchRL: batch-less, one env), rewards and flags
+  ``[B, 1]`` as in every rlpost env.
+- The user message of a step shows the output of the command run in that step; TorchRL's
+  message reads the observation and state of the step's input, one step late.
+- On a retry the MLGym env is not stepped (as in TorchRL) and the message shows the latest
+  output again; its score is not counted again, so a validation score is rewarded once.
+- The command goes under ``"action"``; TorchRL overwrites ``"text_response"`` with it, losing
+  the model's text. An empty fenced block is no command (a retry).
+- Task sampling uses the env's own RNG (:meth:`MLGymWrapper.set_seed`), not NumPy's global
+  one, and a reset rebuilds an MLGym env only when its task changes (TorchRL: whenever the
+  reset input names a task).
+- Scores written ``np.float64(x)`` or next to other metrics are read (TorchRL's parser fails
+  to convert them); an observation of None is ``""``; a config without a state command gives
+  no state fields (TorchRL fails); a template field that cannot be filled raises ValueError
+  naming it; a missing ``next_step(_no_output)_template`` falls back as MLGym's agent config
+  does; fields of the same name are taken from, by priority, ``observation`` and the step
+  counts, the state, the tools, the task (TorchRL raises TypeError on duplicates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import os
+import random
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+
+from rlpost.data import ChatHistory, History, Text
+
+__all__ = ["MLGYM_INSTALL_HINT", "EvaluationOutputParser", "MLGymWrapper", "make_mlgym", "parse_command"]
+
+MLGYM_INSTALL_HINT = "pip install git+https://github.com/facebookresearch/MLGym"
+SYSTEM_ROLE, USER_ROLE, POLICY_ROLE = "system", "user", "assistant"
+RESPONSE_KEY = "text_response"  # TorchRL's action key: the policy's text after the prompt
+_FLAGS = ("done", "terminated", "truncated")
+# What the wrapper uses of an MLGym env (mlgym.environment.env.MLGymEnv) and of its agent config.
+_ENV_ATTRIBUTES = (
+    "reset", "step", "communicate", "reset_container", "add_commands",
+    "config", "task_workspace", "current_step", "max_steps",
+)  # fmt: skip
+_CONFIG_ATTRIBUTES = (
+    "system_template", "task_template", "state_command", "env_variables", "command_files", "tools_handler",
+)  # fmt: skip
+# End-of-turn markers cut from a "text_response" (with the tokenizer's EOS token).
+_TURN_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
+_FENCE = re.compile(r"```(\S*)\s*")
+_SCORE = r"\{'Score': (?:[\w.]+\()?([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_command(response: str) -> str | None:
+    """The command of an assistant message: its last top-level fenced block, stripped.
+
+    Fences are lines starting with three backticks. A fence with a language tag
+    (```` ```bash ````) always opens a block, possibly nested; a bare fence closes the open
+    block, or opens one when none is open. Blocks still open at the end are ignored. Returns
+    None when there is no closed block or the last one is blank (MLGym's
+    ``ThoughtActionParser`` raises its format error there).
+    """
+    if not isinstance(response, str):
+        raise ValueError(f"parse_command expects the assistant's text, got {type(response).__name__}")
+    depth, content_start, found, offset = 0, 0, None, 0
+    for line in response.splitlines(keepends=True):
+        fence = _FENCE.fullmatch(line.rstrip("\r\n"))
+        if fence is not None:
+            if depth and not fence.group(1):
+                depth -= 1
+                if depth == 0:
+                    found = response[content_start:offset]
+            else:
+                if depth == 0:
+                    content_start = offset + len(line)
+                depth += 1
+        offset += len(line)
+    if found is None or not found.strip():
+        return None
+    return found.strip()
+
+
+class EvaluationOutputParser:
+    """Reads MLGym's evaluation output (TorchRL's parser of the same name).
+
+    Calling it on a text returns the fields found: ``submission_artefact_path``,
+    ``baseline_score`` and ``evaluation_score`` (floats, from ``Baseline Score: {'Score': x}``
+    and ``Evaluation Score: {'Score': x}``), ``current_step`` and ``remaining_steps`` (ints),
+    ``open_file`` and ``current_directory``. :meth:`reward` is ``evaluation_score -
+    baseline_score``, a missing one counting as 0.
+
+    Deviation from TorchRL: a score written ``np.float64(x)`` or followed by other metrics in
+    the same dict is read; TorchRL's float conversion fails on both.
+    """
+
+    patterns: dict[str, re.Pattern] = {
+        "submission_artefact_path": re.compile(r"valid submission artefact at (.*)\."),
+        "baseline_score": re.compile(r"Baseline Score: " + _SCORE),
+        "evaluation_score": re.compile(r"Evaluation Score: " + _SCORE),
+        "current_step": re.compile(r"\(Current Step: (\d+),"),
+        "remaining_steps": re.compile(r"Remaining Steps: (\d+)\)"),
+        "open_file": re.compile(r"\(Open file: (.*)\)"),
+        "current_directory": re.compile(r"\(Current directory: (.*)\)"),
+    }
+    converters: dict[str, Callable[[str], Any]] = {
+        "baseline_score": float,
+        "evaluation_score": float,
+        "current_step": int,
+        "remaining_steps": int,
+    }
+
+    def __call__(self, output: str) -> dict[str, Any]:
+        if not isinstance(output, str):
+            raise ValueError(f"EvaluationOutputParser reads text, got {type(output).__name__}")
+        parsed: dict[str, Any] = {}
+        for name, pattern in self.patterns.items():
+            match = pattern.search(output)
+            if match is not None:
+                parsed[name] = self.converters.get(name, str)(match.group(1).strip())
+        return parsed
+
+    def reward(self, output: str) -> float:
+        parsed = self(output)
+        return parsed.get("evaluation_score", 0.0) - parsed.get("baseline_score", 0.0)
+
+
+# ---------------------------------------------------------------------------- the wrapper
+
+
+class MLGymWrapper:
+    """MLGym env(s) as an LLM chat env in history mode; see the module docstring for the keys.
+
+    Args:
+        env: an MLGym env (``mlgym.environment.env.MLGymEnv``, or an object with its methods
+            and an agent config under ``env.config``), or a list of them: one per batch row.
+
+    Keyword Args:
+        tokenizer: a transformers tokenizer, or a name/path for ``AutoTokenizer``; when given,
+            every prompt is also rendered under ``("text", "prompt")``.
+        device: device of the tensors the env creates.
+        reward_wrong_format: added to the reward of a step whose response held no command.
+        task: name of the task the given env(s) run (None: unnamed).
+        tasks: task names to draw from, uniformly, at each reset of a row (needs ``make_env``).
+        make_env: builds the MLGym env of a task name; used when a reset draws a task, or its
+            input names one under ``"task"``, other than the row's current task (the old env
+            is closed).
+        workdir: directory the MLGym env is driven from (MLGym resolves its config paths
+            relative to its repository root; :func:`make_mlgym` passes it).
+        template_kwargs: extra keyword arguments for ``apply_chat_template``.
+
+    Attributes:
+        envs: the MLGym env of each row (replaced when a row changes task).
+        current_tasks: the task name of each row (None: unnamed).
+    """
+
+    input_mode = "history"
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        tokenizer: Any = None,
+        device: torch.device | str | None = None,
+        reward_wrong_format: float | None = None,
+        task: str | None = None,
+        tasks: Sequence[str] | None = None,
+        make_env: Callable[[str], Any] | None = None,
+        workdir: str | os.PathLike | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        envs = list(env) if isinstance(env, (list, tuple)) else [env]
+        if not envs:
+            raise ValueError("MLGymWrapper needs at least one MLGym env, got an empty list")
+        for one in envs:
+            _check_env(one)
+        if task is not None and (not isinstance(task, str) or not task):
+            raise ValueError(f"task must be a task name (a non-empty str), got {task!r}")
+        if tasks is not None:
+            if isinstance(tasks, str) or not isinstance(tasks, Iterable):
+                raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
+            tasks = list(tasks)
+            if not tasks or not all(isinstance(t, str) and t for t in tasks):
+                raise ValueError(f"tasks must be a non-empty list of task names, got {tasks!r}")
+            if make_env is None:
+                raise ValueError("tasks=... needs make_env, which builds the MLGym env of a task name")
+        if make_env is not None and not callable(make_env):
+            raise ValueError(f"make_env must be callable (task name -> MLGym env), got {make_env!r}")
+        if reward_wrong_format is not None:
+            if isinstance(reward_wrong_format, bool) or not isinstance(reward_wrong_format, numbers.Real):
+                raise ValueError(f"reward_wrong_format must be a number or None, got {reward_wrong_format!r}")
+            reward_wrong_format = float(reward_wrong_format)
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.envs = envs
+        self.batch_size = torch.Size([len(envs)])
+        self.tokenizer = tokenizer
+        self.device = torch.device(device) if device is not None else None
+        self.reward_wrong_format = reward_wrong_format
+        self.tasks = tasks
+        self.make_env = make_env
+        self.workdir = Path(workdir) if workdir is not None else None
+        self.template_kwargs = dict(template_kwargs or {})
+        self.parser = EvaluationOutputParser()
+        self.current_tasks: list[str | None] = [task] * len(envs)
+        self._rng = random.Random()
+
+    # ------------------------------------------------------------------ rlpost env helpers
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """Keys a step reads from its input besides the policy's output (carried from ``next``)."""
+        return ("observation", "task")
+
+    def prompt_rows(self, td: TensorDictBase) -> list[list[dict]]:
+        """Per-row prompts (message dicts) of a reset output or ``next``."""
+        return td.get("history").prompt.to_chats(include_state=True)
+
+    def set_seed(self, seed: int | None, static_seed: bool = False) -> int | None:
+        """Seed the task draws of ``tasks``; returns ``seed`` (``static_seed`` is accepted for
+        TorchRL compatibility and has no effect)."""
+        self._rng.seed(seed)
+        return seed
+
+    def close(self) -> None:
+        """Close every MLGym env (their containers)."""
+        for env in self.envs:
+            env.close()
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
+        """Start a task in every row; the output holds the keys of the module docstring and
+        every key of the input.
+
+        ``td`` (batch ``[B]``, or 0-d for all rows) may name the task of each row under
+        ``"task"``; otherwise rows draw one from ``tasks``, or keep their task.
+        """
+        td = self._reset_input(td)
+        num_rows = self.batch_size[0]
+        if "task" in td.keys():
+            names = _strings(td.get("task"), num_rows, "task")
+            if not all(names):
+                raise ValueError(f"the reset input's 'task' must name a task in every row, got {names!r}")
+        else:
+            names = [self._draw_task() for _ in range(num_rows)]
+        rows = [self._reset_row(i, name) for i, name in enumerate(names)]
+        out = td.exclude("next").clone(recurse=False)
+        out.update(self._pack(rows, with_task=self.tasks is not None or "task" in td.keys(), with_reward=False))
+        return out
+
+    def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
+        if td is None:
+            return TensorDict(batch_size=self.batch_size, device=self.device)
+        if not isinstance(td, TensorDictBase):
+            raise ValueError(f"reset expects a TensorDict or None, got {type(td).__name__}")
+        if td.batch_dims == 0:
+            td = td.expand(self.batch_size).clone()
+        if td.batch_size != self.batch_size:
+            raise ValueError(
+                f"reset expects a TensorDict of batch {tuple(self.batch_size)} (one row per MLGym env), "
+                f"got batch {tuple(td.batch_size)}"
+            )
+        return td
+
+    def _draw_task(self) -> str | None:
+        return self._rng.choice(self.tasks) if self.tasks is not None else None
+
+    def _reset_row(self, row: int, task: str | None) -> dict[str, Any]:
+        with self._in_workdir():
+            if task is not None and task != self.current_tasks[row]:
+                self._switch_task(row, task)
+            env = self.envs[row]
+            env.reset_container()
+            env.communicate(f"cd {Path(str(env.task_workspace)).parent}")
+            observation = _reset_observation(env.reset())
+            self._set_environment_variables(env)
+            system = _fill(env.config, "system_template", {**self._task_fields(env), **_tool_fields(env)})
+            state, state_fields = _read_state(env)
+            message = self._message(env, first=True, observation=observation, state_fields=state_fields)
+        chat = [{"role": SYSTEM_ROLE, "content": system}, {"role": USER_ROLE, "content": message}]
+        return {
+            "chat": chat, "observation": observation, "state": state, "message": message,
+            "task": self.current_tasks[row], "reward": 0.0, "terminated": False, "truncated": False,
+        }  # fmt: skip
+
+    def _switch_task(self, row: int, task: str) -> None:
+        if self.make_env is None:
+            raise ValueError(
+                f"row {row} is asked to run task {task!r} but runs {self.current_tasks[row]!r}, and this "
+                "MLGymWrapper has no make_env to build another task's env (make_mlgym(tasks=[...]) has one)"
+            )
+        old = self.envs[row]
+        try:
+            old.close()
+        except Exception as err:  # a container that will not stop must not block the next task
+            warnings.warn(f"closing the MLGym env of task {self.current_tasks[row]!r} failed: {err!r}", stacklevel=3)
+        env = self.make_env(task)
+        _check_env(env)
+        self.envs[row], self.current_tasks[row] = env, task
+
+    def _set_environment_variables(self, env: Any) -> None:
+        """Define the state command and the config's variables in the container, and install
+        the config's command files."""
+        config = env.config
+        lines = [] if config.state_command is None else [config.state_command.code]
+        lines += [f"{name}={value}" for name, value in dict(config.env_variables).items()]
+        output = env.communicate("\n".join(lines))
+        if getattr(env, "returncode", 0) != 0:
+            raise RuntimeError(
+                f"setting the MLGym env's variables failed with return code {env.returncode}: {output!r}"
+            )
+        env.add_commands([_command_file(Path(path)) for path in config.command_files])
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        """Run each row's command; ``td`` gets ``"retry"``, ``"action"`` and ``"next"`` (see the
+        module docstring) and is returned."""
+        td, _, _ = self._step(td)
+        return td
+
+    def step_and_maybe_reset(self, td: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        """``step(td)``, and the input of the next step: ``td["next"]``'s prompt and state keys,
+        where the rows that are done were reset (drawing a new task when ``tasks`` is set)."""
+        td, rows, with_task = self._step(td)
+        return td, self._next_root(rows, with_task)
+
+    def _next_root(self, rows: list[dict[str, Any]], with_task: bool) -> TensorDict:
+        """The next step's input from a step's rows, the finished rows reset."""
+        done = [i for i, row in enumerate(rows) if row["terminated"] or row["truncated"]]
+        for i in done:
+            rows[i] = self._reset_row(i, self._draw_task())
+        with_task = with_task or (bool(done) and self.tasks is not None)
+        return self._pack(rows, with_task=with_task, with_reward=False)
+
+    def rollout(
+        self,
+        max_steps: int,
+        policy: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        callback: Callable[[Any, TensorDictBase], Any] | None = None,
+        *,
+        auto_reset: bool = True,
+        break_when_any_done: bool | None = None,
+        break_when_all_done: bool | None = None,
+        tensordict: TensorDictBase | None = None,
+    ) -> TensorDictBase:
+        """Run ``policy`` for up to ``max_steps`` steps, stacked along a new last batch dim
+        (``[B, T]``, lazily: the prompts grow), as TorchRL's ``EnvBase.rollout``.
+
+        The env is reset first (``auto_reset``; else ``tensordict`` is the first input); the
+        rollout stops after a step where any row is done (the default), or all are
+        (``break_when_all_done=True``); with neither, finished rows are reset and go on.
+        ``callback(env, td)`` runs after each step. A policy is required (a chat env has no
+        random action).
+        """
+        if not callable(policy):
+            raise ValueError(f"rollout needs a policy (a callable td -> td, e.g. an LLM wrapper), got {policy!r}")
+        if max_steps < 1:
+            raise ValueError(f"rollout max_steps must be >= 1, got {max_steps}")
+        if break_when_any_done is None:
+            break_when_any_done = not break_when_all_done
+        if auto_reset:
+            td = self.reset(tensordict)
+        elif tensordict is None:
+            raise ValueError("rollout(auto_reset=False) needs the first step's input as tensordict=")
+        else:
+            td = tensordict
+        steps = []
+        for step in range(max_steps):
+            td, rows, with_task = self._step(policy(td))
+            steps.append(td)
+            if callback is not None:
+                callback(self, td)
+            done = td.get(("next", "done"))
+            if step == max_steps - 1 or (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
+                break
+            td = self._next_root(rows, with_task)  # no container is restarted after the last step
+        return lazy_stack(steps, dim=1)
+
+    def _step(self, td: TensorDictBase) -> tuple[TensorDictBase, list[dict[str, Any]], bool]:
+        if not isinstance(td, TensorDictBase):
+            raise ValueError(f"step expects a TensorDict, got {type(td).__name__}")
+        if td.batch_size != self.batch_size:
+            raise ValueError(
+                f"step expects a TensorDict of batch {tuple(self.batch_size)} (one row per MLGym env), "
+                f"got batch {tuple(td.batch_size)}"
+            )
+        num_rows = self.batch_size[0]
+        chats, responses = self._responses(td)
+        previous = [""] * num_rows
+        if "observation" in td.keys():
+            previous = _strings(td.get("observation"), num_rows, "observation")
+        with_task = "task" in td.keys()
+        tasks = _strings(td.get("task"), num_rows, "task") if with_task else self.current_tasks
+        rows, actions = [], []
+        for i, (chat, response) in enumerate(zip(chats, responses)):
+            command = parse_command(response)
+            actions.append(command or "")
+            env = self.envs[i]
+            with self._in_workdir():
+                if command is None:
+                    observation, reward, terminated, truncated = previous[i], 0.0, False, False
+                    if self.reward_wrong_format is not None:
+                        reward += self.reward_wrong_format
+                else:
+                    observation, reward, terminated, truncated = _step_output(env.step(command))
+                state, state_fields = _read_state(env)
+                message = self._message(env, first=False, observation=observation, state_fields=state_fields)
+            if command is not None:
+                reward += self.parser.reward(message)
+            rows.append({
+                "chat": chat + [{"role": USER_ROLE, "content": message}], "observation": observation,
+                "state": state, "message": message, "task": tasks[i], "reward": reward,
+                "terminated": terminated, "truncated": truncated,
+            })  # fmt: skip
+        td.set("retry", torch.tensor([[not a] for a in actions], dtype=torch.bool, device=self.device))
+        td.set("action", _string_stack(actions))
+        td.set("next", self._pack(rows, with_task=with_task, with_reward=True))
+        return td, rows, with_task
+
+    def _responses(self, td: TensorDictBase) -> tuple[list[list[dict]], list[str]]:
+        """Each row's chat up to and with the assistant's message, and that message's text.
+
+        From ``("history", "full")``: a chat not ending with an assistant message gets an empty
+        one (TorchRL does the same). From ``"text_response"``: the prompt plus the text, cut at
+        its first end-of-turn marker and stripped.
+        """
+        num_rows = self.batch_size[0]
+        history = td.get("history", None)
+        if isinstance(history, ChatHistory) and history.full is not None:
+            chats = _rows_of(history.full, num_rows, ("history", "full"))
+            for chat in chats:
+                if not chat or chat[-1]["role"] != POLICY_ROLE:
+                    chat.append({"role": POLICY_ROLE, "content": ""})
+            responses = [chat[-1]["content"] for chat in chats]
+            for i, content in enumerate(responses):
+                if not isinstance(content, str):
+                    raise ValueError(f"row {i}: the assistant's message must be text, got {type(content).__name__}")
+            return chats, responses
+        if RESPONSE_KEY in td.keys():
+            if not isinstance(history, ChatHistory) or history.prompt is None:
+                raise ValueError(f"a step with {RESPONSE_KEY!r} also needs the prompt under ('history', 'prompt')")
+            chats = _rows_of(history.prompt, num_rows, ("history", "prompt"))
+            responses = [self._strip_turn_end(t) for t in _strings(td.get(RESPONSE_KEY), num_rows, RESPONSE_KEY)]
+            for chat, response in zip(chats, responses):
+                chat.append({"role": POLICY_ROLE, "content": response})
+            return chats, responses
+        raise ValueError(
+            "MLGymWrapper.step needs the policy's output under ('history', 'full') (or TorchRL's "
+            f"{RESPONSE_KEY!r}); the step input has keys {sorted(map(str, td.keys(include_nested=True)))}"
+        )
+
+    def _strip_turn_end(self, text: str) -> str:
+        markers = [m for m in (getattr(self.tokenizer, "eos_token", None), *_TURN_END_MARKERS) if m]
+        cut = min((text.find(m) for m in markers if m in text), default=len(text))
+        return text[:cut].strip()
+
+    # ------------------------------------------------------------------ messages and output
+
+    def _message(self, env: Any, *, first: bool, observation: str, state_fields: dict[str, Any]) -> str:
+        """The user message after a reset (``first``) or after a command's ``observation``."""
+        config = env.config
+        if first:
+            names = ["task_template"]
+            if getattr(config, "strategy_template", None) is not None:
+                names.append("strategy_template")
+        elif not observation.strip():
+            names = [_first_template(config, "next_step_no_output_template", "next_step_template", "task_template")]
+        else:
+            names = [_first_template(config, "next_step_template", "task_template")]
+        fields = {
+            **self._task_fields(env),
+            **_tool_fields(env),
+            **state_fields,
+            "current_step": env.current_step,
+            "remaining_steps": env.max_steps - env.current_step,
+            "observation": observation,
+        }
+        return "\n".join(_fill(config, name, fields) for name in names)
+
+    @staticmethod
+    def _task_fields(env: Any) -> dict[str, Any]:
+        args = getattr(getattr(env, "task", None), "args", None)
+        if dataclasses.is_dataclass(args) and not isinstance(args, type):
+            return dataclasses.asdict(args)
+        if isinstance(args, Mapping):
+            return dict(args)
+        if hasattr(args, "model_dump"):
+            return dict(args.model_dump())
+        raise ValueError(
+            "the MLGym env's env.task.args (the task config, set by env.reset) must be a dataclass or a "
+            f"mapping, got {type(args).__name__}"
+        )
+
+    def _pack(self, rows: list[dict[str, Any]], *, with_task: bool, with_reward: bool) -> TensorDict:
+        num_rows = len(rows)
+        out = TensorDict(batch_size=[num_rows], device=self.device)
+        history = History.from_chats([row["chat"] for row in rows])
+        out.set("history", ChatHistory(prompt=history, batch_size=[num_rows]))
+        if self.tokenizer is not None:
+            rendered = history.apply_chat_template(
+                tokenizer=self.tokenizer, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            )
+            out.set("text", Text(prompt=_string_stack(rendered), batch_size=[num_rows]))
+        for key in ("observation", "state", "message"):
+            out.set(key, _string_stack([row[key] for row in rows]))
+        if with_task:
+            out.set("task", _string_stack([row["task"] or "" for row in rows]))
+        if with_reward:
+            out.set("reward", self._column([row["reward"] for row in rows], torch.float32))
+        terminated = self._column([row["terminated"] for row in rows], torch.bool)
+        truncated = self._column([row["truncated"] for row in rows], torch.bool)
+        out.set("terminated", terminated)
+        out.set("truncated", truncated)
+        out.set("done", terminated | truncated)
+        return out
+
+    def _column(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device).view(-1, 1)
+
+    @contextmanager
+    def _in_workdir(self) -> Iterator[None]:
+        if self.workdir is None:
+            yield
+            return
+        with _chdir(self.workdir):
+            yield
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(batch_size={tuple(self.batch_size)}, tasks={self.current_tasks}, "
+            f"reward_wrong_format={self.reward_wrong_format}, device={self.device})"
+        )
+
+
+# ---------------------------------------------------------------------------- make_mlgym
+
+
+def make_mlgym(
+    *,
+    task: str | None = None,
+    tasks: list[str] | None = None,
+    tokenizer: Any = None,
+    device: torch.device | str | None = "cpu",
+    reward_wrong_format: float | None = None,
+) -> MLGymWrapper:
+    """An :class:`MLGymWrapper` over MLGym's env of a task (TorchRL's ``make_mlgym``).
+
+    Keyword Args:
+        task: the task to run, by its MLGym name (e.g. ``"prisonersDilemma"``, the config
+            ``tasks/<task>.yaml``). Exclusive with ``tasks``.
+        tasks: tasks to run, one drawn at each reset (reported under ``"task"``). Exclusive with
+            ``task``.
+        tokenizer: a transformers tokenizer, or a name/path for ``AutoTokenizer``.
+        device: device of the env's tensors. Defaults to "cpu".
+        reward_wrong_format: reward added when a response holds no command; None for none.
+
+    As TorchRL does, each task is registered with MLGym's default agent config, at most 10
+    steps, seed 42 and the podman container runtime, and its env is made on device ``cpu_0``;
+    the env of the (last) task is built at once. MLGym must be installed (it is not on PyPI):
+    ``pip install git+https://github.com/facebookresearch/MLGym``.
+    """
+    if bool(task) == bool(tasks):
+        raise ValueError(
+            f"make_mlgym needs either task or tasks, not both and not neither; got task={task!r}, tasks={tasks!r}"
+        )
+    if task and not isinstance(task, str):
+        raise ValueError(f"task must be a task name (str), got {task!r}")
+    if tasks and (isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks)):
+        raise ValueError(f"tasks must be a list of task names, got {tasks!r}")
+    names = [task] if task else list(tasks)
+    registry = _MLGymTasks()
+    for name in names:
+        registry.register(name)
+    return MLGymWrapper(
+        registry.make(names[-1]),
+        tokenizer=tokenizer,
+        device=device,
+        reward_wrong_format=reward_wrong_format,
+        task=names[-1],
+        tasks=list(tasks) if tasks else None,
+        make_env=registry.make,
+        workdir=registry.root,
+    )
+
+
+class _MLGymTasks:
+    """Registers MLGym tasks and builds their envs (imports MLGym and gymnasium)."""
+
+    def __init__(self) -> None:
+        self.mlgym = _import_optional("mlgym", f"MLGym is not installed; it is not on PyPI: {MLGYM_INSTALL_HINT}")
+        self.gym = _import_optional("gymnasium", "MLGym's envs are gymnasium envs: pip install gymnasium")
+        locations = list(getattr(self.mlgym, "__path__", None) or [])
+        self.root = Path(locations[0]).parent if locations else None
+        self._registered: dict[str, tuple[str, Any]] = {}
+
+    def register(self, task: str) -> None:
+        with _chdir(self.root):
+            import mlgym.environment.registration  # noqa: F401  (registers MLGym's gymnasium envs)
+            from mlgym import CONFIG_DIR
+            from mlgym.agent.base import AgentArguments
+            from mlgym.backend.base import ModelArguments
+            from mlgym.environment.env import EnvironmentArguments
+            from mlgym.environment.registration import register_task
+
+            environment_args = EnvironmentArguments(
+                task_config_path=f"tasks/{task}.yaml",
+                max_steps=10,
+                seed=42,
+                container_type="podman",
+                verbose=False,
+                aliases_file="docker/aliases.sh",
+            )
+            agent_args = AgentArguments(
+                model=ModelArguments(""), agent_config_path=Path(CONFIG_DIR) / "agents" / "default.yaml"
+            )
+            register_task(environment_args)
+        self._registered[task] = (environment_args.task.id, agent_args)
+
+    def make(self, task: str) -> Any:
+        if task not in self._registered:
+            self.register(task)
+        task_id, agent_args = self._registered[task]
+        with _chdir(self.root):
+            env = self.gym.make(f"mlgym/{task_id}", devices=["cpu_0"]).unwrapped
+        env.config = agent_args.config  # the templates and tools the wrapper reads
+        return env
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _import_optional(name: str, hint: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:  # the package is there but one of its own imports failed
+            raise
+        raise ImportError(f"make_mlgym needs the {name!r} package. {hint}") from err
+
+
+@contextmanager
+def _chdir(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _check_env(env: Any) -> None:
+    missing = [name for name in _ENV_ATTRIBUTES if not hasattr(env, name)]
+    if missing:
+        raise ValueError(
+            f"MLGymWrapper wraps MLGym envs (mlgym.environment.env.MLGymEnv, with the agent config set "
+            f"as env.config); {type(env).__name__} has no {', '.join(missing)}"
+        )
+    missing = [name for name in _CONFIG_ATTRIBUTES if not hasattr(env.config, name)]
+    if missing:
+        raise ValueError(f"the MLGym env's agent config (env.config) has no {', '.join(missing)}")
+
+
+def _tool_fields(env: Any) -> dict[str, Any]:
+    tools = env.config.tools_handler
+    return {"command_docs": tools.command_docs, **dict(tools.env_variables)}
+
+
+def _read_state(env: Any) -> tuple[str, dict[str, Any]]:
+    """What the state command printed, and its JSON fields ("" and none without a command)."""
+    command = getattr(env.config.state_command, "name", None)
+    if not command:
+        return "", {}
+    text = env.communicate(command)
+    try:
+        fields = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"the MLGym state command {command!r} printed {text!r}, which is not JSON") from err
+    if not isinstance(fields, dict):
+        raise ValueError(f"the MLGym state command {command!r} printed {text!r}, not a JSON object")
+    return text, fields
+
+
+def _first_template(config: Any, *names: str) -> str:
+    for name in names:
+        if getattr(config, name, None) is not None:
+            return name
+    return names[-1]
+
+
+def _fill(config: Any, name: str, fields: dict[str, Any]) -> str:
+    template = getattr(config, name, None)
+    if not isinstance(template, str):
+        raise ValueError(f"the MLGym config's {name} must be a str, got {type(template).__name__}")
+    try:
+        return template.format(**fields)
+    except KeyError as err:
+        raise ValueError(
+            f"the MLGym config's {name} uses the field {{{err.args[0]}}}, which is not among the fields "
+            f"it is filled with: {sorted(fields)}"
+        ) from err
+    except (IndexError, ValueError) as err:
+        raise ValueError(f"the MLGym config's {name} is not a valid format string: {err}") from err
+
+
+def _command_file(path: Path) -> dict[str, str]:
+    """One of the config's command files, as MLGym's ``add_commands`` takes it."""
+    contents = path.read_text()
+    if contents.strip().startswith("#!"):  # a script, made executable
+        return {"contents": contents, "name": path.name.rsplit(".", 1)[0], "type": "script"}
+    if path.name.endswith(".sh"):  # sourced
+        return {"contents": contents, "name": path.name, "type": "source_file"}
+    if path.name.startswith("_"):  # a helper the other commands use
+        return {"contents": contents, "name": path.name, "type": "utility"}
+    raise ValueError(
+        f"MLGym command file {str(path)!r} is not a shell script: start it with a shebang (#!), name it "
+        "*.sh to have it sourced, or start its name with '_' for a utility file"
+    )
+
+
+def _observation_text(observation: Any) -> str:
+    if isinstance(observation, Mapping):
+        observation = observation.get("observation")
+    if observation is None:
+        return ""
+    if not isinstance(observation, str):
+        raise ValueError(f"MLGym observations are text, got {type(observation).__name__}: {observation!r}")
+    return observation
+
+
+def _reset_observation(output: Any) -> str:
+    """The observation of ``env.reset()``: ``(observation, info)`` or the observation alone."""
+    if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], Mapping):
+        output = output[0]
+    return _observation_text(output)
+
+
+def _step_output(output: Any) -> tuple[str, float, bool, bool]:
+    """(observation, reward, terminated, truncated) of MLGym's ``(observation, reward, done,
+    info)`` or gymnasium's ``(observation, reward, terminated, truncated, info)``."""
+    if not isinstance(output, tuple) or len(output) not in (4, 5):
+        raise ValueError(
+            "the MLGym env's step must return (observation, reward, done, info) or "
+            f"(observation, reward, terminated, truncated, info), got {output!r:.200}"
+        )
+    if len(output) == 4:
+        observation, reward, terminated, _ = output
+        truncated = False
+    else:
+        observation, reward, terminated, truncated, _ = output
+    return _observation_text(observation), float(reward), bool(terminated), bool(truncated)
+
+
+def _strings(value: Any, num_rows: int, key: str) -> list[str]:
+    """The text of each row of entry ``key`` (a non-tensor stack or datum, a str or a list)."""
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    elif isinstance(value, NonTensorData):
+        value = [value.data] * num_rows
+    elif isinstance(value, str):
+        value = [value] * num_rows
+    elif isinstance(value, (list, tuple)):
+        value = list(value)
+    else:
+        raise ValueError(f"{key!r} must hold one str per row, got {type(value).__name__}")
+    if len(value) != num_rows:
+        raise ValueError(f"{key!r} has {len(value)} values for a batch of {num_rows}")
+    if not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key!r} must hold one str per row, got {value!r}")
+    return value
+
+
+def _rows_of(history: History, num_rows: int, key: tuple[str, str]) -> list[list[dict]]:
+    if history.batch_dims != 2 or history.batch_size[0] != num_rows:
+        raise ValueError(f"{key} must be a History of batch [{num_rows}, n_messages], got {tuple(history.batch_size)}")
+    return history.to_chats(include_state=True)
+
+
+def _string_stack(values: list[str]) -> NonTensorStack:
+    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[len(values)])
