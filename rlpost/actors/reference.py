@@ -4,7 +4,8 @@ One shared actor (only when ``reference.enabled``). For each batch of groups it 
 reference log-probs of every generated token with :class:`~rlpost.envs.RetrieveKL` (the
 generation log-probs are the ones the inference engine returned). With ``kl_in: loss`` they are
 stored on the samples for GRPOLoss's KL term; with ``kl_in: reward`` the k1 KL summed over the
-generated tokens is subtracted from each reward (RLHF style) and the group advantages are
+generated tokens is subtracted from each reward (RLHF style: one reward per sequence, where
+the KLComputation transform would make the reward per-token) and the group advantages are
 recomputed from the new rewards.
 """
 
@@ -16,11 +17,15 @@ from tensordict import TensorDict
 from rlpost.algo import group_advantages
 from rlpost.config import JobConfig
 from rlpost.data import Tokens
-from rlpost.envs.kl import RetrieveKL
+from rlpost.envs.kl import KLServiceActor, RetrieveKL
 from rlpost.types import Group
 
 
-class Reference:
+class Reference(KLServiceActor):
+    """The reference model behind the KL term; as a :class:`~rlpost.envs.kl.KLServiceActor` it
+    also serves envs that attach with ``RayRetrieveKL(actor_name="reference")`` (tokens mode,
+    padded, the generation log-probs already in the data)."""
+
     def __init__(self, cfg: JobConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,10 +41,10 @@ class Reference:
             return_text=False, return_tokens=False, return_masks=False, log_probs_key="ref_log_probs",
             generate_kwargs={"temperature": cfg.rollout.temperature},
         )
-        ref = cfg.reference
-        self.kl = RetrieveKL(
-            None, scorer, assistant_only=False, add_to_reward=ref.kl_in == "reward", coeff=ref.kl_coef, estimator="k1"
-        )
+        # The generation log-probs are the engine's (gen_model=None); the KL is applied here per
+        # sequence (kl_in: reward) or left to the loss, so the transform only writes it.
+        self.kl = RetrieveKL(None, scorer, assistant_only=False, add_to_reward=False, estimator="k1")
+        KLServiceActor.__init__(self, transform=self.kl)
 
     def annotate(self, groups: list[Group]) -> list[Group]:
         """Fill ``ref_logprobs`` on every sample (and apply the reward-side KL when configured)."""
@@ -52,7 +57,8 @@ class Reference:
         for i, sample in enumerate(samples):
             sample.ref_logprobs = ref_bt[i, : len(sample.token_ids)].tolist()
         if self.cfg.reference.kl_in == "reward":
-            rewards = batch.get("reward").reshape(-1).tolist()
+            kl_per_sample = torch.where(mask_bt, batch.get("kl_penalty"), torch.zeros(())).sum(-1)
+            rewards = (batch.get("reward").reshape(-1) - self.cfg.reference.kl_coef * kl_per_sample).tolist()
             for sample, reward in zip(samples, rewards):
                 sample.reward = reward
             for group in groups:

@@ -13,7 +13,9 @@
 - ``as_nested_tensor`` / ``as_padded_tensor`` (stacking rows of different lengths; they live in
   :mod:`rlpost.data` and are re-exported here and in :mod:`rlpost.envs.transforms`, TorchRL's
   place for them),
-- KL retrieval on batches: :class:`RetrieveLogProb`, :class:`KLComputation`, :class:`RetrieveKL`,
+- KL to a reference model, as transforms: :class:`RetrieveLogProb`, :class:`KLComputation`,
+  :class:`RetrieveKL`, the legacy :class:`KLRewardTransform`, and their shared Ray-actor forms
+  :class:`RayRetrieveKL` / :class:`RayKLRewardTransform`,
 - :mod:`rlpost.envs.tools` (the sandboxed ``run_python`` / ``PythonSession``, over
   :mod:`rlpost.envs.sandbox`), :mod:`rlpost.envs.function_pool` (user functions with a time
   limit) and :mod:`rlpost.envs.rewards`.
@@ -35,7 +37,14 @@ from rlpost.envs.tasks import (
     UserReward,
     make_env,
 )
-from rlpost.envs.kl import KLComputation, RetrieveKL, RetrieveLogProb
+from rlpost.envs.kl import (
+    KLComputation,
+    KLRewardTransform,
+    RayKLRewardTransform,
+    RayRetrieveKL,
+    RetrieveKL,
+    RetrieveLogProb,
+)
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
 from rlpost.envs.transforms import (
     Compose,
@@ -66,8 +75,11 @@ __all__ = [
     "IFEvalScoreData",
     "IfEvalScorer",
     "KLComputation",
+    "KLRewardTransform",
     "MLGymWrapper",
     "PythonInterpreter",
+    "RayKLRewardTransform",
+    "RayRetrieveKL",
     "RetrieveKL",
     "RetrieveLogProb",
     "SimpleToolTransform",
