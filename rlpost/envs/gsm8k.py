@@ -352,7 +352,7 @@ class GSM8KRewardParser(Transform):
     # ------------------------------------------------------------------ the env hook
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        env = self._env()
+        env = self._chat_env()
         if self.input_mode is not None and self.input_mode != env.input_mode:
             raise ValueError(
                 f"GSM8KRewardParser(input_mode={self.input_mode!r}) is attached to an env with "

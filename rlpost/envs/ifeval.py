@@ -387,7 +387,7 @@ class IfEvalScorer(Transform):
     # ------------------------------------------------------------------ the step
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        env = self._env()
+        env = self._chat_env()
         num_envs = td.batch_size[0]
         ids_per_row = self._column(td, self.instruction_ids_key, "the instruction ids")
         kwargs_per_row = self._column(td, self.keyword_args_key, "the instruction kwargs")

@@ -79,7 +79,7 @@ class AnswerRewardParser(Transform):
             raise ValueError(
                 f"{type(self).__name__} needs the reference answer under {self.answer_key!r} in the step input"
             )
-        completions = self._env().last_responses(td)
+        completions = self._chat_env().last_responses(td)
         answers = as_list(td.get(self.answer_key), num_envs)
         rewards = [self._reward(completion, answer) for completion, answer in zip(completions, answers)]
         add_reward(next_td, rewards)
@@ -134,7 +134,7 @@ class UserReward(Transform):
         if self.row_key not in td.keys():
             raise ValueError(f"UserReward needs the dataset row under {self.row_key!r} in the step input")
         rows = as_list(td.get(self.row_key), num_envs)
-        rewards = [self._score(completion, row) for completion, row in zip(self._env().last_responses(td), rows)]
+        rewards = [self._score(completion, row) for completion, row in zip(self._chat_env().last_responses(td), rows)]
         return add_reward(next_td, rewards)
 
     def _score(self, completion: str, row: Any) -> float:

@@ -92,6 +92,20 @@ class Transform:
             raise RuntimeError(f"{type(self).__name__} is not attached to an env (use env.append_transform)")
         return self.parent
 
+    def _chat_env(self) -> ChatEnv:
+        """The env, which must hold a conversation (a ChatEnv, possibly transformed): for the
+        transforms that read the policy's messages or add messages."""
+        env = self._env()
+        if not callable(getattr(env, "last_responses", None)):
+            from rlpost.envs.common import EnvInputError
+
+            base = getattr(env, "base_env", env)
+            raise EnvInputError(
+                f"{type(self).__name__} reads the policy's messages (history, text or tokens of a ChatEnv); "
+                f"{type(base).__name__} holds no conversation: append it to a ChatEnv"
+            )
+        return env
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -223,7 +237,7 @@ class ToolTransformBase(Transform):
         return "\n".join(parts)
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        env = self._env()
+        env = self._chat_env()
         done = next_td.get("done").view(-1).tolist()
         calls_per_row = [[] if done[i] else self.find_calls(text) for i, text in enumerate(env.last_responses(td))]
         self.after_turn(td, done)

@@ -286,3 +286,16 @@ def test_iterable_primer_resumes_by_fast_forwarding():
     resumed = make()
     resumed.load_state_dict(state)
     assert [item.row["query"] for item in resumed.next_items(5)] == expected
+
+
+def test_a_tool_transform_on_an_env_without_a_conversation_names_the_problem():
+    from rlpost.envs import PythonInterpreter
+    from rlpost.envs.common import EnvBase
+
+    class Plain(EnvBase):  # an env holding no conversation
+        batch_size = torch.Size([1])
+
+    tool = PythonInterpreter()
+    tool.parent = Plain()
+    with pytest.raises(RuntimeError, match="PythonInterpreter reads the policy's messages.*Plain holds no conversation"):
+        tool.on_step(TensorDict(batch_size=[1]), TensorDict(done=torch.zeros(1, 1, dtype=torch.bool), batch_size=[1]))
