@@ -217,3 +217,38 @@ def test_ray_service_is_one_named_actor_shared_by_envs(ray_cluster, tiny_model_p
     import ray
 
     ray.kill(first._actor)
+
+
+def test_ray_kl_reward_transform_from_a_factory(ray_cluster, tiny_model_path, tiny_tokenizer):
+    """The RayKLRewardTransform docstring's option 1 (a model factory), on CPU (num_gpus=0)."""
+    path = str(tiny_model_path)
+
+    def create_ref_model():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return TransformersWrapper(ref_model, tokenizer=AutoTokenizer.from_pretrained(path), input_mode="tokens",
+                                   generate=False, return_log_probs=True, pad_output=False,
+                                   log_probs_key="ref_log_probs")  # fmt: skip
+
+    transform = KLRewardTransform(ref_model=None, ref_model_factory=create_ref_model, num_gpus=0,
+                                  use_ray_service=True, actor_name="kl-reward-test", coef=0.5)  # fmt: skip
+    from rlpost.data import Tokens
+    from rlpost.envs.kl import RayKLRewardTransform
+    from tensordict import lazy_stack
+
+    assert isinstance(transform, RayKLRewardTransform)
+    ids = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, CHATS)]
+    prompts = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, [chat[:-1] for chat in CHATS], True)]
+    tokens = lazy_stack([Tokens(prompt=p, full=f, padded=False) for p, f in zip(prompts, ids)])
+    data = TensorDict(tokens=tokens, batch_size=[2])
+    data.set(("log_probs", "full"), torch.nested.as_nested_tensor([torch.full((len(i),), -1.0) for i in ids],
+                                                                  layout=torch.jagged))  # fmt: skip
+    data.set("next", TensorDict(reward=torch.tensor([[1.0], [0.0]]), batch_size=[2]))
+    out = transform(data)["next"]
+    kl_rows = list(out["kl_penalty"].unbind(0))
+    assert [row.shape[0] for row in kl_rows] == [len(i) for i in ids]
+    assert all(row[len(p):].abs().sum() > 0 for row, p in zip(kl_rows, prompts))
+    import ray
+
+    ray.kill(transform._actor)
