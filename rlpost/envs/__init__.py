@@ -3,6 +3,10 @@
 - :class:`ChatEnv` (history / text / tokens modes) and its transforms (:class:`Transform`; the
   tools :class:`PythonInterpreter`, :class:`SimpleToolTransform`, :class:`StopWithoutToolCall`),
 - :class:`DataLoadingPrimer` / :class:`DatasetChatEnv`: prompts from a dataset, resumable,
+- TorchRL's older envs :class:`LLMEnv` (strings or token ids) and :class:`LLMHashingEnv`
+  (:mod:`rlpost.envs.llm_env`), and the transforms :class:`Tokenizer`,
+  :class:`TemplateTransform`, :class:`AddThinkingPrompt`, :class:`StepCounter` and
+  :class:`PolicyVersion` (:mod:`rlpost.envs.llm_transforms`),
 - tasks: :class:`GSM8KEnv`, :class:`ArithmeticEnv`, :class:`ToolArithmeticEnv`, reward
   transforms, and :func:`make_env`,
   which builds the env of a job config,
@@ -45,6 +49,8 @@ from rlpost.envs.kl import (
     RetrieveKL,
     RetrieveLogProb,
 )
+from rlpost.envs.llm_env import LLMEnv, LLMHashingEnv
+from rlpost.envs.llm_transforms import AddThinkingPrompt, PolicyVersion, StepCounter, TemplateTransform, Tokenizer
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
 from rlpost.envs.transforms import (
     Compose,
@@ -59,6 +65,7 @@ from rlpost.envs.transforms import (
 )
 
 __all__ = [
+    "AddThinkingPrompt",
     "AnswerRewardParser",
     "ArithmeticEnv",
     "ChatEnv",
@@ -76,14 +83,20 @@ __all__ = [
     "IfEvalScorer",
     "KLComputation",
     "KLRewardTransform",
+    "LLMEnv",
+    "LLMHashingEnv",
     "MLGymWrapper",
+    "PolicyVersion",
     "PythonInterpreter",
     "RayKLRewardTransform",
     "RayRetrieveKL",
     "RetrieveKL",
     "RetrieveLogProb",
     "SimpleToolTransform",
+    "StepCounter",
     "StopWithoutToolCall",
+    "TemplateTransform",
+    "Tokenizer",
     "ToolArithmeticEnv",
     "ToolCall",
     "Transform",

@@ -54,6 +54,7 @@ INPUT_MODES = ("history", "text", "tokens")
 LEGACY_QUERY_KEY = "text"
 LEGACY_RESPONSE_KEY = "text_response"
 _FLAGS = ("done", "terminated", "truncated")
+_CONTAINERS = {"history": ChatHistory, "text": Text, "tokens": Tokens}
 
 
 class ChatEnv(EnvBase):
@@ -149,7 +150,7 @@ class ChatEnv(EnvBase):
         return self._container_spec(["full"])
 
     def _container_spec(self, keys: list[str]) -> Composite:
-        container = {"history": ChatHistory, "text": Text, "tokens": Tokens}[self.input_mode]
+        container = _CONTAINERS[self.input_mode]
         inner = container.default_spec(shape=self.batch_size, keys=keys)
         return Composite({self.input_mode: inner}, shape=self.batch_size, device=self.device)
 
@@ -174,6 +175,11 @@ class ChatEnv(EnvBase):
         input ``td`` (which holds the query under ``data_key`` and optionally a per-row
         ``"system_prompt"``)."""
         num_envs = td.batch_size[0]
+        if self.input_mode in td.keys() and not isinstance(td.get(self.input_mode), _CONTAINERS[self.input_mode]):
+            raise EnvInputError(
+                f"{type(self).__name__}.reset: the reset input holds {self.input_mode!r}, the key of this env's "
+                f"prompt container; rename that dataset column (e.g. with a collate_fn)"
+            )
         chats = [
             self._first_chat(query, system)
             for query, system in zip(self._queries(td, given=given), self._system_prompts(td))
@@ -212,7 +218,11 @@ class ChatEnv(EnvBase):
                 f"{type(self).__name__}.reset needs the query under {self.data_key!r}; "
                 f"the reset input has keys {sorted(map(str, td.keys()))}"
             )
-        return as_list(td.get(self.data_key), td.batch_size[0])
+        queries = as_list(td.get(self.data_key), td.batch_size[0])
+        bad = sorted({type(q).__name__ for q in queries if not isinstance(q, str)})
+        if bad:
+            raise EnvInputError(f"{type(self).__name__}.reset expects strings under {self.data_key!r}, got {bad}")
+        return queries
 
     def _system_prompts(self, td: TensorDictBase) -> list[str | None]:
         if "system_prompt" in td.keys():

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensor_collection
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensor_collection
 
 from rlpost.data.specs import Composite, NonTensor
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
@@ -122,11 +122,10 @@ def _describe_source(source: str, name: str | None, split: str | None) -> str:
 
 # ---------------------------------------------------------------------------- the primer
 
-# Keys an env or the primer writes itself; a dataset column of one of these names would clash.
-_RESERVED_KEYS = frozenset(
-    {"history", "text", "tokens", "masks", "log_probs", "reward", "done", "terminated", "truncated",
-     "next", "step_count", "prompt_id", "row", "system_prompt"}
-)  # fmt: skip
+# Keys the env loop or the primer writes itself; a dataset column of one of these names would
+# clash. (A column named like an env's observation, e.g. "tokens" for a token LLMEnv, is allowed:
+# it is what that env reads; a ChatEnv refuses a reset input whose container key is not its own.)
+_RESERVED_KEYS = frozenset({"reward", "done", "terminated", "truncated", "next", "step_count", "prompt_id", "row"})
 
 
 def default_collate_fn(batch: Any) -> Any:
@@ -181,6 +180,8 @@ class DataLoadingPrimer(Transform):
 
     Keyword Args:
         primers: a Composite whose keys are the columns to write (default: every column).
+        data_keys: the column name of batches that are not mappings (a tensor of token ids, a
+            string or a list of them); default ``[data_key]``.
         stack_method: how tensor columns are stacked across rows: None (``torch.stack``, or a
             nested tensor when lengths differ), ``"as_nested_tensor"``, ``"as_padded_tensor"``
             or a callable taking a list of tensors.
@@ -208,6 +209,7 @@ class DataLoadingPrimer(Transform):
         *,
         dataset: Any = None,
         primers: Any = None,
+        data_keys: list[str] | None = None,
         stack_method: Any = None,
         batch_size: int | tuple[int, ...] | torch.Size | None = None,
         repeats: int | None = None,
@@ -235,6 +237,9 @@ class DataLoadingPrimer(Transform):
         if batch_size_dl < 1:
             raise ValueError(f"batch_size_dl must be >= 1, got {batch_size_dl}")
         self.data_key, self.group_repeats = data_key, group_repeats
+        self.data_keys = list(data_keys) if data_keys is not None else [data_key]
+        if len(self.data_keys) != 1:
+            raise ValueError(f"data_keys names the one column of non-mapping batches; got {self.data_keys}")
         self.collate_fn = collate_fn if collate_fn is not None else default_collate_fn
         self.stack_method = _stack_method(stack_method)
         self.device = torch.device(device) if device is not None else None
@@ -264,7 +269,7 @@ class DataLoadingPrimer(Transform):
         self.batch_size = torch.Size([size * (self.repeats if group_repeats else 1)]) if size else torch.Size([])
         self.reset_dataloader()
         first = self._peek_columns()
-        self.prompt_column = prompt_column if prompt_column is not None else (data_key if data_key in first else "question")
+        self.prompt_column = prompt_column if prompt_column is not None else self._default_prompt_column(first)
         self.answer_column = answer_column if answer_column is not None else ("answer" if "answer" in first else None)
         self.columns = self._check_columns(first, primers)
         self.primers = primers if primers is not None else self._make_primers(first)
@@ -272,6 +277,14 @@ class DataLoadingPrimer(Transform):
         self.state_keys = tuple(dict.fromkeys(self.columns + extra))
 
     # ------------------------------------------------------------------ columns
+
+    def _default_prompt_column(self, first: dict[str, Any]) -> str | None:
+        """``data_key`` when the rows have it, else ``"question"`` (GSM8K-style rows), else None:
+        the columns are written under their own names and the env reads its own key (e.g. a
+        token env's ``"tokens"``)."""
+        if self.data_key in first:
+            return self.data_key
+        return "question" if "question" in first else None
 
     def _peek_columns(self) -> dict[str, Any]:
         """A collated first row (not consumed), to learn the columns."""
@@ -357,13 +370,13 @@ class DataLoadingPrimer(Transform):
                 batch = next(self._iterator)
             except StopIteration:
                 raise ValueError(f"{self.description} yields no batches") from None
-        rows = self._collate(_batch_rows(batch, self.data_key, self.description), None)
+        rows = self._collate(_batch_rows(batch, self.data_keys[0], self.description), None)
         start = self.served_ids
         self.served_ids += len(rows)
         return [PromptItem(row, -1, start + i) for i, row in enumerate(rows)]
 
     def _collate(self, rows: list[dict[str, Any]], expected: int | None) -> list[dict[str, Any]]:
-        collated = _batch_rows(self.collate_fn(rows), self.data_key, self.description)
+        collated = _batch_rows(self.collate_fn(rows), self.data_keys[0], self.description)
         if expected is not None and len(collated) != expected:
             raise ValueError(f"collate_fn turned a batch of {expected} rows into {len(collated)} rows")
         return collated
@@ -423,8 +436,9 @@ class DataLoadingPrimer(Transform):
         items = self.next_items(td.batch_size[0])
         for column in self.columns:
             td.set(column, self._stack([item.row[column] for item in items], td.batch_size, column))
-        prompts = [self._prompt_of(item) for item in items]
-        td.set(self.data_key, NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=td.batch_size))
+        if self.prompt_column is not None:
+            prompts = [self._prompt_of(item) for item in items]
+            td.set(self.data_key, NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=td.batch_size))
         if self.answer_column is not None:
             answers = [item.row[self.answer_column] for item in items]
             td.set("answer", NonTensorStack(*[NonTensorData(a) for a in answers], batch_size=td.batch_size))
@@ -433,9 +447,13 @@ class DataLoadingPrimer(Transform):
         return td
 
     def _stack(self, values: list[Any], batch_size: torch.Size, column: str) -> Any:
+        """A column's values across rows: tensors through ``stack_method`` (which, as in TorchRL,
+        takes one TensorDict per row), anything else as a NonTensorStack."""
         if all(isinstance(v, torch.Tensor) for v in values):
-            stacked = self.stack_method([v.to(self.device) if self.device is not None else v for v in values])
-            return stacked
+            values = [v.to(self.device) if self.device is not None else v for v in values]
+            if self.stack_method is _stack_or_nest:
+                return _stack_or_nest(values)
+            return self.stack_method([TensorDict({column: v}, batch_size=[]) for v in values]).get(column)
         return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=batch_size)
 
     def _prompt_of(self, item: PromptItem) -> str:
@@ -511,7 +529,8 @@ def _is_batch_iterable(source: Any) -> bool:
 
 def _batch_rows(batch: Any, data_key: str, description: str) -> list[dict[str, Any]]:
     """A loaded batch as a list of row dicts: from a TensorDict of batch ``[n]``, a dict of
-    columns, a list of dicts, or bare strings (read as the ``data_key`` column)."""
+    columns, a list of dicts, or bare strings / token-id tensors (read as the ``data_key``
+    column)."""
     if isinstance(batch, str):
         return [{data_key: batch}]
     if is_tensor_collection(batch):  # a TensorDict of batch [n] (TorchRL's collate functions build one)
@@ -526,11 +545,13 @@ def _batch_rows(batch: Any, data_key: str, description: str) -> list[dict[str, A
         return [{key: values[i] for key, values in columns.items()} for i in range(size)]
     if isinstance(batch, (list, tuple)) and all(isinstance(row, Mapping) for row in batch):
         return [dict(row) for row in batch]
-    if isinstance(batch, (list, tuple)) and all(isinstance(row, str) for row in batch):
+    if isinstance(batch, (list, tuple)) and all(isinstance(row, (str, torch.Tensor)) for row in batch):
         return [{data_key: row} for row in batch]
+    if isinstance(batch, torch.Tensor):  # token ids: [L] (one row) or [n, L] (n rows)
+        return [{data_key: row} for row in (batch.unbind(0) if batch.ndim > 1 else [batch])]
     raise TypeError(
-        f"{description} yielded a {type(batch).__name__}; a batch must be a dict of columns, a list of row dicts "
-        "or strings (write a collate_fn that returns one of these)"
+        f"{description} yielded a {type(batch).__name__}; a batch must be a dict of columns, a list of row dicts, "
+        "strings or token-id tensors (write a collate_fn that returns one of these)"
     )
 
 
@@ -641,6 +662,11 @@ class DatasetChatEnv(TransformedEnv):
             num_shards=num_shards,
             shard_index=shard_index,
         )
+        if primer.prompt_column is None:
+            raise ValueError(
+                f"dataset {primer.description} has no prompt column: its columns are {primer.columns}; name the "
+                f"prompt with prompt_column= (the env reads it under {base.data_key!r})"
+            )
         self.apply_template = apply_template
         TransformedEnv.__init__(self, base, primer)
 

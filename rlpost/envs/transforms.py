@@ -482,3 +482,14 @@ class StopWithoutToolCall(Transform):
         next_td.set("terminated", next_td.get("terminated") | no_call)
         next_td.set("done", next_td.get("done") | no_call)
         return next_td
+
+
+# TorchRL's LLM transforms, importable from here as from ``torchrl.envs.llm.transforms`` (this
+# module is fully defined by now; they build on its Transform).
+from rlpost.envs.llm_transforms import (  # noqa: E402, F401
+    AddThinkingPrompt,
+    PolicyVersion,
+    StepCounter,
+    TemplateTransform,
+    Tokenizer,
+)

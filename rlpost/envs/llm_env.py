@@ -1,0 +1,900 @@
+"""TorchRL's older LLM envs: :class:`LLMEnv` (strings or token ids, the observation grows by
+each action) and :class:`LLMHashingEnv` (token ids identified by a running hash).
+
+Both run on rlpost's env loop (:class:`~rlpost.envs.common.EnvBase`: reset, step,
+``step_and_maybe_reset``, ``rollout``) and take rlpost's transforms. Their
+``append_transform`` returns a :class:`~rlpost.envs.common.TransformedEnv` that also runs the
+transforms' inverse pass (``inv``, e.g. :class:`~rlpost.envs.llm_transforms.Tokenizer`
+decoding a token action into the text the env concatenates) before each step, resets a
+batch-less env, and answers the env's own action, reward and done keys.
+
+::
+
+    LLMEnv(from_text=True):   reset: text = the prompt      step: next text = text + text_response
+    LLMEnv(from_text=False):  reset: tokens = the prompt    step: next tokens = cat(tokens, tokens_response)
+    LLMHashingEnv:            reset: observation (ids) -> hashing, text
+                              step: next observation = cat(observation, action), next hashing =
+                                    hash(cat(hashing, action))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_leaf_nontensor,
+)
+
+from rlpost.data.specs import Composite, NonTensor, Unbounded
+from rlpost.envs.common import FLAGS, EnvBase, EnvInputError, TransformedEnv
+from rlpost.envs.datasets import DataLoadingPrimer
+from rlpost.envs.llm_transforms import (
+    Tokenizer,
+    _has,
+    _key,
+    _num_rows,
+    _replace_last,
+    object_rows,
+    run_inverse,
+    stack_rows,
+    tensor_rows,
+)
+from rlpost.envs.transforms import Compose, Transform
+
+NestedKey = Any
+
+
+# ---------------------------------------------------------------------------- the env loop
+
+
+class _SingleCompose(Compose):
+    """A Compose that answers, while it holds one transform, the attributes of that transform
+    (TorchRL's ``env.transform`` is the transform itself when there is one: ``env.transform.repeats``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        transforms = self.__dict__.get("_transforms")
+        if transforms is not None and len(transforms) == 1 and not name.startswith("_"):
+            return getattr(transforms[0], name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+class _LLMEnvLoop:
+    """What the envs of this module add to :class:`~rlpost.envs.common.EnvBase`'s loop: the
+    transforms' inverse pass before a step, batch-less resets, and the base env's keys."""
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if isinstance(tensordict, TensorDictBase):
+            tensordict = run_inverse(self.transforms, tensordict)
+        return super().step(tensordict)
+
+    def maybe_reset(self, next_td: TensorDictBase) -> TensorDictBase:
+        if next_td.batch_dims:
+            return super().maybe_reset(next_td)
+        base = self.base_env
+        root = next_td.select(base.input_mode, *self.state_keys, *FLAGS, strict=False)
+        if not bool(root.get("done").any()):
+            return root.clone(recurse=False)
+        owned = {key for transform in self.transforms for key in transform.state_keys}
+        return self.reset(root.select(*[key for key in (base.data_key,) if key not in owned], strict=False))
+
+    @property
+    def action_keys(self) -> list:
+        return self.base_env._action_keys()
+
+    @property
+    def action_key(self) -> Any:
+        return self.action_keys[0]
+
+    @property
+    def reward_keys(self) -> list:
+        return self.base_env._reward_keys()
+
+    @property
+    def reward_key(self) -> Any:
+        keys = self.reward_keys
+        return keys[0] if keys else None
+
+    @property
+    def reward_spec(self) -> Any:
+        """The reward's leaf spec, or the empty Composite of an env that writes no reward."""
+        keys = self.reward_keys
+        return self.full_reward_spec[keys[0]] if len(keys) == 1 else self.full_reward_spec
+
+    @property
+    def done_keys(self) -> list:
+        return self.base_env._done_keys()
+
+    def append_transform(self, transform: Transform) -> TransformedEnv:
+        """A new TransformedEnv of this env and ``transform`` (this env is left as it was)."""
+        return _LLMTransformedEnv(self, transform)
+
+
+class _LLMTransformedEnv(_LLMEnvLoop, TransformedEnv):
+    """The TransformedEnv of an :class:`LLMEnv` or :class:`LLMHashingEnv` (see the module doc);
+    ``append_transform`` edits it in place, as any TransformedEnv."""
+
+    def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
+        TransformedEnv.__init__(self, env)
+        inner = list(self.transform)
+        self.__dict__["transform"] = _SingleCompose()
+        for existing in inner:
+            TransformedEnv.append_transform(self, existing)
+        if transform is not None:
+            TransformedEnv.append_transform(self, transform)
+
+    def append_transform(self, transform: Transform) -> _LLMTransformedEnv:
+        return TransformedEnv.append_transform(self, transform)
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def _stack_row_tds(rows: list[TensorDictBase]) -> TensorDictBase:
+    """Row TensorDicts stacked densely when their entries agree in shape, else lazily."""
+    return LazyStackedTensorDict.maybe_dense_stack(list(rows))
+
+
+def _restack_nested(td: TensorDictBase) -> TensorDictBase:
+    """``td`` with jagged nested tensors turned into a lazy stack of rows (TorchRL's layout for
+    rows of different lengths)."""
+    if td.batch_dims and any(getattr(v, "is_nested", False) for v in td.values(True, True)):
+        return _stack_row_tds(td.unbind(0))
+    return td
+
+
+def merge_rows(kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+    """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
+    keys = list(kept.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+    missing = set(keys) - set(fresh.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+    if missing:
+        raise ValueError(f"cannot merge reset rows: keys {sorted(map(str, missing))} are missing from the reset output")
+    rows = list(kept.unbind(0))
+    fresh_rows = fresh.unbind(0)
+    for j, i in enumerate(fresh_idx):
+        rows[i] = fresh_rows[j].select(*keys)
+    return _stack_row_tds(rows)
+
+
+def _batch(batch_size: Any, *, what: str, error: type[Exception] = TypeError) -> torch.Size:
+    """``None``/``0``/``()`` -> ``[]``; an int ``n`` -> ``[n]``; 1-D sizes as they are."""
+    if batch_size is None or (isinstance(batch_size, int) and batch_size == 0):
+        return torch.Size([])
+    if isinstance(batch_size, int):
+        return torch.Size([batch_size])
+    size = torch.Size(batch_size)
+    if len(size) > 1:
+        raise error(f"batch-size of {what} must be 0 or 1d. Got batch_size={tuple(size)}.")
+    return size
+
+
+# ---------------------------------------------------------------------------- LLMEnv
+
+
+class LLMEnv(_LLMEnvLoop, EnvBase):
+    """A text generation env whose observation (a string or token ids) grows by each action.
+
+    TorchRL's ``LLMEnv`` (deprecated there in favour of :class:`~rlpost.envs.chat.ChatEnv`, and
+    warning so here too). A reset takes the prompt from its input (a DataLoadingPrimer can
+    supply it: :meth:`from_dataloader`) and the observation is that prompt. A step reads the
+    policy's action and the next observation is the observation followed by the action:
+    ``text + text_response`` (``from_text=True``) or ``cat(tokens, tokens_response)``, with the
+    attention mask extended by ones (``has_attention``).
+
+    Keyword Args:
+        token_key: the token observation (``"tokens"``); str_key: the text one (``"text"``).
+        attention_key: the attention mask of the tokens (``"attention_mask"``).
+        action_key: the action (``"text_response"`` or ``"tokens_response"``).
+        reward_key: the reward written with ``assign_reward`` (``"reward"``).
+        from_text: strings (True) or token ids (False).
+        device: device of the data the env writes.
+        vocab_size: the vocabulary size (recorded; the specs are unbounded).
+        assign_reward: write a zero reward per action token (tokens only).
+        assign_done: write per-token ``("tokens_data", "done" / "terminated")`` flags, zero, and
+            the root flags as their ``any`` (tokens only).
+        batch_size: ``None``, ``0`` or ``()`` for a batch-less env, else ``n`` or ``(n,)``.
+        has_attention: extend the attention mask at each step (tokens only).
+        as_llm_data: TorchRL's experimental option; only False is supported.
+        eos_token_id: an action holding this token ends the episode (``done`` and
+            ``terminated``). A text env reads the tokens of its action under
+            ``"tokens_response"`` for this. Without it the env warns, as TorchRL's does.
+
+    A text env's reset also takes the prompt under ``"query"``, where rlpost's
+    :class:`~rlpost.envs.datasets.DataLoadingPrimer` puts a dataset's ``"text"`` column (it
+    wins over ``str_key`` when both are there, so a primer's new prompt replaces the previous
+    observation at a reset).
+
+    Deliberate deviations from TorchRL: a step also writes ``truncated`` (False: rlpost's loop
+    reads it); ``vocab_size`` gives no bounded spec; a reset input of a batch-less env must be
+    batch-less; ``check_env_specs`` and random actions are not provided (``rollout`` needs a
+    policy); a partial reset of rows of different lengths stacks the rows lazily (as TorchRL's
+    reset output always is).
+    """
+
+    _DEFAULT_TOKEN_KEY = "tokens"
+    _DEFAULT_STR_KEY = "text"
+    _DEFAULT_ATTENTION_KEY = "attention_mask"
+    _DEFAULT_ACTION_TOKENS_KEY = "tokens_response"
+    _DEFAULT_ACTION_STR_KEY = "text_response"
+    QUERY_KEY = "query"
+
+    def __init__(
+        self,
+        *,
+        token_key: NestedKey | None = None,
+        str_key: NestedKey | None = None,
+        attention_key: NestedKey | None = None,
+        action_key: NestedKey | None = None,
+        reward_key: NestedKey = "reward",
+        from_text: bool = True,
+        device: torch.device | str | None = None,
+        vocab_size: int | None = None,
+        assign_reward: bool = False,
+        assign_done: bool = False,
+        batch_size: int | tuple | torch.Size | None = None,
+        has_attention: bool = True,
+        as_llm_data: bool = False,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self._warn_deprecated()
+        if as_llm_data:
+            raise NotImplementedError("LLMEnv(as_llm_data=True) is TorchRL's unfinished option; it is not supported")
+        self.from_text = from_text
+        self.token_key = _key(token_key if token_key is not None else self._DEFAULT_TOKEN_KEY)
+        self.str_key = _key(str_key if str_key is not None else self._DEFAULT_STR_KEY)
+        self.attention_key = _key(attention_key if attention_key is not None else self._DEFAULT_ATTENTION_KEY)
+        default_action = self._DEFAULT_ACTION_STR_KEY if from_text else self._DEFAULT_ACTION_TOKENS_KEY
+        self._action_key = _key(action_key if action_key is not None else default_action)
+        self._reward_key = _key(reward_key)
+        self.batch_size = _batch(batch_size, what="LLMEnv")
+        self.device = torch.device(device) if device is not None else None
+        self.vocab_size, self.has_attention = vocab_size, has_attention
+        self.assign_reward, self.assign_done = assign_reward, assign_done
+        self.as_llm_data = as_llm_data
+        self.eos_token_id = eos_token_id
+        if eos_token_id is None:
+            warnings.warn(
+                "eos_token_id is missing. This means that the environment will not be able to capture its done "
+                "state automatically. This may lead to undefined behaviors when the generated text reaches an "
+                "eos_token.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if from_text and (assign_reward or assign_done):
+            raise ValueError(
+                "from_text cannot be True when either of assign_reward / assign_done are True: "
+                "they are shaped like the action's tokens"
+            )
+
+    @classmethod
+    def _warn_deprecated(cls) -> None:
+        warnings.warn("LLMEnv is deprecated. Please use ChatEnv instead.", DeprecationWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ what the loop reads
+
+    @property
+    def base_env(self) -> LLMEnv:
+        return self
+
+    @property
+    def input_mode(self) -> NestedKey:
+        """The observation's key (what the loop carries from a step's ``next`` to the next root)."""
+        return self.str_key if self.from_text else self.token_key
+
+    @property
+    def data_key(self) -> NestedKey:
+        """What a reset of done rows keeps when no transform supplies the prompt: the current
+        observation (as TorchRL, whose reset copies its input)."""
+        return self.input_mode
+
+    @property
+    def base_state_keys(self) -> tuple:
+        return (self.attention_key,) if not self.from_text and self.has_attention else ()
+
+    def _action_keys(self) -> list:
+        return [self._action_key]
+
+    def _reward_keys(self) -> list:
+        return [self._reward_key] if self.assign_reward else []
+
+    def _done_keys(self) -> list:
+        nested = [("tokens_data", "done"), ("tokens_data", "terminated")] if self.assign_done else []
+        return list(FLAGS) + nested
+
+    # ------------------------------------------------------------------ specs
+
+    def _shape(self, *extra: int) -> tuple:
+        return (*self.batch_size, *extra)
+
+    def _composite(self, entries: dict) -> Composite:
+        spec = Composite(shape=self.batch_size, device=self.device)
+        for key, value in entries.items():
+            spec[key] = value
+        return spec
+
+    def _observation_spec(self) -> Composite:
+        if self.from_text:
+            text = NonTensor(example_data="a string", shape=self.batch_size, device=self.device)
+            return self._composite({self.str_key: text})
+        entries = {self.token_key: Unbounded(shape=self._shape(-1), dtype=torch.int64, device=self.device)}
+        if self.has_attention:
+            entries[self.attention_key] = Unbounded(shape=self._shape(-1), dtype=torch.int64, device=self.device)
+        return self._composite(entries)
+
+    def _action_spec(self) -> Composite:
+        if self.from_text:
+            leaf = NonTensor(example_data="a string", shape=self.batch_size, device=self.device)
+        else:
+            leaf = Unbounded(shape=self._shape(-1), dtype=torch.int64, device=self.device)
+        return self._composite({self._action_key: leaf})
+
+    def _state_spec(self) -> Composite:
+        return self._composite({})
+
+    def _reward_spec(self) -> Composite:
+        if not self.assign_reward:
+            return self._composite({})
+        reward = Unbounded(shape=self._shape(-1), dtype=torch.float32, device=self.device)
+        return self._composite({self._reward_key: reward})
+
+    def _done_spec(self) -> Composite:
+        entries = {flag: Unbounded(shape=self._shape(1), dtype=torch.bool, device=self.device) for flag in FLAGS}
+        if self.assign_done:
+            for flag in ("done", "terminated"):
+                entries[("tokens_data", flag)] = Unbounded(shape=self._shape(-1), dtype=torch.bool, device=self.device)
+        return self._composite(entries)
+
+    # ------------------------------------------------------------------ reset
+
+    def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
+        """The reset input the transforms fill: ``[k]`` rows (``[1]`` for a batch-less env)."""
+        if td is None:
+            return TensorDict(batch_size=self.batch_size or [1], device=self.device)
+        if not isinstance(td, TensorDictBase):
+            raise EnvInputError(f"LLMEnv.reset expects a TensorDict, got {type(td).__name__}")
+        if not self.batch_size:
+            if td.batch_dims:
+                raise EnvInputError(
+                    "LLMEnv(batch_size=()) is batch-less: its reset input must have batch [], got "
+                    f"{tuple(td.batch_size)}"
+                )
+            return td.unsqueeze(0)
+        if td.batch_dims == 0:
+            return td.expand(self.batch_size).clone()
+        if td.batch_dims != 1:
+            raise EnvInputError(f"LLMEnv.reset expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}")
+        return td
+
+    def _prompt_key(self, td: TensorDictBase) -> NestedKey:
+        if self.from_text and self.str_key != self.QUERY_KEY and _has(td, self.QUERY_KEY):
+            return self.QUERY_KEY
+        if _has(td, self.input_mode):
+            return self.input_mode
+        also = ""
+        if self.from_text:
+            also = f" (or {self.QUERY_KEY!r}, where DataLoadingPrimer puts a dataset's 'text' column)"
+        raise EnvInputError(
+            f"LLMEnv.reset needs the observation under {self.input_mode!r}{also}; the reset input has keys "
+            f"{sorted(map(str, td.keys(include_nested=True)))}. Append a DataLoadingPrimer (LLMEnv.from_dataloader "
+            "does) or pass the prompt in the reset input"
+        )
+
+    def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
+        """The prompt is the observation; flags False. Every key of the input is kept."""
+        num = td.batch_size[0]
+        key = self._prompt_key(td)
+        if self.from_text:
+            prompts = object_rows(td, key)
+            bad = sorted({type(p).__name__ for p in prompts if not isinstance(p, str)})
+            if bad:
+                raise EnvInputError(f"LLMEnv(from_text=True) expects strings under {key!r}, got {bad}")
+        else:
+            rows = tensor_rows(td, key)
+            if any(row.is_floating_point() or row.is_complex() for row in rows):
+                raise EnvInputError(f"LLMEnv(from_text=False) expects integer token ids under {key!r}")
+        out = td.exclude("next").clone(recurse=False)
+        if key != self.input_mode:
+            out.set(self.input_mode, td.get(key))
+        for flag in FLAGS:
+            out.set(flag, torch.zeros(num, 1, dtype=torch.bool))
+        if self.assign_done:
+            for flag in ("done", "terminated"):
+                out.set(("tokens_data", flag), torch.zeros(num, 1, dtype=torch.bool))
+        if self.device is not None:
+            out = out.to(self.device)
+        out = _restack_nested(out)
+        return out.squeeze(0) if not self.batch_size else out
+
+    # ------------------------------------------------------------------ step
+
+    def _step(self, td: TensorDictBase) -> TensorDictBase:
+        """The next observation (observation + action), the flags and, optionally, the reward."""
+        num = _num_rows(td)
+        self._require(td, self._action_key, "action")
+        self._require(td, self.input_mode, "observation")
+        entries: dict[NestedKey, list] = {}
+        if self.from_text:
+            observations, actions = object_rows(td, self.str_key), object_rows(td, self._action_key)
+            for observation, action in zip(observations, actions):
+                if not isinstance(observation, str) or not isinstance(action, str):
+                    raise TypeError(
+                        f"LLMEnv(from_text=True) concatenates strings: {self.str_key!r} holds a "
+                        f"{type(observation).__name__} and {self._action_key!r} a {type(action).__name__}"
+                    )
+            entries[self.str_key] = [o + a for o, a in zip(observations, actions)]
+            token_actions = self._token_actions(td) if self.eos_token_id is not None else None
+        else:
+            observations, actions = tensor_rows(td, self.token_key), tensor_rows(td, self._action_key)
+            entries[self.token_key] = [torch.cat([o, a.to(o.dtype)], -1) for o, a in zip(observations, actions)]
+            if self.has_attention:
+                self._require(td, self.attention_key, "attention mask (has_attention=True)")
+                masks = tensor_rows(td, self.attention_key)
+                entries[self.attention_key] = [torch.cat([m, m.new_ones(a.shape)], -1) for m, a in zip(masks, actions)]
+            token_actions = actions
+        if self.assign_reward:
+            entries[self._reward_key] = [torch.zeros(a.shape, dtype=torch.float32) for a in token_actions]
+        done = [torch.zeros(1, dtype=torch.bool) for _ in range(num)]
+        per_token = [torch.zeros(a.shape, dtype=torch.bool) for a in token_actions] if self.assign_done else None
+        if self.eos_token_id is not None:
+            per_token_eos = [a == self.eos_token_id for a in token_actions]
+            done = [hits.any().view(1) for hits in per_token_eos]
+            if self.assign_done:
+                per_token = per_token_eos
+        elif self.assign_done:
+            done = [hits.any().view(1) for hits in per_token]
+        entries["done"], entries["terminated"] = done, [d.clone() for d in done]
+        entries["truncated"] = [torch.zeros(1, dtype=torch.bool) for _ in range(num)]
+        if per_token is not None:
+            entries[("tokens_data", "done")] = per_token
+            entries[("tokens_data", "terminated")] = [p.clone() for p in per_token]
+        rows = []
+        for i in range(num):
+            row = TensorDict(batch_size=[], device=self.device)
+            for key, values in entries.items():
+                row.set(key, NonTensorData(values[i]) if isinstance(values[i], str) else values[i])
+            rows.append(row)
+        return rows[0] if td.batch_dims == 0 else _stack_row_tds(rows)
+
+    def _token_actions(self, td: TensorDictBase) -> list[torch.Tensor]:
+        """The tokens of a text action, which ``eos_token_id`` is looked for in."""
+        if not _has(td, self._DEFAULT_ACTION_TOKENS_KEY):
+            raise EnvInputError(
+                f"LLMEnv(eos_token_id={self.eos_token_id}) looks for the end-of-sequence token in the action's "
+                f"tokens under {self._DEFAULT_ACTION_TOKENS_KEY!r}, which the step input lacks"
+            )
+        return tensor_rows(td, self._DEFAULT_ACTION_TOKENS_KEY)
+
+    def _require(self, td: TensorDictBase, key: NestedKey, what: str) -> None:
+        if _has(td, key):
+            return
+        hint = ""
+        if key == self._action_key and self.from_text and _has(td, self._DEFAULT_ACTION_TOKENS_KEY):
+            hint = (
+                f" (the input has {self._DEFAULT_ACTION_TOKENS_KEY!r}: append a Tokenizer with "
+                f"in_keys_inv=[{self._action_key!r}], out_keys_inv=[{self._DEFAULT_ACTION_TOKENS_KEY!r}] to decode it)"
+            )
+        raise EnvInputError(
+            f"LLMEnv.step needs the {what} under {key!r}{hint}; the step input has keys "
+            f"{sorted(map(str, td.keys(include_nested=True)))}"
+        )
+
+    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+        return merge_rows(kept, fresh, fresh_idx)
+
+    # ------------------------------------------------------------------ from a dataloader
+
+    @classmethod
+    def from_dataloader(
+        cls,
+        dataloader: Any,
+        *,
+        tokenizer: Any = None,
+        token_key: NestedKey | None = None,
+        str_key: NestedKey | None = None,
+        attention_key: NestedKey | None = None,
+        action_key: NestedKey | None = None,
+        reward_key: NestedKey = "reward",
+        from_text: bool = True,
+        device: torch.device | str | None = None,
+        vocab_size: int | None = None,
+        batch_size: int | tuple | torch.Size | None = None,
+        has_attention: bool = True,
+        assign_reward: bool = False,
+        assign_done: bool = False,
+        primers: Composite | None = None,
+        example_data: Any = None,
+        stack_method: Callable[[Any], Any] | Literal["as_nested_tensor", "as_padded_tensor"] | None = None,
+        repeats: int | None = None,
+        group_repeats: bool = True,
+        eos_token_id: int | None = None,
+    ) -> TransformedEnv:
+        """An LLMEnv whose prompts come from ``dataloader`` (TorchRL's keywords).
+
+        The dataloader (any iterable of batches: a dict of columns or a list of row dicts) is
+        read by a :class:`~rlpost.envs.datasets.DataLoadingPrimer` that writes its columns, as
+        they are named, into each reset input; the observation's column (``str_key`` or
+        ``token_key``) must be one of them. ``batch_size`` defaults to the dataloader's;
+        ``repeats`` serves each row that many times in a row, and ``group_repeats`` (default
+        True) multiplies the env's batch by ``repeats`` so a reset takes all the copies.
+        ``stack_method`` stacks token rows: None (dense when they have one length, else rows of
+        different lengths), ``"as_padded_tensor"`` (left-padded with 0), ``"as_nested_tensor"``
+        or a callable taking the rows as a list of TensorDicts. ``primers`` (a Composite) picks
+        the columns written; ``example_data`` is accepted and unused (the columns are read from
+        the first batch).
+
+        With a ``tokenizer`` (text envs only), a :class:`~rlpost.envs.llm_transforms.Tokenizer`
+        is appended first: the observation text is tokenized under ``token_key`` after each
+        reset and step, and a policy may write token actions under ``"tokens_response"``
+        (decoded into ``action_key`` before each step).
+        """
+        cls._warn_deprecated()
+        str_key = _key(str_key if str_key is not None else cls._DEFAULT_STR_KEY)
+        token_key = _key(token_key if token_key is not None else cls._DEFAULT_TOKEN_KEY)
+        if attention_key is None:
+            attention_key = cls._DEFAULT_ATTENTION_KEY
+            if tokenizer is not None:
+                attention_key = _replace_last(token_key, "attention_mask")
+        elif tokenizer is not None and _key(attention_key) != _replace_last(token_key, "attention_mask"):
+            raise ValueError(
+                "When using the Tokenizer, attention key must match `(*token_key[:-1], 'attention_mask')`. "
+                f"Got attention_key={attention_key!r} while expecting {_replace_last(token_key, 'attention_mask')!r}."
+            )
+        tokenizer_transform = None
+        if tokenizer is not None:
+            if not from_text:
+                raise EnvInputError("LLMEnv.from_dataloader: a tokenizer can only be used with from_text=True")
+            if action_key is None:
+                action_key = cls._DEFAULT_ACTION_STR_KEY
+            tokenizer_transform = Tokenizer(
+                in_keys=[str_key],
+                out_keys=[token_key],
+                in_keys_inv=[action_key],
+                out_keys_inv=[cls._DEFAULT_ACTION_TOKENS_KEY],
+                tokenizer=tokenizer,
+                call_before_reset=False,
+                missing_tolerance=False,
+            )
+        primer = _ColumnsPrimer(
+            dataloader,
+            observation_key=str_key if from_text else token_key,
+            primers=primers,
+            stack_method=stack_method,
+            batch_size=batch_size,
+            repeats=repeats,
+            device=device,
+            group_repeats=group_repeats,
+        )
+        env = cls(
+            from_text=from_text, device=device, token_key=token_key, str_key=str_key, attention_key=attention_key,
+            action_key=action_key, reward_key=reward_key, vocab_size=vocab_size, assign_reward=assign_reward,
+            assign_done=assign_done, batch_size=primer.batch_size, has_attention=has_attention,
+            eos_token_id=eos_token_id,
+        )  # fmt: skip
+        if tokenizer_transform is not None:
+            env = env.append_transform(tokenizer_transform)
+        return env.append_transform(primer)
+
+    def __repr__(self) -> str:
+        return (
+            f"LLMEnv(from_text={self.from_text}, batch_size={tuple(self.batch_size)}, "
+            f"observation={self.input_mode!r}, action={self._action_key!r})"
+        )
+
+
+# ---------------------------------------------------------------------------- the primer of from_dataloader
+
+
+def _keep_batch(batch: Any) -> Any:
+    return batch
+
+
+def _torchrl_primer_batch(batch_size: Any, dataloader: Any, repeats: int | None, group_repeats: bool) -> torch.Size:
+    """The primer's batch as TorchRL sizes it: the dataloader's batch size by default, 0 for
+    none, times ``repeats`` with ``group_repeats``."""
+    if batch_size is None:
+        batch_size = getattr(dataloader, "batch_size", None)
+    size = _batch(batch_size, what="the DataLoadingPrimer", error=ValueError)
+    if repeats and group_repeats:
+        size = torch.Size([repeats]) if not size else torch.Size([size[0] * repeats])
+    return size
+
+
+class _ColumnsPrimer(DataLoadingPrimer):
+    """The DataLoadingPrimer of :meth:`LLMEnv.from_dataloader`: writes the dataloader's columns
+    under their own names (no ``"text"`` -> ``"query"`` renaming), tensors included, and owns the
+    env's observation key (a reset of done rows takes new prompts)."""
+
+    def __init__(
+        self,
+        dataloader: Any,
+        *,
+        observation_key: NestedKey,
+        primers: Any = None,
+        stack_method: Any = None,
+        batch_size: Any = None,
+        repeats: int | None = None,
+        device: torch.device | str | None = None,
+        group_repeats: bool = True,
+    ) -> None:
+        if not isinstance(observation_key, str):
+            raise ValueError(
+                f"LLMEnv.from_dataloader reads the observation from a top-level dataloader column; got the nested "
+                f"key {observation_key!r}"
+            )
+        known = stack_method is None or callable(stack_method)
+        if not known and stack_method not in ("as_padded_tensor", "as_nested_tensor"):
+            raise ValueError(f"Unknown stack_method={stack_method!r}")
+        self.observation_key = observation_key
+        self.column_stack_method = stack_method
+        size = _torchrl_primer_batch(batch_size, dataloader, repeats, group_repeats)
+        super().__init__(
+            dataloader, primers=primers, batch_size=size, repeats=repeats, device=device, collate_fn=_keep_batch,
+            prompt_column=observation_key, data_key=observation_key, shuffle=False,
+        )  # fmt: skip
+        self.batch_size = size
+        self.state_keys = tuple(dict.fromkeys([*self.columns, "prompt_id"]))
+
+    def _check_columns(self, first: dict[str, Any], primers: Any) -> list[str]:
+        columns = list(first)
+        if self.observation_key not in first:
+            raise ValueError(
+                f"LLMEnv.from_dataloader: the batches of {self.description} have no {self.observation_key!r} column "
+                f"(the env's observation key: str_key or token_key); their columns are {columns}"
+            )
+        wanted = list(primers.keys()) if primers is not None else columns
+        for column in wanted:
+            if column not in first:
+                raise ValueError(
+                    f"primers key {column!r} is not a column of {self.description}; its columns are {columns}"
+                )
+        return wanted
+
+    def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
+        if _has(td, self.observation_key):
+            return td
+        items = self.next_items(td.batch_size[0])
+        for column in self.columns:
+            td.set(column, self._stack_column([item.row[column] for item in items], column, td))
+        td.set("prompt_id", torch.tensor([item.prompt_id for item in items], dtype=torch.int64, device=self.device))
+        return td
+
+    def _stack_column(self, values: list, column: str, td: TensorDictBase) -> Any:
+        values = [_as_ids(v) for v in values]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=td.batch_size)
+        if self.device is not None:
+            values = [v.to(self.device) for v in values]
+        method = self.column_stack_method
+        if method is None:
+            return stack_rows(values)
+        if method == "as_nested_tensor":
+            return torch.nested.as_nested_tensor(values, layout=torch.jagged)
+        if method == "as_padded_tensor":
+            length = max(v.shape[0] for v in values)
+            return torch.stack([torch.cat([v.new_zeros(length - v.shape[0], *v.shape[1:]), v]) for v in values])
+        return method([TensorDict({column: v}, batch_size=[]) for v in values]).get(column)
+
+
+def _as_ids(value: Any) -> Any:
+    """A list of ints (a dataloader column of token ids) as an int64 tensor."""
+    ints = isinstance(value, (list, tuple)) and value
+    if ints and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return torch.tensor(value, dtype=torch.int64)
+    return value
+
+
+# ---------------------------------------------------------------------------- LLMHashingEnv
+
+
+def hash_rows(rows: torch.Tensor) -> torch.Tensor:
+    """One int64 per row of a ``[N, F]`` tensor: the first 8 bytes of the BLAKE2b digest of the
+    row's bytes (the same in every process)."""
+    data = rows.detach().cpu().contiguous()
+    values = [
+        int.from_bytes(hashlib.blake2b(row.numpy().tobytes(), digest_size=8).digest(), "little", signed=True)
+        for row in data
+    ]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+class LLMHashingEnv(_LLMEnvLoop, EnvBase):
+    """Token sequences identified by a running hash (TorchRL's ``LLMHashingEnv``).
+
+    A reset reads token ids under ``observation_key`` (``[L]``, or ``[B, L]``) and writes
+    ``"hashing"`` (the hash of the ids, int64 ``[*B, 1]``), ``done`` / ``terminated`` (False)
+    and, with ``text_output``, the decoded text under ``text_key``. A step reads ``"action"``
+    (one token per row, ``[*B, 1]``): the next observation is ``cat(observation, action)`` and
+    the next hash is ``hash(cat(hashing, action))``, so equal token chains get equal hashes.
+
+    Args:
+        vocab_size: the vocabulary size; defaults to the tokenizer's.
+
+    Keyword Args:
+        hashing_module: ``[N, F]`` int64 -> ``[N]`` int64; default :func:`hash_rows`.
+        observation_key: ``"observation"``.
+        text_output: decode the observation into ``text_key`` (needs a tokenizer with
+            ``decode`` and ``batch_decode``).
+        tokenizer: encodes :meth:`make_tensordict`'s strings and decodes observations.
+        text_key: ``"text"``.
+
+    The env takes the batch of its reset input (TorchRL's env is not batch-locked): its
+    ``batch_size`` is that of the last reset.
+
+    Deliberate deviations from TorchRL: the default hash is BLAKE2b-based and the same in every
+    process (TorchRL's ``SipHash`` uses Python's ``hash``, which changes with
+    ``PYTHONHASHSEED``); a step also writes ``truncated`` (False); the specs are unbounded.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int | None = None,
+        *,
+        hashing_module: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        observation_key: NestedKey = "observation",
+        text_output: bool = True,
+        tokenizer: Any = None,
+        text_key: NestedKey | None = "text",
+    ) -> None:
+        if vocab_size is None:
+            if tokenizer is None:
+                raise TypeError("You must provide a vocab_size integer if tokenizer is `None`.")
+            vocab_size = tokenizer.vocab_size
+        if text_output and tokenizer is None:
+            raise ValueError(
+                "LLMHashingEnv(text_output=True) decodes observations: pass a tokenizer (or text_output=False)"
+            )
+        self.vocab_size = vocab_size
+        self._hashing_module = hashing_module if hashing_module is not None else hash_rows
+        self._tokenizer = tokenizer
+        self.observation_key = _key(observation_key)
+        self.text_output = text_output
+        self.text_key = _key(text_key if text_key is not None else "text") if text_output else None
+        self.batch_size = torch.Size([])
+        self.device = None
+
+    # ------------------------------------------------------------------ what the loop reads
+
+    @property
+    def base_env(self) -> LLMHashingEnv:
+        return self
+
+    @property
+    def input_mode(self) -> NestedKey:
+        return self.observation_key
+
+    @property
+    def data_key(self) -> NestedKey:
+        return self.observation_key
+
+    @property
+    def base_state_keys(self) -> tuple:
+        return ("hashing",) + ((self.text_key,) if self.text_output else ())
+
+    def _action_keys(self) -> list:
+        return ["action"]
+
+    def _reward_keys(self) -> list:
+        return []
+
+    def _done_keys(self) -> list:
+        return list(FLAGS)
+
+    def _observation_spec(self) -> Composite:
+        spec = Composite(shape=self.batch_size)
+        spec[self.observation_key] = Unbounded(shape=(*self.batch_size, -1), dtype=torch.int64)
+        spec["hashing"] = Unbounded(shape=(*self.batch_size, 1), dtype=torch.int64)
+        if self.text_output:
+            spec[self.text_key] = NonTensor(example_data="a string", shape=self.batch_size)
+        return spec
+
+    def _action_spec(self) -> Composite:
+        return Composite({"action": Unbounded(shape=(*self.batch_size, 1), dtype=torch.int64)}, shape=self.batch_size)
+
+    def _state_spec(self) -> Composite:
+        return Composite(shape=self.batch_size)
+
+    def _reward_spec(self) -> Composite:
+        return Composite(shape=self.batch_size)
+
+    def _done_spec(self) -> Composite:
+        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool) for flag in FLAGS}
+        return Composite(flags, shape=self.batch_size)
+
+    # ------------------------------------------------------------------ reset and step
+
+    def make_tensordict(self, input: str | list[str]) -> TensorDictBase:
+        """Tokenize a string (batch ``[]``) or a list of strings (batch ``[B]``) and reset on it."""
+        if self._tokenizer is None:
+            raise ValueError("LLMHashingEnv.make_tensordict tokenizes its input: the env needs a tokenizer")
+        ids = self._tokenizer(input)
+        if hasattr(ids, "keys") and "input_ids" in ids.keys():
+            ids = ids["input_ids"]
+        if isinstance(ids, torch.Tensor):
+            ids = ids.to(torch.int64)
+        elif isinstance(input, list):
+            lengths = sorted({len(row) for row in ids})
+            if len(lengths) > 1:
+                raise ValueError(
+                    f"make_tensordict: the strings tokenize to different lengths {lengths}; reset on padded ids"
+                )
+            ids = torch.tensor([list(row) for row in ids], dtype=torch.int64)
+        else:
+            ids = torch.tensor(list(ids), dtype=torch.int64)
+        batch = [len(input)] if isinstance(input, list) else []
+        return self.reset(TensorDict({self.observation_key: ids}, batch_size=batch))
+
+    def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
+        if td is None:
+            return TensorDict(batch_size=self.batch_size)
+        if not isinstance(td, TensorDictBase):
+            raise EnvInputError(f"LLMHashingEnv.reset expects a TensorDict, got {type(td).__name__}")
+        if td.batch_dims > 1:
+            raise EnvInputError(
+                f"LLMHashingEnv.reset expects a TensorDict of batch [] or [B], got {tuple(td.batch_size)}"
+            )
+        self.batch_size = td.batch_size
+        return td
+
+    def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
+        if not _has(td, self.observation_key):
+            raise EnvInputError(
+                f"Resetting the LLMHashingEnv environment requires a prompt: token ids under {self.observation_key!r}; "
+                f"the reset input has keys {sorted(map(str, td.keys(include_nested=True)))}"
+            )
+        obs = td.get(self.observation_key)
+        if not isinstance(obs, torch.Tensor) or obs.is_floating_point():
+            raise EnvInputError(f"LLMHashingEnv needs integer token ids under {self.observation_key!r}")
+        out = td.exclude("next").clone(recurse=False)
+        out.set("hashing", self._hash(obs))
+        if self.text_output:
+            out.set(self.text_key, self._decode(obs, td))
+        for flag in FLAGS:
+            out.set(flag, torch.zeros(*td.batch_size, 1, dtype=torch.bool))
+        return out
+
+    def _step(self, td: TensorDictBase) -> TensorDictBase:
+        for key in (self.observation_key, "hashing", "action"):
+            if not _has(td, key):
+                raise EnvInputError(
+                    f"LLMHashingEnv.step needs {key!r} (the policy writes 'action', one token id per row); the step "
+                    f"input has keys {sorted(map(str, td.keys(include_nested=True)))}"
+                )
+        action = td.get("action")
+        obs = torch.cat([td.get(self.observation_key), action.to(torch.int64)], -1)
+        next_td = TensorDict(batch_size=td.batch_size)
+        next_td.set(self.observation_key, obs)
+        next_td.set("hashing", self._hash(torch.cat([td.get("hashing"), action.to(torch.int64)], -1)))
+        if self.text_output:
+            next_td.set(self.text_key, self._decode(obs, td))
+        for flag in FLAGS:
+            next_td.set(flag, torch.zeros(*td.batch_size, 1, dtype=torch.bool))
+        return next_td
+
+    def _hash(self, values: torch.Tensor) -> torch.Tensor:
+        if values.ndim > 1:
+            return self._hashing_module(values).reshape(-1, 1)
+        return self._hashing_module(values.unsqueeze(0)).reshape(1)
+
+    def _decode(self, obs: torch.Tensor, td: TensorDictBase) -> Any:
+        if obs.ndim > 1:
+            texts = self._tokenizer.batch_decode(obs.tolist())
+            return NonTensorStack(*[NonTensorData(t) for t in texts], batch_size=td.batch_size)
+        return NonTensorData(self._tokenizer.decode(obs.tolist()))
+
+    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+        self.batch_size = kept.batch_size  # a partial reset does not change the env's batch
+        return merge_rows(kept, fresh, fresh_idx)
+
+    def __repr__(self) -> str:
+        return f"LLMHashingEnv(vocab_size={self.vocab_size}, observation_key={self.observation_key!r})"
+
+
+__all__ = ["LLMEnv", "LLMHashingEnv", "hash_rows"]

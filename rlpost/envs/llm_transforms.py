@@ -1,0 +1,835 @@
+"""Transforms of TorchRL's LLM stack: :class:`Tokenizer`, :class:`TemplateTransform`,
+:class:`AddThinkingPrompt`, :class:`StepCounter` and :class:`PolicyVersion`.
+
+They use rlpost's hook protocol (:mod:`rlpost.envs.transforms`: ``reset_preprocess``,
+``on_reset``, ``on_step``) plus one more hook, ``inv(td)``: the inverse pass TorchRL runs on a
+step's input before the base env sees it (e.g. decoding the policy's tokens into the text action
+an :class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of :mod:`rlpost.envs.llm_env`
+run it (transforms in reverse order, as TorchRL's ``Compose.inv``); a plain
+:class:`~rlpost.envs.common.TransformedEnv` of a :class:`~rlpost.envs.chat.ChatEnv` does not.
+
+Batches: these transforms accept a ``[B]`` batch and, for a batchless
+:class:`~rlpost.envs.llm_env.LLMEnv`, a ``[]`` one.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+from rlpost.data import ChatHistory, History
+from rlpost.envs import common as _common  # its names are read at call time (import order)
+from rlpost.envs.transforms import Compose, Transform
+
+NestedKey = Any  # a str or a tuple of str
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _key(key: NestedKey) -> NestedKey:
+    """A nested key in one spelling: a str, or a tuple of two or more str."""
+    if isinstance(key, tuple):
+        if not key or not all(isinstance(part, str) for part in key):
+            raise ValueError(f"a key must be a str or a tuple of str, got {key!r}")
+        return key[0] if len(key) == 1 else key
+    if not isinstance(key, str):
+        raise ValueError(f"a key must be a str or a tuple of str, got {key!r}")
+    return key
+
+
+def _keys(keys: Sequence[NestedKey] | NestedKey | None) -> list:
+    if keys is None:
+        return []
+    if isinstance(keys, (str, tuple)):
+        keys = [keys]
+    return [_key(key) for key in keys]
+
+
+def _replace_last(key: NestedKey, last: str) -> NestedKey:
+    """``key`` with its last part replaced by ``last`` (``"tokens"`` -> ``last``,
+    ``("a", "ids")`` -> ``("a", last)``)."""
+    return last if isinstance(key, str) else (*key[:-1], last)
+
+
+def _has(td: TensorDictBase, key: NestedKey) -> bool:
+    return key in td.keys(include_nested=isinstance(key, tuple))
+
+
+def _num_rows(td: TensorDictBase) -> int:
+    if td.batch_dims > 1:
+        raise _common.EnvInputError(f"expected a TensorDict of batch [] or [B], got batch {tuple(td.batch_size)}")
+    return td.batch_size[0] if td.batch_dims else 1
+
+
+def object_rows(td: TensorDictBase, key: NestedKey) -> list:
+    """The Python values (strings, chats...) of ``td[key]``, one per row (one for batch ``[]``)."""
+    value = td.get(key)
+    num = _num_rows(td)
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    elif isinstance(value, NonTensorData):
+        value = value.data
+        return [value] * num if td.batch_dims else [value]
+    if td.batch_dims == 0:
+        return [value]
+    if isinstance(value, (list, tuple)) and len(value) == num:
+        return list(value)
+    return [value] * num
+
+
+def tensor_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
+    """The tensors of ``td[key]``, one per row: dense, nested (jagged) or lazily stacked rows of
+    different lengths alike (one for batch ``[]``)."""
+    if td.batch_dims == 0:
+        return [td.get(key)]
+    try:
+        value = td.get(key)
+    except RuntimeError:  # a lazy stack whose rows differ in length
+        return [row.get(key) for row in td.unbind(0)]
+    if not isinstance(value, torch.Tensor):
+        raise _common.EnvInputError(f"expected a tensor under {key!r}, got {type(value).__name__}")
+    return list(value.unbind(0))
+
+
+def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows stacked densely when they have one shape, else as a jagged nested tensor."""
+    if len({tuple(row.shape) for row in rows}) == 1:
+        return torch.stack(rows)
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+
+def batch_value(values: list, td: TensorDictBase) -> Any:
+    """Per-row Python values as a TensorDict entry of ``td``'s batch (NonTensorData for ``[]``)."""
+    if td.batch_dims == 0:
+        return NonTensorData(values[0])
+    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=td.batch_size)
+
+
+def batch_tensor(rows: list[torch.Tensor], td: TensorDictBase) -> torch.Tensor:
+    return rows[0] if td.batch_dims == 0 else stack_rows(rows)
+
+
+def run_inverse(transforms: Iterable[Transform], td: TensorDictBase) -> TensorDictBase:
+    """Every transform's ``inv`` hook, last transform first (TorchRL's inverse order)."""
+    for transform in reversed(list(transforms)):
+        if isinstance(transform, Compose):
+            td = run_inverse(transform, td)
+        elif getattr(transform, "inv", None) is not None:
+            td = transform.inv(td)
+    return td
+
+
+def _parent_device(transform: Transform) -> torch.device | None:
+    parent = getattr(transform, "parent", None)
+    return getattr(parent, "device", None) if parent is not None else None
+
+
+# ---------------------------------------------------------------------------- Tokenizer
+
+
+class Tokenizer(Transform):
+    """Tokenize text entries into token ids (and decode token actions back into text).
+
+    TorchRL's ``Tokenizer`` transform. After a reset and after each step, each ``in_keys`` entry
+    (a string per row) is tokenized into the matching ``out_keys`` entry, with its attention
+    mask next to it (``out_key``'s last part replaced by ``"attention_mask"``) when
+    ``return_attention_mask``. A batch is tokenized in one call and padded as the tokenizer pads
+    (``padding=True``; ``max_length`` pads to that length). Before each step (the inverse pass,
+    ``inv``), each ``out_keys_inv`` entry (token ids) is decoded into the matching
+    ``in_keys_inv`` entry, e.g. the policy's ``"tokens_response"`` into the
+    ``"text_response"`` an :class:`~rlpost.envs.llm_env.LLMEnv` reads.
+
+    Args:
+        in_keys, out_keys: the text entries and the token entries they become.
+        in_keys_inv, out_keys_inv: the text entries written by the inverse pass, and the token
+            entries they are decoded from.
+
+    Keyword Args:
+        tokenizer: a Hugging Face tokenizer, or a hub name / local path to load one from.
+        use_raw_nontensor: accepted for TorchRL compatibility; strings are always extracted
+            from the non-tensor entries before tokenizing.
+        additional_tokens: tokens added to the tokenizer's vocabulary.
+        skip_special_tokens: when decoding (default True).
+        add_special_tokens: when encoding (default False).
+        padding: pad a batch to its longest row (default True).
+        max_length: pad (a batch or a single string) to this length.
+        return_attention_mask: write the attention mask (default True).
+        missing_tolerance: a missing input entry is skipped (default True); otherwise it raises
+            :class:`~rlpost.envs.common.EnvInputError` naming the key (TorchRL: ``KeyError``).
+        call_before_reset: tokenize the reset input before the base env's reset instead of its
+            output.
+
+    Deliberate deviations from TorchRL: the tokenizer is required (TorchRL downloads
+    ``bert-base-uncased`` when none is given); a batch tokenized with ``padding=False`` whose
+    rows differ in length gives a jagged nested tensor (TorchRL's tokenizer call fails);
+    token rows of different lengths are decoded as they are (TorchRL pads them with 0 first);
+    no per-transform specs.
+    """
+
+    def __init__(
+        self,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        in_keys_inv: Sequence[NestedKey] | None = None,
+        out_keys_inv: Sequence[NestedKey] | None = None,
+        *,
+        tokenizer: Any = None,
+        use_raw_nontensor: bool = False,
+        additional_tokens: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        add_special_tokens: bool = False,
+        padding: bool = True,
+        max_length: int | None = None,
+        return_attention_mask: bool = True,
+        missing_tolerance: bool = True,
+        call_before_reset: bool = False,
+    ) -> None:
+        super().__init__()
+        if tokenizer is None:
+            raise ValueError(
+                "Tokenizer needs a tokenizer= (a Hugging Face tokenizer, or a hub name or local path to load one)"
+            )
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.in_keys, self.out_keys = _keys(in_keys), _keys(out_keys if out_keys is not None else in_keys)
+        self.in_keys_inv = _keys(in_keys_inv)
+        self.out_keys_inv = _keys(out_keys_inv if out_keys_inv is not None else in_keys_inv)
+        for name, ins, outs in (("in_keys/out_keys", self.in_keys, self.out_keys),
+                                ("in_keys_inv/out_keys_inv", self.in_keys_inv, self.out_keys_inv)):  # fmt: skip
+            if len(ins) != len(outs):
+                raise ValueError(f"Tokenizer {name} must have the same length, got {ins} and {outs}")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"Tokenizer max_length must be >= 1 or None, got {max_length}")
+        self.tokenizer = tokenizer
+        self.use_raw_nontensor = use_raw_nontensor
+        self.skip_special_tokens, self.add_special_tokens = skip_special_tokens, add_special_tokens
+        self.padding, self.max_length = padding, max_length
+        self.return_attention_mask = return_attention_mask
+        self.missing_tolerance = missing_tolerance
+        self.call_before_reset = call_before_reset
+        if additional_tokens:
+            self.tokenizer.add_tokens(list(additional_tokens))
+
+    @property
+    def state_keys(self) -> tuple:
+        """The token entries (and masks) are observations: carried into each step's next root."""
+        keys = []
+        for out_key in self.out_keys:
+            keys.append(out_key)
+            if self.return_attention_mask:
+                keys.append(_replace_last(out_key, "attention_mask"))
+        return tuple(keys)
+
+    # ------------------------------------------------------------------ hooks
+
+    def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
+        if self.call_before_reset:
+            self._tokenize_entries(td, tolerant=True)
+        return td
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        if not self.call_before_reset:
+            self._tokenize_entries(reset_td, tolerant=self.missing_tolerance)
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        self._tokenize_entries(next_td, tolerant=self.missing_tolerance)
+        return next_td
+
+    def inv(self, td: TensorDictBase) -> TensorDictBase:
+        """Decode each ``out_keys_inv`` entry (token ids per row) into ``in_keys_inv``."""
+        for text_key, tokens_key in zip(self.in_keys_inv, self.out_keys_inv):
+            if not _has(td, tokens_key):
+                if not self.missing_tolerance:
+                    raise _common.EnvInputError(
+                        f"Tokenizer: no {tokens_key!r} to decode into {text_key!r}; "
+                        f"the step input has keys {sorted(map(str, td.keys(include_nested=True)))}"
+                    )
+                continue
+            td.set(text_key, batch_value([self.decode(ids) for ids in tensor_rows(td, tokens_key)], td))
+        return td
+
+    # ------------------------------------------------------------------ tokenizer calls
+
+    def _tokenize_entries(self, td: TensorDictBase, *, tolerant: bool) -> None:
+        for in_key, out_key in zip(self.in_keys, self.out_keys):
+            mask_key = _replace_last(out_key, "attention_mask")
+            if not _has(td, in_key):
+                if not tolerant:
+                    raise _common.EnvInputError(
+                        f"Tokenizer: no {in_key!r} to tokenize into {out_key!r}; "
+                        f"the TensorDict has keys {sorted(map(str, td.keys(include_nested=True)))}"
+                    )
+                if self.return_attention_mask and _has(td, out_key) and not _has(td, mask_key):
+                    td.set(mask_key, torch.ones_like(td.get(out_key), dtype=torch.int64))
+                continue
+            texts = object_rows(td, in_key)
+            if not all(isinstance(text, str) for text in texts):
+                kinds = sorted({type(text).__name__ for text in texts})
+                raise _common.EnvInputError(f"Tokenizer: {in_key!r} must hold strings, got {kinds}")
+            ids, mask = self.encode(texts[0]) if td.batch_dims == 0 else self.encode(texts)
+            td.set(out_key, ids)
+            if self.return_attention_mask:
+                td.set(mask_key, mask)
+
+    def encode(self, text: str | list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask of one string (``[L]``) or a batch (``[B, L]``)."""
+        kwargs: dict[str, Any] = {"add_special_tokens": self.add_special_tokens}
+        if self.max_length is not None:
+            kwargs.update(padding="max_length", max_length=self.max_length)
+        if isinstance(text, str):
+            out = self.tokenizer(text, return_tensors="pt", return_attention_mask=True, **kwargs)
+            ids, mask = out["input_ids"][0].to(torch.int64), out["attention_mask"][0].to(torch.int64)
+        elif self.padding or self.max_length is not None:
+            kwargs.setdefault("padding", True)
+            out = self.tokenizer(list(text), return_tensors="pt", return_attention_mask=True, **kwargs)
+            ids, mask = out["input_ids"].to(torch.int64), out["attention_mask"].to(torch.int64)
+        else:
+            rows = [torch.as_tensor(self.tokenizer.encode(t, **kwargs), dtype=torch.int64) for t in text]
+            ids, mask = stack_rows(rows), stack_rows([torch.ones_like(row) for row in rows])
+        device = _parent_device(self)
+        if device is not None:
+            ids, mask = ids.to(device), mask.to(device)
+        return ids, mask
+
+    def decode(self, ids: torch.Tensor) -> str:
+        """One row of ids as text."""
+        values = ids.reshape(-1).tolist()
+        return self.tokenizer.decode(values, skip_special_tokens=self.skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(in_keys={self.in_keys}, out_keys={self.out_keys}, in_keys_inv={self.in_keys_inv}, "
+            f"out_keys_inv={self.out_keys_inv})"
+        )
+
+
+# ---------------------------------------------------------------------------- TemplateTransform
+
+
+class TemplateTransform(Transform):
+    """Render conversations through a chat template into the prompt text a policy reads.
+
+    TorchRL's ``TemplateTransform(tokenizer, chat_template=None)``: after a reset and after each
+    step, the ``"message"`` entry is rendered with the template and a generation prompt
+    (``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=False)``) and
+    written back under ``"message"``; before each step (the inverse pass, ``inv``) the
+    ``"action"`` entry, a rendered completion, is cut down to the text of its last assistant
+    turn. ``chat_template`` defaults to the tokenizer's own.
+
+    A row's conversation may be a :class:`~rlpost.data.History`, a list of message dicts or a
+    string (read as one user message).
+
+    Keyword Args (rlpost's, beyond TorchRL's two arguments):
+        in_keys, out_keys: the entries rendered and where the text goes (``["message"]`` each).
+        in_keys_inv, out_keys_inv: the completions parsed and where their last assistant turn
+            goes (``["action"]`` each).
+        add_generation_prompt: end the rendered text with the assistant's header (True).
+
+    Deliberate deviations from TorchRL: the assistant header and end-of-turn marker that the
+    inverse pass cuts at are read from the template (TorchRL hard-codes Llama 3's
+    ``<|start_header_id|>assistant<|end_header_id|>`` and ``<|eot_id|>``), and a plain string
+    renders as a user message (TorchRL passes it to ``apply_chat_template`` as is, which fails).
+    A missing entry raises :class:`~rlpost.envs.common.EnvInputError` naming the key.
+    """
+
+    _MARK = "\u2063rlpost-template\u2063"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        *,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        in_keys_inv: Sequence[NestedKey] | None = None,
+        out_keys_inv: Sequence[NestedKey] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> None:
+        super().__init__()
+        if tokenizer is None:
+            raise ValueError("TemplateTransform needs a tokenizer (its chat template renders the conversations)")
+        if chat_template is None:
+            try:
+                chat_template = tokenizer.get_chat_template()
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(
+                    f"TemplateTransform: the tokenizer has no chat template; pass chat_template= ({exc})"
+                ) from exc
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.in_keys = _keys(in_keys if in_keys is not None else ["message"])
+        self.out_keys = _keys(out_keys if out_keys is not None else self.in_keys)
+        self.in_keys_inv = _keys(in_keys_inv if in_keys_inv is not None else ["action"])
+        self.out_keys_inv = _keys(out_keys_inv if out_keys_inv is not None else self.in_keys_inv)
+        if len(self.in_keys) != len(self.out_keys) or len(self.in_keys_inv) != len(self.out_keys_inv):
+            raise ValueError(
+                "TemplateTransform: in_keys/out_keys (and in_keys_inv/out_keys_inv) must have the same length"
+            )
+        self.add_generation_prompt = add_generation_prompt
+        self._markers: tuple[str, str] | None = None
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        return self._render_entries(reset_td)
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        return self._render_entries(next_td)
+
+    def inv(self, td: TensorDictBase) -> TensorDictBase:
+        """Each ``in_keys_inv`` completion cut to its last assistant turn, under ``out_keys_inv``."""
+        for in_key, out_key in zip(self.in_keys_inv, self.out_keys_inv):
+            texts = self._entry(td, in_key, "completion")
+            if not all(isinstance(text, str) for text in texts):
+                raise _common.EnvInputError(f"TemplateTransform: {in_key!r} must hold strings (rendered completions)")
+            td.set(out_key, batch_value([self.last_assistant_turn(text) for text in texts], td))
+        return td
+
+    def render(self, conversation: Any) -> str:
+        """One conversation (History, message dicts or a string) rendered with the template."""
+        chat = _as_chat(conversation)
+        return self.tokenizer.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=self.add_generation_prompt, chat_template=self.chat_template
+        )
+
+    def last_assistant_turn(self, text: str) -> str:
+        """The text after the last assistant header of ``text``, up to its end-of-turn marker."""
+        header, end = self._template_markers()
+        if header and header in text:
+            text = text[text.rindex(header) + len(header) :]
+        if end and end in text:
+            text = text[: text.index(end)]
+        return text
+
+    def _template_markers(self) -> tuple[str, str]:
+        """(assistant header, end-of-turn marker) as the template writes them."""
+        if self._markers is None:
+            user = [{"role": "user", "content": "x"}]
+
+            def text(chat, generation_prompt):
+                return self.tokenizer.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.chat_template
+                )
+
+            base, with_prompt = text(user, False), text(user, True)
+            header = with_prompt[len(base) :] if with_prompt.startswith(base) else ""
+            rendered = text(user + [{"role": "assistant", "content": self._MARK}], False)
+            end = rendered[rendered.index(self._MARK) + len(self._MARK) :].strip() if self._MARK in rendered else ""
+            self._markers = (header, end)
+        return self._markers
+
+    def _render_entries(self, td: TensorDictBase) -> TensorDictBase:
+        for in_key, out_key in zip(self.in_keys, self.out_keys):
+            value = td.get(in_key) if _has(td, in_key) else None
+            if isinstance(value, History):
+                chats = value.to_chats() if td.batch_dims else [value.to_chats()]
+            elif isinstance(value, ChatHistory):
+                raise _common.EnvInputError(
+                    f"TemplateTransform: {in_key!r} holds a ChatHistory; name one of its Histories, "
+                    f"e.g. in_keys=[({in_key!r}, 'prompt')]"
+                )
+            else:
+                chats = self._entry(td, in_key, "conversation")
+            td.set(out_key, batch_value([self.render(chat) for chat in chats], td))
+        return td
+
+    def _entry(self, td: TensorDictBase, key: NestedKey, what: str) -> list:
+        if not _has(td, key):
+            raise _common.EnvInputError(
+                f"TemplateTransform needs the {what} under {key!r}; the TensorDict has keys "
+                f"{sorted(map(str, td.keys(include_nested=True)))}"
+            )
+        return object_rows(td, key)
+
+    def __repr__(self) -> str:
+        return f"TemplateTransform(in_keys={self.in_keys}, out_keys={self.out_keys}, in_keys_inv={self.in_keys_inv})"
+
+
+def _as_chat(conversation: Any) -> list[dict]:
+    if isinstance(conversation, History):
+        return conversation.to_chats()
+    if isinstance(conversation, str):
+        return [{"role": "user", "content": conversation}]
+    if isinstance(conversation, dict):
+        return [conversation]
+    if isinstance(conversation, (list, tuple)) and all(isinstance(m, dict) for m in conversation):
+        return list(conversation)
+    raise _common.EnvInputError(
+        f"TemplateTransform renders a History, a list of message dicts or a string, got {type(conversation).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------- AddThinkingPrompt
+
+
+class AddThinkingPrompt(Transform):
+    """Ask the model to think again: edit or extend the conversation when ``cond`` holds.
+
+    TorchRL's ``AddThinkingPrompt``, for a :class:`~rlpost.envs.chat.ChatEnv` in history mode.
+    After each step, ``cond`` is called with each row's ``next`` (a batch-less TensorDict
+    holding that row's ``history``, ``reward``, ``done``, ``step_count``...). Where it returns
+    True:
+
+    - ``edit_last_turn=True`` (``role="assistant"`` only): the last message becomes an
+      assistant message whose last ``<answer>...</answer>`` block (with a trailing
+      ``<|im_end|>``) is replaced by the prompt, or, without an answer block, that ends with
+      ``"\\n\\n" + prompt``;
+    - otherwise a ``role`` message holding the prompt is appended;
+    - ``undo_done``: the done flags of that row are cleared (the episode goes on);
+    - ``zero_reward`` (default: ``edit_last_turn``): its rewards are set to 0.
+
+    Args:
+        cond: ``cond(next_row) -> bool``.
+        prompt: the text added; default ``DEFAULT_PROMPTS_EG[0]`` (``egocentric``) or
+            ``DEFAULT_PROMPTS_COG[0]``.
+        random_prompt: draw the prompt from the default list at each use.
+        role: ``"assistant"`` or ``"user"``.
+        edit_last_turn, zero_reward, undo_done: see above.
+        egocentric: whether the prompt speaks as the assistant (default: ``role == "assistant"``).
+
+    On an env that is not in history mode (or not attached to one) the transform raises
+    :class:`~rlpost.envs.common.EnvInputError` at the first reset or step.
+
+    Deliberate deviation from TorchRL: when the edited message ends with ``<|im_end|>`` after
+    its answer block, the answer is replaced and the marker kept; TorchRL's current code keeps
+    the answer there and appends the prompt after it (its fallback branch), which contradicts
+    its own description.
+    """
+
+    DEFAULT_PROMPTS_EG = [
+        "But wait, let me think about this more carefully...",
+        "Actually, let me reconsider this...",
+        "But we can do better. Let me think about it step by step...",
+        "Wait, I need to double-check my reasoning...",
+        "Actually, let me think about it more carefully...",
+        "It looks like I made a mistake. Let me think about it step by step...",
+    ]
+    DEFAULT_PROMPTS_COG = [
+        "But wait, think about this more carefully...",
+        "Actually, reconsider this...",
+        "But we can do better. Let's think about it step by step...",
+        "Wait, you need to double-check your reasoning...",
+        "Actually, think about it more carefully...",
+        "It looks like you made a mistake. Can you see what went wrong? Let's think about it step by step...",
+    ]
+    EOS_MARKER = "<|im_end|>"
+    _ANSWER = re.compile(r"<answer>.*?</answer>(?:\s*<\|im_end\|>)?", re.DOTALL)
+
+    def __init__(
+        self,
+        cond: Callable[[TensorDictBase], Any],
+        prompt: str | None = None,
+        random_prompt: bool = False,
+        role: Literal["user", "assistant"] = "assistant",
+        edit_last_turn: bool = True,
+        zero_reward: bool | None = None,
+        undo_done: bool = True,
+        egocentric: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if not callable(cond):
+            raise ValueError(f"AddThinkingPrompt cond must be callable (next_row -> bool), got {type(cond).__name__}")
+        if edit_last_turn and role != "assistant":
+            raise ValueError("edit_last_turn can only be used with role='assistant'")
+        self.cond, self.role = cond, role
+        self.egocentric = role == "assistant" if egocentric is None else egocentric
+        if prompt is None:
+            prompt = self.DEFAULT_PROMPTS_EG[0] if self.egocentric else self.DEFAULT_PROMPTS_COG[0]
+        self._prompt, self.random_prompt = prompt, random_prompt
+        self.edit_last_turn = edit_last_turn
+        self.zero_reward = edit_last_turn if zero_reward is None else zero_reward
+        self.undo_done = undo_done
+
+    @property
+    def prompt(self) -> str:
+        if self.random_prompt:
+            return random.choice(self.DEFAULT_PROMPTS_EG if self.egocentric else self.DEFAULT_PROMPTS_COG)
+        return self._prompt
+
+    def _check_env(self) -> Any:
+        parent = self.parent
+        if parent is None:
+            raise _common.EnvInputError("AddThinkingPrompt is not attached to an env: use env.append_transform(...)")
+        mode = getattr(parent.base_env, "input_mode", None)
+        if mode != "history":
+            raise _common.EnvInputError(
+                f"AddThinkingPrompt edits the conversation history: it needs a ChatEnv with input_mode='history', "
+                f"but {type(parent.base_env).__name__} has input_mode={mode!r}"
+            )
+        return parent
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        self._check_env()
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        env = self._check_env()
+        chat = next_td.get("history", None)
+        if not isinstance(chat, ChatHistory) or chat.prompt is None:
+            raise _common.EnvInputError("AddThinkingPrompt needs the next prompt under ('history', 'prompt')")
+        rows = chat.prompt.to_chats(include_state=True)
+        changed = False
+        for i in range(len(rows)):
+            if not bool(self.cond(next_td[i])):
+                continue
+            changed = True
+            if self.edit_last_turn:
+                last = rows[i][-1] if rows[i] else {"content": ""}
+                rows[i] = rows[i][:-1] + [{"role": "assistant", "content": self.replace_answer(last["content"])}]
+            else:
+                rows[i] = rows[i] + [{"role": self.role, "content": self.prompt}]
+            if self.undo_done:
+                self._fill_row(next_td, env.done_keys, i, False)
+            if self.zero_reward:
+                self._fill_row(next_td, env.reward_keys, i, 0)
+        if changed:
+            next_td.set("history", ChatHistory(prompt=History.from_chats(rows), batch_size=next_td.batch_size))
+        return next_td
+
+    @staticmethod
+    def _fill_row(next_td: TensorDictBase, keys: Iterable[NestedKey], row: int, value: Any) -> None:
+        for key in keys:
+            if _has(next_td, key):
+                tensor = next_td.get(key).clone()
+                tensor[row] = value
+                next_td.set(key, tensor)
+
+    def replace_answer(self, content: str) -> str:
+        """``content`` with its last answer block replaced by the prompt (see the class doc)."""
+        prompt = self.prompt
+        matches = list(self._ANSWER.finditer(content))
+        if not matches:
+            return content.rstrip() + "\n\n" + prompt
+        start, end = matches[-1].span()
+        marker = self.EOS_MARKER if matches[-1].group(0).endswith(self.EOS_MARKER) else ""
+        return (content[:start] + prompt + marker + content[end:]).rstrip()
+
+    def __repr__(self) -> str:
+        return (
+            f"AddThinkingPrompt(role={self.role!r}, edit_last_turn={self.edit_last_turn}, "
+            f"zero_reward={self.zero_reward}, undo_done={self.undo_done})"
+        )
+
+
+# ---------------------------------------------------------------------------- StepCounter
+
+
+class StepCounter(Transform):
+    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
+    ``StepCounter``).
+
+    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
+    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
+    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
+    itself, the count written is the same.
+
+    Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
+    is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
+    """
+
+    def __init__(
+        self,
+        max_steps: int | None = None,
+        truncated_key: NestedKey = "truncated",
+        step_count_key: NestedKey = "step_count",
+        update_done: bool = True,
+    ) -> None:
+        super().__init__()
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"StepCounter max_steps must be a positive int or None, got {max_steps!r}")
+        self.max_steps = max_steps
+        self.truncated_key, self.step_count_key = _key(truncated_key), _key(step_count_key)
+        self.update_done = update_done
+
+    @property
+    def state_keys(self) -> tuple:
+        return (self.step_count_key,)
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        reset_td.set(self.step_count_key, torch.zeros(*reset_td.batch_size, 1, dtype=torch.int64))
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        shape = (*next_td.batch_size, 1)
+        count = td.get(self.step_count_key) if _has(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
+        count = count.reshape(shape).to(torch.int64) + 1
+        next_td.set(self.step_count_key, count)
+        if self.max_steps is not None:
+            reached = count >= self.max_steps
+            current = torch.zeros_like(reached)
+            if _has(next_td, self.truncated_key):
+                current = next_td.get(self.truncated_key)
+            next_td.set(self.truncated_key, current.reshape(shape) | reached)
+            if self.update_done:
+                next_td.set("done", next_td.get("done").reshape(shape) | reached)
+        return next_td
+
+    def __repr__(self) -> str:
+        return f"StepCounter(max_steps={self.max_steps})"
+
+
+# ---------------------------------------------------------------------------- PolicyVersion
+
+
+@dataclass
+class VersionChange:
+    """One change of a :class:`PolicyVersion`'s version."""
+
+    timestamp: datetime
+    old_version: str | int | None
+    new_version: str | int
+
+
+class PolicyVersion(Transform):
+    """The version of the policy weights: a tracker, and the transform that stamps it on the data.
+
+    TorchRL's ``PolicyVersion``. ``version_type`` is ``int`` / ``"int"`` (a counter starting at
+    0) or ``str`` / ``"uuid"`` (a fresh UUID4 string per version). ``increment_version()``
+    moves to the next version (+1, or a new UUID) and returns it (TorchRL returns None);
+    ``version`` can also be set. Every change is recorded in ``version_history``
+    (:class:`VersionChange`).
+
+    As an env transform, every reset and step writes the current version under ``key``
+    (``"policy_version"``): an int64 tensor of the batch's shape (``[B]``), or for UUIDs a
+    non-tensor entry of that shape.
+
+    For rlpost's collector (:class:`~rlpost.collect.LLMCollector`, integer versions only) it also
+    follows the version the inference engine reports (:meth:`observe`, :meth:`set_version`) and
+    combines the versions of an episode's turns (:meth:`merge`); see
+    :mod:`rlpost.collect.policy_version`.
+
+    Args:
+        version_type: see above. An int given in its place is the starting version of an
+            integer tracker (``PolicyVersion(3)``: rlpost's earlier signature).
+
+    Keyword Args:
+        version: the starting version (default 0, or a fresh UUID).
+        key: the entry written by the transform.
+    """
+
+    def __init__(
+        self,
+        version_type: type | Literal["uuid", "int"] | int = int,
+        *,
+        version: str | int | None = None,
+        key: NestedKey = "policy_version",
+    ) -> None:
+        super().__init__()
+        if isinstance(version_type, int) and not isinstance(version_type, bool):
+            version, version_type = version_type, int
+        if version_type in (int, "int"):
+            self._kind = "int"
+        elif version_type in (str, "uuid"):
+            self._kind = "uuid"
+        else:
+            raise ValueError(f"Invalid version type: {version_type!r} (use int, 'int', str or 'uuid')")
+        self.version_type = version_type
+        self.key = _key(key)
+        self.state_keys = (self.key,)
+        self.version_history: list[VersionChange] = []
+        self._current_version: str | int | None = None
+        if version is None:
+            version = 0 if self._kind == "int" else str(uuid.uuid4())
+        self._change(self._checked(version))
+
+    # ------------------------------------------------------------------ the version
+
+    @property
+    def version(self) -> str | int:
+        """The current version."""
+        return self._current_version
+
+    @version.setter
+    def version(self, value: str | int) -> None:
+        self._change(self._checked(value))
+
+    def _checked(self, value: Any) -> str | int:
+        if self._kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"an integer PolicyVersion needs int versions, got {value!r}")
+            return int(value)
+        return str(value)
+
+    def _change(self, value: str | int) -> None:
+        old, self._current_version = self._current_version, value
+        self.version_history.append(VersionChange(timestamp=datetime.now(), old_version=old, new_version=value))
+
+    def increment_version(self) -> str | int:
+        """Move to the next version (+1, or a new UUID) and return it."""
+        self._change(self._current_version + 1 if self._kind == "int" else str(uuid.uuid4()))
+        return self._current_version
+
+    def set_version(self, version: int | str) -> None:
+        """The owner's word: the engine now serves ``version`` (e.g. after a local weight load)."""
+        if version != self._current_version:
+            self.version = version
+
+    # ------------------------------------------------------------------ rlpost's collector
+
+    def observe(self, client: Any = None, completions: Iterable[Any] = (), reported: int | None = None) -> int:
+        """The version that served the latest engine call; the tracker follows it.
+
+        Precedence: the oldest ``policy_version`` attribute among ``completions``, then
+        ``reported`` (a ``last_policy_version`` read right after the call), then the client's
+        ``last_policy_version``, then the tracker's own version. Integer trackers only.
+        """
+        if self._kind != "int":
+            raise ValueError(
+                "PolicyVersion(version_type='uuid') cannot follow the integer versions an inference engine "
+                "reports: rlpost's collector needs PolicyVersion(version_type=int)"
+            )
+        per_completion = [v for c in completions if (v := getattr(c, "policy_version", None)) is not None]
+        if per_completion:
+            served = min(int(v) for v in per_completion)
+        elif reported is not None:
+            served = int(reported)
+        elif getattr(client, "last_policy_version", None) is not None:
+            served = int(client.last_policy_version)
+        else:
+            return self._current_version
+        self.set_version(served)
+        return served
+
+    @staticmethod
+    def merge(stamp: int | None, served: int) -> int:
+        """A sample's stamp after one more turn served by ``served``: the oldest of the two."""
+        return served if stamp is None else min(stamp, served)
+
+    # ------------------------------------------------------------------ as an env transform
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        return self._stamp(reset_td)
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        return self._stamp(next_td)
+
+    def _stamp(self, td: TensorDictBase) -> TensorDictBase:
+        if self._kind == "int":
+            kwargs = {"device": td.device} if td.device is not None else {}
+            td.set(self.key, torch.full(td.batch_size, self._current_version, dtype=torch.int64, **kwargs))
+        elif td.batch_dims == 0:
+            td.set(self.key, NonTensorData(self._current_version))
+        else:
+            td.set(self.key, NonTensorData(self._current_version).expand(td.batch_size))
+        return td
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self._current_version, "version_type": self._kind}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        kind = state.get("version_type", "int")
+        if kind != self._kind:
+            raise ValueError(f"PolicyVersion state has version_type={kind!r}, this tracker is {self._kind!r}")
+        self.set_version(state["version"])
+
+    def __repr__(self) -> str:
+        return f"PolicyVersion(version_type={self._kind!r}, version={self._current_version!r})"
