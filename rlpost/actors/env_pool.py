@@ -3,7 +3,7 @@
 :class:`EnvPool` is a plain class (no Ray needed): the env of the job config (its shard of the
 prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process
 ``LocalVLLMClient`` or the inference workers' remote client), and an
-:class:`~rlpost.collect.LLMCollector`. The controller drives it in one of two ways::
+:class:`~rlpost.collect.GroupCollector`. The controller drives it in one of two ways::
 
     sync:   groups = pool.collect(num_groups)            one batch with the current weights
     async:  pool.start(num_groups_total) ... pool.stop() a background thread runs
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from rlpost.collect import LLMCollector, PolicyVersion
+from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
 from rlpost.transport.buffer import BufferLost, BufferTimeout
@@ -104,7 +104,7 @@ class EnvPool:
             return_tokens=True,
             pad_output=False,
         )
-        self.collector = LLMCollector(
+        self.collector = GroupCollector(
             self.env,
             self.policy,
             group_size=group_size,

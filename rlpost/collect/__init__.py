@@ -1,11 +1,15 @@
 """Collection: run envs with an LLM policy into GRPO groups, stamped with the policy version.
 
-- :class:`LLMCollector`: reset -> generate -> step until episodes end; whole groups out
+- :class:`LLMCollector`: TorchRL's collector, yielding batches of dialog turns (or finished
+  trajectories) from any env and policy, into a buffer or a queue if given.
+- :class:`GroupCollector`: the service's collector: reset -> generate -> step until episodes end;
+  whole GRPO groups out
   (all samples of a prompt generated in one engine call, REFERENCE.md pitfall 8).
 - :class:`PolicyVersion`: which weights version served each engine call.
 """
 
-from rlpost.collect.collector import CollectorStats, EngineCallRecorder, LLMCollector
+from rlpost.collect.collector import CollectorStats, EngineCallRecorder, GroupCollector
+from rlpost.collect.llm_collector import LLMCollector
 from rlpost.collect.policy_version import PolicyVersion
 
-__all__ = ["CollectorStats", "EngineCallRecorder", "LLMCollector", "PolicyVersion"]
+__all__ = ["CollectorStats", "EngineCallRecorder", "GroupCollector", "LLMCollector", "PolicyVersion"]

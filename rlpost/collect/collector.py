@@ -1,6 +1,8 @@
-"""LLMCollector: run a ChatEnv and an LLM policy until every episode ends; return GRPO groups.
+"""GroupCollector: run a ChatEnv and an LLM policy until every episode ends; return GRPO groups.
 
-The seed name (TorchRL ``torchrl.collectors.llm.LLMCollector``, seed 003). One ``collect(G)``::
+The service's collector (each env pool runs one): unlike TorchRL's
+:class:`~rlpost.collect.LLMCollector`, which yields steps, it yields whole GRPO groups of
+finished samples. One ``collect(G)``::
 
     env.reset(G * group_size rows)     the env's DataLoadingPrimer (repeats = group_size) gives
                                        each prompt group_size consecutive rows, one prompt_id
@@ -144,7 +146,7 @@ class CollectorStats:
         return out
 
 
-class LLMCollector:
+class GroupCollector:
     """Collect whole GRPO groups from ``env`` with ``policy``; see the module docstring.
 
     Args:
@@ -198,7 +200,7 @@ class LLMCollector:
         max_turns = max_turns if max_turns is not None else getattr(env, "max_steps", None)
         if max_turns is None or max_turns < 1:
             raise ValueError(
-                f"LLMCollector needs a bound on the turns of an episode: pass max_turns >= 1 or give "
+                f"GroupCollector needs a bound on the turns of an episode: pass max_turns >= 1 or give "
                 f"the env max_steps (got max_turns={max_turns})"
             )
         repeats = getattr(getattr(env, "primer", None), "repeats", group_size)
@@ -453,7 +455,7 @@ def _install_recorder(policy: Any) -> EngineCallRecorder:
     client = getattr(policy, "client", None)
     if client is None:
         raise ValueError(
-            f"LLMCollector needs a vLLMWrapper-like policy with an engine `client`, got {type(policy).__name__}"
+            f"GroupCollector needs a vLLMWrapper-like policy with an engine `client`, got {type(policy).__name__}"
         )
     if not isinstance(client, EngineCallRecorder):
         client = EngineCallRecorder(client)
@@ -467,7 +469,7 @@ def _check_policy(policy: Any, env: Any) -> None:
     if getattr(policy, "num_samples", None) is not None:
         wrong["num_samples"] = policy.num_samples
     if wrong:
-        raise ValueError(f"LLMCollector needs a policy with {wanted} and num_samples=None; it has {wrong}")
+        raise ValueError(f"GroupCollector needs a policy with {wanted} and num_samples=None; it has {wrong}")
     if getattr(policy, "input_mode", None) != env.input_mode:
         raise ValueError(f"policy input_mode {policy.input_mode!r} differs from the env's {env.input_mode!r}")
 

@@ -1,4 +1,4 @@
-"""LLMCollector, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
+"""GroupCollector, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
 
 One engine serves the module (start-up ~20 s on CPU). Engine calls go through a recording
 client, so the tests compare every sample with the exact ids and log-probs the engine returned.
@@ -12,7 +12,7 @@ import torch
 
 from rlpost.actors.env_pool import EnvPool, EnvPoolActor
 from rlpost.algo import group_advantages
-from rlpost.collect import LLMCollector, PolicyVersion
+from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.config import JobConfig
 from rlpost.envs import Transform, make_env
 from rlpost.envs.rewards import answer_reward
@@ -104,7 +104,7 @@ def make_collector(cfg, client, tokenizer, *, input_mode="tokens", num_groups=4,
     )  # fmt: skip
     kwargs.setdefault("advantage_scale", cfg.loss.advantage_scale)
     kwargs.setdefault("filter_equal_rewards", cfg.loss.filter_equal_rewards)
-    return LLMCollector(env, policy, group_size=GROUP_SIZE, **kwargs)
+    return GroupCollector(env, policy, group_size=GROUP_SIZE, **kwargs)
 
 
 def row_of(env, prompt_id):
