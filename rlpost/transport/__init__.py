@@ -1,5 +1,7 @@
-"""Pipes between roles: the weight-sync bus (learner -> inference workers)."""
+"""Pipes between roles: the weight-sync bus (learner -> inference workers), and the stateless
+process group it is built like (:func:`stateless_init_process_group`)."""
 
+from rlpost.transport.process_group import StatelessProcessGroup, stateless_init_process_group
 from rlpost.transport.weight_bus import (
     BusSpec,
     LocalWeightBus,
@@ -18,10 +20,12 @@ __all__ = [
     "LocalWeightBus",
     "LocalWeightReceiver",
     "PublishStats",
+    "StatelessProcessGroup",
     "TorchWeightPublisher",
     "TorchWeightReceiver",
     "WeightPublisher",
     "WeightReceiver",
     "WeightSyncError",
     "WeightUpdate",
+    "stateless_init_process_group",
 ]
