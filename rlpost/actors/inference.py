@@ -57,6 +57,7 @@ class InferenceWorker:
 
         self.index = index
         self.version = 0
+        self.model_path = model_path
         self.llm = make_vllm_engine(model_path, dtype=dtype, **engine_kwargs(engine, on_gpu=torch.cuda.is_available()))
         self.client = LocalVLLMClient(self.llm)
 
@@ -79,6 +80,10 @@ class InferenceWorker:
 
     def get_version(self) -> int:
         return self.version
+
+    def get_model_path(self) -> str:
+        """The model the engine was started on (its tokenizer's place, for remote wrappers)."""
+        return self.model_path
 
     def shutdown(self) -> None:
         shutdown_vllm_engine(self.llm)

@@ -2,6 +2,7 @@
 
 - :class:`LLMCollector`: TorchRL's collector, yielding batches of dialog turns (or finished
   trajectories) from any env and policy, into a buffer or a queue if given.
+- :class:`vLLMUpdater`: the collector's ``weight_updater`` for vLLM workers (over the bus).
 - :class:`GroupCollector`: the service's collector: reset -> generate -> step until episodes end;
   whole GRPO groups out
   (all samples of a prompt generated in one engine call, REFERENCE.md pitfall 8).
@@ -10,6 +11,7 @@
 
 from rlpost.collect.collector import CollectorStats, EngineCallRecorder, GroupCollector
 from rlpost.collect.llm_collector import LLMCollector
+from rlpost.collect.weight_update import vLLMUpdater
 from rlpost.collect.policy_version import PolicyVersion
 
-__all__ = ["CollectorStats", "EngineCallRecorder", "GroupCollector", "LLMCollector", "PolicyVersion"]
+__all__ = ["CollectorStats", "EngineCallRecorder", "GroupCollector", "LLMCollector", "PolicyVersion", "vLLMUpdater"]

@@ -3,8 +3,9 @@
 TorchRL's layout: the wrappers, their base classes and the containers they fill (ChatHistory,
 Text, Tokens, LogProbs, Masks, also in :mod:`rlpost.data`) are importable from here, as from
 ``torchrl.modules.llm.policies``. Importing this package imports neither vLLM nor a model;
-engines are created by the caller (``make_vllm_engine``) or passed in. ``LLMOnDevice`` is built
-on first access (it subclasses ``vllm.LLM``).
+engines are created by the caller (``make_vllm_engine``, or ``make_vllm_worker`` for an engine
+that takes weight updates) or passed in. ``LLMOnDevice`` and the worker pieces
+(``make_vllm_worker``, ``vLLMWorker``) are loaded on first access.
 """
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens
@@ -34,15 +35,25 @@ __all__ = [
     "Tokens",
     "TransformersWrapper",
     "VLLMEngineClient",
+    "VLLM_WORKER_EXTENSION",
     "make_vllm_engine",
+    "make_vllm_worker",
     "normalize_generate_kwargs",
     "processed_logprobs",
     "shutdown_vllm_engine",
+    "vLLMWorker",
     "vLLMWrapper",
 ]
 
 
+_WORKER_NAMES = ("make_vllm_worker", "vLLMWorker", "VLLM_WORKER_EXTENSION")
+
+
 def __getattr__(name: str):
+    if name in _WORKER_NAMES:  # imported on use: they reach the inference actors
+        from rlpost.policies import vllm_workers
+
+        return getattr(vllm_workers, name)
     if name == "LLMOnDevice":
         from rlpost.policies.on_device import llm_on_device_class
 

@@ -153,7 +153,9 @@ class vLLMWrapper(LLMWrapperBase):
     def __init__(self, model, *, tokenizer=None, **kwargs):
         if isinstance(model, (str, os.PathLike)):
             model = make_vllm_engine(model)
-        client = model if _is_client(model) else LocalVLLMClient(model)
+        client = _worker_client(model, tokenizer)
+        if client is None:
+            client = model if _is_client(model) else LocalVLLMClient(model)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -306,6 +308,26 @@ def _distribution_changing(params: dict[str, Any]) -> list[str]:
     """The options given that change the sampling distribution (neutral values do not count)."""
     neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
     return sorted(k for k in _DISTRIBUTION_CHANGING if params.get(k) not in (None, neutral.get(k)))
+
+
+def _worker_client(model: Any, tokenizer: Any) -> Any:
+    """The engine client of a worker from ``make_vllm_worker`` (a Ray actor or an in-process
+    worker), or None for anything else."""
+    from rlpost.policies.vllm_workers import is_local_worker, is_remote_worker
+
+    if is_local_worker(model):
+        return model.client
+    if not is_remote_worker(model):
+        return None
+    import ray
+
+    from rlpost.actors.inference import RemoteVLLMClient
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ray.get(model.get_model_path.remote(), timeout=600))
+    return RemoteVLLMClient([model], tokenizer=tokenizer)
 
 
 def make_vllm_engine(

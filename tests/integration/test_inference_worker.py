@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 
-from rlpost.config import EngineConfig
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -15,12 +14,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def worker(ray_cluster, tiny_model_path):
     import ray
 
-    from rlpost.actors.inference import InferenceActor
+    from rlpost.policies import make_vllm_worker
 
-    engine = EngineConfig(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=64)
-    handle = ray.remote(InferenceActor).options(name="inference-0", num_cpus=0.5).remote(
-        str(tiny_model_path), engine, dtype="float32", index=0
-    )
+    # TorchRL's make_vllm_worker starts the same actor a run starts as inference-<i>
+    handle = make_vllm_worker(str(tiny_model_path), name="inference-0", num_cpus=0.5, max_model_len=256,
+                              kv_cache_space_gb=0.25, max_num_seqs=64, enforce_eager=True, dtype="float32")  # fmt: skip
     ray.get(handle.get_version.remote(), timeout=180)
     yield handle
     ray.get(handle.shutdown.remote(), timeout=60)
@@ -159,3 +157,45 @@ def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluste
     impatient = RemoteVLLMClient([replacement], worker_wait_s=0.5)
     with pytest.raises(RuntimeError, match="every inference worker failed and none was replaced"):
         impatient.generate([[1]], {})
+
+
+def test_vllm_updater_pushes_versions_a_wrapper_and_collector_see(worker, tiny_model_path, tiny_tokenizer):
+    """TorchRL's weight-update pieces: vLLMWrapper on a make_vllm_worker worker, an
+    LLMCollector with a vLLMUpdater as its weight_updater; update_policy_weights_ pushes the
+    trainer's weights, the worker serves them (scores match transformers) and versions advance."""
+    import ray
+    from tensordict import TensorDict
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.collect import LLMCollector, vLLMUpdater
+    from rlpost.envs import DatasetChatEnv
+    from rlpost.policies import vLLMWrapper
+
+    policy = vLLMWrapper(worker, input_mode="history", generate_kwargs={"max_tokens": 4}, return_log_probs=True)
+    env = DatasetChatEnv(dataset=[{"query": "What is 3 + 4?"}], num_envs=1, max_steps=1, tokenizer=tiny_tokenizer)
+    updater = vLLMUpdater(backend="gloo", bucket_mb=1, timeout_s=60)
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=1, weight_updater=updater,
+                             track_policy_version=True)  # fmt: skip
+    batches = iter(collector)
+    first = next(batches)
+    assert first["next", "policy_version"].item() == 0
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for p in trainer.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    version_before = ray.get(worker.get_version.remote())
+    collector.update_policy_weights_(trainer)
+    assert updater.version == version_before + 1 == ray.get(worker.get_version.remote())
+    assert collector.policy_version == 1  # the collector counts the updates it was told about
+    assert next(batches)["next", "policy_version"].item() == 1
+
+    probe = prompt_ids(tiny_tokenizer) + tiny_tokenizer("<answer>7</answer>", add_special_tokens=False)["input_ids"]
+    served = ray.get(worker.score.remote([probe], 1.0), timeout=60)[0]
+    with torch.no_grad():
+        expected = transformers_scores(trainer, probe, 1.0)
+    assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-3
+    # a TensorDict of parameters works too
+    assert updater.push_weights(TensorDict(dict(trainer.state_dict()), batch_size=[])) == version_before + 2
+    updater.close()

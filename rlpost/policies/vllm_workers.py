@@ -1,0 +1,95 @@
+"""vLLM engines as weight-updatable workers (TorchRL's ``make_vllm_worker`` / ``vLLMWorker``).
+
+- :data:`vLLMWorker` is the class mixed into each vLLM worker process (vLLM's
+  ``worker_extension_cls``): it joins rlpost's weight bus, receives versioned buckets and reloads
+  them in place. Pass ``worker_extension_cls=VLLM_WORKER_EXTENSION`` to a ``vllm.LLM`` to add it.
+- :func:`make_vllm_worker` starts an engine with that extension: a Ray actor (the same
+  ``InferenceActor`` an rlpost run starts as ``inference-<i>``) or, with
+  ``make_ray_worker=False``, an in-process :class:`~rlpost.actors.inference.InferenceWorker`.
+  ``vLLMWrapper(worker)`` generates with either, and
+  :class:`~rlpost.collect.vLLMUpdater` pushes new weights to them.
+
+Deviation from TorchRL: the worker is rlpost's inference worker (generate, score,
+``join_bus``, ``update_weights``, ``get_version``), not a bare ``vllm.LLM``; on a CPU-only
+machine it sizes the KV cache explicitly (``kv_cache_space_gb``), as vLLM's CPU backend needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlpost.policies.vllm_worker_ext import WeightSyncExtension
+
+vLLMWorker = WeightSyncExtension
+VLLM_WORKER_EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
+
+# EngineConfig fields a caller may pass by name; anything else goes to vllm.LLM as is.
+_ENGINE_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_space_gb", "max_model_len",
+                  "max_num_seqs", "enforce_eager", "seed")  # fmt: skip
+
+
+def make_vllm_worker(
+    model_name: str,
+    *,
+    gpu_memory_utilization: float = 0.9,
+    num_devices: int | None = None,
+    num_replicas: int = 1,
+    make_ray_worker: bool = True,
+    enforce_eager: bool = False,
+    dtype: str = "auto",
+    name: str | None = None,
+    num_cpus: float = 1,
+    **kwargs: Any,
+) -> Any:
+    """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
+
+    Keyword Args:
+        gpu_memory_utilization, enforce_eager: vLLM's (on a GPU).
+        num_devices: GPUs per engine (tensor parallel); None: 1 on a GPU, 0 on CPU.
+        num_replicas: engines to start; more than one returns a list.
+        make_ray_worker: a Ray actor (True) or an in-process worker.
+        dtype: "auto" (bfloat16 on a GPU, float32 on CPU) or a torch dtype name.
+        name: the Ray actor's name (``-<i>`` appended per replica when there are several).
+        num_cpus: CPUs reserved for each Ray actor.
+        **kwargs: ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed`` and any
+            other ``vllm.LLM`` argument.
+    """
+    import torch
+
+    from rlpost.actors.inference import InferenceActor, InferenceWorker
+    from rlpost.config import EngineConfig
+
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    on_gpu = torch.cuda.is_available()
+    devices = num_devices if num_devices is not None else (1 if on_gpu else 0)
+    settings = {key: kwargs.pop(key) for key in _ENGINE_FIELDS if key in kwargs}
+    engine = EngineConfig(
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+        tensor_parallel_size=max(1, devices), extra=kwargs, **settings,
+    )  # fmt: skip
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    workers = []
+    for index in range(num_replicas):
+        if not make_ray_worker:
+            workers.append(InferenceWorker(model_name, engine, dtype=dtype, index=index))
+            continue
+        import ray
+
+        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": devices}
+        if name is not None:
+            options["name"] = name if num_replicas == 1 else f"{name}-{index}"
+        workers.append(ray.remote(InferenceActor).options(**options).remote(model_name, engine, dtype=dtype, index=index))
+    return workers[0] if num_replicas == 1 else workers
+
+
+def is_remote_worker(obj: Any) -> bool:
+    """A Ray actor handle of an inference worker (what make_vllm_worker returns)."""
+    return type(obj).__name__ == "ActorHandle" and hasattr(obj, "update_weights")
+
+
+def is_local_worker(obj: Any) -> bool:
+    from rlpost.actors.inference import InferenceWorker
+
+    return isinstance(obj, InferenceWorker)
