@@ -1,8 +1,18 @@
-"""Data types of rlpost's LLM stack: chat histories and the containers the policies fill."""
+"""Data types of rlpost's LLM stack: chat histories, the containers the policies fill, and a replay
+buffer with its storages and samplers."""
 
 from rlpost.data.content import ContentBase
 from rlpost.data.history import PAD_ROLE, History, HistoryError
 from rlpost.data.llm_data import ChatHistory, LLMData, LogProbs, Masks, Text, Tokens
+from rlpost.data.replay_buffers import (
+    LazyStackStorage,
+    ListStorage,
+    RandomSampler,
+    ReplayBuffer,
+    Sampler,
+    SamplerWithoutReplacement,
+    Storage,
+)
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
 from rlpost.data.templates import add_chat_template
 
@@ -13,8 +23,15 @@ __all__ = [
     "History",
     "HistoryError",
     "LLMData",
+    "LazyStackStorage",
+    "ListStorage",
     "LogProbs",
     "Masks",
+    "RandomSampler",
+    "ReplayBuffer",
+    "Sampler",
+    "SamplerWithoutReplacement",
+    "Storage",
     "Text",
     "Tokens",
     "add_chat_template",

@@ -1,0 +1,605 @@
+"""A small replay buffer with TorchRL's API: ``ReplayBuffer``, storages and samplers.
+
+What TorchRL's GRPO recipe composes, with the same names and call forms
+(``torchrl.data`` -> ``rlpost.data``)::
+
+    rb = ReplayBuffer(
+        storage=LazyStackStorage(steps_per_batch),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=optim_batch_size,
+    )
+    rb.append_transform(MCAdvantage(grpo_size=repeats))
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=steps_per_batch, replay_buffer=rb)
+    for _ in collector:                 # the collector writes with rb.extend
+        for batch in rb:                # one pass over the buffer, optim_batch_size at a time
+            loss = loss_fn(batch)
+
+Writing (``extend``, ``add``) runs the transforms' write hooks, last appended first: each
+transform's ``inv(data)``; a hook that returns None stops the write (nothing is stored, e.g.
+:class:`~rlpost.objectives.MCAdvantage` holding an incomplete group). Then the items are
+written round-robin: once the storage is full, the oldest slots are overwritten. Reading
+(``sample``, iteration, ``rb[index]``) runs the transforms' read hooks in order: ``forward(data)``,
+or the transform itself when it is a plain callable (a callable without ``inv`` does nothing on
+write). ``append_transform(t, invert=True)`` swaps the two hooks of ``t``.
+
+Storages: :class:`ListStorage` keeps items in a list and stacks what is sampled
+(TensorDicts with ``LazyStackedTensorDict.maybe_dense_stack``, tensors with ``torch.stack``,
+numbers into a tensor, anything else as a list); :class:`LazyStackStorage` keeps TensorDicts in
+a list and returns samples as a lazy stack (heterogeneous shapes, strings: what LLM steps hold).
+
+Samplers: :class:`RandomSampler` (with replacement, the default) and
+:class:`SamplerWithoutReplacement` (each item once per pass; iterating the buffer stops at the
+end of a pass; the last batch of a pass is short unless ``drop_last=True``).
+
+Writes and samples hold a lock, so several writers (threads, e.g. collectors) can share a
+buffer; a write hook (a transform's ``inv``) runs inside that lock, so the groups a stateful
+transform builds never interleave.
+
+Deliberate deviations from TorchRL: no writers, prefetching, priorities, checkpointing or
+memory-mapped/tensor storages (the buffer holds LLM steps in lists); ``add`` of one element
+whose write hook returns several (MCAdvantage completing a group) writes all of them and
+returns their indices (TorchRL would store the group as one element); ``transform=`` also
+takes a list of transforms (rlpost's ``Compose`` is for envs); a non-TensorDict sample is
+passed to the read hooks as it is (TorchRL wraps it under a ``"data"`` key).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import LazyStackedTensorDict, is_tensor_collection, lazy_stack
+
+_EMPTY_STORAGE_ERROR = "Cannot sample from an empty storage."
+
+
+def _check_max_size(max_size: int | None) -> int:
+    if max_size is None:
+        return sys.maxsize
+    if isinstance(max_size, bool) or not isinstance(max_size, (int, np.integer)) or max_size < 1:
+        raise ValueError(f"max_size must be an int >= 1 or None (unlimited), got {max_size!r}")
+    return int(max_size)
+
+
+# ---------------------------------------------------------------------------- storages
+
+
+class Storage:
+    """Base class of storages: ``max_size`` items addressed by integer index."""
+
+    ndim = 1
+
+    def __init__(self, max_size: int | None = None) -> None:
+        self.max_size = _check_max_size(max_size)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def get(self, index: Any) -> Any:
+        raise NotImplementedError
+
+    def set(self, cursor: int, data: Any) -> None:
+        raise NotImplementedError
+
+    def _empty(self) -> None:
+        raise NotImplementedError
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.get(index)
+
+
+class ListStorage(Storage):
+    """Items in a python list (TorchRL's ``ListStorage``).
+
+    Args:
+        max_size: the most items kept (None: unlimited).
+
+    Keyword Args:
+        device: items with a ``.to`` method are moved there when written (None: left as
+            they are).
+    """
+
+    def __init__(self, max_size: int | None = None, *, device: torch.device | str | None = None) -> None:
+        super().__init__(max_size)
+        self.device = torch.device(device) if device is not None else None
+        self._storage: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._storage)
+
+    def set(self, cursor: int, data: Any) -> None:
+        """Write ``data`` at ``cursor`` (the next free slot, or an existing one)."""
+        if not 0 <= cursor <= len(self._storage):
+            raise RuntimeError(
+                f"{type(self).__name__}: cannot write at index {cursor} of a storage holding {len(self._storage)} items"
+            )
+        if cursor >= self.max_size:
+            raise RuntimeError(f"{type(self).__name__}: index {cursor} is beyond max_size={self.max_size}")
+        if self.device is not None and hasattr(data, "to"):
+            data = data.to(self.device)
+        if cursor == len(self._storage):
+            self._storage.append(data)
+        else:
+            self._storage[cursor] = data
+
+    def get(self, index: Any) -> Any:
+        """One item for an integer index; a list of items for a slice or a sequence of ints."""
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            return self._storage[int(index)]
+        if isinstance(index, torch.Tensor) and index.ndim == 0:
+            return self._storage[int(index)]
+        if isinstance(index, slice):
+            return self._storage[index]
+        if isinstance(index, torch.Tensor):
+            index = index.cpu().tolist()
+        elif isinstance(index, np.ndarray):
+            index = index.tolist()
+        return [self._storage[int(i)] for i in index]
+
+    def _empty(self) -> None:
+        self._storage = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_size={self.max_size}, items={len(self)})"
+
+
+class LazyStackStorage(ListStorage):
+    """A :class:`ListStorage` of TensorDicts whose reads are lazy stacks (TorchRL's).
+
+    Items may differ in shapes and hold strings (LLM steps do); reading several gives a
+    ``LazyStackedTensorDict`` stacked along ``stack_dim``.
+
+    Args:
+        max_size: the most items kept (None: unlimited).
+
+    Keyword Args:
+        stack_dim: the dim the items are stacked along (negative counts from the end of the
+            stacked batch size).
+        device: as for :class:`ListStorage`.
+    """
+
+    def __init__(
+        self, max_size: int | None = None, *, stack_dim: int = 0, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__(max_size, device=device)
+        self.stack_dim = stack_dim
+
+    def set(self, cursor: int, data: Any) -> None:
+        if not is_tensor_collection(data):
+            raise TypeError(f"LazyStackStorage holds TensorDicts, got {type(data).__name__}; use ListStorage")
+        super().set(cursor, data)
+
+    def get(self, index: Any) -> Any:
+        out = super().get(index)
+        if isinstance(out, list) and out:
+            stack_dim = self.stack_dim if self.stack_dim >= 0 else out[0].ndim + 1 + self.stack_dim
+            return lazy_stack(out, stack_dim)
+        return out
+
+
+def _default_collate(items: Any) -> Any:
+    """How :class:`ListStorage` samples are put together (see the module docstring)."""
+    if not isinstance(items, list) or not items:
+        return items
+    if all(is_tensor_collection(item) for item in items):
+        return LazyStackedTensorDict.maybe_dense_stack(items)
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return torch.stack(items)
+    if all(isinstance(item, (bool, int, float, np.number)) for item in items):
+        return torch.tensor(items)
+    return items
+
+
+def _identity(items: Any) -> Any:
+    return items
+
+
+# ---------------------------------------------------------------------------- samplers
+
+
+class Sampler:
+    """Base class of samplers: ``sample(storage, batch_size) -> (indices, info)``."""
+
+    def __init__(self) -> None:
+        self._rng: torch.Generator | None = None
+        self._ran_out = False
+
+    @property
+    def ran_out(self) -> bool:
+        """Whether the last sample ended a pass over the storage (iteration stops then)."""
+        return self._ran_out
+
+    @ran_out.setter
+    def ran_out(self, value: bool) -> None:
+        self._ran_out = value
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def add(self, index: int) -> None:
+        """Told after an item is written at ``index``."""
+
+    def extend(self, index: torch.Tensor) -> None:
+        """Told after items are written at ``index``."""
+
+    def _empty(self) -> None:
+        self._ran_out = False
+
+
+class RandomSampler(Sampler):
+    """Uniform sampling with replacement (TorchRL's default sampler).
+
+    Keyword Args:
+        replacement: False builds a :class:`SamplerWithoutReplacement` instead, with the other
+            keyword arguments (``drop_last``, ``shuffle``).
+    """
+
+    def __new__(cls, *, replacement: bool = True, **kwargs: Any) -> Sampler:
+        if not replacement:
+            return SamplerWithoutReplacement(**kwargs)
+        if kwargs:
+            raise TypeError(f"RandomSampler got unexpected arguments {sorted(kwargs)} (they need replacement=False)")
+        return super().__new__(cls)
+
+    def __init__(self, *, replacement: bool = True, **kwargs: Any) -> None:
+        super().__init__()
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if len(storage) == 0:
+            raise RuntimeError(_EMPTY_STORAGE_ERROR)
+        return torch.randint(len(storage), (batch_size,), generator=self._rng), {}
+
+    def __repr__(self) -> str:
+        return "RandomSampler()"
+
+
+class SamplerWithoutReplacement(Sampler):
+    """Each stored item once per pass, in a random order (TorchRL's).
+
+    A pass is a permutation of the storage's indices, drawn anew when a pass ends or when the
+    storage's size changed since the last sample. The sample that ends a pass sets
+    ``ran_out``, which ends iteration over the buffer.
+
+    Args:
+        drop_last: never return a short batch: a pass ends when fewer than ``batch_size``
+            indices are left (they are skipped); sampling more than the storage holds raises.
+        shuffle: False walks the storage in write order.
+    """
+
+    def __init__(self, drop_last: bool = False, shuffle: bool = True) -> None:
+        super().__init__()
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self._sample_list: torch.Tensor | None = None
+        self.len_storage = 0
+
+    def _new_pass(self, len_storage: int) -> None:
+        if self.shuffle:
+            self._sample_list = torch.randperm(len_storage, generator=self._rng)
+        else:
+            self._sample_list = torch.arange(len_storage)
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        len_storage = len(storage)
+        if len_storage == 0:
+            raise RuntimeError(_EMPTY_STORAGE_ERROR)
+        if self.drop_last and len_storage < batch_size:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the {len_storage} items stored: with drop_last=True "
+                "no batch can be drawn without repeating items (use drop_last=False or a smaller batch)"
+            )
+        if self._sample_list is None or len_storage != self.len_storage:
+            self._new_pass(len_storage)
+        self.len_storage = len_storage
+        index = self._sample_list[:batch_size]
+        self._sample_list = self._sample_list[batch_size:]
+        left = self._sample_list.numel()
+        if left == 0 or (self.drop_last and left < batch_size):
+            self.ran_out = True
+            self._new_pass(len_storage)
+        else:
+            self.ran_out = False
+        return index, {}
+
+    def _empty(self) -> None:
+        super()._empty()
+        self._sample_list = None
+        self.len_storage = 0
+
+    def __repr__(self) -> str:
+        left = 0 if self._sample_list is None else self._sample_list.numel()
+        return f"SamplerWithoutReplacement(drop_last={self.drop_last}, shuffle={self.shuffle}, left_in_pass={left})"
+
+
+# ---------------------------------------------------------------------------- transforms
+
+
+class _Hooked:
+    """One transform of a buffer and the direction it is applied in."""
+
+    def __init__(self, transform: Any, invert: bool) -> None:
+        has_inv = callable(getattr(transform, "inv", None))
+        has_forward = callable(getattr(transform, "forward", None)) or callable(transform)
+        if not (has_inv or has_forward):
+            raise TypeError(
+                f"a replay buffer transform needs an inv (write) or forward (read) method, or must be callable; "
+                f"{type(transform).__name__} has none"
+            )
+        self.transform, self.invert = transform, invert
+
+    def _read(self, data: Any) -> Any:
+        forward = getattr(self.transform, "forward", None)
+        if callable(forward):
+            return forward(data)
+        if callable(self.transform) and not callable(getattr(self.transform, "inv", None)):
+            return self.transform(data)
+        return data
+
+    def _write(self, data: Any) -> Any:
+        inv = getattr(self.transform, "inv", None)
+        return inv(data) if callable(inv) else data
+
+    def on_write(self, data: Any) -> Any:
+        return self._read(data) if self.invert else self._write(data)
+
+    def on_read(self, data: Any) -> Any:
+        return self._write(data) if self.invert else self._read(data)
+
+
+# ---------------------------------------------------------------------------- the buffer
+
+
+class ReplayBuffer:
+    """A replay buffer: a storage, a sampler and transforms (TorchRL's ``ReplayBuffer``).
+
+    Keyword Args:
+        storage: a :class:`Storage`, or a callable building one (default:
+            ``ListStorage(max_size=1_000)``).
+        sampler: a :class:`Sampler`, or a callable building one (default:
+            :class:`RandomSampler`).
+        collate_fn: puts sampled items together (default: the storage's; see the module
+            docstring).
+        transform: a transform, a callable, or a list of them (see the module docstring).
+        transform_factory: a callable building ``transform`` (exclusive with it).
+        batch_size: items per :meth:`sample` and per step of iteration (may be given to
+            :meth:`sample` instead).
+        generator: a ``torch.Generator`` the samplers draw from (default: torch's global one).
+    """
+
+    def __init__(
+        self,
+        *,
+        storage: Storage | Callable[[], Storage] | None = None,
+        sampler: Sampler | Callable[[], Sampler] | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
+        transform: Any = None,
+        transform_factory: Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self._storage = self._build(storage, Storage, "storage", lambda: ListStorage(max_size=1_000))
+        self._sampler = self._build(sampler, Sampler, "sampler", RandomSampler)
+        if generator is not None:
+            self._sampler._rng = generator
+        if collate_fn is None:
+            collate_fn = _identity if isinstance(self._storage, LazyStackStorage) else _default_collate
+        self._collate_fn = collate_fn
+        if transform_factory is not None:
+            if transform is not None:
+                raise TypeError("ReplayBuffer takes transform or transform_factory, not both")
+            transform = transform_factory()
+        self._transforms: list[_Hooked] = []
+        for item in transform if isinstance(transform, (list, tuple)) else ([] if transform is None else [transform]):
+            self._transforms.append(_Hooked(item, invert=False))
+        if batch_size is not None:
+            _check_batch_size(batch_size)
+        if batch_size is None and getattr(self._sampler, "drop_last", False):
+            raise ValueError("a sampler with drop_last=True needs the batch size: pass batch_size= to ReplayBuffer")
+        self._batch_size = batch_size
+        self._cursor = 0
+        self._write_count = 0
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def _build(component: Any, kind: type, name: str, default: Callable[[], Any]) -> Any:
+        if component is None:
+            return default()
+        if not isinstance(component, kind) and callable(component):
+            component = component()
+        if not isinstance(component, kind):
+            raise TypeError(
+                f"{name} must be a {kind.__name__} or a callable building one, got {type(component).__name__}"
+            )
+        return component
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._sampler
+
+    @property
+    def batch_size(self) -> int | None:
+        """Items per :meth:`sample` and per step of iteration (None: give it to ``sample``)."""
+        return self._batch_size
+
+    @property
+    def write_count(self) -> int:
+        """Items written so far by ``add`` and ``extend`` (reset by :meth:`empty`)."""
+        return self._write_count
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._storage)
+
+    # ------------------------------------------------------------------ transforms
+
+    def append_transform(self, transform: Any, *, invert: bool = False) -> ReplayBuffer:
+        """Add a transform after the others (read hooks run in order, write hooks in reverse).
+
+        With ``invert=True`` its read hook runs on write and its write hook on read.
+        """
+        self._transforms.append(_Hooked(transform, invert))
+        return self
+
+    def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> ReplayBuffer:
+        """Add a transform at position ``index`` of the transforms."""
+        self._transforms.insert(index, _Hooked(transform, invert))
+        return self
+
+    def _on_write(self, data: Any) -> Any:
+        for hooked in reversed(self._transforms):
+            data = hooked.on_write(data)
+            if data is None:
+                return None
+        return data
+
+    def _on_read(self, data: Any) -> Any:
+        for hooked in self._transforms:
+            data = hooked.on_read(data)
+        return data
+
+    # ------------------------------------------------------------------ writing
+
+    def add(self, data: Any) -> int | torch.Tensor:
+        """Write one element; return its index.
+
+        A TensorDict goes through the write hooks with a leading dim of 1 added (TorchRL's):
+        what comes back with batch size ``[1]`` is written as one element; a longer batch (a
+        group a transform completed) is written element by element and their indices are
+        returned; None writes nothing and returns an empty index tensor.
+        """
+        with self._lock:
+            if self._transforms:
+                if is_tensor_collection(data):
+                    out = self._on_write(data.unsqueeze(0))
+                    if out is None:
+                        return _no_index()
+                    if out.batch_size != torch.Size([1]):
+                        return self._write(_items_of(out))
+                    data = out.squeeze(0)
+                else:
+                    data = self._on_write(data)
+                    if data is None:
+                        return _no_index()
+            return int(self._write([data])[0])
+
+    def extend(self, data: Any) -> torch.Tensor:
+        """Write each element of ``data`` (along dim 0 of a TensorDict or tensor, or each item
+        of a list); return their indices. The write hooks see ``data`` whole first."""
+        with self._lock:
+            if self._transforms:
+                data = self._on_write(data)
+                if data is None:
+                    return _no_index()
+            return self._write(_items_of(data))
+
+    def _write(self, items: list[Any]) -> torch.Tensor:
+        indices = []
+        for item in items:
+            self._storage.set(self._cursor, item)
+            indices.append(self._cursor)
+            self._cursor = (self._cursor + 1) % self._storage.max_size
+            self._write_count += 1
+        index = torch.tensor(indices, dtype=torch.long)
+        self._sampler.extend(index)
+        return index
+
+    def empty(self, empty_write_count: bool = True) -> None:
+        """Remove every item; the next write goes to index 0."""
+        with self._lock:
+            self._storage._empty()
+            self._sampler._empty()
+            self._cursor = 0
+            if empty_write_count:
+                self._write_count = 0
+
+    # ------------------------------------------------------------------ reading
+
+    def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
+        """``batch_size`` items drawn by the sampler, put together and read-transformed.
+
+        With ``return_info=True``, returns ``(data, {"index": indices})``.
+        """
+        if batch_size is not None and self._batch_size is not None and batch_size != self._batch_size:
+            warnings.warn(
+                f"ReplayBuffer.sample(batch_size={batch_size}) differs from the buffer's "
+                f"batch_size={self._batch_size}; the argument is used",
+                stacklevel=2,
+            )
+        elif batch_size is None:
+            batch_size = self._batch_size
+        if batch_size is None:
+            raise RuntimeError("batch_size not specified: pass batch_size= to ReplayBuffer or to sample()")
+        _check_batch_size(batch_size)
+        with self._lock:
+            index, info = self._sampler.sample(self._storage, batch_size)
+            data = self._collate_fn(self._storage.get(index))
+        info["index"] = index
+        data = self._on_read(data)
+        return (data, info) if return_info else data
+
+    def __getitem__(self, index: Any) -> Any:
+        with self._lock:
+            data = self._storage.get(index)
+        if isinstance(data, list):
+            data = self._collate_fn(data)
+        return self._on_read(data)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches of ``batch_size`` until the sampler ends a pass (never, for
+        :class:`RandomSampler`)."""
+        if self._batch_size is None:
+            raise RuntimeError("cannot iterate over a ReplayBuffer without batch_size (pass batch_size= to it)")
+        self._sampler.ran_out = False
+        while not self._sampler.ran_out:
+            yield self.sample()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        transforms = [type(h.transform).__name__ for h in self._transforms]
+        return (
+            f"ReplayBuffer(storage={self._storage!r}, sampler={self._sampler!r}, batch_size={self._batch_size}, "
+            f"transforms={transforms})"
+        )
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def _no_index() -> torch.Tensor:
+    """The indices of a write that stored nothing (TorchRL's empty ``[0, ndim]`` tensor)."""
+    return torch.zeros((0, 1), dtype=torch.long)
+
+
+def _items_of(data: Any) -> list[Any]:
+    """The elements ``extend`` writes: along dim 0 of a TensorDict or a tensor, else each item."""
+    if is_tensor_collection(data) or isinstance(data, torch.Tensor):
+        if data.ndim == 0:
+            raise ValueError(
+                f"extend needs data with a leading dimension to split into elements, got a {type(data).__name__} "
+                "with batch size []: use add() for one element"
+            )
+        return list(data.unbind(0))
+    if isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__iter__"):
+        raise TypeError(f"extend needs a list, tuple, tensor or TensorDict of elements, got {type(data).__name__}")
+    return list(data)
