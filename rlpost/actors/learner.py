@@ -9,7 +9,7 @@ One learner step, ``train_step(groups)``::
     batch = collate(groups)                                 # right-padded [B, T]
     repeat epochs_per_batch times:                          # PPO epochs over the same batch
         for micro in grad_accumulation contiguous slices of the samples:
-            (loss_fn(micro).loss * share(micro)).backward()
+            (loss_fn.loss_terms(micro).loss * share(micro)).backward()
         clip_grad_norm_(grad_clip); optimizer.step(); scheduler.step(); zero_grad()
         version += 1
 
@@ -209,6 +209,9 @@ class Learner:
         scorer = TransformersWrapper(self.model, tokenizer=self.tokenizer, input_mode="tokens", generate=False,
                                      generate_kwargs={"temperature": cfg.rollout.temperature})
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
+        # The batch's loss tokens are the assistant mask ("rlhf"); the entropy bonus is the
+        # sampled-token estimate -log p(token) (no [B, T, vocab] tensor); a KL coefficient of 0.0
+        # still reports its KL (kl_to_ref when the samples carry reference log-probs).
         return GRPOLoss(
             scorer,
             clip_epsilon=(cfg.loss.clip_eps_low, cfg.loss.clip_eps_high),
@@ -216,8 +219,11 @@ class Learner:
             max_tokens=cfg.rollout.max_tokens,
             kl_to_ref_coeff=cfg.reference.kl_coef if kl_in_loss else 0.0,
             kl_estimator=cfg.reference.kl_estimator,
+            entropy_bonus=cfg.loss.entropy_coef > 0,
             entropy_coeff=cfg.loss.entropy_coef,
+            entropy_estimator="sampled",
             kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
+            masking_strategy="rlhf",
         )
 
     @property
@@ -261,10 +267,10 @@ class Learner:
         parts = []
         for batch, share in zip(micro_batches, shares):
             with self._autocast():
-                out = self.loss_fn(batch)
-            (out.loss * share).backward()
+                terms = self.loss_fn.loss_terms(batch)  # the total loss and the split clip fractions
+            (terms.loss * share).backward()
             num_tokens = int((batch.get(ASSISTANT_MASK) & batch.get(ATTENTION_MASK)).sum())
-            parts.append((out.metrics(), share, num_tokens))
+            parts.append((terms.metrics(), share, num_tokens))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

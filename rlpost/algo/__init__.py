@@ -13,6 +13,7 @@ from rlpost.algo.grpo import (
     effective_sample_size,
     grpo_loss,
     masked_aggregate,
+    trust_region_mask,
 )
 from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
 
@@ -29,4 +30,5 @@ __all__ = [
     "grpo_loss",
     "kl_per_token",
     "masked_aggregate",
+    "trust_region_mask",
 ]

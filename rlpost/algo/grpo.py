@@ -19,10 +19,15 @@ Each per-token term x_t (objective, KL, entropy) is reduced with the same ``aggr
 - ``"sequence_sum_norm"`` (Dr.GRPO, Liu et al. 2025, arXiv:2503.20783):
   ``sum(m * x) / (B * max_tokens)``, ``max_tokens`` the configured completion-length cap, a
   constant so that long answers are not down-weighted.
+- ``"none"``: no reduction; the term per token, ``[B, T]``, 0 where the mask is False (for a
+  caller's own reduction).
 
-    loss = objective + kl_coef * KL - entropy_coef * entropy
+    loss = objective + kl_coef * KL - entropy_coef * entropy + kl_to_inference_coef * KL_inf
 
-with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, as in GRPO).
+with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, as in GRPO), and
+``KL_inf`` the k3 estimate of KL(policy || behaviour policy) from the same ``old`` log-probs
+(only when ``kl_to_inference_coef`` is given). ``advantages`` is one value per sequence ``[B]``
+or one per token ``[B, T]``.
 
 Deliberate deviations and choices, each for a reason:
 
@@ -38,11 +43,13 @@ Deliberate deviations and choices, each for a reason:
   empty row as a zero, which lets padding rows dilute the loss). ``sequence_sum_norm`` keeps
   the paper's B = number of rows.
 - An empty mask gives a zero loss (and zero gradient), not NaN.
-- ``loss_kl`` and ``loss_entropy`` carry their coefficients and sign (TorchRL's convention), so
-  ``loss == loss_objective + loss_kl + loss_entropy``; a term whose coefficient is 0 is exactly 0
-  and is not computed into ``loss`` (so a non-finite KL cannot poison it through ``0 * inf``).
-- Diagnostics (clip fractions, ``kl_approx``, ``ess``, ``kl_to_ref``, ``entropy``) are token
-  means over masked tokens whatever the aggregation, so they compare across runs.
+- ``loss_kl``, ``loss_entropy`` and ``loss_kl_to_inference`` carry their coefficients and sign
+  (TorchRL's convention), so ``loss == loss_objective + loss_kl + loss_entropy``
+  (``+ loss_kl_to_inference`` when requested); a term whose coefficient is 0 is exactly 0 and is
+  not computed into ``loss`` (so a non-finite KL cannot poison it through ``0 * inf``).
+- Diagnostics (clip fractions, ``kl_approx``, ``ess``, ``kl_to_ref``, ``entropy``,
+  ``kl_to_inference``) are token means over masked tokens whatever the aggregation, so they
+  compare across runs.
 """
 
 from __future__ import annotations
@@ -54,21 +61,25 @@ import torch
 
 from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
 
-Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm")
+Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm", "none"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm", "none")
 
 
 @dataclass(frozen=True, eq=False)
 class GRPOLossTerms:
-    """What :func:`grpo_loss` returns; every field is a 0-d tensor (or None).
+    """What :func:`grpo_loss` returns; every field is a 0-d tensor (or None), except the loss
+    fields under ``aggregation="none"``, which are ``[B, T]``.
 
-    ``loss`` = ``loss_objective + loss_kl + loss_entropy`` and these four keep their graph.
+    ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+ loss_kl_to_inference`` when it
+    was requested) and these keep their graph.
     The rest are detached diagnostics: ``clip_fraction`` (share of masked tokens where the min
     picks the clipped term, split into ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``:
     ratio > 1 + eps_high with A > 0), ``kl_approx`` (mean of old - lp: how far the policy has
     moved from the behaviour policy), ``ess`` (normalised effective sample size of the
     importance weights, 1 = on-policy), ``kl_to_ref`` (mean per-token KL estimate; None without
-    ``ref_logprobs``) and ``entropy`` (mean entropy; None without ``entropy``).
+    ``ref_logprobs``), ``entropy`` (mean entropy; None without ``entropy``) and
+    ``kl_to_inference`` (mean k3 KL between the policy and the behaviour log-probs; it and
+    ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given).
     """
 
     loss: torch.Tensor
@@ -82,11 +93,18 @@ class GRPOLossTerms:
     ess: torch.Tensor
     kl_to_ref: torch.Tensor | None
     entropy: torch.Tensor | None
+    loss_kl_to_inference: torch.Tensor | None = None
+    kl_to_inference: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, float]:
-        """Every field that is set, as python floats (for metrics.jsonl)."""
+        """Every field that is set and is a single number, as python floats (for metrics.jsonl);
+        per-token loss fields (``aggregation="none"``) are left out."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {name: float(value.item()) for name, value in values.items() if value is not None}
+        return {
+            name: float(value.item())
+            for name, value in values.items()
+            if value is not None and value.ndim == 0
+        }
 
 
 def masked_aggregate(
@@ -97,8 +115,8 @@ def masked_aggregate(
 ) -> torch.Tensor:
     """Reduce per-token values [B, T] to a 0-d tensor over the tokens where ``mask_bt`` is True.
 
-    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. See the module
-    docstring for the formulas.
+    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. ``"none"``
+    returns ``x_bt`` with 0 where the mask is False. See the module docstring for the formulas.
     """
     _check_aggregation(aggregation, max_tokens)
     if x_bt.ndim != 2 or x_bt.shape != mask_bt.shape:
@@ -108,6 +126,8 @@ def masked_aggregate(
     if mask_bt.dtype != torch.bool:
         raise ValueError(f"mask_bt must be a bool tensor, got dtype {mask_bt.dtype}")
     x_bt = torch.where(mask_bt, x_bt, 0.0)
+    if aggregation == "none":
+        return x_bt
     if aggregation == "token_mean":
         return x_bt.sum() / mask_bt.sum().clamp(min=1)
     if aggregation == "sequence_mean":
@@ -132,22 +152,26 @@ def grpo_loss(
     kl_estimator: KLEstimator = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    kl_to_inference_coef: float | None = None,
 ) -> GRPOLossTerms:
     """Compute the GRPO loss and its diagnostics (see the module docstring for the math).
 
     Args:
         logprobs: [B, T] current-policy log-probs of the sampled tokens (carries the graph).
         old_logprobs: [B, T] behaviour log-probs (from the engine that generated the tokens).
-        advantages: [B] one advantage per sequence.
+        advantages: [B] one advantage per sequence, or [B, T] one per token.
         mask: [B, T] bool, True on the tokens that count (completion / assistant tokens).
         clip_eps: eps, or (eps_low, eps_high) for asymmetric (clip-higher) clipping.
-        aggregation: "token_mean", "sequence_mean" or "sequence_sum_norm".
+        aggregation: "token_mean", "sequence_mean", "sequence_sum_norm" or "none".
         max_tokens: the completion-length cap; required by "sequence_sum_norm".
         ref_logprobs: [B, T] reference-model log-probs; required when ``kl_coef != 0``.
         kl_coef: weight of the KL term.
         kl_estimator: "k1", "k2" or "k3".
         entropy: [B, T] per-token policy entropy; required when ``entropy_coef != 0``.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        kl_to_inference_coef: weight of the k3 KL between the policy and the behaviour
+            log-probs ``old_logprobs``; None (the default) computes neither the term nor its
+            diagnostic, 0 the diagnostic only.
 
     Raises:
         ValueError: bad shapes (the message carries them), a non-bool mask, an unknown
@@ -166,7 +190,8 @@ def grpo_loss(
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     lp_bt = _sanitise(logprobs, mask, dtype)
     old_bt = _sanitise(old_logprobs.detach(), mask, dtype)
-    adv_bt = torch.where(mask, advantages.detach().to(dtype)[:, None], 0.0)
+    adv = advantages.detach().to(dtype)
+    adv_bt = torch.where(mask, adv if adv.ndim == 2 else adv[:, None], 0.0)
 
     log_ratio_bt = lp_bt - old_bt
     ratio_bt = log_ratio_bt.exp()
@@ -187,7 +212,7 @@ def grpo_loss(
     loss_objective = aggregate(objective_bt)
     loss_kl = loss_objective.new_zeros(())
     loss_entropy = loss_objective.new_zeros(())
-    kl_to_ref = entropy_mean = None
+    kl_to_ref = entropy_mean = loss_kl_inf = kl_inf = None
     if ref_logprobs is not None:
         kl_bt = kl_per_token(lp_bt, _sanitise(ref_logprobs.detach(), mask, dtype), kl_estimator)
         kl_to_ref = token_mean(kl_bt)
@@ -198,9 +223,18 @@ def grpo_loss(
         entropy_mean = token_mean(entropy_bt)
         if entropy_coef != 0:
             loss_entropy = -entropy_coef * aggregate(entropy_bt)
+    loss = loss_objective + loss_kl + loss_entropy
+    if kl_to_inference_coef is not None:
+        # masked tokens hold 0 in both, where k3 is exactly 0
+        kl_inf_bt = kl_per_token(lp_bt, old_bt, "k3")
+        kl_inf = token_mean(kl_inf_bt)
+        loss_kl_inf = loss_objective.new_zeros(())
+        if kl_to_inference_coef != 0:
+            loss_kl_inf = kl_to_inference_coef * aggregate(kl_inf_bt)
+        loss = loss + loss_kl_inf
 
     return GRPOLossTerms(
-        loss=loss_objective + loss_kl + loss_entropy,
+        loss=loss,
         loss_objective=loss_objective,
         loss_kl=loss_kl,
         loss_entropy=loss_entropy,
@@ -211,7 +245,28 @@ def grpo_loss(
         ess=effective_sample_size(log_ratio_bt.detach(), mask),
         kl_to_ref=kl_to_ref,
         entropy=entropy_mean,
+        loss_kl_to_inference=loss_kl_inf,
+        kl_to_inference=kl_inf,
     )
+
+
+def trust_region_mask(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """True on the tokens whose ``0.5 * (logprobs - old_logprobs) ** 2 <= threshold``.
+
+    TorchRL's KL-Mask: a per-token trust region; the tokens outside it (the policy drifted too
+    far from the log-prob they were sampled with) are left out of the loss. Computed on detached
+    values: the mask is a constant of the objective.
+    """
+    if logprobs.shape != old_logprobs.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} "
+            "must have the same shape"
+        )
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    drift = logprobs.detach().to(dtype) - old_logprobs.detach().to(dtype)
+    return 0.5 * drift.square() <= threshold
 
 
 def effective_sample_size(log_weights_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -276,8 +331,8 @@ def _check_inputs(
             )
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor, got dtype {mask.dtype}")
-    if advantages.shape != logprobs.shape[:1]:
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
-            f"advantages must have shape [B] = ({logprobs.shape[0]},), "
-            f"got {tuple(advantages.shape)}"
+            f"advantages must have shape [B] = ({logprobs.shape[0]},) or [B, T] = "
+            f"{tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
         )

@@ -1,145 +1,637 @@
-"""GRPOLoss: the seed-named module that scores the current policy and applies :func:`rlpost.algo.grpo_loss`.
+"""GRPOLoss and GRPOLossOutput: TorchRL's GRPO loss module (``torchrl.objectives.llm``).
 
-A batch is a TensorDict of B completed samples in one dense layout [B, T] (any padding side):
+The module reads a TensorDict batch, scores its tokens with the actor (the current policy, with
+its graph) and applies :func:`rlpost.algo.grpo_loss`; the math lives in :mod:`rlpost.algo`, so a
+new loss never needs a copy of this module. Its input, with TorchRL's key names (``set_keys``)
+and defaults::
 
-    ("tokens", "full")               token ids, prompt + response (the ids that were generated)
-    ("masks", "all_attention_mask")  True on real tokens
-    ("masks", "all_assistant_mask")  True on the tokens the loss counts (assistant / response)
-    ("log_probs", "full")            behaviour log-probs from the inference engine (0 on the prompt)
-    "advantage"                      [B] or [B, 1]
-    ("ref_log_probs", "full")        optional, reference log-probs (RetrieveKL) for the KL term
+    action            ("tokens", "full")         prompt + response ids
+    sample_log_prob   ("log_probs", "full")      the inference engine's log-probs (0 on the prompt)
+    advantage         "advantage"                [B], [B, 1] or [B, 1, 1]: one per sequence;
+                                                 [B, T] or [B, T, 1]: one per token
+    ref_log_probs     ("next", "ref_log_probs", "full")   the reference model's (KL-to-ref only)
 
-The current log-probs come from the actor (a TransformersWrapper with ``generate=False``) and keep
-their graph; everything else is a constant of the objective. The math lives in :mod:`rlpost.algo`
-so that a new loss never requires copying this module.
+and, at the actor's keys, the masks ``("masks", "all_attention_mask")`` (True on real tokens),
+``("masks", "all_assistant_mask")`` and the prompt ids ``("tokens", "prompt")``. A batch is a
+dense ``[B, T]`` TensorDict in any padding layout (every per-token entry in the same one), or a
+lazy stack of rows of different lengths (read left-padded, as TorchRL reads them); leading batch
+dims beyond one are flattened.
 
-Deliberate deviation from TorchRL: the entropy bonus uses the sampled-token estimate
-``-log p(token)`` (an unbiased Monte-Carlo estimate of the entropy on on-policy samples) because
-the wrapper returns the chosen tokens' log-probs, not whole distributions.
+``masking_strategy`` picks the tokens that count (as TorchRL's wrappers' ``_get_sft_dist``,
+``_get_rlhf_dist`` and ``_get_generic_dist`` do):
+
+- ``"sft"`` (default): the response, i.e. each row's real tokens after its prompt
+  (``("tokens", "prompt")``; in the padded layout the prompt fills the first ``P`` columns);
+  without prompt ids, the assistant mask (TorchRL's fallback).
+- ``"rlhf"``: the assistant mask (every assistant turn of a multi-turn chat).
+- ``"generic"``: every real token (the attention mask).
+
+The output is a :class:`GRPOLossOutput` tensorclass, so TorchRL's ways to make the scalar to
+backpropagate work: ``out.loss_objective + out.loss_entropy + ...``,
+``sum(v for k, v in out.items() if k.startswith("loss_"))``, or ``out.mean(reduce=True)`` (the
+mean of every field, as TorchRL's GRPO scripts do; its gradient is the loss terms' over the
+number of fields).
+
+Deliberate deviations from TorchRL, each tested in tests/unit/test_grpo_loss.py:
+
+- Diagnostics (``clip_fraction``, ``kl_approx``, ``entropy``, ``kl_to_ref``,
+  ``kl_to_inference``) are means over the counted tokens; TorchRL's average over every position
+  of the padded batch, so padding and prompt dilute them. ``clip_fraction`` is the share of
+  counted tokens where the clip is active (the ratio is past a bound in the advantage's
+  direction, so the token's gradient is cut); TorchRL counts every ratio outside the range.
+- The KL terms (``loss_kl_to_ref``, ``loss_kl_to_inference``) are reduced like the objective,
+  with ``aggregation`` over the counted tokens; TorchRL averages them over every position and
+  never per token. With ``aggregation="none"`` every ``loss_*`` field is per token ``[B, T, 1]``.
+- ``aggregation="prompt_mean"`` leaves a row with no counted token out of the mean (TorchRL counts
+  it as 0, so padding rows dilute the loss).
+- ``kl_to_ref_coeff=0.0`` reports ``kl_to_ref`` (with a zero ``loss_kl_to_ref``) when the batch
+  has reference log-probs, as TorchRL's ``kl_to_inference_coeff=0.0`` does for its KL; TorchRL
+  reports nothing below a positive coefficient. A negative ``kl_to_ref_coeff`` is an error
+  (TorchRL ignores it silently).
+- Reference log-probs: with the default key, a batch without ``("next", "ref_log_probs",
+  "full")`` is read at ``("ref_log_probs", "full")``, where :class:`rlpost.envs.RetrieveKL`
+  writes on data without a ``"next"`` entry and where rlpost's learner batches hold them.
+- The first token of each row never counts (it has no context, hence no log-prob), whatever
+  the strategy.
+- An empty mask gives zero losses and ``ESS`` 1 (TorchRL: NaN).
+- Entropy: ``entropy_estimator="exact"`` (default) is TorchRL's, the entropy of the whole
+  next-token distribution; it needs the actor's logits (``get_dist``), and the log-probs then
+  come from the same forward pass. ``"sampled"`` uses ``-log p(token)`` of the sampled tokens,
+  an unbiased Monte-Carlo estimate on on-policy samples that needs no ``[B, T, vocab]`` tensor.
+- rlpost's additions: ``aggregation`` ``"sequence_mean"`` (the same as ``"prompt_mean"``) and
+  ``"sequence_sum_norm"`` with ``max_tokens`` (Dr.GRPO), ``kl_estimator`` for the KL to the
+  reference, :meth:`GRPOLoss.loss_terms` (the algo's terms: total loss, clip fraction split by
+  side) and :meth:`GRPOLoss.score`.
+- Checked arguments: ``reduction`` is None, ``"mean"`` or ``"none"`` (TorchRL ignores the
+  others); ``gamma`` and ``clip_value`` (GRPO has no value network) must be None; an unknown
+  keyword is a TypeError (TorchRL swallows it); a generating actor (``generate=True``) is refused
+  when the loss is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from numbers import Real
+from typing import Literal
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorClass, TensorDict, TensorDictBase
+from torch.nn.utils.rnn import pad_sequence
 
-from rlpost.algo import GRPOLossTerms, grpo_loss, kl_per_token, masked_aggregate
-from rlpost.data import Tokens
+from rlpost.algo import GRPOLossTerms, grpo_loss, trust_region_mask
+from rlpost.policies.inputs import is_lazy
 
 TOKENS_FULL = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 LOG_PROBS_FULL = ("log_probs", "full")
 REF_LOG_PROBS_FULL = ("ref_log_probs", "full")
+# TorchRL's default: the reference transform writes under "next" during an env step
+NEXT_REF_LOG_PROBS_FULL = ("next", "ref_log_probs", "full")
+
+MASKING_STRATEGIES = ("sft", "rlhf", "generic")
+ENTROPY_ESTIMATORS = ("exact", "sampled")
+# TorchRL's names, then rlpost's (see rlpost.algo.grpo): the algo's name for each
+_AGGREGATIONS = {
+    "token_mean": "token_mean",
+    "prompt_mean": "sequence_mean",
+    "none": "none",
+    "sequence_mean": "sequence_mean",
+    "sequence_sum_norm": "sequence_sum_norm",
+}
 
 
-@dataclass(frozen=True, eq=False)
-class GRPOLossOutput:
-    """What :class:`GRPOLoss` returns: the algo terms plus the KL to the inference policy."""
+class GRPOLossOutput(TensorClass["nocast"]):
+    """What :class:`GRPOLoss` returns (TorchRL's ``GRPOLossOutput``).
 
-    terms: GRPOLossTerms
-    loss: torch.Tensor  # terms.loss + loss_kl_to_inference, differentiable
-    loss_kl_to_inference: torch.Tensor
-    kl_to_inference: torch.Tensor  # detached k3 KL(learner || behaviour), token mean over the mask
+    Always set: ``loss_objective`` (the clipped surrogate, with its graph), ``clip_fraction``,
+    ``kl_approx`` (mean ``old - new`` log-prob) and ``ESS`` (normalised effective sample size of
+    the importance weights, 1 on-policy). None unless the loss computes them: ``entropy`` and
+    ``loss_entropy`` (``entropy_bonus``), ``loss_kl_to_ref`` and ``kl_to_ref``
+    (``kl_to_ref_coeff``), ``loss_kl_to_inference`` and ``kl_to_inference``
+    (``kl_to_inference_coeff`` not None). The ``loss_*`` fields carry their coefficient and sign
+    and keep their graph; the others are detached. Fields left None are not entries, so
+    ``out.items()`` and ``out.mean(reduce=True)`` see only the computed ones.
+    """
 
-    def __getattr__(self, name: str) -> Any:  # loss_objective, clip_fraction, ess, ... from the terms
-        return getattr(self.terms, name)
-
-    def metrics(self) -> dict[str, float]:
-        out = self.terms.metrics()
-        out.update(loss=float(self.loss.detach()), kl_to_inference=float(self.kl_to_inference))
-        return out
+    loss_objective: torch.Tensor
+    clip_fraction: torch.Tensor
+    kl_approx: torch.Tensor
+    ESS: torch.Tensor
+    entropy: torch.Tensor | None = None
+    loss_entropy: torch.Tensor | None = None
+    loss_kl_to_ref: torch.Tensor | None = None
+    kl_to_ref: torch.Tensor | None = None
+    loss_kl_to_inference: torch.Tensor | None = None
+    kl_to_inference: torch.Tensor | None = None
 
 
 class GRPOLoss(torch.nn.Module):
-    """GRPO / DAPO / Dr.GRPO loss over a TensorDict batch (see the module docstring for the keys).
+    """GRPO / DAPO / Dr.GRPO loss over a TensorDict batch; see the module docstring.
+
+    Per counted token, with ``ratio = exp(log p - sample_log_prob)`` and its advantage ``A``::
+
+        loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
 
     Args:
-        actor_network: a :class:`~rlpost.policies.TransformersWrapper` with ``generate=False``
-            (its scoring twin; ``generator.get_new_version(generate=False)`` gives one). Its
-            temperature must equal the sampling temperature so its scores match the processed
-            behaviour log-probs.
+        actor_network: the policy, an rlpost LLM wrapper built with ``generate=False`` (e.g.
+            ``TransformersWrapper(model, generate=False)`` or ``policy.get_new_version(
+            generate=False)``); its temperature must be the sampling one, so that its scores
+            match the engine's. Any input mode: the loss scores the token ids. The loss keeps a
+            twin of it (same model) that returns log-probs only. None builds a loss that cannot
+            run (as in TorchRL, for its helpers).
 
     Keyword Args:
-        clip_epsilon: float or (low, high) pair (DAPO clip-higher: (0.2, 0.28)).
-        aggregation: "token_mean" | "sequence_mean" | "sequence_sum_norm".
-        max_tokens: L_max for "sequence_sum_norm" (the completion-length cap).
-        kl_to_ref_coeff, kl_estimator: KL-to-reference term (needs ``ref_log_probs``).
-        entropy_coeff: entropy bonus (sampled-token estimate).
-        kl_to_inference_coeff: k3 penalty between the learner and the behaviour log-probs.
+        clip_epsilon: ``x`` for the range ``[1 - x, 1 + x]``, or ``(eps_low, eps_high)`` (DAPO's
+            clip-higher: ``(0.2, 0.28)``); non-negative, ``eps_low < 1``. Kept as the buffers
+            ``clip_epsilon_low`` / ``clip_epsilon_high``. Default 0.2.
+        kl_mask_threshold: when set, tokens with ``0.5 * (log p - sample_log_prob)**2`` above it
+            are left out of every term (TorchRL's KL-Mask trust region). Default None.
+        aggregation: ``"token_mean"`` (default; mean over every counted token), ``"prompt_mean"``
+            (per-row mean, then mean over rows), ``"none"`` (per-token ``[B, T, 1]``), or
+            rlpost's ``"sequence_mean"`` / ``"sequence_sum_norm"``.
+        max_tokens: the completion-length cap ``"sequence_sum_norm"`` divides by.
+        entropy_bonus: add ``loss_entropy = -entropy_coeff * entropy``. Default True.
+        entropy_coeff: default 0.01.
+        entropy_estimator: ``"exact"`` (default) or ``"sampled"``; see the module docstring.
+        samples_mc_entropy: TorchRL's Monte-Carlo sample count for distributions without a
+            closed-form entropy; a categorical has one, so it is unused (as in TorchRL).
+        reduction: None or ``"mean"`` (use ``aggregation``), or ``"none"`` (per token).
+        kl_to_ref_coeff: weight of the k3 KL to the reference log-probs; None (default) for
+            none, 0.0 to report ``kl_to_ref`` only.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default, TorchRL's) for that KL.
+        kl_to_inference_coeff: weight of the k3 KL between the policy and ``sample_log_prob``;
+            None (default) for none, 0.0 to report ``kl_to_inference`` only.
+        device: the device of the clip buffers (default: the actor's parameters', else torch's
+            default device).
+        masking_strategy: ``"sft"`` (default), ``"rlhf"`` or ``"generic"``.
+        gamma, clip_value: TorchRL's PPO arguments; GRPO has no value network, only None.
+
+    Raises:
+        ValueError: a bad argument, named with its value.
+        TypeError: an unknown keyword argument, or an actor that is no rlpost LLM wrapper.
     """
+
+    @dataclass
+    class _AcceptedKeys:
+        """The TensorDict keys the loss reads; change them with :meth:`GRPOLoss.set_keys`.
+
+        Attributes:
+            advantage: the advantage. Default ``"advantage"``.
+            action: the token ids scored. Default ``("tokens", "full")``.
+            sample_log_prob: the log-probs the tokens were sampled with. Default
+                ``("log_probs", "full")``.
+            ref_log_probs: the reference model's log-probs. Default
+                ``("next", "ref_log_probs", "full")`` (``("ref_log_probs", "full")`` when the
+                batch has no entry there).
+        """
+
+        advantage: NestedKey = "advantage"
+        action: NestedKey = TOKENS_FULL
+        sample_log_prob: NestedKey = LOG_PROBS_FULL
+        ref_log_probs: NestedKey = NEXT_REF_LOG_PROBS_FULL
+
+    default_keys = _AcceptedKeys
 
     def __init__(
         self,
-        actor_network,
+        actor_network=None,
         *,
         clip_epsilon: float | tuple[float, float] = 0.2,
-        aggregation: str = "token_mean",
+        kl_mask_threshold: float | None = None,
+        aggregation: str | None = "token_mean",
+        entropy_bonus: bool = True,
+        samples_mc_entropy: int = 1,
+        entropy_coeff: float = 0.01,
+        gamma: float | None = None,
+        reduction: str | None = None,
+        clip_value: bool | float | None = None,
+        kl_to_ref_coeff: float | None = None,
+        kl_to_inference_coeff: float | None = None,
+        device: torch.device | str | None = None,
+        masking_strategy: Literal["sft", "rlhf", "generic"] = "sft",
         max_tokens: int | None = None,
-        kl_to_ref_coeff: float = 0.0,
-        kl_estimator: str = "k3",
-        entropy_coeff: float = 0.0,
-        kl_to_inference_coeff: float = 0.0,
+        kl_estimator: Literal["k1", "k2", "k3"] = "k3",
+        entropy_estimator: Literal["exact", "sampled"] = "exact",
     ):
         super().__init__()
-        if getattr(actor_network, "generate", False):
-            raise ValueError("GRPOLoss needs a scoring actor (generate=False); use actor.get_new_version(generate=False)")
-        if getattr(actor_network, "input_mode", "tokens") != "tokens":
-            actor_network = actor_network.get_new_version(input_mode="tokens")
-        self.actor_network = actor_network.get_new_version(
-            pad_output=False, return_text=False, return_tokens=False, return_masks=False, inplace="empty"
-        )
-        self.clip_epsilon = clip_epsilon
+        for name, value in (("gamma", gamma), ("clip_value", clip_value)):
+            if value is not None:
+                raise ValueError(f"GRPOLoss has no value network: {name} must be None, got {value!r}")
+        aggregation = "token_mean" if aggregation is None else aggregation
+        if aggregation not in _AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {tuple(_AGGREGATIONS)}, got {aggregation!r}")
+        if aggregation == "sequence_sum_norm" and not (isinstance(max_tokens, int) and max_tokens > 0):
+            raise ValueError(f"aggregation 'sequence_sum_norm' needs max_tokens > 0, got max_tokens={max_tokens!r}")
+        if reduction not in (None, "mean", "none"):
+            raise ValueError(f"reduction must be None, 'mean' or 'none', got {reduction!r}")
+        if masking_strategy not in MASKING_STRATEGIES:
+            raise ValueError(f"masking_strategy must be one of {MASKING_STRATEGIES}, got {masking_strategy!r}")
+        if entropy_estimator not in ENTROPY_ESTIMATORS:
+            raise ValueError(f"entropy_estimator must be one of {ENTROPY_ESTIMATORS}, got {entropy_estimator!r}")
+        if kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_estimator must be one of ('k1', 'k2', 'k3'), got {kl_estimator!r}")
+        _check_number("entropy_coeff", entropy_coeff)
+        for name, value in (("kl_to_ref_coeff", kl_to_ref_coeff), ("kl_to_inference_coeff", kl_to_inference_coeff),
+                            ("kl_mask_threshold", kl_mask_threshold)):
+            if value is not None:
+                _check_number(name, value)
+        if kl_to_ref_coeff is not None and kl_to_ref_coeff < 0:
+            raise ValueError(f"kl_to_ref_coeff must be >= 0 (or None), got {kl_to_ref_coeff!r}")
+
+        self.actor_network = _scoring_twin(actor_network)
+        self.entropy_bonus = bool(entropy_bonus)
+        self.entropy_coeff = float(entropy_coeff)
+        self.entropy_estimator = entropy_estimator
+        self.samples_mc_entropy = samples_mc_entropy
+        self.kl_mask_threshold = kl_mask_threshold
         self.aggregation = aggregation
+        self.reduction = "mean" if reduction is None else reduction
         self.max_tokens = max_tokens
         self.kl_to_ref_coeff = kl_to_ref_coeff
         self.kl_estimator = kl_estimator
-        self.entropy_coeff = entropy_coeff
         self.kl_to_inference_coeff = kl_to_inference_coeff
+        self.masking_strategy = masking_strategy
 
-    def forward(self, batch: TensorDictBase) -> GRPOLossOutput:
-        attention_bt = batch.get(ATTENTION_MASK).bool()
-        mask_bt = batch.get(ASSISTANT_MASK).bool() & attention_bt
-        logprobs_bt = self.score(batch.get(TOKENS_FULL), attention_bt)
-        old_bt = batch.get(LOG_PROBS_FULL)
-        advantages_b = batch.get("advantage").reshape(-1)
-        ref_bt = batch.get(REF_LOG_PROBS_FULL, None)
-        want_kl = self.kl_to_ref_coeff > 0 or ref_bt is not None
-        terms = grpo_loss(
+        if device is None:
+            param = next(self.parameters(), None)
+            device = param.device if param is not None else torch.get_default_device()
+        eps_low, eps_high = _clip_epsilon(clip_epsilon)
+        self.register_buffer("clip_epsilon_low", torch.tensor(eps_low, device=device))
+        self.register_buffer("clip_epsilon_high", torch.tensor(eps_high, device=device))
+        self._tensor_keys = self._AcceptedKeys()
+
+    # -------------------------------------------------------------------------------- keys
+
+    @property
+    def tensor_keys(self) -> _AcceptedKeys:
+        """The keys the loss reads (see :class:`GRPOLoss._AcceptedKeys`); change them with
+        :meth:`set_keys`."""
+        return self._tensor_keys
+
+    def set_keys(self, **kwargs) -> None:
+        """Set the TensorDict keys the loss reads, e.g. ``loss.set_keys(advantage="adv")``;
+        None restores a key's default.
+
+        Raises:
+            ValueError: a name that is not one of :class:`GRPOLoss._AcceptedKeys`.
+        """
+        accepted = {f.name for f in fields(self._AcceptedKeys)}
+        for name, value in kwargs.items():
+            if name not in accepted:
+                raise ValueError(f"{name} is not an accepted tensordict key. Accepted keys are: {sorted(accepted)}.")
+            setattr(self._tensor_keys, name, getattr(self.default_keys(), name) if value is None else value)
+
+    @property
+    def in_keys(self) -> list[NestedKey]:
+        """The actor's input key, then the action, sample log-prob, advantage and reference
+        log-prob keys (TorchRL's order)."""
+        keys = list(getattr(self.actor_network, "in_keys", None) or [])
+        keys += [self.tensor_keys.action, self.tensor_keys.sample_log_prob, self.tensor_keys.advantage,
+                 self.tensor_keys.ref_log_probs]
+        return list(dict.fromkeys(keys))
+
+    @property
+    def out_keys(self) -> list[str]:
+        """The output fields the loss can set (TorchRL's list)."""
+        keys = ["loss_objective", "clip_fraction", "ESS", "kl_approx"]
+        if self.entropy_bonus:
+            keys += ["entropy", "loss_entropy"]
+        return keys + ["loss_kl_to_ref", "kl_to_ref", "loss_kl_to_inference", "kl_to_inference"]
+
+    # ------------------------------------------------------------------------------ forward
+
+    def forward(self, tensordict: TensorDictBase) -> GRPOLossOutput:
+        """The loss terms and diagnostics of ``tensordict`` as a :class:`GRPOLossOutput`."""
+        terms = self.loss_terms(tensordict)
+        per_token = self._algo_aggregation == "none"
+
+        def loss_field(value: torch.Tensor) -> torch.Tensor:
+            if not per_token:
+                return value
+            # a term with coefficient 0 is a 0-d zero: per token it is zeros like the objective
+            return value.expand_as(terms.loss_objective).unsqueeze(-1)
+
+        out = {
+            "loss_objective": loss_field(terms.loss_objective),
+            "clip_fraction": terms.clip_fraction,
+            "kl_approx": terms.kl_approx,
+            "ESS": terms.ess,
+        }
+        if self.entropy_bonus:
+            out.update(entropy=terms.entropy, loss_entropy=loss_field(terms.loss_entropy))
+        if terms.kl_to_ref is not None:
+            out.update(loss_kl_to_ref=loss_field(terms.loss_kl), kl_to_ref=terms.kl_to_ref)
+        if terms.kl_to_inference is not None:
+            out.update(loss_kl_to_inference=loss_field(terms.loss_kl_to_inference),
+                       kl_to_inference=terms.kl_to_inference)
+        return GRPOLossOutput(**out, batch_size=[])
+
+    def loss_terms(self, tensordict: TensorDictBase) -> GRPOLossTerms:
+        """The terms :func:`rlpost.algo.grpo_loss` computes for ``tensordict`` (rlpost's).
+
+        Beyond :meth:`forward`'s output: ``loss``, the sum of every loss term
+        (``loss_objective + loss_kl + loss_entropy + loss_kl_to_inference``, in that order),
+        ``clip_fraction_low`` / ``clip_fraction_high`` and ``metrics()``. Terms the loss does
+        not compute are 0 (``loss_kl``, ``loss_entropy``) or None.
+        """
+        if self.actor_network is None:
+            raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
+        td = tensordict if tensordict.batch_dims == 1 else tensordict.reshape(-1)
+        keys = self.tensor_keys
+        tokens_bt = _read(td, keys.action, 0)
+        if tokens_bt is None:
+            raise ValueError(f"Action key {keys.action} not in tensordict.")
+        if not isinstance(tokens_bt, torch.Tensor) or tokens_bt.ndim != 2:
+            raise ValueError(f"{keys.action!r} must hold token ids of shape [B, T], got {_describe(tokens_bt)}")
+        advantage = _read(td, keys.advantage, 0.0)
+        if advantage is None:
+            raise ValueError(f"Advantage key {keys.advantage} not in tensordict.")
+        old_bt = _read(td, keys.sample_log_prob, 0.0)
+        if old_bt is None:
+            raise KeyError(f"Couldn't find the log-prob {keys.sample_log_prob} in the input data.")
+        if old_bt.requires_grad:
+            raise RuntimeError(f"tensordict stored {keys.sample_log_prob} requires grad.")
+        old_bt = _per_token(old_bt, keys.sample_log_prob, tokens_bt)
+        advantage = _advantage(advantage, keys.advantage, tokens_bt)
+        ref_bt = self._ref_log_probs(td, tokens_bt)
+        attention_bt = self._attention(td, tokens_bt)
+        mask_bt = self._loss_mask(td, tokens_bt, attention_bt)
+
+        want_entropy = self.entropy_bonus
+        if want_entropy and self.entropy_estimator == "exact":
+            logprobs_bt, entropy_bt = self._score_and_entropy(tokens_bt, attention_bt)
+        else:
+            logprobs_bt = self.score(tokens_bt, attention_bt)
+            entropy_bt = -logprobs_bt if want_entropy else None
+        if self.kl_mask_threshold is not None:
+            mask_bt = mask_bt & trust_region_mask(logprobs_bt, old_bt, self.kl_mask_threshold).to(mask_bt.device)
+        return grpo_loss(
             logprobs_bt,
-            old_bt,
-            advantages_b,
-            mask_bt,
-            clip_eps=self.clip_epsilon,
-            aggregation=self.aggregation,
+            old_bt.to(logprobs_bt.device),
+            advantage.to(logprobs_bt.device),
+            mask_bt.to(logprobs_bt.device),
+            clip_eps=(float(self.clip_epsilon_low), float(self.clip_epsilon_high)),
+            aggregation=self._algo_aggregation,
             max_tokens=self.max_tokens,
-            ref_logprobs=ref_bt if want_kl else None,
-            kl_coef=self.kl_to_ref_coeff,
+            ref_logprobs=None if ref_bt is None else ref_bt.to(logprobs_bt.device),
+            kl_coef=self.kl_to_ref_coeff or 0.0,
             kl_estimator=self.kl_estimator,
-            entropy=-logprobs_bt if self.entropy_coeff > 0 else None,
-            entropy_coef=self.entropy_coeff,
+            entropy=entropy_bt,
+            entropy_coef=self.entropy_coeff if want_entropy else 0.0,
+            kl_to_inference_coef=self.kl_to_inference_coeff,
         )
-        return self._with_kl_to_inference(terms, logprobs_bt, old_bt, mask_bt)
+
+    @property
+    def _algo_aggregation(self) -> str:
+        return "none" if self.reduction == "none" else _AGGREGATIONS[self.aggregation]
+
+    # -------------------------------------------------------------------------------- scoring
 
     def score(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> torch.Tensor:
-        """Current log-probs [B, T] in the batch's own layout (0 on padding), with their graph."""
-        td = TensorDict(
-            {TOKENS_FULL[0]: Tokens(full=tokens_bt, padded=True, batch_size=tokens_bt.shape[:1]), ATTENTION_MASK: attention_bt},
-            batch_size=tokens_bt.shape[:1],
-        )
-        rows = self.actor_network(td).get(LOG_PROBS_FULL, as_list=True)
+        """Current log-probs ``[B, T]`` of ``tokens_bt`` in its own layout (0 on padding and on
+        each row's first token), with their graph; rlpost's (the learner's scoring probe)."""
+        if self.actor_network is None:
+            raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
+        actor = self.actor_network
+        rows = actor(self._actor_input(tokens_bt, attention_bt)).get((actor.log_probs_key, "full"), as_list=True)
         logprobs_bt = torch.zeros(tokens_bt.shape, dtype=rows[0].dtype if rows else torch.float32)
         # boolean-mask assignment fills row by row, left to right: the order rows were read in
-        return logprobs_bt.index_put((attention_bt,), torch.cat(list(rows)))
+        return logprobs_bt.index_put((attention_bt.cpu(),), torch.cat(list(rows)).cpu())
 
-    def _with_kl_to_inference(self, terms, logprobs_bt, old_bt, mask_bt) -> GRPOLossOutput:
-        kl_bt = kl_per_token(logprobs_bt, torch.where(mask_bt, old_bt, logprobs_bt).detach(), "k3")
-        kl_bt = torch.where(mask_bt, kl_bt, torch.zeros_like(kl_bt))
-        loss_kl_inf = torch.zeros((), dtype=terms.loss.dtype)
-        if self.kl_to_inference_coeff > 0:
-            loss_kl_inf = self.kl_to_inference_coeff * masked_aggregate(kl_bt, mask_bt, self.aggregation, self.max_tokens)
-        kl_inf = masked_aggregate(kl_bt.detach(), mask_bt, "token_mean")
-        return GRPOLossOutput(terms=terms, loss=terms.loss + loss_kl_inf, loss_kl_to_inference=loss_kl_inf, kl_to_inference=kl_inf)
+    def _score_and_entropy(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor):
+        """Log-probs and exact entropies ``[B, T]`` from one forward pass (the actor's
+        ``get_dist``), in the batch's layout, 0 where there is no prediction."""
+        actor = self.actor_network
+        try:
+            dist = actor.get_dist(self._actor_input(tokens_bt, attention_bt))
+        except NotImplementedError as err:
+            raise NotImplementedError(
+                f"entropy_estimator='exact' needs the logits of the actor ({type(actor).__name__}.get_dist): {err}. "
+                "Build the loss with entropy_estimator='sampled' or entropy_bonus=False."
+            ) from err
+        logits_device = dist.logits.device
+        lengths = attention_bt.sum(dim=1).to(logits_device)
+        # the actor's rows are right-padded: row i holds its real tokens at 0 .. len_i - 1
+        real_right = torch.arange(dist.logits.shape[1], device=logits_device)[None, :] < lengths[:, None]
+        ids_right = torch.zeros(real_right.shape, dtype=torch.long, device=logits_device)
+        ids_right = ids_right.index_put((real_right,), tokens_bt[attention_bt].to(logits_device))
+        predicted = dist.mask.to(logits_device)
+        logprobs_right = torch.where(predicted, dist.log_prob(ids_right), 0.0)
+        entropy_right = torch.where(predicted, dist.entropy(), 0.0)
+
+        def to_batch_layout(x_right: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(tokens_bt.shape, dtype=x_right.dtype, device=attention_bt.device)
+            return out.index_put((attention_bt,), x_right[real_right].to(attention_bt.device))
+
+        return to_batch_layout(logprobs_right), to_batch_layout(entropy_right)
+
+    def _actor_input(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> TensorDict:
+        actor = self.actor_network
+        td = TensorDict({}, batch_size=tokens_bt.shape[:1])
+        td.set(actor.input_key, tokens_bt)
+        td.set(actor.attention_mask_key, attention_bt)
+        return td
+
+    # --------------------------------------------------------------------------- reading
+
+    def _attention(self, td: TensorDictBase, tokens_bt: torch.Tensor) -> torch.Tensor:
+        """The attention mask (True on real tokens); all True for dense ids without one, the
+        rows' lengths for a lazy stack without one."""
+        key = self._actor_key("attention_mask_key", ATTENTION_MASK)
+        attention = _read(td, key, False)
+        if attention is None:
+            rows = _rows(td, self.tensor_keys.action)
+            if rows is None:
+                return torch.ones(tokens_bt.shape, dtype=torch.bool, device=tokens_bt.device)
+            rows = [torch.ones(row.shape[-1], dtype=torch.bool) for row in rows]
+            attention = pad_sequence(rows, batch_first=True, padding_value=False, padding_side="left")
+        return _per_token(attention, key, tokens_bt).bool()
+
+    def _loss_mask(self, td: TensorDictBase, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> torch.Tensor:
+        """The tokens that count under ``masking_strategy``, less each row's first token."""
+        mask_bt = attention_bt
+        if self.masking_strategy != "generic":
+            response_bt = self._response_mask(td, tokens_bt) if self.masking_strategy == "sft" else None
+            if response_bt is None:
+                key = (self._actor_key("masks_key", "masks"), "all_assistant_mask")
+                assistant = _read(td, key, False)
+                if assistant is None:
+                    raise ValueError(
+                        f"masking_strategy={self.masking_strategy!r} needs the assistant mask at {key!r}"
+                        + (" or the prompt ids" if self.masking_strategy == "sft" else "")
+                        + f"; the batch has {_key_list(td)}. "
+                        "masking_strategy='generic' counts every real token."
+                    )
+                response_bt = _per_token(assistant, key, tokens_bt).bool()
+            mask_bt = mask_bt & response_bt
+        first_bt = attention_bt & (attention_bt.long().cumsum(dim=1) == 1)
+        return mask_bt & ~first_bt
+
+    def _response_mask(self, td: TensorDictBase, tokens_bt: torch.Tensor) -> torch.Tensor | None:
+        """False on each row's prompt positions (None without prompt ids). A dense batch's
+        prompt fills the first ``P`` columns (``P`` the prompt ids' width, TorchRL's rule); a
+        lazy stack's row ``i`` is right-aligned (read left-padded) and its prompt is its first
+        ``p_i`` tokens."""
+        key = (self._actor_key("tokens_key", "tokens"), "prompt")
+        prompt = _read(td, key, 0)
+        if prompt is None:
+            return None
+        num_rows, width = tokens_bt.shape
+        prompt_rows, token_rows = _rows(td, key), _rows(td, self.tensor_keys.action)
+        if prompt_rows is None:
+            prompt_lengths = torch.full((num_rows,), prompt.shape[-1])
+        else:
+            prompt_lengths = torch.tensor([row.shape[-1] for row in prompt_rows])
+        if token_rows is None:
+            row_lengths = torch.full((num_rows,), width)
+        else:
+            row_lengths = torch.tensor([row.shape[-1] for row in token_rows])
+        start = width - row_lengths
+        position = torch.arange(width)[None, :]
+        in_prompt = (position >= start[:, None]) & (position < (start + prompt_lengths)[:, None])
+        return ~in_prompt.to(tokens_bt.device)
+
+    def _ref_log_probs(self, td: TensorDictBase, tokens_bt: torch.Tensor) -> torch.Tensor | None:
+        if self.kl_to_ref_coeff is None:
+            return None
+        key = self.tensor_keys.ref_log_probs
+        ref = _read(td, key, 0.0)
+        if ref is None and _same_key(key, NEXT_REF_LOG_PROBS_FULL):
+            key = REF_LOG_PROBS_FULL
+            ref = _read(td, key, 0.0)
+        if ref is None:
+            if self.kl_to_ref_coeff > 0:
+                raise KeyError(
+                    f"Couldn't find the ref log-prob {self.tensor_keys.ref_log_probs} in the input data "
+                    f"(keys: {_key_list(td)})."
+                )
+            return None
+        return _per_token(ref, key, tokens_bt)
+
+    def _actor_key(self, attribute: str, default: NestedKey) -> NestedKey:
+        return getattr(self.actor_network, attribute, default)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _scoring_twin(actor):
+    """A twin of ``actor`` on the same model that scores token ids and returns log-probs only."""
+    if actor is None:
+        return None
+    if not hasattr(actor, "get_new_version"):
+        raise TypeError(
+            f"actor_network must be an rlpost LLM wrapper (e.g. TransformersWrapper(model, generate=False)), "
+            f"got {type(actor).__name__}"
+        )
+    if getattr(actor, "generate", False):
+        raise ValueError("GRPOLoss needs a scoring actor (generate=False); use actor.get_new_version(generate=False)")
+    if getattr(actor, "input_mode", "tokens") != "tokens":
+        actor = actor.get_new_version(input_mode="tokens")
+    return actor.get_new_version(
+        pad_output=False, return_text=False, return_tokens=False, return_masks=False, inplace="empty"
+    )
+
+
+def _clip_epsilon(clip_epsilon) -> tuple[float, float]:
+    """TorchRL's validation: a number, or a pair (low, high); non-negative; low < 1."""
+    if isinstance(clip_epsilon, (tuple, list)):
+        if len(clip_epsilon) != 2:
+            raise ValueError(f"clip_epsilon tuple must have length 2, got {clip_epsilon!r}.")
+        values = tuple(clip_epsilon)
+    else:
+        values = (clip_epsilon, clip_epsilon)
+    for value in values:
+        _check_number("clip_epsilon", value)
+    eps_low, eps_high = (float(v) for v in values)
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip_epsilon values must be non-negative, got ({eps_low}, {eps_high}).")
+    if eps_low >= 1.0:
+        raise ValueError(f"clip_epsilon low must be < 1 (to keep 1 - eps_low > 0), got {eps_low}.")
+    return eps_low, eps_high
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or value != value:
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+
+
+def _lazy_part(td: TensorDictBase, key: NestedKey):
+    """``(the outermost lazy stack on the way to key, the rest of the key)``, or ``(None, None)``
+    when the entry is not read through a lazy stack."""
+    path = (key,) if isinstance(key, str) else tuple(key)
+    for i in range(len(path)):
+        node = td if i == 0 else td.get(path[:i], None)
+        if node is None or isinstance(node, torch.Tensor):
+            return None, None
+        if is_lazy(node):
+            rest = path[i:]
+            return node, rest[0] if len(rest) == 1 else rest
+    return None, None
+
+
+def _rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
+    """The per-row tensors of an entry read through a lazy stack; None for a dense entry."""
+    node, rest = _lazy_part(td, key)
+    return None if node is None else node.get(rest, as_list=True)
+
+
+def _read(td: TensorDictBase, key: NestedKey, padding_value):
+    """``td[key]`` as one tensor (None when absent): a lazy stack's rows and a nested tensor's
+    are left-padded with ``padding_value``."""
+    node, rest = _lazy_part(td, key)
+    if node is None:
+        value = td.get(key, None)
+    else:
+        value = node.get(rest, None, as_padded_tensor=True, padding_side="left", padding_value=padding_value)
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = pad_sequence(list(value.unbind(0)), batch_first=True, padding_value=padding_value, padding_side="left")
+    return value
+
+
+def _per_token(value, key: NestedKey, tokens_bt: torch.Tensor) -> torch.Tensor:
+    """``value`` as ``[B, T]`` like the tokens (a trailing dim of 1 is dropped)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 3 and value.shape[-1] == 1:
+        value = value.squeeze(-1)
+    if not isinstance(value, torch.Tensor) or value.shape != tokens_bt.shape:
+        raise ValueError(
+            f"{key!r} is {_describe(value)} but the tokens are {tuple(tokens_bt.shape)}: per-token entries must "
+            "be [B, T] in the tokens' layout"
+        )
+    return value
+
+
+def _advantage(value, key: NestedKey, tokens_bt: torch.Tensor) -> torch.Tensor:
+    """One advantage per sequence ``[B]`` (from [B], [B, 1] or [B, 1, 1]) or per token ``[B, T]``
+    (from [B, T] or [B, T, 1])."""
+    num_rows, width = tokens_bt.shape
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        shape = tuple(value.shape)
+        if shape in ((num_rows,), (num_rows, 1), (num_rows, 1, 1)):
+            return value.reshape(num_rows)
+        if shape in ((num_rows, width), (num_rows, width, 1)):
+            return value.reshape(num_rows, width)
+    raise ValueError(
+        f"{key!r} must be a float tensor of shape [B], [B, 1] (one per sequence) or [B, T], [B, T, 1] (one per "
+        f"token) with B, T = {num_rows}, {width}; got {_describe(value)}"
+    )
+
+
+def _key_list(td: TensorDictBase) -> str:
+    """The batch's keys for an error message (no quotes of its own: a KeyError reprs it)."""
+    return ", ".join(sorted(str(key) for key in td.keys(True, True)))
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _same_key(a: NestedKey, b: NestedKey) -> bool:
+    as_tuple = lambda k: (k,) if isinstance(k, str) else tuple(k)  # noqa: E731
+    return as_tuple(a) == as_tuple(b)
+
+
+__all__ = ["GRPOLoss", "GRPOLossOutput"]
