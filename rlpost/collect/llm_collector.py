@@ -20,8 +20,11 @@ weights to where the policy runs when :meth:`update_policy_weights_` is called;
 PolicyVersion transform to the env, so each step records the version that produced it, and
 :meth:`increment_version` bumps it.
 
-Deliberate deviations from TorchRL: no ``AsyncEnvPool`` (``async_envs=True`` raises; rlpost's
-service runs env pools as Ray actors instead); the collector is a plain iterable, not a
+With an :class:`~rlpost.envs.AsyncEnvPool` (``async_envs=True``, or detected) and
+``yield_completed_trajectories``, the policy answers the rows whose step came back while the
+others still run, and trajectories come out as they finish.
+
+Deliberate deviations from TorchRL: the collector is a plain iterable, not a
 ``SyncDataCollector``; ``as_remote`` returns a Ray actor class of the collector.
 """
 
@@ -64,7 +67,7 @@ class LLMCollector:
         yield_completed_trajectories: yield finished trajectories one at a time.
         yield_only_last_steps: yield only the last step of each finished trajectory.
         postproc: applied to each batch before it is yielded or written.
-        async_envs: not supported (see the module docstring).
+        async_envs: the env is an AsyncEnvPool (detected when it is one).
         replay_buffer: write batches with ``replay_buffer.extend`` instead of yielding them.
         queue: write batches with ``queue.put`` (exclusive with ``replay_buffer``).
         reset_at_each_iter: reset the env at the start of every batch.
@@ -103,11 +106,6 @@ class LLMCollector:
             raise TypeError("LLMCollector needs exactly one of policy= and policy_factory=")
         if dialog_turns_per_batch < 1:
             raise ValueError(f"dialog_turns_per_batch must be >= 1, got {dialog_turns_per_batch}")
-        if async_envs:
-            raise NotImplementedError(
-                "async_envs=True needs an asynchronous env pool, which rlpost does not provide; run env pools "
-                "as Ray actors (the rlpost service) or use async_envs=False"
-            )
         if yield_only_last_steps is None:
             yield_only_last_steps = False
         if yield_completed_trajectories is None:
@@ -119,6 +117,16 @@ class LLMCollector:
         if yield_only_last_steps and reset_at_each_iter:
             raise TypeError("`yield_only_last_steps` cannot be `True` when `reset_at_each_iter=True`.")
         self.env = env() if callable(env) and not hasattr(env, "reset") else env
+        from rlpost.envs.async_pool import AsyncEnvPool
+
+        self.async_envs = bool(async_envs) or isinstance(self.env, AsyncEnvPool)
+        if self.async_envs and not isinstance(self.env, AsyncEnvPool):
+            raise RuntimeError("async_envs requires the environment to be an AsyncEnvPool instance.")
+        if self.async_envs and track_policy_version is True:
+            raise RuntimeError(
+                "AsyncEnvPool is not supported for policy version tracking. Please add the PolicyVersion transform to "
+                "the environment manually, and pass that transform to the collector."
+            )
         if yield_completed_trajectories and len(self.env.batch_size) != 1:
             raise ValueError(
                 "`yield_only_last_steps` only works with envs that have a single batch dimension. Got "
@@ -134,7 +142,6 @@ class LLMCollector:
         self.postproc, self.replay_buffer = postproc, replay_buffer
         self.reset_at_each_iter, self.verbose = reset_at_each_iter, verbose
         self.flatten_data = replay_buffer is not None if flatten_data is None else flatten_data
-        self.async_envs = False
         self.weight_updater = None
         if weight_updater is not None:
             self.set_weight_updater(weight_updater)
@@ -154,7 +161,8 @@ class LLMCollector:
         tracker = PolicyVersion() if track is True else track
         if not isinstance(tracker, PolicyVersion):
             raise TypeError(f"track_policy_version must be a bool or a PolicyVersion, got {type(track).__name__}")
-        self.env = self.env.append_transform(tracker)
+        if not self.async_envs:  # a pool's sub-envs carry the transform themselves
+            self.env = self.env.append_transform(tracker)
         return tracker
 
     # ------------------------------------------------------------------ properties (TorchRL's names)
@@ -235,7 +243,9 @@ class LLMCollector:
 
     @property
     def rollout(self) -> Callable[[], TensorDictBase]:
-        return self._rollout_trajectories if self.yield_completed_trajectories else self._rollout_all
+        if not self.yield_completed_trajectories:
+            return self._rollout_all
+        return self._rollout_trajectories_async if self.async_envs else self._rollout_trajectories
 
     def _start(self) -> TensorDictBase:
         td = self.env.reset()
@@ -248,13 +258,17 @@ class LLMCollector:
         """One turn of every row: the step (with ``next``) and the next step's input."""
         td = self.policy(td)
         step, next_input = self.env.step_and_maybe_reset(td)
+        next_input.set(TRAJ_IDS, self._next_traj_ids(step))
+        return step, next_input
+
+    def _next_traj_ids(self, step: TensorDictBase) -> torch.Tensor:
+        """The trajectory ids of a step's rows for the next step: a new id where it was done."""
         traj_ids = step.get(TRAJ_IDS).clone()
         done = step.get(("next", "done")).reshape(-1)
         for row in done.nonzero().flatten().tolist():
             traj_ids[row] = self._next_traj_id
             self._next_traj_id += 1
-        next_input.set(TRAJ_IDS, traj_ids)
-        return step, next_input
+        return traj_ids
 
     def _rollout_all(self) -> TensorDictBase:
         if self.reset_at_each_iter or self._shuttle is None:
@@ -282,6 +296,31 @@ class LLMCollector:
                     steps = [queue[-1]] if self.yield_only_last_steps else list(queue)
                     self._trajectory_queue.append(lazy_stack(steps, -1))
                     queue.clear()
+        return self._pop_trajectory()
+
+    def _rollout_trajectories_async(self) -> TensorDictBase:
+        """Completed trajectories from an AsyncEnvPool: the policy answers the rows that are back
+        while the others still step."""
+        key = self.env._env_idx_key
+        if self._shuttle is None:
+            self._shuttle = self._start()
+            self._yield_queues = [deque() for _ in range(self.env.batch_size[0])]
+            self.env.async_step_and_maybe_reset_send(self.policy(self._shuttle))
+        while not self._trajectory_queue:
+            step, next_input = self.env.async_step_and_maybe_reset_recv()
+            next_input.set(TRAJ_IDS, self._next_traj_ids(step))
+            done = step.get(("next", "done")).reshape(-1).tolist()
+            for row, (index, data) in enumerate(zip(step.get(key).tolist(), step.unbind(0))):
+                queue = self._yield_queues[index]
+                queue.append(data)
+                if done[row]:
+                    self._trajectory_queue.append(lazy_stack([queue[-1]] if self.yield_only_last_steps else list(queue), -1))
+                    queue.clear()
+            self._shuttle = next_input
+            self.env.async_step_and_maybe_reset_send(self.policy(next_input))
+        return self._pop_trajectory()
+
+    def _pop_trajectory(self) -> TensorDictBase:
         trajectory = self._trajectory_queue.popleft()
         if self.verbose:
             logger.info("LLMCollector: yielding a completed trajectory of shape %s", tuple(trajectory.shape))

@@ -27,6 +27,7 @@
 Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset is loaded.
 """
 
+from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv
@@ -67,6 +68,7 @@ from rlpost.envs.transforms import (
 __all__ = [
     "AddThinkingPrompt",
     "AnswerRewardParser",
+    "AsyncEnvPool",
     "ArithmeticEnv",
     "ChatEnv",
     "Compose",

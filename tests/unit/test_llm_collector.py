@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rlpost.collect import LLMCollector
 from rlpost.data import History
-from rlpost.envs import DatasetChatEnv
+from rlpost.envs import AsyncEnvPool, DatasetChatEnv, Transform
 
 pytestmark = pytest.mark.unit
 
@@ -126,7 +128,7 @@ def test_bad_arguments():
                      yield_completed_trajectories=False)  # fmt: skip
     with pytest.raises(TypeError, match="flatten_data"):
         LLMCollector(env(), policy=Scripted(), dialog_turns_per_batch=2, yield_only_last_steps=True, flatten_data=True)
-    with pytest.raises(NotImplementedError, match="async"):
+    with pytest.raises(RuntimeError, match="AsyncEnvPool instance"):
         LLMCollector(env(), policy=Scripted(), dialog_turns_per_batch=2, async_envs=True)
     with pytest.raises(RuntimeError, match="weight_updater"):
         LLMCollector(env(), policy=Scripted(), dialog_turns_per_batch=2).update_policy_weights_()
@@ -137,3 +139,58 @@ def test_an_env_constructor_is_called():
     assert collector.is_initialized() and len(list(collector)) == 1
     td = collector.env.reset(TensorDict(batch_size=[2]))
     assert td["query"] == ["q2", "q3"]
+
+
+# ---------------------------------------------------------------------------- AsyncEnvPool
+
+
+class SlowReward(Transform):
+    """Row-dependent step time: env 0 is slow, so the others finish first."""
+
+    def __init__(self, delay_s):
+        super().__init__()
+        self.delay_s = delay_s
+
+    def on_step(self, td, next_td):
+        time.sleep(self.delay_s)
+        return next_td
+
+
+def pool(delays=(0.3, 0.0, 0.0), max_steps=1):
+    def maker(i):
+        rows = [{"query": f"env{i}-q{j}"} for j in range(10)]
+        return lambda: DatasetChatEnv(dataset=rows, shuffle=False, num_envs=1, max_steps=max_steps).append_transform(
+            SlowReward(delays[i])
+        )
+
+    return AsyncEnvPool([maker(i) for i in range(len(delays))])
+
+
+def test_async_pool_returns_rows_as_they_finish():
+    envs = pool()
+    td = envs.reset()
+    assert td.batch_size == (3,) and td["env_index"].tolist() == [0, 1, 2]
+    envs.async_step_and_maybe_reset_send(Scripted()(td))
+    step, next_root = envs.async_step_and_maybe_reset_recv(min_get=1)
+    assert 0 not in step["env_index"].tolist()  # the slow env is not back yet
+    rest, _ = envs.async_step_and_maybe_reset_recv(min_get=3)
+    assert sorted(step["env_index"].tolist() + rest["env_index"].tolist()) == [0, 1, 2]
+    assert next_root[0]["query"].startswith(f"env{step[0]['env_index'].item()}-q1")  # done rows were reset
+    with pytest.raises(RuntimeError, match="no step is running"):
+        envs.async_step_and_maybe_reset_recv()
+    envs.close()
+
+
+def test_async_collector_yields_trajectories_as_they_complete():
+    envs = pool(delays=(0.3, 0.0, 0.0), max_steps=2)
+    collector = LLMCollector(envs, policy=Scripted(), dialog_turns_per_batch=2, yield_completed_trajectories=True,
+                             total_dialog_turns=12)  # fmt: skip
+    assert collector.async_envs
+    trajectories = list(collector)
+    assert all(t.batch_size == (2,) for t in trajectories) and len(trajectories) == 6
+    first_envs = [t[0]["env_index"].item() for t in trajectories[:2]]
+    assert 0 not in first_envs  # the fast envs finish their episodes first
+    assert all(len(set(t["env_index"].tolist())) == 1 for t in trajectories)  # one env per trajectory
+    with pytest.raises(RuntimeError, match="policy version tracking"):
+        LLMCollector(pool(), policy=Scripted(), dialog_turns_per_batch=2, track_policy_version=True)
+    envs.close()
