@@ -415,12 +415,6 @@ class RetrieveKL(Compose):
         )  # fmt: skip
         self._build(gen_model)
 
-    def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
-        return td
-
-    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
-        return reset_td
-
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         if not self._initialized:
             self._init_deferred()
@@ -429,12 +423,8 @@ class RetrieveKL(Compose):
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         if not self._initialized:
             self._init_deferred()
-        target = _target(td)
-        for transform in self:
-            if isinstance(transform, RetrieveLogProb):
-                target.set(transform.log_probs_full_key, transform.log_probs(td))
-            else:
-                transform.apply(target)
+        for transform in self:  # each writes into td["next"] (or td), the next one reads there
+            transform(td)
         return td
 
     forward = __call__
