@@ -27,7 +27,8 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
     data = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
     parts = [_header(data, quick)]
     for name, section in (("rollout", _rollout), ("e2e", _e2e), ("weight_sync", _weight_sync),
-                          ("buffer", _buffer), ("scaling", _scaling), ("sandbox", _sandbox)):
+                          ("buffer", _buffer), ("scaling", _scaling), ("sandbox", _sandbox),
+                          ("grpo_by_hand", _grpo_by_hand)):
         if name in data:
             parts.append(section(data[name], results, out.parent))
         else:
@@ -48,6 +49,7 @@ TITLES = {
     "buffer": "4. Buffer: groups/s and share of step time",
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
+    "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
 }
 
 
@@ -307,6 +309,19 @@ def _sandbox(d: dict, results: Path, base: Path) -> str:
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 
+def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [f"## {TITLES['grpo_by_hand']}", "",
+             f"`examples/grpo_by_hand.py` (LLMCollector, ReplayBuffer with MCAdvantage, GRPOLoss, vLLMUpdater on "
+             f"one vLLM worker) on the {s['model']} model: {s['steps']} steps of {s['prompts_per_step']} prompts x "
+             f"{s['group_size']} samples, {s['repeats']} seeds. Training reward of the last {s['window']} steps "
+             f"against the first {s['window']} of the same run.", "", _ratios(d),
+             "| case | median | repeats |", "| --- | --- | --- |"]
+    for name, c in d["cases"].items():
+        lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
 def _scaling(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
     w = s["workload"]
@@ -337,7 +352,7 @@ def _scaling(d: dict, results: Path, base: Path) -> str:
 
 
 def _profiles(files: dict[str, dict]) -> str:
-    lines = ["## 6. Profile of one sync step (phases, plain classes in one process)", "",
+    lines = ["## 8. Profile of one sync step (phases, plain classes in one process)", "",
              "bench/profile_step.py: an InferenceWorker (vLLM engine), an EnvPool, a Learner and the gloo bus "
              "in one process, timing the phases of the controller's sync step; the learner's torch threads "
              "are the variable (a Ray actor reserving < 2 CPUs gets OMP_NUM_THREADS=1). Seconds, medians "

@@ -172,16 +172,11 @@ class ActorClient:
 
 
 class InferenceClient(ActorClient):
-    """``inference-<i>``: a vLLM engine; weight receives run beside the learner's publish."""
+    """``inference-<i>``: a vLLM engine. Its weight updates are driven by the learner's
+    vLLMUpdater (the learner calls ``join_bus`` / ``update_weights`` on the handle)."""
 
     def wait_ready(self, timeout_s: float) -> int:
         return self.call("get_version", timeout_s=timeout_s)
-
-    def join_bus(self, spec: dict, rank: int) -> Pending:
-        return self.submit("join_bus", spec, rank)
-
-    def update_weights(self, timeout_s: float) -> Pending:
-        return self.submit("update_weights", timeout_s)
 
     def score(self, token_ids: list[list[int]], temperature: float, timeout_s: float) -> list[list[float]]:
         return self.call("score", token_ids, temperature, timeout_s=timeout_s)
@@ -236,11 +231,15 @@ class LearnerClient(ActorClient):
         """The learner's weights version (after any call it is still running)."""
         return self.call("version", timeout_s=timeout_s)
 
-    def connect_publisher(self, *args: Any, timeout_s: float) -> dict:
-        return _as_dict(self.call("connect_publisher", *args, timeout_s=timeout_s))
+    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
+                        timeout_s: float) -> int:
+        """Form the weight bus between the learner and ``workers`` (handles); the learner drives
+        the workers' side of every later sync itself."""
+        return self.call("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, timeout_s=timeout_s)
 
-    def reform_publisher(self, world_size: int, timeout_s: float) -> dict:
-        return _as_dict(self.call("reform_publisher", world_size, timeout_s=timeout_s))
+    def set_workers(self, workers: list, timeout_s: float) -> int:
+        """The bus's next generation with ``workers`` (after a restart); returns the generation."""
+        return self.call("set_workers", workers, timeout_s=timeout_s)
 
     def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict, timeout_s: float) -> str:
         return self.call("save_checkpoint", run_dir, step, rollout_state, timeout_s=timeout_s)
@@ -270,6 +269,3 @@ class BufferClient(RayBuffer):
     def kill(self) -> None:
         kill(self.handle)
 
-
-def _as_dict(spec: Any) -> dict:
-    return dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec

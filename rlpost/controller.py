@@ -25,9 +25,9 @@ What each loop waits on (every wait is bounded):
 - sync: every env pool collects its share of ``prompts_per_step`` groups with the current weights
   and puts it in the buffer (the controller polls the pools); the controller takes the whole step
   from the buffer (staleness 0), the reference actor annotates it (KL on), the learner trains one
-  step, and every ``weight_sync_interval`` steps the learner publishes while every inference
-  worker receives (bounded by ``weight_sync.timeout_s``); then a probe sequence scored by a
-  worker and by the learner gives ``sync_logprob_diff``.
+  step, and every ``weight_sync_interval`` steps the learner publishes through its vLLMUpdater,
+  which has every inference worker receive and reload (bounded by ``weight_sync.timeout_s``);
+  then a probe sequence scored by a worker and by the learner gives ``sync_logprob_diff``.
 - async: env pools collect on their own (threads inside their actors), blocking only on the
   buffer when it is full; the controller waits on ``buffer.take`` (polled), which drops groups
   more than ``max_staleness`` versions behind the learner; training and publishing as in sync. A

@@ -154,14 +154,14 @@ class ActorStarter:
         return BufferClient(started.handle)
 
     def inference(self, index: int) -> InferenceClient:
-        import ray
-
-        from rlpost.actors.inference import InferenceActor
+        from rlpost.policies.vllm_workers import make_vllm_worker
 
         cfg, name = self.cfg, f"inference-{index}"
-        handle = (ray.remote(InferenceActor).options(**self._options(name, cfg.resources.inference))
-                  .remote(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype, index=index,
-                          run_name=cfg.logging.run_name or ""))
+        role = cfg.resources.inference
+        handle = make_vllm_worker(cfg.model.name_or_path, engine_config=cfg.rollout.engine, dtype=cfg.model.dtype,
+                                  name=name, index=index, num_cpus=role.num_cpus, num_gpus=role.num_gpus,
+                                  ray_options={"scheduling_strategy": self.place(name)},
+                                  run_name=cfg.logging.run_name or "")
         return InferenceClient(name, handle)
 
     def learner(self) -> LearnerClient:
@@ -203,14 +203,13 @@ class ActorStarter:
 
 
 def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:
-    """Create the bus publisher in the learner and join every worker to it."""
+    """Form the weight bus: the learner's vLLMUpdater joins every inference worker to it."""
     import ray
 
     ws = cfg.weight_sync
     host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
-    spec = actors.learner.connect_publisher(len(actors.inference) + 1, host, 0, ws.backend, ws.bucket_mb,
-                                            ws.timeout_s, timeout_s=timeout_s)
-    wait_all([w.join_bus(spec, rank) for rank, w in enumerate(actors.inference, start=1)], timeout_s)
+    actors.learner.connect_workers([w.handle for w in actors.inference], host, ws.backend, ws.bucket_mb,
+                                   ws.timeout_s, timeout_s=timeout_s)
 
 
 def stop_actors(actors: RunActors) -> None:
@@ -355,10 +354,9 @@ class Supervisor:
         """Open the bus's next generation with every worker, publish the current weights, and
         give the live env pools the workers' handles."""
         workers = self.actors.inference
-        spec = self.actors.learner.reform_publisher(len(workers) + 1, timeout_s=CALL_TIMEOUT_S)
-        wait_all([w.join_bus(spec, rank) for rank, w in enumerate(workers, start=1)], CALL_TIMEOUT_S)
+        generation = self.actors.learner.set_workers([w.handle for w in workers], timeout_s=CALL_TIMEOUT_S)
         self.counts["bus_reforms"] += 1
-        log.warning("weight bus re-formed (generation %s) with %d workers", spec.get("generation"), len(workers))
+        log.warning("weight bus re-formed (generation %s) with %d workers", generation, len(workers))
         self.publish_weights()
         for pool in self.actors.env_pools:
             if pool.alive():
@@ -410,16 +408,15 @@ class Supervisor:
     # ------------------------------------------------------------------ the weight bus
 
     def publish_weights(self) -> dict:
-        """The learner publishes its weights while every worker receives them; returns the
-        sync's metrics. Raises a client error when a peer fails (the caller recovers)."""
+        """The learner publishes its weights through its vLLMUpdater, which has every worker
+        receive and reload them; returns the sync's metrics. Raises a client error when a peer
+        fails (the caller recovers)."""
         timeout = self.cfg.weight_sync.timeout_s
-        receives = [w.update_weights(timeout) for w in self.actors.inference]
         start = time.perf_counter()
-        published, *infos = wait_all([self.actors.learner.publish(), *receives], timeout + 60)
+        published = self.actors.learner.publish().result(2 * timeout + 90)
         sync_s = time.perf_counter() - start
-        versions = {int(info["version"]) for info in infos}
-        if versions != {self.version}:
-            raise RuntimeError(f"after the weight sync the workers hold versions {sorted(versions)}, "
-                               f"the learner {self.version}")
+        if int(published["policy_version"]) != self.version:
+            raise RuntimeError(f"the learner published version {int(published['policy_version'])}, "
+                               f"the loop expected {self.version}")
         return {"weight_sync_s": sync_s, "weight_sync_bytes": published.get("bytes"),
-                "weight_load_s": max(float(info["load_s"]) for info in infos)}  # the engines' reload
+                "weight_load_s": published.get("weight_load_s")}  # the slowest engine's reload

@@ -178,8 +178,10 @@ class Learner:
 
     Args:
         cfg: the job config (model, optimizer, loss, reference, trainer, rollout sections).
-        publisher: a :class:`~rlpost.transport.weight_bus.WeightPublisher` for ``publish()``;
-            may be set later (``learner.publisher = ...``).
+        publisher: what ``publish()`` sends the weights through: a
+            :class:`~rlpost.collect.vLLMUpdater` on the inference workers (a run's learner), or
+            any :class:`~rlpost.transport.weight_bus.WeightPublisher`; may be set later
+            (``learner.publisher = ...``).
     """
 
     def __init__(self, cfg: JobConfig, *, publisher=None):
@@ -320,12 +322,19 @@ class Learner:
         return bool(getattr(text_config, "tie_word_embeddings", False))
 
     def publish(self) -> dict[str, float]:
-        """Publish the current weights at the current version; returns timing and size metrics."""
+        """Publish the current weights at the current version; returns timing and size metrics
+        (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload)."""
         if self.publisher is None:
-            raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_publisher)")
+            raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_workers)")
         device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
+        start = time.perf_counter()
         stats = self.publisher.publish(self.named_parameters_for_sync(device), self._version)
-        return {"weight_sync_s": stats.seconds, "bytes": float(stats.num_bytes), "policy_version": float(stats.version)}
+        out = {"weight_sync_s": time.perf_counter() - start, "bytes": float(stats.num_bytes),
+               "policy_version": float(stats.version)}
+        infos = getattr(self.publisher, "last_worker_infos", None)
+        if infos:
+            out["weight_load_s"] = max(float(info.get("load_s", 0.0)) for info in infos)
+        return out
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -539,25 +548,24 @@ class LearnerActor:
         self.learner = Learner(cfg)
         self.metrics = RoleMetrics("learner", cfg.logging.run_name, "learner")
 
-    def connect_publisher(self, world_size: int, host: str, port: int, backend: str, bucket_mb: float,
-                          timeout_s: float):
-        """Create the bus publisher (rank 0) in this process; returns its BusSpec for the workers.
-
-        The group forms lazily in the first ``publish``, which waits up to ``timeout_s`` for every
-        worker to join: start the workers' receives (or joins) alongside it.
-        """
-        from rlpost.transport.weight_bus import TorchWeightPublisher
+    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float) -> int:
+        """Form the weight bus with these inference workers (Ray actor handles): a
+        :class:`~rlpost.collect.vLLMUpdater` in this process becomes the learner's publisher and
+        joins every worker to its bus. Returns the version the workers serve."""
+        from rlpost.collect.weight_update import vLLMUpdater
 
         if self.learner.publisher is not None:
             self.learner.publisher.close()
-        self.learner.publisher = TorchWeightPublisher(world_size, host=host, port=port, backend=backend,
-                                                      device=self.learner.device, bucket_mb=bucket_mb,
-                                                      timeout_s=timeout_s)
-        return self.learner.publisher.spec
+        updater = vLLMUpdater(workers, master_address=host, backend=backend, device=self.learner.device,
+                              bucket_mb=bucket_mb, timeout_s=timeout_s)
+        updater.init()
+        self.learner.publisher = updater
+        return updater.version
 
-    def reform_publisher(self, world_size: int | None = None):
-        """Open the bus's next generation after a failure (``TorchWeightPublisher.reform``)."""
-        return self.learner.publisher.reform(world_size)
+    def set_workers(self, workers: list) -> int:
+        """After a worker was restarted: the bus's next generation with ``workers``; returns it."""
+        self.learner.publisher.set_workers(workers)
+        return self.learner.publisher.publisher.generation
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
         metrics = self.learner.train_step(groups)

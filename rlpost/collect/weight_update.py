@@ -6,9 +6,18 @@ which publishes the weights as version ``v + 1`` on a weight bus
 (:class:`~rlpost.transport.TorchWeightPublisher`: gloo on CPU, NCCL on GPU, in buckets) while
 every worker receives and reloads them in place. The workers are those of
 :func:`~rlpost.policies.make_vllm_worker` (Ray actors or in-process), given here or found on the
-collector's policy. The first push forms the bus (``init``); every step is bounded by
-``timeout_s`` and raises instead of hanging (:class:`~rlpost.transport.WeightSyncError` from the
-bus, ``TimeoutError`` from a worker that does not answer).
+collector's policy. The first push forms the bus (``init``).
+
+rlpost's own runs use this same class: the ``learner`` actor holds a vLLMUpdater on the run's
+``inference-<i>`` actors and publishes every version through it (:meth:`publish`, the bus's
+publisher interface); after a worker was restarted the run calls :meth:`set_workers`, which opens
+the bus's next generation with the new set.
+
+Failures are bounded and raised, never hung on: every bus step and worker call is bounded by
+``timeout_s``. A bus failure raises :class:`~rlpost.transport.WeightSyncError`, and so does a
+worker that does not answer in time (:class:`WorkerTimeout`, a WeightSyncError and a
+``TimeoutError``); a worker that died raises Ray's error. Every worker call of a push is waited
+for before the first failure is raised, so none is left running unobserved.
 
 Deviation from TorchRL: versions are counted here (and by the workers, which stamp each
 generation with the version they serve), and a push takes any named tensors (a module, its
@@ -20,12 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from rlpost.transport.weight_bus import TorchWeightPublisher
+from rlpost.transport.weight_bus import NamedTensors, PublishStats, TorchWeightPublisher, WeightSyncError
+
+# A worker call may finish this long after the bus's own timeout (its reload follows the receive).
+_WORKER_GRACE_S = 30.0
+
+
+class WorkerTimeout(WeightSyncError, TimeoutError):
+    """A worker did not answer a weight-update call within the updater's bound."""
 
 
 class vLLMUpdater:  # noqa: N801  (TorchRL's name)
@@ -36,30 +53,58 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
             registered collector's policy.
 
     Keyword Args:
-        master_address, master_port: where the bus's store listens (port 0: a free one).
+        master_address, master_port: where the bus's store listens (port 0 or None: a free one).
+        model_metadata: TorchRL's ``{name: (dtype, shape)}`` of the weights to push
+            (:meth:`get_model_metadata`); when given, each push is checked against it and a
+            missing, extra or reshaped tensor is a ``ValueError`` naming it.
+        vllm_tp_size: TorchRL's tensor-parallel size of the workers; accepted for porting and
+            not needed (each worker's engine spreads what it receives over its own ranks).
         backend: "auto" (NCCL when the weights are on a GPU, else gloo), "nccl" or "gloo".
         device: where the published tensors live (the trainer's device).
         bucket_mb: size of the bus's buckets.
-        timeout_s: bound of every bus step and worker call.
+        timeout_s: bound of every bus step; a worker call may take ``timeout_s + 30`` s.
+
+    Attributes:
+        version: the last version the workers confirmed (0 before the first push).
+        last_worker_infos: what each worker reported for the last push (its ``version``,
+            ``receive_s``, ``load_s``), in worker order.
     """
 
     def __init__(
         self,
         workers: Iterable[Any] | None = None,
         *,
-        master_address: str = "127.0.0.1",
-        master_port: int = 0,
+        master_address: str | None = "127.0.0.1",
+        master_port: int | None = 0,
+        model_metadata: Mapping[str, tuple[torch.dtype, torch.Size]] | None = None,
+        vllm_tp_size: int | None = None,
         backend: str = "auto",
         device: str | torch.device | None = None,
         bucket_mb: float = 64,
         timeout_s: float = 120.0,
     ) -> None:
         self.workers = list(workers) if workers is not None else None
-        self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.device, self.bucket_mb, self.timeout_s = device, bucket_mb, timeout_s
+        self.master_address, self.master_port = master_address or "127.0.0.1", master_port or 0
+        self.model_metadata = dict(model_metadata) if model_metadata is not None else None
+        self.vllm_tp_size, self.backend = vllm_tp_size, backend
+        self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self._device = device
         self.publisher: TorchWeightPublisher | None = None
         self.version = 0
+        self.last_worker_infos: list[dict] = []
         self.collector = None
+
+    @staticmethod
+    def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """``{name: (dtype, shape)}`` of a module's (or a state_dict's / TensorDict's) tensors."""
+        return {name: (tensor.dtype, tensor.shape) for name, tensor in _named_tensors(model)}
+
+    @property
+    def device(self) -> torch.device:
+        """Where published tensors should live (the bus's device once it exists)."""
+        if self.publisher is not None:
+            return self.publisher.device
+        return torch.device(self._device if self._device is not None else "cpu")
 
     def register_collector(self, collector: Any) -> None:
         """Called by the collector: its policy's workers are the default targets."""
@@ -68,8 +113,14 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
     def _targets(self) -> list[Any]:
         if self.workers is not None:
             return self.workers
-        client = getattr(getattr(self.collector, "policy", None), "client", None)
-        handles = getattr(client, "handles", None)
+        from rlpost.policies.vllm_workers import is_local_worker, is_remote_worker
+
+        policy = getattr(self.collector, "policy", None)
+        model = getattr(policy, "model", None)
+        if is_local_worker(model) or is_remote_worker(model):  # vLLMWrapper(make_vllm_worker(...))
+            handles = [model]
+        else:  # a wrapper on several workers' load-balancing client
+            handles = getattr(getattr(policy, "client", None), "handles", None)
         if not handles:
             raise ValueError(
                 "vLLMUpdater has no workers: pass them (make_vllm_worker's) or use a collector whose policy is a "
@@ -83,14 +134,29 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         TorchRL's argument and not needed: the bus sends each update's layout). The version
         continues from the highest one the workers serve."""
         workers = self._targets()
+        if self.publisher is not None:
+            self.publisher.close()
         self.publisher = TorchWeightPublisher(
             1 + len(workers), host=self.master_address, port=self.master_port, backend=self.backend,
-            device=self.device, bucket_mb=self.bucket_mb, timeout_s=self.timeout_s,
+            device=self._device, bucket_mb=self.bucket_mb, timeout_s=self.timeout_s,
         )  # fmt: skip
-        spec = dataclasses.asdict(self.publisher.spec)
-        self._wait([self._call(worker, "join_bus", spec, rank) for rank, worker in enumerate(workers, start=1)])
+        self._join_workers()
         # continue from what the workers serve: a version below it would be refused
         self.version = max([self.version, *map(int, self._wait([self._call(w, "get_version") for w in workers]))])
+
+    def set_workers(self, workers: Iterable[Any]) -> None:
+        """Use these workers from now on (e.g. after one was restarted): the bus opens its next
+        generation with them. The next push sends the full weights to every worker."""
+        self.workers = list(workers)
+        if self.publisher is None:
+            self.init()
+            return
+        self.publisher.reform(1 + len(self.workers))
+        self._join_workers()
+
+    def _join_workers(self) -> None:
+        spec = dataclasses.asdict(self.publisher.spec)
+        self._wait([self._call(worker, "join_bus", spec, rank) for rank, worker in enumerate(self.workers, start=1)])
 
     def push_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Publish ``weights`` as ``version`` (default: the last one, or the workers' at the
@@ -101,14 +167,34 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
             self.init()
         version = self.version + 1 if version is None else int(version)
         named = _named_tensors(weights)
+        if self.model_metadata is not None:
+            _check_metadata(named, self.model_metadata)
+        self.publish(named, version)
+        return version
+
+    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
+        """Send ``(name, tensor)`` pairs as ``version`` while every worker receives and reloads
+        them; returns the bus's statistics once every worker serves ``version``."""
+        if self.publisher is None:
+            self.init()
+        deadline = time.monotonic() + self.timeout_s + _WORKER_GRACE_S
         pending = [self._call(worker, "update_weights", self.timeout_s) for worker in self.workers]
-        self.publisher.publish(named, version)
-        infos = self._wait(pending)
+        stats, failure = None, None
+        try:
+            stats = self.publisher.publish(named_tensors, version)
+        except Exception as err:  # the workers' calls are still waited for below
+            failure = err
+        try:
+            infos = self._wait(pending, deadline)
+        except Exception as err:
+            raise (failure or err) from (err if failure is not None and err is not failure else None)
+        if failure is not None:
+            raise failure
         served = {int(info["version"]) for info in infos}
         if served != {version}:
             raise RuntimeError(f"vLLMUpdater: the workers report versions {sorted(served)} after publishing {version}")
-        self.version = version
-        return version
+        self.version, self.last_worker_infos = version, [dict(info) for info in infos]
+        return stats
 
     def __call__(self, weights: Any, **kwargs: Any) -> int:
         return self.push_weights(weights, **kwargs)
@@ -132,26 +218,41 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         thread.start()
         return thread, result
 
-    def _wait(self, pending: list[Any]) -> list[Any]:
-        out = []
-        for item in pending:
-            if not isinstance(item, tuple):
-                import ray
-                from ray.exceptions import GetTimeoutError
-
-                try:
-                    out.append(ray.get(item, timeout=self.timeout_s + 30))
-                except GetTimeoutError:
-                    raise TimeoutError(f"vLLMUpdater: a worker did not answer within {self.timeout_s + 30} s") from None
-                continue
-            thread, result = item
-            thread.join(self.timeout_s + 30)
-            if thread.is_alive():
-                raise TimeoutError(f"vLLMUpdater: a worker did not answer within {self.timeout_s + 30} s")
-            if "error" in result:
-                raise result["error"]
-            out.append(result.get("value"))
+    def _wait(self, pending: list[Any], deadline: float | None = None) -> list[Any]:
+        """Every call's result, all waited for (until one shared ``deadline``, by default
+        ``timeout_s + 30`` s from now) before the first failure is raised."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s + _WORKER_GRACE_S
+        out, failure = [], None
+        for index, item in enumerate(pending):
+            try:
+                out.append(self._result(item, index, max(0.0, deadline - time.monotonic())))
+            except Exception as err:
+                out.append(None)
+                failure = failure or err
+        if failure is not None:
+            raise failure
         return out
+
+    def _result(self, item: Any, index: int, wait_s: float) -> Any:
+        bound = self.timeout_s + _WORKER_GRACE_S
+        late = WorkerTimeout(f"vLLMUpdater: worker {index} did not answer within {bound:.0f} s",
+                             generation=getattr(self.publisher, "generation", None), peers=[index + 1], elapsed_s=bound)
+        if not isinstance(item, tuple):
+            import ray
+            from ray.exceptions import GetTimeoutError
+
+            try:
+                return ray.get(item, timeout=wait_s)
+            except GetTimeoutError:
+                raise late from None
+        thread, result = item
+        thread.join(wait_s)
+        if thread.is_alive():
+            raise late
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -172,3 +273,16 @@ def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(weights, Mapping):
         raise TypeError(f"push_weights takes a module, a state_dict or a TensorDict, got {type(weights).__name__}")
     return [(str(name), tensor.detach().contiguous()) for name, tensor in weights.items()]
+
+
+def _check_metadata(named: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming what differs between the weights and ``model_metadata``."""
+    got = {name: tuple(tensor.shape) for name, tensor in named}
+    want = {name: tuple(shape) for name, (_, shape) in metadata.items()}
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    reshaped = sorted(name for name in want.keys() & got.keys() if want[name] != got[name])
+    if missing or extra or reshaped:
+        raise ValueError(
+            f"vLLMUpdater: the weights do not match model_metadata: missing {missing[:5]}, unexpected {extra[:5]}, "
+            f"other shape {[(n, got[n], want[n]) for n in reshaped[:5]]}"
+        )

@@ -39,9 +39,16 @@ def make_vllm_worker(
     dtype: str = "auto",
     name: str | None = None,
     num_cpus: float = 1,
+    num_gpus: float | None = None,
+    engine_config: Any = None,
+    index: int = 0,
+    ray_options: dict[str, Any] | None = None,
+    run_name: str = "",
     **kwargs: Any,
 ) -> Any:
     """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
+
+    rlpost's runs start their ``inference-<i>`` actors with this function too.
 
     Keyword Args:
         gpu_memory_utilization, enforce_eager: vLLM's (on a GPU).
@@ -51,6 +58,12 @@ def make_vllm_worker(
         dtype: "auto" (bfloat16 on a GPU, float32 on CPU) or a torch dtype name.
         name: the Ray actor's name (``-<i>`` appended per replica when there are several).
         num_cpus: CPUs reserved for each Ray actor.
+        num_gpus: GPUs reserved for each Ray actor (may be a fraction); None: ``num_devices``.
+        engine_config: an :class:`~rlpost.config.EngineConfig` (a job config's
+            ``rollout.engine``) used as is instead of the engine keywords.
+        index: the first replica's worker index (it names the worker's metrics).
+        ray_options: more Ray actor options (e.g. ``scheduling_strategy``).
+        run_name: the run whose metrics the worker reports under.
         **kwargs: ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed`` and any
             other ``vllm.LLM`` argument.
     """
@@ -63,24 +76,30 @@ def make_vllm_worker(
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     on_gpu = torch.cuda.is_available()
     devices = num_devices if num_devices is not None else (1 if on_gpu else 0)
-    settings = {key: kwargs.pop(key) for key in _ENGINE_FIELDS if key in kwargs}
-    engine = EngineConfig(
-        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-        tensor_parallel_size=max(1, devices), extra=kwargs, **settings,
-    )  # fmt: skip
+    if engine_config is None:
+        settings = {key: kwargs.pop(key) for key in _ENGINE_FIELDS if key in kwargs}
+        engine_config = EngineConfig(
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            tensor_parallel_size=max(1, devices), extra=kwargs, **settings,
+        )  # fmt: skip
+    elif kwargs:
+        raise TypeError(f"make_vllm_worker takes engine_config= or engine keywords, not both: {sorted(kwargs)}")
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     workers = []
-    for index in range(num_replicas):
+    for replica in range(num_replicas):
+        worker_index = index + replica
         if not make_ray_worker:
-            workers.append(InferenceWorker(model_name, engine, dtype=dtype, index=index))
+            workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index))
             continue
         import ray
 
-        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": devices}
+        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": devices if num_gpus is None else num_gpus}
+        options.update(ray_options or {})
         if name is not None:
-            options["name"] = name if num_replicas == 1 else f"{name}-{index}"
-        workers.append(ray.remote(InferenceActor).options(**options).remote(model_name, engine, dtype=dtype, index=index))
+            options["name"] = name if num_replicas == 1 else f"{name}-{replica}"
+        actor = ray.remote(InferenceActor).options(**options)
+        workers.append(actor.remote(model_name, engine_config, dtype=dtype, index=worker_index, run_name=run_name))
     return workers[0] if num_replicas == 1 else workers
 
 

@@ -239,22 +239,40 @@ def test_score_matches_the_loss_and_a_manual_forward(tiny_model_path, prompt_ids
 
 
 def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, prompt_ids):
-    import threading
-
+    """The learner actor's vLLMUpdater forms the bus with a worker actor and drives its receive."""
     from rlpost.actors.learner import start_learner
-    from rlpost.transport.weight_bus import TorchWeightReceiver
+
+    class BusWorker:  # the weight side of an inference worker, without an engine
+        def __init__(self):
+            self.receiver, self.update, self.version = None, None, 0
+
+        def join_bus(self, spec, rank):
+            from rlpost.transport.weight_bus import BusSpec, TorchWeightReceiver
+
+            self.receiver = TorchWeightReceiver(BusSpec(**spec), rank)
+            return rank
+
+        def update_weights(self, timeout_s):
+            self.update = self.receiver.receive(timeout_s)
+            self.version = self.update.version
+            return {"version": self.version, "receive_s": 0.0, "load_s": 0.25}
+
+        def get_version(self):
+            return self.version
+
+        def received(self):
+            return self.update.version, {name: t.clone() for name, t in self.update.tensors.items()}
 
     cfg = make_cfg(tiny_model_path, resources={"learner": {"num_cpus": 0.5, "num_threads": 2}})
     actor = start_learner(cfg, namespace="rlpost-test-learner", num_cpus=0)
+    worker = ray_cluster.remote(BusWorker).options(num_cpus=0).remote()
     try:
-        spec = ray_cluster.get(actor.connect_publisher.remote(2, "127.0.0.1", 0, "gloo", 1, 30.0), timeout=120)
-        receiver = TorchWeightReceiver(spec, 1)
-        received = {}
-        thread = threading.Thread(target=lambda: received.update(update=receiver.receive(timeout_s=60)))
-        thread.start()
+        assert ray_cluster.get(actor.connect_workers.remote([worker], "127.0.0.1", "gloo", 1, 30.0), timeout=120) == 0
         stats = ray_cluster.get(actor.publish.remote(), timeout=90)
-        thread.join(timeout=90)
-        receiver.close()
+        assert stats["weight_load_s"] == 0.25  # the worker's reload time comes back with the stats
+        received = {"update": ray_cluster.get(worker.received.remote(), timeout=60)}
+        assert ray_cluster.get(actor.set_workers.remote([worker]), timeout=120) == 1  # the next generation
+        assert ray_cluster.get(actor.publish.remote(), timeout=90)["policy_version"] == 0  # same version again
         local = Learner(cfg)
         version, tensors = received["update"]
         assert version == stats["policy_version"] == 0 and stats["bytes"] > 0
@@ -269,3 +287,4 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
     finally:
         ray_cluster.get(actor.close.remote(), timeout=60)
         ray_cluster.kill(actor)
+        ray_cluster.kill(worker)

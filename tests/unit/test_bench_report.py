@@ -116,7 +116,7 @@ def test_workload_overrides_and_benchmark_names():
     assert "trainer.prompts_per_step=16" in work.rlpost_overrides()
     assert "logging.progress=false" in work.rlpost_overrides()
     assert _resolve("weight_sync") == _resolve("bench_weight_sync.py") == "weight_sync"
-    assert set(BENCHMARKS) == {"rollout", "e2e", "weight_sync", "buffer", "scaling", "sandbox", "profile_tiny",
-                               "profile_qwen05b"}
+    assert set(BENCHMARKS) == {"rollout", "e2e", "weight_sync", "buffer", "scaling", "sandbox", "grpo_by_hand",
+                               "profile_tiny", "profile_qwen05b"}
     with pytest.raises(SystemExit):
         _resolve("nope")

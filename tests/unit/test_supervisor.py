@@ -135,6 +135,7 @@ class FakeLearner(Stand):
         self.stop_at_step: int | None = None  # a SIGTERM arrives while this step trains
         self.stop_after_training: int | None = None  # ... after the learner trained it, before it returns
         self.stop_at_publish: int | None = None  # ... while this step's weights are published
+        self.workers: list[FakeInference] = []  # the workers its vLLMUpdater drives
 
     def train_step(self, groups, timeout_s):
         self.world.enter(self, "train_step")
@@ -148,17 +149,31 @@ class FakeLearner(Stand):
                 "staleness_max": 0.0, "staleness_mean": 0.0}
 
     def publish(self):
+        """The learner's vLLMUpdater: every worker receives while the learner publishes."""
         self.world.enter(self, "publish")
         if self.weights == self.stop_at_publish:
             raise StopRequested("SIGTERM")
-        if any(a.dead for a in self.world.actors.values() if isinstance(a, FakeInference)):
+        if any(w.dead for w in self.workers):
             raise BusFailure("a bus peer is gone")
+        self._on_workers("update_weights")
         self.world.served_version = self.weights
-        return Done({"bytes": 1.0})
+        return Done({"bytes": 1.0, "policy_version": self.weights, "weight_load_s": 0.0})
 
-    def reform_publisher(self, world_size, timeout_s):
-        self.world.enter(self, "reform_publisher")
-        return {"generation": 1}
+    def set_workers(self, workers, timeout_s):
+        """The bus's next generation: the learner's vLLMUpdater joins every worker to it."""
+        self.world.enter(self, "set_workers")
+        self.workers = list(workers)
+        self._on_workers("join_bus")
+        return 1
+
+    def _on_workers(self, method):
+        """Call each worker from inside the learner: a worker's death reaches the driver as the
+        learner's call failing because an actor it used died (ActorLost without a name)."""
+        for rank, worker in enumerate(self.workers, start=1):
+            try:
+                getattr(worker, method)(*((None, rank) if method == "join_bus" else (1.0,)))
+            except ActorLost as lost:
+                raise ActorLost(f"learner.{method} failed because an actor it used died: {lost}", None) from lost
 
     def score(self, token_ids, timeout_s):
         self.world.enter(self, "score")
@@ -274,7 +289,9 @@ class Starter:
         buffer = self.buffer()
         inference = [self.inference(i) for i in range(2)]
         pools = [self.env_pool(j, inference, buffer) for j in range(2)]
-        return RunActors(buffer, inference, pools, FakeLearner(self.world), self.reference())
+        learner = FakeLearner(self.world)
+        learner.workers = list(inference)  # connect_bus
+        return RunActors(buffer, inference, pools, learner, self.reference())
 
 
 def make_cfg(mode):

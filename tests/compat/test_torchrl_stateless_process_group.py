@@ -1,5 +1,5 @@
-"""stateless_init_process_group: two real processes over gloo, beside a default group, with a
-bounded wait for a rank that never comes."""
+"""TorchRL's stateless_init_process_group(master_address, master_port, rank, world_size, device): two real
+processes over gloo, beside a default group, with a bounded wait for a rank that never comes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from rlpost.transport import stateless_init_process_group
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.compat
 
 
 def free_port() -> int:
