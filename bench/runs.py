@@ -45,6 +45,7 @@ class Workload:
             f"rollout.max_tokens={self.max_tokens}",
             f"optimizer.lr={self.lr}",
             "logging.progress=false",
+            "eval.interval=0",  # the race compares training; TRL evaluates nothing either
         ]
 
 

@@ -91,13 +91,29 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     check.set_defaults(handler=_cmd_check_config)
 
+    evaluate = sub.add_parser(
+        "eval",
+        help="score a checkpoint on held-out prompts, as a run's evaluation does (eval section of the config)",
+        description="Score TARGET (a run directory: its latest checkpoint; or a checkpoint folder) on the eval "
+        "split with a vLLM engine in this process, and print eval_reward_mean, eval_pass_at_1 (eval_pass_at_k "
+        "when eval.samples_per_prompt > 1) and eval_length_mean as JSON. The config is CONFIG or the run's "
+        "config.yaml, plus key=value overrides (e.g. eval.num_prompts=200).",
+    )
+    evaluate.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="run directory or checkpoint folder")
+    evaluate.add_argument("config", nargs="?", help="YAML job config (default: the run's config.yaml)")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    evaluate.add_argument("--out", help="also write the result as JSON to this file")
+    evaluate.set_defaults(handler=_cmd_eval)
+
     plot = sub.add_parser(
         "plot",
-        help="draw reward.png (reward and loss against step) from a run's metrics.jsonl",
-        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/reward.png (or --out).",
+        help="draw a run's figures (reward, KL, length, staleness, step time) from its metrics.jsonl",
+        description="Read RUN_DIR/metrics.jsonl and write RUN_DIR/reward.png (or --out) and, beside it in "
+        "RUN_DIR, kl.png, length.png, staleness.png and step_time.png; a figure whose metrics the run "
+        "lacks is skipped. Prints every path written.",
     )
     plot.add_argument("run_dir", help="run directory holding metrics.jsonl")
-    plot.add_argument("--out", help="output PNG path (default: RUN_DIR/reward.png)")
+    plot.add_argument("--out", help="reward.png's path (default: RUN_DIR/reward.png); the others stay in RUN_DIR")
     plot.set_defaults(handler=_cmd_plot)
     _add_job_commands(sub)
     _add_doctor_command(sub)
@@ -156,16 +172,33 @@ def _config_or_override(args) -> None:
 
 
 def _cmd_plot(args) -> int:
-    from rlpost.metrics import plot_metrics, read_metrics
+    from rlpost.metrics import plot_run, read_metrics
 
-    metrics = Path(args.run_dir) / "metrics.jsonl"
+    run_dir = Path(args.run_dir)
+    metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ConfigError(f"no metrics.jsonl in run directory {args.run_dir}")
     records = read_metrics(metrics)
     if not records:
         raise ConfigError(f"{metrics} holds no steps yet")
-    out = plot_metrics(records, args.out or Path(args.run_dir) / "reward.png", title=Path(args.run_dir).name)
-    print(f"rlpost: wrote {out} ({len(records)} steps)")
+    for out in plot_run(records, run_dir, title=run_dir.name, reward_path=args.out):
+        print(f"rlpost: wrote {out} ({len(records)} steps)")
+    return EXIT_OK
+
+
+def _cmd_eval(args) -> int:
+    import json
+
+    from rlpost.evaluation import evaluate_checkpoint
+
+    _config_or_override(args)
+    check_overrides(args.overrides)
+    checkpoint, metrics = evaluate_checkpoint(args.target, args.config, args.overrides)
+    result = {"checkpoint": str(checkpoint), **metrics}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
     return EXIT_OK
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -58,7 +59,10 @@ class DataConfig(_Section):
         "task=arithmetic to generate the synthetic task offline.",
     )
     subset: str | None = Field(None, description="Dataset configuration name (e.g. 'main' for openai/gsm8k).")
-    split: str = Field("train", description="Dataset split to draw prompts from.")
+    split: str = Field(
+        "train", description="Dataset split to draw prompts from. For the synthetic arithmetic tasks 'train' never "
+        "draws the questions held out for evaluation ('test').",
+    )
     prompt_column: str = Field("question", description="Column holding the user prompt.")
     answer_column: str = Field("answer", description="Column holding the reference answer for the reward.")
     task: Literal["arithmetic", "tool_arithmetic", "gsm8k", "custom"] = Field(
@@ -142,6 +146,34 @@ class RolloutConfig(_Section):
     num_inference_workers: int = Field(1, ge=1, description="Inference worker actors, one vLLM engine each.")
     num_env_pools: int = Field(1, ge=1, description="Env-pool actors, each running an LLM collector.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
+
+
+class EvalConfig(_Section):
+    """Evaluation on held-out prompts with the current weights, on the inference workers."""
+
+    interval: int = Field(
+        0, ge=0, description="Learner steps between evaluations (after that step's weight sync); 0: none during "
+        "training.",
+    )
+    before_training: bool = Field(
+        False, description="Also evaluate the initial weights before step 1 (logged as step 0 in eval.jsonl)."
+    )
+    dataset: str | None = Field(
+        None, description="Held-out dataset (hub name or local file); None: the training data's source (data.dataset, "
+        "or the synthetic task's held-out questions).",
+    )
+    subset: str | None = Field(None, description="Configuration name of eval.dataset; None: data.subset.")
+    split: str = Field(
+        "test", description="Split evaluated. For the synthetic arithmetic tasks 'test' is the held-out eighth of "
+        "the questions, which data.split 'train' never draws.",
+    )
+    num_prompts: int = Field(64, ge=1, description="Prompts per evaluation: the split's first rows, the same every time.")
+    samples_per_prompt: int = Field(1, ge=1, description="Completions per prompt (k of pass@k).")
+    greedy: bool = Field(True, description="Greedy decoding; false samples at eval.temperature (needed for k > 1).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when eval.greedy is false.")
+    max_tokens: int | None = Field(None, ge=1, description="Most new tokens per completion; None: rollout.max_tokens.")
+    pass_threshold: float = Field(1.0, description="A completion passes when its reward is at least this.")
+    seed: int = Field(0, description="Sampling seed: the same weights give the same score every time.")
 
 
 class ReferenceConfig(_Section):
@@ -255,7 +287,58 @@ class LoggingConfig(_Section):
     run_dir: str = Field("runs", description="Parent folder of run directories.")
     run_name: str | None = Field(None, description="Run name (Ray namespace rlpost-<run_name>); default: a timestamp.")
     metrics_interval: int = Field(1, ge=1, description="Learner steps between metrics.jsonl lines.")
-    progress: bool = Field(True, description="Show a progress bar on the driver.")
+    progress: bool = Field(
+        True, description="Show progress on the driver: a bar on a terminal, a plain line every few steps otherwise."
+    )
+    dashboard: bool = Field(
+        True,
+        description="On a local run (no resources.address): start Ray's dashboard on 127.0.0.1 and print its URL, "
+        "the Ray namespace and the Prometheus metrics URL at start; a dashboard that cannot start is reported and "
+        "the run goes on without it. Ignored when connecting to an existing cluster (its dashboard is the cluster's).",
+    )
+    dashboard_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of the local run's dashboard; None: 8265, or the next free port when 8265 is taken. "
+        "An explicit port that is taken leaves the run without a dashboard.",
+    )
+    trackers: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        validate_default=True,
+        description="Where every metrics.jsonl record also goes: any of tensorboard (RUN_DIR/tensorboard/), "
+        "wandb (pip install 'rlpost[wandb]'; offline unless WANDB_MODE or WANDB_API_KEY say otherwise) and "
+        "mlflow (pip install 'rlpost[mlflow]'; RUN_DIR/mlruns/ unless MLFLOW_TRACKING_URI is set); [] for none.",
+    )
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _trackers_from_text(cls, value: Any) -> Any:
+        """Accept one name or a comma-separated string (``logging.trackers=wandb``) as a list."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_known_and_installed(cls, value: list[str]) -> list[str]:
+        """Each tracker is a known name, named once, and its package is importable here (checked
+        with importlib's find_spec, nothing imported), so a missing one fails before any actor starts."""
+        from rlpost.trackers import TRACKER_PACKAGES, missing_tracker_packages
+
+        valid = ", ".join(TRACKER_PACKAGES)
+        for name in value:
+            if name not in TRACKER_PACKAGES:
+                raise PydanticCustomError(
+                    "unknown_tracker", "unknown tracker {name}; valid trackers: {valid}", {"name": repr(name), "valid": valid}
+                )
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise PydanticCustomError("repeated_tracker", "tracker {names} named more than once", {"names": ", ".join(repeated)})
+        problems = missing_tracker_packages(value)
+        if problems:
+            raise PydanticCustomError("tracker_not_installed", "{problems}", {"problems": "; ".join(problems)})
+        return value
 
 
 class JobConfig(_Section):
@@ -264,6 +347,7 @@ class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts, rewards and group size.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and worker counts.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools the model may call.")
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model and KL.")
     loss: LossConfig = Field(default_factory=LossConfig, description="GRPO loss family.")
@@ -286,6 +370,9 @@ class JobConfig(_Section):
 
 def _cross_field_errors(cfg: JobConfig) -> list[str]:
     errors = []
+    if cfg.eval.greedy and cfg.eval.samples_per_prompt > 1:
+        errors.append(f"eval.samples_per_prompt is {cfg.eval.samples_per_prompt} with eval.greedy=true: greedy decoding "
+                      "gives the same completion every time; set eval.greedy=false for pass@k")
     if cfg.data.group_size < 2:
         errors.append(f"data.group_size is {cfg.data.group_size}; GRPO compares samples of a prompt, so it must be >= 2")
     if cfg.data.task in ("gsm8k", "custom") and not cfg.data.dataset:

@@ -32,6 +32,10 @@ What each loop waits on (every wait is bounded):
   buffer when it is full; the controller waits on ``buffer.take`` (polled), which drops groups
   more than ``max_staleness`` versions behind the learner; training and publishing as in sync. A
   worker applies an update between two generate calls.
+- evaluation (both modes, every ``eval.interval`` steps): after that step's weight sync the
+  controller scores the held-out prompts through the inference workers (:mod:`rlpost.evaluation`)
+  and waits for the result, which goes into the step's metrics line and eval.jsonl; in async
+  mode the env pools keep collecting meanwhile.
 
 Failures are the supervisor's (:mod:`rlpost.supervisor`): each part of a step runs through
 ``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
@@ -51,16 +55,19 @@ groups it held and each env pool its position; training goes on at the next step
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from statistics import mean, pstdev
+from typing import TextIO
 
 from rlpost.clients import ActorFailure
 from rlpost.config import JobConfig
-from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_metrics, read_metrics
+from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
 from rlpost.shutdown import StopRequested, stop_on_signals
 from rlpost.supervisor import (
@@ -72,6 +79,8 @@ from rlpost.supervisor import (
     run_with_auto_resume,
     stop_actors,
 )
+from rlpost.evaluation import Evaluator, append_eval_line
+from rlpost.trackers import make_trackers
 from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
@@ -81,6 +90,7 @@ SYNC_LOGPROB_WARN = 1e-3
 COLLECT_TIMEOUT_S = 600.0
 CHECKPOINT_TIMEOUT_S = 600.0
 POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
+EVAL_WORKER_WAIT_S = 5.0  # an evaluation whose every worker died gives up this soon (the run goes on)
 
 __all__ = ["Controller", "LearnerDied", "ResumeNeeded", "run_training", "start_run", "stop_actors"]
 
@@ -95,13 +105,16 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     _check_tools(cfg)
+    # the eval data is loaded now: a bad eval section fails before any actor starts
+    evaluator = Evaluator(cfg) if cfg.eval.interval > 0 or cfg.eval.before_training else None
     started_ray = _init_ray(cfg)
     # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
     (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
     try:
         # after ray.init: Ray installs a C++ SIGTERM handler there that aborts the driver (exit -6)
         with stop_on_signals():
-            run_with_auto_resume(cfg, run_dir, resume, lambda again, resumes: _run_once(cfg, run_dir, again, resumes))
+            run_with_auto_resume(cfg, run_dir, resume,
+                                 lambda again, resumes: _run_once(cfg, run_dir, again, resumes, evaluator))
         return 0
     finally:
         if started_ray:
@@ -131,17 +144,20 @@ def _check_tools(cfg: JobConfig) -> None:
         raise ConfigError(f"tools.sandbox={tools.sandbox}: {exc}") from None
 
 
-def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int) -> None:
+def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
+              evaluator: Evaluator | None = None) -> None:  # fmt: skip
     supervisor = None
     try:
         supervisor = start_run(cfg, run_dir)
-        controller = Controller(cfg, run_dir, supervisor, resume=resume)
+        controller = Controller(cfg, run_dir, supervisor, resume=resume, evaluator=evaluator)
         controller.learner_resumes = learner_resumes
         try:
             controller.run()
         except StopRequested:
-            controller.checkpoint_on_stop()
+            controller.checkpoint_on_stop()  # writes the stop's last metrics row
             raise
+        finally:
+            controller.writer.close()  # the trackers, after every row reached them
     finally:
         if supervisor is not None:
             stop_actors(supervisor.actors)
@@ -154,6 +170,19 @@ def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
 
 
 def _init_ray(cfg: JobConfig) -> bool:
+    """Start Ray for the run, or connect to the cluster at ``resources.address`` (else RAY_ADDRESS),
+    in the namespace ``rlpost-<run_name>``, and print one line on stdout saying where to watch the
+    run (:func:`_ray_start_line`). Returns True when this call started or connected Ray (the caller
+    shuts it down), False when Ray was already initialized (then nothing is started or printed).
+
+    A local run with ``logging.dashboard`` on asks Ray for its dashboard on 127.0.0.1 at
+    ``logging.dashboard_port`` (None: 8265, or the next free port). It passes
+    ``include_dashboard=None``, with which Ray starts the dashboard when it can and, when it cannot
+    (its packages missing, the port taken, the process failing), logs why and starts the rest of
+    the node anyway: the run never fails over its dashboard, and a warning says it has none.
+    ``logging.dashboard: false`` passes ``include_dashboard=False``. Either way the node exports
+    the Ray metrics (the run's ``rlpost_*`` gauges among them) as Prometheus text on a port Ray
+    picks, whose URL the line gives."""
     import ray
 
     namespace = f"rlpost-{cfg.logging.run_name}"
@@ -163,10 +192,69 @@ def _init_ray(cfg: JobConfig) -> bool:
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **cfg.resources.env_vars}}
     if address:
         use_ray_token_if_present()
-        ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
+        context = ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
+        print(_ray_start_line(namespace, _http_url(context.dashboard_url), None, cluster=address), flush=True)
+        return True
+    if cfg.logging.dashboard:
+        context = ray.init(namespace=namespace, runtime_env=env, include_dashboard=None, dashboard_host="127.0.0.1",
+                           dashboard_port=cfg.logging.dashboard_port, log_to_driver=False)
+        dashboard = _http_url(context.dashboard_url)
+        if dashboard is None:
+            log.warning("Ray's dashboard did not start (%s); the run goes on without it", _why_no_dashboard(context.dashboard_url))
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
+        dashboard = None
+    print(_ray_start_line(namespace, dashboard, _local_metrics_url()), flush=True)
     return True
+
+
+def _http_url(address: str | None) -> str | None:
+    """The dashboard address Ray reports (``host:port``, or a URL when RAY_OVERRIDE_DASHBOARD_URL
+    sets one) as an http URL; None when Ray reports none (no dashboard, or a minimal install)."""
+    if not address:
+        return None
+    return address if "://" in address else f"http://{address}"
+
+
+def _why_no_dashboard(reported: str | None) -> str:
+    """Why a local dashboard asked for did not start. Ray reports an empty address when its
+    dashboard packages are missing (it then runs a minimal head without the web UI) and None when
+    the dashboard process could not start (Ray logged its error and log file just before)."""
+    if reported == "":
+        try:
+            import ray.dashboard.optional_deps  # noqa: F401
+        except ImportError as exc:
+            return f"its packages are missing: {exc}; pip install 'ray[default]'"
+        return "Ray runs without its web UI here"
+    return "see Ray's error above: the port taken, or the dashboard process failing"
+
+
+def _local_metrics_url() -> str | None:
+    """The Prometheus endpoint of this driver's Ray node, where the run's ``rlpost_*`` gauges are
+    exported (Ray picks its port); None when Ray does not report one."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+            return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    return None
+
+
+def _ray_start_line(namespace: str, dashboard: str | None, metrics: str | None, cluster: str | None = None) -> str:
+    """The line ``rlpost train`` prints once Ray is up, e.g. ``rlpost: Ray dashboard at
+    http://127.0.0.1:8265 (namespace rlpost-r1); metrics at http://127.0.0.1:50123/metrics``.
+    It starts with ``Ray cluster at ADDRESS`` when the run connected to a cluster, says ``no Ray
+    dashboard`` when there is none, and, when Ray runs with token authentication (RAY_AUTH_MODE
+    is token: Ray's default for a new local cluster), ends with where the dashboard's login token
+    comes from."""
+    head = f"Ray dashboard at {dashboard}" if dashboard is not None else "no Ray dashboard"
+    parts = ([f"Ray cluster at {cluster}"] if cluster else []) + [f"{head} (namespace {namespace})"]
+    if metrics is not None:
+        parts.append(f"metrics at {metrics}")
+    if dashboard is not None and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        parts.append("dashboard login: the token `ray get-auth-token` prints")
+    return "rlpost: " + "; ".join(parts)
 
 
 def use_ray_token_if_present() -> None:
@@ -258,9 +346,9 @@ def staleness_cap(cfg: JobConfig) -> int:
 class Controller:
     """Runs the sync or async loop over a supervisor's actors and records the metrics."""
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, supervisor: Supervisor, resume: bool = False):
+    def __init__(self, cfg: JobConfig, run_dir: Path, supervisor: Supervisor, resume: bool = False,
+                 evaluator: Evaluator | None = None):  # fmt: skip
         self.cfg, self.run_dir, self.supervisor = cfg, Path(run_dir), supervisor
-        self.writer = MetricsWriter(run_dir)
         self.ray_metrics = RayMetrics(cfg.logging.run_name)
         self.start_time = time.perf_counter()
         self.version = 0
@@ -278,6 +366,11 @@ class Controller:
         self.pool_prompts = [0] * cfg.rollout.num_env_pools
         if resume:
             self._resume()
+        # made after _resume, which sets first_step: a resumed TensorBoard run purges from there
+        self.writer = MetricsWriter(run_dir, trackers=make_trackers(
+            cfg.logging, self.run_dir, cfg.logging.run_name or self.run_dir.name, self.first_step))
+        evaluating = cfg.eval.interval > 0 or cfg.eval.before_training
+        self.evaluator = evaluator if evaluator is not None or not evaluating else Evaluator(cfg)
 
     @property
     def actors(self):
@@ -292,29 +385,68 @@ class Controller:
     def run(self) -> None:
         cfg, steps = self.cfg, self.cfg.trainer.steps
         if self.first_step > steps:
+            self.writer.close()
             print(f"rlpost: {self.run_dir} already trained {steps} steps (raise trainer.steps to continue)")
             return
         progress = _Progress(steps, cfg.logging.progress, initial=self.first_step - 1)
-        if cfg.trainer.mode == "async":
-            self.supervisor.run("start collection", self.supervisor.start_collection)
-        for step in range(self.first_step, steps + 1):
-            self.step = self.supervisor.step = step
-            step_start = time.perf_counter()
-            groups = self._collect_step()
-            collected = time.perf_counter()
-            record = self.unrecorded = self._train(groups, step)
-            record.update(collect_s=collected - step_start, train_s=time.perf_counter() - collected)
-            if step % cfg.trainer.weight_sync_interval == 0 or step == steps:
-                record.update(self._sync_weights())
-            record.update(self._timing(groups, step_start))
-            self._record(step, record)
-            progress.update(record)
-            if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 and step != steps:
-                self._checkpoint(step)
-        progress.close()
+        try:
+            if cfg.eval.before_training and self.first_step == 1:
+                self._evaluate_initial()
+            if cfg.trainer.mode == "async":
+                self.supervisor.run("start collection", self.supervisor.start_collection)
+            for step in range(self.first_step, steps + 1):
+                self.step = self.supervisor.step = step
+                step_start = time.perf_counter()
+                groups = self._collect_step()
+                collected = time.perf_counter()
+                record = self.unrecorded = self._train(groups, step)
+                record.update(collect_s=collected - step_start, train_s=time.perf_counter() - collected)
+                evaluate = cfg.eval.interval > 0 and step % cfg.eval.interval == 0
+                if step % cfg.trainer.weight_sync_interval == 0 or step == steps or evaluate:
+                    record.update(self._sync_weights())  # an evaluation scores the step's weights
+                record.update(self._timing(groups, step_start))
+                if evaluate:
+                    record.update(self._evaluate(step))
+                self._record(step, record)
+                progress.update(record)
+                if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 and step != steps:
+                    self._checkpoint(step)
+        finally:
+            progress.close()
+        self.writer.close()  # a stop closes it after its last row (_run_once)
         self._checkpoint(steps)
-        out = plot_metrics(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "reward.png", cfg.logging.run_name)
-        print(f"rlpost: run finished: {self.run_dir} (metrics.jsonl, {out.name}, checkpoints/)")
+        figures = plot_run(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir, cfg.logging.run_name)
+        print(f"rlpost: run finished: {self.run_dir} (metrics.jsonl, {', '.join(f.name for f in figures)}, "
+              "checkpoints/)")
+
+    # ----------------------------------------------------------------------------- evaluating
+
+    def _evaluate(self, step: int) -> dict:
+        """Score the weights the inference workers now serve on the held-out prompts (module
+        :mod:`rlpost.evaluation`); the result also goes to eval.jsonl. The run's env pools keep
+        collecting meanwhile (async mode). A failed evaluation is a warning, never the run's end:
+        its keys are left out of the step's line."""
+        from rlpost.actors.inference import RemoteVLLMClient
+
+        client = RemoteVLLMClient([w.handle for w in self.actors.inference], request_timeout_s=COLLECT_TIMEOUT_S,
+                                  worker_wait_s=EVAL_WORKER_WAIT_S)  # fmt: skip
+        try:
+            metrics = self.evaluator.run(client, policy_version=self.version)
+        except Exception as exc:  # the run goes on; the next health check restarts a lost worker
+            log.warning("the evaluation at step %d failed (%s: %s); training goes on", step, type(exc).__name__, exc)
+            return {}
+        append_eval_line(self.run_dir, step, metrics)
+        return metrics
+
+    def _evaluate_initial(self) -> None:
+        """``eval.before_training``: the initial weights' scores, at step 0 in eval.jsonl, the
+        trackers and the log (metrics.jsonl starts at step 1)."""
+        metrics = self._evaluate(0)
+        if metrics:
+            self.writer.log(metrics, 0)
+            self.ray_metrics.record(metrics)
+            print(f"rlpost: evaluation before training: reward {metrics['eval_reward_mean']:.3f}, "
+                  f"pass@1 {metrics['eval_pass_at_1']:.3f} on {int(metrics['eval_num_prompts'])} held-out prompts")
 
     # ----------------------------------------------------------------------------- collecting
 
@@ -560,18 +692,80 @@ def probe_sequence(cfg: JobConfig) -> list[int]:
 
 
 class _Progress:
-    def __init__(self, steps: int, enabled: bool, initial: int = 0):
-        from tqdm import tqdm
+    """The driver's progress: step, reward, eval score (the last one seen), samples/s and ETA.
 
-        self.bar = tqdm(total=steps, initial=initial, desc="rlpost", unit="step", disable=not enabled, file=sys.stderr)
+    On a terminal it is a tqdm bar (tqdm computes the ETA from ``steps``). When ``stream`` is not
+    a terminal (a Ray job's log, a file) it prints a plain line every ``every`` steps and at the
+    last step instead (default ``max(1, steps // 20)``), e.g. ``rlpost: step 40/200 reward=0.412
+    eval=0.350 samples/s=9.8 eta=0:12:31``, with the ETA from this process's own pace. With
+    ``enabled`` false it shows nothing. ``is_terminal`` overrides the ``stream.isatty()`` check.
+    """
+
+    EVAL_KEYS = ("eval_pass_at_1", "eval_reward_mean")
+
+    def __init__(self, steps: int, enabled: bool, initial: int = 0, every: int | None = None,
+                 stream: TextIO | None = None, is_terminal: bool | None = None):
+        self.steps, self.enabled, self.initial = steps, enabled, initial
+        self.every = every if every is not None else max(1, steps // 20)
+        self.stream = stream if stream is not None else sys.stderr
+        self.eval_score: float | None = None
+        self.started = time.monotonic()
+        terminal = is_terminal if is_terminal is not None else _isatty(self.stream)
+        self.bar = None
+        if enabled and terminal:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, initial=initial, desc="rlpost", unit="step", file=self.stream)
 
     def update(self, record: dict) -> None:
-        self.bar.set_postfix(
-            reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.3f}", v=record["policy_version"],
-            sps=f"{record['samples_per_s']:.1f}", refresh=False,
-        )
-        self.bar.update(1)
+        """Show the step ``record`` (a metrics row) finished."""
+        for key in self.EVAL_KEYS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self.eval_score = float(value)
+                break
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            postfix = {"reward": _fmt(record.get("reward_mean"), ".3f")}
+            if self.eval_score is not None:
+                postfix["eval"] = _fmt(self.eval_score, ".3f")
+            postfix.update(sps=_fmt(record.get("samples_per_s"), ".1f"), loss=_fmt(record.get("loss"), ".3f"))
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+            return
+        step = int(record["step"])
+        if step % self.every == 0 or step == self.steps:
+            self.stream.write(self.line(record) + "\n")
+            self.stream.flush()
+
+    def line(self, record: dict) -> str:
+        """The plain progress line for ``record``."""
+        step = int(record["step"])
+        done = step - self.initial
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / done * (self.steps - step) if done > 0 else None
+        parts = [f"rlpost: step {step}/{self.steps}", f"reward={_fmt(record.get('reward_mean'), '.3f')}"]
+        if self.eval_score is not None:
+            parts.append(f"eval={_fmt(self.eval_score, '.3f')}")
+        parts.append(f"samples/s={_fmt(record.get('samples_per_s'), '.1f')}")
+        parts.append(f"eta={dt.timedelta(seconds=round(eta)) if eta is not None else '?'}")
+        return " ".join(parts)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _fmt(value: object, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is not a number (None: not measured)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return format(value, spec)

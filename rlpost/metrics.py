@@ -1,4 +1,5 @@
-"""Run metrics: metrics.jsonl (one object per learner step), reward.png, Ray metrics, progress.
+"""Run metrics: metrics.jsonl (one object per learner step) and its trackers, the figures
+(reward.png and the others of ``rlpost plot``), Ray metrics.
 
 metrics.jsonl is a DESIGN.md contract: every line has at least the keys in
 :data:`REQUIRED_KEYS`; keys may be added, never renamed. Tools (plots, benchmarks, tests) read it.
@@ -7,9 +8,14 @@ metrics.jsonl is a DESIGN.md contract: every line has at least the keys in
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+from rlpost.trackers import Tracker, numeric_values
+
+log = logging.getLogger("rlpost")
 
 REQUIRED_KEYS = (
     "step",
@@ -29,14 +35,19 @@ REQUIRED_KEYS = (
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line).
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line) and
+    hands the same record to the run's trackers (:mod:`rlpost.trackers`).
 
-    Appending (never truncating) lets a resumed run continue the same file.
+    Appending (never truncating) lets a resumed run continue the same file. Each tracker gets the
+    record's numeric values (:func:`rlpost.trackers.numeric_values`) at the record's ``step``. A
+    tracker whose ``log`` raises is closed and dropped with one warning; the file and the other
+    trackers go on. :meth:`close` closes the trackers; records written after it go to the file only.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trackers: Sequence[Tracker] = ()):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.trackers: list[Tracker] = list(trackers)
 
     def write(self, record: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in record]
@@ -44,6 +55,37 @@ class MetricsWriter:
             raise ValueError(f"metrics record for step {record.get('step')} lacks required keys {missing}")
         with self.path.open("a") as f:
             f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        if self.trackers:
+            self._to_trackers(numeric_values(record), int(record["step"]))
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        """Hand ``values`` to the trackers only, at ``step`` (e.g. the evaluation before step 1,
+        which has no metrics.jsonl line)."""
+        if self.trackers:
+            self._to_trackers(numeric_values(values), step)
+
+    def _to_trackers(self, values: dict[str, float], step: int) -> None:
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(values, step)
+            except Exception as exc:
+                log.warning("tracker %s failed at step %d (%s: %s); it is off for the rest of the run",
+                            tracker.name, step, type(exc).__name__, exc)
+                self.trackers.remove(tracker)
+                _close_tracker(tracker)
+
+    def close(self) -> None:
+        """Close every tracker (a failing close is a warning); safe to call twice."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            _close_tracker(tracker)
+
+
+def _close_tracker(tracker: Tracker) -> None:
+    try:
+        tracker.close()
+    except Exception as exc:
+        log.warning("tracker %s failed to close (%s: %s)", tracker.name, type(exc).__name__, exc)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -64,21 +106,24 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title: str = "") -> Path:
-    """reward.png: reward mean (with std band) and loss against step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """reward.png: reward mean (with std band) against step, plus the eval reward
+    (``eval_reward_mean``) and pass@1 (``eval_pass_at_1``) at the steps that have them; loss below."""
+    from matplotlib.figure import Figure
 
     records = list(records)
     steps = [r["step"] for r in records]
-    reward = [_num(r.get("reward_mean")) for r in records]
-    std = [_num(r.get("reward_std")) for r in records]
-    loss = [_num(r.get("loss")) for r in records]
-    fig, (ax_r, ax_l) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    reward = [_as_float(r.get("reward_mean")) for r in records]
+    std = [_as_float(r.get("reward_std")) for r in records]
+    loss = [_as_float(r.get("loss")) for r in records]
+    fig = Figure(figsize=(7, 6))
+    ax_r, ax_l = fig.subplots(2, 1, sharex=True)
     ax_r.plot(steps, reward, color="tab:blue", label="reward mean")
     ax_r.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
                       color="tab:blue", alpha=0.15, label="± std")
+    for key, label, color in (("eval_reward_mean", "eval reward", "tab:green"), ("eval_pass_at_1", "eval pass@1", "tab:purple")):
+        values = _series(records, key)
+        if values is not None:
+            _plot_finite(ax_r, steps, values, label=label, color=color, marker="o")
     ax_r.set_ylabel("reward")
     ax_r.legend(loc="lower right")
     ax_l.plot(steps, loss, color="tab:red")
@@ -88,12 +133,122 @@ def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title:
     fig.tight_layout()
     out_path = Path(out_path)
     fig.savefig(out_path, dpi=100)
-    plt.close(fig)
     return out_path
 
 
-def _num(value: Any) -> float:
-    return float("nan") if value is None else float(value)
+# the parts of step_time_s that step_time.png stacks
+STEP_TIME_PARTS = ("collect_s", "train_s", "weight_sync_s")
+
+
+def plot_run(records: Iterable[dict[str, Any]], run_dir: str | Path, title: str = "",
+             reward_path: str | Path | None = None) -> list[Path]:
+    """Every figure of a run, from its metrics records; returns the paths written.
+
+    ``reward.png`` (at ``reward_path``, default ``run_dir/reward.png``) is always drawn
+    (:func:`plot_metrics`). Beside it in ``run_dir``, each drawn only when the records hold its
+    metrics (older runs lack some; a figure or a line without data is skipped, not an error):
+
+    - ``kl.png``: ``kl_to_ref`` (and ``kl_to_inference``, the learner's KL to the sampling policy);
+    - ``length.png``: completion length, ``completion_len_mean`` or else
+      ``tokens_generated / samples_generated``;
+    - ``staleness.png``: ``staleness_mean`` (and ``staleness_max``);
+    - ``step_time.png``: ``collect_s``, ``train_s`` and ``weight_sync_s`` stacked, under the
+      whole ``step_time_s`` (the gap is the probe and the bookkeeping).
+    """
+    records = list(records)
+    run_dir = Path(run_dir)
+    title = title or "rlpost run"
+    written = [plot_metrics(records, reward_path or run_dir / "reward.png", title)]
+    steps = [r["step"] for r in records]
+    figures = {  # file name: (figure title, y label, lines)
+        "kl.png": ("KL", "KL", [("kl_to_ref", _series(records, "kl_to_ref")),
+                                ("kl_to_inference", _series(records, "kl_to_inference"))]),
+        "length.png": ("completion length", "tokens", [("completion length", _completion_lengths(records))]),
+        "staleness.png": ("staleness", "policy versions behind", [
+            ("staleness_mean", _series(records, "staleness_mean")), ("staleness_max", _series(records, "staleness_max"))]),
+    }
+    for name, (what, ylabel, lines) in figures.items():
+        drawn = [(label, values) for label, values in lines if values is not None]
+        if drawn:
+            written.append(_line_figure(steps, drawn, ylabel, f"{title}: {what}", run_dir / name))
+    step_time = _step_time_figure(records, steps, f"{title}: step time", run_dir / "step_time.png")
+    if step_time is not None:
+        written.append(step_time)
+    return written
+
+
+def _series(records: list[dict[str, Any]], key: str) -> list[float] | None:
+    """``key``'s value per record (NaN where missing or not a number); None when no record has a number."""
+    values = [_as_float(r.get(key)) for r in records]
+    return values if any(math.isfinite(v) for v in values) else None
+
+
+def _as_float(value: Any) -> float:
+    """A plottable float: NaN for None, non-numbers and bools."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)
+
+
+def _completion_lengths(records: list[dict[str, Any]]) -> list[float] | None:
+    """Mean completion tokens per step: ``completion_len_mean``, or ``tokens_generated /
+    samples_generated`` for records without it; None when neither gives a number."""
+    values = []
+    for r in records:
+        value = _as_float(r.get("completion_len_mean"))
+        if not math.isfinite(value):
+            tokens, samples = _as_float(r.get("tokens_generated")), _as_float(r.get("samples_generated"))
+            value = tokens / samples if math.isfinite(tokens) and math.isfinite(samples) and samples > 0 else float("nan")
+        values.append(value)
+    return values if any(math.isfinite(v) for v in values) else None
+
+
+def _plot_finite(ax: Any, steps: list[int], values: list[float], **style: Any) -> None:
+    """Plot the points whose value is a number (a line across gaps, e.g. eval every few steps)."""
+    points = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+    ax.plot([s for s, _ in points], [v for _, v in points], **style)
+
+
+def _line_figure(steps: list[int], lines: list[tuple[str, list[float]]], ylabel: str, title: str, out: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
+    for label, values in lines:
+        _plot_finite(ax, steps, values, label=label)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel("learner step")
+    ax.legend(loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def _step_time_figure(records: list[dict[str, Any]], steps: list[int], title: str, out: Path) -> Path | None:
+    """step_time.png: the parts of ``STEP_TIME_PARTS`` the records hold, stacked (a missing
+    value counts 0, e.g. ``weight_sync_s`` on a step without a sync), and ``step_time_s`` as a
+    line; None (nothing written) when the records hold none of them."""
+    from matplotlib.figure import Figure
+
+    parts = [(key, _series(records, key)) for key in STEP_TIME_PARTS]
+    parts = [(key, [v if math.isfinite(v) else 0.0 for v in values]) for key, values in parts if values is not None]
+    total = _series(records, "step_time_s")
+    if not parts and total is None:
+        return None
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
+    if parts:
+        ax.stackplot(steps, *[values for _, values in parts], labels=[key for key, _ in parts], alpha=0.7)
+    if total is not None:
+        _plot_finite(ax, steps, total, label="step_time_s", color="black")
+    ax.set_ylabel("seconds")
+    ax.set_xlabel("learner step")
+    ax.legend(loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
 
 
 def _jsonable(value: Any) -> Any:
@@ -154,6 +309,11 @@ class RayMetrics:
         "tool_time_s": "Seconds the step's samples spent in tools",
         "reward_errors": "Failed reward computations in the step's batches",
         "length_truncated": "Episodes ended because their next prompt would not fit the engine",
+        "eval_reward_mean": "Mean reward on the held-out prompts at the last evaluation",
+        "eval_pass_at_1": "pass@1 on the held-out prompts at the last evaluation",
+        "eval_pass_at_k": "pass@k (k = eval.samples_per_prompt) at the last evaluation",
+        "eval_length_mean": "Mean completion tokens at the last evaluation",
+        "eval_s": "Seconds the last evaluation took",
     }
     COUNTERS = {
         "samples_generated": "Completions generated",

@@ -2,8 +2,10 @@
 
     <run_dir>/config.yaml        the resolved config (every default filled in)
     <run_dir>/metrics.jsonl      one JSON object per learner step
+    <run_dir>/eval.jsonl         one JSON object per evaluation (eval section; step 0: before training)
     <run_dir>/checkpoints/step_<N>/
-    <run_dir>/reward.png
+    <run_dir>/reward.png         and kl.png, length.png, staleness.png, step_time.png (rlpost plot)
+    <run_dir>/tensorboard/       the default tracker's event files (logging.trackers)
 
 A resumed run (``rlpost train --resume RUN_DIR``) continues in the same folder: the config comes
 from its ``config.yaml`` (plus overrides), training goes on after the latest checkpoint, and the
@@ -108,9 +110,15 @@ def open_run_for_resume(run_dir: str | Path, config: str | Path | None, override
 
 
 def supersede_metrics_after(run_dir: str | Path, step: int) -> int:
-    """Move metrics.jsonl lines of steps after ``step`` to metrics.superseded.jsonl (appended);
-    returns how many moved. Nothing is deleted: those steps are trained again after a resume."""
-    path = Path(run_dir) / "metrics.jsonl"
+    """Move metrics.jsonl lines of steps after ``step`` to metrics.superseded.jsonl (appended),
+    and eval.jsonl's to eval.superseded.jsonl; returns how many metrics lines moved. Nothing is
+    deleted: those steps are trained (and evaluated) again after a resume."""
+    _supersede_lines(Path(run_dir) / "eval.jsonl", step)
+    return _supersede_lines(Path(run_dir) / "metrics.jsonl", step)
+
+
+def _supersede_lines(path: Path, step: int) -> int:
+    """Move the JSON lines of ``path`` whose step is after ``step`` to ``<name>.superseded.jsonl``."""
     if not path.is_file():
         return 0
     keep, moved = [], []
@@ -121,7 +129,7 @@ def supersede_metrics_after(run_dir: str | Path, step: int) -> int:
             later = True
         (moved if later else keep).append(line)
     if moved:
-        with (Path(run_dir) / "metrics.superseded.jsonl").open("a") as f:
+        with path.with_name(path.stem + ".superseded.jsonl").open("a") as f:
             f.write("".join(line + "\n" for line in moved))
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))

@@ -86,7 +86,7 @@ class EnvPool:
             raise ValueError(f"pool_index must be in [0, rollout.num_env_pools={num_pools}), got {pool_index}")
         self.cfg, self.pool_index, self.buffer = cfg, pool_index, buffer
         self.groups_per_batch = max(1, cfg.trainer.prompts_per_step // num_pools)
-        tokenizer = _with_chat_template(tokenizer if tokenizer is not None else _load_tokenizer(cfg), cfg)
+        tokenizer = with_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg), cfg)
         group_size = cfg.data.group_size
         self.env = make_env(
             cfg, tokenizer, self.groups_per_batch * group_size, input_mode=input_mode,
@@ -438,13 +438,13 @@ def start_env_pool(
 # ---------------------------------------------------------------------------- helpers
 
 
-def _load_tokenizer(cfg: JobConfig) -> Any:
+def load_tokenizer(cfg: JobConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
 
 
-def _with_chat_template(tokenizer: Any, cfg: JobConfig) -> Any:
+def with_chat_template(tokenizer: Any, cfg: JobConfig) -> Any:
     """``tokenizer`` with ``model.chat_template`` (inline Jinja or a file path) when set; a
     shallow copy, so the caller's tokenizer is left as it is."""
     template = cfg.model.chat_template

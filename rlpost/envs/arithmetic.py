@@ -4,46 +4,79 @@ Rows look like GSM8K rows reduced to their essentials: ``{"question": "What is 7
 "answer": "12"}``. The completion is graded with the same answer format as GSM8K
 (``<answer>...</answer>``, see :mod:`rlpost.envs.rewards`), so the demo and the tests exercise the
 real reward path with no download.
+
+Splits. A fixed eighth of the possible questions is held out (:func:`is_held_out`, a hash of the
+question text): ``split="train"`` never draws them and ``split="test"`` draws only them, so an
+evaluation on the test split scores questions that RL training never saw. ``split=None`` draws
+from every question (the tiny model's supervised warm-start data, made before any RL run).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 ARITHMETIC_SYSTEM_PROMPT = "Answer with <answer>number</answer>."
 TOOL_ARITHMETIC_SYSTEM_PROMPT = "Compute with a ```python block, then answer with <answer>number</answer>."
 
 
-def make_arithmetic_rows(num_rows: int, *, seed: int = 0, max_operand: int = 10) -> list[dict[str, str]]:
+SPLITS = (None, "train", "test")
+HELD_OUT_BUCKETS = 8  # one question in this many is held out for evaluation
+
+
+def is_held_out(question: str) -> bool:
+    """Whether ``question`` belongs to the held-out (test) split: a fixed hash of its text, the
+    same on every machine and Python version."""
+    return zlib.crc32(question.encode()) % HELD_OUT_BUCKETS == 0
+
+
+def make_arithmetic_rows(
+    num_rows: int, *, seed: int = 0, max_operand: int = 10, split: str | None = None
+) -> list[dict[str, str]]:
     """``num_rows`` questions "What is a + b?" / "What is a - b?" with operands in [0, max_operand].
 
-    The same seed always gives the same rows (a private ``random.Random``; no global state).
+    ``split``: "train" (never a held-out question), "test" (only held-out ones) or None (any; see
+    the module docstring). The same seed and split always give the same rows (a private
+    ``random.Random``; no global state).
     """
-    if num_rows < 1:
-        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(num_rows):
+
+    def draw(rng: random.Random) -> dict[str, str]:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice("+-")
-        result = a + b if op == "+" else a - b
-        rows.append({"question": f"What is {a} {op} {b}?", "answer": str(result)})
-    return rows
+        return {"question": f"What is {a} {op} {b}?", "answer": str(a + b if op == "+" else a - b)}
+
+    return _draw_rows(draw, num_rows, seed, split)
 
 
-def make_tool_arithmetic_rows(num_rows: int, *, seed: int = 0) -> list[dict[str, str]]:
+def make_tool_arithmetic_rows(num_rows: int, *, seed: int = 0, split: str | None = None) -> list[dict[str, str]]:
     """``num_rows`` questions "What is a * b?" with a in [100, 9999] and b in [10, 999]: products
     too large for a small model to work out in its head, so the way to the reward is the Python
-    tool (the ``tool_arithmetic`` task). Same seed, same rows."""
+    tool (the ``tool_arithmetic`` task). ``split`` as in :func:`make_arithmetic_rows`. Same seed
+    and split, same rows."""
+
+    def draw(rng: random.Random) -> dict[str, str]:
+        a, b = rng.randint(100, 9999), rng.randint(10, 999)
+        return {"question": f"What is {a} * {b}?", "answer": str(a * b)}
+
+    return _draw_rows(draw, num_rows, seed, split)
+
+
+def _draw_rows(draw: Callable[[random.Random], dict[str, str]], num_rows: int, seed: int,
+               split: str | None) -> list[dict[str, str]]:  # fmt: skip
+    """``num_rows`` rows from ``draw``, keeping only those of ``split``."""
     if num_rows < 1:
         raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} for the synthetic arithmetic tasks, got {split!r}")
     rng = random.Random(seed)
-    rows = []
-    for _ in range(num_rows):
-        a, b = rng.randint(100, 9999), rng.randint(10, 999)
-        rows.append({"question": f"What is {a} * {b}?", "answer": str(a * b)})
+    rows: list[dict[str, str]] = []
+    while len(rows) < num_rows:
+        row = draw(rng)
+        if split is None or is_held_out(row["question"]) == (split == "test"):
+            rows.append(row)
     return rows
 
 

@@ -46,7 +46,7 @@ def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
     out = subprocess.run(
         [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
          "trainer.steps=4", "trainer.prompts_per_step=4", "trainer.checkpoint_interval=2", "logging.progress=false",
-         "--run-dir", str(run_dir)],
+         "eval.interval=2", "eval.before_training=true", "eval.num_prompts=8", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=540,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -62,7 +62,17 @@ def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
         parts = [r["collect_s"], r["train_s"], r["weight_sync_s"]]
         assert min(parts) > 0 and sum(parts) <= r["step_time_s"]
         assert 0 < r["learner_step_s"] <= r["train_s"] and 0 < r["weight_load_s"] <= r["weight_sync_s"]
-    assert (run_dir / "reward.png").stat().st_size > 1000
+    # held-out evaluations: before training, then at steps 2 and 4 with that step's weights
+    evals = read(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4] and [e["eval_policy_version"] for e in evals] == [0, 2, 4]
+    for e in evals:
+        assert 0 <= e["eval_pass_at_1"] <= 1 and 0 <= e["eval_reward_mean"] <= 1 and e["eval_num_prompts"] == 8
+        assert 0 < e["eval_length_mean"] <= 16 and e["eval_s"] > 0
+    assert [("eval_pass_at_1" in r) for r in rows] == [False, True, False, True]
+    assert rows[3]["eval_reward_mean"] == evals[2]["eval_reward_mean"]
+    assert "evaluation before training" in out.stdout
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # the default tracker wrote
+    assert (run_dir / "reward.png").stat().st_size > 1000 and (run_dir / "step_time.png").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert (run_dir / "checkpoints" / "step_4" / "config.json").is_file()
     assert f"run finished: {run_dir}" in out.stdout

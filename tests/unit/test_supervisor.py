@@ -300,7 +300,7 @@ def make_cfg(mode):
     return load_config("configs/tiny-cpu.yaml", [
         f"trainer.mode={mode}", "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.max_staleness=1",
         "rollout.num_env_pools=2", "rollout.num_inference_workers=2", "reference.enabled=true",
-        "logging.progress=false", "logging.run_name=stand-ins",
+        "logging.progress=false", "logging.run_name=stand-ins", "logging.trackers=[]", "eval.interval=0",
     ])
 
 
@@ -308,7 +308,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     """One run over stand-ins; returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
-    monkeypatch.setattr(ctl, "plot_metrics", lambda records, out, title: out)
+    monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
     world = World(kill_at, victim)
     cfg = make_cfg(mode)
