@@ -1,6 +1,6 @@
 """The `rlpost` command line.
 
-Exit codes (a DESIGN.md contract): 0 success; 2 a config or input error, printed as one line that
+Exit codes (a contract scripts and CI rely on): 0 success; 2 a config or input error, printed as one line that
 names the offending key or file (no traceback); 1 any other failure, with its cause. For the Ray
 Jobs commands a job that failed or was stopped is a failure (1), an unknown job id an input error
 (2), and an unreachable or refusing cluster a failure (1) named by its address.

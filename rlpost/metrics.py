@@ -1,7 +1,7 @@
 """Run metrics: metrics.jsonl (one object per learner step) and its trackers, the figures
 (reward.png and the others of ``rlpost plot``), Ray metrics.
 
-metrics.jsonl is a DESIGN.md contract: every line has at least the keys in
+metrics.jsonl is a contract with the tools that read it: every line has at least the keys in
 :data:`REQUIRED_KEYS`; keys may be added, never renamed. Tools (plots, benchmarks, tests) read it.
 """
 

@@ -1,4 +1,4 @@
-"""The run directory: what a run leaves on disk for people and tools (a DESIGN.md contract).
+"""The run directory: what a run leaves on disk for people and tools (a contract: keep it stable).
 
     <run_dir>/config.yaml        the resolved config (every default filled in)
     <run_dir>/metrics.jsonl      one JSON object per learner step

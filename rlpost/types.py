@@ -1,4 +1,4 @@
-"""Types that cross process boundaries (STYLE rule 4), with who makes them and who reads them.
+"""Types that cross process boundaries, with who makes them and who reads them.
 
 They are plain dataclasses of Python lists and numbers: cheap to pickle through Ray, readable
 without torch, and independent of any padding layout. Tensors are built where they are used.

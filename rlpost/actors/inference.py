@@ -4,15 +4,16 @@
   :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
   batched generate requests (n samples per prompt, processed log-probs, generated ids) stamped
   with its policy version, and applies weight updates: receive from the bus and reload in place
-  -> reset the prefix cache (its KV was computed with the old weights, pitfall 3) -> bump the
+  -> reset the prefix cache (its KV was computed with the old weights) -> bump the
   version. ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it runs one call
   at a time, so an update waits for the running generate and new requests wait for the update:
-  that ordering is the "pause new work -> load -> resume" of DESIGN.
+  that ordering is the "pause new work -> load -> resume" of a weight update.
 - :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
   to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
-  split across workers, pitfall 8); it records the version that served the call in
-  ``last_policy_version``; a dead worker's request is re-issued to another worker, or, when
-  none is left, to the workers the controller restarts (``set_handles``).
+  split across workers: its samples must come from one set of weights); it records the version
+  that served the call in ``last_policy_version``; a dead worker's request is re-issued to
+  another worker, or, when none is left, to the workers the controller restarts
+  (``set_handles``). The learner's vLLMUpdater drives the workers' weight updates.
 """
 
 from __future__ import annotations

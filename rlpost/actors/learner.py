@@ -2,7 +2,7 @@
 
 It trains on completed GRPO groups from the buffer, publishes versioned weights on the weight bus
 and writes checkpoints. :class:`Learner` is a plain class (no Ray); :class:`LearnerActor` is the
-thin Ray shell the controller starts as ``learner`` (STYLE rule 3).
+thin Ray shell the controller starts as ``learner`` (the logic stays testable without Ray).
 
 One learner step, ``train_step(groups)``::
 

@@ -5,7 +5,7 @@
 - :class:`vLLMUpdater`: the collector's ``weight_updater`` for vLLM workers (over the bus).
 - :class:`GroupCollector`: the service's collector: reset -> generate -> step until episodes end;
   whole GRPO groups out
-  (all samples of a prompt generated in one engine call, REFERENCE.md pitfall 8).
+  (all samples of a prompt generated in one engine call, so one set of weights made them).
 - :class:`PolicyVersion`: which weights version served each engine call.
 """
 

@@ -3,7 +3,7 @@
 The weights live in vLLM's worker process, so that process is the weight-bus rank: it joins the
 bus, receives buckets, and reloads them in place with ``model_runner.reload_weights`` — the call
 that works on the CPU backend, whose repacked linear layers make ``model.load_weights`` fail
-after start-up (REFERENCE.md section 4). Methods are reached with
+after start-up. Methods are reached with
 ``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data (vLLM serialises them).
 """
 

@@ -1,9 +1,10 @@
 """Bucketing of named parameters into flat per-dtype buffers, and back into views.
 
 The weight bus sends a model as a few large flat tensors ("buckets") instead of one collective
-per parameter (REFERENCE.md pitfall 4). `plan_buckets` packs tensors of one dtype, in the order
-given, into buckets of at most `bucket_bytes`; a tensor larger than a bucket travels alone in a
-bucket of its own size (never split, so the receiver can hand it out as a view). The plan is a
+per parameter (hundreds of small collectives cost far more than a few large ones). `plan_buckets`
+packs tensors of one dtype, in the order given, into buckets of at most `bucket_bytes`; a tensor
+larger than a bucket travels alone in a bucket of its own size (never split, so the receiver can
+hand it out as a view). The plan is a
 `BucketLayout`: plain data that both sides agree on (it travels as JSON), so the receiver can
 allocate the buckets before the bytes arrive and `unflatten` them into views without copies.
 

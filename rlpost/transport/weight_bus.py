@@ -1,6 +1,6 @@
 """Weight-sync bus: the learner publishes versioned weights, every inference worker receives them.
 
-Two implementations behind one small interface (STYLE rule 5):
+Two implementations behind one small interface:
 
 - `LocalWeightBus` / `LocalWeightReceiver`: one process; `publish` snapshots (copies) the
   tensors, `receive` hands each receiver its own copy of the latest update.

@@ -1,4 +1,4 @@
-"""The PythonInterpreter transform in a ChatEnv: seed 000's rendering, hostile code, multi-turn."""
+"""The PythonInterpreter transform in a ChatEnv: TorchRL's documented rendering, hostile code, multi-turn."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ ACTION = (
     "print('testing the square function with input 2:', square(2))\n"
     "```"
 )
-# Seed 000, printed by the tiny model's template (the same ChatML as Qwen2.5's).
-SEED_000_RENDERING = (
+# TorchRL's LLM API page example, printed by the tiny model's template (the same ChatML as Qwen2.5's).
+TORCHRL_PAGE_RENDERING = (
     "<|im_start|>system\n"
     "You are an assistant that can execute Python code. Decorate your code with "
     "```python``` tags.<|im_end|>\n"
@@ -59,16 +59,16 @@ def act_history(td: TensorDict, replies: list[str]) -> TensorDict:
     return td
 
 
-# ---------------------------------------------------------------------------- seed 000 shape
+# ---------------------------------------------------------------------------- TorchRL's shape
 
 
 def test_history_after_a_tool_turn_renders_as_seed_000(tiny_tokenizer):
     env = tool_env(tiny_tokenizer)
     reset_data = env.reset(TensorDict({"query": [QUERY]}, batch_size=[1]))
     s, s_ = env.step_and_maybe_reset(act_history(reset_data, [ACTION]))
-    assert s_["history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [SEED_000_RENDERING]
+    assert s_["history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [TORCHRL_PAGE_RENDERING]
     assert s_["history"].prompt.to_chats()[0][-1]["role"] == "tool"
-    assert s["next", "history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [SEED_000_RENDERING]
+    assert s["next", "history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [TORCHRL_PAGE_RENDERING]
 
 
 @pytest.mark.parametrize("response_end", ["", "<|im_end|>", "<|im_end|>\n"])
@@ -81,7 +81,7 @@ def test_text_mode_tool_turn_renders_as_seed_000(tiny_tokenizer, response_end):
     response = ACTION + response_end
     td.set("text", Text(prompt=[prompt], response=[response], full=[prompt + response], batch_size=[1]))
     _, s_ = env.step_and_maybe_reset(td)
-    assert s_["text"].prompt == [SEED_000_RENDERING]
+    assert s_["text"].prompt == [TORCHRL_PAGE_RENDERING]
 
 
 def test_tokens_mode_tool_turn_matches_tokenizing_the_seed_rendering(tiny_tokenizer):
@@ -93,7 +93,7 @@ def test_tokens_mode_tool_turn_matches_tokenizing_the_seed_rendering(tiny_tokeni
     td.set("tokens", lazy_stack([Tokens(prompt=prompt, response=response, full=full, padded=False)]))
     _, s_ = env.step_and_maybe_reset(td)
     got = s_.get(("tokens", "prompt"), as_list=True)[0].tolist()
-    assert got == tiny_tokenizer.encode(SEED_000_RENDERING, add_special_tokens=False)
+    assert got == tiny_tokenizer.encode(TORCHRL_PAGE_RENDERING, add_special_tokens=False)
     assert got[: len(prompt) + len(response)] == torch.cat([prompt, response]).tolist()  # generated ids kept
 
 
@@ -134,7 +134,7 @@ def test_tool_role_user_wraps_the_response_itself(tiny_tokenizer):
     env = ChatEnv(batch_size=[1], system_prompt=SYSTEM).append_transform(PythonInterpreter(tool_role="user"))
     td = env.reset(TensorDict({"query": [QUERY]}, batch_size=[1]))
     _, s_ = env.step_and_maybe_reset(act_history(td, [ACTION]))
-    assert s_["history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [SEED_000_RENDERING]
+    assert s_["history"].prompt.apply_chat_template(tokenizer=tiny_tokenizer) == [TORCHRL_PAGE_RENDERING]
 
 
 # ---------------------------------------------------------------------------- multi-turn
