@@ -182,6 +182,9 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
     worker = make_vllm_worker(str(checkpoint), make_ray_worker=False, engine_config=cfg.rollout.engine,
                               dtype=cfg.model.dtype)  # fmt: skip
     try:
-        return checkpoint, evaluator.run(worker.client, policy_version=worker.version)
+        metrics = evaluator.run(worker.client)
     finally:
         worker.shutdown()
+    # the engine counts versions from the weights it loaded (0): the checkpoint's name says which
+    metrics.pop("eval_policy_version", None)
+    return checkpoint, metrics
