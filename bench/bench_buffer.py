@@ -35,17 +35,30 @@ def make_groups(num_groups: int, seed: int = 0, version: int = 0) -> list:
         samples = []
         for _ in range(GROUP_SIZE):
             n = PROMPT_LEN + GEN_LEN
-            samples.append(Sample(
-                prompt_id=g, token_ids=[rng.randrange(446) for _ in range(n)],
-                logprobs=[0.0] * PROMPT_LEN + [-rng.random() for _ in range(GEN_LEN)],
-                loss_mask=[False] * PROMPT_LEN + [True] * GEN_LEN, prompt_len=PROMPT_LEN,
-                reward=rng.choice([0.0, 0.1, 1.0]), policy_version=version, finished=True,
-                completion_text="<answer>12</answer>",
-            ))
+            samples.append(
+                Sample(
+                    prompt_id=g,
+                    token_ids=[rng.randrange(446) for _ in range(n)],
+                    logprobs=[0.0] * PROMPT_LEN + [-rng.random() for _ in range(GEN_LEN)],
+                    loss_mask=[False] * PROMPT_LEN + [True] * GEN_LEN,
+                    prompt_len=PROMPT_LEN,
+                    reward=rng.choice([0.0, 0.1, 1.0]),
+                    policy_version=version,
+                    finished=True,
+                    completion_text="<answer>12</answer>",
+                )
+            )
         rewards = [s.reward for s in samples]
         mean = sum(rewards) / len(rewards)
-        groups.append(Group(prompt_id=g, samples=samples, advantages=[r - mean for r in rewards],
-                            policy_version=version, info={"env_pool": 0}))
+        groups.append(
+            Group(
+                prompt_id=g,
+                samples=samples,
+                advantages=[r - mean for r in rewards],
+                policy_version=version,
+                info={"env_pool": 0},
+            )
+        )
     return groups
 
 
@@ -62,8 +75,12 @@ def _producer_class():
         def put_batches(self, num_batches: int) -> float:
             t0 = time.perf_counter()
             for i in range(num_batches):
-                self.buffer.put(self.groups, timeout_s=120, producer="env-pool-0",
-                                producer_state={"num_prompts_collected": (i + 1) * len(self.groups)})
+                self.buffer.put(
+                    self.groups,
+                    timeout_s=120,
+                    producer="env-pool-0",
+                    producer_state={"num_prompts_collected": (i + 1) * len(self.groups)},
+                )
             return time.perf_counter() - t0
 
         def put_once(self) -> float:
@@ -85,11 +102,20 @@ def main() -> None:
 
     from rlpost.actors.buffer import start_buffer
 
-    result = Result("buffer", args.quick, {
-        "groups_per_batch": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "prompt_len": PROMPT_LEN,
-        "generated_len": GEN_LEN, "capacity": PROMPTS_PER_STEP, "max_staleness": 1,
-        "batches_per_repeat": batches, "repeats": args.repeats,
-    })
+    result = Result(
+        "buffer",
+        args.quick,
+        {
+            "groups_per_batch": PROMPTS_PER_STEP,
+            "group_size": GROUP_SIZE,
+            "prompt_len": PROMPT_LEN,
+            "generated_len": GEN_LEN,
+            "capacity": PROMPTS_PER_STEP,
+            "max_staleness": 1,
+            "batches_per_repeat": batches,
+            "repeats": args.repeats,
+        },
+    )
     wait_for_quiet(args.quick)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rlpost-bench-buffer")
     try:
@@ -146,8 +172,11 @@ def _compare_with_runs(result: Result, groups_per_s: float, buffer_s: float) -> 
         result.cases[f"{system}: median step time (s)"] = step_s
         result.ratios[f"{system}: buffer throughput / collector rate"] = groups_per_s / produced
         result.ratios[f"{system}: buffer share of step time"] = buffer_s / step_s
-        print(f"  {system}: collectors {produced:.1f} groups/s, step {step_s:.3f} s, "
-              f"buffer share {buffer_s / step_s:.2%}", flush=True)
+        print(
+            f"  {system}: collectors {produced:.1f} groups/s, step {step_s:.3f} s, "
+            f"buffer share {buffer_s / step_s:.2%}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

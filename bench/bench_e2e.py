@@ -40,8 +40,13 @@ SYSTEMS = {
 # per workload: the fix's before/after on the tiny model (runs of ~1 min); the 0.5B-shaped runs take
 # ~3 min each, so there only the current systems against TRL (the before is the previous results)
 DEFAULT_SYSTEMS = {
-    "tiny": ["rlpost sync", "rlpost async", "TRL GRPOTrainer", "rlpost sync (learner 1 thread)",
-             "rlpost async (learner 2 threads)"],
+    "tiny": [
+        "rlpost sync",
+        "rlpost async",
+        "TRL GRPOTrainer",
+        "rlpost sync (learner 1 thread)",
+        "rlpost async (learner 2 threads)",
+    ],
     "qwen05b": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
 }
 
@@ -49,14 +54,28 @@ DEFAULT_SYSTEMS = {
 def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dict[str, Workload]:
     if quick:
         return {
-            "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 3, prompts_per_step=4, group_size=4, max_tokens=8),
-            "qwen05b": Workload(model_path(qwen05b_model(quick=True)), steps=big_steps or 2, prompts_per_step=2,
-                                group_size=2, max_tokens=4, lr=1e-6),
+            "tiny": Workload(
+                model_path(TINY_MODEL), steps=tiny_steps or 3, prompts_per_step=4, group_size=4, max_tokens=8
+            ),
+            "qwen05b": Workload(
+                model_path(qwen05b_model(quick=True)),
+                steps=big_steps or 2,
+                prompts_per_step=2,
+                group_size=2,
+                max_tokens=4,
+                lr=1e-6,
+            ),
         }
     return {
         "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 50),
-        "qwen05b": Workload(model_path(qwen05b_model(quick=False)), steps=big_steps or 3, prompts_per_step=2,
-                            group_size=4, max_tokens=8, lr=1e-6),
+        "qwen05b": Workload(
+            model_path(qwen05b_model(quick=False)),
+            steps=big_steps or 3,
+            prompts_per_step=2,
+            group_size=4,
+            max_tokens=8,
+            lr=1e-6,
+        ),
     }
 
 
@@ -64,26 +83,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat")
     parser.add_argument("--workloads", default="tiny,qwen05b")
-    parser.add_argument("--systems", default=None,
-                        help=f"comma-separated, from {list(SYSTEMS)} (default: per workload, {DEFAULT_SYSTEMS})")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, from {list(SYSTEMS)} (default: per workload, {DEFAULT_SYSTEMS})",
+    )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--tiny-steps", type=int, default=None)
     parser.add_argument("--big-steps", type=int, default=None)
     parser.add_argument("--name", default="e2e", help="results file name (bench/results/<name>.json)")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
-    chosen = {k: w for k, w in workloads(args.quick, args.tiny_steps, args.big_steps).items()
-              if k in args.workloads.split(",")}
-    systems_of = {k: [s.strip() for s in args.systems.split(",")] if args.systems else DEFAULT_SYSTEMS[k]
-                  for k in chosen}
+    chosen = {
+        k: w
+        for k, w in workloads(args.quick, args.tiny_steps, args.big_steps).items()
+        if k in args.workloads.split(",")
+    }
+    systems_of = {
+        k: [s.strip() for s in args.systems.split(",")] if args.systems else DEFAULT_SYSTEMS[k] for k in chosen
+    }
     unknown = [s for names in systems_of.values() for s in names if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
-    result = Result(args.name, args.quick, {
-        "repeats": repeats, "systems": systems_of,
-        "workloads": {k: vars(w) | {"samples_per_step": w.samples_per_step} for k, w in chosen.items()},
-        "rlpost_config": "configs/tiny-cpu.yaml + workload overrides + logging.progress=false",
-    })
+    result = Result(
+        args.name,
+        args.quick,
+        {
+            "repeats": repeats,
+            "systems": systems_of,
+            "workloads": {k: vars(w) | {"samples_per_step": w.samples_per_step} for k, w in chosen.items()},
+            "rlpost_config": "configs/tiny-cpu.yaml + workload overrides + logging.progress=false",
+        },
+    )
     for key, work in chosen.items():
         systems = systems_of[key]
         runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -92,17 +123,25 @@ def main() -> None:
                 load = wait_for_quiet(args.quick)
                 tag = f"{args.name}-{key}-{system.replace(' ', '_').replace(',', '').replace('(', '').replace(')', '')}-{r}"
                 print(f"== {key} repeat {r + 1}/{repeats}: {system} (busy cores {load:.2f})", flush=True)
-                run = run_trl(tag, work, seed=r, quick=args.quick) if SYSTEMS[system] is None else \
-                    run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)
-                print(f"   {run.steps} steps in {run.steps_wall_s:.1f} s: {run.samples_per_s:.2f} samples/s "
-                      f"(process {run.process_wall_s:.0f} s)", flush=True)
+                run = (
+                    run_trl(tag, work, seed=r, quick=args.quick)
+                    if SYSTEMS[system] is None
+                    else run_rlpost(tag, work, SYSTEMS[system], quick=args.quick)
+                )
+                print(
+                    f"   {run.steps} steps in {run.steps_wall_s:.1f} s: {run.samples_per_s:.2f} samples/s "
+                    f"(process {run.process_wall_s:.0f} s)",
+                    flush=True,
+                )
                 runs[system].append(run.to_dict() | {"busy_cores_at_start": load})
                 result.cases[key] = _summarise(runs, work)
                 result.write()  # partial results survive an interrupted session
         _ratios(result, key, systems)
     if "tiny" in chosen:
-        result.note("tiny: reward_gain = mean reward of the last quarter of steps minus the first quarter "
-                    "(per run; samples per step are equal, so per step is per sample)")
+        result.note(
+            "tiny: reward_gain = mean reward of the last quarter of steps minus the first quarter "
+            "(per run; samples per step are equal, so per step is per sample)"
+        )
     if "qwen05b" in chosen:
         result.note("qwen05b: random weights never answer (reward 0) nor stop early: a throughput test")
     result.write()
@@ -119,7 +158,7 @@ def _summarise(runs: dict[str, list[dict]], work: Workload) -> dict:
             "steps_wall_s": summary([i["steps_wall_s"] for i in items]),
             "process_wall_s": summary([i["process_wall_s"] for i in items]),
             "reward_gain": summary([_gain(i["rewards"]) for i in items]),
-            "final_reward": summary([statistics.mean(i["rewards"][-max(1, len(i["rewards"]) // 4):]) for i in items]),
+            "final_reward": summary([statistics.mean(i["rewards"][-max(1, len(i["rewards"]) // 4) :]) for i in items]),
             "phases_s": _phases(items),
             "runs": items,
         }

@@ -49,16 +49,23 @@ def main() -> None:
     group_size = args.group_size or (4 if args.quick else 8)
     prompts_per_step = args.prompts_per_step or (2 if args.quick else 16)
     model = REPO / ".cache" / "tiny-model"
-    settings = {"steps": steps, "repeats": repeats, "group_size": group_size,
-                "prompts_per_step": prompts_per_step, "window": window, "model": "tiny"}
+    settings = {
+        "steps": steps,
+        "repeats": repeats,
+        "group_size": group_size,
+        "prompts_per_step": prompts_per_step,
+        "window": window,
+        "model": "tiny",
+    }
     result = Result("grpo_by_hand", args.quick, settings)
     example = load_example()
     wait_for_quiet(args.quick)
     first, last, gain, walls = [], [], [], []
     for seed in range(repeats):
         t0 = time.perf_counter()
-        run = example.grpo_by_hand(str(model), steps=steps, group_size=group_size,
-                                   prompts_per_step=prompts_per_step, seed=seed)
+        run = example.grpo_by_hand(
+            str(model), steps=steps, group_size=group_size, prompts_per_step=prompts_per_step, seed=seed
+        )
         walls.append(time.perf_counter() - t0)
         if run.versions != list(range(1, steps + 1)):
             result.note(f"seed {seed}: versions {run.versions[:5]}... do not advance one per step")
@@ -66,8 +73,10 @@ def main() -> None:
         first.append(head)
         last.append(tail)
         gain.append(tail - head)
-        print(f"  seed {seed}: reward {head:.3f} (first {window} steps) -> {tail:.3f} (last {window}), "
-              f"{walls[-1]:.0f} s", flush=True)
+        print(
+            f"  seed {seed}: reward {head:.3f} (first {window} steps) -> {tail:.3f} (last {window}), {walls[-1]:.0f} s",
+            flush=True,
+        )
     result.cases["reward, first steps"] = summary(first)
     result.cases["reward, last steps"] = summary(last)
     result.cases["wall (s)"] = summary(walls)

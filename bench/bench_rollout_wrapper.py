@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--no-gc-freeze", action="store_true", help="keep start-up objects in the collected generations")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="keep start-up objects in the collected generations"
+    )
     args = parser.parse_args()
     q = args.quick
     prompts, samples = args.prompts or (8 if q else 64), args.samples or (4 if q else 8)
@@ -59,15 +61,28 @@ def main() -> None:
     from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine, vLLMWrapper
 
     engine_cfg = load_config(CONFIG).rollout.engine
-    result = Result("rollout", q, {
-        "model": args.model, "prompts": prompts, "samples": samples, "max_tokens": max_tokens,
-        "repeats": repeats, "engine": engine_cfg.model_dump(), "temperature": 1.0, "seed": 0,
-        "gc_freeze": not args.no_gc_freeze,
-    })
+    result = Result(
+        "rollout",
+        q,
+        {
+            "model": args.model,
+            "prompts": prompts,
+            "samples": samples,
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+            "engine": engine_cfg.model_dump(),
+            "temperature": 1.0,
+            "seed": 0,
+            "gc_freeze": not args.no_gc_freeze,
+        },
+    )
     wait_for_quiet(q)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rlpost-bench-rollout")
-    actor = (ray.remote(TimedInferenceActor).options(name="inference-0", num_cpus=0.5)
-             .remote(args.model, engine_cfg, dtype="float32", index=0, run_name="bench-rollout"))
+    actor = (
+        ray.remote(TimedInferenceActor)
+        .options(name="inference-0", num_cpus=0.5)
+        .remote(args.model, engine_cfg, dtype="float32", index=0, run_name="bench-rollout")
+    )
     llm = make_vllm_engine(args.model, dtype="float32", **engine_kwargs(engine_cfg, on_gpu=False))
     ray.get(actor.get_version.remote(), timeout=600)
     tokenizer = llm.get_tokenizer()
@@ -99,8 +114,14 @@ def main() -> None:
 
     def wrapper(engine, mode: str = "tokens", pad_output: bool = False, return_text: bool = True):
         policy = vLLMWrapper(
-            engine, tokenizer=tokenizer, input_mode=mode, num_samples=samples, pad_output=pad_output,
-            return_text=return_text, return_log_probs=True, return_tokens=True,
+            engine,
+            tokenizer=tokenizer,
+            input_mode=mode,
+            num_samples=samples,
+            pad_output=pad_output,
+            return_text=return_text,
+            return_log_probs=True,
+            return_tokens=True,
             generate_kwargs={"max_tokens": max_tokens, "temperature": 1.0, "seed": 0},
         )
         if mode == "tokens":
@@ -143,9 +164,11 @@ def main() -> None:
         gc.freeze()
     # The actor's time from inside it, and the Ray call's own cost: the round trip minus the time
     # the actor spent, measured on the same call (so CPU drift cancels).
-    inside: dict[str, list[float]] = {"in the actor: llm.generate alone": [],
-                                      "in the actor: InferenceActor.generate (engine + plain completions + metrics)": [],
-                                      "Ray call overhead (round trip - time in the actor, same call)": []}
+    inside: dict[str, list[float]] = {
+        "in the actor: llm.generate alone": [],
+        "in the actor: InferenceActor.generate (engine + plain completions + metrics)": [],
+        "Ray call overhead (round trip - time in the actor, same call)": [],
+    }
 
     def split_actor_time() -> list[float]:
         engine_s = ray.get(actor.timed_engine.remote(prompt_ids, sampling))
@@ -175,11 +198,19 @@ def main() -> None:
         paired = statistics.median(
             (tokens[name] / t) / (tokens[DIRECT] / d) for t, d in zip(times[name], times[DIRECT])
         )
-        result.cases[name] = {"seconds": summary(times[name]), "generated_tokens": tokens[name],
-                              "tokens_per_s": rate, "sequences_per_s": sequences / seconds, "ratio": rate / base_rate,
-                              "paired_ratio": paired}
-        print(f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f} "
-              f"(paired {paired:.3f})", flush=True)
+        result.cases[name] = {
+            "seconds": summary(times[name]),
+            "generated_tokens": tokens[name],
+            "tokens_per_s": rate,
+            "sequences_per_s": sequences / seconds,
+            "ratio": rate / base_rate,
+            "paired_ratio": paired,
+        }
+        print(
+            f"  {name:58s} {seconds * 1e3:8.1f} ms {rate:9.0f} tok/s  ratio {rate / base_rate:.3f} "
+            f"(paired {paired:.3f})",
+            flush=True,
+        )
     for name, seconds_list in inside.items():
         seconds = statistics.median(seconds_list)
         result.cases[name] = {"seconds": summary(seconds_list), "share_of_direct_call": seconds / base_s}
@@ -193,19 +224,26 @@ def main() -> None:
     result.ratios["rlpost rollout path / direct vllm.LLM.generate, tokens/s"] = result.cases[RLPOST]["ratio"]
     result.ratios["the same, median of the per-repeat (paired) ratios"] = result.cases[RLPOST]["paired_ratio"]
     result.ratios["rlpost rollout path / direct call returning text (detokenize=True), paired"] = statistics.median(
-        d / t for t, d in zip(times[RLPOST], times[DIRECT_TEXT]))
+        d / t for t, d in zip(times[RLPOST], times[DIRECT_TEXT])
+    )
     result.ratios["inference-0 actor generate / direct, tokens/s"] = result.cases[
-        "inference-0 actor generate (ray.get, no wrapper)"]["ratio"]
+        "inference-0 actor generate (ray.get, no wrapper)"
+    ]["ratio"]
     result.ratios["vLLMWrapper in-process / direct, tokens/s"] = result.cases[
-        "vLLMWrapper on the in-process engine, tokens, ragged"]["ratio"]
+        "vLLMWrapper on the in-process engine, tokens, ragged"
+    ]["ratio"]
     if tokens[RLPOST] != tokens[DIRECT]:
-        result.note(f"generated tokens differ: direct {tokens[DIRECT]}, rlpost path {tokens[RLPOST]} (ratios use tokens/s)")
+        result.note(
+            f"generated tokens differ: direct {tokens[DIRECT]}, rlpost path {tokens[RLPOST]} (ratios use tokens/s)"
+        )
     engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
     result.data["memory_gib"] = {
         "driver_engine_processes": sum(p.memory_info().rss for p in engine) / 2**30,
         "driver": psutil.Process().memory_info().rss / 2**30,
     }
-    print(f"resident memory: engine processes {result.data['memory_gib']['driver_engine_processes']:.2f} GiB", flush=True)
+    print(
+        f"resident memory: engine processes {result.data['memory_gib']['driver_engine_processes']:.2f} GiB", flush=True
+    )
     result.write()
     shutdown_vllm_engine(llm)
     ray.get(actor.shutdown.remote(), timeout=60)

@@ -48,8 +48,16 @@ def main() -> None:
         work = Workload(model_path(TINY_MODEL), steps=args.steps or 3, prompts_per_step=4, group_size=4, max_tokens=8)
     else:
         work = Workload(model_path(TINY_MODEL), steps=args.steps or 20)
-    result = Result("scaling", args.quick, {"workload": vars(work), "repeats": repeats, "points": points,
-                                            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU; 1 torch thread in async, 2 in sync)"})
+    result = Result(
+        "scaling",
+        args.quick,
+        {
+            "workload": vars(work),
+            "repeats": repeats,
+            "points": points,
+            "resources": "configs/tiny-cpu.yaml (inference 0.5, env_pool 0.25, learner 0.5 CPU; 1 torch thread in async, 2 in sync)",
+        },
+    )
     unknown = [p for p in points if p not in POINTS]
     if unknown:
         raise SystemExit(f"unknown points {unknown}; choose from {list(POINTS)}")
@@ -61,16 +69,25 @@ def main() -> None:
             load = wait_for_quiet(args.quick)
             # async as the README runs it: the learner on 1 thread, the engines on the other core
             threads = 1 if mode == "async" else 2
-            overrides = [f"trainer.mode={mode}", f"rollout.num_inference_workers={workers}",
-                         f"rollout.num_env_pools={pools}", f"resources.learner.num_threads={threads}"]
+            overrides = [
+                f"trainer.mode={mode}",
+                f"rollout.num_inference_workers={workers}",
+                f"rollout.num_env_pools={pools}",
+                f"resources.learner.num_threads={threads}",
+            ]
             tag = f"scaling-{mode}-{workers}w{pools}p-{r}"
             print(f"== repeat {r + 1}/{repeats}: {point} (busy cores {load:.2f})", flush=True)
             run = run_rlpost(tag, work, overrides, quick=args.quick)
-            print(f"   {run.samples_per_s:.1f} samples/s (steady {run.steady_samples_per_s or 0:.1f}), "
-                  f"process {run.process_wall_s:.0f} s", flush=True)
+            print(
+                f"   {run.samples_per_s:.1f} samples/s (steady {run.steady_samples_per_s or 0:.1f}), "
+                f"process {run.process_wall_s:.0f} s",
+                flush=True,
+            )
             runs[point].append(run.to_dict() | {"busy_cores_at_start": load})
             result.cases[point] = {
-                "mode": mode, "workers": workers, "pools": pools,
+                "mode": mode,
+                "workers": workers,
+                "pools": pools,
                 "samples_per_s": summary([i["samples_per_s"] for i in runs[point]]),
                 "steady_samples_per_s": summary([i["steady_samples_per_s"] for i in runs[point]]),
                 "process_wall_s": summary([i["process_wall_s"] for i in runs[point]]),

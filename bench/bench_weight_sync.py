@@ -87,8 +87,9 @@ def _sweep_point(named, conns, bucket_mb: int, repeats: int) -> tuple[list[float
 
     from rlpost.transport.weight_bus import TorchWeightPublisher
 
-    publisher = TorchWeightPublisher(len(conns) + 1, host="127.0.0.1", backend="gloo", bucket_mb=bucket_mb,
-                                     timeout_s=RECEIVE_TIMEOUT_S)
+    publisher = TorchWeightPublisher(
+        len(conns) + 1, host="127.0.0.1", backend="gloo", bucket_mb=bucket_mb, timeout_s=RECEIVE_TIMEOUT_S
+    )
     try:
         spec = dataclasses.asdict(publisher.spec)
         for rank, conn in enumerate(conns, start=1):
@@ -123,11 +124,20 @@ def main() -> None:
 
     model_dir = TINY_MODEL if args.quick else qwen05b_model(quick=False)
     named, num_bytes = _state_dict(model_dir)
-    result = Result("weight_sync", args.quick, {
-        "model": str(model_dir.name), "payload_bytes": num_bytes, "num_tensors": len(named),
-        "bucket_mb": buckets, "workers": workers, "repeats": args.repeats, "backend": "gloo (loopback)",
-        "publisher_torch_threads": torch.get_num_threads(),
-    })
+    result = Result(
+        "weight_sync",
+        args.quick,
+        {
+            "model": str(model_dir.name),
+            "payload_bytes": num_bytes,
+            "num_tensors": len(named),
+            "bucket_mb": buckets,
+            "workers": workers,
+            "repeats": args.repeats,
+            "backend": "gloo (loopback)",
+            "publisher_torch_threads": torch.get_num_threads(),
+        },
+    )
     gb = num_bytes / 1e9
     print(f"payload {gb:.2f} GB in {len(named)} tensors", flush=True)
     wait_for_quiet(args.quick)
@@ -147,21 +157,29 @@ def main() -> None:
                 seconds, received, num_buckets = _sweep_point(named, conns, bucket_mb, args.repeats)
                 s = median(seconds)
                 result.cases[f"{n} receiver(s), bucket {bucket_mb} MB"] = {
-                    "workers": n, "bucket_mb": bucket_mb, "num_buckets": num_buckets,
-                    "seconds": summary(seconds), "gb_per_s": gb / s,
+                    "workers": n,
+                    "bucket_mb": bucket_mb,
+                    "num_buckets": num_buckets,
+                    "seconds": summary(seconds),
+                    "gb_per_s": gb / s,
                     "receiver_seconds": [summary(r) for r in received],
                     "vs_floor": (gb / s) / (gb / median(floor)),
                 }
-                print(f"  {n} receiver(s), bucket {bucket_mb:5d} MB ({num_buckets:3d} buckets): {s:.3f} s, "
-                      f"{gb / s:.2f} GB/s ({(gb / s) / (gb / median(floor)):.2f} of the floor)", flush=True)
+                print(
+                    f"  {n} receiver(s), bucket {bucket_mb:5d} MB ({num_buckets:3d} buckets): {s:.3f} s, "
+                    f"{gb / s:.2f} GB/s ({(gb / s) / (gb / median(floor)):.2f} of the floor)",
+                    flush=True,
+                )
                 result.write()
         finally:
             for conn in conns:
                 conn.send(("exit",))
             for p in procs:
                 p.join(timeout=30)
-    best = {n: min((c for c in result.cases.values() if c.get("workers") == n), key=lambda c: c["seconds"]["median"])
-            for n in workers}
+    best = {
+        n: min((c for c in result.cases.values() if c.get("workers") == n), key=lambda c: c["seconds"]["median"])
+        for n in workers
+    }
     for n, case in best.items():
         result.ratios[f"{n} receiver(s): best bus GB/s / floor GB/s (bucket {case['bucket_mb']} MB)"] = case["vs_floor"]
         result.ratios[f"{n} receiver(s): best publish seconds"] = case["seconds"]["median"]

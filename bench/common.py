@@ -85,6 +85,7 @@ def _cpu_model() -> str | None:
 
 def busy_cores(interval_s: float = 3.0) -> float:
     """Cores in use on the whole machine over the next ``interval_s`` seconds (from /proc/stat)."""
+
     def sample():
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
         idle = fields[3] + fields[4]  # idle + iowait
@@ -240,8 +241,14 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         try:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env={**os.environ, **(env or {})})
+            proc = subprocess.run(
+                cmd,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env={**os.environ, **(env or {})},
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{' '.join(cmd[:4])}... ran past {timeout_s:.0f}s; log: {log_path}") from None
     wall = time.perf_counter() - t0

@@ -42,23 +42,39 @@ def main() -> None:
     from rlpost.transport.weight_bus import TorchWeightPublisher
 
     if args.model == "tiny":
-        work = Workload(model_path(TINY_MODEL), steps=1) if not args.quick else \
-            Workload(model_path(TINY_MODEL), steps=1, prompts_per_step=4, group_size=4, max_tokens=8)
+        work = (
+            Workload(model_path(TINY_MODEL), steps=1)
+            if not args.quick
+            else Workload(model_path(TINY_MODEL), steps=1, prompts_per_step=4, group_size=4, max_tokens=8)
+        )
     else:
-        work = Workload(model_path(qwen05b_model(args.quick)), steps=1, prompts_per_step=2, group_size=4,
-                        max_tokens=8, lr=1e-6)
+        work = Workload(
+            model_path(qwen05b_model(args.quick)), steps=1, prompts_per_step=2, group_size=4, max_tokens=8, lr=1e-6
+        )
     cfg = load_config(CONFIG, work.rlpost_overrides())
     threads = [int(t) for t in args.threads.split(",")]
-    result = Result(f"profile_step_{args.model}", args.quick, {
-        "workload": vars(work), "threads": threads, "repeats": args.repeats, "bucket_mb": cfg.weight_sync.bucket_mb,
-    })
+    result = Result(
+        f"profile_step_{args.model}",
+        args.quick,
+        {
+            "workload": vars(work),
+            "threads": threads,
+            "repeats": args.repeats,
+            "bucket_mb": cfg.weight_sync.bucket_mb,
+        },
+    )
     wait_for_quiet(args.quick)
     t0 = time.perf_counter()
     worker = InferenceWorker(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype)
     pool = EnvPool(cfg, 0, worker.client)
     learner = Learner(cfg)
-    publisher = TorchWeightPublisher(2, host="127.0.0.1", backend="gloo", bucket_mb=cfg.weight_sync.bucket_mb,
-                                     timeout_s=cfg.weight_sync.timeout_s * 5)
+    publisher = TorchWeightPublisher(
+        2,
+        host="127.0.0.1",
+        backend="gloo",
+        bucket_mb=cfg.weight_sync.bucket_mb,
+        timeout_s=cfg.weight_sync.timeout_s * 5,
+    )
     learner.publisher = publisher
     worker.join_bus(dataclasses.asdict(publisher.spec), 1)
     probe = probe_sequence(cfg)
@@ -101,10 +117,16 @@ def _one_step(pool, learner, worker, executor, probe, cfg) -> dict[str, float]:
     worker.score([probe], cfg.rollout.temperature)
     learner.score([probe])
     t4 = time.perf_counter()
-    return {"collect_s": t1 - t0, "train_s": t2 - t1, "weight_sync_s": t3 - t2,
-            "publish_s (bus, learner side)": published["weight_sync_s"],
-            "receive_s (bus, worker side)": info["receive_s"], "reload_s (vLLM reload_weights)": info["load_s"],
-            "probe_s": t4 - t3, "step_s": t4 - t0}
+    return {
+        "collect_s": t1 - t0,
+        "train_s": t2 - t1,
+        "weight_sync_s": t3 - t2,
+        "publish_s (bus, learner side)": published["weight_sync_s"],
+        "receive_s (bus, worker side)": info["receive_s"],
+        "reload_s (vLLM reload_weights)": info["load_s"],
+        "probe_s": t4 - t3,
+        "step_s": t4 - t0,
+    }
 
 
 if __name__ == "__main__":

@@ -26,9 +26,15 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
     out = out or (results / "BENCHMARKS.md" if quick else REPO / "BENCHMARKS.md")
     data = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
     parts = [_header(data, quick)]
-    for name, section in (("rollout", _rollout), ("e2e", _e2e), ("weight_sync", _weight_sync),
-                          ("buffer", _buffer), ("scaling", _scaling), ("sandbox", _sandbox),
-                          ("grpo_by_hand", _grpo_by_hand)):
+    for name, section in (
+        ("rollout", _rollout),
+        ("e2e", _e2e),
+        ("weight_sync", _weight_sync),
+        ("buffer", _buffer),
+        ("scaling", _scaling),
+        ("sandbox", _sandbox),
+        ("grpo_by_hand", _grpo_by_hand),
+    ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
         else:
@@ -74,8 +80,10 @@ def _header(data: dict[str, dict], quick: bool) -> str:
     for name, d in data.items():
         m = d.get("machine", {})
         wall = f"{d['wall_s'] / 60:.1f} min" if d.get("wall_s") else "-"
-        lines.append(f"| {name} | {d.get('started_utc')} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
-                     f"| {m.get('git_commit')} |")
+        lines.append(
+            f"| {name} | {d.get('started_utc')} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
+            f"| {m.get('git_commit')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -143,9 +151,15 @@ def _rollout(d: dict, results: Path, base: Path) -> str:
     ]
     for name, c in d["cases"].items():
         if "tokens_per_s" in c:
-            lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['tokens_per_s']:.0f} | "
-                         f"{c['ratio']:.3f} | {_fmt(c.get('paired_ratio'))} | {_repeats(c['seconds'])} |")
-    lines += ["", "| part of the rlpost path, timed alone | median ms | share of the direct call |", "| --- | --- | --- |"]
+            lines.append(
+                f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['tokens_per_s']:.0f} | "
+                f"{c['ratio']:.3f} | {_fmt(c.get('paired_ratio'))} | {_repeats(c['seconds'])} |"
+            )
+    lines += [
+        "",
+        "| part of the rlpost path, timed alone | median ms | share of the direct call |",
+        "| --- | --- | --- |",
+    ]
     for name, c in d["cases"].items():
         if "share_of_direct_call" in c:
             lines.append(f"| {name} | {c['seconds']['median'] * 1e3:.1f} | {c['share_of_direct_call']:.1%} |")
@@ -154,21 +168,29 @@ def _rollout(d: dict, results: Path, base: Path) -> str:
 
 def _e2e(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [f"## {TITLES['e2e']}", "",
-             f"Median of {s['repeats']} repeats per system; systems interleaved within each repeat. rlpost runs "
-             f"go through `rlpost train` ({s['rlpost_config']}); TRL through bench/trl_grpo.py (GRPOTrainer, "
-             "`use_cpu=True, bf16=False`, same model folder, group size, completion length, prompts per step, "
-             "lr, betas, clipping, token-mean loss; `gradient_checkpointing=False`). *samples/s* = N steps x "
-             "samples per step / wall time of the N steps (start-up excluded on both sides); *steady* leaves "
-             "out step 1; *process* is the whole command, start-up included. Target: rlpost async >= 3x TRL "
-             "on the 0.5B-shaped model.", "", _ratios(d)]
+    lines = [
+        f"## {TITLES['e2e']}",
+        "",
+        f"Median of {s['repeats']} repeats per system; systems interleaved within each repeat. rlpost runs "
+        f"go through `rlpost train` ({s['rlpost_config']}); TRL through bench/trl_grpo.py (GRPOTrainer, "
+        "`use_cpu=True, bf16=False`, same model folder, group size, completion length, prompts per step, "
+        "lr, betas, clipping, token-mean loss; `gradient_checkpointing=False`). *samples/s* = N steps x "
+        "samples per step / wall time of the N steps (start-up excluded on both sides); *steady* leaves "
+        "out step 1; *process* is the whole command, start-up included. Target: rlpost async >= 3x TRL "
+        "on the 0.5B-shaped model.",
+        "",
+        _ratios(d),
+    ]
     for key, cases in d["cases"].items():
         w = s["workloads"][key]
-        lines += [f"### {key}: {Path(w['model']).name}, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
-                  f"{w['max_tokens']} tokens, {w['steps']} steps, lr {w['lr']}", "",
-                  "| system | samples/s | steady samples/s | wall of N steps (s) | process wall (s) | "
-                  "reward gain | final reward | samples/s repeats |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {key}: {Path(w['model']).name}, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+            f"{w['max_tokens']} tokens, {w['steps']} steps, lr {w['lr']}",
+            "",
+            "| system | samples/s | steady samples/s | wall of N steps (s) | process wall (s) | "
+            "reward gain | final reward | samples/s repeats |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         trl = cases.get("TRL GRPOTrainer", {}).get("samples_per_s", {}).get("median")
         for system, c in cases.items():
             sps = c["samples_per_s"]["median"]
@@ -177,7 +199,8 @@ def _e2e(d: dict, results: Path, base: Path) -> str:
                 f"| {system} | {_fmt(sps)}{vs} | {_fmt(c['steady_samples_per_s']['median'])} | "
                 f"{_fmt(c['steps_wall_s']['median'])} | {_fmt(c['process_wall_s']['median'])} | "
                 f"{_fmt(c['reward_gain']['median'])} | {_fmt(c['final_reward']['median'])} | "
-                f"{_repeats(c['samples_per_s'])} |")
+                f"{_repeats(c['samples_per_s'])} |"
+            )
         lines.append("")
         lines += _phase_table(cases)
         plot = _e2e_plot(key, cases, results)
@@ -192,9 +215,13 @@ def _phase_table(cases: dict) -> list[str]:
     rows = [(system, c["phases_s"]) for system, c in cases.items() if c.get("phases_s", {}).get("collect_s")]
     if not rows:
         return []
-    lines = ["Where a steady rlpost step's time goes (seconds; `train_s` includes `learner_step_s`, "
-             "`weight_sync_s` includes `weight_load_s`, the engines' in-place reload):", "",
-             "| system | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    lines = [
+        "Where a steady rlpost step's time goes (seconds; `train_s` includes `learner_step_s`, "
+        "`weight_sync_s` includes `weight_load_s`, the engines' in-place reload):",
+        "",
+        "| system | " + " | ".join(names) + " |",
+        "| --- |" + " --- |" * len(names),
+    ]
     for system, phases in rows:
         lines.append(f"| {system} | " + " | ".join(_fmt(phases.get(n)) for n in names) + " |")
     return lines + [""]
@@ -235,7 +262,7 @@ def _e2e_plot(key: str, cases: dict, results: Path) -> Path | None:
 def _smooth(values: list[float], window: int = 5) -> list[float]:
     out = []
     for i in range(len(values)):
-        part = values[max(0, i - window + 1): i + 1]
+        part = values[max(0, i - window + 1) : i + 1]
         out.append(sum(part) / len(part))
     return out
 
@@ -243,21 +270,30 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
 def _weight_sync(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
     floor = d["cases"].get("floor: in-memory copy", {})
-    lines = [f"## {TITLES['weight_sync']}", "",
-             f"Payload {s['payload_bytes'] / 1e9:.2f} GB in {s['num_tensors']} float32 tensors ({s['model']}: "
-             "the learner publishes `state_dict()`, tied `lm_head.weight` included), rlpost's "
-             "TorchWeightPublisher to TorchWeightReceivers in separate processes, gloo over loopback; each point "
-             f"the median of {s['repeats']} publishes after a warm-up. GB/s counts the payload once. The floor is "
-             "a plain in-memory copy (`Tensor.copy_`) of the same tensors in one process.", "", _ratios(d),
-             "| receivers | bucket MB | buckets | publish s (median) | GB/s | share of floor GB/s | repeats (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"## {TITLES['weight_sync']}",
+        "",
+        f"Payload {s['payload_bytes'] / 1e9:.2f} GB in {s['num_tensors']} float32 tensors ({s['model']}: "
+        "the learner publishes `state_dict()`, tied `lm_head.weight` included), rlpost's "
+        "TorchWeightPublisher to TorchWeightReceivers in separate processes, gloo over loopback; each point "
+        f"the median of {s['repeats']} publishes after a warm-up. GB/s counts the payload once. The floor is "
+        "a plain in-memory copy (`Tensor.copy_`) of the same tensors in one process.",
+        "",
+        _ratios(d),
+        "| receivers | bucket MB | buckets | publish s (median) | GB/s | share of floor GB/s | repeats (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     if floor:
-        lines.append(f"| floor: in-memory copy | - | - | {_fmt(floor['seconds']['median'])} | "
-                     f"{_fmt(floor['gb_per_s'])} | 1 | {_repeats(floor['seconds'])} |")
+        lines.append(
+            f"| floor: in-memory copy | - | - | {_fmt(floor['seconds']['median'])} | "
+            f"{_fmt(floor['gb_per_s'])} | 1 | {_repeats(floor['seconds'])} |"
+        )
     points = [c for c in d["cases"].values() if "workers" in c]
     for c in points:
-        lines.append(f"| {c['workers']} | {c['bucket_mb']} | {c['num_buckets']} | {_fmt(c['seconds']['median'])} | "
-                     f"{_fmt(c['gb_per_s'])} | {_fmt(c['vs_floor'])} | {_repeats(c['seconds'])} |")
+        lines.append(
+            f"| {c['workers']} | {c['bucket_mb']} | {c['num_buckets']} | {_fmt(c['seconds']['median'])} | "
+            f"{_fmt(c['gb_per_s'])} | {_fmt(c['vs_floor'])} | {_repeats(c['seconds'])} |"
+        )
     if points:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -281,13 +317,19 @@ def _weight_sync(d: dict, results: Path, base: Path) -> str:
 
 def _buffer(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [f"## {TITLES['buffer']}", "",
-             f"rlpost's buffer actor (capacity {s['capacity']} groups, staleness cap {s['max_staleness']}), "
-             f"real Group objects ({s['group_size']} samples of {s['prompt_len']} + {s['generated_len']} tokens), "
-             f"batches of {s['groups_per_batch']} groups (one step), medians of {s['repeats']}+ repeats. The "
-             "collector rate and the step time come from the rlpost tiny runs of the e2e benchmark (same "
-             "workload). Target: buffer share of step time < 2%.", "", _ratios(d),
-             "| figure | median | repeats |", "| --- | --- | --- |"]
+    lines = [
+        f"## {TITLES['buffer']}",
+        "",
+        f"rlpost's buffer actor (capacity {s['capacity']} groups, staleness cap {s['max_staleness']}), "
+        f"real Group objects ({s['group_size']} samples of {s['prompt_len']} + {s['generated_len']} tokens), "
+        f"batches of {s['groups_per_batch']} groups (one step), medians of {s['repeats']}+ repeats. The "
+        "collector rate and the step time come from the rlpost tiny runs of the e2e benchmark (same "
+        "workload). Target: buffer share of step time < 2%.",
+        "",
+        _ratios(d),
+        "| figure | median | repeats |",
+        "| --- | --- | --- |",
+    ]
     for name, c in d["cases"].items():
         if isinstance(c, dict):
             lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
@@ -298,12 +340,18 @@ def _buffer(d: dict, results: Path, base: Path) -> str:
 
 def _sandbox(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [f"## {TITLES['sandbox']}", "",
-             f"One Python tool call (`{s['code'].strip()}` in a fresh interpreter, output collected, everything "
-             "killed) behind bubblewrap's namespaces (`bwrap`, the default) against the in-process guard alone "
-             f"(`guard`), a block in a running persistent interpreter, and a user tool function in a warm worker "
-             f"process; medians of {s['repeats']} repeats of {s['calls_per_repeat']} calls.", "", _ratios(d),
-             "| case | median (s) | repeats |", "| --- | --- | --- |"]
+    lines = [
+        f"## {TITLES['sandbox']}",
+        "",
+        f"One Python tool call (`{s['code'].strip()}` in a fresh interpreter, output collected, everything "
+        "killed) behind bubblewrap's namespaces (`bwrap`, the default) against the in-process guard alone "
+        f"(`guard`), a block in a running persistent interpreter, and a user tool function in a warm worker "
+        f"process; medians of {s['repeats']} repeats of {s['calls_per_repeat']} calls.",
+        "",
+        _ratios(d),
+        "| case | median (s) | repeats |",
+        "| --- | --- | --- |",
+    ]
     for name, c in d["cases"].items():
         lines.append(f"| {name} | {_fmt(c['median'], 4)} | {_repeats(c, 4)} |")
     return "\n".join(lines) + "\n\n" + _notes(d)
@@ -311,12 +359,18 @@ def _sandbox(d: dict, results: Path, base: Path) -> str:
 
 def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [f"## {TITLES['grpo_by_hand']}", "",
-             f"`examples/grpo_by_hand.py` (LLMCollector, ReplayBuffer with MCAdvantage, GRPOLoss, vLLMUpdater on "
-             f"one vLLM worker) on the {s['model']} model: {s['steps']} steps of {s['prompts_per_step']} prompts x "
-             f"{s['group_size']} samples, {s['repeats']} seeds. Training reward of the last {s['window']} steps "
-             f"against the first {s['window']} of the same run.", "", _ratios(d),
-             "| case | median | repeats |", "| --- | --- | --- |"]
+    lines = [
+        f"## {TITLES['grpo_by_hand']}",
+        "",
+        f"`examples/grpo_by_hand.py` (LLMCollector, ReplayBuffer with MCAdvantage, GRPOLoss, vLLMUpdater on "
+        f"one vLLM worker) on the {s['model']} model: {s['steps']} steps of {s['prompts_per_step']} prompts x "
+        f"{s['group_size']} samples, {s['repeats']} seeds. Training reward of the last {s['window']} steps "
+        f"against the first {s['window']} of the same run.",
+        "",
+        _ratios(d),
+        "| case | median | repeats |",
+        "| --- | --- | --- |",
+    ]
     for name, c in d["cases"].items():
         lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
     return "\n".join(lines) + "\n\n" + _notes(d)
@@ -325,16 +379,23 @@ def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
 def _scaling(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
     w = s["workload"]
-    lines = [f"## {TITLES['scaling']}", "",
-             f"rlpost runs on the tiny model, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
-             f"{w['max_tokens']} tokens, {w['steps']} steps, medians of {s['repeats']} repeats; "
-             f"resources: {s['resources']}.", "", _ratios(d),
-             "| point | samples/s | steady samples/s | process wall (s) | stale groups dropped | samples/s repeats |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"## {TITLES['scaling']}",
+        "",
+        f"rlpost runs on the tiny model, {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+        f"{w['max_tokens']} tokens, {w['steps']} steps, medians of {s['repeats']} repeats; "
+        f"resources: {s['resources']}.",
+        "",
+        _ratios(d),
+        "| point | samples/s | steady samples/s | process wall (s) | stale groups dropped | samples/s repeats |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, c in d["cases"].items():
-        lines.append(f"| {name} | {_fmt(c['samples_per_s']['median'])} | {_fmt(c['steady_samples_per_s']['median'])} | "
-                     f"{_fmt(c['process_wall_s']['median'])} | {_fmt(c['groups_dropped_stale']['median'])} | "
-                     f"{_repeats(c['samples_per_s'])} |")
+        lines.append(
+            f"| {name} | {_fmt(c['samples_per_s']['median'])} | {_fmt(c['steady_samples_per_s']['median'])} | "
+            f"{_fmt(c['process_wall_s']['median'])} | {_fmt(c['groups_dropped_stale']['median'])} | "
+            f"{_repeats(c['samples_per_s'])} |"
+        )
     if d["cases"]:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -352,18 +413,27 @@ def _scaling(d: dict, results: Path, base: Path) -> str:
 
 
 def _profiles(files: dict[str, dict]) -> str:
-    lines = ["## 8. Profile of one sync step (phases, plain classes in one process)", "",
-             "bench/profile_step.py: an InferenceWorker (vLLM engine), an EnvPool, a Learner and the gloo bus "
-             "in one process, timing the phases of the controller's sync step; the learner's torch threads "
-             "are the variable (a Ray actor reserving < 2 CPUs gets OMP_NUM_THREADS=1). Seconds, medians "
-             "of the repeats after a warm-up.", ""]
+    lines = [
+        "## 8. Profile of one sync step (phases, plain classes in one process)",
+        "",
+        "bench/profile_step.py: an InferenceWorker (vLLM engine), an EnvPool, a Learner and the gloo bus "
+        "in one process, timing the phases of the controller's sync step; the learner's torch threads "
+        "are the variable (a Ray actor reserving < 2 CPUs gets OMP_NUM_THREADS=1). Seconds, medians "
+        "of the repeats after a warm-up.",
+        "",
+    ]
     for name, d in files.items():
         w = d["settings"]["workload"]
         cases = d["cases"]
         phases = list(next(iter(cases.values()), {}))
-        lines += [f"### {Path(w['model']).name}: {w['prompts_per_step']} prompts x {w['group_size']} samples, "
-                  f"{w['max_tokens']} tokens", "", _ratios(d),
-                  "| case | " + " | ".join(phases) + " |", "| --- |" + " --- |" * len(phases)]
+        lines += [
+            f"### {Path(w['model']).name}: {w['prompts_per_step']} prompts x {w['group_size']} samples, "
+            f"{w['max_tokens']} tokens",
+            "",
+            _ratios(d),
+            "| case | " + " | ".join(phases) + " |",
+            "| --- |" + " --- |" * len(phases),
+        ]
         for case, values in cases.items():
             lines.append(f"| {case} | " + " | ".join(_fmt(values[p]["median"]) for p in phases) + " |")
         lines += ["", _notes(d)]

@@ -73,24 +73,41 @@ class RunResult:
 
     def to_dict(self) -> dict:
         return {
-            "system": self.system, "steps": self.steps, "samples_per_step": self.samples_per_step,
-            "samples_per_s": self.samples_per_s, "steady_samples_per_s": self.steady_samples_per_s,
-            "steps_wall_s": self.steps_wall_s, "process_wall_s": self.process_wall_s,
-            "step_s": self.step_s, "rewards": self.rewards, **self.extra,
+            "system": self.system,
+            "steps": self.steps,
+            "samples_per_step": self.samples_per_step,
+            "samples_per_s": self.samples_per_s,
+            "steady_samples_per_s": self.steady_samples_per_s,
+            "steps_wall_s": self.steps_wall_s,
+            "process_wall_s": self.process_wall_s,
+            "step_s": self.step_s,
+            "rewards": self.rewards,
+            **self.extra,
         }
 
 
 PHASES = ("collect_s", "train_s", "learner_step_s", "weight_load_s")
 
 
-def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bool = False,
-               timeout_s: float = 1200.0) -> RunResult:
+def run_rlpost(
+    tag: str, work: Workload, overrides: list[str] = (), *, quick: bool = False, timeout_s: float = 1200.0
+) -> RunResult:
     """``rlpost train configs/tiny-cpu.yaml <workload> <overrides>``; figures from metrics.jsonl."""
     keep = results_dir(quick) / "runs" / tag
     tmp = Path(tempfile.mkdtemp(prefix="rlpost-bench-"))
     run_dir = tmp / tag
-    cmd = [python(), "-m", "rlpost.cli", "train", str(CONFIG), *work.rlpost_overrides(), *overrides,
-           f"logging.run_name=bench-{tag}-{int(time.time())}", "--run-dir", str(run_dir)]
+    cmd = [
+        python(),
+        "-m",
+        "rlpost.cli",
+        "train",
+        str(CONFIG),
+        *work.rlpost_overrides(),
+        *overrides,
+        f"logging.run_name=bench-{tag}-{int(time.time())}",
+        "--run-dir",
+        str(run_dir),
+    ]
     try:
         wall = run_logged(cmd, keep / "run.log", timeout_s)
         keep.mkdir(parents=True, exist_ok=True)
@@ -103,8 +120,13 @@ def run_rlpost(tag: str, work: Workload, overrides: list[str] = (), *, quick: bo
     step_s = [elapsed[0]] + [b - a for a, b in zip(elapsed, elapsed[1:])]
     mode = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.mode=")), "sync")
     return RunResult(
-        system=f"rlpost {mode}", steps=len(records), samples_per_step=work.samples_per_step, step_s=step_s,
-        steps_wall_s=elapsed[-1], process_wall_s=wall, rewards=[r["reward_mean"] for r in records],
+        system=f"rlpost {mode}",
+        steps=len(records),
+        samples_per_step=work.samples_per_step,
+        step_s=step_s,
+        steps_wall_s=elapsed[-1],
+        process_wall_s=wall,
+        rewards=[r["reward_mean"] for r in records],
         extra={
             "weight_sync_s": [r.get("weight_sync_s") for r in records],
             # where each step's time went (metrics.jsonl's split; absent in runs before it existed)
@@ -126,16 +148,43 @@ def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, tim
     keep = results_dir(quick) / "runs" / tag
     keep.mkdir(parents=True, exist_ok=True)
     out = keep / "trl.json"
-    cmd = [python(), "-m", "bench.trl_grpo", "--model", work.model, "--steps", str(work.steps),
-           "--prompts-per-step", str(work.prompts_per_step), "--group-size", str(work.group_size),
-           "--max-tokens", str(work.max_tokens), "--lr", str(work.lr), "--seed", str(seed), "--out", str(out)]
+    cmd = [
+        python(),
+        "-m",
+        "bench.trl_grpo",
+        "--model",
+        work.model,
+        "--steps",
+        str(work.steps),
+        "--prompts-per-step",
+        str(work.prompts_per_step),
+        "--group-size",
+        str(work.group_size),
+        "--max-tokens",
+        str(work.max_tokens),
+        "--lr",
+        str(work.lr),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+    ]
     wall = run_logged(cmd, keep / "run.log", timeout_s)
     data = json.loads(out.read_text())
     return RunResult(
-        system="TRL GRPOTrainer", steps=data["steps"], samples_per_step=data["samples_per_step"],
-        step_s=data["step_s"], steps_wall_s=data["steps_wall_s"], process_wall_s=wall, rewards=data["rewards"],
-        extra={"completion_len": data["completion_len"], "startup_s": data["startup_s"],
-               "torch_threads": data["torch_threads"], "trl_config": data["trl_config"]},
+        system="TRL GRPOTrainer",
+        steps=data["steps"],
+        samples_per_step=data["samples_per_step"],
+        step_s=data["step_s"],
+        steps_wall_s=data["steps_wall_s"],
+        process_wall_s=wall,
+        rewards=data["rewards"],
+        extra={
+            "completion_len": data["completion_len"],
+            "startup_s": data["startup_s"],
+            "torch_threads": data["torch_threads"],
+            "trl_config": data["trl_config"],
+        },
     )
 
 

@@ -62,11 +62,18 @@ def main() -> None:
     from rlpost.envs.rewards import answer_reward
 
     rows = make_arithmetic_rows(args.rows, seed=args.seed)
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}],
-         "answer": r["answer"]}
-        for r in rows
-    ])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT},
+                    {"role": "user", "content": r["question"]},
+                ],
+                "answer": r["answer"],
+            }
+            for r in rows
+        ]
+    )
 
     def arithmetic_reward(prompts, completions, answer, **kwargs):
         return [answer_reward(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
@@ -116,8 +123,9 @@ def main() -> None:
             dataloader_num_workers=0,
         )
         times = StepTimes()
-        trainer = GRPOTrainer(model=args.model, reward_funcs=arithmetic_reward, args=config,
-                              train_dataset=dataset, callbacks=[times])
+        trainer = GRPOTrainer(
+            model=args.model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, callbacks=[times]
+        )
         t_ready = time.perf_counter()
         output = trainer.train()
         t_done = time.perf_counter()
@@ -134,10 +142,26 @@ def main() -> None:
         "rewards": [h["reward"] for h in history],
         "completion_len": [h.get("completions/mean_length") for h in history],
         "torch_threads": torch.get_num_threads(),
-        "trl_config": {k: getattr(config, k) for k in (
-            "per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate",
-            "adam_beta2", "max_grad_norm", "epsilon", "epsilon_high", "loss_type", "beta", "scale_rewards",
-            "gradient_checkpointing", "steps_per_generation", "generation_batch_size", "use_vllm")},
+        "trl_config": {
+            k: getattr(config, k)
+            for k in (
+                "per_device_train_batch_size",
+                "num_generations",
+                "max_completion_length",
+                "learning_rate",
+                "adam_beta2",
+                "max_grad_norm",
+                "epsilon",
+                "epsilon_high",
+                "loss_type",
+                "beta",
+                "scale_rewards",
+                "gradient_checkpointing",
+                "steps_per_generation",
+                "generation_batch_size",
+                "use_vllm",
+            )
+        },
     }
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"trl: {result['steps']} steps in {result['steps_wall_s']:.1f} s; rewards {result['rewards'][:3]}...")

@@ -225,29 +225,55 @@ def _add_job_commands(sub) -> None:
         "runs/, .cache/ and build outputs); resources.env_vars become the job's environment. Prints the job id and "
         "its dashboard URL.",
     )
-    submit.add_argument("config", nargs="?",
-                        help="YAML job config inside the working dir, e.g. configs/gsm8k-qwen2.5-1.5b.yaml")
+    submit.add_argument(
+        "config", nargs="?", help="YAML job config inside the working dir, e.g. configs/gsm8k-qwen2.5-1.5b.yaml"
+    )
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    submit.add_argument("--resume", metavar="RUN_DIR",
-                        help="run `rlpost train --resume RUN_DIR` instead (RUN_DIR: absolute, on storage the nodes share)")
+    submit.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="run `rlpost train --resume RUN_DIR` instead (RUN_DIR: absolute, on storage the nodes share)",
+    )
     upload = submit.add_mutually_exclusive_group()
-    upload.add_argument("--working-dir", help="folder to upload as the job's working dir (default: the rlpost checkout)")
-    upload.add_argument("--no-working-dir", action="store_true",
-                        help="upload nothing: the cluster's image holds rlpost and CONFIG at the same relative path")
-    submit.add_argument("--job-id", "--submission-id", dest="job_id",
-                        help="job id (default: rlpost-<logging.run_name>; a run name is chosen when the config has none)")
-    submit.add_argument("--follow", action="store_true", help="then print the job's logs until it ends; exit with its result")
+    upload.add_argument(
+        "--working-dir", help="folder to upload as the job's working dir (default: the rlpost checkout)"
+    )
+    upload.add_argument(
+        "--no-working-dir",
+        action="store_true",
+        help="upload nothing: the cluster's image holds rlpost and CONFIG at the same relative path",
+    )
+    submit.add_argument(
+        "--job-id",
+        "--submission-id",
+        dest="job_id",
+        help="job id (default: rlpost-<logging.run_name>; a run name is chosen when the config has none)",
+    )
+    submit.add_argument(
+        "--follow", action="store_true", help="then print the job's logs until it ends; exit with its result"
+    )
     _add_cluster_arguments(submit)
     submit.set_defaults(handler=_cmd_submit)
 
-    status = sub.add_parser("status", help="print a Ray job's status",
-                            description="Print a job's status and message. Exit 0 pending/running/succeeded, 1 failed/stopped.")
-    logs = sub.add_parser("logs", help="print a Ray job's logs",
-                          description="Print a job's logs; with --follow, until it ends (exit 0 if it succeeded, else 1).")
+    status = sub.add_parser(
+        "status",
+        help="print a Ray job's status",
+        description="Print a job's status and message. Exit 0 pending/running/succeeded, 1 failed/stopped.",
+    )
+    logs = sub.add_parser(
+        "logs",
+        help="print a Ray job's logs",
+        description="Print a job's logs; with --follow, until it ends (exit 0 if it succeeded, else 1).",
+    )
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
-    stop = sub.add_parser("stop", help="stop a Ray job",
-                          description="Stop a job (`rlpost train` gets SIGTERM and stops its actors) and wait for it to end.")
-    stop.add_argument("--wait", type=float, default=60.0, metavar="SECONDS", help="how long to wait for it to end (default 60)")
+    stop = sub.add_parser(
+        "stop",
+        help="stop a Ray job",
+        description="Stop a job (`rlpost train` gets SIGTERM and stops its actors) and wait for it to end.",
+    )
+    stop.add_argument(
+        "--wait", type=float, default=60.0, metavar="SECONDS", help="how long to wait for it to end (default 60)"
+    )
     for command, handler in ((status, _cmd_status), (logs, _cmd_logs), (stop, _cmd_stop)):
         command.add_argument("job_id", metavar="JOB", help="job id, as printed by `rlpost submit`")
         _add_cluster_arguments(command)
@@ -255,8 +281,12 @@ def _add_job_commands(sub) -> None:
 
 
 def _add_cluster_arguments(parser) -> None:
-    parser.add_argument("--address", help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)")
-    parser.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="timeout of each request (default 30)")
+    parser.add_argument(
+        "--address", help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, metavar="SECONDS", help="timeout of each request (default 30)"
+    )
 
 
 def _cmd_submit(args) -> int:

@@ -231,8 +231,9 @@ class LearnerClient(ActorClient):
         """The learner's weights version (after any call it is still running)."""
         return self.call("version", timeout_s=timeout_s)
 
-    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
-                        timeout_s: float) -> int:
+    def connect_workers(
+        self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float, timeout_s: float
+    ) -> int:
         """Form the weight bus between the learner and ``workers`` (handles); the learner drives
         the workers' side of every later sync itself."""
         return self.call("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, timeout_s=timeout_s)
@@ -268,4 +269,3 @@ class BufferClient(RayBuffer):
 
     def kill(self) -> None:
         kill(self.handle)
-

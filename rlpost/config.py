@@ -60,7 +60,8 @@ class DataConfig(_Section):
     )
     subset: str | None = Field(None, description="Dataset configuration name (e.g. 'main' for openai/gsm8k).")
     split: str = Field(
-        "train", description="Dataset split to draw prompts from. For the synthetic arithmetic tasks 'train' never "
+        "train",
+        description="Dataset split to draw prompts from. For the synthetic arithmetic tasks 'train' never "
         "draws the questions held out for evaluation ('test').",
     )
     prompt_column: str = Field("question", description="Column holding the user prompt.")
@@ -77,7 +78,9 @@ class DataConfig(_Section):
         "required for task=custom, optional extra reward otherwise.",
     )
     reward_timeout_s: float = Field(
-        30.0, gt=0, description="Wall-clock limit of one reward_fn call (it runs in a worker process); past it "
+        30.0,
+        gt=0,
+        description="Wall-clock limit of one reward_fn call (it runs in a worker process); past it "
         "the sample scores 0 and counts in reward_errors.",
     )
     system_prompt: str | None = Field(None, description="System prompt; None uses the task's default.")
@@ -95,7 +98,8 @@ class PythonToolConfig(_Section):
     memory_mb: int = Field(512, ge=32, description="Address-space limit of the interpreter.")
     max_output_bytes: int = Field(4096, ge=1, description="Output shown to the model; more stops the block.")
     persistent: bool = Field(
-        False, description="One interpreter per episode (names persist between blocks), as TorchRL's "
+        False,
+        description="One interpreter per episode (names persist between blocks), as TorchRL's "
         "persistent=True; otherwise a fresh one per block.",
     )
     max_workers: int = Field(2, ge=1, description="Code blocks of one batch run at once per env pool.")
@@ -108,7 +112,7 @@ class ToolsConfig(_Section):
     functions: list[str] = Field(
         default_factory=list,
         description="Your tool functions as 'package.module:function' paths, called by name from "
-        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks (Qwen/Hermes format).",
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen/Hermes format).',
     )
     function_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool function call.")
     sandbox: Literal["bwrap", "guard"] = Field(
@@ -128,7 +132,9 @@ class EngineConfig(_Section):
 
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per inference worker (vLLM tensor parallel).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
-    kv_cache_space_gb: float = Field(1.0, gt=0, description="KV cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_space_gb: float = Field(
+        1.0, gt=0, description="KV cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE)."
+    )
     max_model_len: int = Field(512, ge=16, description="Longest prompt + completion the engine accepts.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine schedules at once.")
     enforce_eager: bool = Field(True, description="Skip CUDA-graph / compile warm-up (faster start, slower decode).")
@@ -152,22 +158,27 @@ class EvalConfig(_Section):
     """Evaluation on held-out prompts with the current weights, on the inference workers."""
 
     interval: int = Field(
-        0, ge=0, description="Learner steps between evaluations (after that step's weight sync); 0: none during "
-        "training.",
+        0,
+        ge=0,
+        description="Learner steps between evaluations (after that step's weight sync); 0: none during training.",
     )
     before_training: bool = Field(
         False, description="Also evaluate the initial weights before step 1 (logged as step 0 in eval.jsonl)."
     )
     dataset: str | None = Field(
-        None, description="Held-out dataset (hub name or local file); None: the training data's source (data.dataset, "
+        None,
+        description="Held-out dataset (hub name or local file); None: the training data's source (data.dataset, "
         "or the synthetic task's held-out questions).",
     )
     subset: str | None = Field(None, description="Configuration name of eval.dataset; None: data.subset.")
     split: str = Field(
-        "test", description="Split evaluated. For the synthetic arithmetic tasks 'test' is the held-out eighth of "
+        "test",
+        description="Split evaluated. For the synthetic arithmetic tasks 'test' is the held-out eighth of "
         "the questions, which data.split 'train' never draws.",
     )
-    num_prompts: int = Field(64, ge=1, description="Prompts per evaluation: the split's first rows, the same every time.")
+    num_prompts: int = Field(
+        64, ge=1, description="Prompts per evaluation: the split's first rows, the same every time."
+    )
     samples_per_prompt: int = Field(1, ge=1, description="Completions per prompt (k of pass@k).")
     greedy: bool = Field(True, description="Greedy decoding; false samples at eval.temperature (needed for k > 1).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when eval.greedy is false.")
@@ -198,7 +209,9 @@ class LossConfig(_Section):
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Advantage normalisation: group std, batch std, or none (Dr.GRPO)."
     )
-    filter_equal_rewards: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal.")
+    filter_equal_rewards: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     kl_to_inference_coef: float = Field(
         0.0, ge=0, description="Penalty on the k3 KL between the learner and the behaviour (inference) log-probs."
@@ -222,9 +235,12 @@ class TrainerConfig(_Section):
     steps: int = Field(20, ge=1, description="Learner steps (one batch of prompts_per_step groups each).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts (GRPO groups) per learner step.")
     epochs_per_batch: int = Field(1, ge=1, description="Passes over each batch (PPO epochs).")
-    mode: Literal["sync", "async"] = Field("sync", description="sync: collect -> train -> publish; async: collection never stops.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: collect -> train -> publish; async: collection never stops."
+    )
     max_staleness: int = Field(
-        1, ge=0,
+        1,
+        ge=0,
         description="async: drop groups more than this many policy versions old; the buffer holds this many steps.",
     )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
@@ -237,7 +253,9 @@ class TrainerConfig(_Section):
 class WeightSyncConfig(_Section):
     """The learner -> inference weight bus (a torch.distributed group of its own)."""
 
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: NCCL when the roles have GPUs, else gloo.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto: NCCL when the roles have GPUs, else gloo."
+    )
     bucket_mb: int = Field(64, ge=1, description="Size of the flattened parameter buckets sent per collective.")
     timeout_s: float = Field(60.0, gt=0, description="Timeout of every collective; a dead peer is detected after it.")
 
@@ -251,7 +269,8 @@ class TorchRoleResources(RoleResources):
     """A role that computes with torch in its own process (the learner, the reference)."""
 
     num_threads: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="torch intra-op threads of this actor. None keeps Ray's default: OMP_NUM_THREADS = the "
         "reserved num_cpus rounded up, so a 0.5-CPU learner trains on 1 core. On a CPU-only node, sync mode: "
         "the node's cores (the engine idles while the learner trains); async mode: leave the engine its "
@@ -262,14 +281,20 @@ class TorchRoleResources(RoleResources):
 class ResourcesConfig(_Section):
     """What each role reserves on the Ray cluster (declared, never assumed)."""
 
-    address: str | None = Field(None, description="Ray address; None starts a local cluster (RAY_ADDRESS/--address override).")
+    address: str | None = Field(
+        None, description="Ray address; None starts a local cluster (RAY_ADDRESS/--address override)."
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy for the run's bundles."
     )
     placement_timeout_s: float = Field(
-        120.0, gt=0, description="How long to wait for the cluster to place every actor (raise it when an autoscaler adds GPU nodes)."
+        120.0,
+        gt=0,
+        description="How long to wait for the cluster to place every actor (raise it when an autoscaler adds GPU nodes).",
     )
-    inference: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker.")
+    inference: RoleResources = Field(
+        default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker."
+    )
     env_pool: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="Per env pool.")
     learner: TorchRoleResources = Field(
         default_factory=lambda: TorchRoleResources(num_cpus=0.5), description="The learner."
@@ -330,11 +355,15 @@ class LoggingConfig(_Section):
         for name in value:
             if name not in TRACKER_PACKAGES:
                 raise PydanticCustomError(
-                    "unknown_tracker", "unknown tracker {name}; valid trackers: {valid}", {"name": repr(name), "valid": valid}
+                    "unknown_tracker",
+                    "unknown tracker {name}; valid trackers: {valid}",
+                    {"name": repr(name), "valid": valid},
                 )
         repeated = sorted({name for name in value if value.count(name) > 1})
         if repeated:
-            raise PydanticCustomError("repeated_tracker", "tracker {names} named more than once", {"names": ", ".join(repeated)})
+            raise PydanticCustomError(
+                "repeated_tracker", "tracker {names} named more than once", {"names": ", ".join(repeated)}
+            )
         problems = missing_tracker_packages(value)
         if problems:
             raise PydanticCustomError("tracker_not_installed", "{problems}", {"problems": "; ".join(problems)})
@@ -371,10 +400,14 @@ class JobConfig(_Section):
 def _cross_field_errors(cfg: JobConfig) -> list[str]:
     errors = []
     if cfg.eval.greedy and cfg.eval.samples_per_prompt > 1:
-        errors.append(f"eval.samples_per_prompt is {cfg.eval.samples_per_prompt} with eval.greedy=true: greedy decoding "
-                      "gives the same completion every time; set eval.greedy=false for pass@k")
+        errors.append(
+            f"eval.samples_per_prompt is {cfg.eval.samples_per_prompt} with eval.greedy=true: greedy decoding "
+            "gives the same completion every time; set eval.greedy=false for pass@k"
+        )
     if cfg.data.group_size < 2:
-        errors.append(f"data.group_size is {cfg.data.group_size}; GRPO compares samples of a prompt, so it must be >= 2")
+        errors.append(
+            f"data.group_size is {cfg.data.group_size}; GRPO compares samples of a prompt, so it must be >= 2"
+        )
     if cfg.data.task in ("gsm8k", "custom") and not cfg.data.dataset:
         errors.append(f"data.dataset is required for data.task={cfg.data.task}")
     if cfg.data.task == "custom" and not cfg.data.reward_fn:
@@ -398,8 +431,12 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         )
     if cfg.reference.kl_coef > 0 and not cfg.reference.enabled:
         errors.append(f"reference.kl_coef is {cfg.reference.kl_coef} but reference.enabled is false")
-    if cfg.weight_sync.backend == "nccl" and (cfg.resources.inference.num_gpus == 0 or cfg.resources.learner.num_gpus == 0):
-        errors.append("weight_sync.backend=nccl needs GPUs: set resources.inference.num_gpus and resources.learner.num_gpus")
+    if cfg.weight_sync.backend == "nccl" and (
+        cfg.resources.inference.num_gpus == 0 or cfg.resources.learner.num_gpus == 0
+    ):
+        errors.append(
+            "weight_sync.backend=nccl needs GPUs: set resources.inference.num_gpus and resources.learner.num_gpus"
+        )
     if cfg.rollout.max_tokens >= cfg.rollout.engine.max_model_len:
         errors.append(
             f"rollout.max_tokens ({cfg.rollout.max_tokens}) must be below rollout.engine.max_model_len "

@@ -113,8 +113,9 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     try:
         # after ray.init: Ray installs a C++ SIGTERM handler there that aborts the driver (exit -6)
         with stop_on_signals():
-            run_with_auto_resume(cfg, run_dir, resume,
-                                 lambda again, resumes: _run_once(cfg, run_dir, again, resumes, evaluator))
+            run_with_auto_resume(
+                cfg, run_dir, resume, lambda again, resumes: _run_once(cfg, run_dir, again, resumes, evaluator)
+            )
         return 0
     finally:
         if started_ray:
@@ -196,11 +197,20 @@ def _init_ray(cfg: JobConfig) -> bool:
         print(_ray_start_line(namespace, _http_url(context.dashboard_url), None, cluster=address), flush=True)
         return True
     if cfg.logging.dashboard:
-        context = ray.init(namespace=namespace, runtime_env=env, include_dashboard=None, dashboard_host="127.0.0.1",
-                           dashboard_port=cfg.logging.dashboard_port, log_to_driver=False)
+        context = ray.init(
+            namespace=namespace,
+            runtime_env=env,
+            include_dashboard=None,
+            dashboard_host="127.0.0.1",
+            dashboard_port=cfg.logging.dashboard_port,
+            log_to_driver=False,
+        )
         dashboard = _http_url(context.dashboard_url)
         if dashboard is None:
-            log.warning("Ray's dashboard did not start (%s); the run goes on without it", _why_no_dashboard(context.dashboard_url))
+            log.warning(
+                "Ray's dashboard did not start (%s); the run goes on without it",
+                _why_no_dashboard(context.dashboard_url),
+            )
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
         dashboard = None
@@ -367,8 +377,12 @@ class Controller:
         if resume:
             self._resume()
         # made after _resume, which sets first_step: a resumed TensorBoard run purges from there
-        self.writer = MetricsWriter(run_dir, trackers=make_trackers(
-            cfg.logging, self.run_dir, cfg.logging.run_name or self.run_dir.name, self.first_step))
+        self.writer = MetricsWriter(
+            run_dir,
+            trackers=make_trackers(
+                cfg.logging, self.run_dir, cfg.logging.run_name or self.run_dir.name, self.first_step
+            ),
+        )
         evaluating = cfg.eval.interval > 0 or cfg.eval.before_training
         self.evaluator = evaluator if evaluator is not None or not evaluating else Evaluator(cfg)
 
@@ -416,8 +430,9 @@ class Controller:
         self.writer.close()  # a stop closes it after its last row (_run_once)
         self._checkpoint(steps)
         figures = plot_run(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir, cfg.logging.run_name)
-        print(f"rlpost: run finished: {self.run_dir} (metrics.jsonl, {', '.join(f.name for f in figures)}, "
-              "checkpoints/)")
+        print(
+            f"rlpost: run finished: {self.run_dir} (metrics.jsonl, {', '.join(f.name for f in figures)}, checkpoints/)"
+        )
 
     # ----------------------------------------------------------------------------- evaluating
 
@@ -445,8 +460,10 @@ class Controller:
         if metrics:
             self.writer.log(metrics, 0)
             self.ray_metrics.record(metrics)
-            print(f"rlpost: evaluation before training: reward {metrics['eval_reward_mean']:.3f}, "
-                  f"pass@1 {metrics['eval_pass_at_1']:.3f} on {int(metrics['eval_num_prompts'])} held-out prompts")
+            print(
+                f"rlpost: evaluation before training: reward {metrics['eval_reward_mean']:.3f}, "
+                f"pass@1 {metrics['eval_pass_at_1']:.3f} on {int(metrics['eval_num_prompts'])} held-out prompts"
+            )
 
     # ----------------------------------------------------------------------------- collecting
 
@@ -485,7 +502,9 @@ class Controller:
                     pending.discard(j)
             self.supervisor.check()
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"env pools {sorted(pending)} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s")
+                raise TimeoutError(
+                    f"env pools {sorted(pending)} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s"
+                )
 
     def _start_share(self, j: int, target: int) -> bool:
         """Start pool ``j`` on what is left of its share; False when nothing is left. A pool
@@ -512,7 +531,9 @@ class Controller:
                 taken = self.actors.buffer.take(num_groups, POLL_S, self.version, self.ledger.acknowledged)
             except BufferTimeout:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the buffer did not receive {num_groups} groups within {COLLECT_TIMEOUT_S:.0f}s") from None
+                    raise TimeoutError(
+                        f"the buffer did not receive {num_groups} groups within {COLLECT_TIMEOUT_S:.0f}s"
+                    ) from None
                 continue
             self.ledger.record(taken)
             return taken.groups
@@ -555,7 +576,9 @@ class Controller:
         learned = self.actors.learner.score([self.probe], timeout_s=120)[0]
         diff = max(abs(a - b) for a, b in zip(served, learned))
         if diff > SYNC_LOGPROB_WARN and self.cfg.model.dtype == "float32":
-            log.warning("sync_logprob_diff %.2e exceeds %.0e: inference and learner weights disagree", diff, SYNC_LOGPROB_WARN)
+            log.warning(
+                "sync_logprob_diff %.2e exceeds %.0e: inference and learner weights disagree", diff, SYNC_LOGPROB_WARN
+            )
         return diff
 
     # ------------------------------------------------------------------ checkpoints and resume
@@ -568,8 +591,9 @@ class Controller:
         buffer (after any taken but not trained), every pool's position after its last put, and
         the ledger (one consistent snapshot)."""
         snapshot = self.actors.buffer.snapshot()
-        ledger = Ledger(self.ledger.groups_taken - len(self.taken), self.ledger.groups_dropped_stale,
-                        dict(self.ledger.acknowledged))
+        ledger = Ledger(
+            self.ledger.groups_taken - len(self.taken), self.ledger.groups_dropped_stale, dict(self.ledger.acknowledged)
+        )
         rollout_state = {
             "buffer_groups": list(self.taken) + snapshot.groups,
             "producer_states": snapshot.producer_states,
@@ -579,7 +603,9 @@ class Controller:
             "counts": dict(self.supervisor.counts),
             "elapsed_s": time.perf_counter() - self.start_time,
         }
-        path = self.actors.learner.save_checkpoint(str(self.run_dir), step, rollout_state, timeout_s=CHECKPOINT_TIMEOUT_S)
+        path = self.actors.learner.save_checkpoint(
+            str(self.run_dir), step, rollout_state, timeout_s=CHECKPOINT_TIMEOUT_S
+        )
         log.info("checkpoint written: %s (%d groups from the buffer)", path, len(rollout_state["buffer_groups"]))
 
     def checkpoint_on_stop(self) -> None:
@@ -633,8 +659,14 @@ class Controller:
         if state:
             ledger = Ledger(**state.get("ledger", {}))
             self.supervisor.ledger = ledger
-            self.actors.buffer.restore(BufferSnapshot(state["buffer_groups"], state["producer_states"],
-                                                      state.get("last_seqs", {}), dict(ledger.acknowledged)))
+            self.actors.buffer.restore(
+                BufferSnapshot(
+                    state["buffer_groups"],
+                    state["producer_states"],
+                    state.get("last_seqs", {}),
+                    dict(ledger.acknowledged),
+                )
+            )
             for j, pool in enumerate(self.actors.env_pools):
                 pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
@@ -644,9 +676,14 @@ class Controller:
             self.start_time -= state["elapsed_s"]
         moved = supersede_metrics_after(self.run_dir, info["step"])
         self._sync_weights()  # the workers serve the checkpoint's weights at its version
-        log.info("resumed from %s: step %d, policy version %d, %d groups back in the buffer%s", path, info["step"],
-                 self.version, len(state.get("buffer_groups", [])),
-                 f"; {moved} metrics lines of later steps moved to metrics.superseded.jsonl" if moved else "")
+        log.info(
+            "resumed from %s: step %d, policy version %d, %d groups back in the buffer%s",
+            path,
+            info["step"],
+            self.version,
+            len(state.get("buffer_groups", [])),
+            f"; {moved} metrics lines of later steps moved to metrics.superseded.jsonl" if moved else "",
+        )
 
     # ------------------------------------------------------------------------------- metrics
 
@@ -703,8 +740,15 @@ class _Progress:
 
     EVAL_KEYS = ("eval_pass_at_1", "eval_reward_mean")
 
-    def __init__(self, steps: int, enabled: bool, initial: int = 0, every: int | None = None,
-                 stream: TextIO | None = None, is_terminal: bool | None = None):
+    def __init__(
+        self,
+        steps: int,
+        enabled: bool,
+        initial: int = 0,
+        every: int | None = None,
+        stream: TextIO | None = None,
+        is_terminal: bool | None = None,
+    ):
         self.steps, self.enabled, self.initial = steps, enabled, initial
         self.every = every if every is not None else max(1, steps // 20)
         self.stream = stream if stream is not None else sys.stderr

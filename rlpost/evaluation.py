@@ -153,8 +153,10 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
             raise ConfigError(f"run directory {target} holds no checkpoint yet")
         return checkpoint, target
     if not (target / "config.json").is_file():
-        raise ConfigError(f"{target} is neither a run directory (config.yaml + checkpoints/) nor a checkpoint "
-                          "folder (config.json of a Hugging Face model)")
+        raise ConfigError(
+            f"{target} is neither a run directory (config.yaml + checkpoints/) nor a checkpoint "
+            "folder (config.json of a Hugging Face model)"
+        )
     run_dir = target.parent.parent if target.parent.name == "checkpoints" else None
     return target, run_dir if run_dir is not None and (run_dir / "config.yaml").is_file() else None
 

@@ -46,8 +46,17 @@ TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # working dir. Without a trailing slash a pattern matches the folder itself, so Ray's packer skips
 # it whole instead of walking every file of .venv to exclude them one by one.
 WORKING_DIR_EXCLUDES = (
-    ".git", ".venv", "venv", ".cache", "runs", "__pycache__", "*.egg-info", ".pytest_cache", "*.pyc",
-    "/build", "/dist",
+    ".git",
+    ".venv",
+    "venv",
+    ".cache",
+    "runs",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    "*.pyc",
+    "/build",
+    "/dist",
 )
 # PYTHONUNBUFFERED: the driver's output reaches `rlpost logs --follow` as it is printed.
 # RAY_OVERRIDE_JOB_RUNTIME_ENV: the driver's ray.init passes resources.env_vars again (for local
@@ -273,8 +282,11 @@ def _path_notes(cfg: JobConfig, working_dir: Path | None, cwd: Path) -> list[str
     (an error otherwise); an absolute path must exist on the cluster's nodes (a note).
     """
     notes = []
-    inputs = {"model.name_or_path": cfg.model.name_or_path, "model.tokenizer": cfg.model.tokenizer,
-              "data.dataset": cfg.data.dataset}
+    inputs = {
+        "model.name_or_path": cfg.model.name_or_path,
+        "model.tokenizer": cfg.model.tokenizer,
+        "data.dataset": cfg.data.dataset,
+    }
     for key, value in inputs.items():
         if not value or not (value.startswith((".", "/", "~")) or (cwd / value).exists()):
             continue  # a hub name
@@ -284,7 +296,9 @@ def _path_notes(cfg: JobConfig, working_dir: Path | None, cwd: Path) -> list[str
         elif working_dir is None:
             notes.append(f"{key}={value} is relative: it must exist relative to the job's directory on the cluster")
         elif not (working_dir / path).exists():
-            raise ConfigError(f"{key}: {value} is not in the working dir {working_dir} (relative paths resolve there on the cluster)")
+            raise ConfigError(
+                f"{key}: {value} is not in the working dir {working_dir} (relative paths resolve there on the cluster)"
+            )
         else:
             _path_in_upload(key, (working_dir / path).resolve(), working_dir)
     if not Path(cfg.logging.run_dir).is_absolute():
@@ -307,7 +321,9 @@ def resolve_address(address: str | None, environ: Mapping[str, str] = os.environ
     if not chosen and "://" in environ.get("RAY_ADDRESS", "") and environ["RAY_ADDRESS"].startswith("http"):
         chosen = environ["RAY_ADDRESS"]
     if not chosen:
-        raise ConfigError("no cluster address: pass --address http://HEAD:8265 (the Ray dashboard) or set RAY_API_SERVER_ADDRESS")
+        raise ConfigError(
+            "no cluster address: pass --address http://HEAD:8265 (the Ray dashboard) or set RAY_API_SERVER_ADDRESS"
+        )
     if "://" not in chosen:
         chosen = f"http://{chosen}"
     if not chosen.startswith(("http://", "https://")):
@@ -373,7 +389,9 @@ def _client_class():
         def _raise_error(self, r):
             if r.status_code == 404 and "/api/jobs/" in r.url:
                 raise JobNotFoundError(f"no job {r.url.split('/api/jobs/')[1].split('/')[0]} on {self.rlpost_address}")
-            raise ClusterError(f"the Ray dashboard at {self.rlpost_address} answered {r.status_code}: {r.text.strip()[:500]}")
+            raise ClusterError(
+                f"the Ray dashboard at {self.rlpost_address} answered {r.status_code}: {r.text.strip()[:500]}"
+            )
 
     return Client
 
@@ -386,8 +404,10 @@ def _reason(exc: Exception) -> str:
 
 def _auth_failure(where: str, token: AuthToken | None) -> str:
     if token is None:
-        return (f"{where} requires token authentication and no token was found: set RAY_AUTH_TOKEN, or "
-                "RAY_AUTH_TOKEN_PATH, or write ~/.ray/auth_token (`ray get-auth-token` on the head prints it)")
+        return (
+            f"{where} requires token authentication and no token was found: set RAY_AUTH_TOKEN, or "
+            "RAY_AUTH_TOKEN_PATH, or write ~/.ray/auth_token (`ray get-auth-token` on the head prints it)"
+        )
     return f"{where} rejected the authentication token from {token.source}"
 
 
@@ -396,8 +416,10 @@ def _auth_failure(where: str, token: AuthToken | None) -> str:
 
 def submit(client, submission: Submission) -> str:
     return client.submit_job(
-        entrypoint=submission.entrypoint, runtime_env=submission.runtime_env,
-        submission_id=submission.job_id, metadata=submission.metadata,
+        entrypoint=submission.entrypoint,
+        runtime_env=submission.runtime_env,
+        submission_id=submission.job_id,
+        metadata=submission.metadata,
     )
 
 

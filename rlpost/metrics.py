@@ -69,8 +69,13 @@ class MetricsWriter:
             try:
                 tracker.log(values, step)
             except Exception as exc:
-                log.warning("tracker %s failed at step %d (%s: %s); it is off for the rest of the run",
-                            tracker.name, step, type(exc).__name__, exc)
+                log.warning(
+                    "tracker %s failed at step %d (%s: %s); it is off for the rest of the run",
+                    tracker.name,
+                    step,
+                    type(exc).__name__,
+                    exc,
+                )
                 self.trackers.remove(tracker)
                 _close_tracker(tracker)
 
@@ -118,9 +123,18 @@ def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title:
     fig = Figure(figsize=(7, 6))
     ax_r, ax_l = fig.subplots(2, 1, sharex=True)
     ax_r.plot(steps, reward, color="tab:blue", label="reward mean")
-    ax_r.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
-                      color="tab:blue", alpha=0.15, label="± std")
-    for key, label, color in (("eval_reward_mean", "eval reward", "tab:green"), ("eval_pass_at_1", "eval pass@1", "tab:purple")):
+    ax_r.fill_between(
+        steps,
+        [r - s for r, s in zip(reward, std)],
+        [r + s for r, s in zip(reward, std)],
+        color="tab:blue",
+        alpha=0.15,
+        label="± std",
+    )
+    for key, label, color in (
+        ("eval_reward_mean", "eval reward", "tab:green"),
+        ("eval_pass_at_1", "eval pass@1", "tab:purple"),
+    ):
         values = _series(records, key)
         if values is not None:
             _plot_finite(ax_r, steps, values, label=label, color=color, marker="o")
@@ -140,8 +154,9 @@ def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title:
 STEP_TIME_PARTS = ("collect_s", "train_s", "weight_sync_s")
 
 
-def plot_run(records: Iterable[dict[str, Any]], run_dir: str | Path, title: str = "",
-             reward_path: str | Path | None = None) -> list[Path]:
+def plot_run(
+    records: Iterable[dict[str, Any]], run_dir: str | Path, title: str = "", reward_path: str | Path | None = None
+) -> list[Path]:
     """Every figure of a run, from its metrics records; returns the paths written.
 
     ``reward.png`` (at ``reward_path``, default ``run_dir/reward.png``) is always drawn
@@ -161,11 +176,20 @@ def plot_run(records: Iterable[dict[str, Any]], run_dir: str | Path, title: str 
     written = [plot_metrics(records, reward_path or run_dir / "reward.png", title)]
     steps = [r["step"] for r in records]
     figures = {  # file name: (figure title, y label, lines)
-        "kl.png": ("KL", "KL", [("kl_to_ref", _series(records, "kl_to_ref")),
-                                ("kl_to_inference", _series(records, "kl_to_inference"))]),
+        "kl.png": (
+            "KL",
+            "KL",
+            [("kl_to_ref", _series(records, "kl_to_ref")), ("kl_to_inference", _series(records, "kl_to_inference"))],
+        ),
         "length.png": ("completion length", "tokens", [("completion length", _completion_lengths(records))]),
-        "staleness.png": ("staleness", "policy versions behind", [
-            ("staleness_mean", _series(records, "staleness_mean")), ("staleness_max", _series(records, "staleness_max"))]),
+        "staleness.png": (
+            "staleness",
+            "policy versions behind",
+            [
+                ("staleness_mean", _series(records, "staleness_mean")),
+                ("staleness_max", _series(records, "staleness_max")),
+            ],
+        ),
     }
     for name, (what, ylabel, lines) in figures.items():
         drawn = [(label, values) for label, values in lines if values is not None]
@@ -198,7 +222,9 @@ def _completion_lengths(records: list[dict[str, Any]]) -> list[float] | None:
         value = _as_float(r.get("completion_len_mean"))
         if not math.isfinite(value):
             tokens, samples = _as_float(r.get("tokens_generated")), _as_float(r.get("samples_generated"))
-            value = tokens / samples if math.isfinite(tokens) and math.isfinite(samples) and samples > 0 else float("nan")
+            value = (
+                tokens / samples if math.isfinite(tokens) and math.isfinite(samples) and samples > 0 else float("nan")
+            )
         values.append(value)
     return values if any(math.isfinite(v) for v in values) else None
 
@@ -324,8 +350,12 @@ class RayMetrics:
         from ray.util import metrics
 
         self.tags = {"run": run_name}
-        self.gauges = {k: metrics.Gauge(f"rlpost_{k}", description=d, tag_keys=("run",)) for k, d in self.GAUGES.items()}
-        self.counters = {k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=("run",)) for k, d in self.COUNTERS.items()}
+        self.gauges = {
+            k: metrics.Gauge(f"rlpost_{k}", description=d, tag_keys=("run",)) for k, d in self.GAUGES.items()
+        }
+        self.counters = {
+            k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=("run",)) for k, d in self.COUNTERS.items()
+        }
 
     def record(self, values: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
@@ -347,15 +377,33 @@ class RoleMetrics:
     """
 
     ROLES = {
-        "inference": ({"policy_version": "Weights version served", "weight_load_s": "Seconds to receive and load the last update"},
-                      {"samples_generated": "Completions generated", "tokens_generated": "Completion tokens generated"}),
-        "env_pool": ({"reward_mean": "Mean reward of the last collected batch"},
-                     {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"}),
-        "learner": ({"loss": "Learner loss", "kl_to_ref": "KL to the reference model", "clip_fraction": "Share of clipped tokens",
-                     "step_time_s": "Seconds per learner step", "policy_version": "Learner policy version",
-                     "staleness_mean": "Mean policy-version lag of trained samples",
-                     "weight_sync_s": "Seconds of the last weight publication"}, {}),
-        "buffer": ({"size": "Groups waiting in the buffer", "groups_dropped_stale": "Groups dropped for staleness (total)"}, {}),
+        "inference": (
+            {
+                "policy_version": "Weights version served",
+                "weight_load_s": "Seconds to receive and load the last update",
+            },
+            {"samples_generated": "Completions generated", "tokens_generated": "Completion tokens generated"},
+        ),
+        "env_pool": (
+            {"reward_mean": "Mean reward of the last collected batch"},
+            {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"},
+        ),
+        "learner": (
+            {
+                "loss": "Learner loss",
+                "kl_to_ref": "KL to the reference model",
+                "clip_fraction": "Share of clipped tokens",
+                "step_time_s": "Seconds per learner step",
+                "policy_version": "Learner policy version",
+                "staleness_mean": "Mean policy-version lag of trained samples",
+                "weight_sync_s": "Seconds of the last weight publication",
+            },
+            {},
+        ),
+        "buffer": (
+            {"size": "Groups waiting in the buffer", "groups_dropped_stale": "Groups dropped for staleness (total)"},
+            {},
+        ),
         "reference": ({}, {"samples_scored": "Samples scored by the reference model"}),
     }
 
@@ -366,7 +414,9 @@ class RoleMetrics:
         tags = ("run", "actor")
         self.tags = {"run": run_name or "", "actor": actor}
         self.gauges = {k: metrics.Gauge(f"rlpost_{role}_{k}", description=d, tag_keys=tags) for k, d in gauges.items()}
-        self.counters = {k: metrics.Counter(f"rlpost_{role}_{k}", description=d, tag_keys=tags) for k, d in counters.items()}
+        self.counters = {
+            k: metrics.Counter(f"rlpost_{role}_{k}", description=d, tag_keys=tags) for k, d in counters.items()
+        }
 
     def record(self, **values: Any) -> None:
         for key, value in values.items():

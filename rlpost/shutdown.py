@@ -68,8 +68,10 @@ class _StopHandler:
             _say(f"rlpost: {name} received again: exiting at once, without waiting for the cleanup")
             os._exit(FORCED_EXIT_CODE)
         self.stopping = True
-        _say(f"rlpost: {name} received: stopping every actor and writing a final checkpoint; "
-             "send it again to exit at once")
+        _say(
+            f"rlpost: {name} received: stopping every actor and writing a final checkpoint; "
+            "send it again to exit at once"
+        )
         raise StopRequested(name)
 
 

@@ -73,8 +73,7 @@ class LearnerDied(ResumeNeeded):
     """The learner actor is gone; the message says how to resume."""
 
 
-def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool,
-                         run_once: Callable[[bool, int], None]) -> None:
+def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool, run_once: Callable[[bool, int], None]) -> None:
     """``run_once(resume, learner_resumes)``; when it raises ResumeNeeded (the learner died) and
     ``trainer.auto_resume`` is on, run it again from the last checkpoint, at most
     MAX_AUTO_RESUMES times. Otherwise the error propagates, naming the resume command."""
@@ -86,8 +85,12 @@ def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool,
             if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
                 raise
             learner_resumes += 1
-            log.warning("%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
-                        exc, learner_resumes, MAX_AUTO_RESUMES)
+            log.warning(
+                "%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
+                exc,
+                learner_resumes,
+                MAX_AUTO_RESUMES,
+            )
             resume = True
 
 
@@ -128,8 +131,12 @@ class Ledger:
     def accounting(self, buffer_size: int, last_seqs: dict[str, int]) -> dict[str, int]:
         """The metrics.jsonl counts; after a step, ``groups_put == groups_trained +
         groups_dropped_stale + groups_in_buffer``."""
-        return {"groups_put": sum(last_seqs.values()), "groups_trained": self.groups_taken,
-                "groups_dropped_stale": self.groups_dropped_stale, "groups_in_buffer": buffer_size}
+        return {
+            "groups_put": sum(last_seqs.values()),
+            "groups_trained": self.groups_taken,
+            "groups_dropped_stale": self.groups_dropped_stale,
+            "groups_in_buffer": buffer_size,
+        }
 
 
 class ActorStarter:
@@ -149,8 +156,12 @@ class ActorStarter:
         from rlpost.controller import buffer_capacity, staleness_cap
 
         cfg = self.cfg
-        started = start_buffer(buffer_capacity(cfg), staleness_cap(cfg), num_cpus=cfg.resources.buffer.num_cpus,
-                               run_name=cfg.logging.run_name or "")
+        started = start_buffer(
+            buffer_capacity(cfg),
+            staleness_cap(cfg),
+            num_cpus=cfg.resources.buffer.num_cpus,
+            run_name=cfg.logging.run_name or "",
+        )
         return BufferClient(started.handle)
 
     def inference(self, index: int) -> InferenceClient:
@@ -158,10 +169,17 @@ class ActorStarter:
 
         cfg, name = self.cfg, f"inference-{index}"
         role = cfg.resources.inference
-        handle = make_vllm_worker(cfg.model.name_or_path, engine_config=cfg.rollout.engine, dtype=cfg.model.dtype,
-                                  name=name, index=index, num_cpus=role.num_cpus, num_gpus=role.num_gpus,
-                                  ray_options={"scheduling_strategy": self.place(name)},
-                                  run_name=cfg.logging.run_name or "")
+        handle = make_vllm_worker(
+            cfg.model.name_or_path,
+            engine_config=cfg.rollout.engine,
+            dtype=cfg.model.dtype,
+            name=name,
+            index=index,
+            num_cpus=role.num_cpus,
+            num_gpus=role.num_gpus,
+            ray_options={"scheduling_strategy": self.place(name)},
+            run_name=cfg.logging.run_name or "",
+        )
         return InferenceClient(name, handle)
 
     def learner(self) -> LearnerClient:
@@ -177,15 +195,22 @@ class ActorStarter:
         options = self._options("reference", self.cfg.resources.reference)
         return ReferenceClient("reference", ray.remote(ReferenceActor).options(**options).remote(self.cfg))
 
-    def env_pool(self, index: int, inference: list[InferenceClient], buffer: BufferClient,
-                 epoch: int = 0) -> EnvPoolClient:
+    def env_pool(
+        self, index: int, inference: list[InferenceClient], buffer: BufferClient, epoch: int = 0
+    ) -> EnvPoolClient:
         from rlpost.actors.env_pool import start_env_pool
         from rlpost.actors.inference import RemoteVLLMClient
         from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"
-        handle = start_env_pool(self.cfg, index, RemoteVLLMClient([w.handle for w in inference]),
-                                RayBuffer(buffer.handle), epoch=epoch, scheduling_strategy=self.place(name))
+        handle = start_env_pool(
+            self.cfg,
+            index,
+            RemoteVLLMClient([w.handle for w in inference]),
+            RayBuffer(buffer.handle),
+            epoch=epoch,
+            scheduling_strategy=self.place(name),
+        )
         return EnvPoolClient(name, handle)
 
     def start_all(self) -> RunActors:
@@ -208,8 +233,9 @@ def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:
 
     ws = cfg.weight_sync
     host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
-    actors.learner.connect_workers([w.handle for w in actors.inference], host, ws.backend, ws.bucket_mb,
-                                   ws.timeout_s, timeout_s=timeout_s)
+    actors.learner.connect_workers(
+        [w.handle for w in actors.inference], host, ws.backend, ws.bucket_mb, ws.timeout_s, timeout_s=timeout_s
+    )
 
 
 def stop_actors(actors: RunActors) -> None:
@@ -250,8 +276,13 @@ class Supervisor:
 
     def __init__(self, cfg: JobConfig, run_dir: Path, actors: RunActors, starter: Any, ledger: Ledger):
         self.cfg, self.run_dir, self.actors, self.starter, self.ledger = cfg, Path(run_dir), actors, starter, ledger
-        self.counts = {"restarts_inference": 0, "restarts_env_pool": 0, "restarts_reference": 0,
-                       "restarts_buffer": 0, "bus_reforms": 0}
+        self.counts = {
+            "restarts_inference": 0,
+            "restarts_env_pool": 0,
+            "restarts_reference": 0,
+            "restarts_buffer": 0,
+            "bus_reforms": 0,
+        }
         self.version = 0  # the learner's weights version (the loop sets it after each step)
         self.step = 0  # the step being trained (for messages)
         self.epochs = [0] * len(actors.env_pools)
@@ -323,8 +354,11 @@ class Supervisor:
 
     def _learner_message(self, failure: ActorFailure | None) -> str:
         last = latest_checkpoint(self.run_dir)
-        where = (f"the last checkpoint is {last}; resume with: rlpost train --resume {self.run_dir}" if last else
-                 "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again")
+        where = (
+            f"the last checkpoint is {last}; resume with: rlpost train --resume {self.run_dir}"
+            if last
+            else "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again"
+        )
         cause = f" ({first_line(failure)})" if failure is not None else ""
         return f"the learner died during step {self.step}{cause}; {where}"
 
@@ -381,8 +415,12 @@ class Supervisor:
             pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
         if self.collecting:
             pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
-        log.warning("%s started again (epoch %d) from its last put: %s prompts collected", name, self.epochs[j],
-                    state["num_prompts_collected"] if state else 0)
+        log.warning(
+            "%s started again (epoch %d) from its last put: %s prompts collected",
+            name,
+            self.epochs[j],
+            state["num_prompts_collected"] if state else 0,
+        )
         self.actors.env_pools[j] = pool
         self.counts["restarts_env_pool"] += 1
 
@@ -416,7 +454,11 @@ class Supervisor:
         published = self.actors.learner.publish().result(2 * timeout + 90)
         sync_s = time.perf_counter() - start
         if int(published["policy_version"]) != self.version:
-            raise RuntimeError(f"the learner published version {int(published['policy_version'])}, "
-                               f"the loop expected {self.version}")
-        return {"weight_sync_s": sync_s, "weight_sync_bytes": published.get("bytes"),
-                "weight_load_s": published.get("weight_load_s")}  # the slowest engine's reload
+            raise RuntimeError(
+                f"the learner published version {int(published['policy_version'])}, the loop expected {self.version}"
+            )
+        return {
+            "weight_sync_s": sync_s,
+            "weight_sync_bytes": published.get("bytes"),
+            "weight_load_s": published.get("weight_load_s"),
+        }  # the slowest engine's reload

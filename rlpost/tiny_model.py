@@ -199,7 +199,9 @@ def built_spec(out_dir: str | Path) -> dict | None:
     return json.loads(meta.read_text()).get("spec")
 
 
-def ensure_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print) -> bool:
+def ensure_tiny_model(
+    out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print
+) -> bool:
     """Build the tiny model unless ``out_dir`` already holds one built from the same spec.
 
     Returns True when it built. A cached model from an older spec is rebuilt, so a change of
@@ -421,7 +423,9 @@ def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[
         if not tool:
             reward = evaluate_reward(model, tokenizer, eval_rows, seed=spec.seed)
             return reward, None, f"sampled reward {reward:.3f}"
-        result = evaluate_tool_episodes(model, tokenizer, eval_rows, seed=spec.seed, max_new_tokens=spec.max_turn_tokens)
+        result = evaluate_tool_episodes(
+            model, tokenizer, eval_rows, seed=spec.seed, max_new_tokens=spec.max_turn_tokens
+        )
         text = f"sampled reward {result.reward:.3f}, tool-call rate {result.tool_call_rate:.3f}"
         return result.reward, result.tool_call_rate, text
 
@@ -462,7 +466,9 @@ def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[
 def evaluate_reward(model, tokenizer, rows: list[dict[str, str]], *, seed: int, temperature: float = 1.0) -> float:
     """Mean answer reward of one sampled completion per row (transformers generate, seeded)."""
     model.eval()
-    prompts = [tokenizer.apply_chat_template(_chat(r["question"]), tokenize=False, add_generation_prompt=True) for r in rows]
+    prompts = [
+        tokenizer.apply_chat_template(_chat(r["question"]), tokenize=False, add_generation_prompt=True) for r in rows
+    ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     out = model.generate(
@@ -508,7 +514,9 @@ def tool_message_for(completion: str) -> str | None:
     return tool_success_message(str(int(match.group(1)) * int(match.group(2))))
 
 
-def _sample_turn(model, tokenizer, chats: list[list[dict[str, str]]], *, temperature: float, max_new_tokens: int) -> list[str]:
+def _sample_turn(
+    model, tokenizer, chats: list[list[dict[str, str]]], *, temperature: float, max_new_tokens: int
+) -> list[str]:
     """One sampled assistant turn per chat (batched, left-padded), decoded without special tokens."""
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -91,8 +91,9 @@ def missing_tracker_packages(names: list[str]) -> list[str]:
     for name in names:
         module, requirement = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            problems.append(f"tracker {name!r} needs the {module} package, which is not installed: "
-                            f"pip install {requirement}")
+            problems.append(
+                f"tracker {name!r} needs the {module} package, which is not installed: pip install {requirement}"
+            )
     return problems
 
 
@@ -109,7 +110,9 @@ def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_
     for name in cfg.trackers:
         try:
             if name == "tensorboard":
-                trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, purge_step=first_step if resumed else None))
+                trackers.append(
+                    TensorBoardTracker(run_dir / TENSORBOARD_DIR, purge_step=first_step if resumed else None)
+                )
             elif name == "wandb":
                 trackers.append(WandbTracker(run_dir, run_name))
             elif name == "mlflow":
@@ -117,7 +120,9 @@ def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_
             else:
                 raise ValueError(f"unknown tracker {name!r}")
         except Exception as exc:
-            log.warning("tracker %s could not start (%s: %s); the run goes on without it", name, type(exc).__name__, exc)
+            log.warning(
+                "tracker %s could not start (%s: %s); the run goes on without it", name, type(exc).__name__, exc
+            )
     return trackers
 
 

@@ -30,8 +30,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VICTIMS = ("inference-0", "env-pool-0", "reference", "buffer", "learner")
-COUNTER = {"inference-0": "restarts_inference", "env-pool-0": "restarts_env_pool", "reference": "restarts_reference",
-           "buffer": "restarts_buffer", "learner": "learner_resumes"}
+COUNTER = {
+    "inference-0": "restarts_inference",
+    "env-pool-0": "restarts_env_pool",
+    "reference": "restarts_reference",
+    "buffer": "restarts_buffer",
+    "learner": "learner_resumes",
+}
 
 
 @dataclasses.dataclass
@@ -74,10 +79,18 @@ def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
 
 def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
     return [
-        f"model.name_or_path={model}", f"trainer.steps={steps}", "trainer.prompts_per_step=8",
-        f"trainer.mode={plan.mode}", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=3",
-        "trainer.auto_resume=true", "reference.enabled=true", "reference.kl_coef=0.01", "weight_sync.timeout_s=20",
-        "logging.progress=false", f"logging.run_name={plan.name}",
+        f"model.name_or_path={model}",
+        f"trainer.steps={steps}",
+        "trainer.prompts_per_step=8",
+        f"trainer.mode={plan.mode}",
+        "trainer.checkpoint_interval=2",
+        "trainer.keep_checkpoints=3",
+        "trainer.auto_resume=true",
+        "reference.enabled=true",
+        "reference.kl_coef=0.01",
+        "weight_sync.timeout_s=20",
+        "logging.progress=false",
+        f"logging.run_name={plan.name}",
     ]
 
 
@@ -85,8 +98,16 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     """One run of ``plan``: train in a subprocess, kill its actors, check what it wrote."""
     run_dir = out / plan.name
     log = (out / f"{plan.name}.log").open("w")
-    cmd = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
-           "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlpost.cli",
+        "train",
+        "configs/tiny-cpu.yaml",
+        *overrides(plan, model, steps),
+        "--run-dir",
+        str(run_dir),
+    ]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     killed, late, problems = [], [], []
@@ -107,13 +128,17 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     problems += check_metrics(rows, steps)
     restarts = {COUNTER[v]: rows[-1].get(COUNTER[v], 0) for v in killed} if rows else {}
     # a kill during the last step may be recovered after its metrics line was written
-    problems += [f"{v} was killed but {COUNTER[v]} is 0" for v in killed
-                 if rows and v not in late and not rows[-1].get(COUNTER[v])]
+    problems += [
+        f"{v} was killed but {COUNTER[v]} is 0"
+        for v in killed
+        if rows and v not in late and not rows[-1].get(COUNTER[v])
+    ]
     return Outcome(plan, not problems, round(seconds, 1), problems, killed, late, restarts)
 
 
-def _kill_as_planned(plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float,
-                     steps: int) -> tuple[list[str], list[str]]:
+def _kill_as_planned(
+    plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float, steps: int
+) -> tuple[list[str], list[str]]:
     """Kill as ``plan`` says; returns what was killed, and which of those after the last step."""
     import ray
 
@@ -125,8 +150,12 @@ def _kill_as_planned(plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline
             return [], []
         time.sleep(0.5)
     use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
-    ray.init(address=address_file.read_text().strip(), namespace=f"rlpost-{plan.name}", log_to_driver=False,
-             logging_level="ERROR")
+    ray.init(
+        address=address_file.read_text().strip(),
+        namespace=f"rlpost-{plan.name}",
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     killed, late = [], []
     lines_at_last_kill = 0
     try:
@@ -172,8 +201,10 @@ def check_metrics(rows: list[dict], steps: int) -> list[str]:
         problems.append(f"steps {[r['step'] for r in rows]}, expected 1..{steps}")
     for r in rows:
         if r["groups_put"] != r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"]:
-            problems.append(f"step {r['step']}: groups_put {r['groups_put']} != trained {r['groups_trained']} + dropped "
-                            f"{r['groups_dropped_stale']} + in buffer {r['groups_in_buffer']}")
+            problems.append(
+                f"step {r['step']}: groups_put {r['groups_put']} != trained {r['groups_trained']} + dropped "
+                f"{r['groups_dropped_stale']} + in buffer {r['groups_in_buffer']}"
+            )
     return problems
 
 
@@ -185,23 +216,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "chaos", help="where the runs and chaos.json go")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-model", help="the tiny model")
-    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                        help="run only these plans of the seed (e.g. chaos-0-17, to reproduce a failure)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only these plans of the seed (e.g. chaos-0-17, to reproduce a failure)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     outcomes = []
     plans = make_plans(args.runs, args.seed, args.steps)
     for plan in [p for p in plans if args.only is None or p.name in args.only]:
-        print(f"{plan.name} ({plan.mode}): " + ", ".join(f"{k.victim} after line {k.after_line}" for k in plan.kills),
-              flush=True)
+        print(
+            f"{plan.name} ({plan.mode}): " + ", ".join(f"{k.victim} after line {k.after_line}" for k in plan.kills),
+            flush=True,
+        )
         outcome = run_plan(plan, args.out, args.model, args.steps, args.timeout)
-        print(f"  {'passed' if outcome.passed else 'FAILED'} in {outcome.seconds}s {outcome.restarts} "
-              f"{'; '.join(outcome.problems)}", flush=True)
+        print(
+            f"  {'passed' if outcome.passed else 'FAILED'} in {outcome.seconds}s {outcome.restarts} "
+            f"{'; '.join(outcome.problems)}",
+            flush=True,
+        )
         outcomes.append(outcome)
     (args.out / "chaos.json").write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
     passed = sum(o.passed for o in outcomes)
-    print(f"chaos: {passed} of {len(outcomes)} runs passed ({sum(len(o.killed) for o in outcomes)} kills); "
-          f"details in {args.out / 'chaos.json'}")
+    print(
+        f"chaos: {passed} of {len(outcomes)} runs passed ({sum(len(o.killed) for o in outcomes)} kills); "
+        f"details in {args.out / 'chaos.json'}"
+    )
     return 0 if passed == len(outcomes) else 1
 
 

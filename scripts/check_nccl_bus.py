@@ -57,7 +57,10 @@ def mismatches(version: int, tensors: dict[str, torch.Tensor], big_mb: int) -> l
     for name, want in expected.items():
         got = tensors[name].cpu()
         same = got.dtype == want.dtype and got.shape == want.shape
-        if not (same and torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8))):
+        if not (
+            same
+            and torch.equal(got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8))
+        ):
             bad.append(name)
     return bad
 
@@ -105,12 +108,20 @@ def exchange(publisher: TorchWeightPublisher, peer: Peer, version: int, big_mb: 
     peer.call("receive", big_mb, wait=False)
     stats = publisher.publish(model_weights(version, str(publisher.device), big_mb), version)
     status, got, bad = peer.replies.get(timeout=180)
-    return {"version": version, "ok": status == "ok" and got == version and not bad, "reply": [status, got, bad],
-            "seconds": round(stats.seconds, 4), "bytes": stats.num_bytes, "buckets": stats.num_buckets}
+    return {
+        "version": version,
+        "ok": status == "ok" and got == version and not bad,
+        "reply": [status, got, bad],
+        "seconds": round(stats.seconds, 4),
+        "bytes": stats.num_bytes,
+        "buckets": stats.num_buckets,
+    }
 
 
 def start(args, backend: str, receiver_device: str) -> tuple[TorchWeightPublisher, Peer]:
-    publisher = TorchWeightPublisher(2, backend=backend, device=args.device, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s)
+    publisher = TorchWeightPublisher(
+        2, backend=backend, device=args.device, bucket_mb=args.bucket_mb, timeout_s=args.timeout_s
+    )
     peer = Peer(publisher.spec, receiver_device)
     peer.call("connect", wait=False)
     publisher.connect(120.0)
@@ -169,7 +180,9 @@ def check_dead_peer(args, backend: str, receiver_device: str) -> dict:
 
 def probe_same_device(args) -> dict:
     """NCCL with both ranks on cuda:0: expected to be refused, in bounded time, without a hang."""
-    publisher = TorchWeightPublisher(2, backend="nccl", device="cuda:0", bucket_mb=args.bucket_mb, timeout_s=args.timeout_s)
+    publisher = TorchWeightPublisher(
+        2, backend="nccl", device="cuda:0", bucket_mb=args.bucket_mb, timeout_s=args.timeout_s
+    )
     peer = Peer(publisher.spec, "cuda:0")
     start_s = time.monotonic()
     try:
@@ -206,7 +219,11 @@ def guarded(check, *args) -> dict:
     try:
         return check(*args)
     except Exception as exc:  # report every check, whatever one of them does
-        return {"ok": False, "seconds": round(time.monotonic() - start_s, 2), "error": f"{type(exc).__name__}: {exc}"[:500]}
+        return {
+            "ok": False,
+            "seconds": round(time.monotonic() - start_s, 2),
+            "error": f"{type(exc).__name__}: {exc}"[:500],
+        }
 
 
 def main() -> int:
@@ -214,8 +231,12 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--bucket-mb", type=float, default=16.0)
     parser.add_argument("--big-mb", type=int, default=256)
-    parser.add_argument("--device", choices=["cuda:0", "cpu"], default="cuda:0",
-                        help="cpu: smoke-test this script without a GPU (gloo checks only)")
+    parser.add_argument(
+        "--device",
+        choices=["cuda:0", "cpu"],
+        default="cuda:0",
+        help="cpu: smoke-test this script without a GPU (gloo checks only)",
+    )
     args = parser.parse_args()
     if args.device != "cpu":
         if not torch.cuda.is_available():
@@ -224,7 +245,9 @@ def main() -> int:
         torch.cuda.set_device(0)
     results = run_checks(args)
     ok = all(r["ok"] for r in results.values() if isinstance(r, dict))
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     nccl = str(torch.cuda.nccl.version()) if gpus else None
     summary = {"ok": ok, "torch": torch.__version__, "nccl": nccl, "gpus": gpus, "checks": results}
     print(json.dumps(summary, indent=2))

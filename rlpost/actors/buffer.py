@@ -20,15 +20,23 @@ class BufferActor:
         self.buffer = LocalBuffer(capacity, max_staleness)
         self.metrics = RoleMetrics("buffer", run_name, "buffer")
 
-    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
+    def put(
+        self,
+        groups: Sequence[Any],
+        timeout_s: float,
+        producer: str | None = None,
+        producer_state: Any = None,
+        epoch: int = 0,
+        force: bool = False,
+    ) -> PutReceipt:
         try:
             return self.buffer.put(groups, timeout_s, producer, producer_state, epoch, force)
         finally:
             self._report()
 
-    def take(self, num_groups: int, timeout_s: float, current_version: int | None,
-             acknowledged: dict[str, int] | None = None) -> Taken:
+    def take(
+        self, num_groups: int, timeout_s: float, current_version: int | None, acknowledged: dict[str, int] | None = None
+    ) -> Taken:
         try:
             return self.buffer.take(num_groups, timeout_s, current_version, acknowledged)
         finally:

@@ -98,7 +98,9 @@ class EnvPool:
             tokenizer=tokenizer,
             input_mode=input_mode,
             generate_kwargs={
-                "temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens,
+                "temperature": rollout.temperature,
+                "top_p": rollout.top_p,
+                "max_tokens": rollout.max_tokens,
             },  # fmt: skip
             return_log_probs=True,
             return_tokens=True,
@@ -189,8 +191,9 @@ class EnvPool:
                 group.producer, group.seq = self.name, self.num_groups_put
             self.outbox.extend(groups)
             state = self.state_dict()
-        receipt = self._buffer_call("put", groups, timeout_s=timeout_s, producer=self.name, producer_state=state,
-                                    epoch=self.epoch)
+        receipt = self._buffer_call(
+            "put", groups, timeout_s=timeout_s, producer=self.name, producer_state=state, epoch=self.epoch
+        )
         self._after_put(receipt)
 
     def _after_put(self, receipt: Any) -> None:
@@ -212,8 +215,9 @@ class EnvPool:
 
     def _wait_for_new_buffer(self, generation: int) -> None:
         with self._buffer_changed:
-            if not self._buffer_changed.wait_for(lambda: self._buffer_generation != generation,
-                                                 timeout=self.buffer_wait_s):
+            if not self._buffer_changed.wait_for(
+                lambda: self._buffer_generation != generation, timeout=self.buffer_wait_s
+            ):
                 raise BufferLost(f"{self.name}: the buffer died and no new one came within {self.buffer_wait_s:.0f}s")
 
     def set_buffer(self, buffer: Any, timeout_s: float = 60.0) -> int:
@@ -226,8 +230,9 @@ class EnvPool:
             self._buffer_generation += 1
             replay, state = list(self.outbox), self.state_dict()
             self._buffer_changed.notify_all()
-        receipt = buffer.put(replay, timeout_s=timeout_s, producer=self.name, producer_state=state, epoch=self.epoch,
-                             force=True)
+        receipt = buffer.put(
+            replay, timeout_s=timeout_s, producer=self.name, producer_state=state, epoch=self.epoch, force=True
+        )
         self._after_put(receipt)
         return sum(g.seq > receipt.acknowledged for g in replay)
 
@@ -356,8 +361,9 @@ class EnvPoolActor:
     ``stats`` run while the background collection does).
     """
 
-    def __init__(self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None,
-                 epoch: int = 0):
+    def __init__(
+        self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None, epoch: int = 0
+    ):
         from rlpost.metrics import RoleMetrics
 
         self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer, epoch=epoch)
@@ -428,8 +434,12 @@ def start_env_pool(
     return (
         ray.remote(EnvPoolActor)
         .options(
-            name=f"env-pool-{pool_index}", namespace=namespace, num_cpus=resources.num_cpus,
-            num_gpus=resources.num_gpus, max_concurrency=max_concurrency, **options,
+            name=f"env-pool-{pool_index}",
+            namespace=namespace,
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            max_concurrency=max_concurrency,
+            **options,
         )  # fmt: skip
         .remote(cfg, pool_index, engine_client, buffer, epoch=epoch)
     )

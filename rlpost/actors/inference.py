@@ -123,8 +123,9 @@ class RemoteVLLMClient:
     re-issued to the new ones; after that the error propagates.
     """
 
-    def __init__(self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0,
-                 tokenizer=None):
+    def __init__(
+        self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0, tokenizer=None
+    ):
         if not handles:
             raise ValueError("RemoteVLLMClient needs at least one inference worker handle")
         self.request_timeout_s, self.worker_wait_s = request_timeout_s, worker_wait_s
@@ -154,12 +155,20 @@ class RemoteVLLMClient:
 
     def __getstate__(self) -> dict:
         # travels to the env-pool actor: handles and settings, not the lock or the local counters
-        return {"handles": self.handles, "request_timeout_s": self.request_timeout_s,
-                "worker_wait_s": self.worker_wait_s, "tokenizer": self._tokenizer}
+        return {
+            "handles": self.handles,
+            "request_timeout_s": self.request_timeout_s,
+            "worker_wait_s": self.worker_wait_s,
+            "tokenizer": self._tokenizer,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["handles"], request_timeout_s=state["request_timeout_s"],
-                      worker_wait_s=state["worker_wait_s"], tokenizer=state["tokenizer"])
+        self.__init__(
+            state["handles"],
+            request_timeout_s=state["request_timeout_s"],
+            worker_wait_s=state["worker_wait_s"],
+            tokenizer=state["tokenizer"],
+        )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         completions, version = self._call("generate", prompt_token_ids, sampling)
@@ -202,8 +211,11 @@ class RemoteVLLMClient:
             if generation != self._generation:
                 tried.clear()
             start = next(self._order)
-            candidates = [(self._in_flight[i], (i - start) % len(self.handles), i)
-                          for i in range(len(self.handles)) if i not in tried]
+            candidates = [
+                (self._in_flight[i], (i - start) % len(self.handles), i)
+                for i in range(len(self.handles))
+                if i not in tried
+            ]
             if not candidates:
                 return None
             i = min(candidates)[2]

@@ -65,8 +65,16 @@ ROLLOUT_STATE = "rollout_state.pkl"  # the controller's part: buffer groups, env
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Diagnostics that are token means over the loss tokens whatever the aggregation: combined over
 # micro-batches weighted by their loss tokens (exact, except for ess, which is not a mean).
-_TOKEN_MEAN_METRICS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "kl_approx", "ess",
-                       "kl_to_ref", "entropy", "kl_to_inference")
+_TOKEN_MEAN_METRICS = (
+    "clip_fraction",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "kl_approx",
+    "ess",
+    "kl_to_ref",
+    "entropy",
+    "kl_to_inference",
+)
 _LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
 
@@ -88,8 +96,10 @@ def batch_rows(groups: Sequence[Group]) -> list[tuple[Sample, float]]:
     rows: list[tuple[Sample, float]] = []
     for group in groups:
         if len(group.advantages) != len(group.samples):
-            raise ValueError(f"group of prompt {group.prompt_id}: {len(group.samples)} samples "
-                             f"but {len(group.advantages)} advantages")
+            raise ValueError(
+                f"group of prompt {group.prompt_id}: {len(group.samples)} samples "
+                f"but {len(group.advantages)} advantages"
+            )
         rows.extend(zip(group.samples, group.advantages))
     if not rows:
         raise ValueError("a learner batch needs at least one sample; got no samples")
@@ -138,9 +148,11 @@ def _check_sample(sample: Sample) -> None:
     if sample.ref_logprobs is not None:
         lengths.add(len(sample.ref_logprobs))
     if len(lengths) != 1 or not sample.token_ids:
-        raise ValueError(f"sample of prompt {sample.prompt_id}: token_ids ({len(sample.token_ids)}), logprobs "
-                         f"({len(sample.logprobs)}), loss_mask ({len(sample.loss_mask)}) and ref_logprobs "
-                         f"must be non-empty and of one length")
+        raise ValueError(
+            f"sample of prompt {sample.prompt_id}: token_ids ({len(sample.token_ids)}), logprobs "
+            f"({len(sample.logprobs)}), loss_mask ({len(sample.loss_mask)}) and ref_logprobs "
+            f"must be non-empty and of one length"
+        )
 
 
 def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
@@ -197,8 +209,9 @@ class Learner:
         ).to(self.device)
         self.model.eval()  # dropout off for good (module docstring)
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
         )
@@ -208,8 +221,13 @@ class Learner:
 
     def _make_loss(self) -> GRPOLoss:
         cfg = self.cfg
-        scorer = TransformersWrapper(self.model, tokenizer=self.tokenizer, input_mode="tokens", generate=False,
-                                     generate_kwargs={"temperature": cfg.rollout.temperature})
+        scorer = TransformersWrapper(
+            self.model,
+            tokenizer=self.tokenizer,
+            input_mode="tokens",
+            generate=False,
+            generate_kwargs={"temperature": cfg.rollout.temperature},
+        )
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
         # The batch's loss tokens are the assistant mask ("rlhf"); the entropy bonus is the
         # sampled-token estimate -log p(token) (no [B, T, vocab] tensor); a KL coefficient of 0.0
@@ -253,8 +271,9 @@ class Learner:
         """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics."""
         start, version_at_start = time.perf_counter(), self._version
         rows = batch_rows(groups)
-        micro_batches = [collate_rows(chunk, self.pad_token_id)
-                         for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)]
+        micro_batches = [
+            collate_rows(chunk, self.pad_token_id) for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)
+        ]
         denominators = [loss_denominator(mb, self.cfg.loss.aggregation) for mb in micro_batches]
         shares = [d / max(sum(denominators), 1) for d in denominators]
         passes = [self._optimizer_step(micro_batches, shares) for _ in range(self.cfg.trainer.epochs_per_batch)]
@@ -329,8 +348,11 @@ class Learner:
         device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
         start = time.perf_counter()
         stats = self.publisher.publish(self.named_parameters_for_sync(device), self._version)
-        out = {"weight_sync_s": time.perf_counter() - start, "bytes": float(stats.num_bytes),
-               "policy_version": float(stats.version)}
+        out = {
+            "weight_sync_s": time.perf_counter() - start,
+            "bytes": float(stats.num_bytes),
+            "policy_version": float(stats.version),
+        }
         infos = getattr(self.publisher, "last_worker_infos", None)
         if infos:
             out["weight_load_s"] = max(float(info.get("load_s", 0.0)) for info in infos)
@@ -413,8 +435,9 @@ class Learner:
         path = Path(path)
         if not (path / TRAINER_STATE).is_file():
             raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE})")
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     trust_remote_code=self.cfg.model.trust_remote_code)
+        saved = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=self.cfg.model.trust_remote_code
+        )
         self.model.load_state_dict(saved.state_dict())
         state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -483,8 +506,9 @@ def _write_error(final: Path, cause: OSError) -> CheckpointWriteError:
     hint = ""
     if cause.errno in (errno.ENOSPC, errno.EDQUOT):
         hint = f" (free space on the disk of {final.parent}: every save needs room for one more checkpoint)"
-    message = (f"could not write checkpoint {final}: {reason}{hint}; its partial copy was removed and {intact}. "
-               f"Cause: {cause}")
+    message = (
+        f"could not write checkpoint {final}: {reason}{hint}; its partial copy was removed and {intact}. Cause: {cause}"
+    )
     # (errno, message): OSError keeps errno in its args, so it survives pickling (a Ray actor's error)
     return CheckpointWriteError(cause.errno, message) if cause.errno else CheckpointWriteError(message)
 
@@ -556,8 +580,14 @@ class LearnerActor:
 
         if self.learner.publisher is not None:
             self.learner.publisher.close()
-        updater = vLLMUpdater(workers, master_address=host, backend=backend, device=self.learner.device,
-                              bucket_mb=bucket_mb, timeout_s=timeout_s)
+        updater = vLLMUpdater(
+            workers,
+            master_address=host,
+            backend=backend,
+            device=self.learner.device,
+            bucket_mb=bucket_mb,
+            timeout_s=timeout_s,
+        )
         updater.init()
         self.learner.publisher = updater
         return updater.version
@@ -599,15 +629,27 @@ class LearnerActor:
             self.learner.publisher.close()
 
 
-def start_learner(cfg: JobConfig, *, name: str = "learner", namespace: str | None = None, num_cpus: float | None = None,
-                  num_gpus: float | None = None, **options):
+def start_learner(
+    cfg: JobConfig,
+    *,
+    name: str = "learner",
+    namespace: str | None = None,
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
+    **options,
+):
     """Start the named learner actor with the resources of ``cfg.resources.learner`` by default."""
     import ray
 
     res = cfg.resources.learner
     return (
         ray.remote(LearnerActor)
-        .options(name=name, namespace=namespace, num_cpus=res.num_cpus if num_cpus is None else num_cpus,
-                 num_gpus=res.num_gpus if num_gpus is None else num_gpus, **options)
+        .options(
+            name=name,
+            namespace=namespace,
+            num_cpus=res.num_cpus if num_cpus is None else num_cpus,
+            num_gpus=res.num_gpus if num_gpus is None else num_gpus,
+            **options,
+        )
         .remote(cfg)
     )

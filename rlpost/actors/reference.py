@@ -37,8 +37,15 @@ class Reference(KLServiceActor):
         model.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
         scorer = TransformersWrapper(
-            model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=True,
-            return_text=False, return_tokens=False, return_masks=False, log_probs_key="ref_log_probs",
+            model,
+            tokenizer=tokenizer,
+            input_mode="tokens",
+            generate=False,
+            pad_output=True,
+            return_text=False,
+            return_tokens=False,
+            return_masks=False,
+            log_probs_key="ref_log_probs",
             generate_kwargs={"temperature": cfg.rollout.temperature},
         )
         # The generation log-probs are the engine's (gen_model=None); the KL is applied here per

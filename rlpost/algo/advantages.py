@@ -51,9 +51,7 @@ def group_advantages(
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     rewards_gn = torch.as_tensor(rewards)
     if rewards_gn.ndim != 2:
-        raise ValueError(
-            f"rewards must have shape [num_groups, group_size], got {tuple(rewards_gn.shape)}"
-        )
+        raise ValueError(f"rewards must have shape [num_groups, group_size], got {tuple(rewards_gn.shape)}")
     if not rewards_gn.is_floating_point():
         rewards_gn = rewards_gn.to(torch.get_default_dtype())
 

@@ -100,11 +100,7 @@ class GRPOLossTerms:
         """Every field that is set and is a single number, as python floats (for metrics.jsonl);
         per-token loss fields (``aggregation="none"``) are left out."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {
-            name: float(value.item())
-            for name, value in values.items()
-            if value is not None and value.ndim == 0
-        }
+        return {name: float(value.item()) for name, value in values.items() if value is not None and value.ndim == 0}
 
 
 def masked_aggregate(
@@ -120,9 +116,7 @@ def masked_aggregate(
     """
     _check_aggregation(aggregation, max_tokens)
     if x_bt.ndim != 2 or x_bt.shape != mask_bt.shape:
-        raise ValueError(
-            f"x_bt {tuple(x_bt.shape)} and mask_bt {tuple(mask_bt.shape)} must be the same [B, T]"
-        )
+        raise ValueError(f"x_bt {tuple(x_bt.shape)} and mask_bt {tuple(mask_bt.shape)} must be the same [B, T]")
     if mask_bt.dtype != torch.bool:
         raise ValueError(f"mask_bt must be a bool tensor, got dtype {mask_bt.dtype}")
     x_bt = torch.where(mask_bt, x_bt, 0.0)
@@ -250,9 +244,7 @@ def grpo_loss(
     )
 
 
-def trust_region_mask(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, threshold: float
-) -> torch.Tensor:
+def trust_region_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
     """True on the tokens whose ``0.5 * (logprobs - old_logprobs) ** 2 <= threshold``.
 
     TorchRL's KL-Mask: a per-token trust region; the tokens outside it (the policy drifted too
@@ -261,8 +253,7 @@ def trust_region_mask(
     """
     if logprobs.shape != old_logprobs.shape:
         raise ValueError(
-            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} "
-            "must have the same shape"
+            f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} must have the same shape"
         )
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     drift = logprobs.detach().to(dtype) - old_logprobs.detach().to(dtype)
@@ -293,9 +284,7 @@ def _clip_bounds(clip_eps: float | tuple[float, float]) -> tuple[float, float]:
     else:
         raise ValueError(f"clip_eps must be a float or a (low, high) pair, got {clip_eps!r}")
     if not (0.0 <= eps_low <= 1.0 and eps_high >= 0.0):
-        raise ValueError(
-            f"clip_eps must satisfy 0 <= low <= 1 and high >= 0, got low={eps_low}, high={eps_high}"
-        )
+        raise ValueError(f"clip_eps must satisfy 0 <= low <= 1 and high >= 0, got low={eps_low}, high={eps_high}")
     return eps_low, eps_high
 
 
@@ -303,9 +292,7 @@ def _check_aggregation(aggregation: str, max_tokens: int | None) -> None:
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if aggregation == "sequence_sum_norm" and (max_tokens is None or max_tokens <= 0):
-        raise ValueError(
-            f"aggregation 'sequence_sum_norm' (Dr.GRPO) needs max_tokens > 0, got {max_tokens!r}"
-        )
+        raise ValueError(f"aggregation 'sequence_sum_norm' (Dr.GRPO) needs max_tokens > 0, got {max_tokens!r}")
 
 
 def _check_inputs(
@@ -326,9 +313,7 @@ def _check_inputs(
     }
     for name, tensor in same_shape.items():
         if tensor is not None and tensor.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(logprobs.shape)}"
-            )
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(logprobs.shape)}")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor, got dtype {mask.dtype}")
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):

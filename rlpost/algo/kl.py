@@ -21,9 +21,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
-def kl_per_token(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3"
-) -> torch.Tensor:
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Return the per-token KL estimate, shaped like the inputs (no masking here).
 
     Raises:
@@ -33,8 +31,7 @@ def kl_per_token(
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
-            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
-            "must have the same shape"
+            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} must have the same shape"
         )
     if estimator == "k1":
         return logprobs - ref_logprobs

@@ -202,10 +202,14 @@ class LLMCollector:
         (any other callable), called once with no argument to build it."""
         if isinstance(weight_updater, type) or not hasattr(weight_updater, "push_weights"):
             if not callable(weight_updater):
-                raise TypeError(f"weight_updater must have push_weights or be a constructor, got {type(weight_updater).__name__}")
+                raise TypeError(
+                    f"weight_updater must have push_weights or be a constructor, got {type(weight_updater).__name__}"
+                )
             weight_updater = weight_updater()
             if isinstance(weight_updater, type) or not hasattr(weight_updater, "push_weights"):
-                raise TypeError(f"the weight_updater constructor returned {type(weight_updater).__name__}, which has no push_weights")
+                raise TypeError(
+                    f"the weight_updater constructor returned {type(weight_updater).__name__}, which has no push_weights"
+                )
         if hasattr(weight_updater, "register_collector"):
             weight_updater.register_collector(self)
         self.weight_updater = weight_updater
@@ -219,7 +223,9 @@ class LLMCollector:
     def update_policy_weights_(self, policy_weights: Any = None, **kwargs: Any) -> None:
         """Push ``policy_weights`` with the weight updater, then bump the tracked version."""
         if self.weight_updater is None:
-            raise RuntimeError("update_policy_weights_ needs a weight_updater (pass weight_updater= or set_weight_updater)")
+            raise RuntimeError(
+                "update_policy_weights_ needs a weight_updater (pass weight_updater= or set_weight_updater)"
+            )
         self.weight_updater.push_weights(policy_weights, **kwargs)
         self.increment_version()
 
@@ -314,7 +320,9 @@ class LLMCollector:
                 queue = self._yield_queues[index]
                 queue.append(data)
                 if done[row]:
-                    self._trajectory_queue.append(lazy_stack([queue[-1]] if self.yield_only_last_steps else list(queue), -1))
+                    self._trajectory_queue.append(
+                        lazy_stack([queue[-1]] if self.yield_only_last_steps else list(queue), -1)
+                    )
                     queue.clear()
             self._shuttle = next_input
             self.env.async_step_and_maybe_reset_send(self.policy(next_input))

@@ -236,8 +236,12 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
 
     def _result(self, item: Any, index: int, wait_s: float) -> Any:
         bound = self.timeout_s + _WORKER_GRACE_S
-        late = WorkerTimeout(f"vLLMUpdater: worker {index} did not answer within {bound:.0f} s",
-                             generation=getattr(self.publisher, "generation", None), peers=[index + 1], elapsed_s=bound)
+        late = WorkerTimeout(
+            f"vLLMUpdater: worker {index} did not answer within {bound:.0f} s",
+            generation=getattr(self.publisher, "generation", None),
+            peers=[index + 1],
+            elapsed_s=bound,
+        )
         if not isinstance(item, tuple):
             import ray
             from ray.exceptions import GetTimeoutError

@@ -382,7 +382,9 @@ def _blocks_row(row: list[dict], num_messages: int) -> History:
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         elif not is_content_blocks(content):
-            raise HistoryError(f"message content must be a string or a list of block dicts, got {type(content).__name__}")
+            raise HistoryError(
+                f"message content must be a string or a list of block dicts, got {type(content).__name__}"
+            )
         fields = {name: message[name] for name in _OPTIONAL_FIELDS if message.get(name) is not None}
         messages.append(
             History(

@@ -134,7 +134,9 @@ class ChatHistory(TensorClass["nocast"]):
             parts["response"] = [_ids_suffix(p, f) for p, f in zip(parts["prompt"], parts["full"], strict=True)]
             several["response"] = several["full"]
         elif self.response is not None:
-            parts["response"] = _ids(self.response.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs))
+            parts["response"] = _ids(
+                self.response.apply_chat_template(tokenizer, add_generation_prompt=False, **kwargs)
+            )
             several["response"] = self.response.batch_dims > 1
         if self.batch_dims == 0:
             fields = {name: _stack_rows(rows) if several[name] else rows[0] for name, rows in parts.items()}
@@ -166,7 +168,9 @@ class Text(TensorClass["nocast"]):
         entries = {key: specs.NonTensor(shape=shape, example_data="a string") for key in (keys or _PARTS)}
         return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
 
-    def to_tokens(self, tokenizer, padding: bool = False, truncation: bool = False, return_tensors: str = "pt") -> Tokens:
+    def to_tokens(
+        self, tokenizer, padding: bool = False, truncation: bool = False, return_tensors: str = "pt"
+    ) -> Tokens:
         """Tokenize each text field into unpadded :class:`Tokens` (TorchRL's ``Text.to_tokens``).
 
         A string gives ``[L]`` ids; a list of ``k`` strings in a 0-d Text gives ``[k, L]`` (a
@@ -241,7 +245,9 @@ class Tokens(TensorClass["nocast"]):
                 out[name] = _decode(value, tokenizer, skip_special_tokens)
         return Text(**out, batch_size=self.batch_size)
 
-    def to_history(self, tokenizer, chat_template_name: str | None = None, skip_special_tokens: bool = False) -> ChatHistory:
+    def to_history(
+        self, tokenizer, chat_template_name: str | None = None, skip_special_tokens: bool = False
+    ) -> ChatHistory:
         """Decode, then parse: ``self.to_text(...).to_history(...)`` (TorchRL's ``Tokens.to_history``)."""
         return self.to_text(tokenizer, skip_special_tokens).to_history(tokenizer, chat_template_name)
 
@@ -370,7 +376,9 @@ def _map_rows(fn, *columns):
 
 def _text_suffix(prompt: str, full: str) -> str:
     if not full.startswith(prompt):
-        raise ValueError(f"the full text does not start with the prompt text: prompt {prompt[:50]!r}..., full {full[:50]!r}...")
+        raise ValueError(
+            f"the full text does not start with the prompt text: prompt {prompt[:50]!r}..., full {full[:50]!r}..."
+        )
     return full[len(prompt) :]
 
 

@@ -209,7 +209,11 @@ class Composite(TensorSpec):
         if isinstance(spec, dict):
             spec = Composite(spec, shape=self.shape, device=self.device)
         if spec is not None and spec.shape[: self.ndim] != self.shape:
-            if isinstance(spec, (Composite, NonTensor)) and spec.ndim < self.ndim and self.shape[: spec.ndim] == spec.shape:
+            if (
+                isinstance(spec, (Composite, NonTensor))
+                and spec.ndim < self.ndim
+                and self.shape[: spec.ndim] == spec.shape
+            ):
                 spec = spec._with_shape(self.shape)
             else:
                 raise ValueError(
@@ -267,7 +271,9 @@ class Composite(TensorSpec):
             if isinstance(spec, Composite) and spec.shape[: len(value)] != value:
                 spec.shape = value
             elif spec is not None and spec.shape[: len(value)] != value:
-                raise ValueError(f"cannot give shape {tuple(value)} to a Composite whose {key!r} has {tuple(spec.shape)}")
+                raise ValueError(
+                    f"cannot give shape {tuple(value)} to a Composite whose {key!r} has {tuple(spec.shape)}"
+                )
         self._shape = value
 
     # -------------------------------------------------------------- values
@@ -321,7 +327,9 @@ class Composite(TensorSpec):
 
     def clone(self) -> Composite:
         specs = {key: spec.clone() if spec is not None else None for key, spec in self._specs.items()}
-        return Composite(specs, shape=self.shape, device=self.device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static)
+        return Composite(
+            specs, shape=self.shape, device=self.device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static
+        )
 
     def _with_shape(self, shape) -> Composite:
         out = self.clone()
@@ -331,12 +339,16 @@ class Composite(TensorSpec):
     def _drop_dim(self, dim: int) -> Composite:
         specs = {key: spec._drop_dim(dim) if spec is not None else None for key, spec in self._specs.items()}
         shape = self.shape[:dim] + self.shape[dim + 1 :] if dim < self.ndim else self.shape
-        return Composite(specs, shape=shape, device=self.device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static)
+        return Composite(
+            specs, shape=shape, device=self.device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static
+        )
 
     def to(self, dest) -> Composite:
         specs = {key: spec.to(dest) if spec is not None else None for key, spec in self._specs.items()}
         device = self.device if isinstance(dest, torch.dtype) or dest is None else dest
-        return Composite(specs, shape=self.shape, device=device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static)
+        return Composite(
+            specs, shape=self.shape, device=device, data_cls=self.data_cls, step_mdp_static=self.step_mdp_static
+        )
 
     def __eq__(self, other) -> bool:
         return (

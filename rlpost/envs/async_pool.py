@@ -51,7 +51,9 @@ class AsyncEnvPool:
         self.envs = [make() for make in env_makers]
         for i, env in enumerate(self.envs):
             if tuple(env.batch_size) != (1,):
-                raise ValueError(f"AsyncEnvPool sub-env {i} has batch {tuple(env.batch_size)}; each must have batch [1]")
+                raise ValueError(
+                    f"AsyncEnvPool sub-env {i} has batch {tuple(env.batch_size)}; each must have batch [1]"
+                )
         self.batch_size = torch.Size([len(self.envs)])
         self.timeout_s = timeout_s
         self._executor = cf.ThreadPoolExecutor(max_workers=len(self.envs), thread_name_prefix="async-env")
@@ -124,7 +126,9 @@ class AsyncEnvPool:
         try:
             out = future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
-            raise TimeoutError(f"AsyncEnvPool: sub-env {index} did not finish a {what} within {self.timeout_s} s") from None
+            raise TimeoutError(
+                f"AsyncEnvPool: sub-env {index} did not finish a {what} within {self.timeout_s} s"
+            ) from None
         return out if isinstance(out, tuple) else (out,)
 
     def _stack(self, outs: list[TensorDictBase], indices: list[int]) -> TensorDictBase:

@@ -304,7 +304,9 @@ class DataLoadingPrimer(Transform):
         wanted = list(primers.keys()) if primers is not None else columns
         for column in wanted:
             if column not in first:
-                raise ValueError(f"primers key {column!r} is not a column of dataset {self.description}; its columns are {columns}")
+                raise ValueError(
+                    f"primers key {column!r} is not a column of dataset {self.description}; its columns are {columns}"
+                )
             if column in _RESERVED_KEYS:
                 raise ValueError(
                     f"column {column!r} of dataset {self.description} clashes with a key the env writes; "
@@ -354,10 +356,7 @@ class DataLoadingPrimer(Transform):
         order = self.order(self.epoch)
         rows = [dict(self.rows[int(order[p])]) for p in positions]
         collated = self._collate(rows, len(rows))
-        return [
-            PromptItem(row, int(order[p]), self.epoch * self.num_rows + p)
-            for row, p in zip(collated, positions)
-        ]
+        return [PromptItem(row, int(order[p]), self.epoch * self.num_rows + p) for row, p in zip(collated, positions)]
 
     def _load_iterable_batch(self) -> list[PromptItem]:
         if self._iterator is None:

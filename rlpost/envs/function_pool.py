@@ -122,13 +122,18 @@ class _Worker:
             reply = self._read_reply(call_start + timeout_s) if started is not None else None
         except (BrokenPipeError, EOFError, OSError) as exc:
             self.kill()
-            return CallResult(False, error="WorkerDied", message=f"the worker process died ({exc})",
-                              duration_s=time.monotonic() - start)
+            return CallResult(
+                False,
+                error="WorkerDied",
+                message=f"the worker process died ({exc})",
+                duration_s=time.monotonic() - start,
+            )
         if reply is None:
             self.kill()
             limit = timeout_s if started is not None else _START_TIMEOUT_S
-            return CallResult(False, error="Timeout", message=f"timeout after {float(limit)}s",
-                              duration_s=time.monotonic() - start)
+            return CallResult(
+                False, error="Timeout", message=f"timeout after {float(limit)}s", duration_s=time.monotonic() - start
+            )
         kind, *rest = pickle.loads(reply)
         duration = time.monotonic() - call_start
         if kind == "ok":
@@ -181,7 +186,7 @@ class _Worker:
 
 # The worker: reads framed pickled (fn, args, kwargs) from stdin, writes framed pickled replies to
 # a private copy of stdout (fd 1 is pointed at stderr, so the user's prints cannot break framing).
-_WORKER_SCRIPT = r'''
+_WORKER_SCRIPT = r"""
 import importlib, json, os, pickle, struct, sys, threading, time, traceback
 
 sys.path[:] = json.loads(sys.argv[1])
@@ -248,4 +253,4 @@ while True:
         line = traceback.format_exception_only(type(exc), exc)[-1].strip()
         reply = ("error", type(exc).__name__, line, traceback.format_exc())
     write(reply)
-'''
+"""

@@ -575,7 +575,11 @@ class KLRewardTransform(Transform):
             for r, k in zip(rewards, _rows(kl)):
                 r = r.reshape(1, 1) if r.numel() == 1 else r  # one reward per sample: every token gets it
                 penalised.append(r.to(k.dtype) - self.coef * k)
-            packed = torch.stack(penalised) if self.pad_output else torch.nested.as_nested_tensor(penalised, layout=torch.jagged)
+            packed = (
+                torch.stack(penalised)
+                if self.pad_output
+                else torch.nested.as_nested_tensor(penalised, layout=torch.jagged)
+            )
             next_td.set(self.out_keys[0], packed)
         next_td.set(self.out_keys[1], kl)
         next_td.set(self.out_keys[2], ref)
@@ -715,7 +719,9 @@ class RayRetrieveKL(RayTransform):
             raise ValueError("Cannot provide both 'ref_model' and 'ref_model_factory'. Choose one.")
         has_model = ref_model is not None or ref_model_factory is not None
         if gen_model == "from_collector" and gen_model_factory is None and has_model:
-            raise ValueError("RayRetrieveKL cannot reach the local collector from its actor: pass gen_model or gen_model_factory")
+            raise ValueError(
+                "RayRetrieveKL cannot reach the local collector from its actor: pass gen_model or gen_model_factory"
+            )
         make = None
         if has_model:
             make = functools.partial(
@@ -750,6 +756,8 @@ class RayKLRewardTransform(RayTransform):
                 KLRewardTransform, **kwargs, ref_model=ref_model, ref_model_factory=ref_model_factory, device=device
             )
         elif actor_name is None:
-            raise ValueError("Must provide exactly one of 'ref_model' or 'ref_model_factory' (or the actor_name of a running one).")
+            raise ValueError(
+                "Must provide exactly one of 'ref_model' or 'ref_model_factory' (or the actor_name of a running one)."
+            )
         super().__init__(make, num_cpus=num_cpus, num_gpus=num_gpus, device=device, actor_name=actor_name,
                          timeout_s=timeout_s)  # fmt: skip

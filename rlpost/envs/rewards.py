@@ -110,9 +110,7 @@ def answer_reward(completion: str, target: str) -> float:
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
 
-def call_user_reward(
-    fn: RewardFn, completion: str, row: Mapping[str, Any]
-) -> tuple[float, str | None]:
+def call_user_reward(fn: RewardFn, completion: str, row: Mapping[str, Any]) -> tuple[float, str | None]:
     """``(fn(completion, row), None)``, or ``(0.0, error type name)`` when it fails. Never raises.
 
     A failure is an exception (``SystemExit`` included, so a stray ``sys.exit`` cannot stop the
@@ -152,15 +150,12 @@ def load_reward_fn(dotted_path: str) -> RewardFn:
         module_name, _, attr_path = dotted_path.rpartition(".")
     if not module_name or not attr_path or ":" in attr_path:
         raise ValueError(
-            f"reward function {dotted_path!r} is not of the form 'package.module:function' "
-            "or 'package.module.function'"
+            f"reward function {dotted_path!r} is not of the form 'package.module:function' or 'package.module.function'"
         )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(
-            f"reward function {dotted_path!r}: cannot import module {module_name!r}: {exc}"
-        ) from exc
+        raise ValueError(f"reward function {dotted_path!r}: cannot import module {module_name!r}: {exc}") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -169,7 +164,5 @@ def load_reward_fn(dotted_path: str) -> RewardFn:
                 f"reward function {dotted_path!r}: {module_name!r} has no attribute {attr_path!r}"
             ) from exc
     if not callable(obj):
-        raise ValueError(
-            f"reward function {dotted_path!r} is not callable (it is a {type(obj).__name__})"
-        )
+        raise ValueError(f"reward function {dotted_path!r} is not callable (it is a {type(obj).__name__})")
     return obj

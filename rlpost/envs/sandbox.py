@@ -221,10 +221,30 @@ class SandboxProcess:
             prefix, parent_pid = [], os.getpid()
         status_r, status_w = os.pipe()
         try:
-            argv = [*prefix, _python(), "-I", "-B", "-u", "-X", "utf8", "-c", _CHILD_SCRIPT,
-                    str(status_w), self.limits.for_child(), str(parent_pid)]
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, pass_fds=(status_w,), start_new_session=True)
+            argv = [
+                *prefix,
+                _python(),
+                "-I",
+                "-B",
+                "-u",
+                "-X",
+                "utf8",
+                "-c",
+                _CHILD_SCRIPT,
+                str(status_w),
+                self.limits.for_child(),
+                str(parent_pid),
+            ]
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(status_w,),
+                start_new_session=True,
+            )
         except BaseException:
             os.close(status_r)
             self._remove_host_dir()

@@ -146,8 +146,13 @@ class UserReward(Transform):
             reward, error, detail = 0.0, result.error, result.traceback or result.message
         if error is not None:
             if not self.errors[error]:
-                logger.warning("reward function %s failed with %s; reward 0 (counted in reward_errors; logged once "
-                               "per error type):\n%s", self.name, error, detail)
+                logger.warning(
+                    "reward function %s failed with %s; reward 0 (counted in reward_errors; logged once "
+                    "per error type):\n%s",
+                    self.name,
+                    error,
+                    detail,
+                )
             self.errors[error] += 1
         return reward
 
@@ -289,8 +294,12 @@ def add_tools(env: DatasetChatEnv, tools: ToolsConfig, pool: FunctionPool | None
             functions, parser=HermesToolCallParser(), timeout=tools.function_timeout_s,
             pool=pool if pool is not None else FunctionPool(),
         ))  # fmt: skip
-    logger.info("tools: %s (sandbox %s)", [repr(t) for t in env.transforms if isinstance(t, ToolTransformBase)], tools.sandbox)
+    logger.info(
+        "tools: %s (sandbox %s)", [repr(t) for t in env.transforms if isinstance(t, ToolTransformBase)], tools.sandbox
+    )
     if tools.sandbox == "guard" and python.enabled:
-        logger.warning("tools.sandbox=guard: model-written code runs behind the in-process guard only, which is "
-                       "NOT a security boundary (ctypes or a re-imported module get past it)")
+        logger.warning(
+            "tools.sandbox=guard: model-written code runs behind the in-process guard only, which is "
+            "NOT a security boundary (ctypes or a re-imported module get past it)"
+        )
     return env.append_transform(StopWithoutToolCall())

@@ -79,8 +79,9 @@ class _Options:
             raise ValueError(f"run_python needs disk_mb >= max_file_mb, got {disk_mb=}, {max_file_mb=}")
         check_sandbox(sandbox)
         cpu_s = cpu_s if cpu_s is not None else math.ceil(timeout_s) + 1
-        limits = Limits(cpu_s=cpu_s * cpu_blocks, memory_mb=memory_mb, max_file_mb=max_file_mb, disk_mb=disk_mb,
-                        max_procs=max_procs)
+        limits = Limits(
+            cpu_s=cpu_s * cpu_blocks, memory_mb=memory_mb, max_file_mb=max_file_mb, disk_mb=disk_mb, max_procs=max_procs
+        )
         return cls(float(timeout_s), memory_mb, max_output_bytes, sandbox, limits)
 
     def result(self, outcome: Outcome, start: float) -> PythonResult:
@@ -91,8 +92,14 @@ class _Options:
         returncode = outcome.returncode
         if self.sandbox == "bwrap" and returncode is not None and returncode > 128 and outcome.status is None:
             returncode = 128 - returncode  # bwrap reports a signal death as 128 + signal
-        error = _failure_reason(outcome.stop, outcome.status, returncode, timeout_s=self.timeout_s,
-                                memory_mb=self.memory_mb, max_output_bytes=self.max_output_bytes)
+        error = _failure_reason(
+            outcome.stop,
+            outcome.status,
+            returncode,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+        )
         return PythonResult(error is None, output, error, returncode, time.monotonic() - start)
 
 
@@ -118,8 +125,7 @@ def run_python(
     "guard" (the in-process prelude only, not a security boundary). Nothing the code does
     raises here; invalid arguments raise ``ValueError``.
     """
-    options = _Options.make(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb, max_procs, disk_mb,
-                            sandbox)
+    options = _Options.make(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb, max_procs, disk_mb, sandbox)
     start = time.monotonic()
     process = SandboxProcess(options.limits, sandbox)
     try:

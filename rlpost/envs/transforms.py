@@ -185,7 +185,9 @@ class Compose(Transform):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         states = state.get("transforms", []) if state else []
         if len(states) != len(self._transforms):
-            raise ValueError(f"Compose state has {len(states)} transform states, this Compose has {len(self._transforms)}")
+            raise ValueError(
+                f"Compose state has {len(states)} transform states, this Compose has {len(self._transforms)}"
+            )
         for transform, transform_state in zip(self._transforms, states):
             transform.load_state_dict(transform_state)
 

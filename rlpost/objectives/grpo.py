@@ -232,8 +232,11 @@ class GRPOLoss(torch.nn.Module):
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator must be one of ('k1', 'k2', 'k3'), got {kl_estimator!r}")
         _check_number("entropy_coeff", entropy_coeff)
-        for name, value in (("kl_to_ref_coeff", kl_to_ref_coeff), ("kl_to_inference_coeff", kl_to_inference_coeff),
-                            ("kl_mask_threshold", kl_mask_threshold)):
+        for name, value in (
+            ("kl_to_ref_coeff", kl_to_ref_coeff),
+            ("kl_to_inference_coeff", kl_to_inference_coeff),
+            ("kl_mask_threshold", kl_mask_threshold),
+        ):
             if value is not None:
                 _check_number(name, value)
         if kl_to_ref_coeff is not None and kl_to_ref_coeff < 0:
@@ -287,8 +290,12 @@ class GRPOLoss(torch.nn.Module):
         """The actor's input key, then the action, sample log-prob, advantage and reference
         log-prob keys (TorchRL's order)."""
         keys = list(getattr(self.actor_network, "in_keys", None) or [])
-        keys += [self.tensor_keys.action, self.tensor_keys.sample_log_prob, self.tensor_keys.advantage,
-                 self.tensor_keys.ref_log_probs]
+        keys += [
+            self.tensor_keys.action,
+            self.tensor_keys.sample_log_prob,
+            self.tensor_keys.advantage,
+            self.tensor_keys.ref_log_probs,
+        ]
         return list(dict.fromkeys(keys))
 
     @property
@@ -323,8 +330,9 @@ class GRPOLoss(torch.nn.Module):
         if terms.kl_to_ref is not None:
             out.update(loss_kl_to_ref=loss_field(terms.loss_kl), kl_to_ref=terms.kl_to_ref)
         if terms.kl_to_inference is not None:
-            out.update(loss_kl_to_inference=loss_field(terms.loss_kl_to_inference),
-                       kl_to_inference=terms.kl_to_inference)
+            out.update(
+                loss_kl_to_inference=loss_field(terms.loss_kl_to_inference), kl_to_inference=terms.kl_to_inference
+            )
         return GRPOLossOutput(**out, batch_size=[])
 
     def loss_terms(self, tensordict: TensorDictBase) -> GRPOLossTerms:

@@ -74,6 +74,8 @@ from rlpost.policies.inputs import (
 INPUT_MODES = ("history", "text", "tokens")
 # Tokenizer arguments the wrapper decides itself (padding follows pad_output).
 _WRAPPER_TOKENIZER_KWARGS = ("padding", "padding_side", "return_tensors", "return_attention_mask")
+
+
 @dataclass
 class Completion:
     """One sampled continuation, as an engine returns it (plain data: it crosses processes).
@@ -211,7 +213,9 @@ class LLMWrapperBase(CategoricalSequential):
         self.chat_template = chat_template
         self.history_key, self.text_key, self.tokens_key = history_key, text_key, tokens_key
         self.masks_key, self.log_probs_key = masks_key, log_probs_key
-        self.attention_mask_key = attention_mask_key if attention_mask_key is not None else (masks_key, "all_attention_mask")
+        self.attention_mask_key = (
+            attention_mask_key if attention_mask_key is not None else (masks_key, "all_attention_mask")
+        )
         mode_key = {"history": history_key, "text": text_key, "tokens": tokens_key}[input_mode]
         part = "prompt" if generate else "full"
         self.input_key = input_key if input_key is not None else join_key(mode_key, part)
@@ -305,7 +309,9 @@ class LLMWrapperBase(CategoricalSequential):
         return reader[self.input_mode](td)
 
     def _missing(self, td: TensorDictBase) -> str:
-        what = "scoring (generate=False) needs the full sequence" if not self.generate else "generation needs the prompt"
+        what = (
+            "scoring (generate=False) needs the full sequence" if not self.generate else "generation needs the prompt"
+        )
         return (
             f"Expected {self.input_key!r} key for {self.input_mode} input mode: {type(self).__name__} {what}; "
             f"the input has keys {sorted(map(str, td.keys(True, True)))}"
@@ -537,8 +543,10 @@ class LLMWrapperBase(CategoricalSequential):
         n = len(next(iter(present.values())))
         unpadded = NonTensorData(False)  # one immutable flag shared by every row: 3x cheaper
         scalar = torch.Size([])  # a given batch size skips inferring one: 40% cheaper per row
-        rows = [TensorDict({**{k: v[i] for k, v in present.items()}, "padded": unpadded}, batch_size=scalar)
-                for i in range(n)]
+        rows = [
+            TensorDict({**{k: v[i] for k, v in present.items()}, "padded": unpadded}, batch_size=scalar)
+            for i in range(n)
+        ]
         stacked = lazy_stack(rows)
         return _reshape(cls._from_tensordict(stacked), self._batch_shape(n))
 
@@ -595,28 +603,6 @@ class LLMWrapperBase(CategoricalSequential):
         for key, value in outputs.items():
             result.set(key, value)
         return result
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _logprobs(completion: Completion) -> list[float]:

@@ -33,8 +33,12 @@ class WeightSyncExtension:
         version, tensors = self._rlpost_receiver.receive(timeout_s)
         received = time.perf_counter()
         self._rlpost_reload(tensors.items())
-        return {"version": version, "receive_s": received - start, "load_s": time.perf_counter() - received,
-                "num_tensors": len(tensors)}
+        return {
+            "version": version,
+            "receive_s": received - start,
+            "load_s": time.perf_counter() - received,
+            "num_tensors": len(tensors),
+        }
 
     def rlpost_load_weights(self, named_tensors: list) -> int:
         """Load weights handed over directly (tests, single-process use); returns the tensor count."""

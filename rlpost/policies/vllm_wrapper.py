@@ -100,7 +100,9 @@ class LocalVLLMClient:
         position, or only the given tokens'."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False
+        )
         return self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]) -> list[list[Completion]]:
@@ -421,7 +423,13 @@ def _dense(position: dict, vocab: int) -> torch.Tensor:
 
 
 def _prompt_scores(
-    ids: list[int], prompt_logprobs, vocab_size: int, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
+    ids: list[int],
+    prompt_logprobs,
+    vocab_size: int,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
     start: int = 1,
 ) -> list[float]:
     """``log p(ids[t] | ids[:t])`` for ``t >= start`` (0.0 before) from vLLM's prompt log-probs:

@@ -84,7 +84,9 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def as_named_list(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def as_named_list(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     """Materialise a dict or an iterable of (name, tensor) pairs; names must be unique."""
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     seen: set[str] = set()
@@ -122,7 +124,9 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Bu
     return BucketLayout(slots, tuple(dtypes), tuple(numels))
 
 
-def flatten_bucket(layout: BucketLayout, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+def flatten_bucket(
+    layout: BucketLayout, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device
+) -> torch.Tensor:
     """Copy the tensors of bucket `index` into one new flat tensor on `device`."""
     flat = torch.empty(layout.bucket_numels[index], dtype=dtype_from_str(layout.bucket_dtypes[index]), device=device)
     for slot in layout.slots:
@@ -134,7 +138,10 @@ def flatten_bucket(layout: BucketLayout, index: int, tensors: Mapping[str, torch
 
 def empty_buckets(layout: BucketLayout, device: torch.device) -> list[torch.Tensor]:
     """Receiver side: allocate every bucket of `layout` on `device`, ready to be filled."""
-    return [torch.empty(n, dtype=dtype_from_str(d), device=device) for d, n in zip(layout.bucket_dtypes, layout.bucket_numels)]
+    return [
+        torch.empty(n, dtype=dtype_from_str(d), device=device)
+        for d, n in zip(layout.bucket_dtypes, layout.bucket_numels)
+    ]
 
 
 def unflatten(layout: BucketLayout, buckets: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -109,11 +109,23 @@ class Taken:
 
 
 class Buffer(Protocol):
-    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt: ...
+    def put(
+        self,
+        groups: Sequence[Any],
+        timeout_s: float,
+        producer: str | None = None,
+        producer_state: Any = None,
+        epoch: int = 0,
+        force: bool = False,
+    ) -> PutReceipt: ...
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool: ...
-    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
-             acknowledged: dict[str, int] | None = None) -> Taken: ...
+    def take(
+        self,
+        num_groups: int,
+        timeout_s: float,
+        current_version: int | None = None,
+        acknowledged: dict[str, int] | None = None,
+    ) -> Taken: ...
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
     def fence(self, producer: str, epoch: int) -> Any: ...
     def stats(self) -> BufferStats: ...
@@ -150,8 +162,15 @@ class LocalBuffer:
         self._acknowledged: dict[str, int] = {}  # producer -> highest seq the consumer received
         self._unreported: list[Any] = []  # dropped as stale, not yet in a take's reply
 
-    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
+    def put(
+        self,
+        groups: Sequence[Any],
+        timeout_s: float,
+        producer: str | None = None,
+        producer_state: Any = None,
+        epoch: int = 0,
+        force: bool = False,
+    ) -> PutReceipt:
         """Append ``groups`` together, blocking until a slot is free (see the module docstring).
 
         ``producer_state`` is recorded for ``producer`` with them. Groups already accepted (their
@@ -172,8 +191,9 @@ class LocalBuffer:
             while new and not force and len(self._items) >= self.capacity:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise BufferTimeout(f"buffer full ({self.capacity} groups) for {timeout_s:.1f}s: "
-                                        f"none of {len(new)} groups put")
+                    raise BufferTimeout(
+                        f"buffer full ({self.capacity} groups) for {timeout_s:.1f}s: none of {len(new)} groups put"
+                    )
                 self._cond.wait(left)
             self._put_wait_s += time.monotonic() - start
             self._items.extend(new)
@@ -209,8 +229,13 @@ class LocalBuffer:
                 self._reserved[producer] = need
             return True
 
-    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
-             acknowledged: dict[str, int] | None = None) -> Taken:
+    def take(
+        self,
+        num_groups: int,
+        timeout_s: float,
+        current_version: int | None = None,
+        acknowledged: dict[str, int] | None = None,
+    ) -> Taken:
         """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s``.
 
         With ``current_version``, stale groups are dropped (counted, and reported in this or the
@@ -282,8 +307,9 @@ class LocalBuffer:
     def snapshot(self) -> BufferSnapshot:
         """A copy of the waiting groups, producer states and sequence numbers, under one lock."""
         with self._cond:
-            return BufferSnapshot(list(self._items), dict(self._producer_states), dict(self._last_seqs),
-                                  dict(self._acknowledged))
+            return BufferSnapshot(
+                list(self._items), dict(self._producer_states), dict(self._last_seqs), dict(self._acknowledged)
+            )
 
     def restore(self, snapshot: BufferSnapshot) -> None:
         """Put a checkpoint's groups back (oldest first, beyond the capacity if need be: they
@@ -341,13 +367,25 @@ class RayBuffer:
         self.handle = handle
         self.rpc_margin_s = rpc_margin_s
 
-    def put(self, groups: Sequence[Any], timeout_s: float, producer: str | None = None,
-            producer_state: Any = None, epoch: int = 0, force: bool = False) -> PutReceipt:
+    def put(
+        self,
+        groups: Sequence[Any],
+        timeout_s: float,
+        producer: str | None = None,
+        producer_state: Any = None,
+        epoch: int = 0,
+        force: bool = False,
+    ) -> PutReceipt:
         ref = self.handle.put.remote(list(groups), timeout_s, producer, producer_state, epoch, force)
         return self._call(ref, timeout_s)
 
-    def take(self, num_groups: int, timeout_s: float, current_version: int | None = None,
-             acknowledged: dict[str, int] | None = None) -> Taken:
+    def take(
+        self,
+        num_groups: int,
+        timeout_s: float,
+        current_version: int | None = None,
+        acknowledged: dict[str, int] | None = None,
+    ) -> Taken:
         return self._call(self.handle.take.remote(num_groups, timeout_s, current_version, acknowledged), timeout_s)
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:

@@ -63,7 +63,14 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
-from rlpost.transport.bucketing import BucketLayout, as_named_list, empty_buckets, flatten_bucket, plan_buckets, unflatten
+from rlpost.transport.bucketing import (
+    BucketLayout,
+    as_named_list,
+    empty_buckets,
+    flatten_bucket,
+    plan_buckets,
+    unflatten,
+)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 _MAX_IN_FLIGHT = 2  # buckets the publisher keeps in flight: overlap flattening with sending, bound memory
@@ -77,11 +84,20 @@ class WeightSyncError(RuntimeError):
     suspect ranks where known (publish: receivers that neither confirmed nor reported a failure of
     their own; connect: ranks that never joined; receive: [0], the publisher)."""
 
-    def __init__(self, message: str, *, version: int | None = None, generation: int | None = None,
-                 peers: Iterable[int] = (), elapsed_s: float = 0.0):
+    def __init__(
+        self,
+        message: str,
+        *,
+        version: int | None = None,
+        generation: int | None = None,
+        peers: Iterable[int] = (),
+        elapsed_s: float = 0.0,
+    ):
         self.version, self.generation, self.peers, self.elapsed_s = version, generation, sorted(peers), elapsed_s
-        super().__init__(f"weight sync of version {version} (generation {generation}) failed after {elapsed_s:.1f}s; "
-                         f"suspect peer ranks: {self.peers or 'unknown'}: {message}")
+        super().__init__(
+            f"weight sync of version {version} (generation {generation}) failed after {elapsed_s:.1f}s; "
+            f"suspect peer ranks: {self.peers or 'unknown'}: {message}"
+        )
 
 
 @dataclass(frozen=True)
@@ -193,7 +209,7 @@ class BusSpec:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> "nccl" when CUDA and NCCL are available and the weights live on a GPU, else "gloo"."""
+    """ "auto" -> "nccl" when CUDA and NCCL are available and the weights live on a GPU, else "gloo"."""
     if backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"weight_sync.backend must be auto, nccl or gloo, got {backend!r}")
     if backend == "auto":
@@ -203,7 +219,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _full_device(device: torch.device) -> torch.device:
-    """"cuda" -> "cuda:<current>": NCCL binds its communicator to one indexed device."""
+    """ "cuda" -> "cuda:<current>": NCCL binds its communicator to one indexed device."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -235,7 +251,9 @@ class _Group:
         opts = ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         local = self.spec.host in _LOOPBACK  # every rank on this host: talk over loopback
-        device = ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else ProcessGroupGloo.create_default_device()
+        device = (
+            ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else ProcessGroupGloo.create_default_device()
+        )
         opts._devices = [device]
         return ProcessGroupGloo(store, self.rank, self.spec.world_size, opts)
 
@@ -301,8 +319,13 @@ class _SyncFailure:
 
     def error(self, message: str, cause: BaseException | None = None) -> WeightSyncError:
         detail = f"{message}: {cause}" if cause is not None else message
-        return WeightSyncError(detail, version=self.version, generation=self.generation, peers=self.peers(),
-                               elapsed_s=time.perf_counter() - self.t0)
+        return WeightSyncError(
+            detail,
+            version=self.version,
+            generation=self.generation,
+            peers=self.peers(),
+            elapsed_s=time.perf_counter() - self.t0,
+        )
 
     @contextmanager
     def guard(self, message: str) -> Iterator[None]:
@@ -337,12 +360,15 @@ class _TorchEnd:
 
     def _join(self, wait_s: float | None, version: int | None) -> float:
         if self._broken:
-            raise WeightSyncError(f"bus is broken ({self._broken}); call reform() first",
-                                  version=version, generation=self.generation)
+            raise WeightSyncError(
+                f"bus is broken ({self._broken}); call reform() first", version=version, generation=self.generation
+            )
         if self._group is not None:
             return 0.0
         group = _Group(self._store, self.spec, self.rank, self.device)
-        fail = _SyncFailure(version, self.generation, lambda: group.unconfirmed(range(self.spec.world_size), "joined/{}"))
+        fail = _SyncFailure(
+            version, self.generation, lambda: group.unconfirmed(range(self.spec.world_size), "joined/{}")
+        )
         with fail.guard("not every rank joined the bus"):  # nothing built yet: connect can be retried
             group.await_peers(self.spec.timeout_s if wait_s is None else wait_s)
         self._group = group
@@ -386,10 +412,21 @@ class TorchWeightPublisher(_TorchEnd):
     a cluster). `device`: where the weights live; with backend "auto" it picks NCCL for a GPU.
     """
 
-    def __init__(self, world_size: int, *, host: str = "127.0.0.1", port: int = 0, backend: str = "auto",
-                 device: str | torch.device | None = None, bucket_mb: float = 64, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "auto",
+        device: str | torch.device | None = None,
+        bucket_mb: float = 64,
+        timeout_s: float = 60.0,
+    ):
         if world_size < 1 or bucket_mb <= 0 or timeout_s <= 0:
-            raise ValueError(f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}")
+            raise ValueError(
+                f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}"
+            )
         device = _full_device(torch.device(device if device is not None else "cpu"))
         spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s)
         if spec.backend == "nccl" and device.type != "cuda":
@@ -413,8 +450,15 @@ class TorchWeightPublisher(_TorchEnd):
             self._send(layout, dict(named))
             self._await_done(seq)
         self._seq, self._version = seq + 1, version
-        return PublishStats(version, self.generation, len(named), layout.num_buckets, layout.num_bytes,
-                            time.perf_counter() - t0, connect_s)
+        return PublishStats(
+            version,
+            self.generation,
+            len(named),
+            layout.num_buckets,
+            layout.num_bytes,
+            time.perf_counter() - t0,
+            connect_s,
+        )
 
     def reform(self, world_size: int | None = None) -> BusSpec:
         """Drop the current group and open the next generation; hand the result to the receivers."""
@@ -472,7 +516,9 @@ class TorchWeightReceiver(_TorchEnd):
 
     def __init__(self, spec: BusSpec, rank: int, *, device: str | torch.device | None = None):
         _check_rank(spec, rank)
-        device = _full_device(torch.device(device if device is not None else "cuda" if spec.backend == "nccl" else "cpu"))
+        device = _full_device(
+            torch.device(device if device is not None else "cuda" if spec.backend == "nccl" else "cpu")
+        )
         super().__init__(spec, rank, device, _connect_store(spec, is_master=False))
         self.version = -1
         self._layouts: dict[str, BucketLayout] = {}

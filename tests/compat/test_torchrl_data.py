@@ -106,7 +106,11 @@ QWEN_CASES = {
         [True, True, True, True, False],
     ),
     "single_incomplete": ("<|im_start|>assistant\nLet me help you with that", ["assistant"], [False]),
-    "empty_complete": ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|im_end|>", ["system", "user"], [True, True]),
+    "empty_complete": (
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|im_end|>",
+        ["system", "user"],
+        [True, True],
+    ),
     "tool_calls": (
         "<|im_start|>system\nI am an assistant that can use tools.<|im_end|>\n<|im_start|>assistant\nLet me help you "
         'with that.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>\n'
@@ -174,7 +178,9 @@ def test_history_from_text_batch_and_without_tokenizer(tiny_tokenizer):
 def restore_template_registry():
     saved = (dict(templates.CHAT_TEMPLATES), dict(templates._CUSTOM_PARSERS), dict(templates._CUSTOM_KEYWORDS))
     yield
-    for registry, before in zip((templates.CHAT_TEMPLATES, templates._CUSTOM_PARSERS, templates._CUSTOM_KEYWORDS), saved):
+    for registry, before in zip(
+        (templates.CHAT_TEMPLATES, templates._CUSTOM_PARSERS, templates._CUSTOM_KEYWORDS), saved
+    ):
         registry.clear()
         registry.update(before)
 
@@ -217,7 +223,9 @@ def test_history_apply_chat_template_returns_text_by_default(tiny_tokenizer):
     prompted = history.apply_chat_template(tokenizer=tiny_tokenizer)
     assert prompted.endswith("<|im_start|>assistant\n") and prompted == text + "<|im_start|>assistant\n"
     batch = History.from_chats([HELLO_CHAT, CODING_CHAT]).apply_chat_template(tokenizer=tiny_tokenizer)
-    assert batch == tiny_tokenizer.apply_chat_template([HELLO_CHAT, CODING_CHAT], tokenize=False, add_generation_prompt=True)
+    assert batch == tiny_tokenizer.apply_chat_template(
+        [HELLO_CHAT, CODING_CHAT], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_history_apply_chat_template_tokenize_true_returns_a_tensor(tiny_tokenizer):
@@ -230,13 +238,17 @@ def test_history_apply_chat_template_tokenize_true_returns_a_tensor(tiny_tokeniz
     assert isinstance(ids, torch.Tensor) and ids.tolist() == expected
     same = history.apply_chat_template(tokenizer=tiny_tokenizer, return_tensors="pt", add_generation_prompt=False)
     assert torch.equal(same, ids)
-    assert tiny_tokenizer.decode(ids) == history.apply_chat_template(tokenizer=tiny_tokenizer, add_generation_prompt=False)
+    assert tiny_tokenizer.decode(ids) == history.apply_chat_template(
+        tokenizer=tiny_tokenizer, add_generation_prompt=False
+    )
 
 
 def test_history_apply_chat_template_return_dict_gives_a_tensordict(tiny_tokenizer):
     """TorchRL History API: ``return_dict=True`` gives a TensorDict of ``input_ids`` and
     ``attention_mask`` for one conversation, a lazy stack of them for a batch."""
-    encoded = History.from_chats(CODING_CHAT).apply_chat_template(tokenizer=tiny_tokenizer, tokenize=True, return_dict=True)
+    encoded = History.from_chats(CODING_CHAT).apply_chat_template(
+        tokenizer=tiny_tokenizer, tokenize=True, return_dict=True
+    )
     expected = tiny_tokenizer.apply_chat_template(CODING_CHAT, add_generation_prompt=True)
     assert isinstance(encoded, TensorDict) and encoded.batch_size == torch.Size([])
     assert encoded["input_ids"].tolist() == expected["input_ids"]
@@ -246,7 +258,9 @@ def test_history_apply_chat_template_return_dict_gives_a_tensordict(tiny_tokeniz
     )
     assert batch.batch_size == torch.Size([2])
     rows = [t.tolist() for t in batch.get("input_ids", as_list=True)]
-    assert rows == tiny_tokenizer.apply_chat_template([HELLO_CHAT, CODING_CHAT], add_generation_prompt=True)["input_ids"]
+    assert (
+        rows == tiny_tokenizer.apply_chat_template([HELLO_CHAT, CODING_CHAT], add_generation_prompt=True)["input_ids"]
+    )
 
 
 def test_history_apply_chat_template_assistant_mask_tokenizes_by_itself(tiny_tokenizer):
@@ -270,10 +284,15 @@ def test_history_apply_chat_template_masks_with_every_template_name(tiny_tokeniz
     assistant masks. rlpost's masks cover what the model generates (content and end marker),
     not the role header (TorchRL's include it)."""
     result = History.from_chats(HELLO_CHAT).apply_chat_template(
-        tokenizer=tiny_tokenizer, chat_template_name=name, add_generation_prompt=False, return_assistant_tokens_mask=True
+        tokenizer=tiny_tokenizer,
+        chat_template_name=name,
+        add_generation_prompt=False,
+        return_assistant_tokens_mask=True,
     )
     masked = tiny_tokenizer.decode(result["input_ids"][result["assistant_masks"].bool()])
-    end = {"chatml_format": "<|im_end|>", "qwen": "<|im_end|>", "llama": "<|eot|>", "falcon": ""}.get(name, "<|im_end|>")
+    end = {"chatml_format": "<|im_end|>", "qwen": "<|im_end|>", "llama": "<|eot|>", "falcon": ""}.get(
+        name, "<|im_end|>"
+    )
     assert masked.lstrip() == "Hi there!" + end  # byte-level BPE glues the separator's space to "Hi"
 
 
@@ -307,7 +326,9 @@ def test_history_stacked_messages_render_as_chatml_without_a_tokenizer_template(
     from the decoded ids. TorchRL's "model families" test: assistant masks work there too."""
     setup = History(role="system", content="CONTENT\n        This is the setup")
     prompt = History(role="user", content="CONTENT\n        This is the first user prompt")
-    answer = History(role="assistant", content="CONTENT\n        This is the second prompt, the first for the assistant.")
+    answer = History(
+        role="assistant", content="CONTENT\n        This is the second prompt, the first for the assistant."
+    )
     history = torch.stack([setup, prompt, answer])
     assert isinstance(history, History) and history.batch_size == torch.Size([3])
     text = history.apply_chat_template(tokenizer=templateless_tokenizer, add_generation_prompt=False)
@@ -320,7 +341,10 @@ def test_history_stacked_messages_render_as_chatml_without_a_tokenizer_template(
         recovered = History.from_text(rendered)
         assert recovered.role == history.role and recovered.content == history.content
     masked = History.from_chats([HELLO_CHAT]).apply_chat_template(
-        tokenizer=templateless_tokenizer, add_generation_prompt=False, return_dict=True, return_assistant_tokens_mask=True
+        tokenizer=templateless_tokenizer,
+        add_generation_prompt=False,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     assert masked["assistant_masks"].shape == masked["input_ids"].shape and masked["assistant_masks"].shape[0] == 1
     assert templateless_tokenizer.decode(masked["input_ids"][masked["assistant_masks"].bool()]) == "Hi there!<|im_end|>"
@@ -328,9 +352,7 @@ def test_history_stacked_messages_render_as_chatml_without_a_tokenizer_template(
 
 def _assistant_spans(history: History, end: str) -> str:
     """What the assistant generated in a ``[n]`` History: each content, plus ``end`` when complete."""
-    return "".join(
-        m.content + (end if m.is_complete else "") for m in history.unbind(0) if m.role == "assistant"
-    )
+    return "".join(m.content + (end if m.is_complete else "") for m in history.unbind(0) if m.role == "assistant")
 
 
 @pytest.mark.parametrize("case", sorted(QWEN_CASES))
@@ -342,7 +364,10 @@ def test_history_assistant_masks_of_parsed_qwen_texts(tiny_tokenizer, case):
     no role headers (TorchRL's masks include them, so its test checks a suffix instead)."""
     history = History.from_text(QWEN_CASES[case][0], chat_template_name="qwen")
     result = history.apply_chat_template(
-        tokenizer=tiny_tokenizer, chat_template_name="qwen", add_generation_prompt=False, return_assistant_tokens_mask=True
+        tokenizer=tiny_tokenizer,
+        chat_template_name="qwen",
+        add_generation_prompt=False,
+        return_assistant_tokens_mask=True,
     )
     masks = result["assistant_masks"].bool()
     assert bool(masks.any()) == ("assistant" in history.role)
@@ -390,12 +415,17 @@ def test_history_assistant_masks_of_parsed_llama_texts(tiny_tokenizer, case):
     history = History.from_text(text, chat_template_name="llama")
     assert list(history.role) == roles and history.is_complete.tolist() == complete
     result = history.apply_chat_template(
-        tokenizer=tiny_tokenizer, chat_template_name="llama", add_generation_prompt=False, return_assistant_tokens_mask=True
+        tokenizer=tiny_tokenizer,
+        chat_template_name="llama",
+        add_generation_prompt=False,
+        return_assistant_tokens_mask=True,
     )
     masked = tiny_tokenizer.decode(result["input_ids"][result["assistant_masks"].bool()])
     assert masked == _assistant_spans(history, "<|eot|>")
     # The tiny tokenizer has no BOS token: the rendering is the text without <|begin_of_text|>.
-    rendered = history.apply_chat_template(tokenizer=tiny_tokenizer, chat_template_name="llama", add_generation_prompt=False)
+    rendered = history.apply_chat_template(
+        tokenizer=tiny_tokenizer, chat_template_name="llama", add_generation_prompt=False
+    )
     assert rendered == text.removeprefix("<|begin_of_text|>")
 
 
@@ -403,12 +433,20 @@ def test_history_named_template_renders_as_the_tokenizers_own(tiny_tokenizer):
     """TorchRL test-suite "custom template equivalence": a named template renders a multi-turn chat
     as the model's own template does, here ``chatml_format`` against the tiny model's ChatML
     template passed as ``chat_template=tokenizer.chat_template``."""
-    chat = HELLO_CHAT + [{"role": "user", "content": "How are you?"}, {"role": "assistant", "content": "I'm good, thanks!"}]
+    chat = HELLO_CHAT + [
+        {"role": "user", "content": "How are you?"},
+        {"role": "assistant", "content": "I'm good, thanks!"},
+    ]
     history = History.from_chats([chat])
     own = history.apply_chat_template(
-        tokenizer=tiny_tokenizer, add_generation_prompt=False, chat_template=tiny_tokenizer.chat_template, chat_template_name=None
+        tokenizer=tiny_tokenizer,
+        add_generation_prompt=False,
+        chat_template=tiny_tokenizer.chat_template,
+        chat_template_name=None,
     )
-    named_out = history.apply_chat_template(tokenizer=tiny_tokenizer, add_generation_prompt=False, chat_template_name="chatml_format")
+    named_out = history.apply_chat_template(
+        tokenizer=tiny_tokenizer, add_generation_prompt=False, chat_template_name="chatml_format"
+    )
     assert own == named_out == [tiny_tokenizer.apply_chat_template(chat, tokenize=False)]
 
 
@@ -429,7 +467,13 @@ ROUND_TRIP_CHATS = [
 @pytest.mark.parametrize("chat", ROUND_TRIP_CHATS, ids=["system", "joke", "coding"])
 @pytest.mark.parametrize(
     "model_name, use_tokenizer_chat_template",
-    [(None, False), (None, True), ("Qwen/Qwen2.5-0.5B", False), ("Qwen/Qwen2.5-0.5B", True), ("microsoft/phi-2", False)],
+    [
+        (None, False),
+        (None, True),
+        ("Qwen/Qwen2.5-0.5B", False),
+        ("Qwen/Qwen2.5-0.5B", True),
+        ("microsoft/phi-2", False),
+    ],
 )
 def test_history_round_trip_with_the_detected_template(tiny_tokenizer, model_name, use_tokenizer_chat_template, chat):
     """TorchRL test-suite "history round trip" and "round trip incomplete": with
@@ -532,7 +576,10 @@ def test_history_tool_calls_and_tool_responses_fields(tiny_tokenizer):
     text = history.apply_chat_template(tiny_tokenizer, chat_template_name="qwen", add_generation_prompt=False)
     call_text = '{"name": "calculator", "arguments": {"expression": "2+2"}}'
     assert f"<|im_start|>assistant\n<tool_call>\n{call_text}\n</tool_call><|im_end|>" in text
-    assert "<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nfour\n</tool_response><|im_end|>" in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nfour\n</tool_response><|im_end|>"
+        in text
+    )
     parsed = History.from_text(text, chat_template_name="qwen")
     assert [m["role"] for m in parsed.to_chats()] == ["system", "user", "assistant", "tool", "tool", "assistant"]
 
@@ -569,9 +616,13 @@ def test_content_base_messages_render_through_the_template():
     first = History(role="assistant", content=ContentBase(type="text", text="Ignore both.", batch_size=1))
     history = lazy_stack([first, History(role="user", content=content)])
     processor = _ListContentTokenizer()
-    text = history.apply_chat_template(tokenizer=processor, add_generation_prompt=False, return_dict=True, tokenize=False)
+    text = history.apply_chat_template(
+        tokenizer=processor, add_generation_prompt=False, return_dict=True, tokenize=False
+    )
     assert text == "<|im_start|>assistant Ignore both.<|im_end|><|im_start|>user Hello, world!<image><|im_end|>"
-    blocks = History.from_chats([{"role": "user", "content": [{"type": "image", "url": "u"}, {"type": "text", "text": "?"}]}])
+    blocks = History.from_chats(
+        [{"role": "user", "content": [{"type": "image", "url": "u"}, {"type": "text", "text": "?"}]}]
+    )
     assert blocks.apply_chat_template(tokenizer=processor) == "<|im_start|>user <image>?<|im_end|>"
 
 
@@ -656,7 +707,9 @@ def test_chat_env_specs_take_the_env_batch_shape():
         reward=Unbounded(shape=(3, 1), dtype=torch.float32),
         shape=(3,),
     )
-    assert spec["history"].shape == torch.Size([3]) and spec["history", "prompt", "content"].shape == torch.Size([3, -1])
+    assert spec["history"].shape == torch.Size([3]) and spec["history", "prompt", "content"].shape == torch.Size(
+        [3, -1]
+    )
     assert ("history", "prompt", "role") in spec.keys(include_nested=True, leaves_only=True)
     value = spec.zero()
     assert value.batch_size == torch.Size([3]) and value["history"].prompt.batch_size == torch.Size([3, 1])
@@ -694,7 +747,10 @@ def test_chat_history_to_text(tiny_tokenizer):
     assert text.response == ["<answer>7</answer><|im_end|>\n", "4<|im_end|>\n"]
     assert [p + r for p, r in zip(text.prompt, text.response)] == list(text.full)
     alone = ChatHistory(response=History.from_chats(RESPONSES), batch_size=[2]).to_text(tiny_tokenizer)
-    assert alone.response == ["<|im_start|>assistant\n<answer>7</answer><|im_end|>\n", "<|im_start|>assistant\n4<|im_end|>\n"]
+    assert alone.response == [
+        "<|im_start|>assistant\n<answer>7</answer><|im_end|>\n",
+        "<|im_start|>assistant\n4<|im_end|>\n",
+    ]
 
 
 def test_chat_history_to_tokens(tiny_tokenizer):
@@ -732,7 +788,9 @@ def test_chat_history_unsqueezes_histories_without_a_message_dim():
     one_message_each = History(role=["user", "user"], content=["a", "b"], batch_size=[2])
     with pytest.warns(UserWarning, match="one more batch dim"):
         chat = ChatHistory(prompt=one_message_each, batch_size=[2])
-    assert chat.prompt.batch_size == torch.Size([2, 1]) and chat.prompt.to_chats()[1] == [{"role": "user", "content": "b"}]
+    assert chat.prompt.batch_size == torch.Size([2, 1]) and chat.prompt.to_chats()[1] == [
+        {"role": "user", "content": "b"}
+    ]
 
 
 MULTI_TURN_CHAT = [
@@ -788,7 +846,9 @@ def test_chat_history_prompt_and_full_give_the_response_as_the_rest(templateless
     assert (decoded.prompt, decoded.response, decoded.full) == (text.prompt, text.response, text.full)
     assert decoded.to_history(tokenizer).response.to_chats() == [[HELLO_CHAT[1]]]
     split = Text(prompt=["Hello"], response=[", how are you?"], full=["Hello, how are you?"]).to_tokens(tokenizer)
-    assert tokenizer.batch_decode(split.prompt) == ["Hello"] and tokenizer.batch_decode(split.response) == [", how are you?"]
+    assert tokenizer.batch_decode(split.prompt) == ["Hello"] and tokenizer.batch_decode(split.response) == [
+        ", how are you?"
+    ]
     assert tokenizer.batch_decode(split.full) == ["Hello, how are you?"]
 
 

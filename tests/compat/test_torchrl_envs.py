@@ -297,5 +297,7 @@ def test_a_tool_transform_on_an_env_without_a_conversation_names_the_problem():
 
     tool = PythonInterpreter()
     tool.parent = Plain()
-    with pytest.raises(RuntimeError, match="PythonInterpreter reads the policy's messages.*Plain holds no conversation"):
+    with pytest.raises(
+        RuntimeError, match="PythonInterpreter reads the policy's messages.*Plain holds no conversation"
+    ):
         tool.on_step(TensorDict(batch_size=[1]), TensorDict(done=torch.zeros(1, 1, dtype=torch.bool), batch_size=[1]))

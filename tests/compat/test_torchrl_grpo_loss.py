@@ -162,14 +162,24 @@ def test_grpo_script_training_step(hf_model, tokenizer):
     advantages, compute the loss with the training wrapper, backpropagate ``loss.mean(reduce=True)``
     and log ``ESS``; a second step's data is off-policy by exactly that update."""
     chats = [[{"role": "user", "content": "What is 2 + 2?"}], [{"role": "user", "content": "Name a colour."}]]
-    policy = TransformersWrapper(hf_model, tokenizer=tokenizer, input_mode="history", generate=True,
-                                 generate_kwargs={"max_new_tokens": 6, "temperature": 1.0, "seed": 0})
+    policy = TransformersWrapper(
+        hf_model,
+        tokenizer=tokenizer,
+        input_mode="history",
+        generate=True,
+        generate_kwargs={"max_new_tokens": 6, "temperature": 1.0, "seed": 0},
+    )
     with torch.no_grad():
         batch = policy(TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(2,)))
     batch.set("advantage", torch.tensor([[1.0], [-1.0]]))
     policy_training = policy.get_new_version(generate=False)
-    loss_fn = GRPOLoss(actor_network=policy_training, kl_to_ref_coeff=0.0, kl_to_inference_coeff=0.0,
-                       entropy_coeff=0.01, masking_strategy="sft")
+    loss_fn = GRPOLoss(
+        actor_network=policy_training,
+        kl_to_ref_coeff=0.0,
+        kl_to_inference_coeff=0.0,
+        entropy_coeff=0.01,
+        masking_strategy="sft",
+    )
     model = hf_model
     saved = {name: p.detach().clone() for name, p in model.named_parameters()}
     try:
@@ -198,8 +208,13 @@ def test_reference_log_probs_from_retrieve_kl(hf_model, tokenizer):
     on data without a ``"next"`` entry it writes ``("ref_log_probs", "full")``, which the loss
     reads when ``("next", "ref_log_probs", "full")`` is absent."""
     chats = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count to three."}]]
-    policy = TransformersWrapper(hf_model, tokenizer=tokenizer, input_mode="history", generate=True,
-                                 generate_kwargs={"max_new_tokens": 5, "temperature": 1.0, "seed": 1})
+    policy = TransformersWrapper(
+        hf_model,
+        tokenizer=tokenizer,
+        input_mode="history",
+        generate=True,
+        generate_kwargs={"max_new_tokens": 5, "temperature": 1.0, "seed": 1},
+    )
     with torch.no_grad():
         batch = policy(TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(2,)))
     batch.set("advantage", torch.tensor([0.5, -0.5]))

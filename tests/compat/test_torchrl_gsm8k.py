@@ -134,7 +134,10 @@ def test_gsm8kenv_docstring_example_with_the_text_response_key(tiny_tokenizer, s
         assert s["next", key].shape == (1, 1)
     assert s["next", "success"].dtype == torch.bool
     assert s["next", "done"].all()
-    assert s["next", "history"].prompt.to_chats()[0][-1] == {"role": "assistant", "content": RESPONSE[: -len("<|im_end|>")]}
+    assert s["next", "history"].prompt.to_chats()[0][-1] == {
+        "role": "assistant",
+        "content": RESPONSE[: -len("<|im_end|>")],
+    }
 
 
 # ---------------------------------------------------------------------------- the API reference

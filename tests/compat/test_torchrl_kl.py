@@ -132,7 +132,9 @@ def test_kl_computation_takes_rlpost_sequence_rewards_and_ragged_rows():
     kl = list(out["kl_penalty"].unbind(0))
     assert torch.allclose(kl[0], torch.tensor([0.5, -1.0])) and torch.allclose(kl[1], torch.tensor([0.0]))
     rewards = list(out["reward"].unbind(0))
-    assert torch.allclose(rewards[0], torch.tensor([[0.75], [1.5]])) and torch.allclose(rewards[1], torch.tensor([[2.0]]))
+    assert torch.allclose(rewards[0], torch.tensor([[0.75], [1.5]])) and torch.allclose(
+        rewards[1], torch.tensor([[2.0]])
+    )
 
 
 def test_kl_reward_transform_docstring_recommends_retrieve_kl(tiny):

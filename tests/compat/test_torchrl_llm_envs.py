@@ -141,7 +141,9 @@ def test_llm_env_with_a_primer_of_token_batches():
     DataLoadingPrimer of token batches appended to a token LLMEnv. Deviation: batches that are
     bare tensors need ``data_keys`` to name their column (here the env's observation key)."""
     primer = DataLoadingPrimer(
-        dataloader=DummyTensorDataLoader(batch_size=4, padding=True), stack_method="as_padded_tensor", batch_size=4,
+        dataloader=DummyTensorDataLoader(batch_size=4, padding=True),
+        stack_method="as_padded_tensor",
+        batch_size=4,
         data_keys=["tokens"],
     )
     env = LLMEnv(from_text=False, batch_size=primer.batch_size, eos_token_id=0).append_transform(primer)

@@ -214,7 +214,9 @@ def test_example_7_rl_environment_integration(vllm_wrapper, history):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (0.7, 0.9), (1.3, 1.0)])
-def test_plain_engine_logprobs_are_processed_at_any_temperature(plain_llm, tokenizer, hf_model, history, temperature, top_p):
+def test_plain_engine_logprobs_are_processed_at_any_temperature(
+    plain_llm, tokenizer, hf_model, history, temperature, top_p
+):
     """TorchRL vLLMWrapper docs: ``log_probs`` are the sampled tokens' log-probs. On a plain
     ``vllm.LLM`` (raw log-probs mode) rlpost re-scores them under the processed distribution."""
     with pytest.warns(UserWarning, match="re-scored"):
@@ -319,7 +321,9 @@ def test_torchrl_exception_types(plain_llm, hf_model, tokenizer):
 def test_wrappers_are_categorical_sequentials(hf_model, tokenizer, history):
     """TorchRL modules docs: the wrappers are ``CategoricalSequential`` modules (``log_prob``,
     ``get_dist``, ``log_prob_key``)."""
-    generator = TransformersWrapper(hf_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 6, "temperature": 0})
+    generator = TransformersWrapper(
+        hf_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 6, "temperature": 0}
+    )
     assert isinstance(generator, CategoricalSequential)
     assert generator.log_prob_key == "log_probs"
     out = generator(TensorDict(history=history, batch_size=(2,)))

@@ -55,8 +55,12 @@ class BusWorker:
 def test_updater_from_model_metadata_checks_every_push():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     metadata = vLLMUpdater.get_model_metadata(model)
-    assert metadata == {"0.weight": (torch.float32, torch.Size([3, 4])), "0.bias": (torch.float32, torch.Size([3])),
-                        "1.weight": (torch.float32, torch.Size([2, 3])), "1.bias": (torch.float32, torch.Size([2]))}
+    assert metadata == {
+        "0.weight": (torch.float32, torch.Size([3, 4])),
+        "0.bias": (torch.float32, torch.Size([3])),
+        "1.weight": (torch.float32, torch.Size([2, 3])),
+        "1.bias": (torch.float32, torch.Size([2])),
+    }
     worker = BusWorker()
     updater = vLLMUpdater([worker], master_address=None, master_port=None, model_metadata=metadata, vllm_tp_size=1,
                           backend="gloo", timeout_s=30)  # fmt: skip

@@ -49,13 +49,29 @@ def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = No
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `rlpost` for job entrypoints
     gcs, dash, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(7)
-    args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={gcs}",
-            "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-            f"--runtime-env-agent-port={runtime_env}"]
-    args += (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"] if dashboard
-             else ["--include-dashboard=false"])
+    args = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        f"--port={gcs}",
+        "--node-ip-address=127.0.0.1",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={num_cpus}",
+        "--disable-usage-stats",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}",
+    ]
+    args += (
+        ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+        if dashboard
+        else ["--include-dashboard=false"]
+    )
     log = temp_dir / "ray-start.log"
     with log.open("w") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=temp_dir)

@@ -50,10 +50,23 @@ def test_runs_finish_with_consistent_accounting_when_actors_are_killed(tmp_path,
 
 def test_sigterm_writes_a_final_checkpoint_and_the_run_resumes_from_it(tmp_path, tiny_model_path):
     run_dir = tmp_path / "stopped"
-    args = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
-            "trainer.prompts_per_step=4", "logging.progress=false"]
-    proc = subprocess.Popen([*args, "trainer.steps=40", "--run-dir", str(run_dir)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = [
+        sys.executable,
+        "-m",
+        "rlpost.cli",
+        "train",
+        "configs/tiny-cpu.yaml",
+        f"model.name_or_path={tiny_model_path}",
+        "trainer.prompts_per_step=4",
+        "logging.progress=false",
+    ]
+    proc = subprocess.Popen(
+        [*args, "trainer.steps=40", "--run-dir", str(run_dir)],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
@@ -68,8 +81,13 @@ def test_sigterm_writes_a_final_checkpoint_and_the_run_resumes_from_it(tmp_path,
     assert f"stopped after step {last}" in err and "rlpost: stopped by SIGTERM" in err
     assert (run_dir / "checkpoints" / f"step_{last}" / "trainer_state.pt").is_file()
 
-    resumed = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir),
-                              f"trainer.steps={last + 2}"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), f"trainer.steps={last + 2}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, last + 3))

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
 START_LINE = re.compile(
     r"^rlpost: Ray dashboard at (?P<dashboard>http://127\.0\.0\.1:\d+) \(namespace (?P<namespace>\S+)\); "
-    r"metrics at (?P<metrics>http://127\.0\.0\.1:\d+/metrics)", re.M)
+    r"metrics at (?P<metrics>http://127\.0\.0\.1:\d+/metrics)",
+    re.M,
+)
 RUN_ACTORS = {"inference-0", "learner", "env-pool-0", "buffer"}
 
 
@@ -71,7 +73,8 @@ def alive_actors(dashboard: str, namespace: str) -> dict[str, dict] | None:
     """The ALIVE named actors of ``namespace`` by name, from the dashboard's state API (rows of
     ``GET /api/v0/actors`` filtered on ray_namespace); None until all of RUN_ACTORS are there."""
     query = urllib.parse.urlencode(
-        {"limit": 1000, "filter_keys": "ray_namespace", "filter_predicates": "=", "filter_values": namespace})
+        {"limit": 1000, "filter_keys": "ray_namespace", "filter_predicates": "=", "filter_values": namespace}
+    )
     body = fetch(f"{dashboard}/api/v0/actors?{query}", dashboard_headers())
     if body is None:
         return None
@@ -123,21 +126,39 @@ def test_a_local_run_shows_its_named_actors_and_rlpost_metrics_on_the_dashboard(
     run_name = f"e2e-dashboard-{os.getpid()}"
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    args = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
-            "trainer.steps=500", "trainer.prompts_per_step=2", "rollout.max_tokens=8", "logging.progress=false",
-            f"logging.run_name={run_name}", "--run-dir", str(tmp_path / "run")]
+    args = [
+        sys.executable,
+        "-m",
+        "rlpost.cli",
+        "train",
+        "configs/tiny-cpu.yaml",
+        f"model.name_or_path={tiny_model_path}",
+        "trainer.steps=500",
+        "trainer.prompts_per_step=2",
+        "rollout.max_tokens=8",
+        "logging.progress=false",
+        f"logging.run_name={run_name}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     with stdout.open("w") as out, stderr.open("w") as err:
         process = subprocess.Popen(args, stdout=out, stderr=err, env=env, cwd=REPO)
     try:
         start = wait_for("start line", lambda: START_LINE.search(stdout.read_text()), 120, process, stderr)
         assert start["namespace"] == f"rlpost-{run_name}"
 
-        actors = wait_for("named actors on the dashboard", lambda: alive_actors(start["dashboard"], start["namespace"]),
-                          120, process, stderr)
+        actors = wait_for(
+            "named actors on the dashboard",
+            lambda: alive_actors(start["dashboard"], start["namespace"]),
+            120,
+            process,
+            stderr,
+        )
         assert {row["ray_namespace"] for row in actors.values()} == {f"rlpost-{run_name}"}
 
-        samples = wait_for("rlpost metrics of the run", lambda: run_samples(start["metrics"], run_name), 120, process,
-                           stderr)
+        samples = wait_for(
+            "rlpost metrics of the run", lambda: run_samples(start["metrics"], run_name), 120, process, stderr
+        )
         assert samples["ray_rlpost_policy_version"] >= 1  # the driver's gauges after a trained step
         assert samples["ray_rlpost_groups_trained"] >= 2  # trainer.prompts_per_step groups a step
         assert 0 <= samples["ray_rlpost_reward_mean"] <= 1
@@ -169,15 +190,20 @@ def test_a_dashboard_that_cannot_start_or_is_turned_off_leaves_ray_running_witho
     ``logging.dashboard=false``: no dashboard and no warning. Both print the namespace and the
     metrics URL."""
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True, timeout=180, env=env,
-                         cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True, timeout=180, env=env, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith(("rlpost:", "done:"))]
-    no_dashboard = re.compile(r"^rlpost: no Ray dashboard \(namespace rlpost-e2e-no-dashboard\); "
-                              r"metrics at http://127\.0\.0\.1:\d+/metrics$")
+    no_dashboard = re.compile(
+        r"^rlpost: no Ray dashboard \(namespace rlpost-e2e-no-dashboard\); "
+        r"metrics at http://127\.0\.0\.1:\d+/metrics$"
+    )
     assert len(lines) == 4 and all(no_dashboard.match(line) for line in lines[::2]), out.stdout
     assert lines[1].startswith("done: logging.dashboard_port=") and lines[3] == "done: logging.dashboard=false"
     warnings = [line for line in out.stderr.splitlines() if "Ray's dashboard did not start" in line]
-    assert warnings == ["WARNING Ray's dashboard did not start (see Ray's error above: the port taken, or the dashboard "
-                        "process failing); the run goes on without it"], out.stderr[-3000:]
+    assert warnings == [
+        "WARNING Ray's dashboard did not start (see Ray's error above: the port taken, or the dashboard "
+        "process failing); the run goes on without it"
+    ], out.stderr[-3000:]
     assert "because it's already occupied" in out.stderr  # Ray's own error names the cause

@@ -23,10 +23,17 @@ def read(path):
 def tiny_cfg(tiny_model_path, run_name, *overrides):
     from rlpost.config import load_config
 
-    return load_config("configs/tiny-cpu.yaml", [
-        f"model.name_or_path={tiny_model_path}", "trainer.prompts_per_step=4", "logging.progress=false",
-        "weight_sync.timeout_s=20", f"logging.run_name={run_name}", *overrides,
-    ])
+    return load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "trainer.prompts_per_step=4",
+            "logging.progress=false",
+            "weight_sync.timeout_s=20",
+            f"logging.run_name={run_name}",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture
@@ -108,8 +115,12 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     ray.shutdown()  # the CLI below starts its own local cluster
 
-    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir)],
-                         capture_output=True, text=True, timeout=500)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stderr and f"run finished: {run_dir}" in out.stdout
     rows = read(run_dir / "metrics.jsonl")
@@ -118,8 +129,12 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
-    extended = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), "trainer.steps=7"],
-                              capture_output=True, text=True, timeout=500)
+    extended = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), "trainer.steps=7"],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
     assert "steps: 7" in (run_dir / "config.yaml").read_text()
@@ -132,8 +147,15 @@ def test_async_run_with_auto_resume_survives_a_learner_death(tmp_path, tiny_mode
     from rlpost.runs import create_run_dir
 
     ray = local_ray
-    cfg = tiny_cfg(tiny_model_path, "e2e-auto", "trainer.mode=async", "trainer.steps=5", "trainer.checkpoint_interval=2",
-                   "trainer.auto_resume=true", "trainer.keep_checkpoints=5")
+    cfg = tiny_cfg(
+        tiny_model_path,
+        "e2e-auto",
+        "trainer.mode=async",
+        "trainer.steps=5",
+        "trainer.checkpoint_interval=2",
+        "trainer.auto_resume=true",
+        "trainer.keep_checkpoints=5",
+    )
     run_dir = create_run_dir(cfg, tmp_path / "auto")
     killed = []
 

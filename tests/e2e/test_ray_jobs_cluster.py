@@ -28,13 +28,26 @@ def cluster(start_ray_head, tmp_path_factory):
 
 
 def rlpost(cluster, *args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "rlpost.cli", *args, "--address", cluster.dashboard], cwd=REPO,
-                          env=env or cluster.env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", *args, "--address", cluster.dashboard],
+        cwd=REPO,
+        env=env or cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def tiny_run(tiny_model_path, tmp_path, name, steps):
-    return ["configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}", f"trainer.steps={steps}",
-            "trainer.prompts_per_step=4", "logging.progress=false", f"logging.run_dir={tmp_path}", f"logging.run_name={name}"]
+    return [
+        "configs/tiny-cpu.yaml",
+        f"model.name_or_path={tiny_model_path}",
+        f"trainer.steps={steps}",
+        "trainer.prompts_per_step=4",
+        "logging.progress=false",
+        f"logging.run_dir={tmp_path}",
+        f"logging.run_name={name}",
+    ]
 
 
 def test_a_bad_config_key_exits_2_and_submits_nothing(cluster):
@@ -56,7 +69,9 @@ def test_without_the_right_token_the_cluster_refuses_with_a_clear_error(cluster,
     wrong = {**cluster.env, "RAY_AUTH_TOKEN": "not-the-token"}
     out = rlpost(cluster, "status", "no-such-job", env=wrong)
     assert out.returncode == 1
-    assert f"the Ray dashboard at {cluster.dashboard} rejected the authentication token from RAY_AUTH_TOKEN" in out.stderr
+    assert (
+        f"the Ray dashboard at {cluster.dashboard} rejected the authentication token from RAY_AUTH_TOKEN" in out.stderr
+    )
     none = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_TOKEN_PATH"} | {"HOME": str(tmp_path)}
     out = rlpost(cluster, "status", "no-such-job", env=none)
     assert out.returncode == 1
@@ -65,8 +80,13 @@ def test_without_the_right_token_the_cluster_refuses_with_a_clear_error(cluster,
 
 def test_submit_follow_status_and_logs_of_a_tiny_run(cluster, tiny_model_path, tmp_path):
     job = "rlpost-jobs-e2e"
-    out = rlpost(cluster, "submit", *tiny_run(tiny_model_path, tmp_path, "jobs-e2e", steps=2),
-                 "resources.env_vars.RLPOST_E2E_MARK=from-config", "--follow")
+    out = rlpost(
+        cluster,
+        "submit",
+        *tiny_run(tiny_model_path, tmp_path, "jobs-e2e", steps=2),
+        "resources.env_vars.RLPOST_E2E_MARK=from-config",
+        "--follow",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.splitlines()[0] == f"rlpost: submitted job {job} to {cluster.dashboard}"
     assert f"dashboard:   {cluster.dashboard}/#/jobs/{job}" in out.stdout
@@ -88,7 +108,9 @@ def test_submit_follow_status_and_logs_of_a_tiny_run(cluster, tiny_model_path, t
 
     # the run goes on as a new job: `rlpost train --resume RUN_DIR` from its final checkpoint
     run_dir = tmp_path / "jobs-e2e"
-    resumed = rlpost(cluster, "submit", "--resume", str(run_dir), "trainer.steps=3", "--job-id", f"{job}-resume", "--follow")
+    resumed = rlpost(
+        cluster, "submit", "--resume", str(run_dir), "trainer.steps=3", "--job-id", f"{job}-resume", "--follow"
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"rlpost: job {job}-resume SUCCEEDED" in resumed.stderr
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
@@ -113,4 +135,6 @@ def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):
 
 def test_doctor_compares_ray_with_the_clusters(cluster):
     out = rlpost(cluster, "doctor")
-    assert "ok    cluster" in out.stdout and f"{cluster.dashboard} runs Ray " in out.stdout and ", as here" in out.stdout
+    assert (
+        "ok    cluster" in out.stdout and f"{cluster.dashboard} runs Ray " in out.stdout and ", as here" in out.stdout
+    )

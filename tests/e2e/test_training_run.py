@@ -18,9 +18,15 @@ def read(path):
 
 # what each role reports from its own process, plus the driver's run-level gauges
 EXPECTED_METRICS = {
-    "rlpost_inference_tokens_generated", "rlpost_inference_policy_version", "rlpost_env_pool_reward_mean",
-    "rlpost_learner_loss", "rlpost_learner_clip_fraction", "rlpost_buffer_size", "rlpost_reference_samples_scored",
-    "rlpost_reward_mean", "rlpost_weight_sync_s",
+    "rlpost_inference_tokens_generated",
+    "rlpost_inference_policy_version",
+    "rlpost_env_pool_reward_mean",
+    "rlpost_learner_loss",
+    "rlpost_learner_clip_fraction",
+    "rlpost_buffer_size",
+    "rlpost_reference_samples_scored",
+    "rlpost_reward_mean",
+    "rlpost_weight_sync_s",
 }
 
 
@@ -44,10 +50,26 @@ def scrape_rlpost_metrics(expected, timeout_s=60.0):
 def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
     run_dir = tmp_path / "sync"
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
-         "trainer.steps=4", "trainer.prompts_per_step=4", "trainer.checkpoint_interval=2", "logging.progress=false",
-         "eval.interval=2", "eval.before_training=true", "eval.num_prompts=8", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            "-m",
+            "rlpost.cli",
+            "train",
+            "configs/tiny-cpu.yaml",
+            f"model.name_or_path={tiny_model_path}",
+            "trainer.steps=4",
+            "trainer.prompts_per_step=4",
+            "trainer.checkpoint_interval=2",
+            "logging.progress=false",
+            "eval.interval=2",
+            "eval.before_training=true",
+            "eval.num_prompts=8",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read(run_dir / "metrics.jsonl")
@@ -78,18 +100,29 @@ def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
     assert f"run finished: {run_dir}" in out.stdout
 
 
-def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_restarts_the_reference(tmp_path, tiny_model_path):
+def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_restarts_the_reference(
+    tmp_path, tiny_model_path
+):
     import ray
 
     from rlpost.config import load_config
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
-    cfg = load_config("configs/tiny-cpu.yaml", [
-        f"model.name_or_path={tiny_model_path}", "trainer.mode=async", "trainer.max_staleness=1", "trainer.steps=6",
-        "trainer.prompts_per_step=4", "reference.enabled=true", "reference.kl_coef=0.01", "logging.progress=false",
-        "logging.run_name=e2e-async",
-    ])
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "trainer.mode=async",
+            "trainer.max_staleness=1",
+            "trainer.steps=6",
+            "trainer.prompts_per_step=4",
+            "reference.enabled=true",
+            "reference.kl_coef=0.01",
+            "logging.progress=false",
+            "logging.run_name=e2e-async",
+        ],
+    )
     run_dir = create_run_dir(cfg, tmp_path / "async")
 
     class KillTheReferenceOnce(Controller):
@@ -103,7 +136,9 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     try:
         supervisor = start_run(cfg, run_dir)
         actors = supervisor.actors
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlpost-e2e-async"}
+        names = {
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "rlpost-e2e-async"
+        }
         assert {"inference-0", "env-pool-0", "learner", "reference", "buffer"} <= names
         KillTheReferenceOnce(cfg, run_dir, supervisor).run()
         exported = scrape_rlpost_metrics(EXPECTED_METRICS)
@@ -128,11 +163,19 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
-    cfg = load_config("configs/tiny-cpu.yaml", [
-        f"model.name_or_path={tiny_model_path}", "rollout.num_inference_workers=2", "trainer.steps=4",
-        "trainer.prompts_per_step=4", "weight_sync.timeout_s=10", "logging.progress=false",
-        "resources.inference.num_cpus=0.25", "logging.run_name=e2e-reform",
-    ])
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "rollout.num_inference_workers=2",
+            "trainer.steps=4",
+            "trainer.prompts_per_step=4",
+            "weight_sync.timeout_s=10",
+            "logging.progress=false",
+            "resources.inference.num_cpus=0.25",
+            "logging.run_name=e2e-reform",
+        ],
+    )
     run_dir = create_run_dir(cfg, tmp_path / "reform")
 
     class KillOneWorker(Controller):
@@ -167,10 +210,25 @@ def test_train_joins_an_existing_token_authenticated_cluster(tmp_path, tiny_mode
     head = start_ray_head(env={k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"})
     run_dir = tmp_path / "joined"
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
-         "trainer.steps=2", "trainer.prompts_per_step=4", "logging.progress=false",
-         "--address", head.gcs_address, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=400, env=head.env,
+        [
+            sys.executable,
+            "-m",
+            "rlpost.cli",
+            "train",
+            "configs/tiny-cpu.yaml",
+            f"model.name_or_path={tiny_model_path}",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=4",
+            "logging.progress=false",
+            "--address",
+            head.gcs_address,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=head.env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2]
@@ -182,10 +240,22 @@ def test_tool_using_run_through_the_cli(tmp_path, tiny_tool_model_path):
     # and their counts reach metrics.jsonl.
     run_dir = tmp_path / "tools"
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu-tools.yaml",
-         f"model.name_or_path={tiny_tool_model_path}", "trainer.steps=3", "trainer.prompts_per_step=4",
-         "logging.progress=false", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=540,
+        [
+            sys.executable,
+            "-m",
+            "rlpost.cli",
+            "train",
+            "configs/tiny-cpu-tools.yaml",
+            f"model.name_or_path={tiny_tool_model_path}",
+            "trainer.steps=3",
+            "trainer.prompts_per_step=4",
+            "logging.progress=false",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read(run_dir / "metrics.jsonl")

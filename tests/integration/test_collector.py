@@ -360,8 +360,17 @@ def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_m
 
 def test_plain_pool_works_without_the_actor_shell():
     # EnvPoolActor only forwards: its methods are EnvPool's
-    forwarded = {"collect", "start", "stop", "wait", "stats", "state_dict", "load_state_dict", "set_policy_version",
-                 "set_inference"}
+    forwarded = {
+        "collect",
+        "start",
+        "stop",
+        "wait",
+        "stats",
+        "state_dict",
+        "load_state_dict",
+        "set_policy_version",
+        "set_inference",
+    }
     assert forwarded <= {name for name in vars(EnvPoolActor) if not name.startswith("_")}
     assert all(hasattr(EnvPool, name) for name in forwarded)
     assert PolicyVersion(3).increment_version() == 4
@@ -380,7 +389,9 @@ class ScriptedFirstTurn(RecordingClient):
             return super().generate(prompt_token_ids, sampling)
         from rlpost.policies.base import Completion
 
-        scores = self.inner.score([list(p) + self.script for p in prompt_token_ids], temperature=sampling["temperature"])
+        scores = self.inner.score(
+            [list(p) + self.script for p in prompt_token_ids], temperature=sampling["temperature"]
+        )
         out = [[Completion(list(self.script), s[-len(self.script) :], True)] for s in scores]
         self.calls.append(([list(p) for p in prompt_token_ids], out))
         return out

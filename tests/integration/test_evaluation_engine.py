@@ -14,8 +14,10 @@ pytestmark = pytest.mark.integration
 
 
 def make_cfg(model_path, *overrides):
-    return load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={model_path}", "eval.num_prompts=16",
-                                                 "rollout.max_tokens=12", *overrides])
+    return load_config(
+        "configs/tiny-cpu.yaml",
+        [f"model.name_or_path={model_path}", "eval.num_prompts=16", "rollout.max_tokens=12", *overrides],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,14 @@ def test_module_path_equals_functional_path(model, tiny_tokenizer, aggregation):
         batch_size=[2],
     )
     actor = TransformersWrapper(model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False)
-    loss_fn = GRPOLoss(actor, clip_epsilon=(0.2, 0.28), aggregation=aggregation, max_tokens=8, kl_to_ref_coeff=0.05,
-                       entropy_bonus=False)
+    loss_fn = GRPOLoss(
+        actor,
+        clip_epsilon=(0.2, 0.28),
+        aggregation=aggregation,
+        max_tokens=8,
+        kl_to_ref_coeff=0.05,
+        entropy_bonus=False,
+    )
 
     model.zero_grad()
     out = loss_fn(batch)
@@ -79,8 +85,17 @@ def test_module_path_equals_functional_path(model, tiny_tokenizer, aggregation):
 
     model.zero_grad()
     lp = manual_logprobs(model, ids, attention)
-    expected = grpo_loss(lp, old, advantage.reshape(-1), assistant & attention, clip_eps=(0.2, 0.28),
-                         aggregation=aggregation, max_tokens=8, ref_logprobs=ref, kl_coef=0.05)
+    expected = grpo_loss(
+        lp,
+        old,
+        advantage.reshape(-1),
+        assistant & attention,
+        clip_eps=(0.2, 0.28),
+        aggregation=aggregation,
+        max_tokens=8,
+        ref_logprobs=ref,
+        kl_coef=0.05,
+    )
     expected.loss.backward()
 
     assert torch.allclose(loss_sum(out), expected.loss, atol=1e-5)
@@ -98,9 +113,16 @@ def test_kl_to_inference_is_zero_on_policy_and_penalises_drift(model, tiny_token
     loss_fn = GRPOLoss(actor, kl_to_inference_coeff=0.5)
     with torch.no_grad():
         lp = loss_fn.score(ids, attention)
-    batch = TensorDict({("tokens", "full"): ids, ("masks", "all_attention_mask"): attention,
-                        ("masks", "all_assistant_mask"): assistant, ("log_probs", "full"): lp,
-                        "advantage": torch.tensor([1.0, -1.0])}, batch_size=[2])
+    batch = TensorDict(
+        {
+            ("tokens", "full"): ids,
+            ("masks", "all_attention_mask"): attention,
+            ("masks", "all_assistant_mask"): assistant,
+            ("log_probs", "full"): lp,
+            "advantage": torch.tensor([1.0, -1.0]),
+        },
+        batch_size=[2],
+    )
     on_policy = loss_fn(batch)
     assert abs(float(on_policy.kl_to_inference)) < 1e-6 and float(on_policy.ESS) == pytest.approx(1.0)
     batch.set(("log_probs", "full"), lp + 0.2 * assistant)
@@ -116,9 +138,16 @@ def test_exact_entropy_and_its_log_probs_match_a_manual_forward(model, tiny_toke
         lp = manual_logprobs(model, ids, attention)
         entropy = manual_logprobs(model, ids, attention, entropy=True)
     old = lp + 0.1 * assistant
-    batch = TensorDict({("tokens", "full"): ids, ("masks", "all_attention_mask"): attention,
-                        ("masks", "all_assistant_mask"): assistant, ("log_probs", "full"): old,
-                        "advantage": torch.tensor([1.0, -1.0])}, batch_size=[2])
+    batch = TensorDict(
+        {
+            ("tokens", "full"): ids,
+            ("masks", "all_attention_mask"): attention,
+            ("masks", "all_assistant_mask"): assistant,
+            ("log_probs", "full"): old,
+            "advantage": torch.tensor([1.0, -1.0]),
+        },
+        batch_size=[2],
+    )
     actor = TransformersWrapper(model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False)
     out = GRPOLoss(actor, entropy_coeff=0.1)(batch)  # TorchRL's defaults: exact entropy bonus, "sft" masking
     mask = assistant & attention

@@ -72,7 +72,10 @@ def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_mode
     assert info["version"] == 1 and stats.version == 1
     assert ray.get(worker.get_version.remote()) == 1
 
-    probe = prompt_ids(tiny_tokenizer) + tiny_tokenizer("<answer>7</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    probe = (
+        prompt_ids(tiny_tokenizer)
+        + tiny_tokenizer("<answer>7</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    )
     for temperature in (1.0, 0.7):
         served = ray.get(worker.score.remote([probe], temperature), timeout=60)[0]
         with torch.no_grad():

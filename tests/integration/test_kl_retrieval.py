@@ -52,14 +52,20 @@ def batch():
 
 def rendered_ids(tok, chats, generation_prompt=False):
     return [
-        tok.apply_chat_template(chat, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt)["input_ids"]
+        tok.apply_chat_template(chat, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt)[
+            "input_ids"
+        ]
         for chat in chats
     ]
 
 
 def assistant_counts(tok):
     return [
-        sum(tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)["assistant_masks"])
+        sum(
+            tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)[
+                "assistant_masks"
+            ]
+        )
         for chat in CHATS
     ]
 
@@ -179,7 +185,9 @@ def test_bad_configurations_are_refused(models, tiny_tokenizer):
         RetrieveKL(same, same)
     with pytest.raises(ValueError, match="pad_output mismatch"):
         RetrieveKL(scorer(policy, tiny_tokenizer, "a", True), scorer(policy, tiny_tokenizer, "b", False))
-    td = TensorDict({("log_probs", "full"): torch.zeros(1, 3), ("ref_log_probs", "full"): torch.zeros(1, 4)}, batch_size=[1])
+    td = TensorDict(
+        {("log_probs", "full"): torch.zeros(1, 3), ("ref_log_probs", "full"): torch.zeros(1, 4)}, batch_size=[1]
+    )
     with pytest.raises(ValueError, match="differ"):
         KLComputation(add_to_reward=False)(td)
     with pytest.raises(ValueError, match=r"\('ref_log_probs', 'full'\)"):
@@ -248,7 +256,7 @@ def test_ray_kl_reward_transform_from_a_factory(ray_cluster, tiny_model_path, ti
     out = transform(data)["next"]
     kl_rows = list(out["kl_penalty"].unbind(0))
     assert [row.shape[0] for row in kl_rows] == [len(i) for i in ids]
-    assert all(row[len(p):].abs().sum() > 0 for row, p in zip(kl_rows, prompts))
+    assert all(row[len(p) :].abs().sum() > 0 for row, p in zip(kl_rows, prompts))
     import ray
 
     ray.kill(transform._actor)

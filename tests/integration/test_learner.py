@@ -39,9 +39,17 @@ def completion(tokenizer, text: str) -> list[int]:
 
 def make_sample(prompt: list[int], reply: list[int], *, reward=0.0, version=0, logprobs=None, ref=None) -> Sample:
     ids = prompt + reply
-    return Sample(prompt_id=0, token_ids=ids, logprobs=logprobs or [0.0] * len(ids),
-                  loss_mask=[False] * len(prompt) + [True] * len(reply), prompt_len=len(prompt), reward=reward,
-                  policy_version=version, finished=True, ref_logprobs=ref)
+    return Sample(
+        prompt_id=0,
+        token_ids=ids,
+        logprobs=logprobs or [0.0] * len(ids),
+        loss_mask=[False] * len(prompt) + [True] * len(reply),
+        prompt_len=len(prompt),
+        reward=reward,
+        policy_version=version,
+        finished=True,
+        ref_logprobs=ref,
+    )
 
 
 def on_policy_groups(learner: Learner, prompt: list[int], replies: list[list[list[int]]], rewards) -> list[Group]:
@@ -49,9 +57,10 @@ def on_policy_groups(learner: Learner, prompt: list[int], replies: list[list[lis
     groups = []
     for g, (group_replies, group_rewards) in enumerate(zip(replies, rewards)):
         scores = learner.score([prompt + r for r in group_replies])
-        samples = [make_sample(prompt, r, reward=rw, version=learner.version,
-                               logprobs=[0.0] * len(prompt) + s[len(prompt):])
-                   for r, rw, s in zip(group_replies, group_rewards, scores)]
+        samples = [
+            make_sample(prompt, r, reward=rw, version=learner.version, logprobs=[0.0] * len(prompt) + s[len(prompt) :])
+            for r, rw, s in zip(group_replies, group_rewards, scores)
+        ]
         rw = torch.tensor(group_rewards)
         adv = ((rw - rw.mean()) / (rw.std() + 1e-4)).tolist()
         groups.append(Group(prompt_id=g, samples=samples, advantages=adv, policy_version=learner.version))
@@ -59,7 +68,7 @@ def on_policy_groups(learner: Learner, prompt: list[int], replies: list[list[lis
 
 
 def completion_logprob(learner: Learner, prompt: list[int], reply: list[int]) -> float:
-    return sum(learner.score([prompt + reply])[0][len(prompt):])
+    return sum(learner.score([prompt + reply])[0][len(prompt) :])
 
 
 def test_collate_layout(tiny_model_path):
@@ -88,8 +97,12 @@ def train_on_policy(learner: Learner, prompt: list[int], good: list[int], bad: l
     (log p(good), log p(bad)) pairs before the first and after every step."""
     trace = [tuple(completion_logprob(learner, prompt, r) for r in (good, bad))]
     for step in range(1, num_steps + 1):
-        groups = on_policy_groups(learner, prompt, [[good, bad, good, bad], [bad, bad, good, bad]],
-                                  [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+        groups = on_policy_groups(
+            learner,
+            prompt,
+            [[good, bad, good, bad], [bad, bad, good, bad]],
+            [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]],
+        )
         metrics = learner.train_step(groups)
         assert learner.version == step and metrics["policy_version"] == step
         assert metrics["staleness_mean"] == metrics["staleness_max"] == 0
@@ -141,16 +154,23 @@ def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, pr
     long_reply, short_reply = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, "<answer>")
     runs = {}
     for accumulation in (1, 2):
-        learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "grad_accumulation": accumulation},
-                                   loss={"aggregation": aggregation}))
-        groups = on_policy_groups(learner, prompt_ids, [[long_reply] * 4, [short_reply] * 4],
-                                  [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+        learner = Learner(
+            make_cfg(
+                tiny_model_path,
+                optimizer={"lr": 1e-3, "grad_accumulation": accumulation},
+                loss={"aggregation": aggregation},
+            )
+        )
+        groups = on_policy_groups(
+            learner, prompt_ids, [[long_reply] * 4, [short_reply] * 4], [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]
+        )
         for group in groups:  # off-policy behaviour log-probs, so clipping and ratios matter too
             for i, sample in enumerate(group.samples):
                 sample.logprobs = [lp + 0.3 * (i % 2) * m for lp, m in zip(sample.logprobs, sample.loss_mask)]
         grads = {}
         learner.optimizer.register_step_pre_hook(
-            lambda *_: grads.update({n: p.grad.clone() for n, p in learner.model.named_parameters()}))
+            lambda *_: grads.update({n: p.grad.clone() for n, p in learner.model.named_parameters()})
+        )
         runs[accumulation] = (learner, learner.train_step(groups), grads)
     (one, m1, g1), (two, m2, g2) = runs[1], runs[2]
     assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["clip_fraction"] > 0
@@ -168,8 +188,7 @@ def test_publish_through_local_bus(tiny_model_path, tiny_tokenizer, prompt_ids):
     bus = LocalWeightBus(timeout_s=5)
     receiver = bus.receiver()
     learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3}), publisher=bus)
-    learner.train_step(on_policy_groups(learner, prompt_ids, [[completion(tiny_tokenizer, GOOD)] * 2],
-                                        [[1.0, 0.0]]))
+    learner.train_step(on_policy_groups(learner, prompt_ids, [[completion(tiny_tokenizer, GOOD)] * 2], [[1.0, 0.0]]))
     stats = learner.publish()
     version, tensors = receiver.receive(timeout_s=1)
     assert version == learner.version == 1
@@ -200,18 +219,23 @@ def _snapshot(learner: Learner) -> dict:
 
 
 def test_checkpoint_round_trip(tiny_model_path, tiny_tokenizer, prompt_ids, tmp_path):
-    learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "warmup_steps": 4},
-                               trainer={"keep_checkpoints": 2}))
+    learner = Learner(
+        make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "warmup_steps": 4}, trainer={"keep_checkpoints": 2})
+    )
     replies, rewards = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]], [[1.0, 0.0]]
     for step in (1, 2, 3):
         learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
         path = learner.save_checkpoint(tmp_path, step, rollout_state={"step": step, "groups": replies})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"] == \
-        [p.name for p in (tmp_path / "checkpoints").iterdir()]  # no temporary folders left behind
+    assert (
+        [p.name for p in list_checkpoints(tmp_path)]
+        == ["step_2", "step_3"]
+        == [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    )  # no temporary folders left behind
     saved = _snapshot(learner)
     learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
-    assert learner.version == 4 and not torch.equal(learner.model.state_dict()["model.norm.weight"],
-                                                     saved["params"]["model.norm.weight"])
+    assert learner.version == 4 and not torch.equal(
+        learner.model.state_dict()["model.norm.weight"], saved["params"]["model.norm.weight"]
+    )
     assert learner.load_checkpoint(path) == {"step": 3, "version": 3, "rollout_state": {"step": 3, "groups": replies}}
     restored = _snapshot(learner)
     assert restored["version"] == 3 and restored["opt_steps"] == saved["opt_steps"] == [3.0] * len(saved["opt_steps"])

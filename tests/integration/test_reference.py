@@ -35,8 +35,15 @@ def model(tiny_model_path):
 
 
 def test_kl_in_loss_stores_reference_logprobs(tiny_model_path, tiny_tokenizer, model):
-    cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}", "reference.enabled=true",
-                                                "reference.kl_coef=0.1", "reference.kl_in=loss"])
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "reference.enabled=true",
+            "reference.kl_coef=0.1",
+            "reference.kl_in=loss",
+        ],
+    )
     groups, lp = make_groups(tiny_tokenizer, model, 0.0)
     out = Reference(cfg).annotate(groups)
     sample = out[0].samples[1]
@@ -46,11 +53,19 @@ def test_kl_in_loss_stores_reference_logprobs(tiny_model_path, tiny_tokenizer, m
 
 
 def test_kl_in_reward_penalises_and_recomputes_advantages(tiny_model_path, tiny_tokenizer, model):
-    cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}", "reference.enabled=true",
-                                                "reference.kl_coef=0.5", "reference.kl_in=reward"])
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "reference.enabled=true",
+            "reference.kl_coef=0.5",
+            "reference.kl_in=reward",
+        ],
+    )
     groups, _ = make_groups(tiny_tokenizer, model, 0.1)  # behaviour log-probs 0.1 above the reference's
-    groups[0].samples[1].logprobs = [v - 0.1 if m else 0.0 for v, m in
-                                     zip(groups[0].samples[1].logprobs, groups[0].samples[1].loss_mask)]
+    groups[0].samples[1].logprobs = [
+        v - 0.1 if m else 0.0 for v, m in zip(groups[0].samples[1].logprobs, groups[0].samples[1].loss_mask)
+    ]
     out = Reference(cfg).annotate(groups)
     first, second = out[0].samples
     assert first.reward == pytest.approx(1.0 - 0.5 * 0.1 * first.num_generated, abs=1e-4)

@@ -73,8 +73,10 @@ def test_vllm_cpu_engine_loads_and_generates(tiny_model_path, tiny_tokenizer, mo
     llm = LLM(model=str(tiny_model_path), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
     try:
         rows = make_arithmetic_rows(16, seed=5)
-        prompts = [tiny_tokenizer.apply_chat_template(chat(r["question"]), tokenize=False, add_generation_prompt=True)
-                   for r in rows]
+        prompts = [
+            tiny_tokenizer.apply_chat_template(chat(r["question"]), tokenize=False, add_generation_prompt=True)
+            for r in rows
+        ]
         outs = llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=0), use_tqdm=False)
         completions = [(o.text, r["answer"]) for out, r in zip(outs, rows) for o in out.outputs]
         assert len(completions) == 64
@@ -138,15 +140,25 @@ def test_tool_tokenizer_round_trips_a_tool_episode(tool_tokenizer):
     assert f"<|im_start|>user\n{tool_turn}<|im_end|>\n" in text  # what the PythonInterpreter transform sends
     assert tok.decode(tok(text)["input_ids"]) == text
     # the tool episode's text was in the tokenizer's corpus, so it has merges for it
-    for piece, most in [("```python", 2), ("print(", 2), ("<tool_response>", 5), ("Code block 1 executed successfully:", 7)]:
+    for piece, most in [
+        ("```python", 2),
+        ("print(", 2),
+        ("<tool_response>", 5),
+        ("Code block 1 executed successfully:", 7),
+    ]:
         assert len(tok(piece, add_special_tokens=False)["input_ids"]) <= most, piece
 
 
 def test_tool_message_for_accepts_only_a_product_of_literals():
     assert tool_message_for("```python\nprint(4821 * 937)\n```") == "Code block 1 executed successfully:\n4517277\n"
     assert tool_message_for("ok\n```python\nprint(12*3)\n```") == "Code block 1 executed successfully:\n36\n"
-    for completion in ["<answer>7</answer>", "```python\nimport os\n```", "```python\nprint(012 * 3)\n```",
-                       "```python\nprint(4821 * 937)\nprint(1)\n```", "```python\nprint(4821 + 937)\n```"]:
+    for completion in [
+        "<answer>7</answer>",
+        "```python\nimport os\n```",
+        "```python\nprint(012 * 3)\n```",
+        "```python\nprint(4821 * 937)\nprint(1)\n```",
+        "```python\nprint(4821 + 937)\n```",
+    ]:
         assert tool_message_for(completion) is None, completion
 
 

@@ -40,7 +40,9 @@ def model_weights(version: int) -> dict[str, torch.Tensor]:
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     same_kind = a.dtype == b.dtype and a.shape == b.shape
-    return same_kind and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return same_kind and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def check_update(version: int, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -93,7 +95,9 @@ class Peer:
     def __init__(self, spec: BusSpec, rank: int, dies: bool = False):
         ctx = mp.get_context("spawn")
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=receiver_main, args=(spec, rank, self.commands, self.replies, dies), daemon=True)
+        self.process = ctx.Process(
+            target=receiver_main, args=(spec, rank, self.commands, self.replies, dies), daemon=True
+        )
         self.process.start()
 
     def send(self, command: str, arg=None) -> None:

@@ -115,9 +115,7 @@ def test_vllm_sampled_logprobs_equal_transformers_scores(vllm_engine, hf_model, 
             TensorDict(tokens=out["tokens"], batch_size=out.batch_size)
         )
     worst, worst_raw = 0.0, 0.0
-    for sampled, score, score_raw in zip(
-        *(rows(td, ("log_probs", "response")) for td in (out, scored, raw))
-    ):
+    for sampled, score, score_raw in zip(*(rows(td, ("log_probs", "response")) for td in (out, scored, raw))):
         assert sampled.shape == score.shape and len(sampled) > 0
         worst = max(worst, (sampled - score).abs().max().item())
         worst_raw = max(worst_raw, (sampled - score_raw).abs().max().item())
@@ -157,7 +155,13 @@ def test_eos_logprob_kept_when_pad_is_eos(vllm_engine, hf_model, tiny_tokenizer,
     eos = tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.pad_token_id == eos  # the trap is armed
     generator = make_generator(
-        backend, vllm_engine, hf_model, tiny_tokenizer, input_mode="history", num_samples=4, pad_output=True,
+        backend,
+        vllm_engine,
+        hf_model,
+        tiny_tokenizer,
+        input_mode="history",
+        num_samples=4,
+        pad_output=True,
         generate_kwargs={"max_new_tokens": 16, "temperature": 1.0, "seed": 3},
     )
     out = generator(history_td(prompt_history())).reshape(-1)
@@ -183,7 +187,12 @@ def test_eos_logprob_kept_when_pad_is_eos(vllm_engine, hf_model, tiny_tokenizer,
 def test_prompt_plus_response_is_full_on_a_ragged_batch(vllm_engine, hf_model, tiny_tokenizer, backend, pad_output):
     history = prompt_history()
     generator = make_generator(
-        backend, vllm_engine, hf_model, tiny_tokenizer, input_mode="history", pad_output=pad_output,
+        backend,
+        vllm_engine,
+        hf_model,
+        tiny_tokenizer,
+        input_mode="history",
+        pad_output=pad_output,
         generate_kwargs={"max_new_tokens": 12, "temperature": 1.0, "seed": 1},
     )
     out = generator(history_td(history))
@@ -209,8 +218,12 @@ def test_prompt_plus_response_is_full_on_a_ragged_batch(vllm_engine, hf_model, t
         responses = [t.tolist() for t in rows(out, ("tokens", "response"))]
         fulls = rows(out, ("tokens", "full"))
         for p, r, f, attention, assistant, lp in zip(
-            prompts, responses, fulls, rows(out, ("masks", "all_attention_mask")),
-            rows(out, ("masks", "all_assistant_mask")), rows(out, ("log_probs", "full")),
+            prompts,
+            responses,
+            fulls,
+            rows(out, ("masks", "all_attention_mask")),
+            rows(out, ("masks", "all_assistant_mask")),
+            rows(out, ("log_probs", "full")),
         ):
             assert f.tolist() == p + r
             assert attention.all() and len(attention) == len(f) == len(lp)
@@ -226,9 +239,7 @@ def test_vllm_padded_and_unpadded_outputs_agree(vllm_engine, tiny_tokenizer):
     ragged = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=False, **kwargs)(
         history_td(prompt_history())
     )
-    dense = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=True, **kwargs)(
-        history_td(prompt_history())
-    )
+    dense = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, pad_output=True, **kwargs)(history_td(prompt_history()))
     attention = dense["masks"].all_attention_mask
     for i, (full, lp) in enumerate(zip(rows(ragged, ("tokens", "full")), rows(ragged, ("log_probs", "full")))):
         assert torch.equal(dense["tokens"].full[i][attention[i]], full)
@@ -301,7 +312,10 @@ def test_history_round_trip(vllm_engine, tiny_tokenizer, max_tokens):
 def test_text_and_tokens_modes_and_twins(vllm_engine, tiny_tokenizer):
     texts = prompt_history().apply_chat_template(tiny_tokenizer)
     generator = vLLMWrapper(
-        vllm_engine, tokenizer=tiny_tokenizer, input_mode="text", num_samples=2,
+        vllm_engine,
+        tokenizer=tiny_tokenizer,
+        input_mode="text",
+        num_samples=2,
         generate_kwargs={"max_new_tokens": 8, "temperature": 0.7, "top_p": 1.0, "seed": 4},
     )
     assert generator.in_keys == [("text", "prompt")]
@@ -325,7 +339,10 @@ def test_seeded_batch_larger_than_one_prefill_step(vllm_engine, tiny_tokenizer):
     history = prompt_history(200)
     assert sum(len(ids) for ids in history.apply_chat_template(tiny_tokenizer, tokenize=True)) > 4096
     generator = vLLMWrapper(
-        vllm_engine, tokenizer=tiny_tokenizer, input_mode="history", return_text=False,
+        vllm_engine,
+        tokenizer=tiny_tokenizer,
+        input_mode="history",
+        return_text=False,
         generate_kwargs={"max_tokens": 2, "temperature": 1.0, "seed": 0},
     )
     out = generator(history_td(history))
@@ -378,7 +395,9 @@ def test_clear_value_errors(vllm_engine, hf_model, tiny_tokenizer):
     with pytest.raises(ValueError, match="attention mask"):
         scorer.get_new_version(input_mode="tokens")(padded.select("tokens"))
     with pytest.warns(UserWarning, match="max_tokens wins"):  # TorchRL's precedence
-        both = vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, generate_kwargs={"max_new_tokens": 4, "max_tokens": 8})
+        both = vLLMWrapper(
+            vllm_engine, tokenizer=tiny_tokenizer, generate_kwargs={"max_new_tokens": 4, "max_tokens": 8}
+        )
     assert both.generate_params["max_new_tokens"] == 8
     with pytest.raises(ValueError, match="differs"):
         vLLMWrapper(vllm_engine, tokenizer=tiny_tokenizer, num_samples=2, generate_kwargs={"n": 3})

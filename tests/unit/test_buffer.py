@@ -134,7 +134,10 @@ def test_producer_state_is_recorded_with_its_put_and_snapshot_restores():
     buf.put(groups([1], start=2), timeout_s=1)  # no producer: no state change
     assert buf.producer_state("env-pool-0") == {"position": 2}
     snap = buf.snapshot()
-    assert len(snap.groups) == 3 and snap.producer_states == {"env-pool-0": {"position": 2}, "env-pool-1": {"position": 1}}
+    assert len(snap.groups) == 3 and snap.producer_states == {
+        "env-pool-0": {"position": 2},
+        "env-pool-1": {"position": 1},
+    }
     assert buf.stats().size == 3  # a snapshot takes nothing
 
     other = LocalBuffer(capacity=2)  # smaller than the snapshot: restore still keeps every group

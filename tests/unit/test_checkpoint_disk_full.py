@@ -55,8 +55,15 @@ def make_micro_model(folder: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -236,8 +243,24 @@ def _mount_namespace_problem() -> str | None:
     if shutil.which("unshare") is None:
         return "no `unshare` command (util-linux) on this machine"
     with tempfile.TemporaryDirectory() as where:
-        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs",
-                                "-o", "size=1m", "tmpfs", where], capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            [
+                "unshare",
+                "--user",
+                "--map-root-user",
+                "--mount",
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=1m",
+                "tmpfs",
+                where,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     if probe.returncode != 0:
         return f"`unshare --user --map-root-user --mount mount -t tmpfs` failed: {probe.stderr.strip()}"
     return None
@@ -250,8 +273,24 @@ def test_a_real_full_disk(micro_model, tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     mount_then_run = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
-    command = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount_then_run, "sh",
-               f"{DISK_MB}m", str(disk), sys.executable, "-c", CHILD, str(disk), str(micro_model), __file__]
+    command = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        mount_then_run,
+        "sh",
+        f"{DISK_MB}m",
+        str(disk),
+        sys.executable,
+        "-c",
+        CHILD,
+        str(disk),
+        str(micro_model),
+        __file__,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -259,8 +298,11 @@ def test_a_real_full_disk(micro_model, tmp_path):
     assert sum(report["sizes"].values()) < DISK_MB * 2**20 / 2  # step_1 fits, with room for the filler
 
     latest = str(disk / "run" / "checkpoints" / "step_1")
-    for name, writer in [("weights_do_not_fit", "self.model.save_pretrained"),
-                         ("trainer_state_does_not_fit", "trainer_state"), ("step_1_again", "trainer_state")]:
+    for name, writer in [
+        ("weights_do_not_fit", "self.model.save_pretrained"),
+        ("trainer_state_does_not_fit", "trainer_state"),
+        ("step_1_again", "trainer_state"),
+    ]:
         outcome = report[name]
         assert outcome["raised"] == "CheckpointWriteError", (name, outcome)
         assert outcome["errno"] == errno.ENOSPC, (name, outcome)

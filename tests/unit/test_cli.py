@@ -28,8 +28,14 @@ def test_help_on_every_command(command):
         (["train", "missing.yaml"], "rlpost: error: config file not found: missing.yaml"),
         (["train", "configs/tiny-cpu.yaml", "trainer.stepz=1"], "rlpost: error: unknown config key: trainer.stepz"),
         (["train", "configs/tiny-cpu.yaml", "data.group_size=1"], "data.group_size is 1"),
-        (["train", "configs/tiny-cpu.yaml", "model.name_or_path=./no-such-model"], "model.name_or_path: no model folder"),
-        (["train", "configs/tiny-cpu.yaml", "data.task=gsm8k", "data.dataset=./none.jsonl"], "data.dataset: file not found"),
+        (
+            ["train", "configs/tiny-cpu.yaml", "model.name_or_path=./no-such-model"],
+            "model.name_or_path: no model folder",
+        ),
+        (
+            ["train", "configs/tiny-cpu.yaml", "data.task=gsm8k", "data.dataset=./none.jsonl"],
+            "data.dataset: file not found",
+        ),
     ],
 )
 def test_input_errors_exit_2_with_one_line(args, message):

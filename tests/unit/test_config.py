@@ -52,8 +52,16 @@ def test_every_field_has_a_description():
 
 def test_overrides_apply_with_types(tmp_path):
     path = write(tmp_path, "trainer:\n  steps: 5\n")
-    cfg = load_config(path, ["trainer.steps=20", "rollout.temperature=0.7", "optimizer.betas=[0.9, 0.95]",
-                             "reference.enabled=true", "rollout.engine.extra.swap_space=2"])
+    cfg = load_config(
+        path,
+        [
+            "trainer.steps=20",
+            "rollout.temperature=0.7",
+            "optimizer.betas=[0.9, 0.95]",
+            "reference.enabled=true",
+            "rollout.engine.extra.swap_space=2",
+        ],
+    )
     assert cfg.trainer.steps == 20 and isinstance(cfg.trainer.steps, int)
     assert cfg.rollout.temperature == 0.7
     assert cfg.optimizer.betas == (0.9, 0.95)

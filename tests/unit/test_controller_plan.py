@@ -9,7 +9,14 @@ pytestmark = pytest.mark.unit
 def test_role_plan_names_every_actor_with_its_resources():
     cfg = load_config("configs/gsm8k-qwen2.5-1.5b.yaml")
     plan = role_plan(cfg)
-    assert [name for name, _ in plan] == ["inference-0", "inference-1", "learner", "reference", "env-pool-0", "env-pool-1"]
+    assert [name for name, _ in plan] == [
+        "inference-0",
+        "inference-1",
+        "learner",
+        "reference",
+        "env-pool-0",
+        "env-pool-1",
+    ]
     gpus = sum(role.num_gpus for _, role in plan)
     assert gpus == pytest.approx(3.1)  # 2 inference GPUs + the learner's + the reference's share
 
@@ -24,5 +31,7 @@ def test_the_demo_fits_two_cpu_cores_and_no_gpu():
 def test_buffer_bounds_follow_the_mode():
     sync = load_config("configs/tiny-cpu.yaml", ["trainer.prompts_per_step=8"])
     assert (buffer_capacity(sync), staleness_cap(sync)) == (8, 0)
-    asynchronous = load_config("configs/tiny-cpu.yaml", ["trainer.mode=async", "trainer.max_staleness=2", "trainer.prompts_per_step=8"])
+    asynchronous = load_config(
+        "configs/tiny-cpu.yaml", ["trainer.mode=async", "trainer.max_staleness=2", "trainer.prompts_per_step=8"]
+    )
     assert (buffer_capacity(asynchronous), staleness_cap(asynchronous)) == (8 * 2, 2)

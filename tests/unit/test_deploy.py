@@ -81,7 +81,9 @@ def test_the_rayjob_entrypoint_config_exists_and_validates():
     config, overrides = entrypoint_config()
     assert config == "configs/gsm8k-qwen2.5-1.5b.yaml" and (REPO / config).is_file()
     cfg = load_config(REPO / config, overrides)
-    assert cfg.logging.run_dir == "/data/runs"  # on the shared volume: the learner's checkpoints and the driver's metrics meet
+    assert (
+        cfg.logging.run_dir == "/data/runs"
+    )  # on the shared volume: the learner's checkpoints and the driver's metrics meet
 
 
 def fits(bundles, pods):
@@ -125,10 +127,18 @@ def test_cluster_launcher_config_is_valid_for_ray_and_uses_token_auth():
     assert cfg["available_node_types"][cfg["head_node_type"]]["resources"] == {"CPU": 0}
     assert cfg["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
     head_start = " ".join(cfg["head_start_ray_commands"])
-    assert "RAY_AUTH_MODE=token" in head_start and "--dashboard-host=0.0.0.0" in head_start and "--num-cpus=0" in head_start
+    assert (
+        "RAY_AUTH_MODE=token" in head_start
+        and "--dashboard-host=0.0.0.0" in head_start
+        and "--num-cpus=0" in head_start
+    )
     assert "RAY_AUTH_MODE=token" in " ".join(cfg["worker_start_ray_commands"])
     config, overrides = entrypoint_config()
-    bundles = [(r.num_cpus, r.num_gpus) for _, r in role_plan(load_config(REPO / config, overrides)) if r.num_cpus or r.num_gpus]
+    bundles = [
+        (r.num_cpus, r.num_gpus)
+        for _, r in role_plan(load_config(REPO / config, overrides))
+        if r.num_cpus or r.num_gpus
+    ]
     assert fits(bundles, [(gpu["resources"]["CPU"], gpu["resources"]["GPU"])] * gpu["min_workers"])
 
 

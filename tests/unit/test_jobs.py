@@ -51,8 +51,11 @@ def test_the_token_is_the_one_rays_own_loader_reads(tmp_path):
     token_file.write_text("from-path")
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("from-home")
-    cases = [{"RAY_AUTH_TOKEN": "from-env", "RAY_AUTH_TOKEN_PATH": str(token_file)},
-             {"RAY_AUTH_TOKEN_PATH": str(token_file)}, {}]
+    cases = [
+        {"RAY_AUTH_TOKEN": "from-env", "RAY_AUTH_TOKEN_PATH": str(token_file)},
+        {"RAY_AUTH_TOKEN_PATH": str(token_file)},
+        {},
+    ]
     script = (
         "import json, os, sys\n"
         "from ray._raylet import AuthenticationTokenLoader\n"
@@ -64,10 +67,14 @@ def test_the_token_is_the_one_rays_own_loader_reads(tmp_path):
         "print(json.dumps(found))\n"
     )
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rays = json.loads(out.stdout.strip().splitlines()[-1])
-    assert rays == [jobs.find_auth_token(case, tmp_path).value for case in cases] == ["from-env", "from-path", "from-home"]
+    assert (
+        rays == [jobs.find_auth_token(case, tmp_path).value for case in cases] == ["from-env", "from-path", "from-home"]
+    )
 
 
 # ------------------------------------------------------------------------------ entrypoint and runtime env
@@ -77,7 +84,10 @@ def test_entrypoint_quotes_every_argument():
     overrides = ["data.system_prompt=Think step by step; answer with 'x'", "trainer.steps=3"]
     entrypoint = jobs.build_entrypoint("configs/my run.yaml", overrides)
     assert shlex.split(entrypoint) == ["rlpost", "train", "configs/my run.yaml", *overrides]
-    assert jobs.build_entrypoint("configs/tiny-cpu.yaml", ["trainer.steps=2"]) == "rlpost train configs/tiny-cpu.yaml trainer.steps=2"
+    assert (
+        jobs.build_entrypoint("configs/tiny-cpu.yaml", ["trainer.steps=2"])
+        == "rlpost train configs/tiny-cpu.yaml trainer.steps=2"
+    )
 
 
 def test_runtime_env_carries_the_config_env_vars_and_the_excludes(tmp_path):
@@ -95,10 +105,22 @@ def test_rays_packer_leaves_out_venv_runs_caches_and_build_outputs(tmp_path):
     from ray._private.runtime_env.packaging import create_package
 
     tree = tmp_path / "project"
-    for name in ["pyproject.toml", "configs/a.yaml", "rlpost/cli.py", "rlpost/runs.py", ".venv/bin/python",
-                 ".git/HEAD", "runs/old/metrics.jsonl", ".cache/tiny-model/config.json", "rlpost/__pycache__/cli.pyc",
-                 "rlpost.egg-info/PKG-INFO", ".pytest_cache/v", "build/lib/x.py", "outputs/run/metrics.jsonl",
-                 "docs/build/index.md"]:
+    for name in [
+        "pyproject.toml",
+        "configs/a.yaml",
+        "rlpost/cli.py",
+        "rlpost/runs.py",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "runs/old/metrics.jsonl",
+        ".cache/tiny-model/config.json",
+        "rlpost/__pycache__/cli.pyc",
+        "rlpost.egg-info/PKG-INFO",
+        ".pytest_cache/v",
+        "build/lib/x.py",
+        "outputs/run/metrics.jsonl",
+        "docs/build/index.md",
+    ]:
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         (tree / name).write_text("x")
     cfg = load_config("configs/tiny-cpu.yaml", ["logging.run_dir=outputs"])
@@ -112,17 +134,29 @@ def test_rays_packer_leaves_out_venv_runs_caches_and_build_outputs(tmp_path):
 
 
 def test_plan_names_the_job_after_the_run_and_passes_the_config_relative_to_the_working_dir(tmp_path):
-    plan = jobs.plan_submission("configs/tiny-cpu.yaml", ["model.name_or_path=/models/tiny", "trainer.steps=2"],
-                                working_dir=REPO, cwd=REPO)
+    plan = jobs.plan_submission(
+        "configs/tiny-cpu.yaml", ["model.name_or_path=/models/tiny", "trainer.steps=2"], working_dir=REPO, cwd=REPO
+    )
     name = plan.run_name
     assert plan.job_id == f"rlpost-{name}" and plan.metadata["rlpost_run_name"] == name
-    assert shlex.split(plan.entrypoint) == ["rlpost", "train", "configs/tiny-cpu.yaml", "model.name_or_path=/models/tiny",
-                                            "trainer.steps=2", f"logging.run_name={name}"]
+    assert shlex.split(plan.entrypoint) == [
+        "rlpost",
+        "train",
+        "configs/tiny-cpu.yaml",
+        "model.name_or_path=/models/tiny",
+        "trainer.steps=2",
+        f"logging.run_name={name}",
+    ]
     assert any("model.name_or_path=/models/tiny is an absolute path" in n for n in plan.notes)
     assert any("logging.run_dir=runs is relative" in n for n in plan.notes)
     # from a subfolder the config path is still given relative to the working dir
-    sub = jobs.plan_submission("../configs/tiny-cpu.yaml", ["model.name_or_path=/m", "logging.run_name=r1"],
-                               working_dir=REPO, cwd=REPO / "rlpost", job_id="my-job")
+    sub = jobs.plan_submission(
+        "../configs/tiny-cpu.yaml",
+        ["model.name_or_path=/m", "logging.run_name=r1"],
+        working_dir=REPO,
+        cwd=REPO / "rlpost",
+        job_id="my-job",
+    )
     assert sub.job_id == "my-job" and shlex.split(sub.entrypoint)[2] == "configs/tiny-cpu.yaml"
 
 
@@ -140,7 +174,9 @@ def test_plan_refuses_what_the_cluster_would_not_see(tmp_path):
     with pytest.raises(ConfigError, match=f"config: {outside} is outside the working dir {project}"):
         plan(outside, "model.name_or_path=/m")
     # the config's default model path is the local cache folder, which is never uploaded
-    with pytest.raises(ConfigError, match=r"model.name_or_path: .cache/tiny-model is not uploaded with the working dir"):
+    with pytest.raises(
+        ConfigError, match=r"model.name_or_path: .cache/tiny-model is not uploaded with the working dir"
+    ):
         plan("configs/tiny.yaml")
     with pytest.raises(ConfigError, match=f"data.dataset: ./none.jsonl is not in the working dir {project}"):
         plan("configs/tiny.yaml", "model.name_or_path=/m", "data.dataset=./none.jsonl")
@@ -153,7 +189,9 @@ def test_plan_refuses_what_the_cluster_would_not_see(tmp_path):
 
 
 def test_without_a_working_dir_the_config_path_goes_as_given():
-    plan = jobs.plan_submission("configs/gsm8k-qwen2.5-1.5b.yaml", ["logging.run_dir=/data/runs"], working_dir=None, cwd=REPO)
+    plan = jobs.plan_submission(
+        "configs/gsm8k-qwen2.5-1.5b.yaml", ["logging.run_dir=/data/runs"], working_dir=None, cwd=REPO
+    )
     assert shlex.split(plan.entrypoint)[:3] == ["rlpost", "train", "configs/gsm8k-qwen2.5-1.5b.yaml"]
     assert "working_dir" not in plan.runtime_env and plan.notes == []
 
@@ -190,11 +228,17 @@ def test_an_unreachable_cluster_is_a_clear_error_naming_the_address():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "status", "some-job", "--address", f"127.0.0.1:{port}"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "status", "some-job", "--address", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
-    assert out.stderr.strip() == (f"rlpost: failed: cannot reach the Ray dashboard at http://127.0.0.1:{port} (Connection "
-                                  "refused); is the cluster up, and is this its dashboard address (http://HEAD:8265)?")
+    assert out.stderr.strip() == (
+        f"rlpost: failed: cannot reach the Ray dashboard at http://127.0.0.1:{port} (Connection "
+        "refused); is the cluster up, and is this its dashboard address (http://HEAD:8265)?"
+    )
 
 
 def test_a_silent_cluster_times_out_instead_of_hanging():
@@ -208,7 +252,9 @@ def test_a_silent_cluster_times_out_instead_of_hanging():
 
 @pytest.mark.parametrize("command", ["submit", "status", "logs", "stop", "doctor"])
 def test_help_of_the_cluster_commands(command):
-    out = subprocess.run([sys.executable, "-m", "rlpost.cli", command, "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", command, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and f"usage: rlpost {command}" in out.stdout
 
 
@@ -296,8 +342,10 @@ def test_plan_resume_of_a_run_only_the_cluster_sees_and_bad_input(tmp_path):
     "args, message",
     [
         (["submit", "--address", "http://127.0.0.1:1"], "submit needs a CONFIG file (or --resume RUN_DIR)"),
-        (["submit", "--resume", "/data/runs/r", "configs/tiny-cpu.yaml", "--address", "http://127.0.0.1:1"],
-         "submit --resume RUN_DIR takes the run's own config.yaml"),
+        (
+            ["submit", "--resume", "/data/runs/r", "configs/tiny-cpu.yaml", "--address", "http://127.0.0.1:1"],
+            "submit --resume RUN_DIR takes the run's own config.yaml",
+        ),
     ],
 )
 def test_submit_command_line_errors(args, message, capsys):

@@ -102,7 +102,8 @@ def test_llm_env_warns_as_torchrl():
         warnings.simplefilter("always")
         LLMEnv()
     assert [(w.category, str(w.message)[:19]) for w in caught] == [
-        (DeprecationWarning, "LLMEnv is deprecate"), (UserWarning, "eos_token_id is mis")
+        (DeprecationWarning, "LLMEnv is deprecate"),
+        (UserWarning, "eos_token_id is mis"),
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

@@ -47,11 +47,7 @@ def test_emits_a_group_only_when_complete_and_keeps_others_pending():
 def test_groups_never_mix_prompts_and_nothing_is_lost():
     rng = random.Random(0)
     grpo_size, num_prompts = 4, 7
-    arrivals = [
-        sample(p, float(rng.randint(0, 3)), uid=(p, k))
-        for p in range(num_prompts)
-        for k in range(grpo_size)
-    ]
+    arrivals = [sample(p, float(rng.randint(0, 3)), uid=(p, k)) for p in range(num_prompts) for k in range(grpo_size)]
     arrivals += [sample(p, 1.0, uid=(p, "extra")) for p in range(3)]  # partial second groups
     rng.shuffle(arrivals)
     mc = MCAdvantage(grpo_size=grpo_size)
@@ -94,9 +90,7 @@ def test_dapo_filter_drops_and_counts_equal_groups():
 
 
 def test_samples_are_not_mutated_and_keys_are_configurable():
-    mc = MCAdvantage(
-        grpo_size=2, prompt_key="question", reward_key="score", advantage_key="adv", scale="none"
-    )
+    mc = MCAdvantage(grpo_size=2, prompt_key="question", reward_key="score", advantage_key="adv", scale="none")
     originals = [{"question": "q", "score": 2.0}, {"question": "q", "score": 0.0}]
     (group,) = mc.add(originals)
     assert [s["adv"] for s in group] == [1.0, -1.0]
@@ -116,9 +110,7 @@ def test_tensordict_samples():
     tensordict = pytest.importorskip("tensordict")
     mc = MCAdvantage(grpo_size=2, scale="none")
     tds = [
-        tensordict.TensorDict(
-            {"prompt_id": torch.tensor(1), "reward": torch.tensor([r])}, batch_size=[]
-        )
+        tensordict.TensorDict({"prompt_id": torch.tensor(1), "reward": torch.tensor([r])}, batch_size=[])
         for r in (3.0, 1.0)
     ]
     (group,) = mc.add(tds)
@@ -149,6 +141,7 @@ def test_bad_samples_and_options_raise():
 
 
 # ---------------------------------------------------------------------------- the transform (inv)
+
 
 def step_td(query, reward, done=True):
     """One step in TorchRL's layout: "query", ("next", "reward") [1], ("next", "done") [1]."""
@@ -223,18 +216,33 @@ def test_several_trajectories_in_one_write_and_in_rows():
     mc = MCAdvantage(grpo_size=2, prompt_key="prompt_id", scale="none")
     flat = torch.cat(
         [
-            TensorDict({"prompt_id": torch.tensor([7, 7]), "next": {"reward": torch.tensor([[1.0], [0.0]]),
-                        "done": torch.tensor([[False], [True]])}}, batch_size=[2]),  # fmt: skip
-            TensorDict({"prompt_id": torch.tensor([7]), "next": {"reward": torch.tensor([[3.0]]),
-                        "done": torch.tensor([[True]])}}, batch_size=[1]),  # fmt: skip
+            TensorDict(
+                {
+                    "prompt_id": torch.tensor([7, 7]),
+                    "next": {"reward": torch.tensor([[1.0], [0.0]]), "done": torch.tensor([[False], [True]])},
+                },
+                batch_size=[2],
+            ),  # fmt: skip
+            TensorDict(
+                {
+                    "prompt_id": torch.tensor([7]),
+                    "next": {"reward": torch.tensor([[3.0]]), "done": torch.tensor([[True]])},
+                },
+                batch_size=[1],
+            ),  # fmt: skip
         ],
         0,
     )
     out = mc.inv(flat)
     assert out["advantage"].flatten().tolist() == pytest.approx([-1 / 3, -4 / 3, 5 / 3])
     rows = TensorDict(  # [B=2, T=2]: each row two single-step trajectories
-        {"prompt_id": torch.tensor([[1, 2], [1, 2]]), "next": {"reward": torch.tensor([[[1.0], [0.0]], [[0.0], [0.0]]]),
-         "done": torch.ones(2, 2, 1, dtype=torch.bool)}},  # fmt: skip
+        {
+            "prompt_id": torch.tensor([[1, 2], [1, 2]]),
+            "next": {
+                "reward": torch.tensor([[[1.0], [0.0]], [[0.0], [0.0]]]),
+                "done": torch.ones(2, 2, 1, dtype=torch.bool),
+            },
+        },  # fmt: skip
         batch_size=[2, 2],
     )
     out = mc.inv(rows)

@@ -342,7 +342,7 @@ def test_make_mlgym_registers_the_task_and_builds_its_env(monkeypatch, tmp_path)
     env = make_mlgym(task="regressionKaggleHousePrice", reward_wrong_format=-1.0)
     assert os.getcwd() == cwd
     assert isinstance(env, MLGymWrapper) and env.device == torch.device("cpu") and env.tasks is None
-    (args, register_cwd), = record.registered
+    ((args, register_cwd),) = record.registered
     assert register_cwd == str(tmp_path)  # MLGym's paths are relative to its repository root
     assert (args.task_config_path, args.max_steps, args.seed, args.container_type, args.verbose, args.aliases_file) == (
         "tasks/regressionKaggleHousePrice.yaml", 10, 42, "podman", False, "docker/aliases.sh"

@@ -14,10 +14,24 @@ ALL_FIGURES = ["reward.png", "kl.png", "length.png", "staleness.png", "step_time
 def full_record(step):
     """A row as the controller writes it today (the keys the figures read)."""
     rec = {k: 0.0 for k in REQUIRED_KEYS}
-    rec.update(step=step, policy_version=step, reward_mean=0.1 * step, reward_std=0.05, loss=1.0 / step,
-               kl_to_ref=0.01 * step, kl_to_inference=1e-6, staleness_mean=0.5, staleness_max=1.0,
-               completion_len_mean=8.0 + step, samples_generated=64, tokens_generated=600,
-               collect_s=2.0, train_s=0.5, weight_sync_s=0.1 if step % 2 == 0 else None, step_time_s=2.8)
+    rec.update(
+        step=step,
+        policy_version=step,
+        reward_mean=0.1 * step,
+        reward_std=0.05,
+        loss=1.0 / step,
+        kl_to_ref=0.01 * step,
+        kl_to_inference=1e-6,
+        staleness_mean=0.5,
+        staleness_max=1.0,
+        completion_len_mean=8.0 + step,
+        samples_generated=64,
+        tokens_generated=600,
+        collect_s=2.0,
+        train_s=0.5,
+        weight_sync_s=0.1 if step % 2 == 0 else None,
+        step_time_s=2.8,
+    )
     if step % 3 == 0:
         rec.update(eval_reward_mean=0.2 * step, eval_pass_at_1=0.1 * step)
     return rec
@@ -26,8 +40,15 @@ def full_record(step):
 def old_record(step):
     """A row of an older run: only the required keys, no KL (reference off) and no syncs timed."""
     rec = {k: 0.0 for k in REQUIRED_KEYS}
-    rec.update(step=step, policy_version=step, reward_mean=0.1 * step, reward_std=0.05, loss=0.5,
-               kl_to_ref=None, weight_sync_s=None)
+    rec.update(
+        step=step,
+        policy_version=step,
+        reward_mean=0.1 * step,
+        reward_std=0.05,
+        loss=0.5,
+        kl_to_ref=None,
+        weight_sync_s=None,
+    )
     return rec
 
 
@@ -78,8 +99,12 @@ def test_step_time_needs_only_one_of_its_keys(tmp_path):
 
 
 def test_completion_length_falls_back_to_tokens_per_sample():
-    rows = [{"completion_len_mean": 9.5}, {"tokens_generated": 600, "samples_generated": 60},
-            {"tokens_generated": 10, "samples_generated": 0}, {}]
+    rows = [
+        {"completion_len_mean": 9.5},
+        {"tokens_generated": 600, "samples_generated": 60},
+        {"tokens_generated": 10, "samples_generated": 0},
+        {},
+    ]
     lengths = _completion_lengths(rows)
     assert lengths[:2] == [9.5, 10.0]
     assert lengths[2] != lengths[2] and lengths[3] != lengths[3]  # NaN: no point drawn

@@ -185,9 +185,13 @@ def test_parallel_workers_give_the_same_messages_and_bad_options_fail_early(tiny
         td = env.reset(TensorDict({"query": ["x", "y"]}, batch_size=[2]))
         _, s_ = env.step_and_maybe_reset(act_history(td, replies))
         messages.append([chat[-1]["content"] for chat in s_["history"].prompt.to_chats()])
-    assert messages[0] == messages[1] == [
-        "Code block 1 executed successfully:\na\n",
-        "Code block 1 executed successfully:\nb\n\nCode block 2 executed successfully:\nc\n",
-    ]
+    assert (
+        messages[0]
+        == messages[1]
+        == [
+            "Code block 1 executed successfully:\na\n",
+            "Code block 1 executed successfully:\nb\n\nCode block 2 executed successfully:\nc\n",
+        ]
+    )
     with pytest.raises(ValueError, match="timeout"):
         PythonInterpreter(timeout=3)

@@ -58,8 +58,9 @@ def test_metrics_of_steps_after_the_checkpoint_move_aside(run_dir):
 
 
 def test_evaluations_after_the_checkpoint_move_aside_too(run_dir):
-    (run_dir / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval_pass_at_1": 0.5}) + "\n"
-                                                for s in (0, 4, 8)))
+    (run_dir / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": s, "eval_pass_at_1": 0.5}) + "\n" for s in (0, 4, 8))
+    )
     supersede_metrics_after(run_dir, 5)
     kept = [json.loads(line)["step"] for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert kept == [0, 4]

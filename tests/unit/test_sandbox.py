@@ -24,11 +24,7 @@ from rlpost.envs.tools import PythonResult, extract_python_blocks, format_tool_r
 pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SEED_CODE = (
-    "def square(x):\n"
-    "    return x * x\n"
-    "print('testing the square function with input 2:', square(2))\n"
-)
+SEED_CODE = "def square(x):\n    return x * x\nprint('testing the square function with input 2:', square(2))\n"
 
 
 @pytest.fixture
@@ -127,9 +123,7 @@ def test_subprocess_and_signalling_others_are_refused(py, sandbox_parent):
     assert py("import os\nos.system('echo hi')").error == "process limit"
     assert py("import os\nos.kill(1, 9)").error == "process control disabled"
     assert py("import os\nos.setsid()").error == "process control disabled"
-    assert py("import signal, os\nos.kill(os.getpid(), signal.SIGTERM)").error == (
-        "killed by SIGTERM"
-    )
+    assert py("import signal, os\nos.kill(os.getpid(), signal.SIGTERM)").error == ("killed by SIGTERM")
 
 
 def test_fork_bomb_bypassing_the_prelude_is_killed_without_strays(py, sandbox_parent):
@@ -202,11 +196,20 @@ def test_writes_outside_the_working_directory_are_refused(py, sandbox_parent, tm
     allowed = "open('/dev/null', 'w').write('x'); open('/dev/stdout', 'w').write('')"
     lines = ["import os, pathlib", "results = {}"]
     for name, attempt in attempts.items():
-        lines += ["try:", f"    {attempt}", f"    results[{name!r}] = 'written'",
-                  "except PermissionError as exc:", f"    results[{name!r}] = 'refused'"]
-    lines += [allowed, "os.chdir(os.environ['HOME'])", "open('inside.txt', 'w').write('fine')",
-              "os.makedirs('sub/dir'); os.rename('inside.txt', 'sub/dir/moved.txt')",
-              "print(sorted(results.items()), open('sub/dir/moved.txt').read())"]
+        lines += [
+            "try:",
+            f"    {attempt}",
+            f"    results[{name!r}] = 'written'",
+            "except PermissionError as exc:",
+            f"    results[{name!r}] = 'refused'",
+        ]
+    lines += [
+        allowed,
+        "os.chdir(os.environ['HOME'])",
+        "open('inside.txt', 'w').write('fine')",
+        "os.makedirs('sub/dir'); os.rename('inside.txt', 'sub/dir/moved.txt')",
+        "print(sorted(results.items()), open('sub/dir/moved.txt').read())",
+    ]
     result = py("\n".join(lines))
     assert result.ok, result.output
     assert result.output == f"{sorted((name, 'refused') for name in attempts)} fine\n"
@@ -289,8 +292,7 @@ def test_working_directory_is_fresh_empty_and_removed(py, sandbox_parent, monkey
 
 def test_concurrent_calls_from_threads_are_independent(py, sandbox_parent):
     # An env-pool actor may run the tool for several samples at once.
-    codes = [f"print({i} * {i})" if i % 2 else f"import time\ntime.sleep(0.2)\nprint({i})"
-             for i in range(6)]
+    codes = [f"print({i} * {i})" if i % 2 else f"import time\ntime.sleep(0.2)\nprint({i})" for i in range(6)]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(py, codes))
     assert [r.output for r in results] == [f"{i * i if i % 2 else i}\n" for i in range(6)]

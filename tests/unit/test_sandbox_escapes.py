@@ -42,12 +42,15 @@ def target(tmp_path) -> Path:
 
 
 def test_libc_open_and_write_through_ctypes(target):
-    code = LIBC + f"""
+    code = (
+        LIBC
+        + f"""
 fd = libc.open({str(target).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644)
 print("fd", fd, "errno", ctypes.get_errno())
 if fd >= 0:
     libc.write(fd, b"pwned", 5)
 """
+    )
     result = run(code)
     assert result.output.startswith("fd -1 errno 2"), result.output  # ENOENT: no such folder in there
     assert not target.exists()
@@ -75,7 +78,9 @@ def test_io_fileio_bypassing_open(target):
 def test_writing_into_the_checkout(target):
     escape = REPO_ROOT / target.name
     code = LIBC + f"fd = libc.open({str(escape).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644)\nprint(fd)\n"
-    code += f"import _io\ntry:\n    _io.FileIO({str(escape)!r}, 'w')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+    code += (
+        f"import _io\ntry:\n    _io.FileIO({str(escape)!r}, 'w')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+    )
     result = run(code)
     assert result.output == "-1\nFileNotFoundError\n"  # the checkout is not in the sandbox at all
     assert not escape.exists()
@@ -110,7 +115,9 @@ def test_reimported_socket_module(listener):
 
 def test_libc_socket_and_connect(listener):
     port = listener.getsockname()[1]
-    code = LIBC + f"""
+    code = (
+        LIBC
+        + f"""
 import struct
 fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM
 addr = struct.pack("!HH4s8x", 2, {port}, bytes([127, 0, 0, 1]))
@@ -118,13 +125,16 @@ addr = struct.pack("=H", 2) + addr[2:]  # sa_family is host-endian
 rc = libc.connect(fd, addr, len(addr))
 print("socket", fd >= 0, "connect", rc, "errno", ctypes.get_errno())
 """
+    )
     result = run(code)
     assert result.output == "socket True connect -1 errno 111\n", result.output  # ECONNREFUSED in its own netns
     assert_no_connection(listener)
 
 
 def test_libc_fork_and_exec_of_a_shell(target):
-    code = LIBC + f"""
+    code = (
+        LIBC
+        + f"""
 import time
 pid = libc.fork()
 if pid == 0:
@@ -135,6 +145,7 @@ status = ctypes.c_int()
 libc.waitpid(pid, ctypes.byref(status), 0)
 print("child exit", (status.value >> 8) & 0xFF)
 """
+    )
     result = run(code)
     assert result.output == "child exit 127\n", result.output
     assert not target.exists()
@@ -153,8 +164,8 @@ def test_host_files_are_not_readable():
     lines = result.output.splitlines()
     assert lines[:5] == ["/etc/hostname False", "/etc/passwd False", "/root False", "/home False", "/tmp False"] or (
         # the interpreter may live under /root (pyenv): then /root exists, with only that inside
-        lines[2] == "/root True" and lines[:2] + lines[3:5] == ["/etc/hostname False", "/etc/passwd False",
-                                                               "/home False", "/tmp False"]
+        lines[2] == "/root True"
+        and lines[:2] + lines[3:5] == ["/etc/hostname False", "/etc/passwd False", "/home False", "/tmp False"]
     )
     if host_name:
         assert host_name.strip() not in result.output
@@ -181,7 +192,9 @@ def test_proc_shows_only_the_sandbox(monkeypatch):
 def test_setsid_escapee_dies_with_the_sandbox(tmp_path):
     # A grandchild that leaves the session and the process group through libc still dies: it is
     # in the sandbox's PID namespace, which dies with the sandbox's init.
-    code = LIBC + """
+    code = (
+        LIBC
+        + """
 import time
 if libc.fork() == 0:
     libc.setsid()
@@ -191,11 +204,13 @@ if libc.fork() == 0:
 time.sleep(0.3)
 print("parent done")
 """
+    )
     marker = uuid.uuid4().hex
     result = run(code.replace("time.sleep(120)", f"time.sleep(120)  # {marker}"))
     assert result.ok and result.output == "parent done\n"
-    assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "rlpost-sandbox") and
-                _cmdline_has(p, marker)]
+    assert not [
+        p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, "rlpost-sandbox") and _cmdline_has(p, marker)
+    ]
     assert _sandboxed_processes() == []
 
 

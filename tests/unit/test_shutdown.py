@@ -43,8 +43,9 @@ CHILD = textwrap.dedent("""
 
 def start_child(cleanup_s: float) -> subprocess.Popen:
     """The child, once it has entered stop_on_signals (it printed "ready")."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(cleanup_s)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(cleanup_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline() == "ready\n", child.communicate(timeout=30)
     return child
 
@@ -57,8 +58,10 @@ def test_first_signal_raises_stop_requested_and_the_cleanup_runs(signum, code):
     name = signal.Signals(signum).name
     assert child.returncode == code, (out, err)
     assert out == f"cleanup started {name}\ncleanup finished\n"
-    assert f"rlpost: {name} received: stopping every actor and writing a final checkpoint; " \
-           "send it again to exit at once" in err
+    assert (
+        f"rlpost: {name} received: stopping every actor and writing a final checkpoint; "
+        "send it again to exit at once" in err
+    )
     assert "Traceback" not in err
 
 
@@ -121,4 +124,3 @@ def test_outside_the_main_thread_it_does_nothing():
     assert "error" not in seen, seen.get("error")
     assert seen["inside"] == before
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
-

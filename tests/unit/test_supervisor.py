@@ -145,8 +145,14 @@ class FakeLearner(Stand):
         self.world.trained += [(g.producer, g.info["position"]) for g in groups]
         if self.weights == self.stop_after_training:
             raise StopRequested("SIGTERM")
-        return {"loss": 0.0, "clip_fraction": 0.0, "policy_version": self.weights, "step_time_s": 0.01,
-                "staleness_max": 0.0, "staleness_mean": 0.0}
+        return {
+            "loss": 0.0,
+            "clip_fraction": 0.0,
+            "policy_version": self.weights,
+            "step_time_s": 0.01,
+            "staleness_max": 0.0,
+            "staleness_mean": 0.0,
+        }
 
     def publish(self):
         """The learner's vLLMUpdater: every worker receives while the learner publishes."""
@@ -189,7 +195,6 @@ class FakeLearner(Stand):
         return self.weights
 
 
-
 class FakePool(Stand):
     """An env pool: one group per prompt, numbered and kept until acknowledged (as EnvPool)."""
 
@@ -223,11 +228,27 @@ class FakePool(Stand):
         groups = []
         for i in range(n):
             self.num_groups_put += 1
-            sample = Sample(prompt_id=self.position + i, token_ids=[1, 2, 3], logprobs=[0.0, 0.0, 0.0],
-                            loss_mask=[False, True, True], prompt_len=1, reward=1.0, policy_version=self._version(),
-                            finished=True)
-            groups.append(Group(self.position + i, [sample], [0.0], self._version(), {"position": self.position + i},
-                                producer=self.name, seq=self.num_groups_put))
+            sample = Sample(
+                prompt_id=self.position + i,
+                token_ids=[1, 2, 3],
+                logprobs=[0.0, 0.0, 0.0],
+                loss_mask=[False, True, True],
+                prompt_len=1,
+                reward=1.0,
+                policy_version=self._version(),
+                finished=True,
+            )
+            groups.append(
+                Group(
+                    self.position + i,
+                    [sample],
+                    [0.0],
+                    self._version(),
+                    {"position": self.position + i},
+                    producer=self.name,
+                    seq=self.num_groups_put,
+                )
+            )
         self.position += n
         self.left -= n
         self.outbox += groups
@@ -297,11 +318,22 @@ class Starter:
 def make_cfg(mode):
     from rlpost.config import load_config
 
-    return load_config("configs/tiny-cpu.yaml", [
-        f"trainer.mode={mode}", "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.max_staleness=1",
-        "rollout.num_env_pools=2", "rollout.num_inference_workers=2", "reference.enabled=true",
-        "logging.progress=false", "logging.run_name=stand-ins", "logging.trackers=[]", "eval.interval=0",
-    ])
+    return load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"trainer.mode={mode}",
+            "trainer.steps=3",
+            "trainer.prompts_per_step=4",
+            "trainer.max_staleness=1",
+            "rollout.num_env_pools=2",
+            "rollout.num_inference_workers=2",
+            "reference.enabled=true",
+            "logging.progress=false",
+            "logging.run_name=stand-ins",
+            "logging.trackers=[]",
+            "eval.interval=0",
+        ],
+    )
 
 
 def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, **learner_stops):
@@ -359,8 +391,10 @@ def test_the_callee_dies_at_every_call(tmp_path, monkeypatch, mode):
             assert "the learner died during step" in str(died)
             continue
         check_run(world, rows, mode)
-        recovered += sum(rows[-1][key] for key in ("restarts_inference", "restarts_env_pool", "restarts_reference",
-                                                   "restarts_buffer"))
+        recovered += sum(
+            rows[-1][key]
+            for key in ("restarts_inference", "restarts_env_pool", "restarts_reference", "restarts_buffer")
+        )
     assert recovered >= clean.calls // 2  # most kills were restarts, not learner deaths
 
 
@@ -399,12 +433,11 @@ def test_a_fenced_producer_cannot_put():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_stop_checkpoints_the_last_trained_step_with_the_taken_groups_back_in_the_buffer(tmp_path, monkeypatch,
-                                                                                           mode):
+def test_a_stop_checkpoints_the_last_trained_step_with_the_taken_groups_back_in_the_buffer(tmp_path, monkeypatch, mode):
     with pytest.raises(StopRequested):
         run_world(tmp_path, monkeypatch, mode, stop_at_step=2)
     learner = next(a for a in reversed(Stand.registry) if isinstance(a, FakeLearner))
-    (step, state), = learner.saved  # one checkpoint: the stop's, of step 1
+    ((step, state),) = learner.saved  # one checkpoint: the stop's, of step 1
     assert step == 1
     assert state["ledger"]["groups_taken"] == 4  # step 1's groups; step 2's were taken, not trained
     assert len(state["buffer_groups"]) >= 4  # step 2's groups go back first
@@ -420,7 +453,7 @@ def test_a_stop_after_a_step_trained_still_records_its_row(tmp_path, monkeypatch
     with pytest.raises(StopRequested):
         run_world(tmp_path, monkeypatch, "sync", **{stop: 2})
     learner = next(a for a in reversed(Stand.registry) if isinstance(a, FakeLearner))
-    (step, _), = learner.saved
+    ((step, _),) = learner.saved
     assert step == 2
     run_dir = next(tmp_path.iterdir())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -431,4 +464,3 @@ def test_a_stop_after_a_step_trained_still_records_its_row(tmp_path, monkeypatch
         assert rows[1]["loss"] == 0.0
     else:
         assert rows[1]["loss"] is None
-

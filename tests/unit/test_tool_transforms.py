@@ -79,7 +79,7 @@ def last_message(stepped, row=0):
 def call(name, **arguments):
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -89,7 +89,7 @@ def test_hermes_parser_reads_calls_and_reports_bad_ones():
     parser = HermesToolCallParser()
     text = "Let me compute." + call("multiply", a=3, b=4)
     text += '<tool_call>{"name": "shout", "arguments": "{\\"text\\": \\"hi\\"}"}</tool_call>'
-    text += "<tool_call>{not json}</tool_call><tool_call>{\"arguments\": {}}</tool_call>"
+    text += '<tool_call>{not json}</tool_call><tool_call>{"arguments": {}}</tool_call>'
     result = parser(text)
     assert result["text"] == "Let me compute."
     good, as_string, bad_json, no_name = result["calls"]
@@ -136,7 +136,9 @@ def test_function_tools_answer_errors_and_timeouts_as_tool_messages(pool):
         "role": "tool", "content": "Tool divide failed:\nZeroDivisionError: division by zero",
     }  # fmt: skip
     content = last_message(stepped, 2)["content"]
-    assert content.startswith("Tool nope failed:\nTool nope not found (known: ['divide', 'multiply', 'shout', 'sleepy'])")
+    assert content.startswith(
+        "Tool nope failed:\nTool nope not found (known: ['divide', 'multiply', 'shout', 'sleepy'])"
+    )
     assert content.endswith("Tool sleepy failed:\ntimeout after 1.0s")
     assert last_message(stepped, 3)["role"] == "assistant"  # no call, no tool message
     assert stepped["next", "tool_calls"].view(-1).tolist() == [2, 1, 2, 0]
@@ -210,7 +212,9 @@ def test_persistent_interpreter_keeps_an_episodes_names_and_ends_with_it():
     time.sleep(0.5)
     stepped = respond(env, td, ["```python\nprint(x * 7)\n```"] * 2)
     assert [last_message(stepped, i)["content"] for i in range(2)] == [
-        "Code block 1 executed successfully:\n42\n", "Code block 1 executed successfully:\n35\n"]
+        "Code block 1 executed successfully:\n42\n",
+        "Code block 1 executed successfully:\n35\n",
+    ]
     tool.close()
     assert tool.sessions == {}
 
@@ -246,13 +250,16 @@ def test_tools_config_checks():
 
 
 def test_make_env_builds_the_tools_of_the_config(tiny_tokenizer):
-    cfg = tools_config(tools={"functions": ["test_tool_transforms:multiply"], "python": {"enabled": True,
-                                                                                        "persistent": True}})
+    cfg = tools_config(
+        tools={"functions": ["test_tool_transforms:multiply"], "python": {"enabled": True, "persistent": True}}
+    )
     env = make_env(cfg, tiny_tokenizer, batch_size=2)
     assert isinstance(env, ToolArithmeticEnv) and env.max_steps == 2
     python, functions, stop = env.transforms[-3:]
     assert isinstance(python, PythonInterpreter) and python.persistent and python.run_kwargs["sandbox"] == "bwrap"
-    assert isinstance(functions, SimpleToolTransform) and functions.tools == {"multiply": "test_tool_transforms:multiply"}
+    assert isinstance(functions, SimpleToolTransform) and functions.tools == {
+        "multiply": "test_tool_transforms:multiply"
+    }
     assert isinstance(stop, StopWithoutToolCall)
     assert [t["function"]["name"] for t in env.template_kwargs["tools"]] == ["multiply"]  # shown to the model
     question = env.reset()["history"].prompt.to_chats()[0]
@@ -292,8 +299,13 @@ def sample(turns, calls, errors, seconds):
 
 def test_episode_metrics():
     groups = [
-        Group(0, [sample(2, 1, 0, 0.5), sample(1, 0, 0, 0.0)], [1.0, -1.0], 0,
-              info={"reward_errors": {"Timeout": 2}, "num_length_truncated": 1}),
+        Group(
+            0,
+            [sample(2, 1, 0, 0.5), sample(1, 0, 0, 0.0)],
+            [1.0, -1.0],
+            0,
+            info={"reward_errors": {"Timeout": 2}, "num_length_truncated": 1},
+        ),
         Group(1, [sample(3, 2, 1, 1.0), sample(2, 1, 1, 0.25)], [1.0, -1.0], 0, info={"reward_errors": {}}),
     ]
     assert episode_metrics(groups) == {

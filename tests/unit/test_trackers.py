@@ -56,12 +56,33 @@ def test_numeric_values_keep_numbers_under_their_names():
     import numpy as np
     import torch
 
-    values = numeric_values({
-        "step": 3, "loss": 0.25, "stopped": True, "flag": False, "none": None, "nan": float("nan"),
-        "inf": float("inf"), "text": "x", "list": [1, 2], "nested": {"a": 1}, "tensor": torch.tensor(1.5),
-        "np_int": np.int64(7), "np_bool": np.bool_(True), "vector": torch.ones(2),
-    })
-    assert values == {"step": 3.0, "loss": 0.25, "stopped": 1.0, "flag": 0.0, "tensor": 1.5, "np_int": 7.0, "np_bool": 1.0}
+    values = numeric_values(
+        {
+            "step": 3,
+            "loss": 0.25,
+            "stopped": True,
+            "flag": False,
+            "none": None,
+            "nan": float("nan"),
+            "inf": float("inf"),
+            "text": "x",
+            "list": [1, 2],
+            "nested": {"a": 1},
+            "tensor": torch.tensor(1.5),
+            "np_int": np.int64(7),
+            "np_bool": np.bool_(True),
+            "vector": torch.ones(2),
+        }
+    )
+    assert values == {
+        "step": 3.0,
+        "loss": 0.25,
+        "stopped": 1.0,
+        "flag": 0.0,
+        "tensor": 1.5,
+        "np_int": 7.0,
+        "np_bool": 1.0,
+    }
     assert all(type(v) is float for v in values.values())
 
 
@@ -234,8 +255,14 @@ def test_wandb_adapter_logs_records_against_step_and_resumes_the_same_run(tmp_pa
     writer.close()
     run = fake_wandb.runs[0]
     run_id = json.loads((tmp_path / IDS_FILE).read_text())["wandb"]
-    assert run.kwargs == {"project": "rlpost", "name": "my-run", "id": run_id, "resume": "allow",
-                          "dir": str(tmp_path), "mode": "offline"}
+    assert run.kwargs == {
+        "project": "rlpost",
+        "name": "my-run",
+        "id": run_id,
+        "resume": "allow",
+        "dir": str(tmp_path),
+        "mode": "offline",
+    }
     assert run.defined == [("step", {}), ("*", {"step_metric": "step"})]
     assert run.logged == [numeric_values(record(1, 0.25, stopped=False))]
     assert run.logged[0]["step"] == 1 and run.logged[0]["stopped"] == 0.0 and "note" not in run.logged[0]
@@ -354,8 +381,11 @@ def test_mlflow_resume_continues_the_run_and_respects_the_tracking_uri(tmp_path,
     tracker = MlflowTracker(tmp_path, "my-run")
     client = FakeMlflowClient.instances[1]
     assert client.tracking_uri == "http://mlflow.example:5000"
-    assert client.calls == [("get_experiment_by_name", "rlpost"), ("get_run", "run-1"),
-                            ("update_run", "run-1", "RUNNING")]
+    assert client.calls == [
+        ("get_experiment_by_name", "rlpost"),
+        ("get_run", "run-1"),
+        ("update_run", "run-1", "RUNNING"),
+    ]
     assert tracker.run_id == "run-1"
 
 
