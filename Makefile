@@ -12,7 +12,7 @@ DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
 
-.PHONY: demo demo-tools test install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
+.PHONY: demo demo-tools test lint format install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,18 @@ tiny-model-tools: install
 demo-tools: install tiny-model-tools
 	$(VENV)/bin/rlpost train configs/tiny-cpu-tools.yaml
 
-test: install-dev
+# ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
+# `make format` rewrites the files the format check names
+test: install-dev lint
 	$(PY) -m pytest tests
+
+lint: install-dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install-dev
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 # `make bench` runs every benchmark (~70 min on 2 CPU cores) and renders BENCHMARKS.md;
 # `make bench BENCH="weight_sync buffer"` runs some; `make bench-quick` smoke-tests them all.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench.common import Result, TINY_MODEL, median, qwen05b_model, summary, wait_for_quiet
+from bench.common import TINY_MODEL, Result, qwen05b_model, summary, wait_for_quiet
 from bench.runs import PHASES, Workload, model_path, run_rlpost, run_trl
 
 SYSTEMS = {

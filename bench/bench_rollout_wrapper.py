@@ -54,7 +54,7 @@ def main() -> None:
     import torch
     from tensordict import TensorDict, lazy_stack
 
-    from rlpost.actors.inference import InferenceActor, RemoteVLLMClient, engine_kwargs
+    from rlpost.actors.inference import RemoteVLLMClient, engine_kwargs
     from rlpost.config import load_config
     from rlpost.data import ChatHistory, History, Tokens
     from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.common import Result, TINY_MODEL, median, summary, wait_for_quiet
+from bench.common import TINY_MODEL, Result, summary, wait_for_quiet
 from bench.runs import Workload, model_path, run_rlpost
 
 POINTS = {  # id -> (mode, inference workers, env pools)

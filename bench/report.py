@@ -422,7 +422,7 @@ def _profiles(files: dict[str, dict]) -> str:
         "of the repeats after a warm-up.",
         "",
     ]
-    for name, d in files.items():
+    for d in files.values():
         w = d["settings"]["workload"]
         cases = d["cases"]
         phases = list(next(iter(cases.values()), {}))

@@ -120,7 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args) -> "JobConfig":  # noqa: F821
+def _load(args) -> JobConfig:  # noqa: F821
     cfg = load_config(args.config, list(args.overrides))
     if getattr(args, "address", None):
         cfg.resources.address = args.address

@@ -387,7 +387,7 @@ class JobConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Run directory and metrics.")
 
     @model_validator(mode="after")
-    def _cross_field_checks(self) -> "JobConfig":
+    def _cross_field_checks(self) -> JobConfig:
         for message in _cross_field_errors(self):
             raise ValueError(message)
         return self

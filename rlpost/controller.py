@@ -67,19 +67,19 @@ from typing import TextIO
 
 from rlpost.clients import ActorFailure
 from rlpost.config import JobConfig
+from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
 from rlpost.shutdown import StopRequested, stop_on_signals
 from rlpost.supervisor import (
     ActorStarter,
-    Ledger,
     LearnerDied,
+    Ledger,
     ResumeNeeded,
     Supervisor,
     run_with_auto_resume,
     stop_actors,
 )
-from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.trackers import make_trackers
 from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
@@ -667,7 +667,7 @@ class Controller:
                     dict(ledger.acknowledged),
                 )
             )
-            for j, pool in enumerate(self.actors.env_pools):
+            for pool in self.actors.env_pools:
                 pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
                     pool.load_state_dict(pool_state)

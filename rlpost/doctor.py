@@ -18,8 +18,9 @@ import importlib.metadata as metadata
 import os
 import platform
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Literal, Mapping, TextIO
+from typing import Literal, TextIO
 
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version

@@ -33,9 +33,11 @@ import re
 import shlex
 import sys
 import time
-import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, TextIO
+from typing import TextIO
+
+import tomllib
 
 from rlpost.config import ConfigError, JobConfig, check_overrides, default_run_name, load_config
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from rlpost.trackers import Tracker, numeric_values
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Iterator
+from collections.abc import Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FORCED_EXIT_CODE = 130  # the second signal: exit at once, as an interrupted process

@@ -34,10 +34,12 @@ Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from rlpost.clients import (
     ActorFailure,
@@ -243,9 +245,9 @@ def stop_actors(actors: RunActors) -> None:
     import ray
 
     for pool in actors.env_pools:
-        _quietly(lambda: pool.stop(timeout_s=30))
+        _quietly(functools.partial(pool.stop, timeout_s=30))
     for worker in actors.inference:
-        _quietly(lambda: worker.shutdown(timeout_s=60))
+        _quietly(functools.partial(worker.shutdown, timeout_s=60))
     clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer]
     for client in clients + ([actors.reference] if actors.reference is not None else []):
         client.kill()

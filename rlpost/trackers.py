@@ -31,8 +31,9 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from rlpost.config import LoggingConfig

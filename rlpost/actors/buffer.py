@@ -6,7 +6,8 @@ backpressure does not stop the learner's ``take`` from running and freeing space
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 

@@ -32,8 +32,9 @@ import copy
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.envs import make_env

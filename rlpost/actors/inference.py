@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from typing import Any
 
 from rlpost.config import EngineConfig

@@ -47,8 +47,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from tensordict import TensorDict

@@ -11,7 +11,7 @@
 
 from rlpost.collect.collector import CollectorStats, EngineCallRecorder, GroupCollector
 from rlpost.collect.llm_collector import LLMCollector
-from rlpost.collect.weight_update import vLLMUpdater
 from rlpost.collect.policy_version import PolicyVersion
+from rlpost.collect.weight_update import vLLMUpdater
 
 __all__ = ["CollectorStats", "EngineCallRecorder", "GroupCollector", "LLMCollector", "PolicyVersion", "vLLMUpdater"]

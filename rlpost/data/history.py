@@ -34,7 +34,8 @@ Deliberate deviations from TorchRL, each because TorchRL's behaviour is wrong fo
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorClass, TensorDict, lazy_stack

@@ -26,7 +26,8 @@ checks, collectors and tests (``is_in``, ``zero``, ``keys``).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, is_tensor_collection

@@ -22,7 +22,7 @@ format's own separators (Falcon's ``"\\n\\nUser: "``) is split there.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 _IM_START, _IM_END, _ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 _TOOL_BLOCK = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)

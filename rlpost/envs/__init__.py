@@ -33,15 +33,6 @@ from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
 from rlpost.envs.ifeval import IFEvalEnv, IFEvalScoreData, IfEvalScorer
-from rlpost.envs.tasks import (
-    AnswerRewardParser,
-    ArithmeticEnv,
-    GSM8KEnv,
-    GSM8KRewardParser,
-    ToolArithmeticEnv,
-    UserReward,
-    make_env,
-)
 from rlpost.envs.kl import (
     KLComputation,
     KLRewardTransform,
@@ -53,6 +44,15 @@ from rlpost.envs.kl import (
 from rlpost.envs.llm_env import LLMEnv, LLMHashingEnv
 from rlpost.envs.llm_transforms import AddThinkingPrompt, PolicyVersion, StepCounter, TemplateTransform, Tokenizer
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
+from rlpost.envs.tasks import (
+    AnswerRewardParser,
+    ArithmeticEnv,
+    GSM8KEnv,
+    GSM8KRewardParser,
+    ToolArithmeticEnv,
+    UserReward,
+    make_env,
+)
 from rlpost.envs.transforms import (
     Compose,
     HermesToolCallParser,

@@ -31,10 +31,10 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _HEADER = struct.Struct("!Q")
 _START_TIMEOUT_S = 120.0  # a worker's first import of the user's module may be slow

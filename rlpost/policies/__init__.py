@@ -10,8 +10,8 @@ that takes weight updates) or passed in. ``LLMOnDevice`` and the worker pieces
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens
 from rlpost.policies.base import Completion, LLMWrapperBase
-from rlpost.policies.generation import normalize_generate_kwargs
 from rlpost.policies.categorical import CategoricalSequential
+from rlpost.policies.generation import normalize_generate_kwargs
 from rlpost.policies.transformers_wrapper import TransformersWrapper
 from rlpost.policies.vllm_wrapper import (
     LocalVLLMClient,

@@ -62,11 +62,11 @@ from rlpost.policies.inputs import (
     as_conversations,
     check_prefixes,
     container_of,
-    padded_flag,
     has_entry,
     is_lazy,
     join_key,
     masked_ids,
+    padded_flag,
     peek,
     strings,
 )

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 
@@ -63,7 +63,7 @@ class BucketLayout:
         return json.dumps({"slots": slots, "dtypes": self.bucket_dtypes, "numels": self.bucket_numels})
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "BucketLayout":
+    def from_json(cls, text: str | bytes) -> BucketLayout:
         raw = json.loads(text)
         slots = tuple(TensorSlot(n, d, tuple(shape), b, o) for n, d, shape, b, o in raw["slots"])
         return cls(slots, tuple(raw["dtypes"]), tuple(raw["numels"]))

@@ -55,10 +55,11 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
@@ -164,7 +165,7 @@ class LocalWeightBus:
         num_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
         return PublishStats(version, 0, len(snapshot), 0, num_bytes, time.perf_counter() - t0)
 
-    def receiver(self) -> "LocalWeightReceiver":
+    def receiver(self) -> LocalWeightReceiver:
         return LocalWeightReceiver(self)
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ from rlpost.data import (
     add_chat_template,
     as_nested_tensor,
     as_padded_tensor,
+    templates,
 )
-from rlpost.data import templates
 from rlpost.data.specs import Composite, NonTensor, Unbounded
 
 pytestmark = pytest.mark.compat

@@ -240,7 +240,7 @@ def test_plain_engine_logprobs_are_processed_at_any_temperature(
         assert (lp - torch.stack(expected)).abs().max().item() <= TOLERANCE
     if top_p == 1.0:  # without top-p the processed log-probs are the tempered model's: score them
         scored = transformers_scores(hf_model, tokenizer, fulls, temperature=temperature)
-        for full, prompt, lp, ref in zip(fulls, prompts, got, scored):
+        for prompt, lp, ref in zip(prompts, got, scored):
             assert (lp - ref[len(prompt) :]).abs().max().item() <= TOLERANCE
 
 

@@ -330,7 +330,7 @@ def test_groups_from_two_writers_complete_in_one_buffer():
         assert mc.queued_groups == 1
         wrong.next()
     assert len(rb) == 12 and mc.queued_groups == 0 and mc.written_groups == 3
-    for query, members in groups_in(rb).items():
+    for members in groups_in(rb).values():
         rewards = [r for _, r, _ in members]
         assert rewards.count(0.1) >= 2  # the fixed writer is always wrong
         assert [a for _, _, a in members] == pytest.approx(rlpost_advantages(rewards).tolist(), rel=1e-5, abs=1e-6)

@@ -156,8 +156,9 @@ def test_kl_reward_transform_legacy_tokens_mode(models, tiny_tokenizer):
     ids = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, CHATS)]
     prompts = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, [chat[:-1] for chat in CHATS], True)]
     gen = scorer(policy, tiny_tokenizer, "log_probs", pad_output=False, input_mode="tokens")
-    from rlpost.data import Tokens
     from tensordict import lazy_stack
+
+    from rlpost.data import Tokens
 
     tokens = lazy_stack([Tokens(prompt=p, full=f, padded=False) for p, f in zip(prompts, ids)])
     data = gen(TensorDict(tokens=tokens, batch_size=[2]))
@@ -241,9 +242,10 @@ def test_ray_kl_reward_transform_from_a_factory(ray_cluster, tiny_model_path, ti
 
     transform = KLRewardTransform(ref_model=None, ref_model_factory=create_ref_model, num_gpus=0,
                                   use_ray_service=True, actor_name="kl-reward-test", coef=0.5)  # fmt: skip
+    from tensordict import lazy_stack
+
     from rlpost.data import Tokens
     from rlpost.envs.kl import RayKLRewardTransform
-    from tensordict import lazy_stack
 
     assert isinstance(transform, RayKLRewardTransform)
     ids = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, CHATS)]

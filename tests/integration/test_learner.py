@@ -169,7 +169,9 @@ def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, pr
                 sample.logprobs = [lp + 0.3 * (i % 2) * m for lp, m in zip(sample.logprobs, sample.loss_mask)]
         grads = {}
         learner.optimizer.register_step_pre_hook(
-            lambda *_: grads.update({n: p.grad.clone() for n, p in learner.model.named_parameters()})
+            lambda *_, grads=grads, learner=learner: grads.update(
+                {n: p.grad.clone() for n, p in learner.model.named_parameters()}
+            )
         )
         runs[accumulation] = (learner, learner.train_step(groups), grads)
     (one, m1, g1), (two, m2, g2) = runs[1], runs[2]

@@ -3,7 +3,6 @@ and its tool_arithmetic variant: tokenizer, stored spec, start reward and tool-c
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch

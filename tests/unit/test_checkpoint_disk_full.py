@@ -175,7 +175,8 @@ def test_the_os_error_is_found_behind_the_errors_of_cpp_and_rust_writers():
         try:
             raise disk_full()
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            # implicit chaining on purpose: that is how the C++ writer's error arrives
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
         assert _os_error_behind(err).errno == errno.ENOSPC
     # safetensors: the errno only in the message

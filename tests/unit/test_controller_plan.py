@@ -1,7 +1,7 @@
 import pytest
 
 from rlpost.config import load_config
-from rlpost.controller import buffer_capacity, staleness_cap, role_plan
+from rlpost.controller import buffer_capacity, role_plan, staleness_cap
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,10 @@ import importlib.metadata
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from rlpost.config import load_config

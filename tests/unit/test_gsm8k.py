@@ -17,8 +17,7 @@ from tensordict import TensorDict
 
 from rlpost.config import validate_config
 from rlpost.data import ChatHistory, History
-from rlpost.envs import ChatEnv, DatasetChatEnv, make_env
-from rlpost.envs import tasks
+from rlpost.envs import ChatEnv, DatasetChatEnv, make_env, tasks
 from rlpost.envs.gsm8k import (
     BASE_PROMPT,
     GSM8K_SYSTEM_PROMPT,

@@ -281,7 +281,7 @@ def test_from_dataloader_batch_repeats_and_transform_attributes():
     assert [env.reset()["text"] for _ in range(3)] == [["a", "a"], ["a", "b"], ["b", "b"]]
     env.append_transform(StepCounter())
     with pytest.raises(AttributeError):
-        env.transform.repeats  # two transforms: the Compose itself
+        _ = env.transform.repeats  # two transforms: the Compose itself
 
 
 def test_from_dataloader_errors():

@@ -243,7 +243,7 @@ def test_network_namespace_stops_code_that_bypasses_the_prelude(py, sandbox_pare
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)
         port = server.getsockname()[1]
-        code = f"import _socket\ns = _socket.socket()\ns.settimeout(2)\n"
+        code = "import _socket\ns = _socket.socket()\ns.settimeout(2)\n"
         code += f"s.connect(('127.0.0.1', {port}))\n"
         result = py(code)
         # its own namespace: unreachable, or a loopback of its own where nothing listens

@@ -34,7 +34,7 @@ class World:
         self.trained: list[tuple[str, int]] = []  # (producer, prompt position) per trained group
         self.served_version = 0
 
-    def enter(self, actor: "Stand", method: str) -> None:
+    def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
             raise ActorLost(f"{actor.name} is dead", actor.name)
         self.calls += 1
@@ -58,7 +58,7 @@ class Done:
 
 
 class Stand:
-    registry: list["Stand"] = []  # every stand-in made (the test of a stop looks its learner up)
+    registry: list[Stand] = []  # every stand-in made (the test of a stop looks its learner up)
 
     def __init__(self, world: World, name: str):
         self.world, self.name, self.dead = world, name, False

@@ -9,7 +9,6 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 from tensordict import TensorDict
 
 from rlpost.config import ConfigError, validate_config
