@@ -58,7 +58,6 @@ import dataclasses
 import datetime as dt
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +68,7 @@ from rlpost.clients import ActorFailure
 from rlpost.config import JobConfig
 from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
+from rlpost.ray_start import init_ray
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
 from rlpost.shutdown import StopRequested, stop_on_signals
 from rlpost.supervisor import (
@@ -107,7 +107,7 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     _check_tools(cfg)
     # the eval data is loaded now: a bad eval section fails before any actor starts
     evaluator = Evaluator(cfg) if cfg.eval.interval > 0 or cfg.eval.before_training else None
-    started_ray = _init_ray(cfg)
+    started_ray = init_ray(cfg)
     # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
     (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
     try:
@@ -168,121 +168,6 @@ def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
     """Start every actor of the run and the supervisor that keeps them alive."""
     starter = ActorStarter(cfg)
     return Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
-
-
-def _init_ray(cfg: JobConfig) -> bool:
-    """Start Ray for the run, or connect to the cluster at ``resources.address`` (else RAY_ADDRESS),
-    in the namespace ``rlpost-<run_name>``, and print one line on stdout saying where to watch the
-    run (:func:`_ray_start_line`). Returns True when this call started or connected Ray (the caller
-    shuts it down), False when Ray was already initialized (then nothing is started or printed).
-
-    A local run with ``logging.dashboard`` on asks Ray for its dashboard on 127.0.0.1 at
-    ``logging.dashboard_port`` (None: 8265, or the next free port). It passes
-    ``include_dashboard=None``, with which Ray starts the dashboard when it can and, when it cannot
-    (its packages missing, the port taken, the process failing), logs why and starts the rest of
-    the node anyway: the run never fails over its dashboard, and a warning says it has none.
-    ``logging.dashboard: false`` passes ``include_dashboard=False``. Either way the node exports
-    the Ray metrics (the run's ``rlpost_*`` gauges among them) as Prometheus text on a port Ray
-    picks, whose URL the line gives."""
-    import ray
-
-    namespace = f"rlpost-{cfg.logging.run_name}"
-    address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", **cfg.resources.env_vars}}
-    if address:
-        use_ray_token_if_present()
-        context = ray.init(address=address, namespace=namespace, runtime_env=env, log_to_driver=True)
-        print(_ray_start_line(namespace, _http_url(context.dashboard_url), None, cluster=address), flush=True)
-        return True
-    if cfg.logging.dashboard:
-        context = ray.init(
-            namespace=namespace,
-            runtime_env=env,
-            include_dashboard=None,
-            dashboard_host="127.0.0.1",
-            dashboard_port=cfg.logging.dashboard_port,
-            log_to_driver=False,
-        )
-        dashboard = _http_url(context.dashboard_url)
-        if dashboard is None:
-            log.warning(
-                "Ray's dashboard did not start (%s); the run goes on without it",
-                _why_no_dashboard(context.dashboard_url),
-            )
-    else:
-        ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
-        dashboard = None
-    print(_ray_start_line(namespace, dashboard, _local_metrics_url()), flush=True)
-    return True
-
-
-def _http_url(address: str | None) -> str | None:
-    """The dashboard address Ray reports (``host:port``, or a URL when RAY_OVERRIDE_DASHBOARD_URL
-    sets one) as an http URL; None when Ray reports none (no dashboard, or a minimal install)."""
-    if not address:
-        return None
-    return address if "://" in address else f"http://{address}"
-
-
-def _why_no_dashboard(reported: str | None) -> str:
-    """Why a local dashboard asked for did not start. Ray reports an empty address when its
-    dashboard packages are missing (it then runs a minimal head without the web UI) and None when
-    the dashboard process could not start (Ray logged its error and log file just before)."""
-    if reported == "":
-        try:
-            import ray.dashboard.optional_deps  # noqa: F401
-        except ImportError as exc:
-            return f"its packages are missing: {exc}; pip install 'ray[default]'"
-        return "Ray runs without its web UI here"
-    return "see Ray's error above: the port taken, or the dashboard process failing"
-
-
-def _local_metrics_url() -> str | None:
-    """The Prometheus endpoint of this driver's Ray node, where the run's ``rlpost_*`` gauges are
-    exported (Ray picks its port); None when Ray does not report one."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
-            return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-    return None
-
-
-def _ray_start_line(namespace: str, dashboard: str | None, metrics: str | None, cluster: str | None = None) -> str:
-    """The line ``rlpost train`` prints once Ray is up, e.g. ``rlpost: Ray dashboard at
-    http://127.0.0.1:8265 (namespace rlpost-r1); metrics at http://127.0.0.1:50123/metrics``.
-    It starts with ``Ray cluster at ADDRESS`` when the run connected to a cluster, says ``no Ray
-    dashboard`` when there is none, and, when Ray runs with token authentication (RAY_AUTH_MODE
-    is token: Ray's default for a new local cluster), ends with where the dashboard's login token
-    comes from."""
-    head = f"Ray dashboard at {dashboard}" if dashboard is not None else "no Ray dashboard"
-    parts = ([f"Ray cluster at {cluster}"] if cluster else []) + [f"{head} (namespace {namespace})"]
-    if metrics is not None:
-        parts.append(f"metrics at {metrics}")
-    if dashboard is not None and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        parts.append("dashboard login: the token `ray get-auth-token` prints")
-    return "rlpost: " + "; ".join(parts)
-
-
-def use_ray_token_if_present() -> None:
-    """Authenticate to an existing cluster the way Ray's CLI does.
-
-    Ray 2.60 clusters use token authentication by default, but a driver that connects to one only
-    sends a token when RAY_AUTH_MODE=token. When the mode is unset and a token is available
-    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token written by `ray start`), turn it on.
-    """
-    if os.environ.get("RAY_AUTH_MODE"):
-        return
-    token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-    if os.environ.get("RAY_AUTH_TOKEN") or token_path.is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
-        # Ray caches its config at import (vLLM imports Ray early): re-read it, as Ray's CLI does
-        from ray._raylet import Config
-
-        Config.initialize("")
 
 
 def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:

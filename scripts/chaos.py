@@ -142,7 +142,7 @@ def _kill_as_planned(
     """Kill as ``plan`` says; returns what was killed, and which of those after the last step."""
     import ray
 
-    from rlpost.controller import use_ray_token_if_present
+    from rlpost.ray_start import use_ray_token_if_present
 
     address_file = run_dir / "ray_address"
     while not address_file.is_file():

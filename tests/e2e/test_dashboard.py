@@ -171,7 +171,7 @@ FALLBACK_SCRIPT = """
 import logging, socket, sys
 import ray
 from rlpost.config import load_config
-from rlpost.controller import _init_ray
+from rlpost.ray_start import init_ray
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 taken = socket.socket()
@@ -179,7 +179,7 @@ taken.bind(("127.0.0.1", 0))
 taken.listen()
 for override in [f"logging.dashboard_port={taken.getsockname()[1]}", "logging.dashboard=false"]:
     cfg = load_config("configs/tiny-cpu.yaml", ["logging.run_name=e2e-no-dashboard", override])
-    assert _init_ray(cfg) is True
+    assert init_ray(cfg) is True
     ray.shutdown()
     print("done:", override, flush=True)
 """
