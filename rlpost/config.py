@@ -186,6 +186,11 @@ class EvalConfig(_Section):
     pass_threshold: float = Field(1.0, description="A completion passes when its reward is at least this.")
     seed: int = Field(0, description="Sampling seed: the same weights give the same score every time.")
 
+    @property
+    def enabled(self) -> bool:
+        """Whether a run evaluates at all (during training or before it)."""
+        return self.interval > 0 or self.before_training
+
 
 class ReferenceConfig(_Section):
     """The frozen reference model and the KL penalty to it."""

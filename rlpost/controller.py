@@ -106,7 +106,7 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     _check_tools(cfg)
     # the eval data is loaded now: a bad eval section fails before any actor starts
-    evaluator = Evaluator(cfg) if cfg.eval.interval > 0 or cfg.eval.before_training else None
+    evaluator = Evaluator(cfg) if cfg.eval.enabled else None
     started_ray = init_ray(cfg)
     # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
     (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
@@ -268,8 +268,9 @@ class Controller:
                 cfg.logging, self.run_dir, cfg.logging.run_name or self.run_dir.name, self.first_step
             ),
         )
-        evaluating = cfg.eval.interval > 0 or cfg.eval.before_training
-        self.evaluator = evaluator if evaluator is not None or not evaluating else Evaluator(cfg)
+        if evaluator is None and cfg.eval.enabled:
+            evaluator = Evaluator(cfg)
+        self.evaluator = evaluator
 
     @property
     def actors(self):

@@ -187,7 +187,9 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         try:
             infos = self._wait(pending, deadline)
         except Exception as err:
-            raise (failure or err) from (err if failure is not None and err is not failure else None)
+            if failure is None:
+                raise
+            raise failure from err  # the bus's error first; the workers' follows as its cause
         if failure is not None:
             raise failure
         served = {int(info["version"]) for info in infos}
