@@ -74,7 +74,10 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
 
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return CallTimeout(f"{name} did not answer {method}", name)
-    if isinstance(exc, ray.exceptions.RayActorError):
+    # A RayTaskError means the called actor ran the method and raised: it is alive. Ray raises it
+    # as a subclass of its cause's class too, so one whose cause is another actor's death is also
+    # a RayActorError and must be told apart from the called actor's own death.
+    if isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, ray.exceptions.RayTaskError):
         return ActorLost(f"{name} died during {method}", name)
     causes = list(_causes(exc))
     if any(isinstance(c, WeightSyncError) for c in causes):

@@ -126,13 +126,18 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
         problems.append(f"exit {proc.returncode}: {' | '.join(tail)}")
     rows = _read_metrics(run_dir)
     problems += check_metrics(rows, steps)
-    restarts = {COUNTER[v]: rows[-1].get(COUNTER[v], 0) for v in killed} if rows else {}
+    counters = [COUNTER[v] for v in killed] + ["learner_resumes"]
+    restarts = {c: rows[-1].get(c, 0) for c in counters} if rows else {}
     # a kill during the last step may be recovered after its metrics line was written
     problems += [
         f"{v} was killed but {COUNTER[v]} is 0"
         for v in killed
         if rows and v not in late and not rows[-1].get(COUNTER[v])
     ]
+    if len(killed) == 1 and killed != ["learner"] and restarts.get("learner_resumes"):
+        # losing one actor other than the learner is recovered in place: a restart of the whole
+        # run from its checkpoint means the loss was mistaken for the learner's
+        problems.append(f"the run restarted from a checkpoint {restarts['learner_resumes']} times (learner_resumes)")
     return Outcome(plan, not problems, round(seconds, 1), problems, killed, late, restarts)
 
 

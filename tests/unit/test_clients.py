@@ -24,6 +24,12 @@ def test_the_called_actor_died_or_did_not_answer():
 def test_a_task_that_failed_because_another_actor_died_names_no_actor():
     lost = classify(task_error(ray.exceptions.ActorDiedError()), "env-pool-0", "wait")
     assert isinstance(lost, ActorLost) and lost.name is None
+    # what ray.get raises: the task error is also an instance of its cause's class (here a
+    # RayActorError), yet the called actor (the learner) is alive and must not be killed
+    raised = task_error(ray.exceptions.ActorDiedError()).as_instanceof_cause()
+    assert isinstance(raised, ray.exceptions.RayActorError)
+    lost = classify(raised, "learner", "publish")
+    assert isinstance(lost, ActorLost) and lost.name is None and "an actor it used died" in str(lost)
     gone = classify(task_error(BufferLost("the buffer actor died")), "env-pool-0", "wait")
     assert isinstance(gone, ActorLost) and gone.name is None
 
