@@ -221,6 +221,14 @@ class LossConfig(_Section):
     kl_to_inference_coef: float = Field(
         0.0, ge=0, description="Penalty on the k3 KL between the learner and the behaviour (inference) log-probs."
     )
+    custom_fn: str | None = Field(
+        None,
+        description=(
+            "A loss of your own, 'package.module:function', called instead of rlpost.algo.grpo_loss with its "
+            "arguments (it returns GRPOLossTerms with at least `loss`); the module must be importable by the "
+            "learner (installed, or in the job's working_dir). null: grpo_loss."
+        ),
+    )
 
 
 class OptimizerConfig(_Section):

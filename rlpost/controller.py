@@ -105,6 +105,7 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     _check_tools(cfg)
+    _check_custom_loss(cfg)
     # the eval data is loaded now: a bad eval section fails before any actor starts
     evaluator = Evaluator(cfg) if cfg.eval.enabled else None
     started_ray = init_ray(cfg)
@@ -120,6 +121,19 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _check_custom_loss(cfg: JobConfig) -> None:
+    """A ``loss.custom_fn`` that cannot be imported here is a ConfigError before any actor starts
+    (the learner imports it again in its own process)."""
+    from rlpost.algo import load_loss_function
+    from rlpost.config import ConfigError
+
+    if cfg.loss.custom_fn:
+        try:
+            load_loss_function(cfg.loss.custom_fn)
+        except ValueError as exc:
+            raise ConfigError(f"loss.custom_fn: {exc}") from None
 
 
 def _check_tools(cfg: JobConfig) -> None:
@@ -442,6 +456,7 @@ class Controller:
         record.update(step=step, policy_version=self.version, reward_mean=mean(rewards), reward_std=pstdev(rewards))
         record.update(episode_metrics(groups))
         record.setdefault("kl_to_ref", None)
+        record.setdefault("clip_fraction", None)  # a custom loss (loss.custom_fn) may not report it
         return record
 
     def _sync_weights(self) -> dict:

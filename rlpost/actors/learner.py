@@ -6,21 +6,26 @@ thin Ray shell the controller starts as ``learner`` (the logic stays testable wi
 
 One learner step, ``train_step(groups)``::
 
-    batch = collate(groups)                                 # right-padded [B, T]
-    repeat epochs_per_batch times:                          # PPO epochs over the same batch
-        for micro in grad_accumulation contiguous slices of the samples:
-            (loss_fn.loss_terms(micro).loss * share(micro)).backward()
+    micro_batches = collate(slice) for grad_accumulation contiguous slices of the samples
+    D = sum(loss_normaliser(micro) for micro in micro_batches)    # the whole batch's denominator
+    repeat epochs_per_batch times:                                # PPO epochs over the same batch
+        for micro in micro_batches:
+            loss_fn.loss_terms(micro, normaliser=D).loss.backward()
         clip_grad_norm_(grad_clip); optimizer.step(); scheduler.step(); zero_grad()
         version += 1
 
 Micro-batch scaling. Every term of the loss (objective, KL, entropy, KL to inference) is
-``sum(masked terms) / D`` with a denominator ``D`` set by the aggregation: the number of loss
-tokens (``token_mean``), of rows with at least one loss token (``sequence_mean``), or of rows
-(``sequence_sum_norm``, times the constant ``max_tokens``). A micro-batch's loss is weighted by
-``share = D_micro / D_batch``, so the accumulated gradient equals the gradient of the loss over
-the whole batch exactly, for any split and any aggregation: unequal token counts in the
+``numerator(masked terms) / D`` with a denominator ``D`` set by the aggregation
+(:func:`rlpost.algo.loss_normaliser`): the number of loss tokens (``token_mean``), of rows with
+at least one loss token (``sequence_mean``), or of rows times ``max_tokens``
+(``sequence_sum_norm``). Each micro-batch's terms are divided by the whole batch's ``D``, so the
+micro-batch losses add up to the loss over the whole batch and the accumulated gradient equals
+its gradient exactly, for any split and any aggregation: unequal token counts in the
 micro-batches do not tilt the step. (Averaging micro-batch losses, ``1 / grad_accumulation``
 each, is only equal to it when every micro-batch has the same denominator.)
+
+The loss is :func:`rlpost.algo.grpo_loss`, or the function ``loss.custom_fn`` names, called
+with the same arguments.
 
 Versions. ``version`` = the number of optimizer steps taken since the initial weights (version 0,
 the weights on disk that the inference engines start from); each optimizer step adds 1, so a
@@ -53,9 +58,10 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
+from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows
+from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import JobConfig
 from rlpost.objectives import GRPOLoss
-from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
 from rlpost.runs import latest_checkpoint, list_checkpoints
 from rlpost.types import Group, Sample
@@ -89,92 +95,6 @@ class CheckpointWriteError(OSError):
 
 
 # ------------------------------------------------------------------------------------ batches
-
-
-def batch_rows(groups: Sequence[Group]) -> list[tuple[Sample, float]]:
-    """The samples of ``groups`` in order, each with its advantage."""
-    rows: list[tuple[Sample, float]] = []
-    for group in groups:
-        if len(group.advantages) != len(group.samples):
-            raise ValueError(
-                f"group of prompt {group.prompt_id}: {len(group.samples)} samples "
-                f"but {len(group.advantages)} advantages"
-            )
-        rows.extend(zip(group.samples, group.advantages))
-    if not rows:
-        raise ValueError("a learner batch needs at least one sample; got no samples")
-    return rows
-
-
-def collate_rows(rows: Sequence[tuple[Sample, float]], pad_token_id: int) -> TensorDict:
-    """Right-padded [B, T] TensorDict with GRPOLoss's keys plus "policy_version" and "reward" [B].
-
-    ``("ref_log_probs", "full")`` is present only when every sample carries reference log-probs.
-    Padding: token ``pad_token_id``, masks False, log-probs 0.
-    """
-    for sample, _ in rows:
-        _check_sample(sample)
-    num_rows, width = len(rows), max(len(s.token_ids) for s, _ in rows)
-    tokens_bt = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
-    attention_bt = torch.zeros((num_rows, width), dtype=torch.bool)
-    assistant_bt = torch.zeros((num_rows, width), dtype=torch.bool)
-    logprobs_bt = torch.zeros((num_rows, width), dtype=torch.float32)
-    with_ref = all(s.ref_logprobs is not None for s, _ in rows)
-    ref_bt = torch.zeros((num_rows, width), dtype=torch.float32)
-    for i, (sample, _) in enumerate(rows):
-        n = len(sample.token_ids)
-        tokens_bt[i, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
-        attention_bt[i, :n] = True
-        assistant_bt[i, :n] = torch.tensor(sample.loss_mask, dtype=torch.bool)
-        logprobs_bt[i, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
-        if with_ref:
-            ref_bt[i, :n] = torch.tensor(sample.ref_logprobs, dtype=torch.float32)
-    data = {
-        TOKENS_FULL: tokens_bt,
-        ATTENTION_MASK: attention_bt,
-        ASSISTANT_MASK: assistant_bt,
-        LOG_PROBS_FULL: logprobs_bt,
-        "advantage": torch.tensor([a for _, a in rows], dtype=torch.float32),
-        "policy_version": torch.tensor([s.policy_version for s, _ in rows], dtype=torch.long),
-        "reward": torch.tensor([s.reward for s, _ in rows], dtype=torch.float32),
-    }
-    if with_ref:
-        data[REF_LOG_PROBS_FULL] = ref_bt
-    return TensorDict(data, batch_size=[num_rows])
-
-
-def _check_sample(sample: Sample) -> None:
-    lengths = {len(sample.token_ids), len(sample.logprobs), len(sample.loss_mask)}
-    if sample.ref_logprobs is not None:
-        lengths.add(len(sample.ref_logprobs))
-    if len(lengths) != 1 or not sample.token_ids:
-        raise ValueError(
-            f"sample of prompt {sample.prompt_id}: token_ids ({len(sample.token_ids)}), logprobs "
-            f"({len(sample.logprobs)}), loss_mask ({len(sample.loss_mask)}) and ref_logprobs "
-            f"must be non-empty and of one length"
-        )
-
-
-def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
-    """``num_chunks`` contiguous slices of ``rows`` (sizes differ by at most 1; never empty)."""
-    num_chunks = max(1, min(num_chunks, len(rows)))
-    size, extra = divmod(len(rows), num_chunks)
-    bounds = [0]
-    for i in range(num_chunks):
-        bounds.append(bounds[-1] + size + (i < extra))
-    return [list(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def loss_denominator(batch: TensorDict, aggregation: str) -> int:
-    """The denominator of ``aggregation`` over ``batch`` (see the module docstring)."""
-    mask_bt = batch.get(ASSISTANT_MASK) & batch.get(ATTENTION_MASK)
-    if aggregation == "token_mean":
-        return int(mask_bt.sum())
-    if aggregation == "sequence_mean":
-        return int((mask_bt.sum(dim=1) > 0).sum())
-    if aggregation == "sequence_sum_norm":
-        return int(mask_bt.shape[0])
-    raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 def _warmup_factor(step: int, warmup_steps: int) -> float:
@@ -244,6 +164,7 @@ class Learner:
             entropy_estimator="sampled",
             kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
             masking_strategy="rlhf",
+            loss_function=load_loss_function(cfg.loss.custom_fn) if cfg.loss.custom_fn else None,
         )
 
     @property
@@ -257,8 +178,10 @@ class Learner:
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     def collate(self, groups: Sequence[Group]) -> TensorDict:
-        """The whole batch of ``groups`` as one right-padded TensorDict (see :func:`collate_rows`)."""
-        return collate_rows(batch_rows(groups), self.pad_token_id)
+        """The whole batch of ``groups`` as one right-padded TensorDict
+        (:func:`rlpost.actors.batch.collate_samples`)."""
+        rows = batch_rows(groups)
+        return collate_samples([s for s, _ in rows], self.pad_token_id, [a for _, a in rows])
 
     def _autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
@@ -272,26 +195,29 @@ class Learner:
         start, version_at_start = time.perf_counter(), self._version
         rows = batch_rows(groups)
         micro_batches = [
-            collate_rows(chunk, self.pad_token_id) for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)
+            collate_samples([s for s, _ in chunk], self.pad_token_id, [a for _, a in chunk])
+            for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)
         ]
-        denominators = [loss_denominator(mb, self.cfg.loss.aggregation) for mb in micro_batches]
-        shares = [d / max(sum(denominators), 1) for d in denominators]
-        passes = [self._optimizer_step(micro_batches, shares) for _ in range(self.cfg.trainer.epochs_per_batch)]
+        loss = self.cfg.loss
+        normaliser = sum(loss_normaliser(loss_tokens(mb), loss.aggregation, self.cfg.rollout.max_tokens)
+                         for mb in micro_batches)  # fmt: skip
+        normaliser = max(normaliser, 1.0)  # no loss token at all: a zero loss
+        passes = [self._optimizer_step(micro_batches, normaliser) for _ in range(self.cfg.trainer.epochs_per_batch)]
         self._step += 1
         metrics = _mean_dicts(passes)
         metrics.update(_batch_metrics(rows, version_at_start))
         metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
         return metrics
 
-    def _optimizer_step(self, micro_batches: list[TensorDict], shares: list[float]) -> dict[str, float]:
-        """Accumulate the scaled micro-batch gradients, clip, step; returns this pass's metrics."""
+    def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float) -> dict[str, float]:
+        """Accumulate the micro-batch gradients (each divided by the whole batch's
+        ``normaliser``), clip, step; returns this pass's metrics."""
         parts = []
-        for batch, share in zip(micro_batches, shares):
+        for batch in micro_batches:
             with self._autocast():
-                terms = self.loss_fn.loss_terms(batch)  # the total loss and the split clip fractions
-            (terms.loss * share).backward()
-            num_tokens = int((batch.get(ASSISTANT_MASK) & batch.get(ATTENTION_MASK)).sum())
-            parts.append((terms.metrics(), share, num_tokens))
+                terms = self.loss_fn.loss_terms(batch, normaliser=normaliser)
+            terms.loss.backward()
+            parts.append((terms.metrics(), int(loss_tokens(batch).sum())))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -516,16 +442,18 @@ def _write_error(final: Path, cause: OSError) -> CheckpointWriteError:
 # ------------------------------------------------------------------------------------ metrics
 
 
-def _combine_micro_metrics(parts: list[tuple[dict[str, float], float, int]]) -> dict[str, float]:
-    """Loss terms: sum of the scaled micro-batch losses (= the full-batch loss); token-mean
-    diagnostics: weighted by each micro-batch's loss tokens."""
-    total_tokens = max(sum(n for _, _, n in parts), 1)
+def _combine_micro_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Loss terms: sum of the micro-batch losses (each over the whole batch's normaliser, so the
+    sum is the full-batch loss); token-mean diagnostics: weighted by each micro-batch's loss
+    tokens. A term no micro-batch reported (a custom loss's) is left out."""
+    total_tokens = max(sum(n for _, n in parts), 1)
     out: dict[str, float] = {}
     for name in _LOSS_METRICS:
-        out[name] = sum(m.get(name, 0.0) * share for m, share, _ in parts)
+        if any(name in m for m, _ in parts):
+            out[name] = sum(m.get(name, 0.0) for m, _ in parts)
     for name in _TOKEN_MEAN_METRICS:
-        if any(name in m for m, _, _ in parts):
-            out[name] = sum(m.get(name, 0.0) * n for m, _, n in parts) / total_tokens
+        if any(name in m for m, _ in parts):
+            out[name] = sum(m.get(name, 0.0) * n for m, n in parts) / total_tokens
     out.setdefault("kl_to_ref", 0.0)  # metrics.jsonl requires it; 0 without a reference
     return out
 

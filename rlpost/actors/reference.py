@@ -12,11 +12,10 @@ recomputed from the new rewards.
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
+from rlpost.actors.batch import collate_samples
 from rlpost.algo import group_advantages
 from rlpost.config import JobConfig
-from rlpost.data import Tokens
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
 from rlpost.types import Group
 
@@ -36,6 +35,8 @@ class Reference(KLServiceActor):
         model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype).eval()
         model.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         scorer = TransformersWrapper(
             model,
             tokenizer=tokenizer,
@@ -58,7 +59,7 @@ class Reference(KLServiceActor):
         samples = [s for g in groups for s in g.samples]
         if not samples:
             return groups
-        batch = self.kl(_collate(samples))
+        batch = self.kl(collate_samples(samples, self.pad_token_id))
         mask_bt = batch.get(("masks", "all_assistant_mask"))
         ref_bt = torch.where(mask_bt, batch.get(("ref_log_probs", "full")), torch.zeros(()))
         for i, sample in enumerate(samples):
@@ -76,31 +77,6 @@ class Reference(KLServiceActor):
 
 def _scale(cfg: JobConfig) -> str:
     return "group" if cfg.loss.advantage_scale == "batch" else cfg.loss.advantage_scale
-
-
-def _collate(samples) -> TensorDict:
-    """Right-padded tokens-mode batch with the loss mask as the assistant mask."""
-    width = max(len(s.token_ids) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    attention = torch.zeros(len(samples), width, dtype=torch.bool)
-    loss_mask = torch.zeros(len(samples), width, dtype=torch.bool)
-    logprobs = torch.zeros(len(samples), width)
-    for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids[i, :n] = torch.tensor(s.token_ids)
-        attention[i, :n] = True
-        loss_mask[i, :n] = torch.tensor(s.loss_mask)
-        logprobs[i, :n] = torch.tensor(s.logprobs)
-    return TensorDict(
-        {
-            "tokens": Tokens(full=ids, padded=True, batch_size=[len(samples)]),
-            ("masks", "all_attention_mask"): attention,
-            ("masks", "all_assistant_mask"): loss_mask,
-            ("log_probs", "full"): logprobs,
-            "reward": torch.tensor([[s.reward] for s in samples]),
-        },
-        batch_size=[len(samples)],
-    )
 
 
 class ReferenceActor(Reference):

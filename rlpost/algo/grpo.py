@@ -22,6 +22,14 @@ Each per-token term x_t (objective, KL, entropy) is reduced with the same ``aggr
 - ``"none"``: no reduction; the term per token, ``[B, T]``, 0 where the mask is False (for a
   caller's own reduction).
 
+Every reduction is ``numerator(x) / D``: ``sum(m * x)`` over ``D`` = the loss tokens
+(``token_mean``), ``sum_i(sum_t(m * x) / sum_t(m))`` over ``D`` = the rows with at least one loss
+token (``sequence_mean``), ``sum(m * x)`` over ``D`` = ``B * max_tokens`` (``sequence_sum_norm``).
+:func:`loss_normaliser` computes ``D`` for a batch. A caller that splits one batch into pieces
+(micro-batches, or the shares of several learner ranks) passes the whole batch's ``D`` as
+``normaliser``: the pieces' losses then add up to the whole batch's loss, and so do their
+gradients, whatever the split.
+
     loss = objective + kl_coef * KL - entropy_coef * entropy + kl_to_inference_coef * KL_inf
 
 with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, as in GRPO), and
@@ -54,12 +62,14 @@ Deliberate deviations and choices, each for a reason:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 
 from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
+from rlpost.dotted import load_callable
 
 Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm", "none"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm", "none")
@@ -80,19 +90,22 @@ class GRPOLossTerms:
     ``ref_logprobs``), ``entropy`` (mean entropy; None without ``entropy``) and
     ``kl_to_inference`` (mean k3 KL between the policy and the behaviour log-probs; it and
     ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given).
+
+    :func:`grpo_loss` sets every field its inputs allow. A custom loss (:data:`LossFunction`)
+    must set ``loss``; the fields it leaves None are left out of the metrics.
     """
 
     loss: torch.Tensor
-    loss_objective: torch.Tensor
-    loss_kl: torch.Tensor
-    loss_entropy: torch.Tensor
-    clip_fraction: torch.Tensor
-    clip_fraction_low: torch.Tensor
-    clip_fraction_high: torch.Tensor
-    kl_approx: torch.Tensor
-    ess: torch.Tensor
-    kl_to_ref: torch.Tensor | None
-    entropy: torch.Tensor | None
+    loss_objective: torch.Tensor | None = None
+    loss_kl: torch.Tensor | None = None
+    loss_entropy: torch.Tensor | None = None
+    clip_fraction: torch.Tensor | None = None
+    clip_fraction_low: torch.Tensor | None = None
+    clip_fraction_high: torch.Tensor | None = None
+    kl_approx: torch.Tensor | None = None
+    ess: torch.Tensor | None = None
+    kl_to_ref: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
     loss_kl_to_inference: torch.Tensor | None = None
     kl_to_inference: torch.Tensor | None = None
 
@@ -103,33 +116,54 @@ class GRPOLossTerms:
         return {name: float(value.item()) for name, value in values.items() if value is not None and value.ndim == 0}
 
 
+def loss_normaliser(mask_bt: torch.Tensor, aggregation: Aggregation, max_tokens: int | None = None) -> float:
+    """The denominator ``D`` of ``aggregation`` over the batch ``mask_bt`` [B, T] (module
+    docstring): loss tokens, rows with a loss token, or ``B * max_tokens``. The ``D`` of a batch
+    is the sum of its pieces' ``D``. ``"none"`` has no denominator (1)."""
+    _check_aggregation(aggregation, max_tokens)
+    if mask_bt.ndim != 2 or mask_bt.dtype != torch.bool:
+        raise ValueError(f"mask_bt must be a bool [B, T] tensor, got {mask_bt.dtype} {tuple(mask_bt.shape)}")
+    if aggregation == "token_mean":
+        return float(mask_bt.sum())
+    if aggregation == "sequence_mean":
+        return float((mask_bt.sum(dim=1) > 0).sum())
+    if aggregation == "sequence_sum_norm":
+        return float(mask_bt.shape[0] * max_tokens)
+    return 1.0
+
+
 def masked_aggregate(
     x_bt: torch.Tensor,
     mask_bt: torch.Tensor,
     aggregation: Aggregation = "token_mean",
     max_tokens: int | None = None,
+    normaliser: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values [B, T] to a 0-d tensor over the tokens where ``mask_bt`` is True.
 
-    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. ``"none"``
-    returns ``x_bt`` with 0 where the mask is False. See the module docstring for the formulas.
+    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. ``normaliser``:
+    the denominator to divide by, when this batch is a piece of a larger one (that batch's
+    :func:`loss_normaliser`); None: this batch's own. ``"none"`` returns ``x_bt`` with 0 where
+    the mask is False. See the module docstring for the formulas.
     """
     _check_aggregation(aggregation, max_tokens)
     if x_bt.ndim != 2 or x_bt.shape != mask_bt.shape:
         raise ValueError(f"x_bt {tuple(x_bt.shape)} and mask_bt {tuple(mask_bt.shape)} must be the same [B, T]")
     if mask_bt.dtype != torch.bool:
         raise ValueError(f"mask_bt must be a bool tensor, got dtype {mask_bt.dtype}")
+    if normaliser is not None and not normaliser > 0:
+        raise ValueError(f"normaliser must be > 0, got {normaliser!r}")
     x_bt = torch.where(mask_bt, x_bt, 0.0)
     if aggregation == "none":
         return x_bt
-    if aggregation == "token_mean":
-        return x_bt.sum() / mask_bt.sum().clamp(min=1)
     if aggregation == "sequence_mean":
-        num_tokens_b = mask_bt.sum(dim=1)
         # An empty row contributes 0 to the sum and is left out of the count.
-        per_sequence_b = x_bt.sum(dim=1) / num_tokens_b.clamp(min=1)
-        return per_sequence_b.sum() / (num_tokens_b > 0).sum().clamp(min=1)
-    return x_bt.sum() / (max(x_bt.shape[0], 1) * max_tokens)
+        numerator = (x_bt.sum(dim=1) / mask_bt.sum(dim=1).clamp(min=1)).sum()
+    else:
+        numerator = x_bt.sum()
+    if normaliser is None:  # an empty batch divides by 1: a zero loss, never NaN
+        normaliser = max(loss_normaliser(mask_bt, aggregation, max_tokens), 1.0)
+    return numerator / normaliser
 
 
 def grpo_loss(
@@ -147,6 +181,7 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     kl_to_inference_coef: float | None = None,
+    normaliser: float | None = None,
 ) -> GRPOLossTerms:
     """Compute the GRPO loss and its diagnostics (see the module docstring for the math).
 
@@ -166,6 +201,9 @@ def grpo_loss(
         kl_to_inference_coef: weight of the k3 KL between the policy and the behaviour
             log-probs ``old_logprobs``; None (the default) computes neither the term nor its
             diagnostic, 0 the diagnostic only.
+        normaliser: the denominator of every loss term when this batch is a piece of a larger
+            one (that batch's :func:`loss_normaliser`); None: this batch's own. The
+            diagnostics stay this batch's token means.
 
     Raises:
         ValueError: bad shapes (the message carries them), a non-bool mask, an unknown
@@ -198,7 +236,7 @@ def grpo_loss(
     objective_bt = -torch.where(clipped_bt, clamped_ratio_bt, ratio_bt) * adv_bt
 
     def aggregate(x_bt: torch.Tensor) -> torch.Tensor:
-        return masked_aggregate(x_bt, mask, aggregation, max_tokens)
+        return masked_aggregate(x_bt, mask, aggregation, max_tokens, normaliser)
 
     def token_mean(x_bt: torch.Tensor) -> torch.Tensor:
         return masked_aggregate(x_bt.detach().to(dtype), mask, "token_mean")
@@ -321,3 +359,19 @@ def _check_inputs(
             f"advantages must have shape [B] = ({logprobs.shape[0]},) or [B, T] = "
             f"{tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
         )
+
+
+# A loss with grpo_loss's signature (the same arguments, by the same names) that returns
+# GRPOLossTerms with at least ``loss`` set: what ``loss.custom_fn`` names.
+LossFunction = Callable[..., GRPOLossTerms]
+
+
+def load_loss_function(path: str) -> LossFunction:
+    """The function ``path`` names (``"package.module:function"``, importable where the learner
+    runs); it replaces :func:`grpo_loss` and is called with the same arguments.
+
+    Raises:
+        ValueError: a malformed path, a module that cannot be imported, or no callable of that
+            name (the message names the part that failed).
+    """
+    return load_callable(path, "loss function")

@@ -21,11 +21,12 @@ type name, for the metrics, so that one bad sample never stops an env.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from rlpost.dotted import load_callable
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 CORRECT_REWARD, FORMAT_REWARD = 1.0, 0.1
@@ -138,31 +139,6 @@ def reward_value(value: Any) -> tuple[float, str | None]:
 
 
 def load_reward_fn(dotted_path: str) -> RewardFn:
-    """The callable at ``"package.module:function"`` or ``"package.module.function"``.
-
-    The part after ``:`` may itself be dotted (``"pkg.mod:Scorer.score"``). A malformed path, a
-    module that fails to import, a missing attribute or a non-callable raise ``ValueError`` naming
-    the path (the config layer adds the key).
-    """
-    if ":" in dotted_path:
-        module_name, _, attr_path = dotted_path.partition(":")
-    else:
-        module_name, _, attr_path = dotted_path.rpartition(".")
-    if not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(
-            f"reward function {dotted_path!r} is not of the form 'package.module:function' or 'package.module.function'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {dotted_path!r}: cannot import module {module_name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ValueError(
-                f"reward function {dotted_path!r}: {module_name!r} has no attribute {attr_path!r}"
-            ) from exc
-    if not callable(obj):
-        raise ValueError(f"reward function {dotted_path!r} is not callable (it is a {type(obj).__name__})")
-    return obj
+    """The reward function at ``"package.module:function"`` or ``"package.module.function"``
+    (:func:`rlpost.dotted.load_callable`; its ValueError names the path)."""
+    return load_callable(dotted_path, "reward function")

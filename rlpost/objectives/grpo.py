@@ -61,7 +61,9 @@ Deliberate deviations from TorchRL, each tested in tests/unit/test_grpo_loss.py:
 - rlpost's additions: ``aggregation`` ``"sequence_mean"`` (the same as ``"prompt_mean"``) and
   ``"sequence_sum_norm"`` with ``max_tokens`` (Dr.GRPO), ``kl_estimator`` for the KL to the
   reference, :meth:`GRPOLoss.loss_terms` (the algo's terms: total loss, clip fraction split by
-  side) and :meth:`GRPOLoss.score`.
+  side; ``normaliser=`` for a batch split into pieces), :meth:`GRPOLoss.score`, and
+  ``loss_function=``: a function with :func:`rlpost.algo.grpo_loss`'s signature that replaces
+  it (what the service's ``loss.custom_fn`` names).
 - Checked arguments: ``reduction`` is None, ``"mean"`` or ``"none"`` (TorchRL ignores the
   others); ``gamma`` and ``clip_value`` (GRPO has no value network) must be None; an unknown
   keyword is a TypeError (TorchRL swallows it); a generating actor (``generate=True``) is refused
@@ -78,7 +80,7 @@ import torch
 from tensordict import NestedKey, TensorClass, TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
-from rlpost.algo import GRPOLossTerms, grpo_loss, trust_region_mask
+from rlpost.algo import GRPOLossTerms, LossFunction, grpo_loss, trust_region_mask
 from rlpost.policies.inputs import is_lazy
 
 TOKENS_FULL = ("tokens", "full")
@@ -166,6 +168,9 @@ class GRPOLoss(torch.nn.Module):
             default device).
         masking_strategy: ``"sft"`` (default), ``"rlhf"`` or ``"generic"``.
         gamma, clip_value: TorchRL's PPO arguments; GRPO has no value network, only None.
+        loss_function: rlpost's: a function with :func:`rlpost.algo.grpo_loss`'s signature
+            that computes the terms instead of it (it receives the same arguments and returns
+            :class:`rlpost.algo.GRPOLossTerms` with at least ``loss`` set); None: grpo_loss.
 
     Raises:
         ValueError: a bad argument, named with its value.
@@ -213,6 +218,7 @@ class GRPOLoss(torch.nn.Module):
         max_tokens: int | None = None,
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_estimator: Literal["exact", "sampled"] = "exact",
+        loss_function: LossFunction | None = None,
     ):
         super().__init__()
         for name, value in (("gamma", gamma), ("clip_value", clip_value)):
@@ -255,6 +261,7 @@ class GRPOLoss(torch.nn.Module):
         self.kl_estimator = kl_estimator
         self.kl_to_inference_coeff = kl_to_inference_coeff
         self.masking_strategy = masking_strategy
+        self.loss_function = grpo_loss if loss_function is None else loss_function
 
         if device is None:
             param = next(self.parameters(), None)
@@ -313,14 +320,16 @@ class GRPOLoss(torch.nn.Module):
         terms = self.loss_terms(tensordict)
         per_token = self._algo_aggregation == "none"
 
-        def loss_field(value: torch.Tensor) -> torch.Tensor:
-            if not per_token:
+        def loss_field(value: torch.Tensor | None) -> torch.Tensor | None:
+            if not per_token or value is None:
                 return value
             # a term with coefficient 0 is a 0-d zero: per token it is zeros like the objective
             return value.expand_as(terms.loss_objective).unsqueeze(-1)
 
+        # a custom loss_function may set ``loss`` only: it is then the objective
+        objective = terms.loss if terms.loss_objective is None else terms.loss_objective
         out = {
-            "loss_objective": loss_field(terms.loss_objective),
+            "loss_objective": loss_field(objective),
             "clip_fraction": terms.clip_fraction,
             "kl_approx": terms.kl_approx,
             "ESS": terms.ess,
@@ -335,13 +344,16 @@ class GRPOLoss(torch.nn.Module):
             )
         return GRPOLossOutput(**out, batch_size=[])
 
-    def loss_terms(self, tensordict: TensorDictBase) -> GRPOLossTerms:
-        """The terms :func:`rlpost.algo.grpo_loss` computes for ``tensordict`` (rlpost's).
+    def loss_terms(self, tensordict: TensorDictBase, normaliser: float | None = None) -> GRPOLossTerms:
+        """The terms :func:`rlpost.algo.grpo_loss` (or the ``loss_function`` given) computes
+        for ``tensordict`` (rlpost's).
 
         Beyond :meth:`forward`'s output: ``loss``, the sum of every loss term
         (``loss_objective + loss_kl + loss_entropy + loss_kl_to_inference``, in that order),
         ``clip_fraction_low`` / ``clip_fraction_high`` and ``metrics()``. Terms the loss does
-        not compute are 0 (``loss_kl``, ``loss_entropy``) or None.
+        not compute are 0 (``loss_kl``, ``loss_entropy``) or None. ``normaliser``: the loss
+        terms' denominator when ``tensordict`` is a piece of a larger batch (that batch's
+        :func:`rlpost.algo.loss_normaliser`); None: its own.
         """
         if self.actor_network is None:
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
@@ -374,7 +386,7 @@ class GRPOLoss(torch.nn.Module):
             entropy_bt = -logprobs_bt if want_entropy else None
         if self.kl_mask_threshold is not None:
             mask_bt = mask_bt & trust_region_mask(logprobs_bt, old_bt, self.kl_mask_threshold).to(mask_bt.device)
-        return grpo_loss(
+        return self.loss_function(
             logprobs_bt,
             old_bt.to(logprobs_bt.device),
             advantage.to(logprobs_bt.device),
@@ -388,6 +400,7 @@ class GRPOLoss(torch.nn.Module):
             entropy=entropy_bt,
             entropy_coef=self.entropy_coeff if want_entropy else 0.0,
             kl_to_inference_coef=self.kl_to_inference_coeff,
+            normaliser=normaliser,
         )
 
     @property

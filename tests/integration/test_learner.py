@@ -149,8 +149,8 @@ def test_epochs_take_one_optimizer_step_each(tiny_model_path, tiny_tokenizer, pr
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum_norm"])
 def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, prompt_ids, aggregation):
-    # Micro-batches with unequal loss-token counts (a long and a short group): the shares
-    # D_micro / D_batch make 1 and 2 micro-batches the same step for every aggregation.
+    # Micro-batches with unequal loss-token counts (a long and a short group): dividing each by
+    # the whole batch's normaliser makes 1 and 2 micro-batches the same step for every aggregation.
     long_reply, short_reply = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, "<answer>")
     runs = {}
     for accumulation in (1, 2):
@@ -183,6 +183,41 @@ def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, pr
     # AdamW's first step is lr * g / (|g| + eps): float noise on near-zero gradients moves a weight
     # by up to ~lr / 100, so the weights agree to that, not to float precision.
     for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-5, rtol=0), name
+
+
+CUSTOM_LOSS = """
+from rlpost.algo import GRPOLossTerms, masked_aggregate
+
+
+def reinforce(logprobs, old_logprobs, advantages, mask, *, aggregation, max_tokens, normaliser, **unused):
+    # plain REINFORCE, -A * log p per token: on-policy its gradient is the clipped objective's
+    per_token = -advantages[:, None] * logprobs
+    return GRPOLossTerms(loss=masked_aggregate(per_token, mask, aggregation, max_tokens, normaliser))
+"""
+
+
+def test_a_custom_loss_function_replaces_grpo_loss(tiny_model_path, tiny_tokenizer, prompt_ids, tmp_path, monkeypatch):
+    (tmp_path / "my_losses.py").write_text(CUSTOM_LOSS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    replies = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD), completion(tiny_tokenizer, GOOD)]]
+    runs = {}
+    for custom_fn in (None, "my_losses:reinforce"):
+        cfg = make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "grad_accumulation": 2}, loss={"custom_fn": custom_fn})
+        learner = Learner(cfg)
+        groups = on_policy_groups(learner, prompt_ids, replies, [[1.0, 0.0, 0.5]])
+        rows = [(s, a) for g in groups for s, a in zip(g.samples, g.advantages)]
+        runs[custom_fn] = (learner, learner.train_step(groups), rows)
+    (grpo, grpo_metrics, _), (custom, custom_metrics, rows) = runs[None], runs["my_losses:reinforce"]
+    # the custom loss's value: -sum(A * log p) over the loss tokens / their count, with the
+    # log-probs the learner scored before its step (the samples are on-policy)
+    num_tokens = sum(sum(s.loss_mask) for s, _ in rows)
+    expected = -sum(a * sum(lp for lp, m in zip(s.logprobs, s.loss_mask) if m) for s, a in rows) / num_tokens
+    assert custom_metrics["loss"] == pytest.approx(expected, rel=1e-4)
+    assert "clip_fraction" not in custom_metrics and "clip_fraction" in grpo_metrics  # only what it reports
+    assert grpo_metrics["loss"] == pytest.approx(0.0, abs=1e-6)  # on-policy GRPO: -mean(A) with mean(A) = 0
+    # on-policy the two gradients are the same, so the same step (AdamW's first step: lr-sized noise)
+    for (name, p1), p2 in zip(grpo.model.named_parameters(), custom.model.parameters()):
         assert torch.allclose(p1, p2, atol=1e-5, rtol=0), name
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlpost.algo import grpo_loss, kl_per_token, masked_aggregate
+from rlpost.algo import grpo_loss, kl_per_token, load_loss_function, loss_normaliser, masked_aggregate
 
 pytestmark = pytest.mark.unit
 
@@ -377,3 +377,69 @@ def test_option_errors():
     for bad in ((0.2,), (0.2, 0.3, 0.4), -0.1, (1.5, 0.2), "0.2"):
         with pytest.raises(ValueError, match="clip_eps"):
             grpo_loss(*batch, clip_eps=bad)
+
+
+# --- the normaliser: a batch split into pieces ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"), [("token_mean", 5.0), ("sequence_mean", 2.0), ("sequence_sum_norm", 8.0)]
+)
+def test_loss_normaliser_is_the_aggregations_denominator(aggregation, expected):
+    assert loss_normaliser(torch.tensor(MASK), aggregation, max_tokens=4) == expected
+    empty_row = torch.tensor([[True, False], [False, False]])
+    assert loss_normaliser(empty_row, "sequence_mean") == 1.0  # rows with a loss token only
+    with pytest.raises(ValueError, match="max_tokens"):
+        loss_normaliser(torch.tensor(MASK), "sequence_sum_norm")
+
+
+@pytest.mark.parametrize("aggregation", list(NORMALISERS))
+def test_pieces_over_the_whole_batchs_normaliser_add_up_to_the_whole_batch(aggregation):
+    # every term (objective, KL to the reference, entropy, KL to inference) and its gradient
+    torch.manual_seed(0)
+    logprobs = (torch.randn(5, 4, dtype=F64) - 1).requires_grad_()
+    old, ref, entropy = (torch.randn(5, 4, dtype=F64) - 1 for _ in range(3))
+    advantages = torch.randn(5, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    kwargs = dict(
+        aggregation=aggregation, max_tokens=4, ref_logprobs=ref, kl_coef=0.1, entropy=entropy, entropy_coef=0.01
+    )
+    kwargs["kl_to_inference_coef"] = 0.05
+    whole = grpo_loss(logprobs, old, advantages, mask, **kwargs)
+    (whole_grad,) = torch.autograd.grad(whole.loss, logprobs)
+    normaliser = loss_normaliser(mask, aggregation, max_tokens=4)
+    pieces = [slice(0, 2), slice(2, 5)]
+    assert sum(loss_normaliser(mask[p], aggregation, 4) for p in pieces) == normaliser
+    total = 0.0
+    for p in pieces:
+        sliced = dict(kwargs, ref_logprobs=ref[p], entropy=entropy[p], normaliser=normaliser)
+        terms = grpo_loss(logprobs[p], old[p], advantages[p], mask[p], **sliced)
+        total = total + terms.loss
+        for name in ("loss_objective", "loss_kl", "loss_entropy", "loss_kl_to_inference"):
+            assert getattr(terms, name).item() != 0.0, name  # every term is in the sum
+    (pieces_grad,) = torch.autograd.grad(total, logprobs)
+    assert total.item() == pytest.approx(whole.loss.item(), rel=1e-12)
+    assert torch.allclose(pieces_grad, whole_grad, rtol=1e-12, atol=1e-15)
+    # each piece over its own normaliser is not the same loss (what the normaliser is for)
+    own = sum(grpo_loss(logprobs[p], old[p], advantages[p], mask[p], **dict(kwargs, ref_logprobs=ref[p],
+              entropy=entropy[p])).loss for p in pieces)  # fmt: skip
+    assert own.item() != pytest.approx(whole.loss.item(), rel=1e-6)
+
+
+def test_a_bad_normaliser_is_refused():
+    with pytest.raises(ValueError, match="normaliser must be > 0"):
+        masked_aggregate(t64(TOKEN_LOSSES), torch.tensor(MASK), "token_mean", normaliser=0.0)
+
+
+# --- a custom loss function --------------------------------------------------------------------
+
+
+def test_load_loss_function_names_what_is_wrong():
+    assert load_loss_function("rlpost.algo:grpo_loss") is grpo_loss
+    assert load_loss_function("rlpost.algo.grpo_loss") is grpo_loss
+    with pytest.raises(ValueError, match="loss function 'grpo_loss' is not of the form"):
+        load_loss_function("grpo_loss")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        load_loss_function("no_such_module_xyz:loss")
+    with pytest.raises(ValueError, match="'rlpost.algo' has no attribute 'missing'"):
+        load_loss_function("rlpost.algo:missing")

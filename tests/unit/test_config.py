@@ -120,3 +120,14 @@ def test_saved_config_is_complete_yaml(tmp_path):
     data = yaml.safe_load(save_config(cfg, tmp_path / "c.yaml").read_text())
     assert set(data) == set(JobConfig.model_fields)
     assert data["trainer"]["steps"] == cfg.trainer.steps
+
+
+def test_a_custom_loss_is_checked_before_any_actor_starts(tmp_path):
+    from rlpost.controller import _check_custom_loss
+
+    with pytest.raises(ConfigError, match="loss.custom_fn: loss function 'reinforce' is not of the form"):
+        _check_custom_loss(load_config(None, ["loss.custom_fn=reinforce"]))  # no module
+    cfg = load_config(None, ["loss.custom_fn=no_such_module_xyz:reinforce"])
+    with pytest.raises(ConfigError, match="loss.custom_fn: .*cannot import module 'no_such_module_xyz'"):
+        _check_custom_loss(cfg)
+    _check_custom_loss(load_config(None, ["loss.custom_fn=rlpost.algo:grpo_loss"]))  # importable: fine
