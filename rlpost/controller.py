@@ -525,7 +525,11 @@ class Controller:
             if self.trained_step < self.first_step:
                 log.warning("stopping before the first step was trained: no checkpoint written")
                 return
-            if self.unrecorded is not None and self.unrecorded["step"] > self.recorded_step:
+            # the file, not recorded_step: the signal may land after _record wrote the row and
+            # before it noted so (while the trackers log it)
+            rows = read_metrics(self.writer.path) if self.writer.path.is_file() else []
+            last_written = max(self.recorded_step, int(rows[-1]["step"]) if rows else 0)
+            if self.unrecorded is not None and self.unrecorded["step"] > last_written:
                 # trained, but stopped before its row was written
                 self._record(self.trained_step, {**self.unrecorded, "stopped": True, **self._elapsed()})
             self._write_checkpoint(self.trained_step)
