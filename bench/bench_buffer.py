@@ -100,7 +100,7 @@ def main() -> None:
     batches = args.batches or (10 if args.quick else 200)
     import ray
 
-    from rlpost.actors.buffer import start_buffer
+    from rlpost.actors.buffer import BufferSettings, start_buffer
 
     result = Result(
         "buffer",
@@ -119,7 +119,7 @@ def main() -> None:
     wait_for_quiet(args.quick)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rlpost-bench-buffer")
     try:
-        buffer = start_buffer(PROMPTS_PER_STEP, 1, run_name="bench-buffer")
+        buffer = start_buffer(BufferSettings(PROMPTS_PER_STEP, 1, run_name="bench-buffer"))
         groups = make_groups(PROMPTS_PER_STEP)
         producer = _producer_class().remote(buffer, groups)
         ray.get(producer.put_once.remote())

@@ -34,9 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from rlpost.actors.env_pool import EnvPool
+    from rlpost.actors.env_pool import EnvPool, EnvPoolSettings
     from rlpost.actors.inference import InferenceWorker
-    from rlpost.actors.learner import Learner
+    from rlpost.actors.learner import Learner, LearnerSettings
     from rlpost.config import load_config
     from rlpost.controller import probe_sequence
     from rlpost.transport.weight_bus import TorchWeightPublisher
@@ -66,8 +66,8 @@ def main() -> None:
     wait_for_quiet(args.quick)
     t0 = time.perf_counter()
     worker = InferenceWorker(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype)
-    pool = EnvPool(cfg, 0, worker.client)
-    learner = Learner(cfg)
+    pool = EnvPool(EnvPoolSettings.from_job(cfg), 0, worker.client)
+    learner = Learner(LearnerSettings.from_job(cfg))
     publisher = TorchWeightPublisher(
         2,
         host="127.0.0.1",

@@ -21,21 +21,7 @@
  +-------------------------+              | checkpoints             |
                                           +-------------------------+
 
-What each loop waits on (every wait is bounded):
-- sync: every env pool collects its share of ``prompts_per_step`` groups with the current weights
-  and puts it in the buffer (the controller polls the pools); the controller takes the whole step
-  from the buffer (staleness 0), the reference actor annotates it (KL on), the learner trains one
-  step, and every ``weight_sync_interval`` steps the learner publishes through its vLLMUpdater,
-  which has every inference worker receive and reload (bounded by ``weight_sync.timeout_s``);
-  then a probe sequence scored by a worker and by the learner gives ``sync_logprob_diff``.
-- async: env pools collect on their own (threads inside their actors), blocking only on the
-  buffer when it is full; the controller waits on ``buffer.take`` (polled), which drops groups
-  more than ``max_staleness`` versions behind the learner; training and publishing as in sync. A
-  worker applies an update between two generate calls.
-- evaluation (both modes, every ``eval.interval`` steps): after that step's weight sync the
-  controller scores the held-out prompts through the inference workers (:mod:`rlpost.evaluation`)
-  and waits for the result, which goes into the step's metrics line and eval.jsonl; in async
-  mode the env pools keep collecting meanwhile.
+The loop itself (sync and async, and what each waits on) is :meth:`Controller.run`'s docstring.
 
 Failures are the supervisor's (:mod:`rlpost.supervisor`): each part of a step runs through
 ``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
@@ -184,74 +170,6 @@ def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
     return Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
 
 
-def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
-    """(actor name, its RoleResources) for every actor of the run, in start order."""
-    res = cfg.resources
-    plan = [(f"inference-{i}", res.inference) for i in range(cfg.rollout.num_inference_workers)]
-    plan.append(("learner", res.learner))
-    if cfg.reference.enabled:
-        plan.append(("reference", res.reference))
-    plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
-    return plan
-
-
-def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
-    """One placement group for the run: a bundle per actor that reserves CPUs or GPUs.
-
-    Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
-    actor that reserves nothing). The strategy (PACK/SPREAD/...) comes from
-    ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
-    on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
-    ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming what it asked for
-    and what the cluster has.
-    """
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundles, index = [], {}
-    for name, role in role_plan(cfg):
-        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0}
-        if bundle:
-            index[name] = len(bundles)
-            bundles.append(bundle)
-    if not bundles:
-        return None, lambda name: None
-    pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        asked = {k: round(sum(b.get(k, 0) for b in bundles), 2) for k in ("CPU", "GPU")}
-        raise RuntimeError(
-            f"the cluster cannot place the run's actors: they ask for {asked} "
-            f"({cfg.resources.placement_strategy}), the cluster has {ray.cluster_resources()}; "
-            "lower resources.* or add nodes"
-        )
-
-    def place(name: str):
-        if name not in index:
-            return None
-        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index[name])
-
-    return pg, place
-
-
-def buffer_capacity(cfg: JobConfig) -> int:
-    """Groups the buffer holds: one step in sync mode; in async mode ``max_staleness`` steps.
-
-    A bigger buffer only ages its groups past the staleness cap: with room for 3 steps and
-    ``max_staleness: 1`` a 600-step demo dropped 7568 stale groups (44% of all it generated).
-    Groups generated while the learner trains a step are at most ``max_staleness`` behind when
-    taken, so the producers' backpressure paces them to what the learner can use.
-    """
-    steps_ahead = 1 if cfg.trainer.mode == "sync" else max(1, cfg.trainer.max_staleness)
-    return cfg.trainer.prompts_per_step * steps_ahead
-
-
-def staleness_cap(cfg: JobConfig) -> int:
-    return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
-
-
 class Controller:
     """Runs the sync or async loop over a supervisor's actors and records the metrics."""
 
@@ -297,6 +215,43 @@ class Controller:
     # ----------------------------------------------------------------------------- the loop
 
     def run(self) -> None:
+        """Train ``trainer.steps`` steps (from the step after a resumed checkpoint), then write
+        the final checkpoint and the run's figures. Each step::
+
+            groups = collect             sync: the pools collect this step's prompts, then take
+                                         async: take from the buffer the pools keep filling
+            annotate groups              the reference actor adds its log-probs (KL on)
+            train one step               the learner; policy version += epochs_per_batch
+            sync weights                 every weight_sync_interval steps, the last step, and
+                                         before an evaluation
+            evaluate                     every eval.interval steps
+            record the metrics row       metrics.jsonl, trackers, Ray metrics, progress
+            checkpoint                   every trainer.checkpoint_interval steps
+
+        What each mode waits on (every wait is bounded and checks the actors' health between
+        polls of ``POLL_S``):
+
+        - sync: every env pool collects its share of ``prompts_per_step`` with the current
+          weights and puts it in the buffer; the controller polls the pools until each has put
+          its share, then takes the whole step from the buffer (staleness 0). Nothing is
+          generated while the learner trains, so every sample is on-policy and the learner has
+          the machine to itself.
+        - async: the pools collect on their own (a thread in each actor) from the start,
+          blocking only on the buffer when it is full (it holds ``max_staleness`` steps); the
+          controller waits on ``buffer.take``, which drops groups more than ``max_staleness``
+          versions behind the learner. A worker applies a weight update between two generate
+          calls.
+        - both: the learner's train call (``COLLECT_TIMEOUT_S``); the weight sync, where the
+          learner's vLLMUpdater has every inference worker receive and reload
+          (``weight_sync.timeout_s``), then a probe sequence scored by a worker and by the
+          learner gives ``sync_logprob_diff``; an evaluation (the held-out prompts through the
+          inference workers; in async mode the pools keep collecting meanwhile).
+
+        Sync mode is not async mode with ``max_staleness: 0``: there the pools generate the next
+        step with the old weights while the learner trains, and the buffer drops nearly all of
+        it as stale. On the demo that generated twice the groups and ran 25-38% slower
+        (docs/architecture.md, "Sync and async").
+        """
         cfg, steps = self.cfg, self.cfg.trainer.steps
         if self.first_step > steps:
             self.writer.close()

@@ -141,72 +141,100 @@ class Ledger:
         }
 
 
+def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
+    """(actor name, its RoleResources) for every actor of the run, in start order."""
+    res = cfg.resources
+    plan = [(f"inference-{i}", res.inference) for i in range(cfg.rollout.num_inference_workers)]
+    plan.append(("learner", res.learner))
+    if cfg.reference.enabled:
+        plan.append(("reference", res.reference))
+    plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
+    return plan
+
+
+def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
+    """One placement group for the run: a bundle per actor that reserves CPUs or GPUs.
+
+    Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
+    actor that reserves nothing). The strategy (PACK/SPREAD/...) comes from
+    ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
+    on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
+    ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming what it asked for
+    and what the cluster has.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles, index = [], {}
+    for name, role in role_plan(cfg):
+        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0}
+        if bundle:
+            index[name] = len(bundles)
+            bundles.append(bundle)
+    if not bundles:
+        return None, lambda name: None
+    pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        asked = {k: round(sum(b.get(k, 0) for b in bundles), 2) for k in ("CPU", "GPU")}
+        raise RuntimeError(
+            f"the cluster cannot place the run's actors: they ask for {asked} "
+            f"({cfg.resources.placement_strategy}), the cluster has {ray.cluster_resources()}; "
+            "lower resources.* or add nodes"
+        )
+
+    def place(name: str):
+        if name not in index:
+            return None
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index[name])
+
+    return pg, place
+
+
 class ActorStarter:
-    """The one way each role's actor is started: its name, resources and placement bundle."""
+    """Starts the run's actors: each with its role's start function (``rlpost.actors.<role>``),
+    given only its role's settings, in its bundle of the run's placement group."""
 
     def __init__(self, cfg: JobConfig):
-        from rlpost.controller import make_placement_group
-
         self.cfg = cfg
         self.placement_group, self.place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
 
-    def _options(self, name: str, role) -> dict:
-        return dict(name=name, num_cpus=role.num_cpus, num_gpus=role.num_gpus, scheduling_strategy=self.place(name))
-
     def buffer(self) -> BufferClient:
-        from rlpost.actors.buffer import start_buffer
-        from rlpost.controller import buffer_capacity, staleness_cap
+        from rlpost.actors.buffer import BufferSettings, start_buffer
 
-        cfg = self.cfg
-        started = start_buffer(
-            buffer_capacity(cfg),
-            staleness_cap(cfg),
-            num_cpus=cfg.resources.buffer.num_cpus,
-            run_name=cfg.logging.run_name or "",
-        )
-        return BufferClient(started.handle)
+        return BufferClient(start_buffer(BufferSettings.from_job(self.cfg)).handle)
 
     def inference(self, index: int) -> InferenceClient:
-        from rlpost.policies.vllm_workers import make_vllm_worker
+        from rlpost.actors.inference import InferenceSettings, start_inference
 
-        cfg, name = self.cfg, f"inference-{index}"
-        role = cfg.resources.inference
-        handle = make_vllm_worker(
-            cfg.model.name_or_path,
-            engine_config=cfg.rollout.engine,
-            dtype=cfg.model.dtype,
-            name=name,
-            index=index,
-            num_cpus=role.num_cpus,
-            num_gpus=role.num_gpus,
-            ray_options={"scheduling_strategy": self.place(name)},
-            run_name=cfg.logging.run_name or "",
-        )
+        name = f"inference-{index}"
+        handle = start_inference(InferenceSettings.from_job(self.cfg), index, scheduling_strategy=self.place(name))
         return InferenceClient(name, handle)
 
     def learner(self) -> LearnerClient:
-        from rlpost.actors.learner import start_learner
+        from rlpost.actors.learner import LearnerSettings, start_learner
 
-        return LearnerClient("learner", start_learner(self.cfg, scheduling_strategy=self.place("learner")))
+        settings = LearnerSettings.from_job(self.cfg)
+        return LearnerClient("learner", start_learner(settings, scheduling_strategy=self.place("learner")))
 
     def reference(self) -> ReferenceClient:
-        import ray
+        from rlpost.actors.reference import ReferenceSettings, start_reference
 
-        from rlpost.actors.reference import ReferenceActor
-
-        options = self._options("reference", self.cfg.resources.reference)
-        return ReferenceClient("reference", ray.remote(ReferenceActor).options(**options).remote(self.cfg))
+        settings = ReferenceSettings.from_job(self.cfg)
+        return ReferenceClient("reference", start_reference(settings, scheduling_strategy=self.place("reference")))
 
     def env_pool(
         self, index: int, inference: list[InferenceClient], buffer: BufferClient, epoch: int = 0
     ) -> EnvPoolClient:
-        from rlpost.actors.env_pool import start_env_pool
+        from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
         from rlpost.actors.inference import RemoteVLLMClient
         from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"
         handle = start_env_pool(
-            self.cfg,
+            EnvPoolSettings.from_job(self.cfg),
             index,
             RemoteVLLMClient([w.handle for w in inference]),
             RayBuffer(buffer.handle),

@@ -1,1 +1,26 @@
-"""Thin Ray actors: each holds a plain object (usable without Ray) and forwards to it."""
+"""The run's roles, one module each: buffer, inference, learner, reference, env_pool.
+
+Each module holds:
+- ``<Role>Settings``: the job config sections the role reads, and nothing else, built from a
+  whole job config by ``<Role>Settings.from_job(cfg)``;
+- a plain class (usable without Ray) that takes those settings;
+- a thin Ray actor that forwards to it;
+- ``start_<role>(settings, ...)``: the one way the role's actor is started, by the controller's
+  supervisor and by the tests alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namespace: str | None = None,
+                **options: Any) -> Any:  # fmt: skip
+    """Start ``actor_class(*args)`` as the Ray actor ``name`` with the CPUs and GPUs of
+    ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to ``.options()``
+    and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
+    ``scheduling_strategy``)."""
+    import ray  # here, not at import: the plain classes must work where Ray is not installed
+
+    chosen = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus} | options
+    return ray.remote(actor_class).options(name=name, namespace=namespace, **chosen).remote(*args)

@@ -7,11 +7,46 @@ backpressure does not stop the learner's ``take`` from running and freeing space
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import ray
-
+from rlpost.actors import start_actor
+from rlpost.config import RoleResources
 from rlpost.transport.buffer import BufferSnapshot, BufferStats, LocalBuffer, PutReceipt, RayBuffer, Taken
+
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """What the buffer actor is given: its size, its staleness cap and its resources."""
+
+    capacity: int
+    max_staleness: int | None  # None: never drop a group for its age
+    resources: RoleResources = field(default_factory=lambda: RoleResources(num_cpus=0.0))
+    run_name: str = ""  # the run whose metrics it reports under
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> BufferSettings:
+        return cls(buffer_capacity(cfg), staleness_cap(cfg), cfg.resources.buffer, cfg.logging.run_name or "")
+
+
+def buffer_capacity(cfg: JobConfig) -> int:
+    """Groups the buffer holds: one step in sync mode; in async mode ``max_staleness`` steps.
+
+    A bigger buffer only ages its groups past the staleness cap: with room for 3 steps and
+    ``max_staleness: 1`` a 600-step demo dropped 7568 stale groups (44% of all it generated).
+    Groups generated while the learner trains a step are at most ``max_staleness`` behind when
+    taken, so the producers' backpressure paces them to what the learner can use.
+    """
+    steps_ahead = 1 if cfg.trainer.mode == "sync" else max(1, cfg.trainer.max_staleness)
+    return cfg.trainer.prompts_per_step * steps_ahead
+
+
+def staleness_cap(cfg: JobConfig) -> int:
+    """Policy versions a group may lag behind the learner: 0 in sync mode."""
+    return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
 
 
 class BufferActor:
@@ -74,19 +109,12 @@ class BufferActor:
 
 
 def start_buffer(
-    capacity: int,
-    max_staleness: int | None,
-    *,
-    name: str = "buffer",
-    namespace: str | None = None,
-    num_cpus: float = 0.0,
-    max_concurrency: int = 16,
-    run_name: str = "",
-) -> RayBuffer:
-    """Start the named buffer actor and return a client for it."""
-    handle = (
-        ray.remote(BufferActor)
-        .options(name=name, namespace=namespace, num_cpus=num_cpus, max_concurrency=max_concurrency)
-        .remote(capacity, max_staleness, run_name)
-    )
+    settings: BufferSettings, *, name: str = "buffer", namespace: str | None = None, max_concurrency: int = 16,
+    **options: Any,
+) -> RayBuffer:  # fmt: skip
+    """Start the named buffer actor (``options`` go to ``.options()``) and return a client for it."""
+    handle = start_actor(
+        BufferActor, settings.capacity, settings.max_staleness, settings.run_name, name=name,
+        resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency, **options,
+    )  # fmt: skip
     return RayBuffer(handle)

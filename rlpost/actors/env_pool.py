@@ -33,9 +33,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlpost.actors import start_actor
 from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
@@ -43,17 +45,44 @@ from rlpost.transport.buffer import BufferLost, BufferTimeout
 from rlpost.types import Group
 
 if TYPE_CHECKING:
-    from rlpost.config import JobConfig
+    from rlpost.config import (
+        DataConfig,
+        JobConfig,
+        LossConfig,
+        ModelConfig,
+        RoleResources,
+        RolloutConfig,
+        ToolsConfig,
+        TrainerConfig,
+    )
 
 DEFAULT_PUT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class EnvPoolSettings:
+    """The job config sections an env pool reads (the YAML's sections of the same names)."""
+
+    model: ModelConfig  # the tokenizer and chat template
+    data: DataConfig  # prompts, rewards, group size
+    tools: ToolsConfig
+    rollout: RolloutConfig  # sampling, turns, the number of pools (the prompt shards)
+    loss: LossConfig  # advantage_scale and filter_equal_rewards (advantages are computed here)
+    trainer: TrainerConfig  # prompts_per_step: the pools share each step's prompts
+    resources: RoleResources  # ``resources.env_pool``
+    run_name: str = ""  # the run whose metrics the actor reports under
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> EnvPoolSettings:
+        return cls(cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.loss, cfg.trainer, cfg.resources.env_pool,
+                   cfg.logging.run_name or "")  # fmt: skip
 
 
 class EnvPool:
     """One env pool: collects whole groups from its shard of the prompts.
 
     Args:
-        cfg: the job config (data, rollout sampling, loss.advantage_scale /
-            filter_equal_rewards, trainer.prompts_per_step).
+        cfg: the env pool's sections of the job config (``EnvPoolSettings.from_job(job_config)``).
         pool_index: this pool's index; it takes shard ``pool_index`` of
             ``rollout.num_env_pools``, so prompt ids never collide across pools.
         engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
@@ -72,7 +101,7 @@ class EnvPool:
 
     def __init__(
         self,
-        cfg: JobConfig,
+        cfg: EnvPoolSettings,
         pool_index: int,
         engine_client: Any,
         buffer: Any = None,
@@ -363,12 +392,13 @@ class EnvPoolActor:
     """
 
     def __init__(
-        self, cfg: JobConfig, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None, epoch: int = 0
-    ):
+        self, cfg: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None,
+        epoch: int = 0,
+    ):  # fmt: skip
         from rlpost.metrics import RoleMetrics
 
         self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer, epoch=epoch)
-        self.metrics = RoleMetrics("env_pool", cfg.logging.run_name, f"env-pool-{pool_index}")
+        self.metrics = RoleMetrics("env_pool", cfg.run_name, f"env-pool-{pool_index}")
         self.pool.on_batch = self._report
 
     def _report(self, groups: list[Group]) -> None:
@@ -413,7 +443,7 @@ class EnvPoolActor:
 
 
 def start_env_pool(
-    cfg: JobConfig,
+    settings: EnvPoolSettings,
     pool_index: int,
     engine_client: Any,
     buffer: Any,
@@ -423,39 +453,28 @@ def start_env_pool(
     epoch: int = 0,
     **options: Any,
 ):
-    """Start the actor ``env-pool-<pool_index>`` (CPUs/GPUs from ``cfg.resources.env_pool``;
-    ``options`` go to ``.options()``, e.g. a placement-group scheduling strategy; ``epoch``: the
-    pool's incarnation, see :class:`EnvPool`) and return
-    its handle."""
-    import ray  # here, not at import: EnvPool must work where Ray is not installed
-
+    """Start the actor ``env-pool-<pool_index>`` with the CPUs and GPUs of ``settings.resources``
+    and return its handle. ``epoch``: the pool's incarnation (see :class:`EnvPool`); ``options``
+    go to ``.options()`` and win (e.g. a placement-group scheduling strategy)."""
     if max_concurrency < 2:
         raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
-    resources = cfg.resources.env_pool
-    return (
-        ray.remote(EnvPoolActor)
-        .options(
-            name=f"env-pool-{pool_index}",
-            namespace=namespace,
-            num_cpus=resources.num_cpus,
-            num_gpus=resources.num_gpus,
-            max_concurrency=max_concurrency,
-            **options,
-        )  # fmt: skip
-        .remote(cfg, pool_index, engine_client, buffer, epoch=epoch)
-    )
+    return start_actor(
+        EnvPoolActor, settings, pool_index, engine_client, buffer, None, epoch, name=f"env-pool-{pool_index}",
+        resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency, **options,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def load_tokenizer(cfg: JobConfig) -> Any:
+def load_tokenizer(cfg: JobConfig | EnvPoolSettings) -> Any:
+    """The tokenizer of ``cfg.model``."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
 
 
-def with_chat_template(tokenizer: Any, cfg: JobConfig) -> Any:
+def with_chat_template(tokenizer: Any, cfg: JobConfig | EnvPoolSettings) -> Any:
     """``tokenizer`` with ``model.chat_template`` (inline Jinja or a file path) when set; a
     shallow copy, so the caller's tokenizer is left as it is."""
     template = cfg.model.chat_template

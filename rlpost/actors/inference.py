@@ -20,12 +20,47 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from rlpost.config import EngineConfig
+from rlpost.config import EngineConfig, RoleResources
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
+
 EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """What an inference worker is given: the model, its engine section and its resources."""
+
+    model_path: str  # ``model.name_or_path``: the weights the engine starts from (version 0)
+    engine: EngineConfig  # ``rollout.engine``
+    dtype: str  # ``model.dtype``: the engine's dtype, and the dtype the weights are published in
+    resources: RoleResources  # ``resources.inference``
+    run_name: str = ""  # the run whose metrics the worker reports under
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> InferenceSettings:
+        return cls(cfg.model.name_or_path, cfg.rollout.engine, cfg.model.dtype, cfg.resources.inference,
+                   cfg.logging.run_name or "")  # fmt: skip
+
+
+def start_inference(settings: InferenceSettings, index: int, *, namespace: str | None = None, **options: Any):
+    """Start the actor ``inference-<index>`` (its engine loads in the background: a first call
+    waits for it) with the CPUs and GPUs of ``settings.resources``; ``options`` go to
+    ``.options()`` (e.g. a placement-group scheduling strategy)."""
+    from rlpost.policies.vllm_workers import make_vllm_worker
+
+    if namespace is not None:
+        options["namespace"] = namespace
+    return make_vllm_worker(
+        settings.model_path, engine_config=settings.engine, dtype=settings.dtype, name=f"inference-{index}",
+        index=index, num_cpus=settings.resources.num_cpus, num_gpus=settings.resources.num_gpus,
+        ray_options=options, run_name=settings.run_name,
+    )  # fmt: skip
 
 
 def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:

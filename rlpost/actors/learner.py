@@ -53,18 +53,32 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 
+from rlpost.actors import start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows
 from rlpost.algo import load_loss_function, loss_normaliser
-from rlpost.config import JobConfig
+from rlpost.config import (
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ReferenceConfig,
+    RolloutConfig,
+    TorchRoleResources,
+    TrainerConfig,
+)
 from rlpost.objectives import GRPOLoss
 from rlpost.policies import TransformersWrapper
 from rlpost.runs import latest_checkpoint, list_checkpoints
 from rlpost.types import Group, Sample
+
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
 
 TRAINER_STATE = "trainer_state.pt"
 ROLLOUT_STATE = "rollout_state.pkl"  # the controller's part: buffer groups, env-pool positions
@@ -105,18 +119,37 @@ def _warmup_factor(step: int, warmup_steps: int) -> float:
 # ------------------------------------------------------------------------------------ learner
 
 
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The job config sections the learner reads (the YAML's sections of the same names)."""
+
+    model: ModelConfig  # the weights to start from, their dtype, the tokenizer
+    loss: LossConfig
+    optimizer: OptimizerConfig
+    reference: ReferenceConfig  # the KL-to-reference term: on or off, coefficient, estimator
+    trainer: TrainerConfig  # epochs per batch, torch seed, checkpoints kept
+    rollout: RolloutConfig  # the sampling temperature (log-probs) and max_tokens (Dr.GRPO's L_max)
+    resources: TorchRoleResources  # ``resources.learner``
+    run_name: str = ""  # the run whose metrics the actor reports under
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> LearnerSettings:
+        return cls(cfg.model, cfg.loss, cfg.optimizer, cfg.reference, cfg.trainer, cfg.rollout,
+                   cfg.resources.learner, cfg.logging.run_name or "")  # fmt: skip
+
+
 class Learner:
     """Trains the policy with GRPO on groups of samples; see the module docstring.
 
     Args:
-        cfg: the job config (model, optimizer, loss, reference, trainer, rollout sections).
+        cfg: the learner's sections of the job config (``LearnerSettings.from_job(job_config)``).
         publisher: what ``publish()`` sends the weights through: a
             :class:`~rlpost.collect.vLLMUpdater` on the inference workers (a run's learner), or
             any :class:`~rlpost.transport.weight_bus.WeightPublisher`; may be set later
             (``learner.publisher = ...``).
     """
 
-    def __init__(self, cfg: JobConfig, *, publisher=None):
+    def __init__(self, cfg: LearnerSettings, *, publisher=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg, self.publisher = cfg, publisher
@@ -493,12 +526,12 @@ def set_torch_threads(num_threads: int | None) -> None:
 class LearnerActor:
     """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`)."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: LearnerSettings):
         from rlpost.metrics import RoleMetrics
 
-        set_torch_threads(cfg.resources.learner.num_threads)
+        set_torch_threads(cfg.resources.num_threads)
         self.learner = Learner(cfg)
-        self.metrics = RoleMetrics("learner", cfg.logging.run_name, "learner")
+        self.metrics = RoleMetrics("learner", cfg.run_name, "learner")
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float) -> int:
         """Form the weight bus with these inference workers (Ray actor handles): a
@@ -557,27 +590,8 @@ class LearnerActor:
             self.learner.publisher.close()
 
 
-def start_learner(
-    cfg: JobConfig,
-    *,
-    name: str = "learner",
-    namespace: str | None = None,
-    num_cpus: float | None = None,
-    num_gpus: float | None = None,
-    **options,
-):
-    """Start the named learner actor with the resources of ``cfg.resources.learner`` by default."""
-    import ray
-
-    res = cfg.resources.learner
-    return (
-        ray.remote(LearnerActor)
-        .options(
-            name=name,
-            namespace=namespace,
-            num_cpus=res.num_cpus if num_cpus is None else num_cpus,
-            num_gpus=res.num_gpus if num_gpus is None else num_gpus,
-            **options,
-        )
-        .remote(cfg)
-    )
+def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace: str | None = None, **options):
+    """Start the named learner actor with the CPUs and GPUs of ``settings.resources``
+    (``options`` go to ``.options()`` and win, e.g. a placement-group scheduling strategy)."""
+    return start_actor(LearnerActor, settings, name=name, resources=settings.resources, namespace=namespace,
+                       **options)  # fmt: skip

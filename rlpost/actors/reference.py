@@ -11,13 +11,37 @@ recomputed from the new rewards.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
+from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
 from rlpost.algo import group_advantages
-from rlpost.config import JobConfig
+from rlpost.config import LossConfig, ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
 from rlpost.types import Group
+
+if TYPE_CHECKING:
+    from rlpost.config import JobConfig
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """The job config sections the reference actor reads (the YAML's sections of the same names)."""
+
+    model: ModelConfig  # the initial weights, kept frozen
+    reference: ReferenceConfig  # where the KL goes (loss or reward) and its coefficient
+    loss: LossConfig  # advantage_scale, to recompute advantages after a reward-side KL
+    rollout: RolloutConfig  # the sampling temperature (log-probs of the processed distribution)
+    resources: TorchRoleResources  # ``resources.reference``
+    run_name: str = ""  # the run whose metrics the actor reports under
+
+    @classmethod
+    def from_job(cls, cfg: JobConfig) -> ReferenceSettings:
+        return cls(cfg.model, cfg.reference, cfg.loss, cfg.rollout, cfg.resources.reference,
+                   cfg.logging.run_name or "")  # fmt: skip
 
 
 class Reference(KLServiceActor):
@@ -25,7 +49,7 @@ class Reference(KLServiceActor):
     also serves envs that attach with ``RayRetrieveKL(actor_name="reference")`` (tokens mode,
     padded, the generation log-probs already in the data)."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: ReferenceSettings):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlpost.policies import TransformersWrapper
@@ -75,22 +99,30 @@ class Reference(KLServiceActor):
         return groups
 
 
-def _scale(cfg: JobConfig) -> str:
+def _scale(cfg: ReferenceSettings) -> str:
     return "group" if cfg.loss.advantage_scale == "batch" else cfg.loss.advantage_scale
 
 
 class ReferenceActor(Reference):
     """The Ray actor ``reference``: the plain class, one call at a time, reporting metrics."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: ReferenceSettings):
         from rlpost.actors.learner import set_torch_threads
         from rlpost.metrics import RoleMetrics
 
-        set_torch_threads(cfg.resources.reference.num_threads)
+        set_torch_threads(cfg.resources.num_threads)
         super().__init__(cfg)
-        self.metrics = RoleMetrics("reference", cfg.logging.run_name, "reference")
+        self.metrics = RoleMetrics("reference", cfg.run_name, "reference")
 
     def annotate(self, groups: list[Group]) -> list[Group]:
         groups = super().annotate(groups)
         self.metrics.record(samples_scored=sum(len(g.samples) for g in groups))
         return groups
+
+
+def start_reference(settings: ReferenceSettings, *, name: str = "reference", namespace: str | None = None,
+                    **options):  # fmt: skip
+    """Start the named reference actor with the CPUs and GPUs of ``settings.resources``
+    (``options`` go to ``.options()`` and win)."""
+    return start_actor(ReferenceActor, settings, name=name, resources=settings.resources, namespace=namespace,
+                       **options)  # fmt: skip

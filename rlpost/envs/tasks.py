@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import TensorDictBase
@@ -47,7 +47,17 @@ from rlpost.envs.transforms import (
 )
 
 if TYPE_CHECKING:
-    from rlpost.config import JobConfig, ToolsConfig
+    from rlpost.config import DataConfig, RolloutConfig, ToolsConfig
+
+
+class EnvSections(Protocol):
+    """The job config sections an env is made from: a whole ``JobConfig`` or an env pool's
+    ``EnvPoolSettings``."""
+
+    data: DataConfig
+    tools: ToolsConfig
+    rollout: RolloutConfig
+
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +219,7 @@ class ToolArithmeticEnv(ArithmeticEnv):
 
 
 def make_env(
-    cfg: JobConfig, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
+    cfg: EnvSections, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
     num_shards: int = 1, shard_index: int = 0,
 ) -> DatasetChatEnv:  # fmt: skip
     """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size).

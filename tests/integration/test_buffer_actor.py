@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from rlpost.actors.buffer import start_buffer
+from rlpost.actors.buffer import BufferSettings, start_buffer
 from rlpost.transport.buffer import BufferLost, BufferTimeout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -15,7 +15,7 @@ def groups(versions, start=0):
 
 
 def test_named_actor_batched_round_trip(ray_cluster):
-    buf = start_buffer(capacity=1000, max_staleness=None, name="buffer-roundtrip")
+    buf = start_buffer(BufferSettings(capacity=1000, max_staleness=None), name="buffer-roundtrip")
     assert ray_cluster.get_actor("buffer-roundtrip") is not None
     buf.put(groups([0] * 500), timeout_s=10)
     got = buf.get(500, timeout_s=10)
@@ -26,7 +26,7 @@ def test_named_actor_batched_round_trip(ray_cluster):
 def test_backpressure_and_staleness_through_the_actor(ray_cluster):
     import ray
 
-    buf = start_buffer(capacity=2, max_staleness=1, name="buffer-pressure")
+    buf = start_buffer(BufferSettings(capacity=2, max_staleness=1), name="buffer-pressure")
     buf.put(groups([0, 0]), timeout_s=5)
     # A producer blocked by backpressure inside the actor must not block the consumer's get.
     blocked = buf.handle.put.remote(groups([2, 2], start=2), 20)
@@ -46,7 +46,7 @@ def test_backpressure_and_staleness_through_the_actor(ray_cluster):
 
 
 def test_reservations_through_the_actor(ray_cluster):
-    buf = start_buffer(capacity=4, max_staleness=None, name="buffer-reserve")
+    buf = start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-reserve")
     assert buf.reserve(3, timeout_s=1, producer="env-pool-0") is True
     assert buf.reserve(3, timeout_s=0.2, producer="env-pool-1") is False  # room held for env-pool-0
     buf.put(groups([0, 0, 0]), timeout_s=1, producer="env-pool-0")
@@ -55,7 +55,7 @@ def test_reservations_through_the_actor(ray_cluster):
 
 
 def test_get_after_staleness_drop_times_out_and_counts(ray_cluster):
-    buf = start_buffer(capacity=4, max_staleness=0, name="buffer-stale")
+    buf = start_buffer(BufferSettings(capacity=4, max_staleness=0), name="buffer-stale")
     buf.put(groups([1, 1, 2]), timeout_s=5)
     with pytest.raises(BufferTimeout):
         buf.get(2, timeout_s=0.5, current_version=2)
@@ -66,7 +66,7 @@ def test_get_after_staleness_drop_times_out_and_counts(ray_cluster):
 def test_dead_actor_is_an_error_not_a_hang(ray_cluster):
     import ray
 
-    buf = start_buffer(capacity=4, max_staleness=None, name="buffer-dead")
+    buf = start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-dead")
     ray.kill(buf.handle)
     start = time.monotonic()
     with pytest.raises(BufferLost, match="the buffer actor died"):

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rlpost.actors.env_pool import EnvPool, EnvPoolActor
+from rlpost.actors.env_pool import EnvPool, EnvPoolActor, EnvPoolSettings
 from rlpost.algo import group_advantages
 from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.config import JobConfig
@@ -85,7 +85,8 @@ class Nudge(Transform):
         return self._env().append_messages(next_td, "user", [None if d else "Try again." for d in done])
 
 
-def make_cfg(**sections):
+def make_cfg(**sections) -> EnvPoolSettings:
+    """An env pool's sections of a job config with these ``sections`` (a YAML's)."""
     raw = {
         "data": {"group_size": GROUP_SIZE},
         "rollout": {"max_tokens": 24, "engine": {"max_model_len": 256}},
@@ -93,7 +94,7 @@ def make_cfg(**sections):
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
-    return JobConfig.model_validate(raw)
+    return EnvPoolSettings.from_job(JobConfig.model_validate(raw))
 
 
 def make_collector(cfg, client, tokenizer, *, input_mode="tokens", num_groups=4, **kwargs):
@@ -323,7 +324,7 @@ def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(e
 
 
 def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
-    from rlpost.actors.buffer import start_buffer
+    from rlpost.actors.buffer import BufferSettings, start_buffer
     from rlpost.actors.env_pool import start_env_pool
 
     class FixedClient:
@@ -342,7 +343,7 @@ def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_m
 
     ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)
     cfg = make_cfg(model={"name_or_path": str(tiny_model_path)})  # the actor loads the tokenizer
-    buffer = start_buffer(capacity=10**6, max_staleness=None, name="buffer-env-pool-test")
+    buffer = start_buffer(BufferSettings(capacity=10**6, max_staleness=None), name="buffer-env-pool-test")
     actor = start_env_pool(cfg, 0, FixedClient(ids, 5), buffer)
     assert ray_cluster.get_actor("env-pool-0") is not None
     groups = ray_cluster.get(actor.collect.remote(2), timeout=120)

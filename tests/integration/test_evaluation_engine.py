@@ -51,14 +51,16 @@ def test_greedy_and_sampled_evaluations_repeat_exactly(worker, tiny_model_path):
 
 
 def test_rlpost_eval_scores_a_checkpoint_like_the_evaluator(worker, tiny_model_path, tmp_path):
-    from rlpost.actors.learner import Learner
+    from rlpost.actors.learner import Learner, LearnerSettings
     from rlpost.cli import main
 
     cfg = make_cfg(tiny_model_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     save_config(cfg, run_dir / "config.yaml")
-    Learner(cfg).save_checkpoint(run_dir, step=3)  # the initial weights, as a run's checkpoint
+    Learner(LearnerSettings.from_job(cfg)).save_checkpoint(
+        run_dir, step=3
+    )  # the initial weights, as a run's checkpoint
     out = tmp_path / "eval.json"
     assert main(["eval", str(run_dir), "--out", str(out)]) == 0
     result = json.loads(out.read_text())

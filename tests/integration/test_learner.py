@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlpost.actors.learner import Learner, list_checkpoints
+from rlpost.actors.learner import Learner, LearnerSettings, list_checkpoints
 from rlpost.config import JobConfig
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
@@ -19,11 +19,12 @@ pytestmark = pytest.mark.integration
 GOOD, BAD = "<answer>7</answer><|im_end|>", "<answer>5</answer><|im_end|>"
 
 
-def make_cfg(model_path, **sections) -> JobConfig:
+def make_cfg(model_path, **sections) -> LearnerSettings:
+    """The learner's sections of a job config with these ``sections`` (a YAML's)."""
     raw = {"model": {"name_or_path": str(model_path)}, "rollout": {"temperature": 0.9}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
-    return JobConfig.model_validate(raw)
+    return LearnerSettings.from_job(JobConfig.model_validate(raw))
 
 
 @pytest.fixture(scope="module")

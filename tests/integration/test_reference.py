@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlpost.actors.reference import Reference
+from rlpost.actors.reference import Reference, ReferenceSettings
 from rlpost.algo import group_advantages
 from rlpost.config import load_config
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
@@ -45,7 +45,7 @@ def test_kl_in_loss_stores_reference_logprobs(tiny_model_path, tiny_tokenizer, m
         ],
     )
     groups, lp = make_groups(tiny_tokenizer, model, 0.0)
-    out = Reference(cfg).annotate(groups)
+    out = Reference(ReferenceSettings.from_job(cfg)).annotate(groups)
     sample = out[0].samples[1]
     expected = [v if m else 0.0 for v, m in zip(lp, sample.loss_mask)]
     assert max(abs(a - b) for a, b in zip(sample.ref_logprobs, expected)) < 1e-4
@@ -66,7 +66,7 @@ def test_kl_in_reward_penalises_and_recomputes_advantages(tiny_model_path, tiny_
     groups[0].samples[1].logprobs = [
         v - 0.1 if m else 0.0 for v, m in zip(groups[0].samples[1].logprobs, groups[0].samples[1].loss_mask)
     ]
-    out = Reference(cfg).annotate(groups)
+    out = Reference(ReferenceSettings.from_job(cfg)).annotate(groups)
     first, second = out[0].samples
     assert first.reward == pytest.approx(1.0 - 0.5 * 0.1 * first.num_generated, abs=1e-4)
     assert second.reward == pytest.approx(0.1, abs=1e-4)

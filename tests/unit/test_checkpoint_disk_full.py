@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from rlpost.actors import learner as learner_module
-from rlpost.actors.learner import CheckpointWriteError, Learner, _os_error_behind
+from rlpost.actors.learner import CheckpointWriteError, Learner, LearnerSettings, _os_error_behind
 from rlpost.config import JobConfig
 
 pytestmark = pytest.mark.unit
@@ -77,7 +77,7 @@ def make_learner(model: Path, keep: int = 2) -> Learner:
     """A real Learner whose optimizer has state (one step on made-up gradients), so that
     trainer_state.pt holds the AdamW moments, as it does during a run."""
     cfg = JobConfig.model_validate({"model": {"name_or_path": str(model)}, "trainer": {"keep_checkpoints": keep}})
-    learner = Learner(cfg)
+    learner = Learner(LearnerSettings.from_job(cfg))
     for param in learner.model.parameters():
         param.grad = torch.full_like(param, 0.01)
     learner.optimizer.step()

@@ -1,7 +1,8 @@
 import pytest
 
+from rlpost.actors.buffer import buffer_capacity, staleness_cap
 from rlpost.config import load_config
-from rlpost.controller import buffer_capacity, role_plan, staleness_cap
+from rlpost.supervisor import role_plan
 
 pytestmark = pytest.mark.unit
 

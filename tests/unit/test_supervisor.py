@@ -293,7 +293,7 @@ class Starter:
         self.world, self.cfg = world, cfg
 
     def buffer(self):
-        from rlpost.controller import buffer_capacity, staleness_cap
+        from rlpost.actors.buffer import buffer_capacity, staleness_cap
 
         return FakeBuffer(self.world, buffer_capacity(self.cfg), staleness_cap(self.cfg))
 
