@@ -256,6 +256,18 @@ class TrainerConfig(_Section):
         ge=0,
         description="async: drop groups more than this many policy versions old; the buffer holds this many steps.",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(less learner memory for long completions; the tiny model's learner step took 16-34% longer).",
+    )
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="Padded tokens (rows x longest row) per learner micro-batch: rows are packed longest first up to "
+        "it (a longer row goes alone); None: optimizer.grad_accumulation slices only. The step's gradient is the "
+        "same for any split.",
+    )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")

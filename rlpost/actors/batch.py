@@ -97,6 +97,29 @@ def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
     return [list(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def pack_rows(rows: Sequence[tuple[Sample, float]], max_tokens: int) -> list[list[tuple[Sample, float]]]:
+    """``rows`` (sample, advantage) packed into micro-batches of at most ``max_tokens`` padded
+    tokens each (rows x the longest row, what :func:`collate_samples` allocates).
+
+    Rows are taken longest first, so rows of similar length share a micro-batch and little of it
+    is padding; within a micro-batch they keep their order in ``rows``. A row longer than
+    ``max_tokens`` forms a micro-batch of its own. The loss does not depend on the packing: every
+    micro-batch is divided by the whole batch's normaliser.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0].token_ids))
+    packs: list[list[int]] = []
+    width = 0  # the longest row of the open pack (its first: rows come longest first)
+    for i in order:
+        if packs and (len(packs[-1]) + 1) * width <= max_tokens:
+            packs[-1].append(i)
+        else:
+            packs.append([i])
+            width = len(rows[i][0].token_ids)
+    return [[rows[i] for i in sorted(pack)] for pack in packs]
+
+
 def _check_sample(sample: Sample) -> None:
     lengths = {len(sample.token_ids), len(sample.logprobs), len(sample.loss_mask)}
     if sample.ref_logprobs is not None:

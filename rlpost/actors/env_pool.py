@@ -1,6 +1,6 @@
 """The env pool: prompts -> inference -> rewards -> whole GRPO groups -> buffer.
 
-:class:`EnvPool` is a plain class (no Ray needed): the env of the job config (its shard of the
+:class:`EnvPool` is a plain class (no Ray needed): the env of its settings (its shard of the
 prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process
 ``LocalVLLMClient`` or the inference workers' remote client), and an
 :class:`~rlpost.collect.GroupCollector`. The controller drives it in one of two ways::

@@ -2,11 +2,12 @@
 
 It trains on completed GRPO groups from the buffer, publishes versioned weights on the weight bus
 and writes checkpoints. :class:`Learner` is a plain class (no Ray); :class:`LearnerActor` is the
-thin Ray shell the controller starts as ``learner`` (the logic stays testable without Ray).
+thin Ray shell :func:`start_learner` starts as ``learner`` (the logic stays testable without Ray).
 
 One learner step, ``train_step(groups)``::
 
-    micro_batches = collate(slice) for grad_accumulation contiguous slices of the samples
+    micro_batches = collate(slice) for grad_accumulation contiguous slices of the samples,
+                    each packed to trainer.max_tokens_per_microbatch padded tokens when set
     D = sum(loss_normaliser(micro) for micro in micro_batches)    # the whole batch's denominator
     repeat epochs_per_batch times:                                # PPO epochs over the same batch
         for micro in micro_batches:
@@ -39,6 +40,11 @@ trains in float32. On CPU everything is float32. Weights are published in ``mode
 dtype of the inference engines; checkpoints hold the float32 masters.
 
 Dropout is off (``model.eval()``) for good: the learner's scores must match the engine's.
+
+Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activations in the
+backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
+bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`). Neither changes
+the step's loss or gradient.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import torch
 from tensordict import TensorDict
 
 from rlpost.actors import start_actor
-from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows
+from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
 from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import (
     LossConfig,
@@ -161,6 +167,8 @@ class Learner:
             cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
         ).to(self.device)
         self.model.eval()  # dropout off for good (module docstring)
+        if cfg.trainer.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -229,7 +237,7 @@ class Learner:
         rows = batch_rows(groups)
         micro_batches = [
             collate_samples([s for s, _ in chunk], self.pad_token_id, [a for _, a in chunk])
-            for chunk in split_rows(rows, self.cfg.optimizer.grad_accumulation)
+            for chunk in self._micro_batch_rows(rows)
         ]
         loss = self.cfg.loss
         normaliser = sum(loss_normaliser(loss_tokens(mb), loss.aggregation, self.cfg.rollout.max_tokens)
@@ -240,7 +248,17 @@ class Learner:
         metrics = _mean_dicts(passes)
         metrics.update(_batch_metrics(rows, version_at_start))
         metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
+        metrics["micro_batches"] = float(len(micro_batches))
         return metrics
+
+    def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
+        """The step's rows in micro-batches: ``optimizer.grad_accumulation`` contiguous slices,
+        each packed further to ``trainer.max_tokens_per_microbatch`` padded tokens when set."""
+        slices = split_rows(rows, self.cfg.optimizer.grad_accumulation)
+        budget = self.cfg.trainer.max_tokens_per_microbatch
+        if budget is None:
+            return slices
+        return [pack for part in slices for pack in pack_rows(part, budget)]
 
     def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float) -> dict[str, float]:
         """Accumulate the micro-batch gradients (each divided by the whole batch's
@@ -514,6 +532,28 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
 
 
 # ---------------------------------------------------------------------------------- Ray shell
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Have each decoder layer of a transformers ``model`` recompute its activations in the
+    backward pass instead of keeping them from the forward; returns the number of such layers.
+
+    transformers checkpoints a layer only while that layer is in training mode, and the learner
+    keeps its model in eval mode (dropout off). So the decoder layers alone are switched to
+    training mode: the modules inside them (attention, MLP, dropout) stay in eval mode and
+    compute exactly what they did, and the loss and gradients are unchanged. The KV cache is
+    turned off too: the learner scores whole sequences and never reads it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"trainer.gradient_checkpointing: {type(model).__name__} does not support gradient checkpointing"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.training = True  # this module only, not its children (docstring)
+    return len(layers)
 
 
 def set_torch_threads(num_threads: int | None) -> None:

@@ -148,43 +148,59 @@ def test_epochs_take_one_optimizer_step_each(tiny_model_path, tiny_tokenizer, pr
     assert later["staleness_mean"] == later["staleness_max"] == 2
 
 
+# Ways of splitting or recomputing a step that must not change it: (name, config sections).
+SAME_STEP = {
+    "grad_accumulation=2": {"optimizer": {"grad_accumulation": 2}},
+    "token budget": {"trainer": {"max_tokens_per_microbatch": 64}},
+    "gradient checkpointing": {"trainer": {"gradient_checkpointing": True}},
+}
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum_norm"])
-def test_grad_accumulation_equals_full_batch(tiny_model_path, tiny_tokenizer, prompt_ids, aggregation):
+def test_micro_batches_and_checkpointing_leave_the_step_unchanged(tiny_model_path, tiny_tokenizer, prompt_ids,
+                                                                  aggregation):  # fmt: skip
     # Micro-batches with unequal loss-token counts (a long and a short group): dividing each by
-    # the whole batch's normaliser makes 1 and 2 micro-batches the same step for every aggregation.
+    # the whole batch's normaliser makes any split the same step for every aggregation; so does
+    # recomputing the activations in the backward pass.
     long_reply, short_reply = completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, "<answer>")
+    assert len(prompt_ids + long_reply) > 32 and 4 * len(prompt_ids + short_reply) > 64  # the budget splits
     runs = {}
-    for accumulation in (1, 2):
-        learner = Learner(
-            make_cfg(
-                tiny_model_path,
-                optimizer={"lr": 1e-3, "grad_accumulation": accumulation},
-                loss={"aggregation": aggregation},
-            )
-        )
+    for name, sections in {"one micro-batch": {}, **SAME_STEP}.items():
+        sections = {**sections, "loss": {"aggregation": aggregation}}
+        sections["optimizer"] = {"lr": 1e-3, **sections.get("optimizer", {})}
+        learner = Learner(make_cfg(tiny_model_path, **sections))
         groups = on_policy_groups(
             learner, prompt_ids, [[long_reply] * 4, [short_reply] * 4], [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]
         )
         for group in groups:  # off-policy behaviour log-probs, so clipping and ratios matter too
             for i, sample in enumerate(group.samples):
                 sample.logprobs = [lp + 0.3 * (i % 2) * m for lp, m in zip(sample.logprobs, sample.loss_mask)]
-        grads = {}
+        grads, layer_calls = {}, []
         learner.optimizer.register_step_pre_hook(
             lambda *_, grads=grads, learner=learner: grads.update(
                 {n: p.grad.clone() for n, p in learner.model.named_parameters()}
             )
         )
-        runs[accumulation] = (learner, learner.train_step(groups), grads)
-    (one, m1, g1), (two, m2, g2) = runs[1], runs[2]
-    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and m1["clip_fraction"] > 0
-    assert m1["clip_fraction"] == pytest.approx(m2["clip_fraction"], abs=1e-6)
-    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5) and m1["grad_norm"] < 1  # no clipping
-    for name, grad in g1.items():  # the accumulated gradient is the full-batch one (float32 noise)
-        assert torch.allclose(grad, g2[name], atol=1e-7, rtol=1e-5), name
-    # AdamW's first step is lr * g / (|g| + eps): float noise on near-zero gradients moves a weight
-    # by up to ~lr / 100, so the weights agree to that, not to float precision.
-    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
-        assert torch.allclose(p1, p2, atol=1e-5, rtol=0), name
+        # a pre-hook: a recompute stops as soon as it has what the backward pass needs, before
+        # the layer's forward returns (where a forward hook would fire)
+        learner.model.model.layers[0].register_forward_pre_hook(lambda *_, calls=layer_calls: calls.append(1))
+        runs[name] = (learner, learner.train_step(groups), grads, len(layer_calls))
+    one, m1, g1, calls1 = runs["one micro-batch"]
+    assert m1["micro_batches"] == 1 and m1["clip_fraction"] > 0 and m1["grad_norm"] < 1  # no clipping
+    assert runs["grad_accumulation=2"][1]["micro_batches"] == 2
+    assert runs["token budget"][1]["micro_batches"] >= 3  # 2 long rows fit 64 tokens, not 3
+    assert runs["gradient checkpointing"][3] == 2 * calls1  # each layer ran again in the backward pass
+    for name in SAME_STEP:
+        other, m2, g2, _ = runs[name]
+        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6), name
+        assert m1["clip_fraction"] == pytest.approx(m2["clip_fraction"], abs=1e-6), name
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5), name
+        for param, grad in g1.items():  # the accumulated gradient is the full-batch one (float32 noise)
+            assert torch.allclose(grad, g2[param], atol=1e-7, rtol=1e-5), (name, param)
+        # AdamW's first step is lr * g / (|g| + eps): float noise on near-zero gradients moves a
+        # weight by up to ~lr / 100, so the weights agree to that, not to float precision.
+        for (param, p1), p2 in zip(one.model.named_parameters(), other.model.parameters()):
+            assert torch.allclose(p1, p2, atol=1e-5, rtol=0), (name, param)
 
 
 CUSTOM_LOSS = """

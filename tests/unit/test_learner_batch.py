@@ -1,0 +1,55 @@
+"""The learner's batch: splitting rows into micro-batches and packing them to a token budget."""
+
+import pytest
+
+from rlpost.actors.batch import collate_samples, pack_rows, split_rows
+from rlpost.types import Sample
+
+pytestmark = pytest.mark.unit
+
+
+def row(length: int, tag: int) -> tuple[Sample, float]:
+    sample = Sample(
+        prompt_id=tag,
+        token_ids=[tag] * length,
+        logprobs=[0.0] * length,
+        loss_mask=[False] + [True] * (length - 1),
+        prompt_len=1,
+        reward=0.0,
+        policy_version=0,
+        finished=True,
+    )
+    return sample, float(tag)
+
+
+def padded_size(pack) -> int:
+    return collate_samples([s for s, _ in pack], pad_token_id=0).get(("tokens", "full")).numel()
+
+
+def test_packs_stay_within_the_budget_and_keep_every_row_once():
+    rows = [row(n, i) for i, n in enumerate([5, 30, 7, 12, 30, 3, 16, 9])]
+    packs = pack_rows(rows, 40)
+    assert all(padded_size(pack) <= 40 for pack in packs)
+    assert sorted(a for pack in packs for _, a in pack) == [float(i) for i in range(len(rows))]
+    # longest first: the two 30-token rows cannot share (60 > 40), the short ones fill up
+    assert [len(pack) for pack in packs] == [1, 1, 2, 4]
+    for pack in packs:  # a pack keeps the rows' order
+        tags = [a for _, a in pack]
+        assert tags == sorted(tags)
+
+
+def test_a_row_longer_than_the_budget_goes_alone():
+    packs = pack_rows([row(50, 0), row(4, 1), row(4, 2)], 16)
+    assert [[a for _, a in pack] for pack in packs] == [[0.0], [1.0, 2.0]]
+
+
+def test_a_budget_that_fits_everything_makes_one_pack():
+    rows = [row(n, i) for i, n in enumerate([4, 8, 6])]
+    assert pack_rows(rows, 3 * 8) == [rows]
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack_rows(rows, 0)
+
+
+def test_split_rows_makes_contiguous_slices_of_near_equal_size():
+    assert split_rows(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_rows([1, 2], 5) == [[1], [2]]  # never an empty slice
