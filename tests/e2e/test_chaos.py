@@ -95,3 +95,4 @@ def test_sigterm_writes_a_final_checkpoint_and_the_run_resumes_from_it(tmp_path,
     assert [r["step"] for r in rows] == list(range(1, last + 3))
     assert [r["policy_version"] for r in rows] == list(range(1, last + 3))
     assert not (run_dir / "metrics.superseded.jsonl").exists()  # nothing trained twice
+    assert f"steps: {last + 2}" in (run_dir / "config.yaml").read_text()  # the folder records the new length

@@ -89,7 +89,8 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
 def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_path, tiny_model_path, local_ray):
     """The learner dies in step 6 (checkpoints every 2 steps, so step_4 is the last); the run
     stops with LearnerDied naming step_4 and the resume command; `rlpost train --resume` then
-    trains steps 5-6 again (step 5's first metrics line is kept aside) with the same numbering."""
+    trains steps 5-6 again (step 5's first metrics line is kept aside) with the same numbering.
+    (A resume with more steps, an override, is tested by test_chaos.py's SIGTERM test.)"""
     from rlpost import controller as ctl
     from rlpost.runs import create_run_dir
 
@@ -128,16 +129,6 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [5]
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]
-
-    extended = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), "trainer.steps=7"],
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert extended.returncode == 0, extended.stderr[-3000:]
-    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
-    assert "steps: 7" in (run_dir / "config.yaml").read_text()
 
 
 def test_async_run_with_auto_resume_survives_a_learner_death(tmp_path, tiny_model_path, local_ray):
