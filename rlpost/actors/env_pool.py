@@ -391,13 +391,10 @@ class EnvPoolActor:
     ``stats`` run while the background collection does).
     """
 
-    def __init__(
-        self, cfg: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any, tokenizer: Any = None,
-        epoch: int = 0,
-    ):  # fmt: skip
+    def __init__(self, cfg: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any, epoch: int = 0):
         from rlpost.metrics import RoleMetrics
 
-        self.pool = EnvPool(cfg, pool_index, engine_client, buffer, tokenizer=tokenizer, epoch=epoch)
+        self.pool = EnvPool(cfg, pool_index, engine_client, buffer, epoch=epoch)
         self.metrics = RoleMetrics("env_pool", cfg.run_name, f"env-pool-{pool_index}")
         self.pool.on_batch = self._report
 
@@ -459,7 +456,7 @@ def start_env_pool(
     if max_concurrency < 2:
         raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
     return start_actor(
-        EnvPoolActor, settings, pool_index, engine_client, buffer, None, epoch, name=f"env-pool-{pool_index}",
+        EnvPoolActor, settings, pool_index, engine_client, buffer, epoch, name=f"env-pool-{pool_index}",
         resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency, **options,
     )  # fmt: skip
 

@@ -534,9 +534,9 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
 # ---------------------------------------------------------------------------------- Ray shell
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> int:
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Have each decoder layer of a transformers ``model`` recompute its activations in the
-    backward pass instead of keeping them from the forward; returns the number of such layers.
+    backward pass instead of keeping them from the forward.
 
     transformers checkpoints a layer only while that layer is in training mode, and the learner
     keeps its model in eval mode (dropout off). So the decoder layers alone are switched to
@@ -551,9 +551,12 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if not layers:  # e.g. remote code whose layers do not take transformers' checkpointing
+        raise ValueError(
+            f"trainer.gradient_checkpointing: no layer of {type(model).__name__} can be checkpointed by transformers"
+        )
     for layer in layers:
         layer.training = True  # this module only, not its children (docstring)
-    return len(layers)
 
 
 def set_torch_threads(num_threads: int | None) -> None:

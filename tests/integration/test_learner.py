@@ -366,3 +366,22 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
         ray_cluster.get(actor.close.remote(), timeout=60)
         ray_cluster.kill(actor)
         ray_cluster.kill(worker)
+
+
+def test_gradient_checkpointing_refuses_a_model_it_cannot_checkpoint():
+    from types import SimpleNamespace
+
+    from rlpost.actors.learner import enable_activation_checkpointing
+
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing: Linear does not support"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+    class NoCheckpointableLayers(torch.nn.Module):  # claims support, but no layer takes it
+        supports_gradient_checkpointing = True
+        config = SimpleNamespace(use_cache=True)
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            pass
+
+    with pytest.raises(ValueError, match="no layer of NoCheckpointableLayers can be checkpointed"):
+        enable_activation_checkpointing(NoCheckpointableLayers())
