@@ -45,6 +45,16 @@ Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activ
 backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
 bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`). Neither changes
 the step's loss or gradient.
+
+Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
+:mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group. Every rank is
+given the whole step's groups and trains on its share (rank r takes groups r, r + N, ...); the
+normaliser ``D`` is summed over the ranks, so the ranks' summed gradient is the one-process
+gradient. The ranks run the same number of forward/backward passes (FSDP gathers each layer's
+parameters in every rank's forward): a rank with fewer micro-batches adds passes that contribute
+a zero gradient. Scoring and publishing are collectives too: every rank calls them; rank 0 alone
+sends the gathered weights. On CUDA with ``model.dtype: bfloat16`` the gathered parameters are
+bfloat16 and the reductions float32 (FSDP's mixed precision replaces autocast).
 """
 
 from __future__ import annotations
@@ -58,7 +68,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,7 +76,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlpost.actors import start_actor
+from rlpost.actors import sharding, start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
 from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import (
@@ -102,6 +112,8 @@ _TOKEN_MEAN_METRICS = (
     "kl_to_inference",
 )
 _LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
+# forming a learner group waits this long beyond the group's timeout: every rank loads the model first
+_MODEL_LOAD_GRACE_S = 600.0
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
 
 
@@ -152,13 +164,19 @@ class Learner:
         publisher: what ``publish()`` sends the weights through: a
             :class:`~rlpost.collect.vLLMUpdater` on the inference workers (a run's learner), or
             any :class:`~rlpost.transport.weight_bus.WeightPublisher`; may be set later
-            (``learner.publisher = ...``).
+            (``learner.publisher = ...``). In a sharded group only rank 0's is used.
+        sharded: this process is one rank of a learner group whose process group it has joined
+            (:func:`rlpost.actors.sharding.join_group`): shard the model over it (module docstring).
     """
 
-    def __init__(self, cfg: LearnerSettings, *, publisher=None):
+    def __init__(self, cfg: LearnerSettings, *, publisher=None, sharded: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.cfg, self.publisher = cfg, publisher
+        self.cfg, self.publisher, self.sharded = cfg, publisher, sharded
+        if sharded and not torch.distributed.is_initialized():
+            raise RuntimeError("a sharded Learner needs its learner group joined first (sharding.join_group)")
+        self.rank = torch.distributed.get_rank() if sharded else 0
+        self.world_size = torch.distributed.get_world_size() if sharded else 1
         torch.manual_seed(cfg.trainer.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         remote = cfg.model.trust_remote_code
@@ -169,6 +187,9 @@ class Learner:
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
+        if sharded:
+            bf16 = self.device.type == "cuda" and cfg.model.dtype == "bfloat16"
+            sharding.shard_model(self.model, param_dtype=torch.bfloat16 if bf16 else None)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -225,7 +246,7 @@ class Learner:
         return collate_samples([s for s, _ in rows], self.pad_token_id, [a for _, a in rows])
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16":
+        if self.device.type == "cuda" and self.cfg.model.dtype == "bfloat16" and not self.sharded:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -235,20 +256,29 @@ class Learner:
         """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics."""
         start, version_at_start = time.perf_counter(), self._version
         rows = batch_rows(groups)
+        own = (
+            rows if not self.sharded else [row for g in groups[self.rank :: self.world_size] for row in batch_rows([g])]
+        )
         micro_batches = [
             collate_samples([s for s, _ in chunk], self.pad_token_id, [a for _, a in chunk])
-            for chunk in self._micro_batch_rows(rows)
-        ]
+            for chunk in self._micro_batch_rows(own)
+        ] if own else []  # fmt: skip
         loss = self.cfg.loss
         normaliser = sum(loss_normaliser(loss_tokens(mb), loss.aggregation, self.cfg.rollout.max_tokens)
                          for mb in micro_batches)  # fmt: skip
+        passes_needed = len(micro_batches)
+        if self.sharded:  # the whole step's normaliser, and as many passes on every rank
+            normaliser = sharding.all_reduce_scalar(normaliser, "sum")
+            passes_needed = int(sharding.all_reduce_scalar(passes_needed, "max"))
         normaliser = max(normaliser, 1.0)  # no loss token at all: a zero loss
-        passes = [self._optimizer_step(micro_batches, normaliser) for _ in range(self.cfg.trainer.epochs_per_batch)]
+        idle = passes_needed - len(micro_batches)
+        epochs = self.cfg.trainer.epochs_per_batch
+        passes = [self._optimizer_step(micro_batches, normaliser, idle) for _ in range(epochs)]
         self._step += 1
         metrics = _mean_dicts(passes)
         metrics.update(_batch_metrics(rows, version_at_start))
         metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
-        metrics["micro_batches"] = float(len(micro_batches))
+        metrics["micro_batches"] = float(passes_needed)
         return metrics
 
     def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
@@ -260,16 +290,23 @@ class Learner:
             return slices
         return [pack for part in slices for pack in pack_rows(part, budget)]
 
-    def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float) -> dict[str, float]:
+    def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float, idle: int = 0) -> dict[str, float]:
         """Accumulate the micro-batch gradients (each divided by the whole batch's
-        ``normaliser``), clip, step; returns this pass's metrics."""
+        ``normaliser``), clip, step; returns this pass's metrics. ``idle``: passes with a zero
+        gradient, so that every rank of a sharded group runs as many (module docstring)."""
         parts = []
         for batch in micro_batches:
             with self._autocast():
                 terms = self.loss_fn.loss_terms(batch, normaliser=normaliser)
             terms.loss.backward()
             parts.append((terms.metrics(), int(loss_tokens(batch).sum())))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
+        for _ in range(idle):
+            self._idle_pass()
+        if self.sharded:  # the metrics of every rank's micro-batches
+            parts = [part for rank_parts in sharding.all_gather_objects(parts) for part in rank_parts]
+        grad_norm = sharding.full_tensor(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
+        )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -278,6 +315,13 @@ class Learner:
         metrics = _combine_micro_metrics(parts)
         metrics.update(grad_norm=float(grad_norm), lr=float(lr))
         return metrics
+
+    def _idle_pass(self) -> None:
+        """A forward and backward that adds nothing to the gradient (one pad token, loss x 0):
+        a sharded rank with fewer micro-batches than the others still joins their collectives."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids).logits
+        (logits.float().sum() * 0.0).backward()
 
     # ------------------------------------------------------------------------ scoring, weights
 
@@ -307,10 +351,13 @@ class Learner:
         vLLM's CPU backend keeps its own (repacked) copy of the LM head, so updating only
         ``model.embed_tokens.weight`` leaves the head stale (measured: sync_logprob_diff 2e-2
         after one step without it, 3e-6 with it).
+
+        With a sharded model each tensor is gathered whole in turn (a collective: every rank
+        iterates, in the same order).
         """
         dtype = _DTYPES[self.cfg.model.dtype]
         for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach().to(device=device, dtype=dtype).contiguous()
+            yield name, sharding.full_tensor(tensor.detach()).to(device=device, dtype=dtype).contiguous()
 
     def _tied_embeddings(self) -> bool:
         config = self.model.config
@@ -319,7 +366,13 @@ class Learner:
 
     def publish(self) -> dict[str, float]:
         """Publish the current weights at the current version; returns timing and size metrics
-        (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload)."""
+        (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). In a sharded
+        group every rank calls it: the others gather the tensors with rank 0, which sends them."""
+        if self.sharded and self.rank != 0:
+            start = time.perf_counter()
+            for _ in self.named_parameters_for_sync("cpu"):
+                pass
+            return {"weight_sync_s": time.perf_counter() - start, "policy_version": float(self._version)}
         if self.publisher is None:
             raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_workers)")
         device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
@@ -356,6 +409,7 @@ class Learner:
         the folder, the cause and the latest intact checkpoint to resume from. Any other error
         also removes the temporary folder, then propagates as it is.
         """
+        self._refuse_if_sharded("save")
         root = Path(run_dir) / "checkpoints"
         final = root / f"step_{int(step)}"
         try:
@@ -409,6 +463,7 @@ class Learner:
         ``version`` and ``rollout_state`` (None when the checkpoint has none)."""
         from transformers import AutoModelForCausalLM
 
+        self._refuse_if_sharded("load")
         path = Path(path)
         if not (path / TRAINER_STATE).is_file():
             raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE})")
@@ -426,6 +481,13 @@ class Learner:
         rollout = path / ROLLOUT_STATE
         rollout_state = pickle.loads(rollout.read_bytes()) if rollout.is_file() else None
         return {"step": self._step, "version": self._version, "rollout_state": rollout_state}
+
+    def _refuse_if_sharded(self, what: str) -> None:
+        if self.sharded:
+            raise NotImplementedError(
+                f"a sharded learner cannot {what} checkpoints yet (a learner group trains and publishes; its "
+                "checkpoints, torch.distributed.checkpoint plus a consolidated model, are still to come)"
+            )
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
@@ -566,15 +628,47 @@ def set_torch_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-class LearnerActor:
-    """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`)."""
+def learner_name(rank: int) -> str:
+    """The actor name of a learner rank: ``learner`` (rank 0, the operators' handle), ``learner-<r>``."""
+    return "learner" if rank == 0 else f"learner-{rank}"
 
-    def __init__(self, cfg: LearnerSettings):
+
+class LearnerActor:
+    """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`, or a group of
+    them with :func:`start_learner_group`).
+
+    Alone (``world_size`` 1) it builds its learner at once. As rank ``rank`` of a group it builds
+    a sharded learner in :meth:`join_group`, after rank 0's :meth:`open_rendezvous`.
+    """
+
+    def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
         from rlpost.metrics import RoleMetrics
 
         set_torch_threads(cfg.resources.num_threads)
-        self.learner = Learner(cfg)
-        self.metrics = RoleMetrics("learner", cfg.run_name, "learner")
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._store = None  # rank 0 of a group: the group's TCPStore, kept alive with the actor
+        self.learner = Learner(cfg) if world_size == 1 else None
+        self.metrics = RoleMetrics("learner", cfg.run_name, learner_name(rank))
+
+    def open_rendezvous(self, backend: str | None = None, timeout_s: float = 300.0) -> sharding.GroupSpec:
+        """Rank 0: host the group's store; returns the spec every rank joins with."""
+        if self.rank != 0:
+            raise RuntimeError(f"{learner_name(self.rank)}: only rank 0 opens the learner group's rendezvous")
+        self._store, spec = sharding.open_rendezvous(self.world_size, backend=backend, timeout_s=timeout_s)
+        return spec
+
+    def join_group(self, spec: sharding.GroupSpec) -> int:
+        """Join the learner group and build this rank's sharded learner (every rank at once:
+        it returns once all joined and sharded). Returns the rank."""
+        sharding.join_group(spec, self.rank, store=self._store)
+        self.learner = Learner(self.cfg, sharded=True)
+        return self.rank
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's float32 weights on the CPU (a collective in a group: every rank calls it)."""
+        return {
+            name: sharding.full_tensor(t.detach()).float().cpu() for name, t in self.learner.model.state_dict().items()
+        }
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float) -> int:
         """Form the weight bus with these inference workers (Ray actor handles): a
@@ -629,8 +723,9 @@ class LearnerActor:
         return torch.get_num_threads()
 
     def close(self) -> None:
-        if self.learner.publisher is not None:
+        if self.learner is not None and self.learner.publisher is not None:
             self.learner.publisher.close()
+        sharding.leave_group()
 
 
 def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace: str | None = None, **options):
@@ -638,3 +733,44 @@ def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace
     (``options`` go to ``.options()`` and win, e.g. a placement-group scheduling strategy)."""
     return start_actor(LearnerActor, settings, name=name, resources=settings.resources, namespace=namespace,
                        **options)  # fmt: skip
+
+
+def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespace: str | None = None,
+                        timeout_s: float = 300.0, backend: str | None = None,
+                        options_for: Callable[[int], dict] | None = None) -> list:  # fmt: skip
+    """Start ``num_workers`` learner ranks (``learner``, ``learner-1``, ...) that shard one model
+    between them, and return their handles in rank order once every rank joined the group and
+    sharded its model. One worker is a plain :func:`start_learner`.
+
+    ``options_for(rank)`` gives each rank's ``.options()`` (e.g. its placement-group bundle).
+    Forming the group is bounded by ``timeout_s`` (+ the model load); if it fails, every rank
+    started is killed and the error raised.
+    """
+    import ray
+
+    options_for = options_for or (lambda rank: {})
+    if num_workers < 1:
+        raise ValueError(f"resources.learner.num_workers must be >= 1, got {num_workers}")
+    if num_workers == 1:
+        return [start_learner(settings, namespace=namespace, **options_for(0))]
+    handles = [
+        start_actor(
+            LearnerActor,
+            settings,
+            rank,
+            num_workers,
+            name=learner_name(rank),
+            resources=settings.resources,
+            namespace=namespace,
+            **options_for(rank),
+        )  # fmt: skip
+        for rank in range(num_workers)
+    ]
+    try:
+        spec = ray.get(handles[0].open_rendezvous.remote(backend, timeout_s), timeout=timeout_s)
+        ray.get([h.join_group.remote(spec) for h in handles], timeout=timeout_s + _MODEL_LOAD_GRACE_S)
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        raise
+    return handles

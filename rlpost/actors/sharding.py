@@ -1,0 +1,142 @@
+"""A sharded learner group: N learner processes that hold one model between them (FSDP2).
+
+Each rank is a process (a Ray actor in a run) that joins the group's own torch.distributed
+process group, then shards the model with ``torch.distributed.fsdp.fully_shard``: every decoder
+layer is one unit (its parameters are gathered for its forward and backward, then freed), and
+the rest (embeddings, final norm, LM head) is the root unit. Each rank keeps 1/N of the
+parameters, gradients and AdamW state::
+
+    rank 0:  open_rendezvous()  -> GroupSpec (host, port of a TCPStore it hosts)
+    every rank: join_group(spec, rank)       the default process group, gloo on CPU, NCCL on GPU
+    every rank: shard_model(model)           after loading the same weights from disk
+
+Gradients are summed over the ranks, not averaged: each rank's loss is already divided by the
+whole step's normaliser (the loss tokens of every rank), so the sum of the ranks' gradients is
+the gradient of the loss one process would compute on the whole batch.
+
+Every collective of the group is bounded by ``GroupSpec.timeout_s``: a rank that dies makes the
+others raise (gloo's and NCCL's timeouts) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How to join a learner group (plain, picklable data: it crosses to every rank's process)."""
+
+    host: str  # where rank 0's TCPStore listens
+    port: int
+    world_size: int
+    backend: str = "gloo"  # "gloo" (CPU) or "nccl" (GPU)
+    timeout_s: float = 300.0  # bound of joining and of every collective
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def node_address() -> str:
+    """This node's address as other nodes reach it (Ray's view when Ray runs here)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not in a Ray process: the host's own address
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def open_rendezvous(world_size: int, *, backend: str | None = None, timeout_s: float = 300.0,
+                    host: str | None = None) -> tuple[Any, GroupSpec]:  # fmt: skip
+    """Rank 0's side: start the group's TCPStore on a free port; returns it and the spec to hand
+    to every rank (rank 0 passes the store to :func:`join_group`)."""
+    if world_size < 1:
+        raise ValueError(f"a learner group needs world_size >= 1, got {world_size}")
+    host = host or node_address()
+    store = torch.distributed.TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return store, GroupSpec(host, store.port, world_size, backend or default_backend(), timeout_s)
+
+
+def join_group(spec: GroupSpec, rank: int, store: Any = None) -> None:
+    """Join the learner group as ``rank`` (this process's default process group). Blocks until
+    every rank joined, at most ``spec.timeout_s``."""
+    if torch.distributed.is_initialized():
+        raise RuntimeError("this process already belongs to a process group: a learner rank needs its own process")
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = torch.distributed.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(
+        spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout
+    )
+
+
+def leave_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model: the modules whose class the model names in
+    ``_no_split_modules`` (its decoder layer class)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> None:
+    """Shard ``model`` in place over the default process group: each decoder layer, then the
+    root. ``param_dtype`` (e.g. bfloat16 on GPU) is the dtype of the gathered parameters the
+    forward and backward run in; gradient reductions and the sharded master weights stay float32.
+    Gradients are summed over the ranks (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"resources.learner.num_workers > 1: {type(model).__name__} names no decoder layer class "
+            "(_no_split_modules), so it cannot be sharded layer by layer"
+        )
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank must call it, in the same order),
+    or the tensor itself when it is not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def all_reduce_scalar(value: float, op: str = "sum") -> float:
+    """``value`` summed (or its max) over the group's ranks."""
+    on_gpu = torch.distributed.get_backend() == "nccl"  # NCCL reduces GPU tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    reduce_op = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}[op]
+    torch.distributed.all_reduce(tensor, op=reduce_op)
+    return float(tensor.item())
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order."""
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out

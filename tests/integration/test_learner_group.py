@@ -1,0 +1,107 @@
+"""A learner group of two ranks (real Ray actors, FSDP2 over gloo) trains as one learner does.
+
+Each step is given to both: the two ranks split its groups, sum their gradients and take the same
+optimizer step as a single in-process learner on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rlpost.actors.learner import Learner, LearnerSettings, start_learner_group
+from rlpost.config import JobConfig
+from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
+from rlpost.types import Group, Sample
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+REPLIES = ["<answer>7</answer><|im_end|>", "<answer>5</answer><|im_end|>", "<answer>", "<answer>12</answer> ok"]
+
+
+def settings(model_path) -> LearnerSettings:
+    raw = {
+        "model": {"name_or_path": str(model_path)},
+        "rollout": {"temperature": 0.9},
+        "optimizer": {"lr": 1e-3},
+        # a budget that splits rank 0's share into more micro-batches than rank 1's
+        "trainer": {"max_tokens_per_microbatch": 200},
+    }
+    return LearnerSettings.from_job(JobConfig.model_validate(raw))
+
+
+def make_groups(learner: Learner, tokenizer, num_groups: int, seed: int) -> list[Group]:
+    """``num_groups`` groups of 4 replies of unequal lengths, with behaviour log-probs a little
+    off the learner's own (so ratios and clipping play a part)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(num_groups):
+        messages = [
+            {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT},
+            {"role": "user", "content": f"What is {g} + {seed}?"},
+        ]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        replies = [tokenizer.encode(REPLIES[(g + i) % 4], add_special_tokens=False) for i in range(4)]
+        scores = learner.score([prompt + r for r in replies])
+        samples, rewards = [], torch.rand(4, generator=gen).round().tolist()
+        for reply, reward, score in zip(replies, rewards, scores):
+            noise = (0.2 * torch.randn(len(reply), generator=gen)).tolist()
+            samples.append(
+                Sample(
+                    prompt_id=g,
+                    token_ids=prompt + reply,
+                    logprobs=[0.0] * len(prompt) + [s + n for s, n in zip(score[len(prompt) :], noise)],
+                    loss_mask=[False] * len(prompt) + [True] * len(reply),
+                    prompt_len=len(prompt),
+                    reward=reward,
+                    policy_version=learner.version,
+                    finished=True,
+                )  # fmt: skip
+            )
+        r = torch.tensor(rewards)
+        groups.append(Group(prompt_id=g, samples=samples, advantages=((r - r.mean()) / (r.std() + 1e-4)).tolist(),
+                            policy_version=learner.version))  # fmt: skip
+    return groups
+
+
+def test_two_sharded_ranks_take_the_same_steps_as_one_learner(ray_cluster, tiny_model_path, tiny_tokenizer):
+    cfg = settings(tiny_model_path)
+    one = Learner(cfg)
+    initial = {n: p.detach().clone() for n, p in one.model.named_parameters()}
+    # 3 groups (rank 0 takes 2, rank 1 one), 3 again, then 1 (rank 1 has nothing: it joins the
+    # collectives with passes that add no gradient)
+    steps = [make_groups(one, tiny_tokenizer, n, seed) for seed, n in enumerate([3, 3, 1])]
+    group = start_learner_group(cfg, 2, timeout_s=120, options_for=lambda rank: {"num_cpus": 0})
+    try:
+        assert ray.get([h.version.remote() for h in group], timeout=60) == [0, 0]
+        for step, groups in enumerate(steps, start=1):
+            ranks = ray.get([h.train_step.remote(groups) for h in group], timeout=300)
+            alone = one.train_step(groups)
+            for rank, metrics in enumerate(ranks):  # every rank reports the whole step
+                assert metrics["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7), (step, rank)
+                assert metrics["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5), (step, rank)
+                assert metrics["clip_fraction"] == pytest.approx(alone["clip_fraction"], abs=1e-6), (step, rank)
+                assert metrics["num_samples"] == alone["num_samples"] and metrics["policy_version"] == step
+            if step == 1:
+                # ratios matter, and the norm is clipped (grad_clip 1): the shards' global norm sets the scale
+                assert alone["clip_fraction"] > 0 and alone["grad_norm"] > 1
+            if step == 3:
+                assert ranks[0]["micro_batches"] == alone["micro_batches"]  # rank 1 matched rank 0's passes
+        weights = ray.get([h.full_state_dict.remote() for h in group], timeout=120)
+        moved = 0.0
+        for name, param in one.model.named_parameters():
+            for rank in range(2):
+                assert torch.allclose(weights[rank][name], param.detach(), atol=1e-5, rtol=0), (name, rank)
+            moved = max(moved, float((param.detach() - initial[name]).abs().max()))
+        # measured: the ranks' weights are within 4.6e-6 of the single learner's after weights
+        # moved by up to 3e-3 (lr 1e-3)
+        assert moved > 1e-3
+        # scoring is a collective too: both ranks score as the single learner does
+        probe = steps[0][0].samples[0].token_ids
+        scored = ray.get([h.score.remote([probe]) for h in group], timeout=60)
+        for rank in range(2):
+            assert scored[rank][0] == pytest.approx(one.score([probe])[0], abs=1e-5)
+    finally:
+        ray.get([h.close.remote() for h in group], timeout=60)
+        for handle in group:
+            ray.kill(handle, no_restart=True)
