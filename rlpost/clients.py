@@ -117,6 +117,31 @@ class Pending:
             raise
 
 
+@dataclasses.dataclass
+class GroupPending:
+    """One call in flight on every rank of a group (``calls``, rank 0 first): its result is rank
+    0's once every rank answered. The first rank that fails fails the call at once, so a dead
+    rank is known without waiting for the others, whose collectives only time out later."""
+
+    calls: list[Pending]
+
+    def result(self, timeout_s: float):
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        remaining = {call.ref: call for call in self.calls}
+        while remaining:
+            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = next(iter(remaining.values()))
+                raise CallTimeout(f"{late.name} did not answer {late.method}", late.name)
+            for ref in ready:
+                remaining.pop(ref).result(0.0)  # raises that rank's (mapped) error
+        return self.calls[0].result(0.0)
+
+
 def wait_all(pending: list[Pending], timeout_s: float) -> list:
     """Results of every call in ``pending``; all are waited for (so none is left running
     unobserved) and the first failure is raised afterwards."""
@@ -166,6 +191,11 @@ class ActorClient:
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         return self.submit(method, *args).result(timeout_s)
+
+    @property
+    def names(self) -> list[str]:
+        """The actors this client stands for (one, except for a learner group)."""
+        return [self.name]
 
     def alive(self) -> bool:
         return alive(self.name, self.handle)
@@ -219,16 +249,46 @@ class ReferenceClient(ActorClient):
 
 
 class LearnerClient(ActorClient):
-    """``learner``: trains, publishes on the bus, scores the probe, writes checkpoints."""
+    """``learner``: trains, publishes on the bus, scores the probe, writes checkpoints.
+
+    With ``resources.learner.num_workers`` > 1 it stands for the whole learner group: rank 0
+    (``name``, ``handle``) and the ``others`` (``learner-<r>``, their handles). Training,
+    publishing, scoring and checkpoints are collectives of the group, so they go to every rank
+    and return rank 0's answer (:class:`GroupPending`); the weight bus is rank 0's alone. The
+    group is alive while every rank is.
+    """
+
+    def __init__(self, name: str, handle: Any, others: list[tuple[str, Any]] | None = None):
+        super().__init__(name, handle)
+        self.members = [(name, handle), *(others or [])]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.members]
+
+    def alive(self) -> bool:
+        return all(alive(name, handle) for name, handle in self.members)
+
+    def kill(self) -> None:
+        for _, handle in self.members:
+            kill(handle)
+
+    def _on_every_rank(self, method: str, *args: Any) -> GroupPending | Pending:
+        if len(self.members) == 1:
+            return self.submit(method, *args)
+        import ray
+
+        refs = [ray.put(arg) for arg in args]  # one copy in the object store, not one per rank
+        return GroupPending([Pending(name, method, getattr(h, method).remote(*refs)) for name, h in self.members])
 
     def train_step(self, groups: list, timeout_s: float) -> dict:
-        return self.call("train_step", groups, timeout_s=timeout_s)
+        return self._on_every_rank("train_step", groups).result(timeout_s)
 
-    def publish(self) -> Pending:
-        return self.submit("publish")
+    def publish(self) -> GroupPending | Pending:
+        return self._on_every_rank("publish")
 
     def score(self, token_ids: list[list[int]], timeout_s: float) -> list[list[float]]:
-        return self.call("score", token_ids, timeout_s=timeout_s)
+        return self._on_every_rank("score", token_ids).result(timeout_s)
 
     def version(self, timeout_s: float) -> int:
         """The learner's weights version (after any call it is still running)."""
@@ -246,10 +306,10 @@ class LearnerClient(ActorClient):
         return self.call("set_workers", workers, timeout_s=timeout_s)
 
     def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict, timeout_s: float) -> str:
-        return self.call("save_checkpoint", run_dir, step, rollout_state, timeout_s=timeout_s)
+        return self._on_every_rank("save_checkpoint", run_dir, step, rollout_state).result(timeout_s)
 
     def load_checkpoint(self, path: str, timeout_s: float) -> dict:
-        return self.call("load_checkpoint", path, timeout_s=timeout_s)
+        return self._on_every_rank("load_checkpoint", path).result(timeout_s)
 
 
 class BufferClient(RayBuffer):

@@ -303,6 +303,26 @@ class TorchRoleResources(RoleResources):
     )
 
 
+class LearnerResources(TorchRoleResources):
+    """The learner's ranks: one actor, or a group that shards the model between them."""
+
+    num_workers: int = Field(
+        1,
+        ge=1,
+        description="Learner ranks that shard one model between them with FSDP2 (each decoder layer a unit; "
+        "NCCL on GPU, gloo on CPU): parameters, gradients and AdamW state are split N ways. Each rank reserves "
+        "num_cpus / num_gpus; rank 0 is the actor `learner`, the others `learner-<r>`. The ranks split each "
+        "step's groups and sum their gradients, so a step is the one-rank step. A dead rank restarts the run "
+        "from its last checkpoint (trainer.auto_resume); a checkpoint of any num_workers resumes with any other.",
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Bound of every collective of a learner group (num_workers > 1) and of forming it: a rank "
+        "that died or hangs makes the others fail after it instead of waiting for ever.",
+    )
+
+
 class ResourcesConfig(_Section):
     """What each role reserves on the Ray cluster (declared, never assumed)."""
 
@@ -321,8 +341,8 @@ class ResourcesConfig(_Section):
         default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker."
     )
     env_pool: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.25), description="Per env pool.")
-    learner: TorchRoleResources = Field(
-        default_factory=lambda: TorchRoleResources(num_cpus=0.5), description="The learner."
+    learner: LearnerResources = Field(
+        default_factory=lambda: LearnerResources(num_cpus=0.5), description="The learner (per rank)."
     )
     reference: TorchRoleResources = Field(
         default_factory=lambda: TorchRoleResources(num_cpus=0.25), description="The reference actor."

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlpost.actors import learner_name
 from rlpost.clients import (
     ActorFailure,
     BufferClient,
@@ -145,7 +146,7 @@ def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
     """(actor name, its RoleResources) for every actor of the run, in start order."""
     res = cfg.resources
     plan = [(f"inference-{i}", res.inference) for i in range(cfg.rollout.num_inference_workers)]
-    plan.append(("learner", res.learner))
+    plan += [(learner_name(r), res.learner) for r in range(res.learner.num_workers)]
     if cfg.reference.enabled:
         plan.append(("reference", res.reference))
     plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
@@ -214,10 +215,14 @@ class ActorStarter:
         return InferenceClient(name, handle)
 
     def learner(self) -> LearnerClient:
-        from rlpost.actors.learner import LearnerSettings, start_learner
+        """The learner, or its group of ``resources.learner.num_workers`` ranks, one bundle each."""
+        from rlpost.actors.learner import LearnerSettings, start_learner_group
 
         settings = LearnerSettings.from_job(self.cfg)
-        return LearnerClient("learner", start_learner(settings, scheduling_strategy=self.place("learner")))
+        ranks = start_learner_group(settings, settings.resources.num_workers,
+                                    options_for=lambda r: {"scheduling_strategy": self.place(learner_name(r))})  # fmt: skip
+        others = [(learner_name(r), handle) for r, handle in enumerate(ranks) if r > 0]
+        return LearnerClient(learner_name(0), ranks[0], others)
 
     def reference(self) -> ReferenceClient:
         from rlpost.actors.reference import ReferenceSettings, start_reference
@@ -377,7 +382,7 @@ class Supervisor:
     def _alive(self, client: Any, lost: str | None) -> bool:
         """False for the actor a failure named (killed to be sure: a silent actor is as good as
         dead) and for any actor whose name Ray no longer holds."""
-        if client.name == lost:
+        if lost is not None and lost in client.names:
             client.kill()
             return False
         return client.alive()

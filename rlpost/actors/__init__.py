@@ -14,6 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 
+def learner_name(rank: int) -> str:
+    """The actor name of a learner rank: ``learner`` (rank 0, the operators' handle), ``learner-<r>``."""
+    return "learner" if rank == 0 else f"learner-{rank}"
+
+
 def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namespace: str | None = None,
                 **options: Any) -> Any:  # fmt: skip
     """Start ``actor_class(*args)`` as the Ray actor ``name`` with the CPUs and GPUs of

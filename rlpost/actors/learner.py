@@ -68,6 +68,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,16 +77,16 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlpost.actors import sharding, start_actor
+from rlpost.actors import learner_name, sharding, start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
 from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import (
+    LearnerResources,
     LossConfig,
     ModelConfig,
     OptimizerConfig,
     ReferenceConfig,
     RolloutConfig,
-    TorchRoleResources,
     TrainerConfig,
 )
 from rlpost.objectives import GRPOLoss
@@ -97,6 +98,8 @@ if TYPE_CHECKING:
     from rlpost.config import JobConfig
 
 TRAINER_STATE = "trainer_state.pt"
+TRAINER_SHARDS = "trainer_state"  # a learner group's: torch.distributed.checkpoint shards
+TRAINER_META = "trainer_meta.pt"  # beside them: scheduler, step, version, RNG
 ROLLOUT_STATE = "rollout_state.pkl"  # the controller's part: buffer groups, env-pool positions
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Diagnostics that are token means over the loss tokens whatever the aggregation: combined over
@@ -147,7 +150,7 @@ class LearnerSettings:
     reference: ReferenceConfig  # the KL-to-reference term: on or off, coefficient, estimator
     trainer: TrainerConfig  # epochs per batch, torch seed, checkpoints kept
     rollout: RolloutConfig  # the sampling temperature (log-probs) and max_tokens (Dr.GRPO's L_max)
-    resources: TorchRoleResources  # ``resources.learner``
+    resources: LearnerResources  # ``resources.learner`` (per rank; num_workers ranks)
     run_name: str = ""  # the run whose metrics the actor reports under
 
     @classmethod
@@ -187,6 +190,7 @@ class Learner:
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
+        self._architecture = type(self.model).__name__  # before sharding renames the class
         if sharded:
             bf16 = self.device.type == "cuda" and cfg.model.dtype == "bfloat16"
             sharding.shard_model(self.model, param_dtype=torch.bfloat16 if bf16 else None)
@@ -409,7 +413,8 @@ class Learner:
         the folder, the cause and the latest intact checkpoint to resume from. Any other error
         also removes the temporary folder, then propagates as it is.
         """
-        self._refuse_if_sharded("save")
+        if self.sharded:
+            return self._save_sharded_checkpoint(run_dir, step, rollout_state)
         root = Path(run_dir) / "checkpoints"
         final = root / f"step_{int(step)}"
         try:
@@ -448,14 +453,83 @@ class Learner:
             (folder / ROLLOUT_STATE).write_bytes(pickle.dumps(rollout_state))
 
     def _trainer_state(self, step: int) -> dict:
+        return {**self._trainer_meta(step), "optimizer": self.optimizer.state_dict()}
+
+    def _trainer_meta(self, step: int) -> dict:
         return {
             "step": int(step),
             "version": self._version,
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
+
+    def _save_sharded_checkpoint(self, run_dir: str | Path, step: int, rollout_state: dict | None) -> Path:
+        """:meth:`save_checkpoint` of a learner group (every rank calls it).
+
+        The folder holds the consolidated model in HF format (what users and the inference
+        engines load) and the tokenizer, written by rank 0, and the trainer state sharded with
+        ``torch.distributed.checkpoint`` in ``trainer_state/`` (the model's float32 masters and
+        AdamW's state: each rank writes its own shards), with ``trainer_meta.pt`` (scheduler,
+        step, version, RNG). Any number of ranks, or a single learner, can load it. Every rank
+        must see ``run_dir`` (one node, or a shared filesystem). The write is atomic as for a
+        single learner: rank 0 moves the folder into place once every rank wrote its part.
+        """
+        root = Path(run_dir) / "checkpoints"
+        final = root / f"step_{int(step)}"
+        tmp, made = None, None
+        if self.rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                tmp = tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root)
+            except OSError as err:
+                made = err
+        tmp = sharding.broadcast_from_rank0(tmp)
+        if tmp is None:
+            raise _write_error(final, made) if made is not None else RuntimeError(f"rank 0 could not create {final}")
+        tmp, failure = Path(tmp), None
+        try:
+            self._write_sharded_checkpoint_files(tmp, step, rollout_state)
+        except Exception as err:
+            failure = err
+        failed = [(rank, text) for rank, text in enumerate(sharding.all_gather_objects(failure and repr(failure)))
+                  if text]  # fmt: skip
+        if failed:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if failure is None:
+                rank, text = failed[0]
+                raise RuntimeError(f"checkpoint {final} was not written: learner rank {rank} failed: {text}")
+            cause = _os_error_behind(failure)
+            raise (_write_error(final, cause) if cause is not None else failure) from failure
+        if self.rank == 0:
+            aside = _move_into_place(tmp, final)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            _prune_checkpoints(root, self.cfg.trainer.keep_checkpoints)
+        sharding.all_gather_objects(None)  # every rank returns once the checkpoint is in place
+        return final
+
+    def _write_sharded_checkpoint_files(self, folder: Path, step: int, rollout_state: dict | None) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / TRAINER_SHARDS))
+        whole = {}  # gathered tensor by tensor; rank 0 keeps them for the consolidated model
+        for name, tensor in self.model.state_dict().items():
+            full = sharding.full_tensor(tensor.detach())
+            if self.rank == 0:
+                whole[name] = full.float().cpu()
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(folder, state_dict=whole)
+        _name_architecture(folder, self._architecture)
+        self.tokenizer.save_pretrained(folder)
+        with open(folder / TRAINER_META, "wb") as f:
+            torch.save(self._trainer_meta(step), f)
+        if rollout_state is not None:
+            (folder / ROLLOUT_STATE).write_bytes(pickle.dumps(rollout_state))
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Restore weights, optimizer, scheduler, version and RNG from a ``step_<N>`` folder in
@@ -463,16 +537,53 @@ class Learner:
         ``version`` and ``rollout_state`` (None when the checkpoint has none)."""
         from transformers import AutoModelForCausalLM
 
-        self._refuse_if_sharded("load")
         path = Path(path)
+        if (path / TRAINER_SHARDS).is_dir():  # written by a learner group: any number of ranks loads it
+            return self._load_sharded_checkpoint(path)
         if not (path / TRAINER_STATE).is_file():
-            raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE})")
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE} or {TRAINER_SHARDS}/)")
         saved = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=self.cfg.model.trust_remote_code
         )
-        self.model.load_state_dict(saved.state_dict())
         state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # a single learner's checkpoint, spread over this group's shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=saved.state_dict(),
+                           optim_state_dict=self._optimizer_state_by_name(state["optimizer"]),
+                           options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        else:
+            self.model.load_state_dict(saved.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
+        return self._restore_meta(state, path)
+
+    def _load_sharded_checkpoint(self, path: Path) -> dict:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        with warnings.catch_warnings():  # a single learner reads the shards in one process, as meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path / TRAINER_SHARDS), no_dist=not self.sharded)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])  # fmt: skip
+        return self._restore_meta(torch.load(path / TRAINER_META, map_location="cpu", weights_only=True), path)
+
+    def _optimizer_state_by_name(self, saved: dict) -> dict:
+        """A single learner's ``optimizer.state_dict()`` (parameters by index) keyed by
+        parameter name instead, as ``set_state_dict`` takes a whole optimizer state."""
+        names = [name for name, _ in self.model.named_parameters()]
+        indices = [i for group in saved["param_groups"] for i in group["params"]]
+        if len(indices) != len(names):
+            raise ValueError(f"the checkpoint's optimizer has {len(indices)} parameters, the model {len(names)}")
+        name_of = dict(zip(indices, names))
+        return {
+            "state": {name_of[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]],
+        }
+
+    def _restore_meta(self, state: dict, path: Path) -> dict:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
@@ -482,12 +593,16 @@ class Learner:
         rollout_state = pickle.loads(rollout.read_bytes()) if rollout.is_file() else None
         return {"step": self._step, "version": self._version, "rollout_state": rollout_state}
 
-    def _refuse_if_sharded(self, what: str) -> None:
-        if self.sharded:
-            raise NotImplementedError(
-                f"a sharded learner cannot {what} checkpoints yet (a learner group trains and publishes; its "
-                "checkpoints, torch.distributed.checkpoint plus a consolidated model, are still to come)"
-            )
+
+def _name_architecture(folder: Path, architecture: str) -> None:
+    """Write the model's own class name into ``config.json``'s ``architectures`` (a sharded model
+    saves under FSDP's wrapper class name, which vLLM would not know)."""
+    import json
+
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["architectures"] = [architecture]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _prune_checkpoints(root: Path, keep: int) -> None:
@@ -628,11 +743,6 @@ def set_torch_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def learner_name(rank: int) -> str:
-    """The actor name of a learner rank: ``learner`` (rank 0, the operators' handle), ``learner-<r>``."""
-    return "learner" if rank == 0 else f"learner-{rank}"
-
-
 class LearnerActor:
     """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`, or a group of
     them with :func:`start_learner_group`).
@@ -736,19 +846,23 @@ def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace
 
 
 def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespace: str | None = None,
-                        timeout_s: float = 300.0, backend: str | None = None,
+                        timeout_s: float | None = None, backend: str | None = None,
                         options_for: Callable[[int], dict] | None = None) -> list:  # fmt: skip
     """Start ``num_workers`` learner ranks (``learner``, ``learner-1``, ...) that shard one model
     between them, and return their handles in rank order once every rank joined the group and
     sharded its model. One worker is a plain :func:`start_learner`.
 
     ``options_for(rank)`` gives each rank's ``.options()`` (e.g. its placement-group bundle).
-    Forming the group is bounded by ``timeout_s`` (+ the model load); if it fails, every rank
-    started is killed and the error raised.
+    ``timeout_s`` (default ``resources.learner.timeout_s``) bounds forming the group (+ the
+    model load) and every collective of the group; if forming fails, every rank started is
+    killed and the error raised.
     """
     import ray
 
+    from rlpost.clients import Pending, wait_all
+
     options_for = options_for or (lambda rank: {})
+    timeout_s = settings.resources.timeout_s if timeout_s is None else timeout_s
     if num_workers < 1:
         raise ValueError(f"resources.learner.num_workers must be >= 1, got {num_workers}")
     if num_workers == 1:
@@ -767,8 +881,10 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
         for rank in range(num_workers)
     ]
     try:
-        spec = ray.get(handles[0].open_rendezvous.remote(backend, timeout_s), timeout=timeout_s)
-        ray.get([h.join_group.remote(spec) for h in handles], timeout=timeout_s + _MODEL_LOAD_GRACE_S)
+        spec = Pending("learner", "open_rendezvous", handles[0].open_rendezvous.remote(backend, timeout_s))
+        spec = spec.result(timeout_s)
+        joins = [Pending(learner_name(r), "join_group", h.join_group.remote(spec)) for r, h in enumerate(handles)]
+        wait_all(joins, timeout_s + _MODEL_LOAD_GRACE_S)
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)

@@ -135,6 +135,13 @@ def all_reduce_scalar(value: float, op: str = "sum") -> float:
     return float(tensor.item())
 
 
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (picklable) on every rank."""
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     """Every rank's ``value`` (picklable), in rank order."""
     out: list[Any] = [None] * torch.distributed.get_world_size()

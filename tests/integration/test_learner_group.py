@@ -105,3 +105,56 @@ def test_two_sharded_ranks_take_the_same_steps_as_one_learner(ray_cluster, tiny_
         ray.get([h.close.remote() for h in group], timeout=60)
         for handle in group:
             ray.kill(handle, no_restart=True)
+
+
+def test_group_checkpoints_resume_with_one_rank_and_single_checkpoints_with_two(ray_cluster, tiny_model_path,
+                                                                                  tiny_tokenizer, tmp_path):  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    cfg = settings(tiny_model_path)
+    single = Learner(cfg)
+    steps = [make_groups(single, tiny_tokenizer, n, seed) for seed, n in enumerate([3, 2, 3, 2])]
+    group = start_learner_group(cfg, 2, timeout_s=120, options_for=lambda rank: {"num_cpus": 0})
+
+    def group_step(groups):
+        return ray.get([h.train_step.remote(groups) for h in group], timeout=300)[0]
+
+    try:
+        for groups in steps[:2]:
+            group_step(groups)
+        saved = ray.get([h.save_checkpoint.remote(str(tmp_path / "a"), 2, {"pools": [7]}) for h in group], timeout=300)
+        assert saved[0] == saved[1] == str(tmp_path / "a" / "checkpoints" / "step_2")
+        after_3 = group_step(steps[2])
+        weights_3 = ray.get([h.full_state_dict.remote() for h in group], timeout=120)[0]
+
+        # two ranks -> one: the single learner continues exactly as the group did
+        info = single.load_checkpoint(saved[0])
+        assert (info["step"], info["version"], info["rollout_state"]) == (2, 2, {"pools": [7]})
+        # the consolidated model is a plain Hugging Face checkpoint of the same weights
+        exported = AutoModelForCausalLM.from_pretrained(saved[0], dtype=torch.float32)
+        assert exported.config.architectures == [type(exported).__name__]
+        for name, param in exported.state_dict().items():
+            assert torch.equal(param, single.model.state_dict()[name]), name
+        alone_3 = single.train_step(steps[2])
+        assert alone_3["loss"] == pytest.approx(after_3["loss"], rel=1e-5, abs=1e-7)
+        for name, param in single.model.named_parameters():
+            assert torch.allclose(weights_3[name], param.detach(), atol=1e-5, rtol=0), name
+
+        # one rank -> two: a single learner's checkpoint spread over the group's shards
+        path = single.save_checkpoint(tmp_path / "b", 3)
+        loaded = ray.get([h.load_checkpoint.remote(str(path)) for h in group], timeout=300)
+        assert [(i["step"], i["version"]) for i in loaded] == [(3, 3), (3, 3)]
+        after_4, alone_4 = group_step(steps[3]), single.train_step(steps[3])
+        assert after_4["loss"] == pytest.approx(alone_4["loss"], rel=1e-5, abs=1e-7)
+        assert after_4["grad_norm"] == pytest.approx(alone_4["grad_norm"], rel=1e-5)
+        weights_4 = ray.get([h.full_state_dict.remote() for h in group], timeout=120)[0]
+        for name, param in single.model.named_parameters():  # the AdamW moments came along
+            assert torch.allclose(weights_4[name], param.detach(), atol=1e-5, rtol=0), name
+
+        # two ranks -> two: the group's own checkpoint takes it back to step 2
+        ray.get([h.load_checkpoint.remote(saved[0]) for h in group], timeout=300)
+        assert group_step(steps[2])["loss"] == pytest.approx(after_3["loss"], rel=1e-6, abs=1e-8)
+    finally:
+        ray.get([h.close.remote() for h in group], timeout=60)
+        for handle in group:
+            ray.kill(handle, no_restart=True)
