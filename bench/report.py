@@ -34,6 +34,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("scaling", _scaling),
         ("sandbox", _sandbox),
         ("grpo_by_hand", _grpo_by_hand),
+        ("learner_group", _learner_group),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -56,6 +57,7 @@ TITLES = {
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
+    "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
 }
 
 
@@ -373,6 +375,26 @@ def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
     ]
     for name, c in d["cases"].items():
         lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _learner_group(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['learner_group']}",
+        "",
+        f"`start_learner_group` with 1 and 2 ranks on the same batch ({s['groups']} groups, {s['samples']}); "
+        f"{s['threads']}; step time over {s['steps']} steps after a warm-up. State bytes: a rank's "
+        "parameters + gradients + AdamW state.",
+        "",
+        _ratios(d),
+        "| case | step s (median) | step s repeats | state bytes per rank | peak RSS per rank |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, c in d["cases"].items():
+        state = ", ".join(f"{b / 2**20:.0f} MiB" for b in c["state_bytes"])
+        rss = ", ".join(f"{b / 2**20:.0f} MiB" for b in c["peak_rss_bytes"])
+        lines.append(f"| {name} | {_fmt(c['step_s']['median'])} | {_repeats(c['step_s'])} | {state} | {rss} |")
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

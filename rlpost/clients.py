@@ -327,6 +327,10 @@ class BufferClient(RayBuffer):
                 raise CallTimeout(str(exc), self.name) from exc
             raise
 
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
     def alive(self) -> bool:
         return alive(self.name, self.handle)
 

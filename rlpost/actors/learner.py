@@ -92,6 +92,7 @@ from rlpost.config import (
 from rlpost.objectives import GRPOLoss
 from rlpost.policies import TransformersWrapper
 from rlpost.runs import latest_checkpoint, list_checkpoints
+from rlpost.transport.bucketing import StreamedTensors
 from rlpost.types import Group, Sample
 
 if TYPE_CHECKING:
@@ -186,7 +187,9 @@ class Learner:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=remote)
         self.model = AutoModelForCausalLM.from_pretrained(
             cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
-        ).to(self.device)
+        )
+        if not sharded:  # a sharded model's shards go to the device as each layer is sharded
+            self.model.to(self.device)
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -363,6 +366,17 @@ class Learner:
         for name, tensor in self.model.state_dict().items():
             yield name, sharding.full_tensor(tensor.detach()).to(device=device, dtype=dtype).contiguous()
 
+    def weights_for_sync(self, device: str | torch.device = "cpu", tensors=None) -> StreamedTensors:
+        """:meth:`named_parameters_for_sync` as :class:`~rlpost.transport.bucketing.StreamedTensors`:
+        names, dtypes and shapes up front, each tensor made (gathered, cast) only when the bus
+        fills its bucket, so the whole model is never copied at once. ``tensors``: an iterator of
+        :meth:`named_parameters_for_sync` already made (the caller sees how far it was consumed)."""
+        dtype = _DTYPES[self.cfg.model.dtype]
+        specs = tuple((name, dtype, tuple(t.shape)) for name, t in self.model.state_dict().items())
+        if tensors is None:
+            return StreamedTensors(specs, functools.partial(self.named_parameters_for_sync, device))
+        return StreamedTensors(specs, lambda: tensors)
+
     def _tied_embeddings(self) -> bool:
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -381,7 +395,13 @@ class Learner:
             raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_workers)")
         device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
         start = time.perf_counter()
-        stats = self.publisher.publish(self.named_parameters_for_sync(device), self._version)
+        tensors = self.named_parameters_for_sync(device)
+        try:
+            stats = self.publisher.publish(self.weights_for_sync(device, tensors), self._version)
+        finally:
+            if self.sharded:  # a failed send: still gather every tensor, as the other ranks do
+                for _ in tensors:  # (the group's next collective must be the same on every rank)
+                    pass
         out = {
             "weight_sync_s": time.perf_counter() - start,
             "bytes": float(stats.num_bytes),
@@ -773,6 +793,20 @@ class LearnerActor:
         sharding.join_group(spec, self.rank, store=self._store)
         self.learner = Learner(self.cfg, sharded=True)
         return self.rank
+
+    def memory(self) -> dict[str, float]:
+        """What this rank holds: ``state_bytes`` (parameters, gradients and AdamW state: its
+        shards in a group), ``peak_rss_bytes`` (the process's peak resident memory) and, on a
+        GPU, ``peak_gpu_bytes``."""
+        import resource
+
+        out = {
+            "state_bytes": float(sharding.local_state_bytes(self.learner.model, self.learner.optimizer)),
+            "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        }
+        if torch.cuda.is_available():
+            out["peak_gpu_bytes"] = float(torch.cuda.max_memory_allocated())
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's float32 weights on the CPU (a collective in a group: every rank calls it)."""

@@ -125,6 +125,22 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes this process holds of the model's parameters and gradients and of the optimizer's
+    state (its local shards when sharded): the memory sharding divides."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+
+    total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            total += sum(nbytes(v) for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return total
+
+
 def all_reduce_scalar(value: float, op: str = "sum") -> float:
     """``value`` summed (or its max) over the group's ranks."""
     on_gpu = torch.distributed.get_backend() == "nccl"  # NCCL reduces GPU tensors only

@@ -1,6 +1,7 @@
 """Pipes between roles: the weight-sync bus (learner -> inference workers), and the stateless
 process group it is built like (:func:`stateless_init_process_group`)."""
 
+from rlpost.transport.bucketing import StreamedTensors
 from rlpost.transport.process_group import StatelessProcessGroup, stateless_init_process_group
 from rlpost.transport.weight_bus import (
     BusSpec,
@@ -21,6 +22,7 @@ __all__ = [
     "LocalWeightReceiver",
     "PublishStats",
     "StatelessProcessGroup",
+    "StreamedTensors",
     "TorchWeightPublisher",
     "TorchWeightReceiver",
     "WeightPublisher",

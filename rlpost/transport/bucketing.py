@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -99,17 +99,73 @@ def as_named_list(
     return items
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketLayout:
-    """Pack tensors by dtype (first-seen dtype order, input order inside a dtype) into buckets."""
+@dataclass(frozen=True)
+class StreamedTensors:
+    """Named tensors made one at a time while they are sent, so the sender never holds them all.
+
+    ``specs`` gives each tensor's ``(name, dtype, shape)`` up front (the bus plans its buckets
+    and announces the layout before any byte moves); ``produce()`` then yields the
+    ``(name, tensor)`` pairs in the same order. The bus pulls from it bucket by bucket, so the
+    sender holds about a bucket's worth of tensors at a time (a sharded learner gathers each
+    tensor only when its bucket is filled). Iterating it yields the produced pairs.
+    """
+
+    specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    produce: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.produce())
+
+    def placeholders(self) -> list[tuple[str, torch.Tensor]]:
+        """Storage-less tensors of the specs' dtypes and shapes (for :func:`plan_buckets`)."""
+        return [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in self.specs]
+
+
+def stream_buckets(layout: BucketLayout, source: Iterator[tuple[str, torch.Tensor]],
+                   device: torch.device) -> Iterator[torch.Tensor]:  # fmt: skip
+    """The flat buckets of ``layout`` in order, each filled from the tensors ``source`` yields
+    (in the layout's slot order). A tensor is dropped once its bucket is built. With a layout
+    planned ``in_order`` the tensors come in bucket order; otherwise tensors of a later bucket
+    (another dtype) wait until theirs."""
+    waiting: dict[str, torch.Tensor] = {}
+    for index, numel in enumerate(layout.bucket_numels):
+        needed = [slot.name for slot in layout.slots if slot.bucket == index]
+        for name in needed:
+            while name not in waiting:
+                try:
+                    produced, tensor = next(source)
+                except StopIteration:
+                    raise ValueError(f"the streamed tensors ended before {name!r}") from None
+                waiting[produced] = tensor
+        if numel > 0:
+            yield flatten_bucket(layout, index, waiting, device)
+        for name in needed:
+            del waiting[name]
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, *, in_order: bool = False) -> BucketLayout:
+    """Pack tensors by dtype (first-seen dtype order, input order inside a dtype) into buckets.
+
+    ``in_order``: keep the input order instead (each run of one dtype packed, a new bucket where
+    the dtype changes), so the buckets fill in the order the tensors come: what a stream needs.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in named:
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+    runs: list[tuple[torch.dtype, list[tuple[str, torch.Tensor]]]] = []
+    if in_order:
+        for name, tensor in named:
+            if not runs or runs[-1][0] != tensor.dtype:
+                runs.append((tensor.dtype, []))
+            runs[-1][1].append((name, tensor))
+    else:
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in named:
+            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+        runs = list(by_dtype.items())
     placed: dict[str, TensorSlot] = {}
     dtypes: list[str] = []
     numels: list[int] = []
-    for dtype, group in by_dtype.items():
+    for dtype, group in runs:
         capacity = max(1, bucket_bytes // dtype.itemsize)
         first = True
         for name, tensor in group:

@@ -66,14 +66,17 @@ from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGro
 
 from rlpost.transport.bucketing import (
     BucketLayout,
+    StreamedTensors,
     as_named_list,
     empty_buckets,
     flatten_bucket,
     plan_buckets,
+    stream_buckets,
     unflatten,
 )
 
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+# a dict, (name, tensor) pairs, or StreamedTensors (made while they are sent)
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StreamedTensors
 _MAX_IN_FLIGHT = 2  # buckets the publisher keeps in flight: overlap flattening with sending, bound memory
 _REPORT_GRACE_S = 1.0  # how long a failed publish waits for live receivers to report their side
 _NCCL_ERROR_MODE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -440,15 +443,16 @@ class TorchWeightPublisher(_TorchEnd):
     def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
         """Send `named_tensors` as `version` to every receiver; returns once all confirmed."""
         _check_version(version, self._version)
-        named = as_named_list(named_tensors)
-        layout = plan_buckets(named, int(self.spec.bucket_mb * 2**20))
+        streamed = isinstance(named_tensors, StreamedTensors)
+        named = named_tensors.placeholders() if streamed else as_named_list(named_tensors)
+        layout = plan_buckets(named, int(self.spec.bucket_mb * 2**20), in_order=streamed)
         t0 = time.perf_counter()
         connect_s = self._join(None, version)
         seq = self._seq
         fail = _SyncFailure(version, self.generation, lambda: self._silent_peers(seq))
         with self._failing(fail, "publish"):
             self._announce(layout, version, seq)
-            self._send(layout, dict(named))
+            self._send(layout, iter(named_tensors) if streamed else dict(named))
             self._await_done(seq)
         self._seq, self._version = seq + 1, version
         return PublishStats(
@@ -495,8 +499,13 @@ class TorchWeightPublisher(_TorchEnd):
             self._layouts.add(signature)
         keys.set(f"update/{seq}", json.dumps({"version": version, "layout": signature}))
 
-    def _send(self, layout: BucketLayout, tensors: dict[str, torch.Tensor]) -> None:
-        flats = (flatten_bucket(layout, i, tensors, self.device) for i, n in enumerate(layout.bucket_numels) if n > 0)
+    def _send(self, layout: BucketLayout, tensors: dict[str, torch.Tensor] | Iterator) -> None:
+        """Broadcast the buckets; from a stream (``StreamedTensors``) each bucket is filled only
+        when the bus is ready for it."""
+        if isinstance(tensors, dict):
+            flats = (flatten_bucket(layout, i, tensors, self.device) for i, n in enumerate(layout.bucket_numels) if n)
+        else:
+            flats = stream_buckets(layout, tensors, self.device)
         self._group.broadcast_all(flats)
 
     def _await_done(self, seq: int) -> None:

@@ -119,9 +119,11 @@ def test_grpo(actor_network, data, hf_model, dapo):
 def test_kl_mask_threshold(actor_network, data):
     """TorchRL's ``TestLosses.test_kl_mask_threshold``: a threshold that masks nothing changes
     nothing. TorchRL's 100 masks nothing under its random mock model; the trained tiny model
-    gives the mock's response tokens log-probs down to -14, and one of them drifts from its
-    random sampling log-prob by more than 100 (0.5 * 14.2**2), so the port's threshold is 1e4
-    (and 100 must drop that token)."""
+    gives the mock's response tokens log-probs down to about -14, so the port's threshold is 1e4.
+    One token's sampling log-prob is set to +30 (whatever the model, ``0.5 * drift**2`` is then
+    above 100 and below 1e4), so that a threshold of 100 must drop it."""
+    data = data.clone()
+    data.get(("log_probs", "full"))[:, -1] = 30.0
     loss_baseline = GRPOLoss(actor_network, clip_epsilon=0.2, kl_mask_threshold=None)(data.clone())
     assert torch.isfinite(loss_baseline.loss_objective)
     strict = GRPOLoss(actor_network, clip_epsilon=0.2, kl_mask_threshold=100.0)(data.clone())

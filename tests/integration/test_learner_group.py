@@ -158,3 +158,52 @@ def test_group_checkpoints_resume_with_one_rank_and_single_checkpoints_with_two(
         ray.get([h.close.remote() for h in group], timeout=60)
         for handle in group:
             ray.kill(handle, no_restart=True)
+
+
+class FailingPublisher:
+    """Takes two tensors of a publish, then fails as a dead bus peer would."""
+
+    device = "cpu"
+
+    def publish(self, named_tensors, version):
+        from rlpost.transport import WeightSyncError
+
+        stream = iter(named_tensors)
+        next(stream), next(stream)
+        raise WeightSyncError("a peer died", version=version)
+
+
+def publish_then_score(rank, model_path, port, probe, results):
+    """One rank of a 2-rank group (a spawned process): a publish that fails on rank 0 after two
+    tensors, then a score, which only comes out right if both ranks are at the same collective."""
+    from rlpost.actors import sharding
+
+    sharding.join_group(sharding.GroupSpec("127.0.0.1", port, 2, "gloo", 60.0), rank)
+    learner = Learner(settings(model_path), sharded=True, publisher=FailingPublisher())
+    try:
+        learner.publish()
+        outcome = "published"
+    except Exception as err:
+        outcome = type(err).__name__
+    results.put((rank, outcome, learner.score([probe])[0]))
+    sharding.leave_group()
+
+
+def test_a_publish_that_fails_on_rank_0_leaves_the_group_in_step(tiny_model_path):
+    import torch.multiprocessing as mp
+
+    probe = list(range(3, 40))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=publish_then_score, args=(r, str(tiny_model_path), store.port, probe, results))
+             for r in range(2)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    got = dict((rank, (outcome, scores)) for rank, outcome, scores in (results.get(timeout=240) for _ in procs))
+    for proc in procs:
+        proc.join(60)
+    assert got[0][0] == "WeightSyncError" and got[1][0] == "published"  # rank 1 gathered every tensor
+    expected = Learner(settings(tiny_model_path)).score([probe])[0]
+    for rank in range(2):
+        assert got[rank][1] == pytest.approx(expected, abs=1e-5), rank

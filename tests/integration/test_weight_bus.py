@@ -242,3 +242,39 @@ def test_peer_that_stops_receiving_times_out_naming_it(peers):
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S
     assert failure.value.peers == [1] and failure.value.version == 1
     publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_streamed_tensors_arrive_bit_exact_and_are_made_bucket_by_bucket(peers):
+    import weakref
+
+    from rlpost.transport import StreamedTensors
+
+    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+    peers.append(Peer(publisher.spec, 1))
+    connect_all(publisher, peers)
+    # a model of several dtypes (the receiver checks every tensor bit for bit)
+    weights = model_weights(1)
+    specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in weights.items())
+    peers[0].send("receive", REPLY_S)
+    stats = publisher.publish(StreamedTensors(specs, lambda: iter(weights.items())), 1)
+    assert peers[0].reply() == ("ok", 1, []) and stats.num_tensors == len(weights)
+
+    # one dtype (a learner's weights): each tensor is made when its bucket is filled, so only
+    # about a bucket's worth (here 2 tensors of 0.4 MB in 1 MB buckets) exists at a time
+    alive, most = [], [0]
+
+    def produce():
+        for name, tensor in model_weights(2).items():
+            most[0] = max(most[0], sum(ref() is not None for ref in alive))
+            made = tensor.clone()
+            alive.append(weakref.ref(made))
+            yield name, made
+            del made
+
+    specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in model_weights(2).items())
+    peers[0].send("receive", REPLY_S)
+    publisher.publish(StreamedTensors(specs, produce), 2)
+    assert peers[0].reply() == ("ok", 2, [])
+    publisher.close()
+    assert 0 < most[0] < len(specs) // 2, most[0]

@@ -69,6 +69,10 @@ class Stand:
     def handle(self):
         return self
 
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
     def alive(self) -> bool:
         return not self.dead
 
