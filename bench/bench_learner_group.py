@@ -7,9 +7,9 @@ rank on 2 torch threads, or 2 ranks on 1 thread each. Models: the tiny model and
 Qwen2.5-0.5B-shaped one (random weights; 2 layers in quick mode).
 
 Figures (same run): the learner step time of 2 ranks over 1 rank, and each rank's bytes of
-parameters + gradients + AdamW state over the single learner's (the issue's target with 2 ranks:
-<= 0.6x). Peak resident memory per rank is recorded too; on CPU it includes the whole model each
-rank loads from disk before it shards it.
+parameters + AdamW state (gradients are freed after each step) over the single learner's (the
+issue's target with 2 ranks: <= 0.6x). Peak resident memory per rank is recorded too; on CPU it
+includes the whole model each rank loads from disk before it shards it.
 
     python -m bench learner_group [--quick] [-- --models tiny,qwen05b --steps 3]
 """

@@ -385,7 +385,7 @@ def _learner_group(d: dict, results: Path, base: Path) -> str:
         "",
         f"`start_learner_group` with 1 and 2 ranks on the same batch ({s['groups']} groups, {s['samples']}); "
         f"{s['threads']}; step time over {s['steps']} steps after a warm-up. State bytes: a rank's "
-        "parameters + gradients + AdamW state.",
+        "parameters + AdamW state, read after a step (its gradients are freed then).",
         "",
         _ratios(d),
         "| case | step s (median) | step s repeats | state bytes per rank | peak RSS per rank |",

@@ -795,7 +795,7 @@ class LearnerActor:
         return self.rank
 
     def memory(self) -> dict[str, float]:
-        """What this rank holds: ``state_bytes`` (parameters, gradients and AdamW state: its
+        """What this rank holds: ``state_bytes`` (parameters, AdamW state and any gradients: its
         shards in a group), ``peak_rss_bytes`` (the process's peak resident memory) and, on a
         GPU, ``peak_gpu_bytes``."""
         import resource

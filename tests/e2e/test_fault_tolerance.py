@@ -6,7 +6,6 @@ method, so they land at a known step.
 """
 
 import json
-import pickle
 import subprocess
 import sys
 import threading
@@ -129,44 +128,3 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [5]
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]
-
-
-def test_async_run_with_auto_resume_survives_a_learner_death(tmp_path, tiny_model_path, local_ray):
-    """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
-    the learner dies in step 4 and the run resumes from step_2 by itself and finishes."""
-    from rlpost import controller as ctl
-    from rlpost.runs import create_run_dir
-
-    ray = local_ray
-    cfg = tiny_cfg(
-        tiny_model_path,
-        "e2e-auto",
-        "trainer.mode=async",
-        "trainer.steps=5",
-        "trainer.checkpoint_interval=2",
-        "trainer.auto_resume=true",
-        "trainer.keep_checkpoints=5",
-    )
-    run_dir = create_run_dir(cfg, tmp_path / "auto")
-    killed = []
-
-    class KillLearnerOnce(ctl.Controller):
-        def _train(self, groups, step):
-            if step == 4 and not killed:
-                killed.append(step)
-                ray.kill(self.actors.learner.handle)
-            return super()._train(groups, step)
-
-    original, ctl.Controller = ctl.Controller, KillLearnerOnce
-    try:
-        assert ctl.run_training(cfg, run_dir) == 0
-    finally:
-        ctl.Controller = original
-    rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["learner_resumes"] for r in rows] == [0, 0, 1, 1, 1]  # step 3 was trained again after the resume
-    assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [3]
-    assert all(r["staleness_max"] <= 1 for r in rows)
-    state = pickle.loads((run_dir / "checkpoints" / "step_2" / "rollout_state.pkl").read_bytes())
-    assert set(state["producer_states"]) == {"env-pool-0"}
-    assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])

@@ -57,6 +57,11 @@ def test_a_two_rank_learner_learns_and_its_checkpoint_resumes_with_one_rank(tmp_
 
 
 def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp_path, tiny_model_path):
+    """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
+    learner-1 dies in step 6 and the run resumes from step_4 by itself (a group of two ranks
+    again) and finishes."""
+    import pickle
+
     import ray
 
     from rlpost import controller as ctl
@@ -66,15 +71,15 @@ def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp
     cfg = load_config(
         "configs/tiny-cpu.yaml",
         [f"model.name_or_path={tiny_model_path}", *PRACTICE, "trainer.mode=async", "resources.learner.num_threads=1",
-         "trainer.steps=12", "trainer.checkpoint_interval=2", "trainer.auto_resume=true",
-         "resources.learner.timeout_s=60", "logging.run_name=e2e-group-kill"],
+         "trainer.steps=12", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=10",
+         "trainer.auto_resume=true", "resources.learner.timeout_s=60", "logging.run_name=e2e-group-kill"],
     )  # fmt: skip
     run_dir = create_run_dir(cfg, tmp_path / "kill")
     killed = []
 
     class KillRankOneOnce(ctl.Controller):
         def _train(self, groups, step):
-            if step == 5 and not killed:
+            if step == 6 and not killed:
                 name, handle = self.actors.learner.members[1]
                 killed.append(name)
                 ray.kill(handle)
@@ -90,6 +95,10 @@ def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp
     assert killed == ["learner-1"]
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 13))
-    assert [r["learner_resumes"] for r in rows] == [0] * 4 + [1] * 8  # resumed from step_4
-    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
+    assert [r["learner_resumes"] for r in rows] == [0] * 4 + [1] * 8  # step 5 was trained again
+    assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [5]
+    assert all(r["sync_logprob_diff"] <= 1e-3 and r["staleness_max"] <= 1 for r in rows)
     assert gain(rows) > 0.05, [r["reward_mean"] for r in rows]
+    state = pickle.loads((run_dir / "checkpoints" / "step_4" / "rollout_state.pkl").read_bytes())
+    assert set(state["producer_states"]) == {"env-pool-0"}
+    assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])
