@@ -1,5 +1,7 @@
 """The clients' failure mapping on real Ray actors: who is named as lost when an actor dies."""
 
+import time
+
 import pytest
 
 from rlpost.clients import ActorClient, ActorLost
@@ -36,6 +38,11 @@ def test_only_the_actor_that_died_is_named_lost(ray_cluster):
     assert caller.alive()
 
     caller.kill()
+    # ray.kill returns before the actor is gone: a call sent meanwhile could still run and fail on
+    # the dead worker (an error about another actor), so wait until Ray no longer holds its name
+    deadline = time.monotonic() + 30
+    while caller.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
     with pytest.raises(ActorLost) as lost:
         caller.call("call_worker", timeout_s=60)
     assert lost.value.name == "mapping-caller"

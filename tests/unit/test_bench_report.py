@@ -231,6 +231,7 @@ def test_workload_overrides_and_benchmark_names():
         "scaling",
         "sandbox",
         "grpo_by_hand",
+        "learner_group",
         "profile_tiny",
         "profile_qwen05b",
     }
