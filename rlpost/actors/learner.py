@@ -69,7 +69,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -366,15 +366,13 @@ class Learner:
         for name, tensor in self.model.state_dict().items():
             yield name, sharding.full_tensor(tensor.detach()).to(device=device, dtype=dtype).contiguous()
 
-    def weights_for_sync(self, device: str | torch.device = "cpu", tensors=None) -> StreamedTensors:
-        """:meth:`named_parameters_for_sync` as :class:`~rlpost.transport.bucketing.StreamedTensors`:
-        names, dtypes and shapes up front, each tensor made (gathered, cast) only when the bus
-        fills its bucket, so the whole model is never copied at once. ``tensors``: an iterator of
-        :meth:`named_parameters_for_sync` already made (the caller sees how far it was consumed)."""
+    def weights_for_sync(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> StreamedTensors:
+        """``tensors`` (an iterator of :meth:`named_parameters_for_sync`) as
+        :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes up front,
+        each tensor made (gathered, cast) only when the bus fills its bucket, so the whole model is
+        never copied at once; the caller sees how far the bus consumed it."""
         dtype = _DTYPES[self.cfg.model.dtype]
         specs = tuple((name, dtype, tuple(t.shape)) for name, t in self.model.state_dict().items())
-        if tensors is None:
-            return StreamedTensors(specs, functools.partial(self.named_parameters_for_sync, device))
         return StreamedTensors(specs, lambda: tensors)
 
     def _tied_embeddings(self) -> bool:
@@ -397,7 +395,7 @@ class Learner:
         start = time.perf_counter()
         tensors = self.named_parameters_for_sync(device)
         try:
-            stats = self.publisher.publish(self.weights_for_sync(device, tensors), self._version)
+            stats = self.publisher.publish(self.weights_for_sync(tensors), self._version)
         finally:
             if self.sharded:  # a failed send: still gather every tensor, as the other ranks do
                 for _ in tensors:  # (the group's next collective must be the same on every rank)
