@@ -10,6 +10,8 @@ Treat renaming a key as a breaking change: configs and run directories outlive t
 from __future__ import annotations
 
 import datetime as _dt
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +26,43 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# The adapter ranks vLLM's engines are built for (its ``max_lora_rank`` choices).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraConfig(_Section):
+    """Train a LoRA adapter (``peft``) instead of every weight; the engines serve it with vLLM's LoRA."""
+
+    rank: int = Field(
+        16, ge=1, le=VLLM_LORA_RANKS[-1], description="The adapter's rank r (vLLM serves ranks up to 512)."
+    )
+    alpha: float = Field(32.0, gt=0, description="LoRA's alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input in the training passes only (never when scoring or "
+        "generating); it makes the new/old probability ratio noisy, so RL runs usually keep 0.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names (last part) of the linear layers that get an adapter; the default fits Llama, Qwen "
+        "and Mistral models.",
+    )
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="What each weight sync sends: 'adapter' (only the adapter's tensors; the engines serve "
+        "it with vLLM's LoRA), 'merged' (the base weights with the adapter merged in, the engines serve no "
+        "LoRA) or 'auto' (adapter, or merged with a warning where an engine cannot serve LoRA).",
+    )
+    save_merged: bool = Field(
+        False,
+        description="Checkpoints also hold the merged model in HF format (step_<N>/merged/, loadable "
+        "with AutoModelForCausalLM); the adapter is always saved.",
+    )
 
 
 class ModelConfig(_Section):
@@ -44,6 +83,11 @@ class ModelConfig(_Section):
         "tokenizer's own; it must mark assistant turns with {% generation %} for assistant masks.",
     )
     trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train a LoRA adapter on the frozen base model instead of every weight (null: full "
+        "fine-tuning). Set `model.lora={}` for the defaults.",
+    )
 
     @property
     def tokenizer_path(self) -> str:
@@ -483,6 +527,11 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             "weight_sync.backend=nccl needs GPUs: set resources.inference.num_gpus and resources.learner.num_gpus"
         )
+    if cfg.model.lora is not None and cfg.resources.learner.num_workers > 1:
+        errors.append(
+            f"model.lora with resources.learner.num_workers={cfg.resources.learner.num_workers}: a LoRA "
+            "learner is one rank (its trainable state is the small adapter); set resources.learner.num_workers=1"
+        )
     if cfg.rollout.max_tokens >= cfg.rollout.engine.max_model_len:
         errors.append(
             f"rollout.max_tokens ({cfg.rollout.max_tokens}) must be below rollout.engine.max_model_len "
@@ -577,9 +626,18 @@ def _check_known_path(key: str) -> None:
         if part not in model.model_fields:
             raise ConfigError(f"unknown config key: {'.'.join(walked)}")
         annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = section_type(annotation)
         if annotation is not None and getattr(annotation, "__origin__", None) is dict:
             return  # free-form mapping (engine.extra): any sub-key is allowed
+
+
+def section_type(annotation: Any) -> type[BaseModel] | None:
+    """The config section a field holds: its type, or the section of an optional one
+    (``LoraConfig | None``); None for a plain value."""
+    union = typing.get_origin(annotation) in (types.UnionType, typing.Union)
+    candidates = typing.get_args(annotation) if union else (annotation,)
+    sections = [t for t in candidates if isinstance(t, type) and issubclass(t, BaseModel)]
+    return sections[0] if len(sections) == 1 else None
 
 
 def _describe(exc: ValidationError) -> str:

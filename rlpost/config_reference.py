@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlpost.config import JobConfig
+from rlpost.config import JobConfig, section_type
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -52,6 +52,10 @@ def _table(model: type[BaseModel], prefix: str) -> str:
         key = f"{prefix}.{name}"
         section = _section_class(field)
         if section is not None:
+            if section is not field.annotation:  # an optional section: null turns it off
+                rows.append(
+                    f"| `{key}` | `{section.__name__} \\| None` | {_default(field)} | {_cell(field.description or '')} |"
+                )
             nested.append(f"### `{key}`\n\n{_doc(section)}\n\n{_table(section, key)}")
             continue
         rows.append(f"| `{key}` | {_type(field)} | {_default(field)} | {_cell(field.description or '')} |")
@@ -59,8 +63,7 @@ def _table(model: type[BaseModel], prefix: str) -> str:
 
 
 def _section_class(field: FieldInfo) -> type[BaseModel] | None:
-    annotation = field.annotation
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return section_type(field.annotation)
 
 
 def _doc(model: type[BaseModel]) -> str:

@@ -30,12 +30,14 @@ sync on the run's inference workers (collection goes on beside it in async mode)
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from rlpost.config import ConfigError, JobConfig
+from rlpost.lora import is_adapter_checkpoint, merged_model_for
 
 EVAL_KEYS = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k", "eval_length_mean", "eval_s",
              "eval_num_prompts", "eval_policy_version")  # fmt: skip
@@ -152,10 +154,10 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
         if checkpoint is None:
             raise ConfigError(f"run directory {target} holds no checkpoint yet")
         return checkpoint, target
-    if not (target / "config.json").is_file():
+    if not (target / "config.json").is_file() and not is_adapter_checkpoint(target):
         raise ConfigError(
             f"{target} is neither a run directory (config.yaml + checkpoints/) nor a checkpoint "
-            "folder (config.json of a Hugging Face model)"
+            "folder (config.json of a Hugging Face model, or adapter_config.json of a LoRA run's)"
         )
     run_dir = target.parent.parent if target.parent.name == "checkpoints" else None
     return target, run_dir if run_dir is not None and (run_dir / "config.yaml").is_file() else None
@@ -168,7 +170,9 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
 
     The config is ``config`` (default: the run's config.yaml) plus ``overrides``; its model is
     replaced by the checkpoint (weights and tokenizer), everything else (the eval section, the
-    task, the engine) is the config's.
+    task, the engine) is the config's. A LoRA run's checkpoint is scored as its merged model: the
+    checkpoint's ``merged/`` folder, or else the config's base model with the adapter merged in
+    (written to a temporary folder).
     """
     from rlpost.config import load_config
     from rlpost.policies.vllm_workers import make_vllm_worker
@@ -179,14 +183,19 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
             raise ConfigError(f"{checkpoint} is not inside a run directory: give the CONFIG to evaluate it with")
         config = run_dir / "config.yaml"
     cfg = load_config(config, list(overrides))
-    cfg.model.name_or_path, cfg.model.tokenizer = str(checkpoint), None
-    evaluator = Evaluator(cfg)  # bad eval data fails here, before the engine starts
-    worker = make_vllm_worker(str(checkpoint), make_ray_worker=False, engine_config=cfg.rollout.engine,
-                              dtype=cfg.model.dtype)  # fmt: skip
-    try:
-        metrics = evaluator.run(worker.client)
-    finally:
-        worker.shutdown()
+    with tempfile.TemporaryDirectory(prefix="rlpost-eval-merged-") as scratch:
+        model = checkpoint
+        if is_adapter_checkpoint(checkpoint):
+            model = merged_model_for(checkpoint, cfg.model.name_or_path, scratch,
+                                     trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
+        cfg.model.name_or_path, cfg.model.tokenizer, cfg.model.lora = str(model), None, None
+        evaluator = Evaluator(cfg)  # bad eval data fails here, before the engine starts
+        worker = make_vllm_worker(str(model), make_ray_worker=False, engine_config=cfg.rollout.engine,
+                                  dtype=cfg.model.dtype)  # fmt: skip
+        try:
+            metrics = evaluator.run(worker.client)
+        finally:
+            worker.shutdown()
     # the engine counts versions from the weights it loaded (0): the checkpoint's name says which
     metrics.pop("eval_policy_version", None)
     return checkpoint, metrics

@@ -19,16 +19,23 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import shutil
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlpost.config import EngineConfig, RoleResources
+from rlpost.config import EngineConfig, LoraConfig, RoleResources
+from rlpost.lora import engine_lora_kwargs, engine_supports_lora
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
 
+log = logging.getLogger("rlpost")
 EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
 
 
@@ -41,11 +48,13 @@ class InferenceSettings:
     dtype: str  # ``model.dtype``: the engine's dtype, and the dtype the weights are published in
     resources: RoleResources  # ``resources.inference``
     run_name: str = ""  # the run whose metrics the worker reports under
+    lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (sync not "merged")
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> InferenceSettings:
+        lora = cfg.model.lora if cfg.model.lora is not None and cfg.model.lora.sync != "merged" else None
         return cls(cfg.model.name_or_path, cfg.rollout.engine, cfg.model.dtype, cfg.resources.inference,
-                   cfg.logging.run_name or "")  # fmt: skip
+                   cfg.logging.run_name or "", lora)  # fmt: skip
 
 
 def start_inference(settings: InferenceSettings, index: int, *, namespace: str | None = None, **options: Any):
@@ -59,7 +68,7 @@ def start_inference(settings: InferenceSettings, index: int, *, namespace: str |
     return make_vllm_worker(
         settings.model_path, engine_config=settings.engine, dtype=settings.dtype, name=f"inference-{index}",
         index=index, num_cpus=settings.resources.num_cpus, num_gpus=settings.resources.num_gpus,
-        ray_options=options, run_name=settings.run_name,
+        ray_options=options, run_name=settings.run_name, lora=settings.lora,
     )  # fmt: skip
 
 
@@ -85,16 +94,36 @@ def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
 
 
 class InferenceWorker:
-    """A vLLM engine behind generate / score / weight-update calls; see the module docstring."""
+    """A vLLM engine behind generate / score / weight-update calls; see the module docstring.
 
-    def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0):
+    With ``lora`` (a ``model.lora`` section) the engine serves a LoRA adapter on the base model:
+    each update brings the adapter's tensors, which the worker writes to a folder of its own and
+    loads as the engine's adapter, and every later generate and score uses it. Version 0 is the
+    base model (a fresh adapter changes nothing). An engine that cannot serve LoRA for this model
+    is started without it (logged; ``serves_lora()`` says so and the learner sends merged weights).
+    """
+
+    def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0,
+                 lora: LoraConfig | None = None):  # fmt: skip
         import torch
 
         self.index = index
         self.version = 0
         self.model_path = model_path
-        self.llm = make_vllm_engine(model_path, dtype=dtype, **engine_kwargs(engine, on_gpu=torch.cuda.is_available()))
+        kwargs = engine_kwargs(engine, on_gpu=torch.cuda.is_available())
+        if lora is not None and not engine_supports_lora(
+            model_path, trust_remote_code=bool(kwargs.get("trust_remote_code"))
+        ):
+            log.warning("inference-%d: vLLM cannot serve a LoRA adapter on %s; this worker loads the merged "
+                        "weights the learner sends instead", index, model_path)  # fmt: skip
+            lora = None
+        self.lora = lora
+        if lora is not None:
+            kwargs.update(engine_lora_kwargs(lora))
+        self.llm = make_vllm_engine(model_path, dtype=dtype, **kwargs)
         self.client = LocalVLLMClient(self.llm)
+        self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if self.lora else None
+        self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         """Completions per prompt plus the version of the weights that produced all of them."""
@@ -106,12 +135,41 @@ class InferenceWorker:
     def join_bus(self, spec: dict, rank: int) -> int:
         return self.llm.collective_rpc("rlpost_join_bus", args=(spec, rank))[0]
 
+    def serves_lora(self) -> bool:
+        """Whether updates are LoRA adapters this engine serves (else whole weights)."""
+        return self.lora is not None
+
     def update_weights(self, timeout_s: float) -> dict:
         """Receive the next published weights (blocking up to ``timeout_s``) and switch to them."""
+        if self.lora is not None:
+            return self._update_adapter(timeout_s)
         info = self.llm.collective_rpc("rlpost_receive_weights", args=(timeout_s,), timeout=timeout_s + 30)[0]
         self.llm.reset_prefix_cache()
         self.version = int(info["version"])
         return info
+
+    def _update_adapter(self, timeout_s: float) -> dict:
+        """Receive the adapter of the next version into a new folder, load it as a new adapter of
+        the engine, then drop the previous one (its id and its folder)."""
+        from vllm.lora.request import LoRARequest
+
+        from rlpost.lora import adapter_config_dict
+
+        self._adapter_loads += 1
+        folder = os.path.join(self._adapter_root, f"load-{self._adapter_loads}")
+        config = adapter_config_dict(self.lora, self.model_path)
+        args = (timeout_s, folder, config)
+        info = self.llm.collective_rpc("rlpost_receive_adapter", args=args, timeout=timeout_s + 30)[0]
+        start = time.perf_counter()
+        request = LoRARequest(f"rlpost-policy-v{int(info['version'])}", self._adapter_loads, folder)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"inference-{self.index}: vLLM did not load the adapter of version {info['version']}")
+        previous, self.client.lora_request = self.client.lora_request, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.version = int(info["version"])
+        return {**info, "load_s": info["load_s"] + time.perf_counter() - start}
 
     def get_version(self) -> int:
         return self.version
@@ -122,6 +180,8 @@ class InferenceWorker:
 
     def shutdown(self) -> None:
         shutdown_vllm_engine(self.llm)
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
 class InferenceActor(InferenceWorker):

@@ -46,6 +46,12 @@ backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_pe
 bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`). Neither changes
 the step's loss or gradient.
 
+LoRA (``model.lora``): the model is wrapped by ``peft`` with an adapter on each target layer and
+only the adapter trains (AdamW holds state for it alone). A sync sends the adapter's tensors,
+which the inference workers serve as a vLLM LoRA adapter, or the merged weights where an engine
+cannot (``sync_mode``, :meth:`choose_sync_mode`); checkpoints hold the adapter in peft's format
+and, with ``model.lora.save_merged``, the merged model in ``merged/`` (:mod:`rlpost.lora`).
+
 Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
 :mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group. Every rank is
 given the whole step's groups and trains on its share (rank r takes groups r, r + N, ...); the
@@ -62,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import logging
 import os
 import pickle
 import re
@@ -77,6 +84,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
+from rlpost import lora
 from rlpost.actors import learner_name, sharding, start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
 from rlpost.algo import load_loss_function, loss_normaliser
@@ -118,6 +126,7 @@ _TOKEN_MEAN_METRICS = (
 _LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
 # forming a learner group waits this long beyond the group's timeout: every rank loads the model first
 _MODEL_LOAD_GRACE_S = 600.0
+log = logging.getLogger("rlpost")
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
 
 
@@ -188,18 +197,30 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(
             cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
         )
+        self._architecture = type(self.model).__name__  # before sharding renames the class
+        if cfg.model.lora is not None:
+            if sharded:
+                raise ValueError("model.lora: a LoRA learner is one rank, not a sharded group")
+            self.model = lora.apply_lora(self.model, cfg.model.lora)
+        # what publish() sends: every weight, or with LoRA the adapter (or the merged weights where
+        # the engines serve no LoRA: LearnerActor.connect_workers may switch to "merged")
+        self.sync_mode = (
+            "full" if cfg.model.lora is None else ("merged" if cfg.model.lora.sync == "merged" else "adapter")
+        )
         if not sharded:  # a sharded model's shards go to the device as each layer is sharded
             self.model.to(self.device)
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self._architecture = type(self.model).__name__  # before sharding renames the class
+            enable_activation_checkpointing(self._transformers_model)
         if sharded:
             bf16 = self.device.type == "cuda" and cfg.model.dtype == "bfloat16"
             sharding.shard_model(self.model, param_dtype=torch.bfloat16 if bf16 else None)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            weight_decay=opt.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
@@ -207,6 +228,11 @@ class Learner:
         self.loss_fn = self._make_loss()
         self._version = 0
         self._step = 0  # train_step calls completed (the controller's step, saved in checkpoints)
+
+    @property
+    def _transformers_model(self) -> torch.nn.Module:
+        """The transformers model (with LoRA: the one inside peft's wrapper)."""
+        return self.model.get_base_model() if lora.is_lora_model(self.model) else self.model
 
     def _make_loss(self) -> GRPOLoss:
         cfg = self.cfg
@@ -303,7 +329,7 @@ class Learner:
         gradient, so that every rank of a sharded group runs as many (module docstring)."""
         parts = []
         for batch in micro_batches:
-            with self._autocast():
+            with self._autocast(), self._adapter_dropout():
                 terms = self.loss_fn.loss_terms(batch, normaliser=normaliser)
             terms.loss.backward()
             parts.append((terms.metrics(), int(loss_tokens(batch).sum())))
@@ -322,6 +348,21 @@ class Learner:
         metrics = _combine_micro_metrics(parts)
         metrics.update(grad_norm=float(grad_norm), lr=float(lr))
         return metrics
+
+    @contextlib.contextmanager
+    def _adapter_dropout(self):
+        """The LoRA adapters' dropout on, for one training pass (``model.lora.dropout``; the
+        model stays in eval mode otherwise, so scoring never drops anything)."""
+        dropouts = (
+            [] if self.cfg.model.lora is None or self.cfg.model.lora.dropout == 0 else lora.adapter_dropouts(self.model)
+        )
+        for module in dropouts:
+            module.training = True
+        try:
+            yield
+        finally:
+            for module in dropouts:
+                module.training = False
 
     def _idle_pass(self) -> None:
         """A forward and backward that adds nothing to the gradient (one pad token, loss x 0):
@@ -349,6 +390,37 @@ class Learner:
             logprobs_bt = self.loss_fn.score(tokens_bt, attention_bt)
         return [logprobs_bt[i, : len(ids)].float().tolist() for i, ids in enumerate(rows)]
 
+    def _sync_tensors(self, *, materialise: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a sync sends, by ``sync_mode``, before any gather or cast: the model's
+        ``state_dict()`` ("full"), the LoRA adapter's tensors ("adapter") or the base weights with
+        the adapter merged in ("merged"; ``materialise=False``: unmerged, for their shapes)."""
+        if self.sync_mode == "adapter":
+            return lora.adapter_tensors(self.model)
+        if self.sync_mode == "merged":
+            return lora.merged_tensors(self.model, merge=materialise)
+        return iter(self.model.state_dict().items())
+
+    def choose_sync_mode(self, workers_serve_lora: Sequence[bool]) -> str:
+        """With LoRA: send the adapter when every worker serves LoRA (``workers_serve_lora``, in
+        worker order), otherwise the merged weights (``model.lora.sync: auto``, with a warning)
+        or refuse (``sync: adapter``). Returns the mode, also kept in ``sync_mode``."""
+        section = self.cfg.model.lora
+        if section is None or section.sync == "merged":
+            return self.sync_mode
+        without = [i for i, serves in enumerate(workers_serve_lora) if not serves]
+        if not without:
+            self.sync_mode = "adapter"
+        elif section.sync == "adapter":
+            raise RuntimeError(
+                f"model.lora.sync=adapter, but inference workers {without} cannot serve a LoRA adapter (their "
+                "log says why); set model.lora.sync=merged or auto to send merged weights instead"
+            )
+        else:
+            log.warning("inference workers %s cannot serve a LoRA adapter: each weight sync sends the merged "
+                        "model instead (model.lora.sync=auto)", without)  # fmt: skip
+            self.sync_mode = "merged"
+        return self.sync_mode
+
     def named_parameters_for_sync(self, device: str | torch.device = "cpu") -> Iterable[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs for the inference engines, lazily.
 
@@ -359,11 +431,15 @@ class Learner:
         ``model.embed_tokens.weight`` leaves the head stale (measured: sync_logprob_diff 2e-2
         after one step without it, 3e-6 with it).
 
+        With LoRA (``sync_mode`` "adapter") they are the adapter's tensors under peft's names
+        (``...q_proj.lora_A.weight``), which the workers load as a vLLM LoRA adapter; with
+        ``sync_mode`` "merged", the base model's names and the merged weights.
+
         With a sharded model each tensor is gathered whole in turn (a collective: every rank
         iterates, in the same order).
         """
         dtype = _DTYPES[self.cfg.model.dtype]
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self._sync_tensors():
             yield name, sharding.full_tensor(tensor.detach()).to(device=device, dtype=dtype).contiguous()
 
     def weights_for_sync(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> StreamedTensors:
@@ -372,7 +448,7 @@ class Learner:
         each tensor made (gathered, cast) only when the bus fills its bucket, so the whole model is
         never copied at once; the caller sees how far the bus consumed it."""
         dtype = _DTYPES[self.cfg.model.dtype]
-        specs = tuple((name, dtype, tuple(t.shape)) for name, t in self.model.state_dict().items())
+        specs = tuple((name, dtype, tuple(t.shape)) for name, t in self._sync_tensors(materialise=False))
         return StreamedTensors(specs, lambda: tensors)
 
     def _tied_embeddings(self) -> bool:
@@ -462,8 +538,11 @@ class Learner:
         errno. Through a file object, the OSError of the failed write stays in the
         exception's ``__context__``, where :func:`_os_error_behind` finds it.
         """
-        self.model.save_pretrained(folder)
+        self.model.save_pretrained(folder)  # with LoRA: the adapter (adapter_config.json, adapter_model.safetensors)
         self.tokenizer.save_pretrained(folder)
+        if self.cfg.model.lora is not None and self.cfg.model.lora.save_merged:
+            lora.save_merged(self.model, folder / lora.MERGED_FOLDER)
+            self.tokenizer.save_pretrained(folder / lora.MERGED_FOLDER)
         with open(folder / TRAINER_STATE, "wb") as f:
             torch.save(self._trainer_state(step), f)
         if rollout_state is not None:
@@ -560,6 +639,8 @@ class Learner:
             return self._load_sharded_checkpoint(path)
         if not (path / TRAINER_STATE).is_file():
             raise FileNotFoundError(f"{path} is not a learner checkpoint (no {TRAINER_STATE} or {TRAINER_SHARDS}/)")
+        if lora.is_adapter_checkpoint(path) or self.cfg.model.lora is not None:
+            return self._load_adapter_checkpoint(path)
         saved = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=self.cfg.model.trust_remote_code
         )
@@ -573,6 +654,29 @@ class Learner:
         else:
             self.model.load_state_dict(saved.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
+        return self._restore_meta(state, path)
+
+    def _load_adapter_checkpoint(self, path: Path) -> dict:
+        """:meth:`load_checkpoint` of a LoRA learner: the adapter's weights and its optimizer."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if self.cfg.model.lora is None:
+            raise ValueError(
+                f"{path} holds a LoRA adapter (its run set model.lora); resume it with the same model.lora section"
+            )
+        if not lora.is_adapter_checkpoint(path):
+            raise ValueError(f"{path} holds a whole model, not a LoRA adapter: its run did not set model.lora")
+        saved = load_file(path / lora.ADAPTER_WEIGHTS)
+        expected = dict(lora.adapter_tensors(self.model))
+        if set(saved) != set(expected) or any(saved[k].shape != expected[k].shape for k in saved):
+            raise ValueError(
+                f"{path}: its adapter does not fit model.lora (rank {self.cfg.model.lora.rank}, target_modules "
+                f"{self.cfg.model.lora.target_modules}); resume with the model.lora section of the run that wrote it"
+            )
+        set_peft_model_state_dict(self.model, saved)
+        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
         return self._restore_meta(state, path)
 
     def _load_sharded_checkpoint(self, path: Path) -> dict:
@@ -830,6 +934,8 @@ class LearnerActor:
         )
         updater.init()
         self.learner.publisher = updater
+        if self.cfg.model.lora is not None:
+            self.learner.choose_sync_mode(updater.workers_serve_lora())
         return updater.version
 
     def set_workers(self, workers: list) -> int:

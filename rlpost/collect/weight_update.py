@@ -158,6 +158,11 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         spec = dataclasses.asdict(self.publisher.spec)
         self._wait([self._call(worker, "join_bus", spec, rank) for rank, worker in enumerate(self.workers, start=1)])
 
+    def workers_serve_lora(self) -> list[bool]:
+        """Whether each worker's engine serves a LoRA adapter (then a publish sends the adapter's
+        tensors, which the worker loads as one; otherwise whole weights)."""
+        return [bool(served) for served in self._wait([self._call(w, "serves_lora") for w in self._targets()])]
+
     def push_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Publish ``weights`` as ``version`` (default: the last one, or the workers' at the
         first push, + 1) and return once every worker serves them; returns the version."""

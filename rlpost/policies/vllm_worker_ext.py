@@ -40,6 +40,22 @@ class WeightSyncExtension:
             "num_tensors": len(tensors),
         }
 
+    def rlpost_receive_adapter(self, timeout_s: float, folder: str, adapter_config: dict) -> dict:
+        """Receive the next update, a LoRA adapter's tensors, and write it as an adapter folder
+        (``folder``) that the engine then loads as a LoRA adapter; returns version and timings."""
+        from rlpost.lora import write_adapter
+
+        start = time.perf_counter()
+        version, tensors = self._rlpost_receiver.receive(timeout_s)
+        received = time.perf_counter()
+        write_adapter(folder, tensors, adapter_config)
+        return {
+            "version": version,
+            "receive_s": received - start,
+            "load_s": time.perf_counter() - received,
+            "num_tensors": len(tensors),
+        }
+
     def rlpost_load_weights(self, named_tensors: list) -> int:
         """Load weights handed over directly (tests, single-process use); returns the tensor count."""
         self._rlpost_reload(named_tensors)

@@ -44,6 +44,7 @@ def make_vllm_worker(
     index: int = 0,
     ray_options: dict[str, Any] | None = None,
     run_name: str = "",
+    lora: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
@@ -64,6 +65,8 @@ def make_vllm_worker(
         index: the first replica's worker index (it names the worker's metrics).
         ray_options: more Ray actor options (e.g. ``scheduling_strategy``).
         run_name: the run whose metrics the worker reports under.
+        lora: a ``model.lora`` section (:class:`~rlpost.config.LoraConfig`): the engines serve a
+            LoRA adapter on the base model, updated by each publish.
         **kwargs: ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed`` and any
             other ``vllm.LLM`` argument.
     """
@@ -90,7 +93,7 @@ def make_vllm_worker(
     for replica in range(num_replicas):
         worker_index = index + replica
         if not make_ray_worker:
-            workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index))
+            workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index, lora=lora))
             continue
         import ray
 
@@ -99,7 +102,9 @@ def make_vllm_worker(
         if name is not None:
             options["name"] = name if num_replicas == 1 else f"{name}-{replica}"
         actor = ray.remote(InferenceActor).options(**options)
-        workers.append(actor.remote(model_name, engine_config, dtype=dtype, index=worker_index, run_name=run_name))
+        workers.append(
+            actor.remote(model_name, engine_config, dtype=dtype, index=worker_index, run_name=run_name, lora=lora)
+        )
     return workers[0] if num_replicas == 1 else workers
 
 

@@ -60,10 +60,15 @@ class VLLMEngineClient(Protocol):
 
 
 class LocalVLLMClient:
-    """:class:`VLLMEngineClient` on an in-process ``vllm.LLM``."""
+    """:class:`VLLMEngineClient` on an in-process ``vllm.LLM``.
+
+    ``lora_request``: the ``vllm.lora.request.LoRARequest`` every call generates and scores with
+    (None: the base model); an inference worker that serves a LoRA adapter sets it at each update.
+    """
 
     def __init__(self, llm):
         self.llm = llm
+        self.lora_request = None
 
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
@@ -103,7 +108,7 @@ class LocalVLLMClient:
         params = SamplingParams(
             max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full_vocab else 0, detokenize=False
         )
-        return self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False)
+        return self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False, lora_request=self.lora_request)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -111,7 +116,9 @@ class LocalVLLMClient:
         sampling = dict(sampling)
         want_logprobs = bool(sampling.pop("logprobs", True))
         params = SamplingParams(**sampling, logprobs=0 if want_logprobs else None, detokenize=False)
-        outputs = self.llm.generate(_token_prompts(prompt_token_ids), params, use_tqdm=False)
+        outputs = self.llm.generate(
+            _token_prompts(prompt_token_ids), params, use_tqdm=False, lora_request=self.lora_request
+        )
         return [[_completion(c, want_logprobs) for c in request.outputs] for request in outputs]
 
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:

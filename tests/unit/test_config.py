@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from rlpost.config import ConfigError, JobConfig, load_config, save_config
+from rlpost.config import ConfigError, JobConfig, load_config, save_config, section_type
 
 pytestmark = pytest.mark.unit
 
@@ -43,9 +43,9 @@ def test_every_field_has_a_description():
     def walk(model, prefix):
         for name, field in model.model_fields.items():
             assert field.description, f"{prefix}{name} has no description"
-            ann = field.annotation
-            if isinstance(ann, type) and hasattr(ann, "model_fields"):
-                walk(ann, f"{prefix}{name}.")
+            section = section_type(field.annotation)  # optional sections too (model.lora)
+            if section is not None:
+                walk(section, f"{prefix}{name}.")
 
     walk(JobConfig, "")
 

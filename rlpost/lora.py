@@ -1,0 +1,212 @@
+"""LoRA adapters (``model.lora``): the learner trains one with ``peft``, the engines serve it.
+
+The pieces, from the learner to the engines::
+
+    apply_lora(model, lora)          the learner's model: the base frozen, an adapter on each target layer
+    adapter_tensors(peft_model)      what a sync sends with lora.sync=adapter: the adapter only, named as
+                                     in peft's adapter_model.safetensors
+    merged_tensors(peft_model)       what it sends with lora.sync=merged: the base weights with the
+                                     adapter merged in, named as in the base model
+    write_adapter(folder, ...)       an inference worker writes what it received as a peft adapter folder;
+                                     its vLLM engine loads that folder as a LoRA adapter
+
+An engine serves LoRA when it was built with :func:`engine_lora_kwargs`. Both sides build the
+adapter's config with :func:`peft_config` from the same section, so the folder a worker writes
+describes what the learner trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlpost.config import VLLM_LORA_RANKS
+
+if TYPE_CHECKING:
+    from rlpost.config import LoraConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_FOLDER = "merged"  # a checkpoint's merged model (model.lora.save_merged)
+
+
+def peft_config(lora: LoraConfig):
+    """The ``peft.LoraConfig`` of the section (a causal LM's adapter, no bias terms)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def adapter_config_dict(lora: LoraConfig, base_model: str | None = None) -> dict[str, Any]:
+    """What ``adapter_config.json`` holds for this section (plain JSON values)."""
+    config = peft_config(lora)
+    config.base_model_name_or_path = base_model
+    return json.loads(json.dumps(config.to_dict(), default=_json_value))
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, set):
+        return sorted(value)
+    return str(value)
+
+
+def engine_lora_kwargs(lora: LoraConfig) -> dict[str, Any]:
+    """``vllm.LLM`` arguments that let an engine serve this adapter: one adapter at a time, of the
+    smallest rank vLLM builds for that holds ``lora.rank``."""
+    return {
+        "enable_lora": True,
+        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= lora.rank),
+        "max_loras": 1,
+    }
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """``model`` wrapped by peft with a fresh adapter on every target layer (the base weights
+    frozen; the adapter's B is zero, so the model still computes what the base does).
+
+    A target name that matches no layer of the model is an error naming it (peft would only
+    complain when none matches).
+    """
+    from peft import get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [target for target in lora.target_modules if target not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(
+            f"model.lora.target_modules: {type(model).__name__} has no layer named {missing}; its linear "
+            f"layers are {linear}"
+        )
+    return get_peft_model(model, peft_config(lora))
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter's tensors of a peft model, as peft saves them (``...q_proj.lora_A.weight``):
+    the names vLLM reads from an adapter folder."""
+    from peft import get_peft_model_state_dict
+
+    yield from get_peft_model_state_dict(model).items()
+
+
+def merged_tensors(model: torch.nn.Module, *, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's tensors of a peft model under their base names, each adapted layer's
+    weight with its adapter merged in (``W + scale * B @ A``), one at a time; the model is not
+    changed. ``merge=False`` yields the unmerged tensors under the same names (their shapes)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapted = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    for key, tensor in base.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if ".lora_" in f".{key}":  # lora_A / lora_B / lora_embedding_*: the adapter itself
+            continue
+        layer_name = owner.removesuffix(".base_layer")
+        if owner.endswith(".base_layer") and layer_name in adapted:
+            key = f"{layer_name}.{leaf}"
+            if merge and leaf == "weight":
+                layer = adapted[layer_name]
+                tensor = tensor + sum(layer.get_delta_weight(name) for name in layer.active_adapters)
+        yield key, tensor
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The merged model's float32 weights on the CPU (what :func:`save_merged` writes)."""
+    return {name: tensor.detach().float().cpu() for name, tensor in merged_tensors(model)}
+
+
+def save_merged(model: torch.nn.Module, folder: str | Path) -> Path:
+    """Write the merged model of a peft ``model`` to ``folder`` in Hugging Face format."""
+    folder = Path(folder)
+    base = model.get_base_model()
+    base.save_pretrained(folder, state_dict=merged_state_dict(model))
+    return folder
+
+
+def write_adapter(folder: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    """Write ``tensors`` and ``config`` as a peft adapter folder (``adapter_model.safetensors`` and
+    ``adapter_config.json``). Each file is written beside its name and renamed into place, so a
+    reader never sees half of one."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, write in (
+        (ADAPTER_WEIGHTS, lambda path: save_file({k: v.contiguous() for k, v in tensors.items()}, path)),
+        (ADAPTER_CONFIG, lambda path: Path(path).write_text(json.dumps(config, indent=2, sort_keys=True))),
+    ):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=folder)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, folder / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return folder
+
+
+def is_adapter_checkpoint(folder: str | Path) -> bool:
+    """A checkpoint folder written by a LoRA learner (its adapter, not a whole model)."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def merged_model_for(checkpoint: str | Path, base_model: str, dest: str | Path, *, trust_remote_code=False) -> Path:
+    """A Hugging Face model folder with the weights a LoRA ``checkpoint`` stands for: its own
+    ``merged/`` when it was saved with one, or else the base model with the adapter merged in,
+    written to ``dest``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / MERGED_FOLDER / "config.json").is_file():
+        return checkpoint / MERGED_FOLDER
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    merged = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+    merged.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(dest)
+    return Path(dest)
+
+
+def adapter_dropouts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The dropout modules on the adapters' inputs of a peft model (each ``lora_dropout``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        dropout
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+        for dropout in module.lora_dropout.values()
+        if isinstance(dropout, torch.nn.Dropout)
+    ]
+
+
+def engine_supports_lora(model_path: str, *, trust_remote_code: bool = False) -> bool:
+    """Whether vLLM can serve a LoRA adapter on this model: its architecture (``config.json``) is
+    one of vLLM's own model classes that implement LoRA. (vLLM's check runs in the engine's
+    worker process and ends its start-up; asking first lets a worker start without LoRA.)"""
+    from transformers import AutoConfig
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    architectures = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).architectures or []
+    known = [arch for arch in architectures if arch in ModelRegistry.get_supported_archs()]
+    return bool(known) and all(supports_lora(ModelRegistry.models[arch].load_model_cls()) for arch in known)
