@@ -35,6 +35,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("sandbox", _sandbox),
         ("grpo_by_hand", _grpo_by_hand),
         ("learner_group", _learner_group),
+        ("lora", _lora),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -58,6 +59,7 @@ TITLES = {
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
+    "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
 }
 
 
@@ -395,6 +397,30 @@ def _learner_group(d: dict, results: Path, base: Path) -> str:
         state = ", ".join(f"{b / 2**20:.0f} MiB" for b in c["state_bytes"])
         rss = ", ".join(f"{b / 2**20:.0f} MiB" for b in c["peak_rss_bytes"])
         lines.append(f"| {name} | {_fmt(c['step_s']['median'])} | {_repeats(c['step_s'])} | {state} | {rss} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _lora(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['lora']}",
+        "",
+        f"A learner in the benchmark's process publishes to a real vLLM engine through `vLLMUpdater`, as a run "
+        f"does; LoRA: {s['lora']}. Each publish follows a learner step on the same batch ({s['groups']} groups, "
+        f"{s['samples']}); medians of {s['repeats']} after a warm-up. weight_sync_s: from the first byte sent "
+        "to the engine serving the version (full: in-place reload; LoRA: the adapter loaded as a vLLM adapter).",
+        "",
+        _ratios(d),
+        "| case | weight_sync_s (median) | weight_sync_s repeats | engine load s | bytes per sync | "
+        "learner step s | learner state | trainable parameters |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, c in d["cases"].items():
+        lines.append(
+            f"| {name} | {_fmt(c['weight_sync_s']['median'])} | {_repeats(c['weight_sync_s'])} | "
+            f"{_fmt(c['weight_load_s']['median'])} | {c['bytes'] / 2**20:.2f} MiB | "
+            f"{_fmt(c['learner_step_s']['median'])} | {c['state_bytes'] / 2**20:.0f} MiB | {c['trainable_params']:,} |"
+        )
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

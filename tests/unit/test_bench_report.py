@@ -232,6 +232,7 @@ def test_workload_overrides_and_benchmark_names():
         "sandbox",
         "grpo_by_hand",
         "learner_group",
+        "lora",
         "profile_tiny",
         "profile_qwen05b",
     }
