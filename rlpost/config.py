@@ -265,6 +265,16 @@ class LossConfig(_Section):
     kl_to_inference_coef: float = Field(
         0.0, ge=0, description="Penalty on the k3 KL between the learner and the behaviour (inference) log-probs."
     )
+    off_policy_correction: Literal["none", "tis", "mis"] = Field(
+        "none",
+        description="Correct for tokens the learner's weights did not sample exactly (engine numerics, stale "
+        "weights): weight each token's objective by w = p_learner / p_sampler, truncated at "
+        "off_policy_threshold ('tis') or dropped above it ('mis'); the PPO ratio is then taken against the "
+        "learner's own log-probs at the start of the step. 'none': the ratio against the sampler's log-probs.",
+    )
+    off_policy_threshold: float = Field(
+        2.0, gt=1, description="The cap C on the importance weight w of loss.off_policy_correction (tis / mis)."
+    )
     custom_fn: str | None = Field(
         None,
         description=(

@@ -98,6 +98,7 @@ from rlpost.config import (
     TrainerConfig,
 )
 from rlpost.objectives import GRPOLoss
+from rlpost.objectives.grpo import ATTENTION_MASK, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
 from rlpost.runs import latest_checkpoint, list_checkpoints
 from rlpost.transport.bucketing import StreamedTensors
@@ -122,6 +123,8 @@ _TOKEN_MEAN_METRICS = (
     "kl_to_ref",
     "entropy",
     "kl_to_inference",
+    "sampling_logp_diff_mean",
+    "off_policy_fraction",
 )
 _LOSS_METRICS = ("loss", "loss_objective", "loss_kl", "loss_entropy")
 # forming a learner group waits this long beyond the group's timeout: every rank loads the model first
@@ -260,6 +263,8 @@ class Learner:
             kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
             masking_strategy="rlhf",
             loss_function=load_loss_function(cfg.loss.custom_fn) if cfg.loss.custom_fn else None,
+            off_policy_correction=cfg.loss.off_policy_correction,
+            off_policy_threshold=cfg.loss.off_policy_threshold,
         )
 
     @property
@@ -306,6 +311,8 @@ class Learner:
         normaliser = max(normaliser, 1.0)  # no loss token at all: a zero loss
         idle = passes_needed - len(micro_batches)
         epochs = self.cfg.trainer.epochs_per_batch
+        if epochs > 1 and loss.off_policy_correction != "none":
+            self._set_proximal_log_probs(micro_batches, idle)
         passes = [self._optimizer_step(micro_batches, normaliser, idle) for _ in range(epochs)]
         self._step += 1
         metrics = _mean_dicts(passes)
@@ -313,6 +320,19 @@ class Learner:
         metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
         metrics["micro_batches"] = float(passes_needed)
         return metrics
+
+    @torch.no_grad()
+    def _set_proximal_log_probs(self, micro_batches: list[TensorDict], idle: int) -> None:
+        """Score each micro-batch with the weights at the start of the step, into its
+        ``proximal_log_probs``: the off-policy correction's reference in every epoch (with one
+        epoch the loss takes its own first scores instead). ``idle``: forward passes that keep a
+        sharded group's ranks in step."""
+        for batch in micro_batches:
+            with self._autocast():
+                scores = self.loss_fn.score(batch.get(TOKENS_FULL), batch.get(ATTENTION_MASK))
+            batch.set(self.loss_fn.tensor_keys.proximal_log_probs, scores.float())
+        for _ in range(idle):
+            self.model(input_ids=torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device))
 
     def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
         """The step's rows in micro-batches: ``optimizer.grad_accumulation`` contiguous slices,

@@ -37,6 +37,23 @@ with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, a
 (only when ``kl_to_inference_coef`` is given). ``advantages`` is one value per sequence ``[B]``
 or one per token ``[B, T]``.
 
+Off-policy correction (``off_policy_correction``, for samples the learner's weights did not
+generate exactly: an engine whose numerics differ, weights a few versions old). With
+``prox`` the learner's log-probs of the tokens under its weights at the start of the step
+(``proximal_logprobs``; by default ``logprobs`` detached, which is exact when a batch takes one
+optimizer step), the PPO ratio becomes ``exp(lp - prox)`` and every token's objective is
+weighted by the importance weight ``w = exp(prox - old)`` of the learner's policy against the
+sampler's, with the threshold ``C`` (``off_policy_threshold``):
+
+- ``"tis"``, truncated importance sampling: ``min(w, C)`` (TRL's ``token_truncate``);
+- ``"mis"``, masked importance sampling: ``w``, or 0 where ``w > C`` (the token leaves the loss;
+  TRL's ``token_mask``).
+
+The weight is a constant of the objective (detached) and the normaliser is unchanged, so a
+masked token counts as a zero. ``sampling_logp_diff_mean`` (the token mean of ``|prox - old|``)
+is reported whatever the correction; ``off_policy_fraction`` is the share of tokens truncated or
+masked.
+
 Deliberate deviations and choices, each for a reason:
 
 - Padding (mask False) never affects a value or a gradient, whatever it holds: inputs are
@@ -73,6 +90,8 @@ from rlpost.dotted import load_callable
 
 Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm", "none"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm", "none")
+OffPolicyCorrection = Literal["none", "tis", "mis"]
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,7 +108,10 @@ class GRPOLossTerms:
     importance weights, 1 = on-policy), ``kl_to_ref`` (mean per-token KL estimate; None without
     ``ref_logprobs``), ``entropy`` (mean entropy; None without ``entropy``) and
     ``kl_to_inference`` (mean k3 KL between the policy and the behaviour log-probs; it and
-    ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given).
+    ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given),
+    ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the learner's log-probs at the start of
+    the step against the sampler's) and ``off_policy_fraction`` (share of tokens whose importance
+    weight was truncated or masked; None without a correction).
 
     :func:`grpo_loss` sets every field its inputs allow. A custom loss (:data:`LossFunction`)
     must set ``loss``; the fields it leaves None are left out of the metrics.
@@ -108,6 +130,8 @@ class GRPOLossTerms:
     entropy: torch.Tensor | None = None
     loss_kl_to_inference: torch.Tensor | None = None
     kl_to_inference: torch.Tensor | None = None
+    sampling_logp_diff_mean: torch.Tensor | None = None
+    off_policy_fraction: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, float]:
         """Every field that is set and is a single number, as python floats (for metrics.jsonl);
@@ -182,6 +206,9 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     kl_to_inference_coef: float | None = None,
     normaliser: float | None = None,
+    off_policy_correction: OffPolicyCorrection = "none",
+    off_policy_threshold: float = 2.0,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> GRPOLossTerms:
     """Compute the GRPO loss and its diagnostics (see the module docstring for the math).
 
@@ -204,6 +231,10 @@ def grpo_loss(
         normaliser: the denominator of every loss term when this batch is a piece of a larger
             one (that batch's :func:`loss_normaliser`); None: this batch's own. The
             diagnostics stay this batch's token means.
+        off_policy_correction: "none", "tis" or "mis" (module docstring).
+        off_policy_threshold: the importance-weight cap ``C`` of "tis" and "mis" (> 1).
+        proximal_logprobs: [B, T] the learner's log-probs of the tokens under its weights at
+            the start of the step (constants); None: ``logprobs`` detached.
 
     Raises:
         ValueError: bad shapes (the message carries them), a non-bool mask, an unknown
@@ -213,7 +244,13 @@ def grpo_loss(
     _check_aggregation(aggregation, max_tokens)
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy)
+    _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, proximal_logprobs)
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got {off_policy_correction!r}"
+        )
+    if not off_policy_threshold > 1.0:
+        raise ValueError(f"off_policy_threshold must be > 1, got {off_policy_threshold!r}")
     if kl_coef != 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
     if entropy_coef != 0 and entropy is None:
@@ -225,7 +262,9 @@ def grpo_loss(
     adv = advantages.detach().to(dtype)
     adv_bt = torch.where(mask, adv if adv.ndim == 2 else adv[:, None], 0.0)
 
-    log_ratio_bt = lp_bt - old_bt
+    prox_bt = _sanitise((logprobs if proximal_logprobs is None else proximal_logprobs).detach(), mask, dtype)
+    weight_bt, corrected_bt = _importance_weights(prox_bt - old_bt, off_policy_correction, off_policy_threshold)
+    log_ratio_bt = lp_bt - (old_bt if off_policy_correction == "none" else prox_bt)
     ratio_bt = log_ratio_bt.exp()
     # -min(ratio*A, clip(ratio)*A) picks the clipped term strictly below the unclipped one on
     # exactly these tokens; there clip() is constant, so their gradient is exactly zero.
@@ -234,6 +273,8 @@ def grpo_loss(
     clipped_bt = clipped_low_bt | clipped_high_bt
     clamped_ratio_bt = ratio_bt.clamp(1 - eps_low, 1 + eps_high)
     objective_bt = -torch.where(clipped_bt, clamped_ratio_bt, ratio_bt) * adv_bt
+    if weight_bt is not None:
+        objective_bt = weight_bt * objective_bt
 
     def aggregate(x_bt: torch.Tensor) -> torch.Tensor:
         return masked_aggregate(x_bt, mask, aggregation, max_tokens, normaliser)
@@ -279,7 +320,24 @@ def grpo_loss(
         entropy=entropy_mean,
         loss_kl_to_inference=loss_kl_inf,
         kl_to_inference=kl_inf,
+        sampling_logp_diff_mean=token_mean((prox_bt - old_bt).abs()),
+        off_policy_fraction=None if corrected_bt is None else token_mean(corrected_bt),
     )
+
+
+def _importance_weights(
+    log_w_bt: torch.Tensor, correction: OffPolicyCorrection, threshold: float
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, corrected) per token for an off-policy correction (module docstring): the
+    weight each token's objective is multiplied by, and where it was truncated or masked; both
+    None for "none"."""
+    if correction == "none":
+        return None, None
+    w_bt = log_w_bt.exp()
+    corrected_bt = w_bt > threshold
+    if correction == "tis":
+        return w_bt.clamp(max=threshold), corrected_bt
+    return torch.where(corrected_bt, 0.0, w_bt), corrected_bt
 
 
 def trust_region_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -340,6 +398,7 @@ def _check_inputs(
     mask: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor | None,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> None:
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
@@ -348,6 +407,7 @@ def _check_inputs(
         "mask": mask,
         "ref_logprobs": ref_logprobs,
         "entropy": entropy,
+        "proximal_logprobs": proximal_logprobs,
     }
     for name, tensor in same_shape.items():
         if tensor is not None and tensor.shape != logprobs.shape:

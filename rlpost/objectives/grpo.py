@@ -80,7 +80,7 @@ import torch
 from tensordict import NestedKey, TensorClass, TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
-from rlpost.algo import GRPOLossTerms, LossFunction, grpo_loss, trust_region_mask
+from rlpost.algo import OFF_POLICY_CORRECTIONS, GRPOLossTerms, LossFunction, grpo_loss, trust_region_mask
 from rlpost.policies.inputs import is_lazy
 
 TOKENS_FULL = ("tokens", "full")
@@ -168,6 +168,12 @@ class GRPOLoss(torch.nn.Module):
             default device).
         masking_strategy: ``"sft"`` (default), ``"rlhf"`` or ``"generic"``.
         gamma, clip_value: TorchRL's PPO arguments; GRPO has no value network, only None.
+        off_policy_correction: rlpost's: ``"none"`` (default), ``"tis"`` or ``"mis"``, the
+            importance-weight correction of :func:`rlpost.algo.grpo_loss` for tokens the policy
+            did not sample exactly; the PPO ratio is then taken against the learner's log-probs
+            at the start of the step (the ``proximal_log_probs`` entry when the batch has it,
+            else the current ones, detached).
+        off_policy_threshold: rlpost's: the cap of that importance weight (> 1). Default 2.0.
         loss_function: rlpost's: a function with :func:`rlpost.algo.grpo_loss`'s signature
             that computes the terms instead of it (it receives the same arguments and returns
             :class:`rlpost.algo.GRPOLossTerms` with at least ``loss`` set); None: grpo_loss.
@@ -189,12 +195,16 @@ class GRPOLoss(torch.nn.Module):
             ref_log_probs: the reference model's log-probs. Default
                 ``("next", "ref_log_probs", "full")`` (``("ref_log_probs", "full")`` when the
                 batch has no entry there).
+            proximal_log_probs: rlpost's: the learner's own log-probs of the tokens under its
+                weights at the start of the step, read (when present) by an off-policy
+                correction. Default ``"proximal_log_probs"``.
         """
 
         advantage: NestedKey = "advantage"
         action: NestedKey = TOKENS_FULL
         sample_log_prob: NestedKey = LOG_PROBS_FULL
         ref_log_probs: NestedKey = NEXT_REF_LOG_PROBS_FULL
+        proximal_log_probs: NestedKey = "proximal_log_probs"
 
     default_keys = _AcceptedKeys
 
@@ -219,6 +229,8 @@ class GRPOLoss(torch.nn.Module):
         kl_estimator: Literal["k1", "k2", "k3"] = "k3",
         entropy_estimator: Literal["exact", "sampled"] = "exact",
         loss_function: LossFunction | None = None,
+        off_policy_correction: Literal["none", "tis", "mis"] = "none",
+        off_policy_threshold: float = 2.0,
     ):
         super().__init__()
         for name, value in (("gamma", gamma), ("clip_value", clip_value)):
@@ -235,6 +247,12 @@ class GRPOLoss(torch.nn.Module):
             raise ValueError(f"masking_strategy must be one of {MASKING_STRATEGIES}, got {masking_strategy!r}")
         if entropy_estimator not in ENTROPY_ESTIMATORS:
             raise ValueError(f"entropy_estimator must be one of {ENTROPY_ESTIMATORS}, got {entropy_estimator!r}")
+        if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(
+                f"off_policy_correction must be one of {OFF_POLICY_CORRECTIONS}, got {off_policy_correction!r}"
+            )
+        if not (isinstance(off_policy_threshold, (int, float)) and off_policy_threshold > 1):
+            raise ValueError(f"off_policy_threshold must be a number > 1, got {off_policy_threshold!r}")
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator must be one of ('k1', 'k2', 'k3'), got {kl_estimator!r}")
         _check_number("entropy_coeff", entropy_coeff)
@@ -262,6 +280,8 @@ class GRPOLoss(torch.nn.Module):
         self.kl_to_inference_coeff = kl_to_inference_coeff
         self.masking_strategy = masking_strategy
         self.loss_function = grpo_loss if loss_function is None else loss_function
+        self.off_policy_correction = off_policy_correction
+        self.off_policy_threshold = float(off_policy_threshold)
 
         if device is None:
             param = next(self.parameters(), None)
@@ -386,6 +406,16 @@ class GRPOLoss(torch.nn.Module):
             entropy_bt = -logprobs_bt if want_entropy else None
         if self.kl_mask_threshold is not None:
             mask_bt = mask_bt & trust_region_mask(logprobs_bt, old_bt, self.kl_mask_threshold).to(mask_bt.device)
+        correction = {}  # passed only when used, so a custom loss_function without them still works
+        if self.off_policy_correction != "none":
+            prox_bt = _read(td, keys.proximal_log_probs, 0.0)
+            correction = dict(
+                off_policy_correction=self.off_policy_correction,
+                off_policy_threshold=self.off_policy_threshold,
+                proximal_logprobs=None
+                if prox_bt is None
+                else _per_token(prox_bt, keys.proximal_log_probs, tokens_bt).to(logprobs_bt.device),
+            )
         return self.loss_function(
             logprobs_bt,
             old_bt.to(logprobs_bt.device),
@@ -401,6 +431,7 @@ class GRPOLoss(torch.nn.Module):
             entropy_coef=self.entropy_coeff if want_entropy else 0.0,
             kl_to_inference_coef=self.kl_to_inference_coeff,
             normaliser=normaliser,
+            **correction,
         )
 
     @property

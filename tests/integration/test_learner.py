@@ -3,6 +3,8 @@ checkpoints and scoring."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -146,6 +148,49 @@ def test_epochs_take_one_optimizer_step_each(tiny_model_path, tiny_tokenizer, pr
     assert metrics["kl_approx"] > 1e-4  # the second pass is off-policy: the first step moved the weights
     later = learner.train_step(groups)
     assert later["staleness_mean"] == later["staleness_max"] == 2
+
+
+def shifted(groups: list[Group], by: float) -> list[Group]:
+    """The groups with every completion token's sampler log-prob moved by ``by``."""
+    import dataclasses
+
+    def move(sample: Sample) -> Sample:
+        logprobs = [lp + by if m else lp for lp, m in zip(sample.logprobs, sample.loss_mask)]
+        return dataclasses.replace(sample, logprobs=logprobs)
+
+    return [dataclasses.replace(g, samples=[move(s) for s in g.samples]) for g in groups]
+
+
+def test_off_policy_corrections_weight_the_step_by_the_sampler_gap(tiny_model_path, tiny_tokenizer, prompt_ids):
+    """Samples whose sampler log-probs sit 1 below the learner's (importance weight e on every
+    token): "tis" truncates every weight to 2, so its gradient is twice the on-policy one; "mis"
+    masks every token, so the step leaves the weights as they were."""
+    replies = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]]
+
+    def step(correction: str, by: float, epochs: int = 1):
+        learner = Learner(make_cfg(tiny_model_path, optimizer={"lr": 1e-3}, trainer={"epochs_per_batch": epochs},
+                                   loss={"off_policy_correction": correction, "off_policy_threshold": 2.0}))  # fmt: skip
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+        metrics = learner.train_step(shifted(on_policy_groups(learner, prompt_ids, replies, [[1.0, 0.0]]), by))
+        moved = any(not torch.equal(v, before[k]) for k, v in learner.model.state_dict().items())
+        return metrics, moved
+
+    on_policy, _ = step("none", 0.0)
+    assert on_policy["sampling_logp_diff_mean"] < 1e-5 and "off_policy_fraction" not in on_policy
+    tis, moved = step("tis", -1.0)
+    assert tis["off_policy_fraction"] == 1.0 and tis["sampling_logp_diff_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert tis["grad_norm"] == pytest.approx(2 * on_policy["grad_norm"], rel=1e-4) and moved
+    mis, moved = step("mis", -1.0)
+    assert mis["off_policy_fraction"] == 1.0 and mis["grad_norm"] == 0.0 and not moved
+    # below the cap nothing is truncated: the weight exp(-0.5) scales the gradient
+    light, _ = step("tis", 0.5)
+    assert light["off_policy_fraction"] == 0.0
+    assert light["grad_norm"] == pytest.approx(math.exp(-0.5) * on_policy["grad_norm"], rel=1e-4)
+    # two epochs: the second pass weighs against the log-probs the step started from (still e: all truncated)
+    two, _ = step("tis", -1.0, epochs=2)
+    assert two["off_policy_fraction"] == 1.0 and two["policy_version"] == 2
+    assert two["sampling_logp_diff_mean"] == pytest.approx(1.0, abs=1e-4)  # the start's, not the moved weights'
+    assert abs(two["kl_approx"]) > 1e-5  # the second pass's ratio is against the start: the weights moved
 
 
 # Ways of splitting or recomputing a step that must not change it: (name, config sections).

@@ -289,6 +289,7 @@ def test_total_combines_all_three_terms():
         "ess",
         "kl_to_ref",
         "entropy",
+        "sampling_logp_diff_mean",
     }
 
 
@@ -443,3 +444,75 @@ def test_load_loss_function_names_what_is_wrong():
         load_loss_function("no_such_module_xyz:loss")
     with pytest.raises(ValueError, match="'rlpost.algo' has no attribute 'missing'"):
         load_loss_function("rlpost.algo:missing")
+
+
+# ------------------------------------------------------------------ off-policy correction (TIS / MIS)
+
+
+def _off_policy_batch():
+    """Two rows of 3 tokens (the last of row 1 padding): the learner's current log-probs ``lp``,
+    its log-probs at the start of the step ``prox`` and the sampler's ``old``, chosen so that the
+    importance weights w = exp(prox - old) are 1, e, 0.5 | 3, 1.2 (threshold 2: e and 3 are over)."""
+    prox = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, 0.0]])
+    old = prox - torch.log(torch.tensor([[1.0, math.e, 0.5], [3.0, 1.2, 1.0]]))
+    lp = (prox + torch.tensor([[0.1, -0.1, 0.0], [0.05, 0.3, 0.0]])).requires_grad_()
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return lp, old, prox, torch.tensor([1.0, -1.0]), mask
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_off_policy_corrections_weight_each_token_by_its_capped_importance_weight(correction):
+    lp, old, prox, adv, mask = _off_policy_batch()
+    terms = grpo_loss(lp, old, adv, mask, clip_eps=0.2, off_policy_correction=correction, off_policy_threshold=2.0,
+                      proximal_logprobs=prox)  # fmt: skip
+    w = torch.exp(prox - old)
+    weight = w.clamp(max=2.0) if correction == "tis" else torch.where(w > 2.0, 0.0, w)
+    ratio = torch.exp(lp.detach() - prox)  # the PPO ratio is taken against the learner's own
+    adv_bt = adv[:, None].expand_as(lp)
+    surrogate = -torch.minimum(ratio * adv_bt, ratio.clamp(0.8, 1.2) * adv_bt)
+    expected = (weight * surrogate)[mask].sum() / mask.sum()
+    assert terms.loss_objective.item() == pytest.approx(expected.item(), rel=1e-6)
+    terms.loss.backward()
+    # d/d lp of -weight * ratio * A where unclipped: -weight * ratio * A / N; zero where clipped
+    clipped = ((ratio > 1.2) & (adv_bt > 0)) | ((ratio < 0.8) & (adv_bt < 0))
+    grad = torch.where(mask & ~clipped, -weight * ratio * adv_bt / mask.sum(), 0.0)
+    assert torch.allclose(lp.grad, grad, atol=1e-7)
+    assert terms.off_policy_fraction.item() == pytest.approx(2 / 5)  # e and 3 are over the cap
+    assert terms.sampling_logp_diff_mean.item() == pytest.approx((prox - old).abs()[mask].mean().item(), rel=1e-6)
+    if correction == "mis":  # the masked tokens (w = e, w = 3) leave no gradient
+        assert lp.grad[0, 1] == 0 and lp.grad[1, 0] == 0
+
+
+def test_without_proximal_log_probs_the_correction_is_taken_at_the_current_ones():
+    """One optimizer step per batch: the learner's log-probs at the start of the step are the
+    current ones, so the ratio is 1 and each token's gradient is -min(w, C) * A / N."""
+    lp, old, _, adv, mask = _off_policy_batch()
+    terms = grpo_loss(lp, old, adv, mask, off_policy_correction="tis", off_policy_threshold=2.0)
+    terms.loss.backward()
+    w = torch.exp(lp.detach() - old).clamp(max=2.0)
+    assert torch.allclose(lp.grad, torch.where(mask, -w * adv[:, None] / mask.sum(), 0.0), atol=1e-7)
+    assert terms.clip_fraction.item() == 0.0  # ratio 1: nothing clipped
+
+
+def test_no_correction_keeps_the_sampler_ratio_and_still_reports_the_log_prob_gap():
+    lp, old, prox, adv, mask = _off_policy_batch()
+    plain = grpo_loss(lp, old, adv, mask)
+    with_prox = grpo_loss(lp, old, adv, mask, proximal_logprobs=prox)
+    assert plain.loss.item() == with_prox.loss.item()  # "none" ignores the proximal log-probs in the loss
+    assert plain.off_policy_fraction is None
+    assert plain.sampling_logp_diff_mean.item() == pytest.approx((lp.detach() - old).abs()[mask].mean().item())
+    # on-policy samples (the sampler's log-probs are the learner's): every correction is "none"
+    on_policy = [
+        grpo_loss(lp, lp.detach(), adv, mask, off_policy_correction=c).loss.item() for c in ("none", "tis", "mis")
+    ]
+    assert on_policy[0] == pytest.approx(on_policy[1]) == pytest.approx(on_policy[2])
+
+
+def test_off_policy_options_are_checked():
+    lp, old, prox, adv, mask = _off_policy_batch()
+    with pytest.raises(ValueError, match="off_policy_correction must be one of"):
+        grpo_loss(lp, old, adv, mask, off_policy_correction="clip")
+    with pytest.raises(ValueError, match="off_policy_threshold must be > 1"):
+        grpo_loss(lp, old, adv, mask, off_policy_correction="tis", off_policy_threshold=1.0)
+    with pytest.raises(ValueError, match="proximal_logprobs has shape"):
+        grpo_loss(lp, old, adv, mask, proximal_logprobs=prox[:, :2])
