@@ -36,6 +36,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("grpo_by_hand", _grpo_by_hand),
         ("learner_group", _learner_group),
         ("lora", _lora),
+        ("profile_reload", _profile_reload),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -60,6 +61,7 @@ TITLES = {
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
+    "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time",
 }
 
 
@@ -421,6 +423,33 @@ def _lora(d: dict, results: Path, base: Path) -> str:
             f"{_fmt(c['weight_load_s']['median'])} | {c['bytes'] / 2**20:.2f} MiB | "
             f"{_fmt(c['learner_step_s']['median'])} | {c['state_bytes'] / 2**20:.0f} MiB | {c['trainable_params']:,} |"
         )
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _profile_reload(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    reload, floor, profiled = d["cases"]["reload_weights"], d["cases"]["copy floor"], d["cases"]["profiled reload"]
+    lines = [
+        f"## {TITLES['profile_reload']}",
+        "",
+        f"vLLM's `reload_weights` inside the engine's worker process on tensors already there ({s['model']}, "
+        f"{s['engine']}), medians of {s['repeats']} after a warm-up, then one reload under cProfile. The floor "
+        "copies the same bytes into preallocated tensors in that process.",
+        "",
+        _ratios(d),
+        "| case | s (median) | repeats | GB/s |",
+        "| --- | --- | --- | --- |",
+        f"| reload_weights | {_fmt(reload['median'])} | {_repeats(reload)} | {reload['GB_per_s']} |",
+        f"| copy floor | {_fmt(floor['median'])} | {_repeats(floor)} | {floor['GB_per_s']} |",
+        "",
+        f"The profiled reload ({_fmt(profiled['total_s'])} s under cProfile): of its 25 calls with the most cumulative "
+        "time, the 8 with the most time of their own (the leaves where the time goes):",
+        "",
+        "| cumulative s | own s | function |",
+        "| --- | --- | --- |",
+    ]
+    for row in sorted(profiled["top_cumulative"], key=lambda r: -r["self_s"])[:8]:
+        lines.append(f"| {_fmt(row['cum_s'])} | {_fmt(row['self_s'])} | `{row['function']}` |")
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

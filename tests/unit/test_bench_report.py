@@ -233,6 +233,7 @@ def test_workload_overrides_and_benchmark_names():
         "grpo_by_hand",
         "learner_group",
         "lora",
+        "profile_reload",
         "profile_tiny",
         "profile_qwen05b",
     }
