@@ -11,7 +11,8 @@ One warm-up step and publish, then ``--repeats`` measured ones. Models: the Qwen
 one (random weights; 2 layers in quick mode) and the tiny one.
 
 Figures (same run): LoRA's weight_sync_s, bytes sent, learner step time and learner state
-(parameters + AdamW state) over full fine-tuning's.
+(parameters + AdamW state) over full fine-tuning's; and full fine-tuning's weight_sync_s with the
+engine loading each bucket as it arrives (what runs do) over loading after the whole update.
 
     python -m bench lora [--quick] [-- --models qwen05b,tiny --repeats 3]
 """
@@ -24,8 +25,10 @@ import time
 from bench.bench_learner_group import make_groups
 from bench.common import TINY_MODEL, Result, median, qwen05b_model, summary, wait_for_quiet
 
+BASELINE = "full, reload after the whole update"  # each bucket loaded once the whole update is in
 
-def run_case(model_path, lora: bool, groups, repeats: int) -> dict:
+
+def run_case(model_path, lora: bool, groups, repeats: int, overlap: bool = True) -> dict:
     from rlpost.actors import sharding
     from rlpost.actors.learner import Learner, LearnerSettings
     from rlpost.collect.weight_update import vLLMUpdater
@@ -40,6 +43,7 @@ def run_case(model_path, lora: bool, groups, repeats: int) -> dict:
     learner = Learner(LearnerSettings.from_job(cfg))
     worker = make_vllm_worker(str(model_path), make_ray_worker=False, engine_config=cfg.rollout.engine,
                               lora=cfg.model.lora)  # fmt: skip
+    worker.overlap_reload = overlap
     updater = vLLMUpdater([worker], timeout_s=600, bucket_mb=64)
     try:
         updater.init()
@@ -87,14 +91,17 @@ def main() -> None:
         path = TINY_MODEL if model == "tiny" else qwen05b_model(args.quick)
         groups = make_groups(args.groups, len(AutoTokenizer.from_pretrained(path)))
         cases = {}
-        for kind in ("full", "lora"):
+        for kind in ("full, reload after the whole update", "full", "lora"):
             busy = wait_for_quiet(args.quick)
             print(f"  {model}: {kind}", flush=True)
             start = time.perf_counter()
-            cases[kind] = run_case(path, kind == "lora", groups, repeats)
+            cases[kind] = run_case(path, kind == "lora", groups, repeats, overlap=kind != BASELINE)
             cases[kind].update(busy_cores_at_start=busy, case_wall_s=round(time.perf_counter() - start, 1))
             result.cases[f"{model}, {kind}"] = cases[kind]
-        full, lora = cases["full"], cases["lora"]
+        full, lora, whole = cases["full"], cases["lora"], cases[BASELINE]
+        result.ratios[f"{model}: weight_sync_s, reload overlapping the transfer / after it"] = round(
+            median(full["weight_sync_s"]["repeats"]) / median(whole["weight_sync_s"]["repeats"]), 3
+        )
         for key, label in (("weight_sync_s", "weight_sync_s"), ("learner_step_s", "learner step time")):
             result.ratios[f"{model}: {label}, LoRA / full"] = round(
                 median(lora[key]["repeats"]) / median(full[key]["repeats"]), 3

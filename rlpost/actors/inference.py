@@ -4,7 +4,7 @@
   :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
   batched generate requests (n samples per prompt, processed log-probs, generated ids) stamped
   with its policy version, and applies weight updates: receive from the bus and reload in place
-  -> reset the prefix cache (its KV was computed with the old weights) -> bump the
+  (each bucket as soon as it arrives) -> reset the prefix cache (its KV was computed with the old weights) -> bump the
   version. ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it runs one call
   at a time, so an update waits for the running generate and new requests wait for the update:
   that ordering is the "pause new work -> load -> resume" of a weight update.
@@ -124,6 +124,8 @@ class InferenceWorker:
         self.client = LocalVLLMClient(self.llm)
         self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if self.lora else None
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
+        # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
+        self.overlap_reload = True
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         """Completions per prompt plus the version of the weights that produced all of them."""
@@ -143,7 +145,8 @@ class InferenceWorker:
         """Receive the next published weights (blocking up to ``timeout_s``) and switch to them."""
         if self.lora is not None:
             return self._update_adapter(timeout_s)
-        info = self.llm.collective_rpc("rlpost_receive_weights", args=(timeout_s,), timeout=timeout_s + 30)[0]
+        args = (timeout_s, self.overlap_reload)
+        info = self.llm.collective_rpc("rlpost_receive_weights", args=args, timeout=timeout_s + 30)[0]
         self.llm.reset_prefix_cache()
         self.version = int(info["version"])
         return info

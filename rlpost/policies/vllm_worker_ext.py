@@ -27,18 +27,44 @@ class WeightSyncExtension:
             receiver.reform(bus_spec, rank)
         return rank
 
-    def rlpost_receive_weights(self, timeout_s: float) -> dict:
-        """Receive the next update from the bus and load it in place; returns version and timings."""
+    def rlpost_receive_weights(self, timeout_s: float, overlap: bool = True) -> dict:
+        """Receive the next update from the bus and load it in place while it arrives (each
+        bucket is loaded as soon as it is in, the next ones arriving meanwhile); returns version
+        and timings: ``receive_s`` the time spent waiting for buckets, ``load_s`` the rest.
+        ``overlap=False`` receives the whole update first, then loads it (the benchmarks'
+        baseline, ``bench/bench_lora.py``)."""
+        if not overlap:
+            start = time.perf_counter()
+            version, tensors = self._rlpost_receiver.receive(timeout_s)
+            received = time.perf_counter()
+            self._rlpost_reload(tensors.items())
+            return {"version": version, "receive_s": received - start, "load_s": time.perf_counter() - received,
+                    "num_tensors": len(tensors)}  # fmt: skip
+        waited, count = [0.0], [0]
+
+        def timed(tensors):
+            while True:
+                start = time.perf_counter()
+                item = next(tensors, None)
+                waited[0] += time.perf_counter() - start
+                if item is None:
+                    return
+                count[0] += 1
+                yield item
+
+        loading = [0.0]
+
+        def load(version: int, tensors) -> None:
+            start = time.perf_counter()
+            # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
+            self.reload_weights(weights_iterator=timed(tensors))
+            loading[0] = time.perf_counter() - start
+
         start = time.perf_counter()
-        version, tensors = self._rlpost_receiver.receive(timeout_s)
-        received = time.perf_counter()
-        self._rlpost_reload(tensors.items())
-        return {
-            "version": version,
-            "receive_s": received - start,
-            "load_s": time.perf_counter() - received,
-            "num_tensors": len(tensors),
-        }
+        version = self._rlpost_receiver.receive_streamed(load, timeout_s)
+        total = time.perf_counter() - start
+        load_s = loading[0] - waited[0]
+        return {"version": version, "receive_s": total - load_s, "load_s": load_s, "num_tensors": count[0]}
 
     def rlpost_receive_adapter(self, timeout_s: float, folder: str, adapter_config: dict) -> dict:
         """Receive the next update, a LoRA adapter's tensors, and write it as an adapter folder

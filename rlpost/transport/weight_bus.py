@@ -553,6 +553,63 @@ class TorchWeightReceiver(_TorchEnd):
         self.version = header["version"]
         return WeightUpdate(self.version, unflatten(layout, buckets))
 
+    def receive_streamed(self, consume: Callable[[int, Iterator[tuple[str, torch.Tensor]]], None],
+                         timeout_s: float | None = None) -> int:  # fmt: skip
+        """Receive the next update as :meth:`receive` does, but hand it to ``consume(version,
+        tensors)`` while it arrives: ``tensors`` yields each bucket's tensors (in the sender's
+        order) as soon as that bucket is in, and the later buckets keep arriving meanwhile, so
+        loading them overlaps the transfer. Returns the version.
+
+        ``consume`` must exhaust ``tensors`` (what it leaves is received and dropped). An error it
+        raises fails the update as a transfer error does: the publisher is told, this generation
+        is given up (the next update re-forms it), and a :class:`WeightSyncError` is raised.
+        """
+        wait_s = self.spec.timeout_s if timeout_s is None else timeout_s
+        self._join(wait_s, None)
+        seq = self._seq
+        fail = _SyncFailure(None, self.generation, lambda: [0])
+        with fail.guard(f"no update announced within {wait_s}s"):  # nothing sent yet: group stays usable
+            self._group.keys.wait([f"update/{seq}"], timedelta(seconds=wait_s))
+        with self._failing(fail, "receive", report=f"failed/{seq}/{self.rank}"):
+            header = json.loads(self._group.keys.get(f"update/{seq}"))
+            version = fail.version = header["version"]
+            layout = self._layout(header["layout"])
+            arriving = self._arriving(layout, fail)
+            if version < self.version:
+                for _ in arriving:  # received and dropped, as receive() does, then refused below
+                    pass
+            else:
+                try:
+                    consume(version, arriving)
+                except WeightSyncError:
+                    raise
+                except Exception as exc:
+                    traceback.clear_frames(exc.__traceback__)
+                    raise fail.error(f"loading version {version} failed", exc) from exc
+                for _ in arriving:
+                    pass
+            self._group.keys.set(f"done/{seq}/{self.rank}", "1")
+        self._seq = seq + 1
+        if version < self.version:
+            raise fail.error(f"version went backwards ({self.version} -> {version}); update rejected")
+        self.version = version
+        return version
+
+    def _arriving(self, layout: BucketLayout, fail: _SyncFailure) -> Iterator[tuple[str, torch.Tensor]]:
+        """Post every bucket's receive at once (gloo runs them in order), then yield the tensors
+        in the sender's order, each as soon as its bucket is complete (a transfer error is
+        ``fail``'s). A learner's weights are one dtype, so their buckets follow that order too."""
+        buckets = empty_buckets(layout, self.device)
+        works = {k: self._group.broadcast(b) for k, b in enumerate(buckets) if b.numel() > 0}
+        for slot in layout.slots:
+            if slot.bucket in works:
+                with fail.guard("receive"):
+                    works.pop(slot.bucket).wait(self._group.timeout)
+            yield slot.name, buckets[slot.bucket][slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for work in works.values():  # buckets no slot reads (none in practice)
+            with fail.guard("receive"):
+                work.wait(self._group.timeout)
+
     def reform(self, spec: BusSpec, rank: int) -> None:
         """Leave the current group and join generation `spec.generation` as `rank` (lazily)."""
         _check_rank(spec, rank)

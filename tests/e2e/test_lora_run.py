@@ -5,7 +5,7 @@ Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 complet
 the learner-group runs. Measured: the last 4 steps' mean reward beat the first 4's by +0.36 with
 lr 3e-3 (full fine-tuning at its lr 3e-4: +0.25 on the same run); each sync sent 311 KB of
 adapter (rank 16) instead of the model's 2.0 MB, 0.67x the full sync's weight_sync_s on this tiny
-model (on the 0.5B-shaped model, bench/bench_lora.py: 1.4% of the bytes, 0.019x the time)."""
+model (on the 0.5B-shaped model, bench/bench_lora.py: 1.4% of the bytes, 0.021x the time)."""
 
 import json
 import subprocess

@@ -76,6 +76,17 @@ def receiver_main(spec: BusSpec, rank: int, commands, replies, dies: bool) -> No
             if command == "receive":
                 version, tensors = receiver.receive(arg)
                 replies.put(("ok", version, check_update(version, tensors)))
+            elif command in ("stream", "stream and fail"):
+                got = {}
+
+                def consume(version, tensors, got=got, fail=command == "stream and fail"):
+                    for name, tensor in tensors:
+                        got[name] = tensor.clone()
+                        if fail:
+                            raise ValueError("these weights do not fit the model")
+
+                version = receiver.receive_streamed(consume, arg)
+                replies.put(("ok", version, check_update(version, got)))
             elif command == "connect":
                 receiver.connect(arg)
                 replies.put(("ok", None, []))
@@ -278,3 +289,31 @@ def test_streamed_tensors_arrive_bit_exact_and_are_made_bucket_by_bucket(peers):
     assert peers[0].reply() == ("ok", 2, [])
     publisher.close()
     assert 0 < most[0] < len(specs) // 2, most[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_receive_hands_over_every_tensor_and_a_failed_load_fails_the_update(peers):
+    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+    peers.append(Peer(publisher.spec, 1))
+    connect_all(publisher, peers)
+    for version in (1, 2):  # bit exact, in the sender's order, bucket after bucket
+        peers[0].send("stream", REPLY_S)
+        assert publisher.publish(model_weights(version), version).num_buckets >= 5
+        assert peers[0].reply() == ("ok", version, [])
+
+    # the loader fails on the first tensor: the update fails on both sides, naming the cause
+    peers[0].send("stream and fail", REPLY_S)
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.publish(model_weights(3), 3)
+    assert failure.value.version == 3
+    status, version, message = peers[0].reply()
+    assert (status, version) == ("error", 3)
+    assert "loading version 3 failed" in message and "these weights do not fit the model" in message
+    # as after any failed sync, the next generation carries the update
+    spec = publisher.reform(world_size=2)
+    peers[0].send("reform", (spec, 1))
+    assert peers[0].reply()[0] == "ok"
+    peers[0].send("stream", REPLY_S)
+    publisher.publish(model_weights(3), 3)
+    assert peers[0].reply() == ("ok", 3, [])
+    publisher.close()
