@@ -8,8 +8,9 @@ Qwen2.5-0.5B-shaped one (random weights; 2 layers in quick mode).
 
 Figures (same run): the learner step time of 2 ranks over 1 rank, and each rank's bytes of
 parameters + AdamW state (gradients are freed after each step) over the single learner's (the
-issue's target with 2 ranks: <= 0.6x). Peak resident memory per rank is recorded too; on CPU it
-includes the whole model each rank loads from disk before it shards it.
+issue's target with 2 ranks: <= 0.6x). Peak resident memory per rank is recorded too: each rank
+receives only its shards at load time, so the peak is the training step's (the process itself,
+activations and logits of its rows, each layer gathered whole in turn).
 
     python -m bench learner_group [--quick] [-- --models tiny,qwen05b --steps 3]
 """

@@ -53,7 +53,8 @@ cannot (``sync_mode``, :meth:`choose_sync_mode`); checkpoints hold the adapter i
 and, with ``model.lora.save_merged``, the merged model in ``merged/`` (:mod:`rlpost.lora`).
 
 Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
-:mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group. Every rank is
+:mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group; each rank builds
+it empty and is sent only its shards of the weights (``sharding.load_shards``). Every rank is
 given the whole step's groups and trains on its share (rank r takes groups r, r + N, ...); the
 normaliser ``D`` is summed over the ranks, so the ranks' summed gradient is the one-process
 gradient. The ranks run the same number of forward/backward passes (FSDP gathers each layer's
@@ -197,9 +198,12 @@ class Learner:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         remote = cfg.model.trust_remote_code
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path, trust_remote_code=remote)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
-        )
+        if sharded:  # parameters on the meta device: load_shards gives each rank its shards only
+            self.model = sharding.empty_model(cfg.model.name_or_path, trust_remote_code=remote)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                cfg.model.name_or_path, dtype=torch.float32, trust_remote_code=remote
+            )
         self._architecture = type(self.model).__name__  # before sharding renames the class
         if cfg.model.lora is not None:
             if sharded:
@@ -210,7 +214,7 @@ class Learner:
         self.sync_mode = (
             "full" if cfg.model.lora is None else ("merged" if cfg.model.lora.sync == "merged" else "adapter")
         )
-        if not sharded:  # a sharded model's shards go to the device as each layer is sharded
+        if not sharded:  # a sharded model's shards are allocated on the device by load_shards
             self.model.to(self.device)
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
@@ -218,6 +222,7 @@ class Learner:
         if sharded:
             bf16 = self.device.type == "cuda" and cfg.model.dtype == "bfloat16"
             sharding.shard_model(self.model, param_dtype=torch.bfloat16 if bf16 else None)
+            sharding.load_shards(self.model, cfg.model.name_or_path, self.device, trust_remote_code=remote)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],

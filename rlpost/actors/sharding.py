@@ -163,3 +163,99 @@ def all_gather_objects(value: Any) -> list[Any]:
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+def empty_model(name_or_path: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The causal LM of ``name_or_path`` with its parameters on the meta device (no memory, no
+    values) and its buffers (e.g. rotary frequencies) computed as usual; tied weights tied. A
+    learner rank shards it, then :func:`load_shards` fills its shards."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model.tie_weights()
+    return model
+
+
+def load_shards(model: torch.nn.Module, name_or_path: str, device: torch.device, *,
+                trust_remote_code: bool = False) -> str:  # fmt: skip
+    """Give the sharded ``model`` (built by :func:`empty_model`, then :func:`shard_model`) its
+    weights: every rank allocates its shards on ``device``, and rank 0 reads the checkpoint's
+    safetensors one tensor at a time and broadcasts it, each rank keeping its shard. So no rank
+    ever holds the whole model. A checkpoint that is not safetensors files whose names are the
+    model's parameters (a hub model is first fetched into the local cache) is loaded whole on every
+    rank instead, then copied into the shards. A collective: every rank calls it. Returns how the
+    weights came ("streamed" or "whole")."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    names = [name for name, _ in model.named_parameters()]  # tied parameters once
+    files = _safetensors_of(name_or_path, names) if torch.distributed.get_rank() == 0 else None
+    files = broadcast_from_rank0(files)
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
+    whole = None
+    if files is None:
+        from transformers import AutoModelForCausalLM
+
+        whole = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code).state_dict()  # fmt: skip
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            param = params[name]
+            if whole is not None:
+                full = whole.pop(name).to(device)
+            else:
+                full = torch.empty(param.shape, dtype=torch.float32, device=device)
+                if torch.distributed.get_rank() == 0:
+                    full.copy_(_read_tensor(files, name))
+                torch.distributed.broadcast(full, src=0)
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+            del full
+    return "whole" if whole is not None else "streamed"
+
+
+def _safetensors_of(name_or_path: str, names: list[str]) -> dict[str, str] | None:
+    """{parameter name: safetensors file holding it} when the checkpoint's files hold every one
+    of ``names`` under that name; else None (the caller loads the model whole)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    folder = name_or_path
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"])
+        except Exception:  # offline, gated, no such repo: from_pretrained reports it as usual
+            return None
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            where = {key: os.path.join(folder, file) for key, file in json.load(f)["weight_map"].items()}
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        path = os.path.join(folder, "model.safetensors")
+        with safe_open(path, "pt") as f:
+            where = dict.fromkeys(f.keys(), path)
+    else:
+        return None
+    if not all(name in where for name in names):
+        return None
+    return {name: where[name] for name in names}
+
+
+def _read_tensor(files: dict[str, str], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(files[name], "pt") as f:
+        return f.get_tensor(name)

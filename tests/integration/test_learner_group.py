@@ -207,3 +207,57 @@ def test_a_publish_that_fails_on_rank_0_leaves_the_group_in_step(tiny_model_path
     expected = Learner(settings(tiny_model_path)).score([probe])[0]
     for rank in range(2):
         assert got[rank][1] == pytest.approx(expected, abs=1e-5), rank
+
+
+def load_then_report(rank, model_path, reference_path, port, results):
+    """One rank of a 2-rank group (a spawned process): load the sharded model; report how, the
+    bytes of its local shards and (rank 0) the names whose gathered weights differ from
+    ``reference_path``'s model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.actors import sharding
+
+    sharding.join_group(sharding.GroupSpec("127.0.0.1", port, 2, "gloo", 60.0), rank)
+    model = sharding.empty_model(model_path)
+    sharding.shard_model(model)
+    how = sharding.load_shards(model, model_path, torch.device("cpu"))
+    whole = {name: sharding.full_tensor(t.detach()) for name, t in model.state_dict().items()}
+    differ = None
+    if rank == 0:
+        reference = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch.float32).state_dict()
+        differ = sorted(set(reference) ^ set(whole)) + [k for k, v in reference.items() if k in whole
+                                                         and not torch.equal(whole[k], v)]  # fmt: skip
+    results.put((rank, how, sharding.local_state_bytes(model), differ))
+    sharding.leave_group()
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "pytorch_model.bin"])
+def test_ranks_fill_their_shards_from_rank_0_or_load_the_model_whole(tiny_model_path, tmp_path, layout):
+    """From safetensors, rank 0 reads one tensor at a time and every rank keeps its shard (no rank
+    holds the whole model); other checkpoints are loaded whole, then sharded. Either way the
+    gathered weights are the checkpoint's, bit for bit, and each rank holds half of them."""
+    import shutil
+
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
+    path = tiny_model_path
+    if layout == "pytorch_model.bin":
+        path = tmp_path / "bin"
+        shutil.copytree(tiny_model_path, path, ignore=shutil.ignore_patterns("*.safetensors"))
+        torch.save({k: v for k, v in reference.items() if k != "lm_head.weight"}, path / "pytorch_model.bin")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=load_then_report, args=(r, str(path), str(tiny_model_path), store.port, results))
+             for r in range(2)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    got = {rank: (how, held, differ) for rank, how, held, differ in (results.get(timeout=240) for _ in procs)}
+    for proc in procs:
+        proc.join(60)
+    assert got[0][0] == got[1][0] == ("streamed" if layout == "safetensors" else "whole")
+    assert got[0][2] == []  # every weight, bit for bit
+    total = sum(v.numel() * 4 for k, v in reference.items() if k != "lm_head.weight")  # tied: stored once
+    assert all(abs(got[r][1] - total / 2) < 0.01 * total for r in range(2)), (got[0][1], got[1][1], total)
