@@ -476,11 +476,6 @@ class Learner:
         specs = tuple((name, dtype, tuple(t.shape)) for name, t in self._sync_tensors(materialise=False))
         return StreamedTensors(specs, lambda: tensors)
 
-    def _tied_embeddings(self) -> bool:
-        config = self.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return bool(getattr(text_config, "tie_word_embeddings", False))
-
     def publish(self) -> dict[str, float]:
         """Publish the current weights at the current version; returns timing and size metrics
         (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). In a sharded

@@ -72,7 +72,6 @@ from rlpost.transport.bucketing import (
     flatten_bucket,
     plan_buckets,
     stream_buckets,
-    unflatten,
 )
 
 # a dict, (name, tensor) pairs, or StreamedTensors (made while they are sent)
@@ -534,24 +533,11 @@ class TorchWeightReceiver(_TorchEnd):
         self._layouts: dict[str, BucketLayout] = {}
 
     def receive(self, timeout_s: float | None = None) -> WeightUpdate:
-        """Wait up to `timeout_s` (default: the bus timeout) for the next update and receive it."""
-        wait_s = self.spec.timeout_s if timeout_s is None else timeout_s
-        self._join(wait_s, None)
-        seq = self._seq
-        fail = _SyncFailure(None, self.generation, lambda: [0])
-        with fail.guard(f"no update announced within {wait_s}s"):  # nothing sent yet: group stays usable
-            self._group.keys.wait([f"update/{seq}"], timedelta(seconds=wait_s))
-        with self._failing(fail, "receive", report=f"failed/{seq}/{self.rank}"):
-            header = json.loads(self._group.keys.get(f"update/{seq}"))
-            fail.version = header["version"]
-            layout = self._layout(header["layout"])
-            buckets = self._recv(layout)
-            self._group.keys.set(f"done/{seq}/{self.rank}", "1")
-        self._seq = seq + 1
-        if header["version"] < self.version:
-            raise fail.error(f"version went backwards ({self.version} -> {header['version']}); update rejected")
-        self.version = header["version"]
-        return WeightUpdate(self.version, unflatten(layout, buckets))
+        """Wait up to `timeout_s` (default: the bus timeout) for the next update and receive it
+        whole (:meth:`receive_streamed`, every tensor kept)."""
+        tensors: dict[str, torch.Tensor] = {}
+        version = self.receive_streamed(lambda _, arriving: tensors.update(arriving), timeout_s)
+        return WeightUpdate(version, tensors)
 
     def receive_streamed(self, consume: Callable[[int, Iterator[tuple[str, torch.Tensor]]], None],
                          timeout_s: float | None = None) -> int:  # fmt: skip
@@ -623,11 +609,6 @@ class TorchWeightReceiver(_TorchEnd):
         if signature not in self._layouts:
             self._layouts[signature] = BucketLayout.from_json(self._group.keys.get(f"layout/{signature}"))
         return self._layouts[signature]
-
-    def _recv(self, layout: BucketLayout) -> list[torch.Tensor]:
-        buckets = empty_buckets(layout, self.device)
-        self._group.broadcast_all(b for b in buckets if b.numel() > 0)
-        return buckets
 
 
 def _check_rank(spec: BusSpec, rank: int) -> None:
