@@ -10,7 +10,8 @@ Figures (same run): the learner step time of 2 ranks over 1 rank, and each rank'
 parameters + AdamW state (gradients are freed after each step) over the single learner's (the
 issue's target with 2 ranks: <= 0.6x). Peak resident memory per rank is recorded too: each rank
 receives only its shards at load time, so the peak is the training step's (the process itself,
-activations and logits of its rows, each layer gathered whole in turn).
+activations and logits of its rows, each layer gathered whole in turn); freed tensors leave the
+process (``return_freed_memory_to_os``), so one step's leftovers do not sit under the next.
 
     python -m bench learner_group [--quick] [-- --models tiny,qwen05b --steps 3]
 """

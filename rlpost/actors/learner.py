@@ -878,6 +878,37 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         layer.training = True  # this module only, not its children (docstring)
 
 
+# glibc's mallopt parameters, and the size above which a learner's allocations get pages of their own
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_LEARNER_MMAP_THRESHOLD = 128 * 1024
+
+
+def return_freed_memory_to_os() -> bool:
+    """Make this process's C allocator give freed tensor memory back to the OS (glibc only;
+    returns whether it applied).
+
+    glibc serves allocations of up to 32 MB from heaps that it trims lazily, and it raises its
+    mmap threshold each time a large block is freed: a training step's activations, gradients
+    and gather buffers, freed at the end of the step, stay resident, and the next step's
+    allocations land on top of them. With the threshold fixed at 128 KB, every tensor larger than
+    that gets pages of its own that ``free`` unmaps. Measured on the Qwen2.5-0.5B-shaped model
+    (16 rows of 64 tokens, 2 CPU threads): peak resident memory of one learner 11.6 -> 11.1 GB, of
+    each rank of a 2-rank group 8.7 -> 6.6 GB, step time unchanged (``bench learner_group``)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return False
+    if mallopt is None:
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, _LEARNER_MMAP_THRESHOLD) == 1
+    return bool(mallopt(_M_TRIM_THRESHOLD, _LEARNER_MMAP_THRESHOLD) == 1 and ok)
+
+
 def set_torch_threads(num_threads: int | None) -> None:
     """Give this process ``num_threads`` torch threads (None: keep Ray's OMP_NUM_THREADS, which
     Ray sets from an actor's reserved CPUs, at least 1)."""
@@ -896,6 +927,7 @@ class LearnerActor:
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
         from rlpost.metrics import RoleMetrics
 
+        return_freed_memory_to_os()  # before the model's first allocation
         set_torch_threads(cfg.resources.num_threads)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._store = None  # rank 0 of a group: the group's TCPStore, kept alive with the actor
