@@ -1,18 +1,20 @@
-"""Weight sync: publish the Qwen2.5-0.5B-shaped model over the gloo bus to 1 and 2 receivers.
+"""Weight sync: publish the Qwen2.5-0.5B-shaped model to 1 and 2 receivers on this node, over the
+gloo collectives ("bus") and through shared memory ("shm", ``weight_sync.shared_memory``).
 
 The publisher is rlpost's ``TorchWeightPublisher`` in this process, holding the model's
 ``state_dict()`` exactly as the learner publishes it (``Learner.named_parameters_for_sync``:
 float32, the tied ``lm_head.weight`` sent too, so 2.5 GB of payload for 2.0 GB of parameters).
 Each receiver is a ``TorchWeightReceiver`` in a process of its own, as in an inference worker,
-without the vLLM reload (that part is in the e2e runs' ``weight_sync_s``). The sweep covers the
-bucket size; every point is the median of ``--repeats`` publishes after one warm-up publish (the
-first one also forms the group).
+receiving as the worker does (``receive_streamed``: each bucket's tensors handed over as they
+arrive) without the vLLM reload (that part is in the e2e runs' ``weight_sync_s``). The sweep
+covers the bucket size; every point is the median of ``--repeats`` publishes after one warm-up
+publish (the first one also forms the group).
 
 The floor: a plain in-memory copy of the same tensors into preallocated buffers in this process
 (``Tensor.copy_``), the least any transfer of these bytes can cost on this machine. Ratios are
 bus GB/s over floor GB/s. GB/s counts the payload once (not once per receiver).
 
-    python -m bench bench_weight_sync [--quick] [--buckets 16,64,256,1024] [--workers 1,2]
+    python -m bench bench_weight_sync [--quick] [--buckets 16,64,256,1024] [--workers 1,2] [--routes bus,shm]
 """
 
 from __future__ import annotations
@@ -41,9 +43,8 @@ def _receiver_main(conn) -> None:
             times = []
             for _ in range(args[0]):
                 t0 = time.perf_counter()
-                update = receiver.receive(RECEIVE_TIMEOUT_S)
+                receiver.receive_streamed(_take_all, RECEIVE_TIMEOUT_S)
                 times.append(time.perf_counter() - t0)
-                del update
             conn.send(times)
         elif cmd == "leave":
             receiver.close()
@@ -52,6 +53,12 @@ def _receiver_main(conn) -> None:
         else:
             conn.send("bye")
             return
+
+
+def _take_all(version, tensors) -> None:
+    """What the worker's loader does with each arriving tensor, minus the engine's copy."""
+    for _ in tensors:
+        pass
 
 
 def _state_dict(model_dir):
@@ -80,7 +87,7 @@ def _floor(named, repeats: int) -> list[float]:
     return times
 
 
-def _sweep_point(named, conns, bucket_mb: int, repeats: int) -> tuple[list[float], list[list[float]], int]:
+def _sweep_point(named, conns, bucket_mb: int, repeats: int, route: str) -> tuple[list[float], list[list[float]], int]:
     """Publish ``repeats + 1`` versions with one bucket size; returns publish seconds (warm-up
     dropped), each receiver's receive seconds, and the number of buckets."""
     import dataclasses
@@ -88,8 +95,9 @@ def _sweep_point(named, conns, bucket_mb: int, repeats: int) -> tuple[list[float
     from rlpost.transport.weight_bus import TorchWeightPublisher
 
     publisher = TorchWeightPublisher(
-        len(conns) + 1, host="127.0.0.1", backend="gloo", bucket_mb=bucket_mb, timeout_s=RECEIVE_TIMEOUT_S
-    )
+        len(conns) + 1, host="127.0.0.1", backend="gloo", bucket_mb=bucket_mb, timeout_s=RECEIVE_TIMEOUT_S,
+        shared_memory=route == "shm",
+    )  # fmt: skip
     try:
         spec = dataclasses.asdict(publisher.spec)
         for rank, conn in enumerate(conns, start=1):
@@ -97,6 +105,9 @@ def _sweep_point(named, conns, bucket_mb: int, repeats: int) -> tuple[list[float
         assert all(conn.recv() == "ok" for conn in conns)
         for conn in conns:
             conn.send(("receive", repeats + 1))
+        publisher.connect(RECEIVE_TIMEOUT_S)
+        expected = list(range(1, len(conns) + 1)) if route == "shm" else []
+        assert publisher.shared_memory_ranks == expected, publisher.shared_memory_ranks
         seconds, buckets = [], 0
         for version in range(repeats + 1):
             stats = publisher.publish(named, version)
@@ -117,7 +128,9 @@ def main() -> None:
     parser.add_argument("--buckets", default=None, help="bucket sizes in MB, comma-separated")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--routes", default="bus,shm")
     args = parser.parse_args()
+    routes = args.routes.split(",")
     buckets = [int(b) for b in (args.buckets or ("1,4" if args.quick else "16,64,256,1024")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
     import torch
@@ -134,7 +147,7 @@ def main() -> None:
             "bucket_mb": buckets,
             "workers": workers,
             "repeats": args.repeats,
-            "backend": "gloo (loopback)",
+            "routes": {"bus": "gloo collectives over loopback", "shm": "shared memory (memfd)"},
             "publisher_torch_threads": torch.get_num_threads(),
         },
     )
@@ -152,37 +165,41 @@ def main() -> None:
             p.start()
         conns = [parent for parent, _ in pipes]
         try:
-            for bucket_mb in buckets:
-                wait_for_quiet(args.quick)
-                seconds, received, num_buckets = _sweep_point(named, conns, bucket_mb, args.repeats)
-                s = median(seconds)
-                result.cases[f"{n} receiver(s), bucket {bucket_mb} MB"] = {
-                    "workers": n,
-                    "bucket_mb": bucket_mb,
-                    "num_buckets": num_buckets,
-                    "seconds": summary(seconds),
-                    "gb_per_s": gb / s,
-                    "receiver_seconds": [summary(r) for r in received],
-                    "vs_floor": (gb / s) / (gb / median(floor)),
-                }
-                print(
-                    f"  {n} receiver(s), bucket {bucket_mb:5d} MB ({num_buckets:3d} buckets): {s:.3f} s, "
-                    f"{gb / s:.2f} GB/s ({(gb / s) / (gb / median(floor)):.2f} of the floor)",
-                    flush=True,
-                )
-                result.write()
+            for route in routes:
+                for bucket_mb in buckets:
+                    wait_for_quiet(args.quick)
+                    seconds, received, num_buckets = _sweep_point(named, conns, bucket_mb, args.repeats, route)
+                    s = median(seconds)
+                    result.cases[f"{n} receiver(s), {route}, bucket {bucket_mb} MB"] = {
+                        "workers": n,
+                        "route": route,
+                        "bucket_mb": bucket_mb,
+                        "num_buckets": num_buckets,
+                        "seconds": summary(seconds),
+                        "gb_per_s": gb / s,
+                        "receiver_seconds": [summary(r) for r in received],
+                        "vs_floor": (gb / s) / (gb / median(floor)),
+                    }
+                    print(
+                        f"  {n} receiver(s), {route}, bucket {bucket_mb:5d} MB ({num_buckets:3d} buckets): {s:.3f} s, "
+                        f"{gb / s:.2f} GB/s ({(gb / s) / (gb / median(floor)):.2f} of the floor)",
+                        flush=True,
+                    )
+                    result.write()
         finally:
             for conn in conns:
                 conn.send(("exit",))
             for p in procs:
                 p.join(timeout=30)
-    best = {
-        n: min((c for c in result.cases.values() if c.get("workers") == n), key=lambda c: c["seconds"]["median"])
-        for n in workers
-    }
-    for n, case in best.items():
-        result.ratios[f"{n} receiver(s): best bus GB/s / floor GB/s (bucket {case['bucket_mb']} MB)"] = case["vs_floor"]
-        result.ratios[f"{n} receiver(s): best publish seconds"] = case["seconds"]["median"]
+    for n in workers:
+        for route in routes:
+            case = min(
+                (c for c in result.cases.values() if c.get("workers") == n and c.get("route") == route),
+                key=lambda c: c["seconds"]["median"],
+            )
+            name = f"{n} receiver(s), {route}"
+            result.ratios[f"{name}: best GB/s / floor GB/s (bucket {case['bucket_mb']} MB)"] = case["vs_floor"]
+            result.ratios[f"{name}: best publish seconds"] = case["seconds"]["median"]
     result.write()
 
 

@@ -54,7 +54,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
 TITLES = {
     "rollout": "1. Rollout: the inference worker against vLLM called directly",
     "e2e": "2. End to end: rlpost sync and async against TRL's GRPOTrainer",
-    "weight_sync": "3. Weight sync: the 0.5B-shaped model over the gloo bus",
+    "weight_sync": "3. Weight sync: the 0.5B-shaped model over the gloo bus and through shared memory",
     "buffer": "4. Buffer: groups/s and share of step time",
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
@@ -281,37 +281,41 @@ def _weight_sync(d: dict, results: Path, base: Path) -> str:
         "",
         f"Payload {s['payload_bytes'] / 1e9:.2f} GB in {s['num_tensors']} float32 tensors ({s['model']}: "
         "the learner publishes `state_dict()`, tied `lm_head.weight` included), rlpost's "
-        "TorchWeightPublisher to TorchWeightReceivers in separate processes, gloo over loopback; each point "
-        f"the median of {s['repeats']} publishes after a warm-up. GB/s counts the payload once. The floor is "
-        "a plain in-memory copy (`Tensor.copy_`) of the same tensors in one process.",
+        "TorchWeightPublisher to TorchWeightReceivers in separate processes on this node, over gloo "
+        "collectives on loopback (bus) or a shared-memory segment (shm, `weight_sync.shared_memory`); each "
+        f"point the median of {s['repeats']} publishes after a warm-up. GB/s counts the payload once. The floor "
+        "is a plain in-memory copy (`Tensor.copy_`) of the same tensors in one process.",
         "",
         _ratios(d),
-        "| receivers | bucket MB | buckets | publish s (median) | GB/s | share of floor GB/s | repeats (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| receivers | route | bucket MB | buckets | publish s (median) | GB/s | share of floor GB/s | repeats (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     if floor:
         lines.append(
-            f"| floor: in-memory copy | - | - | {_fmt(floor['seconds']['median'])} | "
+            f"| floor: in-memory copy | - | - | - | {_fmt(floor['seconds']['median'])} | "
             f"{_fmt(floor['gb_per_s'])} | 1 | {_repeats(floor['seconds'])} |"
         )
     points = [c for c in d["cases"].values() if "workers" in c]
     for c in points:
         lines.append(
-            f"| {c['workers']} | {c['bucket_mb']} | {c['num_buckets']} | {_fmt(c['seconds']['median'])} | "
+            f"| {c['workers']} | {c.get('route', 'bus')} | {c['bucket_mb']} | {c['num_buckets']} | "
+            f"{_fmt(c['seconds']['median'])} | "
             f"{_fmt(c['gb_per_s'])} | {_fmt(c['vs_floor'])} | {_repeats(c['seconds'])} |"
         )
     if points:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for n in sorted({c["workers"] for c in points}):
-            xs = [c for c in points if c["workers"] == n]
-            ax.plot([c["bucket_mb"] for c in xs], [c["gb_per_s"] for c in xs], "o-", label=f"{n} receiver(s)")
+            for route in sorted({c.get("route", "bus") for c in points}):
+                xs = [c for c in points if c["workers"] == n and c.get("route", "bus") == route]
+                ax.plot([c["bucket_mb"] for c in xs], [c["gb_per_s"] for c in xs], "o-" if route == "bus" else "s--",
+                        label=f"{n} receiver(s), {route}")  # fmt: skip
         if floor:
             ax.axhline(floor["gb_per_s"], color="k", ls="--", label="in-memory copy (floor)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bucket size (MB)")
         ax.set_ylabel("GB/s (payload)")
-        ax.set_title("weight sync, 0.5B-shaped model, gloo")
+        ax.set_title("weight sync, 0.5B-shaped model")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = results / "weight_sync.png"

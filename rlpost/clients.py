@@ -294,12 +294,12 @@ class LearnerClient(ActorClient):
         """The learner's weights version (after any call it is still running)."""
         return self.call("version", timeout_s=timeout_s)
 
-    def connect_workers(
-        self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float, timeout_s: float
-    ) -> int:
+    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
+                        timeout_s: float, shared_memory: bool = True) -> int:  # fmt: skip
         """Form the weight bus between the learner and ``workers`` (handles); the learner drives
         the workers' side of every later sync itself."""
-        return self.call("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, timeout_s=timeout_s)
+        return self.call("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, shared_memory,
+                         timeout_s=timeout_s)  # fmt: skip
 
     def set_workers(self, workers: list, timeout_s: float) -> int:
         """The bus's next generation with ``workers`` (after a restart); returns the generation."""

@@ -337,6 +337,12 @@ class WeightSyncConfig(_Section):
     )
     bucket_mb: int = Field(64, ge=1, description="Size of the flattened parameter buckets sent per collective.")
     timeout_s: float = Field(60.0, gt=0, description="Timeout of every collective; a dead peer is detected after it.")
+    shared_memory: bool = Field(
+        True,
+        description="Inference workers on the learner's node read CPU weights from shared memory (a segment of "
+        "the learner's process) instead of the gloo collectives; workers on other nodes, and GPU weights, use the "
+        "collectives. false: every worker on the collectives.",
+    )
 
 
 class RoleResources(_Section):

@@ -269,8 +269,9 @@ def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:
     ws = cfg.weight_sync
     host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
     actors.learner.connect_workers(
-        [w.handle for w in actors.inference], host, ws.backend, ws.bucket_mb, ws.timeout_s, timeout_s=timeout_s
-    )
+        [w.handle for w in actors.inference], host, ws.backend, ws.bucket_mb, ws.timeout_s, timeout_s=timeout_s,
+        shared_memory=ws.shared_memory,
+    )  # fmt: skip
 
 
 def stop_actors(actors: RunActors) -> None:

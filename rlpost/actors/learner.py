@@ -968,10 +968,12 @@ class LearnerActor:
             name: sharding.full_tensor(t.detach()).float().cpu() for name, t in self.learner.model.state_dict().items()
         }
 
-    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float) -> int:
+    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float,
+                        shared_memory: bool = True) -> int:  # fmt: skip
         """Form the weight bus with these inference workers (Ray actor handles): a
         :class:`~rlpost.collect.vLLMUpdater` in this process becomes the learner's publisher and
-        joins every worker to its bus. Returns the version the workers serve."""
+        joins every worker to its bus (``shared_memory``: ``weight_sync.shared_memory``).
+        Returns the version the workers serve."""
         from rlpost.collect.weight_update import vLLMUpdater
 
         if self.learner.publisher is not None:
@@ -983,6 +985,7 @@ class LearnerActor:
             device=self.learner.device,
             bucket_mb=bucket_mb,
             timeout_s=timeout_s,
+            shared_memory=shared_memory,
         )
         updater.init()
         self.learner.publisher = updater

@@ -63,6 +63,8 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         device: where the published tensors live (the trainer's device).
         bucket_mb: size of the bus's buckets.
         timeout_s: bound of every bus step; a worker call may take ``timeout_s + 30`` s.
+        shared_memory: workers on this node read CPU weights from shared memory instead of the
+            gloo collectives (:mod:`rlpost.transport.weight_bus`).
 
     Attributes:
         version: the last version the workers confirmed (0 before the first push).
@@ -82,12 +84,13 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         device: str | torch.device | None = None,
         bucket_mb: float = 64,
         timeout_s: float = 120.0,
+        shared_memory: bool = True,
     ) -> None:
         self.workers = list(workers) if workers is not None else None
         self.master_address, self.master_port = master_address or "127.0.0.1", master_port or 0
         self.model_metadata = dict(model_metadata) if model_metadata is not None else None
         self.vllm_tp_size, self.backend = vllm_tp_size, backend
-        self.bucket_mb, self.timeout_s = bucket_mb, timeout_s
+        self.bucket_mb, self.timeout_s, self.shared_memory = bucket_mb, timeout_s, shared_memory
         self._device = device
         self.publisher: TorchWeightPublisher | None = None
         self.version = 0
@@ -138,7 +141,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
             self.publisher.close()
         self.publisher = TorchWeightPublisher(
             1 + len(workers), host=self.master_address, port=self.master_port, backend=self.backend,
-            device=self._device, bucket_mb=self.bucket_mb, timeout_s=self.timeout_s,
+            device=self._device, bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, shared_memory=self.shared_memory,
         )  # fmt: skip
         self._join_workers()
         # continue from what the workers serve: a version below it would be refused

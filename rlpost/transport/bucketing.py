@@ -121,12 +121,13 @@ class StreamedTensors:
         return [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in self.specs]
 
 
-def stream_buckets(layout: BucketLayout, source: Iterator[tuple[str, torch.Tensor]],
-                   device: torch.device) -> Iterator[torch.Tensor]:  # fmt: skip
-    """The flat buckets of ``layout`` in order, each filled from the tensors ``source`` yields
-    (in the layout's slot order). A tensor is dropped once its bucket is built. With a layout
-    planned ``in_order`` the tensors come in bucket order; otherwise tensors of a later bucket
-    (another dtype) wait until theirs."""
+def stream_buckets(layout: BucketLayout, source: Iterator[tuple[str, torch.Tensor]], device: torch.device,
+                   out: list[torch.Tensor] | None = None) -> Iterator[tuple[int, torch.Tensor]]:  # fmt: skip
+    """``(index, flat bucket)`` for each non-empty bucket of ``layout`` in order, filled from the
+    tensors ``source`` yields (in the layout's slot order), into ``out[index]`` when given (else
+    a new tensor). A tensor is dropped once its bucket is built. With a layout planned
+    ``in_order`` the tensors come in bucket order; otherwise tensors of a later bucket (another
+    dtype) wait until theirs."""
     waiting: dict[str, torch.Tensor] = {}
     for index, numel in enumerate(layout.bucket_numels):
         needed = [slot.name for slot in layout.slots if slot.bucket == index]
@@ -138,7 +139,7 @@ def stream_buckets(layout: BucketLayout, source: Iterator[tuple[str, torch.Tenso
                     raise ValueError(f"the streamed tensors ended before {name!r}") from None
                 waiting[produced] = tensor
         if numel > 0:
-            yield flatten_bucket(layout, index, waiting, device)
+            yield index, flatten_bucket(layout, index, waiting, device, out=None if out is None else out[index])
         for name in needed:
             del waiting[name]
 
@@ -180,11 +181,14 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, *, in
     return BucketLayout(slots, tuple(dtypes), tuple(numels))
 
 
-def flatten_bucket(
-    layout: BucketLayout, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device
-) -> torch.Tensor:
-    """Copy the tensors of bucket `index` into one new flat tensor on `device`."""
-    flat = torch.empty(layout.bucket_numels[index], dtype=dtype_from_str(layout.bucket_dtypes[index]), device=device)
+def flatten_bucket(layout: BucketLayout, index: int, tensors: Mapping[str, torch.Tensor], device: torch.device,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Copy the tensors of bucket `index` into one flat tensor: ``out`` (of the bucket's dtype
+    and size, e.g. a view of shared memory) or a new one on `device`."""
+    dtype, numel = dtype_from_str(layout.bucket_dtypes[index]), layout.bucket_numels[index]
+    if out is not None and (out.dtype != dtype or out.numel() != numel):
+        raise ValueError(f"bucket {index} needs {numel} x {dtype}, out is {out.numel()} x {out.dtype}")
+    flat = torch.empty(numel, dtype=dtype, device=device) if out is None else out
     for slot in layout.slots:
         if slot.bucket == index:
             # view(shape).copy_ reads a non-contiguous or other-device source without a temporary

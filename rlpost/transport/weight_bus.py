@@ -42,6 +42,18 @@ Protocol (store keys live under `rlpost-bus/gen{g}/`, g = the generation):
    publishes its current weights (the same version is fine). Whom to drop or restart is the
    caller's decision (the controller sees actor deaths).
 
+Same node (gloo, CPU weights, ``BusSpec.shared_memory``): the publisher offers a shared segment
+(:mod:`rlpost.transport.shared_memory`) under `shm-probe` before it joins; each receiver tries to
+map it and sets `route/{rank}` to "shm" or "bus". The receivers on "shm" take no part in the
+collectives: the publisher writes each bucket into the segment (growing it when an update needs
+more room; the header `update/{s}` names the segment) and sets `ready/{s}/{bucket}`, and they
+read the tensors as views of the segment, valid until they confirm `done` (`receive` copies
+them; `receive_streamed` hands the views to its consumer). The others form the collective
+backend among themselves with the publisher (ranks renumbered), and the publisher broadcasts
+the same bucket memory to them: one copy of the weights serves both. Versions, timeouts, failure
+reports and `reform` are the same on both routes. GPU weights always go over NCCL (no CUDA IPC
+path yet).
+
 NCCL: by default a timed-out NCCL collective makes torch's watchdog kill the process
 (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the bus builds its NCCL backend with mode 2 (abort the
 communicator, keep the process), so a dead inference worker cannot take the learner with it.
@@ -64,6 +76,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
+from rlpost.transport import shared_memory
 from rlpost.transport.bucketing import (
     BucketLayout,
     StreamedTensors,
@@ -73,6 +86,7 @@ from rlpost.transport.bucketing import (
     plan_buckets,
     stream_buckets,
 )
+from rlpost.transport.shared_memory import SegmentRef, SharedSegment
 
 # a dict, (name, tensor) pairs, or StreamedTensors (made while they are sent)
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StreamedTensors
@@ -209,6 +223,7 @@ class BusSpec:
     backend: str = "gloo"
     bucket_mb: float = 64
     timeout_s: float = 60.0
+    shared_memory: bool = True  # same-node receivers read the buckets from shared memory (CPU weights)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -240,17 +255,53 @@ class _Group:
         self.timeout = timedelta(seconds=spec.timeout_s)
         self.keys = PrefixStore(f"rlpost-bus/gen{spec.generation}/", store)
         self.backend = None
+        self.shm_ranks: list[int] = []  # receivers that read from shared memory (module docstring)
+        self.pids: dict[int, int] = {}  # their process ids
+        self.bus_ranks: list[int] = list(range(spec.world_size))  # the publisher and the others
 
-    def await_peers(self, wait_s: float) -> None:
-        """Announce this rank and wait (bounded) until every rank has; safe to retry."""
+    def await_peers(self, wait_s: float, probe: SharedSegment | None = None) -> SharedSegment | None:
+        """Announce this rank and wait (bounded) until every rank has, then agree on who reads
+        from shared memory; safe to retry. ``probe``: the publisher's segment, offered to the
+        receivers. Returns a receiver's mapping of it (None: this rank is on the bus)."""
+        wait = timedelta(seconds=wait_s)
+        everyone = range(self.spec.world_size)
+        if self.rank == 0:  # the offer goes up before rank 0 counts as joined
+            self.keys.set("shm-probe", json.dumps(probe.ref.to_dict() if probe is not None else None))
         self.keys.set(f"joined/{self.rank}", str(os.getpid()))
-        self.keys.wait([f"joined/{r}" for r in range(self.spec.world_size)], timedelta(seconds=wait_s))
+        self.keys.wait([f"joined/{r}" for r in everyone], wait)
+        mapped = None
+        if self.rank != 0:
+            offer = json.loads(self.keys.get("shm-probe"))
+            if offer is not None and self.spec.shared_memory and self.device.type == "cpu":
+                try:
+                    mapped = SharedSegment.open(SegmentRef.from_dict(offer))
+                except OSError:
+                    mapped = None  # another node or PID namespace: this rank stays on the bus
+            self.keys.set(f"route/{self.rank}", "shm" if mapped is not None else "bus")
+        receivers = [f"route/{r}" for r in everyone if r != 0]
+        if receivers:
+            self.keys.wait(receivers, wait)
+        self.shm_ranks = [r for r in everyone if r != 0 and self.keys.get(f"route/{r}") == b"shm"]
+        self.bus_ranks = [r for r in everyone if r not in self.shm_ranks]
+        self.pids = {r: int(self.keys.get(f"joined/{r}")) for r in self.shm_ranks}  # same node: same PIDs
+        return mapped
+
+    @property
+    def on_bus(self) -> bool:
+        """Whether this rank takes part in the collectives (the publisher does when any
+        receiver is on the bus)."""
+        return self.rank in self.bus_ranks and len(self.bus_ranks) > 1
 
     def build_backend(self) -> None:
+        """The collective backend over the bus ranks (renumbered 0..n-1); none when every
+        receiver reads from shared memory."""
+        if not self.on_bus:
+            return
         store = PrefixStore("pg/", self.keys)
-        self.backend = self._gloo(store) if self.spec.backend == "gloo" else self._nccl(store)
+        rank, size = self.bus_ranks.index(self.rank), len(self.bus_ranks)
+        self.backend = self._gloo(store, rank, size) if self.spec.backend == "gloo" else self._nccl(store, rank, size)
 
-    def _gloo(self, store: PrefixStore):
+    def _gloo(self, store: PrefixStore, rank: int, size: int):
         opts = ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         local = self.spec.host in _LOOPBACK  # every rank on this host: talk over loopback
@@ -258,9 +309,9 @@ class _Group:
             ProcessGroupGloo.create_device(hostname="127.0.0.1") if local else ProcessGroupGloo.create_default_device()
         )
         opts._devices = [device]
-        return ProcessGroupGloo(store, self.rank, self.spec.world_size, opts)
+        return ProcessGroupGloo(store, rank, size, opts)
 
-    def _nccl(self, store: PrefixStore):
+    def _nccl(self, store: PrefixStore, rank: int, size: int):
         from torch._C._distributed_c10d import ProcessGroupNCCL  # absent from CPU builds of torch
 
         opts = ProcessGroupNCCL.Options()
@@ -269,7 +320,7 @@ class _Group:
         previous = os.environ.get(_NCCL_ERROR_MODE)
         os.environ[_NCCL_ERROR_MODE] = "2"  # read by the constructor: abort on error, don't kill (docstring)
         try:
-            backend = ProcessGroupNCCL(store, self.rank, self.spec.world_size, opts)
+            backend = ProcessGroupNCCL(store, rank, size, opts)
         finally:
             if previous is None:
                 del os.environ[_NCCL_ERROR_MODE]
@@ -352,6 +403,8 @@ class _TorchEnd:
         self._group: _Group | None = None
         self._broken: str | None = None  # why the current generation is unusable
         self._seq = 0
+        # shared memory of this generation: the publisher's segment, or a receiver's mapping of it
+        self._segment: SharedSegment | None = None
 
     @property
     def generation(self) -> int:
@@ -373,7 +426,9 @@ class _TorchEnd:
             version, self.generation, lambda: group.unconfirmed(range(self.spec.world_size), "joined/{}")
         )
         with fail.guard("not every rank joined the bus"):  # nothing built yet: connect can be retried
-            group.await_peers(self.spec.timeout_s if wait_s is None else wait_s)
+            mapped = group.await_peers(self.spec.timeout_s if wait_s is None else wait_s, self._offer())
+        if self.rank != 0:
+            self._use_segment(mapped)
         self._group = group
         with self._failing(fail, "could not build the bus group"):
             group.build_backend()
@@ -397,6 +452,19 @@ class _TorchEnd:
                 self._group.abort()
             raise
 
+    def _offer(self) -> SharedSegment | None:
+        """The segment the publisher offers its receivers (None: no shared memory)."""
+        return None
+
+    def _use_segment(self, segment: SharedSegment | None) -> None:
+        if self._segment is not None and self._segment is not segment:
+            self._segment.close()
+        self._segment = segment
+
+    @property
+    def _reads_shared_memory(self) -> bool:
+        return self._group is not None and self.rank in self._group.shm_ranks
+
     def close(self) -> None:
         """Leave the group (its sockets close at once); the store goes with this object."""
         self._drop_group()
@@ -405,6 +473,7 @@ class _TorchEnd:
     def _drop_group(self) -> None:
         if self._group is not None:
             self._group.abort()
+        self._use_segment(None)
         self._group, self._broken, self._seq = None, None, 0
 
 
@@ -413,6 +482,8 @@ class TorchWeightPublisher(_TorchEnd):
 
     `world_size`: 1 + number of receivers. `host`: the address receivers dial (this node's IP on
     a cluster). `device`: where the weights live; with backend "auto" it picks NCCL for a GPU.
+    `shared_memory`: offer receivers on this node the buckets in shared memory (CPU weights on
+    gloo only; module docstring).
     """
 
     def __init__(
@@ -425,13 +496,14 @@ class TorchWeightPublisher(_TorchEnd):
         device: str | torch.device | None = None,
         bucket_mb: float = 64,
         timeout_s: float = 60.0,
+        shared_memory: bool = True,
     ):
         if world_size < 1 or bucket_mb <= 0 or timeout_s <= 0:
             raise ValueError(
                 f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}"
             )
         device = _full_device(torch.device(device if device is not None else "cpu"))
-        spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s)
+        spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s, shared_memory)
         if spec.backend == "nccl" and device.type != "cuda":
             raise ValueError(f"weight_sync.backend nccl needs the publisher's weights on a GPU, not {device}")
         store = _connect_store(spec, is_master=True)
@@ -450,9 +522,10 @@ class TorchWeightPublisher(_TorchEnd):
         seq = self._seq
         fail = _SyncFailure(version, self.generation, lambda: self._silent_peers(seq))
         with self._failing(fail, "publish"):
+            shared = self._shared_buckets(layout)
             self._announce(layout, version, seq)
-            self._send(layout, iter(named_tensors) if streamed else dict(named))
-            self._await_done(seq)
+            self._send(layout, iter(named_tensors) if streamed else dict(named), seq, shared)
+            self._await_done(seq, layout)
         self._seq, self._version = seq + 1, version
         return PublishStats(
             version,
@@ -463,6 +536,12 @@ class TorchWeightPublisher(_TorchEnd):
             time.perf_counter() - t0,
             connect_s,
         )
+
+    @property
+    def shared_memory_ranks(self) -> list[int]:
+        """The receivers of the current generation that read from shared memory (known once
+        connected; the others are on the collective bus)."""
+        return list(self._group.shm_ranks) if self._group is not None else []
 
     def reform(self, world_size: int | None = None) -> BusSpec:
         """Drop the current group and open the next generation; hand the result to the receivers."""
@@ -490,29 +569,98 @@ class TorchWeightPublisher(_TorchEnd):
             silent = group.unconfirmed(pending, f"done/{seq}/{{}}", f"failed/{seq}/{{}}")
         return silent
 
+    def _offer(self) -> SharedSegment | None:
+        if not (self.spec.shared_memory and self.spec.backend == "gloo" and self.device.type == "cpu"):
+            return None
+        if self._segment is None:
+            try:
+                self._segment = SharedSegment.create(shared_memory.HEADER_BYTES)
+            except OSError:
+                return None  # no memfd here: every receiver uses the bus
+        return self._segment
+
+    def _shared_buckets(self, layout: BucketLayout) -> list[torch.Tensor] | None:
+        """The buckets as views of the shared segment, grown to fit ``layout`` (a bigger segment
+        replaces the old one; receivers map it from the update's header); None when no receiver
+        reads from shared memory."""
+        if not self._group.shm_ranks:
+            return None
+        need = shared_memory.segment_bytes(layout)
+        if self._segment.ref.nbytes < need:
+            try:
+                grown = SharedSegment.create(need)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"could not reserve {need / 2**20:.0f} MiB of shared memory for the weights ({exc}); "
+                    "free memory on this node or set weight_sync.shared_memory: false"
+                ) from exc
+            self._use_segment(grown)
+        return self._segment.bucket_views(layout)
+
+    def _await_shared_readers(self, seq: int) -> None:
+        """Wait for the shared-memory receivers' ``done`` keys, watching their processes: one
+        that exits fails the update at once, as a closed socket does on the bus (no collective
+        would notice it). Polls the store, 1 ms apart at first, at most 20 ms."""
+        group = self._group
+        pending = dict(group.pids)
+        deadline, pause = time.monotonic() + self.spec.timeout_s, 0.001
+        while pending:
+            pending = {r: pid for r, pid in pending.items() if not group.keys.check([f"done/{seq}/{r}"])}
+            gone = [r for r, pid in pending.items() if _process_gone(pid)]
+            if gone:
+                raise RuntimeError(f"receiver rank(s) {gone} exited during the update")
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"receiver rank(s) {sorted(pending)} did not confirm within {self.spec.timeout_s}s")
+            if pending:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+
     def _announce(self, layout: BucketLayout, version: int, seq: int) -> None:
         keys = self._group.keys
         signature = layout.signature()
         if signature not in self._layouts:
             keys.set(f"layout/{signature}", layout.to_json())
             self._layouts.add(signature)
-        keys.set(f"update/{seq}", json.dumps({"version": version, "layout": signature}))
+        header = {"version": version, "layout": signature}
+        if self._group.shm_ranks:
+            header["shm"] = self._segment.ref.to_dict()
+        keys.set(f"update/{seq}", json.dumps(header))
 
-    def _send(self, layout: BucketLayout, tensors: dict[str, torch.Tensor] | Iterator) -> None:
-        """Broadcast the buckets; from a stream (``StreamedTensors``) each bucket is filled only
-        when the bus is ready for it."""
+    def _send(self, layout: BucketLayout, tensors: dict[str, torch.Tensor] | Iterator, seq: int,
+              shared: list[torch.Tensor] | None) -> None:  # fmt: skip
+        """Fill each bucket (in shared memory when ``shared``, telling its readers with a
+        ``ready/`` key) and broadcast it to the receivers on the bus; from a stream
+        (``StreamedTensors``) each bucket is filled only when the bus is ready for it."""
+        group = self._group
         if isinstance(tensors, dict):
-            flats = (flatten_bucket(layout, i, tensors, self.device) for i, n in enumerate(layout.bucket_numels) if n)
+            flats = (
+                (i, flatten_bucket(layout, i, tensors, self.device, out=None if shared is None else shared[i]))
+                for i, n in enumerate(layout.bucket_numels) if n
+            )  # fmt: skip
         else:
-            flats = stream_buckets(layout, tensors, self.device)
-        self._group.broadcast_all(flats)
+            flats = stream_buckets(layout, tensors, self.device, out=shared)
 
-    def _await_done(self, seq: int) -> None:
+        def filled() -> Iterator[torch.Tensor]:
+            for index, flat in flats:
+                if shared is not None:
+                    group.keys.set(f"ready/{seq}/{index}", "1")
+                yield flat
+
+        if group.on_bus:
+            group.broadcast_all(filled())
+        else:
+            for _ in filled():
+                pass
+
+    def _await_done(self, seq: int, layout: BucketLayout) -> None:
         keys = self._group.keys
         done = [f"done/{seq}/{r}" for r in range(1, self.spec.world_size)]
+        if self._group.shm_ranks:
+            self._await_shared_readers(seq)
         if done:
             keys.wait(done, self._group.timeout)
-        for key in [f"update/{seq}", *done]:
+        ready = [f"ready/{seq}/{i}" for i, n in enumerate(layout.bucket_numels) if n and self._group.shm_ranks]
+        for key in [f"update/{seq}", *done, *ready]:
             keys.delete_key(key)
 
 
@@ -536,7 +684,13 @@ class TorchWeightReceiver(_TorchEnd):
         """Wait up to `timeout_s` (default: the bus timeout) for the next update and receive it
         whole (:meth:`receive_streamed`, every tensor kept)."""
         tensors: dict[str, torch.Tensor] = {}
-        version = self.receive_streamed(lambda _, arriving: tensors.update(arriving), timeout_s)
+
+        def keep(_: int, arriving: Iterator[tuple[str, torch.Tensor]]) -> None:
+            # views of shared memory are rewritten by the next update: keep copies of them
+            copy = self._reads_shared_memory
+            tensors.update((name, tensor.clone() if copy else tensor) for name, tensor in arriving)
+
+        version = self.receive_streamed(keep, timeout_s)
         return WeightUpdate(version, tensors)
 
     def receive_streamed(self, consume: Callable[[int, Iterator[tuple[str, torch.Tensor]]], None],
@@ -560,7 +714,10 @@ class TorchWeightReceiver(_TorchEnd):
             header = json.loads(self._group.keys.get(f"update/{seq}"))
             version = fail.version = header["version"]
             layout = self._layout(header["layout"])
-            arriving = self._arriving(layout, fail)
+            if self._reads_shared_memory:
+                arriving = self._arriving_shared(layout, SegmentRef.from_dict(header["shm"]), seq, fail)
+            else:
+                arriving = self._arriving(layout, fail)
             if version < self.version:
                 for _ in arriving:  # received and dropped, as receive() does, then refused below
                     pass
@@ -596,6 +753,22 @@ class TorchWeightReceiver(_TorchEnd):
             with fail.guard("receive"):
                 work.wait(self._group.timeout)
 
+    def _arriving_shared(self, layout: BucketLayout, ref: SegmentRef, seq: int,
+                         fail: _SyncFailure) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """As :meth:`_arriving`, from the publisher's shared segment: each bucket's tensors once
+        its ``ready/`` key is set, as views of the segment (valid until this update is done)."""
+        if self._segment is None or self._segment.ref != ref:  # the publisher grew its segment
+            with fail.guard("mapping the shared weights"):
+                self._use_segment(SharedSegment.open(ref))
+        views = self._segment.bucket_views(layout)
+        ready: set[int] = set()
+        for slot in layout.slots:
+            if slot.bucket not in ready:
+                with fail.guard("receive"):
+                    self._group.keys.wait([f"ready/{seq}/{slot.bucket}"], self._group.timeout)
+                ready.add(slot.bucket)
+            yield slot.name, views[slot.bucket][slot.offset : slot.offset + slot.numel].view(slot.shape)
+
     def reform(self, spec: BusSpec, rank: int) -> None:
         """Leave the current group and join generation `spec.generation` as `rank` (lazily)."""
         _check_rank(spec, rank)
@@ -609,6 +782,18 @@ class TorchWeightReceiver(_TorchEnd):
         if signature not in self._layouts:
             self._layouts[signature] = BucketLayout.from_json(self._group.keys.get(f"layout/{signature}"))
         return self._layouts[signature]
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this node has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    except OSError:
+        return False  # cannot tell: count it alive, the timeout still bounds the wait
+    return state in ("Z", "X")
 
 
 def _check_rank(spec: BusSpec, rank: int) -> None:

@@ -52,7 +52,10 @@ def test_generate_returns_n_samples_ids_logprobs_and_version(worker, tiny_tokeni
     assert ray.get_actor("inference-0") is not None
 
 
-def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_model_path, tiny_tokenizer):
+@pytest.mark.parametrize("route, v", [("bus", 1), ("shm", 3)])  # the worker is shared: versions go on
+def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_model_path, tiny_tokenizer, route, v):
+    """Both routes of the bus: gloo collectives, and shared memory (the engine's worker process
+    is on this node), which the engine then loads from directly."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -63,14 +66,15 @@ def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_mode
         gen = torch.Generator().manual_seed(0)
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    publisher = TorchWeightPublisher(2, backend="gloo", bucket_mb=1, timeout_s=60)
+    publisher = TorchWeightPublisher(2, backend="gloo", bucket_mb=1, timeout_s=60, shared_memory=route == "shm")
     assert ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60) == 1
     update = worker.update_weights.remote(60)
     named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
-    stats = publisher.publish(named, version=1)
+    stats = publisher.publish(named, version=v)
     info = ray.get(update, timeout=120)
-    assert info["version"] == 1 and stats.version == 1
-    assert ray.get(worker.get_version.remote()) == 1
+    assert info["version"] == v and stats.version == v
+    assert publisher.shared_memory_ranks == ([1] if route == "shm" else [])
+    assert ray.get(worker.get_version.remote()) == v
 
     probe = (
         prompt_ids(tiny_tokenizer)
@@ -84,10 +88,10 @@ def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_mode
 
     # a second update reuses the joined group; the generate stamp follows the version
     update = worker.update_weights.remote(60)
-    publisher.publish(named, version=2)
-    assert ray.get(update, timeout=120)["version"] == 2
+    publisher.publish(named, version=v + 1)
+    assert ray.get(update, timeout=120)["version"] == v + 1
     _, version = ray.get(worker.generate.remote([probe[:10]], {"n": 1, "max_tokens": 4, "logprobs": True}), timeout=60)
-    assert version == 2
+    assert version == v + 1
     publisher.close()
 
 

@@ -1,4 +1,6 @@
-"""The distributed weight bus over gloo, with plain torch processes (no Ray, no vLLM).
+"""The distributed weight bus with plain torch processes (no Ray, no vLLM), on both routes: gloo
+collectives ("bus") and same-node shared memory ("shm"), which every test except the timeouts of
+joining runs on.
 
 The publisher (rank 0) runs in the test process; each receiver is a spawned process driven by a
 command queue. Receivers check what they got against `model_weights(version)`, recomputed on
@@ -7,6 +9,7 @@ their side, bit for bit, and report back only the verdict.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -55,7 +58,7 @@ def check_update(version: int, tensors: dict[str, torch.Tensor]) -> list[str]:
 
 class DiesMidBroadcast(TorchWeightReceiver):
     """Receives its first update normally; in the second, exits once the first of its buckets
-    arrived (overrides the receiver's private per-update step: a test-only fault injection)."""
+    arrived (overrides the receiver's private per-update steps: a test-only fault injection)."""
 
     calls = 0
 
@@ -66,6 +69,15 @@ class DiesMidBroadcast(TorchWeightReceiver):
             return
         first = empty_buckets(layout, self.device)[0]
         self._group.broadcast(first).wait()
+        os._exit(17)
+
+    def _arriving_shared(self, layout, ref, seq, fail):
+        self.calls += 1
+        arriving = super()._arriving_shared(layout, ref, seq, fail)
+        if self.calls < 2:
+            yield from arriving
+            return
+        next(arriving)  # the first bucket is in
         os._exit(17)
 
 
@@ -127,6 +139,18 @@ class Peer:
             self.process.join(5)
 
 
+@pytest.fixture(params=["bus", "shm"])
+def route(request) -> str:
+    """How the receivers get the bytes: gloo collectives, or the same node's shared memory."""
+    return request.param
+
+
+def make_publisher(world_size: int, route: str, **kwargs) -> TorchWeightPublisher:
+    return TorchWeightPublisher(
+        world_size, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo", shared_memory=route == "shm", **kwargs
+    )
+
+
 @pytest.fixture
 def peers():
     started: list[Peer] = []
@@ -136,12 +160,15 @@ def peers():
 
 
 def connect_all(publisher: TorchWeightPublisher, receivers: list[Peer]) -> None:
-    """Join the group with a generous wait: spawned processes take seconds to import torch."""
+    """Join the group with a generous wait: spawned processes take seconds to import torch.
+    Checks that every receiver took the publisher's route."""
     for peer in receivers:
         peer.send("connect", REPLY_S)
     publisher.connect(REPLY_S)
     for peer in receivers:
         assert peer.reply() == ("ok", None, [])
+    expected = list(range(1, publisher.spec.world_size)) if publisher.spec.shared_memory else []
+    assert publisher.shared_memory_ranks == expected
 
 
 def publish_to(publisher: TorchWeightPublisher, receivers: list[Peer], version: int) -> None:
@@ -153,8 +180,8 @@ def publish_to(publisher: TorchWeightPublisher, receivers: list[Peer], version: 
 
 
 @pytest.mark.timeout(60)
-def test_two_receivers_get_every_version_bit_exact(peers):
-    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+def test_two_receivers_get_every_version_bit_exact(peers, route):
+    publisher = make_publisher(3, route)
     peers += [Peer(publisher.spec, 1), Peer(publisher.spec, 2)]
     connect_all(publisher, peers)
     for version in (1, 2, 3):
@@ -169,8 +196,8 @@ def test_two_receivers_get_every_version_bit_exact(peers):
 
 
 @pytest.mark.timeout(60)
-def test_peer_dying_mid_broadcast_raises_then_reform_without_it(peers):
-    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S)
+def test_peer_dying_mid_broadcast_raises_then_reform_without_it(peers, route):
+    publisher = make_publisher(3, route)
     survivor, doomed = Peer(publisher.spec, 1), Peer(publisher.spec, 2, dies=True)
     peers += [survivor, doomed]
     connect_all(publisher, peers)
@@ -199,8 +226,8 @@ def test_peer_dying_mid_broadcast_raises_then_reform_without_it(peers):
 
 
 @pytest.mark.timeout(60)
-def test_restarted_peer_rejoins_in_a_new_generation(peers):
-    publisher = TorchWeightPublisher(3, bucket_mb=1, timeout_s=TIMEOUT_S)
+def test_restarted_peer_rejoins_in_a_new_generation(peers, route):
+    publisher = make_publisher(3, route)
     first, second = Peer(publisher.spec, 1), Peer(publisher.spec, 2)
     peers += [first, second]
     connect_all(publisher, peers)
@@ -229,7 +256,7 @@ def test_restarted_peer_rejoins_in_a_new_generation(peers):
 
 @pytest.mark.timeout(60)
 def test_peer_that_never_joins_times_out_naming_it_and_connect_can_be_retried(peers):
-    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S)
+    publisher = make_publisher(2, "shm")
     start = time.monotonic()
     with pytest.raises(WeightSyncError) as failure:
         publisher.publish(model_weights(1), 1)
@@ -243,8 +270,8 @@ def test_peer_that_never_joins_times_out_naming_it_and_connect_can_be_retried(pe
 
 
 @pytest.mark.timeout(60)
-def test_peer_that_stops_receiving_times_out_naming_it(peers):
-    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S)
+def test_peer_that_stops_receiving_times_out_naming_it(peers, route):
+    publisher = make_publisher(2, route)
     idle = Peer(publisher.spec, 1)
     peers.append(idle)
     connect_all(publisher, [idle])  # it joins the group, then never calls receive
@@ -257,12 +284,12 @@ def test_peer_that_stops_receiving_times_out_naming_it(peers):
 
 
 @pytest.mark.timeout(60)
-def test_streamed_tensors_arrive_bit_exact_and_are_made_bucket_by_bucket(peers):
+def test_streamed_tensors_arrive_bit_exact_and_are_made_bucket_by_bucket(peers, route):
     import weakref
 
     from rlpost.transport import StreamedTensors
 
-    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+    publisher = make_publisher(2, route)
     peers.append(Peer(publisher.spec, 1))
     connect_all(publisher, peers)
     # a model of several dtypes (the receiver checks every tensor bit for bit)
@@ -293,8 +320,8 @@ def test_streamed_tensors_arrive_bit_exact_and_are_made_bucket_by_bucket(peers):
 
 
 @pytest.mark.timeout(60)
-def test_a_streamed_receive_hands_over_every_tensor_and_a_failed_load_fails_the_update(peers):
-    publisher = TorchWeightPublisher(2, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo")
+def test_a_streamed_receive_hands_over_every_tensor_and_a_failed_load_fails_the_update(peers, route):
+    publisher = make_publisher(2, route)
     peers.append(Peer(publisher.spec, 1))
     connect_all(publisher, peers)
     for version in (1, 2):  # bit exact, in the sender's order, bucket after bucket
@@ -318,3 +345,68 @@ def test_a_streamed_receive_hands_over_every_tensor_and_a_failed_load_fails_the_
     publisher.publish(model_weights(3), 3)
     assert peers[0].reply() == ("ok", 3, [])
     publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_declines_shared_memory_gets_the_same_bytes_over_the_bus(peers):
+    publisher = make_publisher(3, "shm")
+    on_shm = Peer(publisher.spec, 1)
+    on_bus = Peer(dataclasses.replace(publisher.spec, shared_memory=False), 2)  # as on another node
+    peers += [on_shm, on_bus]
+    for peer in peers:
+        peer.send("connect", REPLY_S)
+    publisher.connect(REPLY_S)
+    assert [peer.reply() for peer in peers] == [("ok", None, [])] * 2
+    assert publisher.shared_memory_ranks == [1]
+    for version in (1, 2):
+        publish_to(publisher, peers, version)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_bigger_update_grows_the_shared_segment_and_receivers_follow(peers):
+    publisher = make_publisher(2, "shm")
+    peers.append(Peer(publisher.spec, 1))
+    connect_all(publisher, peers)
+    small = {"scale": torch.tensor(1.0)}
+    peers[0].send("receive", REPLY_S)
+    publisher.publish(small, 1)
+    assert peers[0].reply()[:2] == ("ok", 1)  # (its check is against the full model: not this one)
+    first = publisher._segment.ref
+    publish_to(publisher, peers, 2)
+    assert publisher._segment.ref.nbytes > first.nbytes  # a new segment, mapped by the receiver
+    publish_to(publisher, peers, 3)
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_publisher_fails_a_shared_memory_receive_instead_of_hanging():
+    ctx = mp.get_context("spawn")
+    specs, go = ctx.Queue(), ctx.Event()
+    process = ctx.Process(target=publisher_that_dies, args=(specs, go), daemon=True)
+    process.start()
+    spec = specs.get(timeout=REPLY_S)
+    receiver = TorchWeightReceiver(spec, 1)
+    receiver.connect(REPLY_S)
+    go.set()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError):
+        receiver.receive(REPLY_S)
+    assert time.monotonic() - start < REPLY_S
+    process.join(10)
+    receiver.close()
+
+
+def publisher_that_dies(specs, go) -> None:
+    """Connects one shared-memory receiver, announces an update, fills one bucket, then exits."""
+    publisher = make_publisher(2, "shm")
+    specs.put(publisher.spec)
+    publisher.connect(REPLY_S)
+    go.wait(REPLY_S)
+
+    def first_bucket_then_exit(layout, tensors, seq, shared):
+        publisher._group.keys.set(f"ready/{seq}/0", "1")
+        os._exit(3)
+
+    publisher._send = first_bucket_then_exit
+    publisher.publish(model_weights(1), 1)

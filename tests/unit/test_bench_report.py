@@ -114,8 +114,9 @@ def _fixtures(tmp_path):
             {"payload_bytes": 2.5e9, "num_tensors": 291, "model": "qwen", "repeats": 3},
             {
                 "floor: in-memory copy": {"seconds": _s(0.5, 0.5, 0.5), "gb_per_s": 5.0},
-                "1 receiver(s), bucket 64 MB": {
+                "1 receiver(s), shm, bucket 64 MB": {
                     "workers": 1,
+                    "route": "shm",
                     "bucket_mb": 64,
                     "num_buckets": 40,
                     "seconds": _s(2.0, 2.1, 2.2),
@@ -169,7 +170,7 @@ def test_report_renders_every_section_with_figures_and_plots(tmp_path):
         assert heading in text
     assert "| rlpost: path | 210.0 | 4800 | 0.960 |" in text  # median ms, tokens/s, ratio
     assert "| rlpost sync | 101 (4.81x TRL) |" in text  # median samples/s and its ratio to TRL
-    assert "| 1 | 64 | 40 | 2.10 | 1.19 | 0.238 |" in text
+    assert "| 1 | shm | 64 | 40 | 2.10 | 1.19 | 0.238 |" in text
     assert "**0.012**" in text and "a note" in text
     assert "Machine: 2 CPU cores (test cpu)" in text
     for plot in ("e2e_tiny.png", "weight_sync.png", "scaling.png"):
