@@ -33,6 +33,7 @@ BENCHMARKS = {
     "learner_group": "bench.bench_learner_group",  # 1 vs 2 sharded learner ranks (~10 min)
     "lora": "bench.bench_lora",  # LoRA vs full fine-tuning: weight sync, step, state (~10 min)
     "profile_reload": "bench.profile_reload",  # where vLLM's CPU weight reload spends its time (~3 min)
+    "sync_route": "bench.bench_sync_route",  # weight sync + reload, gloo vs shared memory (~4 min)
     "profile_tiny": "bench.profile_step --model tiny",  # the e2e runs now carry the same split
     "profile_qwen05b": "bench.profile_step --model qwen05b",
 }

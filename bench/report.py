@@ -37,6 +37,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("learner_group", _learner_group),
         ("lora", _lora),
         ("profile_reload", _profile_reload),
+        ("sync_route", _sync_route),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -62,6 +63,7 @@ TITLES = {
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time",
+    "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
 }
 
 
@@ -454,6 +456,28 @@ def _profile_reload(d: dict, results: Path, base: Path) -> str:
     ]
     for row in sorted(profiled["top_cumulative"], key=lambda r: -r["self_s"])[:8]:
         lines.append(f"| {_fmt(row['cum_s'])} | {_fmt(row['self_s'])} | `{row['function']}` |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _sync_route(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['sync_route']}",
+        "",
+        f"A learner publishes {s['model']} to an inference worker that reloads it in vLLM as it arrives, "
+        f"alternating the route; {s['rounds']} round(s) per route, each a fresh publisher: its first sync "
+        f"apart, then {s['syncs_per_round']} steady syncs. Worker split: `receive_s` waiting for bytes, "
+        "`load_s` the reload minus that.",
+        "",
+        _ratios(d),
+        "| route | first sync s | steady weight_sync_s (median) | repeats | worker receive_s | worker load_s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for route, c in d["cases"].items():
+        lines.append(
+            f"| {route} | {_repeats(c['first_sync_s'])} | {_fmt(c['weight_sync_s']['median'])} | "
+            f"{_repeats(c['weight_sync_s'])} | {_fmt(c['receive_s']['median'])} | {_fmt(c['load_s']['median'])} |"
+        )
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

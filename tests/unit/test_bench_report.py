@@ -235,6 +235,7 @@ def test_workload_overrides_and_benchmark_names():
         "learner_group",
         "lora",
         "profile_reload",
+        "sync_route",
         "profile_tiny",
         "profile_qwen05b",
     }
