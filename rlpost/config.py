@@ -337,6 +337,13 @@ class WeightSyncConfig(_Section):
     )
     bucket_mb: int = Field(64, ge=1, description="Size of the flattened parameter buckets sent per collective.")
     timeout_s: float = Field(60.0, gt=0, description="Timeout of every collective; a dead peer is detected after it.")
+    inflight_updates: bool = Field(
+        True,
+        description="An update that reaches an inference worker while it generates is applied between two engine "
+        "steps: running requests go on with the new weights (their KV cache kept) and every token records the "
+        "version that sampled it (metrics token_staleness_mean, inflight_token_fraction). false: the update waits "
+        "for the running generate call to finish. Matters in async mode, where updates meet running generation.",
+    )
     shared_memory: bool = Field(
         True,
         description="Inference workers on the learner's node read CPU weights from shared memory (a segment of "

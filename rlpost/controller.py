@@ -239,8 +239,9 @@ class Controller:
         - async: the pools collect on their own (a thread in each actor) from the start,
           blocking only on the buffer when it is full (it holds ``max_staleness`` steps); the
           controller waits on ``buffer.take``, which drops groups more than ``max_staleness``
-          versions behind the learner. A worker applies a weight update between two generate
-          calls.
+          versions behind the learner. A weight update that reaches a worker while it
+          generates is applied between two engine steps (``weight_sync.inflight_updates``): the
+          running requests go on with the new weights, and each token records its version.
         - both: the learner's train call (``COLLECT_TIMEOUT_S``); the weight sync, where the
           learner's vLLMUpdater has every inference worker receive and reload
           (``weight_sync.timeout_s``), then a probe sequence scored by a worker and by the

@@ -49,6 +49,9 @@ class Sample:
     num_tool_calls: int = 0  # tool calls the env ran for it (code blocks, function calls)
     num_tool_errors: int = 0  # of which failed (an exception, a limit, an unknown tool)
     tool_time_s: float = 0.0  # wall-clock seconds its tool calls took
+    # per token of token_ids, the policy version that generated it (-1: not generated, or the
+    # engine did not say); a weight update may land mid-completion (in-flight updates)
+    token_versions: list[int] | None = None
 
     @property
     def num_generated(self) -> int:

@@ -4,10 +4,18 @@
   :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
   batched generate requests (n samples per prompt, processed log-probs, generated ids) stamped
   with its policy version, and applies weight updates: receive from the bus and reload in place
-  (each bucket as soon as it arrives) -> reset the prefix cache (its KV was computed with the old weights) -> bump the
-  version. ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it runs one call
-  at a time, so an update waits for the running generate and new requests wait for the update:
-  that ordering is the "pause new work -> load -> resume" of a weight update.
+  (each bucket as soon as it arrives) -> label the engine's weights with the new version -> reset
+  the prefix cache (its KV was computed with the old weights) -> bump the version.
+  In-flight updates (``inflight_updates``, on by default): an update that arrives while a
+  generate call runs does not wait for it to finish. The generate call steps the engine itself and,
+  between two engine steps, pauses the scheduler keeping every running request, reloads, labels
+  the weights and resumes: running requests go on with the new weights (their KV cache, computed
+  with the old ones, is kept, as PipelineRL does), and each completion says which version sampled
+  each of its tokens (``Completion.token_versions``, from vLLM's weight-version spans). The call's
+  version stamp stays the version it started with, the oldest of its tokens. Every other call
+  (score, a later generate, an update when no generate runs) takes the engine alone.
+  ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it is a threaded actor so
+  that an update can reach a running generate.
 - :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
   to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
   split across workers: its samples must come from one set of weights); it records the version
@@ -18,6 +26,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -25,7 +34,8 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
@@ -49,12 +59,24 @@ class InferenceSettings:
     resources: RoleResources  # ``resources.inference``
     run_name: str = ""  # the run whose metrics the worker reports under
     lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (sync not "merged")
+    inflight_updates: bool = True  # ``weight_sync.inflight_updates``
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> InferenceSettings:
         lora = cfg.model.lora if cfg.model.lora is not None and cfg.model.lora.sync != "merged" else None
         return cls(cfg.model.name_or_path, cfg.rollout.engine, cfg.model.dtype, cfg.resources.inference,
-                   cfg.logging.run_name or "", lora)  # fmt: skip
+                   cfg.logging.run_name or "", lora, cfg.weight_sync.inflight_updates)  # fmt: skip
+
+
+@dataclass
+class _PendingUpdate:
+    """An update waiting for the running generate call to apply it between two engine steps."""
+
+    timeout_s: float
+    done: bool = False
+    info: dict | None = None
+    error: BaseException | None = None
+    posted: float = field(default_factory=time.monotonic)
 
 
 def start_inference(settings: InferenceSettings, index: int, *, namespace: str | None = None, **options: Any):
@@ -69,6 +91,7 @@ def start_inference(settings: InferenceSettings, index: int, *, namespace: str |
         settings.model_path, engine_config=settings.engine, dtype=settings.dtype, name=f"inference-{index}",
         index=index, num_cpus=settings.resources.num_cpus, num_gpus=settings.resources.num_gpus,
         ray_options=options, run_name=settings.run_name, lora=settings.lora,
+        inflight_updates=settings.inflight_updates,
     )  # fmt: skip
 
 
@@ -104,7 +127,7 @@ class InferenceWorker:
     """
 
     def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0,
-                 lora: LoraConfig | None = None):  # fmt: skip
+                 lora: LoraConfig | None = None, inflight_updates: bool = True):  # fmt: skip
         import torch
 
         self.index = index
@@ -126,30 +149,128 @@ class InferenceWorker:
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
         # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
         self.overlap_reload = True
+        # switch weights between engine steps of a running generate call (module docstring)
+        self.inflight_updates = inflight_updates
+        self._turn = threading.Condition()  # who uses the engine: one generate call or one other call
+        self._generating = False
+        self._busy = False
+        self._pending: _PendingUpdate | None = None
+        self._stale_prefix_cache = False  # an in-flight update left KV of older weights in the cache
+        self.llm.llm_engine.set_weight_version(str(self.version))
+
+    @contextlib.contextmanager
+    def _engine_turn(self, generating: bool = False) -> Iterator[None]:
+        """Use the engine alone: wait for the running call to finish. A generate call
+        (``generating``) lets updates in between its steps."""
+        with self._turn:
+            self._turn.wait_for(lambda: not self._generating and not self._busy and self._pending is None)
+            if generating:
+                self._generating = True
+            else:
+                self._busy = True
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._generating = self._busy = False
+                self._turn.notify_all()
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
-        """Completions per prompt plus the version of the weights that produced all of them."""
-        return self.client.generate(prompt_token_ids, sampling), self.version
+        """Completions per prompt plus the version of the weights the call started with (the
+        oldest of its tokens; ``Completion.token_versions`` has each token's)."""
+        with self._engine_turn(generating=True):
+            version = self.version
+            self._reset_stale_prefix_cache()
+            hook = self._between_steps if self.inflight_updates and self.lora is None else None
+            completions = self.client.generate(prompt_token_ids, sampling, between_steps=hook)
+            self._reset_stale_prefix_cache()
+        return completions, version
 
     def score(self, token_ids: list[list[int]], temperature: float) -> list[list[float]]:
-        return self.client.score(token_ids, temperature=temperature)
+        with self._engine_turn():
+            self._reset_stale_prefix_cache()
+            return self.client.score(token_ids, temperature=temperature)
 
     def join_bus(self, spec: dict, rank: int) -> int:
-        return self.llm.collective_rpc("rlpost_join_bus", args=(spec, rank))[0]
+        with self._engine_turn():
+            return self.llm.collective_rpc("rlpost_join_bus", args=(spec, rank))[0]
+
+    def _reset_stale_prefix_cache(self) -> None:
+        if self._stale_prefix_cache and self.llm.reset_prefix_cache():
+            self._stale_prefix_cache = False
 
     def serves_lora(self) -> bool:
         """Whether updates are LoRA adapters this engine serves (else whole weights)."""
         return self.lora is not None
 
     def update_weights(self, timeout_s: float) -> dict:
-        """Receive the next published weights (blocking up to ``timeout_s``) and switch to them."""
-        if self.lora is not None:
-            return self._update_adapter(timeout_s)
+        """Receive the next published weights (blocking up to ``timeout_s``) and switch to them:
+        between two engine steps of a running generate call (``info["in_flight"]``), or alone."""
+        with self._turn:
+            if self._generating and self.inflight_updates and self.lora is None:
+                pending = self._pending = _PendingUpdate(timeout_s)
+                # the call's next step takes it (the receive itself is bounded by timeout_s)
+                served = self._turn.wait_for(lambda: pending.done or not self._generating, timeout_s + 120)
+                if pending.done:
+                    if pending.error is not None:
+                        raise pending.error
+                    return pending.info
+                self._pending = None  # the call ended first (or hangs): apply it alone, below
+                if not served:
+                    raise TimeoutError(f"inference-{self.index}: the running generate call took no update "
+                                       f"within {timeout_s + 120:.0f}s")  # fmt: skip
+            # no generate call may start while an update waits (they wait for _pending too)
+            self._turn.wait_for(lambda: not self._generating and not self._busy)
+            self._busy = True
+        try:
+            if self.lora is not None:
+                return self._update_adapter(timeout_s)
+            info = self._receive_weights(timeout_s)
+            self.llm.reset_prefix_cache()
+            return {**info, "in_flight": False}
+        finally:
+            with self._turn:
+                self._busy = False
+                self._turn.notify_all()
+
+    def _receive_weights(self, timeout_s: float) -> dict:
+        """Receive and reload the next update, then label the engine's weights with its version."""
         args = (timeout_s, self.overlap_reload)
         info = self.llm.collective_rpc("rlpost_receive_weights", args=args, timeout=timeout_s + 30)[0]
-        self.llm.reset_prefix_cache()
         self.version = int(info["version"])
+        self.llm.llm_engine.set_weight_version(str(self.version))
         return info
+
+    def _between_steps(self) -> None:
+        """In a generate call, after each engine step: apply a pending update, if any. The
+        scheduler is paused keeping its requests (vLLM's ``pause_scheduler("keep")``) so that no
+        step runs while the weights change; an update that fails fails the generate call too
+        (its running requests would go on with half-loaded weights)."""
+        if self._pending is None:  # read without the lock: a step must stay cheap
+            return
+        with self._turn:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        core = self.llm.llm_engine.engine_core
+        pausable = hasattr(core, "call_utility")  # an engine core in its own process runs ahead
+        try:
+            if pausable:
+                core.call_utility("pause_scheduler", "keep", False)
+            try:
+                pending.info = {**self._receive_weights(pending.timeout_s), "in_flight": True,
+                                "waited_s": time.monotonic() - pending.posted}  # fmt: skip
+            finally:
+                if pausable:
+                    core.call_utility("resume_scheduler")
+            self._stale_prefix_cache = True
+        except BaseException as exc:
+            pending.error = exc
+            raise
+        finally:
+            with self._turn:
+                pending.done = True
+                self._turn.notify_all()
 
     def _update_adapter(self, timeout_s: float) -> dict:
         """Receive the adapter of the next version into a new folder, load it as a new adapter of
@@ -172,7 +293,8 @@ class InferenceWorker:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.version = int(info["version"])
-        return {**info, "load_s": info["load_s"] + time.perf_counter() - start}
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        return {**info, "load_s": info["load_s"] + time.perf_counter() - start, "in_flight": False}
 
     def get_version(self) -> int:
         return self.version

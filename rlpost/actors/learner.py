@@ -839,7 +839,7 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
     rewards = torch.tensor([s.reward for s, _ in rows], dtype=torch.float64)
     staleness = [version_at_start - s.policy_version for s, _ in rows]
     lengths = [s.num_generated for s, _ in rows]
-    return {
+    metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
         "num_samples": float(len(rows)),
@@ -848,6 +848,13 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),
     }
+    # per token, where the samples say which version generated each (in-flight updates)
+    labelled = [(s.policy_version, v) for s, _ in rows if s.token_versions
+                for v, m in zip(s.token_versions, s.loss_mask) if m and v >= 0]  # fmt: skip
+    if labelled:
+        metrics["token_staleness_mean"] = sum(version_at_start - v for _, v in labelled) / len(labelled)
+        metrics["inflight_token_fraction"] = sum(v > first for first, v in labelled) / len(labelled)
+    return metrics
 
 
 # ---------------------------------------------------------------------------------- Ray shell

@@ -107,10 +107,13 @@ class _Episode:
     frozen: bool = False  # drifted: the sequence ends at the previous turn
     num_turns: int = 0
     tool_stats: list[float] = field(default_factory=lambda: [0, 0, 0.0])  # calls, errors, seconds
+    token_versions: list[int] = field(default_factory=list)  # -1 on tokens not generated
 
-    def add_turn(self, prompt_ids: list[int], generated: list[int], logprobs: list[float]) -> bool:
-        """Append one turn; False (nothing appended) when ``prompt_ids`` does not extend the
-        sequence so far (re-tokenisation drift)."""
+    def add_turn(self, prompt_ids: list[int], generated: list[int], logprobs: list[float],
+                 versions: list[int] | None = None) -> bool:  # fmt: skip
+        """Append one turn (``versions``: the policy version of each generated token); False
+        (nothing appended) when ``prompt_ids`` does not extend the sequence so far
+        (re-tokenisation drift)."""
         if not self.token_ids:
             self.prompt_len = len(prompt_ids)
             added = prompt_ids
@@ -121,6 +124,7 @@ class _Episode:
         self.token_ids += added + generated
         self.logprobs += [0.0] * len(added) + logprobs
         self.loss_mask += [False] * len(added) + [True] * len(generated)
+        self.token_versions += [-1] * len(added) + (list(versions) if versions else [-1] * len(generated))
         return True
 
 
@@ -339,7 +343,11 @@ class GroupCollector:
         self._check_policy_tokens(td, call.prompt_token_ids, completions)
         served = self.policy_version.observe(self.recorder.client, completions, call.reported_version)
         for ep, prompt_ids, completion in zip(episodes, call.prompt_token_ids, completions):
-            if not ep.add_turn(prompt_ids, list(completion.token_ids), _logprobs(completion)):
+            ids = list(completion.token_ids)
+            versions = getattr(completion, "token_versions", None)
+            if versions is None and served is not None:
+                versions = [int(served)] * len(ids)
+            if not ep.add_turn(prompt_ids, ids, _logprobs(completion), versions):
                 self.stats.num_drift_truncated += 1
                 ep.frozen = True
                 continue
@@ -391,6 +399,7 @@ class GroupCollector:
             num_tool_calls=int(ep.tool_stats[0]),
             num_tool_errors=int(ep.tool_stats[1]),
             tool_time_s=float(ep.tool_stats[2]),
+            token_versions=list(ep.token_versions),
         )
 
     def _assemble(self, samples: list[Sample]) -> tuple[list[Group], int]:

@@ -82,11 +82,15 @@ class Completion:
 
     ``token_ids`` include the EOS token when generation stopped on it (``finished=True``);
     ``logprobs`` are the processed log-probs of those tokens, or None when not requested.
+    ``token_versions``: the policy version of the weights that sampled each token, where the
+    engine labels its weights (an inference worker does; new weights may arrive while a
+    completion is generated, so its tokens can come from several versions); None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
+    token_versions: list[int] | None = None
 
 
 @dataclass

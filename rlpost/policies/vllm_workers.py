@@ -45,6 +45,7 @@ def make_vllm_worker(
     ray_options: dict[str, Any] | None = None,
     run_name: str = "",
     lora: Any = None,
+    inflight_updates: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
@@ -67,6 +68,8 @@ def make_vllm_worker(
         run_name: the run whose metrics the worker reports under.
         lora: a ``model.lora`` section (:class:`~rlpost.config.LoraConfig`): the engines serve a
             LoRA adapter on the base model, updated by each publish.
+        inflight_updates: apply an update that arrives during a generate call between two of
+            its engine steps (``weight_sync.inflight_updates``; :class:`~rlpost.actors.inference.InferenceWorker`).
         **kwargs: ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed`` and any
             other ``vllm.LLM`` argument.
     """
@@ -93,17 +96,29 @@ def make_vllm_worker(
     for replica in range(num_replicas):
         worker_index = index + replica
         if not make_ray_worker:
-            workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index, lora=lora))
+            workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index, lora=lora,
+                                           inflight_updates=inflight_updates))  # fmt: skip
             continue
         import ray
 
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": devices if num_gpus is None else num_gpus}
+        # threaded: an update reaches a running generate call (in-flight, InferenceWorker); the
+        # worker itself lets one call at a time use its engine
+        options["max_concurrency"] = 8
         options.update(ray_options or {})
         if name is not None:
             options["name"] = name if num_replicas == 1 else f"{name}-{replica}"
         actor = ray.remote(InferenceActor).options(**options)
         workers.append(
-            actor.remote(model_name, engine_config, dtype=dtype, index=worker_index, run_name=run_name, lora=lora)
+            actor.remote(
+                model_name,
+                engine_config,
+                dtype=dtype,
+                index=worker_index,
+                run_name=run_name,
+                lora=lora,
+                inflight_updates=inflight_updates,
+            )  # fmt: skip
         )
     return workers[0] if num_replicas == 1 else workers
 

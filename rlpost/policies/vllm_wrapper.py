@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -110,16 +111,39 @@ class LocalVLLMClient:
         )
         return self.llm.generate(_token_prompts(token_ids), params, use_tqdm=False, lora_request=self.lora_request)
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any], *,
+                 between_steps: Callable[[], None] | None = None) -> list[list[Completion]]:  # fmt: skip
+        """See :class:`VLLMEngineClient`. ``between_steps``: called after each engine step while
+        requests are still running (an inference worker switches weights there, so running
+        requests go on with the new weights instead of draining first)."""
         from vllm import SamplingParams
 
         sampling = dict(sampling)
         want_logprobs = bool(sampling.pop("logprobs", True))
         params = SamplingParams(**sampling, logprobs=0 if want_logprobs else None, detokenize=False)
-        outputs = self.llm.generate(
-            _token_prompts(prompt_token_ids), params, use_tqdm=False, lora_request=self.lora_request
-        )
+        prompts = _token_prompts(prompt_token_ids)
+        if between_steps is None:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        else:
+            outputs = self._run_steps(prompts, params, between_steps)
         return [[_completion(c, want_logprobs) for c in request.outputs] for request in outputs]
+
+    def _run_steps(self, prompts: list[dict], params, between_steps: Callable[[], None]) -> list:
+        """``llm.generate``'s engine loop, calling ``between_steps`` after each step; the
+        finished outputs in prompt order."""
+        engine = self.llm.llm_engine
+        internal_ids = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        finished = []
+        try:
+            while engine.has_unfinished_requests():
+                finished += [output for output in engine.step() if output.finished]
+                if engine.has_unfinished_requests():
+                    between_steps()
+        except BaseException:
+            engine.abort_request(internal_ids, internal=True)  # leave no request behind
+            raise
+        # as llm.generate: outputs carry the external ids, numbered in the order they were added
+        return sorted(finished, key=lambda output: int(output.request_id))
 
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
         # prompt log-probs skip the sampling processors: at T != 1 they are renormalised over the
@@ -419,7 +443,21 @@ def _completion(output, want_logprobs: bool) -> Completion:
     logprobs = None
     if want_logprobs:
         logprobs = [position[tok].logprob for tok, position in zip(ids, output.logprobs)]
-    return Completion(token_ids=ids, logprobs=logprobs, finished=output.finish_reason == "stop")
+    return Completion(token_ids=ids, logprobs=logprobs, finished=output.finish_reason == "stop",
+                      token_versions=_token_versions(output, len(ids)))  # fmt: skip
+
+
+def _token_versions(output, num_tokens: int) -> list[int] | None:
+    """Each token's policy version from vLLM's weight-version spans (``CompletionOutput
+    .weight_versions``, labelled by ``llm_engine.set_weight_version``); None where the engine
+    has no integer labels (an engine whose weights nobody labelled says "default")."""
+    spans = getattr(output, "weight_versions", None)
+    if not spans or not all(span.version.isdigit() for span in spans):
+        return None
+    versions = [int(spans[0].version)] * num_tokens
+    for span in spans:
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
 
 
 def _dense(position: dict, vocab: int) -> torch.Tensor:

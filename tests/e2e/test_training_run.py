@@ -154,6 +154,9 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
         assert r["staleness_max"] <= 1  # never beyond trainer.max_staleness
         assert r["sync_logprob_diff"] <= 1e-3
         assert r["kl_to_ref"] is not None and r["kl_to_ref"] >= 0
+        # tokens record their own versions: an update mid-completion makes them newer than the sample
+        assert r["token_staleness_mean"] <= r["staleness_mean"] + 1e-9 and 0 <= r["inflight_token_fraction"] <= 1
+    print("in-flight token fractions:", [r["inflight_token_fraction"] for r in rows])
 
 
 def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tmp_path, tiny_model_path):

@@ -204,7 +204,32 @@ def test_multi_turn_sequences_and_oldest_version(engine, tiny_tokenizer):
         assert sample.logprobs == pytest.approx([0.0] * len(p1) + c1.logprobs + [0.0] * added + c2.logprobs, abs=0)
         assert "Try again." in sample.completion_text
         assert sample.policy_version == 7
+        # each generated token's version (this engine labels none: the call's version), -1 elsewhere
+        versions = [-1] * len(p1) + [7] * len(c1.token_ids) + [-1] * added + [8] * len(c2.token_ids)
+        assert sample.token_versions == versions
     assert collector.get_policy_version() == 8
+
+
+class SwitchingMidCompletion(RecordingClient):
+    """Completions whose second half an in-flight update served (version 8; the call says 7)."""
+
+    def generate(self, prompt_token_ids, sampling):
+        out = super().generate(prompt_token_ids, sampling)
+        for group in out:
+            for c in group:
+                half = len(c.token_ids) // 2
+                c.token_versions = [7] * half + [8] * (len(c.token_ids) - half)
+        return out
+
+
+def test_token_versions_of_an_update_mid_completion_reach_the_samples(engine, tiny_tokenizer):
+    client = SwitchingMidCompletion(engine, versions=[7])
+    groups = make_collector(make_cfg(), client, tiny_tokenizer, num_groups=1).collect(1)
+    ((prompts, out),) = client.calls
+    for sample, prompt, (c,) in zip(flat(groups), prompts, out):
+        assert sample.policy_version == 7  # the oldest
+        assert sample.token_versions == [-1] * len(prompt) + c.token_versions
+        assert 8 in sample.token_versions and len(sample.token_versions) == len(sample.token_ids)
 
 
 def test_dapo_filter_drops_and_counts_equal_groups(engine, tiny_tokenizer):

@@ -206,3 +206,65 @@ def test_vllm_updater_pushes_versions_a_wrapper_and_collector_see(worker, tiny_m
     # a TensorDict of parameters works too
     assert updater.push_weights(TensorDict(dict(trainer.state_dict()), batch_size=[])) == version_before + 2
     updater.close()
+
+
+def test_an_update_during_a_generate_call_switches_weights_between_steps(worker, tiny_model_path, tiny_tokenizer):
+    """In-flight update: new weights that change only the final norm (so the KV cache the old
+    weights computed stays valid) arrive while a long generate call runs. Every completion
+    carries the version of each token; the tokens before the switch score as the old weights do,
+    those after as the new ones, and the call's stamp is the version it started with."""
+    import time
+
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.transport.weight_bus import TorchWeightPublisher
+
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(2.5)  # logits x 2.5: another distribution
+    publisher = TorchWeightPublisher(2, backend="gloo", bucket_mb=1, timeout_s=60)
+    ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60)
+    v = ray.get(worker.get_version.remote()) + 1
+
+    def publish(model, version):
+        update = worker.update_weights.remote(60)
+        publisher.publish([(k, t.detach().contiguous()) for k, t in model.state_dict().items()], version)
+        return ray.get(update, timeout=120)
+
+    assert publish(old, v)["in_flight"] is False  # nothing generating: applied alone
+    prompts = [prompt_ids(tiny_tokenizer, f"What is {a} + 4?") for a in (3, 5)]
+    sampling = {"n": 2, "max_tokens": 180, "temperature": 1.0, "seed": 1, "ignore_eos": True, "logprobs": True}
+    for attempt in range(3):  # the update must land while the call runs: retry if it came too late
+        generating = worker.generate.remote(prompts, sampling)
+        time.sleep(0.3)
+        info = publish(new if attempt == 0 else (old if attempt % 2 else new), v + 1 + attempt)
+        completions, stamp = ray.get(generating, timeout=120)
+        if info["in_flight"]:
+            break
+    assert info["in_flight"], "the update never reached a running generate call"
+    switched = v + 1 + attempt
+    before_model = old if attempt % 2 == 0 else new
+    after_model = new if attempt % 2 == 0 else old
+    assert stamp == switched - 1 and ray.get(worker.get_version.remote()) == switched
+    apart = 0.0  # how far the two weights' scores of the same tokens are: the check can tell them apart
+    for group, ids in zip(completions, prompts):
+        for c in group:
+            versions = c.token_versions
+            assert len(versions) == len(c.token_ids) == 180
+            cut = versions.index(switched)
+            assert 0 < cut and set(versions[:cut]) == {switched - 1} and set(versions[cut:]) == {switched}
+            with torch.no_grad():
+                full = ids + c.token_ids
+                by_before = transformers_scores(before_model, full, 1.0)[len(ids) :]
+                by_after = transformers_scores(after_model, full, 1.0)[len(ids) :]
+            served = c.logprobs
+            assert max(abs(a - b) for a, b in zip(served[:cut], by_before[:cut])) <= 1e-3
+            assert max(abs(a - b) for a, b in zip(served[cut:], by_after[cut:])) <= 1e-3
+            apart = max([apart, *(abs(a - b) for a, b in zip(by_before[cut:], by_after[cut:]))])
+    assert apart > 0.1
+    # the next call is all new weights
+    (later,), stamp = ray.get(worker.generate.remote(prompts[:1], dict(sampling, n=1, max_tokens=8)), timeout=60)
+    assert stamp == switched and later[0].token_versions == [switched] * 8
+    publisher.close()

@@ -1,4 +1,6 @@
-"""The learner's batch: splitting rows into micro-batches and packing them to a token budget."""
+"""The learner's batch: splitting rows into micro-batches, packing them to a token budget, its metrics."""
+
+import dataclasses
 
 import pytest
 
@@ -53,3 +55,22 @@ def test_a_budget_that_fits_everything_makes_one_pack():
 def test_split_rows_makes_contiguous_slices_of_near_equal_size():
     assert split_rows(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_rows([1, 2], 5) == [[1], [2]]  # never an empty slice
+
+
+def test_batch_metrics_measure_staleness_per_token_where_samples_say_which_version_made_each():
+    from rlpost.actors.learner import _batch_metrics
+    from rlpost.types import Sample
+
+    def sample(policy_version, versions):
+        n = len(versions)
+        return Sample(prompt_id=0, token_ids=[1] * (2 + n), logprobs=[0.0] * (2 + n), loss_mask=[False] * 2 + [True] * n,
+                      prompt_len=2, reward=1.0, policy_version=policy_version, finished=True,
+                      token_versions=[-1, -1] + versions)  # fmt: skip
+
+    rows = [(sample(3, [3, 3, 4, 4]), 1.0), (sample(4, [4, 4]), -1.0)]
+    metrics = _batch_metrics(rows, version_at_start=5)
+    assert metrics["staleness_mean"] == 1.5  # per sample: 2 and 1
+    assert metrics["token_staleness_mean"] == (2 + 2 + 1 + 1 + 1 + 1) / 6
+    assert metrics["inflight_token_fraction"] == 2 / 6  # the first sample's version-4 tokens
+    unlabelled = [(dataclasses.replace(s, token_versions=None), a) for s, a in rows]
+    assert "token_staleness_mean" not in _batch_metrics(unlabelled, version_at_start=5)
