@@ -449,10 +449,11 @@ def _completion(output, want_logprobs: bool) -> Completion:
 
 def _token_versions(output, num_tokens: int) -> list[int] | None:
     """Each token's policy version from vLLM's weight-version spans (``CompletionOutput
-    .weight_versions``, labelled by ``llm_engine.set_weight_version``); None where the engine
-    has no integer labels (an engine whose weights nobody labelled says "default")."""
+    .weight_versions``, labelled by ``llm_engine.set_weight_version``); None where one version
+    made every token (the call's own: nothing more to say, and 16k fewer ints to send back per
+    batch) or the engine has no integer labels (weights nobody labelled say "default")."""
     spans = getattr(output, "weight_versions", None)
-    if not spans or not all(span.version.isdigit() for span in spans):
+    if not spans or len(spans) == 1 or not all(span.version.isdigit() for span in spans):
         return None
     versions = [int(spans[0].version)] * num_tokens
     for span in spans:

@@ -264,7 +264,7 @@ def test_an_update_during_a_generate_call_switches_weights_between_steps(worker,
             assert max(abs(a - b) for a, b in zip(served[cut:], by_after[cut:])) <= 1e-3
             apart = max([apart, *(abs(a - b) for a, b in zip(by_before[cut:], by_after[cut:]))])
     assert apart > 0.1
-    # the next call is all new weights
+    # the next call is all new weights, which its stamp says
     (later,), stamp = ray.get(worker.generate.remote(prompts[:1], dict(sampling, n=1, max_tokens=8)), timeout=60)
-    assert stamp == switched and later[0].token_versions == [switched] * 8
+    assert stamp == switched and later[0].token_versions is None  # one version made every token: the stamp
     publisher.close()
