@@ -12,6 +12,11 @@ Workloads:
   3e-4 (the demo's settings); its reward curves compare learning per sample.
 - ``qwen05b``: a random-initialised model of Qwen2.5-0.5B's shape (494M parameters, built
   offline), 2 prompts x 4 samples, 8 tokens, few steps: a throughput test only (rewards are 0).
+- ``genheavy``: generation-heavy, as real post-training is: the same shape with 8 layers, 4
+  prompts x 8 samples, 128 tokens each (random weights never stop early, so every completion is
+  128 tokens; the arithmetic prompts are ~70 tokens, shorter than GSM8K's), few steps; rlpost's
+  learner packs micro-batches of 800 tokens (``trainer.max_tokens_per_microbatch``; one batch ran
+  this machine out of memory), TRL keeps its defaults.
 
 Headline ratios: samples/s of rlpost sync and async over TRL (medians of the repeats).
 
@@ -48,6 +53,7 @@ DEFAULT_SYSTEMS = {
         "rlpost async (learner 2 threads)",
     ],
     "qwen05b": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
+    "genheavy": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
 }
 
 
@@ -65,6 +71,9 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
                 max_tokens=4,
                 lr=1e-6,
             ),
+            "genheavy": Workload(
+                model_path(qwen05b_model(quick=True)), steps=2, prompts_per_step=2, group_size=2, max_tokens=16, lr=1e-6
+            ),
         }
     return {
         "tiny": Workload(model_path(TINY_MODEL), steps=tiny_steps or 50),
@@ -75,6 +84,17 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
             group_size=4,
             max_tokens=8,
             lr=1e-6,
+        ),
+        "genheavy": Workload(
+            model_path(qwen05b_model(quick=False, layers=8)),
+            steps=big_steps or 3,
+            prompts_per_step=4,
+            group_size=8,
+            max_tokens=128,
+            lr=1e-6,
+            # 32 rows of ~200 tokens in one micro-batch: 3.9 GB of logits and as much again for
+            # their log-softmax and gradients, which ran this 24 GB machine out of memory
+            rlpost_extra=("trainer.max_tokens_per_microbatch=800",),
         ),
     }
 
@@ -144,6 +164,9 @@ def main() -> None:
         )
     if "qwen05b" in chosen:
         result.note("qwen05b: random weights never answer (reward 0) nor stop early: a throughput test")
+    if "genheavy" in chosen:
+        result.note("genheavy: 8-layer 0.5B-shaped model, 32 completions of 128 tokens a step: a throughput "
+                    "test where generation dominates, as in real post-training")  # fmt: skip
     result.write()
 
 

@@ -192,12 +192,13 @@ QWEN25_05B = dict(
 )
 
 
-def qwen05b_model(quick: bool, log=print) -> Path:
+def qwen05b_model(quick: bool, log=print, layers: int | None = None) -> Path:
     """The random-initialised Qwen2.5-0.5B-shaped model (built once into .cache/).
 
-    Quick mode builds the same shape with 2 layers instead of 24 (a smoke test of the path).
+    Quick mode builds the same shape with 2 layers instead of 24 (a smoke test of the path);
+    ``layers`` asks for another depth (the generation-heavy race uses 8).
     """
-    layers = 2 if quick else QWEN25_05B["num_hidden_layers"]
+    layers = layers or (2 if quick else QWEN25_05B["num_hidden_layers"])
     out = REPO / ".cache" / ("qwen2.5-0.5b-shape" if layers == 24 else f"qwen2.5-0.5b-shape-{layers}l")
     marker = out / "rlpost_bench_model.json"
     spec = dict(QWEN25_05B, num_hidden_layers=layers, seed=0)

@@ -38,6 +38,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("lora", _lora),
         ("profile_reload", _profile_reload),
         ("sync_route", _sync_route),
+        ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -64,6 +65,7 @@ TITLES = {
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
+    "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
 }
 
 
@@ -174,10 +176,10 @@ def _rollout(d: dict, results: Path, base: Path) -> str:
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 
-def _e2e(d: dict, results: Path, base: Path) -> str:
+def _e2e(d: dict, results: Path, base: Path, title: str = "e2e") -> str:
     s = d["settings"]
     lines = [
-        f"## {TITLES['e2e']}",
+        f"## {TITLES[title]}",
         "",
         f"Median of {s['repeats']} repeats per system; systems interleaved within each repeat. rlpost runs "
         f"go through `rlpost train` ({s['rlpost_config']}); TRL through bench/trl_grpo.py (GRPOTrainer, "

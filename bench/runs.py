@@ -31,6 +31,7 @@ class Workload:
     group_size: int = 8
     max_tokens: int = 16
     lr: float = 3e-4
+    rlpost_extra: tuple[str, ...] = ()  # more rlpost overrides (e.g. a micro-batch token budget)
 
     @property
     def samples_per_step(self) -> int:
@@ -46,6 +47,7 @@ class Workload:
             f"optimizer.lr={self.lr}",
             "logging.progress=false",
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
+            *self.rlpost_extra,
         ]
 
 

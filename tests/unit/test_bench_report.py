@@ -236,6 +236,7 @@ def test_workload_overrides_and_benchmark_names():
         "lora",
         "profile_reload",
         "sync_route",
+        "race_genheavy",
         "profile_tiny",
         "profile_qwen05b",
     }
