@@ -904,16 +904,12 @@ def return_freed_memory_to_os() -> bool:
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc: nothing to set
         return False
-    if mallopt is None:
-        return False
-    ok = mallopt(_M_MMAP_THRESHOLD, _LEARNER_MMAP_THRESHOLD) == 1
-    return bool(mallopt(_M_TRIM_THRESHOLD, _LEARNER_MMAP_THRESHOLD) == 1 and ok)
+    applied = [mallopt(option, _LEARNER_MMAP_THRESHOLD) == 1 for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)]
+    return all(applied)
 
 
 def set_torch_threads(num_threads: int | None) -> None:

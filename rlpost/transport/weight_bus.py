@@ -655,11 +655,12 @@ class TorchWeightPublisher(_TorchEnd):
     def _await_done(self, seq: int, layout: BucketLayout) -> None:
         keys = self._group.keys
         done = [f"done/{seq}/{r}" for r in range(1, self.spec.world_size)]
+        ready = []  # the shared-memory readers' per-bucket keys
         if self._group.shm_ranks:
             self._await_shared_readers(seq)
+            ready = [f"ready/{seq}/{i}" for i, n in enumerate(layout.bucket_numels) if n]
         if done:
             keys.wait(done, self._group.timeout)
-        ready = [f"ready/{seq}/{i}" for i, n in enumerate(layout.bucket_numels) if n and self._group.shm_ranks]
         for key in [f"update/{seq}", *done, *ready]:
             keys.delete_key(key)
 
@@ -789,7 +790,7 @@ def _process_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+    except (FileNotFoundError, IndexError):
         return True
     except OSError:
         return False  # cannot tell: count it alive, the timeout still bounds the wait
