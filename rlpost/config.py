@@ -183,6 +183,16 @@ class EngineConfig(_Section):
     max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine schedules at once.")
     enforce_eager: bool = Field(True, description="Skip CUDA-graph / compile warm-up (faster start, slower decode).")
     seed: int = Field(0, description="Engine sampling seed.")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU backend: threads that run the model, each bound to a core of the worker's node (worker i "
+        "takes cores i*n .. i*n+n-1, wrapping round). None keeps vLLM's choice: all the cores but one, which it "
+        "leaves to its scheduler process (1 thread on a 2-core node). Sync mode on a CPU-only node: the node's "
+        "cores, since the learner waits while the engine generates (a model of 8 0.5B-shaped layers generates "
+        "1.8x faster on 2 threads than on 1; a model as small as configs/tiny-cpu.yaml's gains nothing); async "
+        "mode: leave the learner its cores. Ignored on GPU.",
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 
 
@@ -294,6 +304,12 @@ class OptimizerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     grad_accumulation: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then constant.")
+    fused: bool = Field(
+        True,
+        description="AdamW's fused kernel: one multi-threaded pass over every parameter instead of a loop of "
+        "per-tensor ops (transformers' Trainer default with torch >= 2.8). On 2 CPU cores the 0.5B-shaped "
+        "model's update takes 0.3 s against 1.4-2.7 s. false: torch's per-tensor AdamW.",
+    )
 
 
 class TrainerConfig(_Section):

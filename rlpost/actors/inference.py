@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
 from rlpost.lora import engine_lora_kwargs, engine_supports_lora
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
+from rlpost.policies.vllm_wrapper import engine_cpu_cores
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -143,6 +144,8 @@ class InferenceWorker:
         self.lora = lora
         if lora is not None:
             kwargs.update(engine_lora_kwargs(lora))
+        if engine.cpu_threads is not None and not torch.cuda.is_available():
+            kwargs["cpu_cores"] = engine_cpu_cores(engine.cpu_threads, index)
         self.llm = make_vllm_engine(model_path, dtype=dtype, **kwargs)
         self.client = LocalVLLMClient(self.llm)
         self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if self.lora else None

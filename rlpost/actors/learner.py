@@ -229,6 +229,7 @@ class Learner:
             lr=opt.lr,
             betas=tuple(opt.betas),
             weight_decay=opt.weight_decay,
+            fused=opt.fused or None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
@@ -250,6 +251,8 @@ class Learner:
             input_mode="tokens",
             generate=False,
             generate_kwargs={"temperature": cfg.rollout.temperature},
+            # the loss reads the assistant tokens only: no LM head or log-softmax on the prompt
+            score_assistant_only=True,
         )
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
         # The batch's loss tokens are the assistant mask ("rlhf"); the entropy bonus is the
@@ -334,7 +337,7 @@ class Learner:
         sharded group's ranks in step."""
         for batch in micro_batches:
             with self._autocast():
-                scores = self.loss_fn.score(batch.get(TOKENS_FULL), batch.get(ATTENTION_MASK))
+                scores = self.loss_fn.score(batch.get(TOKENS_FULL), batch.get(ATTENTION_MASK), loss_tokens(batch))
             batch.set(self.loss_fn.tensor_keys.proximal_log_probs, scores.float())
         for _ in range(idle):
             self.model(input_ids=torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device))

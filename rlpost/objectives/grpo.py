@@ -402,7 +402,7 @@ class GRPOLoss(torch.nn.Module):
         if want_entropy and self.entropy_estimator == "exact":
             logprobs_bt, entropy_bt = self._score_and_entropy(tokens_bt, attention_bt)
         else:
-            logprobs_bt = self.score(tokens_bt, attention_bt)
+            logprobs_bt = self.score(tokens_bt, attention_bt, mask_bt)
             entropy_bt = -logprobs_bt if want_entropy else None
         if self.kl_mask_threshold is not None:
             mask_bt = mask_bt & trust_region_mask(logprobs_bt, old_bt, self.kl_mask_threshold).to(mask_bt.device)
@@ -440,13 +440,22 @@ class GRPOLoss(torch.nn.Module):
 
     # -------------------------------------------------------------------------------- scoring
 
-    def score(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> torch.Tensor:
+    def score(
+        self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor, needed_bt: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Current log-probs ``[B, T]`` of ``tokens_bt`` in its own layout (0 on padding and on
-        each row's first token), with their graph; rlpost's (the learner's scoring probe)."""
+        each row's first token), with their graph; rlpost's (the learner's scoring probe).
+
+        ``needed_bt``: the positions the caller reads (the loss's tokens), handed to the actor as
+        its assistant mask; an actor built with ``score_assistant_only=True`` may then leave the
+        positions before the first of them at 0. None: every position is scored."""
         if self.actor_network is None:
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
         actor = self.actor_network
-        rows = actor(self._actor_input(tokens_bt, attention_bt)).get((actor.log_probs_key, "full"), as_list=True)
+        td = self._actor_input(tokens_bt, attention_bt)
+        if needed_bt is not None:
+            td.set((actor.masks_key, "all_assistant_mask"), needed_bt.bool())
+        rows = actor(td).get((actor.log_probs_key, "full"), as_list=True)
         logprobs_bt = torch.zeros(tokens_bt.shape, dtype=rows[0].dtype if rows else torch.float32)
         # boolean-mask assignment fills row by row, left to right: the order rows were read in
         return logprobs_bt.index_put((attention_bt.cpu(),), torch.cat(list(rows)).cpu())

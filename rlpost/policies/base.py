@@ -18,7 +18,8 @@ The base class does everything engine-independent (templates, tokenisation, layo
 a backend implements two methods on plain token-id lists:
 
 - ``_generate_ids(prompt_ids, num_samples) -> list[list[Completion]]``
-- ``_score_ids(full_ids) -> list[Tensor]`` (float32, length ``len(ids)``, 0 at position 0)
+- ``_score_ids(full_ids, score_from) -> list[Tensor]`` (float32, length ``len(ids)``, 0 at
+  position 0; positions before ``score_from`` may be left at 0)
 
 Token ids returned by the engine are used as they are; generated text is decoded for display and
 for the history but never re-tokenised: a decode/encode round trip does not give the same ids
@@ -104,6 +105,7 @@ class _Rows:
     full_text: list[str] | None = None
     prompt_history: History | None = None
     full_assistant: list[list[int]] | None = None
+    score_from: int = 0  # scoring: the first position whose log-prob is needed (score_assistant_only)
 
 
 class LLMWrapperBase(CategoricalSequential):
@@ -140,6 +142,13 @@ class LLMWrapperBase(CategoricalSequential):
             TorchRL decides from the mode (text for "text" and "history", tokens and masks
             always). Turning them off saves work where a caller only needs log-probs.
         history_key, text_key, tokens_key, masks_key, log_probs_key: output keys.
+        score_assistant_only: rlpost's addition (TorchRL has no such argument), for a loss that
+            reads log-probs only where the input's ``masks.all_assistant_mask`` is True: when
+            scoring, a backend may skip every position before the first assistant token of any
+            row, whose log-probs are then 0 (an input without that mask is scored whole). TransformersWrapper applies its LM head and
+            log-softmax from that position on only (``logits_to_keep``, as TRL scores the
+            completion only), which on a large vocabulary is most of the cost of scoring a
+            prompt. Default False: every position is scored, as in TorchRL.
 
     ``out_keys`` are, in TorchRL's order: text, masks, tokens, log_probs, history (those
     returned). The history is returned in "history" mode, also when scoring (the input's).
@@ -172,6 +181,7 @@ class LLMWrapperBase(CategoricalSequential):
         masks_key: NestedKey = "masks",
         log_probs_key: NestedKey = "log_probs",
         batching: bool | None = None,
+        score_assistant_only: bool = False,
     ):
         super().__init__()
         # the constructor arguments, for get_new_version twins (input_key None follows input_mode)
@@ -211,6 +221,7 @@ class LLMWrapperBase(CategoricalSequential):
         self.return_tokens = True if return_tokens is None else bool(return_tokens)
         self.return_masks = True if return_masks is None else bool(return_masks)
         self.return_history = input_mode == "history"
+        self.score_assistant_only = bool(score_assistant_only)
         self.inplace = inplace
         self._device = torch.device(device) if device is not None else None
         self.layout = torch.strided if not pad_output else layout
@@ -276,6 +287,8 @@ class LLMWrapperBase(CategoricalSequential):
             out = self.forward(tensordict.reshape(-1))
             return out.reshape(*shape, *out.shape[1:])
         rows = self._read_inputs(tensordict)
+        if not self.generate and self.score_assistant_only:
+            rows.score_from = self._first_assistant_position(tensordict)
         outputs = self._generate_outputs(rows) if self.generate else self._score_outputs(rows)
         if not self.generate and self.return_history:
             outputs[self.history_key] = self._scored_history(tensordict)
@@ -288,7 +301,7 @@ class LLMWrapperBase(CategoricalSequential):
     def _generate_ids(self, prompt_ids: list[list[int]], num_samples: int) -> list[list[Completion]]:
         raise NotImplementedError
 
-    def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
+    def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ keys
@@ -491,7 +504,8 @@ class LLMWrapperBase(CategoricalSequential):
 
     def _score_outputs(self, rows: _Rows) -> dict[NestedKey, Any]:
         full_ids = rows.full_ids
-        full_lp = self._score_ids(full_ids)
+        # score_from passed only when set: a backend written for _score_ids(full_ids) still works
+        full_lp = self._score_ids(full_ids, rows.score_from) if rows.score_from else self._score_ids(full_ids)
         for ids, lp in zip(full_ids, full_lp):
             if lp.shape != (len(ids),):
                 raise RuntimeError(f"backend scored {tuple(lp.shape)} log-probs for a sequence of {len(ids)} tokens")
@@ -523,6 +537,16 @@ class LLMWrapperBase(CategoricalSequential):
                 response_text = [f[len(p) :] for f, p in zip(full_text, prompt_text)]
             out[self.text_key] = self._text(prompt_text, response_text, full_text)
         return out
+
+    def _first_assistant_position(self, td: TensorDictBase) -> int:
+        """The first position any row's assistant mask covers; 0 (score every position) when
+        the input has no such mask or it covers nothing."""
+        key = join_key(self.masks_key, "all_assistant_mask")
+        if not has_entry(td, key):
+            return 0
+        masks = td.get(key, as_list=True) if is_lazy(td) or is_lazy(peek(td, self.masks_key)) else td.get(key)
+        firsts = [int(row.nonzero()[0, 0]) for row in masks if bool(row.any())]
+        return min(firsts, default=0)
 
     def _pad_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)

@@ -13,6 +13,8 @@ grad mode: a loss can backpropagate through ``log_probs``.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rlpost.policies.base import Completion, LLMWrapperBase
@@ -113,11 +115,12 @@ class TransformersWrapper(LLMWrapperBase):
             finished=end is not None,
         )
 
-    def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
-        logits, input_ids = self._forward_logits(full_ids)
+    def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
+        start = max(score_from - 1, 0)  # the logits at start.. predict tokens start+1..
+        logits, input_ids = self._forward_logits(full_ids, keep_from=start)
         logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-        next_lp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        next_lp = torch.cat([torch.zeros_like(next_lp[:, :1]), next_lp], dim=1).cpu()
+        next_lp = logprobs.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1)
+        next_lp = torch.cat([next_lp.new_zeros((len(full_ids), start + 1)), next_lp], dim=1).cpu()
         return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
 
     def _full_logits(self, tensordict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +134,10 @@ class TransformersWrapper(LLMWrapperBase):
             mask[i, 1 : len(ids)] = True
         return shifted, mask.to(shifted.device)
 
-    def _forward_logits(self, full_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward pass over right-padded rows: ``(logits [B, T, V], input_ids [B, T])``."""
+    def _forward_logits(self, full_ids: list[list[int]], keep_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward pass over right-padded rows: ``(logits [B, T - keep_from, V], input_ids
+        [B, T])``, the logits of positions ``keep_from`` to ``T - 1`` (the LM head skips the
+        others where the model takes ``logits_to_keep``)."""
         device = next(self.model.parameters()).device
         width = max(len(ids) for ids in full_ids)
         input_ids = torch.full((len(full_ids), width), self._pad_id(), dtype=torch.long)
@@ -142,7 +147,17 @@ class TransformersWrapper(LLMWrapperBase):
             input_ids[i, : len(ids)] = torch.tensor(ids)
             attention[i, : len(ids)] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        return self.model(input_ids=input_ids, attention_mask=attention).logits, input_ids
+        keep = {}
+        if keep_from > 0 and _takes_logits_to_keep(self.model):
+            keep["logits_to_keep"] = width - keep_from  # the last width - keep_from positions
+        logits = self.model(input_ids=input_ids, attention_mask=attention, **keep).logits
+        return logits[:, keep_from - width + logits.shape[1] :], input_ids
+
+
+def _takes_logits_to_keep(model) -> bool:
+    """Whether the transformers model (inside a peft wrapper too) takes ``logits_to_keep``."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def _name_or_path(model) -> str | None:

@@ -25,7 +25,7 @@ VLLM_WORKER_EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
 
 # EngineConfig fields a caller may pass by name; anything else goes to vllm.LLM as is.
 _ENGINE_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_space_gb", "max_model_len",
-                  "max_num_seqs", "enforce_eager", "seed")  # fmt: skip
+                  "max_num_seqs", "enforce_eager", "seed", "cpu_threads")  # fmt: skip
 
 
 def make_vllm_worker(

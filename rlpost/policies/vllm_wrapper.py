@@ -22,11 +22,12 @@ A plain ``vllm.LLM`` in raw mode is handled by :class:`vLLMWrapper` (re-scored o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -259,7 +260,8 @@ class vLLMWrapper(LLMWrapperBase):
         for completion, row in zip(flat, scores):
             completion.logprobs = row
 
-    def _score_ids(self, full_ids: list[list[int]]) -> list[torch.Tensor]:
+    def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
+        # vLLM returns every position's log-prob in one pass: score_from saves nothing here
         scores = self.client.score(full_ids, temperature=self.temperature)
         return [torch.tensor(s, dtype=torch.float32) for s in scores]
 
@@ -372,6 +374,7 @@ def make_vllm_engine(
     seed: int = 0,
     kv_cache_memory_bytes: int | None = 256 * 2**20,
     max_logprobs: int = -1,
+    cpu_cores: Sequence[int] | None = None,
     **engine_kwargs,
 ):
     """Create a ``vllm.LLM`` configured the way rlpost needs it.
@@ -385,6 +388,10 @@ def make_vllm_engine(
       variable (whole GiB) overrides it when set in the environment; with
       ``kv_cache_memory_bytes=None`` it is set to 1 GiB unless already set.
     - chunked prefill is off (see the comment below); pass ``enable_chunked_prefill`` to override.
+    - ``cpu_cores``: the cores whose threads run the model (one torch thread each, bound to its
+      core; :func:`engine_cpu_cores` picks them). None keeps vLLM's own choice, which on a node
+      of N cores binds N-1 threads and leaves one core to the engine's scheduler process: on 2
+      cores, one thread.
 
     The engine runs in child processes: create it under ``if __name__ == "__main__":`` in
     scripts and release it with :func:`shutdown_vllm_engine`.
@@ -406,16 +413,48 @@ def make_vllm_engine(
             engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))
     if kv_cache_memory_bytes is not None:
         engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-    return LLM(
-        str(model_path),
-        dtype=dtype,
-        enforce_eager=enforce_eager,
-        max_model_len=max_model_len,
-        seed=seed,
-        max_logprobs=max_logprobs,
-        logprobs_mode="processed_logprobs",
-        **engine_kwargs,
-    )
+    binding = {}
+    if cpu_cores is not None and current_platform.is_cpu():
+        # read by the engine's processes as they start (they inherit this environment)
+        binding["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cpu_cores)
+    with _environment(binding):
+        return LLM(
+            str(model_path),
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            max_logprobs=max_logprobs,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
+
+
+def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:
+    """``num_threads`` cores of this process's CPU set for the threads of engine ``index`` on the
+    node: engines 0, 1, ... take consecutive runs of cores, wrapping round when the node has
+    fewer cores than their threads (they then share cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 <= num_threads <= len(cores):
+        raise ValueError(
+            f"rollout.engine.cpu_threads={num_threads}: this process may run on {len(cores)} cores ({cores})"
+        )
+    return [cores[(index * num_threads + j) % len(cores)] for j in range(num_threads)]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the block, then restore what was there."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def shutdown_vllm_engine(llm) -> None:

@@ -5,6 +5,7 @@ its child processes are checked to be gone.
 """
 
 import gc
+import os
 import pickle
 import time
 
@@ -16,11 +17,13 @@ from tensordict import TensorDict
 from rlpost.data import ChatHistory, History
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
 from rlpost.policies import LocalVLLMClient, TransformersWrapper, vLLMWrapper
+from rlpost.policies.vllm_wrapper import engine_cpu_cores
 
 pytestmark = pytest.mark.integration
 
 SYSTEM = {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}
 TOLERANCE = 1e-3
+ENGINE_THREADS = min(2, len(os.sched_getaffinity(0)))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,8 @@ def vllm_engine(tiny_model_path):
     from rlpost.policies import make_vllm_engine, shutdown_vllm_engine
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    llm = make_vllm_engine(tiny_model_path, seed=0)
+    # the model's threads on (up to) 2 cores of their own: rollout.engine.cpu_threads' path
+    llm = make_vllm_engine(tiny_model_path, seed=0, cpu_cores=engine_cpu_cores(ENGINE_THREADS))
     # the engine-core and worker processes; multiprocessing's resource tracker (also started
     # here) is Python's own helper and lives as long as this process, by design
     started = [
@@ -415,3 +419,59 @@ def test_clear_value_errors(vllm_engine, hf_model, tiny_tokenizer):
     response = padded["masks"].all_assistant_mask
     diff = (scored["log_probs"].full - padded["log_probs"].full)[response].abs().max().item()
     assert diff <= TOLERANCE
+
+
+def test_the_engine_runs_the_model_on_the_cores_it_was_given(vllm_engine):
+    """make_vllm_engine(cpu_cores=...): vLLM binds the model process's threads one per given core
+    (vLLM's own choice on 2 cores binds them all to core 0); the caller's environment is left as
+    it was."""
+    cores = engine_cpu_cores(ENGINE_THREADS)
+    bound_to = set()
+    for process in psutil.Process().children(recursive=True):
+        if _alive(process) and process.name() == "VLLM::Worker":
+            for thread in process.threads():
+                affinity = os.sched_getaffinity(thread.id)
+                if len(affinity) == 1:
+                    bound_to |= affinity
+    assert bound_to == set(cores)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+def test_scoring_the_assistant_tokens_only_gives_their_log_probs_and_gradients(hf_model, tiny_tokenizer):
+    """score_assistant_only=True: the LM head sees the positions from the first assistant token
+    on (logits_to_keep); the assistant tokens' log-probs and their gradients are those of the
+    full scoring, earlier positions are 0."""
+    torch.manual_seed(0)
+    lengths, starts = [14, 11], [6, 9]
+    ids = torch.randint(3, tiny_tokenizer.vocab_size, (2, 14))
+    attention = torch.arange(14)[None, :] < torch.tensor(lengths)[:, None]
+    assistant = (torch.arange(14)[None, :] >= torch.tensor(starts)[:, None]) & attention
+    td = TensorDict(
+        {
+            ("tokens", "full"): ids,
+            ("masks", "all_attention_mask"): attention,
+            ("masks", "all_assistant_mask"): assistant,
+        },
+        batch_size=[2],
+    )
+    full = TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False, pad_output=True)
+    fast = full.get_new_version(score_assistant_only=True)
+    kept = []
+    hook = hf_model.register_forward_pre_hook(lambda m, a, kw: kept.append(kw.get("logits_to_keep")), with_kwargs=True)
+    try:
+        results = []
+        for wrapper in (full, fast):
+            hf_model.zero_grad()
+            lp = wrapper(td.copy()).get(("log_probs", "full"))
+            (lp * assistant).sum().backward()
+            results.append((lp.detach(), hf_model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+    finally:
+        hook.remove()
+    assert kept == [None, 14 - (6 - 1)]  # positions 5..13: the logits that predict tokens 6..13
+    (lp_full, grad_full), (lp_fast, grad_fast) = results
+    torch.testing.assert_close(lp_fast[assistant], lp_full[assistant], rtol=0, atol=1e-5)
+    assert lp_fast[:, :6].abs().sum() == 0 and lp_full[:, 1:6].abs().sum() > 0
+    torch.testing.assert_close(grad_fast, grad_full, rtol=1e-4, atol=1e-6)
+    # without the mask nothing says which positions are needed: every one is scored
+    whole = fast(td.exclude(("masks", "all_assistant_mask"))).get(("log_probs", "full"))
+    torch.testing.assert_close(whole.detach(), lp_full, rtol=0, atol=1e-5)
