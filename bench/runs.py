@@ -32,6 +32,9 @@ class Workload:
     max_tokens: int = 16
     lr: float = 3e-4
     rlpost_extra: tuple[str, ...] = ()  # more rlpost overrides (e.g. a micro-batch token budget)
+    # rlpost overrides for its sync-mode runs only (e.g. the engine on every core: in sync mode the
+    # learner waits while the engine generates, in async mode they share the cores)
+    rlpost_sync_extra: tuple[str, ...] = ()
 
     @property
     def samples_per_step(self) -> int:
@@ -49,6 +52,11 @@ class Workload:
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
             *self.rlpost_extra,
         ]
+
+    def rlpost_system_overrides(self, system_overrides: list[str]) -> list[str]:
+        """A system's own overrides, plus this workload's sync-mode ones for a sync system."""
+        sync = "trainer.mode=sync" in system_overrides
+        return [*system_overrides, *(self.rlpost_sync_extra if sync else ())]
 
 
 @dataclass
