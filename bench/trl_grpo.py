@@ -12,7 +12,8 @@ rlpost's (configs/tiny-cpu.yaml + the benchmark's overrides):
     rollout.max_tokens                  max_completion_length
     rollout.temperature/top_p           temperature / top_p (top_k=0)
     optimizer lr, betas, wd, clip       learning_rate, adam_beta1/2, weight_decay, max_grad_norm,
-                                        lr_scheduler_type=constant, warmup_steps=0, optim=adamw_torch
+                                        lr_scheduler_type=constant, warmup_steps=0,
+    optimizer.fused (default true)      optim="adamw_torch_fused" (transformers' default with torch >= 2.8)
     loss clip 0.2 / 0.28, token_mean    epsilon / epsilon_high, loss_type="dapo" (token mean)
     advantage_scale=group, no KL        scale_rewards="group", beta=0 (no reference model)
     the answer reward                   a reward function calling rlpost.envs.rewards.answer_reward
@@ -110,7 +111,7 @@ def main() -> None:
             max_grad_norm=args.grad_clip,
             lr_scheduler_type="constant",
             warmup_steps=0,
-            optim="adamw_torch",
+            optim="adamw_torch_fused",
             epsilon=args.clip_low,
             epsilon_high=args.clip_high,
             loss_type="dapo",

@@ -478,9 +478,9 @@ class LLMWrapperBase(CategoricalSequential):
         full_ids = [p + r for p, r in zip(prompt_ids, response_ids)]
         out: dict[NestedKey, Any] = {}
         need_text = self.return_text or self.input_mode == "history"
-        response_text = self.tokenizer.batch_decode(response_ids, skip_special_tokens=False) if need_text else None
+        response_text = decode_rows(self.tokenizer, response_ids) if need_text else None
         if need_text and rows.prompt_text is None:
-            rows.prompt_text = self.tokenizer.batch_decode(rows.prompt_ids, skip_special_tokens=False)
+            rows.prompt_text = decode_rows(self.tokenizer, rows.prompt_ids)
         prompt_text = repeat(rows.prompt_text)
         if self.return_log_probs:
             full_lp = _rows_tensor([[0.0] * s + _logprobs(c) for s, c in zip(split, flat)], torch.float32)
@@ -530,7 +530,7 @@ class LLMWrapperBase(CategoricalSequential):
                 assist = None
             out[self.masks_key] = self._pack_masks(full_ids, assist, split)
         if self.return_text:
-            full_text = rows.full_text or self.tokenizer.batch_decode(full_ids, skip_special_tokens=False)
+            full_text = rows.full_text or decode_rows(self.tokenizer, full_ids)
             prompt_text = rows.prompt_text
             response_text = None
             if prompt_text is not None and all(f.startswith(p) for f, p in zip(full_text, prompt_text)):
@@ -634,6 +634,27 @@ class LLMWrapperBase(CategoricalSequential):
         for key, value in outputs.items():
             result.set(key, value)
         return result
+
+
+def decode_rows(tokenizer, rows: list[list[int]]) -> list[str]:
+    """``tokenizer.batch_decode(rows, skip_special_tokens=False)``, in one call to the Rust
+    tokenizer where that returns the same strings: a fast tokenizer whose decoding no class
+    overrides and that adds no clean-up of its own. transformers' ``batch_decode`` first walks
+    every id in Python, a third of the text's cost on a batch of 512 completions."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    plain = (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls._decode is TokenizersBackend._decode
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls.batch_decode is PreTrainedTokenizerBase.batch_decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    if not plain:
+        return tokenizer.batch_decode(rows, skip_special_tokens=False)
+    return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=False)
 
 
 def _logprobs(completion: Completion) -> list[float]:
