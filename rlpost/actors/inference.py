@@ -41,13 +41,12 @@ from typing import TYPE_CHECKING, Any
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
 from rlpost.lora import engine_lora_kwargs, engine_supports_lora
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
-from rlpost.policies.vllm_wrapper import engine_cpu_cores
+from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
 
 log = logging.getLogger("rlpost")
-EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
         max_model_len=engine.max_model_len,
         seed=engine.seed,
         max_num_seqs=engine.max_num_seqs,
-        worker_extension_cls=EXTENSION,
+        worker_extension_cls=WORKER_EXTENSION,
         **engine.extra,
     )
     if on_gpu:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from rlpost.policies.vllm_worker_ext import WeightSyncExtension
+from rlpost.policies.vllm_wrapper import WORKER_EXTENSION as VLLM_WORKER_EXTENSION  # noqa: F401 (re-exported)
 
 vLLMWorker = WeightSyncExtension
-VLLM_WORKER_EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
 
 # EngineConfig fields a caller may pass by name; anything else goes to vllm.LLM as is.
 _ENGINE_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_space_gb", "max_model_len",

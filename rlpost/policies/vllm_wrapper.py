@@ -365,6 +365,10 @@ def _worker_client(model: Any, tokenizer: Any) -> Any:
     return RemoteVLLMClient([model], tokenizer=tokenizer)
 
 
+# rlpost's methods in vLLM's worker process (weight updates): pass as worker_extension_cls
+WORKER_EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
+
+
 def make_vllm_engine(
     model_path: str | os.PathLike,
     *,
