@@ -16,9 +16,9 @@ Workloads:
   as TRL generates with both; so do genheavy's.
 - ``genheavy``: generation-heavy, as real post-training is: the same shape with 8 layers, 4
   prompts x 8 samples, 128 tokens each (random weights never stop early, so every completion is
-  128 tokens; the arithmetic prompts are ~70 tokens, shorter than GSM8K's), few steps; rlpost's
-  learner packs micro-batches of 800 tokens (``trainer.max_tokens_per_microbatch``; one batch ran
-  this machine out of memory), TRL keeps its defaults.
+  128 tokens), GSM8K-sized prompts (TorchRL's GSM8K system prompt before each arithmetic
+  question: 229 tokens), few steps; rlpost's learner packs micro-batches of 2400 tokens
+  (``trainer.max_tokens_per_microbatch``), TRL keeps its defaults (one pass over the 32 rows).
 
 Headline ratios: samples/s of rlpost sync and async over TRL (medians of the repeats).
 
@@ -32,6 +32,7 @@ import statistics
 
 from bench.common import TINY_MODEL, Result, qwen05b_model, summary, wait_for_quiet
 from bench.runs import PHASES, Workload, model_path, run_rlpost, run_trl
+from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT
 
 SYSTEMS = {
     # as the README runs them: sync trains on both cores (configs/tiny-cpu.yaml), async on one,
@@ -73,7 +74,13 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
                 lr=1e-6,
             ),
             "genheavy": Workload(
-                model_path(qwen05b_model(quick=True)), steps=2, prompts_per_step=2, group_size=2, max_tokens=16, lr=1e-6
+                model_path(qwen05b_model(quick=True)),
+                steps=2,
+                prompts_per_step=2,
+                group_size=2,
+                max_tokens=16,
+                lr=1e-6,
+                system_prompt=GSM8K_SYSTEM_PROMPT,
             ),
         }
     return {
@@ -94,9 +101,11 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
             group_size=8,
             max_tokens=128,
             lr=1e-6,
-            # 32 rows of ~200 tokens in one micro-batch: 3.9 GB of logits and as much again for
-            # their log-softmax and gradients, which ran this 24 GB machine out of memory
-            rlpost_extra=("trainer.max_tokens_per_microbatch=800",),
+            # GSM8K-sized prompts: TorchRL's GSM8K system prompt before each question (229 tokens)
+            system_prompt=GSM8K_SYSTEM_PROMPT,
+            # micro-batches of 6 rows (each 357 tokens): the learner scores the completions only,
+            # but 32 rows at once still hold ~2.5 GB of logits, their log-softmax and gradients
+            rlpost_extra=("trainer.max_tokens_per_microbatch=2400",),
             rlpost_sync_extra=SYNC_ENGINE_ON_EVERY_CORE,
         ),
     }

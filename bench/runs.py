@@ -35,6 +35,7 @@ class Workload:
     # rlpost overrides for its sync-mode runs only (e.g. the engine on every core: in sync mode the
     # learner waits while the engine generates, in async mode they share the cores)
     rlpost_sync_extra: tuple[str, ...] = ()
+    system_prompt: str | None = None  # None: the arithmetic task's own (data.system_prompt)
 
     @property
     def samples_per_step(self) -> int:
@@ -50,6 +51,7 @@ class Workload:
             f"optimizer.lr={self.lr}",
             "logging.progress=false",
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
+            *([f"data.system_prompt={json.dumps(self.system_prompt)}"] if self.system_prompt else []),
             *self.rlpost_extra,
         ]
 
@@ -178,6 +180,7 @@ def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, tim
         str(seed),
         "--out",
         str(out),
+        *(["--system-prompt", work.system_prompt] if work.system_prompt else []),
     ]
     wall = run_logged(cmd, keep / "run.log", timeout_s)
     data = json.loads(out.read_text())

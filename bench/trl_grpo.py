@@ -17,6 +17,7 @@ rlpost's (configs/tiny-cpu.yaml + the benchmark's overrides):
     loss clip 0.2 / 0.28, token_mean    epsilon / epsilon_high, loss_type="dapo" (token mean)
     advantage_scale=group, no KL        scale_rewards="group", beta=0 (no reference model)
     the answer reward                   a reward function calling rlpost.envs.rewards.answer_reward
+    data.system_prompt                  --system-prompt (the prompts' system message)
 
 TRL defaults changed for a fair race: ``gradient_checkpointing=False`` (TRL's GRPOConfig turns it
 on; rlpost does not checkpoint activations) and ``disable_dropout=True`` (rlpost trains in eval
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--system-prompt", default=None, help="instead of the arithmetic task's (data.system_prompt)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -67,7 +69,7 @@ def main() -> None:
         [
             {
                 "prompt": [
-                    {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT},
+                    {"role": "system", "content": args.system_prompt or ARITHMETIC_SYSTEM_PROMPT},
                     {"role": "user", "content": r["question"]},
                 ],
                 "answer": r["answer"],

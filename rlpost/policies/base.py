@@ -578,8 +578,10 @@ class LLMWrapperBase(CategoricalSequential):
             TensorDict._new_unsafe({**{k: v[i] for k, v in present.items()}, "padded": unpadded}, batch_size=scalar)
             for i in range(n)
         ]
-        stacked = lazy_stack(rows)
-        return _reshape(cls._from_tensordict(stacked), self._batch_shape(n))
+        k = self.num_samples
+        if k:  # [prompts, samples]: a lazy stack of each prompt's samples (cheaper than a reshape)
+            return cls._from_tensordict(lazy_stack([lazy_stack(rows[i : i + k]) for i in range(0, n, k)]))
+        return cls._from_tensordict(lazy_stack(rows))
 
     def _pack_masks(self, full_ids, assist, split) -> Masks:
         attention = _after_split([0] * len(full_ids), [len(ids) for ids in full_ids])
@@ -677,7 +679,3 @@ def _after_split(split: list[int], lengths: list[int]) -> list[torch.Tensor]:
     values = torch.tensor([False, True]).repeat(len(lengths))
     flat = torch.repeat_interleave(values, counts)
     return [part.clone() for part in flat.split(lengths)]
-
-
-def _reshape(stacked, shape: list[int]):
-    return stacked if len(shape) == 1 else stacked.reshape(*shape)
