@@ -36,6 +36,8 @@ BENCHMARKS = {
     "sync_route": "bench.bench_sync_route",  # weight sync + reload, gloo vs shared memory (~4 min)
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
+    # the qwen05b race with a rank-16 LoRA adapter on both sides (~20 min)
+    "race_lora": "bench.bench_e2e --workloads qwen05b_lora --name race_lora --repeats 2",
     "profile_tiny": "bench.profile_step --model tiny",  # the e2e runs now carry the same split
     "profile_qwen05b": "bench.profile_step --model qwen05b",
 }

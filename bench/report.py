@@ -39,6 +39,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("profile_reload", _profile_reload),
         ("sync_route", _sync_route),
         ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
+        ("race_lora", lambda d, r, b: _e2e(d, r, b, "race_lora")),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -66,6 +67,7 @@ TITLES = {
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
+    "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
 }
 
 
@@ -226,8 +228,9 @@ def _phase_table(cases: dict) -> list[str]:
     if not rows:
         return []
     lines = [
-        "Where a steady rlpost step's time goes (seconds; `train_s` includes `learner_step_s`, "
-        "`weight_sync_s` includes `weight_load_s`, the engines' in-place reload):",
+        "Where a steady step's time goes (seconds; `train_s` includes `learner_step_s`, "
+        "`weight_sync_s` includes `weight_load_s`, the engines' in-place reload; TRL's `collect_s` is its "
+        "`_generate_and_score_completions`, its `train_s` the rest of the step):",
         "",
         "| system | " + " | ".join(names) + " |",
         "| --- |" + " --- |" * len(names),

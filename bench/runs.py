@@ -36,6 +36,7 @@ class Workload:
     # learner waits while the engine generates, in async mode they share the cores)
     rlpost_sync_extra: tuple[str, ...] = ()
     system_prompt: str | None = None  # None: the arithmetic task's own (data.system_prompt)
+    lora_rank: int = 0  # both systems train a LoRA adapter of this rank (rlpost's model.lora); 0: every weight
 
     @property
     def samples_per_step(self) -> int:
@@ -52,6 +53,7 @@ class Workload:
             "logging.progress=false",
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
             *([f"data.system_prompt={json.dumps(self.system_prompt)}"] if self.system_prompt else []),
+            *([f"model.lora={{rank: {self.lora_rank}}}"] if self.lora_rank else []),
             *self.rlpost_extra,
         ]
 
@@ -181,6 +183,7 @@ def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, tim
         "--out",
         str(out),
         *(["--system-prompt", work.system_prompt] if work.system_prompt else []),
+        *(["--lora-rank", str(work.lora_rank)] if work.lora_rank else []),
     ]
     wall = run_logged(cmd, keep / "run.log", timeout_s)
     data = json.loads(out.read_text())
@@ -194,6 +197,10 @@ def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, tim
         rewards=data["rewards"],
         extra={
             "completion_len": data["completion_len"],
+            # the phase split of rlpost's metrics: generation (and reward) is collect_s, the rest
+            # of the step train_s; TRL moves no weights
+            "collect_s": data.get("generate_s"),
+            "train_s": [s - g for s, g in zip(data["step_s"], data.get("generate_s") or [])] or None,
             "startup_s": data["startup_s"],
             "torch_threads": data["torch_threads"],
             "trl_config": data["trl_config"],

@@ -18,6 +18,8 @@ rlpost's (configs/tiny-cpu.yaml + the benchmark's overrides):
     advantage_scale=group, no KL        scale_rewards="group", beta=0 (no reference model)
     the answer reward                   a reward function calling rlpost.envs.rewards.answer_reward
     data.system_prompt                  --system-prompt (the prompts' system message)
+    model.lora (rank, alpha, dropout,   --lora-rank: peft's LoraConfig with the same values, passed
+      target modules)                   as GRPOTrainer(peft_config=...)
 
 TRL defaults changed for a fair race: ``gradient_checkpointing=False`` (TRL's GRPOConfig turns it
 on; rlpost does not checkpoint activations) and ``disable_dropout=True`` (rlpost trains in eval
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system-prompt", default=None, help="instead of the arithmetic task's (data.system_prompt)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: every weight)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -126,9 +129,30 @@ def main() -> None:
             dataloader_num_workers=0,
         )
         times = StepTimes()
+        peft_config = None
+        if args.lora_rank:
+            from peft import LoraConfig
+
+            from rlpost.config import LoraConfig as RlpostLora
+
+            defaults = RlpostLora(rank=args.lora_rank)  # rlpost's model.lora: alpha, dropout, modules
+            peft_config = LoraConfig(r=defaults.rank, lora_alpha=defaults.alpha, lora_dropout=defaults.dropout,
+                                     target_modules=defaults.target_modules, task_type="CAUSAL_LM")  # fmt: skip
         trainer = GRPOTrainer(
-            model=args.model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, callbacks=[times]
-        )
+            model=args.model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, callbacks=[times],
+            peft_config=peft_config,
+        )  # fmt: skip
+        # the step's generation and scoring (TRL's counterpart of rlpost's collect_s), timed per call
+        generate_s = []
+        generate = trainer._generate_and_score_completions
+
+        def timed_generate(*a, **k):
+            start = time.perf_counter()
+            out = generate(*a, **k)
+            generate_s.append(time.perf_counter() - start)
+            return out
+
+        trainer._generate_and_score_completions = timed_generate
         t_ready = time.perf_counter()
         output = trainer.train()
         t_done = time.perf_counter()
@@ -138,6 +162,7 @@ def main() -> None:
         "steps": len(step_s),
         "samples_per_step": args.prompts_per_step * args.group_size,
         "step_s": step_s,
+        "generate_s": generate_s,
         "steps_wall_s": times.end[-1] - times.begin[0],
         "train_runtime_s": output.metrics.get("train_runtime"),
         "startup_s": t_ready - t_start,

@@ -237,6 +237,7 @@ def test_workload_overrides_and_benchmark_names():
         "profile_reload",
         "sync_route",
         "race_genheavy",
+        "race_lora",
         "profile_tiny",
         "profile_qwen05b",
     }
