@@ -398,6 +398,14 @@ class LearnerResources(TorchRoleResources):
         "step's groups and sum their gradients, so a step is the one-rank step. A dead rank restarts the run "
         "from its last checkpoint (trainer.auto_resume); a checkpoint of any num_workers resumes with any other.",
     )
+    release_freed_memory: bool | None = Field(
+        None,
+        description="Give freed tensor memory back to the OS after every use (glibc's mmap and trim thresholds "
+        "fixed at 128 KB), so one step's leftovers never sit under the next: a lower peak for slower steps, "
+        "since every large allocation then faults in fresh pages. Measured on the 0.5B-shaped model: one "
+        "learner's peak 12.0 -> 10.1 GB, its step 12.1 -> 15.3 s; a rank of a 2-rank group 8.7 -> 6.6 GB. "
+        "None: on for a group of ranks (num_workers > 1), off for one learner.",
+    )
     timeout_s: float = Field(
         300.0,
         gt=0,

@@ -901,9 +901,11 @@ def return_freed_memory_to_os() -> bool:
     mmap threshold each time a large block is freed: a training step's activations, gradients
     and gather buffers, freed at the end of the step, stay resident, and the next step's
     allocations land on top of them. With the threshold fixed at 128 KB, every tensor larger than
-    that gets pages of its own that ``free`` unmaps. Measured on the Qwen2.5-0.5B-shaped model
-    (16 rows of 64 tokens, 2 CPU threads): peak resident memory of one learner 11.6 -> 11.1 GB, of
-    each rank of a 2-rank group 8.7 -> 6.6 GB, step time unchanged (``bench learner_group``)."""
+    that gets pages of its own that ``free`` unmaps, and pays the page faults of fresh pages on
+    every allocation: measured on the Qwen2.5-0.5B-shaped model (one learner, 16 rows of 78
+    tokens, 2 CPU threads) peak resident memory 12.0 -> 10.1 GB for a step of 15.3 s against
+    12.1 s, on the tiny model 0.26 s against 0.14 s; each rank of a 2-rank group peaks at 6.6 GB
+    against 8.7 GB (``bench learner_group``). Hence ``resources.learner.release_freed_memory``."""
     import ctypes
     import ctypes.util
 
@@ -913,6 +915,13 @@ def return_freed_memory_to_os() -> bool:
         return False
     applied = [mallopt(option, _LEARNER_MMAP_THRESHOLD) == 1 for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)]
     return all(applied)
+
+
+def release_freed_memory(resources, world_size: int) -> bool:
+    """Whether a learner rank gives freed memory back to the OS: ``resources.learner.
+    release_freed_memory``, or by default only in a group of ranks (whose point is memory)."""
+    setting = resources.release_freed_memory
+    return world_size > 1 if setting is None else setting
 
 
 def set_torch_threads(num_threads: int | None) -> None:
@@ -933,7 +942,8 @@ class LearnerActor:
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
         from rlpost.metrics import RoleMetrics
 
-        return_freed_memory_to_os()  # before the model's first allocation
+        if release_freed_memory(cfg.resources, world_size):
+            return_freed_memory_to_os()  # before the model's first allocation
         set_torch_threads(cfg.resources.num_threads)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._store = None  # rank 0 of a group: the group's TCPStore, kept alive with the actor

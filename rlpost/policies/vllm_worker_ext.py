@@ -90,3 +90,20 @@ class WeightSyncExtension:
     def _rlpost_reload(self, named_tensors) -> None:
         # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
         self.reload_weights(weights_iterator=iter(list(named_tensors)))
+
+    def rlpost_spin_after_work(self, seconds: float) -> int:
+        """Bound how long this process busy-polls for the engine's next step after one ends.
+
+        vLLM's worker keeps polling its input queue (``sched_yield`` in a loop) for a second after
+        every step before it sleeps on a socket, to shave the wake-up off the next step. Once
+        generation is over, that second of spinning burns a core (0.92 CPU-seconds measured)
+        beside whatever runs next on the node. Returns how many queue readers were changed."""
+        import gc
+
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        # type(), not isinstance(): gc also lists weak proxies, which raise once their target is gone
+        readers = [obj for obj in gc.get_objects() if type(obj) is SpinCondition and obj.is_reader]
+        for reader in readers:
+            reader.busy_loop_s = seconds
+        return len(readers)

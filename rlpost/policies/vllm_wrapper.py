@@ -367,6 +367,8 @@ def _worker_client(model: Any, tokenizer: Any) -> Any:
 
 # rlpost's methods in vLLM's worker process (weight updates): pass as worker_extension_cls
 WORKER_EXTENSION = "rlpost.policies.vllm_worker_ext.WeightSyncExtension"
+# CPU backend: how long an engine's worker busy-polls for its next step after one ends (vLLM: 1 s)
+SPIN_AFTER_WORK_S = 0.05
 
 
 def make_vllm_engine(
@@ -392,6 +394,10 @@ def make_vllm_engine(
       variable (whole GiB) overrides it when set in the environment; with
       ``kv_cache_memory_bytes=None`` it is set to 1 GiB unless already set.
     - chunked prefill is off (see the comment below); pass ``enable_chunked_prefill`` to override.
+    - rlpost's worker extension is the default ``worker_extension_cls`` (weight updates), and
+      through it the worker busy-polls for its next step for at most ``SPIN_AFTER_WORK_S`` after
+      one ends instead of vLLM's 1 s, which burns a core beside whatever runs next (the learner
+      of a sync step: its tiny-model step took 0.14 s against 0.13 s with the engine quiet).
     - ``cpu_cores``: the cores whose threads run the model (one torch thread each, bound to its
       core; :func:`engine_cpu_cores` picks them). None keeps vLLM's own choice, which on a node
       of N cores binds N-1 threads and leaves one core to the engine's scheduler process: on 2
@@ -421,8 +427,9 @@ def make_vllm_engine(
     if cpu_cores is not None and current_platform.is_cpu():
         # read by the engine's processes as they start (they inherit this environment)
         binding["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cpu_cores)
+    engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
     with _environment(binding):
-        return LLM(
+        llm = LLM(
             str(model_path),
             dtype=dtype,
             enforce_eager=enforce_eager,
@@ -432,6 +439,9 @@ def make_vllm_engine(
             logprobs_mode="processed_logprobs",
             **engine_kwargs,
         )
+    if current_platform.is_cpu() and engine_kwargs.get("worker_extension_cls") == WORKER_EXTENSION:
+        llm.collective_rpc("rlpost_spin_after_work", args=(SPIN_AFTER_WORK_S,))
+    return llm
 
 
 def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:

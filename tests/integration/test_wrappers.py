@@ -475,3 +475,17 @@ def test_scoring_the_assistant_tokens_only_gives_their_log_probs_and_gradients(h
     # without the mask nothing says which positions are needed: every one is scored
     whole = fast(td.exclude(("masks", "all_assistant_mask"))).get(("log_probs", "full"))
     torch.testing.assert_close(whole.detach(), lp_full, rtol=0, atol=1e-5)
+
+
+def test_the_engine_stops_busy_polling_soon_after_a_call(vllm_engine, tiny_tokenizer):
+    """rlpost's worker extension bounds vLLM's post-step busy-polling (1 s of a core by default)
+    to SPIN_AFTER_WORK_S: half a second after a generate call the worker process is idle."""
+    from rlpost.policies.vllm_wrapper import SPIN_AFTER_WORK_S
+
+    assert SPIN_AFTER_WORK_S <= 0.1
+    (worker,) = [p for p in psutil.Process().children(recursive=True) if _alive(p) and p.name() == "VLLM::Worker"]
+    LocalVLLMClient(vllm_engine).generate([[1, 2, 3]] * 8, {"max_tokens": 8, "temperature": 1.0})
+    time.sleep(0.2)
+    before = sum(worker.cpu_times()[:2])
+    time.sleep(0.5)
+    assert sum(worker.cpu_times()[:2]) - before < 0.1  # spinning, it would burn ~0.45 s here

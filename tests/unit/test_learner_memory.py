@@ -48,3 +48,15 @@ def test_freed_blocks_leave_the_process_with_the_learner_setting_and_stay_withou
     assert treated["applied"] is True
     assert treated["kept_mb"] < 16  # 160 MB were freed; the 10 MB of small blocks stay
     assert plain["kept_mb"] > 100  # glibc's default keeps them in its heap
+
+
+def test_only_a_group_of_ranks_releases_freed_memory_by_default():
+    """Releasing costs step time (fresh pages on every large allocation), so by default only the
+    ranks of a group, whose point is memory per rank, pay it; the config can say either way."""
+    from rlpost.actors.learner import release_freed_memory
+    from rlpost.config import LearnerResources
+
+    auto = LearnerResources(num_cpus=1)
+    assert not release_freed_memory(auto, world_size=1) and release_freed_memory(auto, world_size=2)
+    assert release_freed_memory(LearnerResources(num_cpus=1, release_freed_memory=True), world_size=1)
+    assert not release_freed_memory(LearnerResources(num_cpus=1, release_freed_memory=False), world_size=4)
