@@ -11,7 +11,8 @@ parameters + AdamW state (gradients are freed after each step) over the single l
 issue's target with 2 ranks: <= 0.6x). Peak resident memory per rank is recorded too: each rank
 receives only its shards at load time, so the peak is the training step's (the process itself,
 activations and logits of its rows, each layer gathered whole in turn); freed tensors leave the
-process (``return_freed_memory_to_os``), so one step's leftovers do not sit under the next.
+process in both cases (``resources.learner.release_freed_memory``, a group's default), so one
+step's leftovers do not sit under the next.
 
     python -m bench learner_group [--quick] [-- --models tiny,qwen05b --steps 3]
 """
@@ -50,7 +51,9 @@ def run_case(model_path, ranks: int, groups, steps: int) -> dict:
 
     threads = max(1, 2 // ranks)
     raw = {"model": {"name_or_path": str(model_path)}, "optimizer": {"lr": 1e-6},
-           "resources": {"learner": {"num_cpus": 0, "num_threads": threads, "num_workers": ranks}}}  # fmt: skip
+           # both cases give freed memory back (a group's default), so their peaks compare alike
+           "resources": {"learner": {"num_cpus": 0, "num_threads": threads, "num_workers": ranks,
+                                     "release_freed_memory": True}}}  # fmt: skip
     settings = LearnerSettings.from_job(JobConfig.model_validate(raw))
     handles = start_learner_group(settings, ranks, options_for=lambda rank: {"num_cpus": 0}, timeout_s=900)
     try:
