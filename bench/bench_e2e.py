@@ -128,7 +128,9 @@ def workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> dic
             system_prompt=GSM8K_SYSTEM_PROMPT,
             # micro-batches of 6 rows (each 357 tokens): the learner scores the completions only,
             # but 32 rows at once still hold ~2.5 GB of logits, their log-softmax and gradients
-            rlpost_extra=("trainer.max_tokens_per_microbatch=2400",),
+            # the engine holds prompt + completion (229 + 128 tokens; the demo's 256 would cut the
+            # completions at 27 tokens, while TRL's model.generate has no such limit)
+            rlpost_extra=("trainer.max_tokens_per_microbatch=2400", "rollout.engine.max_model_len=512"),
             rlpost_sync_extra=SYNC_ENGINE_ON_EVERY_CORE,
         ),
     }
