@@ -23,6 +23,7 @@ A plain ``vllm.LLM`` in raw mode is handled by :class:`vLLMWrapper` (re-scored o
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -33,6 +34,8 @@ from typing import Any, Protocol
 import torch
 
 from rlpost.policies.base import Completion, LLMWrapperBase
+
+log = logging.getLogger("rlpost")
 
 _STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 # TorchRL's common names and their vLLM names (None: not a vLLM sampling option).
@@ -71,6 +74,7 @@ class LocalVLLMClient:
     def __init__(self, llm):
         self.llm = llm
         self.lora_request = None
+        self._warned_cut = False  # completions cut by the engine's max_model_len: said once
 
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
@@ -127,7 +131,16 @@ class LocalVLLMClient:
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         else:
             outputs = self._run_steps(prompts, params, between_steps)
-        return [[_completion(c, want_logprobs) for c in request.outputs] for request in outputs]
+        completions = [[_completion(c, want_logprobs) for c in request.outputs] for request in outputs]
+        cut = cut_by_model_len(prompt_token_ids, completions, params.max_tokens)
+        if cut is not None and not self._warned_cut:
+            self._warned_cut = True
+            log.warning(
+                "a completion stopped at %d tokens, short of max_tokens=%d: its %d-token prompt filled the engine's "
+                "max_model_len=%d; raise rollout.engine.max_model_len (said once)",
+                cut[1], params.max_tokens, cut[0], self.llm.llm_engine.model_config.max_model_len,
+            )  # fmt: skip
+        return completions
 
     def _run_steps(self, prompts: list[dict], params, between_steps: Callable[[], None]) -> list:
         """``llm.generate``'s engine loop, calling ``between_steps`` after each step; the
@@ -489,6 +502,20 @@ def _is_vllm_llm(obj) -> bool:
 
 def _token_prompts(token_ids: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": list(ids)} for ids in token_ids]
+
+
+def cut_by_model_len(
+    prompt_token_ids: list[list[int]], completions: list[list[Completion]], max_tokens: int | None
+) -> tuple[int, int] | None:
+    """``(prompt tokens, completion tokens)`` of a completion that ended unfinished before
+    ``max_tokens``: the engine's context (``max_model_len``) was full. None when there is none."""
+    if max_tokens is None:
+        return None
+    for prompt, group in zip(prompt_token_ids, completions):
+        for completion in group:
+            if not completion.finished and len(completion.token_ids) < max_tokens:
+                return len(prompt), len(completion.token_ids)
+    return None
 
 
 def _completion(output, want_logprobs: bool) -> Completion:

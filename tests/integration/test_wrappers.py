@@ -489,3 +489,17 @@ def test_the_engine_stops_busy_polling_soon_after_a_call(vllm_engine, tiny_token
     before = sum(worker.cpu_times()[:2])
     time.sleep(0.5)
     assert sum(worker.cpu_times()[:2]) - before < 0.1  # spinning, it would burn ~0.45 s here
+
+
+def test_a_completion_cut_by_the_engine_context_is_reported_once(vllm_engine, caplog):
+    """A prompt that leaves less room than max_tokens in the engine's max_model_len gets short
+    completions, which otherwise look like any unfinished one: the client says so, once."""
+    limit = vllm_engine.llm_engine.model_config.max_model_len
+    client = LocalVLLMClient(vllm_engine)
+    prompt = [5] * (limit - 4)
+    with caplog.at_level("WARNING", logger="rlpost"):
+        for _ in range(2):
+            (group,) = client.generate([prompt], {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True})
+    assert len(group[0].token_ids) == 4 and not group[0].finished
+    said = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert len(said) == 1 and f"{limit - 4}-token prompt" in said[0]
