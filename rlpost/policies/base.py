@@ -145,10 +145,11 @@ class LLMWrapperBase(CategoricalSequential):
         score_assistant_only: rlpost's addition (TorchRL has no such argument), for a loss that
             reads log-probs only where the input's ``masks.all_assistant_mask`` is True: when
             scoring, a backend may skip every position before the first assistant token of any
-            row, whose log-probs are then 0 (an input without that mask is scored whole). TransformersWrapper applies its LM head and
-            log-softmax from that position on only (``logits_to_keep``, as TRL scores the
-            completion only), which on a large vocabulary is most of the cost of scoring a
-            prompt. Default False: every position is scored, as in TorchRL.
+            row, whose log-probs are then 0 (an input without that mask is scored whole).
+            TransformersWrapper applies its LM head and log-softmax from that position on only
+            (``logits_to_keep``, as TRL scores the completion only), which on a large vocabulary
+            is most of the cost of scoring a prompt. Default False: every position is scored,
+            as in TorchRL.
 
     ``out_keys`` are, in TorchRL's order: text, masks, tokens, log_probs, history (those
     returned). The history is returned in "history" mode, also when scoring (the input's).
