@@ -1,6 +1,6 @@
 """`make bench` / `python -m bench`: run the benchmarks, then render BENCHMARKS.md.
 
-    python -m bench                          every benchmark (~70 min on 2 CPU cores), then the report
+    python -m bench                          every benchmark (~2 h on 2 CPU cores), then the report
     python -m bench weight_sync buffer       only these (names as below, or their module names)
     python -m bench --quick weight_sync      smoke test: tiny sizes, results in bench/results/quick/
     python -m bench --report                 only render BENCHMARKS.md from bench/results/*.json
