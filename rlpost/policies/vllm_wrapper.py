@@ -453,7 +453,7 @@ def make_vllm_engine(
             **engine_kwargs,
         )
     if current_platform.is_cpu() and engine_kwargs.get("worker_extension_cls") == WORKER_EXTENSION:
-        llm.collective_rpc("rlpost_spin_after_work", args=(SPIN_AFTER_WORK_S,))
+        llm.collective_rpc("rlpost_spin_after_work", timeout=60, args=(SPIN_AFTER_WORK_S,))
     return llm
 
 
