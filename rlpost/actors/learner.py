@@ -216,6 +216,7 @@ class Learner:
         )
         if not sharded:  # a sharded model's shards are allocated on the device by load_shards
             self.model.to(self.device)
+            own_trainable_weights(self.model)
         self.model.eval()  # dropout off for good (module docstring)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(self._transformers_model)
@@ -886,6 +887,24 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         )
     for layer in layers:
         layer.training = True  # this module only, not its children (docstring)
+
+
+def own_trainable_weights(model: torch.nn.Module) -> int:
+    """Copy each trainable CPU parameter of ``model`` into memory of its own; returns how many.
+
+    transformers maps a safetensors checkpoint into memory and its CPU parameters are views of
+    the mapped file (private, copy-on-write pages). The first optimizer step writes every
+    trainable weight, and each of its 4 KB pages is then copied by a page fault inside the step:
+    measured on the Qwen2.5-0.5B-shaped model (2 CPU threads), the first AdamW step took 8.6 s
+    against 3.4 s after this copy, which takes 0.6 s at load time. Frozen weights (a LoRA base
+    model) keep the mapping, and the memory it saves; a parameter on an accelerator is already a
+    copy. Parameter objects are kept (``.data`` is replaced), so tied weights stay tied."""
+    copied = 0
+    for param in model.parameters():  # each tied parameter once
+        if param.requires_grad and param.device.type == "cpu":
+            param.data = param.data.clone()
+            copied += 1
+    return copied
 
 
 # glibc's mallopt parameters, and the size above which a learner's allocations get pages of their own

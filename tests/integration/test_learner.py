@@ -117,6 +117,51 @@ def train_on_policy(learner: Learner, prompt: list[int], good: list[int], bad: l
     return trace
 
 
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges of this process that map the file ``path``."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def test_own_trainable_weights_copies_them_out_of_the_mapped_checkpoint(tiny_model_path):
+    """transformers maps the safetensors file and its CPU parameters are views of it: the first
+    optimizer step would copy each page of them on a fault. The trainable ones are copied out
+    (frozen ones stay mapped); tied weights stay tied and the values are unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.actors.learner import own_trainable_weights
+
+    checkpoint = (tiny_model_path / "model.safetensors").resolve()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    mapped = _mapped_ranges(checkpoint)
+
+    def in_file(param):
+        return any(lo <= param.data_ptr() < hi for lo, hi in mapped)
+
+    params = list(model.parameters())
+    assert mapped and all(in_file(p) for p in params), "transformers no longer maps the checkpoint"
+    frozen = model.model.norm.weight
+    frozen.requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert own_trainable_weights(model) == len(params) - 1
+    assert in_file(frozen) and not any(in_file(p) for p in params if p is not frozen)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_the_learner_keeps_no_view_of_the_checkpoint_file(tiny_model_path):
+    """Every weight of a full fine-tuning learner is its own copy: the file is no longer mapped."""
+    checkpoint = (tiny_model_path / "model.safetensors").resolve()
+    learner = Learner(make_cfg(tiny_model_path))
+    assert learner.version == 0 and not _mapped_ranges(checkpoint)
+
+
 def test_learning_prefers_the_rewarded_completion(tiny_model_path, tiny_tokenizer, prompt_ids):
     # The advantages of a group sum to 0, so with only "7" and "5" in the batch GRPO's objective
     # is c * (log p(7) - log p(5)): the gap must widen. log p(7) itself rises only while the
