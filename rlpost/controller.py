@@ -183,6 +183,7 @@ class Controller:
         self.trained_step = 0  # the last step the learner finished training
         self.first_step = 1
         self.probe: list[int] | None = None
+        self.syncs = 0  # weight syncs done by this process (weight_sync.probe_every counts them)
         self.learner_resumes = 0
         self.taken: list = []  # groups of the current step taken from the buffer, not yet trained
         # the metrics row of the trained step while it is being finished (sync, timing), so that a
@@ -245,8 +246,9 @@ class Controller:
         - both: the learner's train call (``COLLECT_TIMEOUT_S``); the weight sync, where the
           learner's vLLMUpdater has every inference worker receive and reload
           (``weight_sync.timeout_s``), then a probe sequence scored by a worker and by the
-          learner gives ``sync_logprob_diff``; an evaluation (the held-out prompts through the
-          inference workers; in async mode the pools keep collecting meanwhile).
+          learner gives ``sync_logprob_diff`` (on the syncs ``weight_sync.probe_every``
+          checks); an evaluation (the held-out prompts through the inference workers; in async
+          mode the pools keep collecting meanwhile).
 
         Sync mode is not async mode with ``max_staleness: 0``: there the pools generate the next
         step with the old weights while the learner trains, and the buffer drops nearly all of
@@ -422,7 +424,10 @@ class Controller:
 
     def _sync_once(self) -> dict:
         record = self.supervisor.publish_weights()
-        record["sync_logprob_diff"] = self._probe_diff()
+        every = self.cfg.weight_sync.probe_every
+        if every and self.syncs % every == 0:  # weight_sync.probe_every: the run's first sync, then every N-th
+            record["sync_logprob_diff"] = self._probe_diff()
+        self.syncs += 1
         return record
 
     def _probe_diff(self) -> float:

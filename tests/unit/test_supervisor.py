@@ -319,12 +319,13 @@ class Starter:
         return RunActors(buffer, inference, pools, learner, self.reference())
 
 
-def make_cfg(mode):
+def make_cfg(mode, extra=()):
     from rlpost.config import load_config
 
     return load_config(
         "configs/tiny-cpu.yaml",
         [
+            *extra,
             f"trainer.mode={mode}",
             "trainer.steps=3",
             "trainer.prompts_per_step=4",
@@ -340,14 +341,14 @@ def make_cfg(mode):
     )
 
 
-def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, **learner_stops):
-    """One run over stand-ins; returns the world and the metrics lines."""
+def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), **learner_stops):
+    """One run over stand-ins (``extra``: config overrides); returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
     world = World(kill_at, victim)
-    cfg = make_cfg(mode)
+    cfg = make_cfg(mode, extra)
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}"
     run_dir.mkdir()
@@ -382,6 +383,15 @@ def test_a_clean_run_over_stand_ins(tmp_path, monkeypatch, mode):
     world, rows = run_world(tmp_path, monkeypatch, mode)
     check_run(world, rows, mode)
     assert rows[-1]["groups_trained"] == 12 and rows[-1]["restarts_env_pool"] == 0
+
+
+@pytest.mark.parametrize(("every", "checked"), [(1, [1, 2, 3]), (2, [1, 3]), (0, [])])
+def test_the_probe_checks_the_first_sync_then_every_nth(tmp_path, monkeypatch, every, checked):
+    """weight_sync.probe_every: the probe is scored on the run's first sync and every N-th after
+    it; the other lines say null."""
+    world, rows = run_world(tmp_path, monkeypatch, "sync", extra=[f"weight_sync.probe_every={every}"])
+    assert [r["step"] for r in rows if r["sync_logprob_diff"] is not None] == checked
+    assert all(r["sync_logprob_diff"] in (None, 0.0) for r in rows)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
