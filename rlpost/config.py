@@ -448,7 +448,10 @@ class ResourcesConfig(_Section):
     )
     buffer: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.0), description="The buffer actor.")
     env_vars: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables for every process of the run (Ray runtime_env)."
+        default_factory=dict,
+        description="Environment variables for every process of the run (Ray runtime_env), over rlpost's own: "
+        "TOKENIZERS_PARALLELISM=false, and THP_MEM_ALLOC_ENABLE=1 (torch's large CPU tensors on transparent huge "
+        'pages: vLLM\'s CPU weight reload 2.3 s against 3.0 s on the 0.5B-shaped model; "0" turns it off).',
     )
 
 
