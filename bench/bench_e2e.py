@@ -183,6 +183,10 @@ def main() -> None:
                 result.cases[key] = _summarise(runs, work)
                 result.write()  # partial results survive an interrupted session
         _ratios(result, key, systems)
+    result.note(
+        "rlpost checks its first weight sync and every 10th with the probe (weight_sync.probe_every=10; "
+        "the default checks every sync); TRL checks none"
+    )
     if "tiny" in chosen:
         result.note(
             "tiny: reward_gain = mean reward of the last quarter of steps minus the first quarter "

@@ -52,6 +52,8 @@ class Workload:
             f"optimizer.lr={self.lr}",
             "logging.progress=false",
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
+            # TRL checks none of its syncs; rlpost checks its first and every 10th with the probe
+            "weight_sync.probe_every=10",
             *([f"data.system_prompt={json.dumps(self.system_prompt)}"] if self.system_prompt else []),
             *([f"model.lora={{rank: {self.lora_rank}}}"] if self.lora_rank else []),
             *self.rlpost_extra,
