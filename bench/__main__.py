@@ -1,6 +1,7 @@
 """`make bench` / `python -m bench`: run the benchmarks, then render BENCHMARKS.md.
 
-    python -m bench                          every benchmark (~2 h on 2 CPU cores), then the report
+    python -m bench                          the default set (~65 min on 2 CPU cores), then the report
+    python -m bench --all                    the default set and the long races (~2 h)
     python -m bench weight_sync buffer       only these (names as below, or their module names)
     python -m bench --quick weight_sync      smoke test: tiny sizes, results in bench/results/quick/
     python -m bench --report                 only render BENCHMARKS.md from bench/results/*.json
@@ -43,17 +44,25 @@ BENCHMARKS = {
 }
 
 
+# the races that take ~20 min a repeat: run when named (or with --all), not by default, so that the
+# default set stays near an hour
+LONG = ("race_genheavy", "race_lora")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m bench", description="rlpost benchmarks")
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {list(BENCHMARKS)}")
+    parser.add_argument(
+        "names", nargs="*", help=f"benchmarks to run (default: all but {list(LONG)}): {list(BENCHMARKS)}"
+    )
+    parser.add_argument("--all", action="store_true", help=f"run every benchmark, {list(LONG)} included")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, 1 repeat where possible")
     parser.add_argument("--report", action="store_true", help="only render BENCHMARKS.md")
     args = parser.parse_args(argv)
     if not args.report:
-        names = [_resolve(n) for n in args.names] or list(BENCHMARKS)
+        names = [_resolve(n) for n in args.names] or [n for n in BENCHMARKS if args.all or n not in LONG]
         failed = []
         for name in names:
             print(f"== {name} ({BENCHMARKS[name]})", flush=True)
