@@ -48,6 +48,9 @@ SYSTEMS = {
     "rlpost sync (learner 1 thread)": ["trainer.mode=sync", "resources.learner.num_threads=null"],
     # why async keeps 1 thread: 2 learner threads and the engine oversubscribe the 2 cores
     "rlpost async (learner 2 threads)": ["trainer.mode=async", "resources.learner.num_threads=2"],
+    # LoRA: the sync sends the merged weights and the engine serves no adapter (vLLM's CPU engine
+    # generates at under half its speed through an unmerged one), for a full reload each sync
+    "rlpost sync (LoRA merged)": ["trainer.mode=sync", "model.lora.sync=merged"],
 }
 # per workload: the current systems against TRL; the two tiny-model systems of an earlier fix (the
 # learner's thread count) stay selectable with --systems
@@ -55,7 +58,7 @@ DEFAULT_SYSTEMS = {
     "tiny": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
     "qwen05b": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
     "genheavy": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
-    "qwen05b_lora": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
+    "qwen05b_lora": ["rlpost sync", "rlpost sync (LoRA merged)", "rlpost async", "TRL GRPOTrainer"],
 }
 
 
