@@ -24,7 +24,8 @@ rlpost's (configs/tiny-cpu.yaml + the benchmark's overrides):
 TRL defaults changed for a fair race: ``gradient_checkpointing=False`` (TRL's GRPOConfig turns it
 on; rlpost does not checkpoint activations) and ``disable_dropout=True`` (rlpost trains in eval
 mode). CPU mode as TRL documents it: ``use_cpu=True, bf16=False``; generation with transformers
-(no vLLM in TRL's CPU mode).
+(no vLLM in TRL's CPU mode; ``--vllm-colocate`` tries TRL's colocated vLLM, which fails on
+vLLM's CPU build at the first weight push).
 
     python -m bench.trl_grpo --model .cache/tiny-model --steps 40 --out /tmp/trl.json
 """
@@ -56,6 +57,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system-prompt", default=None, help="instead of the arithmetic task's (data.system_prompt)")
     parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (0: every weight)")
+    parser.add_argument(
+        "--vllm-colocate",
+        action="store_true",
+        help="generate with TRL's vLLM colocate mode instead of transformers (fails on vLLM's CPU build: "
+        "TRL's per-parameter weight push cannot load the repacked CPU layers; kept to re-try it)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -127,6 +134,7 @@ def main() -> None:
             report_to="none",
             seed=args.seed,
             dataloader_num_workers=0,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256} if args.vllm_colocate else {}),
         )
         times = StepTimes()
         peft_config = None
