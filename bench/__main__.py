@@ -15,11 +15,13 @@ measured in the same process or session, the median of at least 3 repeats.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 
 from bench.common import REPO
+from rlpost.ray_start import RUN_ENV_VARS
 
 # name -> module (and its arguments), in the order `make bench` runs them (the buffer benchmark
 # reads the e2e runs; profile_* are the phase profiles of one sync step, issue 8 item 6)
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} ({BENCHMARKS[name]})", flush=True)
             t0 = time.perf_counter()
             cmd = [sys.executable, "-m", *BENCHMARKS[name].split(), *(["--quick"] if args.quick else []), *extra]
-            code = subprocess.run(cmd, cwd=REPO).returncode
+            # in the environment of a run's processes (huge pages, ...), as `rlpost train` gives its actors
+            code = subprocess.run(cmd, cwd=REPO, env={**os.environ, **RUN_ENV_VARS}).returncode
             print(f"== {name}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
             if code:
                 failed.append(name)

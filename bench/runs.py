@@ -187,7 +187,9 @@ def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, tim
         *(["--system-prompt", work.system_prompt] if work.system_prompt else []),
         *(["--lora-rank", str(work.lora_rank)] if work.lora_rank else []),
     ]
-    wall = run_logged(cmd, keep / "run.log", timeout_s)
+    # TRL as its users run it: without the huge pages that the benchmark runner (and every rlpost
+    # run) gives its processes; "0" overrides the runner's "1"
+    wall = run_logged(cmd, keep / "run.log", timeout_s, env={"THP_MEM_ALLOC_ENABLE": "0"})
     data = json.loads(out.read_text())
     return RunResult(
         system="TRL GRPOTrainer",
