@@ -35,7 +35,7 @@ import dataclasses
 import statistics
 
 from bench.common import TINY_MODEL, Result, qwen05b_model, summary, wait_for_quiet
-from bench.runs import PHASES, Workload, model_path, run_rlpost, run_trl
+from bench.runs import PHASES, PROBE_EVERY, Workload, model_path, run_rlpost, run_trl
 from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT
 
 SYSTEMS = {
@@ -187,8 +187,8 @@ def main() -> None:
                 result.write()  # partial results survive an interrupted session
         _ratios(result, key, systems)
     result.note(
-        "rlpost checks its first weight sync and every 10th with the probe (weight_sync.probe_every=10; "
-        "the default checks every sync); TRL checks none"
+        f"rlpost checks its first weight sync and every {PROBE_EVERY}th with the probe "
+        f"(weight_sync.probe_every={PROBE_EVERY}; the default checks every sync); TRL checks none"
     )
     if "tiny" in chosen:
         result.note(

@@ -20,6 +20,9 @@ from pathlib import Path
 
 from bench.common import CONFIG, REPO, python, results_dir, run_logged
 
+# TRL checks none of its weight syncs; rlpost's races check their first and every 10th with the probe
+PROBE_EVERY = 10
+
 
 @dataclass
 class Workload:
@@ -52,8 +55,7 @@ class Workload:
             f"optimizer.lr={self.lr}",
             "logging.progress=false",
             "eval.interval=0",  # the race compares training; TRL evaluates nothing either
-            # TRL checks none of its syncs; rlpost checks its first and every 10th with the probe
-            "weight_sync.probe_every=10",
+            f"weight_sync.probe_every={PROBE_EVERY}",
             *([f"data.system_prompt={json.dumps(self.system_prompt)}"] if self.system_prompt else []),
             *([f"model.lora={{rank: {self.lora_rank}}}"] if self.lora_rank else []),
             *self.rlpost_extra,

@@ -117,6 +117,10 @@ def train_on_policy(learner: Learner, prompt: list[int], good: list[int], bad: l
     return trace
 
 
+def _inside(param, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= param.data_ptr() < hi for lo, hi in ranges)
+
+
 def _mapped_ranges(path) -> list[tuple[int, int]]:
     """The address ranges of this process that map the file ``path``."""
     ranges = []
@@ -140,17 +144,13 @@ def test_own_trainable_weights_copies_them_out_of_the_mapped_checkpoint(tiny_mod
     checkpoint = (tiny_model_path / "model.safetensors").resolve()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     mapped = _mapped_ranges(checkpoint)
-
-    def in_file(param):
-        return any(lo <= param.data_ptr() < hi for lo, hi in mapped)
-
     params = list(model.parameters())
-    assert mapped and all(in_file(p) for p in params), "transformers no longer maps the checkpoint"
+    assert mapped and all(_inside(p, mapped) for p in params), "transformers no longer maps the checkpoint"
     frozen = model.model.norm.weight
     frozen.requires_grad_(False)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     assert own_trainable_weights(model) == len(params) - 1
-    assert in_file(frozen) and not any(in_file(p) for p in params if p is not frozen)
+    assert _inside(frozen, mapped) and not any(_inside(p, mapped) for p in params if p is not frozen)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
@@ -162,7 +162,7 @@ def test_the_learner_keeps_no_view_of_the_checkpoint_file(tiny_model_path):
     learner = Learner(make_cfg(tiny_model_path))
     mapped = _mapped_ranges(checkpoint)
     params = list(learner.model.parameters())
-    assert params and not [p for p in params if any(lo <= p.data_ptr() < hi for lo, hi in mapped)]
+    assert params and not [p for p in params if _inside(p, mapped)]
 
 
 def test_learning_prefers_the_rewarded_completion(tiny_model_path, tiny_tokenizer, prompt_ids):

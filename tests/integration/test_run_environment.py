@@ -14,6 +14,9 @@ from rlpost.ray_start import RUN_ENV_VARS, run_env_vars
 
 pytestmark = pytest.mark.integration
 
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_MODE = _THP.read_text() if _THP.exists() else "[never]"  # e.g. "always [madvise] never"
+
 # a process that allocates and touches a 64 MB tensor, then prints its anonymous huge-page kB
 _ALLOCATE = """
 import torch
@@ -37,14 +40,10 @@ def _huge_page_kb(extra_env: dict[str, str]) -> int:
     return int(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
-    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-    reason="the kernel gives no transparent huge pages",
-)
+@pytest.mark.skipif("[never]" in THP_MODE, reason="the kernel gives no transparent huge pages")
 def test_a_run_process_puts_large_tensors_on_huge_pages():
     """With the run's environment torch backs a 64 MB tensor with 2 MB pages (fewer page faults
     when a vLLM CPU reload re-creates the weights); without it, with 4 KB pages."""
     assert _huge_page_kb(run_env_vars(load_config("configs/tiny-cpu.yaml"))) >= 32 * 1024
-    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+    if "[madvise]" in THP_MODE:
         assert _huge_page_kb({}) == 0  # (a kernel in "always" mode gives them to every process)
