@@ -284,8 +284,10 @@ class LearnerClient(ActorClient):
     def train_step(self, groups: list, timeout_s: float) -> dict:
         return self._on_every_rank("train_step", groups).result(timeout_s)
 
-    def publish(self) -> GroupPending | Pending:
-        return self._on_every_rank("publish")
+    def publish(self, wait: bool = True) -> GroupPending | Pending:
+        """Every rank publishes (a collective); ``wait=False`` returns once the weights are
+        sent, before the workers confirmed them (the next publish waits for that first)."""
+        return self._on_every_rank("publish", wait)
 
     def score(self, token_ids: list[list[int]], timeout_s: float) -> list[list[float]]:
         return self._on_every_rank("score", token_ids).result(timeout_s)

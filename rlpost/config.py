@@ -360,6 +360,14 @@ class WeightSyncConfig(_Section):
         "version that sampled it (metrics token_staleness_mean, inflight_token_fraction). false: the update waits "
         "for the running generate call to finish. Matters in async mode, where updates meet running generation.",
     )
+    train_during_reload: bool = Field(
+        True,
+        description="Async mode: once the learner has sent its weights it trains the next step while the "
+        "inference workers reload them, and the loop waits for their reload at the next sync (at once before a "
+        "probe check, an evaluation and the run's last step). A reload that fails is then found at that next sync "
+        "and recovered as any failed sync. weight_load_s is then the reload of the update before. false: every "
+        "sync waits for the workers. Sync mode always waits: the next collection needs the new weights.",
+    )
     probe_every: int = Field(
         1,
         ge=0,

@@ -275,7 +275,8 @@ class Controller:
                 record.update(collect_s=collected - step_start, train_s=time.perf_counter() - collected)
                 evaluate = cfg.eval.interval > 0 and step % cfg.eval.interval == 0
                 if step % cfg.trainer.weight_sync_interval == 0 or step == steps or evaluate:
-                    record.update(self._sync_weights())  # an evaluation scores the step's weights
+                    # an evaluation scores the step's weights, and the run ends with them served
+                    record.update(self._sync_weights(wait=evaluate or step == steps))
                 record.update(self._timing(groups, step_start))
                 if evaluate:
                     record.update(self._evaluate(step))
@@ -417,15 +418,20 @@ class Controller:
         record.setdefault("clip_fraction", None)  # a custom loss (loss.custom_fn) may not report it
         return record
 
-    def _sync_weights(self) -> dict:
+    def _sync_weights(self, wait: bool) -> dict:
         """Publish the learner's weights to every worker, then score the probe; a failure
-        re-forms the bus and the sync runs again."""
-        return self.supervisor.run("weight sync", self._sync_once, bus=True)
+        re-forms the bus and the sync runs again. In async mode with
+        ``weight_sync.train_during_reload`` the sync returns once the weights are sent, unless
+        ``wait`` or the probe checks this sync: the workers reload while the learner trains the
+        next step, and the next sync waits for that reload first."""
+        return self.supervisor.run("weight sync", lambda: self._sync_once(wait), bus=True)
 
-    def _sync_once(self) -> dict:
-        record = self.supervisor.publish_weights()
-        every = self.cfg.weight_sync.probe_every
-        if every and self.syncs % every == 0:  # weight_sync.probe_every: the run's first sync, then every N-th
+    def _sync_once(self, wait: bool) -> dict:
+        ws = self.cfg.weight_sync
+        probe = ws.probe_every and self.syncs % ws.probe_every == 0  # the run's first sync, then every N-th
+        overlap = self.cfg.trainer.mode == "async" and ws.train_during_reload and not (wait or probe)
+        record = self.supervisor.publish_weights(wait=not overlap)
+        if probe:
             record["sync_logprob_diff"] = self._probe_diff()
         self.syncs += 1
         return record
@@ -541,7 +547,7 @@ class Controller:
             self.supervisor.counts.update(state["counts"])
             self.start_time -= state["elapsed_s"]
         moved = supersede_metrics_after(self.run_dir, info["step"])
-        self._sync_weights()  # the workers serve the checkpoint's weights at its version
+        self._sync_weights(wait=True)  # the workers serve the checkpoint's weights at its version
         log.info(
             "resumed from %s: step %d, policy version %d, %d groups back in the buffer%s",
             path,

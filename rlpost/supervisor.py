@@ -481,13 +481,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the weight bus
 
-    def publish_weights(self) -> dict:
+    def publish_weights(self, wait: bool = True) -> dict:
         """The learner publishes its weights through its vLLMUpdater, which has every worker
-        receive and reload them; returns the sync's metrics. Raises a client error when a peer
-        fails (the caller recovers)."""
-        timeout = self.cfg.weight_sync.timeout_s
+        receive and reload them; returns the sync's metrics. ``wait=False``: return once the
+        weights are sent and let the workers reload while the learner trains on; the next
+        publish first waits for that reload, and a failure found there is raised then. Raises
+        a client error when a peer fails (the caller recovers)."""
         start = time.perf_counter()
-        published = self.actors.learner.publish().result(2 * timeout + 90)
+        published = self.actors.learner.publish(wait).result(self.publish_timeout_s)
         sync_s = time.perf_counter() - start
         if int(published["policy_version"]) != self.version:
             raise RuntimeError(
@@ -497,4 +498,11 @@ class Supervisor:
             "weight_sync_s": sync_s,
             "weight_sync_bytes": published.get("bytes"),
             "weight_load_s": published.get("weight_load_s"),
-        }  # the slowest engine's reload
+        }  # the slowest engine's reload (of the update before, when that one was not waited for)
+
+    @property
+    def publish_timeout_s(self) -> float:
+        """Bound of one publish call on the learner: it may confirm an earlier update and then
+        publish its own, each up to two bus waits of ``weight_sync.timeout_s`` and the workers'
+        grace (the learner's own bounds end it first)."""
+        return 4 * self.cfg.weight_sync.timeout_s + 180

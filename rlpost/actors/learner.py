@@ -480,10 +480,16 @@ class Learner:
         specs = tuple((name, dtype, tuple(t.shape)) for name, t in self._sync_tensors(materialise=False))
         return StreamedTensors(specs, lambda: tensors)
 
-    def publish(self) -> dict[str, float]:
+    def publish(self, wait: bool = True) -> dict[str, float]:
         """Publish the current weights at the current version; returns timing and size metrics
         (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). In a sharded
-        group every rank calls it: the others gather the tensors with rank 0, which sends them."""
+        group every rank calls it: the others gather the tensors with rank 0, which sends them.
+
+        ``wait=False`` (a publisher with ``confirm``, such as the vLLMUpdater): return once the
+        weights are sent, while the workers still reload them, so that the next train step
+        overlaps their reload. The next publish, or :meth:`confirm_publish`, waits for it first;
+        ``weight_load_s`` then reports the latest reload confirmed (the update before).
+        """
         if self.sharded and self.rank != 0:
             start = time.perf_counter()
             for _ in self.named_parameters_for_sync("cpu"):
@@ -493,22 +499,41 @@ class Learner:
             raise RuntimeError("Learner.publish needs a publisher (pass publisher= or call connect_workers)")
         device = getattr(self.publisher, "device", "cpu")  # a GPU bus takes the tensors where it sends from
         start = time.perf_counter()
+        defer = not wait and hasattr(self.publisher, "confirm")
         tensors = self.named_parameters_for_sync(device)
         try:
-            stats = self.publisher.publish(self.weights_for_sync(tensors), self._version)
+            weights = self.weights_for_sync(tensors)
+            if defer:
+                stats = self.publisher.publish(weights, self._version, wait=False)
+            else:
+                stats = self.publisher.publish(weights, self._version)
         finally:
             if self.sharded:  # a failed send: still gather every tensor, as the other ranks do
                 for _ in tensors:  # (the group's next collective must be the same on every rank)
                     pass
-        out = {
+        return {
             "weight_sync_s": time.perf_counter() - start,
             "bytes": float(stats.num_bytes),
             "policy_version": float(stats.version),
+            **self._confirmed_metrics(),
         }
+
+    def confirm_publish(self) -> dict[str, float]:
+        """Wait until the workers serve what ``publish(wait=False)`` sent (no-op when nothing
+        is pending, and on ranks other than 0); returns ``weight_sync_s`` (the wait) and
+        ``weight_load_s``."""
+        start = time.perf_counter()
+        confirm = getattr(self.publisher, "confirm", None)
+        if self.rank == 0 and confirm is not None:
+            confirm()
+        return {"weight_sync_s": time.perf_counter() - start, **self._confirmed_metrics()}
+
+    def _confirmed_metrics(self) -> dict[str, float]:
+        """``weight_load_s``: the slowest worker's reload of the latest update they confirmed."""
         infos = getattr(self.publisher, "last_worker_infos", None)
-        if infos:
-            out["weight_load_s"] = max(float(info.get("load_s", 0.0)) for info in infos)
-        return out
+        if not infos:
+            return {}
+        return {"weight_load_s": max(float(info.get("load_s", 0.0)) for info in infos)}
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -1039,10 +1064,13 @@ class LearnerActor:
         self.metrics.record(**{k: metrics[k] for k in keys if k in metrics})
         return metrics
 
-    def publish(self) -> dict[str, float]:
-        stats = self.learner.publish()
+    def publish(self, wait: bool = True) -> dict[str, float]:
+        stats = self.learner.publish(wait)
         self.metrics.record(weight_sync_s=stats["weight_sync_s"])
         return stats
+
+    def confirm_publish(self) -> dict[str, float]:
+        return self.learner.confirm_publish()
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self.learner.score(token_ids)

@@ -96,6 +96,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         self.version = 0
         self.last_worker_infos: list[dict] = []
         self.collector = None
+        self._unconfirmed: tuple[list[Any], int] | None = None  # (the workers' calls, version)
 
     @staticmethod
     def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
@@ -137,6 +138,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         TorchRL's argument and not needed: the bus sends each update's layout). The version
         continues from the highest one the workers serve."""
         workers = self._targets()
+        self._unconfirmed = None
         if self.publisher is not None:
             self.publisher.close()
         self.publisher = TorchWeightPublisher(
@@ -151,6 +153,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         """Use these workers from now on (e.g. after one was restarted): the bus opens its next
         generation with them. The next push sends the full weights to every worker."""
         self.workers = list(workers)
+        self._unconfirmed = None  # the old set's calls end with the old generation
         if self.publisher is None:
             self.init()
             return
@@ -180,31 +183,65 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         self.publish(named, version)
         return version
 
-    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
+    def publish(self, named_tensors: NamedTensors, version: int, *, wait: bool = True) -> PublishStats:
         """Send ``(name, tensor)`` pairs as ``version`` while every worker receives and reloads
-        them; returns the bus's statistics once every worker serves ``version``."""
+        them; returns the bus's statistics once every worker serves ``version``.
+
+        ``wait=False`` returns once the bytes are sent (the caller may then change its
+        tensors) and leaves the workers reloading: :meth:`confirm` waits for them, and the next
+        publish calls it first. Until then :attr:`version` and :attr:`last_worker_infos` still
+        describe the update before.
+        """
+        self.confirm()
         if self.publisher is None:
             self.init()
         deadline = time.monotonic() + self.timeout_s + _WORKER_GRACE_S
         pending = [self._call(worker, "update_weights", self.timeout_s) for worker in self.workers]
-        stats, failure = None, None
         try:
-            stats = self.publisher.publish(named_tensors, version)
-        except Exception as err:  # the workers' calls are still waited for below
+            stats = self.publisher.publish(named_tensors, version, wait=False)
+        except Exception as err:  # the workers' calls are still waited for, then the bus's error raised
+            self._settle(pending, deadline, version, err)
+            raise
+        self._unconfirmed = (pending, version)
+        if wait:
+            self.confirm(deadline)
+        return stats
+
+    @property
+    def unconfirmed_version(self) -> int | None:
+        """The version that ``publish(wait=False)`` sent and no :meth:`confirm` has collected."""
+        return self._unconfirmed[1] if self._unconfirmed is not None else None
+
+    def confirm(self, deadline: float | None = None) -> None:
+        """Wait until every worker serves the version that ``publish(wait=False)`` sent (each
+        worker's call bounded by ``timeout_s + 30`` s from now, or ``deadline``), then record it
+        in :attr:`version` and :attr:`last_worker_infos`; a no-op when there is none. Every
+        worker's call is waited for before the first failure is raised."""
+        if self._unconfirmed is None:
+            return
+        (pending, version), self._unconfirmed = self._unconfirmed, None
+        failure = None
+        try:
+            self.publisher.confirm()
+        except Exception as err:
             failure = err
+        self._settle(pending, deadline, version, failure)
+
+    def _settle(self, pending: list[Any], deadline: float | None, version: int, failure: Exception | None) -> None:
+        """Wait for the workers' update calls of ``version``; raise the bus's ``failure``
+        first (the workers' own error follows as its cause), else theirs."""
         try:
             infos = self._wait(pending, deadline)
         except Exception as err:
             if failure is None:
                 raise
-            raise failure from err  # the bus's error first; the workers' follows as its cause
+            raise failure from err
         if failure is not None:
             raise failure
         served = {int(info["version"]) for info in infos}
         if served != {version}:
             raise RuntimeError(f"vLLMUpdater: the workers report versions {sorted(served)} after publishing {version}")
         self.version, self.last_worker_infos = version, [dict(info) for info in infos]
-        return stats
 
     def __call__(self, weights: Any, **kwargs: Any) -> int:
         return self.push_weights(weights, **kwargs)
@@ -269,6 +306,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return result.get("value")
 
     def close(self) -> None:
+        self._unconfirmed = None
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -477,6 +477,15 @@ class _TorchEnd:
         self._group, self._broken, self._seq = None, None, 0
 
 
+class _Unconfirmed(NamedTuple):
+    """An update sent by ``publish(wait=False)``: what ``confirm`` needs to collect it."""
+
+    seq: int
+    version: int
+    layout: BucketLayout
+    fail: _SyncFailure
+
+
 class TorchWeightPublisher(_TorchEnd):
     """Learner side (rank 0) of the distributed bus; hosts the store. See the module docstring.
 
@@ -510,9 +519,18 @@ class TorchWeightPublisher(_TorchEnd):
         super().__init__(replace(spec, port=store.port), 0, device, store)
         self._version = -1
         self._layouts: set[str] = set()
+        self._unconfirmed: _Unconfirmed | None = None
 
-    def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats:
-        """Send `named_tensors` as `version` to every receiver; returns once all confirmed."""
+    def publish(self, named_tensors: NamedTensors, version: int, *, wait: bool = True) -> PublishStats:
+        """Send `named_tensors` as `version` to every receiver; returns once all confirmed.
+
+        ``wait=False`` returns once the bytes are sent: in shared memory or broadcast to the
+        receivers on the bus, so the caller may change its tensors from then on. The receivers'
+        confirmations are collected by :meth:`confirm`, which the next ``publish`` calls first
+        (the shared segment is reused only after every reader confirmed). A failure found
+        there raises from ``confirm`` (or that ``publish``) as it would have here.
+        """
+        self.confirm()
         _check_version(version, self._version)
         streamed = isinstance(named_tensors, StreamedTensors)
         named = named_tensors.placeholders() if streamed else as_named_list(named_tensors)
@@ -525,8 +543,9 @@ class TorchWeightPublisher(_TorchEnd):
             shared = self._shared_buckets(layout)
             self._announce(layout, version, seq)
             self._send(layout, iter(named_tensors) if streamed else dict(named), seq, shared)
-            self._await_done(seq, layout)
-        self._seq, self._version = seq + 1, version
+        self._unconfirmed = _Unconfirmed(seq, version, layout, fail)
+        if wait:
+            self.confirm()
         return PublishStats(
             version,
             self.generation,
@@ -537,6 +556,26 @@ class TorchWeightPublisher(_TorchEnd):
             connect_s,
         )
 
+    def close(self) -> None:
+        self._unconfirmed = None
+        super().close()
+
+    @property
+    def unconfirmed_version(self) -> int | None:
+        """The version sent by ``publish(wait=False)`` whose confirmations are not collected yet."""
+        return self._unconfirmed.version if self._unconfirmed is not None else None
+
+    def confirm(self) -> None:
+        """Wait (up to ``timeout_s``) until every receiver confirmed the update that
+        ``publish(wait=False)`` sent; a no-op when there is none. A receiver that failed, exited
+        or stayed silent raises WeightSyncError, and the bus then needs ``reform``."""
+        pending, self._unconfirmed = self._unconfirmed, None
+        if pending is None:
+            return
+        with self._failing(pending.fail, "publish"):
+            self._await_done(pending.seq, pending.layout)
+        self._seq, self._version = pending.seq + 1, pending.version
+
     @property
     def shared_memory_ranks(self) -> list[int]:
         """The receivers of the current generation that read from shared memory (known once
@@ -544,7 +583,9 @@ class TorchWeightPublisher(_TorchEnd):
         return list(self._group.shm_ranks) if self._group is not None else []
 
     def reform(self, world_size: int | None = None) -> BusSpec:
-        """Drop the current group and open the next generation; hand the result to the receivers."""
+        """Drop the current group and open the next generation; hand the result to the receivers.
+        An update whose confirmations were not collected is forgotten (its version is sent again)."""
+        self._unconfirmed = None
         self._drop_group()
         self._layouts.clear()
         world_size = self.spec.world_size if world_size is None else world_size

@@ -119,6 +119,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
             "trainer.prompts_per_step=4",
             "reference.enabled=true",
             "reference.kl_coef=0.01",
+            "weight_sync.probe_every=2",  # syncs 2 and 4 overlap the next step (train_during_reload)
             "logging.progress=false",
             "logging.run_name=e2e-async",
         ],
@@ -150,9 +151,13 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     rows = read(run_dir / "metrics.jsonl")
     assert len(rows) == 6
     assert [r["restarts_reference"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    # the probed syncs wait for the reload; the ones between are confirmed by the next sync, whose
+    # probe (steps 3 and 5) then finds the workers serving exactly the learner's weights
+    assert [r["step"] for r in rows if r["sync_logprob_diff"] is not None] == [1, 3, 5]
     for r in rows:
         assert r["staleness_max"] <= 1  # never beyond trainer.max_staleness
-        assert r["sync_logprob_diff"] <= 1e-3
+        assert r["sync_logprob_diff"] is None or r["sync_logprob_diff"] <= 1e-3
+        assert r["weight_load_s"] > 0  # the latest reload confirmed (the one before, where overlapped)
         assert r["kl_to_ref"] is not None and r["kl_to_ref"] >= 0
         # tokens record their own versions: an update mid-completion makes them newer than the sample
         assert r["token_staleness_mean"] <= r["staleness_mean"] + 1e-9 and 0 <= r["inflight_token_fraction"] <= 1

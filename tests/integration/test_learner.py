@@ -444,6 +444,9 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
         received = {"update": ray_cluster.get(worker.received.remote(), timeout=60)}
         assert ray_cluster.get(actor.set_workers.remote([worker]), timeout=120) == 1  # the next generation
         assert ray_cluster.get(actor.publish.remote(), timeout=90)["policy_version"] == 0  # same version again
+        # not waited for: back once sent; the confirmation (the worker's reload) is collected later
+        assert ray_cluster.get(actor.publish.remote(False), timeout=90)["policy_version"] == 0
+        assert ray_cluster.get(actor.confirm_publish.remote(), timeout=90)["weight_load_s"] == 0.25
         local = Learner(cfg)
         version, tensors = received["update"]
         assert version == stats["policy_version"] == 0 and stats["bytes"] > 0

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 TIMEOUT_S = 4.0
 SLACK_S = 4.0  # detection may take the timeout plus scheduling on 2 busy cores
 REPLY_S = 30.0
+SLOW_RELOAD_S = 2.0  # a receiver's "stream slowly" holds its confirmation this long after the bytes
 
 
 def model_weights(version: int) -> dict[str, torch.Tensor]:
@@ -89,14 +90,18 @@ def receiver_main(spec: BusSpec, rank: int, commands, replies, dies: bool) -> No
             if command == "receive":
                 version, tensors = receiver.receive(arg)
                 replies.put(("ok", version, check_update(version, tensors)))
-            elif command in ("stream", "stream and fail"):
+            elif command in ("stream", "stream and fail", "stream slowly", "stream and exit"):
                 got = {}
 
-                def consume(version, tensors, got=got, fail=command == "stream and fail"):
+                def consume(version, tensors, got=got, command=command):
                     for name, tensor in tensors:
                         got[name] = tensor.clone()
-                        if fail:
+                        if command == "stream and fail":
                             raise ValueError("these weights do not fit the model")
+                    if command == "stream slowly":  # as an engine's reload, after the bytes
+                        time.sleep(SLOW_RELOAD_S)
+                    if command == "stream and exit":  # dies in its reload, before confirming
+                        os._exit(17)
 
                 version = receiver.receive_streamed(consume, arg)
                 replies.put(("ok", version, check_update(version, got)))
@@ -192,6 +197,61 @@ def test_two_receivers_get_every_version_bit_exact(peers, route):
         assert stats.num_buckets >= 5 and stats.num_tensors == len(model_weights(version))
     with pytest.raises(ValueError, match="version"):
         publisher.publish(model_weights(2), 2)
+    publisher.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_publish_that_does_not_wait_returns_once_sent_and_is_confirmed_later(peers, route):
+    """publish(wait=False) returns once the bytes are out (the caller may then change its
+    tensors), while the receivers still "reload"; confirm() waits for them, and a publish
+    confirms the update before it first."""
+    publisher = make_publisher(3, route)
+    peers += [Peer(publisher.spec, 1), Peer(publisher.spec, 2)]
+    connect_all(publisher, peers)
+    for peer in peers:
+        peer.send("stream slowly", REPLY_S)
+    weights = model_weights(1)
+    start = time.monotonic()
+    stats = publisher.publish(weights, 1, wait=False)
+    assert time.monotonic() - start < SLOW_RELOAD_S and publisher.unconfirmed_version == 1
+    for tensor in weights.values():  # the caller trains on: the receivers still get version 1
+        tensor.zero_()
+    publisher.confirm()
+    assert time.monotonic() - start >= SLOW_RELOAD_S and publisher.unconfirmed_version is None
+    assert [peer.reply() for peer in peers] == [("ok", 1, [])] * 2
+    assert stats.version == 1 and stats.num_buckets >= 5
+
+    for peer in peers:  # two updates: the second publish first confirms the one before
+        peer.send("stream slowly", REPLY_S)
+        peer.send("stream slowly", REPLY_S)
+    publisher.publish(model_weights(2), 2, wait=False)
+    publisher.publish(model_weights(3), 3)
+    assert publisher.unconfirmed_version is None
+    assert [peer.reply() for peer in peers for _ in range(2)] == [("ok", 2, []), ("ok", 3, [])] * 2
+    publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_that_dies_before_confirming_fails_the_confirm_naming_it(peers, route):
+    publisher = make_publisher(3, route)
+    survivor, doomed = Peer(publisher.spec, 1), Peer(publisher.spec, 2)
+    peers += [survivor, doomed]
+    connect_all(publisher, peers)
+    survivor.send("stream", REPLY_S)
+    doomed.send("stream and exit", REPLY_S)
+    publisher.publish(model_weights(1), 1, wait=False)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as failure:
+        publisher.confirm()
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert (failure.value.version, failure.value.peers) == (1, [2])
+    assert survivor.reply()[:2] == ("ok", 1)
+    with pytest.raises(WeightSyncError, match="reform"):
+        publisher.publish(model_weights(2), 2)
+    spec = publisher.reform(world_size=2)
+    survivor.send("reform", (spec, 1))
+    assert survivor.reply()[0] == "ok"
+    publish_to(publisher, [survivor], 2)
     publisher.close()
 
 

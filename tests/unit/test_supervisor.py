@@ -114,7 +114,7 @@ class FakeInference(Stand):
 
     def update_weights(self, timeout_s):
         self.world.enter(self, "update_weights")
-        self.version = self.world.actors["learner"].weights
+        self.version = self.world.actors["learner"].sent
         return Done({"version": self.version, "load_s": 0.0})
 
     def score(self, token_ids, temperature, timeout_s):
@@ -140,6 +140,9 @@ class FakeLearner(Stand):
         self.stop_after_training: int | None = None  # ... after the learner trained it, before it returns
         self.stop_at_publish: int | None = None  # ... while this step's weights are published
         self.workers: list[FakeInference] = []  # the workers its vLLMUpdater drives
+        self.sent = 0  # the version of the last publish
+        self.unconfirmed = False  # a publish(wait=False) whose workers have not reloaded yet
+        self.waits: list[bool] = []  # each publish's wait argument
 
     def train_step(self, groups, timeout_s):
         self.world.enter(self, "train_step")
@@ -158,21 +161,36 @@ class FakeLearner(Stand):
             "staleness_mean": 0.0,
         }
 
-    def publish(self):
-        """The learner's vLLMUpdater: every worker receives while the learner publishes."""
+    def publish(self, wait=True):
+        """The learner's vLLMUpdater: every worker receives while the learner publishes. With
+        ``wait=False`` they reload later: the next publish confirms that first, and a worker
+        that died meanwhile fails that publish (as the bus finds it then)."""
         self.world.enter(self, "publish")
+        self.waits.append(wait)
         if self.weights == self.stop_at_publish:
             raise StopRequested("SIGTERM")
+        self._confirm()
         if any(w.dead for w in self.workers):
             raise BusFailure("a bus peer is gone")
-        self._on_workers("update_weights")
-        self.world.served_version = self.weights
+        self.sent, self.unconfirmed = self.weights, True
+        if wait:
+            self._confirm()
         return Done({"bytes": 1.0, "policy_version": self.weights, "weight_load_s": 0.0})
 
+    def _confirm(self):
+        if not self.unconfirmed:
+            return
+        self.unconfirmed = False
+        if any(w.dead for w in self.workers):
+            raise BusFailure("a bus peer died during its reload")
+        self._on_workers("update_weights")
+        self.world.served_version = self.sent
+
     def set_workers(self, workers, timeout_s):
-        """The bus's next generation: the learner's vLLMUpdater joins every worker to it."""
+        """The bus's next generation: the learner's vLLMUpdater joins every worker to it (an
+        update not confirmed yet is forgotten and sent again)."""
         self.world.enter(self, "set_workers")
-        self.workers = list(workers)
+        self.workers, self.unconfirmed = list(workers), False
         self._on_workers("join_bus")
         return 1
 
@@ -378,6 +396,12 @@ def check_run(world, rows, mode):
         assert all(r["staleness_mean"] == 0.0 for r in rows)
 
 
+# async mode, its syncs overlapping the next step (a sync the probe checks waits for the reload)
+OVERLAPPED = ["weight_sync.probe_every=0"]
+MODES = [("sync", []), ("async", []), ("async", OVERLAPPED)]
+MODE_IDS = ["sync", "async", "async-overlapped"]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_clean_run_over_stand_ins(tmp_path, monkeypatch, mode):
     world, rows = run_world(tmp_path, monkeypatch, mode)
@@ -394,13 +418,33 @@ def test_the_probe_checks_the_first_sync_then_every_nth(tmp_path, monkeypatch, e
     assert all(r["sync_logprob_diff"] in (None, 0.0) for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_callee_dies_at_every_call(tmp_path, monkeypatch, mode):
-    clean, _ = run_world(tmp_path, monkeypatch, mode)
+@pytest.mark.parametrize(
+    ("mode", "extra", "waits"),
+    [
+        ("sync", [], [True, True, True]),
+        ("async", [], [True, True, True]),  # the probe checks every sync: each waits for the reload
+        ("async", OVERLAPPED, [False, False, True]),
+        ("async", [*OVERLAPPED, "weight_sync.train_during_reload=false"], [True, True, True]),
+        ("sync", OVERLAPPED, [True, True, True]),  # the next collection needs the new weights
+    ],
+)
+def test_async_syncs_overlap_the_next_step_and_the_last_one_waits(tmp_path, monkeypatch, mode, extra, waits):
+    """weight_sync.train_during_reload: in async mode a sync without a probe check returns once
+    the weights are sent and the next sync confirms the workers' reload; the run's last sync
+    waits, so the workers serve the final weights when it ends."""
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=extra)
+    check_run(world, rows, mode)
+    assert world.actors["learner"].waits == waits
+    assert world.served_version == 3 and all(w.version == 3 for w in world.actors["learner"].workers)
+
+
+@pytest.mark.parametrize(("mode", "extra"), MODES, ids=MODE_IDS)
+def test_the_callee_dies_at_every_call(tmp_path, monkeypatch, mode, extra):
+    clean, _ = run_world(tmp_path, monkeypatch, mode, extra=extra)
     recovered = 0
     for k in range(1, clean.calls + 1):
         try:
-            world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k)
+            world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, extra=extra)
         except LearnerDied as died:
             assert "the learner died during step" in str(died)
             continue
@@ -412,16 +456,16 @@ def test_the_callee_dies_at_every_call(tmp_path, monkeypatch, mode):
     assert recovered >= clean.calls // 2  # most kills were restarts, not learner deaths
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(("mode", "extra"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("victim", [n for n in NAMES if n != "learner"])
-def test_any_actor_dies_at_any_call(tmp_path, monkeypatch, mode, victim):
+def test_any_actor_dies_at_any_call(tmp_path, monkeypatch, mode, extra, victim):
     """``victim`` dies while another actor is being called, at every call of a clean run."""
-    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    clean, _ = run_world(tmp_path, monkeypatch, mode, extra=extra)
     role = {"buffer": "restarts_buffer", "reference": "restarts_reference"}.get(victim)
     role = role or ("restarts_inference" if victim.startswith("inference") else "restarts_env_pool")
     restarted = 0
     for k in range(1, clean.calls + 1):
-        world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim=victim)
+        world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim=victim, extra=extra)
         check_run(world, rows, mode)
         assert rows[-1][role] <= 1
         restarted += rows[-1][role]
