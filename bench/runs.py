@@ -22,6 +22,7 @@ from bench.common import CONFIG, REPO, python, results_dir, run_logged
 
 # TRL checks none of its weight syncs; rlpost's races check their first and every 10th with the probe
 PROBE_EVERY = 10
+LEARNER_ONE_THREAD = ("resources.learner.num_threads=1",)
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Workload:
     # rlpost overrides for its sync-mode runs only (e.g. the engine on every core: in sync mode the
     # learner waits while the engine generates, in async mode they share the cores)
     rlpost_sync_extra: tuple[str, ...] = ()
+    # rlpost overrides for its async-mode runs only. By default the learner trains on one thread
+    # and leaves the other core to the engine that generates alongside (the config gives it 2)
+    rlpost_async_extra: tuple[str, ...] = LEARNER_ONE_THREAD
     system_prompt: str | None = None  # None: the arithmetic task's own (data.system_prompt)
     lora_rank: int = 0  # both systems train a LoRA adapter of this rank (rlpost's model.lora); 0: every weight
 
@@ -62,9 +66,10 @@ class Workload:
         ]
 
     def rlpost_system_overrides(self, system_overrides: list[str]) -> list[str]:
-        """A system's own overrides, plus this workload's sync-mode ones for a sync system."""
-        sync = "trainer.mode=sync" in system_overrides
-        return [*system_overrides, *(self.rlpost_sync_extra if sync else ())]
+        """A system's own overrides, after this workload's ones for the system's mode (so that a
+        system naming the same key, e.g. the learner's threads, keeps its own value)."""
+        extra = self.rlpost_sync_extra if "trainer.mode=sync" in system_overrides else self.rlpost_async_extra
+        return [*extra, *system_overrides]
 
 
 @dataclass
