@@ -25,7 +25,9 @@ Protocol (store keys live under `rlpost-bus/gen{g}/`, g = the generation):
    bucket bytes; no checksum (TCP / NCCL deliver exact bytes; the integration test checks bit
    equality). A receiver waits for `update/{s}`, receives into fresh buckets, hands out views
    (no copies) and sets `done/{s}/{rank}`. `publish` returns once every `done` key is set, so
-   every receiver then holds the version.
+   every receiver then holds the version. `publish(wait=False)` returns once the buckets are
+   sent and leaves the `done` keys to `confirm`, which the next `publish` calls first; the
+   receivers' reload after their receive thus overlaps the publisher's next work.
 4. Versions: `publish` refuses a version below the last published (`ValueError`); a receiver
    refuses one below what it holds (`WeightSyncError`, after draining the bytes so the group
    stays in step). An equal version is a resend and is accepted.
