@@ -243,3 +243,25 @@ def test_workload_overrides_and_benchmark_names():
     }
     with pytest.raises(SystemExit):
         _resolve("nope")
+
+
+def test_a_system_overrides_its_workloads_mode_settings(monkeypatch, tmp_path):
+    """The workload's per-mode overrides come first, so a system that names the same key (the
+    learner's threads) keeps its own value; by default async trains on one thread."""
+    import bench.bench_e2e
+    from bench.bench_e2e import SYSTEMS, workloads
+
+    monkeypatch.setattr(bench.bench_e2e, "qwen05b_model", lambda quick, layers=None: tmp_path)  # builds nothing
+
+    work = Workload("m", steps=1)
+    assert work.rlpost_system_overrides(SYSTEMS["rlpost async"]) == [
+        "resources.learner.num_threads=1",
+        "trainer.mode=async",
+    ]
+    two = work.rlpost_system_overrides(SYSTEMS["rlpost async (learner 2 threads)"])
+    assert two[-1] == "resources.learner.num_threads=2"
+    sync = Workload("m", steps=1, rlpost_sync_extra=("rollout.engine.cpu_threads=2",))
+    assert sync.rlpost_system_overrides(SYSTEMS["rlpost sync"]) == ["rollout.engine.cpu_threads=2", "trainer.mode=sync"]
+    chosen = workloads(quick=False, tiny_steps=None, big_steps=None)
+    assert chosen["qwen05b"].rlpost_async_extra == ()  # the 0.5B-shaped async learner on the config's 2 threads
+    assert chosen["qwen05b_lora"].rlpost_async_extra == chosen["tiny"].rlpost_async_extra
