@@ -6,7 +6,9 @@ loaded into them (q/k/v and gate/up fused on the way) and the layer is processed
 kernels (on CPU: the linear weights repacked). This benchmark runs that reload inside the
 engine's own worker process (``collective_rpc`` with a function), on tensors already in that
 process's memory, so nothing else is timed: ``--repeats`` reloads after a warm-up, then one more
-under cProfile, whose functions are grouped into the phases below.
+under cProfile, whose functions are grouped into the phases below. rlpost's direct reload
+(``rollout.engine.direct_reload``: the linear weights packed straight from the update, the rest
+copied in place) is timed the same way on the same tensors, alternating with vLLM's.
 
 The floor: copying the same bytes into preallocated tensors in the same process
 (``Tensor.copy_``), the least an update of these weights can cost there.
@@ -29,6 +31,12 @@ PHASES = {
     "materialize layers (allocate parameters)": ("materialize_layer",),
     "restore layers to meta (free)": ("restore_layer_on_meta", "capture_layer_to_meta"),
 }
+# the same for rlpost's direct reload (rollout.engine.direct_reload)
+DIRECT_PHASES = {
+    "kernel packs (vLLM's CPU GEMM dispatch)": ("dispatch_cpu_unquantized_gemm",),
+    "fused layers' concatenation": ("_fuse",),
+    "in-place copies (embeddings, norms, biases)": ("_copy_into",),
+}
 
 
 def _reload_in_worker(self, model_dir: str, repeats: int) -> dict:
@@ -44,11 +52,29 @@ def _reload_in_worker(self, model_dir: str, repeats: int) -> dict:
     if "lm_head.weight" not in tensors:  # tied: rlpost sends the head too (vLLM's CPU copy of it)
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     items = sorted(tensors.items())
-    reload_s = []
-    for _ in range(repeats + 1):  # the first one warms up
+    loader = self._rlpost_direct_loader()
+    reload_s, direct_s = [], []
+    for _ in range(repeats + 1):  # the first one warms up; the two paths alternate
         start = time.perf_counter()
         self.reload_weights(weights_iterator=iter(items))
         reload_s.append(time.perf_counter() - start)
+        if loader is not None:
+            start = time.perf_counter()
+            self._rlpost_reload(items, loader)
+            direct_s.append(time.perf_counter() - start)
+    direct_phases = {}
+    if loader is not None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        self._rlpost_reload(items, loader)
+        profiler.disable()
+        direct_stats = pstats.Stats(profiler).stats
+        direct_total = max(cum for (_, _, name), (_, _, _, cum, _) in direct_stats.items() if name == "_rlpost_reload")
+        for phase, names in DIRECT_PHASES.items():
+            cums = [cum for (_, _, name), (_, _, _, cum, callers) in direct_stats.items()
+                    if name in names and not any(c[2] in names for c in callers)]  # fmt: skip
+            direct_phases[phase] = sum(cums)
+        direct_phases["total"] = direct_total
     buffers = [torch.empty_like(t) for _, t in items]
     copy_s = []
     for _ in range(repeats + 1):
@@ -72,6 +98,9 @@ def _reload_in_worker(self, model_dir: str, repeats: int) -> dict:
                   for (path, line, name), (_, _, tot, cum, _) in stats.items()), reverse=True)[:25]  # fmt: skip
     return {
         "reload_s": reload_s[1:],
+        "direct_s": direct_s[1:],
+        "direct_reason": self._rlpost_direct_reason,
+        "direct_phases_s": direct_phases,
         "copy_floor_s": copy_s[1:],
         "bytes": sum(t.numel() * t.element_size() for _, t in items),
         "profiled_reload_s": total,
@@ -113,6 +142,20 @@ def main() -> None:
     result.ratios["reload_weights / copy floor (time)"] = round(
         median(out["reload_s"]) / median(out["copy_floor_s"]), 1
     )
+    if out["direct_s"]:
+        result.cases["direct reload"] = {
+            **summary(out["direct_s"]),
+            "GB_per_s": round(gb / median(out["direct_s"]), 3),
+            "profiled_phases_s": out["direct_phases_s"],
+        }
+        result.ratios["direct reload / copy floor (time)"] = round(
+            median(out["direct_s"]) / median(out["copy_floor_s"]), 1
+        )
+        result.ratios["reload_weights / direct reload (time)"] = round(
+            median(out["reload_s"]) / median(out["direct_s"]), 2
+        )
+    else:
+        result.note(f"no direct reload for this model: {out['direct_reason']}")
     for phase, seconds in out["phases_s"].items():
         result.ratios[f"share of the profiled reload: {phase}"] = round(seconds / out["profiled_reload_s"], 3)
     result.note(f"{gb:.2f} GB of float32 weights (the tied LM head sent too, as rlpost publishes it)")

@@ -456,8 +456,18 @@ def _profile_reload(d: dict, results: Path, base: Path) -> str:
         "| case | s (median) | repeats | GB/s |",
         "| --- | --- | --- | --- |",
         f"| reload_weights | {_fmt(reload['median'])} | {_repeats(reload)} | {reload['GB_per_s']} |",
-        f"| copy floor | {_fmt(floor['median'])} | {_repeats(floor)} | {floor['GB_per_s']} |",
-        "",
+    ]
+    direct = d["cases"].get("direct reload")  # rlpost's (rollout.engine.direct_reload), where it ran
+    if direct:
+        lines.append(
+            f"| rlpost's direct reload | {_fmt(direct['median'])} | {_repeats(direct)} | {direct['GB_per_s']} |"
+        )
+    lines += [f"| copy floor | {_fmt(floor['median'])} | {_repeats(floor)} | {floor['GB_per_s']} |", ""]
+    if direct:
+        phases = {k: v for k, v in direct["profiled_phases_s"].items() if k != "total"}
+        shares = ", ".join(f"{phase} {_fmt(seconds)} s" for phase, seconds in phases.items())
+        lines += [f"The direct reload under cProfile ({_fmt(direct['profiled_phases_s']['total'])} s): {shares}.", ""]
+    lines += [
         f"The profiled reload ({_fmt(profiled['total_s'])} s under cProfile): of its 25 calls with the most cumulative "
         "time, the 8 with the most time of their own (the leaves where the time goes):",
         "",

@@ -193,6 +193,15 @@ class EngineConfig(_Section):
         "1.8x faster on 2 threads than on 1; a model as small as configs/tiny-cpu.yaml's gains nothing); async "
         "mode: leave the learner its cores. Ignored on GPU.",
     )
+    direct_reload: bool = Field(
+        True,
+        description="CPU backend: load each weight update straight into the engine's kernels (linear weights "
+        "packed by vLLM's own CPU GEMM dispatch from the update's memory, other tensors copied in place) instead "
+        "of vLLM's reload_weights, which re-creates and copies every parameter first (0.5B-shaped model: "
+        "BENCHMARKS.md, section 10). For dense models of unquantized linear, embedding and norm layers on one "
+        "tensor-parallel rank; any other model, and an update with a name it cannot place, uses reload_weights "
+        "(logged once). false: always reload_weights. Ignored on GPU.",
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 
 

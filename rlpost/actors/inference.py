@@ -151,6 +151,7 @@ class InferenceWorker:
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
         # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
         self.overlap_reload = True
+        self.direct_reload = engine.direct_reload  # CPU: into the kernels, not through reload_weights
         # switch weights between engine steps of a running generate call (module docstring)
         self.inflight_updates = inflight_updates
         self._turn = threading.Condition()  # who uses the engine: one generate call or one other call
@@ -205,6 +206,22 @@ class InferenceWorker:
         """Whether updates are LoRA adapters this engine serves (else whole weights)."""
         return self.lora is not None
 
+    def reload_path(self) -> str:
+        """How this engine loads a whole-weight update: "direct" (straight into the CPU kernels,
+        ``rollout.engine.direct_reload``) or "reload_weights" (vLLM's), with the reason after a
+        colon when the direct reload was asked for but cannot serve this engine's model."""
+        if not self.direct_reload:
+            return "reload_weights"
+        with self._engine_turn():
+            reason = self.llm.collective_rpc("rlpost_direct_reload_status")[0]
+        return "direct" if reason is None else f"reload_weights: {reason}"
+
+    def use_direct_reload(self, enabled: bool) -> str:
+        """Load later updates with the direct reload or with vLLM's reload_weights (the
+        benchmarks and tests compare the two); returns :meth:`reload_path`."""
+        self.direct_reload = bool(enabled)
+        return self.reload_path()
+
     def update_weights(self, timeout_s: float) -> dict:
         """Receive the next published weights (blocking up to ``timeout_s``) and switch to them:
         between two engine steps of a running generate call (``info["in_flight"]``), or alone."""
@@ -237,7 +254,7 @@ class InferenceWorker:
 
     def _receive_weights(self, timeout_s: float) -> dict:
         """Receive and reload the next update, then label the engine's weights with its version."""
-        args = (timeout_s, self.overlap_reload)
+        args = (timeout_s, self.overlap_reload, self.direct_reload)
         info = self.llm.collective_rpc("rlpost_receive_weights", args=args, timeout=timeout_s + 30)[0]
         self.version = int(info["version"])
         self.llm.llm_engine.set_weight_version(str(self.version))

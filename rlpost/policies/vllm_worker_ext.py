@@ -3,13 +3,18 @@
 The weights live in vLLM's worker process, so that process is the weight-bus rank: it joins the
 bus, receives buckets, and reloads them in place with ``model_runner.reload_weights`` — the call
 that works on the CPU backend, whose repacked linear layers make ``model.load_weights`` fail
-after start-up. Methods are reached with
+after start-up — or, on the CPU backend for the dense models it knows, straight into the
+kernels (:mod:`rlpost.policies.cpu_reload`, ``rollout.engine.direct_reload``). Methods are
+reached with
 ``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data (vLLM serialises them).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncExtension:
@@ -27,17 +32,21 @@ class WeightSyncExtension:
             receiver.reform(bus_spec, rank)
         return rank
 
-    def rlpost_receive_weights(self, timeout_s: float, overlap: bool = True) -> dict:
+    def rlpost_receive_weights(self, timeout_s: float, overlap: bool = True, direct: bool = False) -> dict:
         """Receive the next update from the bus and load it in place while it arrives (each
         bucket is loaded as soon as it is in, the next ones arriving meanwhile); returns version
         and timings: ``receive_s`` the time spent waiting for buckets, ``load_s`` the rest.
         ``overlap=False`` receives the whole update first, then loads it (the benchmarks'
-        baseline, ``bench/bench_lora.py``)."""
+        baseline, ``bench/bench_lora.py``). ``direct`` (CPU): load into the kernels with
+        :class:`~rlpost.policies.cpu_reload.DirectCpuReload` where it knows the model and the
+        update, else with reload_weights; it takes the whole update's tensors (views of the
+        received memory, no copies) before it writes any, so it waits for the last bucket."""
+        loader = self._rlpost_direct_loader() if direct else None
         if not overlap:
             start = time.perf_counter()
             version, tensors = self._rlpost_receiver.receive(timeout_s)
             received = time.perf_counter()
-            self._rlpost_reload(tensors.items())
+            self._rlpost_reload(list(tensors.items()), loader)
             return {"version": version, "receive_s": received - start, "load_s": time.perf_counter() - received,
                     "num_tensors": len(tensors)}  # fmt: skip
         waited, count = [0.0], [0]
@@ -56,8 +65,10 @@ class WeightSyncExtension:
 
         def load(version: int, tensors) -> None:
             start = time.perf_counter()
-            # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
-            self.reload_weights(weights_iterator=timed(tensors))
+            if loader is not None:  # the views stay valid until this returns
+                self._rlpost_reload(list(timed(tensors)), loader)
+            else:  # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights
+                self.reload_weights(weights_iterator=timed(tensors))
             loading[0] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -82,14 +93,53 @@ class WeightSyncExtension:
             "num_tensors": len(tensors),
         }
 
-    def rlpost_load_weights(self, named_tensors: list) -> int:
+    def rlpost_load_weights(self, named_tensors: list, direct: bool = False) -> int:
         """Load weights handed over directly (tests, single-process use); returns the tensor count."""
-        self._rlpost_reload(named_tensors)
+        self._rlpost_reload(list(named_tensors), self._rlpost_direct_loader() if direct else None)
         return len(named_tensors)
 
-    def _rlpost_reload(self, named_tensors) -> None:
+    def rlpost_direct_reload_status(self) -> str | None:
+        """Why this engine's updates go through reload_weights (None: the direct reload loads them)."""
+        self._rlpost_direct_loader()
+        return self._rlpost_direct_reason
+
+    def _rlpost_reload(self, named: list, loader=None) -> None:
+        """Load ``named`` (name, tensor) pairs: with ``loader`` (a DirectCpuReload) straight into
+        the kernels when it can place every name, else through reload_weights."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            plan = loader.plan(name for name, _ in named) if loader is not None else None
+            if isinstance(plan, dict):
+                loader.load(named, plan)
+                return
+            if plan is not None and not getattr(self, "_rlpost_plan_warned", False):
+                self._rlpost_plan_warned = True
+                logger.warning("rlpost: this update goes through vLLM's reload_weights: %s", plan)
         # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
-        self.reload_weights(weights_iterator=iter(list(named_tensors)))
+        self.reload_weights(weights_iterator=iter(named))
+
+    def _rlpost_direct_loader(self):
+        """The engine's DirectCpuReload, made on first use; None on GPU or for a model it does
+        not know (the reason logged once, and kept for ``rlpost_direct_reload_status``)."""
+        if hasattr(self, "_rlpost_direct"):
+            return self._rlpost_direct
+        from vllm.config import set_current_vllm_config
+        from vllm.platforms import current_platform
+
+        from rlpost.policies.cpu_reload import DirectCpuReload, unsupported_reason
+
+        self._rlpost_direct, self._rlpost_direct_reason = None, "not a CPU engine"
+        if current_platform.is_cpu():
+            model = self.model_runner.get_model()
+            with set_current_vllm_config(self.vllm_config):
+                self._rlpost_direct_reason = unsupported_reason(model)
+            if self._rlpost_direct_reason is None:
+                self._rlpost_direct = DirectCpuReload(model)
+            else:
+                logger.warning("rlpost: weight updates go through vLLM's reload_weights: %s",
+                               self._rlpost_direct_reason)  # fmt: skip
+        return self._rlpost_direct
 
     def rlpost_spin_after_work(self, seconds: float) -> int:
         """Bound how long this process busy-polls for the engine's next step after one ends.

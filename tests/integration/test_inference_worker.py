@@ -95,6 +95,45 @@ def test_weight_update_over_the_bus_changes_what_vllm_computes(worker, tiny_mode
     publisher.close()
 
 
+def test_the_direct_reload_computes_what_vllms_reload_computes(worker, tiny_model_path, tiny_tokenizer):
+    """rollout.engine.direct_reload loads an update straight into the CPU kernels: the engine
+    then scores exactly as after vLLM's reload_weights of the same update, and as transformers
+    does. Every fused q/k/v and gate/up layer is packed from one reused scratch buffer, so a
+    kernel that kept reading its source would compute with the last layer's weights."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.transport.weight_bus import TorchWeightPublisher
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+    probe = (
+        prompt_ids(tiny_tokenizer)
+        + tiny_tokenizer("<answer>7</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    )
+    publisher = TorchWeightPublisher(2, backend="gloo", bucket_mb=1, timeout_s=60)
+    assert ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60) == 1
+    scores, version = {}, ray.get(worker.get_version.remote())
+    try:
+        for path in ("reload_weights", "direct"):
+            assert ray.get(worker.use_direct_reload.remote(path == "direct"), timeout=60) == path
+            version += 1
+            update = worker.update_weights.remote(60)
+            publisher.publish(named, version=version)
+            assert ray.get(update, timeout=120)["version"] == version
+            scores[path] = ray.get(worker.score.remote([probe], 1.0), timeout=60)[0]
+    finally:
+        publisher.close()
+    assert scores["direct"] == scores["reload_weights"]  # the same kernels from the same weights
+    with torch.no_grad():
+        expected = transformers_scores(model, probe, 1.0)
+    assert max(abs(a - b) for a, b in zip(scores["direct"], expected)) <= 1e-3
+
+
 def test_update_times_out_instead_of_hanging_when_nothing_is_published(worker, tiny_model_path):
     import ray
 
