@@ -51,6 +51,8 @@ SYSTEMS = {
     # 2 learner threads and the engine oversubscribe the 2 cores: slower on the tiny model, faster
     # on the 0.5B-shaped one (section 2)
     "rlpost async (learner 2 threads)": ["trainer.mode=async", "resources.learner.num_threads=2"],
+    # async mode whose every sync waits for the workers' reload (before weight_sync.train_during_reload)
+    "rlpost async (waits for reload)": ["trainer.mode=async", "weight_sync.train_during_reload=false"],
     # LoRA: the sync sends the merged weights and the engine serves no adapter (vLLM's CPU engine
     # generates at under half its speed through an unmerged one), for a full reload each sync
     "rlpost sync (LoRA merged)": ["trainer.mode=sync", "model.lora.sync=merged"],
