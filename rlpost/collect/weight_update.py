@@ -11,7 +11,9 @@ collector's policy. The first push forms the bus (``init``).
 rlpost's own runs use this same class: the ``learner`` actor holds a vLLMUpdater on the run's
 ``inference-<i>`` actors and publishes every version through it (:meth:`publish`, the bus's
 publisher interface); after a worker was restarted the run calls :meth:`set_workers`, which opens
-the bus's next generation with the new set.
+the bus's next generation with the new set. In async mode it publishes with ``wait=False``
+(``weight_sync.train_during_reload``): the learner trains on while the workers reload, and the
+next publish first confirms that reload (:meth:`confirm`).
 
 Failures are bounded and raised, never hung on: every bus step and worker call is bounded by
 ``timeout_s``. A bus failure raises :class:`~rlpost.transport.WeightSyncError`, and so does a
