@@ -64,7 +64,8 @@ TITLES = {
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
-    "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time",
+    "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time, "
+    "and rlpost's direct reload",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
@@ -449,8 +450,10 @@ def _profile_reload(d: dict, results: Path, base: Path) -> str:
         f"## {TITLES['profile_reload']}",
         "",
         f"vLLM's `reload_weights` inside the engine's worker process on tensors already there ({s['model']}, "
-        f"{s['engine']}), medians of {s['repeats']} after a warm-up, then one reload under cProfile. The floor "
-        "copies the same bytes into preallocated tensors in that process.",
+        f"{s['engine']}), medians of {s['repeats']} after a warm-up, then one reload under cProfile. rlpost's "
+        "direct reload (`rollout.engine.direct_reload`: each linear layer's kernel built by vLLM's own CPU GEMM "
+        "dispatch straight from the update's tensor, the rest copied in place) alternates with it on the same "
+        "tensors. The floor copies the same bytes into preallocated tensors in that process.",
         "",
         _ratios(d),
         "| case | s (median) | repeats | GB/s |",
