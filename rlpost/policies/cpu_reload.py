@@ -131,7 +131,19 @@ class DirectCpuReload:
             if shard is not None and _module_kind(module) != "linear":
                 return f"{name} is a shard of {module_name}, which is not a linear layer"
             out[name] = mapped
-        return out
+        return self._check_fused_complete(out)
+
+    def _check_fused_complete(self, plan: dict[str, tuple[str, str, int | None]]) -> dict | str:
+        """``plan``, or why not: a fused layer's weight must come whole (every shard once)."""
+        shards: dict[tuple[str, str], list[int]] = {}
+        for module_name, param_name, shard in plan.values():
+            if shard is not None:
+                shards.setdefault((module_name, param_name), []).append(shard)
+        for (module_name, param_name), got in shards.items():
+            expected = list(range(len(getattr(self.modules[module_name], "output_sizes", ()))))
+            if sorted(got) != expected:
+                return f"the update brings shards {sorted(got)} of {module_name}.{param_name}, which has {expected}"
+        return plan
 
     def _map(self, name: str) -> tuple[str, str, int | None] | None:
         shard = None

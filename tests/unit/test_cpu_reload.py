@@ -58,3 +58,15 @@ def test_what_it_cannot_place_is_named_and_left_to_reload_weights():
 
 def test_shard_ids_are_positions_in_the_fused_weight():
     assert [_shard_index(s) for s in ("q", "k", "v", 0, 1, None)] == [0, 1, 2, 0, 1, None]
+
+
+def test_a_fused_layer_must_come_whole():
+    model = PlainModel()
+    model.layers[0].qkv_proj.output_sizes = [4, 4, 4]  # as vLLM's QKVParallelLinear has
+    loader = DirectCpuReload(model)
+    partial = {"q": ("layers.0.qkv_proj", "weight", 0), "v": ("layers.0.qkv_proj", "weight", 2)}
+    assert loader._check_fused_complete(partial) == (
+        "the update brings shards [0, 2] of layers.0.qkv_proj.weight, which has [0, 1, 2]"
+    )
+    whole = {**partial, "k": ("layers.0.qkv_proj", "weight", 1), "o": ("layers.0.o_proj", "weight", None)}
+    assert loader._check_fused_complete(whole) is whole
