@@ -56,7 +56,10 @@ class LoraConfig(_Section):
         "auto",
         description="What each weight sync sends: 'adapter' (only the adapter's tensors; the engines serve "
         "it with vLLM's LoRA), 'merged' (the base weights with the adapter merged in, the engines serve no "
-        "LoRA) or 'auto' (adapter, or merged with a warning where an engine cannot serve LoRA).",
+        "LoRA) or 'auto' (adapter, or merged with a warning where an engine cannot serve LoRA). On CPU engines "
+        "merged can be the faster: vLLM's CPU LoRA kernels generate at about half the full-weight speed, and a "
+        "merged sync reloads every weight (0.5B-shaped model, rank 16: steady steps 7.4 s merged against 8.4 s "
+        "adapter, BENCHMARKS.md section 13).",
     )
     save_merged: bool = Field(
         False,
