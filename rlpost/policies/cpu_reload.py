@@ -23,8 +23,8 @@ It takes a model when every module that holds a parameter is one of vLLM's unqua
 layers on one tensor-parallel rank, an embedding / LM head, or an RMSNorm / LayerNorm
 (:func:`unsupported_reason` names the first that is not), and an update whose every name maps
 onto the model; otherwise the caller uses vLLM's ``reload_weights``. The kernel must own its
-packed copy of the weight (checked once per process on a small layer,
-:func:`kernel_copies_weight`), since the update's memory is written again by the next publish.
+packed copy of the weight, since the update's memory is written again by the next publish
+(checked once per process for each linear shape of the model, :func:`kernel_copies_weight`).
 """
 
 from __future__ import annotations
