@@ -16,11 +16,6 @@ is 2-2.5 s for 2.5 GB on 2 CPU cores, of which the loaders' copies are about hal
   the existing tensor, then vLLM's dispatch packs the head again;
 - a norm's weight, or a bias, is copied into the existing tensor.
 
-Each layer is written as soon as its last tensor arrives (:func:`layers_as_they_complete`): the
-plan is made from the update's names, which the bus knows before the first bucket is in, so
-packing the first layers overlaps the transfer (or the learner's copy into shared memory) of
-the later ones.
-
 The same update takes 1.05 s this way against 2.5 s through ``reload_weights`` (BENCHMARKS.md,
 section 10); the kernel packs are 80% of it.
 
@@ -34,8 +29,7 @@ packed copy of the weight, since the update's memory is written again by the nex
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -171,37 +165,33 @@ class DirectCpuReload:
         return module_name, param_name, _shard_index(shard)
 
     @torch.no_grad()
-    def load(self, named: Iterable[tuple[str, torch.Tensor]], plan: dict[str, tuple[str, str, int | None]]) -> int:
-        """Write ``named`` (a planned update) into the model; returns how many kernels were
-        rebuilt. Each layer is written as soon as its last tensor comes out of ``named``, so an
-        update that arrives bucket by bucket is loaded while the later buckets arrive. Every
-        tensor must stay valid until this returns; none is read after."""
-        rebuilt, written = 0, set()
-        for module_name, parts in layers_as_they_complete(named, plan):
-            rebuilt += self._load_layer(module_name, parts, written)
-        return rebuilt + self._rebuild_heads(written)
-
-    def _load_layer(self, module_name: str, parts: list[tuple[str, int | None, torch.Tensor]],
-                    written: set[int]) -> int:  # fmt: skip
-        """Write one layer's ``(parameter name, shard, tensor)`` parts; returns the kernels rebuilt.
-        ``written``: the ids of the tensors written so far (a tensor two layers share, such as a
-        tied LM head, is written once)."""
-        module = self.modules[module_name]
-        tensors, shards = {}, _Fused()
-        for param_name, shard, tensor in parts:
+    def load(self, named: list[tuple[str, torch.Tensor]], plan: dict[str, tuple[str, str, int | None]]) -> int:
+        """Write ``named`` (a planned update) into the model; returns how many layers' kernels
+        were rebuilt. The tensors may be views of memory that changes after this returns."""
+        fused: dict[str, _Fused] = {}
+        whole: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in named:
+            module_name, param_name, shard = plan[name]
             if shard is None:
-                tensors[param_name] = tensor
+                whole.setdefault(module_name, {})[param_name] = tensor
             else:
-                getattr(shards, param_name)[shard] = tensor
-        tensors.update(self._fuse(shards))
-        if _module_kind(module) == "linear":
-            return self._load_linear(module_name, module, tensors)
-        for param_name, tensor in tensors.items():
-            target = getattr(module, param_name)
-            if id(target) not in written:
-                _copy_into(module_name, target, param_name, tensor)
-                written.add(id(target))
-        return 0
+                getattr(fused.setdefault(module_name, _Fused()), param_name)[shard] = tensor
+        rebuilt, written = 0, set()
+        for module_name in dict.fromkeys([*whole, *fused]):  # each layer once
+            module = self.modules[module_name]
+            kind = _module_kind(module)
+            tensors = dict(whole.get(module_name, {}))
+            if module_name in fused:
+                tensors.update(self._fuse(fused[module_name]))
+            if kind == "linear":
+                rebuilt += self._load_linear(module_name, module, tensors)
+                continue
+            for param_name, tensor in tensors.items():
+                target = getattr(module, param_name)
+                if id(target) not in written:  # a tensor two layers share (a tied LM head): once
+                    _copy_into(module_name, target, param_name, tensor)
+                    written.add(id(target))
+        return rebuilt + self._rebuild_heads(written)
 
     def _rebuild_heads(self, written: set[int]) -> int:
         """Pack again the kernel of every LM head whose weight was written (under its own name
@@ -251,27 +241,6 @@ class DirectCpuReload:
         if module.weight.numel():  # a kernel that reads the dense weight at each call keeps its own
             module.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
         return 1
-
-
-def layers_as_they_complete(
-    named: Iterable[tuple[str, torch.Tensor]], plan: dict[str, tuple[str, str, int | None]]
-) -> Iterator[tuple[str, list[tuple[str, int | None, torch.Tensor]]]]:
-    """``(module name, [(parameter name, shard, tensor), ...])`` for each layer of ``plan``, as
-    soon as ``named`` has yielded every tensor the plan puts in that layer (before the next one
-    is read). Raises ValueError for a name the plan lacks, and when ``named`` ends before some
-    layer came whole."""
-    expected = Counter(module_name for module_name, _, _ in plan.values())
-    pending: dict[str, list[tuple[str, int | None, torch.Tensor]]] = {}
-    for name, tensor in named:
-        if name not in plan:
-            raise ValueError(f"{name} is not in the update's plan")
-        module_name, param_name, shard = plan[name]
-        parts = pending.setdefault(module_name, [])
-        parts.append((param_name, shard, tensor))
-        if len(parts) == expected[module_name]:
-            yield module_name, pending.pop(module_name)
-    if pending:
-        raise ValueError(f"the update ended before these layers came whole: {sorted(pending)}")
 
 
 def _shard_index(shard) -> int | None:

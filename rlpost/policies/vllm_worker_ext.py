@@ -39,8 +39,8 @@ class WeightSyncExtension:
         ``overlap=False`` receives the whole update first, then loads it (the benchmarks'
         baseline, ``bench/bench_lora.py``). ``direct`` (CPU): load into the kernels with
         :class:`~rlpost.policies.cpu_reload.DirectCpuReload` where it knows the model and the
-        update (planned from the update's names before its first bucket is in), else with
-        reload_weights; both load each layer as soon as its tensors are in."""
+        update, else with reload_weights; it takes the whole update's tensors (views of the
+        received memory, no copies) before it writes any, so it waits for the last bucket."""
         loader = self._rlpost_direct_loader() if direct else None
         if not overlap:
             start = time.perf_counter()
@@ -66,7 +66,7 @@ class WeightSyncExtension:
         def load(version: int, tensors) -> None:
             start = time.perf_counter()
             if loader is not None:  # the views stay valid until this returns
-                self._rlpost_reload(timed(tensors), loader, names=tensors.names)
+                self._rlpost_reload(list(timed(tensors)), loader)
             else:  # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights
                 self.reload_weights(weights_iterator=timed(tensors))
             loading[0] = time.perf_counter() - start
@@ -103,18 +103,13 @@ class WeightSyncExtension:
         self._rlpost_direct_loader()
         return self._rlpost_direct_reason
 
-    def _rlpost_reload(self, named, loader=None, names: list[str] | None = None) -> None:
+    def _rlpost_reload(self, named: list, loader=None) -> None:
         """Load ``named`` (name, tensor) pairs: with ``loader`` (a DirectCpuReload) straight into
-        the kernels when it can place every name, else through reload_weights. ``named`` may be
-        an iterator yielding the pairs as they arrive; ``names`` then lists them beforehand (None:
-        ``named`` is a list, its names are read from it)."""
+        the kernels when it can place every name, else through reload_weights."""
         from vllm.config import set_current_vllm_config
 
-        if names is None:
-            named = list(named)
-            names = [name for name, _ in named]
         with set_current_vllm_config(self.vllm_config):
-            plan = loader.plan(names) if loader is not None else None
+            plan = loader.plan(name for name, _ in named) if loader is not None else None
             if isinstance(plan, dict):
                 loader.load(named, plan)
                 return

@@ -4,7 +4,6 @@ process group it is built like (:func:`stateless_init_process_group`)."""
 from rlpost.transport.bucketing import StreamedTensors
 from rlpost.transport.process_group import StatelessProcessGroup, stateless_init_process_group
 from rlpost.transport.weight_bus import (
-    ArrivingTensors,
     BusSpec,
     LocalWeightBus,
     LocalWeightReceiver,
@@ -18,7 +17,6 @@ from rlpost.transport.weight_bus import (
 )
 
 __all__ = [
-    "ArrivingTensors",
     "BusSpec",
     "LocalWeightBus",
     "LocalWeightReceiver",

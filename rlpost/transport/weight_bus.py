@@ -139,19 +139,6 @@ class WeightUpdate(NamedTuple):
     tensors: dict[str, torch.Tensor]
 
 
-class ArrivingTensors(Iterator[tuple[str, torch.Tensor]]):
-    """An update's ``(name, tensor)`` pairs, yielded as their buckets arrive, in the sender's
-    order. ``names`` lists every name the update holds, known from its layout before the first
-    bucket is in (a loader can plan the whole update, then load each layer as it completes)."""
-
-    def __init__(self, names: list[str], pairs: Iterator[tuple[str, torch.Tensor]]):
-        self.names = names
-        self._pairs = pairs
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._pairs)
-
-
 class WeightPublisher(Protocol):
     def publish(self, named_tensors: NamedTensors, version: int) -> PublishStats: ...
     def close(self) -> None: ...
@@ -750,13 +737,12 @@ class TorchWeightReceiver(_TorchEnd):
         version = self.receive_streamed(keep, timeout_s)
         return WeightUpdate(version, tensors)
 
-    def receive_streamed(self, consume: Callable[[int, ArrivingTensors], None],
+    def receive_streamed(self, consume: Callable[[int, Iterator[tuple[str, torch.Tensor]]], None],
                          timeout_s: float | None = None) -> int:  # fmt: skip
         """Receive the next update as :meth:`receive` does, but hand it to ``consume(version,
-        tensors)`` while it arrives: ``tensors`` (:class:`ArrivingTensors`) yields each bucket's
-        tensors (in the sender's order) as soon as that bucket is in, and the later buckets keep
-        arriving meanwhile, so loading them overlaps the transfer; ``tensors.names`` lists them
-        all beforehand. The tensors stay valid until ``consume`` returns. Returns the version.
+        tensors)`` while it arrives: ``tensors`` yields each bucket's tensors (in the sender's
+        order) as soon as that bucket is in, and the later buckets keep arriving meanwhile, so
+        loading them overlaps the transfer. Returns the version.
 
         ``consume`` must exhaust ``tensors`` (what it leaves is received and dropped). An error it
         raises fails the update as a transfer error does: the publisher is told, this generation
@@ -773,10 +759,9 @@ class TorchWeightReceiver(_TorchEnd):
             version = fail.version = header["version"]
             layout = self._layout(header["layout"])
             if self._reads_shared_memory:
-                pairs = self._arriving_shared(layout, SegmentRef.from_dict(header["shm"]), seq, fail)
+                arriving = self._arriving_shared(layout, SegmentRef.from_dict(header["shm"]), seq, fail)
             else:
-                pairs = self._arriving(layout, fail)
-            arriving = ArrivingTensors([slot.name for slot in layout.slots], pairs)
+                arriving = self._arriving(layout, fail)
             if version < self.version:
                 for _ in arriving:  # received and dropped, as receive() does, then refused below
                     pass

@@ -94,13 +94,10 @@ def receiver_main(spec: BusSpec, rank: int, commands, replies, dies: bool) -> No
                 got = {}
 
                 def consume(version, tensors, got=got, command=command):
-                    announced = list(tensors.names)  # from the layout, before the first bucket
                     for name, tensor in tensors:
                         got[name] = tensor.clone()
                         if command == "stream and fail":
                             raise ValueError("these weights do not fit the model")
-                    if announced != list(got):
-                        raise ValueError(f"the update announced {announced} and brought {list(got)}")
                     if command == "stream slowly":  # as an engine's reload, after the bytes
                         time.sleep(SLOW_RELOAD_S)
                     if command == "stream and exit":  # dies in its reload, before confirming

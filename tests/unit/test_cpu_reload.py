@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpost.policies.cpu_reload import DirectCpuReload, _shard_index, layers_as_they_complete, unsupported_reason
+from rlpost.policies.cpu_reload import DirectCpuReload, _shard_index, unsupported_reason
 
 pytestmark = pytest.mark.unit
 
@@ -70,39 +70,3 @@ def test_a_fused_layer_must_come_whole():
     )
     whole = {**partial, "k": ("layers.0.qkv_proj", "weight", 1), "o": ("layers.0.o_proj", "weight", None)}
     assert loader._check_fused_complete(whole) is whole
-
-
-PLAN = {
-    "layers.0.q_proj.weight": ("layers.0.qkv_proj", "weight", 0),
-    "layers.0.k_proj.weight": ("layers.0.qkv_proj", "weight", 1),
-    "layers.0.v_proj.weight": ("layers.0.qkv_proj", "weight", 2),
-    "layers.0.o_proj.weight": ("layers.0.o_proj", "weight", None),
-    "norm.weight": ("norm", "weight", None),
-}
-
-
-def test_each_layer_is_handed_over_as_soon_as_its_last_tensor_arrives():
-    """The update streams in bucket by bucket: a layer is loaded once it is whole, before the
-    next tensor is read (the loader never waits for the last bucket)."""
-    read = []
-
-    def arriving():
-        for name in PLAN:
-            read.append(name)
-            yield name, torch.full((1,), float(len(read)))
-
-    layers = layers_as_they_complete(arriving(), PLAN)
-    module, parts = next(layers)
-    assert module == "layers.0.qkv_proj" and read == list(PLAN)[:3]
-    assert [(p, s, float(t)) for p, s, t in parts] == [("weight", 0, 1.0), ("weight", 1, 2.0), ("weight", 2, 3.0)]
-    assert next(layers)[0] == "layers.0.o_proj" and len(read) == 4
-    assert [m for m, _ in layers] == ["norm"]
-
-
-def test_an_update_that_ends_early_or_brings_an_unplanned_name_is_refused():
-    short = ((name, torch.zeros(1)) for name in list(PLAN)[:2])
-    with pytest.raises(ValueError, match=r"ended before these layers came whole: \['layers.0.qkv_proj'\]"):
-        list(layers_as_they_complete(short, PLAN))
-    stray = iter([("lm_head.weight", torch.zeros(1))])
-    with pytest.raises(ValueError, match="lm_head.weight is not in the update's plan"):
-        list(layers_as_they_complete(stray, PLAN))
