@@ -33,11 +33,13 @@ class World:
         self.actors: dict[str, Stand] = {}
         self.trained: list[tuple[str, int]] = []  # (producer, prompt position) per trained group
         self.served_version = 0
+        self.log: list[tuple[str, str]] = []  # (actor, method) of every call, in order
 
     def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
             raise ActorLost(f"{actor.name} is dead", actor.name)
         self.calls += 1
+        self.log.append((actor.name, method))
         if self.calls != self.kill_at:
             return
         target = actor if self.victim is None else self.actors.get(self.victim)
@@ -418,14 +420,33 @@ def test_the_probe_checks_the_first_sync_then_every_nth(tmp_path, monkeypatch, e
     assert all(r["sync_logprob_diff"] in (None, 0.0) for r in rows)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_fresh_run_syncs_and_probes_the_workers_before_its_first_step(tmp_path, monkeypatch, mode):
+    """The start-up sync: the workers load the learner's version 0 and the probe compares both
+    sides before anything is collected or trained; the steps' own syncs and probes are as before."""
+    world, rows = run_world(tmp_path, monkeypatch, mode)
+    check_run(world, rows, mode)
+    first = world.log.index(("learner", "train_step"))
+    before = [call for call in world.log[:first] if call[0] in ("learner", "inference-0")]
+    expected = [
+        ("learner", "publish"),
+        ("inference-0", "update_weights"),
+        ("inference-0", "score"),
+        ("learner", "score"),
+    ]
+    assert before[:4] == expected
+    assert world.actors["learner"].sent == 3 and len(world.actors["learner"].waits) == 4
+    assert [r["step"] for r in rows if r["sync_logprob_diff"] is not None] == [1, 2, 3]
+
+
 @pytest.mark.parametrize(
     ("mode", "extra", "waits"),
     [
-        ("sync", [], [True, True, True]),
-        ("async", [], [True, True, True]),  # the probe checks every sync: each waits for the reload
-        ("async", OVERLAPPED, [False, False, True]),
-        ("async", [*OVERLAPPED, "weight_sync.train_during_reload=false"], [True, True, True]),
-        ("sync", OVERLAPPED, [True, True, True]),  # the next collection needs the new weights
+        ("sync", [], [True, True, True, True]),  # the start-up sync, then one a step
+        ("async", [], [True, True, True, True]),  # the probe checks every sync: each waits for the reload
+        ("async", OVERLAPPED, [True, False, False, True]),
+        ("async", [*OVERLAPPED, "weight_sync.train_during_reload=false"], [True, True, True, True]),
+        ("sync", OVERLAPPED, [True, True, True, True]),  # the next collection needs the new weights
     ],
 )
 def test_async_syncs_overlap_the_next_step_and_the_last_one_waits(tmp_path, monkeypatch, mode, extra, waits):
