@@ -12,7 +12,7 @@ DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
 
-.PHONY: demo demo-tools test lint format install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
+.PHONY: demo demo-tools test test-long lint format install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,9 +51,14 @@ demo-tools: install tiny-model-tools
 	$(VENV)/bin/rlpost train configs/tiny-cpu-tools.yaml
 
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
-# `make format` rewrites the files the format check names
+# `make format` rewrites the files the format check names. `make test` runs every tier but the
+# long runs (~25 min on 2 cores); `make test-long` runs those (the chaos runs, the sharded
+# learner's runs: ~9 min). CI (.ci/run) runs both.
 test: install-dev lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not long"
+
+test-long: install-dev
+	$(PY) -m pytest tests -m long
 
 lint: install-dev
 	$(PY) -m ruff check .

@@ -385,7 +385,8 @@ class WeightSyncConfig(_Section):
         ge=0,
         description="Check every N-th weight sync (the run's first one always) by scoring a fixed probe sequence "
         "in one inference worker and in the learner: sync_logprob_diff, their largest log-prob difference, is "
-        "null on the lines of unchecked syncs. 0: never. A check is a forward pass on each side: ~0.8 s of a "
+        "null on the lines of unchecked syncs. The start-up sync before a fresh run's first step is checked too "
+        "(its result in the log). 0: never. A check is a forward pass on each side: ~0.8 s of a "
         "13 s step on CPU with the 0.5B-shaped model, milliseconds on a GPU.",
     )
     shared_memory: bool = Field(

@@ -255,6 +255,8 @@ class Controller:
         step with the old weights while the learner trains, and the buffer drops nearly all of
         it as stale. On the demo that generated twice the groups and ran 25-38% slower
         (docs/architecture.md, "Sync and async").
+
+        Before the first step of a fresh run, a start-up sync (:meth:`_start_up_sync`).
         """
         cfg, steps = self.cfg, self.cfg.trainer.steps
         if self.first_step > steps:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
 
 

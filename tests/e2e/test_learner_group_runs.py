@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
 
 PRACTICE = [
     "trainer.prompts_per_step=2",
