@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlpost")
 
+# Bound of a call into the engine's worker process that moves no weights (joining the bus, the
+# reload path's status); the weight updates are bounded by their own timeout plus this margin.
+ENGINE_RPC_TIMEOUT_S = 30.0
+
 
 @dataclass(frozen=True)
 class InferenceSettings:
@@ -179,6 +183,11 @@ class InferenceWorker:
         log.info("inference-%d: warmed up in %.1f s; weight updates load: %s", self.index,
                  time.perf_counter() - start, path)  # fmt: skip
 
+    def _worker_rpc(self, method: str, *args: Any, timeout_s: float = ENGINE_RPC_TIMEOUT_S) -> Any:
+        """``method`` of rlpost's extension in the engine's worker process (the first worker's
+        answer), never unbounded: past ``timeout_s`` vLLM raises TimeoutError naming the method."""
+        return self.llm.collective_rpc(method, args=args, timeout=timeout_s)[0]
+
     @contextlib.contextmanager
     def _engine_turn(self, generating: bool = False) -> Iterator[None]:
         """Use the engine alone: wait for the running call to finish. A generate call
@@ -214,7 +223,7 @@ class InferenceWorker:
 
     def join_bus(self, spec: dict, rank: int) -> int:
         with self._engine_turn():
-            return self.llm.collective_rpc("rlpost_join_bus", args=(spec, rank))[0]
+            return self._worker_rpc("rlpost_join_bus", spec, rank)
 
     def _reset_stale_prefix_cache(self) -> None:
         if self._stale_prefix_cache and self.llm.reset_prefix_cache():
@@ -231,7 +240,7 @@ class InferenceWorker:
         if not self.direct_reload:
             return "reload_weights"
         with self._engine_turn():
-            reason = self.llm.collective_rpc("rlpost_direct_reload_status")[0]
+            reason = self._worker_rpc("rlpost_direct_reload_status")
         return "direct" if reason is None else f"reload_weights: {reason}"
 
     def use_direct_reload(self, enabled: bool) -> str:
@@ -273,7 +282,7 @@ class InferenceWorker:
     def _receive_weights(self, timeout_s: float) -> dict:
         """Receive and reload the next update, then label the engine's weights with its version."""
         args = (timeout_s, self.overlap_reload, self.direct_reload)
-        info = self.llm.collective_rpc("rlpost_receive_weights", args=args, timeout=timeout_s + 30)[0]
+        info = self._worker_rpc("rlpost_receive_weights", *args, timeout_s=timeout_s + ENGINE_RPC_TIMEOUT_S)
         self.version = int(info["version"])
         self.llm.llm_engine.set_weight_version(str(self.version))
         return info
@@ -320,7 +329,7 @@ class InferenceWorker:
         folder = os.path.join(self._adapter_root, f"load-{self._adapter_loads}")
         config = adapter_config_dict(self.lora, self.model_path)
         args = (timeout_s, folder, config)
-        info = self.llm.collective_rpc("rlpost_receive_adapter", args=args, timeout=timeout_s + 30)[0]
+        info = self._worker_rpc("rlpost_receive_adapter", *args, timeout_s=timeout_s + ENGINE_RPC_TIMEOUT_S)
         start = time.perf_counter()
         request = LoRARequest(f"rlpost-policy-v{int(info['version'])}", self._adapter_loads, folder)
         if not self.llm.llm_engine.add_lora(request):
