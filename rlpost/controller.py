@@ -433,14 +433,8 @@ class Controller:
         weight path that cannot work fails before any step is spent. Not counted in the syncs
         whose probe ``weight_sync.probe_every`` schedules."""
         start = time.perf_counter()
-
-        def sync_and_check() -> dict:
-            record = self.supervisor.publish_weights(wait=True)
-            if self.cfg.weight_sync.probe_every:
-                record["sync_logprob_diff"] = self._probe_diff()
-            return record
-
-        record = self.supervisor.run("weight sync", sync_and_check, bus=True)
+        check = bool(self.cfg.weight_sync.probe_every)
+        record = self.supervisor.run("weight sync", lambda: self._sync_once(wait=True, probe=check), bus=True)
         checked = record.get("sync_logprob_diff")
         log.info(
             "start-up weight sync: the inference workers serve the learner's version %d (%.1f s, reload %.2f s%s)",
@@ -454,16 +448,20 @@ class Controller:
         ``weight_sync.train_during_reload`` the sync returns once the weights are sent, unless
         ``wait`` or the probe checks this sync: the workers reload while the learner trains the
         next step, and the next sync waits for that reload first."""
-        return self.supervisor.run("weight sync", lambda: self._sync_once(wait), bus=True)
-
-    def _sync_once(self, wait: bool) -> dict:
         ws = self.cfg.weight_sync
-        probe = ws.probe_every and self.syncs % ws.probe_every == 0  # the run's first sync, then every N-th
+        probe = bool(ws.probe_every) and self.syncs % ws.probe_every == 0  # the run's first sync, then every N-th
+        record = self.supervisor.run("weight sync", lambda: self._sync_once(wait, probe), bus=True)
+        self.syncs += 1
+        return record
+
+    def _sync_once(self, wait: bool, probe: bool) -> dict:
+        """One attempt: publish (returning before the workers' reload where async mode lets it),
+        then score the probe when ``probe``."""
+        ws = self.cfg.weight_sync
         overlap = self.cfg.trainer.mode == "async" and ws.train_during_reload and not (wait or probe)
         record = self.supervisor.publish_weights(wait=not overlap)
         if probe:
             record["sync_logprob_diff"] = self._probe_diff()
-        self.syncs += 1
         return record
 
     def _probe_diff(self) -> float:

@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlpost")
 
-# Bound of a call into the engine's worker process that moves no weights (joining the bus, the
-# reload path's status); the weight updates are bounded by their own timeout plus this margin.
+# Bound of a call into the engine's worker process that waits on nothing outside it (the reload
+# path's status); a call that does (joining the bus: the publisher's store; a weight update) is
+# bounded by its own timeout plus this margin, so that its own, clearer error comes first.
 ENGINE_RPC_TIMEOUT_S = 30.0
 
 
@@ -223,7 +224,8 @@ class InferenceWorker:
 
     def join_bus(self, spec: dict, rank: int) -> int:
         with self._engine_turn():
-            return self._worker_rpc("rlpost_join_bus", spec, rank)
+            bound = float(spec["timeout_s"]) + ENGINE_RPC_TIMEOUT_S  # the store connection's own timeout first
+            return self._worker_rpc("rlpost_join_bus", spec, rank, timeout_s=bound)
 
     def _reset_stale_prefix_cache(self) -> None:
         if self._stale_prefix_cache and self.llm.reset_prefix_cache():

@@ -39,11 +39,11 @@ def bare_worker() -> InferenceWorker:
 
 def test_the_workers_calls_carry_a_timeout():
     worker = bare_worker()
-    worker.join_bus({"host": "h"}, 1)
+    worker.join_bus({"host": "h", "timeout_s": 60.0}, 1)
     worker.reload_path()
     assert worker._receive_weights(timeout_s=60.0) == {"version": 1} and worker.llm.weight_version == "1"
     assert worker.llm.calls == [
-        ("rlpost_join_bus", ENGINE_RPC_TIMEOUT_S),
+        ("rlpost_join_bus", 60.0 + ENGINE_RPC_TIMEOUT_S),
         ("rlpost_direct_reload_status", ENGINE_RPC_TIMEOUT_S),
         ("rlpost_receive_weights", 60.0 + ENGINE_RPC_TIMEOUT_S),
     ]
