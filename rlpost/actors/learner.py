@@ -422,11 +422,12 @@ class Learner:
     def _sync_tensors(self, *, materialise: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """What a sync sends, by ``sync_mode``, before any gather or cast: the model's
         ``state_dict()`` ("full"), the LoRA adapter's tensors ("adapter") or the base weights with
-        the adapter merged in ("merged"; ``materialise=False``: unmerged, for their shapes)."""
+        the adapter merged in ("merged"; ``materialise=False``: unmerged, for their shapes; the
+        frozen embeddings, output head and norms left out, as the engines hold them already)."""
         if self.sync_mode == "adapter":
             return lora.adapter_tensors(self.model)
         if self.sync_mode == "merged":
-            return lora.merged_tensors(self.model, merge=materialise)
+            return lora.merged_tensors(self.model, merge=materialise, changing_only=True)
         return iter(self.model.state_dict().items())
 
     def choose_sync_mode(self, workers_serve_lora: Sequence[bool]) -> str:
@@ -462,7 +463,8 @@ class Learner:
 
         With LoRA (``sync_mode`` "adapter") they are the adapter's tensors under peft's names
         (``...q_proj.lora_A.weight``), which the workers load as a vLLM LoRA adapter; with
-        ``sync_mode`` "merged", the base model's names and the merged weights.
+        ``sync_mode`` "merged", the base model's names and the merged weights of every layer but
+        the frozen embeddings, output head and norms (the engines loaded the same base).
 
         With a sharded model each tensor is gathered whole in turn (a collective: every rank
         iterates, in the same order).

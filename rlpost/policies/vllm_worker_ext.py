@@ -17,6 +17,12 @@ import time
 logger = logging.getLogger(__name__)
 
 
+def _drop_layers_left_out(record: logging.LogRecord) -> bool:
+    """False for vLLM's warnings about layers an update left out (see ``_rlpost_reload_weights``)."""
+    message = str(record.msg)
+    return not (message.endswith("Failed to load weights") or message.startswith("Following weights were not loaded"))
+
+
 class WeightSyncExtension:
     """Bus receiver + in-place weight reload, running inside each vLLM worker."""
 
@@ -67,8 +73,8 @@ class WeightSyncExtension:
             start = time.perf_counter()
             if loader is not None:  # the views stay valid until this returns
                 self._rlpost_reload(list(timed(tensors)), loader)
-            else:  # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights
-                self.reload_weights(weights_iterator=timed(tensors))
+            else:
+                self._rlpost_reload_weights(timed(tensors))
             loading[0] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -116,8 +122,26 @@ class WeightSyncExtension:
             if plan is not None and not getattr(self, "_rlpost_plan_warned", False):
                 self._rlpost_plan_warned = True
                 logger.warning("rlpost: this update goes through vLLM's reload_weights: %s", plan)
-        # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights.
-        self.reload_weights(weights_iterator=iter(named))
+        self._rlpost_reload_weights(iter(named))
+
+    def _rlpost_reload_weights(self, tensors) -> None:
+        """vLLM's in-place ``reload_weights`` of the (name, tensor) pairs ``tensors``.
+
+        An update may leave layers out on purpose: a LoRA run's merged sync does not send the
+        frozen embeddings, output head and norms, which the engine loaded from the same base.
+        vLLM keeps such a layer's weights as they were, and warns for each one ("Failed to load
+        weights", then the list of names) at every sync; those warnings are dropped here. Whether
+        the engine computes what the learner does is checked by the run's probe
+        (``sync_logprob_diff``), not by these names."""
+        names = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+        loggers = [logging.getLogger(name) for name in names]
+        for each in loggers:
+            each.addFilter(_drop_layers_left_out)
+        try:  # Worker.reload_weights sets the current vLLM config around model_runner.reload_weights
+            self.reload_weights(weights_iterator=tensors)
+        finally:
+            for each in loggers:
+                each.removeFilter(_drop_layers_left_out)
 
     def _rlpost_direct_loader(self):
         """The engine's DirectCpuReload, made on first use; None on GPU or for a model it does

@@ -105,7 +105,13 @@ def test_a_lora_learner_trains_the_adapter_alone_and_publishes_it(tiny_model_pat
     learner.publish()
     _, merged = receiver.receive(timeout_s=1)
     with safe_open(tiny_model_path / "model.safetensors", "pt") as f:
-        assert set(merged) == set(f.keys()) | {"lm_head.weight"}
+        checkpoint = set(f.keys())
+    # every projection (adapted: merged; their biases as they are), but not the frozen
+    # embeddings, norms and tied output head, which the engine loaded from the same checkpoint
+    left_out = {name for name in checkpoint if "embed_tokens" in name or "norm" in name}
+    assert left_out and set(merged) == checkpoint - left_out
+    assert {name.rsplit(".", 2)[-2] for name in merged} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}  # fmt: skip
     want = lora.merged_state_dict(learner.model)
     assert all(torch.equal(merged[name], want[name]) for name in merged)
 
@@ -184,6 +190,44 @@ def test_an_engine_serves_each_published_adapter(tiny_model_path, tiny_tokenizer
         completions, version = worker.generate([prompt], {"n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 0})
         assert version == 2 and len(completions[0]) == 2
         assert [p.name for p in Path(worker._adapter_root).iterdir()] == ["load-2"]  # older adapters removed
+    finally:
+        updater.close()
+        worker.shutdown()
+
+
+def test_merged_syncs_leave_the_frozen_layers_out_and_the_engine_computes_what_the_learner_does(
+    tiny_model_path, tiny_tokenizer
+):
+    """The merged sync sends only the projections; a real engine without LoRA, loading them
+    straight into its CPU kernels, then scores as the learner's peft model does, step after step
+    (its embeddings, norms and output head stay the base checkpoint's, as the learner's do)."""
+    from rlpost.collect.weight_update import vLLMUpdater
+    from rlpost.policies.vllm_workers import make_vllm_worker
+
+    cfg = settings(tiny_model_path, {"sync": "merged"})
+    learner = Learner(cfg)
+    assert learner.sync_mode == "merged"
+    worker = make_vllm_worker(str(tiny_model_path), make_ray_worker=False, engine_config=JobConfig().rollout.engine)
+    updater = vLLMUpdater([worker], timeout_s=60)
+    try:
+        updater.init()
+        learner.publisher = updater
+        assert worker.reload_path() == "direct"
+        prompt = prompt_ids(tiny_tokenizer, "What is 3 + 4?")
+        probe = [prompt + tiny_tokenizer.encode(text, add_special_tokens=False) for text in REPLIES]
+
+        def gap() -> float:
+            ours, theirs = learner.score(probe), worker.score(probe, 0.9)
+            return max(abs(a - b) for r, s in zip(ours, theirs) for a, b in zip(r[1:], s[1:]))
+
+        full_bytes = sum(t.numel() * 4 for _, t in lora.merged_tensors(learner.model, merge=False))
+        for step in (1, 2):
+            learner.train_step(on_policy_group(learner, tiny_tokenizer))
+            assert gap() > 1e-3  # the adapter moved the learner away from what the engine serves
+            stats = learner.publish()
+            assert worker.version == step and stats["policy_version"] == step
+            assert stats["bytes"] < 0.8 * full_bytes  # tiny model: the embedding is 0.06M of 0.45M
+            assert gap() < 1e-4  # measured ~1e-6
     finally:
         updater.close()
         worker.shutdown()
