@@ -7,9 +7,11 @@
   (each bucket as soon as it arrives) -> label the engine's weights with the new version -> reset
   the prefix cache (its KV was computed with the old weights) -> bump the version.
   In-flight updates (``inflight_updates``, on by default): an update that arrives while a
-  generate call runs does not wait for it to finish. The generate call steps the engine itself and,
-  between two engine steps, pauses the scheduler keeping every running request, reloads, labels
-  the weights and resumes: running requests go on with the new weights (their KV cache, computed
+  generate call runs does not wait for it to finish. The generate call steps the engine itself;
+  the engine's worker process receives the update's bytes on a thread of its own while the
+  engine keeps stepping, and once they are in, between two engine steps, the call pauses the
+  scheduler keeping every running request, reloads, labels the weights and resumes: running
+  requests go on with the new weights (their KV cache, computed
   with the old ones, is kept, as PipelineRL does), and each completion says which version sampled
   each of its tokens (``Completion.token_versions``, from vLLM's weight-version spans). The call's
   version stamp stays the version it started with, the oldest of its tokens. Every other call
@@ -78,6 +80,7 @@ class _PendingUpdate:
     """An update waiting for the running generate call to apply it between two engine steps."""
 
     timeout_s: float
+    receiving: bool = False  # the engine's worker process receives it while the engine steps
     done: bool = False
     info: dict | None = None
     error: BaseException | None = None
@@ -267,13 +270,16 @@ class InferenceWorker:
                 if not served:
                     raise TimeoutError(f"inference-{self.index}: the running generate call took no update "
                                        f"within {timeout_s + 120:.0f}s")  # fmt: skip
+                begun = pending.receiving  # its bytes may be arriving already: finish that receive
+            else:
+                begun = False
             # no generate call may start while an update waits (they wait for _pending too)
             self._turn.wait_for(lambda: not self._generating and not self._busy)
             self._busy = True
         try:
             if self.lora is not None:
                 return self._update_adapter(timeout_s)
-            info = self._receive_weights(timeout_s)
+            info = self._finish_receive(timeout_s) if begun else self._receive_weights(timeout_s)
             self.llm.reset_prefix_cache()
             return {**info, "in_flight": False}
         finally:
@@ -284,41 +290,67 @@ class InferenceWorker:
     def _receive_weights(self, timeout_s: float) -> dict:
         """Receive and reload the next update, then label the engine's weights with its version."""
         args = (timeout_s, self.overlap_reload, self.direct_reload)
-        info = self._worker_rpc("rlpost_receive_weights", *args, timeout_s=timeout_s + ENGINE_RPC_TIMEOUT_S)
+        return self._now_serving(
+            self._worker_rpc("rlpost_receive_weights", *args, timeout_s=timeout_s + ENGINE_RPC_TIMEOUT_S)
+        )
+
+    def _finish_receive(self, timeout_s: float) -> dict:
+        """Reload the update the worker process has been receiving (``rlpost_begin_receive``),
+        then label the engine's weights with its version."""
+        # the receive and the worker's wait for it are each bounded by timeout_s
+        bound = 2 * timeout_s + 2 * ENGINE_RPC_TIMEOUT_S
+        return self._now_serving(self._worker_rpc("rlpost_finish_receive", self.direct_reload, timeout_s=bound))
+
+    def _now_serving(self, info: dict) -> dict:
         self.version = int(info["version"])
         self.llm.llm_engine.set_weight_version(str(self.version))
         return info
 
     def _between_steps(self) -> None:
-        """In a generate call, after each engine step: apply a pending update, if any. The
-        scheduler is paused keeping its requests (vLLM's ``pause_scheduler("keep")``) so that no
-        step runs while the weights change; an update that fails fails the generate call too
-        (its running requests would go on with half-loaded weights)."""
-        if self._pending is None:  # read without the lock: a step must stay cheap
-            return
-        with self._turn:
-            pending, self._pending = self._pending, None
+        """In a generate call, after each engine step: move a pending update on, if any.
+
+        First the engine's worker process starts receiving it on a thread of its own, and the
+        engine keeps stepping while the bytes arrive (each later step asks whether they are in).
+        Once they are, the scheduler is paused keeping its requests (vLLM's
+        ``pause_scheduler("keep")``) so that no step runs while the weights change, the update
+        is loaded and labelled, and the scheduler resumes. An update that fails fails the
+        generate call too (its running requests would go on with half-loaded weights)."""
+        pending = self._pending  # read without the lock: a step must stay cheap
         if pending is None:
             return
-        core = self.llm.llm_engine.engine_core
-        pausable = hasattr(core, "call_utility")  # an engine core in its own process runs ahead
         try:
-            if pausable:
-                core.call_utility("pause_scheduler", "keep", False)
-            try:
-                pending.info = {**self._receive_weights(pending.timeout_s), "in_flight": True,
-                                "waited_s": time.monotonic() - pending.posted}  # fmt: skip
-            finally:
-                if pausable:
-                    core.call_utility("resume_scheduler")
-            self._stale_prefix_cache = True
+            if not pending.receiving:
+                self._worker_rpc("rlpost_begin_receive", pending.timeout_s)
+                pending.receiving = True
+                return
+            if self._worker_rpc("rlpost_receive_state") == "receiving":
+                return
+            pending.info = self._switch_weights(pending)
         except BaseException as exc:
             pending.error = exc
             raise
         finally:
-            with self._turn:
-                pending.done = True
-                self._turn.notify_all()
+            if pending.info is not None or pending.error is not None:
+                with self._turn:
+                    self._pending = None
+                    pending.done = True
+                    self._turn.notify_all()
+
+    def _switch_weights(self, pending: _PendingUpdate) -> dict:
+        """Between two engine steps: pause the scheduler, load the received update, resume."""
+        core = self.llm.llm_engine.engine_core
+        pausable = hasattr(core, "call_utility")  # an engine core in its own process runs ahead
+        if pausable:
+            core.call_utility("pause_scheduler", "keep", False)
+        paused = time.monotonic()
+        try:
+            info = self._finish_receive(pending.timeout_s)
+        finally:
+            if pausable:
+                core.call_utility("resume_scheduler")
+        self._stale_prefix_cache = True
+        now = time.monotonic()
+        return {**info, "in_flight": True, "waited_s": now - pending.posted, "paused_s": now - paused}
 
     def _update_adapter(self, timeout_s: float) -> dict:
         """Receive the adapter of the next version into a new folder, load it as a new adapter of

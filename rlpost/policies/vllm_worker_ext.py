@@ -12,7 +12,9 @@ reached with
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,36 @@ class WeightSyncExtension:
         total = time.perf_counter() - start
         load_s = loading[0] - waited[0]
         return {"version": version, "receive_s": total - load_s, "load_s": load_s, "num_tensors": count[0]}
+
+    def rlpost_begin_receive(self, timeout_s: float) -> None:
+        """Start receiving the next update on a thread of this process and return at once: the
+        engine keeps stepping on the main thread while the bytes arrive (an in-flight update),
+        and :meth:`rlpost_finish_receive` loads them once :meth:`rlpost_receive_state` says
+        "arrived". The receive is bounded by ``timeout_s``, and so is the wait for the load."""
+        if getattr(self, "_rlpost_incoming", None) is not None:
+            raise RuntimeError("rlpost: an update is already being received")
+        self._rlpost_incoming = _BackgroundReceive(self._rlpost_receiver, timeout_s)
+
+    def rlpost_receive_state(self) -> str:
+        """The update :meth:`rlpost_begin_receive` started: "receiving", "arrived" (every tensor
+        is in, or the receive failed: finishing it says which) or "none"."""
+        incoming = getattr(self, "_rlpost_incoming", None)
+        if incoming is None:
+            return "none"
+        return "arrived" if incoming.arrived.is_set() else "receiving"
+
+    def rlpost_finish_receive(self, direct: bool = False) -> dict:
+        """Load the update :meth:`rlpost_begin_receive` received (waiting for its last bytes if
+        need be) as :meth:`rlpost_receive_weights` would; returns version and timings:
+        ``receive_s`` from the start of the receive to its last bytes, ``load_s`` the load."""
+        incoming, self._rlpost_incoming = getattr(self, "_rlpost_incoming", None), None
+        if incoming is None:
+            raise RuntimeError("rlpost: no update is being received")
+        loader = self._rlpost_direct_loader() if direct else None
+        start = time.perf_counter()
+        count = incoming.load(lambda named: self._rlpost_reload(named, loader))
+        return {"version": incoming.version, "receive_s": incoming.receive_s, "load_s": time.perf_counter() - start,
+                "num_tensors": count}  # fmt: skip
 
     def rlpost_receive_adapter(self, timeout_s: float, folder: str, adapter_config: dict) -> dict:
         """Receive the next update, a LoRA adapter's tensors, and write it as an adapter folder
@@ -181,3 +213,67 @@ class WeightSyncExtension:
         for reader in readers:
             reader.busy_loop_s = seconds
         return len(readers)
+
+
+class _BackgroundReceive:
+    """One update received on a thread of the worker process, its tensors held (views of the
+    received memory, valid until the receive confirms) until the main thread loads them.
+
+    The thread runs the receiver's ``receive_streamed``: its consumer takes every tensor, says
+    "arrived", then waits for :meth:`load` to be done with them before it returns (the receive
+    then confirms the update to the publisher). A load that fails fails the update on the bus too.
+    """
+
+    def __init__(self, receiver, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.arrived = threading.Event()  # every tensor is in, or the receive failed
+        self._loaded = threading.Event()  # the main thread is done with the tensors
+        self.version: int | None = None
+        self.receive_s = 0.0
+        self._named: list | None = None
+        self._error: BaseException | None = None
+        self._load_error: BaseException | None = None
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(receiver,), name="rlpost-receive", daemon=True)
+        self._thread.start()
+
+    def _run(self, receiver) -> None:
+        try:
+            receiver.receive_streamed(self._hold, self.timeout_s)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self.arrived.set()
+
+    def _hold(self, version: int, tensors) -> None:
+        self.version, self._named = version, list(tensors)
+        self.receive_s = time.perf_counter() - self._start
+        self.arrived.set()
+        if not self._loaded.wait(self.timeout_s):
+            raise TimeoutError(f"the engine did not load version {version} within {self.timeout_s}s of its arrival")
+        if self._load_error is not None:
+            raise self._load_error
+
+    def load(self, reload: Callable[[list], None]) -> int:
+        """Wait for the update's last bytes, ``reload`` its (name, tensor) pairs, let the receive
+        confirm it; returns the tensor count. Raises the receive's error, or the load's."""
+        bound = self.timeout_s + 30  # past the receive's own timeouts, so that their errors come first
+        if not self.arrived.wait(bound):
+            raise TimeoutError(f"rlpost: the update being received did not arrive within {bound:.0f}s")
+        named, self._named = self._named, None
+        count = 0 if named is None else len(named)
+        try:
+            if named is not None:
+                reload(named)
+        except BaseException as exc:
+            self._load_error = exc
+            raise
+        finally:
+            named = None  # the views of the received memory: dropped before the receive confirms
+            self._loaded.set()
+            self._thread.join(bound)
+        if self._thread.is_alive():
+            raise TimeoutError(f"rlpost: the receive of version {self.version} did not confirm it within {bound:.0f}s")
+        if self._error is not None:
+            raise self._error
+        return count
