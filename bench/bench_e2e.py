@@ -54,8 +54,12 @@ SYSTEMS = {
     # async mode whose every sync waits for the workers' reload (before weight_sync.train_during_reload)
     "rlpost async (waits for reload)": ["trainer.mode=async", "weight_sync.train_during_reload=false"],
     # LoRA: the sync sends the merged weights and the engine serves no adapter (vLLM's CPU engine
-    # generates at under half its speed through an unmerged one), for a full reload each sync
+    # generates at under half its speed through an unmerged one), for a reload of the projections
+    # each sync; model.lora.sync's default (auto) does so on CPU engines
     "rlpost sync (LoRA merged)": ["trainer.mode=sync", "model.lora.sync=merged"],
+    # LoRA: the sync sends the adapter alone, which the engine serves with vLLM's LoRA kernels (the
+    # default on GPU engines; on CPUs the A/B of the merged route)
+    "rlpost sync (LoRA adapter)": ["trainer.mode=sync", "model.lora.sync=adapter"],
 }
 # per workload: the current systems against TRL; the two tiny-model systems of an earlier fix (the
 # learner's thread count) stay selectable with --systems
@@ -63,7 +67,7 @@ DEFAULT_SYSTEMS = {
     "tiny": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
     "qwen05b": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
     "genheavy": ["rlpost sync", "rlpost async", "TRL GRPOTrainer"],
-    "qwen05b_lora": ["rlpost sync", "rlpost sync (LoRA merged)", "rlpost async", "TRL GRPOTrainer"],
+    "qwen05b_lora": ["rlpost sync", "rlpost sync (LoRA adapter)", "rlpost async", "TRL GRPOTrainer"],
 }
 
 
@@ -214,8 +218,10 @@ def main() -> None:
     if "qwen05b" in chosen:
         result.note("qwen05b: random weights never answer (reward 0) nor stop early: a throughput test")
     if "qwen05b_lora" in chosen:
-        result.note("qwen05b_lora: rank 16 on every attention and MLP projection, both systems; rlpost syncs "
-                    "the adapter only (34 MiB against 2.4 GiB) and its engine serves it with vLLM's LoRA")  # fmt: skip
+        result.note("qwen05b_lora: rank 16 on every attention and MLP projection, both systems; rlpost's "
+                    "default (model.lora.sync=auto) sends CPU engines the merged projections (1.4 of 2.5 GB) "
+                    "and they serve no adapter; 'LoRA adapter' syncs the adapter only (34 MiB), which its "
+                    "engine serves with vLLM's LoRA")  # fmt: skip
     if "genheavy" in chosen:
         result.note("genheavy: 8-layer 0.5B-shaped model, 32 completions of 128 tokens a step: a throughput "
                     "test where generation dominates, as in real post-training")  # fmt: skip

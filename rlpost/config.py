@@ -55,11 +55,12 @@ class LoraConfig(_Section):
     sync: Literal["auto", "adapter", "merged"] = Field(
         "auto",
         description="What each weight sync sends: 'adapter' (only the adapter's tensors; the engines serve "
-        "it with vLLM's LoRA), 'merged' (the base weights with the adapter merged in, the engines serve no "
-        "LoRA) or 'auto' (adapter, or merged with a warning where an engine cannot serve LoRA). On CPU engines "
-        "merged can be the faster: vLLM's CPU LoRA kernels generate at about half the full-weight speed, and a "
-        "merged sync reloads every weight (0.5B-shaped model, rank 16: steady steps 7.4 s merged against 8.4 s "
-        "adapter, BENCHMARKS.md section 13).",
+        "it with vLLM's LoRA), 'merged' (every projection's weight with the adapter merged in; the engines "
+        "serve no LoRA and keep the base's embeddings, norms and head) or 'auto': merged where the inference engines "
+        "run on CPUs (resources.inference.num_gpus: 0), whose vLLM LoRA kernels generate at about half the "
+        "full-weight speed (0.5B-shaped model, rank 16, 2 cores: steady steps 15.2 s merged against 18.8 s "
+        "adapter, BENCHMARKS.md section 13), else adapter, or merged with a warning where an engine cannot "
+        "serve LoRA.",
     )
     save_merged: bool = Field(
         False,

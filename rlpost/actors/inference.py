@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
-from rlpost.lora import engine_lora_kwargs, engine_supports_lora
+from rlpost.lora import engine_lora_kwargs, engine_supports_lora, sync_route
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
 
@@ -65,12 +65,12 @@ class InferenceSettings:
     dtype: str  # ``model.dtype``: the engine's dtype, and the dtype the weights are published in
     resources: RoleResources  # ``resources.inference``
     run_name: str = ""  # the run whose metrics the worker reports under
-    lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (sync not "merged")
+    lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (rlpost.lora.sync_route)
     inflight_updates: bool = True  # ``weight_sync.inflight_updates``
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> InferenceSettings:
-        lora = cfg.model.lora if cfg.model.lora is not None and cfg.model.lora.sync != "merged" else None
+        lora = cfg.model.lora if sync_route(cfg) == "adapter" else None
         return cls(cfg.model.name_or_path, cfg.rollout.engine, cfg.model.dtype, cfg.resources.inference,
                    cfg.logging.run_name or "", lora, cfg.weight_sync.inflight_updates)  # fmt: skip
 

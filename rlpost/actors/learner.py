@@ -166,11 +166,14 @@ class LearnerSettings:
     rollout: RolloutConfig  # the sampling temperature (log-probs) and max_tokens (Dr.GRPO's L_max)
     resources: LearnerResources  # ``resources.learner`` (per rank; num_workers ranks)
     run_name: str = ""  # the run whose metrics the actor reports under
+    # with LoRA, what the syncs send ("adapter" or "merged", rlpost.lora.sync_route: it also
+    # depends on where the engines run); None: model.lora.sync as written, with auto as adapter
+    lora_sync: str | None = None
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> LearnerSettings:
         return cls(cfg.model, cfg.loss, cfg.optimizer, cfg.reference, cfg.trainer, cfg.rollout,
-                   cfg.resources.learner, cfg.logging.run_name or "")  # fmt: skip
+                   cfg.resources.learner, cfg.logging.run_name or "", lora.sync_route(cfg))  # fmt: skip
 
 
 class Learner:
@@ -209,11 +212,9 @@ class Learner:
             if sharded:
                 raise ValueError("model.lora: a LoRA learner is one rank, not a sharded group")
             self.model = lora.apply_lora(self.model, cfg.model.lora)
-        # what publish() sends: every weight, or with LoRA the adapter (or the merged weights where
-        # the engines serve no LoRA: LearnerActor.connect_workers may switch to "merged")
-        self.sync_mode = (
-            "full" if cfg.model.lora is None else ("merged" if cfg.model.lora.sync == "merged" else "adapter")
-        )
+        # what publish() sends: every weight, or with LoRA the adapter or the merged weights (an
+        # adapter route turns merged where an engine serves no LoRA: LearnerActor.connect_workers)
+        self.sync_mode = "full" if cfg.model.lora is None else self._lora_route()
         if not sharded:  # a sharded model's shards are allocated on the device by load_shards
             self.model.to(self.device)
             own_trainable_weights(self.model)
@@ -435,7 +436,7 @@ class Learner:
         worker order), otherwise the merged weights (``model.lora.sync: auto``, with a warning)
         or refuse (``sync: adapter``). Returns the mode, also kept in ``sync_mode``."""
         section = self.cfg.model.lora
-        if section is None or section.sync == "merged":
+        if section is None or self._lora_route() == "merged":
             return self.sync_mode
         without = [i for i, serves in enumerate(workers_serve_lora) if not serves]
         if not without:
@@ -450,6 +451,10 @@ class Learner:
                         "model instead (model.lora.sync=auto)", without)  # fmt: skip
             self.sync_mode = "merged"
         return self.sync_mode
+
+    def _lora_route(self) -> str:
+        """The route the config chose (``LearnerSettings.lora_sync``), before any fallback."""
+        return self.cfg.lora_sync or ("merged" if self.cfg.model.lora.sync == "merged" else "adapter")
 
     def named_parameters_for_sync(self, device: str | torch.device = "cpu") -> Iterable[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs for the inference engines, lazily.

@@ -1,5 +1,7 @@
 """A LoRA run through the CLI (model.lora): it learns on the tiny task while each weight sync
-carries only the adapter, its checkpoints hold the adapter and the merged model, and it resumes.
+carries only the adapter (model.lora.sync=adapter), its checkpoints hold the adapter and the merged
+model, and it resumes, then with model.lora.sync=auto, which on CPU engines sends the merged
+projections instead: the engine then serves the resumed adapter merged into its weights.
 
 Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 completions a step), as in
 the learner-group runs. Measured: the last 4 steps' mean reward beat the first 4's by +0.36 with
@@ -21,6 +23,7 @@ PRACTICE = [
     "data.group_size=16",
     "data.num_synthetic_rows=2",
     "model.lora.save_merged=true",
+    "model.lora.sync=adapter",
     "optimizer.lr=3e-3",
     "logging.progress=false",
     "logging.dashboard=false",
@@ -56,7 +59,9 @@ def test_a_lora_run_learns_syncs_only_the_adapter_and_resumes(tmp_path, tiny_mod
     merged = AutoModelForCausalLM.from_pretrained(checkpoint / "merged")
     assert type(merged).__name__ == "Qwen2ForCausalLM"
 
-    train("--resume", str(run_dir), "trainer.steps=14")
+    train("--resume", str(run_dir), "trainer.steps=14", "model.lora.sync=auto")  # merged: the engines run on CPUs
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows[-2:]] == [13, 14] and [r["policy_version"] for r in rows[-2:]] == [13, 14]
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows[-2:])  # the resumed adapter reached the engine
+    # merged: every projection, not the embedding (0.06M of the 0.45M weights) nor the norms
+    assert all(0.5 * full_bytes < r["weight_sync_bytes"] < 0.9 * full_bytes for r in rows[-2:]), rows[-2:]

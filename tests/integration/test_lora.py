@@ -5,6 +5,7 @@ serves each published adapter with the learner's log-probs. A model vLLM cannot 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -25,8 +26,14 @@ REPLIES = ["<answer>7</answer><|im_end|>", "<answer>5</answer><|im_end|>"]
 
 
 def settings(model_path, lora_section: dict | None = None, **model) -> LearnerSettings:
+    """The learner's settings for a rank-8 adapter, sent as an adapter unless ``lora_section``
+    says otherwise (``auto`` would send merged weights to engines on CPUs)."""
     raw = {
-        "model": {"name_or_path": str(model_path), "lora": {"rank": 8, **(lora_section or {})}, **model},
+        "model": {
+            "name_or_path": str(model_path),
+            "lora": {"rank": 8, "sync": "adapter", **(lora_section or {})},
+            **model,
+        },  # fmt: skip
         "rollout": {"temperature": 0.9},
         "optimizer": {"lr": 3e-3},
     }
@@ -245,7 +252,9 @@ def test_a_model_vllm_serves_no_lora_on_gets_merged_weights(tmp_path, tiny_token
     gpt2.save_pretrained(tmp_path / "gpt2")
     tiny_tokenizer.save_pretrained(tmp_path / "gpt2")
     assert not lora.engine_supports_lora(str(tmp_path / "gpt2"))
-    cfg = settings(tmp_path / "gpt2", {"target_modules": ["c_attn", "c_proj", "c_fc"]})
+    # auto as on GPU engines, which take the adapter route unless an engine cannot serve LoRA
+    cfg = dataclasses.replace(settings(tmp_path / "gpt2", {"target_modules": ["c_attn", "c_proj", "c_fc"],
+                                                           "sync": "auto"}), lora_sync="adapter")  # fmt: skip
     learner = Learner(cfg)
     worker = make_vllm_worker(str(tmp_path / "gpt2"), make_ray_worker=False, engine_config=JobConfig().rollout.engine,
                               lora=cfg.model.lora)  # fmt: skip

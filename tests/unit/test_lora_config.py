@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlpost.actors.inference import InferenceSettings
+from rlpost.actors.learner import LearnerSettings
 from rlpost.config import ConfigError, load_config
-from rlpost.lora import adapter_config_dict, apply_lora, engine_lora_kwargs
+from rlpost.lora import adapter_config_dict, apply_lora, engine_lora_kwargs, sync_route
 
 pytestmark = pytest.mark.unit
 
@@ -56,10 +57,21 @@ def test_engines_are_built_for_the_smallest_vllm_rank_that_holds_the_adapter():
     assert engine_lora_kwargs(load_config(None, ["model.lora={}"]).model.lora)["enable_lora"] is True
 
 
-def test_workers_serve_the_adapter_unless_the_sync_sends_merged_weights():
-    assert InferenceSettings.from_job(load_config(None)).lora is None
-    assert InferenceSettings.from_job(load_config(None, ["model.lora={}"])).lora.rank == 16
-    assert InferenceSettings.from_job(load_config(None, ["model.lora.sync=merged"])).lora is None
+@pytest.mark.parametrize(
+    "overrides, route",
+    [
+        ([], None),
+        (["model.lora={}"], "merged"),  # auto, engines on CPUs: vLLM's CPU LoRA kernels are the slower
+        (["model.lora={}", "resources.inference.num_gpus=1", "resources.learner.num_gpus=1"], "adapter"),
+        (["model.lora.sync=adapter"], "adapter"),
+        (["model.lora.sync=merged", "resources.inference.num_gpus=1", "resources.learner.num_gpus=1"], "merged"),
+    ],
+)
+def test_workers_serve_the_adapter_only_where_the_syncs_send_it(overrides, route):
+    cfg = load_config("configs/tiny-cpu.yaml", overrides)
+    assert sync_route(cfg) == route and LearnerSettings.from_job(cfg).lora_sync == route
+    served = InferenceSettings.from_job(cfg).lora
+    assert (served is not None) == (route == "adapter") and (served is None or served.rank == 16)
 
 
 def test_the_adapter_config_a_worker_writes_matches_the_section():
