@@ -332,7 +332,8 @@ class InferenceWorker:
         finally:
             if pending.info is not None or pending.error is not None:
                 with self._turn:
-                    self._pending = None
+                    if self._pending is pending:
+                        self._pending = None
                     pending.done = True
                     self._turn.notify_all()
 

@@ -90,8 +90,11 @@ class WeightSyncExtension:
         engine keeps stepping on the main thread while the bytes arrive (an in-flight update),
         and :meth:`rlpost_finish_receive` loads them once :meth:`rlpost_receive_state` says
         "arrived". The receive is bounded by ``timeout_s``, and so is the wait for the load."""
-        if getattr(self, "_rlpost_incoming", None) is not None:
-            raise RuntimeError("rlpost: an update is already being received")
+        abandoned = getattr(self, "_rlpost_incoming", None)
+        if abandoned is not None:  # its generate call failed or timed out before loading it
+            if not abandoned.arrived.is_set():  # it still reads from the bus: one receive at a time
+                raise RuntimeError("rlpost: the update before is still being received")
+            abandoned.abandon()
         self._rlpost_incoming = _BackgroundReceive(self._rlpost_receiver, timeout_s)
 
     def rlpost_receive_state(self) -> str:
@@ -253,6 +256,14 @@ class _BackgroundReceive:
             raise TimeoutError(f"the engine did not load version {version} within {self.timeout_s}s of its arrival")
         if self._load_error is not None:
             raise self._load_error
+
+    def abandon(self) -> None:
+        """Give an update that arrived up unloaded: its receive fails (the publisher is told)
+        and its thread, which only waited for the load, ends."""
+        self._load_error = RuntimeError(f"rlpost: version {self.version} was received but never loaded")
+        self._named = None
+        self._loaded.set()
+        self._thread.join(self.timeout_s + 30)
 
     def load(self, reload: Callable[[list], None]) -> int:
         """Wait for the update's last bytes, ``reload`` its (name, tensor) pairs, let the receive
