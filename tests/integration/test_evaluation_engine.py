@@ -46,8 +46,14 @@ def test_greedy_and_sampled_evaluations_repeat_exactly(worker, tiny_model_path):
     a, b = sampled.run(worker.client), sampled.run(worker.client)
     assert a == {**b, "eval_s": a["eval_s"]}  # every figure but the time
     assert a["eval_pass_at_k"] >= a["eval_pass_at_1"]
-    other_seed = Evaluator(make_cfg(tiny_model_path, "eval.greedy=false", "eval.samples_per_prompt=4", "eval.seed=8"))
-    assert other_seed.run(worker.client)["eval_length_mean"] != a["eval_length_mean"]  # the seed is what repeats
+    # the seed is what repeats: other seeds sample other completions (one seed's figures can match
+    # by chance, 8.1875 tokens on average for seeds 7 and 8 with a tiny model built on an AMD machine)
+    figures = ("eval_length_mean", "eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k")
+    others = [
+        Evaluator(make_cfg(tiny_model_path, "eval.greedy=false", "eval.samples_per_prompt=4", f"eval.seed={seed}"))
+        for seed in (8, 9, 10)
+    ]
+    assert any([o.run(worker.client)[k] for k in figures] != [a[k] for k in figures] for o in others)
 
 
 def test_rlpost_eval_scores_a_checkpoint_like_the_evaluator(worker, tiny_model_path, tmp_path):
