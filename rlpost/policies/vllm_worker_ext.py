@@ -4,7 +4,9 @@ The weights live in vLLM's worker process, so that process is the weight-bus ran
 bus, receives buckets, and reloads them in place with ``model_runner.reload_weights`` — the call
 that works on the CPU backend, whose repacked linear layers make ``model.load_weights`` fail
 after start-up — or, on the CPU backend for the dense models it knows, straight into the
-kernels (:mod:`rlpost.policies.cpu_reload`, ``rollout.engine.direct_reload``). Methods are
+kernels (:mod:`rlpost.policies.cpu_reload`, ``rollout.engine.direct_reload``). An update that
+meets a running generate call is received on a thread of its own (``rlpost_begin_receive``) while
+the engine keeps stepping, then loaded between two steps (``rlpost_finish_receive``). Methods are
 reached with
 ``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data (vLLM serialises them).
 """
