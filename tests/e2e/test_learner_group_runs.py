@@ -3,8 +3,11 @@ learn, publish weights the engines serve, checkpoint, resume with one rank, and 
 rank. Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo).
 
 Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 completions a step), so
-the reward climbs within a dozen steps (measured with 2 ranks: +0.34 sync, +0.22 async, the last 4
-steps' mean against the first 4's)."""
+the reward climbs within 30 steps (a step takes ~0.7 s). Measured with 2 ranks, the last 8 steps'
+mean against the first 8's: +0.30 sync, +0.27 async on one tiny model. Over 12 steps and 4-step
+windows the same runs gained anywhere from -0.01 to +0.34 (a 4-step mean of 32 samples a step
+moves by ~0.05 from sampling alone, and the curve can dip before it climbs), so the windows are
+long enough for the check to be about learning, not luck."""
 
 import json
 import subprocess
@@ -28,9 +31,9 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def gain(rows):
+def gain(rows, window=8):
     rewards = [r["reward_mean"] for r in rows]
-    return sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4
+    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
 
 
 def train(*args):
@@ -41,18 +44,18 @@ def train(*args):
 
 def test_a_two_rank_learner_learns_and_its_checkpoint_resumes_with_one_rank(tmp_path, tiny_model_path):
     run_dir = tmp_path / "group"
-    train("configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}", "trainer.steps=12", *PRACTICE,
+    train("configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}", "trainer.steps=30", *PRACTICE,
           "--run-dir", str(run_dir))  # fmt: skip
     rows = read(run_dir / "metrics.jsonl")
-    assert [r["policy_version"] for r in rows] == list(range(1, 13))
+    assert [r["policy_version"] for r in rows] == list(range(1, 31))
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)  # the engines serve the gathered weights
-    assert gain(rows) > 0.08, [r["reward_mean"] for r in rows]
-    checkpoint = run_dir / "checkpoints" / "step_12"
+    assert gain(rows) > 0.1, [r["reward_mean"] for r in rows]
+    checkpoint = run_dir / "checkpoints" / "step_30"
     assert (checkpoint / "trainer_state").is_dir() and (checkpoint / "model.safetensors").is_file()
 
-    train("--resume", str(run_dir), "trainer.steps=14", "resources.learner.num_workers=1")
+    train("--resume", str(run_dir), "trainer.steps=32", "resources.learner.num_workers=1")
     rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows[-2:]] == [13, 14] and [r["policy_version"] for r in rows[-2:]] == [13, 14]
+    assert [r["step"] for r in rows[-2:]] == [31, 32] and [r["policy_version"] for r in rows[-2:]] == [31, 32]
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows[-2:])
 
 
@@ -71,7 +74,7 @@ def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp
     cfg = load_config(
         "configs/tiny-cpu.yaml",
         [f"model.name_or_path={tiny_model_path}", *PRACTICE, "trainer.mode=async", "resources.learner.num_threads=1",
-         "trainer.steps=12", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=10",
+         "trainer.steps=30", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=16",
          "trainer.auto_resume=true", "resources.learner.timeout_s=60", "logging.run_name=e2e-group-kill"],
     )  # fmt: skip
     run_dir = create_run_dir(cfg, tmp_path / "kill")
@@ -94,11 +97,11 @@ def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp
         ray.shutdown()
     assert killed == ["learner-1"]
     rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    assert [r["learner_resumes"] for r in rows] == [0] * 4 + [1] * 8  # step 5 was trained again
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["learner_resumes"] for r in rows] == [0] * 4 + [1] * 26  # step 5 was trained again
     assert [r["step"] for r in read(run_dir / "metrics.superseded.jsonl")] == [5]
     assert all(r["sync_logprob_diff"] <= 1e-3 and r["staleness_max"] <= 1 for r in rows)
-    assert gain(rows) > 0.05, [r["reward_mean"] for r in rows]
+    assert gain(rows) > 0.1, [r["reward_mean"] for r in rows]
     state = pickle.loads((run_dir / "checkpoints" / "step_4" / "rollout_state.pkl").read_bytes())
     assert set(state["producer_states"]) == {"env-pool-0"}
     assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])
