@@ -36,6 +36,7 @@ BENCHMARKS = {
     "learner_group": "bench.bench_learner_group",  # 1 vs 2 sharded learner ranks (~10 min)
     "lora": "bench.bench_lora",  # LoRA vs full fine-tuning: weight sync, step, state (~10 min)
     "profile_reload": "bench.profile_reload",  # where vLLM's CPU weight reload spends its time (~3 min)
+    "profile_engine": "bench.profile_engine",  # where the engine's generate call goes, tiny race (~2 min)
     "sync_route": "bench.bench_sync_route",  # weight sync + reload, gloo vs shared memory (~4 min)
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",

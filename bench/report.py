@@ -40,6 +40,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("sync_route", _sync_route),
         ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
         ("race_lora", lambda d, r, b: _e2e(d, r, b, "race_lora")),
+        ("profile_engine", _profile_engine),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -66,6 +67,8 @@ TITLES = {
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time, "
     "and rlpost's direct reload",
+    "profile_engine": "14. The engine's generate call on the tiny race's workload: where vLLM's CPU engine spends "
+    "it, against transformers' generate",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
@@ -441,6 +444,40 @@ def _lora(d: dict, results: Path, base: Path) -> str:
             f"{_fmt(c['learner_step_s']['median'])} | {c['state_bytes'] / 2**20:.0f} MiB | {c['trainable_params']:,} |"
         )
     return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _profile_engine(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    engines = {k: v for k, v in d["cases"].items() if k.startswith("vllm engine")}
+    hf = d["cases"]["transformers generate (2 threads)"]
+    lines = [
+        f"## {TITLES['profile_engine']}",
+        "",
+        f"One call: {s['prompts']} prompts x {s['samples']} samples x {s['max_tokens']} tokens (min_tokens: every "
+        f"completion runs its {s['max_tokens']} tokens) on {Path(s['model']).name}, the engine built as an inference "
+        f"worker builds it (configs/tiny-cpu.yaml), sampled-token log-probs, no detokenisation; medians of "
+        f"{s['repeats']} calls after a warm-up. Then {s['profiled_calls']} calls under py-spy ({s['py_spy_rate']} "
+        "samples/s over the engine's three processes); each process's main-thread samples in CPU-seconds per call "
+        "(a busy-poll counts, a blocking wait does not). The baseline: transformers' `generate` on both cores, the "
+        "same prompts and settings.",
+        "",
+        _ratios(d),
+        "| case | s per call (median) | under py-spy | repeats |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, case in engines.items():
+        lines.append(
+            f"| {name} | {_fmt(case['median_s'])} | {_fmt(case['under_py_spy_median_s'])} | {_repeats(case)} |"
+        )
+    lines += [f"| transformers generate (2 threads) | {_fmt(hf['median_s'])} | - | {_repeats(hf)} |", ""]
+    profiled = [(name, case["phases_s_per_call"]) for name, case in engines.items() if case["phases_s_per_call"]]
+    if profiled:
+        phases = sorted({p for _, c in profiled for p in c})
+        lines += ["| phase (CPU-s per call, under py-spy) | " + " | ".join(n for n, _ in profiled) + " |",
+                  "| --- |" + " --- |" * len(profiled)]  # fmt: skip
+        lines += [f"| {p} | " + " | ".join(_fmt(c.get(p, 0.0)) for _, c in profiled) + " |" for p in phases]
+        lines.append("")
+    return "\n".join(lines) + "\n" + _notes(d)
 
 
 def _profile_reload(d: dict, results: Path, base: Path) -> str:

@@ -235,6 +235,7 @@ def test_workload_overrides_and_benchmark_names():
         "learner_group",
         "lora",
         "profile_reload",
+        "profile_engine",
         "sync_route",
         "race_genheavy",
         "race_lora",
@@ -265,3 +266,51 @@ def test_a_system_overrides_its_workloads_mode_settings(monkeypatch, tmp_path):
     chosen = workloads(quick=False, tiny_steps=None, big_steps=None)
     assert chosen["qwen05b"].rlpost_async_extra == ()  # the 0.5B-shaped async learner on the config's 2 threads
     assert chosen["qwen05b_lora"].rlpost_async_extra == chosen["tiny"].rlpost_async_extra
+
+
+def test_the_engine_profile_groups_py_spy_samples_by_process_and_phase(tmp_path):
+    """bench/profile_engine.py: py-spy's raw lines (stack, then a sample count) become CPU-seconds
+    per generate call by phase, read from the last process of the stack; other threads are left out."""
+    from bench.profile_engine import phases_from_raw
+
+    caller = 'process 10:"python -m bench.profile_engine --child"'
+    core = caller + ';process 11:"VLLM::EngineCore"'
+    worker = core + ';process 12:"VLLM::Worker"'
+    busy = "WorkerProc.worker_busy_loop (vllm/v1/executor/multiproc_executor.py:1041)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                f"{worker};{busy};Worker.execute_model (w.py:1);GPUModelRunner.execute_model (g.py:2) 50",
+                f"{worker};{busy};GPUModelRunner.sample_tokens (g.py:3);Sampler.forward (s.py:4) 10",
+                f"{worker};{busy};MessageQueue.dequeue (m.py:5);MessageQueue.acquire_read (m.py:6) 20",
+                f"{worker};WorkerProc.monitor_death_pipe (m.py:7) 99",  # another thread: left out
+                f"{core};EngineCoreProc.run_busy_loop (c.py:8);EngineCore.step (c.py:9);Scheduler.schedule (s.py:10) 30",
+                f"{caller};child (p.py:1);_generate_loop (p.py:2);LLM.generate (l.py:3);LLMEngine.add_request (l.py:4) 5",
+            ]
+        )
+        + "\n"
+    )
+    phases = phases_from_raw(raw, rate=50, calls=2)  # samples / 50 per s / 2 calls
+    assert phases == {
+        "worker: model forward": 0.5,
+        "worker: sampling and sampled-token log-probs": 0.1,
+        "worker: waits for the scheduler's next step (busy-polls)": 0.2,
+        "EngineCore: schedules the step": 0.3,
+        "caller: adds the requests": 0.05,
+    }
+    engine_case = {"median_s": 0.5, "repeats": [0.5, 0.6, 0.4], "under_py_spy_median_s": 0.7,
+                   "phases_s_per_call": phases}  # fmt: skip
+    data = _file(
+        "profile_engine",
+        {"model": "/m/tiny-model", "prompts": 16, "samples": 8, "max_tokens": 16, "cpu_threads": [1],
+         "repeats": 3, "profiled_calls": 2, "py_spy_rate": 50},
+        {"vllm engine, 1 thread(s)": engine_case,
+         "transformers generate (2 threads)": {"median_s": 0.25, "repeats": [0.25, 0.24, 0.26]}},
+        {"vllm engine (1 thread(s)) / transformers generate, s per call": 2.0},
+    )  # fmt: skip
+    (tmp_path / "profile_engine.json").write_text(json.dumps(data))
+    text = render(results=tmp_path, out=tmp_path / "B.md").read_text()
+    assert "## 14. The engine's generate call" in text
+    assert "| vllm engine, 1 thread(s) | 0.5 | 0.7 | 0.5, 0.6, 0.4 |" in text
+    assert "| worker: model forward | 0.5 |" in text and "**2.00**" in text
