@@ -64,7 +64,9 @@ def pytest_sessionfinish(session, exitstatus):
     processes). So the last atexit handler to be registered, which runs first, flushes the
     output and leaves with the verdict's code."""
 
-    def leave_with_the_verdict(code: int = int(exitstatus)) -> None:
+    code = int(exitstatus)
+
+    def leave_with_the_verdict() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
