@@ -3,14 +3,16 @@
 On the tiny model rlpost's collect takes more than twice TRL's (section 2), on the same FLOPs.
 This benchmark names where the difference goes. A child process builds the engine as an inference
 worker does (configs/tiny-cpu.yaml's engine section; its model on 1 bound thread, vLLM's choice on
-2 cores, then on 2, as the race's sync runs set it) and generates the race's workload: first
-``--repeats`` calls timed with nothing watching, then ``--profiled`` calls sampled by py-spy in
-the engine's three processes (the caller, vLLM's EngineCore with its scheduler, and the worker that
-runs the model). Each process's main-thread samples are grouped into the phases below, in
-CPU-seconds per generate call (py-spy samples running threads only: a busy-poll counts, a blocking
-wait does not; the profiler's own sampling slows the calls, which the figures show). The baseline
-is transformers' ``generate`` on the same prompts and settings (both cores, sampling, the same
-number of tokens), the path TRL's trainer generates with here.
+2 cores, then on 2, as the race's sync runs set it), once in the child's own process (the CPU
+default, ``rollout.engine.in_process``) and once in processes of its own (vLLM's layout), and
+generates the race's workload: first ``--repeats`` calls timed with nothing watching, then
+``--profiled`` calls sampled by py-spy in the engine's processes (in vLLM's layout three: the
+caller, vLLM's EngineCore with its scheduler, and the worker that runs the model). Each
+process's main-thread samples are grouped into the phases below, in CPU-seconds per generate call
+(py-spy samples running threads only: a busy-poll counts, a blocking wait does not; the
+profiler's own sampling slows the calls, which the figures show). The baseline is transformers'
+``generate`` on the same prompts and settings (both cores, sampling, the same number of tokens),
+the path TRL's trainer generates with here.
 
 py-spy (in the bench extra) has to be allowed to read the child's memory (root, or
 ``kernel.yama.ptrace_scope`` 0); without it the profile is left out and the timings remain.
@@ -35,6 +37,7 @@ from pathlib import Path
 from bench.common import CONFIG, TINY_MODEL, Result, median, wait_for_quiet
 
 PROMPTS, SAMPLES, TOKENS = 16, 8, 16  # the tiny race's step: 128 completions of 16 tokens
+LAYOUTS = {"in_process": "in process", "processes": "in its own processes"}
 
 
 def phase(process: str, frames: str) -> str | None:
@@ -69,6 +72,18 @@ def phase(process: str, frames: str) -> str | None:
         return "EngineCore: other"
     if "_generate_loop" not in frames:
         return None
+    # an engine in the caller's process (rollout.engine.in_process): the caller steps it
+    in_process = "EngineCore.step" in frames
+    if in_process and ("execute_model" in frames or "sample_tokens" in frames):
+        if "sample_tokens" in frames or "Sampler" in frames or "TopKTopP" in frames:
+            return "in process: sampling and sampled-token log-probs"
+        if "_prepare_inputs" in frames or "_update_states" in frames:
+            return "in process: prepares the step's inputs"
+        return "in process: model forward"
+    if in_process and "Scheduler.schedule" in frames:
+        return "in process: schedules the step"
+    if in_process and "update_from_output" in frames:
+        return "in process: updates the requests from the step's output"
     if "get_output" in frames:
         return "caller: waits for the engine's outputs"
     if "add_request" in frames or "_render" in frames:
@@ -117,6 +132,7 @@ def child(args) -> None:
 
     engine = load_config(CONFIG).rollout.engine
     kwargs = engine_kwargs(engine, on_gpu=False)
+    kwargs["in_process"] = args.in_process
     llm = make_vllm_engine(args.model, dtype="float32", cpu_cores=engine_cpu_cores(int(args.cpu_threads)), **kwargs)
     tokenizer = llm.get_tokenizer()
     system = {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}
@@ -160,10 +176,13 @@ def child(args) -> None:
 # ------------------------------------------------------------------------------- parent process
 
 
-def profile_child(args, threads: int, result: Result) -> dict:
-    """Run one child (the engine on ``threads`` bound threads), with py-spy over its profiled calls."""
+def profile_child(args, threads: int, in_process: bool, result: Result) -> dict:
+    """Run one child (the engine on ``threads`` threads, in the child's process or in processes
+    of its own), with py-spy over its profiled calls."""
     cmd = [sys.executable, "-m", "bench.profile_engine", "--child", "--model", args.model, "--cpu-threads",
            str(threads), "--repeats", str(args.repeats), "--profiled", str(args.profiled)]  # fmt: skip
+    if in_process:
+        cmd.append("--in-process")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = Path(tempfile.mkdtemp(prefix="rlpost-profile-engine-")) / "raw.txt"
@@ -204,6 +223,10 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=None, help="generate calls under py-spy (default 20)")
     parser.add_argument("--rate", type=int, default=50, help="py-spy samples per second (more disturb the 2 cores)")
     parser.add_argument("--cpu-threads", default="1,2", help="the engine's model threads, one child each")
+    parser.add_argument("--layouts", default="in_process,processes",
+                        help="where the engine runs, one child each: in the caller's process (rollout.engine."
+                        "in_process, the CPU default) and/or in processes of its own (vLLM's layout)")  # fmt: skip
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.repeats = args.repeats or (3 if args.quick else 20)
@@ -212,27 +235,32 @@ def main() -> None:
         child(args)
         return
     threads = [int(t) for t in str(args.cpu_threads).split(",")]
+    layouts = [layout.strip() for layout in args.layouts.split(",")]
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"--layouts: unknown {sorted(unknown)}; choose from {sorted(LAYOUTS)}")
     result = Result(
         "profile_engine",
         args.quick,
         {"model": args.model, "prompts": PROMPTS, "samples": SAMPLES, "max_tokens": TOKENS, "cpu_threads": threads,
-         "repeats": args.repeats, "profiled_calls": args.profiled, "py_spy_rate": args.rate},
+         "layouts": layouts, "repeats": args.repeats, "profiled_calls": args.profiled, "py_spy_rate": args.rate},
     )  # fmt: skip
     wait_for_quiet(args.quick)
     hf, engines = [], {}
-    for n in threads:
-        out = profile_child(args, n, result)
-        hf += out["transformers_s"]  # the baseline does not depend on the engine's threads: pooled
-        engines[n] = {
-            "median_s": median(out["engine_s"]),
-            "repeats": out["engine_s"],
-            "under_py_spy_median_s": median(out["profiled_engine_s"]),
-            "phases_s_per_call": out.get("phases_s_per_call"),
-        }
+    for layout in layouts:
+        for n in threads:
+            out = profile_child(args, n, layout == "in_process", result)
+            hf += out["transformers_s"]  # the baseline does not depend on the engine: pooled
+            engines[f"{LAYOUTS[layout]}, {n} thread(s)"] = {
+                "median_s": median(out["engine_s"]),
+                "repeats": out["engine_s"],
+                "under_py_spy_median_s": median(out["profiled_engine_s"]),
+                "phases_s_per_call": out.get("phases_s_per_call"),
+            }
     result.cases["transformers generate (2 threads)"] = {"median_s": median(hf), "repeats": hf}
-    for n, case in engines.items():
-        result.cases[f"vllm engine, {n} thread(s)"] = case
-        result.ratios[f"vllm engine ({n} thread(s)) / transformers generate, s per call"] = round(
+    for name, case in engines.items():
+        result.cases[f"vllm engine {name}"] = case
+        result.ratios[f"vllm engine ({name}) / transformers generate, s per call"] = round(
             case["median_s"] / median(hf), 3
         )
     result.write()

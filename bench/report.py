@@ -457,9 +457,9 @@ def _profile_engine(d: dict, results: Path, base: Path) -> str:
         f"completion runs its {s['max_tokens']} tokens) on {Path(s['model']).name}, the engine built as an inference "
         f"worker builds it (configs/tiny-cpu.yaml), sampled-token log-probs, no detokenisation; medians of "
         f"{s['repeats']} calls after a warm-up. Then {s['profiled_calls']} calls under py-spy ({s['py_spy_rate']} "
-        "samples/s over the engine's three processes); each process's main-thread samples in CPU-seconds per call "
-        "(a busy-poll counts, a blocking wait does not). The baseline: transformers' `generate` on both cores, the "
-        "same prompts and settings.",
+        "samples/s over the engine's processes: one in process, three in vLLM's layout); each process's "
+        "main-thread samples in CPU-seconds per call (a busy-poll counts, a blocking wait does not). The "
+        "baseline: transformers' `generate` on both cores, the same prompts and settings.",
         "",
         _ratios(d),
         "| case | s per call (median) | under py-spy | repeats |",

@@ -192,7 +192,7 @@ class EngineConfig(_Section):
         ge=1,
         description="CPU backend: threads that run the model, each bound to a core of the worker's node (worker i "
         "takes cores i*n .. i*n+n-1, wrapping round). None keeps vLLM's choice: all the cores but one, which it "
-        "leaves to its scheduler process (1 thread on a 2-core node). Sync mode on a CPU-only node: the node's "
+        "leaves to the engine's other threads and processes (1 thread on a 2-core node). Sync mode on a CPU-only node: the node's "
         "cores, since the learner waits while the engine generates (a model of 8 0.5B-shaped layers generates "
         "1.8x faster on 2 threads than on 1; a model as small as configs/tiny-cpu.yaml's gains nothing); async "
         "mode: leave the learner its cores. Ignored on GPU.",
@@ -205,6 +205,15 @@ class EngineConfig(_Section):
         "BENCHMARKS.md, section 10). For dense models of unquantized linear, embedding and norm layers on one "
         "tensor-parallel rank; any other model, and an update with a name it cannot place, uses reload_weights "
         "(logged once). false: always reload_weights. Ignored on GPU.",
+    )
+    in_process: bool | None = Field(
+        None,
+        description="Run vLLM's engine core and model worker inside the inference worker's own process (vLLM's "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of two child processes of their own; the worker then drives "
+        "the engine from one thread of its own, the one whose model threads vLLM bound to their cores. None: true "
+        "on the CPU backend, where the two child processes cost ~30 s of start-up per engine (each imports vLLM) "
+        "and compete with the model for the cores (tiny race's generate call: 0.44 s in process against 0.66 s "
+        "on 2 threads; BENCHMARKS.md, section 14); false on a GPU (vLLM's own layout).",
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 

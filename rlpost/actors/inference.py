@@ -36,7 +36,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,7 @@ def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
         seed=engine.seed,
         max_num_seqs=engine.max_num_seqs,
         worker_extension_cls=WORKER_EXTENSION,
+        in_process=engine.in_process if engine.in_process is not None else not on_gpu,
         **engine.extra,
     )
     if on_gpu:
@@ -153,8 +155,13 @@ class InferenceWorker:
             kwargs.update(engine_lora_kwargs(lora))
         if engine.cpu_threads is not None and not torch.cuda.is_available():
             kwargs["cpu_cores"] = engine_cpu_cores(engine.cpu_threads, index)
-        self.llm = make_vllm_engine(model_path, dtype=dtype, **kwargs)
-        self.client = LocalVLLMClient(self.llm)
+        # an engine in this process is driven from one thread of its own (_on_engine_thread)
+        self._engine_thread = ThreadPoolExecutor(1, f"inference-{index}-engine") if kwargs["in_process"] else None
+        self._engine_thread_id = (
+            self._engine_thread.submit(threading.get_ident).result() if self._engine_thread else None
+        )
+        self.llm = self._on_engine_thread(make_vllm_engine, model_path, dtype=dtype, **kwargs)
+        self.client = LocalVLLMClient(self.llm, run_engine=self._on_engine_thread)
         self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if self.lora else None
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
         # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
@@ -178,19 +185,34 @@ class InferenceWorker:
         kernels when it is first made. (With a seeded engine the samples after it are not those
         of an engine without it: runs stay reproducible, since every engine does it.)"""
         start = time.perf_counter()
-        with self._engine_turn():
+
+        def warm_up() -> None:
             vocab = self.client.vocab_size
             prompt = [token % vocab for token in range(1, 5)]
             self.client.generate([prompt], {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
             self.llm.reset_prefix_cache()
+
+        with self._engine_turn():
+            self._on_engine_thread(warm_up)
         path = self.reload_path() if self.lora is None else "as LoRA adapters"
         log.info("inference-%d: warmed up in %.1f s; weight updates load: %s", self.index,
                  time.perf_counter() - start, path)  # fmt: skip
 
+    def _on_engine_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the thread that drives an engine running in this process
+        (``rollout.engine.in_process``): its model's threads have that thread's cores, and one
+        thread at a time uses the engine. Called directly when the engine runs in processes of
+        its own, or from that thread."""
+        if self._engine_thread is None or threading.get_ident() == self._engine_thread_id:
+            return fn(*args, **kwargs)
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
+
     def _worker_rpc(self, method: str, *args: Any, timeout_s: float = ENGINE_RPC_TIMEOUT_S) -> Any:
-        """``method`` of rlpost's extension in the engine's worker process (the first worker's
-        answer), never unbounded: past ``timeout_s`` vLLM raises TimeoutError naming the method."""
-        return self.llm.collective_rpc(method, args=args, timeout=timeout_s)[0]
+        """``method`` of rlpost's extension in the engine's worker (the first worker's answer),
+        never unbounded: past ``timeout_s`` vLLM raises TimeoutError naming the method (an
+        in-process engine runs it in this process, where it returns or raises on its own)."""
+        rpc = self.llm.collective_rpc
+        return self._on_engine_thread(rpc, method, args=args, timeout=timeout_s)[0]
 
     @contextlib.contextmanager
     def _engine_turn(self, generating: bool = False) -> Iterator[None]:
@@ -231,7 +253,7 @@ class InferenceWorker:
             return self._worker_rpc("rlpost_join_bus", spec, rank, timeout_s=bound)
 
     def _reset_stale_prefix_cache(self) -> None:
-        if self._stale_prefix_cache and self.llm.reset_prefix_cache():
+        if self._stale_prefix_cache and self._on_engine_thread(self.llm.reset_prefix_cache):
             self._stale_prefix_cache = False
 
     def serves_lora(self) -> bool:
@@ -277,15 +299,19 @@ class InferenceWorker:
             self._turn.wait_for(lambda: not self._generating and not self._busy)
             self._busy = True
         try:
-            if self.lora is not None:
-                return self._update_adapter(timeout_s)
-            info = self._finish_receive(timeout_s) if begun else self._receive_weights(timeout_s)
-            self.llm.reset_prefix_cache()
-            return {**info, "in_flight": False}
+            return self._on_engine_thread(self._apply_update, timeout_s, begun)
         finally:
             with self._turn:
                 self._busy = False
                 self._turn.notify_all()
+
+    def _apply_update(self, timeout_s: float, begun: bool) -> dict:
+        """Receive (or finish receiving, when ``begun``) the next update and switch to it, alone."""
+        if self.lora is not None:
+            return self._update_adapter(timeout_s)
+        info = self._finish_receive(timeout_s) if begun else self._receive_weights(timeout_s)
+        self.llm.reset_prefix_cache()
+        return {**info, "in_flight": False}
 
     def _receive_weights(self, timeout_s: float) -> dict:
         """Receive and reload the next update, then label the engine's weights with its version."""
@@ -385,7 +411,9 @@ class InferenceWorker:
         return self.model_path
 
     def shutdown(self) -> None:
-        shutdown_vllm_engine(self.llm)
+        self._on_engine_thread(shutdown_vllm_engine, self.llm)
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=False)
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 

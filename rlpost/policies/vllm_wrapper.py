@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -69,11 +70,15 @@ class LocalVLLMClient:
 
     ``lora_request``: the ``vllm.lora.request.LoRARequest`` every call generates and scores with
     (None: the base model); an inference worker that serves a LoRA adapter sets it at each update.
+    ``run_engine(fn, *args, **kwargs)`` runs each call's engine work (None: in the calling
+    thread); an inference worker whose engine runs in its process passes the function that runs
+    it on the engine's own thread (:func:`make_vllm_engine`, ``in_process``).
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm, *, run_engine: Callable[..., Any] | None = None):
         self.llm = llm
         self.lora_request = None
+        self._run_engine = run_engine
         self._warned_cut = False  # completions cut by the engine's max_model_len: said once
 
     def get_tokenizer(self):
@@ -99,7 +104,7 @@ class LocalVLLMClient:
         """Processed log-probs of ``ids[start:]`` in each sequence: ``log_softmax`` of the
         logits after temperature, top-k and top-p, vLLM's sampler's order and rules (one
         full-vocabulary prefill; needs ``max_logprobs=-1``)."""
-        outputs = self._prompt_logprobs(token_ids, full_vocab=True)
+        outputs = self._on_engine(self._prompt_logprobs, token_ids, full_vocab=True)
         processing = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         return [
             _prompt_scores(ids, out.prompt_logprobs, self.vocab_size, start=start, **processing)[start:]
@@ -121,6 +126,15 @@ class LocalVLLMClient:
         """See :class:`VLLMEngineClient`. ``between_steps``: called after each engine step while
         requests are still running (an inference worker switches weights there, so running
         requests go on with the new weights instead of draining first)."""
+        return self._on_engine(self._generate, prompt_token_ids, sampling, between_steps)
+
+    def _on_engine(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._run_engine is None:
+            return fn(*args, **kwargs)
+        return self._run_engine(fn, *args, **kwargs)
+
+    def _generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any],
+                  between_steps: Callable[[], None] | None) -> list[list[Completion]]:  # fmt: skip
         from vllm import SamplingParams
 
         sampling = dict(sampling)
@@ -162,7 +176,7 @@ class LocalVLLMClient:
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
         # prompt log-probs skip the sampling processors: at T != 1 they are renormalised over the
         # whole vocabulary (exact, see processed_logprobs)
-        outputs = self._prompt_logprobs(token_ids, full_vocab=not math.isclose(temperature, 1.0))
+        outputs = self._on_engine(self._prompt_logprobs, token_ids, full_vocab=not math.isclose(temperature, 1.0))
         return [
             _prompt_scores(ids, out.prompt_logprobs, self.vocab_size, temperature=temperature)
             for ids, out in zip(token_ids, outputs)
@@ -394,6 +408,7 @@ def make_vllm_engine(
     kv_cache_memory_bytes: int | None = 256 * 2**20,
     max_logprobs: int = -1,
     cpu_cores: Sequence[int] | None = None,
+    in_process: bool = False,
     **engine_kwargs,
 ):
     """Create a ``vllm.LLM`` configured the way rlpost needs it.
@@ -417,7 +432,19 @@ def make_vllm_engine(
       cores, one thread.
 
     The engine runs in child processes: create it under ``if __name__ == "__main__":`` in
-    scripts and release it with :func:`shutdown_vllm_engine`.
+    scripts and release it with :func:`shutdown_vllm_engine`. With ``in_process=True`` its engine
+    core and model worker run in this process instead (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    for this engine only): no child process to start (on the CPU backend each one imports vLLM,
+    ~15 s on 2 cores) or to compete with the model for the cores. On the CPU backend the calling
+    thread then gets ``cpu_cores`` as its affinity and torch thread count, and must be the thread
+    that generates with the engine: the OpenMP threads of its forward passes inherit them (they
+    are confined to those cores rather than pinned one per core; another thread's forward passes
+    would run on threads of its own). This process's ``torch.set_num_threads`` stays usable (vLLM
+    disables it, rlpost restores it: it sets the calling thread's count only), and vLLM freezes
+    the process's garbage-collected heap (``gc.freeze``), as it does in an engine process. One
+    engine at a time runs in a process (vLLM keeps its parallel state in module globals, which an
+    engine's shutdown tears down): while one does, another asked for in process gets processes
+    of its own (logged).
     """
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -437,11 +464,19 @@ def make_vllm_engine(
     if kv_cache_memory_bytes is not None:
         engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     binding = {}
-    if cpu_cores is not None and current_platform.is_cpu():
+    if in_process and any(not _shut_down(engine) for engine in _IN_PROCESS_ENGINES):
+        log.info("another vLLM engine runs in this process: this one runs in processes of its own")
+        in_process = False
+    if in_process:
+        binding["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if current_platform.is_cpu():
+            _confine_this_thread(cpu_cores)
+    elif cpu_cores is not None and current_platform.is_cpu():
         # read by the engine's processes as they start (they inherit this environment)
         binding["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cpu_cores)
     engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
-    with _environment(binding):
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it when it runs here
+    with _vllm_environment(binding):
         llm = LLM(
             str(model_path),
             dtype=dtype,
@@ -452,9 +487,34 @@ def make_vllm_engine(
             logprobs_mode="processed_logprobs",
             **engine_kwargs,
         )
-    if current_platform.is_cpu() and engine_kwargs.get("worker_extension_cls") == WORKER_EXTENSION:
+    torch.set_num_threads = set_num_threads
+    if in_process:
+        _IN_PROCESS_ENGINES.add(llm)
+    if current_platform.is_cpu() and engine_kwargs.get("worker_extension_cls") == WORKER_EXTENSION and not in_process:
         llm.collective_rpc("rlpost_spin_after_work", timeout=60, args=(SPIN_AFTER_WORK_S,))
     return llm
+
+
+def _confine_this_thread(cpu_cores: Sequence[int] | None) -> None:
+    """In-process CPU engine: run its model on ``cpu_cores`` (None: vLLM's choice, all the
+    process's cores but one, at least one) from this thread. vLLM binds an engine's model
+    threads only when it starts them in a worker process of their own (through the OpenMP
+    environment of that process); in this process the thread that will generate gets the cores
+    as its affinity, which the OpenMP threads it starts inherit, and as its torch thread count.
+    The threads are confined to those cores, not pinned one per core."""
+    if cpu_cores is None:
+        available = sorted(os.sched_getaffinity(0))
+        cpu_cores = available[: max(1, len(available) - 1)]
+    os.sched_setaffinity(0, cpu_cores)  # pid 0: the calling thread
+    torch.set_num_threads(len(cpu_cores))
+
+
+# engines made with in_process=True, until shut down (make_vllm_engine runs one at a time)
+_IN_PROCESS_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shut_down(llm) -> bool:
+    return getattr(llm, "_rlpost_shut_down", False)
 
 
 def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:
@@ -470,8 +530,17 @@ def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables for the block, then restore what was there."""
+def _vllm_environment(values: dict[str, str]):
+    """Set environment variables for an engine's start, then restore what was there.
+
+    An engine core started in this process freezes vLLM's view of the environment (its
+    ``envs`` cache) as it was during the start; the cache is cleared before the start, so that
+    this engine reads ``values``, and rebuilt from the restored environment after it, so that a
+    later engine does not inherit them."""
+    from vllm import envs
+
+    was_cached = envs._is_envs_cache_enabled()
+    envs.disable_envs_cache()
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -482,13 +551,18 @@ def _environment(values: dict[str, str]):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+        if was_cached or envs._is_envs_cache_enabled():
+            envs.disable_envs_cache()
+            envs.enable_envs_cache()
 
 
 def shutdown_vllm_engine(llm) -> None:
-    """Stop a ``vllm.LLM``'s engine-core and worker processes now instead of at garbage collection."""
+    """Stop a ``vllm.LLM``'s engine core and worker (their processes, or, in this process, their
+    state) now instead of at garbage collection."""
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine_core is not None:
         engine_core.shutdown()
+    llm._rlpost_shut_down = True
 
 
 def _is_client(obj) -> bool:

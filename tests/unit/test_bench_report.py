@@ -287,6 +287,9 @@ def test_the_engine_profile_groups_py_spy_samples_by_process_and_phase(tmp_path)
                 f"{worker};WorkerProc.monitor_death_pipe (m.py:7) 99",  # another thread: left out
                 f"{core};EngineCoreProc.run_busy_loop (c.py:8);EngineCore.step (c.py:9);Scheduler.schedule (s.py:10) 30",
                 f"{caller};child (p.py:1);_generate_loop (p.py:2);LLM.generate (l.py:3);LLMEngine.add_request (l.py:4) 5",
+                # an engine in the caller's process: its phases are the caller's
+                f"{caller};_generate_loop (p.py:2);EngineCore.step (c.py:9);CPUModelRunner.execute_model (g.py:2) 40",
+                f"{caller};_generate_loop (p.py:2);EngineCore.step (c.py:9);Scheduler.schedule (s.py:10) 15",
             ]
         )
         + "\n"
@@ -298,6 +301,8 @@ def test_the_engine_profile_groups_py_spy_samples_by_process_and_phase(tmp_path)
         "worker: waits for the scheduler's next step (busy-polls)": 0.2,
         "EngineCore: schedules the step": 0.3,
         "caller: adds the requests": 0.05,
+        "in process: model forward": 0.4,
+        "in process: schedules the step": 0.15,
     }
     engine_case = {"median_s": 0.5, "repeats": [0.5, 0.6, 0.4], "under_py_spy_median_s": 0.7,
                    "phases_s_per_call": phases}  # fmt: skip

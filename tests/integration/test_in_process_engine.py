@@ -1,0 +1,69 @@
+"""An inference worker whose vLLM engine runs in the worker's own process (``rollout.engine.in_process``,
+the CPU default): no engine processes, the model's threads on the given cores, the caller's threads
+left alone, and a second engine asked for in the same process given processes of its own."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+from rlpost.config import JobConfig
+
+pytestmark = pytest.mark.integration
+
+
+def engine_children() -> list[str]:
+    names = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.name().startswith("VLLM::"):
+                names.append(process.name())
+        except psutil.NoSuchProcess:
+            pass
+    return names
+
+
+def test_an_in_process_engine_runs_on_its_thread_and_cores_and_a_second_gets_processes(tiny_model_path):
+    from rlpost.policies import make_vllm_engine, make_vllm_worker, shutdown_vllm_engine
+
+    engine = JobConfig().rollout.engine.model_copy(
+        update={"cpu_threads": 1, "max_model_len": 256, "kv_cache_space_gb": 0.25, "max_num_seqs": 16}
+    )
+    assert engine.in_process is None  # the default: in process on the CPU backend
+    caller_affinity, caller_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    worker = make_vllm_worker(str(tiny_model_path), make_ray_worker=False, engine_config=engine)
+    try:
+        assert engine_children() == []  # no EngineCore, no worker process
+        # the engine thread runs the model on core 0 with one thread; the caller's thread is as it was
+        assert worker._on_engine_thread(lambda: (os.sched_getaffinity(0), torch.get_num_threads())) == (
+            {sorted(caller_affinity)[0]},
+            1,
+        )
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == (caller_affinity, caller_threads)
+        torch.set_num_threads(caller_threads)  # vLLM disables it in an engine's process; it works here
+        greedy = {"max_tokens": 8, "temperature": 0.0}
+        prompts = [[1, 2, 3], [4, 5, 6, 7]]
+        # the wrapper's client, called from this thread, runs the engine on the engine's thread
+        completions = worker.client.generate(prompts, greedy)
+        assert [c[0].token_ids for c in completions] == [c[0].token_ids for c in worker.generate(prompts, greedy)[0]]
+
+        # vLLM's parallel state is one per process: a second engine meanwhile runs in its own processes
+        other = make_vllm_engine(tiny_model_path, max_model_len=256, seed=0, in_process=True,
+                                 kv_cache_memory_bytes=2**28)  # fmt: skip
+        try:
+            assert "VLLM::Worker" in engine_children()
+            from rlpost.policies import LocalVLLMClient
+
+            theirs = LocalVLLMClient(other).generate(prompts, greedy)
+            # the same weights compute the same greedy tokens in either layout
+            assert [c[0].token_ids for c in theirs] == [c[0].token_ids for c in completions]
+        finally:
+            shutdown_vllm_engine(other)
+        assert [c[0].token_ids for c in worker.client.generate(prompts, greedy)] == [
+            c[0].token_ids for c in completions
+        ]
+    finally:
+        worker.shutdown()
