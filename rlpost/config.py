@@ -209,11 +209,11 @@ class EngineConfig(_Section):
     in_process: bool | None = Field(
         None,
         description="Run vLLM's engine core and model worker inside the inference worker's own process (vLLM's "
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of two child processes of their own; the worker then drives "
-        "the engine from one thread of its own, the one whose model threads vLLM bound to their cores. None: true "
-        "on the CPU backend, where the two child processes cost ~30 s of start-up per engine (each imports vLLM) "
-        "and compete with the model for the cores (tiny race's generate call: 0.44 s in process against 0.66 s "
-        "on 2 threads; BENCHMARKS.md, section 14); false on a GPU (vLLM's own layout).",
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of two child processes of their own; the worker then runs "
+        "every engine call on one thread of its own, whose cpu_threads cores the model's threads inherit. None: "
+        "true on the CPU backend, where the two child processes cost ~28 s of start-up per engine (each imports "
+        "vLLM) and busy-poll beside the model (tiny race's generate call on 2 threads: 0.33 s in process against "
+        "0.63 s; BENCHMARKS.md, section 14); false on a GPU (vLLM's own layout).",
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 

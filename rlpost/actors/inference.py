@@ -8,7 +8,7 @@
   the prefix cache (its KV was computed with the old weights) -> bump the version.
   In-flight updates (``inflight_updates``, on by default): an update that arrives while a
   generate call runs does not wait for it to finish. The generate call steps the engine itself;
-  the engine's worker process receives the update's bytes on a thread of its own while the
+  the engine's model worker receives the update's bytes on a thread of its own while the
   engine keeps stepping, and once they are in, between two engine steps, the call pauses the
   scheduler keeping every running request, reloads, labels the weights and resumes: running
   requests go on with the new weights (their KV cache, computed
@@ -17,7 +17,9 @@
   version stamp stays the version it started with, the oldest of its tokens. Every other call
   (score, a later generate, an update when no generate runs) takes the engine alone.
   ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it is a threaded actor so
-  that an update can reach a running generate.
+  that an update can reach a running generate. On the CPU backend the engine's core and model
+  worker run in the worker's own process (``rollout.engine.in_process``) and every engine call
+  runs on one thread of the worker, the one whose cores the model's threads inherit.
 - :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
   to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
   split across workers: its samples must come from one set of weights); it records the version
@@ -211,8 +213,11 @@ class InferenceWorker:
         """``method`` of rlpost's extension in the engine's worker (the first worker's answer),
         never unbounded: past ``timeout_s`` vLLM raises TimeoutError naming the method (an
         in-process engine runs it in this process, where it returns or raises on its own)."""
-        rpc = self.llm.collective_rpc
-        return self._on_engine_thread(rpc, method, args=args, timeout=timeout_s)[0]
+
+        def call() -> Any:
+            return self.llm.collective_rpc(method, args=args, timeout=timeout_s)[0]
+
+        return self._on_engine_thread(call)
 
     @contextlib.contextmanager
     def _engine_turn(self, generating: bool = False) -> Iterator[None]:

@@ -33,6 +33,7 @@ def bare_worker() -> InferenceWorker:
     worker.llm, worker._turn = RecordingLLM(), threading.Condition()
     worker._generating = worker._busy = False
     worker._pending = None
+    worker._engine_thread = None  # calls run in the calling thread
     worker.direct_reload, worker.overlap_reload = True, True
     return worker
 
