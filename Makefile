@@ -52,7 +52,8 @@ demo-tools: install tiny-model-tools
 
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
-# long runs (25 min on one 2-core Intel machine, 44 min on a 2-core AMD EPYC one); `make test-long`
+# long runs (31 min on a 2-core AMD EPYC machine, 44 min there before CPU engines ran in their
+# inference worker's process; 25 min on a 2-core Intel one before that change); `make test-long`
 # runs those (the chaos runs, the sharded learner's runs: 15-18 min). CI (.ci/run) runs both. The
 # two tiny models are built first, outside any test's timeout (the tool model's warm start took
 # 2.5 min on one 2-core machine, 9.5 min on another); the tests' fixtures then find them.
