@@ -54,7 +54,7 @@ demo-tools: install tiny-model-tools
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # long runs (31 min on a 2-core AMD EPYC machine, 44 min there before CPU engines ran in their
 # inference worker's process; 25 min on a 2-core Intel one before that change); `make test-long`
-# runs those (the chaos runs, the sharded learner's runs: 15-18 min). CI (.ci/run) runs both. The
+# runs those (the chaos runs, the sharded learner's runs: 12 min on the AMD machine, 15-18 before). CI (.ci/run) runs both. The
 # two tiny models are built first, outside any test's timeout (the tool model's warm start took
 # 2.5 min on one 2-core machine, 9.5 min on another); the tests' fixtures then find them.
 test: install-dev lint tiny-model tiny-model-tools
