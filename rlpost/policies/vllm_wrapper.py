@@ -464,7 +464,7 @@ def make_vllm_engine(
     if kv_cache_memory_bytes is not None:
         engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     binding = {}
-    if in_process and any(not _shut_down(engine) for engine in _IN_PROCESS_ENGINES):
+    if in_process and len(_IN_PROCESS_ENGINES):
         log.info("another vLLM engine runs in this process: this one runs in processes of its own")
         in_process = False
     if in_process:
@@ -476,18 +476,20 @@ def make_vllm_engine(
         binding["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cpu_cores)
     engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it when it runs here
-    with _vllm_environment(binding):
-        llm = LLM(
-            str(model_path),
-            dtype=dtype,
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            seed=seed,
-            max_logprobs=max_logprobs,
-            logprobs_mode="processed_logprobs",
-            **engine_kwargs,
-        )
-    torch.set_num_threads = set_num_threads
+    try:
+        with _vllm_environment(binding):
+            llm = LLM(
+                str(model_path),
+                dtype=dtype,
+                enforce_eager=enforce_eager,
+                max_model_len=max_model_len,
+                seed=seed,
+                max_logprobs=max_logprobs,
+                logprobs_mode="processed_logprobs",
+                **engine_kwargs,
+            )
+    finally:
+        torch.set_num_threads = set_num_threads
     if in_process:
         _IN_PROCESS_ENGINES.add(llm)
     if current_platform.is_cpu() and engine_kwargs.get("worker_extension_cls") == WORKER_EXTENSION and not in_process:
@@ -511,10 +513,6 @@ def _confine_this_thread(cpu_cores: Sequence[int] | None) -> None:
 
 # engines made with in_process=True, until shut down (make_vllm_engine runs one at a time)
 _IN_PROCESS_ENGINES: weakref.WeakSet = weakref.WeakSet()
-
-
-def _shut_down(llm) -> bool:
-    return getattr(llm, "_rlpost_shut_down", False)
 
 
 def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:
@@ -562,7 +560,7 @@ def shutdown_vllm_engine(llm) -> None:
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine_core is not None:
         engine_core.shutdown()
-    llm._rlpost_shut_down = True
+    _IN_PROCESS_ENGINES.discard(llm)
 
 
 def _is_client(obj) -> bool:

@@ -45,7 +45,11 @@ def test_an_in_process_engine_runs_on_its_thread_and_cores_and_a_second_gets_pro
             1,
         )
         assert (os.sched_getaffinity(0), torch.get_num_threads()) == (caller_affinity, caller_threads)
-        torch.set_num_threads(caller_threads)  # vLLM disables it in an engine's process; it works here
+        # vLLM disables torch.set_num_threads in an engine's process; here it still works
+        changed = 2 if caller_threads == 1 else 1
+        torch.set_num_threads(changed)
+        assert torch.get_num_threads() == changed
+        torch.set_num_threads(caller_threads)
         greedy = {"max_tokens": 8, "temperature": 0.0}
         prompts = [[1, 2, 3], [4, 5, 6, 7]]
         # the wrapper's client, called from this thread, runs the engine on the engine's thread

@@ -314,7 +314,7 @@ def test_an_update_during_a_generate_call_switches_weights_between_steps(worker,
 
 def test_an_in_flight_update_pauses_generation_only_for_the_reload(worker, tiny_model_path, tiny_tokenizer):
     """The worker is told of an update while it generates, and the publisher sends it 0.6 s
-    later: the engine keeps generating while it waits for the bytes (its worker process receives
+    later: the engine keeps generating while it waits for the bytes (its model worker receives
     them on a thread of its own) and pauses only to load them, so the tokens sampled by the old
     weights span the wait, and the pause is a small part of it."""
     import time
