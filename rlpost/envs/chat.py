@@ -47,6 +47,7 @@ from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.transforms import Transform
+from rlpost.policies.inputs import is_lazy
 
 INPUT_MODES = ("history", "text", "tokens")
 # TorchRL 0.9's keys, still shown in TorchRL's LLM API page: the query of a reset under "text",
@@ -234,13 +235,19 @@ class ChatEnv(EnvBase):
         return chat + [{"role": self.user_role, "content": query}]
 
     def _make_prompt(self, chats: list[list[dict]]) -> Any:
-        """The mode's prompt container for a batch of chats (lists of message dicts)."""
-        history = History.from_chats(chats)
+        """The mode's prompt container for a batch of chats (lists of message dicts).
+
+        Text and tokens modes render each distinct chat once: a group's rows repeat one prompt
+        (``repeats``), and the chat template renders equal chats to equal text, so rendering the
+        16 distinct prompts of a 16 x 8 batch gives the same rows as rendering all 128, at an
+        eighth of the cost. Each row still gets a tensor of its own."""
         if self.input_mode == "history":
-            return ChatHistory(prompt=history, batch_size=[len(chats)])
+            return ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)])
+        distinct, row_of = _distinct_chats(chats)
+        rendered = self._render(History.from_chats(distinct), tokenize=self.input_mode == "tokens")
         if self.input_mode == "text":
-            return make_text(self._render(history, tokenize=False))
-        return make_tokens([torch.as_tensor(ids, dtype=torch.int64) for ids in self._render(history, tokenize=True)])
+            return make_text([rendered[i] for i in row_of])
+        return make_tokens([torch.as_tensor(rendered[i], dtype=torch.int64).clone() for i in row_of])
 
     def _render(self, history: History, *, tokenize: bool) -> list:
         return history.apply_chat_template(
@@ -335,9 +342,9 @@ class ChatEnv(EnvBase):
                 )
             return [torch.cat([row.prompt.reshape(-1), row.response.reshape(-1).to(row.prompt.dtype)]) for row in rows]
         self._policy_field(td, "full")
-        rows = [row.full for row in td.get("tokens").unbind(0)]
+        rows = _row_list(td, ("tokens", "full"))
         if ("masks", "all_attention_mask") in td.keys(include_nested=True):
-            masks = [row.all_attention_mask for row in td.get("masks").unbind(0)]
+            masks = _row_list(td, ("masks", "all_attention_mask"))
             rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
         return rows
 
@@ -525,6 +532,40 @@ def as_list(value: Any, num_rows: int) -> list:
     if len(value) != num_rows:
         raise ValueError(f"expected {num_rows} values, got {len(value)}")
     return list(value)
+
+
+def _distinct_chats(chats: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
+    """The distinct chats, in first-seen order, and for each input row the index of its chat
+    there. Chats are compared by their messages' (role, content) when those are the only keys
+    and the contents are strings (the messages a reset builds); any other chat counts as
+    distinct from every other."""
+    distinct: list[list[dict]] = []
+    row_of: list[int] = []
+    seen: dict[tuple, int] = {}
+    for chat in chats:
+        key = _chat_key(chat)
+        if key is None or key not in seen:
+            if key is not None:
+                seen[key] = len(distinct)
+            row_of.append(len(distinct))
+            distinct.append(chat)
+        else:
+            row_of.append(seen[key])
+    return distinct, row_of
+
+
+def _chat_key(chat: list[dict]) -> tuple | None:
+    if all(message.keys() == {"role", "content"} and isinstance(message["content"], str) for message in chat):
+        return tuple((message["role"], message["content"]) for message in chat)
+    return None
+
+
+def _row_list(td: TensorDictBase, key: tuple[str, str]) -> list[torch.Tensor]:
+    """The rows of entry ``key``, one tensor each, without building a tensorclass per row (a
+    lazy stack gives its stored rows; a dense entry is split along its first dim)."""
+    if is_lazy(td.get(key[0])):
+        return list(td.get(key, as_list=True))
+    return list(td.get(key).unbind(0))
 
 
 def _rows(value: Any, num_rows: int) -> list:

@@ -110,6 +110,48 @@ def test_tokens_reset_matches_the_chat_template(tiny_tokenizer):
         assert ids.dtype == torch.int64 and ids.tolist() == list(expected)
 
 
+@pytest.mark.parametrize("mode", ["text", "tokens"])
+def test_repeated_prompts_render_once_and_keep_rows_of_their_own(tiny_tokenizer, monkeypatch, mode):
+    """A group's rows repeat one prompt: each distinct chat goes through the chat template
+    once, every row gets the rendering of its own chat, and no two rows share a tensor."""
+    queries = [QUERIES[0], QUERIES[1], QUERIES[0], QUERIES[0], QUERIES[1]]
+    env = ChatEnv(input_mode=mode, batch_size=len(queries), system_prompt=SYSTEM, tokenizer=tiny_tokenizer)
+    rendered = []
+    render = ChatEnv._render
+
+    def counting_render(self, history, **kwargs):
+        rendered.append(history.batch_size[0])
+        return render(self, history, **kwargs)
+
+    monkeypatch.setattr(ChatEnv, "_render", counting_render)
+    td = env.reset(reset_input(queries))
+    assert rendered == [2]
+    if mode == "text":
+        assert td["text"].prompt == [rendered_prompt(q) for q in queries]
+        return
+    rows = td.get(("tokens", "prompt"), as_list=True)
+    for ids, query in zip(rows, queries):
+        expected = tiny_tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": query}],
+            tokenize=True, add_generation_prompt=True, return_dict=False,
+        )  # fmt: skip
+        assert ids.tolist() == list(expected)
+    assert len({ids.data_ptr() for ids in rows}) == len(rows)
+    rows[0][0] = -1  # a row's tensor is its own: the row repeating its prompt keeps its ids
+    assert td.get(("tokens", "prompt"), as_list=True)[2][0] != -1
+
+
+def test_distinct_chats_compares_role_and_content_only():
+    from rlpost.envs.chat import _distinct_chats
+
+    a = [{"role": "user", "content": "x"}]
+    b = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
+    extra = [{"role": "user", "content": "x", "is_complete": False}]
+    distinct, row_of = _distinct_chats([a, b, list(a), extra, list(extra), b])
+    assert distinct == [a, b, extra, extra]  # chats with other keys are never merged
+    assert row_of == [0, 1, 0, 2, 3, 1]
+
+
 def _tokens_step_input(tokenizer, td: TensorDict) -> tuple[TensorDict, list[torch.Tensor]]:
     prompts = td.get(("tokens", "prompt"), as_list=True)
     responses = [torch.tensor(tokenizer.encode(r + "<|im_end|>", add_special_tokens=False)) for r in RESPONSES]
