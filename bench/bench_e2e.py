@@ -54,6 +54,10 @@ SYSTEMS = {
         "rollout.engine.cpu_threads=null",
     ],
     "rlpost async (engine in vLLM's processes)": ["trainer.mode=async", "rollout.engine.in_process=false"],
+    # the engine's model compiled by vLLM (torch.compile; rollout.engine.enforce_eager=false)
+    # instead of run op by op: a slower start (the compile), fewer per-op dispatches a step
+    "rlpost sync (compiled engine)": ["trainer.mode=sync", "rollout.engine.enforce_eager=false"],
+    "rlpost async (compiled engine)": ["trainer.mode=async", "rollout.engine.enforce_eager=false"],
     # before item 6's fix: the learner on Ray's default of 1 torch thread (its 0.5 reserved CPU)
     "rlpost sync (learner 1 thread)": ["trainer.mode=sync", "resources.learner.num_threads=null"],
     # 2 learner threads and the engine oversubscribe the 2 cores: slower on the tiny model, faster
