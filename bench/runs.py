@@ -139,18 +139,18 @@ def run_rlpost(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     records = [json.loads(line) for line in (keep / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    elapsed = [r["elapsed_s"] for r in records]
-    step_s = [elapsed[0]] + [b - a for a, b in zip(elapsed, elapsed[1:])]
+    step_s, steps_wall_s, before_first_step_s = step_times(records)
     mode = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.mode=")), "sync")
     return RunResult(
         system=f"rlpost {mode}",
         steps=len(records),
         samples_per_step=work.samples_per_step,
         step_s=step_s,
-        steps_wall_s=elapsed[-1],
+        steps_wall_s=steps_wall_s,
         process_wall_s=wall,
         rewards=[r["reward_mean"] for r in records],
         extra={
+            "before_first_step_s": before_first_step_s,
             "weight_sync_s": [r.get("weight_sync_s") for r in records],
             # where each step's time went (metrics.jsonl's split; absent in runs before it existed)
             **{key: [r.get(key) for r in records] for key in PHASES},
@@ -161,6 +161,22 @@ def run_rlpost(
             "overrides": list(overrides),
         },
     )
+
+
+def step_times(records: list[dict]) -> tuple[list[float], float, float]:
+    """Per-step wall times, the steps' wall time and the time before the first step, from
+    metrics.jsonl's rows.
+
+    ``elapsed_s`` counts from the controller's start, so it includes what the run does before its
+    first step (the start-up weight sync: the workers load version 0 and the probe checks it,
+    ~2.3 s for the tiny model). That is start-up, which TRL's window (its first step's
+    ``on_step_begin`` to its last step's end) leaves out too, so the first step starts its own
+    ``step_time_s`` before its row; every later step lasts from one row to the next (the rows'
+    own bookkeeping included)."""
+    elapsed = [r["elapsed_s"] for r in records]
+    first_start = elapsed[0] - records[0]["step_time_s"]
+    step_s = [records[0]["step_time_s"]] + [b - a for a, b in zip(elapsed, elapsed[1:])]
+    return step_s, elapsed[-1] - first_start, first_start
 
 
 def run_trl(tag: str, work: Workload, *, seed: int = 0, quick: bool = False, timeout_s: float = 1800.0) -> RunResult:

@@ -12,8 +12,8 @@ import pytest
 
 from bench.__main__ import BENCHMARKS, _resolve
 from bench.bench_e2e import _gain
-from bench.report import render
-from bench.runs import RunResult, Workload
+from bench.report import _window_note, render
+from bench.runs import RunResult, Workload, step_times
 
 pytestmark = pytest.mark.unit
 
@@ -216,6 +216,29 @@ def test_run_figures():
     assert run.steady_samples_per_s == pytest.approx(3 * 128 / 4.0)  # step 1 left out
     assert _gain([0.1, 0.2, 0.3, 0.5]) == pytest.approx(0.4)
     assert _gain([0.1, 0.2]) is None  # too short for quarters
+
+
+def test_rlpost_step_times_start_at_the_first_step():
+    """What the run did before its first step (the start-up weight sync) is start-up, outside
+    the steps' window, as TRL's window starts at its first step's begin."""
+    records = [
+        {"elapsed_s": 3.2, "step_time_s": 1.0},  # 2.2 s of start-up sync before step 1 began
+        {"elapsed_s": 4.0, "step_time_s": 0.75},  # 0.05 s of bookkeeping between two steps
+        {"elapsed_s": 4.9, "step_time_s": 0.85},
+    ]
+    step_s, wall, before = step_times(records)
+    assert step_s == pytest.approx([1.0, 0.8, 0.9])
+    assert wall == pytest.approx(2.7) and wall == pytest.approx(sum(step_s))
+    assert before == pytest.approx(2.2)
+
+
+def test_e2e_table_says_when_rlpost_timed_its_start_up_sync():
+    def results(run_extra: dict) -> dict:
+        runs = [{"system": "rlpost sync", **run_extra}, {"system": "TRL GRPOTrainer"}]
+        return {"cases": {"tiny": {r["system"]: {"runs": [r]} for r in runs}}}
+
+    assert "start-up weight sync" in _window_note(results({}))  # an older run: step 1 included it
+    assert _window_note(results({"before_first_step_s": 2.2})) == ""
 
 
 def test_workload_overrides_and_benchmark_names():
