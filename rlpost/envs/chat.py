@@ -541,16 +541,12 @@ def _distinct_chats(chats: list[list[dict]]) -> tuple[list[list[dict]], list[int
     distinct from every other."""
     distinct: list[list[dict]] = []
     row_of: list[int] = []
-    seen: dict[tuple, int] = {}
-    for chat in chats:
-        key = _chat_key(chat)
-        if key is None or key not in seen:
-            if key is not None:
-                seen[key] = len(distinct)
-            row_of.append(len(distinct))
+    index_of: dict[tuple, int] = {}
+    for row, chat in enumerate(chats):
+        index = index_of.setdefault(_chat_key(chat) or ("row", row), len(distinct))
+        if index == len(distinct):
             distinct.append(chat)
-        else:
-            row_of.append(seen[key])
+        row_of.append(index)
     return distinct, row_of
 
 
