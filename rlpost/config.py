@@ -401,9 +401,11 @@ class WeightSyncConfig(_Section):
     )
     shared_memory: bool = Field(
         True,
-        description="Inference workers on the learner's node read CPU weights from shared memory (a segment of "
-        "the learner's process) instead of the gloo collectives; workers on other nodes, and GPU weights, use the "
-        "collectives. false: every worker on the collectives.",
+        description="Inference workers on the learner's node read the weights from memory the learner's process "
+        "shares instead of the collectives: CPU weights from a shared-memory segment, GPU weights through CUDA IPC "
+        "when the worker's engine runs on the learner's own GPU. The segment holds one whole copy of the published "
+        "weights (host memory, or the learner's GPU memory for CUDA IPC), kept between updates. Workers on other "
+        "nodes or other GPUs use the collectives. false: every worker on the collectives.",
     )
 
 

@@ -27,7 +27,7 @@ from rlpost.transport.bucketing import BucketLayout, dtype_from_str
 
 HEADER_BYTES = 4096
 ALIGN = 64
-_TOKEN_BYTES = 16
+TOKEN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,18 @@ def segment_bytes(layout: BucketLayout) -> int:
     )
 
 
+def bucket_views(memory: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
+    """Each bucket of ``layout`` as a flat tensor of its dtype, in a segment's ``memory`` (uint8,
+    the whole segment, header included)."""
+    if segment_bytes(layout) > memory.numel():
+        raise ValueError(f"layout needs {segment_bytes(layout)} bytes, segment has {memory.numel()}")
+    views = []
+    for offset, dtype, numel in zip(bucket_offsets(layout), layout.bucket_dtypes, layout.bucket_numels):
+        dt = dtype_from_str(dtype)
+        views.append(memory[offset : offset + numel * dt.itemsize].view(dt))
+    return views
+
+
 class SharedSegment:
     """One mapped segment; :meth:`create` it (the publisher) or :meth:`open` a ref (a receiver)."""
 
@@ -89,8 +101,8 @@ class SharedSegment:
         try:
             os.posix_fallocate(fd, 0, nbytes)
             memory = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
-            token = secrets.token_bytes(_TOKEN_BYTES)
-            memory[:_TOKEN_BYTES].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
+            token = secrets.token_bytes(TOKEN_BYTES)
+            memory[:TOKEN_BYTES].copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
         except BaseException:
             os.close(fd)
             raise
@@ -107,19 +119,22 @@ class SharedSegment:
             memory = torch.from_file(path, shared=True, size=ref.nbytes, dtype=torch.uint8)
         except RuntimeError as exc:  # torch reports open/mmap failures as RuntimeError
             raise OSError(f"cannot map {path}: {exc}") from exc
-        if bytes(memory[:_TOKEN_BYTES].tolist()).hex() != ref.token:
+        if bytes(memory[:TOKEN_BYTES].tolist()).hex() != ref.token:
             raise OSError(f"{path} is not the publisher's segment (its token differs)")
         return cls(ref, memory, None)
 
     def bucket_views(self, layout: BucketLayout) -> list[torch.Tensor]:
         """Each bucket of ``layout`` as a flat tensor of its dtype, in this segment's memory."""
-        if segment_bytes(layout) > self.ref.nbytes:
-            raise ValueError(f"layout needs {segment_bytes(layout)} bytes, segment has {self.ref.nbytes}")
-        views = []
-        for offset, dtype, numel in zip(bucket_offsets(layout), layout.bucket_dtypes, layout.bucket_numels):
-            dt = dtype_from_str(dtype)
-            views.append(self.memory[offset : offset + numel * dt.itemsize].view(dt))
-        return views
+        return bucket_views(self.memory, layout)
+
+    def ready_points(self, layout: BucketLayout) -> list[int]:
+        """The buckets after which the publisher tells its readers what is written: every one
+        (readers load a bucket while the next is written)."""
+        return [index for index, numel in enumerate(layout.bucket_numels) if numel]
+
+    def settle(self) -> None:
+        """Nothing to wait for: host memory is written when the copy returns (see the CUDA
+        segment's, whose copies are queued on a stream)."""
 
     def close(self) -> None:
         """Drop this process's hold (the mapping goes once no view of it is left)."""

@@ -44,17 +44,20 @@ Protocol (store keys live under `rlpost-bus/gen{g}/`, g = the generation):
    publishes its current weights (the same version is fine). Whom to drop or restart is the
    caller's decision (the controller sees actor deaths).
 
-Same node (gloo, CPU weights, ``BusSpec.shared_memory``): the publisher offers a shared segment
-(:mod:`rlpost.transport.shared_memory`) under `shm-probe` before it joins; each receiver tries to
-map it and sets `route/{rank}` to "shm" or "bus". The receivers on "shm" take no part in the
-collectives: the publisher writes each bucket into the segment (growing it when an update needs
-more room; the header `update/{s}` names the segment) and sets `ready/{s}/{bucket}`, and they
-read the tensors as views of the segment, valid until they confirm `done` (`receive` copies
-them; `receive_streamed` hands the views to its consumer). The others form the collective
-backend among themselves with the publisher (ranks renumbered), and the publisher broadcasts
-the same bucket memory to them: one copy of the weights serves both. Versions, timeouts, failure
-reports and `reform` are the same on both routes. GPU weights always go over NCCL (no CUDA IPC
-path yet).
+Same node (``BusSpec.shared_memory``): the publisher offers a shared segment under `shm-probe`
+before it joins: host memory (:mod:`rlpost.transport.shared_memory`) for CPU weights on gloo, GPU
+memory exported over CUDA IPC (:mod:`rlpost.transport.cuda_ipc`) for GPU weights. Each receiver
+tries to map it (a host segment from a CPU receiver on the node, a CUDA one from a receiver on
+the same GPU) and sets `route/{rank}` to "shm" or "bus". The receivers on "shm" take no part in
+the collectives: the publisher writes each bucket into the segment (growing it when an update
+needs more room; the header `update/{s}` names the segment) and sets `ready/{s}/{bucket}` at the
+segment's ready points (every bucket of host memory; only the last of GPU memory), and
+they read the tensors as views of the segment, valid until they confirm `done` (`receive`
+copies them; `receive_streamed` hands the views to its consumer). On a GPU both sides first
+wait for their queued copies (the segment's `settle`) before they set those keys. The others
+form the collective backend among themselves with the publisher (ranks renumbered), and the
+publisher broadcasts the same bucket memory to them: one copy of the weights serves both.
+Versions, timeouts, failure reports and `reform` are the same on both routes.
 
 NCCL: by default a timed-out NCCL collective makes torch's watchdog kill the process
 (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the bus builds its NCCL backend with mode 2 (abort the
@@ -64,6 +67,7 @@ communicator, keep the process), so a dead inference worker cannot take the lear
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -88,10 +92,13 @@ from rlpost.transport.bucketing import (
     plan_buckets,
     stream_buckets,
 )
-from rlpost.transport.shared_memory import SegmentRef, SharedSegment
+from rlpost.transport.cuda_ipc import CudaSegment, open_segment
+from rlpost.transport.shared_memory import SharedSegment
 
 # a dict, (name, tensor) pairs, or StreamedTensors (made while they are sent)
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StreamedTensors
+_log = logging.getLogger(__name__)
+Segment = SharedSegment | CudaSegment  # the publisher's shared buckets: host memory or GPU memory
 _MAX_IN_FLIGHT = 2  # buckets the publisher keeps in flight: overlap flattening with sending, bound memory
 _REPORT_GRACE_S = 1.0  # how long a failed publish waits for live receivers to report their side
 _NCCL_ERROR_MODE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -261,7 +268,7 @@ class _Group:
         self.pids: dict[int, int] = {}  # their process ids
         self.bus_ranks: list[int] = list(range(spec.world_size))  # the publisher and the others
 
-    def await_peers(self, wait_s: float, probe: SharedSegment | None = None) -> SharedSegment | None:
+    def await_peers(self, wait_s: float, probe: Segment | None = None) -> Segment | None:
         """Announce this rank and wait (bounded) until every rank has, then agree on who reads
         from shared memory; safe to retry. ``probe``: the publisher's segment, offered to the
         receivers. Returns a receiver's mapping of it (None: this rank is on the bus)."""
@@ -274,11 +281,15 @@ class _Group:
         mapped = None
         if self.rank != 0:
             offer = json.loads(self.keys.get("shm-probe"))
-            if offer is not None and self.spec.shared_memory and self.device.type == "cpu":
+            if offer is not None and self.spec.shared_memory:
                 try:
-                    mapped = SharedSegment.open(SegmentRef.from_dict(offer))
-                except OSError:
-                    mapped = None  # another node or PID namespace: this rank stays on the bus
+                    mapped = open_segment(offer, self.device)
+                except Exception as exc:  # noqa: BLE001 - any failure to map leaves the bus, which always works
+                    # OSError: another node, PID namespace or GPU (expected); anything else is
+                    # this torch's CUDA IPC misbehaving, worth a line in the log
+                    level = logging.DEBUG if isinstance(exc, OSError) else logging.WARNING
+                    _log.log(level, "rank %d stays on the bus: the offered segment: %s", self.rank, exc)
+                    mapped = None
             self.keys.set(f"route/{self.rank}", "shm" if mapped is not None else "bus")
         receivers = [f"route/{r}" for r in everyone if r != 0]
         if receivers:
@@ -406,7 +417,7 @@ class _TorchEnd:
         self._broken: str | None = None  # why the current generation is unusable
         self._seq = 0
         # shared memory of this generation: the publisher's segment, or a receiver's mapping of it
-        self._segment: SharedSegment | None = None
+        self._segment: Segment | None = None
 
     @property
     def generation(self) -> int:
@@ -454,11 +465,11 @@ class _TorchEnd:
                 self._group.abort()
             raise
 
-    def _offer(self) -> SharedSegment | None:
+    def _offer(self) -> Segment | None:
         """The segment the publisher offers its receivers (None: no shared memory)."""
         return None
 
-    def _use_segment(self, segment: SharedSegment | None) -> None:
+    def _use_segment(self, segment: Segment | None) -> None:
         if self._segment is not None and self._segment is not segment:
             self._segment.close()
         self._segment = segment
@@ -494,7 +505,7 @@ class TorchWeightPublisher(_TorchEnd):
     `world_size`: 1 + number of receivers. `host`: the address receivers dial (this node's IP on
     a cluster). `device`: where the weights live; with backend "auto" it picks NCCL for a GPU.
     `shared_memory`: offer receivers on this node the buckets in shared memory (CPU weights on
-    gloo only; module docstring).
+    gloo; GPU weights over CUDA IPC to receivers on the same GPU; module docstring).
     """
 
     def __init__(
@@ -522,6 +533,16 @@ class TorchWeightPublisher(_TorchEnd):
         self._version = -1
         self._layouts: set[str] = set()
         self._unconfirmed: _Unconfirmed | None = None
+        self._last_plan: tuple[tuple, BucketLayout] | None = None  # (what it packs, layout)
+
+    def _plan(self, named: list[tuple[str, torch.Tensor]], in_order: bool) -> BucketLayout:
+        """The bucket layout of ``named``; the last one again when names, dtypes and shapes are
+        the same (a learner publishes the same set every time: milliseconds saved per update)."""
+        key = (in_order, self.spec.bucket_mb, tuple((name, t.dtype, t.shape) for name, t in named))
+        if self._last_plan is None or self._last_plan[0] != key:
+            layout = plan_buckets(named, int(self.spec.bucket_mb * 2**20), in_order=in_order)
+            self._last_plan = (key, layout)
+        return self._last_plan[1]
 
     def publish(self, named_tensors: NamedTensors, version: int, *, wait: bool = True) -> PublishStats:
         """Send `named_tensors` as `version` to every receiver; returns once all confirmed.
@@ -536,7 +557,7 @@ class TorchWeightPublisher(_TorchEnd):
         _check_version(version, self._version)
         streamed = isinstance(named_tensors, StreamedTensors)
         named = named_tensors.placeholders() if streamed else as_named_list(named_tensors)
-        layout = plan_buckets(named, int(self.spec.bucket_mb * 2**20), in_order=streamed)
+        layout = self._plan(named, streamed)
         t0 = time.perf_counter()
         connect_s = self._join(None, version)
         seq = self._seq
@@ -612,15 +633,21 @@ class TorchWeightPublisher(_TorchEnd):
             silent = group.unconfirmed(pending, f"done/{seq}/{{}}", f"failed/{seq}/{{}}")
         return silent
 
-    def _offer(self) -> SharedSegment | None:
-        if not (self.spec.shared_memory and self.spec.backend == "gloo" and self.device.type == "cpu"):
+    def _offer(self) -> Segment | None:
+        if not self.spec.shared_memory or (self.device.type == "cpu" and self.spec.backend != "gloo"):
             return None
         if self._segment is None:
             try:
-                self._segment = SharedSegment.create(shared_memory.HEADER_BYTES)
-            except OSError:
-                return None  # no memfd here: every receiver uses the bus
+                self._segment = self._new_segment(shared_memory.HEADER_BYTES)
+            except (OSError, RuntimeError):
+                return None  # no memfd or no CUDA IPC here: every receiver uses the bus
         return self._segment
+
+    def _new_segment(self, nbytes: int) -> Segment:
+        """Host shared memory for CPU weights, GPU memory exported over CUDA IPC for GPU weights."""
+        if self.device.type == "cuda":
+            return CudaSegment.create(nbytes, self.device)
+        return SharedSegment.create(nbytes)
 
     def _shared_buckets(self, layout: BucketLayout) -> list[torch.Tensor] | None:
         """The buckets as views of the shared segment, grown to fit ``layout`` (a bigger segment
@@ -631,10 +658,11 @@ class TorchWeightPublisher(_TorchEnd):
         need = shared_memory.segment_bytes(layout)
         if self._segment.ref.nbytes < need:
             try:
-                grown = SharedSegment.create(need)
-            except OSError as exc:
+                grown = self._new_segment(need)
+            except (OSError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                where = "GPU memory" if self.device.type == "cuda" else "shared memory"
                 raise RuntimeError(
-                    f"could not reserve {need / 2**20:.0f} MiB of shared memory for the weights ({exc}); "
+                    f"could not reserve {need / 2**20:.0f} MiB of {where} for the weights ({exc}); "
                     "free memory on this node or set weight_sync.shared_memory: false"
                 ) from exc
             self._use_segment(grown)
@@ -643,10 +671,12 @@ class TorchWeightPublisher(_TorchEnd):
     def _await_shared_readers(self, seq: int) -> None:
         """Wait for the shared-memory receivers' ``done`` keys, watching their processes: one
         that exits fails the update at once, as a closed socket does on the bus (no collective
-        would notice it). Polls the store, 1 ms apart at first, at most 20 ms."""
+        would notice it). Polls the store 0.2 ms apart for the first 20 ms (a GPU update of a
+        small model takes milliseconds), then backs off to 20 ms apart."""
         group = self._group
         pending = dict(group.pids)
-        deadline, pause = time.monotonic() + self.spec.timeout_s, 0.001
+        start = time.monotonic()
+        deadline, pause = start + self.spec.timeout_s, 0.0002
         while pending:
             pending = {r: pid for r, pid in pending.items() if not group.keys.check([f"done/{seq}/{r}"])}
             gone = [r for r, pid in pending.items() if _process_gone(pid)]
@@ -656,7 +686,8 @@ class TorchWeightPublisher(_TorchEnd):
                 raise RuntimeError(f"receiver rank(s) {sorted(pending)} did not confirm within {self.spec.timeout_s}s")
             if pending:
                 time.sleep(pause)
-                pause = min(pause * 2, 0.02)
+                if time.monotonic() - start > 0.02:
+                    pause = min(pause * 2, 0.02)
 
     def _announce(self, layout: BucketLayout, version: int, seq: int) -> None:
         keys = self._group.keys
@@ -683,9 +714,12 @@ class TorchWeightPublisher(_TorchEnd):
         else:
             flats = stream_buckets(layout, tensors, self.device, out=shared)
 
+        points = set(self._segment.ready_points(layout)) if shared is not None else set()
+
         def filled() -> Iterator[torch.Tensor]:
             for index, flat in flats:
-                if shared is not None:
+                if index in points:
+                    self._segment.settle()  # a GPU copy is only queued: finish it before telling
                     group.keys.set(f"ready/{seq}/{index}", "1")
                 yield flat
 
@@ -701,7 +735,7 @@ class TorchWeightPublisher(_TorchEnd):
         ready = []  # the shared-memory readers' per-bucket keys
         if self._group.shm_ranks:
             self._await_shared_readers(seq)
-            ready = [f"ready/{seq}/{i}" for i, n in enumerate(layout.bucket_numels) if n]
+            ready = [f"ready/{seq}/{i}" for i in self._segment.ready_points(layout)]
         if done:
             keys.wait(done, self._group.timeout)
         for key in [f"update/{seq}", *done, *ready]:
@@ -759,7 +793,7 @@ class TorchWeightReceiver(_TorchEnd):
             version = fail.version = header["version"]
             layout = self._layout(header["layout"])
             if self._reads_shared_memory:
-                arriving = self._arriving_shared(layout, SegmentRef.from_dict(header["shm"]), seq, fail)
+                arriving = self._arriving_shared(layout, header["shm"], seq, fail)
             else:
                 arriving = self._arriving(layout, fail)
             if version < self.version:
@@ -775,6 +809,8 @@ class TorchWeightReceiver(_TorchEnd):
                     raise fail.error(f"loading version {version} failed", exc) from exc
                 for _ in arriving:
                     pass
+            if self._reads_shared_memory:
+                self._segment.settle()  # the consumer's GPU copies out of the segment are done
             self._group.keys.set(f"done/{seq}/{self.rank}", "1")
         self._seq = seq + 1
         if version < self.version:
@@ -797,20 +833,22 @@ class TorchWeightReceiver(_TorchEnd):
             with fail.guard("receive"):
                 work.wait(self._group.timeout)
 
-    def _arriving_shared(self, layout: BucketLayout, ref: SegmentRef, seq: int,
+    def _arriving_shared(self, layout: BucketLayout, ref: dict, seq: int,
                          fail: _SyncFailure) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-        """As :meth:`_arriving`, from the publisher's shared segment: each bucket's tensors once
-        its ``ready/`` key is set, as views of the segment (valid until this update is done)."""
-        if self._segment is None or self._segment.ref != ref:  # the publisher grew its segment
+        """As :meth:`_arriving`, from the publisher's shared segment (``ref``: its header entry):
+        each bucket's tensors once the ``ready/`` key of a bucket at or after it is set (the
+        publisher fills buckets in order), as views of the segment (valid until this update is
+        done)."""
+        if self._segment is None or self._segment.ref.to_dict() != ref:  # the publisher grew its segment
             with fail.guard("mapping the shared weights"):
-                self._use_segment(SharedSegment.open(ref))
+                self._use_segment(open_segment(ref, self.device))
         views = self._segment.bucket_views(layout)
-        ready: set[int] = set()
+        points, ready_through = self._segment.ready_points(layout), -1  # buckets are written in order
         for slot in layout.slots:
-            if slot.bucket not in ready:
+            if slot.bucket > ready_through:
+                ready_through = next(p for p in points if p >= slot.bucket)
                 with fail.guard("receive"):
-                    self._group.keys.wait([f"ready/{seq}/{slot.bucket}"], self._group.timeout)
-                ready.add(slot.bucket)
+                    self._group.keys.wait([f"ready/{seq}/{ready_through}"], self._group.timeout)
             yield slot.name, views[slot.bucket][slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def reform(self, spec: BusSpec, rank: int) -> None:

@@ -91,6 +91,30 @@ def test_layout_travels_as_json_and_receivers_allocate_matching_buckets():
     ]
 
 
+def test_each_bucket_lists_its_slots_end_to_end_in_the_senders_order():
+    layout = plan_buckets(named_tensors(), bucket_bytes=1 * KB)
+    assert [s for slots in layout.bucket_slots for s in slots] == sorted(layout.slots, key=lambda s: s.bucket)
+    for index, slots in enumerate(layout.bucket_slots):
+        assert all(s.bucket == index for s in slots)
+        assert [s.offset for s in slots] == [sum(p.numel for p in slots[:i]) for i in range(len(slots))]
+        assert sum(s.numel for s in slots) == layout.bucket_numels[index]
+
+
+def test_the_publisher_plans_once_for_the_same_tensors_and_again_when_they_change():
+    from rlpost.transport import TorchWeightPublisher
+
+    publisher = TorchWeightPublisher(1, backend="gloo", bucket_mb=0.001, timeout_s=5)  # no receivers
+    try:
+        first = publisher._plan(named_tensors(), in_order=False)
+        assert publisher._plan(named_tensors(), in_order=False) is first  # new values, same layout
+        grown = [(n, torch.zeros(101) if n == "a" else t) for n, t in named_tensors()]
+        assert publisher._plan(grown, in_order=False) != first
+        assert publisher._plan(named_tensors(), in_order=True) != first
+        assert publisher.publish(grown, 1).num_bytes == plan_buckets(grown, 1048).num_bytes
+    finally:
+        publisher.close()
+
+
 def test_bad_inputs_are_user_errors():
     with pytest.raises(ValueError, match="duplicate"):
         as_named_list([("w", torch.zeros(1)), ("w", torch.ones(1))])
