@@ -18,6 +18,7 @@ Checks (each reports ok, seconds and details):
   the learner process survives (NCCL watchdog does not kill it), and after `reform` the same
   receiver gets the weights again, exact.
 - dead_peer: the receiver is killed; publish raises within timeout + slack.
+- streamed: versions published as ``StreamedTensors`` (a sharded learner's way) arrive exact.
 - ipc_*: the same three with the receiver process on the publisher's GPU, which must take the
   CUDA IPC route (``shared_memory``: it maps the publisher's bucket memory, no collective);
   ipc_same_process_stays_on_bus: a receiver in the publisher's process falls back to the bus;
@@ -42,7 +43,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlpost.transport import BusSpec, TorchWeightPublisher, TorchWeightReceiver, WeightSyncError  # noqa: E402
+from rlpost.transport import (  # noqa: E402
+    BusSpec,
+    StreamedTensors,
+    TorchWeightPublisher,
+    TorchWeightReceiver,
+    WeightSyncError,
+)
 
 SLACK_S = 5.0
 WAIT_S = 60.0  # joining, and a reply from the receiver process: a broken check fails, it does not hang
@@ -189,6 +196,26 @@ def check_exact(args, backend: str, receiver_device: str, route: str = "bus") ->
         big = exchange(publisher, peer, 4, args.big_mb)
         big["gb_per_s"] = round(big["bytes"] / big["seconds"] / 1e9, 2)
         return {"ok": all(r["ok"] for r in rounds) and big["ok"], "rounds": rounds, "bandwidth": big}
+    finally:
+        peer.stop()
+        publisher.close()
+
+
+def check_streamed(args, backend: str, receiver_device: str, route: str = "bus") -> dict:
+    """Publish as a sharded learner does: ``StreamedTensors`` made while the buckets fill (the
+    layout in the tensors' order, each bucket filled from the stream); versions 1..2 exact."""
+    publisher, peer = start(args, backend, receiver_device, route)
+    try:
+        rounds = []
+        for version in (1, 2):
+            weights = model_weights(version, str(publisher.device))
+            specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in weights.items())
+            peer.call("receive", 0, wait=False)
+            stats = publisher.publish(StreamedTensors(specs, lambda w=weights: iter(w.items())), version)
+            status, got, bad = peer.replies.get(timeout=WAIT_S + SLACK_S)
+            ok = status == "ok" and got == version and not bad
+            rounds.append({"version": version, "ok": ok, "reply": [status, got, bad], "buckets": stats.num_buckets})
+        return {"ok": all(r["ok"] for r in rounds), "rounds": rounds}
     finally:
         peer.stop()
         publisher.close()
@@ -370,6 +397,7 @@ def run_checks(args) -> dict:
     if args.device != "cpu":
         for name, check in checks.items():  # a receiver process on the publisher's GPU: CUDA IPC
             run(f"ipc_{name}", check, args, "nccl", args.device, "ipc")
+        run("ipc_streamed", check_streamed, args, "nccl", args.device, "ipc")
         run("ipc_same_process_stays_on_bus", check_same_process_stays_on_bus, args)
         for model in args.ipc_models:
             run(f"ipc_bandwidth_{model}", check_ipc_bandwidth, args, model)
@@ -387,6 +415,7 @@ def run_checks(args) -> dict:
             results["nccl_skipped"] = "needs 2 GPUs: this NCCL refuses two ranks on one device"
     for name, check in checks.items():
         run(f"gloo_{args.device.split(':')[0]}_{name}", check, args, "gloo", args.device)
+    run(f"gloo_{args.device.split(':')[0]}_streamed", check_streamed, args, "gloo", args.device)
     return results
 
 

@@ -639,8 +639,11 @@ class TorchWeightPublisher(_TorchEnd):
         if self._segment is None:
             try:
                 self._segment = self._new_segment(shared_memory.HEADER_BYTES)
-            except (OSError, RuntimeError):
-                return None  # no memfd or no CUDA IPC here: every receiver uses the bus
+            except Exception as exc:  # noqa: BLE001 - without a segment every receiver uses the bus, which works
+                # OSError: no memfd here; anything else is this torch's CUDA IPC misbehaving
+                level = logging.DEBUG if isinstance(exc, OSError) else logging.WARNING
+                _log.log(level, "no shared segment offered, every receiver uses the bus: %s", exc)
+                return None
         return self._segment
 
     def _new_segment(self, nbytes: int) -> Segment:
