@@ -35,10 +35,10 @@ import torch
 from torch.multiprocessing import reductions
 
 from rlpost.transport.bucketing import BucketLayout
-from rlpost.transport.shared_memory import HEADER_BYTES, TOKEN_BYTES, SegmentRef, SharedSegment, bucket_views
+from rlpost.transport.shared_memory import HEADER_BYTES, TOKEN_BYTES, bucket_views, filled_buckets
 
 KIND = "cuda"
-# rebuild_cuda_tensor's arguments that are not part of the handle: fixed for a segment
+# the storage classes a handle may name (it names its class; anything else is refused)
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
 
 
@@ -164,8 +164,7 @@ class CudaSegment:
         last. On one GPU the readers' copies and the publisher's share the same memory
         bandwidth, so overlapping them gains nothing, while each handshake (a stream sync and a
         store round trip) costs tens of microseconds: per 64 MB bucket that halved the rate."""
-        filled = [index for index, numel in enumerate(layout.bucket_numels) if numel]
-        return filled[-1:]
+        return filled_buckets(layout)[-1:]
 
     def settle(self) -> None:
         """Wait until this process's queued copies into or out of the segment are done (its
@@ -176,13 +175,3 @@ class CudaSegment:
         """Drop this process's hold (a receiver's mapping goes once no view of it is left; the
         publisher's memory once no receiver maps it either)."""
         self.memory = torch.empty(0, dtype=torch.uint8)
-
-
-def open_segment(raw: dict, device: torch.device):
-    """Map the segment a publisher offered (``raw``: its ref's ``to_dict``), host or CUDA, for a
-    receiver whose weights live on ``device``; ``OSError`` when this receiver cannot."""
-    if raw.get("kind") == KIND:
-        return CudaSegment.open(CudaSegmentRef.from_dict(raw), device)
-    if device.type != "cpu":
-        raise OSError(f"host shared memory is for receivers on the CPU, not on {device}")
-    return SharedSegment.open(SegmentRef.from_dict(raw))

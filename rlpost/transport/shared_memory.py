@@ -71,6 +71,11 @@ def segment_bytes(layout: BucketLayout) -> int:
     )
 
 
+def filled_buckets(layout: BucketLayout) -> list[int]:
+    """The indices of the buckets of ``layout`` that hold any element."""
+    return [index for index, numel in enumerate(layout.bucket_numels) if numel]
+
+
 def bucket_views(memory: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
     """Each bucket of ``layout`` as a flat tensor of its dtype, in a segment's ``memory`` (uint8,
     the whole segment, header included)."""
@@ -130,7 +135,7 @@ class SharedSegment:
     def ready_points(self, layout: BucketLayout) -> list[int]:
         """The buckets after which the publisher tells its readers what is written: every one
         (readers load a bucket while the next is written)."""
-        return [index for index, numel in enumerate(layout.bucket_numels) if numel]
+        return filled_buckets(layout)
 
     def settle(self) -> None:
         """Nothing to wait for: host memory is written when the copy returns (see the CUDA

@@ -82,7 +82,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
-from rlpost.transport import shared_memory
+from rlpost.transport import cuda_ipc, shared_memory
 from rlpost.transport.bucketing import (
     BucketLayout,
     StreamedTensors,
@@ -92,8 +92,8 @@ from rlpost.transport.bucketing import (
     plan_buckets,
     stream_buckets,
 )
-from rlpost.transport.cuda_ipc import CudaSegment, open_segment
-from rlpost.transport.shared_memory import SharedSegment
+from rlpost.transport.cuda_ipc import CudaSegment, CudaSegmentRef
+from rlpost.transport.shared_memory import SegmentRef, SharedSegment
 
 # a dict, (name, tensor) pairs, or StreamedTensors (made while they are sent)
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | StreamedTensors
@@ -283,12 +283,9 @@ class _Group:
             offer = json.loads(self.keys.get("shm-probe"))
             if offer is not None and self.spec.shared_memory:
                 try:
-                    mapped = open_segment(offer, self.device)
+                    mapped = _open_segment(offer, self.device)
                 except Exception as exc:  # noqa: BLE001 - any failure to map leaves the bus, which always works
-                    # OSError: another node, PID namespace or GPU (expected); anything else is
-                    # this torch's CUDA IPC misbehaving, worth a line in the log
-                    level = logging.DEBUG if isinstance(exc, OSError) else logging.WARNING
-                    _log.log(level, "rank %d stays on the bus: the offered segment: %s", self.rank, exc)
+                    _log_fallback(exc, f"rank {self.rank} stays on the bus, the offered segment")
                     mapped = None
             self.keys.set(f"route/{self.rank}", "shm" if mapped is not None else "bus")
         receivers = [f"route/{r}" for r in everyone if r != 0]
@@ -640,9 +637,7 @@ class TorchWeightPublisher(_TorchEnd):
             try:
                 self._segment = self._new_segment(shared_memory.HEADER_BYTES)
             except Exception as exc:  # noqa: BLE001 - without a segment every receiver uses the bus, which works
-                # OSError: no memfd here; anything else is this torch's CUDA IPC misbehaving
-                level = logging.DEBUG if isinstance(exc, OSError) else logging.WARNING
-                _log.log(level, "no shared segment offered, every receiver uses the bus: %s", exc)
+                _log_fallback(exc, "no shared segment offered, every receiver uses the bus")
                 return None
         return self._segment
 
@@ -844,7 +839,7 @@ class TorchWeightReceiver(_TorchEnd):
         done)."""
         if self._segment is None or self._segment.ref.to_dict() != ref:  # the publisher grew its segment
             with fail.guard("mapping the shared weights"):
-                self._use_segment(open_segment(ref, self.device))
+                self._use_segment(_open_segment(ref, self.device))
         views = self._segment.bucket_views(layout)
         points, ready_through = self._segment.ready_points(layout), -1  # buckets are written in order
         for slot in layout.slots:
@@ -867,6 +862,23 @@ class TorchWeightReceiver(_TorchEnd):
         if signature not in self._layouts:
             self._layouts[signature] = BucketLayout.from_json(self._group.keys.get(f"layout/{signature}"))
         return self._layouts[signature]
+
+
+def _open_segment(raw: dict, device: torch.device) -> Segment:
+    """Map the segment a publisher offered (``raw``: its ref's ``to_dict``), host or CUDA, for a
+    receiver whose weights live on ``device``; ``OSError`` when this receiver cannot."""
+    if raw.get("kind") == cuda_ipc.KIND:
+        return CudaSegment.open(CudaSegmentRef.from_dict(raw), device)
+    if device.type != "cpu":
+        raise OSError(f"host shared memory is for receivers on the CPU, not on {device}")
+    return SharedSegment.open(SegmentRef.from_dict(raw))
+
+
+def _log_fallback(exc: Exception, what: str) -> None:
+    """Log why shared memory is not used: quietly for an ``OSError`` (another node, PID
+    namespace or GPU, no memfd: expected), as a warning otherwise (this torch's CUDA IPC
+    misbehaving)."""
+    _log.log(logging.DEBUG if isinstance(exc, OSError) else logging.WARNING, "%s: %s", what, exc)
 
 
 def _process_gone(pid: int) -> bool:

@@ -16,7 +16,8 @@ from torch.multiprocessing import reductions
 
 from rlpost.transport import cuda_ipc, shared_memory
 from rlpost.transport.bucketing import BucketLayout, flatten_bucket, plan_buckets, unflatten
-from rlpost.transport.cuda_ipc import CudaSegment, CudaSegmentRef, open_segment
+from rlpost.transport.cuda_ipc import CudaSegment, CudaSegmentRef
+from rlpost.transport.weight_bus import _open_segment as open_segment
 
 # what torch's reduce_tensor returns for a CUDA tensor, in rebuild_cuda_tensor's argument order
 _REDUCED = (
