@@ -1,5 +1,10 @@
-"""Shared fixtures. The tiny model is built once into .cache/tiny-model (or $RLPOST_TINY_MODEL), its
-tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL)."""
+"""Shared fixtures and the suite's order. The tiny model is built once into .cache/tiny-model (or
+$RLPOST_TINY_MODEL), its tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL).
+
+Each folder of tests/ is a tier, and every test in it carries the tier's marker (a collection
+error names a file that does not), so `pytest -m unit` runs exactly tests/unit. The tiers run
+in the order of TIERS: the fast, pure ones first, so that a broken function fails the run in
+minutes, and the whole runs last, after the integration tier's Ray cluster is gone."""
 
 from __future__ import annotations
 
@@ -12,6 +17,34 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "compat", "integration", "e2e")
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of a test file: the folder of tests/ it is in (None outside tests/<tier>/)."""
+    parts = Path(path).resolve().parts[len(REPO.parts) :]
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
+
+
+def unmarked_files(items) -> list[str]:
+    """The test files (relative to the repository) with a test that lacks its tier's marker."""
+    return sorted(
+        {
+            "/".join(Path(item.path).resolve().parts[len(REPO.parts) :])
+            for item in items
+            if tier_of(item.path) is not None and item.get_closest_marker(tier_of(item.path)) is None
+        }
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = unmarked_files(items)
+    if unmarked:
+        raise pytest.UsageError(
+            "every test in tests/<tier>/ carries its tier's marker (pytestmark = pytest.mark.<tier>); "
+            f"missing in: {', '.join(unmarked)}"
+        )
+    items.sort(key=lambda item: TIERS.index(tier_of(item.path)) if tier_of(item.path) else len(TIERS))
 
 
 def tiny_model_dir() -> Path:

@@ -1,7 +1,14 @@
-"""A `ray start --head` cluster of a test's own, stopped without touching anyone else's.
+"""Ray clusters for the e2e tier.
+
+Most e2e runs share one cluster, :func:`ray_head` (a pytest session fixture): a ``ray start
+--head`` with its dashboard and token authentication, which CLI runs join with ``--address``,
+Ray Jobs are submitted to, and in-process controllers connect to (:func:`connect_driver`). A run
+on it skips the start and stop of a cluster of its own (~10 s of the 2 cores each). A test that is
+about a cluster of its own (a local run's dashboard, say) starts one with ``start_ray_head``, or
+lets ``rlpost train`` start a local one.
 
 `ray stop` kills every Ray process on the machine (other test sessions and training runs
-included), so the cluster runs as `ray start --head --block` in its own temp dir with its own
+included), so a cluster runs as `ray start --head --block` in its own temp dir with its own
 ports; at the end that process gets SIGTERM (it stops what it started) and any process left of
 its tree (workers, job drivers, vLLM engines) is killed by pid.
 """
@@ -11,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -129,6 +137,64 @@ def start_ray_head():
     """``start_ray_head(dashboard=..., env=...) -> RayHead``; every cluster stops when the module ends."""
     with contextlib.ExitStack() as stack:
         yield lambda **kwargs: stack.enter_context(ray_head_cluster(**kwargs))
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """The tier's shared cluster: dashboard on, token authentication with a token file of its own,
+    found through RAY_AUTH_TOKEN_PATH with RAY_AUTH_MODE unset in its clients' environment
+    (``head.env``), as a user's shell would have it. Runs on it stop their actors when they end
+    (the CLI, the controller's ``stop_actors``, a job's driver), so one run leaves the cluster's
+    CPUs free for the next."""
+    token = tmp_path_factory.mktemp("auth") / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    with ray_head_cluster(dashboard=True, env=env) as head:
+        yield head
+
+
+@contextlib.contextmanager
+def _token_of(head: RayHead):
+    """This process authenticates with ``head``'s token while the block runs; Ray's cached
+    config and token are reset on the way in and out (the C++ token loader keeps the first
+    token it read), so a cluster started later by this process uses its own again."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=head.env["RAY_AUTH_TOKEN_PATH"])
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
+@pytest.fixture
+def connect_driver(ray_head):
+    """``connect_driver(namespace) -> ray``: this test process joins the shared cluster as a
+    driver in ``namespace`` (as ``ray.init(address=...)`` in a user's script); it leaves at the
+    end of the test, and Ray then ends the actors it owned that are still alive."""
+    import ray
+
+    with contextlib.ExitStack() as stack:
+
+        def connect(namespace: str):
+            stack.enter_context(_token_of(ray_head))
+            ray.init(address=ray_head.gcs_address, namespace=namespace, log_to_driver=False)
+            stack.callback(ray.shutdown)
+            return ray
+
+        yield connect
 
 
 @pytest.fixture(autouse=True)

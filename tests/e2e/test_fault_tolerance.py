@@ -2,7 +2,8 @@
 
 Real actors throughout: vLLM engines, the gloo bus, the buffer actor, the learner. Each test
 runs a few small steps of the tiny-model job; the kills are placed by overriding one controller
-method, so they land at a known step.
+method, so they land at a known step. The restarts run on the tier's shared cluster; the learner's
+death, whose resume runs `rlpost train` with a local cluster of its own, is in the long tier.
 """
 
 import json
@@ -44,7 +45,8 @@ def local_ray():
     ray.shutdown()
 
 
-def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(tmp_path, tiny_model_path, local_ray):
+def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(tmp_path, tiny_model_path,
+                                                                                connect_driver):  # fmt: skip
     """Sync mode, one worker and one pool: the worker is killed while step 2 is being collected
     (its request is re-issued to the restarted worker), the pool while step 4 is (it restarts
     from its last put). Every prompt of the stream is trained exactly once, in order."""
@@ -53,7 +55,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
-    ray = local_ray
+    ray = connect_driver("rlpost-e2e-restarts")
     cfg = tiny_cfg(tiny_model_path, "e2e-restarts", "trainer.steps=5")
     run_dir = create_run_dir(cfg, tmp_path / "restarts")
     trained, killed = [], set()
@@ -85,6 +87,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     assert [sorted(step) for step in trained] == [list(range(4 * k, 4 * k + 4)) for k in range(5)]
 
 
+@pytest.mark.long  # two runs (the death, then the CLI's resume in a cluster of its own): ~80 s
 def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_path, tiny_model_path, local_ray):
     """The learner dies in step 6 (checkpoints every 2 steps, so step_4 is the last); the run
     stops with LearnerDied naming step_4 and the resume command; `rlpost train --resume` then

@@ -16,7 +16,8 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# two runs through the CLI (12 steps, then the resume): ~95 s, in make test-long
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
 
 PRACTICE = [
     "trainer.prompts_per_step=2",

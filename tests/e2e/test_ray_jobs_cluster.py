@@ -1,9 +1,10 @@
 """Ray Jobs end to end: `rlpost submit | logs | status | stop` against a real `ray start --head`
-with its dashboard and token authentication (the token in a file of the test's own, found through
-RAY_AUTH_TOKEN_PATH with RAY_AUTH_MODE unset, as a user's shell would have it)."""
+with its dashboard and token authentication (the tier's shared cluster, conftest.py: the token in
+a file of its own, found through RAY_AUTH_TOKEN_PATH with RAY_AUTH_MODE unset, as a user's shell
+would have it). The submitted job is also the tier's check of a whole sync run: evaluations,
+checkpoints, metrics, trackers and plots."""
 
-import os
-import secrets
+import json
 import subprocess
 import sys
 import time
@@ -12,19 +13,16 @@ from pathlib import Path
 import pytest
 
 from rlpost import jobs
+from rlpost.metrics import REQUIRED_KEYS
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cluster(start_ray_head, tmp_path_factory):
-    token = tmp_path_factory.mktemp("auth") / "token"
-    token.write_text(secrets.token_hex(32))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAY_AUTH_TOKEN_PATH"] = str(token)
-    return start_ray_head(dashboard=True, env=env)
+@pytest.fixture
+def cluster(ray_head):
+    return ray_head
 
 
 def rlpost(cluster, *args, env=None, timeout=240):
@@ -78,28 +76,63 @@ def test_without_the_right_token_the_cluster_refuses_with_a_clear_error(cluster,
     assert "requires token authentication and no token was found" in out.stderr
 
 
-def test_submit_follow_status_and_logs_of_a_tiny_run(cluster, tiny_model_path, tmp_path):
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_submitted_sync_run_trains_evaluates_checkpoints_and_resumes_as_a_new_job(cluster, tiny_model_path,
+                                                                                    tmp_path):  # fmt: skip
     job = "rlpost-jobs-e2e"
     out = rlpost(
         cluster,
         "submit",
-        *tiny_run(tiny_model_path, tmp_path, "jobs-e2e", steps=2),
+        *tiny_run(tiny_model_path, tmp_path, "jobs-e2e", steps=4),
+        "trainer.checkpoint_interval=2",
+        "eval.interval=2",
+        "eval.before_training=true",
+        "eval.num_prompts=8",
         "resources.env_vars.RLPOST_E2E_MARK=from-config",
         "--follow",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dir = tmp_path / "jobs-e2e"
     assert out.stdout.splitlines()[0] == f"rlpost: submitted job {job} to {cluster.dashboard}"
     assert f"dashboard:   {cluster.dashboard}/#/jobs/{job}" in out.stdout
-    assert f"rlpost: run finished: {tmp_path / 'jobs-e2e'}" in out.stdout  # the followed logs
+    assert f"rlpost: run finished: {run_dir}" in out.stdout  # the followed logs
     assert f"rlpost: job {job} SUCCEEDED" in out.stderr
+
+    # the run: what `rlpost train` of this config writes, wherever its driver runs
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert set(REQUIRED_KEYS) <= set(r)
+        assert r["sync_logprob_diff"] <= 1e-3  # inference and learner hold the same weights
+        assert r["staleness_mean"] == 0  # sync mode is on-policy
+        assert 0 <= r["reward_mean"] <= 1 and r["samples_per_s"] > 0
+        # where the step's time went: the parts are positive and add up to at most the whole
+        parts = [r["collect_s"], r["train_s"], r["weight_sync_s"]]
+        assert min(parts) > 0 and sum(parts) <= r["step_time_s"]
+        assert 0 < r["learner_step_s"] <= r["train_s"] and 0 < r["weight_load_s"] <= r["weight_sync_s"]
+    # held-out evaluations: before training, then at steps 2 and 4 with that step's weights
+    evals = read(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4] and [e["eval_policy_version"] for e in evals] == [0, 2, 4]
+    for e in evals:
+        assert 0 <= e["eval_pass_at_1"] <= 1 and 0 <= e["eval_reward_mean"] <= 1 and e["eval_num_prompts"] == 8
+        assert 0 < e["eval_length_mean"] <= 16 and e["eval_s"] > 0
+    assert [("eval_pass_at_1" in r) for r in rows] == [False, True, False, True]
+    assert rows[3]["eval_reward_mean"] == evals[2]["eval_reward_mean"]
+    assert "evaluation before training" in out.stdout
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # the default tracker wrote
+    assert (run_dir / "reward.png").stat().st_size > 1000 and (run_dir / "step_time.png").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert (run_dir / "checkpoints" / "step_4" / "config.json").is_file()
 
     status = rlpost(cluster, "status", job)
     assert status.returncode == 0
     assert status.stdout.startswith(f"{job}: SUCCEEDED")
     logs = rlpost(cluster, "logs", job)
     assert logs.returncode == 0 and "rlpost: run finished" in logs.stdout
-    metrics = (tmp_path / "jobs-e2e" / "metrics.jsonl").read_text().splitlines()
-    assert len(metrics) == 2
 
     info = jobs.connect(cluster.dashboard, environ=cluster.env).get_job_info(job)
     assert info.runtime_env["env_vars"]["RLPOST_E2E_MARK"] == "from-config"
@@ -107,13 +140,12 @@ def test_submit_follow_status_and_logs_of_a_tiny_run(cluster, tiny_model_path, t
     assert info.entrypoint.startswith("rlpost train configs/tiny-cpu.yaml ")
 
     # the run goes on as a new job: `rlpost train --resume RUN_DIR` from its final checkpoint
-    run_dir = tmp_path / "jobs-e2e"
     resumed = rlpost(
-        cluster, "submit", "--resume", str(run_dir), "trainer.steps=3", "--job-id", f"{job}-resume", "--follow"
+        cluster, "submit", "--resume", str(run_dir), "trainer.steps=5", "--job-id", f"{job}-resume", "--follow"
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"rlpost: job {job}-resume SUCCEEDED" in resumed.stderr
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
 def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):

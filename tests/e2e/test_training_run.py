@@ -1,13 +1,11 @@
-"""Whole runs of the service on a local Ray cluster with the tiny model (real vLLM, real bus)."""
+"""Whole runs of the service with the tiny model (real vLLM, real bus), on the tier's shared Ray cluster
+(conftest.py) or, for the long run, on a local one of its own."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-
-from rlpost.metrics import REQUIRED_KEYS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -47,64 +45,9 @@ def scrape_rlpost_metrics(expected, timeout_s=60.0):
     return found
 
 
-def test_sync_run_through_the_cli(tmp_path, tiny_model_path):
-    run_dir = tmp_path / "sync"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpost.cli",
-            "train",
-            "configs/tiny-cpu.yaml",
-            f"model.name_or_path={tiny_model_path}",
-            "trainer.steps=4",
-            "trainer.prompts_per_step=4",
-            "trainer.checkpoint_interval=2",
-            "logging.progress=false",
-            "eval.interval=2",
-            "eval.before_training=true",
-            "eval.num_prompts=8",
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
-    for r in rows:
-        assert set(REQUIRED_KEYS) <= set(r)
-        assert r["sync_logprob_diff"] <= 1e-3  # inference and learner hold the same weights
-        assert r["staleness_mean"] == 0  # sync mode is on-policy
-        assert 0 <= r["reward_mean"] <= 1 and r["samples_per_s"] > 0
-        # where the step's time went: the parts are positive and add up to at most the whole
-        parts = [r["collect_s"], r["train_s"], r["weight_sync_s"]]
-        assert min(parts) > 0 and sum(parts) <= r["step_time_s"]
-        assert 0 < r["learner_step_s"] <= r["train_s"] and 0 < r["weight_load_s"] <= r["weight_sync_s"]
-    # held-out evaluations: before training, then at steps 2 and 4 with that step's weights
-    evals = read(run_dir / "eval.jsonl")
-    assert [e["step"] for e in evals] == [0, 2, 4] and [e["eval_policy_version"] for e in evals] == [0, 2, 4]
-    for e in evals:
-        assert 0 <= e["eval_pass_at_1"] <= 1 and 0 <= e["eval_reward_mean"] <= 1 and e["eval_num_prompts"] == 8
-        assert 0 < e["eval_length_mean"] <= 16 and e["eval_s"] > 0
-    assert [("eval_pass_at_1" in r) for r in rows] == [False, True, False, True]
-    assert rows[3]["eval_reward_mean"] == evals[2]["eval_reward_mean"]
-    assert "evaluation before training" in out.stdout
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # the default tracker wrote
-    assert (run_dir / "reward.png").stat().st_size > 1000 and (run_dir / "step_time.png").is_file()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    assert (run_dir / "checkpoints" / "step_4" / "config.json").is_file()
-    assert f"run finished: {run_dir}" in out.stdout
-
-
 def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_restarts_the_reference(
-    tmp_path, tiny_model_path
+    tmp_path, tiny_model_path, connect_driver
 ):
-    import ray
-
     from rlpost.config import load_config
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
@@ -132,7 +75,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
                 ray.kill(self.actors.reference.handle)
             return super()._collect_step()
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-async", log_to_driver=False)
+    ray = connect_driver("rlpost-e2e-async")
     actors = None
     try:
         supervisor = start_run(cfg, run_dir)
@@ -146,7 +89,6 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     finally:
         if actors is not None:
             stop_actors(actors)
-        ray.shutdown()
     assert EXPECTED_METRICS <= exported, f"missing in Prometheus: {EXPECTED_METRICS - exported}"
     rows = read(run_dir / "metrics.jsonl")
     assert len(rows) == 6
@@ -164,6 +106,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     print("in-flight token fractions:", [r["inflight_token_fraction"] for r in rows])
 
 
+@pytest.mark.long  # two engines and a restart: ~75 s, more than make test's budget has room for
 def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tmp_path, tiny_model_path):
     import ray
 
@@ -210,42 +153,12 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
 
 
-def test_train_joins_an_existing_token_authenticated_cluster(tmp_path, tiny_model_path, start_ray_head):
-    """`ray start --head` (token auth on by default in Ray 2.60), then `rlpost train --address`.
-
-    The cluster is the test's own and is stopped by pid (conftest.py): `ray stop` would kill every
-    Ray process on the machine, other sessions' runs included."""
-    head = start_ray_head(env={k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"})
-    run_dir = tmp_path / "joined"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlpost.cli",
-            "train",
-            "configs/tiny-cpu.yaml",
-            f"model.name_or_path={tiny_model_path}",
-            "trainer.steps=2",
-            "trainer.prompts_per_step=4",
-            "logging.progress=false",
-            "--address",
-            head.gcs_address,
-            "--run-dir",
-            str(run_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=head.env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2]
-
-
-def test_tool_using_run_through_the_cli(tmp_path, tiny_tool_model_path):
-    # The tool variant of the tiny model calls the sandboxed Python tool in about half of its
-    # samples from step 1: multi-turn episodes run through the env-pool actor (bwrap inside Ray)
-    # and their counts reach metrics.jsonl.
+def test_a_tool_using_run_joins_an_existing_token_authenticated_cluster(tmp_path, tiny_tool_model_path, ray_head):
+    """`rlpost train --address` on the tier's `ray start --head` cluster (token authentication on,
+    as Ray 2.60 has it by default; the token found through RAY_AUTH_TOKEN_PATH, RAY_AUTH_MODE
+    unset), with the tool variant of the tiny model. It calls the sandboxed Python tool in about
+    half of its samples from step 1: multi-turn episodes run through the env-pool actor (bwrap
+    inside Ray) and their counts reach metrics.jsonl."""
     run_dir = tmp_path / "tools"
     out = subprocess.run(
         [
@@ -258,14 +171,18 @@ def test_tool_using_run_through_the_cli(tmp_path, tiny_tool_model_path):
             "trainer.steps=3",
             "trainer.prompts_per_step=4",
             "logging.progress=false",
+            "--address",
+            ray_head.gcs_address,
             "--run-dir",
             str(run_dir),
         ],
         capture_output=True,
         text=True,
         timeout=540,
+        env=ray_head.env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert f"rlpost: Ray cluster at {ray_head.gcs_address}; " in out.stdout  # it joined, started no cluster
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

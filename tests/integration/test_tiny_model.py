@@ -31,6 +31,7 @@ def chat(question):
     return [{"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
+@pytest.mark.long  # a whole build again: ~36 s
 def test_same_seed_gives_identical_files(tiny_model_path, tmp_path):
     build_tiny_model(tmp_path / "again", log=lambda _: None)
     assert digest(tmp_path / "again") == digest(tiny_model_path)

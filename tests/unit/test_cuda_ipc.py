@@ -19,6 +19,8 @@ from rlpost.transport.bucketing import BucketLayout, flatten_bucket, plan_bucket
 from rlpost.transport.cuda_ipc import CudaSegment, CudaSegmentRef
 from rlpost.transport.weight_bus import _open_segment as open_segment
 
+pytestmark = pytest.mark.unit
+
 # what torch's reduce_tensor returns for a CUDA tensor, in rebuild_cuda_tensor's argument order
 _REDUCED = (
     torch.Tensor,  # tensor_cls

@@ -1,7 +1,11 @@
 """Completions the engine's context length cut short are told apart from the rest."""
 
+import pytest
+
 from rlpost.policies.base import Completion
 from rlpost.policies.vllm_wrapper import cut_by_model_len
+
+pytestmark = pytest.mark.unit
 
 
 def _c(n: int, finished: bool) -> Completion:

@@ -2,7 +2,11 @@
 
 import random
 
+import pytest
+
 from rlpost.policies.base import decode_rows
+
+pytestmark = pytest.mark.unit
 
 
 def _rows(tokenizer, n=64):

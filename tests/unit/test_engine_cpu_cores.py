@@ -5,6 +5,8 @@ import pytest
 from rlpost.policies import vllm_wrapper
 from rlpost.policies.vllm_wrapper import engine_cpu_cores
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def four_cores(monkeypatch):

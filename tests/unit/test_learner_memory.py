@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 # Allocates 40 blocks of 4 MB with a long-lived 256 KB one after each (what a training
 # step's activations and metrics look like to malloc), frees the blocks and reports the resident
 # memory above the start.

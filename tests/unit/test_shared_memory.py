@@ -12,7 +12,7 @@ from rlpost.transport import shared_memory
 from rlpost.transport.bucketing import plan_buckets
 from rlpost.transport.shared_memory import ALIGN, HEADER_BYTES, SharedSegment
 
-pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs Linux's memfd_create")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not shared_memory.available(), reason="needs Linux's memfd_create")]
 
 
 def _named():

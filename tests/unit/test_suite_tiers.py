@@ -1,0 +1,76 @@
+"""The suite's tiers (tests/conftest.py): a test file in tests/<tier>/ without its tier's marker is
+a collection error that names it, and the tiers run in the order unit, compat, integration, e2e
+whatever the files' names."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+MARKED = """
+import pytest
+
+pytestmark = pytest.mark.{tier}
+
+
+def test_{name}():
+    print("test ran: {tier}/{name}")
+"""
+
+
+def suite(root: Path, files: dict[str, str]) -> Path:
+    """A copy of the suite's conftest.py under root/tests/, and the given test files in it."""
+    tests = root / "tests"
+    tests.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tests / "conftest.py")
+    for name, text in files.items():
+        (tests / name).parent.mkdir(exist_ok=True)
+        (tests / name).write_text(text)
+    (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    unit\n    compat\n    integration\n    e2e\n")
+    return root
+
+
+def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", str(root), "-s", *args, "tests"]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def ran(out: subprocess.CompletedProcess) -> list[str]:
+    """The tests that ran, in order (each prints ``test ran: <tier>/<name>``)."""
+    return re.findall(r"test ran: (\S+)", out.stdout)
+
+
+def test_a_file_without_its_tiers_marker_is_named_and_nothing_runs(tmp_path):
+    root = suite(
+        tmp_path,
+        {
+            "unit/test_marked.py": MARKED.format(tier="unit", name="marked"),
+            "unit/test_unmarked.py": "def test_plain():\n    pass\n",
+            "integration/test_wrong.py": MARKED.format(tier="unit", name="wrong"),
+        },
+    )
+    out = run_pytest(root, "-m", "unit")
+    assert out.returncode != 0
+    assert "missing in: tests/integration/test_wrong.py, tests/unit/test_unmarked.py" in out.stdout + out.stderr
+    assert ran(out) == []
+
+
+def test_tiers_run_fast_first_and_each_runs_alone(tmp_path):
+    root = suite(
+        tmp_path,
+        {
+            f"{tier}/test_{tier}.py": MARKED.format(tier=tier, name=tier)
+            for tier in ("e2e", "integration", "compat", "unit")
+        },
+    )
+    out = run_pytest(root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ran(out) == ["unit/unit", "compat/compat", "integration/integration", "e2e/e2e"]
+    assert ran(run_pytest(root, "-m", "compat")) == ["compat/compat"]
