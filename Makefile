@@ -11,6 +11,10 @@ TINY_TOOL_MODEL := .cache/tiny-model-tools
 DEMO_CONFIG ?= configs/tiny-cpu.yaml
 # On a machine with a GPU, `make install EXTRA=gpu` installs vLLM's CUDA build instead.
 EXTRA ?= cpu
+# Python caches compiled modules in __pycache__ unless PYTHONDONTWRITEBYTECODE is set, as it is in
+# some containers; then every process (each Ray actor, each CLI run, each test session) compiles
+# rlpost and its tests again (~1 s an actor process; pytest's collection 21 s instead of 7 s).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo demo-tools test test-long lint format install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
 
