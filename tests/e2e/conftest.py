@@ -31,6 +31,10 @@ from pathlib import Path
 
 import pytest
 
+# Ray's processes report their metrics every 10 s by default; the clusters the tests start report
+# every second, so that a test waiting for a run's metrics on Prometheus waits ~1 s, not ~10.
+FAST_METRICS = {"RAY_metrics_report_interval_ms": "1000"}
+
 
 @dataclasses.dataclass
 class RayHead:
@@ -139,6 +143,12 @@ def start_ray_head():
         yield lambda **kwargs: stack.enter_context(ray_head_cluster(**kwargs))
 
 
+@pytest.fixture
+def fast_metrics() -> dict[str, str]:
+    """:data:`FAST_METRICS`, for a test that starts Ray through a run of its own."""
+    return dict(FAST_METRICS)
+
+
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
     """The tier's shared cluster: dashboard on, token authentication with a token file of its own,
@@ -149,7 +159,7 @@ def ray_head(tmp_path_factory):
     token = tmp_path_factory.mktemp("auth") / "token"
     token.write_text(secrets.token_hex(32))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    env.update(FAST_METRICS, RAY_AUTH_TOKEN_PATH=str(token))
     with ray_head_cluster(dashboard=True, env=env) as head:
         yield head
 

@@ -122,10 +122,11 @@ def stop_run(process: subprocess.Popen) -> None:
     psutil.wait_procs(tree, timeout=30)
 
 
-def test_a_local_run_shows_its_named_actors_and_rlpost_metrics_on_the_dashboard(tmp_path, tiny_model_path):
+def test_a_local_run_shows_its_named_actors_and_rlpost_metrics_on_the_dashboard(tmp_path, tiny_model_path,
+                                                                                fast_metrics):  # fmt: skip
     run_name = f"e2e-dashboard-{os.getpid()}"
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"} | fast_metrics
     args = [
         sys.executable,
         "-m",

@@ -31,6 +31,32 @@ def worker(tiny_model_path):
     engine.shutdown()
 
 
+def test_rlpost_eval_scores_a_checkpoint_like_the_evaluator(request, tiny_model_path, tmp_path):
+    # First in this module, and the shared engine asked for only after `rlpost eval` ran: a CPU
+    # engine runs in its caller's process only while no other does there, so with the shared
+    # engine up the command's engine would start processes of its own (~2x the start-up on 2
+    # cores, and not the layout `rlpost eval` has in a process of its own).
+    from rlpost.actors.learner import Learner, LearnerSettings
+    from rlpost.cli import main
+
+    cfg = make_cfg(tiny_model_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(cfg, run_dir / "config.yaml")
+    Learner(LearnerSettings.from_job(cfg)).save_checkpoint(
+        run_dir, step=3
+    )  # the initial weights, as a run's checkpoint
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["checkpoint"] == str(run_dir / "checkpoints" / "step_3")
+    worker = request.getfixturevalue("worker")
+    expected = Evaluator(cfg).run(worker.client)  # the same weights on the shared engine
+    for key in ("eval_reward_mean", "eval_pass_at_1", "eval_length_mean", "eval_num_prompts"):
+        assert result[key] == expected[key], key
+    assert main(["eval", str(tmp_path / "nothing-here")]) == 2  # a clear usage error, no engine started
+
+
 def test_greedy_and_sampled_evaluations_repeat_exactly(worker, tiny_model_path):
     greedy = Evaluator(make_cfg(tiny_model_path))
     first, second = greedy.run(worker.client), greedy.run(worker.client)
@@ -54,24 +80,3 @@ def test_greedy_and_sampled_evaluations_repeat_exactly(worker, tiny_model_path):
         for seed in (8, 9, 10)
     ]
     assert any([o.run(worker.client)[k] for k in figures] != [a[k] for k in figures] for o in others)
-
-
-def test_rlpost_eval_scores_a_checkpoint_like_the_evaluator(worker, tiny_model_path, tmp_path):
-    from rlpost.actors.learner import Learner, LearnerSettings
-    from rlpost.cli import main
-
-    cfg = make_cfg(tiny_model_path)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    save_config(cfg, run_dir / "config.yaml")
-    Learner(LearnerSettings.from_job(cfg)).save_checkpoint(
-        run_dir, step=3
-    )  # the initial weights, as a run's checkpoint
-    out = tmp_path / "eval.json"
-    assert main(["eval", str(run_dir), "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["checkpoint"] == str(run_dir / "checkpoints" / "step_3")
-    expected = Evaluator(cfg).run(worker.client)  # the same weights on the shared engine
-    for key in ("eval_reward_mean", "eval_pass_at_1", "eval_length_mean", "eval_num_prompts"):
-        assert result[key] == expected[key], key
-    assert main(["eval", str(tmp_path / "nothing-here")]) == 2  # a clear usage error, no engine started

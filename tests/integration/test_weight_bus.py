@@ -2,9 +2,10 @@
 collectives ("bus") and same-node shared memory ("shm"), which every test except the timeouts of
 joining runs on.
 
-The publisher (rank 0) runs in the test process; each receiver is a spawned process driven by a
-command queue. Receivers check what they got against `model_weights(version)`, recomputed on
-their side, bit for bit, and report back only the verdict.
+The publisher (rank 0) runs in the test process; each receiver is a process of its own (forked
+from a server that imported torch: tests/preforked.py) driven by a command queue. Receivers check
+what they got against `model_weights(version)`, recomputed on their side, bit for bit, and report
+back only the verdict.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from preforked import forkserver_context  # tests/preforked.py
 
 from rlpost.transport import BusSpec, TorchWeightPublisher, TorchWeightReceiver, WeightSyncError
 from rlpost.transport.bucketing import empty_buckets
@@ -26,6 +27,15 @@ TIMEOUT_S = 4.0
 SLACK_S = 4.0  # detection may take the timeout plus scheduling on 2 busy cores
 REPLY_S = 30.0
 SLOW_RELOAD_S = 2.0  # a receiver's "stream slowly" holds its confirmation this long after the bytes
+# For a test whose only wait on the bus timeout is the failure it expects (the join waits REPLY_S,
+# and building gloo after it takes milliseconds): a timeout fires within ~0.1 s of its mark here,
+# so a shorter one only shortens the wait.
+SHORT_TIMEOUT_S = 2.0
+
+
+def process_context():
+    """Receivers (and the dying publisher) fork from a server that imported what they run."""
+    return forkserver_context("rlpost.transport", "pytest")
 
 
 def model_weights(version: int) -> dict[str, torch.Tensor]:
@@ -122,7 +132,7 @@ class Peer:
     """A receiver process and its command / reply queues."""
 
     def __init__(self, spec: BusSpec, rank: int, dies: bool = False):
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(
             target=receiver_main, args=(spec, rank, self.commands, self.replies, dies), daemon=True
@@ -150,9 +160,9 @@ def route(request) -> str:
     return request.param
 
 
-def make_publisher(world_size: int, route: str, **kwargs) -> TorchWeightPublisher:
+def make_publisher(world_size: int, route: str, timeout_s: float = TIMEOUT_S, **kwargs) -> TorchWeightPublisher:
     return TorchWeightPublisher(
-        world_size, bucket_mb=1, timeout_s=TIMEOUT_S, backend="gloo", shared_memory=route == "shm", **kwargs
+        world_size, bucket_mb=1, timeout_s=timeout_s, backend="gloo", shared_memory=route == "shm", **kwargs
     )
 
 
@@ -165,7 +175,8 @@ def peers():
 
 
 def connect_all(publisher: TorchWeightPublisher, receivers: list[Peer]) -> None:
-    """Join the group with a generous wait: spawned processes take seconds to import torch.
+    """Join the group with a generous wait: a receiver may still be starting (the first one
+    starts the fork server, which imports torch for seconds).
     Checks that every receiver took the publisher's route."""
     for peer in receivers:
         peer.send("connect", REPLY_S)
@@ -331,14 +342,14 @@ def test_peer_that_never_joins_times_out_naming_it_and_connect_can_be_retried(pe
 
 @pytest.mark.timeout(60)
 def test_peer_that_stops_receiving_times_out_naming_it(peers, route):
-    publisher = make_publisher(2, route)
+    publisher = make_publisher(2, route, timeout_s=SHORT_TIMEOUT_S)
     idle = Peer(publisher.spec, 1)
     peers.append(idle)
     connect_all(publisher, [idle])  # it joins the group, then never calls receive
     start = time.monotonic()
     with pytest.raises(WeightSyncError) as failure:
         publisher.publish(model_weights(1), 1)
-    assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+    assert time.monotonic() - start < SHORT_TIMEOUT_S + SLACK_S
     assert failure.value.peers == [1] and failure.value.version == 1
     publisher.close()
 
@@ -441,7 +452,7 @@ def test_a_bigger_update_grows_the_shared_segment_and_receivers_follow(peers):
 
 @pytest.mark.timeout(60)
 def test_a_dead_publisher_fails_a_shared_memory_receive_instead_of_hanging():
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     specs, go = ctx.Queue(), ctx.Event()
     process = ctx.Process(target=publisher_that_dies, args=(specs, go), daemon=True)
     process.start()
