@@ -409,7 +409,10 @@ def run_checks(cfg: JobConfig | None = None, *, address: str | None = None) -> l
     return checks
 
 
-def print_checks(checks: list[Check], out: TextIO = sys.stdout) -> None:
+def print_checks(checks: list[Check], out: TextIO | None = None) -> None:
+    """One line per check, then the counts, on ``out`` (None: the current ``sys.stdout``, looked
+    up at the call, so that a redirected or captured stdout gets the lines)."""
+    out = sys.stdout if out is None else out
     width = max(len(c.name) for c in checks)
     for check in checks:
         out.write(

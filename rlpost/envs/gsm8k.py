@@ -90,43 +90,11 @@ _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TURN_END = "<|im_end|>"
+_MATH_VERIFY_EQUAL = "rlpost.math_verify_check:math_verify_equal"  # imported by the worker only
 _POOL_LOCK = threading.Lock()  # module-level, so that parsers (and the envs holding them) stay picklable
 
 
 # ---------------------------------------------------------------------------- math-verify
-
-
-class _DropDisabledTimeoutNotice(logging.Filter):
-    """math-verify logs a warning the first time its time limits are off; here that is intended
-    (the caller enforces the limit), so the notice is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-_NOTICE_FILTER = _DropDisabledTimeoutNotice()
-
-
-def math_verify_equal(answer: str, target: str) -> bool:
-    """Whether math-verify finds ``answer`` equivalent to ``target``: ``verify(parse(target),
-    parse(answer))``, False when either has nothing math-verify can read.
-
-    math-verify's own time limits are turned off (``parse(..., parsing_timeout=None)``,
-    ``verify(..., timeout_seconds=None)``): they use ``signal.alarm``, which only works on the main
-    thread of the main interpreter, so off it (a thread, a Ray actor's executor) math-verify
-    raises instead of checking. This function therefore works from any thread but has no time
-    limit of its own: :class:`GSM8KRewardParser` runs it in a
-    :class:`~rlpost.envs.function_pool.FunctionPool` worker process that is killed past the limit.
-    """
-    from math_verify import parse, verify
-
-    for name in ("math_verify.parser", "math_verify.grader"):
-        math_logger = logging.getLogger(name)
-        if _NOTICE_FILTER not in math_logger.filters:
-            math_logger.addFilter(_NOTICE_FILTER)
-    gold = parse(target, parsing_timeout=None)
-    prediction = parse(answer, parsing_timeout=None)
-    return bool(gold) and bool(prediction) and bool(verify(gold, prediction, timeout_seconds=None))
 
 
 def gsm8k_target(answer_field: Any) -> str:
@@ -322,7 +290,7 @@ class GSM8KRewardParser(Transform):
             return False, None
         if _PLAIN_NUMBER.fullmatch(mine) and _PLAIN_NUMBER.fullmatch(theirs):
             return Decimal(mine) == Decimal(theirs), None  # what math-verify decides, without a worker
-        result = self.pool.call(math_verify_equal, (answer, target), timeout_s=self.verify_timeout_s)
+        result = self.pool.call(_MATH_VERIFY_EQUAL, (answer, target), timeout_s=self.verify_timeout_s)
         if result.ok:
             return bool(result.value), None
         return False, self._count(result.error or "Error", f"{result.message}\n{result.traceback}".strip())

@@ -18,9 +18,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ALGO_DIR = REPO_ROOT / "rlpost" / "algo"
 FORBIDDEN_TOP_LEVEL = {"ray", "vllm", "transformers", "tensordict"}
 
+# One fresh interpreter lists what is loaded after a bare ``import torch``, then after
+# ``import rlpost.algo`` (which imports torch first anyway): one torch import instead of two.
 LIST_FORBIDDEN = (
-    "import sys, json; {imports}; print(json.dumps(sorted(m for m in sys.modules "
-    "if m.split('.')[0] in {forbidden!r} or m.startswith('torch.distributed'))))"
+    "import sys, json\n"
+    "def loaded(): return sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r} "
+    "or m.startswith('torch.distributed'))\n"
+    "import torch; baseline = loaded()\n"
+    "import rlpost.algo; print(json.dumps([baseline, loaded()]))"
 )
 
 
@@ -30,8 +35,8 @@ def _is_forbidden(module: str) -> bool:
     return module == "torch.distributed" or module.startswith("torch.distributed.")
 
 
-def _loaded_forbidden(imports: str) -> set[str]:
-    code = LIST_FORBIDDEN.format(imports=imports, forbidden=FORBIDDEN_TOP_LEVEL)
+def _loaded_forbidden() -> tuple[set[str], set[str]]:
+    code = LIST_FORBIDDEN.format(forbidden=FORBIDDEN_TOP_LEVEL)
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO_ROOT,
@@ -41,12 +46,12 @@ def _loaded_forbidden(imports: str) -> set[str]:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    return set(json.loads(result.stdout.strip().splitlines()[-1]))
+    baseline, with_algo = json.loads(result.stdout.strip().splitlines()[-1])
+    return set(baseline), set(with_algo)
 
 
 def test_importing_algo_loads_nothing_forbidden_beyond_torch():
-    baseline = _loaded_forbidden("import torch")
-    with_algo = _loaded_forbidden("import rlpost.algo")
+    baseline, with_algo = _loaded_forbidden()
     assert with_algo - baseline == set()
     assert not {m for m in with_algo if m.split(".")[0] in FORBIDDEN_TOP_LEVEL}
 

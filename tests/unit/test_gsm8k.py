@@ -26,8 +26,8 @@ from rlpost.envs.gsm8k import (
     GSM8KRewardParser,
     gsm8k_target,
     make_gsm8k_env,
-    math_verify_equal,
 )
+from rlpost.math_verify_check import math_verify_equal
 
 pytestmark = pytest.mark.unit
 

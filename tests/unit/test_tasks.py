@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from pool_functions import flaky_reward
 
 from rlpost.config import ConfigError, validate_config
 from rlpost.data import ChatHistory, History, Text
@@ -124,14 +125,6 @@ def test_arithmetic_env_rewards_the_generated_rows():
 
 
 # ---------------------------------------------------------------------------- user rewards
-
-
-def flaky_reward(completion: str, row: dict) -> float:
-    if "boom" in completion:
-        raise ZeroDivisionError("boom")
-    if "nan" in completion:
-        return float("nan")
-    return float(len(row["question"]) > 0) + 0.25
 
 
 def test_raising_user_reward_gives_zero_is_counted_and_never_stops_the_env():

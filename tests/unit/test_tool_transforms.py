@@ -1,6 +1,6 @@
 """Tools in a ChatEnv: user functions (SimpleToolTransform, Hermes tool calls), the persistent
 Python interpreter, StopWithoutToolCall, the tool counts, the function pool and the ``tools``
-config section. Functions called in worker processes are defined at module level (importable)."""
+config section. Functions called in worker processes are in pool_functions (light to import)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+from pool_functions import divide, hanging_reward, multiply, sleepy
 from tensordict import TensorDict
 
 from rlpost.config import ConfigError, validate_config
@@ -31,36 +32,6 @@ from rlpost.metrics import episode_metrics
 from rlpost.types import Group, Sample
 
 pytestmark = pytest.mark.unit
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
-
-
-def shout(text: str) -> str:
-    print("this print goes to the worker's stderr, not the protocol")
-    return text.upper()
-
-
-def divide(a: int, b: int) -> float:
-    return a / b
-
-
-def sleepy(seconds: float) -> str:
-    time.sleep(seconds)
-    return "woke up"
-
-
-def hanging_reward(completion: str, row: dict) -> float:
-    if "hang" in completion:
-        time.sleep(60)
-    return 1.0
 
 
 def respond(env, td, replies: list[str]):
@@ -109,7 +80,7 @@ def pool():
 
 
 def function_env(pool, batch_size=4, timeout=10.0):
-    tools = {"multiply": multiply, "shout": "test_tool_transforms:shout", "divide": divide, "sleepy": sleepy}
+    tools = {"multiply": multiply, "shout": "pool_functions:shout", "divide": divide, "sleepy": sleepy}
     env = ChatEnv(batch_size=[batch_size], max_steps=3)
     env = env.append_transform(SimpleToolTransform(tools, parser=HermesToolCallParser(), timeout=timeout, pool=pool,
                                              max_workers=2))  # fmt: skip
@@ -167,7 +138,7 @@ def test_function_tools_refuse_what_cannot_reach_a_worker(pool):
 def test_function_pool_survives_a_dying_worker(pool):
     died = pool.call("os:_exit", (3,), timeout_s=5)
     assert (died.ok, died.error) == (False, "WorkerDied")
-    result = pool.call("test_tool_transforms:shout", ("x",), timeout_s=5)
+    result = pool.call("pool_functions:shout", ("x",), timeout_s=5)
     assert result.ok and result.value == "X"
     failed = pool.call(divide, (1, 0), timeout_s=5)
     assert failed.error == "ZeroDivisionError" and "in divide" in failed.traceback
