@@ -209,8 +209,9 @@ def connect_driver(ray_head):
 
 @pytest.fixture(autouse=True)
 def no_ray_connection_from_an_earlier_tier():
-    """e2e tests start clusters of their own; the integration tier's session cluster (when
-    integration tests ran first in this process) would make their ``ray.init`` fail."""
+    """e2e tests join the tier's cluster or start their own; the integration tier's session
+    cluster, which this process is still connected to when the tiers run in one session, would
+    make their ``ray.init`` fail."""
     import ray
 
     if ray.is_initialized():
