@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -166,27 +167,19 @@ def ray_head(tmp_path_factory):
 
 @contextlib.contextmanager
 def _token_of(head: RayHead):
-    """This process authenticates with ``head``'s token while the block runs; Ray's cached
-    config and token are reset on the way in and out (the C++ token loader keeps the first
-    token it read), so a cluster started later by this process uses its own again."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    """This process authenticates with ``head``'s token while the block runs. Ray's cached config
+    and token are reset on the way in and out (the C++ token loader keeps the first token it
+    read), so a cluster started later by this process uses its own again."""
+    from ray._private.authentication_test_utils import reset_auth_token_state as reset_ray_auth
 
-    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=head.env["RAY_AUTH_TOKEN_PATH"])
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": head.env["RAY_AUTH_TOKEN_PATH"]}
     try:
-        yield
+        with mock.patch.dict(os.environ, token):  # the environment as it was, on the way out
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+            reset_ray_auth()
+            yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        reset_ray_auth()
 
 
 @pytest.fixture

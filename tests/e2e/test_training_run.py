@@ -1,5 +1,5 @@
 """Whole runs of the service with the tiny model (real vLLM, real bus), on the tier's shared Ray cluster
-(conftest.py) or, for the long run, on a local one of its own."""
+(conftest.py) or on a local one of their own."""
 
 import json
 import subprocess
@@ -46,8 +46,12 @@ def scrape_rlpost_metrics(expected, timeout_s=60.0):
 
 
 def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_restarts_the_reference(
-    tmp_path, tiny_model_path, connect_driver
+    tmp_path, tiny_model_path
 ):
+    # A local cluster of its own, not the tier's: on the shared cluster its Prometheus check
+    # missed most of the run's metrics in 2 of ~6 runs (not yet understood; see the issue).
+    import ray
+
     from rlpost.config import load_config
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
@@ -75,7 +79,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
                 ray.kill(self.actors.reference.handle)
             return super()._collect_step()
 
-    ray = connect_driver("rlpost-e2e-async")
+    ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-async", log_to_driver=False)
     actors = None
     try:
         supervisor = start_run(cfg, run_dir)
@@ -89,6 +93,7 @@ def test_async_run_with_reference_keeps_staleness_bounded_names_actors_and_resta
     finally:
         if actors is not None:
             stop_actors(actors)
+        ray.shutdown()
     assert EXPECTED_METRICS <= exported, f"missing in Prometheus: {EXPECTED_METRICS - exported}"
     rows = read(run_dir / "metrics.jsonl")
     assert len(rows) == 6
