@@ -8,7 +8,8 @@ recovers from:
 
     the called actor died or was killed                     -> ActorLost(name)
     the call failed because another actor it used died
-    (an env pool whose inference worker or buffer died)     -> ActorLost(None)
+    (an env pool whose inference worker or buffer died;
+    an env pool's wait that reports a worker found dead)    -> ActorLost(None)
     a weight sync failed (a bus peer died or went silent)   -> BusFailure
     no answer within the call's timeout                     -> CallTimeout(name)
 
@@ -16,8 +17,8 @@ Any other error (a bug, a bad input reaching an actor, a checkpoint that cannot 
 propagates as the actor raised it, with the remote traceback chained: retrying it would only fail
 again.
 
-Every client has ``alive()``, a question asked of Ray's control store by actor name (a dead
-actor's name is free again), never of the actor, whose queue may be busy with a long call.
+Every client has ``alive()``, a question asked of Ray's control store (the actor's state in its
+record, :func:`actor_state`), never of the actor, whose queue may be busy with a long call.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class CallTimeout(ActorFailure):
 def _is_actor_death(exc: BaseException) -> bool:
     import ray
 
-    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, BufferLost))
+    from rlpost.actors.env_pool import InferenceWorkerLost
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, BufferLost, InferenceWorkerLost))
 
 
 def _causes(exc: BaseException):
@@ -78,13 +81,25 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
     # as a subclass of its cause's class too, so one whose cause is another actor's death is also
     # a RayActorError and must be told apart from the called actor's own death.
     if isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, ray.exceptions.RayTaskError):
-        return ActorLost(f"{name} died during {method}", name)
+        return ActorLost(f"{name} died during {method}{_why_dead(exc)}", name)
     causes = list(_causes(exc))
     if any(isinstance(c, WeightSyncError) for c in causes):
         return BusFailure(f"weight sync failed in {name}.{method}: {first_line(exc)}", None)
     if any(_is_actor_death(c) for c in causes[1:]):
         return ActorLost(f"{name}.{method} failed because an actor it used died: {first_line(exc)}", None)
     return exc
+
+
+def _why_dead(exc: BaseException) -> str:
+    """Why Ray says the actor died, as a clause: its constructor's error, or the sentence of
+    Ray's message that names the death ("The actor is dead because its worker process has
+    died"); empty when Ray says neither."""
+    if getattr(exc, "actor_init_failed", False):
+        return f": its constructor raised {first_line(exc)}"
+    for line in str(exc).splitlines():
+        if line.startswith("The actor is dead because"):
+            return ": " + line.split(". ")[0].rstrip(".")
+    return ""
 
 
 def first_line(exc: BaseException) -> str:
@@ -160,10 +175,42 @@ def wait_all(pending: list[Pending], timeout_s: float) -> list:
     return results
 
 
+# The states of Ray's actor record in which the actor serves no call now or later: DEAD, and
+# RESTARTING (its process died; Ray may start it again, but nothing it held survived). A new
+# actor is PENDING_CREATION or DEPENDENCIES_UNREADY until its constructor ran, then ALIVE.
+LOST_STATES = frozenset({"DEAD", "RESTARTING"})
+
+
+def actor_state(handle: Any) -> str:
+    """The state of the actor ``handle`` in Ray's control store (GCS): ``"ALIVE"``, ``"DEAD"``,
+    ``"RESTARTING"``, ``"PENDING_CREATION"`` or ``"DEPENDENCIES_UNREADY"``; ``"DEAD"`` when the
+    store holds no record of it.
+
+    Ray keeps a named actor's name, and ``ray.get_actor`` keeps returning its handle, after the
+    actor died of anything but ``ray.kill(handle)`` (a signal, the OOM killer, a lost node,
+    ``ray.kill(..., no_restart=False)``), until its last handle is released: a name lookup alone
+    cannot tell a dead actor from a live one. The record can. It is read with one GCS call
+    (about 1 ms on one node) through ``ray._private.state``: Ray's public state API
+    (``ray.util.state``) asks the dashboard's server, which a run may not have.
+    """
+    return actor_record(handle).get("State", "DEAD")
+
+
+def actor_record(handle: Any) -> dict:
+    """Ray's record of the actor ``handle`` (``State``, ``Pid``, ``NumRestarts``, ``Address``,
+    ...; see :func:`actor_state`), empty when there is none."""
+    from ray._private import state
+
+    return state.actors(actor_id=handle._actor_id.hex()) or {}
+
+
 def alive(name: str, handle: Any) -> bool:
-    """Whether the actor ``handle`` still holds the name ``name`` in Ray's control store."""
+    """Whether the actor ``handle`` is alive by Ray's record of it (:func:`actor_state`) and
+    still holds the name ``name`` (another actor holding it means ``handle`` was replaced)."""
     import ray
 
+    if actor_state(handle) in LOST_STATES:
+        return False
     try:
         return ray.get_actor(name) == handle
     except ValueError:

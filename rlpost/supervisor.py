@@ -5,8 +5,10 @@ The training loop (:mod:`rlpost.controller`) runs each part of a step through
 (:mod:`rlpost.clients`); the supervisor then recovers and runs the part again. A part is safe
 to run again: taking from the buffer, annotating, a weight sync and a checkpoint repeat
 harmlessly, and collection goes on from what the buffer recorded. Between parts,
-:meth:`Supervisor.check` looks up every actor by name every few seconds, so a death is noticed
-while the loop waits. Recovery restarts what is dead, in this order:
+:meth:`Supervisor.check` reads every actor's state in Ray's control store every HEALTH_CHECK_S
+seconds, so a death is noticed while the loop waits, and whoever meets a dead peer first says
+so at once: a client call to a dead actor, a weight sync with a dead worker, an env pool whose
+engine client found its worker dead (its ``wait`` raises) all end in a recovery right away. Recovery restarts what is dead, in this order:
 
     learner dead        -> LearnerDied: run_with_auto_resume restarts the whole run from its
                            last checkpoint (trainer.auto_resume) or it stops naming the
@@ -63,7 +65,7 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
-HEALTH_CHECK_S = 5.0  # actors' names are looked up at most this often while things go well
+HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
 MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
 MAX_AUTO_RESUMES = 3  # restarts of a whole run from its last checkpoint (trainer.auto_resume)
 
@@ -382,7 +384,7 @@ class Supervisor:
 
     def _alive(self, client: Any, lost: str | None) -> bool:
         """False for the actor a failure named (killed to be sure: a silent actor is as good as
-        dead) and for any actor whose name Ray no longer holds."""
+        dead) and for any actor Ray's record says is dead or restarting (:func:`rlpost.clients.actor_state`)."""
         if lost is not None and lost in client.names:
             client.kill()
             return False

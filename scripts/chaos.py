@@ -1,9 +1,12 @@
-"""Chaos harness: runs of the tiny job that lose actors, killed through Ray at random moments.
+"""Chaos harness: runs of the tiny job that lose actors, killed at random moments in random ways.
 
 Each run is a real ``rlpost train`` of the tiny model (vLLM engine, gloo bus, Ray actors) in a
 subprocess. While it trains, the harness attaches to the run's Ray cluster (the address is in
-``RUN_DIR/ray_address``) and kills actors by name, as an operator or a failing node would:
-``ray.kill(ray.get_actor("inference-0", namespace="rlpost-<run>"))``. A kill lands a random
+``RUN_DIR/ray_address``), finds actors by name (``ray.get_actor("inference-0",
+namespace="rlpost-<run>")``) and ends each in one of WAYS, drawn at random: as an operator does
+(``ray.kill``), as Ray ends an actor whose process died (``ray.kill(..., no_restart=False)``),
+as the OOM killer or a segfault does (SIGKILL of the actor's process), or by the process
+exiting on its own (SIGTERM, on which Ray's worker exits). A kill lands a random
 delay after a random metrics line, so it hits generation, a weight receive, the sync probe, a
 buffer put or a checkpoint by chance; every third run kills two actors in a row. A run passes
 when it finishes every step within its time bound, metrics.jsonl has one line per step, every
@@ -30,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VICTIMS = ("inference-0", "env-pool-0", "reference", "buffer", "learner")
+WAYS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM")
 COUNTER = {
     "inference-0": "restarts_inference",
     "env-pool-0": "restarts_env_pool",
@@ -44,6 +48,7 @@ class Kill:
     victim: str
     after_line: int  # killed once metrics.jsonl has this many lines ...
     delay_s: float  # ... plus this delay
+    way: str = "ray.kill"  # one of WAYS
 
 
 @dataclasses.dataclass
@@ -65,14 +70,15 @@ class Outcome:
 
 
 def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
-    """Random plans: modes alternate, every third run kills two actors in a row."""
+    """Random plans: modes alternate, every third run kills two actors in a row, each kill in a
+    way drawn from WAYS."""
     rng = random.Random(seed)
     plans = []
     for i in range(num_runs):
         victims = rng.sample(VICTIMS, 2 if i % 3 == 2 else 1)
         first = rng.randint(1, max(1, steps // 2 - 1))
         lines = [first, first + rng.randint(2, 3)][: len(victims)]
-        kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2)) for v, line in zip(victims, lines)]
+        kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2), rng.choice(WAYS)) for v, line in zip(victims, lines)]
         plans.append(Plan(f"chaos-{seed}-{i}", "sync" if i % 2 == 0 else "async", kills))
     return plans
 
@@ -173,17 +179,43 @@ def _kill_as_planned(
                 time.sleep(0.2)
             time.sleep(kill.delay_s)
             try:
-                ray.kill(ray.get_actor(kill.victim))
-            except ValueError:  # not there at this moment (e.g. the run is restarting it)
+                end_actor(ray.get_actor(kill.victim), kill.way)
+            except (ValueError, ProcessLookupError):  # not there at this moment (the run is restarting it)
                 continue
             killed.append(kill.victim)
             lines_at_last_kill = len(_read_metrics(run_dir))
             if lines_at_last_kill >= steps - 1:  # the loss may surface after the last line
                 late.append(kill.victim)
-            print(f"  {plan.name}: killed {kill.victim} after line {kill.after_line} + {kill.delay_s}s", flush=True)
+            print(
+                f"  {plan.name}: killed {kill.victim} ({kill.way}) after line {kill.after_line} + {kill.delay_s}s",
+                flush=True,
+            )
     finally:
         ray.shutdown()
     return killed, late
+
+
+def end_actor(handle, way: str) -> None:
+    """End the actor ``handle`` in ``way`` (one of WAYS). The signals go to the actor's process,
+    found in Ray's record of the actor (the harness runs on the run's node)."""
+    import os
+    import signal
+
+    import ray
+
+    from rlpost.clients import actor_record
+
+    if way == "ray.kill":
+        ray.kill(handle)
+    elif way == "ray.kill(no_restart=False)":
+        ray.kill(handle, no_restart=False)
+    elif way in ("SIGKILL", "SIGTERM"):
+        record = actor_record(handle)
+        if record.get("State") != "ALIVE" or not record.get("Pid"):
+            raise ProcessLookupError(f"the actor has no live process ({record.get('State')})")
+        os.kill(record["Pid"], getattr(signal, way))
+    else:
+        raise ValueError(f"unknown way of ending an actor: {way!r}; one of {WAYS}")
 
 
 def _read_metrics(run_dir: Path) -> list[dict]:
@@ -234,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = make_plans(args.runs, args.seed, args.steps)
     for plan in [p for p in plans if args.only is None or p.name in args.only]:
         print(
-            f"{plan.name} ({plan.mode}): " + ", ".join(f"{k.victim} after line {k.after_line}" for k in plan.kills),
+            f"{plan.name} ({plan.mode}): "
+            + ", ".join(f"{k.victim} ({k.way}) after line {k.after_line}" for k in plan.kills),
             flush=True,
         )
         outcome = run_plan(plan, args.out, args.model, args.steps, args.timeout)

@@ -78,6 +78,12 @@ class EnvPoolSettings:
                    cfg.logging.run_name or "")  # fmt: skip
 
 
+class InferenceWorkerLost(RuntimeError):
+    """Raised by :meth:`EnvPool.wait` when the pool's engine client found an inference worker
+    dead. The pool goes on collecting (its request waits for the worker's replacement); the
+    error only tells whoever waits on the pool, at once, that a worker needs replacing."""
+
+
 class EnvPool:
     """One env pool: collects whole groups from its shard of the prompts.
 
@@ -164,6 +170,10 @@ class EnvPool:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._error_text: str | None = None
+        self._woken = threading.Event()  # the background run ended, or a worker was found dead
+        self._worker_lost: str | None = None  # a death not yet reported by wait()
+        if hasattr(engine_client, "on_worker_lost"):  # a RemoteVLLMClient: it tells us of deaths
+            engine_client.on_worker_lost = self._on_worker_lost
 
     # ------------------------------------------------------------------ collecting
 
@@ -293,6 +303,7 @@ class EnvPool:
         if self.running:
             raise RuntimeError(f"env pool {self.pool_index} is already running")
         self._stop.clear()
+        self._woken.clear()
         self._error = self._error_text = None
         self._thread = threading.Thread(
             target=self._run_guarded, args=(num_groups_total, put_timeout_s),
@@ -306,16 +317,33 @@ class EnvPool:
         except BaseException as exc:  # kept and re-raised by stop()/wait(); shown by stats()
             self._error = exc
             self._error_text = "".join(traceback.format_exception(exc))
+        finally:
+            self._woken.set()
+
+    def _on_worker_lost(self, index: int, error: BaseException) -> None:
+        self._worker_lost = f"inference worker {index} died under env pool {self.pool_index}'s request: {error}"
+        self._woken.set()
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the background run to end; True if it ended. Raises the run's error."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+    def wait(self, timeout_s: float | None = None, report_lost: bool = True) -> bool:
+        """Wait for the background run to end; True if it ended. Raises the run's error. With
+        ``report_lost``, returns early by raising :class:`InferenceWorkerLost` (once per death)
+        when the engine client found an inference worker dead: the run goes on, waiting for the
+        worker's replacement, and the caller can start that replacement without delay."""
+        if self.running:
+            if report_lost:
+                self._woken.wait(timeout_s)
+            else:
+                self._thread.join(timeout_s)
         self._raise_error()
+        if report_lost and self._worker_lost is not None:
+            lost, self._worker_lost = self._worker_lost, None
+            if self.running:
+                self._woken.clear()
+            raise InferenceWorkerLost(lost)
         return not self.running
 
     def stop(self, timeout_s: float = DEFAULT_PUT_TIMEOUT_S + 60.0) -> dict[str, Any]:
@@ -323,7 +351,7 @@ class EnvPool:
         ``timeout_s``. Returns the stats; raises the run's error if it failed, or
         ``TimeoutError`` if it did not stop in time."""
         self._stop.set()
-        if not self.wait(timeout_s):
+        if not self.wait(timeout_s, report_lost=False):
             raise TimeoutError(f"env pool {self.pool_index} did not stop within {timeout_s:.0f}s")
         return self.stats()
 

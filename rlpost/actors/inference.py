@@ -453,7 +453,9 @@ class RemoteVLLMClient:
     ``request_timeout_s`` bounds every call. A worker that died (RayActorError) is skipped and
     the request re-issued on the next one. When every worker has failed, the request waits up to
     ``worker_wait_s`` for :meth:`set_handles` (the controller restarting workers) and is then
-    re-issued to the new ones; after that the error propagates.
+    re-issued to the new ones; after that the error propagates. ``on_worker_lost(index, error)``,
+    when set, is told of each death as it is found, so that whoever restarts workers hears of it
+    at once (an env pool passes it on to the controller waiting on it).
     """
 
     def __init__(
@@ -468,6 +470,7 @@ class RemoteVLLMClient:
         self._cond = threading.Condition()
         self._order = itertools.count()
         self._generation = 0
+        self.on_worker_lost: Callable[[int, BaseException], None] | None = None
         self._set(handles)
 
     def _set(self, handles: list) -> None:
@@ -525,9 +528,11 @@ class RemoteVLLMClient:
             i, handle, generation = picked
             try:
                 return ray.get(getattr(handle, method).remote(*args), timeout=self.request_timeout_s)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
                 tried.add(i)
                 self.num_reissued += 1
+                if self.on_worker_lost is not None:
+                    self.on_worker_lost(i, exc)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(
                     f"inference worker {i} did not answer {method} within {self.request_timeout_s}s"

@@ -1,9 +1,11 @@
 """The chaos harness, short: real `rlpost train` runs of the tiny job that lose actors.
 
-scripts/chaos.py kills actors by name through Ray at random moments (`make chaos`: 20 runs). Here
-three fixed plans cover the roles whose loss costs the most state: an inference worker (bus
-re-form, request re-issue), the buffer (rebuilt from the ledger and the pools' outboxes), and
-the learner followed by an env pool (auto-resume from a checkpoint, then a pool restart).
+scripts/chaos.py ends actors at random moments in random ways (`make chaos`: 20 runs). Here
+three fixed plans cover the roles whose loss costs the most state, each way of dying once: an
+inference worker's process killed by SIGKILL (bus re-form, request re-issue), the buffer ended
+as Ray ends a crashed actor (rebuilt from the ledger and the pools' outboxes), and the learner
+killed by SIGKILL followed by an env pool's process exiting on SIGTERM (auto-resume from a
+checkpoint, then a pool restart); ``ray.kill`` is the e2e fault tests'.
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ def load_chaos():
 def test_runs_finish_with_consistent_accounting_when_actors_are_killed(tmp_path, tiny_model_path):
     chaos = load_chaos()
     plans = [
-        chaos.Plan("chaos-inference", "sync", [chaos.Kill("inference-0", 2, 0.6)]),
-        chaos.Plan("chaos-buffer", "async", [chaos.Kill("buffer", 2, 0.3)]),
+        chaos.Plan("chaos-inference", "sync", [chaos.Kill("inference-0", 2, 0.6, "SIGKILL")]),
+        chaos.Plan("chaos-buffer", "async", [chaos.Kill("buffer", 2, 0.3, "ray.kill(no_restart=False)")]),
         # resumed steps take ~0.5 s here: the pool's kill comes early enough that the run is
         # still going (a kill planned after line 6 + 0.8 s could find the run finished)
-        chaos.Plan("chaos-learner-pool", "sync", [chaos.Kill("learner", 3, 0.2), chaos.Kill("env-pool-0", 5, 0.2)]),
+        chaos.Plan(
+            "chaos-learner-pool",
+            "sync",
+            [chaos.Kill("learner", 3, 0.2, "SIGKILL"), chaos.Kill("env-pool-0", 5, 0.2, "SIGTERM")],
+        ),
     ]
     for plan in plans:
         outcome = chaos.run_plan(plan, tmp_path, tiny_model_path, steps=8, timeout_s=480)

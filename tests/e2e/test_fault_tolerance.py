@@ -1,4 +1,5 @@
-"""Runs that lose actors (killed with ray.kill mid-run) and runs resumed from checkpoints.
+"""Runs that lose actors (mid-run: a process killed by SIGKILL, as the OOM killer does, and
+Ray's kill) and runs resumed from checkpoints.
 
 Real actors throughout: vLLM engines, the gloo bus, the buffer actor, the learner. Each test
 runs a few small steps of the tiny-model job; the kills are placed by overriding one controller
@@ -47,11 +48,17 @@ def local_ray():
 
 def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(tmp_path, tiny_model_path,
                                                                                 connect_driver):  # fmt: skip
-    """Sync mode, one worker and one pool: the worker is killed while step 2 is being collected
-    (its request is re-issued to the restarted worker), the pool while step 4 is (it restarts
-    from its last put). Every prompt of the stream is trained exactly once, in order."""
+    """Sync mode, one worker and one pool: the worker's process is killed with SIGKILL while step
+    2 is being collected (its request is re-issued to the restarted worker), the pool with
+    ``ray.kill(..., no_restart=False)`` (how Ray ends an actor whose process died) while step 4
+    is (it restarts from its last put). Neither frees the actor's name in Ray: the supervisor
+    must see the deaths in Ray's record of the actors. Every prompt of the stream is trained
+    exactly once, in order."""
+    import os
+    import signal
     import time
 
+    from rlpost.clients import actor_record
     from rlpost.controller import Controller, start_run, stop_actors
     from rlpost.runs import create_run_dir
 
@@ -60,12 +67,19 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     run_dir = create_run_dir(cfg, tmp_path / "restarts")
     trained, killed = [], set()
 
+    def sigkill(handle):
+        os.kill(actor_record(handle)["Pid"], signal.SIGKILL)
+
+    def ray_kill_as_after_a_crash(handle):
+        ray.kill(handle, no_restart=False)
+
     class KillMidCollection(Controller):
         def _collect_shares(self, targets):
-            victim = {2: self.actors.inference[0], 4: self.actors.env_pools[0]}.get(self.step)
-            if victim is not None and self.step not in killed:  # killed shortly after the pool starts generating
+            victim = {2: (sigkill, self.actors.inference[0]), 4: (ray_kill_as_after_a_crash, self.actors.env_pools[0])}
+            if self.step in victim and self.step not in killed:  # killed shortly after the pool starts generating
                 killed.add(self.step)  # once: the collection runs again after the restart
-                threading.Timer(0.05, ray.kill, args=(victim.handle,)).start()
+                how, client = victim[self.step]
+                threading.Timer(0.05, how, args=(client.handle,)).start()
             super()._collect_shares(targets)
 
         def _train(self, groups, step):
@@ -89,11 +103,16 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
 
 @pytest.mark.long  # two runs (the death, then the CLI's resume in a cluster of its own): ~80 s
 def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_path, tiny_model_path, local_ray):
-    """The learner dies in step 6 (checkpoints every 2 steps, so step_4 is the last); the run
+    """The learner's process is killed by SIGKILL in step 6 (checkpoints every 2 steps, so step_4
+    is the last); the run
     stops with LearnerDied naming step_4 and the resume command; `rlpost train --resume` then
     trains steps 5-6 again (step 5's first metrics line is kept aside) with the same numbering.
     (A resume with more steps, an override, is tested by test_chaos.py's SIGTERM test.)"""
+    import os
+    import signal
+
     from rlpost import controller as ctl
+    from rlpost.clients import actor_record
     from rlpost.runs import create_run_dir
 
     ray = local_ray
@@ -103,7 +122,7 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     class KillLearner(ctl.Controller):
         def _train(self, groups, step):
             if step == 6:
-                ray.kill(self.actors.learner.handle)
+                os.kill(actor_record(self.actors.learner.handle)["Pid"], signal.SIGKILL)
             return super()._train(groups, step)
 
     original, ctl.Controller = ctl.Controller, KillLearner

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from rlpost.clients import ActorClient, ActorLost, alive
+from rlpost.clients import ActorClient, ActorLost, actor_state, alive
 
 pytestmark = pytest.mark.integration
 
@@ -56,3 +56,142 @@ def test_only_the_actor_that_died_is_named_lost(ray_cluster):
     with pytest.raises(ActorLost) as lost:
         caller.call("call_worker", timeout_s=60)
     assert lost.value.name == "mapping-caller"
+
+
+def _kill_by(way: str, ray, handle) -> None:
+    """End the actor ``handle`` the way ``way`` names (each way Ray can lose an actor)."""
+    import os
+    import signal
+
+    if way == "ray.kill":
+        ray.kill(handle)
+    elif way == "ray.kill(no_restart=False)":  # how Ray treats a process that died by a signal
+        ray.kill(handle, no_restart=False)
+    elif way == "SIGKILL":  # the OOM killer, a segfault
+        os.kill(ray.get(handle.pid.remote(), timeout=30), signal.SIGKILL)
+    elif way == "SIGTERM":  # Ray's worker exits on it
+        os.kill(ray.get(handle.pid.remote(), timeout=30), signal.SIGTERM)
+    elif way == "exit":  # the actor's own process exiting
+        handle.exit.remote()
+    else:
+        raise ValueError(way)
+
+
+@pytest.mark.parametrize("way", ["ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM", "exit"])
+def test_every_way_an_actor_dies_is_seen_from_rays_record_and_its_name_can_be_taken_again(ray_cluster, way):
+    """Whatever ended the actor, ``alive`` says so within seconds, from the actor's state in Ray's
+    control store. A name lookup alone is not enough: Ray still returns the dead actor's handle
+    for its name after every way but ``ray.kill(handle)``. The supervisor's ``kill`` then frees
+    the name, and a new actor takes it (what a restart does)."""
+    import os
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Victim:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def exit(self) -> None:
+            os._exit(1)
+
+    name = "dying-victim"
+    client = ActorClient(name, Victim.options(name=name).remote())
+    assert client.call("pid", timeout_s=60) > 0
+    assert actor_state(client.handle) == "ALIVE" and client.alive()
+    _kill_by(way, ray, client.handle)
+    _wait_until_gone(name, client.handle)
+    assert actor_state(client.handle) == "DEAD"
+    with pytest.raises(ActorLost) as lost:
+        client.call("pid", timeout_s=60)
+    assert lost.value.name == name
+    client.kill()  # what the supervisor does before it starts the role again
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            again = ActorClient(name, Victim.options(name=name).remote())
+            break
+        except ValueError:  # the name is released a moment after the kill
+            assert time.monotonic() < deadline, f"the name {name} is still taken 30 s after the kill"
+            time.sleep(0.1)
+    assert again.call("pid", timeout_s=60) > 0 and again.alive() and not client.alive()
+    again.kill()
+    _wait_until_gone(name, again.handle)
+
+
+def test_an_actor_that_ray_restarts_is_lost_while_restarting_and_a_failed_constructor_names_its_cause(ray_cluster):
+    """RESTARTING counts as lost (nothing the process held survived); an actor whose
+    constructor raises is DEAD and a call to it says why."""
+    import os
+    import signal
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class Restarting:
+        def __init__(self):
+            time.sleep(2.0 if os.environ.get("RLPOST_TEST_SLOW_START") else 0.0)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    handle = Restarting.options(name="restarting", runtime_env={"env_vars": {"RLPOST_TEST_SLOW_START": "1"}}).remote()
+    client = ActorClient("restarting", handle)
+    os.kill(client.call("pid", timeout_s=60), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while actor_state(handle) != "RESTARTING":  # its constructor takes 2 s: the state is seen
+        assert time.monotonic() < deadline, f"no restart 30 s after the SIGKILL: {actor_state(handle)}"
+        time.sleep(0.02)
+    assert not client.alive()
+    while actor_state(handle) != "ALIVE":
+        assert time.monotonic() < deadline, f"not restarted 30 s after the SIGKILL: {actor_state(handle)}"
+        time.sleep(0.05)
+    client.kill()
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self):
+            raise ValueError("the model file is missing")
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    broken = ActorClient("broken", Broken.options(name="broken").remote())
+    with pytest.raises(ActorLost) as lost:
+        broken.call("pid", timeout_s=60)
+    assert lost.value.name == "broken" and "the model file is missing" in str(lost.value)
+    assert actor_state(broken.handle) == "DEAD" and not broken.alive()
+    broken.kill()
+
+
+def test_the_engine_client_tells_of_a_dead_worker_as_it_reissues_the_request(ray_cluster):
+    """RemoteVLLMClient re-issues a request whose worker died on the next worker and reports the
+    death through ``on_worker_lost`` (an env pool passes it to the controller at once)."""
+    import os
+    import signal
+
+    from rlpost.actors.inference import RemoteVLLMClient
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Scorer:
+        def __init__(self, index: int):
+            self.index = index
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def score(self, token_ids, temperature):
+            return [[float(self.index)] * len(ids) for ids in token_ids]
+
+    workers = [Scorer.remote(i) for i in range(2)]
+    os.kill(ray.get(workers[0].pid.remote(), timeout=60), signal.SIGKILL)
+    ray.get(workers[1].pid.remote(), timeout=60)
+    lost = []
+    client = RemoteVLLMClient(workers, request_timeout_s=60, worker_wait_s=1)
+    client.on_worker_lost = lambda index, error: lost.append((index, type(error).__name__))
+    answers = {client.score([[1, 2]], temperature=1.0)[0][0] for _ in range(3)}
+    assert answers == {1.0}  # every request ended on the live worker
+    assert lost and lost[0][0] == 0 and all(index == 0 for index, _ in lost)
+    assert client.num_reissued == len(lost)

@@ -5,12 +5,13 @@ client, so the tests compare every sample with the exact ids and log-probs the e
 """
 
 import copy
+import threading
 import time
 
 import pytest
 import torch
 
-from rlpost.actors.env_pool import EnvPool, EnvPoolActor, EnvPoolSettings
+from rlpost.actors.env_pool import EnvPool, EnvPoolActor, EnvPoolSettings, InferenceWorkerLost
 from rlpost.algo import group_advantages
 from rlpost.collect import GroupCollector, PolicyVersion
 from rlpost.config import JobConfig
@@ -317,6 +318,38 @@ def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
     with pytest.raises(RuntimeError, match="buffer gone"):
         pool.wait(timeout_s=60)
     assert "buffer gone" in pool.stats()["error"]
+
+
+def test_env_pool_wait_tells_of_a_dead_worker_at_once_and_the_run_goes_on(engine, tiny_tokenizer):
+    """The engine client finds a worker dead in the middle of the run (a RemoteVLLMClient calls
+    ``on_worker_lost`` and its request waits for a replacement): ``wait`` raises
+    InferenceWorkerLost at once, once, and the run then finishes when the request goes on."""
+
+    class LosingClient(RecordingClient):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.on_worker_lost = None
+            self.replaced = threading.Event()
+
+        def generate(self, prompt_token_ids, sampling):
+            if len(self.calls) == 1:  # the second batch's worker dies; the request waits
+                self.on_worker_lost(0, RuntimeError("inference-0 died"))
+                assert self.replaced.wait(60)
+            return super().generate(prompt_token_ids, sampling)
+
+    buffer = CountingBuffer(capacity=1000)
+    client = LosingClient(engine)
+    pool = EnvPool(make_cfg(), 0, client, buffer, tokenizer=tiny_tokenizer)
+    assert client.on_worker_lost is not None  # the pool listens
+    pool.start(num_groups_total=8)
+    start = time.monotonic()
+    with pytest.raises(InferenceWorkerLost, match="inference worker 0 died under env pool 0's request"):
+        pool.wait(timeout_s=60)
+    assert time.monotonic() - start < 30 and pool.running  # told before the run ended
+    assert not pool.wait(timeout_s=0.2)  # told once
+    client.replaced.set()
+    assert pool.wait(timeout_s=60)
+    assert buffer.put_sizes == [4, 4]
 
 
 def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(engine, tiny_tokenizer):
