@@ -15,12 +15,16 @@ from pathlib import Path
 
 from rlpost.config import ConfigError, check_overrides, load_config
 from rlpost.jobs import ClusterError, JobNotFoundError
-from rlpost.shutdown import StopRequested, exit_code
+from rlpost.shutdown import StopRequested, exit_code, in_own_session, run_in_own_session
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and _shield_local_cluster(sys.argv[1:]):
+        # `rlpost train` from a shell starting a local cluster: the driver runs in a session of its
+        # own, out of reach of the signals a terminal or scheduler sends a whole process group
+        return run_in_own_session(sys.argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -42,6 +46,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlpost: failed: {type(exc).__name__}: {exc} (set RLPOST_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _shield_local_cluster(argv: list[str]) -> bool:
+    """Whether this command line is a ``train`` that starts a local Ray cluster (no --address,
+    no RAY_ADDRESS) on a POSIX system, in a driver not already in a session of its own
+    (:func:`rlpost.shutdown.run_in_own_session`)."""
+    return (
+        bool(argv)
+        and argv[0] == "train"
+        and "--address" not in argv
+        and not any(arg.startswith("--address=") for arg in argv)
+        and not os.environ.get("RAY_ADDRESS")
+        and os.name == "posix"
+        and not in_own_session()
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -56,7 +56,7 @@ from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
 from rlpost.ray_start import init_ray
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
-from rlpost.shutdown import StopRequested, stop_on_signals
+from rlpost.shutdown import StopRequested, raise_if_stopping, stop_on_signals
 from rlpost.supervisor import (
     ActorStarter,
     LearnerDied,
@@ -85,8 +85,8 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
     process exit code (0 on success). With ``trainer.auto_resume`` a lost learner (or an actor
     lost with the state it needed) restarts the run from its last checkpoint
-    (:func:`rlpost.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested after
-    the final checkpoint."""
+    (:func:`rlpost.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested at the
+    loop's next safe point (rlpost.shutdown), after the final checkpoint."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
@@ -150,6 +150,7 @@ def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
     supervisor = None
     try:
         supervisor = start_run(cfg, run_dir)
+        raise_if_stopping()  # a stop asked while the actors started takes effect now
         controller = Controller(cfg, run_dir, supervisor, resume=resume, evaluator=evaluator)
         controller.learner_resumes = learner_resumes
         try:
@@ -272,6 +273,7 @@ class Controller:
             if cfg.trainer.mode == "async":
                 self.supervisor.run("start collection", self.supervisor.start_collection)
             for step in range(self.first_step, steps + 1):
+                raise_if_stopping()
                 self.step = self.supervisor.step = step
                 step_start = time.perf_counter()
                 groups = self._collect_step()

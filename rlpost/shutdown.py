@@ -1,31 +1,44 @@
-"""Graceful stop of the driver process on SIGTERM and SIGINT.
+"""Graceful stop of ``rlpost train`` on SIGTERM and SIGINT, from a terminal or a scheduler.
 
-Schedulers, ``ray job stop``, ``kill`` and Ctrl-C all stop a run the same way: with a signal.
-Left to Python's defaults, SIGTERM kills the driver where it stands. No checkpoint is written, so
-the steps trained since the last periodic checkpoint are lost. The actors it started are left
-running too. Inside ``with stop_on_signals():`` (main thread only) the driver gets this instead:
+Schedulers, ``ray job stop``, ``kill``, ``timeout`` and Ctrl-C all stop a run the same way: with
+a signal. Left to Python's defaults, SIGTERM kills the driver where it stands: no checkpoint is
+written, so the steps trained since the last periodic checkpoint are lost, and the actors are
+left running. Two things stand in the way of a clean stop, and this module handles both.
 
-* The first SIGINT or SIGTERM prints one line to stderr and raises :class:`StopRequested` in the
-  main thread. It is raised at whatever Python line the thread is running, the way Python raises
-  KeyboardInterrupt. The training loop unwinds into its ``except StopRequested`` cleanup, which
-  stops every actor and, when the learner is still alive, writes a final checkpoint. A resumed
-  run then goes on from the step the run was stopped at.
-* Later signals never raise again. A second exception raised into the cleanup would abort the
-  very checkpoint it is writing. So the second signal prints a line and ends the process at once
-  with ``os._exit(130)``. That is the way out when the cleanup hangs (an actor that no longer
-  answers). It skips the cleanup, ``finally`` blocks, atexit handlers and buffered output: the
-  last complete checkpoint on disk is what remains.
+**The signal lands at a safe point.** Inside ``with stop_on_signals():`` (main thread only) the
+first SIGINT or SIGTERM prints one line to stderr and only records the stop. The training loop
+asks :func:`raise_if_stopping` at its safe points (before each part of a step, at each poll while
+it waits, between steps), which raises :class:`StopRequested` there, once. The loop unwinds into
+its ``except StopRequested`` cleanup, which stops every actor and, when the learner is alive,
+writes a final checkpoint; a resumed run goes on from the step the run was stopped at. A handler
+that raised at whatever line the main thread was running would also land inside C calls (a
+``ray.get``, a constructor), which then fail with errors such as ``SystemError: ... returned a
+result with an exception set`` instead of stopping. A call in flight (a train step, a weight
+sync; at start-up, the engines loading) is let finish first: every such call is bounded.
+
+* Later signals exit at once with ``os._exit(130)``: the way out when the cleanup hangs (an
+  actor that no longer answers). It skips the cleanup, ``finally`` blocks, atexit handlers and
+  buffered output: the last complete checkpoint on disk is what remains.
 * Leaving the block restores the handlers that were installed before it.
 * Outside the main thread Python does not allow signal handlers (``signal.signal`` raises
   ValueError), so there the context manager does nothing: the signals keep their handlers.
+
+**The local Ray cluster does not get the signal.** Ctrl-C sends SIGINT to the terminal's whole
+foreground process group, and ``timeout``, systemd and container runtimes send SIGTERM to a
+whole process group. The local Ray processes ``ray.init`` starts (its control store, raylet and
+agents) are in the driver's group and would be stopped by it under the driver, which could then
+write no checkpoint. So :func:`run_in_own_session` runs the driver as a child in a session of its
+own, where ``ray.init`` starts them out of the group's reach; the parent stays in the group,
+passes each SIGINT / SIGTERM (and SIGHUP, as SIGTERM) on to the driver, ends whatever the driver
+left in its process group (Ray's agents outlive an immediate exit by up to minutes) and exits
+with the driver's status. Should the parent die, the driver gets SIGTERM (Linux) and stops
+cleanly; the Ray processes end with the driver, as Ray binds them to the process that started
+them.
 
 :class:`StopRequested` derives from BaseException, like KeyboardInterrupt, so the ``except
 Exception`` blocks of the training loop (retries, fault handling) let it through.
 :func:`exit_code` gives the status the shell convention expects from a process stopped by a
 signal (128 + its number), so a supervisor sees that the run was stopped, not that it failed.
-
-The handler runs between two Python bytecodes of the main thread. A main thread blocked inside C
-code sees the signal only when that code returns or checks for signals (``ray.get`` does).
 """
 
 from __future__ import annotations
@@ -33,14 +46,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FORCED_EXIT_CODE = 130  # the second signal: exit at once, as an interrupted process
+# set in the driver's environment by run_in_own_session: it runs in its own session already
+DRIVER_SESSION_ENV = "RLPOST_DRIVER_SESSION"
 
 
 class StopRequested(BaseException):
-    """Raised in the main thread by the first SIGINT or SIGTERM inside :func:`stop_on_signals`.
+    """Raised by :func:`raise_if_stopping` after the first SIGINT or SIGTERM inside
+    :func:`stop_on_signals`.
 
     A BaseException so that ``except Exception`` does not catch it; ``signal_name`` is
     ``"SIGINT"`` or ``"SIGTERM"``.
@@ -57,22 +75,34 @@ def exit_code(stop: StopRequested) -> int:
 
 
 class _StopHandler:
-    """The signal handler: raises :class:`StopRequested` once, then exits at once on the next signal."""
+    """The signal handler: records the first signal, exits at once on the next one."""
 
     def __init__(self) -> None:
-        self.stopping = False
+        self.signal_name: str | None = None  # the first signal's name, once one came
+        self.raised = False  # StopRequested was raised for it
 
     def __call__(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.stopping:
+        if self.signal_name is not None:
             _say(f"rlpost: {name} received again: exiting at once, without waiting for the cleanup")
             os._exit(FORCED_EXIT_CODE)
-        self.stopping = True
+        self.signal_name = name
         _say(
-            f"rlpost: {name} received: stopping every actor and writing a final checkpoint; "
-            "send it again to exit at once"
+            f"rlpost: {name} received: stopping every actor and writing a final checkpoint once the call "
+            "in flight returns; send it again to exit at once"
         )
-        raise StopRequested(name)
+
+
+_handler: _StopHandler | None = None  # the handler of the innermost stop_on_signals block
+
+
+def raise_if_stopping() -> None:
+    """Raise :class:`StopRequested` if a stop signal came inside :func:`stop_on_signals` and was
+    not raised yet (it is raised once: the cleanup that follows may call this again)."""
+    handler = _handler
+    if handler is not None and handler.signal_name is not None and not handler.raised:
+        handler.raised = True
+        raise StopRequested(handler.signal_name)
 
 
 def _say(line: str) -> None:
@@ -90,25 +120,32 @@ def _say(line: str) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into :class:`StopRequested` inside the block; see the module docstring.
+    """Record SIGINT and SIGTERM inside the block for :func:`raise_if_stopping`; see the module
+    docstring.
 
     Put the cleanup (stop the actors, write the final checkpoint) inside the block, so that a
     second signal during it exits at once rather than meeting the restored handlers::
 
         with stop_on_signals():
             try:
-                train()
+                train()  # calls raise_if_stopping() at its safe points
             except StopRequested as stop:
                 cleanup()
                 return exit_code(stop)
+
+    A signal that comes after the loop's last safe point does not undo a finished run.
     """
-    previous = _install(_StopHandler())
+    global _handler
+    handler = _StopHandler()
+    previous = _install(handler)
     if previous is None:  # not the main thread: signal handlers cannot be set here
         yield
         return
+    outer, _handler = _handler, handler
     try:
         yield
     finally:
+        _handler = outer
         _restore(previous)
 
 
@@ -126,3 +163,54 @@ def _restore(previous: dict[int, object]) -> None:
     which Python cannot put back: SIG_DFL is used instead."""
     for signum, handler in previous.items():
         signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+# ----------------------------------------------------------------------------- the driver's session
+
+
+def in_own_session() -> bool:
+    """True in a driver that :func:`run_in_own_session` started (or that should not start one)."""
+    return os.environ.get(DRIVER_SESSION_ENV) == "1"
+
+
+def run_in_own_session(argv: Sequence[str]) -> int:
+    """Run ``python -m rlpost.cli ARGV`` in a session of its own and return its exit status,
+    passing SIGINT and SIGTERM on to it (SIGHUP as SIGTERM); see the module docstring.
+
+    The child shares this process's stdin, stdout and stderr (a terminal stays a terminal for
+    its progress output) and environment, plus ``RLPOST_DRIVER_SESSION=1``.
+    """
+    env = {**os.environ, DRIVER_SESSION_ENV: "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "rlpost.cli", *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent
+    )
+
+    def pass_on(signum: int, frame) -> None:
+        try:
+            child.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        except ProcessLookupError:  # it has just ended
+            pass
+
+    for signum in (*STOP_SIGNALS, signal.SIGHUP):
+        signal.signal(signum, pass_on)
+    status = child.wait()
+    # What the driver started in its process group and left running: nothing after a clean stop,
+    # Ray's agents after a second signal's immediate exit (they wait for their raylet's end for
+    # seconds to minutes). The group is the driver's own (it leads its session), so nothing else
+    # is in it.
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is empty: nothing left
+        pass
+    return 128 - status if status < 0 else status  # killed by a signal N: 128 + N, as a shell says
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: receive SIGTERM when the parent dies (Linux; elsewhere the
+    child outlives a killed parent and is stopped like any process)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)

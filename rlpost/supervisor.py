@@ -57,6 +57,7 @@ from rlpost.clients import (
 )
 from rlpost.config import JobConfig
 from rlpost.runs import latest_checkpoint
+from rlpost.shutdown import raise_if_stopping
 from rlpost.transport.buffer import BufferSnapshot, Taken
 
 log = logging.getLogger("rlpost")
@@ -336,6 +337,7 @@ class Supervisor:
         part is a weight sync, so a failure re-forms the bus even when no worker died)."""
         failure: ActorFailure | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            raise_if_stopping()  # a safe point for SIGINT / SIGTERM (rlpost.shutdown)
             try:
                 if failure is not None:
                     self.recover(failure, reform_bus=bus)
@@ -353,7 +355,9 @@ class Supervisor:
         self.collecting = True
 
     def check(self, force: bool = False) -> None:
-        """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover."""
+        """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover.
+        Raises StopRequested when a stop signal came (the loop calls this at every poll)."""
+        raise_if_stopping()
         if not force and time.monotonic() - self.last_check < self.health_check_s:
             return
         self.last_check = time.monotonic()

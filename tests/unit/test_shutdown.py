@@ -1,7 +1,9 @@
-"""rlpost.shutdown: the first SIGTERM / SIGINT raises StopRequested into the main thread, a second
-one exits at once, the previous handlers come back, and other threads are left alone.
+"""rlpost.shutdown: the first SIGTERM / SIGINT is raised as StopRequested at the loop's next safe
+point (never inside the call in flight), a second one exits at once, the previous handlers come
+back, and other threads are left alone.
 
-The signals are real: each case runs a child Python process and signals it with os.kill.
+The signals are real: each case runs a child Python process and signals it with os.kill (the
+terminal's and the process group's signals are tests/e2e/test_terminal_stop.py's).
 """
 
 from __future__ import annotations
@@ -15,22 +17,24 @@ import time
 
 import pytest
 
-from rlpost.shutdown import StopRequested, exit_code, stop_on_signals
+from rlpost.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
 
 pytestmark = pytest.mark.unit
 
 # The child: a training loop stand-in inside stop_on_signals; its cleanup runs inside the block.
 CHILD = textwrap.dedent("""
     import sys, time
-    from rlpost.shutdown import StopRequested, exit_code, stop_on_signals
+    from rlpost.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
 
-    cleanup_s = float(sys.argv[1])
+    cleanup_s, call_s = float(sys.argv[1]), float(sys.argv[2])
     with stop_on_signals():
         try:
             try:
                 print("ready", flush=True)
                 while True:
-                    time.sleep(0.02)
+                    time.sleep(call_s)  # a call in flight: the signal does not cut it short
+                    print("call returned", flush=True)
+                    raise_if_stopping()  # the loop's safe point
             except Exception:  # what a retry loop does: it must not catch the stop
                 print("swallowed by except Exception", flush=True)
         except StopRequested as stop:
@@ -41,26 +45,29 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def start_child(cleanup_s: float) -> subprocess.Popen:
+def start_child(cleanup_s: float, call_s: float = 0.02) -> subprocess.Popen:
     """The child, once it has entered stop_on_signals (it printed "ready")."""
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(cleanup_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, str(cleanup_s), str(call_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout.readline() == "ready\n", child.communicate(timeout=30)
     return child
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_first_signal_raises_stop_requested_and_the_cleanup_runs(signum, code):
-    child = start_child(cleanup_s=0.0)
+def test_first_signal_stops_at_the_next_safe_point_after_the_call_in_flight(signum, code):
+    child = start_child(cleanup_s=0.0, call_s=1.0)
     child.send_signal(signum)
     out, err = child.communicate(timeout=30)
     name = signal.Signals(signum).name
     assert child.returncode == code, (out, err)
-    assert out == f"cleanup started {name}\ncleanup finished\n"
+    assert out == f"call returned\ncleanup started {name}\ncleanup finished\n"  # the call ran to its end
     assert (
-        f"rlpost: {name} received: stopping every actor and writing a final checkpoint; "
-        "send it again to exit at once" in err
+        f"rlpost: {name} received: stopping every actor and writing a final checkpoint once the call in flight "
+        "returns; send it again to exit at once" in err
     )
     assert "Traceback" not in err
 
@@ -68,6 +75,7 @@ def test_first_signal_raises_stop_requested_and_the_cleanup_runs(signum, code):
 def test_second_signal_exits_at_once_without_finishing_the_cleanup():
     child = start_child(cleanup_s=60.0)
     child.send_signal(signal.SIGTERM)
+    assert child.stdout.readline() == "call returned\n"
     assert child.stdout.readline() == "cleanup started SIGTERM\n"
     sent = time.monotonic()
     child.send_signal(signal.SIGINT)
@@ -100,7 +108,9 @@ def test_previous_handlers_come_back_after_the_block():
         assert signal.getsignal(signal.SIGTERM) is mine
         with pytest.raises(StopRequested):  # restored on the way out of a stop too
             with stop_on_signals():
-                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGTERM)  # recorded, not raised here
+                raise_if_stopping()
+        raise_if_stopping()  # outside the block: nothing to raise
         assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
@@ -124,3 +134,28 @@ def test_outside_the_main_thread_it_does_nothing():
     assert "error" not in seen, seen.get("error")
     assert seen["inside"] == before
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
+
+
+def test_only_a_shell_train_that_starts_a_local_cluster_gets_a_session_of_its_own(monkeypatch):
+    from rlpost.cli import _shield_local_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RLPOST_DRIVER_SESSION", raising=False)
+    assert _shield_local_cluster(["train", "configs/tiny-cpu.yaml"])
+    assert not _shield_local_cluster(["train", "c.yaml", "--address", "10.0.0.1:6379"])
+    assert not _shield_local_cluster(["train", "c.yaml", "--address=10.0.0.1:6379"])
+    assert not _shield_local_cluster(["eval", "c.yaml"]) and not _shield_local_cluster([])
+    monkeypatch.setenv("RLPOST_DRIVER_SESSION", "1")  # the driver itself
+    assert not _shield_local_cluster(["train", "configs/tiny-cpu.yaml"])
+    monkeypatch.delenv("RLPOST_DRIVER_SESSION")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not _shield_local_cluster(["train", "configs/tiny-cpu.yaml"])
+
+
+def test_the_driver_runs_in_a_session_of_its_own_and_its_status_comes_back(tmp_path, capfd):
+    """The child is `python -m rlpost.cli ARGV`: a config error's status (2) and message come
+    through the parent."""
+    from rlpost.shutdown import run_in_own_session
+
+    assert run_in_own_session(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capfd.readouterr().err

@@ -1,0 +1,193 @@
+"""Stopping `rlpost train` from a terminal: Ctrl-C in a real pseudo-terminal, and SIGTERM to the
+whole process group (what `timeout`, systemd and container runtimes send).
+
+Each run is the CLI, started in a pty of its own (the pty is its controlling terminal, so a
+Ctrl-C typed into it is the kernel's SIGINT to the foreground process group, as in a shell). The
+local Ray processes the run starts must be out of that group's reach: the run ends with a final
+checkpoint of its last metrics line, exits 130 (SIGINT) or 143 (SIGTERM), and leaves none of its
+processes behind. A second Ctrl-C exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+CTRL_C = b"\x03"
+
+
+@dataclass
+class Stopped:
+    code: int  # the exit status, as a shell reports it
+    output: str  # everything the terminal showed
+    lines: int  # metrics lines when the stop was sent
+    shielded: bool  # every process of the run's session was outside the terminal's process group
+    left: list[str]  # processes of the run still there 30 s after it ended
+
+
+def _stat(pid: int) -> tuple[int, int, int]:
+    """(parent, process group, session) of ``pid``, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def _all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return _stat(pid)[1]
+    except (OSError, IndexError, ValueError):  # ended while we looked
+        return None
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for pid in _all_pids():
+        try:
+            if _stat(pid)[2] == session:
+                members.append(pid)
+        except (OSError, IndexError, ValueError):
+            pass
+    return members
+
+
+def _driver_of(front: int) -> int | None:
+    """The driver: the front's child that leads a session of its own."""
+    for pid in _all_pids():
+        try:
+            parent, _, session = _stat(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == front and session == pid:
+            return pid
+    return None
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120]
+    except OSError:
+        return "?"
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int, delay_s: float, how: str) -> Stopped:
+    """Run the tiny job in a pty; once metrics.jsonl has ``after_lines`` lines, wait ``delay_s``
+    and stop it ``how``: "ctrl-c", "ctrl-c twice" or "SIGTERM to the group"."""
+    args = [
+        sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
+        f"model.name_or_path={tiny_model_path}", "trainer.prompts_per_step=4", "trainer.steps=60",
+        "logging.dashboard=false", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    front, fd = pty.fork()  # the child leads a new session whose controlling terminal is the pty
+    if front == 0:
+        os.chdir(REPO)
+        os.execve(sys.executable, args, env)
+    output, metrics = b"", run_dir / "metrics.jsonl"
+    sent_at, lines, shielded, members = None, 0, False, []
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the terminal's last process ended
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            if sent_at is None and metrics.is_file() and len(metrics.read_text().splitlines()) >= after_lines:
+                time.sleep(delay_s)
+                lines = len(metrics.read_text().splitlines())
+                driver = _driver_of(front)
+                members = _session_members(driver) if driver else []  # the driver and its Ray processes
+                group = os.getpgid(front)  # the terminal's foreground process group
+                in_group = [p for p in _all_pids() if _group_of(p) == group]
+                shielded = len(members) >= 3 and in_group == [front]
+                if how == "SIGTERM to the group":
+                    os.killpg(group, signal.SIGTERM)
+                else:
+                    os.write(fd, CTRL_C)
+                    if how == "ctrl-c twice":
+                        time.sleep(0.3)
+                        os.write(fd, CTRL_C)
+                sent_at = time.monotonic()
+        else:
+            os.kill(front, signal.SIGKILL)
+            pytest.fail(f"the run did not end within 400 s:\n{output.decode(errors='replace')[-3000:]}")
+    finally:
+        _, status = os.waitpid(front, 0)
+        os.close(fd)
+    end = time.monotonic() + 30  # the Ray processes end with the driver (the agents within seconds)
+    while [p for p in members if _running(p)] and time.monotonic() < end:
+        time.sleep(0.2)
+    left = [f"{p}: {_command(p)}" for p in members if _running(p)]
+    return Stopped(os.waitstatus_to_exitcode(status), output.decode(errors="replace"), lines, shielded, left)
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def _assert_stopped_cleanly(stopped: Stopped, run_dir: Path, code: int, name: str) -> None:
+    assert stopped.code == code, stopped.output[-3000:]
+    assert stopped.shielded, "the run's Ray processes were in the terminal's process group"
+    assert "Traceback" not in stopped.output and "rlpost: failed" not in stopped.output, stopped.output[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and stopped.lines <= last < 60
+    assert f"rlpost: stopped by {name}" in stopped.output and f"stopped after step {last}" in stopped.output
+    assert (run_dir / "checkpoints" / f"step_{last}" / "trainer_state.pt").is_file()
+    assert not stopped.left, f"processes of the run left running: {stopped.left}"
+
+
+def test_ctrl_c_in_a_terminal_writes_the_final_checkpoint_and_exits_130(tmp_path, tiny_model_path):
+    run_dir = tmp_path / "ctrl-c"
+    stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=2, delay_s=0.2, how="ctrl-c")
+    _assert_stopped_cleanly(stopped, run_dir, 130, "SIGINT")
+
+
+@pytest.mark.long  # one run per moment and way (~40 s each)
+@pytest.mark.parametrize(
+    "delay_s, how",
+    [(0.0, "ctrl-c"), (0.1, "ctrl-c"), (0.35, "ctrl-c"), (0.0, "SIGTERM to the group"), (0.25, "SIGTERM to the group")],
+)
+def test_a_stop_at_any_moment_of_a_step_writes_the_final_checkpoint(tmp_path, tiny_model_path, delay_s, how):
+    """The tiny job's step takes ~0.5 s: the delays after a metrics line land the stop in the
+    collection, the train call and the weight sync of the next step."""
+    run_dir = tmp_path / "stopped"
+    stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=3, delay_s=delay_s, how=how)
+    code, name = (130, "SIGINT") if how == "ctrl-c" else (143, "SIGTERM")
+    _assert_stopped_cleanly(stopped, run_dir, code, name)
+
+
+@pytest.mark.long
+def test_a_second_ctrl_c_exits_at_once_and_leaves_no_process(tmp_path, tiny_model_path):
+    run_dir = tmp_path / "twice"
+    stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=2, delay_s=0.0, how="ctrl-c twice")
+    assert stopped.code == 130, stopped.output[-3000:]
+    assert "SIGINT received again: exiting at once" in stopped.output
+    assert not stopped.left, f"processes of the run left running: {stopped.left}"
