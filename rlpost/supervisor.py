@@ -292,6 +292,12 @@ def stop_actors(actors: RunActors) -> None:
         _quietly(lambda: ray.util.remove_placement_group(actors.placement_group))
 
 
+def _replaced(name: str, since: float) -> None:
+    """Log that ``name`` serves again, ``since`` (monotonic) being when its loss was acted on.
+    For an inference worker that is once the bus re-formed with it and the env pools have it."""
+    log.warning("%s replaced: serving again %.1f s after its loss was noticed", name, time.monotonic() - since)
+
+
 def _quietly(fn: Callable[[], Any]) -> None:
     try:
         fn()
@@ -329,6 +335,7 @@ class Supervisor:
         self.last_check = time.monotonic()
         self.health_check_s = HEALTH_CHECK_S
         self.collecting = False  # async mode: the pools collect on their own from now on
+        self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
 
     # ------------------------------------------------------------------ what the loop calls
 
@@ -407,6 +414,7 @@ class Supervisor:
     def _restart_buffer(self) -> None:
         """A new buffer from the ledger; every live pool puts again what it keeps."""
         log.warning("the buffer died; starting it again and asking the env pools for the groups it held")
+        start = time.monotonic()
         self.actors.buffer.kill()
         buffer = self.starter.buffer()
         acknowledged = dict(self.ledger.acknowledged)
@@ -417,9 +425,11 @@ class Supervisor:
             if pool.alive():
                 count = pool.set_buffer(buffer.handle, timeout_s=CALL_TIMEOUT_S)
                 log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
+        _replaced("buffer", start)
 
     def _restart_inference(self, i: int) -> None:
         log.warning("inference-%d died; starting it again", i)
+        self.restarted_at[f"inference-{i}"] = time.monotonic()
         self.actors.inference[i].kill()
         worker = self.starter.inference(i)
         worker.wait_ready(STARTUP_TIMEOUT_S)
@@ -437,16 +447,22 @@ class Supervisor:
         for pool in self.actors.env_pools:
             if pool.alive():
                 pool.set_inference([w.handle for w in workers])
+        for name, start in self.restarted_at.items():  # serving the current weights to the pools
+            _replaced(name, start)
+        self.restarted_at.clear()
 
     def _restart_reference(self) -> None:
         log.warning("the reference actor died; starting it again")
+        start = time.monotonic()
         self.actors.reference.kill()
         self.actors.reference = self.starter.reference()
         self.counts["restarts_reference"] += 1
+        _replaced("reference", start)
 
     def _restart_pool(self, j: int) -> None:
         """A new ``env-pool-<j>`` (next epoch) from the position of its predecessor's last put."""
         name = f"env-pool-{j}"
+        start = time.monotonic()
         self.actors.env_pools[j].kill()
         self.epochs[j] += 1
         pool = self.starter.env_pool(j, self.actors.inference, self.actors.buffer, epoch=self.epochs[j])
@@ -465,6 +481,7 @@ class Supervisor:
         )
         self.actors.env_pools[j] = pool
         self.counts["restarts_env_pool"] += 1
+        _replaced(name, start)
 
     def _replace_failed_pools(self) -> None:
         """Async mode: a pool whose collection ended with an error is replaced (its error is

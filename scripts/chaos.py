@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -67,6 +68,9 @@ class Outcome:
     killed: list[str]  # what was actually killed (a victim already gone is skipped)
     late: list[str]  # killed after the last step's metrics line: the run ends without needing it
     restarts: dict[str, int]
+    # (victim, seconds from its kill until the run's log said it was replaced: a new actor
+    # started and serving; None when the run never said so, e.g. it ended without needing it)
+    replaced_s: list[tuple[str, float | None]] = dataclasses.field(default_factory=list)
 
 
 def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
@@ -116,9 +120,9 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     ]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    killed, late, problems = [], [], []
+    killed, late, problems, kill_times = [], [], [], []
     try:
-        killed, late = _kill_as_planned(plan, proc, run_dir, start + timeout_s, steps)
+        killed, late, kill_times = _kill_as_planned(plan, proc, run_dir, start + timeout_s, steps)
         proc.wait(timeout=max(1.0, start + timeout_s - time.monotonic()))
     except subprocess.TimeoutExpired:
         problems.append(f"did not finish within {timeout_s:.0f}s")
@@ -144,13 +148,15 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
         # losing one actor other than the learner is recovered in place: a restart of the whole
         # run from its checkpoint means the loss was mistaken for the learner's
         problems.append(f"the run restarted from a checkpoint {restarts['learner_resumes']} times (learner_resumes)")
-    return Outcome(plan, not problems, round(seconds, 1), problems, killed, late, restarts)
+    replaced = replacement_times((out / f"{plan.name}.log").read_text(), kill_times)
+    return Outcome(plan, not problems, round(seconds, 1), problems, killed, late, restarts, replaced)
 
 
 def _kill_as_planned(
     plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float, steps: int
-) -> tuple[list[str], list[str]]:
-    """Kill as ``plan`` says; returns what was killed, and which of those after the last step."""
+) -> tuple[list[str], list[str], list[tuple[str, float]]]:
+    """Kill as ``plan`` says; returns what was killed, which of those after the last step, and
+    ``(victim, wall-clock time)`` of each kill."""
     import ray
 
     from rlpost.ray_start import use_ray_token_if_present
@@ -158,7 +164,7 @@ def _kill_as_planned(
     address_file = run_dir / "ray_address"
     while not address_file.is_file():
         if proc.poll() is not None or time.monotonic() > deadline:
-            return [], []
+            return [], [], []
         time.sleep(0.5)
     use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
     ray.init(
@@ -167,7 +173,7 @@ def _kill_as_planned(
         log_to_driver=False,
         logging_level="ERROR",
     )
-    killed, late = [], []
+    killed, late, kill_times = [], [], []
     lines_at_last_kill = 0
     try:
         for kill in plan.kills:
@@ -175,11 +181,14 @@ def _kill_as_planned(
             # learner's loss restarts every actor, and the old ones must not be the target)
             while len(_read_metrics(run_dir)) < max(kill.after_line, lines_at_last_kill + 1):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    return killed, late
+                    return killed, late, kill_times
                 time.sleep(0.2)
             time.sleep(kill.delay_s)
+            if proc.poll() is not None:  # the run ended meanwhile (its cluster with it)
+                break
             try:
                 end_actor(ray.get_actor(kill.victim), kill.way)
+                killed_at = time.time()
             except (ValueError, ProcessLookupError):  # not there at this moment (the run is restarting it)
                 continue
             killed.append(kill.victim)
@@ -190,9 +199,30 @@ def _kill_as_planned(
                 f"  {plan.name}: killed {kill.victim} ({kill.way}) after line {kill.after_line} + {kill.delay_s}s",
                 flush=True,
             )
+            kill_times.append((kill.victim, killed_at))
     finally:
         ray.shutdown()
-    return killed, late
+    return killed, late, kill_times
+
+
+def replacement_times(log_text: str, kills: list[tuple[str, float]]) -> list[tuple[str, float | None]]:
+    """``(victim, seconds)`` for each ``(victim, wall-clock time of its kill)``: the seconds until
+    the run's log said it was replaced (the supervisor's ``<victim> replaced`` line; for the
+    learner, the ``resumed from`` line of the run's restart), None when it never said so."""
+    import datetime
+
+    stamped = []
+    for line in log_text.splitlines():
+        match = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rlpost \w+ (.*)", line)
+        if match:
+            when = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            stamped.append((when, match[2]))
+    times = []
+    for victim, killed_at in kills:
+        said = "resumed from" if victim == "learner" else f"{victim} replaced"
+        after = [when for when, text in stamped if when >= killed_at and text.startswith(said)]
+        times.append((victim, round(after[0] - killed_at, 2) if after else None))
+    return times
 
 
 def end_actor(handle, way: str) -> None:
@@ -273,12 +303,17 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_plan(plan, args.out, args.model, args.steps, args.timeout)
         print(
             f"  {'passed' if outcome.passed else 'FAILED'} in {outcome.seconds}s {outcome.restarts} "
+            f"replaced after {[t for _, t in outcome.replaced_s]} s "
             f"{'; '.join(outcome.problems)}",
             flush=True,
         )
         outcomes.append(outcome)
     (args.out / "chaos.json").write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
     passed = sum(o.passed for o in outcomes)
+    for victim in VICTIMS:  # how long a replacement took, by role
+        times = sorted(t for o in outcomes for v, t in o.replaced_s if v == victim and t is not None)
+        if times:
+            print(f"  {victim}: replaced in {times[len(times) // 2]} s (median), {times[-1]} s (max) of {len(times)}")
     print(
         f"chaos: {passed} of {len(outcomes)} runs passed ({sum(len(o.killed) for o in outcomes)} kills); "
         f"details in {args.out / 'chaos.json'}"

@@ -423,14 +423,66 @@ class InferenceWorker:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
+def engine_processes_died(llm: Any) -> bool:
+    """Whether the engine of ``llm`` runs in processes of its own and one of them died: vLLM's
+    client then marks its engine dead and every later call raises EngineDeadError. False for an
+    engine in this process (``rollout.engine.in_process``), which has no such processes, and
+    for None (no engine yet)."""
+    resources = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def _is_engine_death(exc: BaseException) -> bool:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
+
+
 class InferenceActor(InferenceWorker):
-    """The Ray actor ``inference-<i>``: the plain worker, one call at a time, reporting metrics."""
+    """The Ray actor ``inference-<i>``: the plain worker, one call at a time, reporting metrics.
+
+    When its engine runs in processes of its own (a GPU's default) and one of them dies (the OOM
+    killer, a crash of the engine core), the engine can serve nothing again, yet the actor would
+    live on, failing every call. So the actor ends its own process: at once when a call meets the
+    dead engine, and within ENGINE_WATCH_S when none does. The run's supervisor then sees a dead
+    actor and starts a new worker, as for any crash of the actor's own process.
+    """
+
+    ENGINE_WATCH_S = 1.0
 
     def __init__(self, *args, run_name: str = "", **kwargs):
         from rlpost.metrics import RoleMetrics
 
+        self._stopping = False  # shutdown() was called: vLLM's own shutdown marks the engine dead
         super().__init__(*args, **kwargs)
         self.metrics = RoleMetrics("inference", run_name, f"inference-{self.index}")
+        if getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None) is not None:
+            threading.Thread(target=self._watch_engine, name=f"inference-{self.index}-watch", daemon=True).start()
+
+    def _watch_engine(self) -> None:
+        while not engine_processes_died(self.llm):
+            time.sleep(self.ENGINE_WATCH_S)
+        self._exit_engine_dead("vLLM found its engine core process dead")
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        super().shutdown()
+
+    def _on_engine_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._on_engine_thread(fn, *args, **kwargs)
+        except Exception as exc:
+            if _is_engine_death(exc) or engine_processes_died(getattr(self, "llm", None)):
+                self._exit_engine_dead(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _exit_engine_dead(self, why: str) -> None:
+        if self._stopping:
+            return
+        log.error("inference-%d: its engine's process died (%s); exiting, so that the run starts a new worker",
+                  self.index, why)  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         completions, version = super().generate(prompt_token_ids, sampling)

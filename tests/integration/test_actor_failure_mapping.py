@@ -195,3 +195,37 @@ def test_the_engine_client_tells_of_a_dead_worker_as_it_reissues_the_request(ray
     assert answers == {1.0}  # every request ended on the live worker
     assert lost and lost[0][0] == 0 and all(index == 0 for index, _ in lost)
     assert client.num_reissued == len(lost)
+
+
+@pytest.mark.long  # an engine with processes of its own starts in ~40 s on 2 cores
+@pytest.mark.timeout(400)
+def test_an_inference_actor_whose_engine_process_is_killed_ends_its_own_process(ray_cluster, tiny_model_path):
+    """On a GPU vLLM runs its engine core in a child process of the inference actor. When that
+    child is killed (the OOM killer's favourite: it holds the memory), the actor ends its own
+    process, so the run sees a dead actor and starts a new worker, instead of an actor that
+    fails every call."""
+    import os
+    import signal
+
+    import psutil
+
+    from rlpost.clients import InferenceClient, actor_record
+    from rlpost.config import EngineConfig
+    from rlpost.policies import make_vllm_worker
+
+    engine = EngineConfig(
+        max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=8, enforce_eager=True, in_process=False
+    )
+    handle = make_vllm_worker(str(tiny_model_path), name="inference-with-processes", num_cpus=0.5,
+                              engine_config=engine, dtype="float32")  # fmt: skip
+    client = InferenceClient("inference-with-processes", handle)
+    assert client.wait_ready(300) == 0
+    children = psutil.Process(actor_record(handle)["Pid"]).children(recursive=True)
+    assert children, "the engine runs in processes of its own"
+    for child in children:
+        os.kill(child.pid, signal.SIGKILL)
+    _wait_until_gone("inference-with-processes", handle, timeout_s=30.0)
+    with pytest.raises(ActorLost) as lost:
+        client.wait_ready(60)
+    assert lost.value.name == "inference-with-processes"
+    client.kill()

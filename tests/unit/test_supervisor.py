@@ -543,3 +543,42 @@ def test_a_stop_after_a_step_trained_still_records_its_row(tmp_path, monkeypatch
         assert rows[1]["loss"] == 0.0
     else:
         assert rows[1]["loss"] is None
+
+
+@pytest.mark.parametrize("role", ["inference", "reference", "env_pool"])
+def test_a_role_whose_restart_keeps_failing_stops_the_run_naming_the_role_and_the_cause(tmp_path, monkeypatch, role):
+    """Every actor of the role dies in its constructor (a missing file, an engine that cannot
+    load), the first one and each restart: after MAX_ATTEMPTS tries of a part the run stops, and
+    the error names the role and the constructor's error, never retrying forever."""
+    import rlpost.supervisor as sup
+
+    name = {"inference": "inference-0", "reference": "reference", "env_pool": "env-pool-0"}[role]
+    original = getattr(Starter, role)
+    starts = []
+
+    def broken_start(self, *args, **kwargs):
+        actor = original(self, *args, **kwargs)
+        starts.append(actor.name)
+        actor.dead = True  # every call to it fails as a dead actor's does, from its constructor's error
+        actor.world.actors[actor.name] = actor
+        original_enter = actor.world.enter
+
+        def enter(target, method, _actor=actor, _enter=original_enter):
+            if target is _actor:
+                raise ActorLost(
+                    f"{_actor.name} died during {method}: its constructor raised FileNotFoundError: model.safetensors",
+                    _actor.name,
+                )
+            return _enter(target, method)
+
+        actor.world.enter = enter
+        return actor
+
+    monkeypatch.setattr(Starter, role, broken_start)
+    with pytest.raises(RuntimeError) as failed:
+        run_world(tmp_path, monkeypatch, "sync", kill_at=3, victim=name)
+    message = str(failed.value)
+    assert f"failed {sup.MAX_ATTEMPTS} times" in message
+    assert name in message and "its constructor raised FileNotFoundError: model.safetensors" in message
+    # a few recoveries in all (a health check's and the failing part's tries), never unbounded
+    assert 1 <= len(starts) <= 2 * sup.MAX_ATTEMPTS, starts
