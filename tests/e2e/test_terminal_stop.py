@@ -164,20 +164,21 @@ def _assert_stopped_cleanly(stopped: Stopped, run_dir: Path, code: int, name: st
     assert not stopped.left, f"processes of the run left running: {stopped.left}"
 
 
+@pytest.mark.long  # ~32 s, past make test's 15-minute budget (rlpost.shutdown's unit tests stay there)
 def test_ctrl_c_in_a_terminal_writes_the_final_checkpoint_and_exits_130(tmp_path, tiny_model_path):
     run_dir = tmp_path / "ctrl-c"
     stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=2, delay_s=0.2, how="ctrl-c")
     _assert_stopped_cleanly(stopped, run_dir, 130, "SIGINT")
 
 
-@pytest.mark.long  # one run per moment and way (~40 s each)
+@pytest.mark.long  # one run per moment and way (~35 s each)
 @pytest.mark.parametrize(
     "delay_s, how",
     [(0.0, "ctrl-c"), (0.35, "ctrl-c"), (0.0, "SIGTERM to the group"), (0.25, "SIGTERM to the group")],
 )
 def test_a_stop_at_any_moment_of_a_step_writes_the_final_checkpoint(tmp_path, tiny_model_path, delay_s, how):
-    """The tiny job's step takes ~0.5 s: the delays after a metrics line (and make test's 0.2 s)
-    land the stop in the collection, the train call and the weight sync of the next step."""
+    """The tiny job's step takes ~0.5 s: the delays after a metrics line (and the test above's
+    0.2 s) land the stop in the collection, the train call and the weight sync of the next step."""
     run_dir = tmp_path / "stopped"
     stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=3, delay_s=delay_s, how=how)
     code, name = (130, "SIGINT") if how == "ctrl-c" else (143, "SIGTERM")
