@@ -10,7 +10,6 @@ checkpoint, then a pool restart); ``ray.kill`` is the e2e fault tests'.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -19,17 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+from chaos_script import load_chaos  # tests/chaos_script.py
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def load_chaos():
-    spec = importlib.util.spec_from_file_location("rlpost_chaos", REPO / "scripts" / "chaos.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_runs_finish_with_consistent_accounting_when_actors_are_killed(tmp_path, tiny_model_path):

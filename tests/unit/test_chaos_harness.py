@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from chaos_script import load_chaos  # tests/chaos_script.py
 
 pytestmark = pytest.mark.unit
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def chaos():
-    spec = importlib.util.spec_from_file_location("rlpost_chaos_unit", REPO / "scripts" / "chaos.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
+    return load_chaos()
 
 
 def test_plans_draw_every_way_of_ending_an_actor(chaos):
