@@ -1,6 +1,7 @@
 """An inference worker whose vLLM engine runs in the worker's own process (``rollout.engine.in_process``,
 the CPU default): no engine processes, the model's threads on the given cores, the caller's threads
-left alone, and a second engine asked for in the same process given processes of its own."""
+left alone, an engine in processes of its own beside it, and a second engine asked for in the
+same process given processes of its own."""
 
 from __future__ import annotations
 
@@ -27,8 +28,25 @@ def engine_children() -> dict[int, str]:
     return found
 
 
-def test_an_in_process_engine_runs_on_its_thread_and_cores_and_a_second_gets_processes(tiny_model_path):
-    from rlpost.policies import make_vllm_engine, make_vllm_worker, shutdown_vllm_engine
+class RecordedStart:
+    """Stands in for ``vllm.LLM`` to record how ``make_vllm_engine`` would start an engine: the
+    multiprocessing switch vLLM reads as the engine starts."""
+
+    def __init__(self, *args, **kwargs):
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+    def collective_rpc(self, *args, **kwargs):
+        return []
+
+
+def test_an_in_process_engine_runs_on_its_thread_and_cores_beside_one_in_processes(tiny_model_path, vllm_engine,
+                                                                                    monkeypatch):  # fmt: skip
+    """The in-process engine runs beside the suite's shared engine in processes of its own
+    (tests/conftest.py), and a second engine asked for in process while it runs is started in
+    processes instead (vLLM's parallel state is one per process)."""
+    import vllm
+
+    from rlpost.policies import LocalVLLMClient, make_vllm_engine, make_vllm_worker
 
     engine = JobConfig().rollout.engine.model_copy(
         update={"cpu_threads": 1, "max_model_len": 256, "kv_cache_space_gb": 0.25, "max_num_seqs": 16}
@@ -36,6 +54,7 @@ def test_an_in_process_engine_runs_on_its_thread_and_cores_and_a_second_gets_pro
     assert engine.in_process is None  # the default: in process on the CPU backend
     caller_affinity, caller_threads = os.sched_getaffinity(0), torch.get_num_threads()
     before = engine_children()
+    assert "VLLM::Worker" in before.values()  # the shared engine's model worker
     worker = make_vllm_worker(str(tiny_model_path), make_ray_worker=False, engine_config=engine)
     try:
         assert engine_children().keys() <= before.keys()  # no EngineCore, no worker process of its own
@@ -56,20 +75,17 @@ def test_an_in_process_engine_runs_on_its_thread_and_cores_and_a_second_gets_pro
         completions = worker.client.generate(prompts, greedy)
         assert [c[0].token_ids for c in completions] == [c[0].token_ids for c in worker.generate(prompts, greedy)[0]]
 
-        # vLLM's parallel state is one per process: a second engine meanwhile runs in its own processes
-        other = make_vllm_engine(tiny_model_path, max_model_len=256, seed=0, in_process=True,
-                                 kv_cache_memory_bytes=2**28)  # fmt: skip
-        try:
-            assert "VLLM::Worker" in {name for pid, name in engine_children().items() if pid not in before}
-            from rlpost.policies import LocalVLLMClient
-
-            theirs = LocalVLLMClient(other).generate(prompts, greedy)
-            # the same weights compute the same greedy tokens in either layout
-            assert [c[0].token_ids for c in theirs] == [c[0].token_ids for c in completions]
-        finally:
-            shutdown_vllm_engine(other)
+        # the engine in processes computes the same greedy tokens with the same weights, and
+        # this process's engine is untouched by it
+        theirs = LocalVLLMClient(vllm_engine).generate(prompts, greedy)
+        assert [c[0].token_ids for c in theirs] == [c[0].token_ids for c in completions]
         assert [c[0].token_ids for c in worker.client.generate(prompts, greedy)] == [
             c[0].token_ids for c in completions
         ]
+
+        # while this engine runs here, another asked for in process is started in processes
+        monkeypatch.setattr(vllm, "LLM", RecordedStart)
+        second = make_vllm_engine(tiny_model_path, max_model_len=256, seed=0, in_process=True)
+        assert second.multiprocessing == "1"
     finally:
         worker.shutdown()

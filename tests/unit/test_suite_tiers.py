@@ -74,3 +74,55 @@ def test_tiers_run_fast_first_and_each_runs_alone(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert ran(out) == ["unit/unit", "compat/compat", "integration/integration", "e2e/e2e"]
     assert ran(run_pytest(root, "-m", "compat")) == ["compat/compat"]
+
+
+RECORDING_ENGINE = """
+import pytest
+
+
+@pytest.fixture
+def plain_llm(shared_engines):
+    # the shared engine's bookkeeping with an engine that only says when it starts and stops
+    return shared_engines("plain_llm", lambda: print("engine started") or "engine", lambda _: print("engine stopped"))
+"""
+
+USES_ENGINE = """
+import pytest
+
+pytestmark = pytest.mark.{tier}
+
+
+def test_{name}_first(plain_llm):
+    print("test ran: {tier}/{name}_first")
+
+
+def test_{name}_second(plain_llm):
+    print("test ran: {tier}/{name}_second")
+"""
+
+
+def test_a_shared_engine_starts_once_its_users_go_first_in_their_tier_and_it_stops_after_the_last(tmp_path):
+    files = {f"{tier}/conftest.py": RECORDING_ENGINE for tier in ("compat", "integration")}
+    files |= {
+        "compat/test_a_compat_plain.py": MARKED.format(tier="compat", name="plain"),
+        "compat/test_b_compat_engine.py": USES_ENGINE.format(tier="compat", name="engine"),
+        "integration/test_a_integration_plain.py": MARKED.format(tier="integration", name="plain"),
+        "integration/test_b_integration_engine.py": USES_ENGINE.format(tier="integration", name="engine"),
+    }
+    root = suite(tmp_path, files)
+    out = run_pytest(root)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = re.findall(r"test ran: \S+|engine \w+", out.stdout)
+    assert events == [
+        "engine started",
+        "test ran: compat/engine_first",
+        "test ran: compat/engine_second",
+        "test ran: compat/plain",
+        "test ran: integration/engine_first",
+        "test ran: integration/engine_second",
+        "engine stopped",  # right after its last user, before the next test
+        "test ran: integration/plain",
+    ]
+    # the last user among the selected tests
+    events = re.findall(r"test ran: \S+|engine \w+", run_pytest(root, "-m", "compat", "-k", "first").stdout)
+    assert events == ["engine started", "test ran: compat/engine_first", "engine stopped"]
