@@ -222,13 +222,18 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_make_tiny_model(args) -> int:
-    from rlpost.tiny_model import TinyModelSpec, build_tiny_model, ensure_tiny_model
+    from rlpost.tiny_model_spec import TinyModelSpec, built_spec, spec_dict
 
     out, spec = Path(args.dir), TinyModelSpec.for_task(args.task, seed=args.seed)
+    if not args.force and built_spec(out) == spec_dict(spec):  # checked before torch is imported
+        print(f"rlpost: tiny model already built at {out} (use --force to rebuild)")
+        return EXIT_OK
+    from rlpost.tiny_model import build_tiny_model, ensure_tiny_model
+
     if args.force:
         build_tiny_model(out, spec)
-    elif not ensure_tiny_model(out, spec):
-        print(f"rlpost: tiny model already built at {out} (use --force to rebuild)")
+    else:
+        ensure_tiny_model(out, spec)
     return EXIT_OK
 
 

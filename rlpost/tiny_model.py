@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,17 @@ from rlpost.envs.arithmetic import (
     make_tool_arithmetic_rows,
 )
 from rlpost.envs.rewards import answer_reward
+from rlpost.tiny_model_spec import TASKS, TOOL_SPEC, TinyModelSpec, built_spec, spec_dict
+
+__all__ = [
+    "TASKS",
+    "TOOL_SPEC",
+    "TinyModelSpec",
+    "build_tiny_model",
+    "built_spec",
+    "ensure_tiny_model",
+    "spec_dict",
+]
 
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -69,79 +80,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Everything that determines the tiny model's bytes; the same spec gives identical files."""
-
-    seed: int = 0
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 2  # head_dim = 128 / 2 = 64, the smallest size vLLM's CPU attention accepts
-    num_kv_heads: int = 1
-    intermediate_size: int = 384
-    max_position_embeddings: int = 512
-    sft_rows: int = 4000
-    batch_size: int = 64
-    lr: float = 1e-3
-    max_sft_steps: int = 2000
-    eval_every: int = 25
-    eval_prompts: int = 128
-    target_reward: tuple[float, float] = (0.35, 0.5)
-    num_threads: int = 2  # fixed so that float reductions, hence the files, do not vary by machine
-    # The fields below matter only for task "tool_arithmetic"; an "arithmetic" spec leaves them out
-    # of its stored form (spec_dict), so the default model's metadata is what it always was.
-    task: str = "arithmetic"  # "arithmetic" or "tool_arithmetic"
-    tool_fraction: float = 0.5  # share of supervised episodes that call the tool (the rest guess)
-    target_tool_rate: tuple[float, float] = (0.3, 0.7)  # sampled tool-call rate to stop in
-    max_turn_tokens: int = 24  # new tokens per sampled assistant turn in the evaluation
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"TinyModelSpec.task must be one of {TASKS}, got {self.task!r}")
-
-    @classmethod
-    def for_task(cls, task: str, **overrides) -> TinyModelSpec:
-        """The preset spec of ``task`` (:data:`TOOL_SPEC` for "tool_arithmetic"), with overrides."""
-        base = TOOL_SPEC if task == "tool_arithmetic" else cls(task=task)
-        return replace(base, **overrides)
-
-
-TASKS = ("arithmetic", "tool_arithmetic")
-# Fields that only the tool task reads; kept out of an arithmetic build's stored spec.
-_TOOL_ONLY_FIELDS = ("task", "tool_fraction", "target_tool_rate", "max_turn_tokens")
-
-# The tool variant. The same architecture learns to copy the operands into the code block and the
-# tool's output into the answer, after a plateau of some 500 steps; smaller batches (more steps for
-# the same compute) get it there sooner, lr 2e-3 never left the plateau in a trial. Half the
-# episodes call the tool, so the reward cannot pass 0.5 + 0.1 * 0.5 = 0.55 and the build stops
-# once roughly a third to a half of the tool calls are copied right: room for GRPO both to call
-# the tool more and to copy better. Many distinct rows so that copying, not memorising, is what pays.
-TOOL_SPEC = TinyModelSpec(
-    task="tool_arithmetic",
-    sft_rows=20000,
-    batch_size=32,
-    max_sft_steps=3000,
-    eval_every=25,
-    eval_prompts=256,
-    target_reward=(0.3, 0.55),
-)
-
-
-def spec_dict(spec: TinyModelSpec) -> dict:
-    """The spec as stored in ``rlpost_tiny_model.json`` (JSON types: tuples become lists).
-
-    An "arithmetic" spec omits the tool-only fields: they do not touch its bytes, and leaving them
-    out keeps the stored spec, hence :func:`ensure_tiny_model`'s up-to-date check, of builds made
-    before the tool task existed.
-    """
-    d = asdict(spec)
-    if spec.task == "arithmetic":
-        for name in _TOOL_ONLY_FIELDS:
-            del d[name]
-    return json.loads(json.dumps(d))
 
 
 def build_tiny_model(
@@ -189,14 +127,6 @@ def build_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"tiny model written to {out_dir} in {meta['build_seconds']} s")
     return meta
-
-
-def built_spec(out_dir: str | Path) -> dict | None:
-    """The spec a folder was built with (None when it holds no tiny model)."""
-    meta = Path(out_dir) / "rlpost_tiny_model.json"
-    if not (Path(out_dir) / "config.json").is_file() or not meta.is_file():
-        return None
-    return json.loads(meta.read_text()).get("spec")
 
 
 def ensure_tiny_model(

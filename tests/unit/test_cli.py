@@ -112,3 +112,26 @@ def test_tiny_model_cache_is_rebuilt_only_when_the_spec_changes(tmp_path, monkey
     tools = tiny_model.TinyModelSpec.for_task("tool_arithmetic")
     assert tiny_model.ensure_tiny_model(tmp_path / "m", tools, log=lambda _: None) is True
     assert tiny_model.ensure_tiny_model(tmp_path / "m", tools, log=lambda _: None) is False
+
+
+def test_make_tiny_model_on_an_up_to_date_folder_answers_without_importing_torch(tmp_path):
+    """`make test` and `make demo` ask for the tiny models every time: the answer for a folder
+    built from the current spec comes from its stored spec, before torch and transformers load."""
+    import json
+
+    from rlpost.tiny_model_spec import TOOL_SPEC, spec_dict
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "m" / "rlpost_tiny_model.json").write_text(json.dumps({"spec": spec_dict(TOOL_SPEC)}))
+    script = (
+        "import sys; from rlpost.cli import main; "
+        f"code = main(['make-tiny-model', '--task', 'tool_arithmetic', {str(tmp_path / 'm')!r}]); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"rlpost: tiny model already built at {tmp_path / 'm'} (use --force to rebuild)",
+        "0 False",
+    ]
