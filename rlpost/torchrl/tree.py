@@ -1,0 +1,266 @@
+"""TorchRL's module tree, mapped to rlpost's objects.
+
+:data:`TREE` has one entry per TorchRL module that user code imports from (the packages' public
+``__all__`` at pytorch/rl ae9719f, and the submodules TorchRL's own GRPO and expert-iteration
+scripts, LLM tests and LLM tutorials import from), keyed by its path without the ``torchrl.``
+prefix. Each name maps to ``"rlpost.module:attribute"``, the very object rlpost's own module
+holds, or to a :class:`NotInRlpost` that imports fine and says, when used, why rlpost lacks it and
+what to use instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+# TorchRL's ``torchrl_logger`` (also ``torchrl.logger`` and ``torchrl._utils.logger``): rlpost's own logger
+torchrl_logger = logging.getLogger("rlpost")
+
+
+class NotInRlpost:
+    """A TorchRL name rlpost does not provide. Importing it works (a ported script that imports
+    many names still starts); calling it, reading an attribute of it or subclassing it raises
+    NotImplementedError with :attr:`message`."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    @property
+    def message(self) -> str:
+        return f"{self.name}: {self.why}"
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(self.message)
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):  # copy, pickle and introspection probe dunders
+            raise AttributeError(attribute)
+        raise NotImplementedError(self.message)
+
+    def __mro_entries__(self, bases):
+        raise NotImplementedError(self.message)
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: not in rlpost>"
+
+
+# Why a name is missing. The first two are work in progress; the others are deliberate.
+DISTRIBUTED = "not implemented yet: rlpost's Ray service has this role (see README 'Porting TorchRL code')"
+NOT_YET = "not implemented yet in rlpost"
+SGLANG = "rlpost serves models with vLLM only: use vLLMWrapper with make_vllm_worker"
+RLHF_DATA = (
+    "TorchRL's earlier RLHF data pipeline is not part of rlpost: load prompts with DatasetChatEnv or "
+    "DataLoadingPrimer, and use KLRewardTransform (a fixed coefficient) for a KL penalty"
+)
+FP32_PLUGIN = (
+    "rlpost does not patch vLLM's models: make_vllm_worker / make_vllm_engine take dtype='float32' "
+    "for float32 log-probs"
+)
+TEST_HELPER = "one of TorchRL's own test helpers, not part of its API"
+LOGGERS = "not implemented yet: rlpost logs a run to wandb, MLflow or TensorBoard through logging.trackers"
+
+
+def _same(module: str, *names: str) -> dict[str, str]:
+    return {name: f"{module}:{name}" for name in names}
+
+
+def _missing(why: str, *names: str) -> dict[str, NotInRlpost]:
+    return {name: _PLACEHOLDERS.setdefault(name, NotInRlpost(name, why)) for name in names}
+
+
+_PLACEHOLDERS: dict[str, NotInRlpost] = {}  # one per name, whatever path it is imported from
+
+_HISTORY = _same("rlpost.data", "History", "ContentBase", "add_chat_template")
+_CONTAINERS = _same("rlpost.data", "ChatHistory", "LogProbs", "Masks", "Text", "Tokens")
+_WRAPPERS = _same("rlpost.policies", "LLMWrapperBase", "TransformersWrapper", "vLLMWrapper")
+_KL = _same("rlpost.envs", "KLComputation", "RetrieveKL", "RetrieveLogProb")
+_STACKING = _same("rlpost.data", "as_nested_tensor", "as_padded_tensor")
+_GSM8K = _same("rlpost.envs", "GSM8KEnv", "GSM8KPrepareQuestion", "make_gsm8k_env")
+_IFEVAL_REWARD = _same("rlpost.envs", "IFEvalScoreData", "IfEvalScorer")
+_WORKERS = _same("rlpost.policies", "make_vllm_worker") | _same("rlpost.transport", "stateless_init_process_group")
+_ASYNC_VLLM = _missing(
+    DISTRIBUTED,
+    "AsyncVLLM",
+    "make_async_vllm_engine",
+    "RLvLLMEngine",
+    "RayLLMWorker",
+    "LocalLLMWrapper",
+    "stateless_init_process_group_async",
+    "_AsyncvLLMWorker",
+    "_AsyncLLMEngine",
+)
+_SGLANG_ENGINES = _missing(SGLANG, "AsyncSGLang", "RLSGLangEngine")
+_TOOLS = _missing(
+    NOT_YET,
+    "ExecuteToolsInOrder",
+    "IncrementalTokenizer",
+    "JSONCallParser",
+    "MCPToolTransform",
+    "PythonExecutorService",
+    "ToolRegistry",
+    "ToolService",
+    "XMLBlockParser",
+    "BrowserTransform",
+)
+_NEW_LOSSES = _missing(
+    NOT_YET,
+    "CISPOLoss",
+    "CISPOLossOutput",
+    "DAPO",
+    "DAPOLossOutput",
+    "LLMLossOutput",
+    "MCAdvantageSelector",
+    "RayMCAdvantage",
+)
+_DISTILLATION = _missing(NOT_YET, "DistillationLoss", "DistillationLossOutput", "k3_kl_token_estimate")
+_VLLM_SYNC = _missing(
+    DISTRIBUTED,
+    "VLLMCollectiveTransport",
+    "VLLMWeightReceiver",
+    "VLLMWeightSender",
+    "VLLMWeightSyncScheme",
+    "get_model_metadata",
+)
+_VLLM_DOUBLE_BUFFER = _missing(
+    DISTRIBUTED,
+    "VLLMDoubleBufferSyncScheme",
+    "VLLMDoubleBufferTransport",
+    "VLLMDoubleBufferWeightReceiver",
+    "VLLMDoubleBufferWeightSender",
+)
+
+TREE: dict[str, dict[str, str | NotInRlpost]] = {
+    "": {"torchrl_logger": "rlpost.torchrl.tree:torchrl_logger", "logger": "rlpost.torchrl.tree:torchrl_logger"}
+    | _missing(NOT_YET, "merge_ray_runtime_env"),
+    "_utils": {"logger": "rlpost.torchrl.tree:torchrl_logger"} | _missing(NOT_YET, "timeit"),
+    # data
+    "data": _same("rlpost.data", "History", "LazyStackStorage", "ListStorage", "ReplayBuffer")
+    | _same("rlpost.data", "SamplerWithoutReplacement")
+    | _same("rlpost.data.specs", "Unbounded")
+    | _missing(NOT_YET, "TensorDictReplayBuffer", "PrioritizedSampler"),
+    "data.llm": _HISTORY
+    | _missing(NOT_YET, "TopKRewardSelector")
+    | _missing(
+        RLHF_DATA,
+        "AdaptiveKLController",
+        "ConstantKLController",
+        "PairwiseDataset",
+        "PromptData",
+        "PromptTensorDictTokenizer",
+        "RewardData",
+        "RolloutFromModel",
+        "TensorDictTokenizer",
+        "TokenizedDatasetLoader",
+        "create_infinite_iterator",
+        "get_dataloader",
+    ),
+    "data.llm.history": _HISTORY,
+    "data.llm.topk": _missing(NOT_YET, "TopKRewardSelector"),
+    "data.replay_buffers.ray_buffer": _missing(DISTRIBUTED, "RayReplayBuffer"),
+    # envs
+    "envs": _same("rlpost.envs", "AsyncEnvPool", "StepCounter", "Transform")
+    | _missing("rlpost batches envs with ChatEnv(batch_size=N) or AsyncEnvPool", "SerialEnv"),
+    "envs.transforms": _same("rlpost.envs", "TransformedEnv"),
+    "envs.llm": _same("rlpost.envs", "ChatEnv", "DatasetChatEnv", "DataLoadingPrimer", "LLMEnv", "LLMHashingEnv")
+    | _same("rlpost.envs", "AddThinkingPrompt", "TemplateTransform", "Tokenizer", "PythonInterpreter")
+    | _same("rlpost.envs", "KLRewardTransform", "GSM8KRewardParser", "IFEvalEnv", "MLGymWrapper", "make_mlgym")
+    | _KL
+    | _STACKING
+    | _GSM8K
+    | _IFEVAL_REWARD
+    | _missing(NOT_YET, "CountdownEnv", "CountdownRewardParser", "IFEvalData", "MATHEnv", "MATHRewardParser")
+    | _missing(NOT_YET, "BrowserTransform", "MCPToolTransform")
+    | _missing(DISTRIBUTED, "RayDataLoadingPrimer"),
+    "envs.llm.chat": _same("rlpost.envs", "ChatEnv"),
+    "envs.llm.datasets": _GSM8K
+    | _same("rlpost.envs", "IFEvalEnv", "IfEvalScorer")
+    | _missing(NOT_YET, "CountdownEnv", "IFEvalData", "MATHEnv"),
+    "envs.llm.datasets.countdown": _missing(NOT_YET, "CountdownEnv"),
+    "envs.llm.datasets.ifeval": _same("rlpost.envs", "IFEvalEnv"),
+    "envs.llm.datasets.math": _missing(NOT_YET, "MATHEnv"),
+    "envs.llm.libs": _same("rlpost.envs", "MLGymWrapper", "make_mlgym"),
+    "envs.llm.reward": _same("rlpost.envs", "GSM8KRewardParser")
+    | _IFEVAL_REWARD
+    | _missing(NOT_YET, "CountdownRewardParser", "MATHRewardParser"),
+    "envs.llm.reward.countdown": _missing(NOT_YET, "CountdownRewardParser"),
+    "envs.llm.reward.gsm8k": _same("rlpost.envs", "GSM8KRewardParser"),
+    "envs.llm.reward.ifeval": _IFEVAL_REWARD,
+    "envs.llm.reward.ifeval._scorer": _IFEVAL_REWARD,
+    "envs.llm.reward.math": _missing(NOT_YET, "MATHRewardParser"),
+    "envs.llm.transforms": _same("rlpost.envs", "AddThinkingPrompt", "DataLoadingPrimer", "KLRewardTransform")
+    | _same("rlpost.envs", "PolicyVersion", "PythonInterpreter", "SimpleToolTransform", "TemplateTransform")
+    | _same("rlpost.envs", "Tokenizer", "ToolCall")
+    | _KL
+    | _STACKING
+    | _TOOLS
+    | _missing(DISTRIBUTED, "RayDataLoadingPrimer"),
+    "envs.llm.transforms.browser": _missing(NOT_YET, "BrowserTransform"),
+    "envs.llm.transforms.kl": _KL,
+    "envs.llm.transforms.tools": _same("rlpost.envs", "SimpleToolTransform"),
+    # modules
+    "modules.llm": _CONTAINERS
+    | _WRAPPERS
+    | _WORKERS
+    | {
+        name: _ASYNC_VLLM[name]
+        for name in ("AsyncVLLM", "make_async_vllm_engine", "stateless_init_process_group_async")
+    }
+    | _SGLANG_ENGINES
+    | _missing(SGLANG, "SGLangWrapper")
+    | _missing(NOT_YET, "RemoteTransformersWrapper", "HFRewardModelWrapper", "TorchRLBufferDataset"),
+    "modules.llm.backends": _WORKERS | _ASYNC_VLLM | _SGLANG_ENGINES,
+    "modules.llm.backends.sglang": _SGLANG_ENGINES | _missing(SGLANG, "get_open_port", "wait_for_server"),
+    "modules.llm.backends.vllm": _WORKERS | _ASYNC_VLLM,
+    "modules.llm.backends.vllm.vllm_async": {
+        name: value for name, value in _ASYNC_VLLM.items() if name in ("AsyncVLLM", "make_async_vllm_engine")
+    },
+    "modules.llm.backends.vllm.vllm_plugin": _missing(
+        FP32_PLUGIN,
+        "FP32_MODEL_OVERRIDES",
+        "FP32_OVERRIDES_ENV_VAR",
+        "fp32_overrides_enabled",
+        "register_fp32_overrides",
+    ),
+    "modules.llm.policies": _CONTAINERS
+    | _WRAPPERS
+    | _missing(NOT_YET, "RemoteTransformersWrapper")
+    | _missing(SGLANG, "SGLangWrapper"),
+    "modules.llm.policies.common": _CONTAINERS,
+    "modules.llm.policies.transformers_wrapper": _same("rlpost.policies", "TransformersWrapper"),
+    "modules.llm.policies.vllm_wrapper": _same("rlpost.policies", "vLLMWrapper"),
+    "modules.llm.trl_interop": _missing(NOT_YET, "HFRewardModelWrapper", "TorchRLBufferDataset"),
+    # collectors
+    "collectors.llm": _same("rlpost.collect", "LLMCollector", "vLLMUpdater")
+    | _missing(DISTRIBUTED, "RayLLMCollector", "vLLMUpdaterV2"),
+    "collectors.llm.base": _same("rlpost.collect", "LLMCollector"),
+    "collectors.llm.weight_update": _same("rlpost.collect", "vLLMUpdater") | _missing(DISTRIBUTED, "vLLMUpdaterV2"),
+    "collectors.llm.weight_update.vllm": _same("rlpost.collect", "vLLMUpdater"),
+    "collectors.llm.weight_update.vllm_v2": _missing(DISTRIBUTED, "vLLMUpdaterV2"),
+    # objectives
+    "objectives.llm": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "MCAdvantage")
+    | _NEW_LOSSES
+    | _DISTILLATION
+    | _missing(NOT_YET, "SFTLoss", "SFTLossOutput"),
+    "objectives.llm.grpo": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "MCAdvantage")
+    | {name: _NEW_LOSSES[name] for name in ("CISPOLoss", "CISPOLossOutput", "MCAdvantageSelector", "RayMCAdvantage")},
+    "objectives.llm.distillation": _DISTILLATION,
+    "objectives.llm.sft": _missing(NOT_YET, "SFTLoss"),
+    # weight updates
+    "weight_update.llm": _VLLM_SYNC
+    | _VLLM_DOUBLE_BUFFER
+    | _missing(SGLANG, "SGLangCollectiveTransport", "SGLangWeightSender", "SGLangWeightSyncScheme")
+    | _missing(SGLANG, "get_sglang_model_metadata"),
+    "weight_update.llm.vllm_double_buffer": {
+        "VLLMDoubleBufferWeightReceiver": _VLLM_DOUBLE_BUFFER["VLLMDoubleBufferWeightReceiver"]
+    },
+    # the rest of TorchRL that its LLM tests and scripts import
+    "record.loggers.wandb": _missing(LOGGERS, "WandbLogger"),
+    "testing": _missing(
+        TEST_HELPER,
+        "DummyStrDataLoader",
+        "WorkerTransformerDoubleBuffer",
+        "WorkerTransformerNCCL",
+        "WorkerVLLMDoubleBuffer",
+        "WorkerVLLMNCCL",
+    ),
+    "testing.mocking_classes": _missing(TEST_HELPER, "CountingEnv"),
+}
