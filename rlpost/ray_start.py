@@ -33,6 +33,35 @@ def run_env_vars(cfg: JobConfig) -> dict[str, str]:
     return {**RUN_ENV_VARS, **cfg.resources.env_vars}
 
 
+# what a script's Ray workers get from the driver's environment when it has them (credentials and
+# caches of the hubs a run reads from and logs to)
+PROPAGATED_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
+
+
+def get_ray_default_runtime_env() -> dict:
+    """TorchRL's ``get_ray_default_runtime_env``: the runtime env every upload of a working dir
+    starts from, ``{"excludes": [...]}`` (what ``rlpost submit`` leaves out)."""
+    from rlpost.jobs import WORKING_DIR_EXCLUDES
+
+    return {"excludes": list(WORKING_DIR_EXCLUDES)}
+
+
+def merge_ray_runtime_env(ray_init_config: dict) -> dict:
+    """TorchRL's ``merge_ray_runtime_env``: complete the keyword arguments of a script's
+    ``ray.init(**ray_init_config)`` (changed in place and returned) so that a working dir it
+    uploads leaves out what ``rlpost submit`` leaves out (virtual envs, caches, runs, git), after
+    the script's own excludes, and its workers get :data:`RUN_ENV_VARS` and the driver's
+    :data:`PROPAGATED_ENV_VARS`; values the script set are kept."""
+    runtime_env = dict(ray_init_config.get("runtime_env") or {})
+    excludes = list(runtime_env.get("excludes") or [])
+    defaults = get_ray_default_runtime_env()["excludes"]
+    runtime_env["excludes"] = excludes + [path for path in defaults if path not in excludes]
+    env_vars = {**RUN_ENV_VARS, **{key: os.environ[key] for key in PROPAGATED_ENV_VARS if os.environ.get(key)}}
+    runtime_env["env_vars"] = env_vars | dict(runtime_env.get("env_vars") or {})
+    ray_init_config["runtime_env"] = runtime_env
+    return ray_init_config
+
+
 def init_ray(cfg: JobConfig) -> bool:
     """Start Ray for the run, or connect to the cluster at ``resources.address`` (else RAY_ADDRESS),
     in the namespace ``rlpost-<run_name>``, and print one line on stdout saying where to watch the

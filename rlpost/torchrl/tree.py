@@ -56,6 +56,7 @@ FP32_PLUGIN = (
     "for float32 log-probs"
 )
 TEST_HELPER = "one of TorchRL's own test helpers, not part of its API"
+TORCHRL_UTILITY = "one of TorchRL's general utilities, not part of rlpost"
 LOGGERS = "not implemented yet: rlpost logs a run to wandb, MLflow or TensorBoard through logging.trackers"
 
 
@@ -130,8 +131,23 @@ _VLLM_DOUBLE_BUFFER = _missing(
 
 TREE: dict[str, dict[str, str | NotInRlpost]] = {
     "": {"torchrl_logger": "rlpost.torchrl.tree:torchrl_logger", "logger": "rlpost.torchrl.tree:torchrl_logger"}
-    | _missing(NOT_YET, "merge_ray_runtime_env"),
-    "_utils": {"logger": "rlpost.torchrl.tree:torchrl_logger"} | _missing(NOT_YET, "timeit"),
+    | _same("rlpost.ray_start", "merge_ray_runtime_env", "get_ray_default_runtime_env")
+    | _same("rlpost.timing", "timeit")
+    | _missing(
+        TORCHRL_UTILITY,
+        "auto_unwrap_transformed_env",
+        "compile_with_warmup",
+        "cuda_memory_profile",
+        "cuda_memory_stats",
+        "implement_for",
+        "reset_cuda_peak_stats",
+        "set_auto_unwrap_transformed_env",
+        "service_backend",
+        "transport_backend",
+    ),
+    "_utils": {"logger": "rlpost.torchrl.tree:torchrl_logger"}
+    | _same("rlpost.timing", "timeit")
+    | _same("rlpost.ray_start", "merge_ray_runtime_env"),
     # data
     "data": _same("rlpost.data", "History", "LazyStackStorage", "ListStorage", "ReplayBuffer")
     | _same("rlpost.data", "SamplerWithoutReplacement")

@@ -19,8 +19,24 @@ pytestmark = pytest.mark.unit
 
 COMMIT = "ae9719f17b1517af5c2523a36c4616f003ee55cf"  # pytorch/rl, where these lists were read
 
-# the __all__ of TorchRL's LLM packages at COMMIT
+# the __all__ of TorchRL's top-level package and its LLM packages at COMMIT
 TORCHRL_ALL = {
+    "torchrl": [
+        "auto_unwrap_transformed_env",
+        "compile_with_warmup",
+        "cuda_memory_profile",
+        "cuda_memory_stats",
+        "get_ray_default_runtime_env",
+        "implement_for",
+        "logger",
+        "merge_ray_runtime_env",
+        "reset_cuda_peak_stats",
+        "set_auto_unwrap_transformed_env",
+        "service_backend",
+        "timeit",
+        "torchrl_logger",
+        "transport_backend",
+    ],
     "torchrl.collectors.llm": ["LLMCollector", "RayLLMCollector", "vLLMUpdater", "vLLMUpdaterV2"],
     "torchrl.collectors.llm.weight_update": ["vLLMUpdater", "vLLMUpdaterV2"],
     "torchrl.data.llm": [
@@ -341,7 +357,10 @@ TORCHRL_IMPORTED = {
 
 # names defined in a submodule that a package's __all__ lists (torchrl.modules.llm.backends.vllm's
 # __all__ has the submodule vllm_async), at COMMIT
-TORCHRL_DEFINED = {"torchrl.modules.llm.backends.vllm.vllm_async": ["AsyncVLLM", "make_async_vllm_engine"]}
+TORCHRL_DEFINED = {
+    "torchrl.modules.llm.backends.vllm.vllm_async": ["AsyncVLLM", "make_async_vllm_engine"],
+    "torchrl._utils": ["logger", "merge_ray_runtime_env", "timeit"],
+}
 
 
 def torchrl_names():
