@@ -20,7 +20,7 @@ from rlpost.algo.grpo import (
     masked_aggregate,
     trust_region_mask,
 )
-from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
+from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, k3_kl_token_estimate, kl_per_token
 
 __all__ = [
     "ADVANTAGE_SCALES",
@@ -36,6 +36,7 @@ __all__ = [
     "effective_sample_size",
     "group_advantages",
     "grpo_loss",
+    "k3_kl_token_estimate",
     "kl_per_token",
     "load_loss_function",
     "loss_normaliser",

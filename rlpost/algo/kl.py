@@ -39,3 +39,10 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
         return 0.5 * (logprobs - ref_logprobs).square()
     log_ratio = ref_logprobs - logprobs
     return torch.expm1(log_ratio) - log_ratio
+
+
+def k3_kl_token_estimate(target_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    """TorchRL's ``k3_kl_token_estimate``: the per-token k3 estimate ``expm1(d) - d`` with
+    ``d = target_log_prob - log_prob``, shaped like the inputs, for tokens sampled from the
+    distribution behind ``log_prob`` (``kl_per_token(log_prob, target_log_prob)``)."""
+    return kl_per_token(log_prob, target_log_prob, "k3")

@@ -103,8 +103,9 @@ _AGGREGATIONS = {
 }
 
 
-class GRPOLossOutput(TensorClass["nocast"]):
-    """What :class:`GRPOLoss` returns (TorchRL's ``GRPOLossOutput``).
+class LLMLossOutput(TensorClass["nocast"]):
+    """What an LLM policy loss returns (TorchRL's ``LLMLossOutput``, the base of its GRPO, DAPO
+    and CISPO outputs).
 
     Always set: ``loss_objective`` (the clipped surrogate, with its graph), ``clip_fraction``,
     ``kl_approx`` (mean ``old - new`` log-prob) and ``ESS`` (normalised effective sample size of
@@ -126,6 +127,11 @@ class GRPOLossOutput(TensorClass["nocast"]):
     kl_to_ref: torch.Tensor | None = None
     loss_kl_to_inference: torch.Tensor | None = None
     kl_to_inference: torch.Tensor | None = None
+
+
+class GRPOLossOutput(LLMLossOutput):
+    """What :class:`GRPOLoss` returns (TorchRL's ``GRPOLossOutput``): the fields of
+    :class:`LLMLossOutput`."""
 
 
 class GRPOLoss(torch.nn.Module):

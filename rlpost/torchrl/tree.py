@@ -108,11 +108,12 @@ _NEW_LOSSES = _missing(
     "CISPOLossOutput",
     "DAPO",
     "DAPOLossOutput",
-    "LLMLossOutput",
     "MCAdvantageSelector",
     "RayMCAdvantage",
 )
-_DISTILLATION = _missing(NOT_YET, "DistillationLoss", "DistillationLossOutput", "k3_kl_token_estimate")
+_DISTILLATION = _missing(NOT_YET, "DistillationLoss", "DistillationLossOutput") | _same(
+    "rlpost.objectives", "k3_kl_token_estimate"
+)
 _VLLM_SYNC = _missing(
     DISTRIBUTED,
     "VLLMCollectiveTransport",
@@ -252,7 +253,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     "collectors.llm.weight_update.vllm": _same("rlpost.collect", "vLLMUpdater"),
     "collectors.llm.weight_update.vllm_v2": _missing(DISTRIBUTED, "vLLMUpdaterV2"),
     # objectives
-    "objectives.llm": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "MCAdvantage")
+    "objectives.llm": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput", "MCAdvantage")
     | _NEW_LOSSES
     | _DISTILLATION
     | _missing(NOT_YET, "SFTLoss", "SFTLossOutput"),

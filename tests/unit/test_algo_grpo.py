@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from rlpost.algo import grpo_loss, kl_per_token, load_loss_function, loss_normaliser, masked_aggregate
+from rlpost.algo import (
+    grpo_loss,
+    k3_kl_token_estimate,
+    kl_per_token,
+    load_loss_function,
+    loss_normaliser,
+    masked_aggregate,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -195,6 +202,18 @@ KL_GRADS = {"k1": [1.0, 1.0], "k2": [0.5, -0.5], "k3": [1 - math.exp(-0.5), 1 - 
 def test_kl_per_token_hand_computed(estimator):
     out = kl_per_token(KL_LP, KL_REF, estimator)
     torch.testing.assert_close(out, t64([KL_EXPECTED[estimator]]), rtol=1e-12, atol=0)
+
+
+def test_k3_kl_token_estimate_is_torchrls_argument_order_for_k3():
+    """TorchRL's k3_kl_token_estimate(target_log_prob, log_prob): expm1(d) - d, d = target - log_prob."""
+    log_prob = torch.tensor([-1.0, -0.5, -2.0])
+    target = torch.tensor([-1.0, -1.5, -0.5])
+    d = target - log_prob
+    assert torch.equal(k3_kl_token_estimate(target, log_prob), torch.expm1(d) - d)
+    assert torch.equal(k3_kl_token_estimate(target, log_prob), kl_per_token(log_prob, target, "k3"))
+    assert torch.equal(k3_kl_token_estimate(log_prob, log_prob), torch.zeros(3))  # TorchRL's doc example
+    with pytest.raises(ValueError, match="same shape"):
+        k3_kl_token_estimate(target, log_prob[:2])
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

@@ -17,7 +17,7 @@ from tensordict import TensorDict, lazy_stack
 from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.algo import grpo_loss, kl_per_token, trust_region_mask
-from rlpost.objectives import GRPOLoss, GRPOLossOutput
+from rlpost.objectives import GRPOLoss, GRPOLossOutput, LLMLossOutput
 from rlpost.policies import LLMWrapperBase
 
 pytestmark = pytest.mark.unit
@@ -258,7 +258,7 @@ def test_values_and_gradient_equal_the_functional_path(table, policy, aggregatio
         masking_strategy="rlhf",
     )
     out = loss_fn(batch)
-    assert isinstance(out, GRPOLossOutput)
+    assert isinstance(out, GRPOLossOutput) and isinstance(out, LLMLossOutput)  # TorchRL's hierarchy
     table.weight.grad = None
     loss_sum(out).backward()
     module_grad = table.weight.grad.clone()
