@@ -47,6 +47,12 @@ class WorkerTimeout(WeightSyncError, TimeoutError):
     """A worker did not answer a weight-update call within the updater's bound."""
 
 
+def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
+    """``{name: (dtype, shape)}`` of a module's (or a state_dict's / TensorDict's) tensors: what
+    :meth:`vLLMUpdater.init` takes to check each push (TorchRL's ``get_model_metadata``)."""
+    return {name: (tensor.dtype, tensor.shape) for name, tensor in _named_tensors(model)}
+
+
 class vLLMUpdater:  # noqa: N801  (TorchRL's name)
     """Pushes weights to vLLM workers (see the module docstring).
 
@@ -100,10 +106,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         self.collector = None
         self._unconfirmed: tuple[list[Any], int] | None = None  # (the workers' calls, version)
 
-    @staticmethod
-    def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
-        """``{name: (dtype, shape)}`` of a module's (or a state_dict's / TensorDict's) tensors."""
-        return {name: (tensor.dtype, tensor.shape) for name, tensor in _named_tensors(model)}
+    get_model_metadata = staticmethod(get_model_metadata)  # TorchRL has it in both places
 
     @property
     def device(self) -> torch.device:

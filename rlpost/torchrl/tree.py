@@ -120,8 +120,7 @@ _VLLM_SYNC = _missing(
     "VLLMWeightReceiver",
     "VLLMWeightSender",
     "VLLMWeightSyncScheme",
-    "get_model_metadata",
-)
+) | _same("rlpost.collect.weight_update", "get_model_metadata")
 _VLLM_DOUBLE_BUFFER = _missing(
     DISTRIBUTED,
     "VLLMDoubleBufferSyncScheme",

@@ -439,3 +439,17 @@ def test_importing_the_namespace_loads_neither_vllm_nor_ray():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]"]
+
+
+def test_get_model_metadata_is_one_function_at_both_of_torchrls_places():
+    import torch
+
+    from rlpost.collect import vLLMUpdater
+    from rlpost.torchrl.weight_update.llm import get_model_metadata
+
+    assert vLLMUpdater.get_model_metadata is get_model_metadata
+    model = torch.nn.Linear(3, 2)
+    assert get_model_metadata(model) == {
+        "weight": (torch.float32, torch.Size([2, 3])),
+        "bias": (torch.float32, torch.Size([2])),
+    }
