@@ -5,7 +5,8 @@
     TransformersWrapper --> optimizer step --> vLLMUpdater pushes the weights to the worker
 
 This is what ``rlpost train`` runs as a Ray service (several workers, env pools, async mode,
-restarts); here every piece is in one process, as a TorchRL user would write it.
+restarts); here every piece is in one process, as a TorchRL user would write it, and imported
+as TorchRL's code imports it with ``torchrl`` replaced by ``rlpost.torchrl``.
 
 Run: ``python examples/grpo_by_hand.py --steps 20`` (after ``make tiny-model``). On this
 machine a step takes a few seconds. On a stream of fresh questions the reward climbs over
@@ -21,11 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlpost.collect import LLMCollector, vLLMUpdater
-from rlpost.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-from rlpost.envs import ArithmeticEnv
-from rlpost.objectives import GRPOLoss, MCAdvantage
-from rlpost.policies import TransformersWrapper, make_vllm_worker, vLLMWrapper
+# TorchRL's imports with the prefix replaced (from torchrl.collectors.llm import ... in TorchRL)
+from rlpost.envs import ArithmeticEnv  # rlpost's own task, no TorchRL name
+from rlpost.torchrl.collectors.llm import LLMCollector, vLLMUpdater
+from rlpost.torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+from rlpost.torchrl.modules.llm import TransformersWrapper, make_vllm_worker, vLLMWrapper
+from rlpost.torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 
 @dataclass
