@@ -49,17 +49,9 @@ from rlpost.envs.arithmetic import (
     make_tool_arithmetic_rows,
 )
 from rlpost.envs.rewards import answer_reward
-from rlpost.tiny_model_spec import TASKS, TOOL_SPEC, TinyModelSpec, built_spec, spec_dict
 
-__all__ = [
-    "TASKS",
-    "TOOL_SPEC",
-    "TinyModelSpec",
-    "build_tiny_model",
-    "built_spec",
-    "ensure_tiny_model",
-    "spec_dict",
-]
+# the spec lives in rlpost.tiny_model_spec (importable without torch); its names stay importable here
+from rlpost.tiny_model_spec import TASKS, TOOL_SPEC, TinyModelSpec, built_spec, spec_dict  # noqa: F401
 
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
