@@ -408,6 +408,25 @@ class InferenceWorker:
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {**info, "load_s": info["load_s"] + time.perf_counter() - start, "in_flight": False}
 
+    def generate_outputs(self, prompts: Any, sampling_params: Any = None) -> list:
+        """vLLM's own ``LLM.generate(prompts, sampling_params)``: its ``RequestOutput`` list, for
+        callers that want vLLM's objects (:meth:`AsyncVLLM.generate <rlpost.actors.async_vllm.AsyncVLLM.generate>`)."""
+        with self._engine_turn():
+            self._reset_stale_prefix_cache()
+            return self._on_engine_thread(
+                self.llm.generate, prompts, sampling_params, use_tqdm=False, lora_request=self.client.lora_request
+            )
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:  # fmt: skip
+        """vLLM's ``collective_rpc``: ``method`` on every model worker of the engine."""
+        with self._engine_turn():
+            return self._on_engine_thread(self.llm.collective_rpc, method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        with self._engine_turn():
+            return bool(self._on_engine_thread(self.llm.reset_prefix_cache))
+
     def get_version(self) -> int:
         return self.version
 
@@ -508,14 +527,20 @@ class RemoteVLLMClient:
     re-issued to the new ones; after that the error propagates. ``on_worker_lost(index, error)``,
     when set, is told of each death as it is found, so that whoever restarts workers hears of it
     at once (an env pool passes it on to the controller waiting on it).
+
+    ``restartable=True``: the workers are actors Ray restarts itself (``max_restarts``, as
+    :class:`~rlpost.actors.async_vllm.AsyncVLLM` starts them): when every worker has failed,
+    the request waits up to ``worker_wait_s`` for one of the same handles to answer again.
     """
 
     def __init__(
-        self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0, tokenizer=None
-    ):
+        self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0, tokenizer=None,
+        restartable: bool = False,
+    ):  # fmt: skip
         if not handles:
             raise ValueError("RemoteVLLMClient needs at least one inference worker handle")
         self.request_timeout_s, self.worker_wait_s = request_timeout_s, worker_wait_s
+        self.restartable = restartable
         self.last_policy_version: int | None = None
         self.num_reissued = 0
         self._tokenizer = tokenizer
@@ -548,6 +573,7 @@ class RemoteVLLMClient:
             "request_timeout_s": self.request_timeout_s,
             "worker_wait_s": self.worker_wait_s,
             "tokenizer": self._tokenizer,
+            "restartable": self.restartable,
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -556,6 +582,7 @@ class RemoteVLLMClient:
             request_timeout_s=state["request_timeout_s"],
             worker_wait_s=state["worker_wait_s"],
             tokenizer=state["tokenizer"],
+            restartable=state.get("restartable", False),
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
@@ -613,9 +640,30 @@ class RemoteVLLMClient:
             return i, self.handles[i], self._generation
 
     def _wait_for_new_handles(self, generation: int) -> int:
+        if self.restartable:
+            return self._wait_for_a_restart(generation)
         with self._cond:
             if not self._cond.wait_for(lambda: self._generation != generation, timeout=self.worker_wait_s):
                 raise RuntimeError(
                     f"every inference worker failed and none was replaced within {self.worker_wait_s:.0f}s"
                 )
             return self._generation
+
+    def _wait_for_a_restart(self, generation: int) -> int:
+        """Every worker failed and Ray restarts them: wait until one of them answers again (a call
+        to a restarting actor waits for it; one whose restarts are spent fails at once)."""
+        import ray
+
+        deadline = time.monotonic() + self.worker_wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            pending = [handle.get_version.remote() for handle in self.handles]
+            while pending and (left := deadline - time.monotonic()) > 0:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+                for ref in ready:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError:
+                        continue
+                    return self._generation
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        raise RuntimeError(f"every inference worker failed and none came back within {self.worker_wait_s:.0f}s")

@@ -24,13 +24,20 @@ With an :class:`~rlpost.envs.AsyncEnvPool` (``async_envs=True``, or detected) an
 ``yield_completed_trajectories``, the policy answers the rows whose step came back while the
 others still run, and trajectories come out as they finish.
 
+:meth:`start` collects into the replay buffer on a thread of its own until ``total_dialog_turns``
+or :meth:`async_shutdown`; :meth:`is_running` says whether it still does. A collection that fails
+on that thread is logged with its traceback and kept in :attr:`collection_error`.
+:class:`~rlpost.collect.RayLLMCollector` runs the collector in a Ray actor.
+
 Deliberate deviations from TorchRL: the collector is a plain iterable, not a
-``SyncDataCollector``; ``as_remote`` returns a Ray actor class of the collector.
+``SyncDataCollector``; ``as_remote`` returns a Ray actor class of the collector; a background
+collection that fails is logged and kept (TorchRL's thread dies silently).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,6 +159,9 @@ class LLMCollector:
         self._frames = 0
         self._yield_queues: list[deque] = []
         self._trajectory_queue: deque = deque()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.collection_error: BaseException | None = None  # what ended a start()ed collection
 
     def _add_version_tracker(self, track: Any) -> Any:
         from rlpost.envs.llm_transforms import PolicyVersion
@@ -336,17 +346,54 @@ class LLMCollector:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def start(self) -> None:
+        """Collect into the replay buffer on a background thread (TorchRL's ``start``) until
+        ``total_dialog_turns`` are collected or :meth:`async_shutdown` is called; a no-op while
+        it runs."""
+        if self.replay_buffer is None:
+            raise RuntimeError("Replay buffer must be defined for execution.")
+        if self.is_running():
+            return
+        self._stop.clear()
+        self.collection_error = None
+        self._thread = threading.Thread(target=self._run_in_background, name="llm-collector", daemon=True)
+        self._thread.start()
+
+    def _run_in_background(self) -> None:
+        try:
+            for _ in self:
+                if self._stop.is_set():
+                    return
+        except BaseException as err:  # kept for whoever asks, and logged: a thread's error is otherwise lost
+            self.collection_error = err
+            logger.exception("LLMCollector: the background collection failed")
+
+    def is_running(self) -> bool:
+        """Whether the collection :meth:`start` began still runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def async_shutdown(self, timeout: float | None = None, close_env: bool = True) -> None:
+        """Stop the collection :meth:`start` began after its current batch (waiting up to
+        ``timeout`` seconds for it), then :meth:`shutdown`."""
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+        if close_env:
+            self.shutdown()
+
     def shutdown(self) -> None:
         close = getattr(self.env, "close", None)
         if close is not None:
             close()
 
     @classmethod
-    def as_remote(cls, **remote_options: Any) -> Any:
-        """The collector as a Ray actor class (``LLMCollector.as_remote(num_cpus=1).remote(env, ...)``)."""
+    def as_remote(cls, remote_config: dict[str, Any] | None = None, **remote_options: Any) -> Any:
+        """The collector as a Ray actor class: ``LLMCollector.as_remote({"num_cpus": 1})`` (TorchRL's
+        form) or ``LLMCollector.as_remote(num_cpus=1)``, then ``.remote(env, ...)``."""
         import ray
 
-        return ray.remote(**remote_options)(cls) if remote_options else ray.remote(cls)
+        options = {**(remote_config or {}), **remote_options}
+        return ray.remote(**options)(cls) if options else ray.remote(cls)
 
     def __repr__(self) -> str:
         return (

@@ -152,7 +152,11 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         )  # fmt: skip
         self._join_workers()
         # continue from what the workers serve: a version below it would be refused
-        self.version = max([self.version, *map(int, self._wait([self._call(w, "get_version") for w in workers]))])
+        self.version = max([self.version, *self.worker_versions()])
+
+    def worker_versions(self) -> list[int]:
+        """The version each worker serves now, in worker order (each call bounded)."""
+        return [int(v) for v in self._wait([self._call(w, "get_version") for w in self._targets()])]
 
     def set_workers(self, workers: Iterable[Any]) -> None:
         """Use these workers from now on (e.g. after one was restarted): the bus opens its next

@@ -1,9 +1,10 @@
 """Data types of rlpost's LLM stack: chat histories, the containers the policies fill, and a replay
-buffer with its storages and samplers."""
+buffer with its storages and samplers, also as a Ray actor (RayReplayBuffer)."""
 
 from rlpost.data.content import ContentBase
 from rlpost.data.history import PAD_ROLE, History, HistoryError
 from rlpost.data.llm_data import ChatHistory, LLMData, LogProbs, Masks, Text, Tokens
+from rlpost.data.ray_replay_buffer import RayReplayBuffer
 from rlpost.data.replay_buffers import (
     LazyStackStorage,
     ListStorage,
@@ -28,6 +29,7 @@ __all__ = [
     "LogProbs",
     "Masks",
     "RandomSampler",
+    "RayReplayBuffer",
     "ReplayBuffer",
     "Sampler",
     "SamplerWithoutReplacement",

@@ -192,7 +192,8 @@ class vLLMWrapper(LLMWrapperBase):
     inputs and outputs.
 
     Args:
-        model: a ``vllm.LLM`` (wrapped in :class:`LocalVLLMClient`), any
+        model: a ``vllm.LLM`` (wrapped in :class:`LocalVLLMClient`), a worker of
+            :func:`make_vllm_worker`, a fleet of them (``AsyncVLLM``), any
             :class:`VLLMEngineClient` (e.g. a remote inference worker's client), or a model path
             (an engine is made with :func:`make_vllm_engine`).
         tokenizer: the model's tokenizer (or a path); taken from the engine's
@@ -374,9 +375,12 @@ def _distribution_changing(params: dict[str, Any]) -> list[str]:
 
 def _worker_client(model: Any, tokenizer: Any) -> Any:
     """The engine client of a worker from ``make_vllm_worker`` (a Ray actor or an in-process
-    worker), or None for anything else."""
+    worker) or of a fleet of them (``AsyncVLLM``: anything with ``get_engine_client()``), or None
+    for anything else."""
     from rlpost.policies.vllm_workers import is_local_worker, is_remote_worker
 
+    if callable(getattr(model, "get_engine_client", None)):
+        return model.get_engine_client()
     if is_local_worker(model):
         return model.client
     if not is_remote_worker(model):

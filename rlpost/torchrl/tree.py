@@ -78,10 +78,8 @@ _STACKING = _same("rlpost.data", "as_nested_tensor", "as_padded_tensor")
 _GSM8K = _same("rlpost.envs", "GSM8KEnv", "GSM8KPrepareQuestion", "make_gsm8k_env")
 _IFEVAL_REWARD = _same("rlpost.envs", "IFEvalScoreData", "IfEvalScorer")
 _WORKERS = _same("rlpost.policies", "make_vllm_worker") | _same("rlpost.transport", "stateless_init_process_group")
-_ASYNC_VLLM = _missing(
-    DISTRIBUTED,
-    "AsyncVLLM",
-    "make_async_vllm_engine",
+_ASYNC_VLLM = _same("rlpost.actors.async_vllm", "AsyncVLLM", "make_async_vllm_engine") | _missing(
+    "rlpost's vLLM engines are its inference workers: use make_vllm_worker (one engine) or AsyncVLLM (a fleet)",
     "RLvLLMEngine",
     "RayLLMWorker",
     "LocalLLMWrapper",
@@ -114,15 +112,12 @@ _NEW_LOSSES = _missing(
 _DISTILLATION = _missing(NOT_YET, "DistillationLoss", "DistillationLossOutput") | _same(
     "rlpost.objectives", "k3_kl_token_estimate"
 )
-_VLLM_SYNC = _missing(
-    DISTRIBUTED,
-    "VLLMCollectiveTransport",
-    "VLLMWeightReceiver",
-    "VLLMWeightSender",
-    "VLLMWeightSyncScheme",
+_VLLM_SYNC = _same("rlpost.collect.weight_sync", "VLLMWeightReceiver", "VLLMWeightSender", "VLLMWeightSyncScheme")
+_VLLM_SYNC |= _missing(
+    "rlpost's weight bus is reached through VLLMWeightSyncScheme's sender or vLLMUpdater", "VLLMCollectiveTransport"
 ) | _same("rlpost.collect.weight_update", "get_model_metadata")
 _VLLM_DOUBLE_BUFFER = _missing(
-    DISTRIBUTED,
+    "rlpost sends weights over its bus (VLLMWeightSyncScheme), not through files on shared storage",
     "VLLMDoubleBufferSyncScheme",
     "VLLMDoubleBufferTransport",
     "VLLMDoubleBufferWeightReceiver",
@@ -149,7 +144,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _same("rlpost.timing", "timeit")
     | _same("rlpost.ray_start", "merge_ray_runtime_env"),
     # data
-    "data": _same("rlpost.data", "History", "LazyStackStorage", "ListStorage", "ReplayBuffer")
+    "data": _same("rlpost.data", "History", "LazyStackStorage", "ListStorage", "RayReplayBuffer", "ReplayBuffer")
     | _same("rlpost.data", "SamplerWithoutReplacement")
     | _same("rlpost.data.specs", "Unbounded")
     | _missing(NOT_YET, "TensorDictReplayBuffer", "PrioritizedSampler"),
@@ -171,7 +166,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     ),
     "data.llm.history": _HISTORY,
     "data.llm.topk": _missing(NOT_YET, "TopKRewardSelector"),
-    "data.replay_buffers.ray_buffer": _missing(DISTRIBUTED, "RayReplayBuffer"),
+    "data.replay_buffers.ray_buffer": _same("rlpost.data", "RayReplayBuffer"),
     # envs
     "envs": _same("rlpost.envs", "AsyncEnvPool", "StepCounter", "Transform")
     | _missing("rlpost batches envs with ChatEnv(batch_size=N) or AsyncEnvPool", "SerialEnv"),
@@ -245,12 +240,13 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     "modules.llm.policies.vllm_wrapper": _same("rlpost.policies", "vLLMWrapper"),
     "modules.llm.trl_interop": _missing(NOT_YET, "HFRewardModelWrapper", "TorchRLBufferDataset"),
     # collectors
-    "collectors.llm": _same("rlpost.collect", "LLMCollector", "vLLMUpdater")
-    | _missing(DISTRIBUTED, "RayLLMCollector", "vLLMUpdaterV2"),
+    "collectors.llm": _same("rlpost.collect", "LLMCollector", "RayLLMCollector", "vLLMUpdater")
+    | _same("rlpost.collect.weight_sync", "vLLMUpdaterV2"),
     "collectors.llm.base": _same("rlpost.collect", "LLMCollector"),
-    "collectors.llm.weight_update": _same("rlpost.collect", "vLLMUpdater") | _missing(DISTRIBUTED, "vLLMUpdaterV2"),
+    "collectors.llm.weight_update": _same("rlpost.collect", "vLLMUpdater")
+    | _same("rlpost.collect.weight_sync", "vLLMUpdaterV2"),
     "collectors.llm.weight_update.vllm": _same("rlpost.collect", "vLLMUpdater"),
-    "collectors.llm.weight_update.vllm_v2": _missing(DISTRIBUTED, "vLLMUpdaterV2"),
+    "collectors.llm.weight_update.vllm_v2": _same("rlpost.collect.weight_sync", "vLLMUpdaterV2"),
     # objectives
     "objectives.llm": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput", "MCAdvantage")
     | _NEW_LOSSES

@@ -41,3 +41,96 @@ def test_remote_collector_yields_batches_and_versions(ray_cluster):
     ray.get(remote.increment_version.remote(), timeout=60)
     assert ray.get(remote.get_policy_version.remote(), timeout=60) == 1
     ray.kill(remote)
+
+
+def _scripted_parts():
+    """An env constructor and a policy answering "ok", defined locally so that Ray ships them by
+    value (the actors cannot import this test module)."""
+
+    def make_env():
+        from rlpost.envs import DatasetChatEnv
+
+        return DatasetChatEnv(dataset=[{"query": f"q{i}"} for i in range(40)], shuffle=False, num_envs=2, max_steps=1)
+
+    class Scripted:
+        def __call__(self, td):
+            from rlpost.data import History
+
+            n = td.batch_size[0]
+            reply = History(role=["assistant"] * n, content=["ok"] * n, batch_size=(n,)).unsqueeze(-1)
+            td["history"].full = td["history"].prompt.extend(reply, dim=-1, inplace=False)
+            return td
+
+    return make_env, Scripted
+
+
+def test_ray_collector_writes_to_a_ray_replay_buffer_in_lock_step_and_in_the_background(ray_cluster):
+    """TorchRL's distributed pair: RayLLMCollector's actor writes into RayReplayBuffer's actor,
+    iterated step by step, then collecting on its own thread (start / is_running / async_shutdown)."""
+    import time
+    from functools import partial
+
+    import ray
+
+    from rlpost.collect import RayLLMCollector
+    from rlpost.data import LazyStackStorage, RayReplayBuffer, ReplayBuffer, SamplerWithoutReplacement
+
+    make_env, Scripted = _scripted_parts()
+    rb = RayReplayBuffer(storage=partial(LazyStackStorage, 100), sampler=SamplerWithoutReplacement, batch_size=4)
+    assert isinstance(rb, ReplayBuffer) and rb.write_count == 0 and len(rb) == 0
+    collector = RayLLMCollector(make_env, policy_factory=Scripted, dialog_turns_per_batch=4, replay_buffer=rb,
+                                track_policy_version=True, total_dialog_turns=8, timeout_s=120)  # fmt: skip
+    assert collector.dialog_turns_per_batch == 4 and collector.total_dialog_turns == 8
+    assert list(collector) == [None, None]  # two batches of 4 turns, written by the actor, not returned
+    assert rb.write_count == 8 and len(rb) == 8
+    batches = list(rb)  # one pass without replacement, sampled in the buffer's actor
+    assert [b.batch_size for b in batches] == [(4,), (4,)]
+    assert sorted(q for b in batches for q in b["query"]) == sorted(f"q{i}" for i in range(8))
+    collector.increment_version()
+    assert collector.policy_version == 1
+    collector.shutdown()  # ends the actor (ray.kill takes effect shortly after)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):
+            collector.is_running()
+            time.sleep(0.1)
+
+    rb.empty()
+    background = RayLLMCollector(make_env, policy_factory=Scripted, dialog_turns_per_batch=2, replay_buffer=rb,
+                                 timeout_s=120)  # fmt: skip
+    background.start()
+    deadline = time.monotonic() + 120
+    while rb.write_count < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rb.write_count >= 6 and background.is_running()
+    background.async_shutdown(timeout=60)
+    assert not background.is_running() and background.collection_failure() is None
+    written = rb.write_count
+    time.sleep(0.5)
+    assert rb.write_count == written  # stopped
+    background.shutdown()
+    rb.close()
+    assert not rb.is_alive
+
+
+def test_a_failed_background_collection_is_kept_and_reported(ray_cluster):
+    from functools import partial
+
+    from rlpost.collect import RayLLMCollector
+    from rlpost.data import LazyStackStorage, RayReplayBuffer
+
+    class Broken:
+        def __call__(self, td):
+            raise ValueError("the policy broke")
+
+    make_env, _ = _scripted_parts()
+    rb = RayReplayBuffer(storage=partial(LazyStackStorage, 10), batch_size=2)
+    collector = RayLLMCollector(make_env, policy_factory=Broken, dialog_turns_per_batch=2, replay_buffer=rb,
+                                timeout_s=60)  # fmt: skip
+    collector.start()
+    collector.async_shutdown(timeout=60, close_env=False)
+    assert not collector.is_running()
+    assert collector.collection_failure() == "ValueError: the policy broke"
+    with pytest.raises(RuntimeError, match="empty storage"):
+        rb.sample()
+    collector.shutdown()
+    rb.close()

@@ -1,0 +1,311 @@
+"""AsyncVLLM: a fleet of vLLM replicas as Ray actors behind one object (TorchRL's).
+
+Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`, the
+actor :func:`~rlpost.policies.make_vllm_worker` starts): one vLLM engine with rlpost's
+weight-update extension, versioned weights, in-flight updates. The fleet gives:
+
+- ``vLLMWrapper(fleet, ...)``: the policy generates through the fleet's load-balancing client
+  (:class:`~rlpost.actors.inference.RemoteVLLMClient`: each call whole to the least-busy
+  replica, so a GRPO group comes from one set of weights). The wrapper, pickled into another
+  actor (a :class:`~rlpost.collect.RayLLMCollector`), keeps using the same replicas.
+- ``fleet.generate(prompts, SamplingParams(...))``: vLLM's ``RequestOutput`` objects, the
+  prompts spread over the replicas (TorchRL's call form).
+- weight updates: :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` (or
+  :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`) sends new weights to every replica.
+
+A replica that dies (its process crashes, is OOM-killed or ``ray.kill``\\ ed) is restarted by
+Ray (``max_restarts`` per replica) on the model it started from: requests in flight on it are
+re-issued to another replica, or wait for the restart when none is left. The weight sender
+finds the restarted replica outside its group at its next update, re-forms the group and sends
+the current weights to every replica; until then the restarted replica serves the initial weights
+(its completions carry its own version, ``RemoteVLLMClient.last_policy_version``).
+
+Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
+(so they work on the CPU backend too, and take rlpost's weight bus); ``AsyncVLLM(engine_args)``
+takes vLLM's ``AsyncEngineArgs`` or a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's
+own compilation setting as it is; no prefix-aware load balancer (least-busy replica instead);
+``enable_fp32_output``, data and pipeline parallelism are refused with a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+log = logging.getLogger("rlpost")
+
+STARTUP_TIMEOUT_S = 600.0  # a replica's start (its engine loads the model)
+MAX_RESTARTS = 3  # Ray restarts of one replica before it is given up
+
+
+class AsyncVLLM:
+    """vLLM replicas as Ray actors behind one object; see the module docstring.
+
+    Args:
+        engine_args: vLLM's ``AsyncEngineArgs`` (or ``EngineArgs``), or a dict of ``vllm.LLM``
+            arguments with the model under ``"model"``; rlpost's engine settings
+            (``kv_cache_space_gb``, ``cpu_threads``) may be in the dict.
+        num_replicas: engines to start.
+        actor_class: not supported (the replicas are rlpost's inference workers); must be None.
+        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s. Safe with weight updates:
+            a replica resets its prefix cache whenever its weights change.
+
+    Keyword Args:
+        max_restarts: Ray restarts of a replica that died.
+        request_timeout_s: bound of one generate call on a replica.
+        startup_timeout_s: bound of the replicas' start.
+    """
+
+    def __init__(self, engine_args: Any, num_replicas: int = 1, actor_class: Any = None,
+                 enable_prefix_caching: bool | None = None, *, max_restarts: int = MAX_RESTARTS,
+                 request_timeout_s: float = 600.0, startup_timeout_s: float = STARTUP_TIMEOUT_S):  # fmt: skip
+        if actor_class is not None:
+            raise ValueError("AsyncVLLM's replicas are rlpost's inference workers: actor_class must be None")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.engine_kwargs = _engine_kwargs(engine_args)
+        if enable_prefix_caching is not None:
+            self.engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
+        self.model_name = str(self.engine_kwargs.pop("model"))
+        self.num_replicas = num_replicas
+        self.max_restarts, self.request_timeout_s, self.startup_timeout_s = max_restarts, request_timeout_s, startup_timeout_s  # fmt: skip
+        self.actors: list = []
+        self._client = None
+        self._service_id = uuid.uuid4().hex[:8]
+        self._master_port: int | None = None
+
+    # ------------------------------------------------------------------ starting
+
+    def _launch(self) -> None:
+        """Start the replicas and wait until every one has loaded its model."""
+        import ray
+
+        from rlpost.actors.inference import RemoteVLLMClient
+        from rlpost.policies.vllm_workers import make_vllm_worker
+
+        if self.actors:
+            return
+        kwargs = dict(self.engine_kwargs)
+        dtype = kwargs.pop("dtype", "auto")
+        devices = kwargs.pop("tensor_parallel_size", None)
+        handles = make_vllm_worker(
+            self.model_name, num_replicas=self.num_replicas, num_devices=devices, dtype=_dtype_name(dtype),
+            name=f"async-vllm-{self._service_id}", num_cpus=kwargs.pop("num_cpus", 1),
+            ray_options={"max_restarts": self.max_restarts}, **kwargs,
+        )  # fmt: skip
+        self.actors = handles if isinstance(handles, list) else [handles]
+        start = time.monotonic()
+        try:
+            ray.get([actor.get_version.remote() for actor in self.actors], timeout=self.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise TimeoutError(
+                f"AsyncVLLM: {self.num_replicas} replica(s) of {self.model_name} did not start within "
+                f"{self.startup_timeout_s:.0f} s (startup_timeout_s)"
+            ) from None
+        except Exception:
+            self.shutdown()
+            raise
+        log.info("AsyncVLLM: %d replica(s) of %s ready in %.1f s", len(self.actors), self.model_name,
+                 time.monotonic() - start)  # fmt: skip
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        self._client = RemoteVLLMClient(self.actors, tokenizer=tokenizer, restartable=True,
+                                        request_timeout_s=self.request_timeout_s,
+                                        worker_wait_s=self.startup_timeout_s)  # fmt: skip
+
+    @classmethod
+    def launch(cls, engine_args: Any, num_replicas: int = 1) -> AsyncVLLM:
+        """Start ``num_replicas`` engines on ``engine_args`` and return the fleet."""
+        fleet = cls(engine_args, num_replicas)
+        fleet._launch()
+        return fleet
+
+    @classmethod
+    def from_pretrained(cls, model_name: str, num_devices: int | None = None, num_replicas: int = 1,
+                        verbose: bool = True, compile: bool = True, enable_fp32_output: bool = False,
+                        **kwargs: Any) -> AsyncVLLM:  # fmt: skip
+        """The fleet on ``model_name`` (:func:`make_async_vllm_engine`)."""
+        return make_async_vllm_engine(model_name=model_name, num_devices=num_devices, num_replicas=num_replicas,
+                                      verbose=verbose, compile=compile, enable_fp32_output=enable_fp32_output,
+                                      **kwargs)  # fmt: skip
+
+    # ------------------------------------------------------------------ generating
+
+    def get_engine_client(self):
+        """The load-balancing client :class:`~rlpost.policies.vLLMWrapper` generates with."""
+        if self._client is None:
+            self._launch()
+        return self._client
+
+    def get_tokenizer(self):
+        return self.get_engine_client().get_tokenizer()
+
+    def generate(self, prompts: Any = None, sampling_params: Any = None, *, prompt_token_ids: Any = None,
+                 use_tqdm: bool = True, lora_request: Any = None, timeout_seconds: float | None = None,
+                 actor_index: int | None = None, **unused: Any) -> Any:  # fmt: skip
+        """vLLM's ``LLM.generate`` on the fleet: one ``RequestOutput`` for one prompt, a list for a
+        list of prompts (spread over the replicas, results in prompt order). ``prompt_token_ids``
+        (one list of ids, or a list of them) replaces ``prompts``; ``actor_index`` sends everything
+        to one replica."""
+        import ray
+
+        if lora_request is not None:
+            raise ValueError("AsyncVLLM serves the weights its sender sends: lora_request is not supported")
+        single, items = _prompt_list(prompts, prompt_token_ids)
+        client = self.get_engine_client()
+        timeout = timeout_seconds if timeout_seconds is not None else self.request_timeout_s
+        replicas = [actor_index] if actor_index is not None else list(range(len(self.actors)))
+        shares = {i: items[k :: len(replicas)] for k, i in enumerate(replicas)}
+        refs = {
+            i: self.actors[i].generate_outputs.remote(share, sampling_params) for i, share in shares.items() if share
+        }
+        outputs: dict[int, list] = {}
+        for i, ref in refs.items():
+            try:
+                outputs[i] = ray.get(ref, timeout=timeout)
+            except ray.exceptions.RayActorError:  # the replica died: another one (or its restart) serves it
+                outputs[i] = client._call("generate_outputs", shares[i], sampling_params)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"AsyncVLLM: replica {i} did not generate within {timeout:.0f} s") from None
+        ordered = [None] * len(items)
+        for k, i in enumerate(replicas):
+            ordered[k :: len(replicas)] = outputs.get(i, [])
+        return ordered[0] if single else ordered
+
+    def get_random_actor_index(self) -> int:
+        import random
+
+        return random.randrange(len(self.actors))
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:  # fmt: skip
+        """``method`` on every model worker of every replica; returns one Ray future per replica."""
+        return [actor.collective_rpc.remote(method, timeout, args, kwargs) for actor in self.actors]
+
+    def reset_prefix_cache(self) -> None:
+        import ray
+
+        ray.get([actor.reset_prefix_cache.remote() for actor in self.actors], timeout=self.request_timeout_s)
+
+    # ------------------------------------------------------------------ weight sync (RLvLLMEngine)
+
+    def get_tp_size(self) -> int:
+        return int(self.engine_kwargs.get("tensor_parallel_size") or 1)
+
+    def get_num_replicas(self) -> int:
+        return self.num_replicas
+
+    def get_master_address(self) -> str:
+        return "127.0.0.1"
+
+    def get_master_port(self) -> int:
+        """A free port for the weight group's store, the same on every call."""
+        if self._master_port is None:
+            import socket
+
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                self._master_port = sock.getsockname()[1]
+        return self._master_port
+
+    def get_model_metadata(self) -> dict:
+        """TorchRL's returns {} (the trainer's model gives it: ``get_model_metadata(model)``)."""
+        return {}
+
+    def get_versions(self) -> list[int]:
+        """The weights version each replica serves."""
+        import ray
+
+        return [int(v) for v in ray.get([a.get_version.remote() for a in self.actors], timeout=self.request_timeout_s)]
+
+    # ------------------------------------------------------------------ ending
+
+    def shutdown(self) -> None:
+        """End every replica (their engines stop with them)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 (already dead or stuck: killed below either way)
+                pass
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        self._client = None
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"AsyncVLLM(model={self.model_name!r}, num_replicas={self.num_replicas}, started={bool(self.actors)})"
+
+
+def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, num_replicas: int = 1,
+                           verbose: bool = True, compile: bool = True, enable_fp32_output: bool = False,
+                           tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
+                           pipeline_parallel_size: int | None = None, **kwargs: Any) -> AsyncVLLM:  # fmt: skip
+    """Start an :class:`AsyncVLLM` fleet of ``num_replicas`` engines on ``model_name``, each on
+    ``num_devices`` GPUs (tensor parallel; none on a CPU-only machine). ``**kwargs`` are
+    ``vllm.LLM`` arguments (``max_model_len``, ``gpu_memory_utilization``, ``enforce_eager``,
+    ``seed``, ``dtype``, ...) and rlpost's engine settings (``kv_cache_space_gb``)."""
+    del compile  # vLLM's own compilation setting is kept
+    if enable_fp32_output:
+        raise ValueError(
+            "enable_fp32_output: rlpost does not patch vLLM's models; pass dtype='float32' for float32 log-probs"
+        )
+    if (data_parallel_size or 1) > 1 or (pipeline_parallel_size or 1) > 1:
+        raise ValueError("AsyncVLLM scales with num_replicas: data_parallel_size and pipeline_parallel_size must be 1")
+    if tensor_parallel_size is not None and num_devices is not None and tensor_parallel_size != num_devices:
+        raise ValueError(f"tensor_parallel_size must be set to {num_devices}")
+    devices = tensor_parallel_size if tensor_parallel_size is not None else num_devices
+    if devices is not None:
+        kwargs["tensor_parallel_size"] = devices
+    logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
+    return AsyncVLLM.launch({"model": model_name, **kwargs}, num_replicas)
+
+
+def _engine_kwargs(engine_args: Any) -> dict[str, Any]:
+    """``vllm.LLM`` arguments from vLLM's (Async)EngineArgs (the fields set to other than their
+    default) or a dict."""
+    if isinstance(engine_args, dict):
+        kwargs = dict(engine_args)
+    elif dataclasses.is_dataclass(engine_args):
+        kwargs = {}
+        for field in dataclasses.fields(engine_args):
+            value = getattr(engine_args, field.name)
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            if field.name == "model" or value != default:
+                kwargs[field.name] = value
+        kwargs.pop("worker_extension_cls", None)  # the replicas use rlpost's
+    else:
+        raise TypeError(
+            f"AsyncVLLM takes vLLM's AsyncEngineArgs or a dict of engine arguments, got {type(engine_args).__name__}"
+        )
+    if not kwargs.get("model"):
+        raise ValueError("AsyncVLLM: the engine arguments name no model (model=...)")
+    return kwargs
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A torch dtype or its name as the name ``make_vllm_worker`` takes ("auto" stays)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _prompt_list(prompts: Any, prompt_token_ids: Any) -> tuple[bool, list]:
+    """(whether one prompt was given, the prompts as vLLM takes them)."""
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise ValueError("AsyncVLLM.generate takes prompts or prompt_token_ids, not both")
+        single = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], int)
+        ids = [prompt_token_ids] if single else prompt_token_ids
+        return single, [{"prompt_token_ids": list(map(int, row))} for row in ids]
+    if prompts is None:
+        raise ValueError("AsyncVLLM.generate needs prompts or prompt_token_ids")
+    if isinstance(prompts, (str, dict)):
+        return True, [prompts]
+    return False, list(prompts)
