@@ -2,7 +2,8 @@
 
 - :class:`ChatEnv` (history / text / tokens modes) and its transforms (:class:`Transform`; the
   tools :class:`PythonInterpreter`, :class:`SimpleToolTransform`, :class:`StopWithoutToolCall`),
-- :class:`DataLoadingPrimer` / :class:`DatasetChatEnv`: prompts from a dataset, resumable,
+- :class:`DataLoadingPrimer` / :class:`DatasetChatEnv`: prompts from a dataset, resumable
+  (:class:`RayDataLoadingPrimer`: one stream in a Ray actor, shared by several envs),
 - TorchRL's older envs :class:`LLMEnv` (strings or token ids) and :class:`LLMHashingEnv`
   (:mod:`rlpost.envs.llm_env`), and the transforms :class:`Tokenizer`,
   :class:`TemplateTransform`, :class:`AddThinkingPrompt`, :class:`StepCounter` and
@@ -30,7 +31,7 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
-from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv
+from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv, RayDataLoadingPrimer
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
 from rlpost.envs.ifeval import IFEvalEnv, IFEvalScoreData, IfEvalScorer
 from rlpost.envs.kl import (
@@ -90,6 +91,7 @@ __all__ = [
     "MLGymWrapper",
     "PolicyVersion",
     "PythonInterpreter",
+    "RayDataLoadingPrimer",
     "RayKLRewardTransform",
     "RayRetrieveKL",
     "RetrieveKL",

@@ -437,15 +437,6 @@ class GSM8KPrepareQuestion(Transform):
         return f"GSM8KPrepareQuestion(in_keys={self._in_keys}, out_keys={self._out_keys})"
 
 
-def _refuse_ray_backend(ray_backend: bool) -> None:
-    if ray_backend:
-        raise ValueError(
-            "ray_backend=True is not supported: TorchRL shares one DataLoader between envs through a Ray "
-            "actor; here env pools split one prompt order with num_shards/shard_index instead (each pool "
-            "draws positions shard_index, shard_index + num_shards, ...)"
-        )
-
-
 # ---------------------------------------------------------------------------- the env
 
 
@@ -459,8 +450,11 @@ class GSM8KEnv(DatasetChatEnv):
 
         compute_reward: append a :class:`GSM8KRewardParser` (default True).
         max_steps: steps per episode (default 1, one answer); 0 or None for no limit.
-        ray_backend: True raises ``ValueError`` (no Ray data-loading actor here; env pools
-            split the prompt order with ``num_shards``/``shard_index``).
+        ray_backend: draw prompts from one Ray actor shared by every env that names it
+            (:class:`~rlpost.envs.datasets.RayDataLoadingPrimer`), so envs in several collectors
+            never serve a prompt twice.
+        dataloader_actor_name: that actor's name (default ``"gsm8k_dataloader"`` with
+            ``ray_backend``, as in TorchRL).
 
     Keyword Args (rlpost's): ``name`` (subset), ``split``, ``data_key``, ``system_prompt`` (default
     :data:`GSM8K_SYSTEM_PROMPT`, TorchRL's), ``prompt_column`` (default: the query column a
@@ -493,6 +487,7 @@ class GSM8KEnv(DatasetChatEnv):
         max_steps: int | None = 1,
         input_mode: Literal["history", "text", "tokens"] = "history",
         ray_backend: bool = False,
+        dataloader_actor_name: str | None = None,
         name: str | None = None,
         split: str | None = "train",
         data_key: str | None = None,
@@ -503,7 +498,8 @@ class GSM8KEnv(DatasetChatEnv):
         shard_index: int = 0,
         strict_format: bool = False,
     ) -> None:
-        _refuse_ray_backend(ray_backend)
+        if ray_backend and dataloader_actor_name is None:
+            dataloader_actor_name = "gsm8k_dataloader"
         if name is None and isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES:
             name = "main"  # the hub dataset's configurations are "main" and "socratic"
         super().__init__(
@@ -512,7 +508,7 @@ class GSM8KEnv(DatasetChatEnv):
             device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
             input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, prompt_column=prompt_column,
             answer_column=answer_column, max_steps=max_steps or None, num_shards=num_shards,
-            shard_index=shard_index,
+            shard_index=shard_index, ray_backend=ray_backend, dataloader_actor_name=dataloader_actor_name,
         )  # fmt: skip
         if compute_reward:
             self.append_transform(GSM8KRewardParser(tokenizer=tokenizer, strict_format=strict_format))

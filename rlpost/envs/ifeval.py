@@ -580,7 +580,8 @@ class IFEvalEnv(DatasetChatEnv):
     Keyword args are those of :class:`~rlpost.envs.datasets.DatasetChatEnv` (``dataset``,
     ``shuffle``, ``num_envs``, ``repeats``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
     ``template_kwargs``, ``apply_template``, ``collate_fn``, ``batch_size_dl``, ``input_mode``,
-    ``name``, ``split``, ``system_prompt``, ``prompt_column``, ...), plus ``compute_reward`` and
+    ``name``, ``split``, ``system_prompt``, ``prompt_column``, ``ray_backend`` (default actor
+    ``"ifeval_dataloader"``), ...), plus ``compute_reward`` and
     ``scorer_kwargs`` (keyword arguments of the :class:`IfEvalScorer`).
     Offline, pass a local jsonl/parquet file with IFEval's columns (``key``, ``prompt``,
     ``instruction_id_list``, ``kwargs``) as ``dataset``.
@@ -600,6 +601,8 @@ class IFEvalEnv(DatasetChatEnv):
     ) -> None:  # fmt: skip
         if collate_fn is None and prompt_column is None:
             collate_fn = PromptAsQuery(kwargs.get("data_key") or ChatEnv.data_key)
+        if kwargs.get("ray_backend") and kwargs.get("dataloader_actor_name") is None:
+            kwargs["dataloader_actor_name"] = "ifeval_dataloader"  # TorchRL's name
         super().__init__(
             dataset=dataset, max_steps=max_steps, collate_fn=collate_fn, prompt_column=prompt_column,
             answer_column=answer_column, **kwargs,

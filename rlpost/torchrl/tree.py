@@ -43,8 +43,7 @@ class NotInRlpost:
         return f"<{self.name}: not in rlpost>"
 
 
-# Why a name is missing. The first two are work in progress; the others are deliberate.
-DISTRIBUTED = "not implemented yet: rlpost's Ray service has this role (see README 'Porting TorchRL code')"
+# Why a name is missing. NOT_YET and LOGGERS are work in progress; the others are deliberate.
 NOT_YET = "not implemented yet in rlpost"
 SGLANG = "rlpost serves models with vLLM only: use vLLMWrapper with make_vllm_worker"
 RLHF_DATA = (
@@ -180,7 +179,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _IFEVAL_REWARD
     | _missing(NOT_YET, "CountdownEnv", "CountdownRewardParser", "IFEvalData", "MATHEnv", "MATHRewardParser")
     | _missing(NOT_YET, "BrowserTransform", "MCPToolTransform")
-    | _missing(DISTRIBUTED, "RayDataLoadingPrimer"),
+    | _same("rlpost.envs", "RayDataLoadingPrimer"),
     "envs.llm.chat": _same("rlpost.envs", "ChatEnv"),
     "envs.llm.datasets": _GSM8K
     | _same("rlpost.envs", "IFEvalEnv", "IfEvalScorer")
@@ -203,7 +202,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _KL
     | _STACKING
     | _TOOLS
-    | _missing(DISTRIBUTED, "RayDataLoadingPrimer"),
+    | _same("rlpost.envs", "RayDataLoadingPrimer"),
     "envs.llm.transforms.browser": _missing(NOT_YET, "BrowserTransform"),
     "envs.llm.transforms.kl": _KL,
     "envs.llm.transforms.tools": _same("rlpost.envs", "SimpleToolTransform"),

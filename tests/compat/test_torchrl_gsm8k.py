@@ -87,13 +87,34 @@ def test_env_reward(n_envs, tiny_tokenizer):
     assert r["next", "reward"].shape == (n_envs, 3, 1)
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for TorchRL's ray_backend=True case (stopped after this module when
+    this fixture started it)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="rlpost-compat")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.mark.parametrize("device", [None, torch.device("cpu")], ids=["none", "cpu"])
-def test_gsm8kenv(device, tiny_tokenizer, snakes_file):
-    """TestGSM8K.test_gsm8kenv (ray_backend=False): reset gives a (1, 2) prompt history; the
-    documented response, parsed back from the rendered chat, ends the episode with a reward.
-    Deviation: the answer "Mary saw a total of 36 snakes." is right through math-verify (reward
-    1.0); TorchRL's string comparison gives it the format reward 0.1."""
-    env = GSM8KEnv(tokenizer=tiny_tokenizer, apply_template=True, device=device, dataset=str(snakes_file))
+@pytest.mark.parametrize("ray_backend", [False, True], ids=["local", "ray"])
+def test_gsm8kenv(ray_backend, device, tiny_tokenizer, snakes_file, request):
+    """TestGSM8K.test_gsm8kenv: reset gives a (1, 2) prompt history; the documented response,
+    parsed back from the rendered chat, ends the episode with a reward. With ray_backend=True the
+    prompts come from the shared data-loading actor ``gsm8k_dataloader``. Deviation: the answer
+    "Mary saw a total of 36 snakes." is right through math-verify (reward 1.0); TorchRL's string
+    comparison gives it the format reward 0.1."""
+    if ray_backend:
+        ray = request.getfixturevalue("local_ray")
+    env = GSM8KEnv(tokenizer=tiny_tokenizer, apply_template=True, ray_backend=ray_backend, device=device,
+                   dataset=str(snakes_file))  # fmt: skip
+    if ray_backend:
+        assert ray.get_actor("gsm8k_dataloader") is not None
     r = env.reset()
     assert r.device == device
     assert "history" in r
@@ -109,13 +130,6 @@ def test_gsm8kenv(device, tiny_tokenizer, snakes_file):
     assert s["next", "done"].all()
     assert (s["next", "reward_answer"].item(), s["next", "reward_think"].item()) == (1.0, 1.0)
     assert s["next", "reward"].item() == 1.0 and s["next", "success"].item()
-
-
-def test_gsm8kenv_ray_backend_is_refused(tiny_tokenizer):
-    """TestGSM8K.test_gsm8kenv with ray_backend=True. Deviation: refused with a clear error (no
-    shared data-loading actor; env pools split the prompt order with num_shards/shard_index)."""
-    with pytest.raises(ValueError, match="ray_backend=True is not supported"):
-        GSM8KEnv(tokenizer=tiny_tokenizer, apply_template=True, ray_backend=True, dataset=str(DATA))
 
 
 def test_gsm8kenv_docstring_example_with_the_text_response_key(tiny_tokenizer, snakes_file):

@@ -134,3 +134,27 @@ def test_a_failed_background_collection_is_kept_and_reported(ray_cluster):
         rb.sample()
     collector.shutdown()
     rb.close()
+
+
+def test_envs_naming_one_data_loading_actor_draw_one_prompt_stream_and_resume_it(ray_cluster):
+    """TorchRL's ray_backend=True: every env naming the actor draws from one stream (the copies of
+    a prompt keep one prompt_id wherever they land), and its position saves and restores."""
+    from rlpost.envs import GSM8KEnv
+
+    rows = [{"question": f"q{i}", "answer": "#### 1"} for i in range(6)]
+
+    def make(name="shared-prompts"):
+        return GSM8KEnv(dataset=rows, shuffle=False, repeats=2, ray_backend=True, dataloader_actor_name=name)
+
+    first, second = make(), make()
+
+    def draw(env):
+        td = env.reset()
+        return td["query"][0], int(td["prompt_id"][0])
+
+    assert [draw(first), draw(second), draw(first), draw(second)] == [("q0", 0), ("q0", 0), ("q1", 1), ("q1", 1)]
+    saved = second.primer.state_dict()
+    assert draw(first) == ("q2", 2)
+    second.primer.load_state_dict(saved)
+    assert [draw(second), draw(first)] == [("q2", 2), ("q2", 2)]
+    assert draw(make("another-stream")) == ("q0", 0)  # another name, another stream

@@ -405,11 +405,11 @@ def test_gsm8k_env_passes_torchrl_s_data_loading_keywords():
     assert flat(nxt, "success") == [True, True]
 
 
-def test_gsm8k_env_max_steps_zero_means_no_limit_and_ray_backend_is_refused():
+def test_gsm8k_env_max_steps_zero_means_no_limit_and_an_actor_name_needs_the_ray_backend():
     assert GSM8KEnv(dataset=str(DATA), max_steps=0).max_steps is None
     assert GSM8KEnv(dataset=str(DATA)).max_steps == 1
-    with pytest.raises(ValueError, match="ray_backend=True is not supported.*num_shards"):
-        GSM8KEnv(dataset=str(DATA), ray_backend=True)
+    with pytest.raises(ValueError, match="dataloader_actor_name must be None if ray_backend is False"):
+        GSM8KEnv(dataset=str(DATA), dataloader_actor_name="mine")
 
 
 def test_hub_names_load_the_main_subset(monkeypatch):
