@@ -57,11 +57,13 @@ class AsyncVLLM:
         max_restarts: Ray restarts of a replica that died.
         request_timeout_s: bound of one generate call on a replica.
         startup_timeout_s: bound of the replicas' start.
+        verbose: vLLM's INFO logs from the replicas (False: warnings and errors only).
     """
 
     def __init__(self, engine_args: Any, num_replicas: int = 1, actor_class: Any = None,
                  enable_prefix_caching: bool | None = None, *, max_restarts: int = MAX_RESTARTS,
-                 request_timeout_s: float = 600.0, startup_timeout_s: float = STARTUP_TIMEOUT_S):  # fmt: skip
+                 request_timeout_s: float = 600.0, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 verbose: bool = True):  # fmt: skip
         if actor_class is not None:
             raise ValueError("AsyncVLLM's replicas are rlpost's inference workers: actor_class must be None")
         if num_replicas < 1:
@@ -72,6 +74,7 @@ class AsyncVLLM:
         self.model_name = str(self.engine_kwargs.pop("model"))
         self.num_replicas = num_replicas
         self.max_restarts, self.request_timeout_s, self.startup_timeout_s = max_restarts, request_timeout_s, startup_timeout_s  # fmt: skip
+        self.verbose = verbose
         self.actors: list = []
         self._client = None
         self._service_id = uuid.uuid4().hex[:8]
@@ -94,7 +97,7 @@ class AsyncVLLM:
         handles = make_vllm_worker(
             self.model_name, num_replicas=self.num_replicas, num_devices=devices, dtype=_dtype_name(dtype),
             name=f"async-vllm-{self._service_id}", num_cpus=kwargs.pop("num_cpus", 1),
-            ray_options={"max_restarts": self.max_restarts}, **kwargs,
+            ray_options=self._replica_options(), **kwargs,
         )  # fmt: skip
         self.actors = handles if isinstance(handles, list) else [handles]
         start = time.monotonic()
@@ -118,10 +121,16 @@ class AsyncVLLM:
                                         request_timeout_s=self.request_timeout_s,
                                         worker_wait_s=self.startup_timeout_s)  # fmt: skip
 
+    def _replica_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"max_restarts": self.max_restarts}
+        if not self.verbose:
+            options["runtime_env"] = {"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}}
+        return options
+
     @classmethod
-    def launch(cls, engine_args: Any, num_replicas: int = 1) -> AsyncVLLM:
+    def launch(cls, engine_args: Any, num_replicas: int = 1, *, verbose: bool = True) -> AsyncVLLM:
         """Start ``num_replicas`` engines on ``engine_args`` and return the fleet."""
-        fleet = cls(engine_args, num_replicas)
+        fleet = cls(engine_args, num_replicas, verbose=verbose)
         fleet._launch()
         return fleet
 
@@ -265,8 +274,7 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
     devices = tensor_parallel_size if tensor_parallel_size is not None else num_devices
     if devices is not None:
         kwargs["tensor_parallel_size"] = devices
-    logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)
-    return AsyncVLLM.launch({"model": model_name, **kwargs}, num_replicas)
+    return AsyncVLLM.launch({"model": model_name, **kwargs}, num_replicas, verbose=verbose)
 
 
 def _engine_kwargs(engine_args: Any) -> dict[str, Any]:

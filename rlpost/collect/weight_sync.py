@@ -16,9 +16,11 @@ Underneath, the sender is a :class:`~rlpost.collect.vLLMUpdater` on the fleet's 
 update travels rlpost's versioned bus (NCCL on GPU, gloo or shared memory on CPU, in buckets),
 every step bounded by ``timeout_s``. Before each update the sender reads the version each replica
 serves; a replica that Ray restarted (it serves the initial weights and is outside the group)
-makes the sender re-form the group with every replica, so the update reaches it too. An update
-that still fails raises :class:`~rlpost.transport.WeightSyncError` (or Ray's error for a replica
-that stays dead); the next one re-forms the group first.
+makes the sender re-form the group with every replica, so the update reaches it too. A replica
+lost during an update breaks it: the sender re-forms the group (waiting for the restarted replica,
+bounded) and sends once more; an update that fails again raises
+:class:`~rlpost.transport.WeightSyncError` (or Ray's error for a replica that stays dead), and
+the next one re-forms the group first.
 
 Deviations from TorchRL: the replicas join the group from the sender's
 ``init_all_workers_group`` (rlpost drives both ends), so the receiver's methods have nothing to
@@ -29,12 +31,14 @@ do; ``strategy`` is accepted and any named tensors may be sent; ``num_replicas``
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
 import torch
 
 from rlpost.collect.weight_update import get_model_metadata, vLLMUpdater
+from rlpost.transport.weight_bus import WeightSyncError
 
 log = logging.getLogger("rlpost")
 
@@ -48,6 +52,31 @@ def engine_workers(vllm_engine: Any) -> list:
     if callable(getattr(vllm_engine, "update_weights", None)):
         return [vllm_engine]
     raise TypeError(f"expected an AsyncVLLM fleet or a make_vllm_worker worker, got {type(vllm_engine).__name__}")
+
+
+REPLICA_RESTART_WAIT_S = 600.0  # how long an update waits for a replica Ray is restarting (its model loads)
+
+
+def wait_until_reachable(workers: list, timeout_s: float = REPLICA_RESTART_WAIT_S) -> None:
+    """Wait until every Ray worker answers: one that Ray is restarting refuses calls at once
+    (``ActorUnavailableError``) until its start is done. TimeoutError past ``timeout_s``; a
+    worker that stays dead raises Ray's error."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for index, worker in enumerate(workers):
+        if type(worker).__name__ != "ActorHandle":
+            continue
+        while True:
+            try:
+                ray.get(worker.get_version.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {index} did not come back within {timeout_s:.0f} s") from None
+                time.sleep(0.5)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"replica {index} did not answer within {timeout_s:.0f} s") from None
 
 
 class VLLMWeightSyncScheme:
@@ -147,21 +176,37 @@ class VLLMWeightSender:
             if model is None:
                 raise RuntimeError("update_weights has no weights: pass them or register_model(model) first")
             weights = model
-        self._rejoin_restarted_replicas()
-        try:
-            version = self._updater.push_weights(weights)
-        except Exception:
-            self._regroup_next = True
-            raise
+        version = self._push(weights)
         for collector in self._collectors:
             collector.increment_version()
         return version
+
+    def _push(self, weights: Any) -> int:
+        """Push once; when a replica was lost during it (the group broke, or the replica's call
+        failed), re-form the group with the fleet as it is now (a restarted replica answers once
+        Ray has started it again) and push once more."""
+        import ray
+
+        lost = (WeightSyncError, ray.exceptions.RayError)
+        try:
+            self._rejoin_restarted_replicas()
+            return self._updater.push_weights(weights)
+        except lost as err:
+            self._regroup_next = True
+            log.warning("weight sync failed (%s); re-forming the group and sending again", str(err).splitlines()[0])
+        self._rejoin_restarted_replicas()
+        try:
+            return self._updater.push_weights(weights)
+        except lost:
+            self._regroup_next = True
+            raise
 
     def _rejoin_restarted_replicas(self) -> None:
         """Re-form the group when a replica is not where the last update left it (Ray restarted
         it: it serves its initial weights and has no group), when the fleet's replicas changed, or
         when the last update failed."""
         workers = engine_workers(self._engine)
+        wait_until_reachable(workers)
         changed = workers != self._updater.workers
         self._updater.workers = workers
         behind = [i for i, version in enumerate(self._updater.worker_versions()) if version != self._updater.version]
