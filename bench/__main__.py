@@ -33,6 +33,7 @@ BENCHMARKS = {
     "scaling": "bench.bench_scaling",
     "sandbox": "bench.bench_sandbox",
     "grpo_by_hand": "bench.bench_grpo_by_hand",  # learning of the hand-composed loop (~10 min)
+    "grpo_async": "bench.bench_grpo_async",  # learning of the TorchRL-shaped async script (~8 min)
     "learner_group": "bench.bench_learner_group",  # 1 vs 2 sharded learner ranks (~10 min)
     "lora": "bench.bench_lora",  # LoRA vs full fine-tuning: weight sync, step, state (~10 min)
     "profile_reload": "bench.profile_reload",  # where vLLM's CPU weight reload spends its time (~3 min)

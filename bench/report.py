@@ -34,6 +34,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("scaling", _scaling),
         ("sandbox", _sandbox),
         ("grpo_by_hand", _grpo_by_hand),
+        ("grpo_async", _grpo_async),
         ("learner_group", _learner_group),
         ("lora", _lora),
         ("profile_reload", _profile_reload),
@@ -63,6 +64,7 @@ TITLES = {
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
+    "grpo_async": "15. TorchRL's async GRPO script, ported by its imports, learns",
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time, "
@@ -412,6 +414,26 @@ def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
         f"one vLLM worker) on the {s['model']} model: {s['steps']} steps of {s['prompts_per_step']} prompts x "
         f"{s['group_size']} samples, {s['repeats']} seeds. Training reward of the last {s['window']} steps "
         f"against the first {s['window']} of the same run.",
+        "",
+        _ratios(d),
+        "| case | median | repeats |",
+        "| --- | --- | --- |",
+    ]
+    for name, c in d["cases"].items():
+        lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _grpo_async(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['grpo_async']}",
+        "",
+        f"`examples/grpo_async.py` (TorchRL's grpo-async.py with `torchrl` replaced by `rlpost.torchrl`: "
+        f"{s['collectors']} RayLLMCollectors, a RayReplayBuffer with MCAdvantage, AsyncVLLM, VLLMWeightSyncScheme) "
+        f"on the {s['model']} model: {s['steps']} optimizer steps of {s.get('groups_per_batch', 2)} groups x 8 "
+        f"samples on {s['questions']} questions, {s['repeats']} seeds. Reward of the batches sampled in the last "
+        f"{s['window']} steps against the first {s['window']} of the same run.",
         "",
         _ratios(d),
         "| case | median | repeats |",

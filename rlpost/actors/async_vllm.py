@@ -178,7 +178,7 @@ class AsyncVLLM:
             try:
                 outputs[i] = ray.get(ref, timeout=timeout)
             except ray.exceptions.RayActorError:  # the replica died: another one (or its restart) serves it
-                outputs[i] = client._call("generate_outputs", shares[i], sampling_params)
+                outputs[i] = client.call("generate_outputs", shares[i], sampling_params)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"AsyncVLLM: replica {i} did not generate within {timeout:.0f} s") from None
         ordered = [None] * len(items)
@@ -246,9 +246,6 @@ class AsyncVLLM:
             ray.kill(actor, no_restart=True)
         self.actors = []
         self._client = None
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__)
 
     def __repr__(self) -> str:
         return f"AsyncVLLM(model={self.model_name!r}, num_replicas={self.num_replicas}, started={bool(self.actors)})"

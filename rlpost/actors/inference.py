@@ -586,14 +586,15 @@ class RemoteVLLMClient:
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
-        completions, version = self._call("generate", prompt_token_ids, sampling)
+        completions, version = self.call("generate", prompt_token_ids, sampling)
         self.last_policy_version = version
         return completions
 
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
-        return self._call("score", token_ids, temperature)
+        return self.call("score", token_ids, temperature)
 
-    def _call(self, method: str, *args):
+    def call(self, method: str, *args):
+        """``method(*args)`` on the least-busy worker, bounded, re-issued when a worker died."""
         import ray
 
         tried: set[int] = set()

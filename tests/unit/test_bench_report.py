@@ -255,6 +255,7 @@ def test_workload_overrides_and_benchmark_names():
         "scaling",
         "sandbox",
         "grpo_by_hand",
+        "grpo_async",
         "learner_group",
         "lora",
         "profile_reload",
