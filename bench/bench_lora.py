@@ -31,9 +31,9 @@ BASELINE = "full, reload after the whole update"  # each bucket loaded once the 
 def run_case(model_path, lora: bool, groups, repeats: int, overlap: bool = True) -> dict:
     from rlpost.actors import sharding
     from rlpost.actors.learner import Learner, LearnerSettings
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.collect.weight_update import vLLMUpdater
     from rlpost.config import JobConfig
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     raw = {"model": {"name_or_path": str(model_path)}, "optimizer": {"lr": 1e-6},
            "rollout": {"engine": {"kv_cache_space_gb": 0.25, "max_model_len": 256}}}  # fmt: skip

@@ -54,11 +54,11 @@ def main() -> None:
     import torch
     from tensordict import TensorDict, lazy_stack
 
-    from rlpost.actors.inference import RemoteVLLMClient, engine_kwargs
+    from rlpost.actors.inference import engine_kwargs
     from rlpost.config import load_config
     from rlpost.data import ChatHistory, History, Tokens
     from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows
-    from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine, vLLMWrapper
+    from rlpost.policies import LocalVLLMClient, RemoteVLLMClient, make_vllm_engine, shutdown_vllm_engine, vLLMWrapper
 
     engine_cfg = load_config(CONFIG).rollout.engine
     result = Result(

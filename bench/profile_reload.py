@@ -115,8 +115,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen05b", choices=["tiny", "qwen05b"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.config import EngineConfig
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     # the engine's worker runs _reload_in_worker (a function, sent pickled: vLLM asks for this switch)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

@@ -307,7 +307,7 @@ class Controller:
         :mod:`rlpost.evaluation`); the result also goes to eval.jsonl. The run's env pools keep
         collecting meanwhile (async mode). A failed evaluation is a warning, never the run's end:
         its keys are left out of the step's line."""
-        from rlpost.actors.inference import RemoteVLLMClient
+        from rlpost.policies import RemoteVLLMClient
 
         client = RemoteVLLMClient([w.handle for w in self.actors.inference], request_timeout_s=COLLECT_TIMEOUT_S,
                                   worker_wait_s=EVAL_WORKER_WAIT_S)  # fmt: skip

@@ -101,7 +101,7 @@ class Evaluator:
 
     def run(self, engine_client: Any, policy_version: int | None = None) -> dict[str, float]:
         """One evaluation of the weights ``engine_client`` serves now (the run's
-        :class:`~rlpost.actors.inference.RemoteVLLMClient`, or a local worker's client); returns
+        :class:`~rlpost.policies.RemoteVLLMClient`, or a local worker's client); returns
         the metrics. ``policy_version`` is reported when the client does not say which version
         served the completions."""
         from rlpost.collect import GroupCollector
@@ -174,8 +174,8 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
     checkpoint's ``merged/`` folder, or else the config's base model with the adapter merged in
     (written to a temporary folder).
     """
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.config import load_config
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     checkpoint, run_dir = resolve_checkpoint(target)
     if config is None:

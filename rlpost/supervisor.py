@@ -237,7 +237,7 @@ class ActorStarter:
         self, index: int, inference: list[InferenceClient], buffer: BufferClient, epoch: int = 0
     ) -> EnvPoolClient:
         from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
-        from rlpost.actors.inference import RemoteVLLMClient
+        from rlpost.policies import RemoteVLLMClient
         from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"

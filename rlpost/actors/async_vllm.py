@@ -1,11 +1,11 @@
 """AsyncVLLM: a fleet of vLLM replicas as Ray actors behind one object (TorchRL's).
 
 Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`, the
-actor :func:`~rlpost.policies.make_vllm_worker` starts): one vLLM engine with rlpost's
+actor :func:`~rlpost.actors.vllm_workers.make_vllm_worker` starts): one vLLM engine with rlpost's
 weight-update extension, versioned weights, in-flight updates. The fleet gives:
 
 - ``vLLMWrapper(fleet, ...)``: the policy generates through the fleet's load-balancing client
-  (:class:`~rlpost.actors.inference.RemoteVLLMClient`: each call whole to the least-busy
+  (:class:`~rlpost.policies.RemoteVLLMClient`: each call whole to the least-busy
   replica, so a GRPO group comes from one set of weights). The wrapper, pickled into another
   actor (a :class:`~rlpost.collect.RayLLMCollector`), keeps using the same replicas.
 - ``fleet.generate(prompts, SamplingParams(...))``: vLLM's ``RequestOutput`` objects, the
@@ -86,8 +86,8 @@ class AsyncVLLM:
         """Start the replicas and wait until every one has loaded its model."""
         import ray
 
-        from rlpost.actors.inference import RemoteVLLMClient
-        from rlpost.policies.vllm_workers import make_vllm_worker
+        from rlpost.actors.vllm_workers import make_vllm_worker
+        from rlpost.policies import RemoteVLLMClient
 
         if self.actors:
             return

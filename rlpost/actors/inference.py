@@ -1,4 +1,4 @@
-"""Inference workers: one vLLM engine each, versioned weights, load-balanced clients.
+"""Inference workers: one vLLM engine each, versioned weights.
 
 - :class:`InferenceWorker` (plain class) owns a real ``vllm.LLM`` with
   :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
@@ -20,18 +20,17 @@
   that an update can reach a running generate. On the CPU backend the engine's core and model
   worker run in the worker's own process (``rollout.engine.in_process``) and every engine call
   runs on one thread of the worker, the one whose cores the model's threads inherit.
-- :class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` an env pool hands
-  to its ``vLLMWrapper``: each call goes, whole, to the least-busy worker (a GRPO group is never
-  split across workers: its samples must come from one set of weights); it records the version
-  that served the call in ``last_policy_version``; a dead worker's request is re-issued to
-  another worker, or, when none is left, to the workers the controller restarts
-  (``set_handles``). The learner's vLLMUpdater drives the workers' weight updates.
+- :func:`start_inference` starts ``inference-<i>`` for a run, and :func:`start_worker_actor` any
+  worker actor (``make_vllm_worker``'s too, in :mod:`rlpost.actors.vllm_workers`).
+
+The env pools generate on the workers through :class:`~rlpost.policies.RemoteVLLMClient` (each
+call, whole, to the least-busy worker; a dead worker's request re-issued), and the learner's
+vLLMUpdater drives their weight updates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import shutil
@@ -94,16 +93,37 @@ def start_inference(settings: InferenceSettings, index: int, *, namespace: str |
     """Start the actor ``inference-<index>`` (its engine loads in the background: a first call
     waits for it) with the CPUs and GPUs of ``settings.resources``; ``options`` go to
     ``.options()`` (e.g. a placement-group scheduling strategy)."""
-    from rlpost.policies.vllm_workers import make_vllm_worker
-
     if namespace is not None:
         options["namespace"] = namespace
-    return make_vllm_worker(
-        settings.model_path, engine_config=settings.engine, dtype=settings.dtype, name=f"inference-{index}",
-        index=index, num_cpus=settings.resources.num_cpus, num_gpus=settings.resources.num_gpus,
-        ray_options=options, run_name=settings.run_name, lora=settings.lora,
-        inflight_updates=settings.inflight_updates,
+    resources = {"num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus}
+    return start_worker_actor(
+        settings.model_path, settings.engine, dtype=settings.dtype, index=index,
+        options={**resources, "name": f"inference-{index}", **options}, run_name=settings.run_name,
+        lora=settings.lora, inflight_updates=settings.inflight_updates,
     )  # fmt: skip
+
+
+def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, index: int, options: dict[str, Any],
+                       run_name: str = "", lora: LoraConfig | None = None, inflight_updates: bool = True):  # fmt: skip
+    """Start one :class:`InferenceActor` with the Ray actor ``options`` (resources, name,
+    scheduling). The actor is threaded, so that an update reaches a running generate call
+    (in-flight updates); the worker itself lets one call at a time use its engine."""
+    import ray
+
+    options = {"max_concurrency": 8, **options}
+    return (
+        ray.remote(InferenceActor)
+        .options(**options)
+        .remote(
+            model_path,
+            engine,
+            dtype=dtype,
+            index=index,
+            run_name=run_name,
+            lora=lora,
+            inflight_updates=inflight_updates,
+        )
+    )
 
 
 def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
@@ -516,155 +536,3 @@ class InferenceActor(InferenceWorker):
         info = super().update_weights(timeout_s)
         self.metrics.record(policy_version=self.version, weight_load_s=info["receive_s"] + info["load_s"])
         return info
-
-
-class RemoteVLLMClient:
-    """Load-balancing :class:`~rlpost.policies.VLLMEngineClient` over inference actor handles.
-
-    ``request_timeout_s`` bounds every call. A worker that died (RayActorError) is skipped and
-    the request re-issued on the next one. When every worker has failed, the request waits up to
-    ``worker_wait_s`` for :meth:`set_handles` (the controller restarting workers) and is then
-    re-issued to the new ones; after that the error propagates. ``on_worker_lost(index, error)``,
-    when set, is told of each death as it is found, so that whoever restarts workers hears of it
-    at once (an env pool passes it on to the controller waiting on it).
-
-    ``restartable=True``: the workers are actors Ray restarts itself (``max_restarts``, as
-    :class:`~rlpost.actors.async_vllm.AsyncVLLM` starts them): when every worker has failed,
-    the request waits up to ``worker_wait_s`` for one of the same handles to answer again.
-    """
-
-    def __init__(
-        self, handles: list, *, request_timeout_s: float = 600.0, worker_wait_s: float = 600.0, tokenizer=None,
-        restartable: bool = False,
-    ):  # fmt: skip
-        if not handles:
-            raise ValueError("RemoteVLLMClient needs at least one inference worker handle")
-        self.request_timeout_s, self.worker_wait_s = request_timeout_s, worker_wait_s
-        self.restartable = restartable
-        self.last_policy_version: int | None = None
-        self.num_reissued = 0
-        self._tokenizer = tokenizer
-        self._cond = threading.Condition()
-        self._order = itertools.count()
-        self._generation = 0
-        self.on_worker_lost: Callable[[int, BaseException], None] | None = None
-        self._set(handles)
-
-    def _set(self, handles: list) -> None:
-        self.handles = list(handles)
-        self._in_flight = [0] * len(self.handles)
-
-    def set_handles(self, handles: list) -> None:
-        """Use these workers from now on; requests waiting for a worker go to them."""
-        if not handles:
-            raise ValueError("set_handles needs at least one inference worker handle")
-        with self._cond:
-            self._set(handles)
-            self._generation += 1
-            self._cond.notify_all()
-
-    def get_tokenizer(self):
-        return self._tokenizer
-
-    def __getstate__(self) -> dict:
-        # travels to the env-pool actor: handles and settings, not the lock or the local counters
-        return {
-            "handles": self.handles,
-            "request_timeout_s": self.request_timeout_s,
-            "worker_wait_s": self.worker_wait_s,
-            "tokenizer": self._tokenizer,
-            "restartable": self.restartable,
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(
-            state["handles"],
-            request_timeout_s=state["request_timeout_s"],
-            worker_wait_s=state["worker_wait_s"],
-            tokenizer=state["tokenizer"],
-            restartable=state.get("restartable", False),
-        )
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
-        completions, version = self.call("generate", prompt_token_ids, sampling)
-        self.last_policy_version = version
-        return completions
-
-    def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
-        return self.call("score", token_ids, temperature)
-
-    def call(self, method: str, *args):
-        """``method(*args)`` on the least-busy worker, bounded, re-issued when a worker died."""
-        import ray
-
-        tried: set[int] = set()
-        generation = self._generation
-        while True:
-            picked = self._pick(tried, generation)
-            if picked is None:  # every worker failed: wait for the controller's replacements
-                generation = self._wait_for_new_handles(generation)
-                tried = set()
-                continue
-            i, handle, generation = picked
-            try:
-                return ray.get(getattr(handle, method).remote(*args), timeout=self.request_timeout_s)
-            except ray.exceptions.RayActorError as exc:
-                tried.add(i)
-                self.num_reissued += 1
-                if self.on_worker_lost is not None:
-                    self.on_worker_lost(i, exc)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(
-                    f"inference worker {i} did not answer {method} within {self.request_timeout_s}s"
-                ) from None
-            finally:
-                with self._cond:
-                    if generation == self._generation:
-                        self._in_flight[i] -= 1
-
-    def _pick(self, tried: set[int], generation: int) -> tuple[int, Any, int] | None:
-        """The least-busy worker not yet tried (ties broken round-robin), or None when all were.
-        Handles replaced since ``generation`` start a fresh round."""
-        with self._cond:
-            if generation != self._generation:
-                tried.clear()
-            start = next(self._order)
-            candidates = [
-                (self._in_flight[i], (i - start) % len(self.handles), i)
-                for i in range(len(self.handles))
-                if i not in tried
-            ]
-            if not candidates:
-                return None
-            i = min(candidates)[2]
-            self._in_flight[i] += 1
-            return i, self.handles[i], self._generation
-
-    def _wait_for_new_handles(self, generation: int) -> int:
-        if self.restartable:
-            return self._wait_for_a_restart(generation)
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._generation != generation, timeout=self.worker_wait_s):
-                raise RuntimeError(
-                    f"every inference worker failed and none was replaced within {self.worker_wait_s:.0f}s"
-                )
-            return self._generation
-
-    def _wait_for_a_restart(self, generation: int) -> int:
-        """Every worker failed and Ray restarts them: wait until one of them answers again (a call
-        to a restarting actor waits for it; one whose restarts are spent fails at once)."""
-        import ray
-
-        deadline = time.monotonic() + self.worker_wait_s
-        while (left := deadline - time.monotonic()) > 0:
-            pending = [handle.get_version.remote() for handle in self.handles]
-            while pending and (left := deadline - time.monotonic()) > 0:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-                for ref in ready:
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayActorError:
-                        continue
-                    return self._generation
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        raise RuntimeError(f"every inference worker failed and none came back within {self.worker_wait_s:.0f}s")

@@ -5,7 +5,7 @@ A collector's ``weight_updater``: :meth:`LLMCollector.update_policy_weights_(wei
 which publishes the weights as version ``v + 1`` on a weight bus
 (:class:`~rlpost.transport.TorchWeightPublisher`: gloo on CPU, NCCL on GPU, in buckets) while
 every worker receives and reloads them in place. The workers are those of
-:func:`~rlpost.policies.make_vllm_worker` (Ray actors or in-process), given here or found on the
+:func:`~rlpost.actors.vllm_workers.make_vllm_worker` (Ray actors or in-process), given here or found on the
 collector's policy. The first push forms the bus (``init``).
 
 rlpost's own runs use this same class: the ``learner`` actor holds a vLLMUpdater on the run's
@@ -122,7 +122,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
     def _targets(self) -> list[Any]:
         if self.workers is not None:
             return self.workers
-        from rlpost.policies.vllm_workers import is_local_worker, is_remote_worker
+        from rlpost.policies.remote_client import is_local_worker, is_remote_worker
 
         policy = getattr(self.collector, "policy", None)
         model = getattr(policy, "model", None)

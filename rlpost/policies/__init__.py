@@ -3,16 +3,21 @@
 TorchRL's layout: the wrappers, their base classes and the containers they fill (ChatHistory,
 Text, Tokens, LogProbs, Masks, also in :mod:`rlpost.data`) are importable from here, as from
 ``torchrl.modules.llm.policies``. Importing this package imports neither vLLM nor a model;
-engines are created by the caller (``make_vllm_engine``, or ``make_vllm_worker`` for an engine
-that takes weight updates) or passed in. ``LLMOnDevice`` and the worker pieces
-(``make_vllm_worker``, ``vLLMWorker``) are loaded on first access.
+engines are created by the caller (``make_vllm_engine``, or
+:func:`rlpost.actors.vllm_workers.make_vllm_worker` for an engine that takes weight updates) or
+passed in. ``vLLMWorker`` is the weight-update extension mixed into vLLM's worker;
+:class:`RemoteVLLMClient` generates through workers in Ray actors. ``LLMOnDevice`` is loaded on
+first access.
 """
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens
 from rlpost.policies.base import Completion, LLMWrapperBase
 from rlpost.policies.categorical import CategoricalSequential
 from rlpost.policies.generation import normalize_generate_kwargs
+from rlpost.policies.remote_client import RemoteVLLMClient
 from rlpost.policies.transformers_wrapper import TransformersWrapper
+from rlpost.policies.vllm_worker_ext import WeightSyncExtension as vLLMWorker  # noqa: N812 (TorchRL's name)
+from rlpost.policies.vllm_wrapper import WORKER_EXTENSION as VLLM_WORKER_EXTENSION
 from rlpost.policies.vllm_wrapper import (
     LocalVLLMClient,
     VLLMEngineClient,
@@ -31,13 +36,13 @@ __all__ = [
     "LocalVLLMClient",
     "LogProbs",
     "Masks",
+    "RemoteVLLMClient",
     "Text",
     "Tokens",
     "TransformersWrapper",
     "VLLMEngineClient",
     "VLLM_WORKER_EXTENSION",
     "make_vllm_engine",
-    "make_vllm_worker",
     "normalize_generate_kwargs",
     "processed_logprobs",
     "shutdown_vllm_engine",
@@ -46,14 +51,7 @@ __all__ = [
 ]
 
 
-_WORKER_NAMES = ("make_vllm_worker", "vLLMWorker", "VLLM_WORKER_EXTENSION")
-
-
 def __getattr__(name: str):
-    if name in _WORKER_NAMES:  # imported on use: they reach the inference actors
-        from rlpost.policies import vllm_workers
-
-        return getattr(vllm_workers, name)
     if name == "LLMOnDevice":
         from rlpost.policies.on_device import llm_on_device_class
 

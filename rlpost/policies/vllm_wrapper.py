@@ -377,7 +377,7 @@ def _worker_client(model: Any, tokenizer: Any) -> Any:
     """The engine client of a worker from ``make_vllm_worker`` (a Ray actor or an in-process
     worker) or of a fleet of them (``AsyncVLLM``: anything with ``get_engine_client()``), or None
     for anything else."""
-    from rlpost.policies.vllm_workers import is_local_worker, is_remote_worker
+    from rlpost.policies.remote_client import RemoteVLLMClient, is_local_worker, is_remote_worker
 
     if callable(getattr(model, "get_engine_client", None)):
         return model.get_engine_client()
@@ -386,8 +386,6 @@ def _worker_client(model: Any, tokenizer: Any) -> Any:
     if not is_remote_worker(model):
         return None
     import ray
-
-    from rlpost.actors.inference import RemoteVLLMClient
 
     if tokenizer is None:
         from transformers import AutoTokenizer

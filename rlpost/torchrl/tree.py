@@ -76,7 +76,9 @@ _KL = _same("rlpost.envs", "KLComputation", "RetrieveKL", "RetrieveLogProb")
 _STACKING = _same("rlpost.data", "as_nested_tensor", "as_padded_tensor")
 _GSM8K = _same("rlpost.envs", "GSM8KEnv", "GSM8KPrepareQuestion", "make_gsm8k_env")
 _IFEVAL_REWARD = _same("rlpost.envs", "IFEvalScoreData", "IfEvalScorer")
-_WORKERS = _same("rlpost.policies", "make_vllm_worker") | _same("rlpost.transport", "stateless_init_process_group")
+_WORKERS = _same("rlpost.actors.vllm_workers", "make_vllm_worker") | _same(
+    "rlpost.transport", "stateless_init_process_group"
+)
 _ASYNC_VLLM = _same("rlpost.actors.async_vllm", "AsyncVLLM", "make_async_vllm_engine") | _missing(
     "rlpost's vLLM engines are its inference workers: use make_vllm_worker (one engine) or AsyncVLLM (a fleet)",
     "RLvLLMEngine",

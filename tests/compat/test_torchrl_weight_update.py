@@ -18,9 +18,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlpost.actors.vllm_workers import make_vllm_worker
 from rlpost.collect import LLMCollector, vLLMUpdater
 from rlpost.collect.weight_update import WorkerTimeout
-from rlpost.policies import TransformersWrapper, make_vllm_worker, vLLMWrapper
+from rlpost.policies import TransformersWrapper, vLLMWrapper
 from rlpost.transport import WeightSyncError
 from rlpost.transport.weight_bus import BusSpec, TorchWeightReceiver
 

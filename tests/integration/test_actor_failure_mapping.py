@@ -170,7 +170,7 @@ def test_the_engine_client_tells_of_a_dead_worker_as_it_reissues_the_request(ray
     import os
     import signal
 
-    from rlpost.actors.inference import RemoteVLLMClient
+    from rlpost.policies import RemoteVLLMClient
 
     ray = ray_cluster
 
@@ -209,9 +209,9 @@ def test_an_inference_actor_whose_engine_process_is_killed_ends_its_own_process(
 
     import psutil
 
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.clients import InferenceClient, actor_record
     from rlpost.config import EngineConfig
-    from rlpost.policies import make_vllm_worker
 
     engine = EngineConfig(
         max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=8, enforce_eager=True, in_process=False

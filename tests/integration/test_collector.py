@@ -31,7 +31,7 @@ def engine(tiny_model_path):
     own, as an inference worker's does (the worker without its Ray actor): no engine processes to
     start, each of which would import vLLM again (~5 s instead of ~25 s on 2 cores). It is shut
     down with the module, so a later in-process engine may run here (one at a time)."""
-    from rlpost.policies import make_vllm_worker
+    from rlpost.actors.vllm_workers import make_vllm_worker
 
     engine = JobConfig().rollout.engine.model_copy(update={"max_model_len": 256, "kv_cache_space_gb": 0.25, "seed": 0})
     worker = make_vllm_worker(str(tiny_model_path), make_ray_worker=False, engine_config=engine, dtype="float32")

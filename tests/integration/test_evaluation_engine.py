@@ -22,7 +22,7 @@ def make_cfg(model_path, *overrides):
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_path):
-    from rlpost.policies import make_vllm_worker
+    from rlpost.actors.vllm_workers import make_vllm_worker
 
     cfg = make_cfg(tiny_model_path)
     engine = make_vllm_worker(str(tiny_model_path), make_ray_worker=False, engine_config=cfg.rollout.engine,

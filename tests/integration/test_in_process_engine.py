@@ -46,7 +46,8 @@ def test_an_in_process_engine_runs_on_its_thread_and_cores_beside_one_in_process
     processes instead (vLLM's parallel state is one per process)."""
     import vllm
 
-    from rlpost.policies import LocalVLLMClient, make_vllm_engine, make_vllm_worker
+    from rlpost.actors.vllm_workers import make_vllm_worker
+    from rlpost.policies import LocalVLLMClient, make_vllm_engine
 
     engine = JobConfig().rollout.engine.model_copy(
         update={"cpu_threads": 1, "max_model_len": 256, "kv_cache_space_gb": 0.25, "max_num_seqs": 16}

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def worker(ray_cluster, tiny_model_path):
     import ray
 
-    from rlpost.policies import make_vllm_worker
+    from rlpost.actors.vllm_workers import make_vllm_worker
 
     # TorchRL's make_vllm_worker starts the same actor a run starts as inference-<i>
     handle = make_vllm_worker(str(tiny_model_path), name="inference-0", num_cpus=0.5, max_model_len=256,
@@ -39,7 +39,7 @@ def transformers_scores(model, ids, temperature):
 def test_generate_returns_n_samples_ids_logprobs_and_version(worker, tiny_tokenizer):
     import ray
 
-    from rlpost.actors.inference import RemoteVLLMClient
+    from rlpost.policies import RemoteVLLMClient
 
     client = RemoteVLLMClient([worker])
     ids = prompt_ids(tiny_tokenizer)
@@ -171,7 +171,7 @@ def test_client_reissues_to_a_live_worker_then_waits_for_replacements(ray_cluste
 
     import ray
 
-    from rlpost.actors.inference import RemoteVLLMClient
+    from rlpost.policies import RemoteVLLMClient
 
     @ray.remote(num_cpus=0)
     class StandIn:

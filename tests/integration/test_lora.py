@@ -169,8 +169,8 @@ def test_lora_checkpoints_hold_the_adapter_resume_it_and_export_the_merged_model
 
 
 def test_an_engine_serves_each_published_adapter(tiny_model_path, tiny_tokenizer):
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.collect.weight_update import vLLMUpdater
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     cfg = settings(tiny_model_path)
     learner = Learner(cfg)
@@ -208,8 +208,8 @@ def test_merged_syncs_leave_the_frozen_layers_out_and_the_engine_computes_what_t
     """The merged sync sends only the projections; a real engine without LoRA, loading them
     straight into its CPU kernels, then scores as the learner's peft model does, step after step
     (its embeddings, norms and output head stay the base checkpoint's, as the learner's do)."""
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.collect.weight_update import vLLMUpdater
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     cfg = settings(tiny_model_path, {"sync": "merged"})
     learner = Learner(cfg)
@@ -243,8 +243,8 @@ def test_merged_syncs_leave_the_frozen_layers_out_and_the_engine_computes_what_t
 def test_a_model_vllm_serves_no_lora_on_gets_merged_weights(tmp_path, tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.collect.weight_update import vLLMUpdater
-    from rlpost.policies.vllm_workers import make_vllm_worker
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=512,

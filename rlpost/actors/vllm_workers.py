@@ -1,13 +1,11 @@
-"""vLLM engines as weight-updatable workers (TorchRL's ``make_vllm_worker`` / ``vLLMWorker``).
+"""vLLM engines as weight-updatable workers: TorchRL's ``make_vllm_worker``.
 
-- :data:`vLLMWorker` is the class mixed into each vLLM worker process (vLLM's
-  ``worker_extension_cls``): it joins rlpost's weight bus, receives versioned buckets and reloads
-  them in place. Pass ``worker_extension_cls=VLLM_WORKER_EXTENSION`` to a ``vllm.LLM`` to add it.
-- :func:`make_vllm_worker` starts an engine with that extension: a Ray actor (the same
-  ``InferenceActor`` an rlpost run starts as ``inference-<i>``) or, with
-  ``make_ray_worker=False``, an in-process :class:`~rlpost.actors.inference.InferenceWorker`.
-  ``vLLMWrapper(worker)`` generates with either, and
-  :class:`~rlpost.collect.vLLMUpdater` pushes new weights to them.
+:func:`make_vllm_worker` starts an engine with rlpost's weight-update extension
+(:data:`~rlpost.policies.vLLMWorker`, mixed into vLLM's worker): a Ray actor (the same
+:class:`~rlpost.actors.inference.InferenceActor` an rlpost run starts as ``inference-<i>``, and
+an ``AsyncVLLM`` fleet as each replica) or, with ``make_ray_worker=False``, an in-process
+:class:`~rlpost.actors.inference.InferenceWorker`. ``vLLMWrapper(worker)`` generates with either,
+and :class:`~rlpost.collect.vLLMUpdater` pushes new weights to them.
 
 Deviation from TorchRL: the worker is rlpost's inference worker (generate, score,
 ``join_bus``, ``update_weights``, ``get_version``), not a bare ``vllm.LLM``; on a CPU-only
@@ -18,10 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpost.policies.vllm_worker_ext import WeightSyncExtension
-from rlpost.policies.vllm_wrapper import WORKER_EXTENSION as VLLM_WORKER_EXTENSION  # noqa: F401 (re-exported)
-
-vLLMWorker = WeightSyncExtension
+from rlpost.actors.inference import InferenceWorker, start_worker_actor
+from rlpost.config import EngineConfig
 
 # EngineConfig fields a caller may pass by name; anything else goes to vllm.LLM as is.
 _ENGINE_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_space_gb", "max_model_len",
@@ -75,9 +71,6 @@ def make_vllm_worker(
     """
     import torch
 
-    from rlpost.actors.inference import InferenceActor, InferenceWorker
-    from rlpost.config import EngineConfig
-
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     on_gpu = torch.cuda.is_available()
@@ -99,36 +92,10 @@ def make_vllm_worker(
             workers.append(InferenceWorker(model_name, engine_config, dtype=dtype, index=worker_index, lora=lora,
                                            inflight_updates=inflight_updates))  # fmt: skip
             continue
-        import ray
-
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": devices if num_gpus is None else num_gpus}
-        # threaded: an update reaches a running generate call (in-flight, InferenceWorker); the
-        # worker itself lets one call at a time use its engine
-        options["max_concurrency"] = 8
         options.update(ray_options or {})
         if name is not None:
             options["name"] = name if num_replicas == 1 else f"{name}-{replica}"
-        actor = ray.remote(InferenceActor).options(**options)
-        workers.append(
-            actor.remote(
-                model_name,
-                engine_config,
-                dtype=dtype,
-                index=worker_index,
-                run_name=run_name,
-                lora=lora,
-                inflight_updates=inflight_updates,
-            )  # fmt: skip
-        )
+        workers.append(start_worker_actor(model_name, engine_config, dtype=dtype, index=worker_index, options=options,
+                                          run_name=run_name, lora=lora, inflight_updates=inflight_updates))  # fmt: skip
     return workers[0] if num_replicas == 1 else workers
-
-
-def is_remote_worker(obj: Any) -> bool:
-    """A Ray actor handle of an inference worker (what make_vllm_worker returns)."""
-    return type(obj).__name__ == "ActorHandle" and hasattr(obj, "update_weights")
-
-
-def is_local_worker(obj: Any) -> bool:
-    from rlpost.actors.inference import InferenceWorker
-
-    return isinstance(obj, InferenceWorker)
