@@ -1,4 +1,4 @@
-"""RayReplayBuffer: a :class:`~rlpost.data.ReplayBuffer` in a Ray actor (TorchRL's).
+r"""RayReplayBuffer: a :class:`~rlpost.data.ReplayBuffer` in a Ray actor (TorchRL's).
 
 The buffer lives in one actor; this object, in the caller's process, forwards each call to it,
 and so does every copy of it sent to another actor (a :class:`~rlpost.collect.RayLLMCollector`
@@ -18,22 +18,36 @@ constructors, built in the actor::
 A transform appended afterwards (``append_transform``) is pickled to the actor.
 
 Every call is bounded (rlpost's addition): past ``timeout_s`` it raises TimeoutError naming the
-call; a buffer actor that died raises Ray's ``RayActorError``. Copies sent to other processes
-forward calls but do not own the actor: only the creator's :meth:`close` ends it.
+call. Copies sent to other processes forward calls but do not own the actor: only the creator's
+:meth:`close` ends it.
+
+A buffer actor that dies (its process crashes, is OOM-killed or ``ray.kill``\ ed) is restarted by
+Ray (``max_restarts``, 3 by default) with the same storage, sampler and transforms, empty: a call
+made while it restarts waits for it (within ``timeout_s``) and then runs on the new actor, so a
+script goes on. What the old actor held is lost, and never silently: each answer carries the
+actor's incarnation, and the first call to see a new one logs a warning with the items written
+before it and counts it in :attr:`restarts`. Transforms appended after construction are not
+rebuilt on a restart (give them through ``transform_factory``). Once its restarts are spent, calls
+raise Ray's ``RayActorError``.
 
 Deviations from TorchRL: no ``transport="distributed"``, delayed initialisation or runtime lease
 (the buffer's actor starts with the object and lives until :meth:`close` or Ray's shutdown);
-``timeout_s``; the actor reserves no CPU unless ``remote_config`` says so.
+``timeout_s`` and the restarts; the actor reserves no CPU unless ``remote_config`` says so.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from rlpost.data.replay_buffers import ReplayBuffer
 
-DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
+log = logging.getLogger("rlpost")
+
+DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 3}
 
 
 class _BufferActor:
@@ -41,23 +55,25 @@ class _BufferActor:
 
     def __init__(self, replay_buffer_cls: type, kwargs: dict[str, Any]) -> None:
         self.rb = replay_buffer_cls(**kwargs)
+        self.incarnation = uuid.uuid4().hex  # a new one after each restart
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.rb, method)(*args, **kwargs)
+    def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+        return self.incarnation, getattr(self.rb, method)(*args, **kwargs)
 
-    def read(self, name: str) -> Any:
-        return getattr(self.rb, name)
+    def read(self, name: str) -> tuple[str, Any]:
+        return self.incarnation, getattr(self.rb, name)
 
-    def begin_pass(self) -> None:
+    def begin_pass(self) -> tuple[str, None]:
         """Start iterating (``for batch in rb``): a new pass of the sampler."""
         if self.rb.batch_size is None:
             raise RuntimeError("cannot iterate over a ReplayBuffer without batch_size (pass batch_size= to it)")
         self.rb.sampler.ran_out = False
+        return self.incarnation, None
 
-    def next_in_pass(self) -> tuple[Any, bool]:
+    def next_in_pass(self) -> tuple[str, tuple[Any, bool]]:
         """The pass's next batch, and whether the sampler ended the pass with it."""
         batch = self.rb.sample()
-        return batch, self.rb.sampler.ran_out
+        return self.incarnation, (batch, self.rb.sampler.ran_out)
 
 
 class RayReplayBuffer(ReplayBuffer):
@@ -91,24 +107,56 @@ class RayReplayBuffer(ReplayBuffer):
             ray.init(**(ray_init_config or {}))
         options = dict(DEFAULT_REMOTE_CONFIG if remote_config is None else remote_config)
         self._rb = ray.remote(**options)(_BufferActor).remote(replay_buffer_cls, kwargs)
-        self.timeout_s = timeout_s
-        self._owner = True
-        self._batch_size = kwargs.get("batch_size")
+        self._setup(self._rb, timeout_s, kwargs.get("batch_size"), owner=True)
+
+    def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool) -> None:
+        self._rb, self.timeout_s, self._batch_size, self._owner = handle, timeout_s, batch_size, owner
+        self._incarnation: str | None = None  # the actor's, as last seen
+        self._writes_seen = 0  # its write count, as last seen
+        self.restarts = 0  # restarts of the actor this object has seen
 
     # a copy in another process forwards calls to the same actor without owning it
     def __reduce__(self):
         return (_client, (self._rb, self.timeout_s, self._batch_size))
 
-    def _get(self, what: str, ref: Any) -> Any:
+    def _ask(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``actor.method(*args, **kwargs)``, bounded by ``timeout_s``; while Ray restarts the actor
+        the call is made again until it runs. Notes a new incarnation (module docstring)."""
         import ray
 
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"RayReplayBuffer: {what} did not return within {self.timeout_s:.0f} s") from None
+        deadline, deaths = time.monotonic() + self.timeout_s, 0
+        while True:
+            try:
+                ref = getattr(self._rb, method).remote(*args, **kwargs)
+                incarnation, result = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting: the call did not run
+                deaths = 0
+            except ray.exceptions.RayActorError:
+                # the call died with the actor (its state with it: running it again writes nothing
+                # twice); the actor is restarting unless its restarts are spent, which a few
+                # calls in a row meeting a dead actor say
+                deaths += 1
+                if deaths > 3:
+                    raise
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"RayReplayBuffer: {what} did not return within {self.timeout_s:.0f} s") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RayReplayBuffer: {what}: the buffer's actor did not come back within "
+                                   f"{self.timeout_s:.0f} s")  # fmt: skip
+            time.sleep(0.5)
+        if self._incarnation is not None and incarnation != self._incarnation:
+            self.restarts += 1
+            log.warning("RayReplayBuffer: the buffer's actor was restarted; it starts empty: the items written "
+                        "before (%d written as of this process's last call) are lost", self._writes_seen)  # fmt: skip
+        self._incarnation = incarnation
+        return result
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._get(method, self._rb.call.remote(method, *args, **kwargs))
+        return self._ask(method, "call", method, *args, **kwargs)
+
+    def _read(self, name: str) -> Any:
+        return self._ask(name, "read", name)
 
     # ------------------------------------------------------------------ the buffer's API
 
@@ -141,16 +189,17 @@ class RayReplayBuffer(ReplayBuffer):
     def __iter__(self) -> Iterator[Any]:
         """Batches of ``batch_size`` sampled in the actor until its sampler ends a pass (never,
         for a RandomSampler), as a local ReplayBuffer iterates."""
-        self._get("iteration", self._rb.begin_pass.remote())
+        self._ask("iteration", "begin_pass")
         while True:
-            batch, ended = self._get("iteration", self._rb.next_in_pass.remote())
+            batch, ended = self._ask("iteration", "next_in_pass")
             yield batch
             if ended:
                 return
 
     @property
     def write_count(self) -> int:
-        return self._get("write_count", self._rb.read.remote("write_count"))
+        self._writes_seen = self._read("write_count")
+        return self._writes_seen
 
     @property
     def batch_size(self) -> int | None:
@@ -159,11 +208,11 @@ class RayReplayBuffer(ReplayBuffer):
     @property
     def storage(self) -> Any:
         """A copy of the actor's storage (its items as they are now)."""
-        return self._get("storage", self._rb.read.remote("storage"))
+        return self._read("storage")
 
     @property
     def sampler(self) -> Any:
-        return self._get("sampler", self._rb.read.remote("sampler"))
+        return self._read("sampler")
 
     @property
     def is_alive(self) -> bool:
@@ -187,5 +236,5 @@ class RayReplayBuffer(ReplayBuffer):
 def _client(handle: Any, timeout_s: float, batch_size: int | None) -> RayReplayBuffer:
     """A RayReplayBuffer on an existing actor that does not own it (a copy in another process)."""
     rb = RayReplayBuffer.__new__(RayReplayBuffer)
-    rb._rb, rb.timeout_s, rb._owner, rb._batch_size = handle, timeout_s, False, batch_size
+    rb._setup(handle, timeout_s, batch_size, owner=False)
     return rb

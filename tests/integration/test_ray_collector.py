@@ -158,3 +158,25 @@ def test_envs_naming_one_data_loading_actor_draw_one_prompt_stream_and_resume_it
     second.primer.load_state_dict(saved)
     assert [draw(second), draw(first)] == [("q2", 2), ("q2", 2)]
     assert draw(make("another-stream")) == ("q0", 0)  # another name, another stream
+
+
+def test_a_killed_replay_buffer_actor_restarts_empty_and_says_what_was_lost(ray_cluster, caplog):
+    import logging
+    from functools import partial
+
+    import ray
+    import torch
+    from tensordict import TensorDict
+
+    from rlpost.data import LazyStackStorage, RayReplayBuffer
+
+    rb = RayReplayBuffer(storage=partial(LazyStackStorage, 10), batch_size=2, timeout_s=120)
+    rb.extend(TensorDict({"x": torch.arange(4)}, batch_size=[4]))
+    assert rb.write_count == 4 and rb.restarts == 0
+    ray.kill(rb._rb, no_restart=False)  # Ray restarts the actor
+    with caplog.at_level(logging.WARNING, logger="rlpost"):
+        rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3]))  # waits for the restart, then writes
+    assert rb.restarts == 1 and len(rb) == 3 and rb.write_count == 3
+    assert "restarted; it starts empty: the items written before (4 written" in caplog.text
+    assert sorted(rb.sample(3)["x"].tolist()) == [0, 1, 2]  # nothing written twice
+    rb.close()
