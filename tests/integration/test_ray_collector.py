@@ -168,12 +168,20 @@ def test_a_killed_replay_buffer_actor_restarts_empty_and_says_what_was_lost(ray_
     import torch
     from tensordict import TensorDict
 
-    from rlpost.data import LazyStackStorage, RayReplayBuffer
+    from rlpost.data import LazyStackStorage, RayReplayBuffer, SamplerWithoutReplacement
 
-    rb = RayReplayBuffer(storage=partial(LazyStackStorage, 10), batch_size=2, timeout_s=120)
+    rb = RayReplayBuffer(storage=partial(LazyStackStorage, 10), sampler=SamplerWithoutReplacement, batch_size=2,
+                         timeout_s=120)  # fmt: skip
     rb.extend(TensorDict({"x": torch.arange(4)}, batch_size=[4]))
     assert rb.write_count == 4 and rb.restarts == 0
+    before = ray.get(rb._rb.read.remote("write_count"), timeout=60)[0]  # the actor's incarnation
     ray.kill(rb._rb, no_restart=False)  # Ray restarts the actor
+    while True:  # the kill takes effect shortly after: until then calls still reach the old actor
+        try:
+            if ray.get(rb._rb.read.remote("write_count"), timeout=60)[0] != before:
+                break
+        except ray.exceptions.RayActorError:  # dying or restarting
+            break
     with caplog.at_level(logging.WARNING, logger="rlpost"):
         rb.extend(TensorDict({"x": torch.arange(3)}, batch_size=[3]))  # waits for the restart, then writes
     assert rb.restarts == 1 and len(rb) == 3 and rb.write_count == 3
