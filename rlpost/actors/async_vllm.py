@@ -155,16 +155,20 @@ class AsyncVLLM:
         return self.get_engine_client().get_tokenizer()
 
     def generate(self, prompts: Any = None, sampling_params: Any = None, *, prompt_token_ids: Any = None,
-                 use_tqdm: bool = True, lora_request: Any = None, timeout_seconds: float | None = None,
-                 actor_index: int | None = None, **unused: Any) -> Any:  # fmt: skip
+                 use_tqdm: bool = True, lora_request: Any = None, prompt_adapter_request: Any = None,
+                 guided_options_request: Any = None, timeout_seconds: float | None = None,
+                 actor_index: int | None = None) -> Any:  # fmt: skip
         """vLLM's ``LLM.generate`` on the fleet: one ``RequestOutput`` for one prompt, a list for a
         list of prompts (spread over the replicas, results in prompt order). ``prompt_token_ids``
         (one list of ids, or a list of them) replaces ``prompts``; ``actor_index`` sends everything
-        to one replica."""
+        to one replica. ``use_tqdm`` is accepted and has no effect (no progress bar across actors)."""
         import ray
 
         if lora_request is not None:
             raise ValueError("AsyncVLLM serves the weights its sender sends: lora_request is not supported")
+        if prompt_adapter_request is not None or guided_options_request is not None:
+            raise ValueError("AsyncVLLM.generate: prompt_adapter_request and guided_options_request are not supported "
+                             "(vLLM dropped them); put guided decoding in sampling_params")  # fmt: skip
         single, items = _prompt_list(prompts, prompt_token_ids)
         client = self.get_engine_client()
         timeout = timeout_seconds if timeout_seconds is not None else self.request_timeout_s
@@ -258,7 +262,8 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
     """Start an :class:`AsyncVLLM` fleet of ``num_replicas`` engines on ``model_name``, each on
     ``num_devices`` GPUs (tensor parallel; none on a CPU-only machine). ``**kwargs`` are
     ``vllm.LLM`` arguments (``max_model_len``, ``gpu_memory_utilization``, ``enforce_eager``,
-    ``seed``, ``dtype``, ...) and rlpost's engine settings (``kv_cache_space_gb``)."""
+    ``seed``, ``dtype``, ...), rlpost's engine settings (``kv_cache_space_gb``) and ``num_cpus``,
+    the CPUs Ray reserves for each replica (default 1)."""
     del compile  # vLLM's own compilation setting is kept
     if enable_fp32_output:
         raise ValueError(

@@ -72,6 +72,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -233,6 +234,9 @@ class BusSpec:
     bucket_mb: float = 64
     timeout_s: float = 60.0
     shared_memory: bool = True  # same-node receivers read the buckets from shared memory (CPU weights)
+    # which publisher made the spec: a new publisher on the same host and port (one closed, another
+    # started, e.g. a new weight sender for the same engines) is a new store to connect to
+    session: str = ""
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -522,7 +526,8 @@ class TorchWeightPublisher(_TorchEnd):
                 f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}"
             )
         device = _full_device(torch.device(device if device is not None else "cpu"))
-        spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s, shared_memory)
+        spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s, shared_memory,
+                       session=uuid.uuid4().hex)  # fmt: skip
         if spec.backend == "nccl" and device.type != "cuda":
             raise ValueError(f"weight_sync.backend nccl needs the publisher's weights on a GPU, not {device}")
         store = _connect_store(spec, is_master=True)
@@ -853,7 +858,7 @@ class TorchWeightReceiver(_TorchEnd):
         """Leave the current group and join generation `spec.generation` as `rank` (lazily)."""
         _check_rank(spec, rank)
         self._drop_group()
-        if (spec.host, spec.port) != (self.spec.host, self.spec.port):
+        if (spec.host, spec.port, spec.session) != (self.spec.host, self.spec.port, self.spec.session):
             self._store = _connect_store(spec, is_master=False)
         self.spec, self.rank = spec, rank
         self._layouts.clear()

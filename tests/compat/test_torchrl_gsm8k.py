@@ -102,7 +102,9 @@ def local_ray():
 
 
 @pytest.mark.parametrize("device", [None, torch.device("cpu")], ids=["none", "cpu"])
-@pytest.mark.parametrize("ray_backend", [False, True], ids=["local", "ray"])
+@pytest.mark.parametrize(
+    "ray_backend", [False, pytest.param(True, marks=pytest.mark.long)], ids=["local", "ray"]
+)  # ray: a Ray cluster starts in this tier (~10 s); the integration tier tests the shared stream
 def test_gsm8kenv(ray_backend, device, tiny_tokenizer, snakes_file, request):
     """TestGSM8K.test_gsm8kenv: reset gives a (1, 2) prompt history; the documented response,
     parsed back from the rendered chat, ends the episode with a reward. With ray_backend=True the

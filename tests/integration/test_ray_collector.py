@@ -160,6 +160,7 @@ def test_envs_naming_one_data_loading_actor_draw_one_prompt_stream_and_resume_it
     assert draw(make("another-stream")) == ("q0", 0)  # another name, another stream
 
 
+@pytest.mark.long  # the buffer's actor restarts: ~15 s
 def test_a_killed_replay_buffer_actor_restarts_empty_and_says_what_was_lost(ray_cluster, caplog):
     import logging
     from functools import partial

@@ -11,6 +11,7 @@ back only the verdict.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 
@@ -323,6 +324,28 @@ def test_restarted_peer_rejoins_in_a_new_generation(peers, route):
     publish_to(publisher, [first, restarted], 2)  # resend of the version that failed
     publish_to(publisher, [first, restarted], 3)
     publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_follows_a_new_publisher_on_the_same_port(peers):
+    """A publisher closed and another started on its port (a new weight sender for the same
+    engines): the receiver joins the new one's store, not the closed one's connection."""
+    first = make_publisher(2, "bus")
+    peer = Peer(first.spec, 1)
+    peers.append(peer)
+    connect_all(first, [peer])
+    publish_to(first, [peer], 1)
+    port, session = first.spec.port, first.spec.session
+    first.close()
+    del first
+    gc.collect()  # the closed store's server goes with the object
+    second = make_publisher(2, "bus", port=port)
+    assert second.spec.port == port and second.spec.session != session
+    peer.send("reform", (second.spec, 1))
+    assert peer.reply()[0] == "ok"
+    connect_all(second, [peer])
+    publish_to(second, [peer], 2)
+    second.close()
 
 
 @pytest.mark.timeout(60)
