@@ -21,7 +21,7 @@ import argparse
 import sys
 import time
 
-from bench.common import REPO, Result, median, summary, wait_for_quiet
+from bench.common import REPO, Result, record_learning, wait_for_quiet
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
                 "groups_per_batch": args.groups_per_batch, "window": window, "model": "tiny"}  # fmt: skip
     result = Result("grpo_async", args.quick, settings)
     wait_for_quiet(args.quick)
-    first, last, gain, walls = [], [], [], []
+    first, last, walls = [], [], []
     for seed in range(repeats):
         cfg = grpo_async.Config(model=str(REPO / ".cache" / "tiny-model"), steps=steps, num_collectors=args.collectors,
                                 questions=questions, groups_per_batch=args.groups_per_batch, seed=seed,
@@ -64,15 +64,9 @@ def main() -> None:
         head, tail = sum(run.rewards[:window]) / window, sum(run.rewards[-window:]) / window
         first.append(head)
         last.append(tail)
-        gain.append(tail - head)
         print(f"  seed {seed}: reward {head:.3f} (first {window} steps) -> {tail:.3f} (last {window}), "
               f"{run.seconds[-1]:.0f} s of training, {walls[-1]:.0f} s in all", flush=True)  # fmt: skip
-    result.cases["reward, first steps"] = summary(first)
-    result.cases["reward, last steps"] = summary(last)
-    result.cases["wall (s)"] = summary(walls)
-    result.ratios["reward last / first"] = round(median(last) / max(median(first), 1e-9), 3)
-    result.ratios["reward gain (last - first)"] = round(median(gain), 3)
-    result.ratios["repeats that gained"] = f"{sum(g > 0 for g in gain)} of {repeats}"
+    record_learning(result, first, last, walls)
     result.write()
 
 

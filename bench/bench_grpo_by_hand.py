@@ -22,7 +22,7 @@ import importlib.util
 import sys
 import time
 
-from bench.common import REPO, Result, median, summary, wait_for_quiet
+from bench.common import REPO, Result, record_learning, wait_for_quiet
 
 EXAMPLE = REPO / "examples" / "grpo_by_hand.py"
 
@@ -61,7 +61,7 @@ def main() -> None:
     result = Result("grpo_by_hand", args.quick, settings)
     example = load_example()
     wait_for_quiet(args.quick)
-    first, last, gain, walls = [], [], [], []
+    first, last, walls = [], [], []
     for seed in range(repeats):
         t0 = time.perf_counter()
         run = example.grpo_by_hand(
@@ -73,17 +73,11 @@ def main() -> None:
         head, tail = sum(run.rewards[:window]) / window, sum(run.rewards[-window:]) / window
         first.append(head)
         last.append(tail)
-        gain.append(tail - head)
         print(
             f"  seed {seed}: reward {head:.3f} (first {window} steps) -> {tail:.3f} (last {window}), {walls[-1]:.0f} s",
             flush=True,
         )
-    result.cases["reward, first steps"] = summary(first)
-    result.cases["reward, last steps"] = summary(last)
-    result.cases["wall (s)"] = summary(walls)
-    result.ratios["reward last / first"] = round(median(last) / max(median(first), 1e-9), 3)
-    result.ratios["reward gain (last - first)"] = round(median(gain), 3)
-    result.ratios["repeats that gained"] = f"{sum(g > 0 for g in gain)} of {repeats}"
+    record_learning(result, first, last, walls)
     result.write()
 
 

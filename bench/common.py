@@ -262,3 +262,15 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict | Non
 
 def python() -> str:
     return sys.executable
+
+
+def record_learning(result: Result, first: list[float], last: list[float], walls: list[float]) -> None:
+    """A learning benchmark's figures: per repeat, the mean reward of the first and of the last
+    steps of one run, and its wall time; ratios of the medians (same-run comparisons)."""
+    gain = [b - a for a, b in zip(first, last)]
+    result.cases["reward, first steps"] = summary(first)
+    result.cases["reward, last steps"] = summary(last)
+    result.cases["wall (s)"] = summary(walls)
+    result.ratios["reward last / first"] = round(median(last) / max(median(first), 1e-9), 3)
+    result.ratios["reward gain (last - first)"] = round(median(gain), 3)
+    result.ratios["repeats that gained"] = f"{sum(g > 0 for g in gain)} of {len(gain)}"

@@ -23,7 +23,9 @@ the current weights to every replica; until then the restarted replica serves th
 Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
 (so they work on the CPU backend too, and take rlpost's weight bus); ``AsyncVLLM(engine_args)``
 takes vLLM's ``AsyncEngineArgs`` or a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's
-own compilation setting as it is; no prefix-aware load balancer (least-busy replica instead);
+own compilation setting as it is; vLLM's prefix caching stays on unless disabled (TorchRL turns
+it off: safe here, since a replica resets its prefix cache whenever its weights change); no
+prefix-aware load balancer (least-busy replica instead);
 ``enable_fp32_output``, data and pipeline parallelism are refused with a message.
 """
 
