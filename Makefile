@@ -57,7 +57,8 @@ demo-tools: install tiny-model-tools
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: 13m24s (pytest 12m35s), with TorchRL's distributed pieces' tests (12m28s
+# Xeon machine, idle: 13m24s and 14m29s in two runs (pytest 12m35s and 14m19s: the e2e runs vary),
+# with TorchRL's distributed pieces' tests (12m28s
 # before them; 14m44s-15m03s before the shared vLLM engines and the merged dashboard run; 26-31
 # min before the e2e runs shared one Ray cluster). The 15 slowest tests are printed at the end:
 # the place to look first. `make test-long` runs the long tests (the chaos runs, the stops from a
