@@ -407,40 +407,42 @@ def _sandbox(d: dict, results: Path, base: Path) -> str:
 
 def _grpo_by_hand(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [
-        f"## {TITLES['grpo_by_hand']}",
-        "",
+    return _learning(
+        d,
+        "grpo_by_hand",
         f"`examples/grpo_by_hand.py` (LLMCollector, ReplayBuffer with MCAdvantage, GRPOLoss, vLLMUpdater on "
         f"one vLLM worker) on the {s['model']} model: {s['steps']} steps of {s['prompts_per_step']} prompts x "
         f"{s['group_size']} samples, {s['repeats']} seeds. Training reward of the last {s['window']} steps "
         f"against the first {s['window']} of the same run.",
-        "",
-        _ratios(d),
-        "| case | median | repeats |",
-        "| --- | --- | --- |",
-    ]
-    for name, c in d["cases"].items():
-        lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
-    return "\n".join(lines) + "\n\n" + _notes(d)
+    )
 
 
 def _grpo_async(d: dict, results: Path, base: Path) -> str:
     s = d["settings"]
-    lines = [
-        f"## {TITLES['grpo_async']}",
-        "",
+    return _learning(
+        d,
+        "grpo_async",
         f"`examples/grpo_async.py` (TorchRL's grpo-async.py with `torchrl` replaced by `rlpost.torchrl`: "
         f"{s['collectors']} RayLLMCollectors, a RayReplayBuffer with MCAdvantage, AsyncVLLM, VLLMWeightSyncScheme) "
-        f"on the {s['model']} model: {s['steps']} optimizer steps of {s.get('groups_per_batch', 2)} groups x 8 "
+        f"on the {s['model']} model: {s['steps']} optimizer steps of {s['groups_per_batch']} groups x 8 "
         f"samples on {s['questions']} questions, {s['repeats']} seeds. Reward of the batches sampled in the last "
         f"{s['window']} steps against the first {s['window']} of the same run.",
+    )
+
+
+def _learning(d: dict, name: str, description: str) -> str:
+    """A learning benchmark's section (bench.common.record_learning's figures)."""
+    lines = [
+        f"## {TITLES[name]}",
+        "",
+        description,
         "",
         _ratios(d),
         "| case | median | repeats |",
         "| --- | --- | --- |",
     ]
-    for name, c in d["cases"].items():
-        lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
+    for case, c in d["cases"].items():
+        lines.append(f"| {case} | {_fmt(c['median'])} | {_repeats(c)} |")
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

@@ -216,7 +216,12 @@ class AsyncVLLM:
         return self.num_replicas
 
     def get_master_address(self) -> str:
-        return "127.0.0.1"
+        """Where the weight group's store listens, as the replicas dial it: this node's address on
+        a Ray cluster (replicas may run on other nodes), else 127.0.0.1. Deviation: TorchRL's
+        returns "localhost", which replicas on other nodes cannot reach."""
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
     def get_master_port(self) -> int:
         """A free port for the weight group's store, the same on every call."""

@@ -162,7 +162,8 @@ class RayLLMCollector(LLMCollector):
             self._call("async_shutdown", timeout=self.timeout_s)
         except ray.exceptions.RayActorError:
             pass  # already gone
-        ray.kill(self._collector, no_restart=True)
+        finally:  # ended even when its collection did not stop in time (the TimeoutError then says so)
+            ray.kill(self._collector, no_restart=True)
 
     # ------------------------------------------------------------------ weights and versions
 

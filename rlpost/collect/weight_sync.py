@@ -57,19 +57,23 @@ def engine_workers(vllm_engine: Any) -> list:
 REPLICA_RESTART_WAIT_S = 600.0  # how long an update waits for a replica Ray is restarting (its model loads)
 
 
-def wait_until_reachable(workers: list, timeout_s: float = REPLICA_RESTART_WAIT_S) -> None:
-    """Wait until every Ray worker answers: one that Ray is restarting refuses calls at once
-    (``ActorUnavailableError``) until its start is done. TimeoutError past ``timeout_s``; a
-    worker that stays dead raises Ray's error."""
+def serving_versions(workers: list, timeout_s: float = REPLICA_RESTART_WAIT_S) -> list[int]:
+    """The version each worker serves, waiting for the ones Ray is restarting: such a worker
+    refuses calls at once (``ActorUnavailableError``) until its start is done. TimeoutError past
+    ``timeout_s``; a worker that stays dead raises Ray's error."""
     import ray
 
     deadline = time.monotonic() + timeout_s
+    versions = []
     for index, worker in enumerate(workers):
-        if type(worker).__name__ != "ActorHandle":
+        if type(worker).__name__ != "ActorHandle":  # an in-process worker
+            versions.append(int(worker.get_version()))
             continue
         while True:
             try:
-                ray.get(worker.get_version.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                versions.append(
+                    int(ray.get(worker.get_version.remote(), timeout=max(1.0, deadline - time.monotonic())))
+                )
                 break
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
@@ -77,6 +81,7 @@ def wait_until_reachable(workers: list, timeout_s: float = REPLICA_RESTART_WAIT_
                 time.sleep(0.5)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"replica {index} did not answer within {timeout_s:.0f} s") from None
+    return versions
 
 
 class VLLMWeightSyncScheme:
@@ -206,10 +211,8 @@ class VLLMWeightSender:
         it: it serves its initial weights and has no group), when the fleet's replicas changed, or
         when the last update failed."""
         workers = engine_workers(self._engine)
-        wait_until_reachable(workers)
+        behind = [i for i, version in enumerate(serving_versions(workers)) if version != self._updater.version]
         changed = workers != self._updater.workers
-        self._updater.workers = workers
-        behind = [i for i, version in enumerate(self._updater.worker_versions()) if version != self._updater.version]
         if behind:
             log.warning("weight sync: replica(s) %s serve an older version (restarted); re-forming the group", behind)
         if behind or changed or self._regroup_next:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from rlpost.policies.remote_client import is_local_worker, is_remote_worker
 from rlpost.transport.weight_bus import NamedTensors, PublishStats, TorchWeightPublisher, WeightSyncError
 
 # A worker call may finish this long after the bus's own timeout (its reload follows the receive).
@@ -122,8 +123,6 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
     def _targets(self) -> list[Any]:
         if self.workers is not None:
             return self.workers
-        from rlpost.policies.remote_client import is_local_worker, is_remote_worker
-
         policy = getattr(self.collector, "policy", None)
         model = getattr(policy, "model", None)
         if is_local_worker(model) or is_remote_worker(model):  # vLLMWrapper(make_vllm_worker(...))
@@ -152,11 +151,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         )  # fmt: skip
         self._join_workers()
         # continue from what the workers serve: a version below it would be refused
-        self.version = max([self.version, *self.worker_versions()])
-
-    def worker_versions(self) -> list[int]:
-        """The version each worker serves now, in worker order (each call bounded)."""
-        return [int(v) for v in self._wait([self._call(w, "get_version") for w in self._targets()])]
+        self.version = max([self.version, *map(int, self._wait([self._call(w, "get_version") for w in workers]))])
 
     def set_workers(self, workers: Iterable[Any]) -> None:
         """Use these workers from now on (e.g. after one was restarted): the bus opens its next

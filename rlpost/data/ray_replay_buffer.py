@@ -57,23 +57,25 @@ class _BufferActor:
         self.rb = replay_buffer_cls(**kwargs)
         self.incarnation = uuid.uuid4().hex  # a new one after each restart
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
-        return self.incarnation, getattr(self.rb, method)(*args, **kwargs)
+    # every answer is (incarnation, write count, result): the client sees a restart, and what was lost
+    def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, int, Any]:
+        result = getattr(self.rb, method)(*args, **kwargs)
+        return self.incarnation, self.rb.write_count, result
 
-    def read(self, name: str) -> tuple[str, Any]:
-        return self.incarnation, getattr(self.rb, name)
+    def read(self, name: str) -> tuple[str, int, Any]:
+        return self.incarnation, self.rb.write_count, getattr(self.rb, name)
 
-    def begin_pass(self) -> tuple[str, None]:
+    def begin_pass(self) -> tuple[str, int, None]:
         """Start iterating (``for batch in rb``): a new pass of the sampler."""
         if self.rb.batch_size is None:
             raise RuntimeError("cannot iterate over a ReplayBuffer without batch_size (pass batch_size= to it)")
         self.rb.sampler.ran_out = False
-        return self.incarnation, None
+        return self.incarnation, self.rb.write_count, None
 
-    def next_in_pass(self) -> tuple[str, tuple[Any, bool]]:
+    def next_in_pass(self) -> tuple[str, int, tuple[Any, bool]]:
         """The pass's next batch, and whether the sampler ended the pass with it."""
         batch = self.rb.sample()
-        return self.incarnation, (batch, self.rb.sampler.ran_out)
+        return self.incarnation, self.rb.write_count, (batch, self.rb.sampler.ran_out)
 
 
 class RayReplayBuffer(ReplayBuffer):
@@ -112,7 +114,7 @@ class RayReplayBuffer(ReplayBuffer):
     def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool) -> None:
         self._rb, self.timeout_s, self._batch_size, self._owner = handle, timeout_s, batch_size, owner
         self._incarnation: str | None = None  # the actor's, as last seen
-        self._writes_seen = 0  # its write count, as last seen
+        self._writes_seen = 0  # its write count, as its last answer said
         self.restarts = 0  # restarts of the actor this object has seen
 
     # a copy in another process forwards calls to the same actor without owning it
@@ -128,7 +130,7 @@ class RayReplayBuffer(ReplayBuffer):
         while True:
             try:
                 ref = getattr(self._rb, method).remote(*args, **kwargs)
-                incarnation, result = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                incarnation, writes, result = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 break
             except ray.exceptions.ActorUnavailableError:  # restarting: the call did not run
                 deaths = 0
@@ -147,9 +149,9 @@ class RayReplayBuffer(ReplayBuffer):
             time.sleep(0.5)
         if self._incarnation is not None and incarnation != self._incarnation:
             self.restarts += 1
-            log.warning("RayReplayBuffer: the buffer's actor was restarted; it starts empty: the items written "
-                        "before (%d written as of this process's last call) are lost", self._writes_seen)  # fmt: skip
-        self._incarnation = incarnation
+            log.warning("RayReplayBuffer: the buffer's actor was restarted; it starts empty: what it held of the "
+                        "%d items written before (as of this process's last call) is lost", self._writes_seen)  # fmt: skip
+        self._incarnation, self._writes_seen = incarnation, writes
         return result
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -198,8 +200,7 @@ class RayReplayBuffer(ReplayBuffer):
 
     @property
     def write_count(self) -> int:
-        self._writes_seen = self._read("write_count")
-        return self._writes_seen
+        return self._read("write_count")
 
     @property
     def batch_size(self) -> int | None:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from rlpost.policies.base import Completion, LLMWrapperBase
+from rlpost.policies.remote_client import RemoteVLLMClient, is_local_worker, is_remote_worker
 
 log = logging.getLogger("rlpost")
 
@@ -377,8 +378,6 @@ def _worker_client(model: Any, tokenizer: Any) -> Any:
     """The engine client of a worker from ``make_vllm_worker`` (a Ray actor or an in-process
     worker) or of a fleet of them (``AsyncVLLM``: anything with ``get_engine_client()``), or None
     for anything else."""
-    from rlpost.policies.remote_client import RemoteVLLMClient, is_local_worker, is_remote_worker
-
     if callable(getattr(model, "get_engine_client", None)):
         return model.get_engine_client()
     if is_local_worker(model):
