@@ -281,8 +281,9 @@ class EnvPoolClient(ActorClient):
     def set_inference(self, handles: list, timeout_s: float = 60.0) -> None:
         self.call("set_inference", handles, timeout_s=timeout_s)
 
-    def set_buffer(self, buffer_handle: Any, timeout_s: float) -> int:
-        return self.call("set_buffer", buffer_handle, timeout_s=timeout_s)
+    def set_buffer(self, rb: Any, timeout_s: float) -> int:
+        """Point the pool at a new buffer (a RayReplayBuffer copy); returns the groups it put again."""
+        return self.call("set_buffer", rb, timeout_s=timeout_s)
 
     def load_state_dict(self, state: dict, timeout_s: float = 60.0) -> None:
         self.call("load_state_dict", state, timeout_s=timeout_s)
@@ -366,9 +367,9 @@ class BufferClient(RayBuffer):
     ``timeout_s`` in vain still raises BufferTimeout) with the actor's loss and silence mapped
     like every other client's."""
 
-    def _call(self, ref: Any, timeout_s: float) -> Any:
+    def _call(self, timeout_s: float, method: str, *args: Any) -> Any:
         try:
-            return super()._call(ref, timeout_s)
+            return super()._call(timeout_s, method, *args)
         except BufferLost as exc:
             raise ActorLost(f"the buffer died: {first_line(exc)}", self.name) from exc
         except BufferTimeout as exc:
@@ -381,7 +382,7 @@ class BufferClient(RayBuffer):
         return [self.name]
 
     def alive(self) -> bool:
-        return alive(self.name, self.handle)
+        return alive(self.name, self.rb.actor)
 
     def kill(self) -> None:
-        kill(self.handle)
+        kill(self.rb.actor)

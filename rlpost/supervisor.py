@@ -208,7 +208,7 @@ class ActorStarter:
     def buffer(self) -> BufferClient:
         from rlpost.actors.buffer import BufferSettings, start_buffer
 
-        return BufferClient(start_buffer(BufferSettings.from_job(self.cfg)).handle)
+        return BufferClient(start_buffer(BufferSettings.from_job(self.cfg)).rb)
 
     def inference(self, index: int) -> InferenceClient:
         from rlpost.actors.inference import InferenceSettings, start_inference
@@ -245,7 +245,7 @@ class ActorStarter:
             EnvPoolSettings.from_job(self.cfg),
             index,
             RemoteVLLMClient([w.handle for w in inference]),
-            RayBuffer(buffer.handle),
+            RayBuffer(buffer.rb),  # sent to the pool as a copy that does not own the actor
             epoch=epoch,
             scheduling_strategy=self.place(name),
         )
@@ -423,7 +423,7 @@ class Supervisor:
         self.counts["restarts_buffer"] += 1
         for j, pool in enumerate(self.actors.env_pools):
             if pool.alive():
-                count = pool.set_buffer(buffer.handle, timeout_s=CALL_TIMEOUT_S)
+                count = pool.set_buffer(buffer.rb, timeout_s=CALL_TIMEOUT_S)
                 log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
         _replaced("buffer", start)
 

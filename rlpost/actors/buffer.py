@@ -1,18 +1,20 @@
-"""The ``buffer`` actor: a thin Ray shell around :class:`rlpost.transport.buffer.LocalBuffer`.
+"""The ``buffer`` actor: a :class:`~rlpost.data.RayReplayBuffer` holding a
+:class:`rlpost.transport.buffer.LocalBuffer`, the same public pieces a script composes by hand.
 
 It is a threaded actor (``max_concurrency`` > 1) so that a producer blocked in ``put`` by
-backpressure does not stop the learner's ``take`` from running and freeing space.
+backpressure does not stop the learner's ``take`` from running and freeing space. Ray does not
+restart it (``max_restarts=0``): the supervisor starts a new one from the learner's
+acknowledgements and the env pools put again what they kept, which an empty restart cannot do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlpost.actors import start_actor
 from rlpost.config import RoleResources
-from rlpost.transport.buffer import BufferSnapshot, BufferStats, LocalBuffer, PutReceipt, RayBuffer, Taken
+from rlpost.data.ray_replay_buffer import RayReplayBuffer
+from rlpost.transport.buffer import BufferStats, LocalBuffer, RayBuffer
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -49,72 +51,37 @@ def staleness_cap(cfg: JobConfig) -> int:
     return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
 
 
-class BufferActor:
-    def __init__(self, capacity: int, max_staleness: int | None, run_name: str = ""):
+class BufferMetrics:
+    """Reports the buffer's size and stale drops under the run's name (called in the actor,
+    after each put, take and restore)."""
+
+    def __init__(self, run_name: str) -> None:
+        self.run_name = run_name
+        self._metrics: Any = None  # made in the actor, on the first report
+
+    def __call__(self, stats: BufferStats) -> None:
         from rlpost.metrics import RoleMetrics
 
-        self.buffer = LocalBuffer(capacity, max_staleness)
-        self.metrics = RoleMetrics("buffer", run_name, "buffer")
-
-    def put(
-        self,
-        groups: Sequence[Any],
-        timeout_s: float,
-        producer: str | None = None,
-        producer_state: Any = None,
-        epoch: int = 0,
-        force: bool = False,
-    ) -> PutReceipt:
-        try:
-            return self.buffer.put(groups, timeout_s, producer, producer_state, epoch, force)
-        finally:
-            self._report()
-
-    def take(
-        self, num_groups: int, timeout_s: float, current_version: int | None, acknowledged: dict[str, int] | None = None
-    ) -> Taken:
-        try:
-            return self.buffer.take(num_groups, timeout_s, current_version, acknowledged)
-        finally:
-            self._report()
-
-    def fence(self, producer: str, epoch: int) -> Any:
-        return self.buffer.fence(producer, epoch)
-
-    def _report(self) -> None:
-        stats = self.buffer.stats()
-        self.metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
-
-    def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
-        return self.buffer.reserve(num_groups, timeout_s, producer)
-
-    def drop_stale(self, current_version: int) -> int:
-        return self.buffer.drop_stale(current_version)
-
-    def drain(self) -> list[Any]:
-        return self.buffer.drain()
-
-    def stats(self) -> BufferStats:
-        return self.buffer.stats()
-
-    def snapshot(self) -> BufferSnapshot:
-        return self.buffer.snapshot()
-
-    def restore(self, snapshot: BufferSnapshot) -> None:
-        self.buffer.restore(snapshot)
-        self._report()
-
-    def producer_state(self, producer: str) -> Any:
-        return self.buffer.producer_state(producer)
+        if self._metrics is None:
+            self._metrics = RoleMetrics("buffer", self.run_name, "buffer")
+        self._metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
 
 
 def start_buffer(
     settings: BufferSettings, *, name: str = "buffer", namespace: str | None = None, max_concurrency: int = 16,
     **options: Any,
 ) -> RayBuffer:  # fmt: skip
-    """Start the named buffer actor (``options`` go to ``.options()``) and return a client for it."""
-    handle = start_actor(
-        BufferActor, settings.capacity, settings.max_staleness, settings.run_name, name=name,
-        resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency, **options,
-    )  # fmt: skip
-    return RayBuffer(handle)
+    """Start the named buffer actor (``options`` go to the actor's options and win over the
+    settings') and return the service's client for it."""
+    remote_config = {
+        "name": name, "namespace": namespace, "max_concurrency": max_concurrency, "max_restarts": 0,
+        "num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus,
+    } | options  # fmt: skip
+    rb = RayReplayBuffer(
+        replay_buffer_cls=LocalBuffer,
+        remote_config=remote_config,
+        capacity=settings.capacity,
+        max_staleness=settings.max_staleness,
+        report=BufferMetrics(settings.run_name),
+    )
+    return RayBuffer(rb)

@@ -455,10 +455,11 @@ class EnvPoolActor:
     def set_inference(self, handles: list) -> None:
         self.pool.set_inference(handles)
 
-    def set_buffer(self, buffer_handle: Any, timeout_s: float = 60.0) -> int:
+    def set_buffer(self, rb: Any, timeout_s: float = 60.0) -> int:
+        """Use the buffer ``rb`` (a RayReplayBuffer holding the service's LocalBuffer)."""
         from rlpost.transport.buffer import RayBuffer
 
-        return self.pool.set_buffer(RayBuffer(buffer_handle), timeout_s)
+        return self.pool.set_buffer(RayBuffer(rb), timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         return self.pool.state_dict()

@@ -15,7 +15,11 @@ constructors, built in the actor::
     rb.sample()               # a batch, read hooks applied
     rb.write_count            # items written so far, by every writer
 
-A transform appended afterwards (``append_transform``) is pickled to the actor.
+A transform appended afterwards (``append_transform``) is pickled to the actor. Any other public
+method of the buffer class is called in the actor too (``rb.stats()``, or a class's own methods:
+``rb.put(...)`` on rlpost's :class:`~rlpost.transport.buffer.LocalBuffer`), as in TorchRL;
+:meth:`RayReplayBuffer.call` does the same with its own bound. :meth:`RayReplayBuffer.client`
+gives a copy for another process that forwards calls without owning the actor.
 
 Every call is bounded (rlpost's addition): past ``timeout_s`` it raises TimeoutError naming the
 call. Copies sent to other processes forward calls but do not own the actor: only the creator's
@@ -28,7 +32,9 @@ script goes on. What the old actor held is lost, and never silently: each answer
 actor's incarnation, and the first call to see a new one logs a warning with the items written
 before it and counts it in :attr:`restarts`. Transforms appended after construction are not
 rebuilt on a restart (give them through ``transform_factory``). Once its restarts are spent, calls
-raise Ray's ``RayActorError``.
+raise Ray's ``RayActorError``; with ``remote_config={"max_restarts": 0}`` the first call to meet
+the dead actor raises it (rlpost's service buffer: its supervisor rebuilds the buffer from what the
+producers kept, which an empty restart cannot do).
 
 Deviations from TorchRL: no ``transport="distributed"``, delayed initialisation or runtime lease
 (the buffer's actor starts with the object and lives until :meth:`close` or Ray's shutdown);
@@ -108,25 +114,37 @@ class RayReplayBuffer(ReplayBuffer):
         if not ray.is_initialized():
             ray.init(**(ray_init_config or {}))
         options = dict(DEFAULT_REMOTE_CONFIG if remote_config is None else remote_config)
-        self._rb = ray.remote(**options)(_BufferActor).remote(replay_buffer_cls, kwargs)
-        self._setup(self._rb, timeout_s, kwargs.get("batch_size"), owner=True)
+        handle = ray.remote(_BufferActor).options(**options).remote(replay_buffer_cls, kwargs)
+        self._setup(handle, timeout_s, kwargs.get("batch_size"), owner=True, restarts=options.get("max_restarts", 0))
 
-    def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool) -> None:
+    def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool, restarts: int) -> None:
         self._rb, self.timeout_s, self._batch_size, self._owner = handle, timeout_s, batch_size, owner
+        self._max_restarts = restarts  # Ray's, for the actor: 0 means a dead actor stays dead
         self._incarnation: str | None = None  # the actor's, as last seen
         self._writes_seen = 0  # its write count, as its last answer said
         self.restarts = 0  # restarts of the actor this object has seen
 
     # a copy in another process forwards calls to the same actor without owning it
     def __reduce__(self):
-        return (_client, (self._rb, self.timeout_s, self._batch_size))
+        return (_client, (self._rb, self.timeout_s, self._batch_size, self._max_restarts))
 
-    def _ask(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``actor.method(*args, **kwargs)``, bounded by ``timeout_s``; while Ray restarts the actor
-        the call is made again until it runs. Notes a new incarnation (module docstring)."""
+    def client(self) -> RayReplayBuffer:
+        """A copy that forwards calls to the same actor but does not own it (its :meth:`close`
+        only lets go); what a pickled copy is too."""
+        if self._rb is None:
+            raise RuntimeError("RayReplayBuffer is closed")
+        return _client(self._rb, self.timeout_s, self._batch_size, self._max_restarts)
+
+    def _ask(self, what: str, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """``actor.method(*args, **kwargs)``, bounded by ``timeout_s`` (the buffer's by default);
+        while Ray restarts the actor the call is made again until it runs. Notes a new
+        incarnation (module docstring)."""
         import ray
 
-        deadline, deaths = time.monotonic() + self.timeout_s, 0
+        if self._rb is None:
+            raise RuntimeError(f"RayReplayBuffer: {what} on a closed buffer")
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        deadline, deaths = time.monotonic() + bound, 0
         while True:
             try:
                 ref = getattr(self._rb, method).remote(*args, **kwargs)
@@ -139,13 +157,13 @@ class RayReplayBuffer(ReplayBuffer):
                 # twice); the actor is restarting unless its restarts are spent, which a few
                 # calls in a row meeting a dead actor say
                 deaths += 1
-                if deaths > 3:
+                if self._max_restarts == 0 or deaths > 3:
                     raise
             except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"RayReplayBuffer: {what} did not return within {self.timeout_s:.0f} s") from None
+                raise TimeoutError(f"RayReplayBuffer: {what} did not return within {bound:.0f} s") from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"RayReplayBuffer: {what}: the buffer's actor did not come back within "
-                                   f"{self.timeout_s:.0f} s")  # fmt: skip
+                                   f"{bound:.0f} s")  # fmt: skip
             time.sleep(0.5)
         if self._incarnation is not None and incarnation != self._incarnation:
             self.restarts += 1
@@ -156,6 +174,17 @@ class RayReplayBuffer(ReplayBuffer):
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._ask(method, "call", method, *args, **kwargs)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """``buffer.method(*args, **kwargs)`` in the actor, bounded by ``timeout_s`` (default: the
+        buffer's) instead of the buffer's own bound (rlpost's)."""
+        return self._ask(method, "call", method, *args, timeout_s=timeout_s, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other public method of the buffer class, called in the actor (TorchRL's)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._call(name, *args, **kwargs)
 
     def _read(self, name: str) -> Any:
         return self._ask(name, "read", name)
@@ -168,8 +197,10 @@ class RayReplayBuffer(ReplayBuffer):
     def extend(self, data: Any) -> Any:
         return self._call("extend", data)
 
-    def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
-        return self._call("sample", batch_size, return_info=return_info)
+    def sample(self, batch_size: int | None = None, **kwargs: Any) -> Any:
+        """A batch sampled in the actor (``kwargs`` such as ``return_info`` go to the buffer's
+        ``sample``)."""
+        return self._call("sample", batch_size, **kwargs)
 
     def empty(self, empty_write_count: bool = True) -> None:
         self._call("empty", empty_write_count)
@@ -216,6 +247,11 @@ class RayReplayBuffer(ReplayBuffer):
         return self._read("sampler")
 
     @property
+    def actor(self) -> Any:
+        """The buffer's Ray actor handle (rlpost's: for a supervisor's health checks)."""
+        return self._rb
+
+    @property
     def is_alive(self) -> bool:
         """Whether this object still has its buffer actor (False after :meth:`close`)."""
         return self._rb is not None
@@ -234,8 +270,8 @@ class RayReplayBuffer(ReplayBuffer):
         return f"RayReplayBuffer(actor={self._rb}, batch_size={self._batch_size})"
 
 
-def _client(handle: Any, timeout_s: float, batch_size: int | None) -> RayReplayBuffer:
+def _client(handle: Any, timeout_s: float, batch_size: int | None, restarts: int) -> RayReplayBuffer:
     """A RayReplayBuffer on an existing actor that does not own it (a copy in another process)."""
     rb = RayReplayBuffer.__new__(RayReplayBuffer)
-    rb._setup(handle, timeout_s, batch_size, owner=False)
+    rb._setup(handle, timeout_s, batch_size, owner=False, restarts=restarts)
     return rb

@@ -5,9 +5,16 @@ has one interface and two implementations:
 
 - :class:`LocalBuffer`: a deque guarded by a condition variable; used in-process and as the
   state inside the Ray actor.
-- :class:`RayBuffer`: a client over the ``buffer`` actor (:mod:`rlpost.actors.buffer`), which
-  holds a LocalBuffer. One actor call moves a whole batch: single-item Ray queue calls cost
-  ~2.5 ms each here, batched ones ~1000x less per item.
+- :class:`RayBuffer`: the service's client of a LocalBuffer held in a Ray actor by a
+  :class:`~rlpost.data.RayReplayBuffer` (``replay_buffer_cls=LocalBuffer``; started by
+  :func:`rlpost.actors.buffer.start_buffer`). One actor call moves a whole batch: single-item Ray
+  queue calls cost ~2.5 ms each here, batched ones ~1000x less per item.
+
+A LocalBuffer also has a ReplayBuffer's API (``extend``, ``add``, ``sample``, ``len``,
+``write_count``), so a script built from TorchRL's pieces may use it as its buffer, in-process or
+as ``RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=..., max_staleness=...)``: ``extend``
+waits for room (backpressure) and ``sample`` takes the oldest groups, each exactly once, instead of
+drawing at random with replacement.
 
 Rules:
 - Backpressure: ``put`` blocks while the buffer is full, up to ``timeout_s``, then raises
@@ -145,13 +152,37 @@ def policy_version_of(group: Any) -> int:
 
 
 class LocalBuffer:
-    """Bounded FIFO of groups with blocking, batched put/take and a staleness cap."""
+    """Bounded FIFO of groups with blocking, batched put/take and a staleness cap.
 
-    def __init__(self, capacity: int, max_staleness: int | None = None):
+    Args:
+        capacity: groups held before ``put`` waits (backpressure).
+        max_staleness: policy versions a group may lag behind the consumer's before it is
+            dropped (None: never dropped).
+        batch_size: groups per :meth:`sample` when it is not given one.
+        wait_s: how long :meth:`extend` waits for room and :meth:`sample` for groups, then
+            raises :class:`BufferTimeout`.
+        report: called with the :class:`BufferStats` after each put, take and restore, outside
+            the lock (the service's metrics).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_staleness: int | None = None,
+        *,
+        batch_size: int | None = None,
+        wait_s: float = 600.0,
+        report: Any = None,
+    ):
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1, got {capacity}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.capacity = capacity
         self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.wait_s = wait_s
+        self.report = report
         self._items: deque[Any] = deque()
         self._cond = threading.Condition()
         self._num_put = self._num_got = self._num_dropped_stale = 0
@@ -180,6 +211,13 @@ class LocalBuffer:
         held the room for. ``force`` puts without waiting for room (a producer putting again
         what a buffer that died held: waiting could block the consumer that rebuilds it).
         """
+        try:
+            return self._put(groups, timeout_s, producer, producer_state, epoch, force)
+        finally:
+            self._report()
+
+    def _put(self, groups: Sequence[Any], timeout_s: float, producer: str | None, producer_state: Any, epoch: int,
+             force: bool) -> PutReceipt:  # fmt: skip
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if producer is not None and self._reserved.pop(producer, 0):
@@ -246,6 +284,13 @@ class LocalBuffer:
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        try:
+            return self._take(num_groups, timeout_s, current_version, acknowledged)
+        finally:
+            self._report()
+
+    def _take(self, num_groups: int, timeout_s: float, current_version: int | None,
+              acknowledged: dict[str, int] | None) -> Taken:  # fmt: skip
         deadline = time.monotonic() + timeout_s
         with self._cond:
             for producer, seq in (acknowledged or {}).items():
@@ -326,6 +371,7 @@ class LocalBuffer:
             self._acknowledged = dict(snapshot.acknowledged)
             self._reserved.clear()  # the producers that held room are gone or start again
             self._cond.notify_all()
+        self._report()
 
     def producer_state(self, producer: str) -> Any:
         """``producer``'s state after its last put (None before its first)."""
@@ -345,6 +391,46 @@ class LocalBuffer:
             )
 
 
+    def _report(self) -> None:
+        if self.report is not None:
+            self.report(self.stats())
+
+    # ------------------------------------------------------------------ a ReplayBuffer's API
+
+    def extend(self, groups: Sequence[Any]) -> list[int]:
+        """Put ``groups`` (waiting up to ``wait_s`` for room); their write positions."""
+        groups = list(groups)
+        with self._cond:
+            first = self._num_put
+        self.put(groups, self.wait_s)
+        return list(range(first, first + len(groups)))
+
+    def add(self, group: Any) -> int:
+        return self.extend([group])[0]
+
+    def sample(self, batch_size: int | None = None, current_version: int | None = None) -> list[Any]:
+        """Take the ``batch_size`` oldest groups (each is sampled once), waiting up to
+        ``wait_s``; with ``current_version``, stale groups are dropped first."""
+        size = batch_size if batch_size is not None else self.batch_size
+        if size is None:
+            raise RuntimeError("LocalBuffer.sample needs a batch size: pass batch_size= to it or to the buffer")
+        return self.take(size, self.wait_s, current_version).groups
+
+    def empty(self) -> None:
+        """Remove every group held (not counted as dropped)."""
+        self.drain()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
+    def write_count(self) -> int:
+        """Groups put so far (what a restored buffer held counts as put)."""
+        with self._cond:
+            return self._num_put
+
+
 def _highest_seqs(groups: list[Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     for g in groups:
@@ -355,17 +441,19 @@ def _highest_seqs(groups: list[Any]) -> dict[str, int]:
 
 
 class RayBuffer:
-    """Client of the ``buffer`` actor; same interface as :class:`LocalBuffer`.
+    """The service's client of a LocalBuffer in a Ray actor; same interface as :class:`LocalBuffer`.
 
-    Each call is one actor round trip for the whole batch. The client waits ``timeout_s`` plus
-    ``rpc_margin_s`` for the reply, so a dead actor surfaces as an error, never a hang: a dead
-    actor as :class:`BufferLost`, no reply in time as :class:`BufferTimeout`.
+    It forwards each call to a :class:`~rlpost.data.RayReplayBuffer` holding the LocalBuffer (one
+    actor round trip for the whole batch) and waits ``timeout_s`` plus ``rpc_margin_s`` for the
+    reply, so a dead actor surfaces as an error, never a hang: a dead actor as
+    :class:`BufferLost`, no reply in time as :class:`BufferTimeout`. Pickled (sent to an env
+    pool), it carries a copy of the RayReplayBuffer that does not own the actor.
     """
 
     name = "buffer"
 
-    def __init__(self, handle, rpc_margin_s: float = 30.0):
-        self.handle = handle
+    def __init__(self, rb: Any, rpc_margin_s: float = 30.0):
+        self.rb = rb
         self.rpc_margin_s = rpc_margin_s
 
     def put(
@@ -377,8 +465,7 @@ class RayBuffer:
         epoch: int = 0,
         force: bool = False,
     ) -> PutReceipt:
-        ref = self.handle.put.remote(list(groups), timeout_s, producer, producer_state, epoch, force)
-        return self._call(ref, timeout_s)
+        return self._call(timeout_s, "put", list(groups), timeout_s, producer, producer_state, epoch, force)
 
     def take(
         self,
@@ -387,40 +474,42 @@ class RayBuffer:
         current_version: int | None = None,
         acknowledged: dict[str, int] | None = None,
     ) -> Taken:
-        return self._call(self.handle.take.remote(num_groups, timeout_s, current_version, acknowledged), timeout_s)
+        return self._call(timeout_s, "take", num_groups, timeout_s, current_version, acknowledged)
 
     def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]:
         return self.take(num_groups, timeout_s, current_version).groups
 
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
-        return self._call(self.handle.reserve.remote(num_groups, timeout_s, producer), timeout_s)
+        return self._call(timeout_s, "reserve", num_groups, timeout_s, producer)
 
     def fence(self, producer: str, epoch: int) -> Any:
-        return self._call(self.handle.fence.remote(producer, epoch), 0.0)
+        return self._call(0.0, "fence", producer, epoch)
 
     def drop_stale(self, current_version: int) -> int:
-        return self._call(self.handle.drop_stale.remote(current_version), 0.0)
+        return self._call(0.0, "drop_stale", current_version)
 
     def drain(self) -> list[Any]:
-        return self._call(self.handle.drain.remote(), 0.0)
+        return self._call(0.0, "drain")
 
     def stats(self) -> BufferStats:
-        return self._call(self.handle.stats.remote(), 0.0)
+        return self._call(0.0, "stats")
 
     def snapshot(self) -> BufferSnapshot:
-        return self._call(self.handle.snapshot.remote(), 0.0)
+        return self._call(0.0, "snapshot")
 
     def restore(self, snapshot: BufferSnapshot) -> None:
-        self._call(self.handle.restore.remote(snapshot), 0.0)
+        self._call(0.0, "restore", snapshot)
 
     def producer_state(self, producer: str) -> Any:
-        return self._call(self.handle.producer_state.remote(producer), 0.0)
+        return self._call(0.0, "producer_state", producer)
 
-    def _call(self, ref, timeout_s: float):
+    def _call(self, timeout_s: float, method: str, *args: Any) -> Any:
+        """``method(*args)`` in the actor, whose own wait is ``timeout_s``."""
         import ray
 
+        bound = timeout_s + self.rpc_margin_s
         try:
-            return ray.get(ref, timeout=timeout_s + self.rpc_margin_s)
+            return self.rb.call(method, *args, timeout_s=bound)
         except ray.exceptions.RayActorError as exc:
             raise BufferLost(f"the buffer actor died: {str(exc).strip().splitlines()[0]}") from exc
         except ray.exceptions.RayTaskError as exc:
@@ -428,5 +517,5 @@ class RayBuffer:
             if isinstance(cause, BufferTimeout):
                 raise BufferTimeout(str(cause).splitlines()[-1]) from None
             raise
-        except ray.exceptions.GetTimeoutError:
-            raise BufferTimeout(f"buffer actor did not answer within {timeout_s + self.rpc_margin_s:.1f}s") from None
+        except TimeoutError:  # the RayReplayBuffer's bound: no reply
+            raise BufferTimeout(f"buffer actor did not answer within {bound:.1f}s") from None

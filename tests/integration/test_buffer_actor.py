@@ -1,5 +1,6 @@
 """The buffer actor on a real local Ray cluster: batching, backpressure, staleness, a dead actor."""
 
+import threading
 import time
 
 import pytest
@@ -24,18 +25,17 @@ def test_named_actor_batched_round_trip(ray_cluster):
 
 
 def test_backpressure_and_staleness_through_the_actor(ray_cluster):
-    import ray
-
     buf = start_buffer(BufferSettings(capacity=2, max_staleness=1), name="buffer-pressure")
     buf.put(groups([0, 0]), timeout_s=5)
     # A producer blocked by backpressure inside the actor must not block the consumer's get.
-    blocked = buf.handle.put.remote(groups([2, 2], start=2), 20)
+    blocked = threading.Thread(target=buf.put, args=(groups([2, 2], start=2), 20))
+    blocked.start()
     time.sleep(0.5)
-    ready, _ = ray.wait([blocked], timeout=0.1)
-    assert not ready
+    assert blocked.is_alive()
     got = buf.get(2, timeout_s=5, current_version=1)
     assert [g["prompt_id"] for g in got] == [0, 1]
-    ray.get(blocked, timeout=10)
+    blocked.join(timeout=10)
+    assert not blocked.is_alive()
     with pytest.raises(BufferTimeout, match="buffer full"):
         buf.put(groups([0]), timeout_s=0.3)
     buf.drop_stale(current_version=2)  # nothing stale: versions 2 vs 2
@@ -67,8 +67,55 @@ def test_dead_actor_is_an_error_not_a_hang(ray_cluster):
     import ray
 
     buf = start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-dead")
-    ray.kill(buf.handle)
+    ray.kill(buf.rb.actor)
     start = time.monotonic()
     with pytest.raises(BufferLost, match="the buffer actor died"):
         buf.get(1, timeout_s=1)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 5  # not restarted by Ray: the first call says so
+
+
+def test_the_service_buffer_is_a_ray_replay_buffer_a_script_can_use(ray_cluster):
+    """The same actor through TorchRL's API: extend / sample / len / write_count, any other method
+    forwarded, a client copy that does not own the actor."""
+    from rlpost.data import RayReplayBuffer
+    from rlpost.transport.buffer import LocalBuffer
+
+    buf = start_buffer(BufferSettings(capacity=8, max_staleness=0), name="buffer-as-rb")
+    rb = buf.rb
+    assert isinstance(rb, RayReplayBuffer)
+    assert rb.extend(groups([3, 3, 3])) == [0, 1, 2]
+    assert len(rb) == 3 and rb.write_count == 3
+    assert [g["prompt_id"] for g in rb.sample(2)] == [0, 1]  # oldest first, each once
+    assert rb.put(groups([4], start=9), 5, "env-pool-0").accepted  # LocalBuffer's own method
+    assert [g["prompt_id"] for g in rb.sample(1, current_version=4)] == [9]  # group 2 was stale
+    assert rb.stats().num_dropped_stale == 1
+    copy = rb.client()
+    copy.close()  # a copy only lets go
+    assert buf.stats().num_put == 4
+
+    own = RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=4, batch_size=2, wait_s=0.5, timeout_s=30)
+    try:
+        own.extend(groups([0, 0]))
+        assert [g["prompt_id"] for g in own.sample()] == [0, 1]
+        with pytest.raises(BufferTimeout, match="waited 0.5s for 2 groups"):  # empty: waits, then says so
+            own.sample()
+        with pytest.raises(TimeoutError, match="take did not return within 1 s"):  # the call's own bound
+            own.call("take", 1, 5.0, timeout_s=1)
+    finally:
+        own.close()
+
+
+def test_the_supervisors_client_maps_a_wait_and_a_death(ray_cluster):
+    import ray
+
+    from rlpost.clients import ActorLost, BufferClient
+
+    client = BufferClient(start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-client").rb)
+    client.name = "buffer-client"  # the run's is "buffer"
+    with pytest.raises(BufferTimeout, match="waited 0.3s for 1 groups"):  # the buffer's own wait: not a silence
+        client.take(1, timeout_s=0.3)
+    assert client.alive()
+    ray.kill(client.rb.actor)
+    with pytest.raises(ActorLost, match="the buffer died"):
+        client.take(1, timeout_s=0.3)
+    assert not client.alive()

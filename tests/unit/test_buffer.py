@@ -164,3 +164,29 @@ def test_drops_of_a_take_that_timed_out_are_reported_by_the_next():
     buf.put([{"policy_version": 1, "producer": "p", "seq": 2}], timeout_s=1)
     taken = buf.take(1, timeout_s=1, current_version=1)
     assert (taken.num_dropped_stale, taken.dropped_seqs, [g["seq"] for g in taken.groups]) == (1, {"p": 1}, [2])
+
+
+def test_a_replay_buffer_api_over_the_same_queue():
+    """extend / add / sample / len / write_count / empty: what a script using TorchRL's buffer
+    calls; sample takes the oldest groups, each once."""
+    reports = []
+    buf = LocalBuffer(4, max_staleness=0, batch_size=2, wait_s=0.2, report=reports.append)
+    assert buf.extend(groups([1, 1, 1])) == [0, 1, 2]
+    assert buf.add(groups([2], start=3)[0]) == 3
+    assert len(buf) == 4 and buf.write_count == 4
+    assert [x["prompt_id"] for x in buf.sample()] == [0, 1]
+    assert [x["prompt_id"] for x in buf.sample(1, current_version=2)] == [3]  # 2 was stale
+    assert len(buf) == 0 and buf.stats().num_dropped_stale == 1
+    with pytest.raises(BufferTimeout, match="waited 0.2s for 2 groups"):
+        buf.sample()
+    buf.extend(groups([0] * 4))
+    with pytest.raises(BufferTimeout, match="buffer full"):
+        buf.extend(groups([0]))
+    buf.empty()
+    assert len(buf) == 0 and buf.stats().num_dropped_stale == 1
+    # every put and take reported its stats, the failed ones too
+    assert [r.size for r in reports] == [3, 4, 2, 0, 0, 4, 4]
+    with pytest.raises(RuntimeError, match="needs a batch size"):
+        LocalBuffer(2).sample()
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        LocalBuffer(2, batch_size=0)

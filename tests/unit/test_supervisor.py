@@ -86,6 +86,7 @@ class FakeBuffer(Stand):
     def __init__(self, world, capacity, max_staleness):
         super().__init__(world, "buffer")
         self.local = LocalBuffer(capacity, max_staleness)
+        self.rb = self  # what the supervisor hands the pools
 
     def __getattr__(self, method):  # put, take, stats, snapshot, restore, producer_state, fence
         local = self.__dict__["local"]
