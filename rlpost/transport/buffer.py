@@ -390,7 +390,6 @@ class LocalBuffer:
                 last_seqs=dict(self._last_seqs),
             )
 
-
     def _report(self) -> None:
         if self.report is not None:
             self.report(self.stats())
