@@ -204,6 +204,24 @@ class ActorStarter:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.placement_group, self.place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
+        self.fleet = self._inference_fleet()
+
+    def _inference_fleet(self):
+        """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
+        its replica ``i`` is ``inference-<i>``, in its bundle, with the job's engine settings.
+        The supervisor, not Ray, restarts a replica (it re-forms the bus and tells the pools)."""
+        from rlpost.actors.async_vllm import AsyncVLLM
+        from rlpost.actors.inference import InferenceSettings, start_inference
+
+        settings = InferenceSettings.from_job(self.cfg)
+
+        def start_replica(index: int):
+            return start_inference(settings, index, scheduling_strategy=self.place(f"inference-{index}"))
+
+        return AsyncVLLM.from_replica_starter(
+            start_replica, self.cfg.rollout.num_inference_workers, settings.model_path,
+            tensor_parallel_size=settings.engine.tensor_parallel_size,
+        )  # fmt: skip
 
     def buffer(self) -> BufferClient:
         from rlpost.actors.buffer import BufferSettings, start_buffer
@@ -211,11 +229,8 @@ class ActorStarter:
         return BufferClient(start_buffer(BufferSettings.from_job(self.cfg)).rb)
 
     def inference(self, index: int) -> InferenceClient:
-        from rlpost.actors.inference import InferenceSettings, start_inference
-
-        name = f"inference-{index}"
-        handle = start_inference(InferenceSettings.from_job(self.cfg), index, scheduling_strategy=self.place(name))
-        return InferenceClient(name, handle)
+        """``inference-<index>``: the fleet's replica ``index``, started (again)."""
+        return InferenceClient(f"inference-{index}", self.fleet.start_replica(index))
 
     def learner(self) -> LearnerClient:
         """The learner, or its group of ``resources.learner.num_workers`` ranks, one bundle each."""

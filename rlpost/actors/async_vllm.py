@@ -20,6 +20,11 @@ finds the restarted replica outside its group at its next update, re-forms the g
 the current weights to every replica; until then the restarted replica serves the initial weights
 (its completions carry its own version, ``RemoteVLLMClient.last_policy_version``).
 
+``rlpost train``'s inference workers are such a fleet
+(:meth:`AsyncVLLM.from_replica_starter`): each replica is started in its placement bundle with the
+job's engine settings, and the run's supervisor restarts a dead one with
+:meth:`AsyncVLLM.start_replica` (then re-forms the weight bus and tells the env pools).
+
 Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
 (so they work on the CPU backend too, and take rlpost's weight bus); ``AsyncVLLM(engine_args)``
 takes vLLM's ``AsyncEngineArgs`` or a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's
@@ -35,6 +40,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("rlpost")
@@ -81,27 +87,62 @@ class AsyncVLLM:
         self._client = None
         self._service_id = uuid.uuid4().hex[:8]
         self._master_port: int | None = None
+        self._start_replica: Callable[[int], Any] = self._start_vllm_replica
+
+    @classmethod
+    def from_replica_starter(cls, start_replica: Callable[[int], Any], num_replicas: int, model_name: str, *,
+                             tensor_parallel_size: int = 1, request_timeout_s: float = 600.0,
+                             startup_timeout_s: float = STARTUP_TIMEOUT_S) -> AsyncVLLM:  # fmt: skip
+        """A fleet whose replica ``i`` is the actor ``start_replica(i)`` returns (rlpost's; how
+        ``rlpost train`` builds its ``inference-<i>`` workers, each in its placement bundle with
+        the job's engine settings). Nothing starts until :meth:`start_replica` or a first use;
+        Ray does not restart these replicas: their owner calls :meth:`start_replica` again."""
+        fleet = cls({"model": model_name, "tensor_parallel_size": tensor_parallel_size}, num_replicas,
+                    max_restarts=0, request_timeout_s=request_timeout_s, startup_timeout_s=startup_timeout_s)  # fmt: skip
+        fleet._start_replica = start_replica
+        return fleet
 
     # ------------------------------------------------------------------ starting
+
+    def _start_vllm_replica(self, index: int) -> Any:
+        """Replica ``index`` from the fleet's vLLM arguments (an actor named after the fleet)."""
+        from rlpost.actors.vllm_workers import make_vllm_worker
+
+        kwargs = dict(self.engine_kwargs)
+        dtype = kwargs.pop("dtype", "auto")
+        devices = kwargs.pop("tensor_parallel_size", None)
+        name = f"async-vllm-{self._service_id}" + (f"-{index}" if self.num_replicas > 1 else "")
+        return make_vllm_worker(
+            self.model_name, num_devices=devices, dtype=_dtype_name(dtype), name=name, index=index,
+            num_cpus=kwargs.pop("num_cpus", 1), ray_options=self._replica_options(), **kwargs,
+        )  # fmt: skip
+
+    def start_replica(self, index: int) -> Any:
+        """Start replica ``index`` (0 <= index < num_replicas), in place of the one that held the
+        index if any (killed first), and return its actor handle without waiting for its engine
+        to load (its first call waits). The fleet's client serves from it from now on."""
+        import ray
+
+        if not 0 <= index < self.num_replicas:
+            raise IndexError(f"AsyncVLLM has replicas 0..{self.num_replicas - 1}, not {index}")
+        if len(self.actors) < self.num_replicas:
+            self.actors.extend([None] * (self.num_replicas - len(self.actors)))
+        old = self.actors[index]
+        if old is not None:
+            ray.kill(old, no_restart=True)
+        self.actors[index] = self._start_replica(index)
+        if self._client is not None:
+            self._client.set_handles(list(self.actors))
+        return self.actors[index]
 
     def _launch(self) -> None:
         """Start the replicas and wait until every one has loaded its model."""
         import ray
 
-        from rlpost.actors.vllm_workers import make_vllm_worker
-        from rlpost.policies import RemoteVLLMClient
-
         if self.actors:
             return
-        kwargs = dict(self.engine_kwargs)
-        dtype = kwargs.pop("dtype", "auto")
-        devices = kwargs.pop("tensor_parallel_size", None)
-        handles = make_vllm_worker(
-            self.model_name, num_replicas=self.num_replicas, num_devices=devices, dtype=_dtype_name(dtype),
-            name=f"async-vllm-{self._service_id}", num_cpus=kwargs.pop("num_cpus", 1),
-            ray_options=self._replica_options(), **kwargs,
-        )  # fmt: skip
-        self.actors = handles if isinstance(handles, list) else [handles]
+        for index in range(self.num_replicas):
+            self.start_replica(index)
         start = time.monotonic()
         try:
             ray.get([actor.get_version.remote() for actor in self.actors], timeout=self.startup_timeout_s)
@@ -116,12 +157,6 @@ class AsyncVLLM:
             raise
         log.info("AsyncVLLM: %d replica(s) of %s ready in %.1f s", len(self.actors), self.model_name,
                  time.monotonic() - start)  # fmt: skip
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model_name)
-        self._client = RemoteVLLMClient(self.actors, tokenizer=tokenizer, restartable=True,
-                                        request_timeout_s=self.request_timeout_s,
-                                        worker_wait_s=self.startup_timeout_s)  # fmt: skip
 
     def _replica_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"max_restarts": self.max_restarts}
@@ -148,9 +183,19 @@ class AsyncVLLM:
     # ------------------------------------------------------------------ generating
 
     def get_engine_client(self):
-        """The load-balancing client :class:`~rlpost.policies.vLLMWrapper` generates with."""
+        """The load-balancing client :class:`~rlpost.policies.vLLMWrapper` generates with (the
+        replicas start on the first call when they are not started yet)."""
         if self._client is None:
-            self._launch()
+            from transformers import AutoTokenizer
+
+            from rlpost.policies import RemoteVLLMClient
+
+            if not self.actors:
+                self._launch()
+            tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+            self._client = RemoteVLLMClient(list(self.actors), tokenizer=tokenizer, restartable=self.max_restarts > 0,
+                                            request_timeout_s=self.request_timeout_s,
+                                            worker_wait_s=self.startup_timeout_s)  # fmt: skip
         return self._client
 
     def get_tokenizer(self):

@@ -102,3 +102,40 @@ def test_a_killed_replica_restarts_requests_wait_and_the_next_update_brings_it_u
     assert sender.update_weights() == version + 1 and fleet.get_versions() == [version + 1]
     assert collector.increments == 2 and replica_matches(fleet, model)
     sender.shutdown()
+
+
+def test_a_fleet_of_started_replicas_replaces_one_in_place(ray_cluster, tiny_model_path):
+    """How `rlpost train` builds its inference workers: the fleet starts replica i with the
+    caller's starter (a stand-in actor here: the replicas' own behaviour is tested above) and
+    start_replica(i) again puts a new actor in its place, killing the old one."""
+    import ray
+
+    from rlpost.actors.async_vllm import AsyncVLLM
+
+    @ray.remote(num_cpus=0)
+    class Replica:
+        def __init__(self, index):
+            self.index = index
+
+        def get_version(self):
+            return self.index
+
+    started = []
+
+    def start(index):
+        started.append(index)
+        return Replica.remote(index)
+
+    fleet = AsyncVLLM.from_replica_starter(start, 2, str(tiny_model_path))
+    assert fleet.actors == [] and started == [] and fleet.max_restarts == 0  # nothing starts by itself
+    first = [fleet.start_replica(i) for i in range(2)]
+    assert fleet.actors == first and ray.get([a.get_version.remote() for a in first], timeout=30) == [0, 1]
+    client = fleet.get_engine_client()  # the fleet's load-balancing client over its replicas
+    assert client.handles == first
+    second = fleet.start_replica(1)
+    assert fleet.actors == [first[0], second] and client.handles == [first[0], second] and started == [0, 1, 1]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(first[1].get_version.remote(), timeout=30)
+    with pytest.raises(IndexError, match="replicas 0..1, not 2"):
+        fleet.start_replica(2)
+    fleet.shutdown()
