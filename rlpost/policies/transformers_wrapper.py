@@ -5,10 +5,20 @@ log-probs of the sampled tokens (``log_softmax`` of the scores after temperature
 top-k), i.e. the same quantity vLLM returns with ``logprobs_mode="processed_logprobs"``.
 
 Scoring (``generate=False``) is one forward pass over right-padded full sequences:
-``log_softmax(logits / T)`` in float32, gathered at the next token, where ``T`` is the wrapper's
-temperature (1 when greedy). Top-p / top-k are not applied when scoring (as in TorchRL and TRL),
-so scores equal sampling log-probs only when those are off. Scoring runs under the caller's
-grad mode: a loss can backpropagate through ``log_probs``.
+``log_softmax(logits / T)`` in float32 (float64 for a float64 model; returned as float32),
+gathered at the next token, where ``T`` is the wrapper's temperature (1 when greedy). Top-p /
+top-k are not applied when scoring (as in TorchRL and TRL), so scores equal sampling log-probs
+only when those are off. Scoring runs under the caller's grad mode: a loss can backpropagate
+through ``log_probs``.
+
+Chunked scoring (rlpost's; ``chunked_scoring=True`` by default): for a model whose logits are
+exactly its LM head applied to the decoder's last hidden state (the Llama, Mistral, Qwen2/3 and
+Phi-3 families, a plain ``nn.Linear`` head, tied or not, LoRA adapters included), the log-probs
+come from the hidden states through :func:`rlpost.algo.chunked.chunked_token_logprobs`: the
+``[tokens, vocabulary]`` logits are never held whole, in forward or backward, only
+``score_chunk_tokens`` tokens' worth at a time. Values and gradients equal the dense path's.
+Other models, and models sharded by FSDP2, are scored the dense way; so is ``get_dist``, which
+needs every logit.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import inspect
 
 import torch
 
+from rlpost.algo.chunked import chunked_token_logprobs, softmax_dtype
 from rlpost.policies.base import Completion, LLMWrapperBase
 
 _STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -32,9 +43,16 @@ class TransformersWrapper(LLMWrapperBase):
         model: a ``PreTrainedModel`` (or a path, loaded with ``AutoModelForCausalLM`` in fp32).
         tokenizer: its tokenizer (or a path); loaded from the model's ``name_or_path`` when
             omitted.
+        chunked_scoring: score through the LM head in chunks where the model allows it (module
+            docstring; rlpost's). False: always the dense path.
+        score_chunk_tokens: tokens per chunk (None: as many as make 256 MB of float32 logits).
     """
 
-    def __init__(self, model, *, tokenizer=None, **kwargs):
+    def __init__(self, model, *, tokenizer=None, chunked_scoring: bool = True, score_chunk_tokens: int | None = None,
+                 **kwargs):  # fmt: skip
+        if score_chunk_tokens is not None and score_chunk_tokens < 1:
+            raise ValueError(f"score_chunk_tokens must be >= 1, got {score_chunk_tokens}")
+        self.chunked_scoring, self.score_chunk_tokens = chunked_scoring, score_chunk_tokens
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -51,6 +69,7 @@ class TransformersWrapper(LLMWrapperBase):
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         super().__init__(tokenizer=tokenizer, **kwargs)
+        self._kwargs.update(chunked_scoring=chunked_scoring, score_chunk_tokens=score_chunk_tokens)  # get_new_version
         self.model = model
 
     def _engine(self):
@@ -117,10 +136,30 @@ class TransformersWrapper(LLMWrapperBase):
 
     def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
         start = max(score_from - 1, 0)  # the logits at start.. predict tokens start+1..
+        head = _plain_head(self.model) if self.chunked_scoring else None
+        if head is not None:
+            return self._score_ids_chunked(full_ids, start, *head)
         logits, input_ids = self._forward_logits(full_ids, keep_from=start)
-        logprobs = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-        next_lp = logprobs.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1)
+        logits = logits[:, :-1]
+        logprobs = torch.log_softmax(logits.to(softmax_dtype(logits.dtype)) / self.temperature, dim=-1)
+        next_lp = logprobs.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1).float()
         next_lp = torch.cat([next_lp.new_zeros((len(full_ids), start + 1)), next_lp], dim=1).cpu()
+        return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
+
+    def _score_ids_chunked(self, full_ids: list[list[int]], start: int, decoder, head) -> list[torch.Tensor]:
+        """:meth:`_score_ids` from the decoder's hidden states through ``head`` in chunks."""
+        input_ids, attention = self._padded_inputs(full_ids)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        lengths = torch.tensor([len(ids) for ids in full_ids], device=input_ids.device)
+        # hidden state p predicts token p + 1: positions start .. len - 2 of each row
+        positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)[None, :]
+        predicting = (positions >= start) & (positions < lengths[:, None] - 1)
+        logprobs = chunked_token_logprobs(
+            hidden[:, :-1][predicting], head.weight, head.bias, input_ids[:, 1:][predicting],
+            temperature=self.temperature, chunk_tokens=self.score_chunk_tokens,
+        ).float()  # fmt: skip
+        next_lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=logprobs.device)
+        next_lp = next_lp.index_put((torch.nn.functional.pad(predicting, (1, 0)),), logprobs).cpu()
         return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
 
     def _full_logits(self, tensordict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +177,16 @@ class TransformersWrapper(LLMWrapperBase):
         """One forward pass over right-padded rows: ``(logits [B, T - keep_from, V], input_ids
         [B, T])``, the logits of positions ``keep_from`` to ``T - 1`` (the LM head skips the
         others where the model takes ``logits_to_keep``)."""
+        input_ids, attention = self._padded_inputs(full_ids)
+        width = input_ids.shape[1]
+        keep = {}
+        if keep_from > 0 and _takes_logits_to_keep(self.model):
+            keep["logits_to_keep"] = width - keep_from  # the last width - keep_from positions
+        logits = self.model(input_ids=input_ids, attention_mask=attention, **keep).logits
+        return logits[:, keep_from - width + logits.shape[1] :], input_ids
+
+    def _padded_inputs(self, full_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask)`` ``[B, T]`` of right-padded rows on the model's device."""
         device = next(self.model.parameters()).device
         width = max(len(ids) for ids in full_ids)
         input_ids = torch.full((len(full_ids), width), self._pad_id(), dtype=torch.long)
@@ -146,12 +195,26 @@ class TransformersWrapper(LLMWrapperBase):
             # right padding keeps position ids 0..len-1 without passing them explicitly
             input_ids[i, : len(ids)] = torch.tensor(ids)
             attention[i, : len(ids)] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        keep = {}
-        if keep_from > 0 and _takes_logits_to_keep(self.model):
-            keep["logits_to_keep"] = width - keep_from  # the last width - keep_from positions
-        logits = self.model(input_ids=input_ids, attention_mask=attention, **keep).logits
-        return logits[:, keep_from - width + logits.shape[1] :], input_ids
+        return input_ids.to(device), attention.to(device)
+
+
+# model types whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
+
+
+def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``(decoder, lm_head)`` when the model's logits are ``lm_head(decoder(...).last_hidden_state)``
+    with a plain linear head on whole (unsharded) weights; None otherwise (score densely)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(getattr(inner, "config", None), "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
+        return None  # an adapter on the head, or a sharded (DTensor) weight
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    if decoder is None or hasattr(inner, "unshard"):  # FSDP2-managed: its root forward gathers the weights
+        return None
+    return decoder, head
 
 
 def _takes_logits_to_keep(model) -> bool:

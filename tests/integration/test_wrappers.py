@@ -428,8 +428,11 @@ def test_scoring_the_assistant_tokens_only_gives_their_log_probs_and_gradients(h
         },
         batch_size=[2],
     )
-    full = TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False, pad_output=True)
+    # the dense path (chunked scoring never builds the logits before the first assistant token)
+    full = TransformersWrapper(hf_model, tokenizer=tiny_tokenizer, input_mode="tokens", generate=False, pad_output=True,
+                               chunked_scoring=False)  # fmt: skip
     fast = full.get_new_version(score_assistant_only=True)
+    assert fast.chunked_scoring is False
     kept = []
     hook = hf_model.register_forward_pre_hook(lambda m, a, kw: kept.append(kw.get("logits_to_keep")), with_kwargs=True)
     try:
@@ -449,6 +452,10 @@ def test_scoring_the_assistant_tokens_only_gives_their_log_probs_and_gradients(h
     # without the mask nothing says which positions are needed: every one is scored
     whole = fast(td.exclude(("masks", "all_assistant_mask"))).get(("log_probs", "full"))
     torch.testing.assert_close(whole.detach(), lp_full, rtol=0, atol=1e-5)
+    # the chunked path scores from the first assistant token too, with the same values
+    chunked = fast.get_new_version(chunked_scoring=True)
+    lp_chunked = chunked(td.copy()).get(("log_probs", "full")).detach()
+    torch.testing.assert_close(lp_chunked, lp_fast, rtol=0, atol=1e-5)
 
 
 def test_the_engine_stops_busy_polling_soon_after_a_call(vllm_engine, tiny_tokenizer):
