@@ -39,6 +39,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("lora", _lora),
         ("profile_reload", _profile_reload),
         ("sync_route", _sync_route),
+        ("scoring", _scoring),
         ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
         ("race_lora", lambda d, r, b: _e2e(d, r, b, "race_lora")),
         ("profile_engine", _profile_engine),
@@ -72,6 +73,7 @@ TITLES = {
     "profile_engine": "14. The engine's generate call on the tiny race's workload: where vLLM's CPU engine spends "
     "it, against transformers' generate",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
+    "scoring": "16. Scoring a long row for training: chunked through the LM head against the dense logits",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
 }
@@ -383,6 +385,29 @@ def _buffer(d: dict, results: Path, base: Path) -> str:
             lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
         else:
             lines.append(f"| {name} | {_fmt(c)} | - |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _scoring(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    lines = [
+        f"## {TITLES['scoring']}",
+        "",
+        f"{s['model']} ({s['vocab']}-token vocabulary, {s['dtype']}): one row of each length scored by "
+        "`TransformersWrapper(generate=False)` and the log-probs' sum back-propagated, dense "
+        "(`chunked_scoring=False`) and chunked (the default), each case in a fresh process; memory is the "
+        f"peak resident memory above the loaded model; medians of {s['repeats']} repeats.",
+        "",
+        _ratios(d),
+        "| figure | median | repeats |",
+        "| --- | --- | --- |",
+    ]
+    for name, c in d["cases"].items():
+        lines.append(
+            f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |"
+            if isinstance(c, dict)
+            else f"| {name} | {_fmt(c)} | - |"
+        )
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

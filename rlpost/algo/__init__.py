@@ -1,4 +1,5 @@
-"""Pure GRPO math: group advantages, KL estimators, the clipped loss and its aggregations.
+"""Pure GRPO math: group advantages, KL estimators, the clipped loss and its aggregations, and
+the chunked log-probs of the taken tokens through the LM head.
 
 Imports torch only (no ray, vllm, transformers, tensordict or torch.distributed) so that it can
 be tested and reused anywhere; tests/unit/test_algo_purity.py enforces it. The TensorDict-facing
@@ -6,6 +7,7 @@ modules built on it live in ``rlpost.objectives``.
 """
 
 from rlpost.algo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
+from rlpost.algo.chunked import chunked_token_logprobs
 from rlpost.algo.grpo import (
     AGGREGATIONS,
     OFF_POLICY_CORRECTIONS,
@@ -33,6 +35,7 @@ __all__ = [
     "KLEstimator",
     "LossFunction",
     "OffPolicyCorrection",
+    "chunked_token_logprobs",
     "effective_sample_size",
     "group_advantages",
     "grpo_loss",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20  # float32 logits of one chunk
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # float32 logits of one chunk
 
 
 def default_chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -74,8 +74,9 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    return logits.to(softmax_dtype(logits.dtype)) / temperature
+    """A chunk's tempered logits, in a fresh tensor the caller may overwrite (no autograd)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).to(softmax_dtype(hidden.dtype))
+    return logits.div_(temperature)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -105,8 +106,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             stop = min(start + ctx.chunk, hidden.shape[0])
             with torch.no_grad():
                 logits = _chunk_logits(hidden[start:stop], weight, bias, ctx.temperature)
-                # d lp / d logits = onehot - softmax, times the incoming gradient and 1/T
-                grad_logits = torch.exp(logits - lse[start:stop, None]).neg_()
+                # d lp / d logits = onehot - softmax, times the incoming gradient and 1/T; in
+                # place: one [chunk, vocabulary] buffer
+                grad_logits = logits.sub_(lse[start:stop, None]).exp_().neg_()
                 grad_logits.scatter_add_(-1, targets[start:stop, None], torch.ones_like(grad_logits[:, :1]))
                 grad_logits.mul_(grad_out[start:stop, None].to(grad_logits.dtype) / ctx.temperature)
                 if grad_hidden is not None:

@@ -45,7 +45,7 @@ class TransformersWrapper(LLMWrapperBase):
             omitted.
         chunked_scoring: score through the LM head in chunks where the model allows it (module
             docstring; rlpost's). False: always the dense path.
-        score_chunk_tokens: tokens per chunk (None: as many as make 256 MB of float32 logits).
+        score_chunk_tokens: tokens per chunk (None: as many as make 64 MB of float32 logits).
     """
 
     def __init__(self, model, *, tokenizer=None, chunked_scoring: bool = True, score_chunk_tokens: int | None = None,

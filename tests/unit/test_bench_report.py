@@ -261,6 +261,7 @@ def test_workload_overrides_and_benchmark_names():
         "profile_reload",
         "profile_engine",
         "sync_route",
+        "scoring",
         "race_genheavy",
         "race_lora",
         "profile_tiny",
