@@ -92,6 +92,15 @@ class ModelConfig(_Section):
         description="Train a LoRA adapter on the frozen base model instead of every weight (null: full "
         "fine-tuning). Set `model.lora={}` for the defaults.",
     )
+    chunked_scoring: bool = Field(
+        True,
+        description="The learner and the reference actor compute log-probs from the model's last hidden "
+        "states through the LM head in chunks of tokens, so the [tokens, vocabulary] logits are never held "
+        "whole (measured: 0.27x the peak memory of the dense path for a 4,096-token row of a "
+        "151,936-token vocabulary, at 1.1-1.3x its time: each chunk's logits are computed again in "
+        "backward). Applies to the Llama, Mistral, Qwen2/3 and Phi-3 families and not to a learner "
+        "sharded over several ranks, which score densely. false: always the dense logits.",
+    )
 
     @property
     def tokenizer_path(self) -> str:

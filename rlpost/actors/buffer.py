@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlpost.config import RoleResources
 from rlpost.data.ray_replay_buffer import RayReplayBuffer
-from rlpost.transport.buffer import BufferStats, LocalBuffer, RayBuffer
+from rlpost.transport.buffer import BufferMetrics, LocalBuffer, RayBuffer
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -49,22 +49,6 @@ def buffer_capacity(cfg: JobConfig) -> int:
 def staleness_cap(cfg: JobConfig) -> int:
     """Policy versions a group may lag behind the learner: 0 in sync mode."""
     return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
-
-
-class BufferMetrics:
-    """Reports the buffer's size and stale drops under the run's name (called in the actor,
-    after each put, take and restore)."""
-
-    def __init__(self, run_name: str) -> None:
-        self.run_name = run_name
-        self._metrics: Any = None  # made in the actor, on the first report
-
-    def __call__(self, stats: BufferStats) -> None:
-        from rlpost.metrics import RoleMetrics
-
-        if self._metrics is None:
-            self._metrics = RoleMetrics("buffer", self.run_name, "buffer")
-        self._metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
 
 
 def start_buffer(

@@ -255,6 +255,7 @@ class Learner:
             generate_kwargs={"temperature": cfg.rollout.temperature},
             # the loss reads the assistant tokens only: no LM head or log-softmax on the prompt
             score_assistant_only=True,
+            chunked_scoring=cfg.model.chunked_scoring,
         )
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
         # The batch's loss tokens are the assistant mask ("rlhf"); the entropy bonus is the

@@ -45,43 +45,15 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from rlpost.buffer_host import BufferHost
 from rlpost.data.replay_buffers import ReplayBuffer
 
 log = logging.getLogger("rlpost")
 
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0, "max_restarts": 3}
-
-
-class _BufferActor:
-    """The Ray actor holding the buffer: each method is one call of the buffer's API."""
-
-    def __init__(self, replay_buffer_cls: type, kwargs: dict[str, Any]) -> None:
-        self.rb = replay_buffer_cls(**kwargs)
-        self.incarnation = uuid.uuid4().hex  # a new one after each restart
-
-    # every answer is (incarnation, write count, result): the client sees a restart, and what was lost
-    def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[str, int, Any]:
-        result = getattr(self.rb, method)(*args, **kwargs)
-        return self.incarnation, self.rb.write_count, result
-
-    def read(self, name: str) -> tuple[str, int, Any]:
-        return self.incarnation, self.rb.write_count, getattr(self.rb, name)
-
-    def begin_pass(self) -> tuple[str, int, None]:
-        """Start iterating (``for batch in rb``): a new pass of the sampler."""
-        if self.rb.batch_size is None:
-            raise RuntimeError("cannot iterate over a ReplayBuffer without batch_size (pass batch_size= to it)")
-        self.rb.sampler.ran_out = False
-        return self.incarnation, self.rb.write_count, None
-
-    def next_in_pass(self) -> tuple[str, int, tuple[Any, bool]]:
-        """The pass's next batch, and whether the sampler ended the pass with it."""
-        batch = self.rb.sample()
-        return self.incarnation, self.rb.write_count, (batch, self.rb.sampler.ran_out)
 
 
 class RayReplayBuffer(ReplayBuffer):
@@ -114,7 +86,7 @@ class RayReplayBuffer(ReplayBuffer):
         if not ray.is_initialized():
             ray.init(**(ray_init_config or {}))
         options = dict(DEFAULT_REMOTE_CONFIG if remote_config is None else remote_config)
-        handle = ray.remote(_BufferActor).options(**options).remote(replay_buffer_cls, kwargs)
+        handle = ray.remote(BufferHost).options(**options).remote(replay_buffer_cls, kwargs)
         self._setup(handle, timeout_s, kwargs.get("batch_size"), owner=True, restarts=options.get("max_restarts", 0))
 
     def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool, restarts: int) -> None:

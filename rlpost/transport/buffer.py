@@ -430,6 +430,22 @@ class LocalBuffer:
             return self._num_put
 
 
+class BufferMetrics:
+    """A LocalBuffer's ``report`` in a run: its size and stale drops as the run's ``buffer``
+    metrics (called in the buffer's actor, after each put, take and restore)."""
+
+    def __init__(self, run_name: str) -> None:
+        self.run_name = run_name
+        self._metrics: Any = None  # made in the actor, on the first report
+
+    def __call__(self, stats: BufferStats) -> None:
+        from rlpost.metrics import RoleMetrics
+
+        if self._metrics is None:
+            self._metrics = RoleMetrics("buffer", self.run_name, "buffer")
+        self._metrics.record(size=stats.size, groups_dropped_stale=stats.num_dropped_stale)
+
+
 def _highest_seqs(groups: list[Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     for g in groups:

@@ -79,3 +79,23 @@ def test_the_public_outputs_are_the_same_and_other_models_score_densely(tiny_mod
 
     model.config.model_type = "gemma2"  # soft-capped logits: not lm_head(hidden) alone
     assert _plain_head(model) is None
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_learner_and_the_reference_follow_model_chunked_scoring(tiny_model_path, chunked):
+    from rlpost.actors.learner import Learner, LearnerSettings
+    from rlpost.actors.reference import Reference, ReferenceSettings
+    from rlpost.config import JobConfig
+
+    cfg = JobConfig.model_validate({"model": {"name_or_path": str(tiny_model_path), "chunked_scoring": chunked},
+                                    "reference": {"enabled": True}})  # fmt: skip
+    learner = Learner(LearnerSettings.from_job(cfg))
+    reference = Reference(ReferenceSettings.from_job(cfg))
+    assert learner.loss_fn.actor_network.chunked_scoring is chunked
+    assert reference.kl.ref_model.chunked_scoring is chunked
+    row = [1, 5, 7, 9, 11, 3]
+    dense = TransformersWrapper(learner.model, tokenizer=learner.tokenizer, generate=False, chunked_scoring=False,
+                                generate_kwargs={"temperature": cfg.rollout.temperature})  # fmt: skip
+    with torch.no_grad():
+        want = dense._score_ids([row])[0]
+    torch.testing.assert_close(torch.tensor(learner.score([row])[0]), want, rtol=1e-5, atol=1e-5)
