@@ -379,12 +379,8 @@ def _buffer(d: dict, results: Path, base: Path) -> str:
         _ratios(d),
         "| figure | median | repeats |",
         "| --- | --- | --- |",
+        *_case_rows(d),
     ]
-    for name, c in d["cases"].items():
-        if isinstance(c, dict):
-            lines.append(f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |")
-        else:
-            lines.append(f"| {name} | {_fmt(c)} | - |")
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 
@@ -401,14 +397,17 @@ def _scoring(d: dict, results: Path, base: Path) -> str:
         _ratios(d),
         "| figure | median | repeats |",
         "| --- | --- | --- |",
+        *_case_rows(d),
     ]
-    for name, c in d["cases"].items():
-        lines.append(
-            f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |"
-            if isinstance(c, dict)
-            else f"| {name} | {_fmt(c)} | - |"
-        )
     return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _case_rows(d: dict) -> list[str]:
+    """One ``| figure | median | repeats |`` row per case (a single figure has no repeats)."""
+    return [
+        f"| {name} | {_fmt(c['median'])} | {_repeats(c)} |" if isinstance(c, dict) else f"| {name} | {_fmt(c)} | - |"
+        for name, c in d["cases"].items()
+    ]
 
 
 def _sandbox(d: dict, results: Path, base: Path) -> str:

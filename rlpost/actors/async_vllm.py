@@ -118,19 +118,20 @@ class AsyncVLLM:
         )  # fmt: skip
 
     def start_replica(self, index: int) -> Any:
-        """Start replica ``index`` (0 <= index < num_replicas), in place of the one that held the
-        index if any (killed first), and return its actor handle without waiting for its engine
-        to load (its first call waits). The fleet's client serves from it from now on."""
+        """Start replica ``index`` and return its actor handle without waiting for its engine to
+        load (its first call waits): the next replica (replicas start in order, 0 first), or one
+        already started, replaced (the old one killed first). The fleet's client serves from it
+        from now on."""
         import ray
 
-        if not 0 <= index < self.num_replicas:
-            raise IndexError(f"AsyncVLLM has replicas 0..{self.num_replicas - 1}, not {index}")
-        if len(self.actors) < self.num_replicas:
-            self.actors.extend([None] * (self.num_replicas - len(self.actors)))
-        old = self.actors[index]
-        if old is not None:
-            ray.kill(old, no_restart=True)
-        self.actors[index] = self._start_replica(index)
+        if not 0 <= index <= min(len(self.actors), self.num_replicas - 1):
+            raise IndexError(f"AsyncVLLM: replica {index} cannot start now: it has {len(self.actors)} of "
+                             f"{self.num_replicas} started (replicas 0..{self.num_replicas - 1}, in order)")  # fmt: skip
+        if index < len(self.actors):
+            ray.kill(self.actors[index], no_restart=True)
+            self.actors[index] = self._start_replica(index)
+        else:
+            self.actors.append(self._start_replica(index))
         if self._client is not None:
             self._client.set_handles(list(self.actors))
         return self.actors[index]

@@ -136,6 +136,9 @@ def test_a_fleet_of_started_replicas_replaces_one_in_place(ray_cluster, tiny_mod
     assert fleet.actors == [first[0], second] and client.handles == [first[0], second] and started == [0, 1, 1]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(first[1].get_version.remote(), timeout=30)
-    with pytest.raises(IndexError, match="replicas 0..1, not 2"):
+    with pytest.raises(IndexError, match="replica 2 cannot start now: it has 2 of 2 started"):
         fleet.start_replica(2)
+    early = AsyncVLLM.from_replica_starter(start, 2, str(tiny_model_path))
+    with pytest.raises(IndexError, match="replica 1 cannot start now: it has 0 of 2 started"):
+        early.start_replica(1)  # in order: 0 first
     fleet.shutdown()
