@@ -6,7 +6,7 @@
  +-------------------------+   generate(n samples)   |  torch.distributed group     |
  | env-pool actors (M)     | ----------------------> | inference workers (N) ------+|
  | ChatEnv + transforms    | <---------------------- | vLLM engine each            ||
- | GroupCollector, rewards |   tokens + log-probs +  +-----------------------------+|
+ | LLMCollector, rewards  |   tokens + log-probs +  +-----------------------------+|
  | tools, PolicyVersion    |   policy version                  ^                    |
  +-------------------------+                                   | broadcast (NCCL on |
         | completed groups (+ advantages)                      | GPU, gloo on CPU)  |

@@ -7,8 +7,9 @@ One evaluation (:meth:`Evaluator.run`)::
                                                     repeated eval.samples_per_prompt times)
     policy = vLLMWrapper on the engine client      (greedy, or sampled at eval.temperature with
                                                     eval.seed; eval.max_tokens)
-    groups = GroupCollector(env, policy).collect(num_prompts)     the same episodes as training
-                                                                  (tools and turns included)
+    groups = LLMCollector(env, policy=policy,       the same episodes as training (tools and
+                          whole_episodes=...)      turns included): LLMCollector's whole-
+             .collect_groups(num_prompts)          episodes mode, as the env pools run it
     metrics from the groups' rewards
 
 The metrics (keys as in metrics.jsonl):
@@ -104,7 +105,7 @@ class Evaluator:
         :class:`~rlpost.policies.RemoteVLLMClient`, or a local worker's client); returns
         the metrics. ``policy_version`` is reported when the client does not say which version
         served the completions."""
-        from rlpost.collect import GroupCollector
+        from rlpost.collect import LLMCollector, WholeEpisodes
         from rlpost.policies import vLLMWrapper
 
         ev, rollout = self.cfg.eval, self.cfg.rollout
@@ -113,11 +114,10 @@ class Evaluator:
         sampling.update({"temperature": 0.0} if ev.greedy else {"temperature": ev.temperature, "seed": ev.seed})
         policy = vLLMWrapper(engine_client, tokenizer=self.tokenizer, input_mode="tokens", generate_kwargs=sampling,
                              return_log_probs=True, return_tokens=True, pad_output=False)  # fmt: skip
-        collector = GroupCollector(
-            self._make_env(), policy, group_size=ev.samples_per_prompt, max_turns=rollout.max_turns,
-            advantage_scale="none", max_prompt_tokens=rollout.engine.max_model_len - 1,
-        )  # fmt: skip
-        groups = collector.collect(ev.num_prompts)
+        episodes = WholeEpisodes(group_size=ev.samples_per_prompt, max_turns=rollout.max_turns,
+                                 advantage_scale="none", max_prompt_tokens=rollout.engine.max_model_len - 1)  # fmt: skip
+        collector = LLMCollector(self._make_env(), policy=policy, whole_episodes=episodes)
+        groups = collector.collect_groups(ev.num_prompts)
         samples = [s for g in groups for s in g.samples]
         metrics = {
             "eval_reward_mean": mean(s.reward for s in samples),

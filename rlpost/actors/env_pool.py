@@ -3,7 +3,9 @@
 :class:`EnvPool` is a plain class (no Ray needed): the env of its settings (its shard of the
 prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process
 ``LocalVLLMClient`` or the inference workers' remote client), and an
-:class:`~rlpost.collect.GroupCollector`. The controller drives it in one of two ways::
+:class:`~rlpost.collect.LLMCollector` in its whole-episodes mode (each batch's episodes start
+together and end inside it; whole GRPO groups come out). The controller drives it in one of
+two ways::
 
     sync:   groups = pool.collect(num_groups)            one batch with the current weights
     async:  pool.start(num_groups_total) ... pool.stop() a background thread runs
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlpost.actors import start_actor
-from rlpost.collect import GroupCollector, PolicyVersion
+from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
 from rlpost.transport.buffer import BufferLost, BufferTimeout
@@ -142,17 +144,19 @@ class EnvPool:
             return_tokens=True,
             pad_output=False,
         )
-        self.collector = GroupCollector(
+        self.collector = LLMCollector(
             self.env,
-            self.policy,
-            group_size=group_size,
-            groups_per_batch=self.groups_per_batch,
-            max_turns=rollout.max_turns,
-            advantage_scale=cfg.loss.advantage_scale,
-            filter_equal_rewards=cfg.loss.filter_equal_rewards,
+            policy=self.policy,
+            dialog_turns_per_batch=self.groups_per_batch * group_size,
             track_policy_version=policy_version if policy_version is not None else PolicyVersion(),
-            group_info={"env_pool": pool_index},
-            max_prompt_tokens=rollout.engine.max_model_len - 1,
+            whole_episodes=WholeEpisodes(
+                group_size=group_size,
+                max_turns=rollout.max_turns,
+                advantage_scale=cfg.loss.advantage_scale,
+                filter_equal_rewards=cfg.loss.filter_equal_rewards,
+                max_prompt_tokens=rollout.engine.max_model_len - 1,
+                group_info={"env_pool": pool_index},
+            ),
         )
         self.name = f"env-pool-{pool_index}"
         self.engine_client = engine_client
@@ -187,7 +191,7 @@ class EnvPool:
         return self._collect(num_groups or self.groups_per_batch)
 
     def _collect(self, num_groups: int) -> list[Group]:
-        groups = self.collector.collect(num_groups)
+        groups = self.collector.collect_groups(num_groups)
         self.num_prompts_collected += num_groups
         if self.on_batch is not None:
             self.on_batch(groups)
@@ -363,12 +367,12 @@ class EnvPool:
 
     @property
     def policy_version(self) -> PolicyVersion:
-        return self.collector.policy_version
+        return self.collector.policy_version_tracker
 
     def set_policy_version(self, version: int) -> None:
         """Tell the pool the weights version its engine now serves (clients without
         ``last_policy_version``, e.g. an in-process engine after a local weight load)."""
-        self.collector.policy_version.set_version(version)
+        self.collector.policy_version_tracker.set_version(version)
 
     def stats(self) -> dict[str, Any]:
         """Running totals: samples, generated tokens, reward errors, filtered groups, seconds
@@ -376,7 +380,7 @@ class EnvPool:
         out = self.collector.stats.as_dict()
         out.update(
             env_pool=self.pool_index,
-            policy_version=self.collector.policy_version.version,
+            policy_version=self.collector.get_policy_version(),
             num_batches_put=self.num_batches_put,
             put_s=self.put_s,
             running=self.running,

@@ -2,7 +2,7 @@
 
 The class is TorchRL's ``PolicyVersion`` transform, defined in
 :mod:`rlpost.envs.llm_transforms` and re-exported here; this module describes how rlpost's
-service collector (:class:`~rlpost.collect.collector.GroupCollector`) uses it. Integer versions
+collector in its whole-episodes mode (:class:`~rlpost.collect.LLMCollector`, the service's) uses it. Integer versions
 only there: the learner bumps the version at every weight publication; inference workers load
 the new weights and report the version they served with. Contract with engine clients
 (:class:`rlpost.policies.VLLMEngineClient` implementations):

@@ -42,7 +42,7 @@ class RayLLMCollector(LLMCollector):
         policy, policy_factory, dialog_turns_per_batch, total_dialog_turns,
         yield_only_last_steps, yield_completed_trajectories, postproc, async_envs,
         replay_buffer, reset_at_each_iter, flatten_data, weight_updater, track_policy_version,
-        verbose: as :class:`~rlpost.collect.LLMCollector` (the replay buffer is usually a
+        whole_episodes, verbose: as :class:`~rlpost.collect.LLMCollector` (the replay buffer is usually a
             :class:`~rlpost.data.RayReplayBuffer`, which the actor writes to directly).
         ray_init_config: ``ray.init`` arguments when Ray is not initialized yet.
         remote_config: Ray actor options (default: no CPU, no GPU).
@@ -57,7 +57,7 @@ class RayLLMCollector(LLMCollector):
         *,
         policy: Callable | None = None,
         policy_factory: Callable[[], Callable] | None = None,
-        dialog_turns_per_batch: int,
+        dialog_turns_per_batch: int | None = None,
         total_dialog_turns: int = -1,
         yield_only_last_steps: bool | None = None,
         yield_completed_trajectories: bool | None = None,
@@ -70,6 +70,7 @@ class RayLLMCollector(LLMCollector):
         ray_init_config: dict[str, Any] | None = None,
         remote_config: dict[str, Any] | None = None,
         track_policy_version: Any = False,
+        whole_episodes: Any = False,
         sync_iter: bool = True,
         verbose: bool = False,
         num_cpus: float | None = None,
@@ -103,6 +104,7 @@ class RayLLMCollector(LLMCollector):
             flatten_data=flatten_data,
             weight_updater=weight_updater,
             track_policy_version=track_policy_version,
+            whole_episodes=whole_episodes,
             verbose=verbose,
         )
 

@@ -18,7 +18,7 @@ Two ways in:
   of ``prompt_key`` at its first step. The return is None while no group completes, else the
   steps of the completed groups stacked along dim 0 (a lazy stack), ``advantage`` set on every
   step in the reward's shape.
-- :meth:`MCAdvantage.add` (rlpost's, used by the service's GroupCollector): an iterable of flat
+- :meth:`MCAdvantage.add` (rlpost's, used by LLMCollector's whole-episodes mode): an iterable of flat
   records (dicts or TensorDicts with a scalar reward), returning the completed groups as lists
   of shallow copies with ``advantage`` set.
 
@@ -34,7 +34,7 @@ Deliberate deviations from TorchRL:
   ``std.clamp_min(1e-6)``), and a group whose rewards are all equal gets exactly 0 (TorchRL
   divides a float residue by 1e-6, or gets NaN for a single value). ``scale="none"`` centres
   only (Dr.GRPO); there is no "batch" scale: groups complete one at a time, so a batch std
-  would depend on how writes happen to be chunked (the service's GroupCollector rescales whole
+  would depend on how writes happen to be chunked (LLMCollector's whole-episodes mode rescales whole
   batches itself).
 - ``filter_equal_rewards=True`` (DAPO dynamic sampling) drops a complete group whose rewards
   are all equal; it works in both modes, while TorchRL's ``keep_return_bounds`` (also offered)

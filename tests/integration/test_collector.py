@@ -1,4 +1,4 @@
-"""GroupCollector, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
+"""LLMCollector's whole-episodes mode, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
 
 One in-process engine serves the module. Engine calls go through a recording
 client, so the tests compare every sample with the exact ids and log-probs the engine returned.
@@ -13,7 +13,7 @@ import torch
 
 from rlpost.actors.env_pool import EnvPool, EnvPoolActor, EnvPoolSettings, InferenceWorkerLost
 from rlpost.algo import group_advantages
-from rlpost.collect import GroupCollector, PolicyVersion
+from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
 from rlpost.config import JobConfig
 from rlpost.envs import Transform, make_env
 from rlpost.envs.rewards import answer_reward
@@ -112,7 +112,12 @@ def make_collector(cfg, client, tokenizer, *, input_mode="tokens", num_groups=4,
     )  # fmt: skip
     kwargs.setdefault("advantage_scale", cfg.loss.advantage_scale)
     kwargs.setdefault("filter_equal_rewards", cfg.loss.filter_equal_rewards)
-    return GroupCollector(env, policy, group_size=GROUP_SIZE, **kwargs)
+    groups_per_batch, total_groups = kwargs.pop("groups_per_batch", 1), kwargs.pop("total_groups", None)
+    return LLMCollector(
+        env, policy=policy, whole_episodes=WholeEpisodes(group_size=GROUP_SIZE, **kwargs),
+        dialog_turns_per_batch=groups_per_batch * GROUP_SIZE,
+        total_dialog_turns=-1 if total_groups is None else total_groups * GROUP_SIZE,
+    )  # fmt: skip
 
 
 def row_of(env, prompt_id):
@@ -132,7 +137,7 @@ def flat(groups):
 def test_collect_whole_groups_from_the_engine_ids(engine, tiny_tokenizer, input_mode):
     client = RecordingClient(engine)
     collector = make_collector(make_cfg(), client, tiny_tokenizer, input_mode=input_mode)
-    groups = collector.collect(4)
+    groups = collector.collect_groups(4)
 
     assert len(groups) == 4
     assert all(len(g.samples) == GROUP_SIZE and {s.prompt_id for s in g.samples} == {g.prompt_id} for g in groups)
@@ -178,15 +183,44 @@ def test_iterator_and_batch_scaled_advantages(engine, tiny_tokenizer):
         assert [a for g in batch for a in g.advantages] == pytest.approx(expected.flatten().tolist(), abs=1e-9)
 
 
+def test_whole_episodes_compose_the_torchrl_way_into_the_service_buffer(engine, tiny_tokenizer):
+    """``LLMCollector(env, policy=..., whole_episodes=True, replay_buffer=...)`` as a TorchRL
+    user writes it: the group size comes from the env's primer, a batch is the env's rows, each
+    batch goes into the buffer as whole groups with one extend, and the buffer's sample gives
+    them back oldest first; the mode's bad combinations are refused with what to change."""
+    cfg = make_cfg()
+    env = make_env(cfg, tiny_tokenizer, 2 * GROUP_SIZE, input_mode="tokens")
+    policy = vLLMWrapper(RecordingClient(engine), tokenizer=tiny_tokenizer, input_mode="tokens", pad_output=False,
+                         generate_kwargs={"max_tokens": 8})  # fmt: skip
+    buffer = CountingBuffer(capacity=100, batch_size=2, wait_s=5)
+    collector = LLMCollector(env, policy=policy, whole_episodes=True, replay_buffer=buffer, total_dialog_turns=16)
+    assert collector.whole_episodes.group_size == GROUP_SIZE and collector.dialog_turns_per_batch == 2 * GROUP_SIZE
+    assert list(collector) == [None, None]
+    assert buffer.put_sizes == [2, 2]
+    first = buffer.sample()
+    assert [g.prompt_id for g in first] == [0, 1] and all(len(g.samples) == GROUP_SIZE for g in first)
+    assert collector.stats.num_groups_emitted == 4 and collector.state_dict()["env"]
+
+    with pytest.raises(TypeError, match="whole_episodes runs batches of its own"):
+        LLMCollector(env, policy=policy, whole_episodes=True, yield_completed_trajectories=True)
+    with pytest.raises(ValueError, match="not a multiple of group_size 4"):
+        LLMCollector(env, policy=policy, whole_episodes=True, dialog_turns_per_batch=6)
+    with pytest.raises(ValueError, match="repeats each prompt 4 times but group_size is 2"):
+        LLMCollector(env, policy=policy, whole_episodes=WholeEpisodes(group_size=2))
+    no_logprobs = vLLMWrapper(engine, tokenizer=tiny_tokenizer, input_mode="tokens", return_log_probs=False)
+    with pytest.raises(ValueError, match="'return_log_probs': False"):
+        LLMCollector(env, policy=no_logprobs, whole_episodes=True)
+
+
 def test_policy_version_follows_the_engine(engine, tiny_tokenizer):
     client = RecordingClient(engine, versions=[7])
     collector = make_collector(make_cfg(), client, tiny_tokenizer)
-    groups = collector.collect(4)
+    groups = collector.collect_groups(4)
     assert {s.policy_version for s in flat(groups)} == {7}
     assert {g.policy_version for g in groups} == {7}
     assert collector.get_policy_version() == 7
     client.versions = [9]
-    assert {g.policy_version for g in collector.collect(2)} == {9}
+    assert {g.policy_version for g in collector.collect_groups(2)} == {9}
 
 
 def test_multi_turn_sequences_and_oldest_version(engine, tiny_tokenizer):
@@ -196,7 +230,7 @@ def test_multi_turn_sequences_and_oldest_version(engine, tiny_tokenizer):
     client = RecordingClient(engine, versions=[7, 8], overrides=[{"max_tokens": 2}])
     collector = make_collector(make_cfg(rollout={"max_turns": 2}), client, tiny_tokenizer, num_groups=2)
     collector.env.append_transform(Nudge())
-    groups = collector.collect(2)
+    groups = collector.collect_groups(2)
     assert len(client.calls) == 2
     (prompts1, out1), (prompts2, out2) = client.calls
     assert len(prompts2) == 8  # no row answered in 2 tokens: every row took a second turn
@@ -231,7 +265,7 @@ class SwitchingMidCompletion(RecordingClient):
 
 def test_token_versions_of_an_update_mid_completion_reach_the_samples(engine, tiny_tokenizer):
     client = SwitchingMidCompletion(engine, versions=[7])
-    groups = make_collector(make_cfg(), client, tiny_tokenizer, num_groups=1).collect(1)
+    groups = make_collector(make_cfg(), client, tiny_tokenizer, num_groups=1).collect_groups(1)
     ((prompts, out),) = client.calls
     for sample, prompt, (c,) in zip(flat(groups), prompts, out):
         assert sample.policy_version == 7  # the oldest
@@ -243,7 +277,7 @@ def test_dapo_filter_drops_and_counts_equal_groups(engine, tiny_tokenizer):
     # Rows 0-7 (groups 0 and 1) all get one identical completion: equal rewards in each group.
     client = RecordingClient(engine, same_completion_rows=range(8))
     collector = make_collector(make_cfg(loss={"filter_equal_rewards": True}), client, tiny_tokenizer)
-    groups = collector.collect(4)
+    groups = collector.collect_groups(4)
     num_filtered = collector.stats.num_filtered_groups
     assert num_filtered >= 2 and len(groups) == 4 - num_filtered
     assert collector.last_batch_info["num_filtered_groups"] == num_filtered
@@ -469,7 +503,7 @@ def test_tool_turns_train_only_generated_ids_and_keep_each_turns_logprobs(engine
     cfg = make_cfg(data={"task": "tool_arithmetic"}, tools={"python": {"enabled": True}}, rollout={"max_turns": 3})
     client = ScriptedFirstTurn(engine, tiny_tokenizer, "```python\nprint(6 * 7)\n```")
     collector = make_collector(cfg, client, tiny_tokenizer, num_groups=2)
-    groups = collector.collect(2)
+    groups = collector.collect_groups(2)
     (prompts1, out1), (prompts2, out2), *rest = client.calls
     assert len(prompts2) == 8  # every row called the tool, so every row took a second turn
     tool_text = "<tool_response>\nCode block 1 executed successfully:\n42\n\n</tool_response>"
@@ -499,7 +533,7 @@ def test_an_episode_whose_next_prompt_would_not_fit_the_engine_ends_and_is_count
     script = "```python\nprint('x' * 500)\n```"
     client = ScriptedFirstTurn(engine, tiny_tokenizer, script)
     collector = make_collector(cfg, client, tiny_tokenizer, num_groups=2, max_prompt_tokens=200)
-    groups = collector.collect(2)
+    groups = collector.collect_groups(2)
     assert len(client.calls) == 1  # nobody took a second turn
     assert collector.stats.num_length_truncated == 8 and groups[0].info["num_length_truncated"] == 8
     for sample in flat(groups):
