@@ -50,7 +50,7 @@ from pathlib import Path
 from statistics import mean, pstdev
 from typing import TextIO
 
-from rlpost.clients import ActorFailure
+from rlpost.actors.calls import ActorFailure
 from rlpost.config import JobConfig
 from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics

@@ -44,17 +44,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlpost.actors import learner_name
-from rlpost.clients import (
-    ActorFailure,
-    BufferClient,
-    BusFailure,
-    EnvPoolClient,
-    InferenceClient,
-    LearnerClient,
-    ReferenceClient,
-    first_line,
-    wait_all,
-)
+from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all
+from rlpost.clients import BufferClient, EnvPoolClient, InferenceClient, LearnerClient, ReferenceClient
 from rlpost.config import JobConfig
 from rlpost.runs import latest_checkpoint
 from rlpost.shutdown import raise_if_stopping

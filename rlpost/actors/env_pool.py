@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlpost.actors import start_actor
+from rlpost.actors.calls import InferenceWorkerLost
 from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
 from rlpost.envs import make_env
 from rlpost.policies import vLLMWrapper
@@ -78,12 +79,6 @@ class EnvPoolSettings:
     def from_job(cls, cfg: JobConfig) -> EnvPoolSettings:
         return cls(cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.loss, cfg.trainer, cfg.resources.env_pool,
                    cfg.logging.run_name or "")  # fmt: skip
-
-
-class InferenceWorkerLost(RuntimeError):
-    """Raised by :meth:`EnvPool.wait` when the pool's engine client found an inference worker
-    dead. The pool goes on collecting (its request waits for the worker's replacement); the
-    error only tells whoever waits on the pool, at once, that a worker needs replacing."""
 
 
 class EnvPool:

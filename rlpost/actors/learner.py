@@ -1123,7 +1123,7 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
     """
     import ray
 
-    from rlpost.clients import Pending, wait_all
+    from rlpost.actors.calls import Pending, wait_all
 
     options_for = options_for or (lambda rank: {})
     timeout_s = settings.resources.timeout_s if timeout_s is None else timeout_s

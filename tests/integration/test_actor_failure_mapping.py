@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from rlpost.clients import ActorClient, ActorLost, actor_state, alive
+from rlpost.actors.calls import ActorLost
+from rlpost.clients import ActorClient, actor_state, alive
 
 pytestmark = pytest.mark.integration
 

@@ -108,7 +108,8 @@ def test_the_service_buffer_is_a_ray_replay_buffer_a_script_can_use(ray_cluster)
 def test_the_supervisors_client_maps_a_wait_and_a_death(ray_cluster):
     import ray
 
-    from rlpost.clients import ActorLost, BufferClient
+    from rlpost.actors.calls import ActorLost
+    from rlpost.clients import BufferClient
 
     client = BufferClient(start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-client").rb)
     client.name = "buffer-client"  # the run's is "buffer"

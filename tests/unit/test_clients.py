@@ -3,7 +3,7 @@
 import pytest
 import ray
 
-from rlpost.clients import ActorLost, BusFailure, CallTimeout, Pending, classify, wait_all
+from rlpost.actors.calls import ActorLost, BusFailure, CallTimeout, Pending, classify, wait_all
 from rlpost.transport.buffer import BufferLost
 from rlpost.transport.weight_bus import WeightSyncError
 

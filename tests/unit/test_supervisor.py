@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from rlpost.clients import ActorLost, BusFailure
+from rlpost.actors.calls import ActorLost, BusFailure
 from rlpost.shutdown import StopRequested
 from rlpost.supervisor import LearnerDied, Ledger, RunActors, Supervisor
 from rlpost.transport.buffer import BufferSnapshot, LocalBuffer

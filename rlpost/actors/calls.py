@@ -1,0 +1,172 @@
+"""Bounded calls into actors, and the errors their failures become.
+
+A call waits a bounded time and turns Ray's ways of failing into errors a caller can recover
+from (:func:`classify`):
+
+    the called actor died or was killed                     -> ActorLost(name)
+    the call failed because another actor it used died      -> ActorLost(None)
+    a weight sync failed (a bus peer died or went silent)   -> BusFailure
+    no answer within the call's timeout                     -> CallTimeout(name)
+
+Any other error propagates as the actor raised it, with the remote traceback chained.
+:class:`Pending` is one call in flight, :class:`GroupPending` one call on every rank of a group,
+:func:`wait_all` waits for several. The run's clients (:mod:`rlpost.clients`) and the learner
+group's start are built on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlpost.transport.buffer import BufferLost
+
+
+class InferenceWorkerLost(RuntimeError):
+    """Raised by an env pool's ``wait`` when the pool's engine client found an inference worker
+    dead. The pool goes on collecting (its request waits for the worker's replacement); the
+    error only tells whoever waits on the pool, at once, that a worker needs replacing."""
+
+
+class ActorFailure(RuntimeError):
+    """A call failed because an actor of the run is gone or silent; the supervisor recovers.
+
+    ``name`` is the actor known to be lost (None when the failure came from further away).
+    """
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
+
+
+class ActorLost(ActorFailure):
+    """An actor died: the one called (``name``) or one the called actor depended on."""
+
+
+class BusFailure(ActorFailure):
+    """A weight sync failed: a bus peer died or did not answer within ``weight_sync.timeout_s``."""
+
+
+class CallTimeout(ActorFailure):
+    """The actor ``name`` did not answer a call within its timeout."""
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, BufferLost, InferenceWorkerLost))
+
+
+def _causes(exc: BaseException):
+    """``exc`` and the errors it was raised from, nearest first (Ray's task errors included)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+
+
+def classify(exc: BaseException, name: str, method: str) -> BaseException:
+    """The error a failed call of ``name.method`` should raise (see the module docstring)."""
+    import ray
+
+    from rlpost.transport.weight_bus import WeightSyncError
+
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return CallTimeout(f"{name} did not answer {method}", name)
+    # A RayTaskError means the called actor ran the method and raised: it is alive. Ray raises it
+    # as a subclass of its cause's class too, so one whose cause is another actor's death is also
+    # a RayActorError and must be told apart from the called actor's own death.
+    if isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, ray.exceptions.RayTaskError):
+        return ActorLost(f"{name} died during {method}{_why_dead(exc)}", name)
+    causes = list(_causes(exc))
+    if any(isinstance(c, WeightSyncError) for c in causes):
+        return BusFailure(f"weight sync failed in {name}.{method}: {first_line(exc)}", None)
+    if any(_is_actor_death(c) for c in causes[1:]):
+        return ActorLost(f"{name}.{method} failed because an actor it used died: {first_line(exc)}", None)
+    return exc
+
+
+def _why_dead(exc: BaseException) -> str:
+    """Why Ray says the actor died, as a clause: its constructor's error, or the sentence of
+    Ray's message that names the death ("The actor is dead because its worker process has
+    died"); empty when Ray says neither."""
+    if getattr(exc, "actor_init_failed", False):
+        return f": its constructor raised {first_line(exc)}"
+    for line in str(exc).splitlines():
+        if line.startswith("The actor is dead because"):
+            return ": " + line.split(". ")[0].rstrip(".")
+    return ""
+
+
+def first_line(exc: BaseException) -> str:
+    """The last line of an error's text (Ray's task errors put the cause's message there)."""
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+@dataclasses.dataclass
+class Pending:
+    """A call in flight (``ref``) whose result is collected later, with the same error mapping."""
+
+    name: str
+    method: str
+    ref: Any
+
+    def result(self, timeout_s: float):
+        import ray
+
+        try:
+            return ray.get(self.ref, timeout=timeout_s)
+        except Exception as exc:
+            mapped = classify(exc, self.name, self.method)
+            if mapped is not exc:
+                raise mapped from exc
+            cause = getattr(exc, "cause", None)
+            if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, Exception):
+                # the actor's own error, with its own message (the remote traceback stays chained)
+                raise cause from exc
+            raise
+
+
+@dataclasses.dataclass
+class GroupPending:
+    """One call in flight on every rank of a group (``calls``, rank 0 first): its result is rank
+    0's once every rank answered. The first rank that fails fails the call at once, so a dead
+    rank is known without waiting for the others, whose collectives only time out later."""
+
+    calls: list[Pending]
+
+    def result(self, timeout_s: float):
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        remaining = {call.ref: call for call in self.calls}
+        while remaining:
+            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = next(iter(remaining.values()))
+                raise CallTimeout(f"{late.name} did not answer {late.method}", late.name)
+            for ref in ready:
+                remaining.pop(ref).result(0.0)  # raises that rank's (mapped) error
+        return self.calls[0].result(0.0)
+
+
+def wait_all(pending: list[Pending], timeout_s: float) -> list:
+    """Results of every call in ``pending``; all are waited for (so none is left running
+    unobserved) and the first failure is raised afterwards."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    results, failure = [], None
+    for call in pending:
+        try:
+            results.append(call.result(max(0.0, deadline - time.monotonic())))
+        except Exception as exc:
+            results.append(None)
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return results
