@@ -20,12 +20,14 @@ def learner_name(rank: int) -> str:
 
 
 def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namespace: str | None = None,
-                **options: Any) -> Any:  # fmt: skip
-    """Start ``actor_class(*args)`` as the Ray actor ``name`` with the CPUs and GPUs of
-    ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to ``.options()``
-    and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
+                init_kwargs: dict[str, Any] | None = None, **options: Any) -> Any:  # fmt: skip
+    """Start ``actor_class(*args, **init_kwargs)`` as the Ray actor ``name`` with the CPUs and
+    GPUs of ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to
+    ``.options()`` and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
     ``scheduling_strategy``)."""
     import ray  # here, not at import: the plain classes must work where Ray is not installed
 
     chosen = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus} | options
-    return ray.remote(actor_class).options(name=name, namespace=namespace, **chosen).remote(*args)
+    return (
+        ray.remote(actor_class).options(name=name, namespace=namespace, **chosen).remote(*args, **(init_kwargs or {}))
+    )

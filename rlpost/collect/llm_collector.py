@@ -46,9 +46,11 @@ they restart finished rows at once and carry unfinished trajectories into the ne
 older weights generated their first turns. A batch is a ``list[Group]``
 (:mod:`rlpost.collect.episodes` says what a Sample holds) and is written with
 ``replay_buffer.extend(groups)`` (a :class:`~rlpost.transport.buffer.LocalBuffer`, alone or in
-a :class:`~rlpost.data.RayReplayBuffer`: the service's buffer). ``dialog_turns_per_batch`` and
+a :class:`~rlpost.data.RayReplayBuffer`: the service's buffer; or a
+:class:`~rlpost.transport.buffer.GroupWriter` over it, which numbers the groups, keeps them until
+acknowledged and reserves room before each batch, as the env pools do). ``dialog_turns_per_batch`` and
 ``total_dialog_turns`` count episodes (rows) in this mode; :meth:`collect_groups` collects one
-batch of a given number of prompts, :attr:`stats` keeps the running totals, and
+batch of a given number of prompts, :attr:`episode_stats` keeps the running totals, and
 :meth:`state_dict` the prompt stream's position.
 
 Deliberate deviations from TorchRL: the collector is a plain iterable, not a
@@ -190,7 +192,7 @@ class LLMCollector:
             dialog_turns_per_batch = 1 if yield_completed_trajectories else self.env.batch_size.numel()
         self.requested_frames_per_batch = int(dialog_turns_per_batch)
         self.total_frames = int(total_dialog_turns)
-        self.stats = CollectorStats()  # running totals of the whole-episodes mode
+        self.episode_stats = CollectorStats()  # running totals of the whole-episodes mode
         self.last_batch_info: dict[str, Any] = {}  # the whole-episodes mode's last batch
         self._num_batches = 0
         if self.whole_episodes is not None:
@@ -304,7 +306,13 @@ class LLMCollector:
                 rows = self.requested_frames_per_batch
                 if self.total_frames >= 0:
                     rows = min(rows, self.total_frames - self._frames)
-                batch = self.collect_groups(rows // self.whole_episodes.group_size)
+                num_groups = rows // self.whole_episodes.group_size
+                # a writer that reserves room first (GroupWriter); looked up on the class, since a
+                # RayReplayBuffer answers any attribute with a call into its actor
+                if hasattr(type(self.replay_buffer), "wait_for_room"):
+                    if not self.replay_buffer.wait_for_room(num_groups, self._stop):
+                        return  # stopped while waiting
+                batch = self.collect_groups(num_groups)
                 self._frames += rows
             else:
                 batch = self.rollout()
@@ -428,7 +436,7 @@ class LLMCollector:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         start = time.perf_counter()
         errors_before = Counter(getattr(self.env, "reward_errors", {}))
-        truncated_before = (self.stats.num_drift_truncated, self.stats.num_length_truncated)
+        truncated_before = (self.episode_stats.num_drift_truncated, self.episode_stats.num_length_truncated)
         episodes = self._run_episodes(num_groups * settings.group_size)
         fallback = self.policy_version_tracker.version
         samples = [e.to_sample(getattr(self.policy, "tokenizer", None), fallback) for e in episodes]
@@ -437,7 +445,7 @@ class LLMCollector:
         reward_errors.subtract(errors_before)
         reward_errors = Counter({k: v for k, v in reward_errors.items() if v})
         self._record(groups, num_groups, num_filtered, reward_errors, truncated_before)
-        self.stats.collect_s += time.perf_counter() - start
+        self.episode_stats.collect_s += time.perf_counter() - start
         return groups
 
     def _whole_episodes(self, caller: str) -> WholeEpisodes:
@@ -492,7 +500,7 @@ class LLMCollector:
             return keep
         rows = self.env.prompt_rows(next_td)
         fits = [j for j in keep if ep.num_tokens(rows[j], self.env) <= limit]
-        self.stats.num_length_truncated += len(keep) - len(fits)
+        self.episode_stats.num_length_truncated += len(keep) - len(fits)
         return fits
 
     def _policy_turn(self, td: TensorDictBase, episodes: list[ep.Episode]) -> TensorDictBase:
@@ -503,8 +511,8 @@ class LLMCollector:
         self.recorder.take()  # drop anything a previous, failed call left behind
         start = time.perf_counter()
         td = self.policy(td)
-        self.stats.generate_s += time.perf_counter() - start
-        self.stats.num_policy_calls += 1
+        self.episode_stats.generate_s += time.perf_counter() - start
+        self.episode_stats.num_policy_calls += 1
         calls = self.recorder.take()
         if len(calls) != 1 or len(calls[0].prompt_token_ids) != len(episodes):
             raise RuntimeError(
@@ -525,10 +533,10 @@ class LLMCollector:
             if versions is None and served is not None:
                 versions = [int(served)] * len(ids)
             if not episode.add_turn(prompt_ids, ids, ep.completion_logprobs(completion), versions):
-                self.stats.num_drift_truncated += 1
+                self.episode_stats.num_drift_truncated += 1
                 episode.frozen = True
                 continue
-            self.stats.num_generated_tokens += len(completion.token_ids)
+            self.episode_stats.num_generated_tokens += len(completion.token_ids)
             episode.finished = bool(completion.finished)
             episode.policy_version = tracker.merge(episode.policy_version, served)
         return td
@@ -550,8 +558,8 @@ class LLMCollector:
         self, groups: list[Group], num_groups: int, num_filtered: int, reward_errors: Counter,
         truncated_before: tuple[int, int],
     ) -> None:  # fmt: skip
-        num_drift = self.stats.num_drift_truncated - truncated_before[0]
-        num_length = self.stats.num_length_truncated - truncated_before[1]
+        num_drift = self.episode_stats.num_drift_truncated - truncated_before[0]
+        num_length = self.episode_stats.num_length_truncated - truncated_before[1]
         for i, group in enumerate(groups):
             first = i == 0
             group.info.update(
@@ -562,11 +570,11 @@ class LLMCollector:
                 num_length_truncated=num_length if first else 0,
             )
         self._num_batches += 1
-        self.stats.num_groups_collected += num_groups
-        self.stats.num_groups_emitted += len(groups)
-        self.stats.num_filtered_groups += num_filtered
-        self.stats.num_samples += sum(len(g.samples) for g in groups)
-        self.stats.reward_errors.update(reward_errors)
+        self.episode_stats.num_groups_collected += num_groups
+        self.episode_stats.num_groups_emitted += len(groups)
+        self.episode_stats.num_filtered_groups += num_filtered
+        self.episode_stats.num_samples += sum(len(g.samples) for g in groups)
+        self.episode_stats.reward_errors.update(reward_errors)
         self.last_batch_info = {
             "num_groups": len(groups), "num_filtered_groups": num_filtered,
             "reward_errors": dict(reward_errors), "num_drift_truncated": num_drift,

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from rlpost.actors.env_pool import EnvPool, EnvPoolActor, EnvPoolSettings, InferenceWorkerLost
+from rlpost.actors.calls import InferenceWorkerLost
+from rlpost.actors.env_pool import EnvPool, EnvPoolSettings
 from rlpost.algo import group_advantages
-from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
+from rlpost.collect import LLMCollector, WholeEpisodes
 from rlpost.config import JobConfig
 from rlpost.envs import Transform, make_env
 from rlpost.envs.rewards import answer_reward
@@ -164,8 +165,8 @@ def test_collect_whole_groups_from_the_engine_ids(engine, tiny_tokenizer, input_
         assert g.advantages == pytest.approx(expected, abs=1e-9)
         assert g.policy_version == 0
         assert g.info["num_filtered_groups"] == 0
-    assert collector.stats.num_samples == 16
-    assert collector.stats.num_generated_tokens == sum(s.num_generated for s in flat(groups))
+    assert collector.episode_stats.num_samples == 16
+    assert collector.episode_stats.num_generated_tokens == sum(s.num_generated for s in flat(groups))
 
 
 def test_iterator_and_batch_scaled_advantages(engine, tiny_tokenizer):
@@ -199,7 +200,7 @@ def test_whole_episodes_compose_the_torchrl_way_into_the_service_buffer(engine, 
     assert buffer.put_sizes == [2, 2]
     first = buffer.sample()
     assert [g.prompt_id for g in first] == [0, 1] and all(len(g.samples) == GROUP_SIZE for g in first)
-    assert collector.stats.num_groups_emitted == 4 and collector.state_dict()["env"]
+    assert collector.episode_stats.num_groups_emitted == 4 and collector.state_dict()["env"]
 
     with pytest.raises(TypeError, match="whole_episodes runs batches of its own"):
         LLMCollector(env, policy=policy, whole_episodes=True, yield_completed_trajectories=True)
@@ -278,7 +279,7 @@ def test_dapo_filter_drops_and_counts_equal_groups(engine, tiny_tokenizer):
     client = RecordingClient(engine, same_completion_rows=range(8))
     collector = make_collector(make_cfg(loss={"filter_equal_rewards": True}), client, tiny_tokenizer)
     groups = collector.collect_groups(4)
-    num_filtered = collector.stats.num_filtered_groups
+    num_filtered = collector.episode_stats.num_filtered_groups
     assert num_filtered >= 2 and len(groups) == 4 - num_filtered
     assert collector.last_batch_info["num_filtered_groups"] == num_filtered
     assert all(len(set(g.rewards)) > 1 for g in groups)
@@ -304,7 +305,8 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     assert all(g.prompt_id % 2 == 1 for g in groups)  # shard 1 of 2: odd positions only
     assert buffer.put_sizes == []
 
-    pool.run(num_groups_total=4, put_timeout_s=10)
+    pool.start(num_groups_total=4)
+    assert pool.wait(timeout_s=60)
     assert buffer.put_sizes == [2, 2]  # one batched put per collect
     in_buffer = buffer.get(4, timeout_s=1)
     assert all(len(g.samples) == GROUP_SIZE for g in in_buffer)
@@ -399,7 +401,7 @@ def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(e
 
     old, new = Dying(capacity=100), LocalBuffer(capacity=100)
     pool = EnvPool(make_cfg(), 0, RecordingClient(engine), old, tokenizer=tiny_tokenizer)
-    pool.buffer_wait_s = 60
+    pool.writer.buffer_wait_s = 60
     pool.start(num_groups_total=12)
     deadline = time.monotonic() + 60
     while old.stats().num_put < 4 and time.monotonic() < deadline:
@@ -409,19 +411,21 @@ def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(e
     assert pool.wait(timeout_s=60)
     got = new.get(new.stats().size, timeout_s=1)
     assert [g.seq for g in got] == list(range(1, 13)) and {g.producer for g in got} == {"env-pool-0"}
-    assert new.producer_state("env-pool-0")["num_groups_put"] == 12 and len(pool.outbox) == 12
+    assert new.producer_state("env-pool-0")["num_groups_put"] == 12 and len(pool.writer.outbox) == 12
     with pytest.raises(BufferTimeout):  # an empty buffer: the take waits in vain but records the acknowledgement
         new.take(1, timeout_s=0.05, acknowledged={"env-pool-0": 12})
     new.put([], timeout_s=1, producer="p")  # another producer's put does not acknowledge this one's
-    assert len(pool.outbox) == 12
-    pool._put([], timeout_s=1)  # its own next put learns the acknowledgement
-    assert pool.outbox == []
+    assert len(pool.writer.outbox) == 12
+    pool.writer.extend([])  # its own next put learns the acknowledgement
+    assert pool.writer.outbox == []
 
 
 # ---------------------------------------------------------------------------- the Ray actor
 
 
-def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
+def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
+    """The actor ``env-pool-0`` is EnvPool itself (an LLMCollector: no shell of forwards); its
+    stats answer while its background collection runs."""
     from rlpost.actors.buffer import BufferSettings, start_buffer
     from rlpost.actors.env_pool import start_env_pool
 
@@ -443,7 +447,7 @@ def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_m
     cfg = make_cfg(model={"name_or_path": str(tiny_model_path)})  # the actor loads the tokenizer
     buffer = start_buffer(BufferSettings(capacity=10**6, max_staleness=None), name="buffer-env-pool-test")
     actor = start_env_pool(cfg, 0, FixedClient(ids, 5), buffer)
-    assert ray_cluster.get_actor("env-pool-0") is not None
+    assert ray_cluster.get_actor("env-pool-0") is not None and issubclass(EnvPool, LLMCollector)
     groups = ray_cluster.get(actor.collect.remote(2), timeout=120)
     assert len(groups) == 2 and all(s.token_ids[s.prompt_len :] == ids for s in flat(groups))
     assert {g.policy_version for g in groups} == {5}
@@ -455,24 +459,6 @@ def test_env_pool_actor_is_thin_and_threaded(ray_cluster, tiny_tokenizer, tiny_m
     assert not stats["running"] and stats["error"] is None and stats["num_batches_put"] >= 1
     assert buffer.stats().num_put == stats["num_batches_put"] * 4
     ray_cluster.kill(actor)
-
-
-def test_plain_pool_works_without_the_actor_shell():
-    # EnvPoolActor only forwards: its methods are EnvPool's
-    forwarded = {
-        "collect",
-        "start",
-        "stop",
-        "wait",
-        "stats",
-        "state_dict",
-        "load_state_dict",
-        "set_policy_version",
-        "set_inference",
-    }
-    assert forwarded <= {name for name in vars(EnvPoolActor) if not name.startswith("_")}
-    assert all(hasattr(EnvPool, name) for name in forwarded)
-    assert PolicyVersion(3).increment_version() == 4
 
 
 class ScriptedFirstTurn(RecordingClient):
@@ -535,7 +521,7 @@ def test_an_episode_whose_next_prompt_would_not_fit_the_engine_ends_and_is_count
     collector = make_collector(cfg, client, tiny_tokenizer, num_groups=2, max_prompt_tokens=200)
     groups = collector.collect_groups(2)
     assert len(client.calls) == 1  # nobody took a second turn
-    assert collector.stats.num_length_truncated == 8 and groups[0].info["num_length_truncated"] == 8
+    assert collector.episode_stats.num_length_truncated == 8 and groups[0].info["num_length_truncated"] == 8
     for sample in flat(groups):
         assert sample.num_turns == 1 and sample.num_tool_calls == 1 and sample.reward == 0.0
         assert sample.token_ids[-len(client.script) :] == client.script  # the sample ends with turn 1

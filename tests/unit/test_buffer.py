@@ -190,3 +190,59 @@ def test_a_replay_buffer_api_over_the_same_queue():
         LocalBuffer(2).sample()
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         LocalBuffer(2, batch_size=0)
+
+
+class Item:
+    """A group as the writer sees it: numbered in place."""
+
+    def __init__(self, version=0):
+        self.policy_version, self.producer, self.seq = version, None, None
+
+
+def test_a_group_writer_numbers_keeps_until_acknowledged_and_refuses_once_fenced():
+    from rlpost.transport.buffer import GroupWriter
+
+    buf = LocalBuffer(capacity=2)
+    position = {"n": 0}
+    writer = GroupWriter(buf, "pool-a", state=lambda: dict(position))
+    assert writer.wait_for_room(2)
+    position["n"] = 2
+    writer.extend([Item(), Item()])
+    assert [g.seq for g in writer.outbox] == [1, 2] and buf.producer_state("pool-a") == {"n": 2}
+    stop = threading.Event()
+    stop.set()
+    assert not writer.wait_for_room(1, stop)  # full: a stopped writer gives up waiting
+    buf.take(2, timeout_s=1)
+    with pytest.raises(BufferTimeout):  # the consumer received both: its next take says so
+        buf.take(1, timeout_s=0.05, acknowledged={"pool-a": 2})
+    position["n"] = 3
+    writer.extend([])  # an empty put records the position and learns what was received
+    assert writer.outbox == [] and buf.producer_state("pool-a") == {"n": 3}
+    assert writer.num_batches_put == 2 and writer.num_groups_put == 2
+    buf.fence("pool-a", epoch=1)  # the producer was replaced: its epoch-0 writer is refused
+    with pytest.raises(RuntimeError, match="pool-a \\(epoch 0\\) was replaced"):
+        writer.extend([Item()])
+
+
+def test_a_group_writer_survives_its_buffer_and_puts_again_what_is_not_acknowledged():
+    from rlpost.transport.buffer import BufferLost, GroupWriter
+
+    class Dead:
+        def put(self, *args, **kwargs):
+            raise BufferLost("the buffer actor died")
+
+    old, new = LocalBuffer(capacity=8), LocalBuffer(capacity=8)
+    writer = GroupWriter(old, "pool-a", buffer_wait_s=5)
+    writer.extend([Item(), Item()])
+    writer.buffer = Dead()  # the actor dies; the next put waits for set_buffer
+    put = threading.Thread(target=writer.extend, args=([Item()],))
+    put.start()
+    time.sleep(0.2)
+    assert writer.set_buffer(new) == 3  # the two kept groups and the one in flight
+    put.join(5)
+    got = new.get(new.stats().size, timeout_s=1)
+    assert [g.seq for g in got] == [1, 2, 3]
+    writer.buffer_wait_s = 0.1
+    writer.buffer = Dead()
+    with pytest.raises(BufferLost, match="no new one came within 0s"):
+        writer.extend([])
