@@ -592,6 +592,15 @@ class GroupWriter:
         self._changed = threading.Condition()  # guards buffer, outbox and the numbering
         self._generation = 0
 
+    def __getstate__(self) -> dict[str, Any]:  # sent to a collector's actor: the lock is made there
+        state = dict(self.__dict__)
+        del state["_changed"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._changed = threading.Condition()
+
     def extend(self, groups: Sequence[Any]) -> None:
         """Number ``groups``, keep them and put them with the producer's new state. Even an
         empty put records the new position (e.g. the DAPO filter dropped every group)."""

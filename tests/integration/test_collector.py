@@ -423,15 +423,11 @@ def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(e
 # ---------------------------------------------------------------------------- the Ray actor
 
 
-def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
-    """The actor ``env-pool-0`` is EnvPool itself (an LLMCollector: no shell of forwards); its
-    stats answer while its background collection runs."""
-    from rlpost.actors.buffer import BufferSettings, start_buffer
-    from rlpost.actors.env_pool import start_env_pool
+def fixed_client_class():
+    """An engine client whose every row answers the same ids (defined in a function: Ray ships
+    it to the actors by value)."""
 
     class FixedClient:
-        """Every row answers "<answer>1</answer>" (defined here: pickled by value into the actor)."""
-
         def __init__(self, ids, version):
             self.ids, self.last_policy_version = ids, version
 
@@ -443,6 +439,16 @@ def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokeni
         def score(self, token_ids, *, temperature):
             return [[0.0] * len(ids) for ids in token_ids]
 
+    return FixedClient
+
+
+def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
+    """The actor ``env-pool-0`` is EnvPool itself (an LLMCollector: no shell of forwards); its
+    stats answer while its background collection runs."""
+    from rlpost.actors.buffer import BufferSettings, start_buffer
+    from rlpost.actors.env_pool import start_env_pool
+
+    FixedClient = fixed_client_class()
     ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)
     cfg = make_cfg(model={"name_or_path": str(tiny_model_path)})  # the actor loads the tokenizer
     buffer = start_buffer(BufferSettings(capacity=10**6, max_staleness=None), name="buffer-env-pool-test")
@@ -525,3 +531,48 @@ def test_an_episode_whose_next_prompt_would_not_fit_the_engine_ends_and_is_count
     for sample in flat(groups):
         assert sample.num_turns == 1 and sample.num_tool_calls == 1 and sample.reward == 0.0
         assert sample.token_ids[-len(client.script) :] == client.script  # the sample ends with turn 1
+
+
+def test_a_ray_collector_of_whole_episodes_writes_each_group_once_through_a_group_writer(
+    ray_cluster, tiny_tokenizer, tiny_model_path
+):
+    """The service's pipeline composed from the public pieces: a RayLLMCollector in the
+    whole-episodes mode writes through a GroupWriter into a RayReplayBuffer holding a
+    LocalBuffer; the groups arrive whole, numbered 1..4 once each, with the version that made them."""
+    import time
+
+    from rlpost.collect import RayLLMCollector
+    from rlpost.data import RayReplayBuffer
+    from rlpost.transport.buffer import GroupWriter, LocalBuffer, RayBuffer
+
+    FixedClient = fixed_client_class()
+    ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)
+    cfg, path = make_cfg(), str(tiny_model_path)
+
+    def build_env():
+        from transformers import AutoTokenizer
+
+        return make_env(cfg, AutoTokenizer.from_pretrained(path), 2 * GROUP_SIZE, input_mode="tokens")
+
+    def build_policy():
+        from transformers import AutoTokenizer
+
+        return vLLMWrapper(FixedClient(ids, 3), tokenizer=AutoTokenizer.from_pretrained(path), input_mode="tokens",
+                           pad_output=False)  # fmt: skip
+
+    rb = RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=100, remote_config={"num_cpus": 0})
+    collector = RayLLMCollector(build_env, policy_factory=build_policy, whole_episodes=True,
+                                replay_buffer=GroupWriter(RayBuffer(rb), "collector-0"),
+                                total_dialog_turns=4 * GROUP_SIZE, timeout_s=120)  # fmt: skip
+    collector.start()
+    deadline = time.monotonic() + 120
+    while collector.is_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert collector.collection_failure() is None
+    groups = rb.sample(4)
+    assert [g.seq for g in groups] == [1, 2, 3, 4] and {g.producer for g in groups} == {"collector-0"}
+    assert [g.prompt_id for g in groups] == [0, 1, 2, 3] and {g.policy_version for g in groups} == {3}
+    assert all(len(g.samples) == GROUP_SIZE and g.samples[0].token_ids[g.samples[0].prompt_len :] == ids
+               for g in groups)  # fmt: skip
+    collector.shutdown()
+    rb.close()
