@@ -362,12 +362,13 @@ class TrainerConfig(_Section):
         description="Recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(less learner memory for long completions; the tiny model's learner step took 16-34% longer).",
     )
-    max_tokens_per_microbatch: int | None = Field(
-        None,
-        ge=1,
+    max_tokens_per_microbatch: typing.Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto",
         description="Padded tokens (rows x longest row) per learner micro-batch: rows are packed longest first up to "
-        "it (a longer row goes alone); None: optimizer.grad_accumulation slices only. The step's gradient is the "
-        "same for any split.",
+        "it, and a step with a row longer than it fails before training, naming this key. auto: set at the "
+        "learner's start from the model's shape and its device's free memory (logged; docs/architecture.md says "
+        "how); None: no budget (optimizer.grad_accumulation slices only). The step's gradient is the same for any "
+        "split.",
     )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")

@@ -7,7 +7,7 @@ thin Ray shell :func:`start_learner` starts as ``learner`` (the logic stays test
 One learner step, ``train_step(groups)``::
 
     micro_batches = collate(slice) for grad_accumulation contiguous slices of the samples,
-                    each packed to trainer.max_tokens_per_microbatch padded tokens when set
+                    each packed to the token budget (trainer.max_tokens_per_microbatch, auto)
     D = sum(loss_normaliser(micro) for micro in micro_batches)    # the whole batch's denominator
     repeat epochs_per_batch times:                                # PPO epochs over the same batch
         for micro in micro_batches:
@@ -43,8 +43,10 @@ Dropout is off (``model.eval()``) for good: the learner's scores must match the 
 
 Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activations in the
 backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
-bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`). Neither changes
-the step's loss or gradient.
+bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`), by default
+(``auto``) from the model's shape and the device's free memory at the start
+(:mod:`rlpost.actors.token_budget`); a row longer than the budget fails its step before any
+pass, naming the key. Neither changes the step's loss or gradient.
 
 LoRA (``model.lora``): the model is wrapped by ``peft`` with an adapter on each target layer and
 only the adapter trains (AdamW holds state for it alone). A sync sends the adapter's tensors,
@@ -88,6 +90,7 @@ from tensordict import TensorDict
 from rlpost import lora
 from rlpost.actors import learner_name, sharding, start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
+from rlpost.actors.token_budget import TokenBudget, auto_token_budget
 from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import (
     LearnerResources,
@@ -237,6 +240,7 @@ class Learner:
             self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
         )
         self.loss_fn = self._make_loss()
+        self.token_budget = self._token_budget()
         self._version = 0
         self._step = 0  # train_step calls completed (the controller's step, saved in checkpoints)
 
@@ -345,13 +349,46 @@ class Learner:
         for _ in range(idle):
             self.model(input_ids=torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device))
 
+    def _token_budget(self) -> TokenBudget | None:
+        """The padded tokens a micro-batch may hold: ``trainer.max_tokens_per_microbatch``, set
+        here from the model and the device's free memory when it is ``auto`` (logged)."""
+        cfg = self.cfg
+        chosen = cfg.trainer.max_tokens_per_microbatch
+        if chosen is None:
+            return None
+        if chosen != "auto":
+            return TokenBudget(int(chosen), "trainer.max_tokens_per_microbatch")
+        budget = auto_token_budget(
+            self._transformers_model, self.device, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+            chunked=self.loss_fn.actor_network.scores_in_chunks,
+            bf16_autocast=self.device.type == "cuda" and cfg.model.dtype == "bfloat16",
+        )  # fmt: skip
+        context = cfg.rollout.engine.max_model_len
+        log.info("rlpost: learner token budget per micro-batch: %s", budget.describe())
+        if budget.tokens < context:
+            log.warning(
+                "rlpost: the learner's token budget (%d) is below the engine's context (rollout.engine.max_model_len "
+                "%d): a longer row will fail its step; set trainer.max_tokens_per_microbatch (with "
+                "trainer.gradient_checkpointing on, a token costs less) or lower rollout.max_tokens",
+                budget.tokens, context,
+            )  # fmt: skip
+        return budget
+
     def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
         """The step's rows in micro-batches: ``optimizer.grad_accumulation`` contiguous slices,
-        each packed further to ``trainer.max_tokens_per_microbatch`` padded tokens when set."""
+        each packed further to the token budget (:attr:`token_budget`). A row longer than the
+        budget fails the step here, before any pass."""
         slices = split_rows(rows, self.cfg.optimizer.grad_accumulation)
-        budget = self.cfg.trainer.max_tokens_per_microbatch
-        if budget is None:
+        if self.token_budget is None:
             return slices
+        budget = self.token_budget.tokens
+        longest = max(len(sample.token_ids) for sample, _ in rows)
+        if longest > budget:
+            raise ValueError(
+                f"a row of {longest} tokens is longer than the learner's token budget per micro-batch, "
+                f"{self.token_budget.describe()}: raise trainer.max_tokens_per_microbatch (or turn "
+                "trainer.gradient_checkpointing on, or lower rollout.max_tokens)"
+            )
         return [pack for part in slices for pack in pack_rows(part, budget)]
 
     def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float, idle: int = 0) -> dict[str, float]:

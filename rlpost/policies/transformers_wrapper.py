@@ -134,6 +134,12 @@ class TransformersWrapper(LLMWrapperBase):
             finished=end is not None,
         )
 
+    @property
+    def scores_in_chunks(self) -> bool:
+        """Whether scoring takes the chunked path through the LM head (rlpost's): chunked
+        scoring is on and the model's logits are a plain linear head over its decoder."""
+        return self.chunked_scoring and _plain_head(self.model) is not None
+
     def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
         start = max(score_from - 1, 0)  # the logits at start.. predict tokens start+1..
         head = _plain_head(self.model) if self.chunked_scoring else None

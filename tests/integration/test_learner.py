@@ -3,6 +3,7 @@ checkpoints and scoring."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -295,6 +296,26 @@ def test_micro_batches_and_checkpointing_leave_the_step_unchanged(tiny_model_pat
         # weight by up to ~lr / 100, so the weights agree to that, not to float precision.
         for (param, p1), p2 in zip(one.model.named_parameters(), other.model.parameters()):
             assert torch.allclose(p1, p2, atol=1e-5, rtol=0), (name, param)
+
+
+def test_the_token_budget_is_auto_by_default_and_a_row_over_it_fails_before_the_step(
+    tiny_model_path, tiny_tokenizer, prompt_ids, caplog
+):
+    """By default the learner sets its budget from the model and the free memory (logged); a row
+    longer than the budget fails the step with the key to raise, before any pass: the weights
+    and the version stay as they were."""
+    with caplog.at_level(logging.INFO, logger="rlpost"):
+        auto = Learner(make_cfg(tiny_model_path))
+    assert auto.token_budget.bytes_per_token > 0 and auto.token_budget.tokens >= 64
+    assert "learner token budget per micro-batch" in caplog.text
+    reply = completion(tiny_tokenizer, GOOD)
+    learner = Learner(make_cfg(tiny_model_path, trainer={"max_tokens_per_microbatch": len(prompt_ids) + 2}))
+    groups = on_policy_groups(learner, prompt_ids, [[reply] * 2], [[1.0, 0.0]])
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    with pytest.raises(ValueError, match=f"a row of {len(prompt_ids) + len(reply)} tokens .* raise "
+                                         "trainer.max_tokens_per_microbatch"):  # fmt: skip
+        learner.train_step(groups)
+    assert learner.version == 0 and all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
 
 
 CUSTOM_LOSS = """
