@@ -17,8 +17,9 @@ Workloads:
 - ``genheavy``: generation-heavy, as real post-training is: the same shape with 8 layers, 4
   prompts x 8 samples, 128 tokens each (random weights never stop early, so every completion is
   128 tokens), GSM8K-sized prompts (TorchRL's GSM8K system prompt before each arithmetic
-  question: 229 tokens), few steps; rlpost's learner packs micro-batches of 2400 tokens
-  (``trainer.max_tokens_per_microbatch``), TRL keeps its defaults (one pass over the 32 rows).
+  question: 229 tokens), few steps; rlpost's learner packs micro-batches to its default token
+  budget (``trainer.max_tokens_per_microbatch: auto``; 2400 was set by hand before the auto budget),
+  TRL keeps its defaults (one pass over the 32 rows).
 
 - ``qwen05b_lora``: the qwen05b workload with a rank-16 LoRA adapter on both sides (rlpost's
   ``model.lora``; TRL's ``peft_config`` with the same rank, alpha, dropout and projections).
@@ -147,11 +148,12 @@ def _workloads(quick: bool, tiny_steps: int | None, big_steps: int | None) -> di
             lr=1e-6,
             # GSM8K-sized prompts: TorchRL's GSM8K system prompt before each question (229 tokens)
             system_prompt=GSM8K_SYSTEM_PROMPT,
-            # micro-batches of 6 rows (each 357 tokens): the learner scores the completions only,
-            # but 32 rows at once still hold ~2.5 GB of logits, their log-softmax and gradients
+            # no hand-set token budget: the learner's auto budget packs the 32 rows of 357 tokens
+            # (before chunked scoring and the auto budget, one pass over them held ~2.5 GB of
+            # logits, their log-softmax and gradients, and ran this machine out of memory);
             # the engine holds prompt + completion (229 + 128 tokens; the demo's 256 would cut the
             # completions at 27 tokens, while TRL's model.generate has no such limit)
-            rlpost_extra=("trainer.max_tokens_per_microbatch=2400", "rollout.engine.max_model_len=512"),
+            rlpost_extra=("rollout.engine.max_model_len=512",),
             rlpost_sync_extra=SYNC_ENGINE_ON_EVERY_CORE,
         ),
     }

@@ -366,8 +366,8 @@ class TrainerConfig(_Section):
         "auto",
         description="Padded tokens (rows x longest row) per learner micro-batch: rows are packed longest first up to "
         "it, and a step with a row longer than it fails before training, naming this key. auto: set at the "
-        "learner's start from the model's shape and its device's free memory (logged; docs/architecture.md says "
-        "how); None: no budget (optimizer.grad_accumulation slices only). The step's gradient is the same for any "
+        "learner's first step from the model's shape and its device's free memory (logged; docs/architecture.md "
+        "says how); None: no budget (optimizer.grad_accumulation slices only). The step's gradient is the same for any "
         "split.",
     )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")

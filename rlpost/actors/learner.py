@@ -44,7 +44,7 @@ Dropout is off (``model.eval()``) for good: the learner's scores must match the 
 Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activations in the
 backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
 bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`), by default
-(``auto``) from the model's shape and the device's free memory at the start
+(``auto``) from the model's shape and the device's free memory at the first step
 (:mod:`rlpost.actors.token_budget`); a row longer than the budget fails its step before any
 pass, naming the key. Neither changes the step's loss or gradient.
 
@@ -240,7 +240,7 @@ class Learner:
             self.optimizer, functools.partial(_warmup_factor, warmup_steps=opt.warmup_steps)
         )
         self.loss_fn = self._make_loss()
-        self.token_budget = self._token_budget()
+        self._budget: TokenBudget | None = None  # set on first use (token_budget)
         self._version = 0
         self._step = 0  # train_step calls completed (the controller's step, saved in checkpoints)
 
@@ -349,19 +349,25 @@ class Learner:
         for _ in range(idle):
             self.model(input_ids=torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device))
 
-    def _token_budget(self) -> TokenBudget | None:
-        """The padded tokens a micro-batch may hold: ``trainer.max_tokens_per_microbatch``, set
-        here from the model and the device's free memory when it is ``auto`` (logged)."""
+    @property
+    def token_budget(self) -> TokenBudget | None:
+        """The padded tokens a micro-batch may hold: ``trainer.max_tokens_per_microbatch``, or
+        with ``auto`` set (and logged) on first use, at the first step: by then the run's other
+        actors on this node, the inference engines and their caches, hold their memory."""
+        if self._budget is None and self.cfg.trainer.max_tokens_per_microbatch is not None:
+            self._budget = self._make_token_budget()
+        return self._budget
+
+    def _make_token_budget(self) -> TokenBudget:
         cfg = self.cfg
         chosen = cfg.trainer.max_tokens_per_microbatch
-        if chosen is None:
-            return None
         if chosen != "auto":
             return TokenBudget(int(chosen), "trainer.max_tokens_per_microbatch")
         budget = auto_token_budget(
             self._transformers_model, self.device, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
             chunked=self.loss_fn.actor_network.scores_in_chunks,
             bf16_autocast=self.device.type == "cuda" and cfg.model.dtype == "bfloat16",
+            optimizer_allocated=bool(self.optimizer.state),
         )  # fmt: skip
         context = cfg.rollout.engine.max_model_len
         log.info("rlpost: learner token budget per micro-batch: %s", budget.describe())

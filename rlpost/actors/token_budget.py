@@ -3,7 +3,8 @@
 A micro-batch holds rows x its longest row padded tokens, and the learner's peak memory grows
 with that number: every decoder layer keeps its activations for the backward pass, and without
 chunked scoring the ``[tokens, vocabulary]`` logits come on top. ``auto`` sets the budget at the
-learner's start from the model's shape and the memory its device has free::
+learner's first step (when the node's inference engines hold their memory) from the model's shape
+and the memory its device has free::
 
     budget = (usable bytes - fixed bytes) / bytes per token        (a multiple of 64, capped)
 

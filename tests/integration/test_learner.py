@@ -304,9 +304,9 @@ def test_the_token_budget_is_auto_by_default_and_a_row_over_it_fails_before_the_
     """By default the learner sets its budget from the model and the free memory (logged); a row
     longer than the budget fails the step with the key to raise, before any pass: the weights
     and the version stay as they were."""
+    auto = Learner(make_cfg(tiny_model_path))
     with caplog.at_level(logging.INFO, logger="rlpost"):
-        auto = Learner(make_cfg(tiny_model_path))
-    assert auto.token_budget.bytes_per_token > 0 and auto.token_budget.tokens >= 64
+        assert auto.token_budget.bytes_per_token > 0 and auto.token_budget.tokens >= 64  # set on first use
     assert "learner token budget per micro-batch" in caplog.text
     reply = completion(tiny_tokenizer, GOOD)
     learner = Learner(make_cfg(tiny_model_path, trainer={"max_tokens_per_microbatch": len(prompt_ids) + 2}))
