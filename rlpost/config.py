@@ -366,9 +366,9 @@ class TrainerConfig(_Section):
         "auto",
         description="Padded tokens (rows x longest row) per learner micro-batch: rows are packed longest first up to "
         "it, and a step with a row longer than it fails before training, naming this key. auto: set at the "
-        "learner's first step from the model's shape and its device's free memory (logged; docs/architecture.md "
-        "says how); None: no budget (optimizer.grad_accumulation slices only). The step's gradient is the same for any "
-        "split.",
+        "learner's first step from the model's shape and its device's free memory (metrics.jsonl's token_budget; "
+        "docs/architecture.md says how); None: no budget (optimizer.grad_accumulation slices only). The step's "
+        "gradient is the same for any split.",
     )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")

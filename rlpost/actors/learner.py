@@ -334,6 +334,8 @@ class Learner:
         metrics.update(_batch_metrics(rows, version_at_start))
         metrics.update(policy_version=float(self._version), step_time_s=time.perf_counter() - start)
         metrics["micro_batches"] = float(passes_needed)
+        if self.token_budget is not None:
+            metrics["token_budget"] = float(self.token_budget.tokens)
         return metrics
 
     @torch.no_grad()
@@ -370,7 +372,7 @@ class Learner:
             optimizer_allocated=bool(self.optimizer.state),
         )  # fmt: skip
         context = cfg.rollout.engine.max_model_len
-        log.info("rlpost: learner token budget per micro-batch: %s", budget.describe())
+        log.info("rlpost: learner token budget per micro-batch: %s", budget.describe())  # and in metrics.jsonl
         if budget.tokens < context:
             log.warning(
                 "rlpost: the learner's token budget (%d) is below the engine's context (rollout.engine.max_model_len "

@@ -316,6 +316,8 @@ def test_the_token_budget_is_auto_by_default_and_a_row_over_it_fails_before_the_
                                          "trainer.max_tokens_per_microbatch"):  # fmt: skip
         learner.train_step(groups)
     assert learner.version == 0 and all(torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    metrics = auto.train_step(on_policy_groups(auto, prompt_ids, [[reply] * 2], [[1.0, 0.0]]))
+    assert metrics["token_budget"] == auto.token_budget.tokens and metrics["micro_batches"] == 1
 
 
 CUSTOM_LOSS = """
