@@ -96,12 +96,9 @@ class Reference(KLServiceActor):
                 sample.reward = reward
             for group in groups:
                 rewards_g = torch.tensor([group.rewards])
-                group.advantages = group_advantages(rewards_g, scale=_scale(self.cfg)).reshape(-1).tolist()
+                scale = self.cfg.loss.advantage_scale  # "group" or "none": the config refuses "batch" here
+                group.advantages = group_advantages(rewards_g, scale=scale).reshape(-1).tolist()
         return groups
-
-
-def _scale(cfg: ReferenceSettings) -> str:
-    return "group" if cfg.loss.advantage_scale == "batch" else cfg.loss.advantage_scale
 
 
 class ReferenceActor(Reference):
