@@ -163,7 +163,7 @@ class EnvPool(LLMCollector):
             raise RuntimeError(
                 f"env pool {self.pool_index} is collecting in the background (start()); stop() it before collect()"
             )
-        return self.collect_groups(num_groups or self.groups_per_batch)
+        return self.collect_groups(num_groups)
 
     def collect_groups(self, num_groups: int | None = None) -> list[Group]:
         """:meth:`LLMCollector.collect_groups`, counted in the pool's position and reported."""
@@ -204,10 +204,6 @@ class EnvPool(LLMCollector):
     def _on_worker_lost(self, index: int, error: BaseException) -> None:
         self._worker_lost = f"inference worker {index} died under env pool {self.pool_index}'s request: {error}"
         self._woken.set()
-
-    @property
-    def running(self) -> bool:
-        return self.is_running()
 
     def wait(self, timeout_s: float | None = None, report_lost: bool = True) -> bool:
         """Wait for the background run to end; True if it ended. Raises the run's error. With
