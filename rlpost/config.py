@@ -94,12 +94,21 @@ class ModelConfig(_Section):
     )
     chunked_scoring: bool = Field(
         True,
-        description="The learner and the reference actor compute log-probs from the model's last hidden "
-        "states through the LM head in chunks of tokens, so the [tokens, vocabulary] logits are never held "
-        "whole (measured: 0.27x the peak memory of the dense path for a 4,096-token row of a "
-        "151,936-token vocabulary, at 1.1-1.3x its time: each chunk's logits are computed again in "
-        "backward). Applies to the Llama, Mistral, Qwen2/3 and Phi-3 families and not to a learner "
-        "sharded over several ranks, which score densely. false: always the dense logits.",
+        description="The learner and the reference actor compute log-probs (and the exact entropy) from "
+        "the model's final hidden states through the LM head in chunks of tokens, so the [tokens, "
+        "vocabulary] logits are never held whole (measured: 0.27x the peak memory of the dense path for "
+        "a 4,096-token row of a 151,936-token vocabulary, at 1.1-1.3x its time: each chunk's logits are "
+        "computed again in backward). Applies to the Llama, Mistral, Qwen2/3 and Phi-3 families, LoRA "
+        "and a sharded learner group included. false: always the dense logits.",
+    )
+    pack_sequences: bool = Field(
+        True,
+        description="With chunked scoring, the learner and the reference actor pack the rows of a "
+        "forward pass end to end (each row with its own position ids, attending only to itself) in "
+        "rows as wide as the longest, instead of padding every row to the longest: skewed completion "
+        "lengths cost their tokens, not the longest row's. Needs an attention implementation that "
+        "reads packed rows from their position ids (sdpa, eager, flash, flex); others pad. Same values "
+        "and gradients as padding.",
     )
 
     @property
@@ -305,6 +314,13 @@ class LossConfig(_Section):
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    entropy_estimator: Literal["sampled", "exact"] = Field(
+        "sampled",
+        description="The entropy of the bonus: 'sampled' is -log p(token) of the sampled tokens (an "
+        "unbiased estimate on on-policy samples, nothing extra to compute); 'exact' is the entropy of "
+        "each token's whole next-token distribution (TorchRL's default), computed in chunks with the "
+        "log-probs when model.chunked_scoring applies.",
+    )
     kl_to_inference_coef: float = Field(
         0.0, ge=0, description="Penalty on the k3 KL between the learner and the behaviour (inference) log-probs."
     )

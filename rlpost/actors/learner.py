@@ -260,11 +260,11 @@ class Learner:
             # the loss reads the assistant tokens only: no LM head or log-softmax on the prompt
             score_assistant_only=True,
             chunked_scoring=cfg.model.chunked_scoring,
+            pack_sequences=cfg.model.pack_sequences,
         )
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
-        # The batch's loss tokens are the assistant mask ("rlhf"); the entropy bonus is the
-        # sampled-token estimate -log p(token) (no [B, T, vocab] tensor); a KL coefficient of 0.0
-        # still reports its KL (kl_to_ref when the samples carry reference log-probs).
+        # The batch's loss tokens are the assistant mask ("rlhf"); a KL coefficient of 0.0 still
+        # reports its KL (kl_to_ref when the samples carry reference log-probs).
         return GRPOLoss(
             scorer,
             clip_epsilon=(cfg.loss.clip_eps_low, cfg.loss.clip_eps_high),
@@ -274,7 +274,7 @@ class Learner:
             kl_estimator=cfg.reference.kl_estimator,
             entropy_bonus=cfg.loss.entropy_coef > 0,
             entropy_coeff=cfg.loss.entropy_coef,
-            entropy_estimator="sampled",
+            entropy_estimator=cfg.loss.entropy_estimator,
             kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
             masking_strategy="rlhf",
             loss_function=load_loss_function(cfg.loss.custom_fn) if cfg.loss.custom_fn else None,

@@ -73,6 +73,7 @@ class Reference(KLServiceActor):
             log_probs_key="ref_log_probs",
             generate_kwargs={"temperature": cfg.rollout.temperature},
             chunked_scoring=cfg.model.chunked_scoring,
+            pack_sequences=cfg.model.pack_sequences,
         )
         # The generation log-probs are the engine's (gen_model=None); the KL is applied here per
         # sequence (kl_in: reward) or left to the loss, so the transform only writes it.

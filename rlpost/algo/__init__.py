@@ -1,5 +1,6 @@
 """Pure GRPO math: group advantages, KL estimators, the clipped loss and its aggregations, and
-the chunked log-probs of the taken tokens through the LM head.
+the chunked log-probs and entropies of the taken tokens through the LM head, and the bins of
+sequence packing.
 
 Imports torch only (no ray, vllm, transformers, tensordict or torch.distributed) so that it can
 be tested and reused anywhere; tests/unit/test_algo_purity.py enforces it. The TensorDict-facing
@@ -7,7 +8,7 @@ modules built on it live in ``rlpost.objectives``.
 """
 
 from rlpost.algo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
-from rlpost.algo.chunked import chunked_token_logprobs
+from rlpost.algo.chunked import chunked_logprobs_and_entropy, chunked_token_logprobs
 from rlpost.algo.grpo import (
     AGGREGATIONS,
     OFF_POLICY_CORRECTIONS,
@@ -23,6 +24,7 @@ from rlpost.algo.grpo import (
     trust_region_mask,
 )
 from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, k3_kl_token_estimate, kl_per_token
+from rlpost.algo.packing import pack_lengths, packed_tokens
 
 __all__ = [
     "ADVANTAGE_SCALES",
@@ -35,6 +37,7 @@ __all__ = [
     "KLEstimator",
     "LossFunction",
     "OffPolicyCorrection",
+    "chunked_logprobs_and_entropy",
     "chunked_token_logprobs",
     "effective_sample_size",
     "group_advantages",
@@ -44,5 +47,7 @@ __all__ = [
     "load_loss_function",
     "loss_normaliser",
     "masked_aggregate",
+    "pack_lengths",
+    "packed_tokens",
     "trust_region_mask",
 ]

@@ -13,7 +13,12 @@ Per token ``t`` with hidden state ``h_t``, taken token ``y_t`` and temperature `
 
     z_t  = (W h_t + b) / T                     (float32, or float64 for float64 states)
     lp_t = z_t[y_t] - logsumexp(z_t)
-    d lp_t / d z_t = onehot(y_t) - softmax(z_t)
+    H_t  = -sum p log p                        (the entropy of p = softmax(z_t))
+    d lp_t / d z_t = onehot(y_t) - p
+    d H_t  / d z_t = -p * (log p + H_t)
+
+:func:`chunked_logprobs_and_entropy` returns the entropy too, from the same chunks: the exact
+entropy bonus without the ``[tokens, vocabulary]`` distribution.
 
 The logits are computed in the hidden states' dtype (as the model's own head does) and the
 softmax in float32, float64 for float64 states (as the dense scoring path does), so values equal
@@ -54,6 +59,29 @@ def chunked_token_logprobs(
 
     Gradients flow to ``hidden``, ``weight`` and ``bias`` as through the dense computation.
     """
+    chunk = _check(hidden, weight, targets, temperature, chunk_tokens)
+    logprobs, _ = _ChunkedScores.apply(hidden, weight, bias, targets, float(temperature), chunk, False)
+    return logprobs
+
+
+def chunked_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs [N], entropies [N])``: :func:`chunked_token_logprobs` and the entropy of each
+    token's whole tempered next-token distribution, from the same chunks; gradients flow from
+    both, as through the dense ``log_softmax`` and ``Categorical(logits).entropy()``."""
+    chunk = _check(hidden, weight, targets, temperature, chunk_tokens)
+    return _ChunkedScores.apply(hidden, weight, bias, targets, float(temperature), chunk, True)
+
+
+def _check(hidden, weight, targets, temperature, chunk_tokens) -> int:
+    """The chunk size, after checking the arguments' shapes and values."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -65,7 +93,7 @@ def chunked_token_logprobs(
     chunk = chunk_tokens if chunk_tokens is not None else default_chunk_tokens(weight.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk}")
-    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk))
+    return int(chunk)
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,38 +107,56 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return logits.div_(temperature)
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
+class _ChunkedScores(torch.autograd.Function):
+    """Log-probs and (``with_entropy``) entropies; the entropy output is zeros otherwise."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy):
         out = torch.empty(hidden.shape[0], dtype=softmax_dtype(hidden.dtype), device=hidden.device)
-        lse = torch.empty_like(out)
+        lse, entropy = torch.empty_like(out), torch.zeros_like(out)
         with torch.no_grad():
             for start in range(0, hidden.shape[0], chunk):
                 stop = min(start + chunk, hidden.shape[0])
                 logits = _chunk_logits(hidden[start:stop], weight, bias, temperature)
                 lse[start:stop] = torch.logsumexp(logits, dim=-1)
                 out[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - lse[start:stop]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+                if with_entropy:  # H = -sum p log p (the sum of p z would cancel with lse)
+                    logp = logits.sub_(lse[start:stop, None])
+                    entropy[start:stop] = -logp.exp().mul_(logp).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        use_entropy = ctx.with_entropy and grad_entropy is not None
         acc = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights accumulate in float32
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias and bias is not None else None
+        if grad_out is None:
+            grad_out = torch.zeros_like(lse)
         for start in range(0, hidden.shape[0], ctx.chunk):
             stop = min(start + ctx.chunk, hidden.shape[0])
             with torch.no_grad():
                 logits = _chunk_logits(hidden[start:stop], weight, bias, ctx.temperature)
-                # d lp / d logits = onehot - softmax, times the incoming gradient and 1/T; in
-                # place: one [chunk, vocabulary] buffer
-                grad_logits = logits.sub_(lse[start:stop, None]).exp_().neg_()
-                grad_logits.scatter_add_(-1, targets[start:stop, None], torch.ones_like(grad_logits[:, :1]))
-                grad_logits.mul_(grad_out[start:stop, None].to(grad_logits.dtype) / ctx.temperature)
+                g_lp = grad_out[start:stop, None].to(logits.dtype)
+                if use_entropy:
+                    # d/dz of g_lp lp + g_H H = g_lp onehot - p (g_lp + g_H (log p + H)), as
+                    # z - E_p z = log p + H; in the logits buffer and one for p: two [chunk, V]
+                    logp = logits.sub_(lse[start:stop, None])
+                    probs = logp.exp()
+                    g_h = grad_entropy[start:stop, None].to(logits.dtype)
+                    grad_logits = logp.add_(entropy[start:stop, None]).mul_(g_h).add_(g_lp).mul_(probs).neg_()
+                    del probs
+                else:  # g_lp (onehot - p), in place in the logits buffer
+                    grad_logits = logits.sub_(lse[start:stop, None]).exp_().mul_(g_lp).neg_()
+                grad_logits.scatter_add_(-1, targets[start:stop, None], g_lp)
+                grad_logits.div_(ctx.temperature)
                 if grad_hidden is not None:
                     grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
                 if grad_weight is not None:
@@ -121,4 +167,4 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None

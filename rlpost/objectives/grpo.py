@@ -55,8 +55,9 @@ Deliberate deviations from TorchRL, each tested in tests/unit/test_grpo_loss.py:
   the strategy.
 - An empty mask gives zero losses and ``ESS`` 1 (TorchRL: NaN).
 - Entropy: ``entropy_estimator="exact"`` (default) is TorchRL's, the entropy of the whole
-  next-token distribution; it needs the actor's logits (``get_dist``), and the log-probs then
-  come from the same forward pass. ``"sampled"`` uses ``-log p(token)`` of the sampled tokens,
+  next-token distribution, with the log-probs from the same forward pass: from rlpost's
+  TransformersWrapper's chunked ``log_probs_and_entropy`` (no ``[B, T, vocab]`` tensor), or from
+  another actor's logits (``get_dist``). ``"sampled"`` uses ``-log p(token)`` of the sampled tokens,
   an unbiased Monte-Carlo estimate on on-policy samples that needs no ``[B, T, vocab]`` tensor.
 - rlpost's additions: ``aggregation`` ``"sequence_mean"`` (the same as ``"prompt_mean"``) and
   ``"sequence_sum_norm"`` with ``max_tokens`` (Dr.GRPO), ``kl_estimator`` for the KL to the
@@ -467,9 +468,20 @@ class GRPOLoss(torch.nn.Module):
         return logprobs_bt.index_put((attention_bt.cpu(),), torch.cat(list(rows)).cpu())
 
     def _score_and_entropy(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor):
-        """Log-probs and exact entropies ``[B, T]`` from one forward pass (the actor's
-        ``get_dist``), in the batch's layout, 0 where there is no prediction."""
+        """Log-probs and exact entropies ``[B, T]`` from one forward pass, in the batch's layout,
+        0 where there is no prediction: through the actor's ``log_probs_and_entropy`` where it
+        has one (rlpost's TransformersWrapper: chunked, no ``[B, T, vocab]`` tensor), else from
+        its distribution (``get_dist``)."""
         actor = self.actor_network
+        if hasattr(actor, "log_probs_and_entropy"):
+            rows = [row[mask].tolist() for row, mask in zip(tokens_bt.cpu(), attention_bt.cpu())]
+            logprob_rows, entropy_rows = actor.log_probs_and_entropy(rows)
+
+            def to_batch(values: list[torch.Tensor]) -> torch.Tensor:
+                out = torch.zeros(tokens_bt.shape, dtype=values[0].dtype)
+                return out.index_put((attention_bt.cpu(),), torch.cat(values))
+
+            return to_batch(logprob_rows), to_batch(entropy_rows)
         try:
             dist = actor.get_dist(self._actor_input(tokens_bt, attention_bt))
         except NotImplementedError as err:

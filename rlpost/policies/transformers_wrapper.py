@@ -12,22 +12,35 @@ only when those are off. Scoring runs under the caller's grad mode: a loss can b
 through ``log_probs``.
 
 Chunked scoring (rlpost's; ``chunked_scoring=True`` by default): for a model whose logits are
-exactly its LM head applied to the decoder's last hidden state (the Llama, Mistral, Qwen2/3 and
-Phi-3 families, a plain ``nn.Linear`` head, tied or not, LoRA adapters included), the log-probs
-come from the hidden states through :func:`rlpost.algo.chunked.chunked_token_logprobs`: the
-``[tokens, vocabulary]`` logits are never held whole, in forward or backward, only
-``score_chunk_tokens`` tokens' worth at a time. Values and gradients equal the dense path's.
-Other models, and models sharded by FSDP2, are scored the dense way; so is ``get_dist``, which
-needs every logit.
+exactly its LM head applied to the final norm's output (the Llama, Mistral, Qwen2/3 and Phi-3
+families, a plain ``nn.Linear`` head, tied or not, LoRA adapters and FSDP2 sharding included),
+the log-probs come from those hidden states through
+:func:`rlpost.algo.chunked.chunked_token_logprobs`: the ``[tokens, vocabulary]`` logits are never
+held whole, in forward or backward, only ``score_chunk_tokens`` tokens' worth at a time. The
+hidden states are read with a hook on the final norm during the model's own forward (asked for
+one position's logits), so a sharded model gathers its weights as it always does.
+:meth:`TransformersWrapper.log_probs_and_entropy` gives the exact entropies the same way. Values
+and gradients equal the dense path's. Other models are scored the dense way; so is ``get_dist``,
+which needs every logit.
+
+Sequence packing (rlpost's; ``pack_sequences=True`` by default, on the chunked path): the rows
+of one call are laid end to end in bins as wide as the longest row
+(:func:`rlpost.algo.packing.pack_lengths`), each row with position ids from 0 and attention
+within itself (transformers builds that mask from the position ids when no attention mask is
+given; SDPA, eager, flash and flex attention support it). Skewed lengths then cost far fewer
+tokens than padding every row to the longest. The outputs are the padded path's: one tensor per
+row, as TorchRL's wrappers return them.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
-from rlpost.algo.chunked import chunked_token_logprobs, softmax_dtype
+from rlpost.algo.chunked import chunked_logprobs_and_entropy, chunked_token_logprobs, softmax_dtype
+from rlpost.algo.packing import pack_lengths
 from rlpost.policies.base import Completion, LLMWrapperBase
 
 _STANDARD = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -46,13 +59,16 @@ class TransformersWrapper(LLMWrapperBase):
         chunked_scoring: score through the LM head in chunks where the model allows it (module
             docstring; rlpost's). False: always the dense path.
         score_chunk_tokens: tokens per chunk (None: as many as make 64 MB of float32 logits).
+        pack_sequences: on the chunked path, pack the rows end to end where the model's
+            attention implementation supports it (module docstring; rlpost's). False: pad.
     """
 
     def __init__(self, model, *, tokenizer=None, chunked_scoring: bool = True, score_chunk_tokens: int | None = None,
-                 **kwargs):  # fmt: skip
+                 pack_sequences: bool = True, **kwargs):  # fmt: skip
         if score_chunk_tokens is not None and score_chunk_tokens < 1:
             raise ValueError(f"score_chunk_tokens must be >= 1, got {score_chunk_tokens}")
         self.chunked_scoring, self.score_chunk_tokens = chunked_scoring, score_chunk_tokens
+        self.pack_sequences = bool(pack_sequences)
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
@@ -69,7 +85,9 @@ class TransformersWrapper(LLMWrapperBase):
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         super().__init__(tokenizer=tokenizer, **kwargs)
-        self._kwargs.update(chunked_scoring=chunked_scoring, score_chunk_tokens=score_chunk_tokens)  # get_new_version
+        self._kwargs.update(  # for get_new_version
+            chunked_scoring=chunked_scoring, score_chunk_tokens=score_chunk_tokens, pack_sequences=pack_sequences
+        )
         self.model = model
 
     def _engine(self):
@@ -137,14 +155,21 @@ class TransformersWrapper(LLMWrapperBase):
     @property
     def scores_in_chunks(self) -> bool:
         """Whether scoring takes the chunked path through the LM head (rlpost's): chunked
-        scoring is on and the model's logits are a plain linear head over its decoder."""
+        scoring is on and the model's logits are a plain linear head over its final norm."""
         return self.chunked_scoring and _plain_head(self.model) is not None
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether scoring packs the rows end to end (rlpost's): on the chunked path, with
+        ``pack_sequences`` on and an attention implementation that keeps packed rows apart."""
+        config = getattr(_inner(self.model), "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        return self.pack_sequences and self.scores_in_chunks and implementation in _PACKING_ATTENTION
 
     def _score_ids(self, full_ids: list[list[int]], score_from: int = 0) -> list[torch.Tensor]:
         start = max(score_from - 1, 0)  # the logits at start.. predict tokens start+1..
-        head = _plain_head(self.model) if self.chunked_scoring else None
-        if head is not None:
-            return self._score_ids_chunked(full_ids, start, *head)
+        if self.scores_in_chunks:
+            return self._score_ids_chunked(full_ids, start)[0]
         logits, input_ids = self._forward_logits(full_ids, keep_from=start)
         logits = logits[:, :-1]
         logprobs = torch.log_softmax(logits.to(softmax_dtype(logits.dtype)) / self.temperature, dim=-1)
@@ -152,28 +177,85 @@ class TransformersWrapper(LLMWrapperBase):
         next_lp = torch.cat([next_lp.new_zeros((len(full_ids), start + 1)), next_lp], dim=1).cpu()
         return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
 
-    def _score_ids_chunked(self, full_ids: list[list[int]], start: int, decoder, head) -> list[torch.Tensor]:
-        """:meth:`_score_ids` from the decoder's hidden states through ``head`` in chunks."""
-        input_ids, attention = self._padded_inputs(full_ids)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention).last_hidden_state
-        lengths = torch.tensor([len(ids) for ids in full_ids], device=input_ids.device)
-        # hidden state p predicts token p + 1: positions start .. len - 2 of each row
-        positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)[None, :]
-        predicting = (positions >= start) & (positions < lengths[:, None] - 1)
-        logprobs = chunked_token_logprobs(
-            hidden[:, :-1][predicting], head.weight, head.bias, input_ids[:, 1:][predicting],
+    def log_probs_and_entropy(self, full_ids: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per row, the log-prob of each token given the ones before it and the entropy of that
+        whole next-token distribution (float32, length ``len(row)``, 0 at position 0), at the
+        wrapper's temperature and under the caller's grad mode (rlpost's: the exact entropy
+        bonus of a loss). Chunked where :attr:`scores_in_chunks`, else from the dense logits."""
+        if self.scores_in_chunks:
+            return self._score_ids_chunked(full_ids, 0, with_entropy=True)
+        logits, input_ids = self._forward_logits(full_ids)
+        logp = torch.log_softmax(logits[:, :-1].to(softmax_dtype(logits.dtype)) / self.temperature, dim=-1)
+        next_lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        pad = torch.nn.functional.pad
+        next_lp, entropy = pad(next_lp.float(), (1, 0)).cpu(), pad(entropy.float(), (1, 0)).cpu()
+        return (
+            [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)],
+            [entropy[i, : len(ids)] for i, ids in enumerate(full_ids)],
+        )
+
+    def _score_ids_chunked(
+        self, full_ids: list[list[int]], start: int, with_entropy: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Log-probs (and entropies) per row from the final hidden states through the LM head in
+        chunks, positions ``start + 1`` on (0 before); rows packed or padded."""
+        norm, head = _plain_head(self.model)
+        layout = self._packed_inputs(full_ids) if self.packs_sequences else self._padded_layout(full_ids)
+        hidden = _final_hidden_states(self.model, norm, layout.model_inputs())
+        weight, bias = head.weight, head.bias  # read after the forward: a sharded model's are whole now
+        if _is_sharded(weight):
+            raise RuntimeError(
+                "chunked scoring: the LM head's weight is still sharded after the model's forward; "
+                "build the wrapper with chunked_scoring=False for this model"
+            )
+        # the hidden state at position p of a row predicts its token p + 1: positions start ..
+        # len - 2 of each row, at (slot, offset + p) of the laid-out batch
+        width = layout.input_ids.shape[1]
+        counts = [max(len(ids) - 1 - start, 0) for ids in full_ids]
+        flat = torch.cat([
+            torch.arange(start, start + n) + slot * width + offset
+            for n, slot, offset in zip(counts, layout.slots, layout.offsets)
+        ]).to(hidden.device)  # fmt: skip
+        scores = (chunked_logprobs_and_entropy if with_entropy else chunked_token_logprobs)(
+            hidden.reshape(-1, hidden.shape[-1])[flat], weight, bias, layout.input_ids.reshape(-1)[flat + 1],
             temperature=self.temperature, chunk_tokens=self.score_chunk_tokens,
-        ).float()  # fmt: skip
-        next_lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=logprobs.device)
-        next_lp = next_lp.index_put((torch.nn.functional.pad(predicting, (1, 0)),), logprobs).cpu()
-        return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
+        )  # fmt: skip
+        parts = scores if with_entropy else (scores,)
+        rows = [_per_row(part.float(), counts, start, full_ids) for part in parts]
+        return rows[0], (rows[1] if with_entropy else None)
+
+    def _padded_layout(self, full_ids: list[list[int]]) -> _Layout:
+        input_ids, attention = self._padded_inputs(full_ids)
+        rows = range(len(full_ids))
+        return _Layout(input_ids, attention_mask=attention, slots=list(rows), offsets=[0] * len(full_ids))
+
+    def _packed_inputs(self, full_ids: list[list[int]]) -> _Layout:
+        """The rows packed end to end in bins as wide as the longest row; each bin's free tail
+        is padding with position ids of its own (a segment nothing reads)."""
+        device = next(self.model.parameters()).device
+        bins = pack_lengths([len(ids) for ids in full_ids])
+        width = max(len(ids) for ids in full_ids)
+        input_ids = torch.full((len(bins), width), self._pad_id(), dtype=torch.long)
+        positions = torch.zeros((len(bins), width), dtype=torch.long)
+        slots, offsets = [0] * len(full_ids), [0] * len(full_ids)
+        for b, members in enumerate(bins):
+            at = 0
+            for i in members:
+                n = len(full_ids[i])
+                input_ids[b, at : at + n] = torch.tensor(full_ids[i])
+                positions[b, at : at + n] = torch.arange(n)
+                slots[i], offsets[i], at = b, at, at + n
+            positions[b, at:] = torch.arange(width - at)
+        return _Layout(input_ids.to(device), position_ids=positions.to(device), slots=slots, offsets=offsets)
 
     def _full_logits(self, tensordict) -> tuple[torch.Tensor, torch.Tensor]:
         """Tempered logits ``[B, T, V]`` with ``logits[:, t]`` predicting token ``t`` (row 0 holds
         zeros: no context), and the mask of real, predicted positions (for ``get_dist``)."""
         full_ids = self._read_inputs(tensordict).full_ids
         logits, _ = self._forward_logits(full_ids)
-        shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1).float() / self.temperature
+        shifted = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], dim=1)
+        shifted = shifted.to(softmax_dtype(shifted.dtype)) / self.temperature  # float64 stays float64
         mask = torch.zeros(shifted.shape[:2], dtype=torch.bool)
         for i, ids in enumerate(full_ids):
             mask[i, 1 : len(ids)] = True
@@ -204,29 +286,80 @@ class TransformersWrapper(LLMWrapperBase):
         return input_ids.to(device), attention.to(device)
 
 
-# model types whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
+# model types whose logits are exactly lm_head(final norm's output): no soft-capping or scaling
 _PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
+# attention implementations that keep packed rows apart, given position ids and no attention mask
+_PACKING_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"})
+
+
+@dataclass
+class _Layout:
+    """A batch of rows as the model reads it: row ``i`` sits at ``input_ids[slots[i],
+    offsets[i] : offsets[i] + len]``; padded (an attention mask) or packed (position ids)."""
+
+    input_ids: torch.Tensor
+    slots: list[int]
+    offsets: list[int]
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        inputs = {"input_ids": self.input_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        return inputs
+
+
+def _inner(model):
+    """The transformers model (inside a peft wrapper too)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """``(decoder, lm_head)`` when the model's logits are ``lm_head(decoder(...).last_hidden_state)``
-    with a plain linear head on whole (unsharded) weights; None otherwise (score densely)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """``(final norm, lm_head)`` when the model's logits are ``lm_head(final norm's output)``
+    with a plain linear head; None otherwise (score densely)."""
+    inner = _inner(model)
     if getattr(getattr(inner, "config", None), "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None
     head = inner.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or type(head.weight) is not torch.nn.Parameter:
-        return None  # an adapter on the head, or a sharded (DTensor) weight
-    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
-    if decoder is None or hasattr(inner, "unshard"):  # FSDP2-managed: its root forward gathers the weights
-        return None
-    return decoder, head
+    if type(head) is not torch.nn.Linear:
+        return None  # e.g. an adapter on the head
+    norm = getattr(inner.get_decoder(), "norm", None) if hasattr(inner, "get_decoder") else None
+    return None if norm is None else (norm, head)
+
+
+def _final_hidden_states(model, norm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The final norm's output ``[B, T, H]`` (with its graph), read by a hook during the model's
+    own forward, which computes one position's logits only: FSDP2 gathers the root's weights
+    (embedding, norm, head) in that forward and keeps them until the backward."""
+    captured = []
+    handle = norm.register_forward_hook(lambda _module, _args, output: captured.append(output))
+    try:
+        model(**inputs, logits_to_keep=1, use_cache=False)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _per_row(values: torch.Tensor, counts: list[int], start: int, full_ids: list[list[int]]) -> list[torch.Tensor]:
+    """``values`` (each row's ``counts[i]`` predictions, rows in order) back to one tensor per
+    row of ``len(row)``, zeros at positions 0 .. start, on the CPU."""
+    values = values.cpu()
+    pieces = torch.split(values, counts)
+    return [torch.cat([values.new_zeros(len(ids) - n), piece]) for ids, n, piece in zip(full_ids, counts, pieces)]
 
 
 def _takes_logits_to_keep(model) -> bool:
     """Whether the transformers model (inside a peft wrapper too) takes ``logits_to_keep``."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return "logits_to_keep" in inspect.signature(_inner(model).forward).parameters
 
 
 def _name_or_path(model) -> str | None:

@@ -1,6 +1,7 @@
 """TransformersWrapper's chunked scoring on the real tiny model (tied embedding) equals the dense
 path: the log-probs it returns and the gradients they give the model, with a temperature, a
-score-from offset, LoRA adapters, and through the TorchRL-compatible outputs."""
+score-from offset, LoRA adapters, and through the TorchRL-compatible outputs; so do the exact
+entropies, and rows packed end to end equal rows padded to the longest."""
 
 import pytest
 import torch
@@ -29,13 +30,25 @@ def load(path, dtype, lora=False):
     return model
 
 
-def scores_and_grads(model, tokenizer, chunked, score_from, temperature=0.8):
+def scores_and_grads(model, tokenizer, chunked, score_from, temperature=0.8, packed=True, rows=ROWS):
     wrapper = TransformersWrapper(model, tokenizer=tokenizer, generate=False, chunked_scoring=chunked,
-                                  score_chunk_tokens=4, generate_kwargs={"temperature": temperature})  # fmt: skip
+                                  score_chunk_tokens=4, generate_kwargs={"temperature": temperature},
+                                  pack_sequences=packed)  # fmt: skip
     model.zero_grad()
-    rows = wrapper._score_ids(ROWS, score_from)
-    sum((row * (i + 1)).sum() for i, row in enumerate(rows)).backward()
-    return rows, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    scores = wrapper._score_ids(rows, score_from)
+    sum((row * (i + 1)).sum() for i, row in enumerate(scores)).backward()
+    return scores, grads_of(model)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys() and want
+    for name, w in want.items():
+        scale = w.abs().max().clamp_min(1e-12)
+        assert float((got[name] - w).abs().max() / scale) < tol, name
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.float32, 1e-5)])
@@ -52,10 +65,76 @@ def test_chunked_scores_and_gradients_equal_the_dense_path(tiny_model_path, tiny
         for got, want in zip(chunked, dense, strict=True):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
             assert (got[: max(score_from, 1)] == 0).all() and (got[max(score_from, 1) :] < 0).all()
-        assert chunked_grads.keys() == dense_grads.keys() and dense_grads
-        for name, want in dense_grads.items():
-            scale = want.abs().max().clamp_min(1e-12)
-            assert float((chunked_grads[name] - want).abs().max() / scale) < tol, name
+        assert_same_grads(chunked_grads, dense_grads, tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.float32, 1e-5)])
+def test_packed_rows_equal_padded_rows(tiny_model_path, tiny_tokenizer, dtype, tol):
+    """Skewed lengths (one long row, short ones) packed end to end: fewer model rows, and the
+    same log-probs and gradients as padding every row to the longest."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (40, 5, 9, 1, 12, 38, 2)]
+    model = load(tiny_model_path, dtype)
+    packer = TransformersWrapper(model, tokenizer=tiny_tokenizer, generate=False)
+    assert packer.packs_sequences
+    layout = packer._packed_inputs(rows)
+    assert layout.input_ids.shape == (3, 40)  # [40], [38, 2], [5, 9, 1, 12] instead of 7 rows
+    # each row's positions from 0, in the rows' order; the free tail is a segment of its own
+    assert layout.position_ids[2].tolist() == [*range(5), *range(9), 0, *range(12), *range(13)]
+    for score_from in (0, 7):
+        padded, padded_grads = scores_and_grads(model, tiny_tokenizer, True, score_from, packed=False, rows=rows)
+        packed, packed_grads = scores_and_grads(model, tiny_tokenizer, True, score_from, packed=True, rows=rows)
+        for got, want in zip(packed, padded, strict=True):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert_same_grads(packed_grads, padded_grads, tol)
+    model.config._attn_implementation = "some_kernel"  # one that may not keep packed rows apart
+    assert not packer.packs_sequences and packer.scores_in_chunks
+
+
+def test_exact_entropies_equal_the_distributions(tiny_model_path, tiny_tokenizer):
+    """log_probs_and_entropy (chunked and packed, or dense) equals get_dist's distribution, in
+    values and in the gradients of a loss on both; GRPOLoss's exact entropy bonus reads it."""
+    from tensordict import TensorDict
+
+    from rlpost.objectives import GRPOLoss
+
+    model = load(tiny_model_path, torch.float64)
+    kwargs = dict(tokenizer=tiny_tokenizer, generate=False, input_mode="tokens", score_chunk_tokens=4,
+                  generate_kwargs={"temperature": 0.7})  # fmt: skip
+    results = {}
+    for chunked in (True, False):
+        wrapper = TransformersWrapper(model, chunked_scoring=chunked, **kwargs)
+        model.zero_grad()
+        logprobs, entropies = wrapper.log_probs_and_entropy(ROWS)
+        sum((lp * 0.3 - h * (i + 1)).sum() for i, (lp, h) in enumerate(zip(logprobs, entropies))).backward()
+        results[chunked] = logprobs, entropies, grads_of(model)
+    width = max(map(len, ROWS))
+    tokens = torch.tensor([ids + [0] * (width - len(ids)) for ids in ROWS])
+    attention = torch.tensor([[True] * len(ids) + [False] * (width - len(ids)) for ids in ROWS])
+    td = TensorDict({("tokens", "full"): tokens, ("masks", "all_attention_mask"): attention}, batch_size=[3])
+    model.zero_grad()
+    dist = wrapper.get_dist(td)  # the dense wrapper's distribution, right-padded like the rows
+    ids = torch.where(attention, tokens, 0)
+    lp_dist = torch.where(dist.mask, dist.log_prob(ids), 0.0)
+    h_dist = torch.where(dist.mask, dist.entropy(), 0.0)
+    weights = torch.arange(1, 4, dtype=torch.float64)[:, None]
+    (lp_dist * 0.3 - h_dist * weights).sum().backward()
+    want_grads = grads_of(model)
+    for logprobs, entropies, grads in results.values():
+        for i, ids_i in enumerate(ROWS):
+            torch.testing.assert_close(logprobs[i], lp_dist[i, : len(ids_i)].float(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(entropies[i], h_dist[i, : len(ids_i)].float(), rtol=1e-6, atol=1e-6)
+            assert entropies[i][0] == 0 and (entropies[i][1:] > 0).all()
+        assert_same_grads(grads, want_grads, 1e-6)
+
+    loss_fn = GRPOLoss(TransformersWrapper(model, **kwargs), entropy_coeff=0.1, masking_strategy="generic")
+    batch = td.clone()
+    batch.set(("log_probs", "full"), torch.zeros(tokens.shape))
+    batch.set("advantage", torch.ones(3, 1))
+    out = loss_fn(batch)
+    counted = attention.clone()
+    counted[:, 0] = False
+    torch.testing.assert_close(out.entropy.double(), h_dist[counted].mean(), rtol=1e-5, atol=1e-5)
 
 
 def test_the_public_outputs_are_the_same_and_other_models_score_densely(tiny_model_path, tiny_tokenizer):

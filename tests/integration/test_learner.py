@@ -248,7 +248,26 @@ SAME_STEP = {
     "grad_accumulation=2": {"optimizer": {"grad_accumulation": 2}},
     "token budget": {"trainer": {"max_tokens_per_microbatch": 64}},
     "gradient checkpointing": {"trainer": {"gradient_checkpointing": True}},
+    "rows padded, not packed": {"model": {"pack_sequences": False}},
 }
+
+
+def test_the_exact_entropy_bonus_is_chunked_and_equals_the_dense_one(tiny_model_path, tiny_tokenizer, prompt_ids):
+    """loss.entropy_estimator=exact: the whole next-token distribution's entropy, from the
+    chunked path's log_probs_and_entropy; the same step as the dense logits give."""
+    replies = [completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, "<answer>")]
+    steps = {}
+    for estimator, chunked in (("exact", True), ("exact", False), ("sampled", True)):
+        learner = Learner(make_cfg(tiny_model_path, loss={"entropy_coef": 0.05, "entropy_estimator": estimator},
+                                   model={"chunked_scoring": chunked}))  # fmt: skip
+        assert learner.loss_fn.entropy_estimator == estimator
+        assert learner.loss_fn.actor_network.scores_in_chunks is chunked
+        groups = on_policy_groups(learner, prompt_ids, [replies * 2], [[1.0, 0.0, 0.0, 1.0]])
+        steps[estimator, chunked] = learner.train_step(groups)
+    exact, dense, sampled = steps["exact", True], steps["exact", False], steps["sampled", True]
+    assert exact["entropy"] > 0 and exact["entropy"] != pytest.approx(sampled["entropy"], rel=1e-3)
+    for key in ("entropy", "loss", "loss_entropy", "grad_norm"):
+        assert exact[key] == pytest.approx(dense[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_sum_norm"])

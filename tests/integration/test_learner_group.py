@@ -22,9 +22,9 @@ REPLIES = ["<answer>7</answer><|im_end|>", "<answer>5</answer><|im_end|>", "<ans
 
 def settings(model_path) -> LearnerSettings:
     raw = {
-        # a sharded group scores with the dense logits: the single learner must too, for its
-        # weights to stay within 1e-5 of the group's through Adam (chunked scoring rounds otherwise)
-        "model": {"name_or_path": str(model_path), "chunked_scoring": False},
+        # chunked scoring and packing (the defaults) on both sides: the group's ranks read the
+        # LM head's weight gathered by the root's forward
+        "model": {"name_or_path": str(model_path)},
         "rollout": {"temperature": 0.9},
         "optimizer": {"lr": 1e-3},
         # a budget that splits rank 0's share into more micro-batches than rank 1's

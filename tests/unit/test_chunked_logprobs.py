@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlpost.algo.chunked import chunked_token_logprobs, default_chunk_tokens
+from rlpost.algo.chunked import chunked_logprobs_and_entropy, chunked_token_logprobs, default_chunk_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -46,6 +46,42 @@ def test_values_and_gradients_equal_the_dense_path(dtype, rtol, with_bias, chunk
         for g, w in zip(got_grads, want_grads, strict=True):
             assert g.dtype == w.dtype
             torch.testing.assert_close(g, w, rtol=rtol, atol=rtol)
+
+
+def dense_with_entropy(hidden, weight, bias, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    dist = torch.distributions.Categorical(logits=logits)
+    return dist.log_prob(targets), dist.entropy()
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-6), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 6, 1000])
+def test_entropy_values_and_gradients_equal_the_dense_distribution(dtype, rtol, with_bias, chunk):
+    """The exact entropy (as TorchRL's loss takes it from the actor's distribution) and the
+    log-probs from the same chunks; a loss reading both, either, or the entropy alone."""
+    hidden, weight, bias, targets, upstream = inputs(dtype, with_bias)
+    upstream_h = torch.randn(upstream.shape, generator=torch.Generator().manual_seed(3))
+    params = [p for p in (hidden, weight, bias) if p is not None]
+    for temperature in (1.0, 0.6):
+        want_lp, want_h = dense_with_entropy(hidden, weight, bias, targets, temperature)
+        got_lp, got_h = chunked_logprobs_and_entropy(
+            hidden, weight, bias, targets, temperature=temperature, chunk_tokens=chunk
+        )
+        assert got_lp.dtype == got_h.dtype == dtype
+        torch.testing.assert_close(got_lp, want_lp, rtol=rtol, atol=rtol)
+        torch.testing.assert_close(got_h, want_h, rtol=rtol, atol=rtol)
+        assert (got_h > 0).all()
+        for weights in ((upstream, upstream_h), (upstream, None), (None, upstream_h)):
+
+            def loss(lp, h, weights=weights):
+                return sum((x * w).sum() for x, w in zip((lp, h), weights) if w is not None)
+
+            want = torch.autograd.grad(loss(want_lp, want_h), params, retain_graph=True)
+            got = torch.autograd.grad(loss(got_lp, got_h), params, retain_graph=True)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=rtol, atol=rtol)
 
 
 def test_a_tied_head_gets_both_gradients():
