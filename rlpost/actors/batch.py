@@ -97,27 +97,42 @@ def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
     return [list(rows[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def pack_rows(rows: Sequence[tuple[Sample, float]], max_tokens: int) -> list[list[tuple[Sample, float]]]:
-    """``rows`` (sample, advantage) packed into micro-batches of at most ``max_tokens`` padded
-    tokens each (rows x the longest row, what :func:`collate_samples` allocates).
+def split_to_budget(
+    rows: Sequence[tuple[Sample, float]], max_tokens: int, *, packed: bool = False
+) -> list[list[tuple[Sample, float]]]:
+    """``rows`` (sample, advantage) in micro-batches of at most ``max_tokens`` tokens each as
+    the model's forward holds them: rows x the longest row when padded (what
+    :func:`collate_samples` allocates), or with ``packed`` the bins of
+    :func:`rlpost.algo.packing.pack_lengths` x the longest row (rows laid end to end).
 
     Rows are taken longest first, so rows of similar length share a micro-batch and little of it
     is padding; within a micro-batch they keep their order in ``rows``. A row longer than
-    ``max_tokens`` forms a micro-batch of its own. The loss does not depend on the packing: every
+    ``max_tokens`` forms a micro-batch of its own. The loss does not depend on the split: every
     micro-batch is divided by the whole batch's normaliser.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0].token_ids))
-    packs: list[list[int]] = []
-    width = 0  # the longest row of the open pack (its first: rows come longest first)
+    batches: list[list[int]] = []
+    width = 0  # the longest row of the open micro-batch (its first: rows come longest first)
+    room: list[int] = []  # packed: the free tokens of each of its bins
     for i in order:
-        if packs and (len(packs[-1]) + 1) * width <= max_tokens:
-            packs[-1].append(i)
+        length = len(rows[i][0].token_ids)
+        slot = next((b for b, left in enumerate(room) if left >= length), None)  # first fit
+        if packed:
+            cost = width * (len(room) + (slot is None))
         else:
-            packs.append([i])
-            width = len(rows[i][0].token_ids)
-    return [[rows[i] for i in sorted(pack)] for pack in packs]
+            cost = width * (len(batches[-1]) + 1) if batches else 0
+        if not batches or cost > max_tokens:
+            batches.append([i])
+            width, room = length, [0]
+        elif slot is None:
+            batches[-1].append(i)
+            room.append(width - length)
+        else:
+            batches[-1].append(i)
+            room[slot] -= length
+    return [[rows[i] for i in sorted(batch)] for batch in batches]
 
 
 def _check_sample(sample: Sample) -> None:

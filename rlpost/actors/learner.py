@@ -43,7 +43,8 @@ Dropout is off (``model.eval()``) for good: the learner's scores must match the 
 
 Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activations in the
 backward pass (:func:`enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
-bounds the padded size of a micro-batch (:func:`rlpost.actors.batch.pack_rows`), by default
+bounds the tokens of a micro-batch's forward (rows x the longest, or with
+``model.pack_sequences`` the packed rows: :func:`rlpost.actors.batch.split_to_budget`), by default
 (``auto``) from the model's shape and the device's free memory at the first step
 (:mod:`rlpost.actors.token_budget`); a row longer than the budget fails its step before any
 pass, naming the key. Neither changes the step's loss or gradient.
@@ -89,7 +90,7 @@ from tensordict import TensorDict
 
 from rlpost import lora
 from rlpost.actors import learner_name, sharding, start_actor
-from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, pack_rows, split_rows
+from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows, split_to_budget
 from rlpost.actors.token_budget import TokenBudget, auto_token_budget
 from rlpost.algo import load_loss_function, loss_normaliser
 from rlpost.config import (
@@ -353,7 +354,8 @@ class Learner:
 
     @property
     def token_budget(self) -> TokenBudget | None:
-        """The padded tokens a micro-batch may hold: ``trainer.max_tokens_per_microbatch``, or
+        """The tokens a micro-batch's forward may hold (padded or packed, as the scorer lays rows
+        out): ``trainer.max_tokens_per_microbatch``, or
         with ``auto`` set (and logged) on first use, at the first step: by then the run's other
         actors on this node, the inference engines and their caches, hold their memory."""
         if self._budget is None and self.cfg.trainer.max_tokens_per_microbatch is not None:
@@ -384,7 +386,7 @@ class Learner:
 
     def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
         """The step's rows in micro-batches: ``optimizer.grad_accumulation`` contiguous slices,
-        each packed further to the token budget (:attr:`token_budget`). A row longer than the
+        each split further to the token budget (:attr:`token_budget`). A row longer than the
         budget fails the step here, before any pass."""
         slices = split_rows(rows, self.cfg.optimizer.grad_accumulation)
         if self.token_budget is None:
@@ -397,7 +399,8 @@ class Learner:
                 f"{self.token_budget.describe()}: raise trainer.max_tokens_per_microbatch (or turn "
                 "trainer.gradient_checkpointing on, or lower rollout.max_tokens)"
             )
-        return [pack for part in slices for pack in pack_rows(part, budget)]
+        packed = self.loss_fn.actor_network.packs_sequences
+        return [batch for part in slices for batch in split_to_budget(part, budget, packed=packed)]
 
     def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float, idle: int = 0) -> dict[str, float]:
         """Accumulate the micro-batch gradients (each divided by the whole batch's
