@@ -1,7 +1,7 @@
 """The learner's default token budget per micro-batch (``trainer.max_tokens_per_microbatch: auto``).
 
-A micro-batch holds rows x its longest row padded tokens, and the learner's peak memory grows
-with that number: every decoder layer keeps its activations for the backward pass, and without
+A micro-batch's forward holds rows x its longest row tokens (padded), or bins x its longest row
+(rows packed end to end), and the learner's peak memory grows with that number: every decoder layer keeps its activations for the backward pass, and without
 chunked scoring the ``[tokens, vocabulary]`` logits come on top. ``auto`` sets the budget at the
 learner's first step (when the node's inference engines hold their memory) from the model's shape
 and the memory its device has free::
@@ -20,9 +20,12 @@ and the memory its device has free::
                 size, kv the key/value width, i the MLP width, V the vocabulary
     fixed     = with chunked scoring, two [chunk, V] float32 buffers
 
-Activations count 4 bytes (float32), 2 under CUDA bf16 autocast. The estimate is meant to be
-safe rather than tight: on the Qwen2.5-0.5B shape (2 layers, float32, CPU) it gives 0.24 MB per
-token against 0.14 MB measured (``make bench BENCH=scoring``). Attention is assumed not to
+Activations count 4 bytes (float32), 3 under CUDA bf16 autocast: autocast keeps the residual
+stream and the norms in float32 beside the bf16 copies the matrix products read, so a token cost
+1.63 MB on the full Qwen2.5-0.5B shape on an H200, where 2 bytes would estimate 1.35 MB and 3
+give 2.0 MB (``scripts/check_chunked_scoring_gpu.py``). The estimate is meant to be safe rather
+than tight: on the Qwen2.5-0.5B shape (2 layers, float32, CPU) it gives 0.24 MB per token
+against 0.14 MB measured (``make bench BENCH=scoring``). Attention is assumed not to
 materialise ``[tokens, tokens]`` scores (SDPA's memory-efficient kernels).
 """
 
@@ -100,13 +103,14 @@ def auto_token_budget(
     """
     config = model.config
     per_token = bytes_per_token(
-        config, activation_bytes=2 if bf16_autocast else 4, gradient_checkpointing=gradient_checkpointing,
+        config, activation_bytes=3 if bf16_autocast else 4, gradient_checkpointing=gradient_checkpointing,
         chunked=chunked,
     )  # fmt: skip
     free, source = free_bytes(device)
     pending = 0 if optimizer_allocated else 3 * 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     usable = int((free - pending) * SAFE_SHARE.get(device.type, 0.5))
-    fixed = 2 * 4 * default_chunk_tokens(int(config.vocab_size)) * int(config.vocab_size) if chunked else 0
+    vocab = int(config.vocab_size)
+    fixed = 2 * 4 * default_chunk_tokens(vocab, device.type) * vocab if chunked else 0
     tokens = max(0, usable - fixed) // per_token
     tokens = min(MAX_BUDGET, max(GRANULE, tokens // GRANULE * GRANULE))
     return TokenBudget(tokens=tokens, source=source, bytes_per_token=per_token, usable_bytes=max(0, usable))

@@ -111,3 +111,31 @@ def test_only_the_needed_gradients_and_bad_input():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         chunked_token_logprobs(hidden, weight, None, targets, temperature=0)
     assert default_chunk_tokens(151_936) == 110 and default_chunk_tokens(10) == 1677721
+    assert default_chunk_tokens(151_936, "cuda") == 883  # a GPU keeps busy on bigger products
+
+
+def test_under_autocast_forward_and_backward_multiply_in_its_dtype(monkeypatch):
+    """bf16 autocast (the learner's GPU setting, here on the CPU): the head's products run in
+    bf16 in the forward and in the recomputing backward alike (a backward pass does not run
+    under the forward's autocast), and the results match the dense head under autocast."""
+    from rlpost.algo import chunked
+
+    hidden, weight, bias, targets, upstream = inputs(torch.float32, True, n=40, h=32, v=97)
+    seen = []
+    original = chunked._chunk_logits
+    monkeypatch.setattr(
+        chunked, "_chunk_logits", lambda h, w, b, t: seen.append((h.dtype, w.dtype)) or original(h, w, b, t)
+    )
+    params = [hidden, weight, bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_lp, got_h = chunked_logprobs_and_entropy(hidden, weight, bias, targets, temperature=0.9, chunk_tokens=7)
+        want_lp, want_h = dense_with_entropy(hidden, weight, bias, targets, 0.9)
+    assert got_lp.dtype == torch.float32
+    got = torch.autograd.grad((got_lp * upstream).sum() + got_h.sum(), params)
+    want = torch.autograd.grad((want_lp * upstream).sum() + want_h.sum(), params)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)} and len(seen) == 2 * 6  # 6 chunks, twice
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-3, atol=1e-3)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.float32
+        assert float((g - w).abs().max() / w.abs().max()) < 2e-2  # bf16 products on both sides
