@@ -73,7 +73,7 @@ TITLES = {
     "profile_engine": "14. The engine's generate call on the tiny race's workload: where vLLM's CPU engine spends "
     "it, against transformers' generate",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
-    "scoring": "16. Scoring a long row for training: chunked through the LM head against the dense logits",
+    "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
 }
@@ -392,7 +392,13 @@ def _scoring(d: dict, results: Path, base: Path) -> str:
         f"{s['model']} ({s['vocab']}-token vocabulary, {s['dtype']}): one row of each length scored by "
         "`TransformersWrapper(generate=False)` and the log-probs' sum back-propagated, dense "
         "(`chunked_scoring=False`) and chunked (the default), each case in a fresh process; memory is the "
-        f"peak resident memory above the loaded model; medians of {s['repeats']} repeats.",
+        "peak resident memory above the model once its weights are resident; the dense path is not run "
+        f"past {s.get('dense_max', 'the longest')} tokens. Packing: a batch of "
+        f"{'/'.join(map(str, sorted(set(s.get('skewed', [])), reverse=True)))}-token rows "
+        f"({len(s.get('skewed', []))} rows, half 8x shorter) on the same shape with "
+        f"{s.get('skewed_layers', '?')} layers, chunked with rows packed end to end (the default) or padded, "
+        f"and the dense padded path; tokens/s are real tokens over the forward and backward's seconds. "
+        f"Medians of {s['repeats']} repeats (the longest row, beyond the dense path: one run).",
         "",
         _ratios(d),
         "| figure | median | repeats |",
