@@ -1,8 +1,9 @@
 """The learner's default token budget per micro-batch (``trainer.max_tokens_per_microbatch: auto``).
 
 A micro-batch's forward holds rows x its longest row tokens (padded), or bins x its longest row
-(rows packed end to end), and the learner's peak memory grows with that number: every decoder layer keeps its activations for the backward pass, and without
-chunked scoring the ``[tokens, vocabulary]`` logits come on top. ``auto`` sets the budget at the
+(rows packed end to end), and the learner's peak memory grows with that number: every decoder
+layer keeps its activations for the backward pass, and without chunked scoring the ``[tokens,
+vocabulary]`` logits come on top. ``auto`` sets the budget at the
 learner's first step (when the node's inference engines hold their memory) from the model's shape
 and the memory its device has free::
 
