@@ -497,6 +497,14 @@ class ResourcesConfig(_Section):
         gt=0,
         description="How long to wait for the cluster to place every actor (raise it when an autoscaler adds GPU nodes).",
     )
+    replacement_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a lost inference worker's start waits for the cluster to have room for it (after "
+        "a node's loss Ray moves its bundles to other nodes where they fit, at once). Past it, and with another "
+        "worker serving, the run goes on with fewer workers (`inference_workers` in metrics.jsonl) and starts "
+        "the worker again once its bundle is placed (the node's replacement, or a node added).",
+    )
     inference: RoleResources = Field(
         default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker."
     )

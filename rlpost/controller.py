@@ -610,6 +610,7 @@ class Controller:
         record.setdefault("sync_logprob_diff", None)
         record.setdefault("staleness_mean", 0.0)
         record.update(self.supervisor.counts, learner_resumes=self.learner_resumes)
+        record.update(self.supervisor.fleet_sizes())
         self.writer.write(record)
         self.recorded_step = step
         self.ray_metrics.record(record)

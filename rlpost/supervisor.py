@@ -19,7 +19,12 @@ engine client found its worker dead (its ``wait`` raises) all end in a recovery 
     inference-<i> dead  -> started again in its bundle; the bus re-forms with every worker and
                            the current weights are published; the env pools get the new
                            handles (their request in flight on the dead worker is re-issued by
-                           their RemoteVLLMClient)
+                           their RemoteVLLMClient). When the cluster has no room for its
+                           bundle (its node was lost and no other node can hold it) within
+                           resources.replacement_wait_s, the run goes on with the other
+                           workers, and the worker is started again at a health check once
+                           the bundle is placed (the node's replacement, or a node added):
+                           `inference_workers` in metrics.jsonl counts the serving ones
     a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
     reference dead      -> started again (it is stateless)
     env-pool-<i> dead   -> started again with a higher epoch from the position its last put
@@ -56,6 +61,7 @@ T = TypeVar("T")
 
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
+PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
 MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
@@ -151,7 +157,7 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     """One placement group for the run: a bundle per actor that reserves CPUs or GPUs.
 
     Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
-    actor that reserves nothing). The strategy (PACK/SPREAD/...) comes from
+    actor that reserves nothing); ``place.has_room(name)`` says whether its bundle is placed now. The strategy (PACK/SPREAD/...) comes from
     ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
     on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
     ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming what it asked for
@@ -168,7 +174,12 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
             index[name] = len(bundles)
             bundles.append(bundle)
     if not bundles:
-        return None, lambda name: None
+
+        def place(name: str):
+            return None
+
+        place.has_room = lambda name: True
+        return None, place
     pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -185,6 +196,16 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
             return None
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index[name])
 
+    def has_room(name: str) -> bool:
+        """Whether ``name``'s bundle is placed on a node now (False while Ray looks for a node
+        for it, after the one that held it was lost)."""
+        if name not in index:
+            return True
+        from ray.util.placement_group import placement_group_table
+
+        return bool(placement_group_table(pg)["bundles_to_node_id"].get(index[name]))
+
+    place.has_room = has_room
     return pg, place
 
 
@@ -213,6 +234,11 @@ class ActorStarter:
             start_replica, self.cfg.rollout.num_inference_workers, settings.model_path,
             tensor_parallel_size=settings.engine.tensor_parallel_size,
         )  # fmt: skip
+
+    def has_room(self, name: str) -> bool:
+        """Whether actor ``name`` can start now: its bundle is placed (after a node's loss Ray
+        places the bundles it held on other nodes where they fit, or waits for a node)."""
+        return self.place.has_room(name)
 
     def buffer(self) -> BufferClient:
         from rlpost.actors.buffer import BufferSettings, start_buffer
@@ -342,6 +368,7 @@ class Supervisor:
         self.health_check_s = HEALTH_CHECK_S
         self.collecting = False  # async mode: the pools collect on their own from now on
         self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
+        self.vacant: dict[int, float] = {}  # inference slots without room in the cluster -> since when
 
     # ------------------------------------------------------------------ what the loop calls
 
@@ -386,10 +413,10 @@ class Supervisor:
             raise LearnerDied(self._learner_message(failure))
         if not self._alive(self.actors.buffer, lost):
             self._restart_buffer()
-        dead = [i for i, w in enumerate(self.actors.inference) if not self._alive(w, lost)]
-        for i in dead:
-            self._restart_inference(i)
-        if dead or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
+        dead = [w for w in self.actors.inference if not self._alive(w, lost)]
+        changed = [self._replace_inference(w) for w in dead]
+        changed += [self._refill(slot) for slot in list(self.vacant) if self.starter.has_room(f"inference-{slot}")]
+        if changed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
             self._restart_reference()
@@ -433,14 +460,54 @@ class Supervisor:
                 log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
         _replaced("buffer", start)
 
-    def _restart_inference(self, i: int) -> None:
-        log.warning("inference-%d died; starting it again", i)
-        self.restarted_at[f"inference-{i}"] = time.monotonic()
-        self.actors.inference[i].kill()
-        worker = self.starter.inference(i)
+    def _replace_inference(self, lost: InferenceClient) -> bool:
+        """Start a dead worker again in its slot; with no room for it in the cluster (within
+        ``resources.replacement_wait_s``) and another worker serving, leave its slot vacant."""
+        slot = int(lost.name.rsplit("-", 1)[1])
+        lost.kill()
+        others = [w for w in self.actors.inference if w is not lost]
+        if others and not self._wait_for_room(lost.name):
+            self.actors.inference = others
+            self.vacant[slot] = time.monotonic()
+            log.warning(
+                "%s died and the cluster has no room for it: going on with %d of %d inference workers; it "
+                "starts again once its bundle is placed (a node added or replaced)",
+                lost.name, len(others), self.cfg.rollout.num_inference_workers,
+            )  # fmt: skip
+            return True
+        log.warning("%s died; starting it again", lost.name)
+        self._start_inference(slot)
+        return True
+
+    def _refill(self, slot: int) -> bool:
+        """A vacant slot whose bundle is placed again: its worker starts and joins."""
+        log.warning("the cluster has room for inference-%d again (vacant %.0f s); starting it", slot,
+                    time.monotonic() - self.vacant.pop(slot))  # fmt: skip
+        self._start_inference(slot)
+        return True
+
+    def _start_inference(self, slot: int) -> None:
+        name = f"inference-{slot}"
+        self.restarted_at[name] = time.monotonic()
+        worker = self.starter.inference(slot)
         worker.wait_ready(STARTUP_TIMEOUT_S)
-        self.actors.inference[i] = worker
+        workers = [w for w in self.actors.inference if w.name != name] + [worker]
+        self.actors.inference = sorted(workers, key=lambda w: int(w.name.rsplit("-", 1)[1]))
         self.counts["restarts_inference"] += 1
+
+    def _wait_for_room(self, name: str) -> bool:
+        """Whether ``name``'s bundle is placed, waiting up to ``resources.replacement_wait_s``
+        (after a node's loss Ray places its bundles on other nodes at once where they fit)."""
+        deadline = time.monotonic() + self.cfg.resources.replacement_wait_s
+        while not self.starter.has_room(name):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(PLACEMENT_POLL_S)
+        return True
+
+    def fleet_sizes(self) -> dict[str, int]:
+        """The serving workers (metrics.jsonl, each line)."""
+        return {"inference_workers": len(self.actors.inference), "inference_workers_vacant": len(self.vacant)}
 
     def _reform_bus(self) -> None:
         """Open the bus's next generation with every worker, publish the current weights, and

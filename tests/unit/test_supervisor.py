@@ -34,6 +34,8 @@ class World:
         self.trained: list[tuple[str, int]] = []  # (producer, prompt position) per trained group
         self.served_version = 0
         self.log: list[tuple[str, str]] = []  # (actor, method) of every call, in order
+        self.no_room: set[str] = set()  # actors whose bundle the cluster cannot place ...
+        self.room_back_at: int | None = None  # ... until this call (None: never)
 
     def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
@@ -42,10 +44,11 @@ class World:
         self.log.append((actor.name, method))
         if self.calls != self.kill_at:
             return
-        target = actor if self.victim is None else self.actors.get(self.victim)
-        if target is not None:
+        names = () if self.victim is None else (self.victim,) if isinstance(self.victim, str) else self.victim
+        targets = [actor] if self.victim is None else [self.actors[n] for n in names if n in self.actors]
+        for target in targets:  # a tuple of victims: killed at the same moment (a node's loss)
             target.dead = True
-        if target is actor:
+        if actor in targets:
             raise ActorLost(f"{actor.name} was killed during {method}", actor.name)
 
 
@@ -325,6 +328,10 @@ class Starter:
     def inference(self, index):
         return FakeInference(self.world, index)
 
+    def has_room(self, name):
+        world = self.world
+        return name not in world.no_room or (world.room_back_at is not None and world.calls >= world.room_back_at)
+
     def reference(self):
         return FakeReference(self.world)
 
@@ -362,16 +369,19 @@ def make_cfg(mode, extra=()):
     )
 
 
-def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), **learner_stops):
-    """One run over stand-ins (``extra``: config overrides); returns the world and the metrics lines."""
+def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), no_room=(),
+              room_back_at=None, **learner_stops):  # fmt: skip
+    """One run over stand-ins (``extra``: config overrides; ``no_room``: actors the cluster cannot
+    place until call ``room_back_at``); returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
     world = World(kill_at, victim)
+    world.no_room, world.room_back_at = set(no_room), room_back_at
     cfg = make_cfg(mode, extra)
     starter = Starter(world, cfg)
-    run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}"
+    run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
     run_dir.mkdir()
     supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
     supervisor.health_check_s = 0.0
@@ -493,6 +503,44 @@ def test_any_actor_dies_at_any_call(tmp_path, monkeypatch, mode, extra, victim):
         restarted += rows[-1][role]
     # a death noticed by no later call (e.g. a pool killed after its last share) needs no restart
     assert restarted >= clean.calls // 2, (restarted, clean.calls)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_lost_without_room_leaves_the_fleet_until_room_returns(tmp_path, monkeypatch, mode):
+    """A node's loss with no other node to hold its worker: the run goes on with one worker
+    (metrics say so), and the worker starts again once the cluster places its bundle."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    kill_at = clean.calls // 3
+    extra = ["resources.replacement_wait_s=0"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim="inference-1", extra=extra,
+                            no_room=["inference-1"])  # fmt: skip
+    check_run(world, rows, mode)
+    assert [r["inference_workers"] for r in rows][-1] == 1 and rows[-1]["inference_workers_vacant"] == 1
+    assert rows[-1]["restarts_inference"] == 0
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0"]  # the bus without it
+
+    back = kill_at + (clean.calls - kill_at) // 2
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim="inference-1", extra=extra,
+                            no_room=["inference-1"], room_back_at=back)  # fmt: skip
+    check_run(world, rows, mode)
+    assert 1 in [r["inference_workers"] for r in rows[:-1]]  # a step trained with one worker serving
+    assert rows[-1]["inference_workers"] == 2 and rows[-1]["inference_workers_vacant"] == 0
+    assert rows[-1]["restarts_inference"] == 1
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0", "inference-1"]
+    assert world.served_version == 3 and all(w.version == 3 for w in world.actors["learner"].workers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_last_worker_waits_for_room_rather_than_leave_no_fleet(tmp_path, monkeypatch, mode):
+    """Both workers lost at once with no room (their node): one is left out, the other started
+    again (its start waits for the cluster), and the run goes on with it."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    extra = ["resources.replacement_wait_s=0"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=clean.calls // 3, victim=("inference-0", "inference-1"),
+                            extra=extra, no_room=["inference-0", "inference-1"])  # fmt: skip
+    check_run(world, rows, mode)
+    assert (rows[-1]["inference_workers"], rows[-1]["inference_workers_vacant"]) == (1, 1)
+    assert rows[-1]["restarts_inference"] == 1
 
 
 def test_a_buffer_rebuilt_from_the_ledger_skips_what_was_received():
