@@ -101,6 +101,21 @@ class ActorClient:
     def alive(self) -> bool:
         return alive(self.name, self.handle)
 
+    def unreachable(self, timeout_s: float) -> bool:
+        """Whether the actor cannot be reached although Ray's record may still say ALIVE: its
+        node stopped answering (a lost node is declared dead only after Ray's health checks,
+        ~15 s), or it is dead. A busy actor that does not answer within ``timeout_s`` is not
+        unreachable: only a refused connection or a death counts."""
+        import ray
+
+        try:
+            ray.get(self.handle.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            return False
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            return True
+        return False
+
     def kill(self) -> None:
         kill(self.handle)
 

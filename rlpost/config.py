@@ -440,6 +440,20 @@ class WeightSyncConfig(_Section):
 class RoleResources(_Section):
     num_cpus: float = Field(..., ge=0, description="CPUs reserved per actor of this role.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor of this role.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources reserved per actor of this role, in its placement bundle: e.g. "
+        '{"accelerator_type:H100": 0.001} to land on an H100 node, or a resource only some nodes declare '
+        "(`ray start --resources`) to keep the role there.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _positive_amounts(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {name: amount for name, amount in value.items() if not amount > 0 or name in ("CPU", "GPU")}
+        if bad:
+            raise ValueError(f"custom resources need positive amounts and names other than CPU/GPU, got {bad}")
+        return value
 
 
 class TorchRoleResources(RoleResources):

@@ -62,6 +62,7 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
+PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
 MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
@@ -153,8 +154,20 @@ def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
     return plan
 
 
+def role_bundles(cfg: JobConfig) -> list[tuple[str, dict[str, float]]]:
+    """(actor name, its placement bundle) for every actor that reserves something: its CPUs,
+    GPUs and custom resources."""
+    bundles = []
+    for name, role in role_plan(cfg):
+        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0} | role.resources
+        if bundle:
+            bundles.append((name, bundle))
+    return bundles
+
+
 def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
-    """One placement group for the run: a bundle per actor that reserves CPUs or GPUs.
+    """One placement group for the run: a bundle per actor that reserves CPUs, GPUs or custom
+    resources (``resources.<role>.resources``).
 
     Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
     actor that reserves nothing); ``place.has_room(name)`` says whether its bundle is placed now. The strategy (PACK/SPREAD/...) comes from
@@ -168,11 +181,9 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundles, index = [], {}
-    for name, role in role_plan(cfg):
-        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0}
-        if bundle:
-            index[name] = len(bundles)
-            bundles.append(bundle)
+    for name, bundle in role_bundles(cfg):
+        index[name] = len(bundles)
+        bundles.append(bundle)
     if not bundles:
 
         def place(name: str):
@@ -408,7 +419,9 @@ class Supervisor:
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
         """Restart every lost actor in dependency order (module docstring); re-form the bus
         when a worker was restarted or ``reform_bus``."""
-        lost = failure.name if failure is not None else None
+        lost = {failure.name} if failure is not None and failure.name else set()
+        if failure is not None and failure.name is None:  # a peer of the callee: which one?
+            lost |= {w.name for w in self.actors.inference if w.unreachable(PING_TIMEOUT_S)}
         if not self._alive(self.actors.learner, lost):
             raise LearnerDied(self._learner_message(failure))
         if not self._alive(self.actors.buffer, lost):
@@ -426,10 +439,11 @@ class Supervisor:
         if self.collecting:
             self._replace_failed_pools()
 
-    def _alive(self, client: Any, lost: str | None) -> bool:
-        """False for the actor a failure named (killed to be sure: a silent actor is as good as
-        dead) and for any actor Ray's record says is dead or restarting (:func:`rlpost.clients.actor_state`)."""
-        if lost is not None and lost in client.names:
+    def _alive(self, client: Any, lost: set[str]) -> bool:
+        """False for the actors a failure named or that cannot be reached (killed to be sure: a
+        silent actor is as good as dead) and for any actor Ray's record says is dead or
+        restarting (:func:`rlpost.clients.actor_state`)."""
+        if lost & set(client.names):
             client.kill()
             return False
         return client.alive()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -55,7 +56,8 @@ def free_ports(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = None, num_cpus: int = 2):
+def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = None, num_cpus: int = 2,
+                     resources: dict[str, float] | None = None):  # fmt: skip
     # short: Ray's unix socket paths under the temp dir must stay below 108 characters
     temp_dir = Path(tempfile.mkdtemp(prefix="rlpost-ray-", dir="/tmp"))
     env = dict(env or os.environ)
@@ -80,6 +82,8 @@ def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = No
         f"--metrics-export-port={metrics}",
         f"--runtime-env-agent-port={runtime_env}",
     ]
+    if resources:
+        args.append(f"--resources={json.dumps(resources)}")
     args += (
         ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
         if dashboard
@@ -94,6 +98,48 @@ def ray_head_cluster(*, dashboard: bool = False, env: dict[str, str] | None = No
         yield head
     finally:
         _stop(head)
+
+
+@dataclasses.dataclass
+class RayNode:
+    """A node joined to a head with ``ray start --address --block`` (its own process tree)."""
+
+    process: subprocess.Popen
+    log: Path
+
+    def raylet(self):
+        """The node's raylet process (psutil)."""
+        import psutil
+
+        return next(p for p in psutil.Process(self.process.pid).children(recursive=True) if p.name() == "raylet")
+
+
+@contextlib.contextmanager
+def ray_worker_node(head: RayHead, *, num_cpus: int, resources: dict[str, float], name: str):
+    """Another node of ``head``'s cluster on this machine, with its own ports and ``resources``;
+    stopped (its whole process tree) at the end, whatever was killed of it before."""
+    agent_http, agent_grpc, metrics, runtime_env = free_ports(4)
+    args = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+        f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+        f"--resources={json.dumps(resources)}", "--disable-usage-stats",
+        f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
+    ]  # fmt: skip
+    log = head.temp_dir / f"ray-start-{name}.log"
+    env = {**head.env, "RAY_AUTH_MODE": "token"} if "RAY_AUTH_TOKEN_PATH" in head.env else head.env
+    with log.open("w") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=head.temp_dir)
+    node = RayNode(process, log)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the node {name} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield node
+    finally:
+        _stop_tree(process)
 
 
 def _wait_until_up(head: RayHead, log: Path, timeout_s: float) -> None:
@@ -118,23 +164,29 @@ def _dashboard_answers(head: RayHead) -> bool:
 
 
 def _stop(head: RayHead) -> None:
+    _stop_tree(head.process)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM to a ``ray start --block`` (it stops what it started), then SIGKILL to any
+    process left of its tree."""
     import psutil
 
     try:
-        tree = [psutil.Process(head.process.pid), *psutil.Process(head.process.pid).children(recursive=True)]
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    head.process.terminate()
+    process.terminate()
     try:
-        head.process.wait(timeout=60)
+        process.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        head.process.kill()
+        process.kill()
     for proc in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             if proc.is_running():  # also guards against a reused pid
                 proc.kill()
     psutil.wait_procs(tree, timeout=30)
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@ import pytest
 
 from rlpost.actors.buffer import buffer_capacity, staleness_cap
 from rlpost.config import load_config
-from rlpost.supervisor import role_plan
+from rlpost.supervisor import role_bundles, role_plan
 
 pytestmark = pytest.mark.unit
 
@@ -36,3 +36,16 @@ def test_buffer_bounds_follow_the_mode():
         "configs/tiny-cpu.yaml", ["trainer.mode=async", "trainer.max_staleness=2", "trainer.prompts_per_step=8"]
     )
     assert (buffer_capacity(asynchronous), staleness_cap(asynchronous)) == (8 * 2, 2)
+
+
+def test_custom_resources_go_in_each_bundle_of_their_role():
+    from rlpost.config import load_config
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["rollout.num_inference_workers=2", "resources.inference.num_cpus=0",
+                                                'resources.inference.resources={"rollout_slot": 1}'])  # fmt: skip
+    bundles = dict(role_bundles(cfg))
+    assert bundles["inference-0"] == bundles["inference-1"] == {"rollout_slot": 1.0}
+    assert "rollout_slot" not in bundles["learner"]
+    for bad in ('{"rollout_slot": 0}', '{"CPU": 1}'):
+        with pytest.raises(ValueError, match="custom resources need positive amounts"):
+            load_config("configs/tiny-cpu.yaml", [f"resources.inference.resources={bad}"])

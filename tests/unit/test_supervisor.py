@@ -81,6 +81,9 @@ class Stand:
     def alive(self) -> bool:
         return not self.dead
 
+    def unreachable(self, timeout_s: float) -> bool:
+        return self.dead
+
     def kill(self) -> None:
         self.dead = True
 

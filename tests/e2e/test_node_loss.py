@@ -1,0 +1,100 @@
+"""A node of a two-node cluster is lost mid-run, and a node takes its place.
+
+Two raylets on this machine, each started with `ray start` and declaring one `rollout_slot`; the
+run's two inference workers each reserve one (and no CPU), so one runs on each node, and every
+other actor needs CPUs, which only the head has (the buffer, which reserves nothing, may run on
+either node: when it goes with the node it is rebuilt from the ledger and the env pools' outboxes).
+The second node's raylet is killed after step 2: its worker dies with it and no node has room
+for it, so the run goes on with one worker
+(`inference_workers` 1 in metrics.jsonl) rather than wait. A third node with a slot then joins:
+Ray places the lost worker's bundle there, a health check starts the worker again, and the bus
+takes it back (`inference_workers` 2). Every metrics line keeps the accounting. The run is then
+stopped with SIGTERM, as an operator would. In sync and async mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ray_head_cluster, ray_worker_node  # tests/e2e/conftest.py
+
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+SLOT = {"rollout_slot": 1}
+
+
+def rows_of(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(metrics: Path, run: subprocess.Popen, log: Path, what: str, ok, timeout_s: float) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = rows_of(metrics)
+        if ok(rows):
+            return rows
+        if run.poll() is not None:
+            raise AssertionError(f"the run ended ({run.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    raise AssertionError(f"no {what} within {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lost_node_leaves_the_fleet_and_a_new_node_brings_the_worker_back(tmp_path, tiny_model_path, mode):
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_TOKEN_PATH": str(token)}
+    with (
+        ray_head_cluster(env=env, num_cpus=2, resources=SLOT) as head,
+        ray_worker_node(head, num_cpus=0, resources=SLOT, name="node2") as node2,
+    ):
+        log = tmp_path / "run.log"
+        args = [
+            sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
+            f"model.name_or_path={tiny_model_path}", f"trainer.mode={mode}", "trainer.steps=500", "trainer.prompts_per_step=4",
+            "rollout.num_inference_workers=2", "resources.inference.num_cpus=0",
+            f"resources.inference.resources={json.dumps(SLOT)}", "resources.replacement_wait_s=3",
+            "eval.interval=0", "logging.progress=false", f"logging.run_dir={tmp_path}", "logging.run_name=node-loss",
+            "--address", head.gcs_address,
+        ]  # fmt: skip
+        with log.open("w") as out:
+            run = subprocess.Popen(args, cwd=REPO, env=head.env, stdout=out, stderr=subprocess.STDOUT)
+        metrics = tmp_path / "node-loss" / "metrics.jsonl"
+        try:
+            rows = wait_for(metrics, run, log, "step 2", lambda r: len(r) >= 2, 300)
+            assert rows[-1]["inference_workers"] == 2
+            node2.raylet().kill()  # the node is gone: its raylet, and with it its workers
+            rows = wait_for(metrics, run, log, "a step with one worker",
+                            lambda r: any(x["inference_workers"] == 1 for x in r), 180)  # fmt: skip
+            assert rows[-1]["inference_workers_vacant"] == 1
+            with ray_worker_node(head, num_cpus=0, resources=SLOT, name="node3"):
+                rows = wait_for(metrics, run, log, "the worker back on the new node",
+                                lambda r: r[-1]["inference_workers"] == 2 and r[-1]["restarts_inference"] == 1, 300)  # fmt: skip
+                back = len(rows)
+                wait_for(metrics, run, log, "two steps more", lambda r: len(r) >= back + 2, 120)
+                run.send_signal(signal.SIGTERM)
+                assert run.wait(timeout=180) == 128 + signal.SIGTERM, log.read_text()[-4000:]
+        finally:
+            if run.poll() is None:
+                run.kill()
+    rows = [r for r in rows_of(metrics) if not r.get("stopped")]  # a step the stop cut short has no accounting
+    text = log.read_text()
+    assert "going on with 1 of 2 inference workers" in text  # either worker may have been on node2
+    assert re.search(r"the cluster has room for inference-\d again", text)
+    fleet = [r["inference_workers"] for r in rows]
+    assert fleet[0] == 2 and 1 in fleet and fleet[-1] == 2
+    for r in rows:  # nothing completed lost silently or counted twice, on every step's line
+        assert r["groups_put"] == r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"], r
+    assert rows[-1]["restarts_inference"] == 1 and rows[-1]["learner_resumes"] == 0
