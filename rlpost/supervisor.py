@@ -169,28 +169,20 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     """One placement group for the run: a bundle per actor that reserves CPUs, GPUs or custom
     resources (``resources.<role>.resources``).
 
-    Returns the group and ``place(name)``, the scheduling strategy of an actor (None for an
-    actor that reserves nothing); ``place.has_room(name)`` says whether its bundle is placed now. The strategy (PACK/SPREAD/...) comes from
-    ``resources.placement_strategy``: PACK keeps an inference worker's GPUs with the learner's
-    on few nodes, SPREAD puts them on different nodes. If the cluster cannot hold the bundles in
-    ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming what it asked for
-    and what the cluster has.
+    Returns the group (None when no actor reserves anything) and each such actor's bundle index.
+    The strategy (PACK/SPREAD/...) comes from ``resources.placement_strategy``: PACK keeps an
+    inference worker's GPUs with the learner's on few nodes, SPREAD puts them on different nodes.
+    If the cluster cannot hold the bundles in ``timeout_s`` (``resources.placement_timeout_s``)
+    the run stops, naming what it asked for and what the cluster has.
     """
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundles, index = [], {}
-    for name, bundle in role_bundles(cfg):
-        index[name] = len(bundles)
-        bundles.append(bundle)
+    named = role_bundles(cfg)
+    index = {name: i for i, (name, _) in enumerate(named)}
+    bundles = [bundle for _, bundle in named]
     if not bundles:
-
-        def place(name: str):
-            return None
-
-        place.has_room = lambda name: True
-        return None, place
+        return None, index
     pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -201,23 +193,7 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
             f"({cfg.resources.placement_strategy}), the cluster has {ray.cluster_resources()}; "
             "lower resources.* or add nodes"
         )
-
-    def place(name: str):
-        if name not in index:
-            return None
-        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index[name])
-
-    def has_room(name: str) -> bool:
-        """Whether ``name``'s bundle is placed on a node now (False while Ray looks for a node
-        for it, after the one that held it was lost)."""
-        if name not in index:
-            return True
-        from ray.util.placement_group import placement_group_table
-
-        return bool(placement_group_table(pg)["bundles_to_node_id"].get(index[name]))
-
-    place.has_room = has_room
-    return pg, place
+    return pg, index
 
 
 class ActorStarter:
@@ -226,8 +202,25 @@ class ActorStarter:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.placement_group, self.place = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
+        self.placement_group, self.bundle_index = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
         self.fleet = self._inference_fleet()
+
+    def place(self, name: str):
+        """The scheduling strategy of actor ``name``: its bundle (None: it reserves nothing)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if name not in self.bundle_index:
+            return None
+        return PlacementGroupSchedulingStrategy(self.placement_group, self.bundle_index[name])
+
+    def has_room(self, name: str) -> bool:
+        """Whether actor ``name`` can start now: its bundle is placed on a node (after a node's
+        loss Ray places the bundles it held on other nodes where they fit, or waits for one)."""
+        if name not in self.bundle_index:
+            return True
+        from ray.util.placement_group import placement_group_table
+
+        return bool(placement_group_table(self.placement_group)["bundles_to_node_id"].get(self.bundle_index[name]))
 
     def _inference_fleet(self):
         """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
@@ -245,11 +238,6 @@ class ActorStarter:
             start_replica, self.cfg.rollout.num_inference_workers, settings.model_path,
             tensor_parallel_size=settings.engine.tensor_parallel_size,
         )  # fmt: skip
-
-    def has_room(self, name: str) -> bool:
-        """Whether actor ``name`` can start now: its bundle is placed (after a node's loss Ray
-        places the bundles it held on other nodes where they fit, or waits for a node)."""
-        return self.place.has_room(name)
 
     def buffer(self) -> BufferClient:
         from rlpost.actors.buffer import BufferSettings, start_buffer
@@ -341,6 +329,11 @@ def _replaced(name: str, since: float) -> None:
     log.warning("%s replaced: serving again %.1f s after its loss was noticed", name, time.monotonic() - since)
 
 
+def _slot(name: str) -> int:
+    """The slot of ``inference-<i>``: i."""
+    return int(name.rsplit("-", 1)[1])
+
+
 def _quietly(fn: Callable[[], Any]) -> None:
     try:
         fn()
@@ -427,9 +420,12 @@ class Supervisor:
         if not self._alive(self.actors.buffer, lost):
             self._restart_buffer()
         dead = [w for w in self.actors.inference if not self._alive(w, lost)]
-        changed = [self._replace_inference(w) for w in dead]
-        changed += [self._refill(slot) for slot in list(self.vacant) if self.starter.has_room(f"inference-{slot}")]
-        if changed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
+        for worker in dead:
+            self._replace_inference(worker)
+        placed = [slot for slot in self.vacant if self.starter.has_room(f"inference-{slot}")]
+        for slot in placed:
+            self._refill(slot)
+        if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
             self._restart_reference()
@@ -474,10 +470,10 @@ class Supervisor:
                 log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
         _replaced("buffer", start)
 
-    def _replace_inference(self, lost: InferenceClient) -> bool:
+    def _replace_inference(self, lost: InferenceClient) -> None:
         """Start a dead worker again in its slot; with no room for it in the cluster (within
         ``resources.replacement_wait_s``) and another worker serving, leave its slot vacant."""
-        slot = int(lost.name.rsplit("-", 1)[1])
+        slot = _slot(lost.name)
         lost.kill()
         others = [w for w in self.actors.inference if w is not lost]
         if others and not self._wait_for_room(lost.name):
@@ -488,17 +484,15 @@ class Supervisor:
                 "starts again once its bundle is placed (a node added or replaced)",
                 lost.name, len(others), self.cfg.rollout.num_inference_workers,
             )  # fmt: skip
-            return True
+            return
         log.warning("%s died; starting it again", lost.name)
         self._start_inference(slot)
-        return True
 
-    def _refill(self, slot: int) -> bool:
+    def _refill(self, slot: int) -> None:
         """A vacant slot whose bundle is placed again: its worker starts and joins."""
         log.warning("the cluster has room for inference-%d again (vacant %.0f s); starting it", slot,
                     time.monotonic() - self.vacant.pop(slot))  # fmt: skip
         self._start_inference(slot)
-        return True
 
     def _start_inference(self, slot: int) -> None:
         name = f"inference-{slot}"
@@ -506,7 +500,7 @@ class Supervisor:
         worker = self.starter.inference(slot)
         worker.wait_ready(STARTUP_TIMEOUT_S)
         workers = [w for w in self.actors.inference if w.name != name] + [worker]
-        self.actors.inference = sorted(workers, key=lambda w: int(w.name.rsplit("-", 1)[1]))
+        self.actors.inference = sorted(workers, key=lambda w: _slot(w.name))
         self.counts["restarts_inference"] += 1
 
     def _wait_for_room(self, name: str) -> bool:

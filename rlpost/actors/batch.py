@@ -115,22 +115,22 @@ def split_to_budget(
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0].token_ids))
     batches: list[list[int]] = []
     width = 0  # the longest row of the open micro-batch (its first: rows come longest first)
-    room: list[int] = []  # packed: the free tokens of each of its bins
+    room: list[int] = []  # packed: the free tokens of each of its bins (the model's rows)
     for i in order:
         length = len(rows[i][0].token_ids)
-        slot = next((b for b, left in enumerate(room) if left >= length), None)  # first fit
-        if packed:
-            cost = width * (len(room) + (slot is None))
+        if packed:  # first fit into the open micro-batch's bins, or one bin more
+            slot = next((b for b, left in enumerate(room) if left >= length), None)
+            model_rows = len(room) + (slot is None)
         else:
-            cost = width * (len(batches[-1]) + 1) if batches else 0
-        if not batches or cost > max_tokens:
+            model_rows = len(batches[-1]) + 1 if batches else 1
+        if not batches or width * model_rows > max_tokens:
             batches.append([i])
             width, room = length, [0]
-        elif slot is None:
-            batches[-1].append(i)
+            continue
+        batches[-1].append(i)
+        if packed and slot is None:
             room.append(width - length)
-        else:
-            batches[-1].append(i)
+        elif packed:
             room[slot] -= length
     return [[rows[i] for i in sorted(batch)] for batch in batches]
 
