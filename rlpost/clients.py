@@ -24,6 +24,7 @@ record, :func:`actor_state`), never of the actor, whose queue may be busy with a
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rlpost.actors.calls import ActorLost, CallTimeout, GroupPending, Pending, first_line
@@ -33,6 +34,7 @@ from rlpost.transport.buffer import BufferLost, BufferTimeout, RayBuffer
 # RESTARTING (its process died; Ray may start it again, but nothing it held survived). A new
 # actor is PENDING_CREATION or DEPENDENCIES_UNREADY until its constructor ran, then ALIVE.
 LOST_STATES = frozenset({"DEAD", "RESTARTING"})
+NAME_POLL_S = 0.5  # release_names: how often it asks whether a lost actor's name is free
 
 
 def actor_state(handle: Any) -> str:
@@ -79,6 +81,34 @@ def kill(handle: Any) -> None:
         ray.kill(handle)
     except Exception:  # already dead: nothing to do
         pass
+
+
+def release_names(names: list[str], timeout_s: float) -> None:
+    """Free each of ``names`` for a new actor: kill whichever actor holds it and wait until Ray
+    lets the name go, at most ``timeout_s`` in all.
+
+    Called before an actor is started (again) under a name: its predecessor was judged lost, or
+    belongs to a run being resumed. ``ray.kill`` frees a name at once when the holder is dead or
+    on a live node, but a holder on a lost node keeps it until Ray declares that node dead (its
+    health checks: ~15 s by default); starting the new actor meanwhile fails with
+    ``ActorAlreadyExistsError``. Raises RuntimeError naming the name still held at the deadline.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                holder = ray.get_actor(name)
+            except ValueError:  # nobody holds it
+                break
+            kill(holder)
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"the actor name {name!r} is still held by its lost predecessor after {timeout_s:.0f} s "
+                    f"(state {actor_state(holder)}); Ray frees it once it declares the predecessor's node dead"
+                )
+            time.sleep(NAME_POLL_S)
 
 
 class ActorClient:

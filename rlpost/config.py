@@ -530,7 +530,11 @@ class ResourcesConfig(_Section):
     reference: TorchRoleResources = Field(
         default_factory=lambda: TorchRoleResources(num_cpus=0.25), description="The reference actor."
     )
-    buffer: RoleResources = Field(default_factory=lambda: RoleResources(num_cpus=0.0), description="The buffer actor.")
+    buffer: RoleResources = Field(
+        default_factory=lambda: RoleResources(num_cpus=0.0),
+        description="The buffer actor. It reserves no placement bundle and runs on the driver's node (whose loss "
+        "ends the run anyway) unless `resources` names custom resources that send it elsewhere.",
+    )
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every process of the run (Ray runtime_env), over rlpost's own: "

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 from rlpost.actors import learner_name
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all
-from rlpost.clients import BufferClient, EnvPoolClient, InferenceClient, LearnerClient, ReferenceClient
+from rlpost.clients import BufferClient, EnvPoolClient, InferenceClient, LearnerClient, ReferenceClient, release_names
 from rlpost.config import JobConfig
 from rlpost.runs import latest_checkpoint
 from rlpost.shutdown import raise_if_stopping
@@ -63,6 +63,7 @@ MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recov
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
 PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
+NAME_RELEASE_TIMEOUT_S = 120.0  # a lost actor's name, held until Ray declares its node dead
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
 MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
@@ -240,19 +241,34 @@ class ActorStarter:
         )  # fmt: skip
 
     def buffer(self) -> BufferClient:
+        """``buffer``. It reserves no bundle; unless ``resources.buffer.resources`` sends it
+        elsewhere it prefers the driver's node, whose loss ends the run anyway, so that losing
+        another node does not take the groups in flight with it."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from rlpost.actors.buffer import BufferSettings, start_buffer
 
-        return BufferClient(start_buffer(BufferSettings.from_job(self.cfg)).rb)
+        settings = BufferSettings.from_job(self.cfg)
+        options = {}
+        if not settings.resources.resources:
+            here = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=True)
+        release_names(["buffer"], NAME_RELEASE_TIMEOUT_S)
+        return BufferClient(start_buffer(settings, **options).rb)
 
     def inference(self, index: int) -> InferenceClient:
         """``inference-<index>``: the fleet's replica ``index``, started (again)."""
-        return InferenceClient(f"inference-{index}", self.fleet.start_replica(index))
+        name = f"inference-{index}"
+        release_names([name], NAME_RELEASE_TIMEOUT_S)
+        return InferenceClient(name, self.fleet.start_replica(index))
 
     def learner(self) -> LearnerClient:
         """The learner, or its group of ``resources.learner.num_workers`` ranks, one bundle each."""
         from rlpost.actors.learner import LearnerSettings, start_learner_group
 
         settings = LearnerSettings.from_job(self.cfg)
+        release_names([learner_name(r) for r in range(settings.resources.num_workers)], NAME_RELEASE_TIMEOUT_S)
         ranks = start_learner_group(settings, settings.resources.num_workers,
                                     options_for=lambda r: {"scheduling_strategy": self.place(learner_name(r))})  # fmt: skip
         others = [(learner_name(r), handle) for r, handle in enumerate(ranks) if r > 0]
@@ -262,6 +278,7 @@ class ActorStarter:
         from rlpost.actors.reference import ReferenceSettings, start_reference
 
         settings = ReferenceSettings.from_job(self.cfg)
+        release_names(["reference"], NAME_RELEASE_TIMEOUT_S)
         return ReferenceClient("reference", start_reference(settings, scheduling_strategy=self.place("reference")))
 
     def env_pool(
@@ -272,6 +289,7 @@ class ActorStarter:
         from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"
+        release_names([name], NAME_RELEASE_TIMEOUT_S)
         handle = start_env_pool(
             EnvPoolSettings.from_job(self.cfg),
             index,

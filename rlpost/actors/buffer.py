@@ -60,6 +60,7 @@ def start_buffer(
     remote_config = {
         "name": name, "namespace": namespace, "max_concurrency": max_concurrency, "max_restarts": 0,
         "num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus,
+        "resources": dict(settings.resources.resources),
     } | options  # fmt: skip
     rb = RayReplayBuffer(
         replay_buffer_cls=LocalBuffer,
