@@ -135,6 +135,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="reward.png's path (default: RUN_DIR/reward.png); the others stay in RUN_DIR")
     plot.set_defaults(handler=_cmd_plot)
     _add_job_commands(sub)
+    _add_scale_command(sub)
     _add_doctor_command(sub)
     return parser
 
@@ -281,8 +282,9 @@ def _add_job_commands(sub) -> None:
 
     status = sub.add_parser(
         "status",
-        help="print a Ray job's status",
-        description="Print a job's status and message. Exit 0 pending/running/succeeded, 1 failed/stopped.",
+        help="print a Ray job's status, or a run's",
+        description="Print a job's status and message (exit 0 pending/running/succeeded, 1 failed/stopped), or, for a "
+        "run directory, its last step, reward, inference workers and restarts.",
     )
     logs = sub.add_parser(
         "logs",
@@ -298,10 +300,104 @@ def _add_job_commands(sub) -> None:
     stop.add_argument(
         "--wait", type=float, default=60.0, metavar="SECONDS", help="how long to wait for it to end (default 60)"
     )
+    status.add_argument("job_id", metavar="RUN_DIR|JOB", help="a run directory, or a job id from `rlpost submit`")
     for command, handler in ((status, _cmd_status), (logs, _cmd_logs), (stop, _cmd_stop)):
-        command.add_argument("job_id", metavar="JOB", help="job id, as printed by `rlpost submit`")
+        if command is not status:
+            command.add_argument("job_id", metavar="JOB", help="job id, as printed by `rlpost submit`")
         _add_cluster_arguments(command)
         command.set_defaults(handler=handler)
+
+
+def _add_scale_command(sub) -> None:
+    scale = sub.add_parser(
+        "scale",
+        help="change a running job's inference workers",
+        description="Ask a running job for N inference workers while it trains: `rlpost scale RUN_DIR inference=N` "
+        "for a run whose cluster this machine reaches (its run directory), `rlpost scale JOB inference=N --address "
+        "http://HEAD:8265` for a submitted job. New workers start where the cluster has room (until then they wait, "
+        "and the run trains without them), load the current weights and join the weight bus; leaving workers finish "
+        "their requests first. With a range in the config (rollout.num_inference_workers: A..B) N must lie in it. "
+        "Exit 0 once the run has the request (with --wait: once N workers serve), 2 for a bad request or an unknown "
+        "or stopped run, 1 otherwise.",
+    )
+    scale.add_argument("target", metavar="RUN_DIR|JOB", help="the run directory, or a job id from `rlpost submit`")
+    scale.add_argument("changes", nargs="*", metavar="inference=N", help="the inference workers the run should have")
+    scale.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="then wait up to SECONDS until N workers serve"
+    )
+    # the helper job's (rlpost scale JOB): the run's Ray namespace on the cluster it runs in
+    scale.add_argument("--namespace", help=argparse.SUPPRESS)
+    _add_cluster_arguments(scale)
+    scale.set_defaults(handler=_cmd_scale)
+
+
+def _cmd_scale(args) -> int:
+    from rlpost import control
+
+    try:
+        inference = control.parse_scale_request(args.changes)
+        control.check_scale_request((1, None), inference)  # the run's own range is checked where it is known
+    except ValueError as exc:
+        raise ConfigError(f"scale: {exc}") from None
+    if args.namespace:  # inside the cluster, as the job `rlpost scale JOB` submits
+        return _scale_in(args.namespace, None, inference, args.wait)
+    target = Path(args.target)
+    if target.is_dir():
+        try:
+            address, namespace, bounds = control.run_namespace(target)
+            control.check_scale_request(bounds, inference)
+            control.check_reachable(address)
+        except (LookupError, ValueError) as exc:
+            raise ConfigError(f"scale: {exc}") from None
+        return _scale_in(namespace, address, inference, args.wait)
+    if "/" in args.target or target.exists():
+        raise ConfigError(f"scale: {args.target}: not a run directory")
+    return _scale_job(args, inference)
+
+
+def _scale_in(namespace: str, address: str | None, inference: int, wait_s: float) -> int:
+    """Leave the request in the run's mailbox (a Ray connection to its cluster: ``address``, or
+    the cluster this process runs in) and, with ``wait_s``, wait until the fleet has it."""
+    from rlpost import control
+    from rlpost.jobs import find_auth_token
+
+    if "RAY_AUTH_MODE" not in os.environ and find_auth_token() is not None:
+        # a driver joining a cluster sends a token only in token mode, read when Ray is imported
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+
+    ray.init(address=address or "auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
+    try:
+        try:
+            fleet = control.scale_run(namespace, inference)
+        except (LookupError, ValueError) as exc:
+            raise ConfigError(f"scale: {exc}") from None
+        print(f"rlpost: {namespace}: asked for {inference} inference workers (now {control.describe_fleet(fleet)}); "
+              "the run applies it at its next health check")  # fmt: skip
+        if wait_s <= 0:
+            return EXIT_OK
+        fleet = control.wait_for_fleet(namespace, inference, wait_s)
+        print(f"rlpost: {namespace}: {control.describe_fleet(fleet)}")
+        if not control.fleet_reached(fleet, inference):
+            print(f"rlpost: failed: the run does not have {inference} workers serving after {wait_s:g} s",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_FAILURE
+        return EXIT_OK
+    finally:
+        ray.shutdown()
+
+
+def _scale_job(args, inference: int) -> int:
+    """``rlpost scale JOB``: a short job beside it leaves the request (jobs.plan_scale)."""
+    from rlpost import jobs
+
+    address = jobs.resolve_address(args.address)
+    client = jobs.connect(address, timeout_s=args.timeout)
+    submission = jobs.plan_scale(jobs.job_info(client, args.target), args.target, args.changes, wait_s=args.wait)
+    helper = jobs.submit(client, submission)
+    ended = jobs.wait_until_ended(client, helper, timeout_s=args.wait + 300.0)
+    sys.stdout.write(client.get_job_logs(helper))
+    return jobs.entrypoint_exit_code(ended)
 
 
 def _add_cluster_arguments(parser) -> None:
@@ -343,12 +439,46 @@ def _cmd_submit(args) -> int:
 def _cmd_status(args) -> int:
     from rlpost import jobs
 
+    if Path(args.job_id).is_dir():
+        return _run_status(Path(args.job_id))
+
     address = jobs.resolve_address(args.address)
     info = jobs.job_info(jobs.connect(address, timeout_s=args.timeout), args.job_id)
     print(f"{args.job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
     print(f"  entrypoint: {info.entrypoint}")
     print(f"  dashboard:  {jobs.dashboard_url(address, args.job_id)}")
     return jobs.status_exit_code(info.status)
+
+
+def _run_status(run_dir: Path) -> int:
+    """``rlpost status RUN_DIR``: the run's last metrics line, in words (its step, reward, fleet
+    and restarts)."""
+    from rlpost.metrics import read_metrics
+
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"status: {run_dir}: not a run directory (no config.yaml)")
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    if not rows:
+        print(f"{run_dir}: no step trained yet")
+        return EXIT_OK
+    last = rows[-1]
+    state = "stopped" if last.get("stopped") else "last step"
+    print(f"{run_dir}: {state} {last['step']}, reward {_number(last.get('reward_mean'))}, "
+          f"elapsed {_number(last.get('elapsed_s'), '.0f')} s")  # fmt: skip
+    if "inference_workers" in last:
+        fleet = f"{last['inference_workers']} serving of {last.get('inference_workers_target', '?')} wanted"
+        if last.get("inference_workers_vacant"):
+            fleet += f", {last['inference_workers_vacant']} waiting for room in the cluster"
+        print(f"  inference workers: {fleet}")
+    restarts = {k.removeprefix("restarts_"): v for k, v in last.items() if k.startswith("restarts_") and v}
+    restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes") if last.get(k)}
+    print("  restarts: " + (", ".join(f"{k} {v}" for k, v in restarts.items()) or "none"))
+    return EXIT_OK
+
+
+def _number(value, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
 def _cmd_logs(args) -> int:

@@ -160,6 +160,10 @@ class InferenceClient(ActorClient):
     def score(self, token_ids: list[list[int]], temperature: float, timeout_s: float) -> list[list[float]]:
         return self.call("score", token_ids, temperature, timeout_s=timeout_s)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Whether the worker finished every generate and score call it had, within ``timeout_s``."""
+        return self.call("drain", timeout_s, timeout_s=timeout_s + 30.0)
+
     def shutdown(self, timeout_s: float) -> None:
         self.call("shutdown", timeout_s=timeout_s)
 
@@ -186,6 +190,14 @@ class EnvPoolClient(ActorClient):
 
     def load_state_dict(self, state: dict, timeout_s: float = 60.0) -> None:
         self.call("load_state_dict", state, timeout_s=timeout_s)
+
+
+class ControlClient(ActorClient):
+    """``control``: the run's mailbox for operators' requests (:mod:`rlpost.control`)."""
+
+    def exchange(self, sizes: dict[str, int], timeout_s: float) -> int | None:
+        """Report the fleet's sizes; the inference workers an operator asked for, or None."""
+        return self.call("exchange", sizes, timeout_s=timeout_s)
 
 
 class ReferenceClient(ActorClient):

@@ -243,9 +243,64 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_tokens: int = Field(64, ge=1, description="Most new tokens per completion (also Dr.GRPO's L_max).")
     max_turns: int = Field(1, ge=1, description="Most assistant turns per episode (tool turns continue it).")
-    num_inference_workers: int = Field(1, ge=1, description="Inference worker actors, one vLLM engine each.")
+    num_inference_workers: int = Field(
+        1,
+        ge=1,
+        description="Inference worker actors started with the run, one vLLM engine each; the run waits for the "
+        "cluster to place them (resources.placement_timeout_s). A range `A..B` (e.g. `1..4`) means A of them "
+        "and max_inference_workers B.",
+    )
+    max_inference_workers: int | None = Field(
+        None,
+        ge=1,
+        description="The most inference workers the run may have, and the bounds of `rlpost scale`: the run wants "
+        "this many and starts each beyond num_inference_workers whenever the cluster can place it (each has its "
+        "own placement group, which a cluster autoscaler sees as demand), serving without it meanwhile. None: "
+        "num_inference_workers, and `rlpost scale` may ask for any number.",
+    )
     num_env_pools: int = Field(1, ge=1, description="Env-pool actors, each running an LLM collector.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _worker_range(cls, data: Any) -> Any:
+        """``num_inference_workers: A..B`` is ``num_inference_workers: A`` with ``max_inference_workers: B``."""
+        if not isinstance(data, dict) or not isinstance(data.get("num_inference_workers"), str):
+            return data
+        text = data["num_inference_workers"].strip()
+        if ".." not in text:
+            return data  # a plain number as text: pydantic reads it (or names the bad value)
+        low, _, high = text.partition("..")
+        try:
+            low_n, high_n = int(low), int(high)
+        except ValueError:
+            raise ValueError(f"num_inference_workers: a range is two whole numbers A..B, got {text!r}") from None
+        if not 1 <= low_n <= high_n:
+            raise ValueError(f"num_inference_workers: the range {text!r} needs 1 <= A <= B")
+        if data.get("max_inference_workers") not in (None, high_n):
+            raise ValueError(f"num_inference_workers {text!r} and max_inference_workers "
+                             f"{data['max_inference_workers']} disagree: give one of them")  # fmt: skip
+        return {**data, "num_inference_workers": low_n, "max_inference_workers": high_n}
+
+    @model_validator(mode="after")
+    def _max_covers_start(self) -> RolloutConfig:
+        if self.max_inference_workers is not None and self.max_inference_workers < self.num_inference_workers:
+            raise ValueError(
+                f"max_inference_workers ({self.max_inference_workers}) is below num_inference_workers "
+                f"({self.num_inference_workers})"
+            )
+        return self
+
+    def inference_worker_bounds(self) -> tuple[int, int | None]:
+        """What `rlpost scale` may ask for: (least, most; None: no bound). With a range, the range;
+        otherwise from one worker up."""
+        if self.max_inference_workers is None:
+            return 1, None
+        return self.num_inference_workers, self.max_inference_workers
+
+    def inference_worker_target(self) -> int:
+        """The inference workers the run wants from its start."""
+        return self.max_inference_workers or self.num_inference_workers
 
 
 class EvalConfig(_Section):

@@ -528,7 +528,8 @@ class Controller:
             last_written = max(self.recorded_step, int(rows[-1]["step"]) if rows else 0)
             if self.unrecorded is not None and self.unrecorded["step"] > last_written:
                 # trained, but stopped before its row was written
-                self._record(self.trained_step, {**self.unrecorded, "stopped": True, **self._elapsed()})
+                row = {**self.unrecorded, "stopped": True, **self._elapsed(), **self._accounting_at_stop()}
+                self._record(self.trained_step, row)
             self._write_checkpoint(self.trained_step)
             log.warning("stopped after step %d; resume with: rlpost train --resume %s", self.trained_step, self.run_dir)
         except Exception as exc:  # the stop goes on: the previous checkpoint stays on disk
@@ -541,6 +542,19 @@ class Controller:
         row = {"step": self.step, "policy_version": version, "loss": None, "kl_to_ref": None, "clip_fraction": None}
         row.update(reward_mean=mean(rewards) if rewards else None, reward_std=pstdev(rewards) if rewards else None)
         return row
+
+    def _accounting_at_stop(self) -> dict:
+        """The accounting keys of a row finished by a stop, as the checkpoint will hold them:
+        groups taken for a step not trained count as in the buffer (the checkpoint puts them
+        back). Empty when the buffer does not answer (the row then has none)."""
+        try:
+            stats = self.actors.buffer.stats()
+        except Exception as exc:  # noqa: BLE001 (the stop goes on; the row says less)
+            log.warning("stopping: the buffer did not answer (%s); the last row has no accounting", exc)
+            return {}
+        counts = self.ledger.accounting(stats.size + len(self.taken), stats.last_seqs)
+        counts["groups_trained"] -= len(self.taken)
+        return {**counts, "buffer_size": stats.size}
 
     def _elapsed(self) -> dict:
         """Timing keys of a row finished by a stop (rates unknown)."""

@@ -1,4 +1,4 @@
-"""Ray Jobs: submit a run to a Ray cluster and watch it (`rlpost submit | status | logs | stop`).
+"""Ray Jobs: submit a run to a Ray cluster and watch it (`rlpost submit | status | logs | stop | scale`).
 
 A submitted run is `rlpost train CONFIG key=value ...`, started by Ray's job supervisor on the
 head node in a runtime environment built here:
@@ -199,6 +199,52 @@ def plan_resume(
         metadata={"rlpost_resume": str(path), "rlpost_run_name": run_name},
         notes=notes,
     )
+
+
+def plan_scale(info, job_id: str, changes: list[str], *, wait_s: float = 0.0) -> Submission:
+    """A short job that runs ``rlpost scale --namespace rlpost-<run> CHANGES`` on the cluster,
+    beside the running job ``job_id`` (``info``: its JobDetails), in that job's runtime
+    environment: the request reaches the run's mailbox actor from inside the cluster, where Ray
+    is reachable, when only the dashboard's address is known here. Raises ConfigError when the
+    job is not running or was not submitted by ``rlpost submit``."""
+    status = str(info.status)
+    if status != "RUNNING":
+        raise ConfigError(f"job {job_id} is {status}: only a running job can be scaled")
+    run_name = (info.metadata or {}).get("rlpost_run_name")
+    if not run_name:
+        raise ConfigError(f"job {job_id} was not submitted by `rlpost submit` (no rlpost_run_name in its metadata)")
+    command = ["rlpost", "scale", "--namespace", f"rlpost-{run_name}", job_id, *changes]
+    if wait_s:
+        command += ["--wait", f"{wait_s:g}"]
+    return Submission(
+        entrypoint=shlex.join(command),
+        runtime_env=dict(info.runtime_env or {}),
+        job_id=f"{job_id}-scale-{time.strftime('%Y%m%d-%H%M%S')}",
+        run_name=run_name,
+        metadata={"rlpost_scale_of": job_id},
+        notes=[],
+    )
+
+
+def wait_until_ended(client, job_id: str, timeout_s: float, *, poll_s: float = 1.0):
+    """The job's JobDetails once it ended (ClusterError after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = job_info(client, job_id)
+        if str(info.status) in TERMINAL_STATUSES:
+            return info
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"job {job_id} is still {info.status} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def entrypoint_exit_code(info) -> int:
+    """The exit code of an ended job's entrypoint: 0 when it succeeded, the code Ray's message
+    names when it failed ("... failed with exit code 2"), else 1."""
+    if str(info.status) == "SUCCEEDED":
+        return 0
+    match = re.search(r"exit code (\d+)", info.message or "")
+    return int(match.group(1)) if match else 1
 
 
 def build_entrypoint(config: str, overrides: list[str] | tuple[str, ...]) -> str:

@@ -325,8 +325,9 @@ class RayMetrics:
         "restarts_reference": "Reference actors restarted so far",
         "restarts_buffer": "Buffer actors restarted so far",
         "bus_reforms": "Weight-bus re-formations so far",
-        "inference_workers": "Inference workers serving (fewer than configured while the cluster has no room)",
+        "inference_workers": "Inference workers serving (fewer than the target while the cluster has no room)",
         "inference_workers_vacant": "Inference workers waiting for room in the cluster",
+        "inference_workers_target": "Inference workers the run wants (its config's top, or what rlpost scale asked)",
         # the accounting: groups_put == groups_trained + groups_dropped_stale + groups_in_buffer
         "groups_put": "Groups the env pools put in the buffer so far",
         "groups_trained": "Groups trained so far",

@@ -32,6 +32,11 @@ engine client found its worker dead (its ``wait`` raises) all end in a recovery 
                            mode it starts collecting
     an async pool's collection failed -> the pool is replaced the same way
 
+The fleet's size changes too: the run wants ``rollout.max_inference_workers`` (the top of a range
+``num_inference_workers: A..B``) and starts each slot beyond A when the cluster places it, and an
+operator's ``rlpost scale`` (a request left in the run's ``control`` actor, taken at a health
+check) opens or closes slots: :meth:`Supervisor.resize_inference`.
+
 A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
 so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
 Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
@@ -50,7 +55,15 @@ from typing import Any, TypeVar
 
 from rlpost.actors import learner_name
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all
-from rlpost.clients import BufferClient, EnvPoolClient, InferenceClient, LearnerClient, ReferenceClient, release_names
+from rlpost.clients import (
+    BufferClient,
+    ControlClient,
+    EnvPoolClient,
+    InferenceClient,
+    LearnerClient,
+    ReferenceClient,
+    release_names,
+)
 from rlpost.config import JobConfig
 from rlpost.runs import latest_checkpoint
 from rlpost.shutdown import raise_if_stopping
@@ -62,6 +75,7 @@ T = TypeVar("T")
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
+DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the rest are re-issued)
 PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
 NAME_RELEASE_TIMEOUT_S = 120.0  # a lost actor's name, held until Ray declares its node dead
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
@@ -112,6 +126,10 @@ class RunActors:
     learner: LearnerClient
     reference: ReferenceClient | None
     placement_group: Any = None
+    # inference slots beyond the run's placement group -> their own group (the starter's dict,
+    # which it updates as slots open and close)
+    slot_groups: dict[int, Any] = dataclasses.field(default_factory=dict)
+    control: ControlClient | None = None  # the operators' mailbox (rlpost scale)
 
 
 @dataclasses.dataclass
@@ -158,12 +176,12 @@ def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
 def role_bundles(cfg: JobConfig) -> list[tuple[str, dict[str, float]]]:
     """(actor name, its placement bundle) for every actor that reserves something: its CPUs,
     GPUs and custom resources."""
-    bundles = []
-    for name, role in role_plan(cfg):
-        bundle = {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0} | role.resources
-        if bundle:
-            bundles.append((name, bundle))
-    return bundles
+    return [(name, bundle) for name, role in role_plan(cfg) if (bundle := bundle_of(role))]
+
+
+def bundle_of(role) -> dict[str, float]:
+    """What one actor of a role (a RoleResources) reserves: its CPUs, GPUs and custom resources."""
+    return {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0} | role.resources
 
 
 def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
@@ -204,24 +222,59 @@ class ActorStarter:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.placement_group, self.bundle_index = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
+        self.slot_groups: dict[int, Any] = {}  # inference slots beyond the run's group -> their own group
         self.fleet = self._inference_fleet()
+
+    def _group_of(self, name: str):
+        """(placement group, bundle index) holding actor ``name``, or None when it reserves nothing."""
+        if name in self.bundle_index:
+            return self.placement_group, self.bundle_index[name]
+        if name.startswith("inference-") and _slot(name) in self.slot_groups:
+            return self.slot_groups[_slot(name)], 0
+        return None
 
     def place(self, name: str):
         """The scheduling strategy of actor ``name``: its bundle (None: it reserves nothing)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if name not in self.bundle_index:
-            return None
-        return PlacementGroupSchedulingStrategy(self.placement_group, self.bundle_index[name])
+        held = self._group_of(name)
+        return None if held is None else PlacementGroupSchedulingStrategy(*held)
 
     def has_room(self, name: str) -> bool:
         """Whether actor ``name`` can start now: its bundle is placed on a node (after a node's
         loss Ray places the bundles it held on other nodes where they fit, or waits for one)."""
-        if name not in self.bundle_index:
+        held = self._group_of(name)
+        if held is None:
             return True
         from ray.util.placement_group import placement_group_table
 
-        return bool(placement_group_table(self.placement_group)["bundles_to_node_id"].get(self.bundle_index[name]))
+        group, index = held
+        return bool(placement_group_table(group)["bundles_to_node_id"].get(index))
+
+    def open_slot(self, index: int) -> None:
+        """Make ``inference-<index>`` a slot of the fleet: beyond the run's placement group it gets
+        a one-bundle group of its own, which Ray places whenever the cluster has room (a cluster
+        autoscaler sees it as pending demand and adds a node); :meth:`has_room` says when."""
+        from ray.util.placement_group import placement_group
+
+        if index >= self.fleet.num_replicas:
+            self.fleet.resize(index + 1)
+        bundle = bundle_of(self.cfg.resources.inference)
+        if f"inference-{index}" in self.bundle_index or index in self.slot_groups or not bundle:
+            return
+        name = f"rlpost-{self.cfg.logging.run_name}-inference-{index}"
+        self.slot_groups[index] = placement_group([bundle], strategy="PACK", name=name)
+
+    def close_slot(self, index: int) -> None:
+        """``inference-<index>`` leaves the fleet: its replica stops and a group of its own is
+        removed (a slot of the run's placement group keeps its bundle reserved: Ray cannot take
+        one bundle out of a group)."""
+        import ray
+
+        self.fleet.stop_replica(index)
+        group = self.slot_groups.pop(index, None)
+        if group is not None:
+            ray.util.remove_placement_group(group)
 
     def _inference_fleet(self):
         """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
@@ -300,6 +353,18 @@ class ActorStarter:
         )
         return EnvPoolClient(name, handle)
 
+    def control(self) -> ControlClient:
+        """``control``, the run's mailbox for ``rlpost scale``, on the driver's node."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from rlpost.control import CONTROL_ACTOR, start_control
+
+        release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        bounds = self.cfg.rollout.inference_worker_bounds()
+        return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=here))
+
     def start_all(self) -> RunActors:
         """Every actor of the run, its engines up and the weight bus connected."""
         cfg = self.cfg
@@ -309,7 +374,8 @@ class ActorStarter:
         reference = self.reference() if cfg.reference.enabled else None
         env_pools = [self.env_pool(j, inference, buffer) for j in range(cfg.rollout.num_env_pools)]
         wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S)
-        actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group)
+        actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group, self.slot_groups,
+                           self.control())  # fmt: skip
         connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
         return actors
 
@@ -334,11 +400,13 @@ def stop_actors(actors: RunActors) -> None:
         _quietly(functools.partial(pool.stop, timeout_s=30))
     for worker in actors.inference:
         _quietly(functools.partial(worker.shutdown, timeout_s=60))
-    clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer]
-    for client in clients + ([actors.reference] if actors.reference is not None else []):
-        client.kill()
-    if actors.placement_group is not None:
-        _quietly(lambda: ray.util.remove_placement_group(actors.placement_group))
+    clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer, actors.reference, actors.control]
+    for client in clients:
+        if client is not None:
+            client.kill()
+    for group in [actors.placement_group, *actors.slot_groups.values()]:
+        if group is not None:
+            _quietly(functools.partial(ray.util.remove_placement_group, group))
 
 
 def _replaced(name: str, since: float) -> None:
@@ -391,6 +459,10 @@ class Supervisor:
         self.collecting = False  # async mode: the pools collect on their own from now on
         self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
         self.vacant: dict[int, float] = {}  # inference slots without room in the cluster -> since when
+        # the fleet's slots: inference-<i> for each i (serving or vacant); rlpost scale changes them
+        self.slots = set(range(len(actors.inference)))
+        self.fresh: set[int] = set()  # slots opened whose first worker has not started yet
+        self._open_slots(cfg.rollout.inference_worker_target())
 
     # ------------------------------------------------------------------ what the loop calls
 
@@ -417,13 +489,94 @@ class Supervisor:
         self.collecting = True
 
     def check(self, force: bool = False) -> None:
-        """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover.
-        Raises StopRequested when a stop signal came (the loop calls this at every poll)."""
+        """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover, then
+        take an operator's request from the run's mailbox. Raises StopRequested when a stop
+        signal came (the loop calls this at every poll)."""
         raise_if_stopping()
         if not force and time.monotonic() - self.last_check < self.health_check_s:
             return
         self.last_check = time.monotonic()
         self.run("health check", lambda: self.recover(None))
+        requested = self._exchange_with_control()
+        if requested is not None:
+            self.run("scale", lambda: self.resize_inference(requested))
+
+    def _exchange_with_control(self) -> int | None:
+        """Report the fleet to the run's mailbox and take a request from it; a lost mailbox is
+        started again (a request it held is lost, and the log says so)."""
+        control = self.actors.control
+        if control is None:
+            return None
+        try:
+            return control.exchange(self.fleet_sizes(), timeout_s=CALL_TIMEOUT_S)
+        except ActorFailure as exc:
+            log.warning("the run's control mailbox failed (%s); starting it again (a scale request it held "
+                        "is lost: ask again)", first_line(exc))  # fmt: skip
+            control.kill()
+            self.actors.control = self.starter.control()
+            return None
+
+    # ------------------------------------------------------------------ the fleet's size
+
+    def resize_inference(self, workers: int) -> None:
+        """Give the fleet ``workers`` inference slots (``rlpost scale``). New slots are vacant
+        until the cluster places their bundles (each beyond the run's placement group has a group
+        of its own), and their workers start, load the current weights and join the bus like a
+        lost worker's replacement (at once when there is room). Fewer slots: vacant ones close
+        first, then the serving workers with the highest slots leave: the env pools stop sending
+        them requests, each finishes what it has (``DRAIN_TIMEOUT_S``; the rest are re-issued to
+        the others) and stops, and the bus re-forms without them. Raises ValueError outside the
+        config's range. Safe to run again after a failure part-way."""
+        from rlpost.control import check_scale_request
+
+        check_scale_request(self.cfg.rollout.inference_worker_bounds(), workers)
+        if workers != len(self.slots):
+            log.warning("scaling the inference fleet from %d to %d workers", len(self.slots), workers)
+        if workers > len(self.slots):
+            self._open_slots(workers)
+        while len(self.slots) > workers:
+            vacant = sorted(set(self.vacant) & self.slots)
+            slot = vacant[-1] if vacant else max(self.slots)
+            self.slots.discard(slot)
+            self.fresh.discard(slot)
+            if self.vacant.pop(slot, None) is not None:
+                self.starter.close_slot(slot)
+        self._retire_closed()
+        self.recover(None)  # vacant slots with room start now
+
+    def _open_slots(self, workers: int) -> None:
+        """Open the lowest unused slots until there are ``workers``; each is vacant until it has
+        room and its worker starts (:meth:`recover`)."""
+        slot = 0
+        while len(self.slots) < workers:
+            if slot not in self.slots:
+                self.starter.open_slot(slot)
+                self.slots.add(slot)
+                self.fresh.add(slot)
+                self.vacant[slot] = time.monotonic()
+            slot += 1
+
+    def _retire_closed(self) -> None:
+        """Stop the serving workers whose slots closed, after the pools stopped using them and
+        they finished their requests; the bus then re-forms without them."""
+        leaving = [w for w in self.actors.inference if _slot(w.name) not in self.slots]
+        if not leaving:
+            return
+        staying = [w for w in self.actors.inference if w not in leaving]
+        for pool in self.actors.env_pools:
+            if pool.alive():
+                pool.set_inference([w.handle for w in staying])
+        for worker in leaving:
+            try:
+                if not worker.drain(DRAIN_TIMEOUT_S):
+                    log.warning("%s did not finish its requests within %.0f s: the env pools re-issue them to the "
+                                "other workers", worker.name, DRAIN_TIMEOUT_S)  # fmt: skip
+            except ActorFailure as exc:  # gone already: its requests were re-issued
+                log.warning("%s was lost while leaving the fleet (%s)", worker.name, first_line(exc))
+            self.starter.close_slot(_slot(worker.name))
+            worker.kill()
+        self.actors.inference = staying
+        self._reform_bus()
 
     # ------------------------------------------------------------------ recovery
 
@@ -500,26 +653,34 @@ class Supervisor:
             log.warning(
                 "%s died and the cluster has no room for it: going on with %d of %d inference workers; it "
                 "starts again once its bundle is placed (a node added or replaced)",
-                lost.name, len(others), self.cfg.rollout.num_inference_workers,
+                lost.name, len(others), len(self.slots),
             )  # fmt: skip
             return
         log.warning("%s died; starting it again", lost.name)
         self._start_inference(slot)
 
     def _refill(self, slot: int) -> None:
-        """A vacant slot whose bundle is placed again: its worker starts and joins."""
-        log.warning("the cluster has room for inference-%d again (vacant %.0f s); starting it", slot,
-                    time.monotonic() - self.vacant.pop(slot))  # fmt: skip
+        """A vacant slot whose bundle is placed (again): its worker starts and joins."""
+        waited = time.monotonic() - self.vacant.pop(slot)
+        if slot in self.fresh:
+            log.warning("the cluster has room for inference-%d (a new slot, %.0f s); starting it", slot, waited)
+        else:
+            log.warning("the cluster has room for inference-%d again (vacant %.0f s); starting it", slot, waited)
         self._start_inference(slot)
 
     def _start_inference(self, slot: int) -> None:
+        """Start ``inference-<slot>`` (a replacement, or the first worker of a new slot)."""
         name = f"inference-{slot}"
-        self.restarted_at[name] = time.monotonic()
+        if slot not in self.fresh:
+            self.restarted_at[name] = time.monotonic()
         worker = self.starter.inference(slot)
         worker.wait_ready(STARTUP_TIMEOUT_S)
         workers = [w for w in self.actors.inference if w.name != name] + [worker]
         self.actors.inference = sorted(workers, key=lambda w: _slot(w.name))
-        self.counts["restarts_inference"] += 1
+        if slot in self.fresh:
+            self.fresh.discard(slot)
+        else:
+            self.counts["restarts_inference"] += 1
 
     def _wait_for_room(self, name: str) -> bool:
         """Whether ``name``'s bundle is placed, waiting up to ``resources.replacement_wait_s``
@@ -532,8 +693,13 @@ class Supervisor:
         return True
 
     def fleet_sizes(self) -> dict[str, int]:
-        """The serving workers (metrics.jsonl, each line)."""
-        return {"inference_workers": len(self.actors.inference), "inference_workers_vacant": len(self.vacant)}
+        """The serving workers, the vacant slots and the slots the fleet has (metrics.jsonl, each
+        line; the run's mailbox)."""
+        return {
+            "inference_workers": len(self.actors.inference),
+            "inference_workers_vacant": len(self.vacant),
+            "inference_workers_target": len(self.slots),
+        }
 
     def _reform_bus(self) -> None:
         """Open the bus's next generation with every worker, publish the current weights, and

@@ -83,7 +83,7 @@ class AsyncVLLM:
         self.num_replicas = num_replicas
         self.max_restarts, self.request_timeout_s, self.startup_timeout_s = max_restarts, request_timeout_s, startup_timeout_s  # fmt: skip
         self.verbose = verbose
-        self.actors: list = []
+        self._replicas: dict[int, Any] = {}  # replica index -> its actor (a resized fleet may have gaps)
         self._client = None
         self._service_id = uuid.uuid4().hex[:8]
         self._master_port: int | None = None
@@ -117,24 +117,55 @@ class AsyncVLLM:
             num_cpus=kwargs.pop("num_cpus", 1), ray_options=self._replica_options(), **kwargs,
         )  # fmt: skip
 
+    @property
+    def actors(self) -> list:
+        """The started replicas' actor handles, by replica index."""
+        return [self._replicas[i] for i in sorted(self._replicas)]
+
     def start_replica(self, index: int) -> Any:
-        """Start replica ``index`` and return its actor handle without waiting for its engine to
-        load (its first call waits): the next replica (replicas start in order, 0 first), or one
-        already started, replaced (the old one killed first). The fleet's client serves from it
-        from now on."""
+        """Start replica ``index`` (any of ``0..num_replicas-1``) and return its actor handle
+        without waiting for its engine to load (its first call waits); one already started is
+        replaced (the old one killed first). The fleet's client serves from it from now on."""
         import ray
 
-        if not 0 <= index <= min(len(self.actors), self.num_replicas - 1):
-            raise IndexError(f"AsyncVLLM: replica {index} cannot start now: it has {len(self.actors)} of "
-                             f"{self.num_replicas} started (replicas 0..{self.num_replicas - 1}, in order)")  # fmt: skip
-        if index < len(self.actors):
-            ray.kill(self.actors[index], no_restart=True)
-            self.actors[index] = self._start_replica(index)
-        else:
-            self.actors.append(self._start_replica(index))
-        if self._client is not None:
-            self._client.set_handles(list(self.actors))
-        return self.actors[index]
+        if not 0 <= index < self.num_replicas:
+            raise IndexError(f"AsyncVLLM: no replica {index}: the fleet has replicas 0..{self.num_replicas - 1} "
+                             "(resize() changes that)")  # fmt: skip
+        if index in self._replicas:
+            ray.kill(self._replicas[index], no_restart=True)
+        self._replicas[index] = self._start_replica(index)
+        self._serve_from_started()
+        return self._replicas[index]
+
+    def stop_replica(self, index: int) -> None:
+        """End replica ``index`` (its engine's shutdown, then the actor); the fleet's client stops
+        sending it requests first. No-op for a replica not started."""
+        import ray
+
+        actor = self._replicas.pop(index, None)
+        if actor is None:
+            return
+        self._serve_from_started()
+        try:
+            ray.get(actor.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 (already dead or stuck: killed below either way)
+            pass
+        ray.kill(actor, no_restart=True)
+
+    def resize(self, num_replicas: int) -> None:
+        """Let the fleet have ``num_replicas`` replicas: those with an index at or above it are
+        stopped; new indices below it start with :meth:`start_replica` (so that their owner
+        decides where and when: a cluster may have no room for them yet). Beyond TorchRL's
+        AsyncVLLM, whose replica count is fixed."""
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        for index in [i for i in self._replicas if i >= num_replicas]:
+            self.stop_replica(index)
+        self.num_replicas = num_replicas
+
+    def _serve_from_started(self) -> None:
+        if self._client is not None and self._replicas:
+            self._client.set_handles(self.actors)
 
     def _launch(self) -> None:
         """Start the replicas and wait until every one has loaded its model."""
@@ -293,16 +324,9 @@ class AsyncVLLM:
 
     def shutdown(self) -> None:
         """End every replica (their engines stop with them)."""
-        import ray
-
-        for actor in self.actors:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 (already dead or stuck: killed below either way)
-                pass
-            ray.kill(actor, no_restart=True)
-        self.actors = []
         self._client = None
+        for index in list(self._replicas):
+            self.stop_replica(index)
 
     def __repr__(self) -> str:
         return f"AsyncVLLM(model={self.model_name!r}, num_replicas={self.num_replicas}, started={bool(self.actors)})"

@@ -194,6 +194,7 @@ class InferenceWorker:
         self._turn = threading.Condition()  # who uses the engine: one generate call or one other call
         self._generating = False
         self._busy = False
+        self._requests = 0  # generate and score calls running or waiting for the engine (drain)
         self._pending: _PendingUpdate | None = None
         self._stale_prefix_cache = False  # an in-flight update left KV of older weights in the cache
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -256,10 +257,29 @@ class InferenceWorker:
                 self._generating = self._busy = False
                 self._turn.notify_all()
 
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        """Count a generate or score call from its arrival to its answer (:meth:`drain`)."""
+        with self._turn:
+            self._requests += 1
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._requests -= 1
+                self._turn.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until no generate or score call is running or waiting, at most ``timeout_s``;
+        whether it is idle. A worker leaving a resized fleet is drained once its clients stopped
+        sending to it, so the completions it was generating are finished, not thrown away."""
+        with self._turn:
+            return self._turn.wait_for(lambda: self._requests == 0, timeout=timeout_s)
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         """Completions per prompt plus the version of the weights the call started with (the
         oldest of its tokens; ``Completion.token_versions`` has each token's)."""
-        with self._engine_turn(generating=True):
+        with self._request(), self._engine_turn(generating=True):
             version = self.version
             self._reset_stale_prefix_cache()
             hook = self._between_steps if self.inflight_updates and self.lora is None else None
@@ -268,7 +288,7 @@ class InferenceWorker:
         return completions, version
 
     def score(self, token_ids: list[list[int]], temperature: float) -> list[list[float]]:
-        with self._engine_turn():
+        with self._request(), self._engine_turn():
             self._reset_stale_prefix_cache()
             return self.client.score(token_ids, temperature=temperature)
 

@@ -91,7 +91,7 @@ def test_a_lost_node_leaves_the_fleet_and_a_new_node_brings_the_worker_back(tmp_
         finally:
             if run.poll() is None:
                 run.kill()
-    rows = [r for r in rows_of(metrics) if not r.get("stopped")]  # a step the stop cut short has no accounting
+    rows = rows_of(metrics)
     text = log.read_text()
     assert "going on with 1 of 2 inference workers" in text  # either worker may have been on node2
     assert re.search(r"the cluster has room for inference-\d again", text)

@@ -148,7 +148,7 @@ def test_a_submitted_sync_run_trains_evaluates_checkpoints_and_resumes_as_a_new_
     assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
-def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):
+def test_scale_reaches_a_running_job_and_stop_ends_it(cluster, tiny_model_path, tmp_path):
     job = "rlpost-jobs-e2e-stop"
     out = rlpost(cluster, "submit", *tiny_run(tiny_model_path, tmp_path, "jobs-e2e-stop", steps=1000))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -157,6 +157,18 @@ def test_stop_ends_a_running_job(cluster, tiny_model_path, tmp_path):
     while "rlpost: run directory" not in client.get_job_logs(job) and time.monotonic() < deadline:
         time.sleep(1)  # the driver has started and installed its SIGTERM handler
     assert str(client.get_job_status(job)) == "RUNNING"
+
+    # `rlpost scale JOB`: a short job beside the run leaves the request in its mailbox (the count
+    # it has, so no engine starts here; growing and shrinking a fleet is the long tier's test)
+    while "start-up weight sync" not in client.get_job_logs(job) and time.monotonic() < deadline + 120:
+        time.sleep(1)  # its actors are up
+    out = rlpost(cluster, "scale", job, "inference=1", "--wait", "120")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "asked for 1 inference workers" in out.stdout and "1 serving of 1 wanted" in out.stdout
+    bad = rlpost(cluster, "scale", job, "inference=0")
+    assert bad.returncode == 2 and "at least one inference worker" in bad.stderr, bad.stderr
+    unknown = rlpost(cluster, "scale", "no-such-job", "inference=2")
+    assert unknown.returncode == 2 and "no job no-such-job" in unknown.stderr, unknown.stderr
 
     out = rlpost(cluster, "stop", job)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -104,7 +104,7 @@ def test_a_killed_replica_restarts_requests_wait_and_the_next_update_brings_it_u
     sender.shutdown()
 
 
-def test_a_fleet_of_started_replicas_replaces_one_in_place(ray_cluster, tiny_model_path):
+def test_a_fleet_of_started_replicas_replaces_stops_and_resizes(ray_cluster, tiny_model_path):
     """How `rlpost train` builds its inference workers: the fleet starts replica i with the
     caller's starter (a stand-in actor here: the replicas' own behaviour is tested above) and
     start_replica(i) again puts a new actor in its place, killing the old one."""
@@ -136,9 +136,19 @@ def test_a_fleet_of_started_replicas_replaces_one_in_place(ray_cluster, tiny_mod
     assert fleet.actors == [first[0], second] and client.handles == [first[0], second] and started == [0, 1, 1]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(first[1].get_version.remote(), timeout=30)
-    with pytest.raises(IndexError, match="replica 2 cannot start now: it has 2 of 2 started"):
+    with pytest.raises(IndexError, match="no replica 2: the fleet has replicas 0..1"):
         fleet.start_replica(2)
-    early = AsyncVLLM.from_replica_starter(start, 2, str(tiny_model_path))
-    with pytest.raises(IndexError, match="replica 1 cannot start now: it has 0 of 2 started"):
-        early.start_replica(1)  # in order: 0 first
+    # resized: a third replica may start (its owner says when), in any order
+    fleet.resize(4)
+    fourth = fleet.start_replica(3)
+    assert fleet.actors == [first[0], second, fourth] and client.handles == fleet.actors
+    fleet.stop_replica(1)  # the client stops using it before it ends
+    assert fleet.actors == [first[0], fourth] and client.handles == [first[0], fourth]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(second.get_version.remote(), timeout=30)
+    fleet.resize(2)  # stops replica 3
+    assert fleet.actors == [first[0]] and fleet.num_replicas == 2 and client.handles == [first[0]]
+    with pytest.raises(ValueError, match="num_replicas must be >= 1"):
+        fleet.resize(0)
     fleet.shutdown()
+    assert fleet.actors == []

@@ -36,6 +36,7 @@ class World:
         self.log: list[tuple[str, str]] = []  # (actor, method) of every call, in order
         self.no_room: set[str] = set()  # actors whose bundle the cluster cannot place ...
         self.room_back_at: int | None = None  # ... until this call (None: never)
+        self.requests: dict[int, int] = {}  # the mailbox's k-th exchange -> inference workers asked for
 
     def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
@@ -112,6 +113,7 @@ class FakeInference(Stand):
     def __init__(self, world, index):
         super().__init__(world, f"inference-{index}")
         self.version = 0
+        self.drained = False
 
     def wait_ready(self, timeout_s):
         self.world.enter(self, "get_version")
@@ -129,6 +131,25 @@ class FakeInference(Stand):
     def score(self, token_ids, temperature, timeout_s):
         self.world.enter(self, "score")
         return [[0.0] * len(t) for t in token_ids]
+
+    def drain(self, timeout_s):
+        self.world.enter(self, "drain")
+        self.drained = True
+        return True
+
+
+class FakeControl(Stand):
+    """The run's mailbox: at its ``k``-th exchange it hands over ``requests[k]``."""
+
+    def __init__(self, world, requests):
+        super().__init__(world, "control")
+        self.requests, self.exchanges, self.reported = dict(requests), 0, []
+
+    def exchange(self, sizes, timeout_s):
+        self.world.enter(self, "exchange")
+        self.exchanges += 1
+        self.reported.append(sizes)
+        return self.requests.pop(self.exchanges, None)
 
 
 class FakeReference(Stand):
@@ -331,6 +352,17 @@ class Starter:
     def inference(self, index):
         return FakeInference(self.world, index)
 
+    def open_slot(self, index):
+        self.world.log.append((f"inference-{index}", "open_slot"))
+
+    def close_slot(self, index):
+        self.world.log.append((f"inference-{index}", "close_slot"))
+        if f"inference-{index}" in self.world.actors:
+            self.world.actors[f"inference-{index}"].dead = True
+
+    def control(self):
+        return FakeControl(self.world, self.world.requests)
+
     def has_room(self, name):
         world = self.world
         return name not in world.no_room or (world.room_back_at is not None and world.calls >= world.room_back_at)
@@ -347,7 +379,8 @@ class Starter:
         pools = [self.env_pool(j, inference, buffer) for j in range(2)]
         learner = FakeLearner(self.world)
         learner.workers = list(inference)  # connect_bus
-        return RunActors(buffer, inference, pools, learner, self.reference())
+        control = self.control() if self.world.requests else None
+        return RunActors(buffer, inference, pools, learner, self.reference(), control=control)
 
 
 def make_cfg(mode, extra=()):
@@ -373,15 +406,17 @@ def make_cfg(mode, extra=()):
 
 
 def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), no_room=(),
-              room_back_at=None, **learner_stops):  # fmt: skip
+              room_back_at=None, requests=None, **learner_stops):  # fmt: skip
     """One run over stand-ins (``extra``: config overrides; ``no_room``: actors the cluster cannot
-    place until call ``room_back_at``); returns the world and the metrics lines."""
+    place until call ``room_back_at``; ``requests``: the mailbox's k-th exchange -> workers asked
+    for); returns the world and the metrics lines."""
     import rlpost.controller as ctl
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
     world = World(kill_at, victim)
     world.no_room, world.room_back_at = set(no_room), room_back_at
+    world.requests = dict(requests or {})
     cfg = make_cfg(mode, extra)
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
@@ -546,6 +581,72 @@ def test_the_last_worker_waits_for_room_rather_than_leave_no_fleet(tmp_path, mon
     assert rows[-1]["restarts_inference"] == 1
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_range_starts_its_minimum_and_grows_as_the_cluster_places_the_rest(tmp_path, monkeypatch, mode):
+    """rollout.max_inference_workers: the run starts with num_inference_workers and wants the
+    range's top; the third slot is vacant until the cluster places it, then its worker starts
+    and joins the bus (a new slot: not counted as a restart)."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    extra = ["rollout.max_inference_workers=3"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=extra, no_room=["inference-2"],
+                            room_back_at=clean.calls // 2)  # fmt: skip
+    check_run(world, rows, mode)
+    assert ("inference-2", "open_slot") in world.log
+    first, last = rows[0], rows[-1]
+    assert (first["inference_workers"], first["inference_workers_vacant"], first["inference_workers_target"]) == (
+        2,
+        1,
+        3,
+    )
+    assert (last["inference_workers"], last["inference_workers_vacant"], last["inference_workers_target"]) == (3, 0, 3)
+    assert last["restarts_inference"] == 0
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0", "inference-1", "inference-2"]
+    assert world.served_version == 3 and all(w.version == 3 for w in world.actors["learner"].workers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_operator_grows_then_shrinks_the_fleet_while_it_trains(tmp_path, monkeypatch, mode):
+    """Requests through the run's mailbox: 3 workers (a new one starts and joins), then 1 (the
+    two highest leave: the pools stop using them, they finish their requests, their slots close
+    and the bus re-forms with inference-0 alone). Nothing is lost or trained twice."""
+    world, rows = run_world(tmp_path, monkeypatch, mode, requests={1: 3, 3: 1})
+    check_run(world, rows, mode)
+    control = world.actors["control"]
+    assert control.exchanges >= 3 and control.requests == {}  # both requests were taken
+    assert control.reported[0]["inference_workers_target"] == 2 and control.reported[1]["inference_workers_target"] == 3
+    assert all(world.actors[f"inference-{i}"].drained and world.actors[f"inference-{i}"].dead for i in (1, 2))
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0"]
+    last = rows[-1]
+    assert (last["inference_workers"], last["inference_workers_vacant"], last["inference_workers_target"]) == (1, 0, 1)
+    assert last["restarts_inference"] == 0 and last["bus_reforms"] >= 2
+    assert world.served_version == 3 and world.actors["inference-0"].version == 3
+    # the pools were told to stop using the leaving workers before they drained
+    log = world.log
+    first_drain = log.index(("inference-1", "drain"))
+    assert any(name.startswith("env-pool") and method == "set_inference" for name, method in log[:first_drain])
+
+
+def test_a_scale_request_outside_the_range_is_refused_and_changes_nothing(tmp_path, monkeypatch):
+    from rlpost.control import RunControl, check_scale_request
+
+    with pytest.raises(ValueError, match="at least one inference worker"):
+        check_scale_request((1, None), 0)
+    with pytest.raises(ValueError, match=r"outside the run's range 2\.\.4"):
+        check_scale_request((2, 4), 5)
+    with pytest.raises(ValueError, match=r"outside the run's range 2\.\.4"):
+        check_scale_request((2, 4), 1)
+    with pytest.raises(ValueError, match="a whole number"):
+        check_scale_request((1, None), "3")
+    check_scale_request((1, None), 64)  # no range: any number from one
+    mailbox = RunControl((1, 3))
+    with pytest.raises(ValueError):
+        mailbox.request(4)
+    assert mailbox.fleet() == {"requested": None}
+    assert mailbox.request(2) == {"requested": 2} and mailbox.request(3) == {"requested": 3}  # the later one wins
+    assert mailbox.exchange({"inference_workers": 1}) == 3 and mailbox.exchange({"inference_workers": 3}) is None
+    assert mailbox.fleet() == {"requested": None, "inference_workers": 3}
+
+
 def test_a_buffer_rebuilt_from_the_ledger_skips_what_was_received():
     ledger = Ledger(acknowledged={"env-pool-0": 3})
     buffer = LocalBuffer(capacity=4)
@@ -591,6 +692,9 @@ def test_a_stop_after_a_step_trained_still_records_its_row(tmp_path, monkeypatch
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["policy_version"] == 2
     assert rows[1]["stopped"] is True and "stopped" not in rows[0]
     assert rows[1]["reward_mean"] is not None
+    for r in rows:  # the stop's row keeps the accounting too
+        assert r["groups_put"] == r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"], r
+    assert rows[1]["groups_trained"] == 8
     if stop == "stop_at_publish":  # the learner's numbers came back before the stop
         assert rows[1]["loss"] == 0.0
     else:
