@@ -358,13 +358,12 @@ def _cmd_scale(args) -> int:
 def _scale_in(namespace: str, address: str | None, inference: int, wait_s: float) -> int:
     """Leave the request in the run's mailbox (a Ray connection to its cluster: ``address``, or
     the cluster this process runs in) and, with ``wait_s``, wait until the fleet has it."""
-    from rlpost import control
-    from rlpost.jobs import find_auth_token
-
-    if "RAY_AUTH_MODE" not in os.environ and find_auth_token() is not None:
-        # a driver joining a cluster sends a token only in token mode, read when Ray is imported
-        os.environ["RAY_AUTH_MODE"] = "token"
     import ray
+
+    from rlpost import control
+    from rlpost.ray_start import use_ray_token_if_present
+
+    use_ray_token_if_present()  # a driver joining a cluster sends its token only in token mode
 
     ray.init(address=address or "auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
     try:

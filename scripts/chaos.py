@@ -8,10 +8,16 @@ namespace="rlpost-<run>")``) and ends each in one of WAYS, drawn at random: as a
 as the OOM killer or a segfault does (SIGKILL of the actor's process), or by the process
 exiting on its own (SIGTERM, on which Ray's worker exits). A kill lands a random
 delay after a random metrics line, so it hits generation, a weight receive, the sync probe, a
-buffer put or a checkpoint by chance; every third run kills two actors in a row. A run passes
-when it finishes every step within its time bound, metrics.jsonl has one line per step, every
-line's accounting holds (``groups_put == groups_trained + groups_dropped_stale +
-groups_in_buffer``) and the restart was counted.
+buffer put or a checkpoint by chance; every third run kills two actors, in a row (the second
+once the run recovered from the first) or at the same moment.
+
+Every fifth run loses a whole node instead: it runs on a two-node cluster on this machine (two
+``ray start`` raylets, :mod:`rlpost.local_cluster`) whose second node holds one of the two
+inference workers and one of the two env pools, and that node's raylet is SIGKILLed (its
+workers die with it, as when a host fails); a third node joins a random 5-30 s later, where
+both come back. A run passes when it finishes every step within its time bound, metrics.jsonl
+has one line per step, every line's accounting holds (``groups_put == groups_trained +
+groups_dropped_stale + groups_in_buffer``) and the restarts were counted.
 
     python scripts/chaos.py                      # 20 runs (make chaos), ~1-2 min each here
     python scripts/chaos.py --runs 3 --seed 1    # a short one
@@ -23,10 +29,13 @@ each run killed, when, and how it ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -34,6 +43,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VICTIMS = ("inference-0", "env-pool-0", "reference", "buffer", "learner")
+NODE = "node"  # a Kill's victim: the second node of a node plan (its raylet)
+# a node plan's cluster: one inference worker and one env pool per node (custom resources only the
+# nodes declare), every other actor on the head (it alone has CPUs)
+SLOTS = {"rollout_slot": 1, "pool_slot": 1}
+# an async step of the tiny job takes ~0.5 s here against ~4 s in sync mode: async runs get this
+# many times the steps, so that a kill lands while the run still needs the actor
+ASYNC_PACE = 4
 WAYS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM")
 COUNTER = {
     "inference-0": "restarts_inference",
@@ -49,7 +65,8 @@ class Kill:
     victim: str
     after_line: int  # killed once metrics.jsonl has this many lines ...
     delay_s: float  # ... plus this delay
-    way: str = "ray.kill"  # one of WAYS
+    way: str = "ray.kill"  # one of WAYS (a node: its raylet gets SIGKILL)
+    with_next: bool = False  # the next kill follows at once (two actors lost at the same moment)
 
 
 @dataclasses.dataclass
@@ -57,6 +74,8 @@ class Plan:
     name: str
     mode: str
     kills: list[Kill]
+    rejoin_s: float | None = None  # a node plan: a new node joins this long after the node's loss
+    steps: int | None = None  # the run's steps (None: run_plan's)
 
 
 @dataclasses.dataclass
@@ -74,21 +93,40 @@ class Outcome:
 
 
 def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
-    """Random plans: modes alternate, every third run kills two actors in a row, each kill in a
-    way drawn from WAYS."""
+    """Random plans: modes alternate, every fifth run loses a node, every third of the others
+    kills two actors (in a row and at the same moment by turns), each kill in a way drawn from
+    WAYS."""
     rng = random.Random(seed)
     plans = []
     for i in range(num_runs):
+        name, mode = f"chaos-{seed}-{i}", "sync" if i % 2 == 0 else "async"
+        run_steps = steps * (ASYNC_PACE if mode == "async" else 1)
+        first = rng.randint(1, max(1, run_steps // 2 - 1))
+        if i % 5 == 4:
+            kill = Kill(NODE, first, round(rng.uniform(0.0, 2.0), 2), "SIGKILL")
+            plans.append(Plan(name, mode, [kill], rejoin_s=round(rng.uniform(5.0, 30.0), 1), steps=run_steps))
+            continue
         victims = rng.sample(VICTIMS, 2 if i % 3 == 2 else 1)
-        first = rng.randint(1, max(1, steps // 2 - 1))
-        lines = [first, first + rng.randint(2, 3)][: len(victims)]
+        together = len(victims) == 2 and (i // 3) % 2 == 1
+        gap = rng.randint(2, 3) * (ASYNC_PACE if mode == "async" else 1)
+        lines = [first, first if together else first + gap][: len(victims)]
         kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2), rng.choice(WAYS)) for v, line in zip(victims, lines)]
-        plans.append(Plan(f"chaos-{seed}-{i}", "sync" if i % 2 == 0 else "async", kills))
+        if together:
+            kills[0].with_next = True
+        plans.append(Plan(name, mode, kills, steps=run_steps))
     return plans
 
 
 def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
-    return [
+    nodes = []
+    if plan.rejoin_s is not None:  # one worker and one pool on each node (SLOTS)
+        nodes = [
+            "rollout.num_inference_workers=2", "resources.inference.num_cpus=0",
+            f"resources.inference.resources={json.dumps({'rollout_slot': 1})}",
+            "rollout.num_env_pools=2", "resources.env_pool.num_cpus=0",
+            f"resources.env_pool.resources={json.dumps({'pool_slot': 1})}", "resources.replacement_wait_s=3",
+        ]  # fmt: skip
+    return nodes + [
         f"model.name_or_path={model}",
         f"trainer.steps={steps}",
         "trainer.prompts_per_step=8",
@@ -104,56 +142,87 @@ def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
     ]
 
 
+def counters_of(victim: str) -> list[str]:
+    """The metrics.jsonl counters that must have counted ``victim``'s loss."""
+    return ["restarts_inference", "restarts_env_pool"] if victim == NODE else [COUNTER[victim]]
+
+
+class Nodes:
+    """A node plan's cluster (:mod:`rlpost.local_cluster`): a head and a second node, each with
+    SLOTS, Ray declaring a silent node dead after ~3 s instead of ~15 s; a third node joins on
+    demand. Everything stops when ``stack`` closes."""
+
+    def __init__(self, stack: contextlib.ExitStack, folder: Path):
+        from rlpost.local_cluster import head_node, worker_node
+
+        self.stack, self.worker_node = stack, worker_node
+        token = folder / "ray-token"
+        token.write_text(secrets.token_hex(32))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env |= {"RAY_AUTH_TOKEN_PATH": str(token), "RAY_health_check_period_ms": "1000",
+                "RAY_health_check_failure_threshold": "3"}  # fmt: skip
+        self.head = stack.enter_context(head_node(env=env, num_cpus=2, resources=SLOTS))
+        self.second = stack.enter_context(worker_node(self.head, num_cpus=0, resources=SLOTS, name="node2"))
+
+    def lose_second(self) -> None:
+        self.second.raylet().kill()
+
+    def add_third(self) -> None:
+        self.stack.enter_context(self.worker_node(self.head, num_cpus=0, resources=SLOTS, name="node3"))
+
+
 def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -> Outcome:
-    """One run of ``plan``: train in a subprocess, kill its actors, check what it wrote."""
+    """One run of ``plan`` (``plan.steps`` steps, else ``steps``): train in a subprocess, kill its
+    actors (or its node), check what it wrote."""
+    steps = plan.steps or steps
     run_dir = out / plan.name
-    log = (out / f"{plan.name}.log").open("w")
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlpost.cli",
-        "train",
-        "configs/tiny-cpu.yaml",
-        *overrides(plan, model, steps),
-        "--run-dir",
-        str(run_dir),
-    ]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    log_path = out / f"{plan.name}.log"
+    cmd = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
+           "--run-dir", str(run_dir)]  # fmt: skip
     killed, late, problems, kill_times = [], [], [], []
-    try:
-        killed, late, kill_times = _kill_as_planned(plan, proc, run_dir, start + timeout_s, steps)
-        proc.wait(timeout=max(1.0, start + timeout_s - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        problems.append(f"did not finish within {timeout_s:.0f}s")
-        proc.kill()
-        proc.wait()
-    finally:
-        log.close()
+    start = time.monotonic()
+    with contextlib.ExitStack() as cluster, log_path.open("w") as log:
+        nodes = Nodes(cluster, out) if plan.rejoin_s is not None else None
+        if nodes is not None:
+            cmd += ["--address", nodes.head.gcs_address]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=nodes.head.env if nodes is not None else None)  # fmt: skip
+        try:
+            killed, late, kill_times = _kill_as_planned(plan, proc, run_dir, start + timeout_s, steps, nodes)
+            proc.wait(timeout=max(1.0, start + timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            problems.append(f"did not finish within {timeout_s:.0f}s")
+            proc.kill()
+            proc.wait()
     seconds = time.monotonic() - start
     if proc.returncode not in (0, None) and not problems:
-        tail = (out / f"{plan.name}.log").read_text().strip().splitlines()[-3:]
+        tail = log_path.read_text().strip().splitlines()[-3:]
         problems.append(f"exit {proc.returncode}: {' | '.join(tail)}")
     rows = _read_metrics(run_dir)
     problems += check_metrics(rows, steps)
-    counters = [COUNTER[v] for v in killed] + ["learner_resumes"]
+    counters = [c for v in killed for c in counters_of(v)] + ["learner_resumes"]
     restarts = {c: rows[-1].get(c, 0) for c in counters} if rows else {}
+    # two actors lost at once may cost the run a restart from its checkpoint (the buffer with a
+    # pool's position), which restores the counts of that checkpoint: the resume is the count
+    resumed_pair = any(k.with_next for k in plan.kills) and restarts.get("learner_resumes")
     # a kill during the last step may be recovered after its metrics line was written
     problems += [
-        f"{v} was killed but {COUNTER[v]} is 0"
+        f"{v} was lost but {c} is 0"
         for v in killed
-        if rows and v not in late and not rows[-1].get(COUNTER[v])
+        for c in counters_of(v)
+        if rows and v not in late and not resumed_pair and not rows[-1].get(c)
     ]
     if len(killed) == 1 and killed != ["learner"] and restarts.get("learner_resumes"):
-        # losing one actor other than the learner is recovered in place: a restart of the whole
-        # run from its checkpoint means the loss was mistaken for the learner's
+        # losing one actor (or a node without the learner) is recovered in place: a restart of
+        # the whole run from its checkpoint means the loss was mistaken for the learner's
         problems.append(f"the run restarted from a checkpoint {restarts['learner_resumes']} times (learner_resumes)")
-    replaced = replacement_times((out / f"{plan.name}.log").read_text(), kill_times)
+    replaced = replacement_times(log_path.read_text(), kill_times)
     return Outcome(plan, not problems, round(seconds, 1), problems, killed, late, restarts, replaced)
 
 
 def _kill_as_planned(
-    plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float, steps: int
+    plan: Plan, proc: subprocess.Popen, run_dir: Path, deadline: float, steps: int, nodes: Nodes | None = None
 ) -> tuple[list[str], list[str], list[tuple[str, float]]]:
     """Kill as ``plan`` says; returns what was killed, which of those after the last step, and
     ``(victim, wall-clock time)`` of each kill."""
@@ -166,28 +235,36 @@ def _kill_as_planned(
         if proc.poll() is not None or time.monotonic() > deadline:
             return [], [], []
         time.sleep(0.5)
-    use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
-    ray.init(
-        address=address_file.read_text().strip(),
-        namespace=f"rlpost-{plan.name}",
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    actors = any(kill.victim != NODE for kill in plan.kills)
+    if actors:
+        use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
+        ray.init(
+            address=address_file.read_text().strip(),
+            namespace=f"rlpost-{plan.name}",
+            log_to_driver=False,
+            logging_level="ERROR",
+        )
     killed, late, kill_times = [], [], []
     lines_at_last_kill = 0
+    at_once = False  # the previous kill said the next follows at once
     try:
         for kill in plan.kills:
             # a second kill waits for a line written after the first: the run has recovered (a
             # learner's loss restarts every actor, and the old ones must not be the target)
-            while len(_read_metrics(run_dir)) < max(kill.after_line, lines_at_last_kill + 1):
+            while not at_once and len(_read_metrics(run_dir)) < max(kill.after_line, lines_at_last_kill + 1):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     return killed, late, kill_times
                 time.sleep(0.2)
-            time.sleep(kill.delay_s)
+            if not at_once:
+                time.sleep(kill.delay_s)
+            at_once = kill.with_next
             if proc.poll() is not None:  # the run ended meanwhile (its cluster with it)
                 break
             try:
-                end_actor(ray.get_actor(kill.victim), kill.way)
+                if kill.victim == NODE:
+                    nodes.lose_second()
+                else:
+                    end_actor(ray.get_actor(kill.victim), kill.way)
                 killed_at = time.time()
             except (ValueError, ProcessLookupError):  # not there at this moment (the run is restarting it)
                 continue
@@ -196,19 +273,33 @@ def _kill_as_planned(
             if lines_at_last_kill >= steps - 1:  # the loss may surface after the last line
                 late.append(kill.victim)
             print(
-                f"  {plan.name}: killed {kill.victim} ({kill.way}) after line {kill.after_line} + {kill.delay_s}s",
+                f"  {plan.name}: killed {kill.victim} ({kill.way}) after line {kill.after_line} + {kill.delay_s}s"
+                + (" and, at once, the next" if kill.with_next else ""),
                 flush=True,
             )
             kill_times.append((kill.victim, killed_at))
+            if kill.victim == NODE:
+                _wait_while_running(proc, plan.rejoin_s)
+                if proc.poll() is None:
+                    nodes.add_third()
+                    print(f"  {plan.name}: a third node joined {plan.rejoin_s}s after the loss", flush=True)
     finally:
-        ray.shutdown()
+        if actors:
+            ray.shutdown()
     return killed, late, kill_times
+
+
+def _wait_while_running(proc: subprocess.Popen, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.2)
 
 
 def replacement_times(log_text: str, kills: list[tuple[str, float]]) -> list[tuple[str, float | None]]:
     """``(victim, seconds)`` for each ``(victim, wall-clock time of its kill)``: the seconds until
     the run's log said it was replaced (the supervisor's ``<victim> replaced`` line; for the
-    learner, the ``resumed from`` line of the run's restart), None when it never said so."""
+    learner, the ``resumed from`` line of the run's restart; for a node, the later of its
+    inference worker's and env pool's), None when it never said so."""
     import datetime
 
     stamped = []
@@ -219,9 +310,17 @@ def replacement_times(log_text: str, kills: list[tuple[str, float]]) -> list[tup
             stamped.append((when, match[2]))
     times = []
     for victim, killed_at in kills:
-        said = "resumed from" if victim == "learner" else f"{victim} replaced"
-        after = [when for when, text in stamped if when >= killed_at and text.startswith(said)]
-        times.append((victim, round(after[0] - killed_at, 2) if after else None))
+        if victim == NODE:  # both of the node's actors serve again
+            said = ["inference-", "env-pool-"]
+        else:
+            said = ["resumed from" if victim == "learner" else f"{victim} replaced"]
+        firsts = []
+        for prefix in said:
+            after = [when for when, text in stamped if when >= killed_at and text.startswith(prefix)
+                     and (victim != NODE or " replaced: serving again" in text)]  # fmt: skip
+            firsts.append(after[0] if after else None)
+        done = None if None in firsts else max(firsts)
+        times.append((victim, round(done - killed_at, 2) if done is not None else None))
     return times
 
 
@@ -310,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes.append(outcome)
     (args.out / "chaos.json").write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2))
     passed = sum(o.passed for o in outcomes)
-    for victim in VICTIMS:  # how long a replacement took, by role
+    for victim in (*VICTIMS, NODE):  # how long a replacement took, by role
         times = sorted(t for o in outcomes for v, t in o.replaced_s if v == victim and t is not None)
         if times:
             print(f"  {victim}: replaced in {times[len(times) // 2]} s (median), {times[-1]} s (max) of {len(times)}")

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ray_head_cluster, ray_worker_node  # tests/e2e/conftest.py
+
+from rlpost.local_cluster import head_node, worker_node
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -59,8 +60,8 @@ def test_a_lost_node_leaves_the_fleet_and_a_new_node_brings_the_worker_back(tmp_
     # a silent node is declared dead after ~3 s instead of ~15 s: the test waits less, nothing else changes
     env |= {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
     with (
-        ray_head_cluster(env=env, num_cpus=2, resources=SLOT) as head,
-        ray_worker_node(head, num_cpus=0, resources=SLOT, name="node2") as node2,
+        head_node(env=env, num_cpus=2, resources=SLOT) as head,
+        worker_node(head, num_cpus=0, resources=SLOT, name="node2") as node2,
     ):
         log = tmp_path / "run.log"
         args = [
@@ -81,7 +82,7 @@ def test_a_lost_node_leaves_the_fleet_and_a_new_node_brings_the_worker_back(tmp_
             rows = wait_for(metrics, run, log, "a step with one worker",
                             lambda r: any(x["inference_workers"] == 1 for x in r), 180)  # fmt: skip
             assert rows[-1]["inference_workers_vacant"] == 1
-            with ray_worker_node(head, num_cpus=0, resources=SLOT, name="node3"):
+            with worker_node(head, num_cpus=0, resources=SLOT, name="node3"):
                 rows = wait_for(metrics, run, log, "the worker back on the new node",
                                 lambda r: r[-1]["inference_workers"] == 2 and r[-1]["restarts_inference"] == 1, 300)  # fmt: skip
                 back = len(rows)

@@ -39,3 +39,33 @@ def test_replacement_times_come_from_the_runs_log(chaos):
     )
     times = chaos.replacement_times(log, [("inference-0", killed_at), ("learner", killed_at + 10), ("buffer", 0.0)])
     assert times == [("inference-0", 9.5), ("learner", 20.25), ("buffer", None)]
+
+
+def test_plans_lose_a_node_every_fifth_run_and_two_actors_at_once_by_turns(chaos):
+    plans = chaos.make_plans(20, seed=0, steps=10)
+    nodes = [p for p in plans if p.rejoin_s is not None]
+    assert [p.name for p in nodes] == [f"chaos-0-{i}" for i in (4, 9, 14, 19)]
+    assert all([k.victim for k in p.kills] == [chaos.NODE] and 5.0 <= p.rejoin_s <= 30.0 for p in nodes)
+    pairs = [p for p in plans if len(p.kills) == 2]
+    together = [p for p in pairs if p.kills[0].with_next]
+    assert together and len(together) < len(pairs)  # both kinds of pairs
+    assert all(p.kills[0].after_line == p.kills[1].after_line for p in together)
+    node_overrides = chaos.overrides(nodes[0], chaos.REPO / ".cache" / "tiny-model", 10)
+    assert "rollout.num_inference_workers=2" in node_overrides and "rollout.num_env_pools=2" in node_overrides
+    assert all("resources" not in o for o in chaos.overrides(plans[0], chaos.REPO, 10))
+
+
+def test_a_node_counts_as_replaced_once_both_of_its_actors_serve(chaos):
+    killed_at = datetime.datetime(2026, 11, 28, 5, 0, 0).timestamp()
+
+    def line(seconds, text):
+        when = datetime.datetime(2026, 11, 28, 5, 0, 0) + datetime.timedelta(seconds=seconds)
+        return when.strftime("%Y-%m-%d %H:%M:%S,") + f"{when.microsecond // 1000:03d} rlpost WARNING {text}"
+
+    log = "\n".join([
+        line(4.0, "inference-1 died and the cluster has no room for it"),
+        line(20.0, "inference-1 replaced: serving again 16.0 s after its loss was noticed"),
+        line(26.5, "env-pool-1 replaced: serving again 22.0 s after its loss was noticed"),
+    ])  # fmt: skip
+    assert chaos.replacement_times(log, [(chaos.NODE, killed_at)]) == [(chaos.NODE, 26.5)]
+    assert chaos.replacement_times(log.rsplit("\n", 1)[0], [(chaos.NODE, killed_at)]) == [(chaos.NODE, None)]

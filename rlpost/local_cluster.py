@@ -1,0 +1,179 @@
+"""Ray clusters of several nodes on one machine, for the chaos harness and the tests.
+
+Each node is a ``ray start ... --block`` process with a temp dir and ports of its own, so a
+cluster started here never meets another one on the machine. ``ray stop`` is never used: it
+kills every Ray process of the machine (other clusters, other runs). A node stops when its
+``ray start`` gets SIGTERM (it stops what it started); any process left of its tree (workers,
+job drivers, vLLM engines) is then killed by pid. A node is lost the way a host fails by
+killing its raylet (``node.raylet().kill()``): its workers die with it and the head declares it
+dead after its health checks (``RAY_health_check_period_ms`` x ``RAY_health_check_failure_threshold``
+in the head's environment; ~15 s by default).
+
+    with head_node(num_cpus=2, resources={"slot": 1}) as head:
+        with worker_node(head, num_cpus=0, resources={"slot": 1}, name="node2") as node2:
+            subprocess.run(["rlpost", "train", CONFIG, "--address", head.gcs_address], env=head.env)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+START_TIMEOUT_S = 180.0  # a node's `ray start` until it says it runs (and the dashboard answers)
+STOP_TIMEOUT_S = 60.0  # a node's `ray start` after SIGTERM, before SIGKILL
+
+
+@dataclasses.dataclass
+class RayHead:
+    """A cluster's head node."""
+
+    gcs_address: str  # for ray.init / rlpost train --address
+    dashboard: str | None  # http://127.0.0.1:PORT, for the Jobs API (None: started without it)
+    env: dict[str, str]  # the environment the cluster was started with; its clients use it too
+    process: subprocess.Popen
+    temp_dir: Path
+
+
+@dataclasses.dataclass
+class RayNode:
+    """A node joined to a head."""
+
+    process: subprocess.Popen
+    log: Path
+
+    def raylet(self):
+        """The node's raylet process (a psutil.Process): killing it loses the node."""
+        import psutil
+
+        return next(p for p in psutil.Process(self.process.pid).children(recursive=True) if p.name() == "raylet")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports nothing listens on now."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+@contextlib.contextmanager
+def head_node(*, dashboard: bool = False, env: dict[str, str] | None = None, num_cpus: int = 2,
+              resources: dict[str, float] | None = None) -> Iterator[RayHead]:  # fmt: skip
+    """A head node (``ray start --head``) with ``num_cpus`` and custom ``resources``, and its
+    dashboard when ``dashboard``; started with ``env`` (default: this process's environment, less
+    RAY_ADDRESS), with this Python's bin folder first on PATH (so `rlpost` runs as a job
+    entrypoint). Stopped with everything it started when the block ends."""
+    # short: Ray's unix socket paths under the temp dir must stay below 108 characters
+    temp_dir = Path(tempfile.mkdtemp(prefix="rlpost-ray-", dir="/tmp"))
+    env = dict(env or os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    gcs, dash, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(7)
+    args = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={gcs}",
+        "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}",
+    ]  # fmt: skip
+    if resources:
+        args.append(f"--resources={json.dumps(resources)}")
+    if dashboard:
+        args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+    else:
+        args.append("--include-dashboard=false")
+    log = temp_dir / "ray-start.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=temp_dir)
+    head = RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}" if dashboard else None, env, process, temp_dir)
+    try:
+        _wait_until_up(head, log)
+        yield head
+    finally:
+        stop_tree(head.process)
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def worker_node(head: RayHead, *, num_cpus: int, resources: dict[str, float], name: str) -> Iterator[RayNode]:
+    """Another node of ``head``'s cluster on this machine (``ray start --address``), with its
+    own ports, ``num_cpus`` and ``resources``; its log is ``ray-start-<name>.log`` in the head's
+    temp dir. Stopped (its whole process tree) when the block ends, whatever was killed of it."""
+    agent_http, agent_grpc, metrics, runtime_env = free_ports(4)
+    args = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+        f"--address={head.gcs_address}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+        f"--resources={json.dumps(resources)}", "--disable-usage-stats",
+        f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
+    ]  # fmt: skip
+    log = head.temp_dir / f"ray-start-{name}.log"
+    # a node joining a cluster with token authentication sends the token only in token mode
+    env = {**head.env, "RAY_AUTH_MODE": "token"} if "RAY_AUTH_TOKEN_PATH" in head.env else head.env
+    with log.open("w") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=head.temp_dir)
+    node = RayNode(process, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "Ray runtime started" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the node {name} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield node
+    finally:
+        stop_tree(process)
+
+
+def _wait_until_up(head: RayHead, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if head.process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.process.returncode}:\n{log.read_text()[-3000:]}")
+        if "Ray runtime started" in log.read_text() and (head.dashboard is None or _dashboard_answers(head)):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the Ray head did not come up in {START_TIMEOUT_S:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _dashboard_answers(head: RayHead) -> bool:
+    try:
+        urllib.request.urlopen(f"{head.dashboard}/api/version", timeout=5).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (401 without a token)
+    except OSError:
+        return False
+    return True
+
+
+def stop_tree(process: subprocess.Popen) -> None:
+    """SIGTERM to a ``ray start --block`` (it stops what it started), then SIGKILL to any
+    process left of its tree."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.is_running():  # also guards against a reused pid
+                proc.kill()
+    psutil.wait_procs(tree, timeout=30)
