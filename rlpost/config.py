@@ -587,7 +587,7 @@ class ResourcesConfig(_Section):
     )
     buffer: RoleResources = Field(
         default_factory=lambda: RoleResources(num_cpus=0.0),
-        description="The buffer actor. It reserves no placement bundle and runs on the driver's node (whose loss "
+        description="The buffer actor. It reserves no placement bundle and runs on the head node (whose loss "
         "ends the run anyway) unless `resources` names custom resources that send it elsewhere.",
     )
     env_vars: dict[str, str] = Field(

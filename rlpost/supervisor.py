@@ -295,18 +295,12 @@ class ActorStarter:
 
     def buffer(self) -> BufferClient:
         """``buffer``. It reserves no bundle; unless ``resources.buffer.resources`` sends it
-        elsewhere it prefers the driver's node, whose loss ends the run anyway, so that losing
-        another node does not take the groups in flight with it."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+        elsewhere it runs on the head node (:func:`on_the_head`), so that losing another node
+        does not take the groups in flight with it."""
         from rlpost.actors.buffer import BufferSettings, start_buffer
 
         settings = BufferSettings.from_job(self.cfg)
-        options = {}
-        if not settings.resources.resources:
-            here = ray.get_runtime_context().get_node_id()
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=True)
+        options = {} if settings.resources.resources else {"scheduling_strategy": on_the_head()}
         release_names(["buffer"], NAME_RELEASE_TIMEOUT_S)
         return BufferClient(start_buffer(settings, **options).rb)
 
@@ -354,16 +348,12 @@ class ActorStarter:
         return EnvPoolClient(name, handle)
 
     def control(self) -> ControlClient:
-        """``control``, the run's mailbox for ``rlpost scale``, on the driver's node."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+        """``control``, the run's mailbox for ``rlpost scale``, on the head node (:func:`on_the_head`)."""
         from rlpost.control import CONTROL_ACTOR, start_control
 
         release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         bounds = self.cfg.rollout.inference_worker_bounds()
-        return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=here))
+        return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
 
     def start_all(self) -> RunActors:
         """Every actor of the run, its engines up and the weight bus connected."""
@@ -378,6 +368,21 @@ class ActorStarter:
                            self.control())  # fmt: skip
         connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
         return actors
+
+
+def on_the_head():
+    """The scheduling strategy that pins an actor to the cluster's head node, for the actors that
+    reserve nothing and hold the run's state between calls (the buffer, the control mailbox):
+    the head's loss ends the cluster, and the run, anyway, while any other node may go. Ray gives
+    the head the resource ``node:__internal_head__``; without one (an unusual cluster) the
+    driver's node. Not soft: Ray's soft affinity placed half of such actors elsewhere on a
+    two-node cluster, where a node's loss took the buffer with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
+    node = heads[0] if heads else ray.get_runtime_context().get_node_id()
+    return NodeAffinitySchedulingStrategy(node, soft=False)
 
 
 def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:

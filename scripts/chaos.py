@@ -36,6 +36,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -156,7 +157,7 @@ class Nodes:
         from rlpost.local_cluster import head_node, worker_node
 
         self.stack, self.worker_node = stack, worker_node
-        token = folder / "ray-token"
+        token = (folder / "ray-token").resolve()  # the nodes start in temp dirs of their own
         token.write_text(secrets.token_hex(32))
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env |= {"RAY_AUTH_TOKEN_PATH": str(token), "RAY_health_check_period_ms": "1000",
@@ -177,12 +178,18 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     steps = plan.steps or steps
     run_dir = out / plan.name
     log_path = out / f"{plan.name}.log"
+    # a plan's folder from an earlier `make chaos`: the run would refuse it (and its stale
+    # ray_address would point the harness at a cluster long gone)
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
            "--run-dir", str(run_dir)]  # fmt: skip
     killed, late, problems, kill_times = [], [], [], []
     start = time.monotonic()
     with contextlib.ExitStack() as cluster, log_path.open("w") as log:
-        nodes = Nodes(cluster, out) if plan.rejoin_s is not None else None
+        try:
+            nodes = Nodes(cluster, out) if plan.rejoin_s is not None else None
+        except RuntimeError as exc:  # a node that did not start: this run fails, the others go on
+            return Outcome(plan, False, 0.0, [f"the cluster did not start: {str(exc)[:500]}"], [], [], {})
         if nodes is not None:
             cmd += ["--address", nodes.head.gcs_address]
         start = time.monotonic()
@@ -228,6 +235,7 @@ def _kill_as_planned(
     ``(victim, wall-clock time)`` of each kill."""
     import ray
 
+    from rlpost.control import check_reachable
     from rlpost.ray_start import use_ray_token_if_present
 
     address_file = run_dir / "ray_address"
@@ -237,6 +245,10 @@ def _kill_as_planned(
         time.sleep(0.5)
     actors = any(kill.victim != NODE for kill in plan.kills)
     if actors:
+        try:
+            check_reachable(address_file.read_text().strip())  # never wait on a cluster that is gone
+        except LookupError:
+            return [], [], []
         use_ray_token_if_present()  # a local cluster of Ray 2.60 wants its token
         ray.init(
             address=address_file.read_text().strip(),

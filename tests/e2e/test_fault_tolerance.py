@@ -4,7 +4,10 @@ Ray's kill) and runs resumed from checkpoints.
 Real actors throughout: vLLM engines, the gloo bus, the buffer actor, the learner. Each test
 runs a few small steps of the tiny-model job; the kills are placed by overriding one controller
 method, so they land at a known step. The restarts run on the tier's shared cluster; the learner's
-death, whose resume runs `rlpost train` with a local cluster of its own, is in the long tier.
+death, whose resume runs `rlpost train` with a local cluster of its own, too. Both are in the long
+tier (with the chaos runs and the node loss): `make test` keeps a real restart in
+tests/e2e/test_dashboard.py (the reference's) and every failure over stand-ins in
+tests/unit/test_supervisor.py.
 """
 
 import json
@@ -14,7 +17,7 @@ import threading
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
 
 
 def read(path):

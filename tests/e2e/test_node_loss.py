@@ -2,8 +2,8 @@
 
 Two raylets on this machine, each started with `ray start` and declaring one `rollout_slot`; the
 run's two inference workers each reserve one (and no CPU), so one runs on each node, and every
-other actor needs CPUs, which only the head has (the buffer, which reserves nothing, prefers the
-driver's node).
+other actor needs CPUs, which only the head has (the buffer, which reserves nothing, runs on the
+head node).
 The second node's raylet is killed after step 2: its worker dies with it and no node has room
 for it, so the run goes on with one worker
 (`inference_workers` 1 in metrics.jsonl) rather than wait. A third node with a slot then joins:
