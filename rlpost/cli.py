@@ -452,6 +452,7 @@ def _cmd_status(args) -> int:
 def _run_status(run_dir: Path) -> int:
     """``rlpost status RUN_DIR``: the run's last metrics line, in words (its step, reward, fleet
     and restarts)."""
+    from rlpost.control import describe_fleet
     from rlpost.metrics import read_metrics
 
     if not (run_dir / "config.yaml").is_file():
@@ -466,10 +467,7 @@ def _run_status(run_dir: Path) -> int:
     print(f"{run_dir}: {state} {last['step']}, reward {_number(last.get('reward_mean'))}, "
           f"elapsed {_number(last.get('elapsed_s'), '.0f')} s")  # fmt: skip
     if "inference_workers" in last:
-        fleet = f"{last['inference_workers']} serving of {last.get('inference_workers_target', '?')} wanted"
-        if last.get("inference_workers_vacant"):
-            fleet += f", {last['inference_workers_vacant']} waiting for room in the cluster"
-        print(f"  inference workers: {fleet}")
+        print(f"  inference workers: {describe_fleet(last)}")
     restarts = {k.removeprefix("restarts_"): v for k, v in last.items() if k.startswith("restarts_") and v}
     restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes") if last.get(k)}
     print("  restarts: " + (", ".join(f"{k} {v}" for k, v in restarts.items()) or "none"))

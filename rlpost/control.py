@@ -74,6 +74,16 @@ def start_control(bounds: tuple[int, int | None], **options: Any):
     return remote.remote(bounds)
 
 
+def _control(namespace: str):
+    """The ``control`` actor of the run in Ray ``namespace`` (LookupError: no run there)."""
+    import ray
+
+    try:
+        return ray.get_actor(CONTROL_ACTOR, namespace=namespace)
+    except ValueError:
+        raise LookupError(f"no running rlpost run in Ray namespace {namespace!r}") from None
+
+
 def scale_run(namespace: str, inference: int, *, timeout_s: float = 30.0) -> dict[str, Any]:
     """Ask the run in Ray ``namespace`` (``rlpost-<run_name>``) of the cluster this process is
     connected to (``ray.init``) for ``inference`` workers. Returns the fleet as the run last
@@ -82,11 +92,7 @@ def scale_run(namespace: str, inference: int, *, timeout_s: float = 30.0) -> dic
     import ray
 
     try:
-        control = ray.get_actor(CONTROL_ACTOR, namespace=namespace)
-    except ValueError:
-        raise LookupError(f"no running rlpost run in Ray namespace {namespace!r}") from None
-    try:
-        return ray.get(control.request.remote(inference), timeout=timeout_s)
+        return ray.get(_control(namespace).request.remote(inference), timeout=timeout_s)
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, ValueError):  # refused: the message names the bound
             raise ValueError(str(exc.cause)) from None
@@ -97,11 +103,7 @@ def run_fleet(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
     """The fleet of the run in Ray ``namespace`` as it last reported it (LookupError: no run)."""
     import ray
 
-    try:
-        control = ray.get_actor(CONTROL_ACTOR, namespace=namespace)
-    except ValueError:
-        raise LookupError(f"no running rlpost run in Ray namespace {namespace!r}") from None
-    return ray.get(control.fleet.remote(), timeout=timeout_s)
+    return ray.get(_control(namespace).fleet.remote(), timeout=timeout_s)
 
 
 def parse_scale_request(changes: list[str]) -> int:
@@ -173,7 +175,7 @@ def fleet_reached(fleet: dict[str, Any], inference: int) -> bool:
 
 
 def describe_fleet(fleet: dict[str, Any]) -> str:
-    """``2 serving of 3 wanted, 1 waiting for room`` (from a report of the run's mailbox)."""
+    """``2 serving of 3 wanted, 1 waiting for room``, from a report of the run's mailbox or a metrics line."""
     if "inference_workers" not in fleet:
         return "not reported yet"
     text = f"{fleet['inference_workers']} serving of {fleet.get('inference_workers_target', '?')} wanted"
