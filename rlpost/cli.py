@@ -311,19 +311,25 @@ def _add_job_commands(sub) -> None:
 def _add_scale_command(sub) -> None:
     scale = sub.add_parser(
         "scale",
-        help="change a running job's inference workers",
-        description="Ask a running job for N inference workers while it trains: `rlpost scale RUN_DIR inference=N` "
-        "for a run whose cluster this machine reaches (its run directory), `rlpost scale JOB inference=N --address "
-        "http://HEAD:8265` for a submitted job. New workers start where the cluster has room (until then they wait, "
-        "and the run trains without them), load the current weights and join the weight bus; leaving workers finish "
-        "their requests first. With a range in the config (rollout.num_inference_workers: A..B) N must lie in it. "
-        "Exit 0 once the run has the request (with --wait: once N workers serve), 2 for a bad request or an unknown "
-        "or stopped run, 1 otherwise.",
+        help="change a running job's inference workers and env pools",
+        description="Ask a running job for N inference workers and/or M env pools while it trains: `rlpost scale "
+        "RUN_DIR inference=N env_pools=M` for a run whose cluster this machine reaches (its run directory), `rlpost "
+        "scale JOB inference=N --address http://HEAD:8265` for a submitted job. New workers and pools start where "
+        "the cluster has room (until then they wait, and the run trains without them); a new inference worker "
+        "loads the current weights and joins the weight bus, a new env pool takes its shard of the prompt stream. "
+        "Leaving workers finish their requests first; a leaving env pool stops after its current batch (what it "
+        "had not put is collected again when its shard serves again). With a range in the config "
+        "(rollout.num_inference_workers: A..B, rollout.num_env_pools: A..B) the count must lie in it; env pools "
+        "never exceed the prompt stream's shards (the range's top, else num_env_pools). Exit 0 once the run has "
+        "the request (with --wait: once it serves it), 2 for a bad request or an unknown or stopped run, 1 "
+        "otherwise.",
     )
     scale.add_argument("target", metavar="RUN_DIR|JOB", help="the run directory, or a job id from `rlpost submit`")
-    scale.add_argument("changes", nargs="*", metavar="inference=N", help="the inference workers the run should have")
     scale.add_argument(
-        "--wait", type=float, default=0.0, metavar="SECONDS", help="then wait up to SECONDS until N workers serve"
+        "changes", nargs="*", metavar="inference=N|env_pools=M", help="the inference workers / env pools to have"
+    )
+    scale.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="then wait up to SECONDS until the run serves it"
     )
     # the helper job's (rlpost scale JOB): the run's Ray namespace on the cluster it runs in
     scale.add_argument("--namespace", help=argparse.SUPPRESS)
@@ -335,27 +341,27 @@ def _cmd_scale(args) -> int:
     from rlpost import control
 
     try:
-        inference = control.parse_scale_request(args.changes)
-        control.check_scale_request((1, None), inference)  # the run's own range is checked where it is known
+        request = control.parse_scale_request(args.changes)
+        control.check_scale_request({}, request)  # the run's own ranges are checked where they are known
     except ValueError as exc:
         raise ConfigError(f"scale: {exc}") from None
     if args.namespace:  # inside the cluster, as the job `rlpost scale JOB` submits
-        return _scale_in(args.namespace, None, inference, args.wait)
+        return _scale_in(args.namespace, None, request, args.wait)
     target = Path(args.target)
     if target.is_dir():
         try:
             address, namespace, bounds = control.run_namespace(target)
-            control.check_scale_request(bounds, inference)
+            control.check_scale_request(bounds, request)
             control.check_reachable(address)
         except (LookupError, ValueError) as exc:
             raise ConfigError(f"scale: {exc}") from None
-        return _scale_in(namespace, address, inference, args.wait)
+        return _scale_in(namespace, address, request, args.wait)
     if "/" in args.target or target.exists():
         raise ConfigError(f"scale: {args.target}: not a run directory")
-    return _scale_job(args, inference)
+    return _scale_job(args)
 
 
-def _scale_in(namespace: str, address: str | None, inference: int, wait_s: float) -> int:
+def _scale_in(namespace: str, address: str | None, request: dict[str, int], wait_s: float) -> int:
     """Leave the request in the run's mailbox (a Ray connection to its cluster: ``address``, or
     the cluster this process runs in) and, with ``wait_s``, wait until the fleet has it."""
     import ray
@@ -368,17 +374,17 @@ def _scale_in(namespace: str, address: str | None, inference: int, wait_s: float
     ray.init(address=address or "auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
     try:
         try:
-            fleet = control.scale_run(namespace, inference)
+            fleet = control.scale_run(namespace, **request)
         except (LookupError, ValueError) as exc:
             raise ConfigError(f"scale: {exc}") from None
-        print(f"rlpost: {namespace}: asked for {inference} inference workers (now {control.describe_fleet(fleet)}); "
+        print(f"rlpost: {namespace}: asked for {control.describe_request(request)} (now {_fleet_words(fleet)}); "
               "the run applies it at its next health check")  # fmt: skip
         if wait_s <= 0:
             return EXIT_OK
-        fleet = control.wait_for_fleet(namespace, inference, wait_s)
-        print(f"rlpost: {namespace}: {control.describe_fleet(fleet)}")
-        if not control.fleet_reached(fleet, inference):
-            print(f"rlpost: failed: the run does not have {inference} workers serving after {wait_s:g} s",
+        fleet = control.wait_for_fleet(namespace, request, wait_s)
+        print(f"rlpost: {namespace}: {_fleet_words(fleet)}")
+        if not control.fleet_reached(fleet, request):
+            print(f"rlpost: failed: the run does not serve {control.describe_request(request)} after {wait_s:g} s",
                   file=sys.stderr)  # fmt: skip
             return EXIT_FAILURE
         return EXIT_OK
@@ -386,7 +392,17 @@ def _scale_in(namespace: str, address: str | None, inference: int, wait_s: float
         ray.shutdown()
 
 
-def _scale_job(args, inference: int) -> int:
+_FLEET_ROLES = (("inference", "inference workers"), ("env_pools", "env pools"))  # scale key, words
+
+
+def _fleet_words(fleet: dict) -> str:
+    """``inference workers: 2 serving of 2 wanted; env pools: 1 serving of 2 wanted, ...``."""
+    from rlpost.control import describe_fleet
+
+    return "; ".join(f"{words}: {describe_fleet(fleet, key)}" for key, words in _FLEET_ROLES)
+
+
+def _scale_job(args) -> int:
     """``rlpost scale JOB``: a short job beside it leaves the request (jobs.plan_scale)."""
     from rlpost import jobs
 
@@ -452,7 +468,7 @@ def _cmd_status(args) -> int:
 def _run_status(run_dir: Path) -> int:
     """``rlpost status RUN_DIR``: the run's last metrics line, in words (its step, reward, fleet
     and restarts)."""
-    from rlpost.control import describe_fleet
+    from rlpost.control import FLEET_KEYS, describe_fleet
     from rlpost.metrics import read_metrics
 
     if not (run_dir / "config.yaml").is_file():
@@ -466,8 +482,9 @@ def _run_status(run_dir: Path) -> int:
     state = "stopped" if last.get("stopped") else "last step"
     print(f"{run_dir}: {state} {last['step']}, reward {_number(last.get('reward_mean'))}, "
           f"elapsed {_number(last.get('elapsed_s'), '.0f')} s")  # fmt: skip
-    if "inference_workers" in last:
-        print(f"  inference workers: {describe_fleet(last)}")
+    for key, words in _FLEET_ROLES:
+        if FLEET_KEYS[key][0] in last:
+            print(f"  {words}: {describe_fleet(last, key)}")
     restarts = {k.removeprefix("restarts_"): v for k, v in last.items() if k.startswith("restarts_") and v}
     restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes") if last.get(k)}
     print("  restarts: " + (", ".join(f"{k} {v}" for k, v in restarts.items()) or "none"))

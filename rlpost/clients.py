@@ -195,8 +195,9 @@ class EnvPoolClient(ActorClient):
 class ControlClient(ActorClient):
     """``control``: the run's mailbox for operators' requests (:mod:`rlpost.control`)."""
 
-    def exchange(self, sizes: dict[str, int], timeout_s: float) -> int | None:
-        """Report the fleet's sizes; the inference workers an operator asked for, or None."""
+    def exchange(self, sizes: dict[str, int], timeout_s: float) -> dict[str, int]:
+        """Report the fleet's sizes; what an operator asked for (``inference``, ``env_pools``;
+        empty: nothing)."""
         return self.call("exchange", sizes, timeout_s=timeout_s)
 
 

@@ -258,37 +258,39 @@ class RolloutConfig(_Section):
         "own placement group, which a cluster autoscaler sees as demand), serving without it meanwhile. None: "
         "num_inference_workers, and `rlpost scale` may ask for any number.",
     )
-    num_env_pools: int = Field(1, ge=1, description="Env-pool actors, each running an LLM collector.")
+    num_env_pools: int = Field(
+        1,
+        ge=1,
+        description="Env-pool actors started with the run, each running an LLM collector over its shard of the "
+        "prompt stream. A range `A..B` means A of them and max_env_pools B.",
+    )
+    max_env_pools: int | None = Field(
+        None,
+        ge=1,
+        description="The most env pools the run may have, and the bounds of `rlpost scale env_pools=M`: the prompt "
+        "stream is split into this many shards (one a pool: env-pool-<j> takes shard j), and the run starts each "
+        "pool beyond num_env_pools whenever the cluster can place it. A pool that is not running (no room for it, "
+        "or scaled down) keeps its shard's position: its prompts wait for it, none is repeated or skipped. None: "
+        "num_env_pools (scaling may lower it, and raise it back up to that).",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
 
     @model_validator(mode="before")
     @classmethod
-    def _worker_range(cls, data: Any) -> Any:
-        """``num_inference_workers: A..B`` is ``num_inference_workers: A`` with ``max_inference_workers: B``."""
-        if not isinstance(data, dict) or not isinstance(data.get("num_inference_workers"), str):
+    def _worker_ranges(cls, data: Any) -> Any:
+        """``num_<role>: A..B`` is ``num_<role>: A`` with ``max_<role>: B`` (inference workers, env pools)."""
+        if not isinstance(data, dict):
             return data
-        text = data["num_inference_workers"].strip()
-        if ".." not in text:
-            return data  # a plain number as text: pydantic reads it (or names the bad value)
-        low, _, high = text.partition("..")
-        try:
-            low_n, high_n = int(low), int(high)
-        except ValueError:
-            raise ValueError(f"num_inference_workers: a range is two whole numbers A..B, got {text!r}") from None
-        if not 1 <= low_n <= high_n:
-            raise ValueError(f"num_inference_workers: the range {text!r} needs 1 <= A <= B")
-        if data.get("max_inference_workers") not in (None, high_n):
-            raise ValueError(f"num_inference_workers {text!r} and max_inference_workers "
-                             f"{data['max_inference_workers']} disagree: give one of them")  # fmt: skip
-        return {**data, "num_inference_workers": low_n, "max_inference_workers": high_n}
+        for role in ("inference_workers", "env_pools"):
+            data = _split_range(data, f"num_{role}", f"max_{role}")
+        return data
 
     @model_validator(mode="after")
     def _max_covers_start(self) -> RolloutConfig:
-        if self.max_inference_workers is not None and self.max_inference_workers < self.num_inference_workers:
-            raise ValueError(
-                f"max_inference_workers ({self.max_inference_workers}) is below num_inference_workers "
-                f"({self.num_inference_workers})"
-            )
+        for role in ("inference_workers", "env_pools"):
+            start, most = getattr(self, f"num_{role}"), getattr(self, f"max_{role}")
+            if most is not None and most < start:
+                raise ValueError(f"max_{role} ({most}) is below num_{role} ({start})")
         return self
 
     def inference_worker_bounds(self) -> tuple[int, int | None]:
@@ -301,6 +303,17 @@ class RolloutConfig(_Section):
     def inference_worker_target(self) -> int:
         """The inference workers the run wants from its start."""
         return self.max_inference_workers or self.num_inference_workers
+
+    def env_pool_shards(self) -> int:
+        """The prompt stream's shards: the most env pools the run may have."""
+        return self.max_env_pools or self.num_env_pools
+
+    def scale_bounds(self) -> dict[str, tuple[int, int | None]]:
+        """What `rlpost scale` may ask for, per key: (least, most; None: no bound). Inference
+        workers: the range, or any number from one. Env pools: the range, or one up to
+        num_env_pools (the prompt stream's shards are fixed when the run starts)."""
+        low = self.num_env_pools if self.max_env_pools is not None else 1
+        return {"inference": self.inference_worker_bounds(), "env_pools": (low, self.env_pool_shards())}
 
 
 class EvalConfig(_Section):
@@ -686,6 +699,24 @@ class JobConfig(_Section):
     @property
     def samples_per_step(self) -> int:
         return self.trainer.prompts_per_step * self.data.group_size
+
+
+def _split_range(data: dict[str, Any], key: str, max_key: str) -> dict[str, Any]:
+    """``data`` with a range ``key: "A..B"`` read as ``key: A`` and ``max_key: B``; anything else
+    as it is (a plain number as text is pydantic's to read, or to name as a bad value)."""
+    text = data.get(key)
+    if not isinstance(text, str) or ".." not in text:
+        return data
+    low, _, high = text.strip().partition("..")
+    try:
+        low_n, high_n = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"{key}: a range is two whole numbers A..B, got {text!r}") from None
+    if not 1 <= low_n <= high_n:
+        raise ValueError(f"{key}: the range {text!r} needs 1 <= A <= B")
+    if data.get(max_key) not in (None, high_n):
+        raise ValueError(f"{key} {text!r} and {max_key} {data[max_key]} disagree: give one of them")
+    return {**data, key: low_n, max_key: high_n}
 
 
 def _cross_field_errors(cfg: JobConfig) -> list[str]:

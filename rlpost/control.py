@@ -5,8 +5,9 @@ The driver starts one small actor per run, ``control`` in the run's Ray namespac
 it at its next health check (every few seconds while the loop waits on the pools or the buffer)
 and reports the fleet's sizes back, so the request's answer says what the run has now::
 
-    rlpost scale runs/r1 inference=3       ->  control.request(inference=3)
-    supervisor (health check)              ->  control.exchange(fleet) -> 3 -> resize the fleet
+    rlpost scale runs/r1 inference=3 env_pools=2  ->  control.request(inference=3, env_pools=2)
+    supervisor (health check)  ->  control.exchange(fleet) -> {"inference": 3, "env_pools": 2}
+                               ->  resize the inference fleet, then the env pools
 
 Requests outside what the config allows (:func:`check_scale_request`) are refused at once with a
 message naming the bound; nothing about the run changes.
@@ -20,53 +21,66 @@ from pathlib import Path
 from typing import Any
 
 CONTROL_ACTOR = "control"
-SCALE_KEYS = ("inference", "env_pools")
+SCALE_KEYS = ("inference", "env_pools")  # what `rlpost scale` changes: KEY=N
+# each key's words in messages, and the config keys that bound it
+_ROLE = {
+    "inference": ("inference worker", "rollout.num_inference_workers / rollout.max_inference_workers"),
+    "env_pools": ("env pool", "rollout.num_env_pools / rollout.max_env_pools: the prompt stream's shards"),
+}
+Bounds = dict[str, tuple[int, int | None]]  # scale key -> (least, most; None: no bound)
 
 
-def check_scale_request(bounds: tuple[int, int | None], inference: int) -> None:
-    """Raise ValueError naming the bound when ``inference`` workers are not allowed: fewer than
-    one, or outside ``bounds`` (rollout.num_inference_workers's range, when it gives one)."""
-    low, high = bounds
-    if isinstance(inference, bool) or not isinstance(inference, int):
-        raise ValueError(f"inference: a whole number of workers, got {inference!r}")
-    if inference < 1:
-        raise ValueError(f"inference={inference}: a run needs at least one inference worker")
-    if inference < low or (high is not None and inference > high):
-        top = "" if high is None else f"..{high}"
-        raise ValueError(
-            f"inference={inference} is outside the run's range {low}{top} (rollout.num_inference_workers / "
-            "rollout.max_inference_workers); resume the run with a wider range to go beyond it"
-        )
+def check_scale_request(bounds: Bounds, request: dict[str, int]) -> None:
+    """Raise ValueError naming the key and its bound when ``request`` (scale key -> count) is not
+    allowed: an unknown key, nothing asked, fewer than one, or outside ``bounds``
+    (:meth:`rlpost.config.RolloutConfig.scale_bounds`; a key missing there is unbounded)."""
+    if not request:
+        raise ValueError("nothing to change: give inference=N and/or env_pools=M")
+    for key, count in request.items():
+        if key not in SCALE_KEYS:
+            raise ValueError(f"{key}: not a scale key (give inference=N and/or env_pools=M)")
+        role, config_keys = _ROLE[key]
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise ValueError(f"{key}: a whole number of {role}s, got {count!r}")
+        if count < 1:
+            raise ValueError(f"{key}={count}: a run needs at least one {role}")
+        low, high = bounds.get(key, (1, None))
+        if count < low or (high is not None and count > high):
+            top = "" if high is None else f"..{high}"
+            raise ValueError(
+                f"{key}={count} is outside the run's range {low}{top} ({config_keys}); "
+                "resume the run with a wider range to go beyond it"
+            )
 
 
 class RunControl:
-    """The mailbox (a Ray actor in a run; a plain object in tests): the last request waiting,
-    and the fleet's sizes as the driver last reported them."""
+    """The mailbox (a Ray actor in a run; a plain object in tests): the request waiting, and the
+    fleet's sizes as the driver last reported them."""
 
-    def __init__(self, bounds: tuple[int, int | None]):
-        self.bounds = tuple(bounds)
-        self.requested: int | None = None
+    def __init__(self, bounds: Bounds):
+        self.bounds = {key: tuple(value) for key, value in bounds.items()}
+        self.requested: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
 
-    def request(self, inference: int) -> dict[str, Any]:
-        """Leave a request for ``inference`` workers (ValueError when not allowed; a later
-        request replaces one not taken yet). Returns the fleet as last reported."""
-        check_scale_request(self.bounds, inference)
-        self.requested = inference
-        return {"requested": inference, **self.sizes}
+    def request(self, **counts: int) -> dict[str, Any]:
+        """Leave a request (``inference=N``, ``env_pools=M``; ValueError when not allowed). A
+        later request for a key replaces one not taken yet. Returns the fleet as last reported."""
+        check_scale_request(self.bounds, counts)
+        self.requested.update(counts)
+        return {"requested": dict(self.requested), **self.sizes}
 
-    def exchange(self, sizes: dict[str, int]) -> int | None:
-        """The driver's side: report the fleet's ``sizes`` and take the waiting request (None)."""
+    def exchange(self, sizes: dict[str, int]) -> dict[str, int]:
+        """The driver's side: report the fleet's ``sizes`` and take the waiting request (empty: none)."""
         self.sizes = dict(sizes)
-        requested, self.requested = self.requested, None
+        requested, self.requested = self.requested, {}
         return requested
 
     def fleet(self) -> dict[str, Any]:
-        """The fleet as last reported, and a request not taken yet."""
-        return {"requested": self.requested, **self.sizes}
+        """The fleet as last reported, and a request not taken yet (None: none)."""
+        return {"requested": dict(self.requested) or None, **self.sizes}
 
 
-def start_control(bounds: tuple[int, int | None], **options: Any):
+def start_control(bounds: Bounds, **options: Any):
     """The run's ``control`` actor (no CPU; ``options`` go to Ray's actor options)."""
     import ray
 
@@ -84,15 +98,19 @@ def _control(namespace: str):
         raise LookupError(f"no running rlpost run in Ray namespace {namespace!r}") from None
 
 
-def scale_run(namespace: str, inference: int, *, timeout_s: float = 30.0) -> dict[str, Any]:
+def scale_run(
+    namespace: str, inference: int | None = None, env_pools: int | None = None, *, timeout_s: float = 30.0
+) -> dict[str, Any]:
     """Ask the run in Ray ``namespace`` (``rlpost-<run_name>``) of the cluster this process is
-    connected to (``ray.init``) for ``inference`` workers. Returns the fleet as the run last
-    reported it (the change happens at its next health check). Raises LookupError when no run
-    is there, ValueError when the request is not allowed."""
+    connected to (``ray.init``) for ``inference`` workers and/or ``env_pools`` env pools (None:
+    unchanged). Returns the fleet as the run last reported it (the change happens at its next
+    health check). Raises LookupError when no run is there, ValueError when the request is not
+    allowed."""
     import ray
 
+    counts = {k: v for k, v in (("inference", inference), ("env_pools", env_pools)) if v is not None}
     try:
-        return ray.get(_control(namespace).request.remote(inference), timeout=timeout_s)
+        return ray.get(_control(namespace).request.remote(**counts), timeout=timeout_s)
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, ValueError):  # refused: the message names the bound
             raise ValueError(str(exc.cause)) from None
@@ -106,31 +124,25 @@ def run_fleet(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
     return ray.get(_control(namespace).fleet.remote(), timeout=timeout_s)
 
 
-def parse_scale_request(changes: list[str]) -> int:
-    """The inference workers asked for by ``key=value`` words (``inference=N``). Raises
-    ValueError naming the bad word: an unknown key, a value that is not a whole number, or
-    ``env_pools`` (a running job's env pools are not resized: resume it with
-    rollout.num_env_pools=M)."""
-    asked: dict[str, str] = {}
+def parse_scale_request(changes: list[str]) -> dict[str, int]:
+    """The counts asked for by ``key=value`` words (``inference=N``, ``env_pools=M``). Raises
+    ValueError naming the bad word: an unknown key, a value that is not a whole number, or no
+    word at all."""
+    asked: dict[str, int] = {}
     for word in changes:
         key, sep, value = word.partition("=")
         if not sep or key not in SCALE_KEYS:
-            raise ValueError(f"{word!r}: give inference=N (the inference workers the run should have)")
-        asked[key] = value
-    if "env_pools" in asked:
-        raise ValueError(
-            "env_pools: a running job's env pools are not resized (each owns a share of the prompt stream); "
-            "stop it and resume with rollout.num_env_pools=M"
-        )
-    if "inference" not in asked:
-        raise ValueError("nothing to change: give inference=N")
-    try:
-        return int(asked["inference"])
-    except ValueError:
-        raise ValueError(f"inference={asked['inference']!r}: a whole number of workers") from None
+            raise ValueError(f"{word!r}: give inference=N and/or env_pools=M (the workers the run should have)")
+        try:
+            asked[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: a whole number") from None
+    if not asked:
+        raise ValueError("nothing to change: give inference=N and/or env_pools=M")
+    return asked
 
 
-def run_namespace(run_dir: Path) -> tuple[str, str, tuple[int, int | None]]:
+def run_namespace(run_dir: Path) -> tuple[str, str, Bounds]:
     """(Ray address, Ray namespace, scale bounds) of the run in ``run_dir``, from its
     config.yaml and the ``ray_address`` file its driver writes. Raises LookupError naming what
     is missing."""
@@ -143,7 +155,7 @@ def run_namespace(run_dir: Path) -> tuple[str, str, tuple[int, int | None]]:
     if not address_file.is_file():
         raise LookupError(f"{run_dir}: the run never started (no ray_address file)")
     name = cfg.logging.run_name or run_dir.name
-    return address_file.read_text().strip(), f"rlpost-{name}", cfg.rollout.inference_worker_bounds()
+    return address_file.read_text().strip(), f"rlpost-{name}", cfg.rollout.scale_bounds()
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -157,28 +169,44 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise LookupError(f"the run's Ray cluster at {address} does not answer: the run is not running") from None
 
 
-def wait_for_fleet(namespace: str, inference: int, wait_s: float, *, poll_s: float = 2.0) -> dict[str, Any]:
-    """Poll the run's fleet until ``inference`` workers serve and no other request waits, at
-    most ``wait_s``; returns the last report (the caller compares)."""
+def wait_for_fleet(namespace: str, request: dict[str, int], wait_s: float, *, poll_s: float = 2.0) -> dict[str, Any]:
+    """Poll the run's fleet until it has what ``request`` asked for and no other request waits,
+    at most ``wait_s``; returns the last report (the caller compares)."""
     deadline = time.monotonic() + wait_s
     fleet = run_fleet(namespace)
-    while time.monotonic() < deadline and not fleet_reached(fleet, inference):
+    while time.monotonic() < deadline and not fleet_reached(fleet, request):
         time.sleep(poll_s)
         fleet = run_fleet(namespace)
     return fleet
 
 
-def fleet_reached(fleet: dict[str, Any], inference: int) -> bool:
-    return fleet.get("requested") is None and fleet.get("inference_workers") == inference == fleet.get(
-        "inference_workers_target"
-    )
+# scale key -> (the serving count, the wanted count, the vacant count) in a fleet report
+FLEET_KEYS = {
+    "inference": ("inference_workers", "inference_workers_target", "inference_workers_vacant"),
+    "env_pools": ("env_pools", "env_pools_target", "env_pools_vacant"),
+}
 
 
-def describe_fleet(fleet: dict[str, Any]) -> str:
-    """``2 serving of 3 wanted, 1 waiting for room``, from a report of the run's mailbox or a metrics line."""
-    if "inference_workers" not in fleet:
+def fleet_reached(fleet: dict[str, Any], request: dict[str, int]) -> bool:
+    """Whether ``fleet`` (a report of the run's mailbox) serves every count of ``request``."""
+    if fleet.get("requested"):
+        return False
+    return all(fleet.get(FLEET_KEYS[key][0]) == n == fleet.get(FLEET_KEYS[key][1]) for key, n in request.items())
+
+
+def describe_fleet(fleet: dict[str, Any], key: str = "inference") -> str:
+    """``2 serving of 3 wanted, 1 waiting for room in the cluster`` for one role of a report of the
+    run's mailbox or a metrics line (``key``: a scale key)."""
+    serving, wanted, vacant = FLEET_KEYS[key]
+    if serving not in fleet:
         return "not reported yet"
-    text = f"{fleet['inference_workers']} serving of {fleet.get('inference_workers_target', '?')} wanted"
-    if fleet.get("inference_workers_vacant"):
-        text += f", {fleet['inference_workers_vacant']} waiting for room in the cluster"
+    text = f"{fleet[serving]} serving of {fleet.get(wanted, '?')} wanted"
+    if fleet.get(vacant):
+        text += f", {fleet[vacant]} waiting for room in the cluster"
     return text
+
+
+def describe_request(request: dict[str, int]) -> str:
+    """``3 inference workers and 2 env pools`` for a scale request."""
+    words = {"inference": "inference workers", "env_pools": "env pools"}
+    return " and ".join(f"{n} {words[key]}" for key, n in request.items())

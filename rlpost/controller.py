@@ -64,6 +64,7 @@ from rlpost.supervisor import (
     ResumeNeeded,
     Supervisor,
     run_with_auto_resume,
+    slot_of,
     stop_actors,
 )
 from rlpost.trackers import make_trackers
@@ -191,8 +192,9 @@ class Controller:
         # stop in between still records every trained step before the final checkpoint
         self.unrecorded: dict | None = None
         self.recorded_step = 0  # the last step whose metrics row this process wrote
-        # each pool's prompts collected at the start of the current step (sync mode's shares)
-        self.pool_prompts = [0] * cfg.rollout.num_env_pools
+        # each shard's prompts collected at the start of the current step (sync mode's shares;
+        # env-pool-<j> collects shard j)
+        self.pool_prompts = [0] * cfg.rollout.env_pool_shards()
         self.resumed = resume
         if resume:
             self._resume()
@@ -337,8 +339,7 @@ class Controller:
         """The step's groups: taken from the buffer (sync: after every pool collected its
         share), annotated by the reference actor when KL is on."""
         if self.cfg.trainer.mode == "sync":
-            share = self.cfg.trainer.prompts_per_step // self.cfg.rollout.num_env_pools
-            targets = [count + share for count in self.pool_prompts]
+            targets = self._step_targets()
             self.taken = self.supervisor.run("collect", lambda: self._collect_sync(targets))
             self.pool_prompts = targets
         else:
@@ -347,35 +348,75 @@ class Controller:
             return self.taken
         return self.supervisor.run("reference", lambda: self.actors.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 
+    def _step_targets(self) -> list[int]:
+        """Sync mode: the prompts each shard will have collected once this step is done. The
+        step's ``prompts_per_step`` are split over the serving pools (the remainder to the lowest
+        slots); a shard whose pool is not serving (vacant, or scaled down) stays where it is."""
+        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
+        share, extra = divmod(self.cfg.trainer.prompts_per_step, len(serving))
+        targets = list(self.pool_prompts)
+        for rank, slot in enumerate(serving):
+            targets[slot] += share + (rank < extra)
+        return targets
+
     def _collect_sync(self, targets: list[int]) -> list:
         self._collect_shares(targets)
         size = self.actors.buffer.stats().size
         return self._take(max(1, size))  # the DAPO filter may have dropped groups
 
     def _collect_shares(self, targets: list[int]) -> None:
-        """Sync mode: every pool collects prompts into the buffer until it has collected
-        ``targets[j]`` in all (its share of the step).
+        """Sync mode: every serving pool collects prompts into the buffer until its shard has
+        ``targets[j]`` collected in all (its share of the step).
 
         The controller polls the pools, checking the actors' health between polls. Run again
         after a recovery, it starts each pool on what is left of its share (the buffer recorded
         how far each pool's puts got), so a restarted pool neither skips nor repeats prompts.
+        A pool that stops serving during the step (lost with no room for it, or scaled down)
+        hands what is left of its share to the others (:meth:`_hand_over_shares`).
         """
-        pending = {j for j in range(len(targets)) if self._start_share(j, targets[j])}
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
-        while pending:
-            for j in list(pending):
-                if self.actors.env_pools[j].wait(POLL_S):
-                    pending.discard(j)
+        finished: set[tuple[str, int]] = set()  # (pool, target) whose share is in the buffer
+        while True:
+            self._hand_over_shares(targets)
+            pending = []
+            for pool in self.actors.env_pools:
+                share = (pool.name, targets[slot_of(pool.name)])
+                if share in finished:
+                    continue
+                if self._start_share(pool, share[1]):
+                    pending.append(pool)
+                else:
+                    finished.add(share)
+            if not pending:
+                return
+            for pool in pending:
+                pool.wait(POLL_S)
             self.supervisor.check()
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"env pools {sorted(pending)} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s"
-                )
+            if time.monotonic() > deadline:
+                names = [pool.name for pool in pending]
+                raise TimeoutError(f"env pools {names} did not finish collecting within {COLLECT_TIMEOUT_S:.0f}s")
 
-    def _start_share(self, j: int, target: int) -> bool:
-        """Start pool ``j`` on what is left of its share; False when nothing is left. A pool
-        still collecting is left alone (True)."""
-        pool = self.actors.env_pools[j]
+    def _hand_over_shares(self, targets: list[int]) -> None:
+        """A shard without a serving pool keeps the prompts its last put recorded; what is left
+        of its share goes to the serving pools (``targets`` is changed in place)."""
+        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
+        for slot, target in enumerate(targets):
+            if slot in serving or target <= self.pool_prompts[slot]:
+                continue
+            state = self.actors.buffer.producer_state(f"env-pool-{slot}")
+            done = max(state["num_prompts_collected"] if state else 0, self.pool_prompts[slot])
+            left, targets[slot] = target - done, done
+            share, extra = divmod(left, len(serving))
+            for rank, other in enumerate(serving):
+                targets[other] += share + (rank < extra)
+            if left > 0:
+                log.warning("env-pool-%d is not serving: the %d prompts left of its share of step %d go to env "
+                            "pools %s", slot, left, self.step, serving)  # fmt: skip
+
+    def _start_share(self, pool, target: int) -> bool:
+        """Start ``pool`` on what is left of its share (``target``: its shard's prompts collected
+        at the end of the step); False when nothing is left. A pool still collecting is left
+        alone (True)."""
         if not pool.wait(0.0):
             return True
         state = self.actors.buffer.producer_state(pool.name)
@@ -499,6 +540,7 @@ class Controller:
             "ledger": dataclasses.asdict(ledger),
             "pool_prompts": self.pool_prompts,
             "counts": dict(self.supervisor.counts),
+            "fleet": self.supervisor.fleet_wanted(),
             "elapsed_s": time.perf_counter() - self.start_time,
         }
         path = self.actors.learner.save_checkpoint(
@@ -587,9 +629,12 @@ class Controller:
                 pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
                     pool.load_state_dict(pool_state)
-            self.pool_prompts = list(state["pool_prompts"])
+            saved = list(state["pool_prompts"])
+            self.pool_prompts = saved + [0] * (len(self.pool_prompts) - len(saved))
             self.supervisor.counts.update(state["counts"])
             self.start_time -= state["elapsed_s"]
+            if state.get("fleet"):  # an operator's rlpost scale outlives the restart
+                self.supervisor.restore_fleet(state["fleet"])
         moved = supersede_metrics_after(self.run_dir, info["step"])
         self._sync_weights(wait=True)  # the workers serve the checkpoint's weights at its version
         log.info(

@@ -328,6 +328,9 @@ class RayMetrics:
         "inference_workers": "Inference workers serving (fewer than the target while the cluster has no room)",
         "inference_workers_vacant": "Inference workers waiting for room in the cluster",
         "inference_workers_target": "Inference workers the run wants (its config's top, or what rlpost scale asked)",
+        "env_pools": "Env pools collecting (fewer than the target while the cluster has no room)",
+        "env_pools_vacant": "Env pools waiting for room in the cluster",
+        "env_pools_target": "Env pools the run wants (its config's top, or what rlpost scale asked)",
         # the accounting: groups_put == groups_trained + groups_dropped_stale + groups_in_buffer
         "groups_put": "Groups the env pools put in the buffer so far",
         "groups_trained": "Groups trained so far",

@@ -27,15 +27,20 @@ engine client found its worker dead (its ``wait`` raises) all end in a recovery 
                            `inference_workers` in metrics.jsonl counts the serving ones
     a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
     reference dead      -> started again (it is stateless)
-    env-pool-<i> dead   -> started again with a higher epoch from the position its last put
+    env-pool-<j> dead   -> started again with a higher epoch from the position its last put
                            recorded (the buffer fences off the old one's late puts); in async
-                           mode it starts collecting
+                           mode it starts collecting. With no room for it (as for a worker) and
+                           another pool serving, its slot is left vacant: its shard of the
+                           prompt stream waits at that position, the other pools collect the
+                           step's prompts, and it starts again once its bundle is placed
+                           (`env_pools` in metrics.jsonl counts the serving ones)
     an async pool's collection failed -> the pool is replaced the same way
 
-The fleet's size changes too: the run wants ``rollout.max_inference_workers`` (the top of a range
-``num_inference_workers: A..B``) and starts each slot beyond A when the cluster places it, and an
+The fleet's size changes too. Each role with slots (inference workers, env pools; a
+:class:`Slots` each) wants the top of its range (``rollout.num_inference_workers: A..B``,
+``rollout.num_env_pools: A..B``) and starts each slot beyond A when the cluster places it; an
 operator's ``rlpost scale`` (a request left in the run's ``control`` actor, taken at a health
-check) opens or closes slots: :meth:`Supervisor.resize_inference`.
+check) opens or closes slots: :meth:`Supervisor.resize`.
 
 A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
 so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
@@ -45,6 +50,7 @@ Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_po
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -76,6 +82,7 @@ MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recov
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
 DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the rest are re-issued)
+POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch (a multi-turn one may be long)
 PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
 NAME_RELEASE_TIMEOUT_S = 120.0  # a lost actor's name, held until Ray declares its node dead
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
@@ -126,9 +133,9 @@ class RunActors:
     learner: LearnerClient
     reference: ReferenceClient | None
     placement_group: Any = None
-    # inference slots beyond the run's placement group -> their own group (the starter's dict,
+    # slots beyond the run's placement group (actor name -> its own group: the starter's dict,
     # which it updates as slots open and close)
-    slot_groups: dict[int, Any] = dataclasses.field(default_factory=dict)
+    slot_groups: dict[str, Any] = dataclasses.field(default_factory=dict)
     control: ControlClient | None = None  # the operators' mailbox (rlpost scale)
 
 
@@ -222,15 +229,15 @@ class ActorStarter:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.placement_group, self.bundle_index = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
-        self.slot_groups: dict[int, Any] = {}  # inference slots beyond the run's group -> their own group
+        self.slot_groups: dict[str, Any] = {}  # slots beyond the run's group: actor name -> its own group
         self.fleet = self._inference_fleet()
 
     def _group_of(self, name: str):
         """(placement group, bundle index) holding actor ``name``, or None when it reserves nothing."""
         if name in self.bundle_index:
             return self.placement_group, self.bundle_index[name]
-        if name.startswith("inference-") and _slot(name) in self.slot_groups:
-            return self.slot_groups[_slot(name)], 0
+        if name in self.slot_groups:
+            return self.slot_groups[name], 0
         return None
 
     def place(self, name: str):
@@ -251,30 +258,37 @@ class ActorStarter:
         group, index = held
         return bool(placement_group_table(group)["bundles_to_node_id"].get(index))
 
-    def open_slot(self, index: int) -> None:
-        """Make ``inference-<index>`` a slot of the fleet: beyond the run's placement group it gets
-        a one-bundle group of its own, which Ray places whenever the cluster has room (a cluster
-        autoscaler sees it as pending demand and adds a node); :meth:`has_room` says when."""
+    def open_slot(self, name: str) -> None:
+        """Make ``name`` (``inference-<i>``, ``env-pool-<j>``) a slot of its role's fleet: beyond
+        the run's placement group it gets a one-bundle group of its own, which Ray places whenever
+        the cluster has room (a cluster autoscaler sees it as pending demand and adds a node);
+        :meth:`has_room` says when."""
         from ray.util.placement_group import placement_group
 
-        if index >= self.fleet.num_replicas:
-            self.fleet.resize(index + 1)
-        bundle = bundle_of(self.cfg.resources.inference)
-        if f"inference-{index}" in self.bundle_index or index in self.slot_groups or not bundle:
+        if name.startswith("inference-") and slot_of(name) >= self.fleet.num_replicas:
+            self.fleet.resize(slot_of(name) + 1)
+        bundle = bundle_of(self._role_resources(name))
+        if name in self.bundle_index or name in self.slot_groups or not bundle:
             return
-        name = f"rlpost-{self.cfg.logging.run_name}-inference-{index}"
-        self.slot_groups[index] = placement_group([bundle], strategy="PACK", name=name)
+        self.slot_groups[name] = placement_group(
+            [bundle], strategy="PACK", name=f"rlpost-{self.cfg.logging.run_name}-{name}"
+        )
 
-    def close_slot(self, index: int) -> None:
-        """``inference-<index>`` leaves the fleet: its replica stops and a group of its own is
-        removed (a slot of the run's placement group keeps its bundle reserved: Ray cannot take
-        one bundle out of a group)."""
+    def close_slot(self, name: str) -> None:
+        """``name`` leaves its fleet: an inference worker's replica stops, and a group of the
+        slot's own is removed (a slot of the run's placement group keeps its bundle reserved: Ray
+        cannot take one bundle out of a group)."""
         import ray
 
-        self.fleet.stop_replica(index)
-        group = self.slot_groups.pop(index, None)
+        if name.startswith("inference-"):
+            self.fleet.stop_replica(slot_of(name))
+        group = self.slot_groups.pop(name, None)
         if group is not None:
             ray.util.remove_placement_group(group)
+
+    def _role_resources(self, name: str):
+        """The RoleResources of the role actor ``name`` belongs to."""
+        return self.cfg.resources.inference if name.startswith("inference-") else self.cfg.resources.env_pool
 
     def _inference_fleet(self):
         """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
@@ -352,7 +366,7 @@ class ActorStarter:
         from rlpost.control import CONTROL_ACTOR, start_control
 
         release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
-        bounds = self.cfg.rollout.inference_worker_bounds()
+        bounds = self.cfg.rollout.scale_bounds()
         return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
 
     def start_all(self) -> RunActors:
@@ -420,8 +434,8 @@ def _replaced(name: str, since: float) -> None:
     log.warning("%s replaced: serving again %.1f s after its loss was noticed", name, time.monotonic() - since)
 
 
-def _slot(name: str) -> int:
-    """The slot of ``inference-<i>``: i."""
+def slot_of(name: str) -> int:
+    """The slot of ``inference-<i>`` or ``env-pool-<j>``: i or j."""
     return int(name.rsplit("-", 1)[1])
 
 
@@ -433,6 +447,31 @@ def _quietly(fn: Callable[[], Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- the supervisor
+
+
+@dataclasses.dataclass
+class Slots:
+    """The slots of one role's fleet: ``<prefix>-<i>`` for each i in ``wanted``, serving or
+    vacant (no room for its actor in the cluster yet); ``fresh`` ones never had an actor (their
+    first start is not a restart). ``key`` names the role in scale requests and metrics."""
+
+    prefix: str  # "inference", "env-pool": the actors' names
+    key: str  # "inference", "env_pools": the scale key
+    wanted: set[int]
+    vacant: dict[int, float] = dataclasses.field(default_factory=dict)  # slot -> since when (monotonic)
+    fresh: set[int] = dataclasses.field(default_factory=set)
+
+    def name(self, slot: int) -> str:
+        return f"{self.prefix}-{slot}"
+
+    def sizes(self, serving: int) -> dict[str, int]:
+        """``serving``, the vacant slots and the slots the fleet has, under the role's metrics keys
+        (``inference_workers``, ``inference_workers_vacant``, ``inference_workers_target``; the
+        same for ``env_pools``)."""
+        from rlpost.control import FLEET_KEYS
+
+        keys = FLEET_KEYS[self.key]
+        return {keys[0]: serving, keys[2]: len(self.vacant), keys[1]: len(self.wanted)}
 
 
 class Supervisor:
@@ -457,17 +496,17 @@ class Supervisor:
         }
         self.version = 0  # the learner's weights version (the loop sets it after each step)
         self.step = 0  # the step being trained (for messages)
-        self.epochs = [0] * len(actors.env_pools)
-        self.pool_failures = [0] * len(actors.env_pools)
+        self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
+        self.pool_failures: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> failed collections
         self.last_check = time.monotonic()
         self.health_check_s = HEALTH_CHECK_S
         self.collecting = False  # async mode: the pools collect on their own from now on
         self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
-        self.vacant: dict[int, float] = {}  # inference slots without room in the cluster -> since when
-        # the fleet's slots: inference-<i> for each i (serving or vacant); rlpost scale changes them
-        self.slots = set(range(len(actors.inference)))
-        self.fresh: set[int] = set()  # slots opened whose first worker has not started yet
-        self._open_slots(cfg.rollout.inference_worker_target())
+        # each fleet's slots (serving or vacant); the range's top is opened now, rlpost scale changes them
+        self.inference_slots = Slots("inference", "inference", set(range(len(actors.inference))))
+        self.pool_slots = Slots("env-pool", "env_pools", set(range(len(actors.env_pools))))
+        self._open_slots(self.inference_slots, cfg.rollout.inference_worker_target())
+        self._open_slots(self.pool_slots, cfg.rollout.env_pool_shards())
 
     # ------------------------------------------------------------------ what the loop calls
 
@@ -503,10 +542,10 @@ class Supervisor:
         self.last_check = time.monotonic()
         self.run("health check", lambda: self.recover(None))
         requested = self._exchange_with_control()
-        if requested is not None:
-            self.run("scale", lambda: self.resize_inference(requested))
+        if requested:
+            self.run("scale", lambda: self.resize(requested))
 
-    def _exchange_with_control(self) -> int | None:
+    def _exchange_with_control(self) -> dict[str, int] | None:
         """Report the fleet to the run's mailbox and take a request from it; a lost mailbox is
         started again (a request it held is lost, and the log says so)."""
         control = self.actors.control
@@ -523,48 +562,78 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the fleet's size
 
-    def resize_inference(self, workers: int) -> None:
-        """Give the fleet ``workers`` inference slots (``rlpost scale``). New slots are vacant
-        until the cluster places their bundles (each beyond the run's placement group has a group
-        of its own), and their workers start, load the current weights and join the bus like a
-        lost worker's replacement (at once when there is room). Fewer slots: vacant ones close
-        first, then the serving workers with the highest slots leave: the env pools stop sending
-        them requests, each finishes what it has (``DRAIN_TIMEOUT_S``; the rest are re-issued to
-        the others) and stops, and the bus re-forms without them. Raises ValueError outside the
-        config's range. Safe to run again after a failure part-way."""
+    def resize(self, request: dict[str, int]) -> None:
+        """Give the fleets what ``request`` asks for (``rlpost scale``: ``inference`` workers,
+        ``env_pools``). New slots are vacant until the cluster places their bundles (each beyond
+        the run's placement group has a group of its own), and their actors start like a lost
+        actor's replacement (at once when there is room): a worker loads the current weights and
+        joins the bus, a pool takes up its shard of the prompt stream where it last stopped.
+        Fewer slots: vacant ones close first, then the serving ones with the highest slots leave
+        (:meth:`_retire_workers`, :meth:`_retire_pools`). Raises ValueError outside the config's
+        ranges. Safe to run again after a failure part-way."""
         from rlpost.control import check_scale_request
 
-        check_scale_request(self.cfg.rollout.inference_worker_bounds(), workers)
-        if workers != len(self.slots):
-            log.warning("scaling the inference fleet from %d to %d workers", len(self.slots), workers)
-        if workers > len(self.slots):
-            self._open_slots(workers)
-        while len(self.slots) > workers:
-            vacant = sorted(set(self.vacant) & self.slots)
-            slot = vacant[-1] if vacant else max(self.slots)
-            self.slots.discard(slot)
-            self.fresh.discard(slot)
-            if self.vacant.pop(slot, None) is not None:
-                self.starter.close_slot(slot)
-        self._retire_closed()
+        check_scale_request(self.cfg.rollout.scale_bounds(), request)
+        if "inference" in request:
+            self._resize_slots(self.inference_slots, request["inference"])
+            self._retire_workers()
+        if "env_pools" in request:
+            self._resize_slots(self.pool_slots, request["env_pools"])
+            self._retire_pools()
         self.recover(None)  # vacant slots with room start now
 
-    def _open_slots(self, workers: int) -> None:
-        """Open the lowest unused slots until there are ``workers``; each is vacant until it has
-        room and its worker starts (:meth:`recover`)."""
+    def fleet_wanted(self) -> dict[str, int]:
+        """The slots each fleet has, as a scale request (what a checkpoint records)."""
+        return {slots.key: len(slots.wanted) for slots in (self.inference_slots, self.pool_slots)}
+
+    def restore_fleet(self, wanted: dict[str, int]) -> None:
+        """After a resume: the fleet a checkpoint recorded (:meth:`fleet_wanted`), so that an
+        operator's ``rlpost scale`` outlives a restart; a count the resumed config's ranges no
+        longer allow is left at the config's, and the log says so."""
+        from rlpost.control import check_scale_request
+
+        bounds, request = self.cfg.rollout.scale_bounds(), {}
+        for key, count in wanted.items():
+            try:
+                check_scale_request(bounds, {key: count})
+            except ValueError as exc:
+                log.warning("resume: the checkpoint's fleet %s=%d is not restored (%s)", key, count, exc)
+                continue
+            request[key] = count
+        if request:
+            self.resize(request)
+
+    def _resize_slots(self, slots: Slots, count: int) -> None:
+        """Open or close ``slots`` until the fleet has ``count``: vacant ones close first, then
+        the highest; the serving actors of closed slots are retired by the caller."""
+        if count != len(slots.wanted):
+            log.warning("scaling the %s fleet from %d to %d", slots.prefix, len(slots.wanted), count)
+        self._open_slots(slots, count)
+        while len(slots.wanted) > count:
+            vacant = sorted(set(slots.vacant) & slots.wanted)
+            slot = vacant[-1] if vacant else max(slots.wanted)
+            slots.wanted.discard(slot)
+            slots.fresh.discard(slot)
+            if slots.vacant.pop(slot, None) is not None:
+                self.starter.close_slot(slots.name(slot))
+
+    def _open_slots(self, slots: Slots, count: int) -> None:
+        """Open the lowest unused slots until there are ``count``; each is vacant until it has
+        room and its actor starts (:meth:`recover`)."""
         slot = 0
-        while len(self.slots) < workers:
-            if slot not in self.slots:
-                self.starter.open_slot(slot)
-                self.slots.add(slot)
-                self.fresh.add(slot)
-                self.vacant[slot] = time.monotonic()
+        while len(slots.wanted) < count:
+            if slot not in slots.wanted:
+                self.starter.open_slot(slots.name(slot))
+                slots.wanted.add(slot)
+                slots.fresh.add(slot)
+                slots.vacant[slot] = time.monotonic()
             slot += 1
 
-    def _retire_closed(self) -> None:
+    def _retire_workers(self) -> None:
         """Stop the serving workers whose slots closed, after the pools stopped using them and
-        they finished their requests; the bus then re-forms without them."""
-        leaving = [w for w in self.actors.inference if _slot(w.name) not in self.slots]
+        they finished their requests (``DRAIN_TIMEOUT_S``; the rest are re-issued to the others);
+        the bus then re-forms without them."""
+        leaving = [w for w in self.actors.inference if slot_of(w.name) not in self.inference_slots.wanted]
         if not leaving:
             return
         staying = [w for w in self.actors.inference if w not in leaving]
@@ -578,10 +647,26 @@ class Supervisor:
                                 "other workers", worker.name, DRAIN_TIMEOUT_S)  # fmt: skip
             except ActorFailure as exc:  # gone already: its requests were re-issued
                 log.warning("%s was lost while leaving the fleet (%s)", worker.name, first_line(exc))
-            self.starter.close_slot(_slot(worker.name))
+            self.starter.close_slot(worker.name)
             worker.kill()
         self.actors.inference = staying
         self._reform_bus()
+
+    def _retire_pools(self) -> None:
+        """Stop the serving env pools whose slots closed: each stops after its current batch
+        (``POOL_STOP_TIMEOUT_S``; what it had not put yet is collected again when its shard serves
+        again, from its last put's position), then its actor goes. In sync mode the other pools
+        collect what was left of its share of the step."""
+        leaving = [p for p in self.actors.env_pools if slot_of(p.name) not in self.pool_slots.wanted]
+        for pool in leaving:
+            try:
+                pool.stop(timeout_s=POOL_STOP_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 (lost, failed or slow: its last put's position stands)
+                log.warning("%s did not stop cleanly while leaving the fleet (%s)", pool.name, first_line(exc))
+            self.starter.close_slot(pool.name)
+            pool.kill()
+            self._fence_pool(slot_of(pool.name))
+            self.actors.env_pools = [p for p in self.actors.env_pools if p is not pool]
 
     # ------------------------------------------------------------------ recovery
 
@@ -598,18 +683,23 @@ class Supervisor:
         dead = [w for w in self.actors.inference if not self._alive(w, lost)]
         for worker in dead:
             self._replace_inference(worker)
-        placed = [slot for slot in self.vacant if self.starter.has_room(f"inference-{slot}")]
+        placed = self._placed(self.inference_slots)
         for slot in placed:
             self._refill(slot)
         if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
             self._restart_reference()
-        for j, pool in enumerate(self.actors.env_pools):
-            if not self._alive(pool, lost):
-                self._restart_pool(j)
+        for pool in [p for p in self.actors.env_pools if not self._alive(p, lost)]:
+            self._replace_pool(pool)
+        for slot in self._placed(self.pool_slots):
+            self._refill_pool(slot)
         if self.collecting:
             self._replace_failed_pools()
+
+    def _placed(self, slots: Slots) -> list[int]:
+        """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
+        return [slot for slot in sorted(slots.vacant) if self.starter.has_room(slots.name(slot))]
 
     def _alive(self, client: Any, lost: set[str]) -> bool:
         """False for the actors a failure named or that cannot be reached (killed to be sure: a
@@ -649,41 +739,49 @@ class Supervisor:
     def _replace_inference(self, lost: InferenceClient) -> None:
         """Start a dead worker again in its slot; with no room for it in the cluster (within
         ``resources.replacement_wait_s``) and another worker serving, leave its slot vacant."""
-        slot = _slot(lost.name)
+        slot = slot_of(lost.name)
         lost.kill()
         others = [w for w in self.actors.inference if w is not lost]
         if others and not self._wait_for_room(lost.name):
             self.actors.inference = others
-            self.vacant[slot] = time.monotonic()
-            log.warning(
-                "%s died and the cluster has no room for it: going on with %d of %d inference workers; it "
-                "starts again once its bundle is placed (a node added or replaced)",
-                lost.name, len(others), len(self.slots),
-            )  # fmt: skip
+            self._leave_vacant(self.inference_slots, slot, len(others), "inference workers")
             return
         log.warning("%s died; starting it again", lost.name)
         self._start_inference(slot)
 
-    def _refill(self, slot: int) -> None:
-        """A vacant slot whose bundle is placed (again): its worker starts and joins."""
-        waited = time.monotonic() - self.vacant.pop(slot)
-        if slot in self.fresh:
-            log.warning("the cluster has room for inference-%d (a new slot, %.0f s); starting it", slot, waited)
+    def _leave_vacant(self, slots: Slots, slot: int, serving: int, what: str) -> None:
+        """A lost actor's slot without room in the cluster: vacant until its bundle is placed."""
+        slots.vacant[slot] = time.monotonic()
+        log.warning(
+            "%s died and the cluster has no room for it: going on with %d of %d %s; it starts again once its "
+            "bundle is placed (a node added or replaced)",
+            slots.name(slot), serving, len(slots.wanted), what,
+        )  # fmt: skip
+
+    def _take_vacant(self, slots: Slots, slot: int) -> None:
+        """A vacant slot whose bundle is placed (again): say so; its actor starts next."""
+        waited = time.monotonic() - slots.vacant.pop(slot)
+        if slot in slots.fresh:
+            log.warning("the cluster has room for %s (a new slot, %.0f s); starting it", slots.name(slot), waited)
         else:
-            log.warning("the cluster has room for inference-%d again (vacant %.0f s); starting it", slot, waited)
+            log.warning("the cluster has room for %s again (vacant %.0f s); starting it", slots.name(slot), waited)
+
+    def _refill(self, slot: int) -> None:
+        """A vacant inference slot whose bundle is placed (again): its worker starts and joins."""
+        self._take_vacant(self.inference_slots, slot)
         self._start_inference(slot)
 
     def _start_inference(self, slot: int) -> None:
         """Start ``inference-<slot>`` (a replacement, or the first worker of a new slot)."""
         name = f"inference-{slot}"
-        if slot not in self.fresh:
+        if slot not in self.inference_slots.fresh:
             self.restarted_at[name] = time.monotonic()
         worker = self.starter.inference(slot)
         worker.wait_ready(STARTUP_TIMEOUT_S)
         workers = [w for w in self.actors.inference if w.name != name] + [worker]
-        self.actors.inference = sorted(workers, key=lambda w: _slot(w.name))
-        if slot in self.fresh:
-            self.fresh.discard(slot)
+        self.actors.inference = sorted(workers, key=lambda w: slot_of(w.name))
+        if slot in self.inference_slots.fresh:
+            self.inference_slots.fresh.discard(slot)
         else:
             self.counts["restarts_inference"] += 1
 
@@ -698,13 +796,11 @@ class Supervisor:
         return True
 
     def fleet_sizes(self) -> dict[str, int]:
-        """The serving workers, the vacant slots and the slots the fleet has (metrics.jsonl, each
-        line; the run's mailbox)."""
-        return {
-            "inference_workers": len(self.actors.inference),
-            "inference_workers_vacant": len(self.vacant),
-            "inference_workers_target": len(self.slots),
-        }
+        """For each fleet the serving actors, the vacant slots and the slots it has (metrics.jsonl,
+        each line; the run's mailbox): ``inference_workers``, ``inference_workers_vacant``,
+        ``inference_workers_target``, ``env_pools``, ``env_pools_vacant``, ``env_pools_target``."""
+        workers, pools = len(self.actors.inference), len(self.actors.env_pools)
+        return self.inference_slots.sizes(workers) | self.pool_slots.sizes(pools)
 
     def _reform_bus(self) -> None:
         """Open the bus's next generation with every worker, publish the current weights, and
@@ -729,48 +825,80 @@ class Supervisor:
         self.counts["restarts_reference"] += 1
         _replaced("reference", start)
 
-    def _restart_pool(self, j: int) -> None:
-        """A new ``env-pool-<j>`` (next epoch) from the position of its predecessor's last put."""
-        name = f"env-pool-{j}"
+    def _replace_pool(self, lost: EnvPoolClient) -> None:
+        """Start a dead env pool again in its slot; with no room for it in the cluster (within
+        ``resources.replacement_wait_s``) and another pool serving, leave its slot vacant (its
+        shard's prompts wait at its last put's position)."""
+        slot = slot_of(lost.name)
+        lost.kill()
+        others = [p for p in self.actors.env_pools if p is not lost]
+        if others and not self._wait_for_room(lost.name):
+            self.actors.env_pools = others
+            self._fence_pool(slot)
+            self._leave_vacant(self.pool_slots, slot, len(others), "env pools")
+            return
+        self._start_pool(slot)
+
+    def _fence_pool(self, slot: int) -> None:
+        """``env-pool-<slot>`` is gone and no pool replaces it now: the buffer refuses a put its
+        last incarnation left in flight and frees the room that one held for its next batch (which
+        the serving pools need for the shares they take over)."""
+        self.epochs[slot] += 1
+        self.actors.buffer.fence(f"env-pool-{slot}", self.epochs[slot])
+
+    def _refill_pool(self, slot: int) -> None:
+        """A vacant env-pool slot whose bundle is placed (again): its pool starts."""
+        self._take_vacant(self.pool_slots, slot)
+        self._start_pool(slot)
+
+    def _start_pool(self, slot: int) -> None:
+        """Start ``env-pool-<slot>`` (a replacement, or the first pool of a new slot) with a new
+        epoch from the position of its predecessor's last put (none: its shard's start)."""
+        name = f"env-pool-{slot}"
         start = time.monotonic()
-        self.actors.env_pools[j].kill()
-        self.epochs[j] += 1
-        pool = self.starter.env_pool(j, self.actors.inference, self.actors.buffer, epoch=self.epochs[j])
-        state = self.actors.buffer.fence(name, self.epochs[j])
+        for old in [p for p in self.actors.env_pools if p.name == name]:
+            old.kill()
+        self.epochs[slot] += 1
+        pool = self.starter.env_pool(slot, self.actors.inference, self.actors.buffer, epoch=self.epochs[slot])
+        state = self.actors.buffer.fence(name, self.epochs[slot])
         if state is None and self.ledger.acknowledged.get(name):
             raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
         if state is not None:
             pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
         if self.collecting:
             pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
-        log.warning(
-            "%s started again (epoch %d) from its last put: %s prompts collected",
-            name,
-            self.epochs[j],
-            state["num_prompts_collected"] if state else 0,
-        )
-        self.actors.env_pools[j] = pool
+        pools = [p for p in self.actors.env_pools if p.name != name] + [pool]
+        self.actors.env_pools = sorted(pools, key=lambda p: slot_of(p.name))
+        collected = state["num_prompts_collected"] if state else 0
+        if slot in self.pool_slots.fresh:
+            self.pool_slots.fresh.discard(slot)
+            log.warning("%s started (a new slot, epoch %d): %d prompts of its shard collected", name,
+                        self.epochs[slot], collected)  # fmt: skip
+            return
+        log.warning("%s started again (epoch %d) from its last put: %s prompts collected", name, self.epochs[slot],
+                    collected)  # fmt: skip
         self.counts["restarts_env_pool"] += 1
         _replaced(name, start)
 
     def _replace_failed_pools(self) -> None:
         """Async mode: a pool whose collection ended with an error is replaced (its error is
         logged); one that fails this way MAX_POOL_FAILURES times stops the run with it."""
-        for j, pool in enumerate(self.actors.env_pools):
+        for pool in list(self.actors.env_pools):
+            slot = slot_of(pool.name)
             try:
                 ended = pool.wait(0.0)
             except ActorFailure:
                 raise
             except Exception as exc:
-                self.pool_failures[j] += 1
-                if self.pool_failures[j] >= MAX_POOL_FAILURES:
+                self.pool_failures[slot] += 1
+                if self.pool_failures[slot] >= MAX_POOL_FAILURES:
                     raise
-                log.warning("env-pool-%d stopped collecting (%s); replacing it", j, first_line(exc))
-                self._restart_pool(j)
+                log.warning("%s stopped collecting (%s); replacing it", pool.name, first_line(exc))
+                self._start_pool(slot)
                 continue
             if ended:
-                log.warning("env-pool-%d stopped collecting; replacing it", j)
-                self._restart_pool(j)
+                log.warning("%s stopped collecting; replacing it", pool.name)
+                self._start_pool(slot)
 
     # ------------------------------------------------------------------ the weight bus
 

@@ -80,8 +80,9 @@ class EnvPool(LLMCollector):
 
     Args:
         cfg: the env pool's sections of the job config (``EnvPoolSettings.from_job(job_config)``).
-        pool_index: this pool's index; it takes shard ``pool_index`` of
-            ``rollout.num_env_pools``, so prompt ids never collide across pools.
+        pool_index: this pool's index; it takes shard ``pool_index`` of the prompt stream's
+            ``rollout.env_pool_shards()`` (``max_env_pools``, else ``num_env_pools``), so
+            prompt ids never collide across pools, whichever of them run.
         engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
             ``last_policy_version``).
         buffer: where the background run puts groups (a LocalBuffer or a RayBuffer; a
@@ -111,16 +112,18 @@ class EnvPool(LLMCollector):
         epoch: int = 0,
         report_metrics: bool = False,
     ) -> None:
-        num_pools = cfg.rollout.num_env_pools
-        if not 0 <= pool_index < num_pools:
-            raise ValueError(f"pool_index must be in [0, rollout.num_env_pools={num_pools}), got {pool_index}")
+        num_shards = cfg.rollout.env_pool_shards()
+        if not 0 <= pool_index < num_shards:
+            raise ValueError(f"pool_index must be in [0, {num_shards}) (the env pools' shards), got {pool_index}")
         self.cfg, self.pool_index, self.name, self.epoch = cfg, pool_index, f"env-pool-{pool_index}", epoch
-        self.groups_per_batch = max(1, cfg.trainer.prompts_per_step // num_pools)
+        # a batch is a pool's share of a step with the pools the run starts with (fewer pools
+        # collect more batches a step, each as large)
+        self.groups_per_batch = max(1, cfg.trainer.prompts_per_step // cfg.rollout.num_env_pools)
         tokenizer = with_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg), cfg)
         group_size, rollout = cfg.data.group_size, cfg.rollout
         env = make_env(
             cfg, tokenizer, self.groups_per_batch * group_size, input_mode=input_mode,
-            num_shards=num_pools, shard_index=pool_index,
+            num_shards=num_shards, shard_index=pool_index,
         )  # fmt: skip
         sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
         policy = vLLMWrapper(engine_client, tokenizer=tokenizer, input_mode=input_mode, generate_kwargs=sampling,
@@ -280,18 +283,20 @@ class EnvPool(LLMCollector):
         version tracker."""
         return {
             "pool_index": self.pool_index,
-            "num_env_pools": self.cfg.rollout.num_env_pools,
+            "num_shards": self.cfg.rollout.env_pool_shards(),
             "num_prompts_collected": self.num_prompts_collected,
             "num_groups_put": self.writer.num_groups_put if self.writer is not None else 0,
             "collector": super().state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = (state["pool_index"], state["num_env_pools"])
-        if saved != (self.pool_index, self.cfg.rollout.num_env_pools):
+        # "num_env_pools": the key of checkpoints written before the shards could outnumber the pools
+        saved = (state["pool_index"], state.get("num_shards", state.get("num_env_pools")))
+        shards = self.cfg.rollout.env_pool_shards()
+        if saved != (self.pool_index, shards):
             raise ValueError(
-                f"env pool state of pool {saved[0]} of {saved[1]} cannot resume pool {self.pool_index} "
-                f"of {self.cfg.rollout.num_env_pools} (rollout.num_env_pools changed?)"
+                f"env pool state of shard {saved[0]} of {saved[1]} cannot resume shard {self.pool_index} of {shards} "
+                "(rollout.num_env_pools / max_env_pools changed? the prompt stream's shards are fixed for a run)"
             )
         super().load_state_dict(state["collector"])
         self.num_prompts_collected = int(state.get("num_prompts_collected", 0))

@@ -1,12 +1,15 @@
 """`rlpost scale` on a running job: the fleet grows and shrinks while it trains.
 
-A sync run on the tiny model with `rollout.num_inference_workers: 1..2` starts one worker and
-grows to two by itself (the machine has room for the second). An operator then asks for one
-(`rlpost scale RUN_DIR inference=1 --wait`): the second worker finishes its requests, stops,
-and the bus re-forms without it; a request outside the range exits 2 and changes nothing;
-`rlpost status RUN_DIR` shows the fleet; the operator asks for two again, and a new worker
-loads the current weights and joins. Every metrics line keeps the accounting, and the run stops
-on SIGTERM as an operator would stop it.
+A sync run on the tiny model with `rollout.num_inference_workers: 1..2` and
+`rollout.num_env_pools: 1..2` starts one worker and one pool and grows to two of each by itself
+(the machine has room for the second). An operator then asks for one of each (`rlpost scale
+RUN_DIR inference=1 env_pools=1 --wait`): the second worker finishes its requests, stops, and
+the bus re-forms without it; the second pool stops after its batch and leaves, and the first
+collects each step's prompts alone; a request outside the range exits 2 and changes nothing;
+`rlpost status RUN_DIR` shows the fleet; the operator asks for two of each again, and a new
+worker loads the current weights and joins, a new pool takes up its shard where it stopped.
+Every metrics line keeps the accounting, every step trains its prompts, and the run stops on
+SIGTERM as an operator would stop it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def test_an_operator_shrinks_and_grows_the_inference_fleet_of_a_running_job(tmp_
     log = tmp_path / "run.log"
     args = [
         sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
-        "trainer.steps=2000", "trainer.prompts_per_step=4", "rollout.num_inference_workers=1..2", "eval.interval=0",
+        "trainer.steps=2000", "trainer.prompts_per_step=4", "rollout.num_inference_workers=1..2",
+        "rollout.num_env_pools=1..2", "eval.interval=0",
         "logging.progress=false", f"logging.run_dir={tmp_path}", "logging.run_name=scaled",
     ]  # fmt: skip
     with log.open("w") as out:
@@ -62,25 +66,31 @@ def test_an_operator_shrinks_and_grows_the_inference_fleet_of_a_running_job(tmp_
 
     try:
         first = wait_for("a first step", lambda row: True)[0]
-        assert first["inference_workers_target"] == 2  # the range's top; it started with its minimum
-        wait_for("the second worker", lambda row: row["inference_workers"] == 2)
-        assert "the cluster has room for inference-1 (a new slot" in log.read_text()
+        # the ranges' tops; it started with their minimums
+        assert (first["inference_workers_target"], first["env_pools_target"]) == (2, 2)
+        wait_for("the second worker and pool", lambda row: (row["inference_workers"], row["env_pools"]) == (2, 2))
+        text = log.read_text()
+        assert "the cluster has room for inference-1 (a new slot" in text and "env-pool-1 started (a new slot" in text
 
-        out = rlpost("scale", str(run_dir), "inference=1", "--wait", "180")
+        out = rlpost("scale", str(run_dir), "inference=1", "env_pools=1", "--wait", "180")
         assert out.returncode == 0, out.stdout + out.stderr
-        assert "asked for 1 inference workers" in out.stdout and "1 serving of 1 wanted" in out.stdout
-        wait_for(
-            "a step with one worker", lambda row: (row["inference_workers"], row["inference_workers_target"]) == (1, 1)
-        )
+        assert "asked for 1 inference workers and 1 env pools" in out.stdout, out.stdout
+        assert "inference workers: 1 serving of 1 wanted; env pools: 1 serving of 1 wanted" in out.stdout, out.stdout
+        wait_for("a step with one worker and one pool",
+                 lambda row: (row["inference_workers"], row["inference_workers_target"], row["env_pools"]) == (1, 1, 1))  # fmt: skip
 
         refused = rlpost("scale", str(run_dir), "inference=3")
         assert refused.returncode == 2 and "outside the run's range 1..2" in refused.stderr, refused.stderr
+        refused = rlpost("scale", str(run_dir), "env_pools=3")
+        assert refused.returncode == 2 and "env_pools=3 is outside the run's range 1..2" in refused.stderr
         status = rlpost("status", str(run_dir))
         assert status.returncode == 0 and "inference workers: 1 serving of 1 wanted" in status.stdout, status.stdout
+        assert "env pools: 1 serving of 1 wanted" in status.stdout, status.stdout
 
-        out = rlpost("scale", str(run_dir), "inference=2", "--wait", "240")
+        out = rlpost("scale", str(run_dir), "inference=2", "env_pools=2", "--wait", "240")
         assert out.returncode == 0, out.stdout + out.stderr
-        rows = wait_for("a step with two workers again", lambda row: row["inference_workers"] == 2)
+        rows = wait_for("a step with two workers and pools again",
+                        lambda row: (row["inference_workers"], row["env_pools"]) == (2, 2))  # fmt: skip
         steps_at_two = rows[-1]["step"]
         rows = wait_for("two more steps", lambda row: row["step"] >= steps_at_two + 2)
     finally:
@@ -93,8 +103,9 @@ def test_an_operator_shrinks_and_grows_the_inference_fleet_of_a_running_job(tmp_
         assert row["groups_put"] == row["groups_trained"] + row["groups_dropped_stale"] + row["groups_in_buffer"], row
     assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
     assert all(row["staleness_mean"] == 0.0 for row in rows)  # sync mode stays on-policy through the changes
-    assert rows[-1]["restarts_inference"] == 0  # scaling is not a failure
+    # every step trained its 4 prompts, with one pool or two
+    assert all(row["groups_trained"] == 4 * row["step"] for row in rows if not row.get("stopped")), rows
+    assert rows[-1]["restarts_inference"] == rows[-1]["restarts_env_pool"] == 0  # scaling is not a failure
     text = log.read_text()
-    assert (
-        "scaling the inference fleet from 2 to 1 workers" in text and "scaling the inference fleet from 1 to 2" in text
-    )
+    for fleet in ("inference", "env-pool"):
+        assert f"scaling the {fleet} fleet from 2 to 1" in text and f"scaling the {fleet} fleet from 1 to 2" in text

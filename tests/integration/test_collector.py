@@ -322,8 +322,24 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     resumed.load_state_dict(state)
     assert [g.prompt_id for g in resumed.collect()] == expected
     assert resumed.num_prompts_collected == pool.num_prompts_collected == 8
-    with pytest.raises(ValueError, match="cannot resume pool"):
+    with pytest.raises(ValueError, match="cannot resume shard 0 of 2"):
         EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
+
+
+def test_env_pools_of_a_range_split_the_prompts_into_its_top_shards(engine, tiny_tokenizer):
+    """rollout.num_env_pools: 1..2: the prompt stream has two shards from the start, so the pool
+    the run starts beyond num_env_pools (env-pool-1) takes the positions env-pool-0 never does;
+    a batch is a step's share with the one pool the run starts with."""
+    cfg = make_cfg(rollout={"num_env_pools": "1..2"})
+    assert (cfg.rollout.num_env_pools, cfg.rollout.max_env_pools, cfg.rollout.env_pool_shards()) == (1, 2, 2)
+    client = RecordingClient(engine)
+    first, second = (EnvPool(cfg, j, client, None, tokenizer=tiny_tokenizer) for j in (0, 1))
+    assert first.groups_per_batch == second.groups_per_batch == cfg.trainer.prompts_per_step
+    ids = [[g.prompt_id for g in pool.collect(2)] for pool in (first, second)]
+    assert all(p % 2 == 0 for p in ids[0]) and all(p % 2 == 1 for p in ids[1])
+    assert second.state_dict()["num_shards"] == 2
+    with pytest.raises(ValueError, match=r"must be in \[0, 2\)"):
+        EnvPool(cfg, 2, client, None, tokenizer=tiny_tokenizer)
 
 
 def test_env_pool_background_run_stops(engine, tiny_tokenizer):

@@ -61,22 +61,43 @@ def test_a_bad_range_names_the_key(value, message):
 def test_a_top_below_the_start_is_refused():
     with pytest.raises(ConfigError, match=r"max_inference_workers \(1\) is below num_inference_workers \(2\)"):
         load_config("configs/tiny-cpu.yaml", ["rollout.num_inference_workers=2", "rollout.max_inference_workers=1"])
+    with pytest.raises(ConfigError, match=r"max_env_pools \(1\) is below num_env_pools \(2\)"):
+        load_config("configs/tiny-cpu.yaml", ["rollout.num_env_pools=2", "rollout.max_env_pools=1"])
+    with pytest.raises(ConfigError, match=r"num_env_pools: the range '3\.\.1' needs 1 <= A <= B"):
+        load_config("configs/tiny-cpu.yaml", ["rollout.num_env_pools=3..1"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pools", "bounds"),
+    [
+        (["rollout.num_env_pools=1..4", "trainer.prompts_per_step=4"], (1, 4, 4), (1, 4)),
+        (["rollout.num_env_pools=2", "trainer.prompts_per_step=4"], (2, None, 2), (1, 2)),
+        ([], (1, None, 1), (1, 1)),
+    ],
+)
+def test_env_pools_have_a_range_and_as_many_prompt_shards_as_its_top(overrides, pools, bounds):
+    """The prompt stream's shards are the most env pools the run may have; scaling goes from the
+    range's start (else one) up to them."""
+    roll = load_config("configs/tiny-cpu.yaml", overrides).rollout
+    assert (roll.num_env_pools, roll.max_env_pools, roll.env_pool_shards()) == pools
+    assert roll.scale_bounds()["env_pools"] == bounds
 
 
 @pytest.mark.parametrize(
     ("words", "error"),
     [
-        (["inference=3"], None),
-        (["inference=x"], "a whole number of workers"),
-        (["inference"], "give inference=N"),
+        (["inference=3"], {"inference": 3}),
+        (["inference=2", "env_pools=3"], {"inference": 2, "env_pools": 3}),
+        (["env_pools=1"], {"env_pools": 1}),
+        (["inference=x"], "a whole number"),
+        (["inference"], "give inference=N and/or env_pools=M"),
         (["learner=2"], "give inference=N"),
         ([], "nothing to change"),
-        (["inference=2", "env_pools=2"], "env pools are not resized"),
     ],
 )
 def test_the_request_words(words, error):
-    if error is None:
-        assert parse_scale_request(words) == 3
+    if isinstance(error, dict):
+        assert parse_scale_request(words) == error
     else:
         with pytest.raises(ValueError, match=error):
             parse_scale_request(words)
@@ -87,9 +108,14 @@ def test_the_fleet_in_words():
     assert describe_fleet({"inference_workers": 2, "inference_workers_target": 3, "inference_workers_vacant": 1}) == (
         "2 serving of 3 wanted, 1 waiting for room in the cluster"
     )
-    reached = {"requested": None, "inference_workers": 2, "inference_workers_target": 2}
-    assert fleet_reached(reached, 2) and not fleet_reached({**reached, "requested": 3}, 2)
-    assert not fleet_reached({**reached, "inference_workers": 1}, 2)
+    pools = {"env_pools": 1, "env_pools_target": 2, "env_pools_vacant": 1}
+    assert describe_fleet(pools, "env_pools") == "1 serving of 2 wanted, 1 waiting for room in the cluster"
+    reached = {"requested": None, "inference_workers": 2, "inference_workers_target": 2, "env_pools": 1,
+               "env_pools_target": 1}  # fmt: skip
+    assert fleet_reached(reached, {"inference": 2}) and fleet_reached(reached, {"inference": 2, "env_pools": 1})
+    assert not fleet_reached({**reached, "requested": {"inference": 3}}, {"inference": 2})
+    assert not fleet_reached({**reached, "inference_workers": 1}, {"inference": 2})
+    assert not fleet_reached(reached, {"env_pools": 2})
 
 
 def test_a_submitted_job_is_scaled_by_a_short_job_beside_it_in_its_environment():
@@ -132,7 +158,6 @@ def test_bad_requests_exit_2_naming_the_problem(tmp_path):
     cases = [
         ([str(tmp_path / "none"), "inference=2"], "not a run directory"),
         ([str(run_dir), "inference=0"], "at least one inference worker"),
-        ([str(run_dir), "env_pools=2"], "env pools are not resized"),
         ([str(run_dir), "inference=2"], "the run never started (no ray_address file)"),
     ]
     for args, message in cases:
@@ -141,6 +166,8 @@ def test_bad_requests_exit_2_naming_the_problem(tmp_path):
     (run_dir / "ray_address").write_text(f"127.0.0.1:{_closed_port()}\n")
     out = run_cli("scale", str(run_dir), "inference=3")  # outside the range: refused before connecting
     assert out.returncode == 2 and "outside the run's range 1..2" in out.stderr, out.stderr
+    out = run_cli("scale", str(run_dir), "env_pools=2")  # one pool, one shard of the prompts
+    assert out.returncode == 2 and "env_pools=2 is outside the run's range 1..1" in out.stderr, out.stderr
     out = run_cli("scale", str(run_dir), "inference=2")
     assert out.returncode == 2 and "does not answer: the run is not running" in out.stderr, out.stderr
 
@@ -155,7 +182,8 @@ def test_status_of_a_run_directory_shows_its_last_step_and_fleet(tmp_path):
         {"step": 1, "reward_mean": 0.25, "elapsed_s": 3.0, "inference_workers": 2, "inference_workers_target": 2,
          "inference_workers_vacant": 0, "restarts_inference": 0, "bus_reforms": 0},
         {"step": 2, "reward_mean": 0.5, "elapsed_s": 7.4, "inference_workers": 1, "inference_workers_target": 2,
-         "inference_workers_vacant": 1, "restarts_inference": 1, "bus_reforms": 2, "stopped": True},
+         "inference_workers_vacant": 1, "restarts_inference": 1, "bus_reforms": 2, "stopped": True,
+         "env_pools": 1, "env_pools_target": 2, "env_pools_vacant": 0},
     ]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = run_cli("status", str(run_dir))
@@ -163,6 +191,7 @@ def test_status_of_a_run_directory_shows_its_last_step_and_fleet(tmp_path):
     assert out.stdout.splitlines() == [
         f"{run_dir}: stopped 2, reward 0.500, elapsed 7 s",
         "  inference workers: 1 serving of 2 wanted, 1 waiting for room in the cluster",
+        "  env pools: 1 serving of 2 wanted",
         "  restarts: inference 1, bus_reforms 2",
     ]
     out = run_cli("status", str(tmp_path))

@@ -36,7 +36,7 @@ class World:
         self.log: list[tuple[str, str]] = []  # (actor, method) of every call, in order
         self.no_room: set[str] = set()  # actors whose bundle the cluster cannot place ...
         self.room_back_at: int | None = None  # ... until this call (None: never)
-        self.requests: dict[int, int] = {}  # the mailbox's k-th exchange -> inference workers asked for
+        self.requests: dict[int, dict] = {}  # the mailbox's k-th exchange -> the scale request it hands over
 
     def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
@@ -149,7 +149,7 @@ class FakeControl(Stand):
         self.world.enter(self, "exchange")
         self.exchanges += 1
         self.reported.append(sizes)
-        return self.requests.pop(self.exchanges, None)
+        return self.requests.pop(self.exchanges, {})
 
 
 class FakeReference(Stand):
@@ -277,6 +277,17 @@ class FakePool(Stand):
         return self.world.served_version
 
     def _batch(self, n):
+        try:  # room for the batch first, as EnvPool's writer reserves it before generating
+            room = self.buffer.reserve(n, 0.0, self.name)
+        except ActorLost:
+            self.blocked = True  # EnvPool waits for set_buffer here
+            return
+        if not room:
+            if self.forever:
+                return  # async: it waits for the learner to take
+            raise RuntimeError(f"{self.name}: no room in the buffer for its share (a dead pool's reservation?)")
+        if self.dead:  # killed while generating: its reservation stays until a put or a fence
+            return
         groups = []
         for i in range(n):
             self.num_groups_put += 1
@@ -352,13 +363,13 @@ class Starter:
     def inference(self, index):
         return FakeInference(self.world, index)
 
-    def open_slot(self, index):
-        self.world.log.append((f"inference-{index}", "open_slot"))
+    def open_slot(self, name):
+        self.world.log.append((name, "open_slot"))
 
-    def close_slot(self, index):
-        self.world.log.append((f"inference-{index}", "close_slot"))
-        if f"inference-{index}" in self.world.actors:
-            self.world.actors[f"inference-{index}"].dead = True
+    def close_slot(self, name):
+        self.world.log.append((name, "close_slot"))
+        if name.startswith("inference-") and name in self.world.actors:  # the fleet stops its replica
+            self.world.actors[name].dead = True
 
     def control(self):
         return FakeControl(self.world, self.world.requests)
@@ -375,8 +386,8 @@ class Starter:
 
     def start_all(self):
         buffer = self.buffer()
-        inference = [self.inference(i) for i in range(2)]
-        pools = [self.env_pool(j, inference, buffer) for j in range(2)]
+        inference = [self.inference(i) for i in range(self.cfg.rollout.num_inference_workers)]
+        pools = [self.env_pool(j, inference, buffer) for j in range(self.cfg.rollout.num_env_pools)]
         learner = FakeLearner(self.world)
         learner.workers = list(inference)  # connect_bus
         control = self.control() if self.world.requests else None
@@ -389,7 +400,6 @@ def make_cfg(mode, extra=()):
     return load_config(
         "configs/tiny-cpu.yaml",
         [
-            *extra,
             f"trainer.mode={mode}",
             "trainer.steps=3",
             "trainer.prompts_per_step=4",
@@ -401,6 +411,7 @@ def make_cfg(mode, extra=()):
             "logging.run_name=stand-ins",
             "logging.trackers=[]",
             "eval.interval=0",
+            *extra,
         ],
     )
 
@@ -414,6 +425,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
+    monkeypatch.setattr(ctl, "COLLECT_TIMEOUT_S", 10.0)  # a stand-in run never waits long: a hang fails fast
     world = World(kill_at, victim)
     world.no_room, world.room_back_at = set(no_room), room_back_at
     world.requests = dict(requests or {})
@@ -609,7 +621,7 @@ def test_an_operator_grows_then_shrinks_the_fleet_while_it_trains(tmp_path, monk
     """Requests through the run's mailbox: 3 workers (a new one starts and joins), then 1 (the
     two highest leave: the pools stop using them, they finish their requests, their slots close
     and the bus re-forms with inference-0 alone). Nothing is lost or trained twice."""
-    world, rows = run_world(tmp_path, monkeypatch, mode, requests={1: 3, 3: 1})
+    world, rows = run_world(tmp_path, monkeypatch, mode, requests={1: {"inference": 3}, 3: {"inference": 1}})
     check_run(world, rows, mode)
     control = world.actors["control"]
     assert control.exchanges >= 3 and control.requests == {}  # both requests were taken
@@ -626,24 +638,143 @@ def test_an_operator_grows_then_shrinks_the_fleet_while_it_trains(tmp_path, monk
     assert any(name.startswith("env-pool") and method == "set_inference" for name, method in log[:first_drain])
 
 
+def check_shards(world, rows, mode, prompts=12):
+    """Every shard's prompts trained once and in order from its start (none skipped while its
+    pool was away); in sync mode the step's prompts all trained, whichever pools collected them."""
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["groups_put"] == r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"], r
+    assert len(world.trained) == len(set(world.trained)), "a group was trained twice"
+    if mode == "sync":
+        assert len(world.trained) == prompts and all(r["staleness_mean"] == 0.0 for r in rows)
+        for producer in {p for p, _ in world.trained}:
+            positions = sorted(pos for p, pos in world.trained if p == producer)
+            assert positions == list(range(len(positions))), (producer, positions)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_pool_lost_without_room_leaves_the_fleet_until_room_returns(tmp_path, monkeypatch, mode):
+    """A node's loss takes env-pool-1 and no node can hold it: the run goes on with env-pool-0,
+    which collects each step's prompts alone (its shard's positions, none repeated), and
+    env-pool-1 starts again from its last put once the cluster places its bundle."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    kill_at = clean.calls // 3
+    extra = ["resources.replacement_wait_s=0"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim="env-pool-1", extra=extra,
+                            no_room=["env-pool-1"])  # fmt: skip
+    check_shards(world, rows, mode)
+    last = rows[-1]
+    assert (last["env_pools"], last["env_pools_vacant"], last["env_pools_target"]) == (1, 1, 2)
+    assert last["restarts_env_pool"] == 0
+    if mode == "sync":  # env-pool-0 collected what env-pool-1 could not
+        assert sum(p == "env-pool-0" for p, _ in world.trained) > 6
+
+    back = kill_at + (clean.calls - kill_at) // 2
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim="env-pool-1", extra=extra,
+                            no_room=["env-pool-1"], room_back_at=back)  # fmt: skip
+    check_shards(world, rows, mode)
+    assert 1 in [r["env_pools"] for r in rows[:-1]]  # a step trained with one pool serving
+    assert (rows[-1]["env_pools"], rows[-1]["env_pools_vacant"]) == (2, 0)
+    assert rows[-1]["restarts_env_pool"] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_pool_lost_without_room_at_any_call_leaves_its_shard_whole(tmp_path, monkeypatch, mode):
+    """env-pool-1 lost for good (no room) at every call of a clean run: the other pool collects
+    every step whatever the lost one held (a reservation of room in the buffer, a share begun),
+    and no prompt of either shard is trained twice or skipped."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    extra = ["resources.replacement_wait_s=0"]
+    for k in range(1, clean.calls + 1):
+        world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim="env-pool-1", extra=extra,
+                                no_room=["env-pool-1"])  # fmt: skip
+        check_shards(world, rows, mode)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_last_pool_waits_for_room_rather_than_leave_no_pool(tmp_path, monkeypatch, mode):
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    extra = ["resources.replacement_wait_s=0"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=clean.calls // 3, victim=("env-pool-0", "env-pool-1"),
+                            extra=extra, no_room=["env-pool-0", "env-pool-1"])  # fmt: skip
+    check_shards(world, rows, mode)
+    assert (rows[-1]["env_pools"], rows[-1]["env_pools_vacant"]) == (1, 1)
+    assert rows[-1]["restarts_env_pool"] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_range_of_env_pools_starts_its_minimum_and_grows_when_placed(tmp_path, monkeypatch, mode):
+    """rollout.num_env_pools: 1..2: env-pool-1 is vacant until the cluster places it (a new slot
+    with a group of its own), then takes its shard from the start; not counted as a restart."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=["rollout.num_env_pools=1..2"],
+                            no_room=["env-pool-1"], room_back_at=clean.calls // 3)  # fmt: skip
+    check_shards(world, rows, mode)
+    assert ("env-pool-1", "open_slot") in world.log
+    assert (rows[0]["env_pools"], rows[0]["env_pools_vacant"], rows[0]["env_pools_target"]) == (1, 1, 2)
+    assert (rows[-1]["env_pools"], rows[-1]["env_pools_vacant"]) == (2, 0) and rows[-1]["restarts_env_pool"] == 0
+    assert ("env-pool-1", 0) in world.trained  # its shard from its first position
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_operator_shrinks_then_grows_the_env_pools_while_it_trains(tmp_path, monkeypatch, mode):
+    """env_pools=1: env-pool-1 stops after its batch and leaves (its slot closes), env-pool-0
+    collects alone; env_pools=2: env-pool-1 starts again where its last put ended. Every shard's
+    prompts are trained once, in order; scaling is not a restart."""
+    world, rows = run_world(tmp_path, monkeypatch, mode, requests={1: {"env_pools": 1}, 4: {"env_pools": 2}})
+    check_shards(world, rows, mode)
+    control = world.actors["control"]
+    assert control.requests == {}  # both requests were taken
+    assert ("env-pool-1", "close_slot") in world.log and ("env-pool-1", "open_slot") not in world.log[:1]
+    assert 1 in [r["env_pools"] for r in rows]
+    last = rows[-1]
+    assert (last["env_pools"], last["env_pools_vacant"], last["env_pools_target"]) == (2, 0, 2)
+    assert last["restarts_env_pool"] == 0 and last["restarts_inference"] == 0
+    assert any(sizes.get("env_pools") == 1 for sizes in control.reported)
+
+
+def test_a_checkpoint_keeps_the_fleet_an_operator_asked_for(tmp_path, monkeypatch):
+    """The checkpoint records each fleet's slots, and a resume asks for them again where the
+    config's ranges still allow it."""
+    world, rows = run_world(tmp_path, monkeypatch, "sync", requests={1: {"inference": 1, "env_pools": 1}})
+    learner = world.actors["learner"]
+    _, state = learner.saved[-1]
+    assert state["fleet"] == {"inference": 1, "env_pools": 1}
+    supervisor = Supervisor(make_cfg("sync"), tmp_path, Starter(world, make_cfg("sync")).start_all(),
+                            Starter(world, make_cfg("sync")), Ledger())  # fmt: skip
+    supervisor.restore_fleet({"inference": 1, "env_pools": 5})  # 5 pools: more than the 2 shards
+    assert supervisor.fleet_sizes()["inference_workers"] == 1 and supervisor.fleet_sizes()["env_pools"] == 2
+
+
 def test_a_scale_request_outside_the_range_is_refused_and_changes_nothing(tmp_path, monkeypatch):
     from rlpost.control import RunControl, check_scale_request
 
+    inference = {"inference": (1, None)}
     with pytest.raises(ValueError, match="at least one inference worker"):
-        check_scale_request((1, None), 0)
+        check_scale_request(inference, {"inference": 0})
+    with pytest.raises(ValueError, match=r"inference=5 is outside the run's range 2\.\.4"):
+        check_scale_request({"inference": (2, 4)}, {"inference": 5})
     with pytest.raises(ValueError, match=r"outside the run's range 2\.\.4"):
-        check_scale_request((2, 4), 5)
-    with pytest.raises(ValueError, match=r"outside the run's range 2\.\.4"):
-        check_scale_request((2, 4), 1)
+        check_scale_request({"inference": (2, 4)}, {"inference": 1})
     with pytest.raises(ValueError, match="a whole number"):
-        check_scale_request((1, None), "3")
-    check_scale_request((1, None), 64)  # no range: any number from one
-    mailbox = RunControl((1, 3))
+        check_scale_request(inference, {"inference": "3"})
+    with pytest.raises(ValueError, match=r"env_pools=3 is outside the run's range 1\.\.2 .*shards"):
+        check_scale_request({"env_pools": (1, 2)}, {"env_pools": 3})
+    with pytest.raises(ValueError, match="at least one env pool"):
+        check_scale_request({"env_pools": (1, 2)}, {"env_pools": 0})
+    with pytest.raises(ValueError, match="nothing to change"):
+        check_scale_request(inference, {})
+    check_scale_request(inference, {"inference": 64})  # no range: any number from one
+    mailbox = RunControl({"inference": (1, 3), "env_pools": (1, 2)})
     with pytest.raises(ValueError):
-        mailbox.request(4)
+        mailbox.request(inference=4)
+    with pytest.raises(ValueError):
+        mailbox.request(inference=2, env_pools=3)  # one bad count refuses the whole request
     assert mailbox.fleet() == {"requested": None}
-    assert mailbox.request(2) == {"requested": 2} and mailbox.request(3) == {"requested": 3}  # the later one wins
-    assert mailbox.exchange({"inference_workers": 1}) == 3 and mailbox.exchange({"inference_workers": 3}) is None
+    assert mailbox.request(inference=2) == {"requested": {"inference": 2}}
+    assert mailbox.request(inference=3, env_pools=1) == {"requested": {"inference": 3, "env_pools": 1}}  # later wins
+    assert mailbox.exchange({"inference_workers": 1}) == {"inference": 3, "env_pools": 1}
+    assert mailbox.exchange({"inference_workers": 3}) == {}
     assert mailbox.fleet() == {"requested": None, "inference_workers": 3}
 
 
