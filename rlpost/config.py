@@ -583,10 +583,10 @@ class ResourcesConfig(_Section):
     replacement_wait_s: float = Field(
         10.0,
         ge=0,
-        description="How long a lost inference worker's start waits for the cluster to have room for it (after "
-        "a node's loss Ray moves its bundles to other nodes where they fit, at once). Past it, and with another "
-        "worker serving, the run goes on with fewer workers (`inference_workers` in metrics.jsonl) and starts "
-        "the worker again once its bundle is placed (the node's replacement, or a node added).",
+        description="How long a lost inference worker's or env pool's start waits for the cluster to have room for "
+        "it (after a node's loss Ray moves its bundles to other nodes where they fit, at once). Past it, and with "
+        "another of its role serving, the run goes on with fewer (`inference_workers`, `env_pools` in "
+        "metrics.jsonl) and starts it again once its bundle is placed (the node's replacement, or a node added).",
     )
     inference: RoleResources = Field(
         default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker."
