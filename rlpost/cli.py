@@ -283,9 +283,15 @@ def _add_job_commands(sub) -> None:
     status = sub.add_parser(
         "status",
         help="print a Ray job's status, or a run's",
-        description="Print a job's status and message (exit 0 pending/running/succeeded, 1 failed/stopped), or, for a "
-        "run directory, its last step, reward, inference workers and restarts.",
+        description="Print a job's status and message (exit 0 pending/running/succeeded, 1 failed/stopped; with "
+        "--fleet, a running job's inference workers and env pools as the run reports them), or, for a run directory, "
+        "its last step, reward, inference workers, env pools and restarts.",
     )
+    status.add_argument(
+        "--fleet", action="store_true", help="a running job's fleet too (asked by a short job beside it: a few seconds)"
+    )
+    # the helper job's (rlpost status JOB --fleet): the run's Ray namespace on the cluster it runs in
+    status.add_argument("--namespace", help=argparse.SUPPRESS)
     logs = sub.add_parser(
         "logs",
         help="print a Ray job's logs",
@@ -409,8 +415,15 @@ def _scale_job(args) -> int:
     address = jobs.resolve_address(args.address)
     client = jobs.connect(address, timeout_s=args.timeout)
     submission = jobs.plan_scale(jobs.job_info(client, args.target), args.target, args.changes, wait_s=args.wait)
+    return _run_beside(client, submission, timeout_s=args.wait + 300.0)
+
+
+def _run_beside(client, submission, timeout_s: float) -> int:
+    """Run a short job beside a running one (jobs.plan_beside): print its output, return its exit code."""
+    from rlpost import jobs
+
     helper = jobs.submit(client, submission)
-    ended = jobs.wait_until_ended(client, helper, timeout_s=args.wait + 300.0)
+    ended = jobs.wait_until_ended(client, helper, timeout_s=timeout_s)
     sys.stdout.write(client.get_job_logs(helper))
     return jobs.entrypoint_exit_code(ended)
 
@@ -454,15 +467,46 @@ def _cmd_submit(args) -> int:
 def _cmd_status(args) -> int:
     from rlpost import jobs
 
+    if args.namespace:  # inside the cluster, as `rlpost status JOB --fleet` submits
+        return _fleet_in(args.namespace)
     if Path(args.job_id).is_dir():
         return _run_status(Path(args.job_id))
 
     address = jobs.resolve_address(args.address)
-    info = jobs.job_info(jobs.connect(address, timeout_s=args.timeout), args.job_id)
+    client = jobs.connect(address, timeout_s=args.timeout)
+    info = jobs.job_info(client, args.job_id)
     print(f"{args.job_id}: {info.status}" + (f" ({info.message})" if info.message else ""))
     print(f"  entrypoint: {info.entrypoint}")
     print(f"  dashboard:  {jobs.dashboard_url(address, args.job_id)}")
+    if args.fleet and str(info.status) == "RUNNING":
+        sys.stdout.flush()
+        submission = jobs.plan_beside(info, args.job_id, "status", [], "asked for its fleet")
+        if _run_beside(client, submission, timeout_s=300.0) != EXIT_OK:
+            print("  fleet: the run did not answer (is it still starting?)")
+    elif args.fleet:
+        print("  fleet: none (the job is not running)")
     return jobs.status_exit_code(info.status)
+
+
+def _fleet_in(namespace: str) -> int:
+    """The fleet of the run in Ray ``namespace`` of the cluster this process runs in, as its
+    mailbox last heard it (``rlpost status JOB --fleet``'s short job)."""
+    import ray
+
+    from rlpost import control
+    from rlpost.ray_start import use_ray_token_if_present
+
+    use_ray_token_if_present()
+    ray.init(address="auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
+    try:
+        fleet = control.run_fleet(namespace)
+    except LookupError as exc:
+        raise ConfigError(f"status: {exc}") from None
+    finally:
+        ray.shutdown()
+    for key, words in _FLEET_ROLES:
+        print(f"  {words}: {control.describe_fleet(fleet, key)}")
+    return EXIT_OK
 
 
 def _run_status(run_dir: Path) -> int:

@@ -202,26 +202,30 @@ def plan_resume(
 
 
 def plan_scale(info, job_id: str, changes: list[str], *, wait_s: float = 0.0) -> Submission:
-    """A short job that runs ``rlpost scale --namespace rlpost-<run> CHANGES`` on the cluster,
+    """A short job that runs ``rlpost scale --namespace rlpost-<run> JOB CHANGES`` beside the
+    running job ``job_id`` (:func:`plan_beside`)."""
+    return plan_beside(info, job_id, "scale", [*changes, *(["--wait", f"{wait_s:g}"] if wait_s else [])], "scaled")
+
+
+def plan_beside(info, job_id: str, command: str, args: list[str], what: str) -> Submission:
+    """A short job that runs ``rlpost COMMAND --namespace rlpost-<run> JOB ARGS`` on the cluster,
     beside the running job ``job_id`` (``info``: its JobDetails), in that job's runtime
-    environment: the request reaches the run's mailbox actor from inside the cluster, where Ray
-    is reachable, when only the dashboard's address is known here. Raises ConfigError when the
-    job is not running or was not submitted by ``rlpost submit``."""
+    environment: it reaches the run's mailbox actor from inside the cluster, where Ray is
+    reachable, when only the dashboard's address is known here. Raises ConfigError when the job
+    is not running (``what``: what it cannot be, e.g. "scaled") or was not submitted by ``rlpost
+    submit``."""
     status = str(info.status)
     if status != "RUNNING":
-        raise ConfigError(f"job {job_id} is {status}: only a running job can be scaled")
+        raise ConfigError(f"job {job_id} is {status}: only a running job can be {what}")
     run_name = (info.metadata or {}).get("rlpost_run_name")
     if not run_name:
         raise ConfigError(f"job {job_id} was not submitted by `rlpost submit` (no rlpost_run_name in its metadata)")
-    command = ["rlpost", "scale", "--namespace", f"rlpost-{run_name}", job_id, *changes]
-    if wait_s:
-        command += ["--wait", f"{wait_s:g}"]
     return Submission(
-        entrypoint=shlex.join(command),
+        entrypoint=shlex.join(["rlpost", command, "--namespace", f"rlpost-{run_name}", job_id, *args]),
         runtime_env=dict(info.runtime_env or {}),
-        job_id=f"{job_id}-scale-{time.strftime('%Y%m%d-%H%M%S')}",
+        job_id=f"{job_id}-{command}-{time.strftime('%Y%m%d-%H%M%S')}",
         run_name=run_name,
-        metadata={"rlpost_scale_of": job_id},
+        metadata={f"rlpost_{command}_of": job_id},
         notes=[],
     )
 

@@ -165,6 +165,10 @@ def test_scale_reaches_a_running_job_and_stop_ends_it(cluster, tiny_model_path, 
     out = rlpost(cluster, "scale", job, "inference=1", "--wait", "120")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "asked for 1 inference workers" in out.stdout and "1 serving of 1 wanted" in out.stdout
+    fleet = rlpost(cluster, "status", job, "--fleet")  # asked of the run by a short job beside it
+    assert fleet.returncode == 0 and fleet.stdout.startswith(f"{job}: RUNNING"), fleet.stdout[-3000:]
+    assert "inference workers: 1 serving of 1 wanted" in fleet.stdout, fleet.stdout[-3000:]
+    assert "env pools: 1 serving of 1 wanted" in fleet.stdout, fleet.stdout[-3000:]
     bad = rlpost(cluster, "scale", job, "inference=0")
     assert bad.returncode == 2 and "at least one inference worker" in bad.stderr, bad.stderr
     unknown = rlpost(cluster, "scale", "no-such-job", "inference=2")

@@ -69,3 +69,23 @@ def test_a_node_counts_as_replaced_once_both_of_its_actors_serve(chaos):
     ])  # fmt: skip
     assert chaos.replacement_times(log, [(chaos.NODE, killed_at)]) == [(chaos.NODE, 26.5)]
     assert chaos.replacement_times(log.rsplit("\n", 1)[0], [(chaos.NODE, killed_at)]) == [(chaos.NODE, None)]
+
+
+def test_a_node_actor_still_waiting_for_room_at_the_end_counts_as_handled(chaos):
+    """A node's worker or pool with no room left the fleet and the run ended before room came
+    back: its slot is vacant on the last line, which is the loss handled; a loss neither
+    restarted nor vacant is reported."""
+    served = {"restarts_inference": 1, "restarts_env_pool": 1, "inference_workers_vacant": 0, "env_pools_vacant": 0}
+    away = {"restarts_inference": 0, "restarts_env_pool": 0, "inference_workers_vacant": 1, "env_pools_vacant": 1}
+    assert chaos.unrecovered([chaos.NODE], [], [served], False) == []
+    assert chaos.unrecovered([chaos.NODE], [], [away], False) == []
+    lost = {**away, "env_pools_vacant": 0}
+    assert chaos.unrecovered([chaos.NODE], [], [lost], False) == ["node was lost but restarts_env_pool is 0"]
+    assert chaos.unrecovered(["env-pool-0"], [], [away], False) == ["env-pool-0 was lost but restarts_env_pool is 0"]
+    assert chaos.unrecovered(["env-pool-0"], ["env-pool-0"], [away], False) == []  # killed during the last step
+
+
+def test_node_runs_get_the_steps_of_async_runs(chaos):
+    plans = chaos.make_plans(20, seed=0, steps=10)
+    assert all(p.steps == 10 * chaos.ASYNC_PACE for p in plans if p.rejoin_s is not None or p.mode == "async")
+    assert all(p.steps == 10 for p in plans if p.rejoin_s is None and p.mode == "sync")

@@ -129,6 +129,12 @@ def test_a_submitted_job_is_scaled_by_a_short_job_beside_it_in_its_environment()
         jobs.plan_scale(SimpleNamespace(status="SUCCEEDED", metadata={}, runtime_env={}), "j", ["inference=2"])
     with pytest.raises(ConfigError, match="was not submitted by `rlpost submit`"):
         jobs.plan_scale(SimpleNamespace(status="RUNNING", metadata={}, runtime_env={}), "j", ["inference=2"])
+    fleet = jobs.plan_beside(info, "rlpost-r1", "status", [], "asked for its fleet")  # rlpost status JOB --fleet
+    assert fleet.entrypoint == "rlpost status --namespace rlpost-r1 rlpost-r1" and fleet.runtime_env == info.runtime_env
+    assert fleet.job_id.startswith("rlpost-r1-status-") and fleet.metadata == {"rlpost_status_of": "rlpost-r1"}
+    with pytest.raises(ConfigError, match="job j is STOPPED: only a running job can be asked for its fleet"):
+        jobs.plan_beside(SimpleNamespace(status="STOPPED", metadata={}, runtime_env={}), "j", "status", [],
+                         "asked for its fleet")  # fmt: skip
 
 
 @pytest.mark.parametrize(
