@@ -398,14 +398,11 @@ def _scale_in(namespace: str, address: str | None, request: dict[str, int], wait
         ray.shutdown()
 
 
-_FLEET_ROLES = (("inference", "inference workers"), ("env_pools", "env pools"))  # scale key, words
-
-
 def _fleet_words(fleet: dict) -> str:
     """``inference workers: 2 serving of 2 wanted; env pools: 1 serving of 2 wanted, ...``."""
-    from rlpost.control import describe_fleet
+    from rlpost.control import fleet_lines
 
-    return "; ".join(f"{words}: {describe_fleet(fleet, key)}" for key, words in _FLEET_ROLES)
+    return "; ".join(fleet_lines(fleet)) or "not reported yet"
 
 
 def _scale_job(args) -> int:
@@ -504,15 +501,15 @@ def _fleet_in(namespace: str) -> int:
         raise ConfigError(f"status: {exc}") from None
     finally:
         ray.shutdown()
-    for key, words in _FLEET_ROLES:
-        print(f"  {words}: {control.describe_fleet(fleet, key)}")
+    for line in control.fleet_lines(fleet) or ["fleet: not reported yet"]:
+        print(f"  {line}")
     return EXIT_OK
 
 
 def _run_status(run_dir: Path) -> int:
     """``rlpost status RUN_DIR``: the run's last metrics line, in words (its step, reward, fleet
     and restarts)."""
-    from rlpost.control import FLEET_KEYS, describe_fleet
+    from rlpost.control import fleet_lines
     from rlpost.metrics import read_metrics
 
     if not (run_dir / "config.yaml").is_file():
@@ -526,9 +523,8 @@ def _run_status(run_dir: Path) -> int:
     state = "stopped" if last.get("stopped") else "last step"
     print(f"{run_dir}: {state} {last['step']}, reward {_number(last.get('reward_mean'))}, "
           f"elapsed {_number(last.get('elapsed_s'), '.0f')} s")  # fmt: skip
-    for key, words in _FLEET_ROLES:
-        if FLEET_KEYS[key][0] in last:
-            print(f"  {words}: {describe_fleet(last, key)}")
+    for line in fleet_lines(last):
+        print(f"  {line}")
     restarts = {k.removeprefix("restarts_"): v for k, v in last.items() if k.startswith("restarts_") and v}
     restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes") if last.get(k)}
     print("  restarts: " + (", ".join(f"{k} {v}" for k, v in restarts.items()) or "none"))

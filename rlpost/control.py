@@ -206,7 +206,12 @@ def describe_fleet(fleet: dict[str, Any], key: str = "inference") -> str:
     return text
 
 
+def fleet_lines(fleet: dict[str, Any]) -> list[str]:
+    """``inference workers: 2 serving of 3 wanted, ...`` for each role ``fleet`` (a report of the
+    run's mailbox or a metrics line) reports."""
+    return [f"{_ROLE[key][0]}s: {describe_fleet(fleet, key)}" for key in SCALE_KEYS if FLEET_KEYS[key][0] in fleet]
+
+
 def describe_request(request: dict[str, int]) -> str:
     """``3 inference workers and 2 env pools`` for a scale request."""
-    words = {"inference": "inference workers", "env_pools": "env pools"}
-    return " and ".join(f"{n} {words[key]}" for key, n in request.items())
+    return " and ".join(f"{n} {_ROLE[key][0]}s" for key, n in request.items())

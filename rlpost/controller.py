@@ -352,12 +352,18 @@ class Controller:
         """Sync mode: the prompts each shard will have collected once this step is done. The
         step's ``prompts_per_step`` are split over the serving pools (the remainder to the lowest
         slots); a shard whose pool is not serving (vacant, or scaled down) stays where it is."""
-        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
-        share, extra = divmod(self.cfg.trainer.prompts_per_step, len(serving))
         targets = list(self.pool_prompts)
+        self._spread(targets, self.cfg.trainer.prompts_per_step)
+        return targets
+
+    def _spread(self, targets: list[int], prompts: int) -> list[int]:
+        """Add ``prompts`` to the serving pools' ``targets`` in equal shares, the remainder to
+        the lowest slots; returns those slots."""
+        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
+        share, extra = divmod(prompts, len(serving))
         for rank, slot in enumerate(serving):
             targets[slot] += share + (rank < extra)
-        return targets
+        return serving
 
     def _collect_sync(self, targets: list[int]) -> list:
         self._collect_shares(targets)
@@ -399,19 +405,17 @@ class Controller:
     def _hand_over_shares(self, targets: list[int]) -> None:
         """A shard without a serving pool keeps the prompts its last put recorded; what is left
         of its share goes to the serving pools (``targets`` is changed in place)."""
-        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
+        serving = {slot_of(pool.name) for pool in self.actors.env_pools}
         for slot, target in enumerate(targets):
             if slot in serving or target <= self.pool_prompts[slot]:
                 continue
             state = self.actors.buffer.producer_state(f"env-pool-{slot}")
             done = max(state["num_prompts_collected"] if state else 0, self.pool_prompts[slot])
             left, targets[slot] = target - done, done
-            share, extra = divmod(left, len(serving))
-            for rank, other in enumerate(serving):
-                targets[other] += share + (rank < extra)
             if left > 0:
+                others = self._spread(targets, left)
                 log.warning("env-pool-%d is not serving: the %d prompts left of its share of step %d go to env "
-                            "pools %s", slot, left, self.step, serving)  # fmt: skip
+                            "pools %s", slot, left, self.step, others)  # fmt: skip
 
     def _start_share(self, pool, target: int) -> bool:
         """Start ``pool`` on what is left of its share (``target``: its shard's prompts collected

@@ -204,7 +204,8 @@ def plan_resume(
 def plan_scale(info, job_id: str, changes: list[str], *, wait_s: float = 0.0) -> Submission:
     """A short job that runs ``rlpost scale --namespace rlpost-<run> JOB CHANGES`` beside the
     running job ``job_id`` (:func:`plan_beside`)."""
-    return plan_beside(info, job_id, "scale", [*changes, *(["--wait", f"{wait_s:g}"] if wait_s else [])], "scaled")
+    args = [*changes, "--wait", f"{wait_s:g}"] if wait_s else list(changes)
+    return plan_beside(info, job_id, "scale", args, "scaled")
 
 
 def plan_beside(info, job_id: str, command: str, args: list[str], what: str) -> Submission:

@@ -470,8 +470,8 @@ class Slots:
         same for ``env_pools``)."""
         from rlpost.control import FLEET_KEYS
 
-        keys = FLEET_KEYS[self.key]
-        return {keys[0]: serving, keys[2]: len(self.vacant), keys[1]: len(self.wanted)}
+        serving_key, wanted_key, vacant_key = FLEET_KEYS[self.key]
+        return {serving_key: serving, vacant_key: len(self.vacant), wanted_key: len(self.wanted)}
 
 
 class Supervisor:
@@ -545,12 +545,12 @@ class Supervisor:
         if requested:
             self.run("scale", lambda: self.resize(requested))
 
-    def _exchange_with_control(self) -> dict[str, int] | None:
-        """Report the fleet to the run's mailbox and take a request from it; a lost mailbox is
-        started again (a request it held is lost, and the log says so)."""
+    def _exchange_with_control(self) -> dict[str, int]:
+        """Report the fleet to the run's mailbox and take the request it holds (empty: none); a
+        lost mailbox is started again (a request it held is lost, and the log says so)."""
         control = self.actors.control
         if control is None:
-            return None
+            return {}
         try:
             return control.exchange(self.fleet_sizes(), timeout_s=CALL_TIMEOUT_S)
         except ActorFailure as exc:
@@ -558,7 +558,7 @@ class Supervisor:
                         "is lost: ask again)", first_line(exc))  # fmt: skip
             control.kill()
             self.actors.control = self.starter.control()
-            return None
+            return {}
 
     # ------------------------------------------------------------------ the fleet's size
 
