@@ -16,7 +16,7 @@ EXTRA ?= cpu
 # rlpost and its tests again (~1 s an actor process; pytest's collection 21 s instead of 7 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-tools test test-long lint format install install-dev install-bench tiny-model tiny-model-tools bench bench-quick chaos clean
+.PHONY: demo demo-tools test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,19 @@ tiny-model-tools: install
 demo-tools: install tiny-model-tools
 	$(VENV)/bin/rlpost train configs/tiny-cpu-tools.yaml
 
+# Prometheus and promtool, the Debian/Ubuntu package, for `rlpost monitor` and its long test;
+# nothing is done when both are on PATH (as root, or through sudo; elsewhere install them by hand).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+monitoring-tools:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$(SUDO) apt-get install -y -q --no-install-recommends prometheus \
+	  || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+
+# Prometheus for the runs of this machine, with rlpost's alerts and dashboard: `rlpost monitor`.
+monitor: install monitoring-tools
+	$(VENV)/bin/rlpost monitor
+
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
@@ -75,7 +88,7 @@ demo-tools: install tiny-model-tools
 test: install-dev lint tiny-model tiny-model-tools
 	$(PY) -m pytest tests -m "not long"
 
-test-long: install-dev tiny-model tiny-model-tools
+test-long: install-dev tiny-model tiny-model-tools monitoring-tools
 	$(PY) -m pytest tests -m long
 
 lint: install-dev

@@ -137,6 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_job_commands(sub)
     _add_scale_command(sub)
     _add_doctor_command(sub)
+    _add_monitor_command(sub)
     return parser
 
 
@@ -592,6 +593,69 @@ def _cmd_doctor(args) -> int:
     checks = run_checks(cfg, address=address)
     print_checks(checks)
     return EXIT_FAILURE if any(c.status == "fail" for c in checks) else EXIT_OK
+
+
+# ------------------------------------------------------------------------------ monitor
+
+
+def _add_monitor_command(sub) -> None:
+    monitor = sub.add_parser(
+        "monitor",
+        help="start Prometheus (and Grafana, where installed) with rlpost's alerts and dashboard; Ctrl-C stops them",
+        description="Start the prometheus binary on 127.0.0.1:PORT, scraping every node of the local Ray cluster "
+        "(Ray's node list in RAY_TEMP_DIR) with rlpost's alert rules; copy rlpost's Grafana dashboard beside Ray's "
+        "own and start Grafana on port 3000 when a grafana binary is on PATH. Prints the URLs and waits; Ctrl-C or "
+        "SIGTERM stops what it started. Exit 2 when Prometheus is not installed or its port is taken.",
+    )
+    monitor.add_argument(
+        "run_dir",
+        nargs="?",
+        type=Path,
+        help="a run directory: its URLs are printed, its data kept in RUN_DIR/prometheus",
+    )
+    monitor.add_argument("--port", type=int, default=9090, help="Prometheus's port (default 9090, where Ray looks)")
+    monitor.add_argument("--scrape-interval", type=float, default=10.0, metavar="S", help="seconds (default 10)")
+    monitor.add_argument("--ray-temp-dir", type=Path, help="the cluster's --temp-dir (default: Ray's, /tmp/ray)")
+    monitor.add_argument(
+        "--data-dir", type=Path, help="Prometheus's data (default RUN_DIR/prometheus or a temporary one)"
+    )
+    monitor.add_argument(
+        "--prometheus", default="prometheus", help="the Prometheus binary (default: prometheus on PATH)"
+    )
+    monitor.add_argument("--no-grafana", action="store_true", help="do not start Grafana even when it is installed")
+    monitor.add_argument(
+        "--grafana-port", type=int, default=3000, help="Grafana's port (default 3000, where Ray looks)"
+    )
+    monitor.add_argument(
+        "--stall-after", type=float, default=600.0, metavar="S",
+        help="seconds without a learner step before RlpostNoLearnerStep fires (default 600)",
+    )  # fmt: skip
+    monitor.set_defaults(handler=_cmd_monitor)
+
+
+def _cmd_monitor(args) -> int:
+    from rlpost.monitor import MonitorSettings, default_ray_temp_dir, run_monitor
+    from rlpost.monitoring import AlertSettings
+
+    if args.run_dir is not None and not args.run_dir.is_dir():
+        raise ConfigError(f"run directory {args.run_dir} does not exist")
+    for option, port in (("--port", args.port), ("--grafana-port", args.grafana_port)):
+        if not 0 < port < 65536:
+            raise ConfigError(f"{option} {port} is not a TCP port")
+    if args.scrape_interval < 1 or args.stall_after <= 0:
+        raise ConfigError("--scrape-interval must be at least 1 s and --stall-after above 0")
+    settings = MonitorSettings(
+        run_dir=args.run_dir,
+        port=args.port,
+        scrape_interval_s=args.scrape_interval,
+        ray_temp_dir=args.ray_temp_dir or default_ray_temp_dir(),
+        data_dir=args.data_dir,
+        prometheus=args.prometheus,
+        grafana=None if args.no_grafana else "grafana",
+        grafana_port=args.grafana_port,
+        alerts=AlertSettings(stall_after_s=args.stall_after),
+    )
+    return run_monitor(settings, say=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

@@ -676,7 +676,7 @@ class Controller:
         record.update(self.supervisor.fleet_sizes())
         self.writer.write(record)
         self.recorded_step = step
-        self.ray_metrics.record(record)
+        self.ray_metrics.record({**record, "last_step_time_s": time.time()})  # the stalled-run alert's clock
 
 
 def probe_sequence(cfg: JobConfig) -> list[int]:

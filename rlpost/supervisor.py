@@ -919,6 +919,8 @@ class Supervisor:
             "weight_sync_s": sync_s,
             "weight_sync_bytes": published.get("bytes"),
             "weight_load_s": published.get("weight_load_s"),
+            "weight_sync_receivers_shm": published.get("receivers_shm"),
+            "weight_sync_receivers_bus": published.get("receivers_bus"),
         }  # the slowest engine's reload (of the update before, when that one was not waited for)
 
     @property

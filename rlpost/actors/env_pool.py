@@ -179,6 +179,7 @@ class EnvPool(LLMCollector):
                 reward_mean=sum(rewards) / len(rewards) if rewards else None,
                 groups_collected=len(groups),
                 samples_collected=len(rewards),
+                groups_filtered=self.episode_stats.num_filtered_groups,
             )
         return groups
 

@@ -571,6 +571,8 @@ class Learner:
             "weight_sync_s": time.perf_counter() - start,
             "bytes": float(stats.num_bytes),
             "policy_version": float(stats.version),
+            "receivers_shm": float(stats.shm_receivers),
+            "receivers_bus": float(stats.bus_receivers),
             **self._confirmed_metrics(),
         }
 
@@ -932,6 +934,10 @@ def _batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> d
         "completion_len_mean": sum(lengths) / len(lengths),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": float(max(staleness)),
+        # the sampling policy's entropy, estimated by -log p of the tokens it generated: watched
+        # for entropy collapse whether or not the loss has an entropy term
+        "entropy_sampled": -sum(lp for s, _ in rows for lp, m in zip(s.logprobs, s.loss_mask) if m)
+        / max(sum(lengths), 1),
     }
     # per token, where the samples say which version generated each (in-flight updates)
     labelled = [(s.policy_version, v) for s, _ in rows if s.token_versions

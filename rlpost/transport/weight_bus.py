@@ -138,6 +138,9 @@ class PublishStats:
     num_bytes: int
     seconds: float
     connect_s: float = 0.0
+    # the receivers by route (module docstring): reading from shared memory, or on the collective bus
+    shm_receivers: int = 0
+    bus_receivers: int = 0
 
 
 class WeightUpdate(NamedTuple):
@@ -579,6 +582,8 @@ class TorchWeightPublisher(_TorchEnd):
             layout.num_bytes,
             time.perf_counter() - t0,
             connect_s,
+            shm_receivers=len(self._group.shm_ranks),
+            bus_receivers=len(self._group.bus_ranks) - 1,  # bus_ranks holds the publisher, rank 0
         )
 
     def close(self) -> None:

@@ -219,6 +219,8 @@ def test_two_receivers_get_every_version_bit_exact(peers, route):
         stats = publisher.publish(model_weights(version), version)
         assert [peer.reply() for peer in peers] == [("ok", version, [])] * 2
         assert stats.num_buckets >= 5 and stats.num_tensors == len(model_weights(version))
+        # the route each receiver took, as the sync's metrics report it
+        assert (stats.shm_receivers, stats.bus_receivers) == ((2, 0) if route == "shm" else (0, 2))
     with pytest.raises(ValueError, match="version"):
         publisher.publish(model_weights(2), 2)
     publisher.close()

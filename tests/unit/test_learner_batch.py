@@ -91,5 +91,20 @@ def test_batch_metrics_measure_staleness_per_token_where_samples_say_which_versi
     assert metrics["staleness_mean"] == 1.5  # per sample: 2 and 1
     assert metrics["token_staleness_mean"] == (2 + 2 + 1 + 1 + 1 + 1) / 6
     assert metrics["inflight_token_fraction"] == 2 / 6  # the first sample's version-4 tokens
+    assert metrics["entropy_sampled"] == 0.0  # every generated token had log-prob 0
     unlabelled = [(dataclasses.replace(s, token_versions=None), a) for s, a in rows]
     assert "token_staleness_mean" not in _batch_metrics(unlabelled, version_at_start=5)
+
+
+def test_batch_metrics_estimate_the_sampling_entropy_from_the_generated_tokens_log_probs():
+    from rlpost.actors.learner import _batch_metrics
+    from rlpost.types import Sample
+
+    # two prompt tokens (log-prob 0, not generated) and the generated tokens' behaviour log-probs
+    rows = [
+        (Sample(prompt_id=0, token_ids=[1] * 4, logprobs=[0.0, 0.0, -0.5, -1.5], loss_mask=[False, False, True, True],
+                prompt_len=2, reward=1.0, policy_version=0, finished=True), 1.0),
+        (Sample(prompt_id=0, token_ids=[1] * 3, logprobs=[0.0, 0.0, -2.5], loss_mask=[False, False, True],
+                prompt_len=2, reward=0.0, policy_version=0, finished=True), -1.0),
+    ]  # fmt: skip
+    assert _batch_metrics(rows, version_at_start=0)["entropy_sampled"] == pytest.approx((0.5 + 1.5 + 2.5) / 3)

@@ -1,0 +1,269 @@
+"""``rlpost monitor``: a Prometheus (and Grafana, where installed) for the runs of one machine.
+
+It starts the ``prometheus`` binary (Debian's and Ubuntu's package, or a release from
+prometheus.io) with Ray's scrape configuration, the job ``ray`` reading the node list that Ray
+keeps in ``<ray temp dir>/prom_metrics_service_discovery.json`` (so it may start before the
+cluster does, and follows it across restarts), plus rlpost's alert rules
+(:mod:`rlpost.monitoring`). It copies rlpost's dashboard into the Grafana folder of Ray's session,
+beside Ray's own dashboards, and starts Grafana with Ray's configuration when a ``grafana``
+binary is on PATH. It prints the URLs, then waits; Ctrl-C (or SIGTERM) stops what it started.
+
+Ray's dashboard charts its Metrics tab from the Prometheus at ``RAY_PROMETHEUS_HOST`` (default
+http://localhost:9090, the port this command takes by default) and the Grafana at
+``RAY_GRAFANA_HOST`` (default http://localhost:3000, Grafana's own default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import yaml
+
+from rlpost import monitoring
+from rlpost.config import ConfigError
+
+DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for its node list
+PROMETHEUS_INSTALL = (
+    "install it with `sudo apt-get install prometheus` (Debian, Ubuntu) or from https://prometheus.io/download/, "
+    "or name the binary with --prometheus PATH"
+)
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+def default_ray_temp_dir() -> Path:
+    """Where a local Ray cluster keeps its files: Ray's default, ``$RAY_TMPDIR/ray`` or ``/tmp/ray``."""
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray"
+
+
+@dataclasses.dataclass
+class MonitorSettings:
+    """What ``rlpost monitor`` starts, and how."""
+
+    run_dir: Path | None = None  # a run to point the URLs at; its Prometheus data goes in RUN_DIR/prometheus
+    port: int = 9090  # Prometheus's port on 127.0.0.1 (Ray's dashboard looks at 9090)
+    scrape_interval_s: float = 10.0  # Ray's own configuration scrapes every 10 s
+    ray_temp_dir: Path = dataclasses.field(default_factory=default_ray_temp_dir)
+    data_dir: Path | None = None  # Prometheus's storage; default RUN_DIR/prometheus, else a temporary folder
+    prometheus: str = "prometheus"  # the binary (a name on PATH or a path)
+    grafana: str | None = "grafana"  # None: never start Grafana
+    grafana_home: Path = Path("/usr/share/grafana")  # Grafana's --homepath (its packages install there)
+    grafana_port: int = 3000  # Grafana's default, where Ray's dashboard looks for it (RAY_GRAFANA_HOST)
+    alerts: monitoring.AlertSettings = dataclasses.field(default_factory=monitoring.AlertSettings)
+
+
+def run_name_of(run_dir: Path) -> str:
+    """``logging.run_name`` of the run in ``run_dir`` (its ``config.yaml``)."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml")
+    name = ((yaml.safe_load(config.read_text()) or {}).get("logging") or {}).get("run_name")
+    if not name:
+        raise ConfigError(f"{config} has no logging.run_name")
+    return str(name)
+
+
+def prometheus_config(settings: MonitorSettings, rules: Path) -> dict:
+    """Prometheus's configuration: Ray's scrape job over its node list, and rlpost's rules."""
+    interval = f"{max(settings.scrape_interval_s, 1):g}s"
+    discovery = settings.ray_temp_dir / DISCOVERY_FILE
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(rules)],
+        "scrape_configs": [
+            {"job_name": "ray", "file_sd_configs": [{"files": [str(discovery)], "refresh_interval": "5s"}]}
+        ],
+    }
+
+
+def find_binary(name: str, what: str, install: str) -> str:
+    """The path of ``name`` (on PATH, or a path); a ConfigError saying how to install it."""
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError(f"{what} not found ({name!r} is not an executable on PATH): {install}")
+    return found
+
+
+def check_port_free(port: int, what: str) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConfigError(
+                f"port {port} on 127.0.0.1 is taken (another {what}? a distribution's service starts one "
+                "on 9090: `sudo systemctl stop prometheus`); pick another with --port"
+            ) from None
+
+
+def provision_dashboard(ray_temp_dir: Path) -> Path | None:
+    """Copy rlpost's dashboard into the Grafana dashboards folder of Ray's latest session (which
+    Ray's dashboard writes at each cluster start); the path written, None without a session."""
+    folder = ray_temp_dir / "session_latest" / "metrics" / "grafana" / "dashboards"
+    if not folder.is_dir():
+        return None
+    target = folder / monitoring.DASHBOARD_FILE
+    if not target.exists():
+        target.write_text(json.dumps(monitoring.dashboard(), indent=2))
+    return target
+
+
+def grafana_command(binary: str, settings: MonitorSettings) -> list[str] | None:
+    """Grafana's command line on Ray's configuration (its provisioning lists Ray's dashboards and
+    rlpost's), None while no Ray session wrote one."""
+    ini = settings.ray_temp_dir / "session_latest" / "metrics" / "grafana" / "grafana.ini"
+    if not ini.is_file():
+        return None
+    data = settings.data_dir or settings.ray_temp_dir
+    return [
+        binary,
+        "server",
+        f"--config={ini}",
+        f"--homepath={settings.grafana_home}",
+        f"cfg:paths.data={data / 'grafana'}",
+        "cfg:server.http_addr=127.0.0.1",
+        f"cfg:server.http_port={settings.grafana_port}",
+    ]
+
+
+def _get(url: str, timeout_s: float = 5.0) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def wait_until_ready(process: subprocess.Popen, url: str, log: Path, what: str) -> None:
+    """Wait until ``url`` answers; a process that exits first, or a timeout, raises with its log's tail."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode} while starting: {_tail(log)}")
+        if _get(url, timeout_s=2.0) is not None:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not answer {url} within {START_TIMEOUT_S:g} s: {_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 8) -> str:
+    text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return " | ".join(text[-lines:]) or f"nothing in {log}"
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(STOP_TIMEOUT_S)
+
+
+def graph_url(base: str, expr: str) -> str:
+    return f"{base}/graph?" + urllib.parse.urlencode({"g0.expr": expr, "g0.tab": "0", "g0.range_input": "1h"})
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[threading.Event]:
+    """An event set by SIGTERM (and by SIGINT, Ctrl-C) while the block runs."""
+    stop = threading.Event()
+    handler = lambda *_: stop.set()  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -> int:
+    """Start Prometheus (and Grafana), print the URLs, wait for SIGTERM / Ctrl-C, stop them.
+    Returns 0, or 1 when Prometheus exited on its own."""
+    run_name = run_name_of(settings.run_dir) if settings.run_dir is not None else None
+    prometheus = find_binary(settings.prometheus, "Prometheus", PROMETHEUS_INSTALL)
+    check_port_free(settings.port, "Prometheus")
+    with contextlib.ExitStack() as stack:
+        if settings.data_dir is not None:
+            work = settings.data_dir
+        elif settings.run_dir is not None:
+            work = settings.run_dir / "prometheus"
+        else:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpost-monitor-")))
+        work.mkdir(parents=True, exist_ok=True)
+        _, rules = monitoring.write_files(work, settings.alerts)
+        config = work / "prometheus.yml"
+        config.write_text(yaml.safe_dump(prometheus_config(settings, rules), sort_keys=False))
+        base = f"http://127.0.0.1:{settings.port}"
+        log = work / "prometheus.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{settings.port}", "--web.enable-lifecycle"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        stack.callback(stop_process, process)
+        wait_until_ready(process, f"{base}/-/ready", log, "Prometheus")
+        say(f"rlpost monitor: Prometheus at {base} (pid {process.pid}; data and log in {work})")
+        say(f"rlpost monitor: scraping the Ray nodes listed in {settings.ray_temp_dir / DISCOVERY_FILE}")
+        say(f"rlpost monitor: alerts at {base}/alerts (rules: {rules})")
+        if run_name is not None:
+            say(
+                f"rlpost monitor: run {run_name}: {graph_url(base, f'ray_rlpost_reward_mean{{run={json.dumps(run_name)}}}')}"
+            )
+        if settings.port != 9090:
+            say(f"rlpost monitor: Ray's dashboard charts from it when Ray starts with RAY_PROMETHEUS_HOST={base}")
+        grafana = _start_grafana(settings, stack, work, say)
+        if grafana is None and settings.grafana is not None:
+            say("rlpost monitor: Grafana is not installed (https://grafana.com/docs/grafana/latest/setup-grafana/"
+                "installation/); Prometheus's own pages chart every query of the dashboard")  # fmt: skip
+        say("rlpost monitor: Ctrl-C stops it")
+        with _stop_on_sigterm() as stop:
+            while not stop.wait(2.0):
+                provision_dashboard(settings.ray_temp_dir)  # a cluster (re)started since
+                if process.poll() is not None:
+                    say(f"rlpost monitor: Prometheus exited with code {process.returncode}: {_tail(log)}")
+                    return 1
+        say("rlpost monitor: stopping")
+    return 0
+
+
+def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work: Path,
+                   say: Callable[[str], None]) -> subprocess.Popen | None:  # fmt: skip
+    """Start Grafana on Ray's configuration when its binary is on PATH and a Ray session wrote
+    that configuration; None otherwise."""
+    binary = shutil.which(settings.grafana) if settings.grafana else None
+    if binary is None:
+        return None
+    provisioned = provision_dashboard(settings.ray_temp_dir)
+    command = grafana_command(binary, dataclasses.replace(settings, data_dir=work))
+    if command is None or provisioned is None:
+        say(f"rlpost monitor: no Ray session in {settings.ray_temp_dir} yet: Grafana not started (start the "
+            "cluster or the run first)")  # fmt: skip
+        return None
+    check_port_free(settings.grafana_port, "Grafana")
+    log = work / "grafana.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    stack.callback(stop_process, process)
+    base = f"http://127.0.0.1:{settings.grafana_port}"
+    wait_until_ready(process, f"{base}/api/health", log, "Grafana")
+    say(f"rlpost monitor: Grafana at {base}/d/{monitoring.DASHBOARD_UID} (pid {process.pid}; Ray's dashboards "
+        "in its Ray folder)")  # fmt: skip
+    return process
