@@ -1,7 +1,7 @@
 """rlpost's Grafana dashboard and alert rules (rlpost.monitoring) and `rlpost monitor`'s pieces
 (rlpost.monitor): the shipped files are the generator's, every query reads a metric the code
 exports, and the command's errors name what to do. A real Prometheus evaluating every query of a
-real run is tests/e2e/test_monitoring.py (long tier)."""
+real run is tests/e2e/test_monitor_prometheus.py (long tier)."""
 
 from __future__ import annotations
 

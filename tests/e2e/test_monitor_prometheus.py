@@ -5,7 +5,7 @@ the run stopped.
 
 The run is a short one of the tiny model on a cluster of its own (`rlpost train --address`), with
 an evaluation every 2 steps and an entropy term, so that every panel has its metric. Ray's
-processes report every second (FAST_METRICS) and Prometheus scrapes every second.
+processes report every second (the fast_metrics fixture) and Prometheus scrapes every second.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FAST_METRICS  # tests/e2e/conftest.py
 
 from rlpost import monitoring
 from rlpost.local_cluster import free_ports, head_node
@@ -60,7 +59,7 @@ def wait_for(what: str, probe, timeout_s: float, log: Path):
     raise AssertionError(f"no {what} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny_model_path):
+def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny_model_path, fast_metrics):
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.fail("the prometheus package is not installed: `apt-get install prometheus` (.ci/run installs it)")
     rules = monitoring.DEPLOY_DIR / monitoring.ALERTS_FILE
@@ -70,7 +69,7 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(32))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= FAST_METRICS | {"RAY_AUTH_TOKEN_PATH": str(token)}
+    env |= fast_metrics | {"RAY_AUTH_TOKEN_PATH": str(token)}
     (port,) = free_ports(1)
     base = f"http://127.0.0.1:{port}"
     with head_node(dashboard=True, env=env) as head:
