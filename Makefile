@@ -70,21 +70,18 @@ monitor: install monitoring-tools
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: 12m07s and 13m42s on 2026-12-01 (1745-1747 tests); 14m10s on 2026-11-29 with `rlpost scale`'s tests and the fault-tolerance
-# restarts moved to the long tier (14m45s with them); 13m01s-13m15s late on 2026-11-28
-# (13m29s-13m50s earlier that day; the e2e runs vary: 15m00s on another day), with TorchRL's distributed pieces' tests (12m28s before
-# them; 14m44s-15m03s before the shared vLLM engines and the merged dashboard run; 26-31 min
-# before the e2e runs shared one Ray cluster). The 15 slowest tests are printed at the end: the place to look first. `make test-long`
-# runs the long tests (the chaos runs, the stops from a terminal, the sharded learner's runs, the
-# runs of two runs each, the tiny model's rebuild, the TorchRL-shaped GRPO scripts, the restarts
-# of a fleet's replica and of a Ray replay buffer, a node lost from a two-node cluster in sync and
-# async mode (3m40s-4m07s on 2026-12-01, each node's env pool lost with its worker), a fleet of workers and
-# env pools scaled by `rlpost scale` (2m12s; 86 s with workers alone), the e2e actor restarts (57 s)): 22m42s in
-# CI on 2026-11-28 before those last two; 23m46s here on 2026-12-01 (24 tests); 21m44s on 2026-11-28 with the node-loss runs (3m19s of it; 19m24s-23m12s before them,
-# 16m04s before the scripts and restarts). CI runs the set-up (6m00s from a fresh clone), then both: about 40 min in all (34m45s
-# measured before those additions), budget 45 min. The two tiny models are built first, outside
-# any test's timeout (the tool model's warm start took 2.5 min on one 2-core machine, 9.5 min on
-# another); the tests' fixtures then find them.
+# Xeon machine, idle: 14m17s on 2026-12-01 late (1760 tests; 12m07s-13m42s earlier that day);
+# 14m10s on 2026-11-29; 26-31 min before the e2e runs shared one Ray cluster. The 15 slowest
+# tests are printed at the end: the place to look first. `make test-long` runs the long tests
+# (the chaos runs, the stops from a terminal, the sharded learner's run, the tiny model's
+# rebuild, the TorchRL-shaped GRPO scripts, the restarts of a fleet's replica and of a Ray replay
+# buffer, a node lost from a two-node cluster (1m51s-2m28s), a fleet scaled by `rlpost scale`
+# (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min)): 23m02s here on
+# 2026-12-01 with the Prometheus run, after 4 min of runs were folded into others (25m34s
+# before). CI runs the set-up (about 6 min from a fresh clone), then both: 46.5 min on
+# 2026-12-01 before that trim, about 44 min after it; budget 45 min. The two tiny models are
+# built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
+# machine, 9.5 min on another); the tests' fixtures then find them.
 test: install-dev lint tiny-model tiny-model-tools
 	$(PY) -m pytest tests -m "not long"
 

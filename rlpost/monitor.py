@@ -6,7 +6,8 @@ keeps in ``<ray temp dir>/prom_metrics_service_discovery.json`` (so it may start
 cluster does, and follows it across restarts), plus rlpost's alert rules
 (:mod:`rlpost.monitoring`). It copies rlpost's dashboard into the Grafana folder of Ray's session,
 beside Ray's own dashboards, and starts Grafana with Ray's configuration when a ``grafana``
-binary is on PATH. It prints the URLs, then waits; Ctrl-C (or SIGTERM) stops what it started.
+binary is on PATH. It prints the URLs, then waits; Ctrl-C (or SIGTERM) stops what it started,
+and what it started gets SIGTERM from the kernel should the command itself be killed.
 
 Ray's dashboard charts its Metrics tab from the Prometheus at ``RAY_PROMETHEUS_HOST`` (default
 http://localhost:9090, the port this command takes by default) and the Grafana at
@@ -35,6 +36,7 @@ import yaml
 
 from rlpost import monitoring
 from rlpost.config import ConfigError
+from rlpost.shutdown import die_with_parent
 
 DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for its node list
 PROMETHEUS_INSTALL = (
@@ -215,8 +217,8 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
         with log.open("w") as out:
             process = subprocess.Popen(
                 [prometheus, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{settings.port}", "--web.enable-lifecycle"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                 f"--web.listen-address=127.0.0.1:{settings.port}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
         stack.callback(stop_process, process)
         wait_until_ready(process, f"{base}/-/ready", log, "Prometheus")
@@ -260,7 +262,9 @@ def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work:
     check_port_free(settings.grafana_port, "Grafana")
     log = work / "grafana.log"
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
     stack.callback(stop_process, process)
     base = f"http://127.0.0.1:{settings.grafana_port}"
     wait_until_ready(process, f"{base}/api/health", log, "Grafana")

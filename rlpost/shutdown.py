@@ -182,7 +182,7 @@ def run_in_own_session(argv: Sequence[str]) -> int:
     """
     env = {**os.environ, DRIVER_SESSION_ENV: "1"}
     child = subprocess.Popen(
-        [sys.executable, "-m", "rlpost.cli", *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent
+        [sys.executable, "-m", "rlpost.cli", *argv], env=env, start_new_session=True, preexec_fn=die_with_parent
     )
 
     def pass_on(signum: int, frame) -> None:
@@ -205,7 +205,7 @@ def run_in_own_session(argv: Sequence[str]) -> int:
     return 128 - status if status < 0 else status  # killed by a signal N: 128 + N, as a shell says
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before it runs: receive SIGTERM when the parent dies (Linux; elsewhere the
     child outlives a killed parent and is stopped like any process)."""
     if not sys.platform.startswith("linux"):

@@ -110,7 +110,7 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     is the last); the run
     stops with LearnerDied naming step_4 and the resume command; `rlpost train --resume` then
     trains steps 5-6 again (step 5's first metrics line is kept aside) with the same numbering.
-    (A resume with more steps, an override, is tested by test_chaos.py's SIGTERM test.)"""
+    (A resume with more steps, an override, is tested by test_terminal_stop.py's SIGTERM test.)"""
     import os
     import signal
 

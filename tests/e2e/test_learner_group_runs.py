@@ -1,6 +1,7 @@
-"""Runs whose learner is a group of two sharded ranks (resources.learner.num_workers=2): they
-learn, publish weights the engines serve, checkpoint, resume with one rank, and survive losing a
-rank. Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo).
+"""A run whose learner is a group of two sharded ranks (resources.learner.num_workers=2): it
+learns, publishes weights the engines serve, survives losing a rank, checkpoints, and its
+checkpoint resumes with one rank (the group's steps in sync mode: tests/integration/test_learner_group.py).
+Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo).
 
 Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 completions a step), so
 the reward climbs within 30 steps (a step takes ~0.7 s). Measured with 2 ranks, the last 8 steps'
@@ -42,27 +43,11 @@ def train(*args):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-def test_a_two_rank_learner_learns_and_its_checkpoint_resumes_with_one_rank(tmp_path, tiny_model_path):
-    run_dir = tmp_path / "group"
-    train("configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}", "trainer.steps=30", *PRACTICE,
-          "--run-dir", str(run_dir))  # fmt: skip
-    rows = read(run_dir / "metrics.jsonl")
-    assert [r["policy_version"] for r in rows] == list(range(1, 31))
-    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)  # the engines serve the gathered weights
-    assert gain(rows) > 0.1, [r["reward_mean"] for r in rows]
-    checkpoint = run_dir / "checkpoints" / "step_30"
-    assert (checkpoint / "trainer_state").is_dir() and (checkpoint / "model.safetensors").is_file()
-
-    train("--resume", str(run_dir), "trainer.steps=32", "resources.learner.num_workers=1")
-    rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows[-2:]] == [31, 32] and [r["policy_version"] for r in rows[-2:]] == [31, 32]
-    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows[-2:])
-
-
-def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp_path, tiny_model_path):
+def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_with_one_rank(tmp_path, tiny_model_path):
     """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
     learner-1 dies in step 6 and the run resumes from step_4 by itself (a group of two ranks
-    again) and finishes."""
+    again), learns and finishes; its last checkpoint (the ranks' shards) then resumes with one
+    rank."""
     import pickle
 
     import ray
@@ -105,3 +90,10 @@ def test_an_async_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp
     state = pickle.loads((run_dir / "checkpoints" / "step_4" / "rollout_state.pkl").read_bytes())
     assert set(state["producer_states"]) == {"env-pool-0"}
     assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])
+    checkpoint = run_dir / "checkpoints" / "step_30"
+    assert (checkpoint / "trainer_state").is_dir() and (checkpoint / "model.safetensors").is_file()
+
+    train("--resume", str(run_dir), "trainer.steps=32", "resources.learner.num_workers=1")
+    rows = read(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows[-2:]] == [31, 32] and [r["policy_version"] for r in rows[-2:]] == [31, 32]
+    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows[-2:])  # the engines serve the one rank's weights

@@ -242,3 +242,44 @@ def test_the_pod_monitor_scrapes_every_ray_pod_of_the_clusters():
             assert wanted.items() <= template["metadata"]["labels"].items()
             ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}
             assert ports[endpoint["port"]] == int(group["rayStartParams"]["metrics-export-port"])
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGKILL"])
+def test_what_the_command_started_ends_with_it_even_when_it_is_killed(tmp_path, stop):
+    """`rlpost monitor` as a user runs it: Ctrl-C (SIGINT) stops Prometheus and exits 0; a monitor
+    killed by SIGKILL takes its Prometheus with it (the kernel's parent-death signal)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from rlpost.local_cluster import free_ports
+
+    binary = tmp_path / "prometheus"
+    binary.write_text(FAKE_PROMETHEUS.format(python=sys.executable, record=str(tmp_path / "args")))
+    binary.chmod(0o755)
+    (port,) = free_ports(1)
+    log = tmp_path / "monitor.log"
+    with log.open("w") as out:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "rlpost.cli", "monitor", "--prometheus", str(binary), "--port", str(port),
+             "--ray-temp-dir", str(tmp_path / "ray"), "--data-dir", str(tmp_path / "work"), "--no-grafana"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while "Ctrl-C stops it" not in log.read_text():
+        assert command.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    pid = int(re.search(r"Prometheus at \S+ \(pid (\d+)", log.read_text()).group(1))
+    os.kill(command.pid, getattr(signal, stop))
+    code = command.wait(30)
+    if stop == "SIGINT":
+        assert code == 0 and "rlpost monitor: stopping" in log.read_text(), log.read_text()
+    else:
+        assert code == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"Prometheus (pid {pid}) outlived the monitor"
+        time.sleep(0.1)
