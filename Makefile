@@ -70,7 +70,7 @@ monitor: install monitoring-tools
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: 14m17s on 2026-12-01 late (1760 tests; 12m07s-13m42s earlier that day);
+# Xeon machine, idle: 14m17s-14m36s on 2026-12-01 late (1760-1762 tests; 12m07s-13m42s earlier that day);
 # 14m10s on 2026-11-29; 26-31 min before the e2e runs shared one Ray cluster. The 15 slowest
 # tests are printed at the end: the place to look first. `make test-long` runs the long tests
 # (the chaos runs, the stops from a terminal, the sharded learner's run, the tiny model's

@@ -231,8 +231,9 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
             )
         if settings.port != 9090:
             say(f"rlpost monitor: Ray's dashboard charts from it when Ray starts with RAY_PROMETHEUS_HOST={base}")
-        grafana = _start_grafana(settings, stack, work, say)
-        if grafana is None and settings.grafana is not None:
+        if settings.grafana is not None and shutil.which(settings.grafana) is not None:
+            _start_grafana(settings, stack, work, say)
+        elif settings.grafana is not None:
             say("rlpost monitor: Grafana is not installed (https://grafana.com/docs/grafana/latest/setup-grafana/"
                 "installation/); Prometheus's own pages chart every query of the dashboard")  # fmt: skip
         say("rlpost monitor: Ctrl-C stops it")
@@ -248,11 +249,9 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
 
 def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work: Path,
                    say: Callable[[str], None]) -> subprocess.Popen | None:  # fmt: skip
-    """Start Grafana on Ray's configuration when its binary is on PATH and a Ray session wrote
-    that configuration; None otherwise."""
-    binary = shutil.which(settings.grafana) if settings.grafana else None
-    if binary is None:
-        return None
+    """Start Grafana (its binary on PATH) on Ray's configuration when a Ray session wrote that
+    configuration; None otherwise."""
+    binary = shutil.which(settings.grafana)
     provisioned = provision_dashboard(settings.ray_temp_dir)
     command = grafana_command(binary, dataclasses.replace(settings, data_dir=work))
     if command is None or provisioned is None:

@@ -150,11 +150,13 @@ def test_the_dashboard_is_provisioned_beside_rays(tmp_path):
 
 FAKE_PROMETHEUS = """\
 #!{python}
-# answers /-/ready on the port of --web.listen-address, as Prometheus does, and records its arguments
+# answers every GET (Prometheus's /-/ready, Grafana's /api/health) on the port of its command
+# line (Prometheus's --web.listen-address, Grafana's cfg:server.http_port) and records its arguments
 import http.server, sys, pathlib
 args = sys.argv[1:]
 pathlib.Path({record!r}).write_text("\\n".join(args))
-port = int(next(a for a in args if a.startswith("--web.listen-address=")).rsplit(":", 1)[1])
+port = int(next(a for a in args if a.startswith(("--web.listen-address=", "cfg:server.http_port="))).rsplit(":", 1)[-1]
+           .rsplit("=", 1)[-1])
 class Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ready")
@@ -283,3 +285,34 @@ def test_what_the_command_started_ends_with_it_even_when_it_is_killed(tmp_path, 
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, f"Prometheus (pid {pid}) outlived the monitor"
         time.sleep(0.1)
+
+
+def test_grafana_starts_on_rays_configuration_when_it_is_installed(tmp_path, monkeypatch):
+    from rlpost.local_cluster import free_ports
+
+    binaries = {}
+    for name in ("prometheus", "grafana"):
+        binaries[name] = tmp_path / name
+        binaries[name].write_text(FAKE_PROMETHEUS.format(python=sys.executable, record=str(tmp_path / f"{name}.args")))
+        binaries[name].chmod(0o755)
+    grafana_dir = ray_session(tmp_path / "ray")
+    prometheus_port, grafana_port = free_ports(2)
+    settings = monitor.MonitorSettings(port=prometheus_port, ray_temp_dir=tmp_path / "ray", data_dir=tmp_path / "work",
+                                       prometheus=str(binaries["prometheus"]), grafana=str(binaries["grafana"]),
+                                       grafana_port=grafana_port)  # fmt: skip
+    lines: list[str] = []
+    stop = threading.Event()
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if line.endswith("Ctrl-C stops it"):
+            stop.set()
+
+    monkeypatch.setattr(monitor, "_stop_on_sigterm", lambda: _Yield(stop))
+    assert monitor.run_monitor(settings, say=say) == 0
+    args = (tmp_path / "grafana.args").read_text().splitlines()
+    assert args[:2] == ["server", f"--config={grafana_dir / 'grafana.ini'}"]
+    assert f"cfg:server.http_port={grafana_port}" in args
+    assert (grafana_dir / "dashboards" / monitoring.DASHBOARD_FILE).is_file()
+    assert any(f"Grafana at http://127.0.0.1:{grafana_port}/d/{monitoring.DASHBOARD_UID}" in line for line in lines)
+    assert not any("not installed" in line for line in lines)
