@@ -76,9 +76,9 @@ monitor: install monitoring-tools
 # (the chaos runs, the stops from a terminal, the sharded learner's run, the tiny model's
 # rebuild, the TorchRL-shaped GRPO scripts, the restarts of a fleet's replica and of a Ray replay
 # buffer, a node lost from a two-node cluster (1m51s-2m28s), a fleet scaled by `rlpost scale`
-# (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min)): 23m02s here on
-# 2026-12-01 with the Prometheus run, after 4 min of runs were folded into others (25m34s
-# before). CI runs the set-up (about 6 min from a fresh clone), then both: 46.5 min on
+# (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min)): 22m09s here on
+# 2026-12-01 (20 tests) with the Prometheus run, after 4 min of runs were folded into others
+# (25m34s before). CI runs the set-up (about 6 min from a fresh clone), then both: 46.5 min on
 # 2026-12-01 before that trim, about 44 min after it; budget 45 min. The two tiny models are
 # built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
 # machine, 9.5 min on another); the tests' fixtures then find them.
