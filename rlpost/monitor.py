@@ -100,42 +100,47 @@ def find_binary(name: str, what: str, install: str) -> str:
     return found
 
 
-def check_port_free(port: int, what: str) -> None:
+def check_port_free(port: int, what: str, option: str, hint: str = "") -> None:
+    """A ConfigError naming ``option`` when something listens on ``port`` of 127.0.0.1."""
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
             raise ConfigError(
-                f"port {port} on 127.0.0.1 is taken (another {what}? a distribution's service starts one "
-                "on 9090: `sudo systemctl stop prometheus`); pick another with --port"
+                f"port {port} on 127.0.0.1 is taken (another {what}?{hint}); pick another with {option}"
             ) from None
 
 
-def provision_dashboard(ray_temp_dir: Path) -> Path | None:
-    """Copy rlpost's dashboard into the Grafana dashboards folder of Ray's latest session (which
-    Ray's dashboard writes at each cluster start); the path written, None without a session."""
-    folder = ray_temp_dir / "session_latest" / "metrics" / "grafana" / "dashboards"
+def grafana_folder(ray_temp_dir: Path) -> Path:
+    """The Grafana configuration Ray's dashboard writes for its latest session."""
+    return ray_temp_dir / "session_latest" / "metrics" / "grafana"
+
+
+def provision_dashboard(ray_temp_dir: Path, board: Path) -> Path | None:
+    """Copy the dashboard file ``board`` into the Grafana dashboards folder of Ray's latest
+    session (which Ray's dashboard writes anew at each cluster start); the path written, None
+    without a session."""
+    folder = grafana_folder(ray_temp_dir) / "dashboards"
     if not folder.is_dir():
         return None
-    target = folder / monitoring.DASHBOARD_FILE
+    target = folder / board.name
     if not target.exists():
-        target.write_text(json.dumps(monitoring.dashboard(), indent=2))
+        shutil.copyfile(board, target)
     return target
 
 
-def grafana_command(binary: str, settings: MonitorSettings) -> list[str] | None:
+def grafana_command(binary: str, settings: MonitorSettings, data_dir: Path) -> list[str] | None:
     """Grafana's command line on Ray's configuration (its provisioning lists Ray's dashboards and
-    rlpost's), None while no Ray session wrote one."""
-    ini = settings.ray_temp_dir / "session_latest" / "metrics" / "grafana" / "grafana.ini"
+    rlpost's), keeping its data in ``data_dir``; None while no Ray session wrote one."""
+    ini = grafana_folder(settings.ray_temp_dir) / "grafana.ini"
     if not ini.is_file():
         return None
-    data = settings.data_dir or settings.ray_temp_dir
     return [
         binary,
         "server",
         f"--config={ini}",
         f"--homepath={settings.grafana_home}",
-        f"cfg:paths.data={data / 'grafana'}",
+        f"cfg:paths.data={data_dir / 'grafana'}",
         "cfg:server.http_addr=127.0.0.1",
         f"cfg:server.http_port={settings.grafana_port}",
     ]
@@ -200,7 +205,9 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
     Returns 0, or 1 when Prometheus exited on its own."""
     run_name = run_name_of(settings.run_dir) if settings.run_dir is not None else None
     prometheus = find_binary(settings.prometheus, "Prometheus", PROMETHEUS_INSTALL)
-    check_port_free(settings.port, "Prometheus")
+    check_port_free(
+        settings.port, "Prometheus", "--port", " a distribution's service starts one: `sudo systemctl stop prometheus`"
+    )
     with contextlib.ExitStack() as stack:
         if settings.data_dir is not None:
             work = settings.data_dir
@@ -209,7 +216,7 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpost-monitor-")))
         work.mkdir(parents=True, exist_ok=True)
-        _, rules = monitoring.write_files(work, settings.alerts)
+        board, rules = monitoring.write_files(work, settings.alerts)
         config = work / "prometheus.yml"
         config.write_text(yaml.safe_dump(prometheus_config(settings, rules), sort_keys=False))
         base = f"http://127.0.0.1:{settings.port}"
@@ -232,14 +239,14 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
         if settings.port != 9090:
             say(f"rlpost monitor: Ray's dashboard charts from it when Ray starts with RAY_PROMETHEUS_HOST={base}")
         if settings.grafana is not None and shutil.which(settings.grafana) is not None:
-            _start_grafana(settings, stack, work, say)
+            _start_grafana(settings, stack, work, board, say)
         elif settings.grafana is not None:
             say("rlpost monitor: Grafana is not installed (https://grafana.com/docs/grafana/latest/setup-grafana/"
                 "installation/); Prometheus's own pages chart every query of the dashboard")  # fmt: skip
         say("rlpost monitor: Ctrl-C stops it")
         with _stop_on_sigterm() as stop:
             while not stop.wait(2.0):
-                provision_dashboard(settings.ray_temp_dir)  # a cluster (re)started since
+                provision_dashboard(settings.ray_temp_dir, board)  # a cluster (re)started since
                 if process.poll() is not None:
                     say(f"rlpost monitor: Prometheus exited with code {process.returncode}: {_tail(log)}")
                     return 1
@@ -247,18 +254,16 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
     return 0
 
 
-def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work: Path,
-                   say: Callable[[str], None]) -> subprocess.Popen | None:  # fmt: skip
-    """Start Grafana (its binary on PATH) on Ray's configuration when a Ray session wrote that
-    configuration; None otherwise."""
-    binary = shutil.which(settings.grafana)
-    provisioned = provision_dashboard(settings.ray_temp_dir)
-    command = grafana_command(binary, dataclasses.replace(settings, data_dir=work))
-    if command is None or provisioned is None:
+def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work: Path, board: Path,
+                   say: Callable[[str], None]) -> None:  # fmt: skip
+    """Start Grafana (its binary on PATH) on Ray's configuration, with ``board`` provisioned beside
+    Ray's dashboards, when a Ray session wrote that configuration."""
+    command = grafana_command(shutil.which(settings.grafana), settings, work)
+    if command is None or provision_dashboard(settings.ray_temp_dir, board) is None:
         say(f"rlpost monitor: no Ray session in {settings.ray_temp_dir} yet: Grafana not started (start the "
             "cluster or the run first)")  # fmt: skip
-        return None
-    check_port_free(settings.grafana_port, "Grafana")
+        return
+    check_port_free(settings.grafana_port, "Grafana", "--grafana-port")
     log = work / "grafana.log"
     with log.open("w") as out:
         process = subprocess.Popen(
@@ -269,4 +274,3 @@ def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work:
     wait_until_ready(process, f"{base}/api/health", log, "Grafana")
     say(f"rlpost monitor: Grafana at {base}/d/{monitoring.DASHBOARD_UID} (pid {process.pid}; Ray's dashboards "
         "in its Ray folder)")  # fmt: skip
-    return process

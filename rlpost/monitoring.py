@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from rlpost.metrics import RayMetrics
+
 DASHBOARD_UID = "rlpost-run"
 DASHBOARD_FILE = "rlpost_grafana_dashboard.json"
 ALERTS_FILE = "rlpost_alerts.yml"
@@ -264,7 +266,8 @@ class AlertSettings:
 
 
 DEFAULT_ALERTS = AlertSettings()  # the thresholds of the files in deploy/monitoring
-RESTART_ROLES = ("inference", "env_pool", "reference", "buffer")  # the driver's restarts_<role> gauges
+# the roles of the driver's restarts_<role> gauges
+RESTART_ROLES = tuple(k.removeprefix("restarts_") for k in RayMetrics.GAUGES if k.startswith("restarts_"))
 
 
 def _duration(seconds: float) -> str:

@@ -121,8 +121,8 @@ def test_a_taken_port_and_bad_options_are_input_errors(capsys, tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is taken"):
-            monitor.check_port_free(port, "Prometheus")
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is taken .*pick another with --grafana-port"):
+            monitor.check_port_free(port, "Grafana", "--grafana-port")
     assert main(["monitor", "--port", "70000"]) == 2
     assert main(["monitor", str(tmp_path / "no-such-run")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -137,13 +137,14 @@ def ray_session(temp_dir: Path) -> Path:
 
 
 def test_the_dashboard_is_provisioned_beside_rays(tmp_path):
-    assert monitor.provision_dashboard(tmp_path) is None  # no session yet
+    board, _ = monitoring.write_files(tmp_path / "work")
+    assert monitor.provision_dashboard(tmp_path, board) is None  # no session yet
     grafana = ray_session(tmp_path)
-    path = monitor.provision_dashboard(tmp_path)
+    path = monitor.provision_dashboard(tmp_path, board)
     assert path == grafana / "dashboards" / monitoring.DASHBOARD_FILE
     assert json.loads(path.read_text())["uid"] == monitoring.DASHBOARD_UID
-    settings = monitor.MonitorSettings(ray_temp_dir=tmp_path, data_dir=tmp_path / "work", grafana_port=3123)
-    command = monitor.grafana_command("/usr/sbin/grafana", settings)
+    settings = monitor.MonitorSettings(ray_temp_dir=tmp_path, grafana_port=3123)
+    command = monitor.grafana_command("/usr/sbin/grafana", settings, tmp_path / "work")
     assert command[:3] == ["/usr/sbin/grafana", "server", f"--config={grafana / 'grafana.ini'}"]
     assert "cfg:server.http_port=3123" in command and f"cfg:paths.data={tmp_path / 'work' / 'grafana'}" in command
 
