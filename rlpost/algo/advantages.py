@@ -68,3 +68,34 @@ def group_advantages(
         advantages_gn = centred_gn
     # torch.where, not a multiply: with eps = 0 an all-equal group divides 0 by 0.
     return torch.where(is_equal_g1, torch.zeros_like(advantages_gn), advantages_gn)
+
+
+def distillation_advantages(
+    advantages_b: torch.Tensor,
+    teacher_logprobs_bt: torch.Tensor,
+    sampler_logprobs_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    coef: float,
+    use_reward: bool = True,
+) -> torch.Tensor:
+    """Per-token advantages ``[B, T]`` of on-policy distillation: each sequence's advantage
+    (when ``use_reward``) plus ``coef * (teacher_lp - sampler_lp)`` on each masked token, 0
+    elsewhere.
+
+    ``sampler_lp - teacher_lp`` is the per-token estimate of the reverse KL(student || teacher)
+    on tokens the student sampled; as a negative per-token reward under the policy gradient it
+    descends that KL with its score-function gradient (Agarwal et al. 2024, "On-Policy
+    Distillation of Language Models", arXiv:2306.13649; the per-token form used by Qwen3 and
+    Thinking Machines' on-policy distillation). A k3 penalty on the same tokens would only carry
+    the pathwise gradient, whose expectation is the forward KL's.
+    """
+    if teacher_logprobs_bt.shape != sampler_logprobs_bt.shape or mask_bt.shape != teacher_logprobs_bt.shape:
+        raise ValueError(
+            f"teacher {tuple(teacher_logprobs_bt.shape)}, sampler {tuple(sampler_logprobs_bt.shape)} and mask "
+            f"{tuple(mask_bt.shape)} log-probs must have the same [B, T] shape"
+        )
+    if advantages_b.shape != teacher_logprobs_bt.shape[:1]:
+        raise ValueError(f"advantages must be [B] = ({mask_bt.shape[0]},), got {tuple(advantages_b.shape)}")
+    gap_bt = (teacher_logprobs_bt.float() - sampler_logprobs_bt.float()).detach()
+    base_bt = advantages_b.float()[:, None].expand_as(gap_bt) if use_reward else torch.zeros_like(gap_bt)
+    return torch.where(mask_bt, base_bt + coef * gap_bt, 0.0)

@@ -9,6 +9,17 @@ the clipped surrogate of PPO (Schulman et al. 2017, arXiv:1707.06347) used by GR
 2024, "DeepSeekMath", arXiv:2402.03300). ``clip_eps=(eps_low, eps_high)`` with
 ``eps_high > eps_low`` is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476; 0.2, 0.28).
 
+``objective="cispo"`` is CISPO (MiniMax-M1, arXiv:2506.13585): the importance weight is clipped
+and held constant, and every token keeps its gradient::
+
+    objective_t = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * exp(lp - sg(lp))
+
+The last factor is 1 with the gradient of ``lp``, so the value is ``-clip(ratio) * A`` (the value
+TorchRL's ``CISPOLoss`` reports) and the gradient ``-clip(ratio) * A * grad(lp)``. TorchRL clamps
+the log-ratio itself, which zeroes the gradient of every clipped token: that is PPO's clip
+without its min, not CISPO, whose point is that no token (in particular the rare, high-ratio
+"fork" tokens of long reasoning) is dropped from the update.
+
 Each per-token term x_t (objective, KL, entropy) is reduced with the same ``aggregation``
 (m = mask, B = rows in the batch):
 
@@ -92,6 +103,8 @@ Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm", "none"
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm", "none")
 OffPolicyCorrection = Literal["none", "tis", "mis"]
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
+Objective = Literal["ppo", "cispo"]
+OBJECTIVES: tuple[str, ...] = ("ppo", "cispo")
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,6 +222,7 @@ def grpo_loss(
     off_policy_correction: OffPolicyCorrection = "none",
     off_policy_threshold: float = 2.0,
     proximal_logprobs: torch.Tensor | None = None,
+    objective: Objective = "ppo",
 ) -> GRPOLossTerms:
     """Compute the GRPO loss and its diagnostics (see the module docstring for the math).
 
@@ -235,6 +249,9 @@ def grpo_loss(
         off_policy_threshold: the importance-weight cap ``C`` of "tis" and "mis" (> 1).
         proximal_logprobs: [B, T] the learner's log-probs of the tokens under its weights at
             the start of the step (constants); None: ``logprobs`` detached.
+        objective: "ppo" (the clipped surrogate, GRPO and DAPO) or "cispo" (the clipped,
+            detached importance weight times the log-prob's gradient; module docstring).
+            ``clip_fraction`` counts, for "cispo", every token whose weight was clipped.
 
     Raises:
         ValueError: bad shapes (the message carries them), a non-bool mask, an unknown
@@ -251,6 +268,8 @@ def grpo_loss(
         )
     if not off_policy_threshold > 1.0:
         raise ValueError(f"off_policy_threshold must be > 1, got {off_policy_threshold!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if kl_coef != 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
     if entropy_coef != 0 and entropy is None:
@@ -266,13 +285,19 @@ def grpo_loss(
     weight_bt, corrected_bt = _importance_weights(prox_bt - old_bt, off_policy_correction, off_policy_threshold)
     log_ratio_bt = lp_bt - (old_bt if off_policy_correction == "none" else prox_bt)
     ratio_bt = log_ratio_bt.exp()
-    # -min(ratio*A, clip(ratio)*A) picks the clipped term strictly below the unclipped one on
-    # exactly these tokens; there clip() is constant, so their gradient is exactly zero.
-    clipped_low_bt = (ratio_bt < 1 - eps_low) & (adv_bt < 0)
-    clipped_high_bt = (ratio_bt > 1 + eps_high) & (adv_bt > 0)
-    clipped_bt = clipped_low_bt | clipped_high_bt
     clamped_ratio_bt = ratio_bt.clamp(1 - eps_low, 1 + eps_high)
-    objective_bt = -torch.where(clipped_bt, clamped_ratio_bt, ratio_bt) * adv_bt
+    if objective == "ppo":
+        # -min(ratio*A, clip(ratio)*A) picks the clipped term strictly below the unclipped one on
+        # exactly these tokens; there clip() is constant, so their gradient is exactly zero.
+        clipped_low_bt = (ratio_bt < 1 - eps_low) & (adv_bt < 0)
+        clipped_high_bt = (ratio_bt > 1 + eps_high) & (adv_bt > 0)
+        clipped_bt = clipped_low_bt | clipped_high_bt
+        objective_bt = -torch.where(clipped_bt, clamped_ratio_bt, ratio_bt) * adv_bt
+    else:  # cispo: a constant, clipped weight on every token's log-prob gradient
+        clipped_low_bt, clipped_high_bt = ratio_bt < 1 - eps_low, ratio_bt > 1 + eps_high
+        clipped_bt = clipped_low_bt | clipped_high_bt
+        score_bt = (lp_bt - lp_bt.detach()).exp()  # 1, with the gradient of lp
+        objective_bt = -clamped_ratio_bt.detach() * adv_bt * score_bt
     if weight_bt is not None:
         objective_bt = weight_bt * objective_bt
 

@@ -1,7 +1,37 @@
-"""Seed-named objectives wrapping the pure math of :mod:`rlpost.algo` for batches of samples."""
+"""TorchRL's LLM objectives (``torchrl.objectives.llm``) over TensorDict batches, on the pure math
+of :mod:`rlpost.algo`: the policy losses GRPOLoss, DAPO and CISPOLoss; SFTLoss and
+DistillationLoss on chat histories; MCAdvantage (group advantages on write) with its
+MCAdvantageSelector, and TopKRewardSelector (expert iteration's top-k)."""
 
 from rlpost.algo.kl import k3_kl_token_estimate
-from rlpost.objectives.grpo import GRPOLoss, GRPOLossOutput, LLMLossOutput
+from rlpost.objectives.distillation import DistillationLoss, DistillationLossOutput
+from rlpost.objectives.grpo import (
+    DAPO,
+    CISPOLoss,
+    CISPOLossOutput,
+    DAPOLossOutput,
+    GRPOLoss,
+    GRPOLossOutput,
+    LLMLossOutput,
+)
 from rlpost.objectives.mc_advantage import MCAdvantage
+from rlpost.objectives.selection import MCAdvantageSelector, TopKRewardSelector
+from rlpost.objectives.sft import SFTLoss, SFTLossOutput
 
-__all__ = ["GRPOLoss", "GRPOLossOutput", "LLMLossOutput", "MCAdvantage", "k3_kl_token_estimate"]
+__all__ = [
+    "CISPOLoss",
+    "CISPOLossOutput",
+    "DAPO",
+    "DAPOLossOutput",
+    "DistillationLoss",
+    "DistillationLossOutput",
+    "GRPOLoss",
+    "GRPOLossOutput",
+    "LLMLossOutput",
+    "MCAdvantage",
+    "MCAdvantageSelector",
+    "SFTLoss",
+    "SFTLossOutput",
+    "TopKRewardSelector",
+    "k3_kl_token_estimate",
+]

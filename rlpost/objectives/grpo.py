@@ -1,4 +1,4 @@
-"""GRPOLoss and GRPOLossOutput: TorchRL's GRPO loss module (``torchrl.objectives.llm``).
+"""GRPOLoss, DAPO and CISPOLoss, and their outputs: TorchRL's policy losses of ``torchrl.objectives.llm``.
 
 The module reads a TensorDict batch, scores its tokens with the actor (the current policy, with
 its graph) and applies :func:`rlpost.algo.grpo_loss`; the math lives in :mod:`rlpost.algo`, so a
@@ -135,6 +135,16 @@ class GRPOLossOutput(LLMLossOutput):
     :class:`LLMLossOutput`."""
 
 
+class DAPOLossOutput(LLMLossOutput):
+    """What :class:`DAPO` returns (TorchRL's ``DAPOLossOutput``): the fields of
+    :class:`LLMLossOutput`."""
+
+
+class CISPOLossOutput(LLMLossOutput):
+    """What :class:`CISPOLoss` returns (TorchRL's ``CISPOLossOutput``): the fields of
+    :class:`LLMLossOutput`."""
+
+
 class GRPOLoss(torch.nn.Module):
     """GRPO / DAPO / Dr.GRPO loss over a TensorDict batch; see the module docstring.
 
@@ -214,6 +224,9 @@ class GRPOLoss(torch.nn.Module):
         proximal_log_probs: NestedKey = "proximal_log_probs"
 
     default_keys = _AcceptedKeys
+    output_type: type[LLMLossOutput] = GRPOLossOutput
+    # the per-token objective of rlpost.algo.grpo_loss: "ppo" (the clipped surrogate) or "cispo"
+    objective: str = "ppo"
 
     def __init__(
         self,
@@ -369,7 +382,7 @@ class GRPOLoss(torch.nn.Module):
             out.update(
                 loss_kl_to_inference=loss_field(terms.loss_kl_to_inference), kl_to_inference=terms.kl_to_inference
             )
-        return GRPOLossOutput(**out, batch_size=[])
+        return self.output_type(**out, batch_size=[])
 
     def loss_terms(self, tensordict: TensorDictBase, normaliser: float | None = None) -> GRPOLossTerms:
         """The terms :func:`rlpost.algo.grpo_loss` (or the ``loss_function`` given) computes
@@ -413,10 +426,11 @@ class GRPOLoss(torch.nn.Module):
             entropy_bt = -logprobs_bt if want_entropy else None
         if self.kl_mask_threshold is not None:
             mask_bt = mask_bt & trust_region_mask(logprobs_bt, old_bt, self.kl_mask_threshold).to(mask_bt.device)
-        correction = {}  # passed only when used, so a custom loss_function without them still works
+        # passed only when used, so a custom loss_function without them still works
+        correction = {} if self.objective == "ppo" else {"objective": self.objective}
         if self.off_policy_correction != "none":
             prox_bt = _read(td, keys.proximal_log_probs, 0.0)
-            correction = dict(
+            correction.update(
                 off_policy_correction=self.off_policy_correction,
                 off_policy_threshold=self.off_policy_threshold,
                 proximal_logprobs=None
@@ -592,6 +606,48 @@ class GRPOLoss(torch.nn.Module):
         return getattr(self.actor_network, attribute, default)
 
 
+class DAPO(GRPOLoss):
+    """DAPO's loss (Yu et al. 2025, arXiv:2503.14476): :class:`GRPOLoss` with clip-higher
+    (``clip_epsilon=(0.2, 0.28)`` by default, the paper's Eq. 10) and the token-level mean
+    (``aggregation="token_mean"``). Its other two parts act on the data, not the loss: dynamic
+    sampling is ``MCAdvantage(filter_equal_rewards=True)`` (or ``keep_return_bounds``), and
+    overlong shaping is a reward transform.
+
+    Deliberate deviation: TorchRL's ``DAPO`` cannot be built (at pytorch/rl ae9719f its
+    ``__init__`` is a misplaced KL helper); this one takes :class:`GRPOLoss`'s arguments, with
+    those two defaults, and refuses ``eps_high < eps_low`` (a clip that is tighter upward than
+    downward is not clip-higher).
+    """
+
+    output_type = DAPOLossOutput
+
+    def __init__(self, actor_network=None, *, clip_epsilon: float | tuple[float, float] = (0.2, 0.28), **kwargs):
+        super().__init__(actor_network, clip_epsilon=clip_epsilon, **kwargs)
+        if float(self.clip_epsilon_high) < float(self.clip_epsilon_low):
+            raise ValueError(
+                f"DAPO's clip-higher needs eps_high >= eps_low, got clip_epsilon={clip_epsilon!r} "
+                "(recommended: (0.2, 0.28))"
+            )
+
+
+class CISPOLoss(GRPOLoss):
+    """CISPO's loss (MiniMax-M1, arXiv:2506.13585): :class:`GRPOLoss` whose per-token objective
+    is the clipped importance weight, held constant, times the log-prob's gradient::
+
+        loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A    (gradient: that times grad log p)
+
+    Deliberate deviation: TorchRL's ``CISPOLoss`` clamps the log-ratio inside the graph, so a
+    clipped token has no gradient at all (PPO's clip without its min), which is the very thing
+    CISPO was made to avoid; here every counted token keeps its gradient, scaled by its clipped
+    weight. The reported value is TorchRL's (``-clip(ratio) * A``, aggregated), and
+    ``clip_fraction`` is the share of counted tokens whose weight was clipped, as in TorchRL.
+    The arguments are :class:`GRPOLoss`'s.
+    """
+
+    output_type = CISPOLossOutput
+    objective = "cispo"
+
+
 # ------------------------------------------------------------------------------------ helpers
 
 
@@ -713,4 +769,4 @@ def _same_key(a: NestedKey, b: NestedKey) -> bool:
     return as_tuple(a) == as_tuple(b)
 
 
-__all__ = ["GRPOLoss", "GRPOLossOutput"]
+__all__ = ["CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput"]

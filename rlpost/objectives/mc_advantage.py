@@ -322,33 +322,7 @@ class MCAdvantage:
         return lazy_stack(released, 0)
 
     def _trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
-        if tensordict.ndim == 0:
-            raise ValueError(
-                "MCAdvantage.inv needs steps along a batch dimension (got batch size []); "
-                "a buffer's add() adds that dimension itself"
-            )
-        if tensordict.ndim > 2:
-            tensordict = tensordict.flatten(0, -2)
-        rows = tensordict.unbind(0) if tensordict.ndim == 2 else (tensordict,)
-        return [traj for row in rows for traj in self._split_at_done(row)]
-
-    def _split_at_done(self, steps: TensorDictBase) -> list[TensorDictBase]:
-        num_steps = steps.shape[0]
-        if num_steps == 0:
-            return []
-        done = _get(steps, self.done_key, "done_key")
-        done = torch.as_tensor(done).reshape(num_steps, -1).any(-1)
-        ends = done.nonzero().flatten().tolist()
-        if not ends or ends[-1] != num_steps - 1:
-            raise RuntimeError(
-                f"MCAdvantage expects complete trajectories: the last of {num_steps} steps written has "
-                f"{self.done_key!r} False (write trajectories once they are done)"
-            )
-        pieces, start = [], 0
-        for end in ends:
-            pieces.append(steps[start : end + 1])
-            start = end + 1
-        return pieces
+        return split_trajectories(tensordict, self.done_key, "MCAdvantage")
 
     def _group_of(self, traj: TensorDictBase) -> Hashable:
         return _hashable(_get(traj[0], self.prompt_key, "prompt_key"), self.prompt_key)
@@ -506,6 +480,42 @@ class MCAdvantage:
 
 
 _MISSING = object()
+
+
+def split_trajectories(tensordict: TensorDictBase, done_key: Any, who: str) -> list[TensorDictBase]:
+    """The complete trajectories of a write: a 1-D TensorDict of steps laid end to end (each
+    trajectory ending with ``done``), 2-D ``[B, T]`` (each row such steps) or more (flattened to
+    2-D). ``who`` names the transform in errors.
+
+    Raises:
+        ValueError: a TensorDict without a batch dimension.
+        RuntimeError: steps after the last ``done`` (an unfinished trajectory).
+    """
+    if tensordict.ndim == 0:
+        raise ValueError(
+            f"{who}.inv needs steps along a batch dimension (got batch size []); a buffer's add() adds that "
+            "dimension itself"
+        )
+    if tensordict.ndim > 2:
+        tensordict = tensordict.flatten(0, -2)
+    rows = tensordict.unbind(0) if tensordict.ndim == 2 else (tensordict,)
+    pieces = []
+    for steps in rows:
+        num_steps = steps.shape[0]
+        if num_steps == 0:
+            continue
+        done = torch.as_tensor(_get(steps, done_key, "done_key")).reshape(num_steps, -1).any(-1)
+        ends = done.nonzero().flatten().tolist()
+        if not ends or ends[-1] != num_steps - 1:
+            raise RuntimeError(
+                f"{who} expects complete trajectories: the last of {num_steps} steps written has {done_key!r} "
+                "False (write trajectories once they are done)"
+            )
+        start = 0
+        for end in ends:
+            pieces.append(steps[start : end + 1])
+            start = end + 1
+    return pieces
 
 
 def _get(sample: Any, key: Any, argument: str) -> Any:

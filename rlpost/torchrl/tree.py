@@ -101,18 +101,11 @@ _TOOLS = _missing(
     "XMLBlockParser",
     "BrowserTransform",
 )
-_NEW_LOSSES = _missing(
-    NOT_YET,
-    "CISPOLoss",
-    "CISPOLossOutput",
-    "DAPO",
-    "DAPOLossOutput",
-    "MCAdvantageSelector",
-    "RayMCAdvantage",
-)
-_DISTILLATION = _missing(NOT_YET, "DistillationLoss", "DistillationLossOutput") | _same(
-    "rlpost.objectives", "k3_kl_token_estimate"
-)
+_NEW_LOSSES = _same(
+    "rlpost.objectives", "CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "MCAdvantageSelector"
+) | _missing(NOT_YET, "RayMCAdvantage")
+_DISTILLATION = _same("rlpost.objectives", "DistillationLoss", "DistillationLossOutput", "k3_kl_token_estimate")
+_SFT = _same("rlpost.objectives", "SFTLoss", "SFTLossOutput")
 _VLLM_SYNC = _same("rlpost.collect.weight_sync", "VLLMWeightReceiver", "VLLMWeightSender", "VLLMWeightSyncScheme")
 _VLLM_SYNC |= _missing(
     "rlpost's weight bus is reached through VLLMWeightSyncScheme's sender or vLLMUpdater", "VLLMCollectiveTransport"
@@ -150,7 +143,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _same("rlpost.data.specs", "Unbounded")
     | _missing(NOT_YET, "TensorDictReplayBuffer", "PrioritizedSampler"),
     "data.llm": _HISTORY
-    | _missing(NOT_YET, "TopKRewardSelector")
+    | _same("rlpost.objectives", "TopKRewardSelector")
     | _missing(
         RLHF_DATA,
         "AdaptiveKLController",
@@ -166,7 +159,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
         "get_dataloader",
     ),
     "data.llm.history": _HISTORY,
-    "data.llm.topk": _missing(NOT_YET, "TopKRewardSelector"),
+    "data.llm.topk": _same("rlpost.objectives", "TopKRewardSelector"),
     "data.replay_buffers.ray_buffer": _same("rlpost.data", "RayReplayBuffer"),
     # envs
     "envs": _same("rlpost.envs", "AsyncEnvPool", "StepCounter", "Transform")
@@ -252,11 +245,11 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     "objectives.llm": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput", "MCAdvantage")
     | _NEW_LOSSES
     | _DISTILLATION
-    | _missing(NOT_YET, "SFTLoss", "SFTLossOutput"),
+    | _SFT,
     "objectives.llm.grpo": _same("rlpost.objectives", "GRPOLoss", "GRPOLossOutput", "MCAdvantage")
     | {name: _NEW_LOSSES[name] for name in ("CISPOLoss", "CISPOLossOutput", "MCAdvantageSelector", "RayMCAdvantage")},
     "objectives.llm.distillation": _DISTILLATION,
-    "objectives.llm.sft": _missing(NOT_YET, "SFTLoss"),
+    "objectives.llm.sft": {"SFTLoss": _SFT["SFTLoss"]},
     # weight updates
     "weight_update.llm": _VLLM_SYNC
     | _VLLM_DOUBLE_BUFFER

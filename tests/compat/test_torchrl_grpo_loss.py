@@ -15,7 +15,7 @@ from tensordict import MetaData, TensorDict, set_list_to_stack
 
 from rlpost.data import History
 from rlpost.envs import RetrieveKL
-from rlpost.objectives import GRPOLoss, GRPOLossOutput
+from rlpost.objectives import DAPO, CISPOLoss, CISPOLossOutput, DAPOLossOutput, GRPOLoss, GRPOLossOutput
 from rlpost.policies import ChatHistory, Masks, TransformersWrapper
 
 pytestmark = pytest.mark.compat
@@ -226,3 +226,37 @@ def test_reference_log_probs_from_retrieve_kl(hf_model, tokenizer):
     loss_fn = GRPOLoss(policy.get_new_version(generate=False), kl_to_ref_coeff=0.1, entropy_bonus=False)
     out = loss_fn(batch)
     assert abs(out.kl_to_ref.item()) < 1e-5 and abs(out.loss_kl_to_ref.item()) < 1e-6
+
+
+def test_dapo_class(actor_network, data):
+    """TorchRL's ``DAPO`` (which cannot be built at ae9719f): clip-higher by default, DAPO's
+    output type, the GRPO value under the same clip."""
+    loss_fn = DAPO(actor_network)
+    assert (float(loss_fn.clip_epsilon_low), float(loss_fn.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
+    out = loss_fn(data)
+    assert isinstance(out, DAPOLossOutput)
+    same = GRPOLoss(actor_network, clip_epsilon=(0.2, 0.28))(data)
+    torch.testing.assert_close(out.loss_objective, same.loss_objective)
+    with pytest.raises(ValueError, match="eps_high >= eps_low"):
+        DAPO(actor_network, clip_epsilon=(0.3, 0.2))
+
+
+def test_cispo(actor_network, data):
+    """TorchRL's ``TestLosses.test_cispo``, plus the value TorchRL reports: the token mean of
+    ``-clip(ratio) * A`` over the response."""
+    loss_fn = CISPOLoss(actor_network, clip_epsilon=0.20)
+    loss_vals = loss_fn(data)
+    assert isinstance(loss_vals, CISPOLossOutput), f"Expected CISPOLossOutput, got {type(loss_vals)}"
+    for name in ("loss_objective", "clip_fraction", "kl_approx", "ESS", "entropy", "loss_entropy"):
+        assert hasattr(loss_vals, name), f"Missing {name}"
+    for name in ("loss_objective", "clip_fraction", "kl_approx", "ESS"):
+        assert getattr(loss_vals, name).shape == (), f"{name} should be scalar"
+    assert torch.isfinite(loss_vals.loss_objective) and torch.isfinite(loss_vals.ESS)
+    assert 0 <= loss_vals.clip_fraction <= 1
+    lp, response = manual_response_logprobs(actor_network.model, data)
+    ratio = (lp - data["log_probs", "full"][0]).exp()[response]
+    advantage = data["advantage"][0, :, 0][response]
+    expected = -(ratio.clamp(0.8, 1.2) * advantage).mean()
+    assert loss_vals.loss_objective.item() == pytest.approx(expected.item(), rel=1e-4)
+    clipped = ((ratio < 0.8) | (ratio > 1.2)).float().mean()
+    assert loss_vals.clip_fraction.item() == pytest.approx(clipped.item(), abs=1e-6)

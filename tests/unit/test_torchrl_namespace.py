@@ -411,15 +411,16 @@ def test_star_imports_give_the_modules_all_and_the_names_are_the_same_objects():
 
 
 def test_a_missing_name_imports_and_raises_at_use_naming_why():
-    from rlpost.torchrl.modules.llm import SGLangWrapper
-    from rlpost.torchrl.objectives.llm import SFTLoss
+    from rlpost.torchrl.modules.llm import RemoteTransformersWrapper, SGLangWrapper
 
-    for use in (lambda: SFTLoss(), lambda: SFTLoss.default_keys, lambda: types.new_class("Mine", (SFTLoss,))):
-        with pytest.raises(NotImplementedError, match="SFTLoss: not implemented yet in rlpost"):
+    missing = RemoteTransformersWrapper
+    for use in (lambda: missing(), lambda: missing.default_keys, lambda: types.new_class("Mine", (missing,))):
+        with pytest.raises(NotImplementedError, match="RemoteTransformersWrapper: not implemented yet in rlpost"):
             use()
     with pytest.raises(NotImplementedError, match="vLLM only: use vLLMWrapper"):
         SGLangWrapper(None)
-    assert resolve("objectives.llm.sft", "SFTLoss") is SFTLoss  # one placeholder per name
+    # one placeholder per name, whatever path it is imported from
+    assert resolve("modules.llm.policies", "RemoteTransformersWrapper") is missing
 
 
 def test_unknown_paths_and_names_are_clear_errors():
