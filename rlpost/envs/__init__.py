@@ -13,14 +13,21 @@
   which builds the env of a job config,
 - GSM8K (:mod:`rlpost.envs.gsm8k`): :func:`make_gsm8k_env`, the prompt transform
   :class:`GSM8KPrepareQuestion` (and :class:`GSM8KEnv`, :class:`GSM8KRewardParser`),
-- IFEval (:mod:`rlpost.envs.ifeval`): :class:`IFEvalEnv`, the reward transform
-  :class:`IfEvalScorer` and its :class:`IFEvalScoreData`,
+- IFEval (:mod:`rlpost.envs.ifeval`): :class:`IFEvalEnv`, its rows :class:`IFEvalData`, the
+  reward transform :class:`IfEvalScorer` and its :class:`IFEvalScoreData`,
+- MATH (:mod:`rlpost.envs.math`: :class:`MATHEnv`, :class:`MATHRewardParser`, math-verify
+  checked) and Countdown (:mod:`rlpost.envs.countdown`: :class:`CountdownEnv`,
+  :class:`CountdownRewardParser`, generated problems, exact arithmetic),
 - ``as_nested_tensor`` / ``as_padded_tensor`` (stacking rows of different lengths; they live in
   :mod:`rlpost.data` and are re-exported here and in :mod:`rlpost.envs.transforms`, TorchRL's
   place for them),
 - KL to a reference model, as transforms: :class:`RetrieveLogProb`, :class:`KLComputation`,
   :class:`RetrieveKL`, the legacy :class:`KLRewardTransform`, and their shared Ray-actor forms
   :class:`RayRetrieveKL` / :class:`RayKLRewardTransform`,
+- TorchRL's tool layer: :class:`ToolRegistry` of :class:`ToolService` objects run by
+  :class:`ExecuteToolsInOrder` from calls :class:`XMLBlockParser` / :class:`JSONCallParser` read,
+  :class:`PythonExecutorService` (sandboxed), :class:`MCPToolTransform` (MCP servers),
+  :class:`BrowserTransform` (playwright, when installed) and :class:`IncrementalTokenizer`,
 - :mod:`rlpost.envs.tools` (the sandboxed ``run_python`` / ``PythonSession``, over
   :mod:`rlpost.envs.sandbox`), :mod:`rlpost.envs.function_pool` (user functions with a time
   limit) and :mod:`rlpost.envs.rewards`.
@@ -29,11 +36,14 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 """
 
 from rlpost.envs.async_pool import AsyncEnvPool
+from rlpost.envs.browser import BrowserTransform
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
+from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv, RayDataLoadingPrimer
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
-from rlpost.envs.ifeval import IFEvalEnv, IFEvalScoreData, IfEvalScorer
+from rlpost.envs.ifeval import IFEvalData, IFEvalEnv, IFEvalScoreData, IfEvalScorer
+from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.kl import (
     KLComputation,
     KLRewardTransform,
@@ -44,7 +54,10 @@ from rlpost.envs.kl import (
 )
 from rlpost.envs.llm_env import LLMEnv, LLMHashingEnv
 from rlpost.envs.llm_transforms import AddThinkingPrompt, PolicyVersion, StepCounter, TemplateTransform, Tokenizer
+from rlpost.envs.math import MATHEnv, MATHRewardParser
+from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
+from rlpost.envs.python_executor import PythonExecutorService
 from rlpost.envs.tasks import (
     AnswerRewardParser,
     ArithmeticEnv,
@@ -54,6 +67,8 @@ from rlpost.envs.tasks import (
     UserReward,
     make_env,
 )
+from rlpost.envs.tool_parsers import JSONCallParser, XMLBlockParser
+from rlpost.envs.tool_services import ExecuteToolsInOrder, ToolRegistry, ToolService
 from rlpost.envs.transforms import (
     Compose,
     HermesToolCallParser,
@@ -69,27 +84,38 @@ from rlpost.envs.transforms import (
 __all__ = [
     "AddThinkingPrompt",
     "AnswerRewardParser",
-    "AsyncEnvPool",
     "ArithmeticEnv",
+    "AsyncEnvPool",
+    "BrowserTransform",
     "ChatEnv",
     "Compose",
+    "CountdownEnv",
+    "CountdownRewardParser",
     "DataLoadingPrimer",
     "DatasetChatEnv",
     "EnvBase",
     "EnvInputError",
+    "ExecuteToolsInOrder",
     "GSM8KEnv",
     "GSM8KPrepareQuestion",
     "GSM8KRewardParser",
     "HermesToolCallParser",
+    "IFEvalData",
     "IFEvalEnv",
     "IFEvalScoreData",
     "IfEvalScorer",
+    "IncrementalTokenizer",
+    "JSONCallParser",
     "KLComputation",
     "KLRewardTransform",
     "LLMEnv",
     "LLMHashingEnv",
+    "MATHEnv",
+    "MATHRewardParser",
+    "MCPToolTransform",
     "MLGymWrapper",
     "PolicyVersion",
+    "PythonExecutorService",
     "PythonInterpreter",
     "RayDataLoadingPrimer",
     "RayKLRewardTransform",
@@ -103,9 +129,12 @@ __all__ = [
     "Tokenizer",
     "ToolArithmeticEnv",
     "ToolCall",
+    "ToolRegistry",
+    "ToolService",
     "Transform",
     "TransformedEnv",
     "UserReward",
+    "XMLBlockParser",
     "as_nested_tensor",
     "as_padded_tensor",
     "make_env",

@@ -256,11 +256,11 @@ class GSM8KRewardParser(Transform):
         correct, error = False, None
         if has_answer:
             try:
-                target = gsm8k_target(answer_field)
+                target = self.reference(answer_field)
             except ValueError as exc:
                 error = self._count("ValueError", f"bad reference answer: {exc}")
             else:
-                correct, error = self._verify(answer, target)
+                correct, error = self.judge(answer, target)
         if correct:
             right = self.correct_reward
         elif has_answer and error is None:
@@ -271,6 +271,17 @@ class GSM8KRewardParser(Transform):
             "reward_answer": float(has_answer), "reward_think": float(bool(think)), "reward_right": right,
             "reward": right, "success": correct, "answered": answered,
         }  # fmt: skip
+
+    def reference(self, answer_field: Any) -> Any:
+        """The reference a response is judged against, read from the dataset's answer field: for
+        GSM8K the text after ``####``. ``ValueError`` for a malformed row (it then scores 0 and
+        is counted in ``errors["ValueError"]``). A task's parser overrides it (MATH, Countdown)."""
+        return gsm8k_target(answer_field)
+
+    def judge(self, answer: str, reference: Any) -> tuple[bool, str | None]:
+        """``(right, error type or None)`` of the answer tag's content against :meth:`reference`'s
+        value; for GSM8K the normalised strings, then math-verify."""
+        return self._verify(answer, reference)
 
     def _strip_end(self, completion: str) -> str:
         text = completion
@@ -298,8 +309,8 @@ class GSM8KRewardParser(Transform):
     def _count(self, error: str, detail: str) -> str:
         if not self.errors[error]:
             logger.warning(
-                "GSM8KRewardParser: %s; the sample scores 0 (counted in reward_errors; logged once per error "
-                "type): %s", error, detail,
+                "%s: %s; the sample scores 0 (counted in reward_errors; logged once per error type): %s",
+                type(self).__name__, error, detail,
             )  # fmt: skip
         self.errors[error] += 1
         return error

@@ -1,6 +1,6 @@
 """IFEval (Zhou et al. 2023, "Instruction-Following Evaluation for Large Language Models") as a
-chat env and a reward transform, with TorchRL's API: :class:`IFEvalEnv`, :class:`IfEvalScorer`
-and :class:`IFEvalScoreData`.
+chat env and a reward transform, with TorchRL's API: :class:`IFEvalEnv`, :class:`IfEvalScorer`,
+:class:`IFEvalScoreData` and the row record :class:`IFEvalData`.
 
 An IFEval row is a prompt with verifiable instructions: ``instruction_id_list`` (e.g.
 ``["punctuation:no_comma", "length_constraints:number_words"]``) and ``kwargs``, one dict of
@@ -50,6 +50,9 @@ Deliberate deviations from TorchRL (each tested):
   at 0 when the user has not fixed it; otherwise the same response could score differently.
 - :class:`IFEvalScoreData` fields are always bool tensors (a missing field is False, TorchRL's is
   a float 0), and its spec gives them their trailing dim (1 or the number of instructions).
+- :class:`IFEvalData`'s spec has no ``feature_dims`` (rlpost's ``NonTensor`` spec has none), and
+  :class:`IFEvalEnv` does not restrict its columns to it unless ``primers=`` is passed (TorchRL's
+  env always does, so a dataset without a ``key`` column fails there).
 - :class:`IFEvalEnv` defaults to ``"google/IFEval"`` (TorchRL spells it ``"google/IFeval"``; the
   hub resolves both), and with ``compute_reward`` checks every row when it is built.
 """
@@ -72,8 +75,8 @@ from rlpost.envs.tasks import add_reward
 from rlpost.envs.transforms import Transform
 
 __all__ = [
-    "IFEVAL_SYSTEM_PROMPT", "PUNKT_INSTRUCTIONS", "IFEvalColumns", "IFEvalEnv", "IFEvalScoreData", "IfEvalScorer",
-    "PromptAsQuery", "require_punkt",
+    "IFEVAL_SYSTEM_PROMPT", "PUNKT_INSTRUCTIONS", "IFEvalColumns", "IFEvalData", "IFEvalEnv", "IFEvalScoreData",
+    "IfEvalScorer", "PromptAsQuery", "require_punkt",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -226,6 +229,46 @@ class IFEvalScoreData(TensorClass["nocast"]):
             name: specs.Unbounded((*shape, 1 if name.startswith("prompt") else -1), dtype=torch.bool, device=device)
             for name in _FIELDS
         }
+        return specs.Composite(entries, shape=shape, device=device, data_cls=cls, step_mdp_static=True)
+
+
+class IFEvalData(TensorClass["nocast"]):
+    """An IFEval row as :class:`IFEvalEnv` writes it at reset (TorchRL's ``IFEvalData``), with room
+    for what the policy and the scorer add.
+
+    Fields:
+        key: the row's id (int64, ``[*batch]``).
+        instruction_id_list: the row's instruction ids (a list of strings per row).
+        kwargs: one dict of checker arguments per instruction (a list of dicts per row).
+        query: the prompt.
+        response, tokens, tokens_response, logits, reward: optional (None until set).
+
+    :meth:`default_spec` describes the first four; as ``primers=`` of an :class:`IFEvalEnv` (what
+    TorchRL's env passes itself) it makes the env write only those columns of each row.
+    """
+
+    key: torch.Tensor
+    instruction_id_list: list[str]
+    kwargs: list[dict]
+    query: str
+    response: str | None = None
+    tokens: torch.Tensor | None = None
+    tokens_response: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    reward: torch.Tensor | None = None
+
+    @classmethod
+    def default_spec(cls, shape=(), device: torch.device | str | None = None) -> specs.Composite:
+        """The spec of rows of batch ``shape``: an int64 ``key`` and non-tensor
+        ``instruction_id_list``, ``kwargs`` and ``query`` (each with an example from IFEval)."""
+        shape = tuple(shape)
+        examples = {
+            "instruction_id_list": ["punctuation:no_comma"],
+            "kwargs": [{"num_highlights": None, "relation": None, "num_placeholders": None}],
+            "query": "Write a short note to a neighbour about a missing cat. Do not use any commas.",
+        }
+        entries: dict[str, specs.TensorSpec] = {"key": specs.Unbounded(shape, dtype=torch.int64, device=device)}
+        entries |= {name: specs.NonTensor(shape, device=device, example_data=value) for name, value in examples.items()}
         return specs.Composite(entries, shape=shape, device=device, data_cls=cls, step_mdp_static=True)
 
 

@@ -27,14 +27,13 @@ whose turn called no tool (a tool-using episode goes on only while there is a re
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +41,7 @@ from tensordict import TensorDictBase
 
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.sandbox import check_sandbox
+from rlpost.envs.python_executor import PythonExecutor, RayExecutorHandle, check_run_options, result_from_execution
 from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks, format_tool_response, run_python
 
 if TYPE_CHECKING:
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
 
 _OPEN, _CLOSE = "<tool_response>\n", "\n</tool_response>"
 TOOL_STAT_KEYS = ("tool_calls", "tool_errors", "tool_time_s")  # per row of ``next``, summed over tools
+DEFAULT_PYTHON_TIMEOUT_S = 10.0  # TorchRL's PythonInterpreter default
 
 
 class Transform:
@@ -215,7 +215,11 @@ class ToolTransformBase(Transform):
     message with the results and count calls, errors and seconds. Subclasses say how to find
     calls (:meth:`find_calls`), run one (:meth:`run_call`) and render a row's results
     (:meth:`render`). A failing call is reported to the model in the message; nothing raises.
+    With ``stop_on_error`` (TorchRL's option of ``ExecuteToolsInOrder``) a row's calls after its
+    first failure are not run.
     """
+
+    stop_on_error: bool = False
 
     def __init__(self, *, tool_role: str = "tool", max_workers: int = 1) -> None:
         super().__init__()
@@ -262,7 +266,11 @@ class ToolTransformBase(Transform):
     def _run_rows(self, rows: list[int], calls_per_row: list[list], td: TensorDictBase) -> list:
         def run_row(i: int) -> tuple[list[str], list[bool], float]:
             start = time.monotonic()
-            outcomes = [self.run_call(call, i, td) for call in calls_per_row[i]]
+            outcomes = []
+            for call in calls_per_row[i]:
+                outcomes.append(self.run_call(call, i, td))
+                if self.stop_on_error and not outcomes[-1][1]:
+                    break
             return [text for text, _ in outcomes], [ok for _, ok in outcomes], time.monotonic() - start
 
         if self.max_workers == 1 or len(rows) <= 1:
@@ -281,42 +289,104 @@ class ToolTransformBase(Transform):
 class PythonInterpreter(ToolTransformBase):
     """Run the ```` ```python ```` blocks of each latest assistant message; append a tool message.
 
-    Each block runs in the sandbox (:mod:`rlpost.envs.sandbox`: namespaces, rlimits, a prelude)
-    with ``run_kwargs`` (``timeout_s``, ``memory_mb``, ``max_output_bytes``, ``sandbox``, ... as
-    :func:`~rlpost.envs.tools.run_python` takes them), and a ``tool_role`` message whose content
-    is :func:`~rlpost.envs.tools.format_tool_response` is appended to the next prompt. A failing
-    block (exception, timeout, limit, hostile code) is reported in that message; nothing raises.
-    Responses without code leave the next prompt unchanged; rows already done run nothing.
+    TorchRL's constructor, ``PythonInterpreter(tokenizer=None, tool_name="tool",
+    persistent=False, timeout=10.0, services=None, service_name="python_executor",
+    namespace=None)``, plus rlpost's keywords: ``tool_role`` (the same as ``tool_name``),
+    ``max_workers`` (> 1 runs the rows of a batch concurrently, threads each waiting on its own
+    sandboxed process) and ``run_kwargs`` (``timeout_s``, ``memory_mb``, ``max_output_bytes``,
+    ``sandbox``, ... as :func:`~rlpost.envs.tools.run_python` takes them; ``timeout`` is
+    ``timeout_s``, give one of them). ``tokenizer`` is kept as an attribute, as in TorchRL.
 
-    ``persistent=True`` (TorchRL's keyword) gives each episode one interpreter, so a block sees
-    the names earlier blocks of the same episode defined; the interpreter is killed when its
-    episode ends. Otherwise every block is a fresh process. Deviation from TorchRL: the sandbox
-    limits CPU, memory, files, processes and network (TorchRL's only limits time) and the
-    ``sandbox`` option refuses to run where namespaces are unavailable unless "guard" is asked for.
-    ``max_workers`` > 1 runs the rows of a batch concurrently (threads, each waiting on its own
-    sandboxed process).
+    Each block runs in the sandbox (:mod:`rlpost.envs.sandbox`: namespaces, rlimits, a prelude)
+    and a ``tool_name`` message whose content is :func:`~rlpost.envs.tools.format_tool_response`
+    is appended to the next prompt. A failing block (exception, timeout, limit, hostile code) is
+    reported in that message; nothing raises. Responses without code leave the next prompt
+    unchanged; rows already done run nothing.
+
+    ``persistent=True`` gives each episode one interpreter, so a block sees the names earlier
+    blocks of the same episode defined; the interpreter is killed when its episode ends, and a
+    reset of the env's whole batch kills all of them. Otherwise every block is a fresh process.
+
+    ``services`` hands the blocks to a shared executor instead of starting sandboxes here:
+    ``"ray"`` finds the named Ray actor ``service_name`` (in ``namespace``), a
+    :class:`~rlpost.envs.python_executor.PythonExecutorService` started as in that module's
+    docstring; any object with ``execute(code) -> dict`` (e.g. a local
+    ``PythonExecutorService``) is used as it is.
+
+    Deliberate deviations from TorchRL: the sandbox limits CPU, memory, files, processes and
+    network (TorchRL's only limits time, and runs blocks as plain host processes), and the
+    ``sandbox`` option refuses to run where namespaces are unavailable unless "guard" is asked
+    for; the blocks of one response make one tool message (TorchRL: one message per block); a
+    failed block's message gives the one-line reason and the output (TorchRL: its stderr);
+    ``services`` with ``persistent=True`` or with sandbox options raises ``ValueError`` (TorchRL
+    ignores them: its service's interpreters are shared round-robin, so nothing persists per
+    episode); a failing Ray service raises (TorchRL reports it to the model as the block's
+    failure, which would put an infrastructure fault into the training data).
     """
 
     state_keys = ("tool_episode",)
 
-    def __init__(self, *, tool_role: str = "tool", max_workers: int = 1, persistent: bool = False,
-                 **run_kwargs: Any) -> None:  # fmt: skip
-        super().__init__(tool_role=tool_role, max_workers=max_workers)
-        try:  # an unknown sandbox option should fail here, not at the first tool call
-            inspect.signature(run_python).bind("", **run_kwargs)
-        except TypeError as exc:
-            raise ValueError(f"PythonInterpreter: bad run_python options {sorted(run_kwargs)}: {exc}") from exc
-        check_sandbox(run_kwargs.get("sandbox", "bwrap"))
-        self.run_kwargs, self.persistent = run_kwargs, persistent
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        tool_name: str = "tool",
+        persistent: bool = False,
+        timeout: float | None = None,
+        services: str | PythonExecutor | None = None,
+        service_name: str = "python_executor",
+        namespace: str | None = None,
+        *,
+        tool_role: str | None = None,
+        max_workers: int = 1,
+        **run_kwargs: Any,
+    ) -> None:
+        if tool_role is not None and tool_name not in ("tool", tool_role):
+            raise ValueError(f"PythonInterpreter: tool_name={tool_name!r} and tool_role={tool_role!r} disagree")
+        super().__init__(tool_role=tool_role if tool_role is not None else tool_name, max_workers=max_workers)
+        if timeout is not None and "timeout_s" in run_kwargs:
+            raise ValueError("PythonInterpreter: give timeout (TorchRL's name) or timeout_s, not both")
+        self.tokenizer, self.persistent = tokenizer, persistent
+        self.services, self.service_name, self.namespace = services, service_name, namespace
+        self.executor = self._executor_of(services, persistent, timeout, run_kwargs)
+        if self.executor is None:
+            run_kwargs.setdefault("timeout_s", timeout if timeout is not None else DEFAULT_PYTHON_TIMEOUT_S)
+            check_run_options("PythonInterpreter", run_kwargs)
+        self.run_kwargs = run_kwargs
+        self.timeout = run_kwargs.get("timeout_s")
         self.sessions: dict[int, PythonSession] = {}
         self._episode_ids = itertools.count()
+
+    def _executor_of(self, services: Any, persistent: bool, timeout: float | None,
+                     run_kwargs: dict[str, Any]) -> PythonExecutor | None:  # fmt: skip
+        if services is None:
+            return None
+        if persistent:
+            raise ValueError(
+                "PythonInterpreter: services= runs every block in a fresh interpreter of the shared executor; "
+                "persistent=True needs the transform's own sandboxes (services=None)"
+            )
+        if timeout is not None or run_kwargs:
+            given = sorted(run_kwargs) + (["timeout"] if timeout is not None else [])
+            raise ValueError(
+                f"PythonInterpreter: {given} do not apply with services=: the executor's own limits do "
+                "(PythonExecutorService(timeout=..., **run_kwargs))"
+            )
+        if services == "ray":
+            return RayExecutorHandle(self.service_name, self.namespace)
+        if callable(getattr(services, "execute", None)):
+            return services
+        raise ValueError(f"PythonInterpreter: services must be None, 'ray' or an executor with execute(code); "
+                         f"got {services!r}")  # fmt: skip
 
     @property
     def num_blocks_run(self) -> int:
         return self.num_calls
 
     def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
-        ids = [next(self._episode_ids) for _ in range(reset_td.batch_size[0])]
+        num = reset_td.batch_size[0]
+        if self.sessions and num == self._env().batch_size[0]:  # every episode starts over
+            self._close_sessions()
+        ids = [next(self._episode_ids) for _ in range(num)]
         reset_td.set("tool_episode", torch.tensor(ids, dtype=torch.int64))
         return reset_td
 
@@ -324,7 +394,9 @@ class PythonInterpreter(ToolTransformBase):
         return extract_python_blocks(text)
 
     def run_call(self, code: str, row: int, td: TensorDictBase) -> tuple[PythonResult, bool]:
-        if not self.persistent:
+        if self.executor is not None:
+            result = result_from_execution(self.executor.execute(code))
+        elif not self.persistent:
             result = run_python(code, **self.run_kwargs)
         else:
             episode = int(td.get("tool_episode")[row])
@@ -351,24 +423,54 @@ class PythonInterpreter(ToolTransformBase):
             if done[row] and episode in self.sessions:
                 self.sessions.pop(episode).close()
 
-    def close(self) -> None:
-        """Kill every episode's interpreter (persistent mode) and stop the threads."""
+    def clone(self) -> PythonInterpreter:
+        """A new transform with the same options and no interpreters (TorchRL's ``clone``)."""
+        run_kwargs = dict(self.run_kwargs) if self.executor is None else {}
+        return type(self)(self.tokenizer, self.tool_role, self.persistent, services=self.services,
+                          service_name=self.service_name, namespace=self.namespace,
+                          max_workers=self.max_workers, **run_kwargs)  # fmt: skip
+
+    def _close_sessions(self) -> None:
         while self.sessions:
             self.sessions.popitem()[1].close()
+
+    def close(self) -> None:
+        """Kill every episode's interpreter (persistent mode) and stop the threads."""
+        self._close_sessions()
         super().close()
 
     def __repr__(self) -> str:
-        return f"PythonInterpreter(tool_role={self.tool_role!r}, persistent={self.persistent}, run_kwargs={self.run_kwargs})"
+        where = f"services={self.executor!r}" if self.executor is not None else f"run_kwargs={self.run_kwargs}"
+        return f"PythonInterpreter(tool_role={self.tool_role!r}, persistent={self.persistent}, {where})"
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call found in a response: the tool's name and its arguments (``error`` when the call
-    could not be read, e.g. invalid JSON; it is reported to the model as that tool's failure)."""
+    """One call found in a response: the tool's name, its arguments and TorchRL's optional
+    ``tag`` (a label the model gave the call, echoed in its result). ``error`` (keyword only,
+    an rlpost addition) is set when the call could not be read, e.g. invalid JSON; it is
+    reported to the model as that tool's failure. Deviation from TorchRL: frozen."""
 
     tool: str
     args: dict
-    error: str | None = None
+    tag: str | None = None
+    error: str | None = field(default=None, kw_only=True)
+
+
+def find_pattern_calls(pattern: re.Pattern, text: str) -> list[ToolCall]:
+    """The calls matched by ``pattern`` in ``text``, each match being (tool name, JSON arguments)
+    as in TorchRL's ``<tool>name\nargs</tool>`` blocks. Empty arguments are ``{}``; arguments
+    that are not a JSON object make a call whose ``error`` says so."""
+    calls = []
+    for name, args_json in pattern.findall(text):
+        try:
+            args = json.loads(args_json) if args_json.strip() else {}
+            if not isinstance(args, dict):
+                raise TypeError("arguments must be a JSON object")
+            calls.append(ToolCall(name.strip(), args))
+        except (ValueError, TypeError) as exc:
+            calls.append(ToolCall(name.strip(), {}, error=f"Failed to parse tool arguments: {exc}"))
+    return calls
 
 
 class HermesToolCallParser:
@@ -445,16 +547,7 @@ class SimpleToolTransform(ToolTransformBase):
     def find_calls(self, text: str) -> list[ToolCall]:
         if self.parser is not None:
             return list(self.parser(text)["calls"])
-        calls = []
-        for name, args_json in self.tool_call_pattern.findall(text):
-            try:
-                args = json.loads(args_json) if args_json.strip() else {}
-                if not isinstance(args, dict):
-                    raise TypeError("arguments must be a JSON object")
-                calls.append(ToolCall(name.strip(), args))
-            except (ValueError, TypeError) as exc:
-                calls.append(ToolCall(name.strip(), {}, error=f"Failed to parse tool arguments: {exc}"))
-        return calls
+        return find_pattern_calls(self.tool_call_pattern, text)
 
     def run_call(self, call: ToolCall, row: int, td: TensorDictBase) -> tuple[str, bool]:
         if call.error is not None:

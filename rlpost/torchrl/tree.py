@@ -89,8 +89,9 @@ _ASYNC_VLLM = _same("rlpost.actors.async_vllm", "AsyncVLLM", "make_async_vllm_en
     "_AsyncLLMEngine",
 )
 _SGLANG_ENGINES = _missing(SGLANG, "AsyncSGLang", "RLSGLangEngine")
-_TOOLS = _missing(
-    NOT_YET,
+_TOOLS = _same(
+    "rlpost.envs",
+    "BrowserTransform",
     "ExecuteToolsInOrder",
     "IncrementalTokenizer",
     "JSONCallParser",
@@ -99,7 +100,6 @@ _TOOLS = _missing(
     "ToolRegistry",
     "ToolService",
     "XMLBlockParser",
-    "BrowserTransform",
 )
 _NEW_LOSSES = _same(
     "rlpost.objectives", "CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "MCAdvantageSelector"
@@ -172,25 +172,24 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _STACKING
     | _GSM8K
     | _IFEVAL_REWARD
-    | _missing(NOT_YET, "CountdownEnv", "CountdownRewardParser", "IFEvalData", "MATHEnv", "MATHRewardParser")
-    | _missing(NOT_YET, "BrowserTransform", "MCPToolTransform")
+    | _same("rlpost.envs", "CountdownEnv", "CountdownRewardParser", "IFEvalData", "MATHEnv", "MATHRewardParser")
+    | {name: _TOOLS[name] for name in ("BrowserTransform", "MCPToolTransform")}
     | _same("rlpost.envs", "RayDataLoadingPrimer"),
     "envs.llm.chat": _same("rlpost.envs", "ChatEnv"),
     "envs.llm.datasets": _GSM8K
-    | _same("rlpost.envs", "IFEvalEnv", "IfEvalScorer")
-    | _missing(NOT_YET, "CountdownEnv", "IFEvalData", "MATHEnv"),
-    "envs.llm.datasets.countdown": _missing(NOT_YET, "CountdownEnv"),
+    | _same("rlpost.envs", "IFEvalEnv", "IfEvalScorer", "CountdownEnv", "IFEvalData", "MATHEnv"),
+    "envs.llm.datasets.countdown": _same("rlpost.envs", "CountdownEnv"),
     "envs.llm.datasets.ifeval": _same("rlpost.envs", "IFEvalEnv"),
-    "envs.llm.datasets.math": _missing(NOT_YET, "MATHEnv"),
+    "envs.llm.datasets.math": _same("rlpost.envs", "MATHEnv"),
     "envs.llm.libs": _same("rlpost.envs", "MLGymWrapper", "make_mlgym"),
     "envs.llm.reward": _same("rlpost.envs", "GSM8KRewardParser")
     | _IFEVAL_REWARD
-    | _missing(NOT_YET, "CountdownRewardParser", "MATHRewardParser"),
-    "envs.llm.reward.countdown": _missing(NOT_YET, "CountdownRewardParser"),
+    | _same("rlpost.envs", "CountdownRewardParser", "MATHRewardParser"),
+    "envs.llm.reward.countdown": _same("rlpost.envs", "CountdownRewardParser"),
     "envs.llm.reward.gsm8k": _same("rlpost.envs", "GSM8KRewardParser"),
     "envs.llm.reward.ifeval": _IFEVAL_REWARD,
     "envs.llm.reward.ifeval._scorer": _IFEVAL_REWARD,
-    "envs.llm.reward.math": _missing(NOT_YET, "MATHRewardParser"),
+    "envs.llm.reward.math": _same("rlpost.envs", "MATHRewardParser"),
     "envs.llm.transforms": _same("rlpost.envs", "AddThinkingPrompt", "DataLoadingPrimer", "KLRewardTransform")
     | _same("rlpost.envs", "PolicyVersion", "PythonInterpreter", "SimpleToolTransform", "TemplateTransform")
     | _same("rlpost.envs", "Tokenizer", "ToolCall")
@@ -198,7 +197,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _STACKING
     | _TOOLS
     | _same("rlpost.envs", "RayDataLoadingPrimer"),
-    "envs.llm.transforms.browser": _missing(NOT_YET, "BrowserTransform"),
+    "envs.llm.transforms.browser": {"BrowserTransform": _TOOLS["BrowserTransform"]},
     "envs.llm.transforms.kl": _KL,
     "envs.llm.transforms.tools": _same("rlpost.envs", "SimpleToolTransform"),
     # modules

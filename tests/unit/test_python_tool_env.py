@@ -194,4 +194,4 @@ def test_parallel_workers_give_the_same_messages_and_bad_options_fail_early(tiny
         ]
     )
     with pytest.raises(ValueError, match="timeout"):
-        PythonInterpreter(timeout=3)
+        PythonInterpreter(timeout_sec=3)
