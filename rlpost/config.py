@@ -355,9 +355,14 @@ class EvalConfig(_Section):
 
 
 class ReferenceConfig(_Section):
-    """The frozen reference model and the KL penalty to it."""
+    """The frozen reference model and the KL penalty to it (or the teacher of loss.distillation)."""
 
     enabled: bool = Field(False, description="Start the reference actor and compute KL to the initial model.")
+    model: str | None = Field(
+        None,
+        description="The reference model, a hub name or local path: the teacher of loss.distillation. It must "
+        "share the policy's tokenizer (the same token ids). None: model.name_or_path, the policy's initial weights.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL coefficient (beta).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman).")
     kl_in: Literal["loss", "reward"] = Field(
@@ -365,9 +370,46 @@ class ReferenceConfig(_Section):
     )
 
 
-class LossConfig(_Section):
-    """The GRPO loss family (GRPO, DAPO clip-higher, Dr.GRPO aggregation)."""
+class DistillationConfig(_Section):
+    """On-policy distillation toward the reference actor's model (reference.model, the teacher)."""
 
+    coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the teacher in each token's advantage: coef * (teacher log-prob - sampled "
+        "log-prob), the negative per-token reverse KL to the teacher, whose policy gradient descends that KL. "
+        "0: off. Needs reference.enabled with reference.kl_in=loss.",
+    )
+    use_reward: bool = Field(
+        True,
+        description="Keep the reward's group advantage beside the teacher's term; false: pure distillation "
+        "(the reward is logged but not trained on).",
+    )
+
+
+DAPO_CLIP_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, Eq. 10)
+
+
+class LossConfig(_Section):
+    """The policy loss: GRPO (with DAPO's clip-higher, Dr.GRPO's aggregation), DAPO, CISPO, or SFT on
+    each group's best samples (expert iteration); on-policy distillation on top of any of them."""
+
+    type: Literal["grpo", "dapo", "cispo", "sft"] = Field(
+        "grpo",
+        description="grpo: the clipped surrogate. dapo: the same with DAPO's defaults (clip_eps_high 0.28 and "
+        "filter_equal_rewards true, unless set). cispo: the clipped importance weight held constant on every "
+        "token's log-prob gradient (MiniMax-M1). sft: expert iteration, the negative log-likelihood of each "
+        "group's samples above its median reward (at most loss.top_k).",
+    )
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        description="loss.type=sft: the most samples kept per group (best first, above the group's median "
+        "reward); None: every sample above the median. A group whose rewards are all equal is dropped.",
+    )
+    distillation: DistillationConfig = Field(
+        default_factory=DistillationConfig, description="On-policy distillation toward reference.model."
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_eps_low.")
     clip_eps_high: float = Field(0.2, gt=0, description="Upper clip: ratio <= 1 + clip_eps_high (DAPO uses 0.28).")
     aggregation: Literal["token_mean", "sequence_mean", "sequence_sum_norm"] = Field(
@@ -410,6 +452,23 @@ class LossConfig(_Section):
             "learner (installed, or in the job's working_dir). null: grpo_loss."
         ),
     )
+
+    @model_validator(mode="after")
+    def _type_defaults(self) -> LossConfig:
+        if self.type == "dapo":  # DAPO's recipe where the config does not say otherwise
+            if "clip_eps_high" not in self.model_fields_set:
+                self.clip_eps_high = DAPO_CLIP_EPS_HIGH
+            if "filter_equal_rewards" not in self.model_fields_set:
+                self.filter_equal_rewards = True
+        if self.top_k is not None and self.type != "sft":
+            raise ValueError(f"loss.top_k is set but loss.type is {self.type!r}: top_k selects samples for sft")
+        if self.type == "sft" and self.off_policy_correction != "none":
+            raise ValueError("loss.type=sft has no importance ratio: loss.off_policy_correction must be none")
+        if self.type == "sft" and self.kl_to_inference_coef > 0:
+            raise ValueError("loss.type=sft has no behaviour-policy term: loss.kl_to_inference_coef must be 0")
+        if self.custom_fn and self.type != "grpo":
+            raise ValueError(f"loss.custom_fn replaces grpo's loss; it cannot be combined with loss.type={self.type}")
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -751,6 +810,16 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
             f"optimizer.grad_accumulation ({cfg.optimizer.grad_accumulation}) must divide the samples per step "
             f"(trainer.prompts_per_step * data.group_size = {cfg.samples_per_step})"
         )
+    distill = cfg.loss.distillation
+    if distill.coef > 0 and not (cfg.reference.enabled and cfg.reference.kl_in == "loss"):
+        errors.append(
+            f"loss.distillation.coef is {distill.coef}: the teacher's log-probs come from the reference actor; set "
+            "reference.enabled=true (with reference.model the teacher) and reference.kl_in=loss"
+        )
+    if distill.coef > 0 and cfg.loss.type == "sft":
+        errors.append("loss.distillation with loss.type=sft: SFT has no advantage to carry the teacher's term")
+    if not distill.use_reward and distill.coef == 0:
+        errors.append("loss.distillation.use_reward=false without loss.distillation.coef: nothing would be trained")
     if cfg.reference.kl_coef > 0 and not cfg.reference.enabled:
         errors.append(f"reference.kl_coef is {cfg.reference.kl_coef} but reference.enabled is false")
     if cfg.reference.enabled and cfg.reference.kl_in == "reward" and cfg.loss.advantage_scale == "batch":

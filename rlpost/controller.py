@@ -461,7 +461,8 @@ class Controller:
             raise
         self.version = self.supervisor.version = int(metrics["policy_version"])
         self.trained_step, self.taken = step, []
-        rewards = [r for g in groups for r in g.rewards]
+        # the reward of what the policy sampled (expert iteration trains on a group's best only)
+        rewards = [r for g in groups for r in g.info.get("sampled_rewards", g.rewards)]
         record = dict(metrics)
         record["learner_step_s"] = record.pop("step_time_s")  # the learner's own compute; train_s adds the transfer
         record.update(step=step, policy_version=self.version, reward_mean=mean(rewards), reward_std=pstdev(rewards))

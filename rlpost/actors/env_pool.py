@@ -141,6 +141,8 @@ class EnvPool(LLMCollector):
                 max_turns=rollout.max_turns,
                 advantage_scale=cfg.loss.advantage_scale,
                 filter_equal_rewards=cfg.loss.filter_equal_rewards,
+                keep_top=cfg.loss.type == "sft",
+                top_k=cfg.loss.top_k,
                 max_prompt_tokens=rollout.engine.max_model_len - 1,
                 group_info={"env_pool": pool_index},
             ),

@@ -25,8 +25,13 @@ its gradient exactly, for any split and any aggregation: unequal token counts in
 micro-batches do not tilt the step. (Averaging micro-batch losses, ``1 / grad_accumulation``
 each, is only equal to it when every micro-batch has the same denominator.)
 
-The loss is :func:`rlpost.algo.grpo_loss`, or the function ``loss.custom_fn`` names, called
-with the same arguments.
+The loss (``loss.type``) is :class:`~rlpost.objectives.GRPOLoss` over
+:func:`rlpost.algo.grpo_loss` (``grpo``), :class:`~rlpost.objectives.DAPO` (``dapo``: the
+same with DAPO's defaults), :class:`~rlpost.objectives.CISPOLoss` (``cispo``), or GRPOLoss over
+:func:`rlpost.algo.sft_loss` (``sft``: expert iteration on the samples the env pools kept); or
+the function ``loss.custom_fn`` names, called with grpo_loss's arguments. With
+``loss.distillation.coef`` each micro-batch's advantages become per token (the teacher's term,
+:meth:`Learner._with_distillation`) before the loss.
 
 Versions. ``version`` = the number of optimizer steps taken since the initial weights (version 0,
 the weights on disk that the inference engines start from); each optimizer step adds 1, so a
@@ -92,7 +97,7 @@ from rlpost import lora
 from rlpost.actors import learner_name, sharding, start_actor
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows, split_to_budget
 from rlpost.actors.token_budget import TokenBudget, auto_token_budget
-from rlpost.algo import load_loss_function, loss_normaliser
+from rlpost.algo import distillation_advantages, load_loss_function, loss_normaliser, sft_loss
 from rlpost.config import (
     LearnerResources,
     LossConfig,
@@ -102,8 +107,8 @@ from rlpost.config import (
     RolloutConfig,
     TrainerConfig,
 )
-from rlpost.objectives import GRPOLoss
-from rlpost.objectives.grpo import ATTENTION_MASK, TOKENS_FULL
+from rlpost.objectives import DAPO, CISPOLoss, GRPOLoss
+from rlpost.objectives.grpo import ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
 from rlpost.runs import latest_checkpoint, list_checkpoints
 from rlpost.transport.bucketing import StreamedTensors
@@ -112,6 +117,9 @@ from rlpost.types import Group, Sample
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
 
+# loss.type -> the loss module and the function its terms come from (None: rlpost.algo.grpo_loss);
+# expert iteration is SFT through the same module, on the samples the env pools kept
+LOSS_TYPES = {"grpo": (GRPOLoss, None), "dapo": (DAPO, None), "cispo": (CISPOLoss, None), "sft": (GRPOLoss, sft_loss)}
 TRAINER_STATE = "trainer_state.pt"
 TRAINER_SHARDS = "trainer_state"  # a learner group's: torch.distributed.checkpoint shards
 TRAINER_META = "trainer_meta.pt"  # beside them: scheduler, step, version, RNG
@@ -264,9 +272,12 @@ class Learner:
             pack_sequences=cfg.model.pack_sequences,
         )
         kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
+        loss_class, loss_function = LOSS_TYPES[cfg.loss.type]
+        if cfg.loss.custom_fn:
+            loss_function = load_loss_function(cfg.loss.custom_fn)
         # The batch's loss tokens are the assistant mask ("rlhf"); a KL coefficient of 0.0 still
         # reports its KL (kl_to_ref when the samples carry reference log-probs).
-        return GRPOLoss(
+        return loss_class(
             scorer,
             clip_epsilon=(cfg.loss.clip_eps_low, cfg.loss.clip_eps_high),
             aggregation=cfg.loss.aggregation,
@@ -278,7 +289,7 @@ class Learner:
             entropy_estimator=cfg.loss.entropy_estimator,
             kl_to_inference_coeff=cfg.loss.kl_to_inference_coef,
             masking_strategy="rlhf",
-            loss_function=load_loss_function(cfg.loss.custom_fn) if cfg.loss.custom_fn else None,
+            loss_function=loss_function,
             off_policy_correction=cfg.loss.off_policy_correction,
             off_policy_threshold=cfg.loss.off_policy_threshold,
         )
@@ -314,7 +325,7 @@ class Learner:
             rows if not self.sharded else [row for g in groups[self.rank :: self.world_size] for row in batch_rows([g])]
         )
         micro_batches = [
-            collate_samples([s for s, _ in chunk], self.pad_token_id, [a for _, a in chunk])
+            self._with_distillation(collate_samples([s for s, _ in chunk], self.pad_token_id, [a for _, a in chunk]))
             for chunk in self._micro_batch_rows(own)
         ] if own else []  # fmt: skip
         loss = self.cfg.loss
@@ -338,6 +349,27 @@ class Learner:
         if self.token_budget is not None:
             metrics["token_budget"] = float(self.token_budget.tokens)
         return metrics
+
+    def _with_distillation(self, batch: TensorDict) -> TensorDict:
+        """With ``loss.distillation.coef`` set, ``batch``'s advantages per token: the teacher's
+        term (:func:`rlpost.algo.distillation_advantages`) on each generated token, plus the
+        reward's advantage when ``use_reward``; the teacher's log-probs are the reference
+        actor's, on the samples."""
+        distill = self.cfg.loss.distillation
+        if distill.coef == 0:
+            return batch
+        teacher = batch.get(REF_LOG_PROBS_FULL, None)
+        if teacher is None:
+            raise RuntimeError(
+                "loss.distillation needs the teacher's log-probs on every sample, and a sample came without them: "
+                "is the reference actor (the teacher) scoring the groups? (reference.enabled, reference.kl_in=loss)"
+            )
+        advantages = distillation_advantages(
+            batch.get("advantage"), teacher, batch.get(LOG_PROBS_FULL), loss_tokens(batch),
+            distill.coef, distill.use_reward,
+        )  # fmt: skip
+        batch.set("advantage", advantages)
+        return batch
 
     @torch.no_grad()
     def _set_proximal_log_probs(self, micro_batches: list[TensorDict], idle: int) -> None:

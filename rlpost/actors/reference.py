@@ -1,4 +1,5 @@
-"""The ``reference`` actor: the frozen initial model, scoring completed groups for the KL term.
+"""The ``reference`` actor: the frozen initial model (or ``reference.model``, a teacher), scoring
+completed groups for the KL term and for on-policy distillation.
 
 One shared actor (only when ``reference.enabled``). For each batch of groups it computes the
 reference log-probs of every generated token with :class:`~rlpost.envs.RetrieveKL` (the
@@ -6,7 +7,9 @@ generation log-probs are the ones the inference engine returned). With ``kl_in: 
 stored on the samples for GRPOLoss's KL term; with ``kl_in: reward`` the k1 KL summed over the
 generated tokens is subtracted from each reward (RLHF style: one reward per sequence, where
 the KLComputation transform would make the reward per-token) and the group advantages are
-recomputed from the new rewards.
+recomputed from the new rewards. With ``reference.model`` set it loads that model instead of the
+policy's initial weights (the teacher of ``loss.distillation``), after checking that its
+tokenizer gives the policy's token ids.
 """
 
 from __future__ import annotations
@@ -56,9 +59,12 @@ class Reference(KLServiceActor):
 
         self.cfg = cfg
         dtype = getattr(torch, cfg.model.dtype) if torch.cuda.is_available() else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, dtype=dtype).eval()
+        source = cfg.reference.model or cfg.model.name_or_path
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
         model.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        if cfg.reference.model:  # a teacher: it must read the policy's token ids as the policy does
+            check_same_vocabulary(tokenizer, AutoTokenizer.from_pretrained(cfg.reference.model), cfg.reference.model)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         scorer = TransformersWrapper(
@@ -125,3 +131,21 @@ def start_reference(settings: ReferenceSettings, *, name: str = "reference", nam
     (``options`` go to ``.options()`` and win)."""
     return start_actor(ReferenceActor, settings, name=name, resources=settings.resources, namespace=namespace,
                        **options)  # fmt: skip
+
+
+def check_same_vocabulary(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:
+    """The teacher scores the policy's token ids, so both tokenizers must map every token to the
+    same id.
+
+    Raises:
+        ValueError: the vocabularies differ (the message names the teacher and a differing token).
+    """
+    ours, theirs = policy_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours == theirs:
+        return
+    differing = sorted(set(ours.items()) ^ set(theirs.items()))[:1]
+    raise ValueError(
+        f"reference.model {teacher!r} does not share the policy's tokenizer ({len(ours)} vs {len(theirs)} tokens; "
+        f"e.g. {differing[0] if differing else '?'} differs): its log-probs of the policy's token ids would be "
+        "meaningless. Use a teacher of the same model family (the same tokenizer)."
+    )

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.algo import ADVANTAGE_SCALES, group_advantages
+from rlpost.algo import ADVANTAGE_SCALES, group_advantages, top_k_above_median
 from rlpost.envs.transforms import TOOL_STAT_KEYS
 from rlpost.objectives.mc_advantage import MCAdvantage
 from rlpost.types import Group, Sample
@@ -61,6 +61,11 @@ class WholeEpisodes:
             episode whose next prompt would be longer (a long tool output, many turns) ends at the
             turn before, counted in ``num_length_truncated``; None: no check.
         group_info: entries put in every emitted ``Group.info`` (e.g. the env pool's index).
+        keep_top: expert iteration: emit only each group's samples above its median reward,
+            best first, at most ``top_k`` (:func:`rlpost.algo.top_k_above_median`); a group with
+            none (all rewards equal) is dropped and counted with the filtered ones. The group's
+            ``info["sampled_rewards"]`` keeps every sample's reward.
+        top_k: the most samples ``keep_top`` keeps per group; None: all above the median.
     """
 
     group_size: int | None = None
@@ -70,6 +75,8 @@ class WholeEpisodes:
     filter_equal_rewards: bool = False
     max_prompt_tokens: int | None = None
     group_info: dict[str, Any] = field(default_factory=dict)
+    keep_top: bool = False
+    top_k: int | None = None
 
     def resolved(self, env: Any) -> WholeEpisodes:
         """These settings with ``group_size`` and ``max_turns`` read from ``env`` where None,
@@ -238,7 +245,7 @@ class CollectorStats:
 
 def assemble_groups(samples: list[Sample], settings: WholeEpisodes) -> tuple[list[Group], int]:
     """Group ``samples`` by prompt with MCAdvantage; return the groups and how many the DAPO
-    filter dropped. "batch" scaling is done here over the kept groups (MCAdvantage refuses it:
+    filter (or ``keep_top``'s selection) dropped. "batch" scaling is done here over the kept groups (MCAdvantage refuses it:
     it sees groups one at a time)."""
     scale = settings.advantage_scale
     mc = MCAdvantage(
@@ -251,19 +258,28 @@ def assemble_groups(samples: list[Sample], settings: WholeEpisodes) -> tuple[lis
     if scale == "batch" and scored:
         rewards_gn = torch.tensor([[m["reward"] for m in members] for members in scored], dtype=torch.float64)
         advantages = group_advantages(rewards_gn, scale="batch", eps=settings.advantage_eps).tolist()
-    groups = []
+    groups, num_dropped = [], mc.num_dropped_equal
     for members, advantages_n in zip(scored, advantages):
         group_samples = [m["sample"] for m in members]
+        info = dict(settings.group_info)
+        if settings.keep_top:
+            rewards = [s.reward for s in group_samples]
+            kept = top_k_above_median(rewards, settings.top_k)
+            if not kept:
+                num_dropped += 1
+                continue
+            group_samples, advantages_n = [group_samples[i] for i in kept], [advantages_n[i] for i in kept]
+            info["sampled_rewards"] = rewards
         groups.append(
             Group(
                 prompt_id=group_samples[0].prompt_id,
                 samples=group_samples,
                 advantages=[float(a) for a in advantages_n],
                 policy_version=min(s.policy_version for s in group_samples),
-                info=dict(settings.group_info),
+                info=info,
             )
         )
-    return groups, mc.num_dropped_equal
+    return groups, num_dropped
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -12,7 +12,6 @@ from safetensors import safe_open
 
 from rlpost.actors.learner import Learner, LearnerSettings, list_checkpoints
 from rlpost.config import JobConfig
-from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.transport.weight_bus import LocalWeightBus
 from rlpost.types import Group, Sample
@@ -28,13 +27,6 @@ def make_cfg(model_path, **sections) -> LearnerSettings:
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return LearnerSettings.from_job(JobConfig.model_validate(raw))
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_tokenizer) -> list[int]:
-    messages = [{"role": "system", "content": ARITHMETIC_SYSTEM_PROMPT}, {"role": "user", "content": "What is 3 + 4?"}]
-    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def completion(tokenizer, text: str) -> list[int]:
