@@ -112,10 +112,11 @@ class PythonExecutorService:
 
 class RayExecutorHandle:
     """A :class:`PythonExecutorService` running as the named Ray actor ``name``, called like a
-    local one (``execute(code)`` waits for the actor's result). Made by
+    local one (``execute(code)`` waits for the actor's result, at most ``timeout_s``: the
+    block's own time limit plus its wait for a free slot). Made by
     ``PythonInterpreter(services="ray")``."""
 
-    def __init__(self, name: str, namespace: str | None = None) -> None:
+    def __init__(self, name: str, namespace: str | None = None, timeout_s: float = 120.0) -> None:
         import ray
 
         try:
@@ -126,12 +127,19 @@ class RayExecutorHandle:
                 f"start one first, e.g. ray.remote(PythonExecutorService).options(name={name!r}, "
                 f"namespace={namespace!r}, max_concurrency=32).remote(pool_size=32)"
             ) from exc
-        self.name, self.namespace = name, namespace
+        self.name, self.namespace, self.timeout_s = name, namespace, timeout_s
 
     def execute(self, code: str) -> dict[str, Any]:
         import ray
 
-        return ray.get(self.actor.execute.remote(code))
+        ref = self.actor.execute.remote(code)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except TimeoutError:  # Ray's GetTimeoutError is one
+            ray.cancel(ref)
+            raise TimeoutError(
+                f"the Python executor actor {self.name!r} did not answer execute() within {self.timeout_s} s"
+            ) from None
 
     def __repr__(self) -> str:
         return f"RayExecutorHandle(name={self.name!r}, namespace={self.namespace!r})"

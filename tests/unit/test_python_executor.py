@@ -160,13 +160,24 @@ def test_services_ray_finds_the_named_actor(monkeypatch):
             raise ValueError(f"Failed to look up actor with name '{name}'")
         return actor
 
-    fake_ray = types.SimpleNamespace(get_actor=get_actor, get=lambda ref: service.execute(ref[1]))
+    waits, cancelled = [], []
+
+    def get(ref, timeout=None):
+        waits.append(timeout)
+        if ref[1] == "hang":
+            raise TimeoutError("GetTimeoutError")
+        return service.execute(ref[1])
+
+    fake_ray = types.SimpleNamespace(get_actor=get_actor, get=get, cancel=cancelled.append)
     monkeypatch.setitem(sys.modules, "ray", fake_ray)
     tool = PythonInterpreter(services="ray", namespace="tools")
     assert isinstance(tool.executor, RayExecutorHandle)
     stepped = step(ChatEnv(batch_size=[1]).append_transform(tool), ["```python\nprint(2 + 3)\n```"])
     assert tool_message(stepped)["content"] == "Code block 1 executed successfully:\n5\n"
-    assert calls == ["print(2 + 3)\n"]
+    assert calls == ["print(2 + 3)\n"] and waits == [120.0]  # every wait for the actor is bounded
+    with pytest.raises(TimeoutError, match="'python_executor' did not answer execute\\(\\) within 120.0 s"):
+        tool.executor.execute("hang")
+    assert cancelled == [("ref", "hang")]
     with pytest.raises(RuntimeError, match="no Ray actor named 'python_executor' in namespace None"):
         PythonInterpreter(services="ray")
 
