@@ -1,7 +1,8 @@
 """TorchRL's LLM objectives (``torchrl.objectives.llm``) over TensorDict batches, on the pure math
 of :mod:`rlpost.algo`: the policy losses GRPOLoss, DAPO and CISPOLoss; SFTLoss and
 DistillationLoss on chat histories; MCAdvantage (group advantages on write) with its
-MCAdvantageSelector, and TopKRewardSelector (expert iteration's top-k)."""
+MCAdvantageSelector and RayMCAdvantage (its state in a Ray actor), and TopKRewardSelector (expert
+iteration's top-k)."""
 
 from rlpost.algo.kl import k3_kl_token_estimate
 from rlpost.objectives.distillation import DistillationLoss, DistillationLossOutput
@@ -15,6 +16,7 @@ from rlpost.objectives.grpo import (
     LLMLossOutput,
 )
 from rlpost.objectives.mc_advantage import MCAdvantage
+from rlpost.objectives.ray_mc_advantage import RayMCAdvantage
 from rlpost.objectives.selection import MCAdvantageSelector, TopKRewardSelector
 from rlpost.objectives.sft import SFTLoss, SFTLossOutput
 
@@ -30,6 +32,7 @@ __all__ = [
     "LLMLossOutput",
     "MCAdvantage",
     "MCAdvantageSelector",
+    "RayMCAdvantage",
     "SFTLoss",
     "SFTLossOutput",
     "TopKRewardSelector",

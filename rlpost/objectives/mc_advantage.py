@@ -28,6 +28,27 @@ per completion); with ``trajectory_return="sum"|"max"|"mean"`` each trajectory i
 return first, the returns are normalised across the group and each trajectory's advantage is
 broadcast to all its steps. The normalisation is :func:`rlpost.algo.group_advantages`.
 
+Dynamic sampling and oversampling (``trajectory_return`` only, as in TorchRL). A group is
+useful when its mean return is strictly inside ``keep_return_bounds`` (and, with
+``filter_equal_rewards``, its returns are not all equal). With ``candidate_group_size >
+grpo_size`` a prompt's group gathers up to that many candidate trajectories: from
+``candidate_selection_min_size`` candidates on (``grpo_size`` by default), each arrival asks
+``candidate_selector`` (:class:`~rlpost.objectives.MCAdvantageSelector` by default) for
+``grpo_size`` of them; a useful choice is released at once (the other candidates are discarded),
+otherwise the group waits for the next candidate, and is dropped when ``candidate_group_size``
+candidates gave no useful choice. The selector is called with a TensorDict of the candidates,
+batch ``[num_candidates]``: ``"return"`` (float64, one per candidate) and ``"trajectories"``
+(their steps, lazily stacked), of which it receives the entries in its ``in_keys``.
+
+Several writers. In one process, writer threads are safe (the state is behind a lock). For
+writers in several processes, :meth:`MCAdvantage.share_memory_` moves the queues, counters and
+lock into a ``multiprocessing`` manager, so that every copy of the transform handed to a child
+process fills the same groups; with ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` in the environment
+it does nothing (the state stays in each process: a group whose trajectories come from several
+processes then never completes). Across Ray actors use :class:`~rlpost.objectives.RayMCAdvantage`
+(the state in one actor), or a :class:`~rlpost.data.RayReplayBuffer` built with
+``transform_factory=MCAdvantage``.
+
 Deliberate deviations from TorchRL:
 
 - Scaling: ``(r - mean) / (std + eps)`` with Bessel's std and ``eps=1e-4`` (TorchRL divides by
@@ -38,22 +59,26 @@ Deliberate deviations from TorchRL:
   batches itself).
 - ``filter_equal_rewards=True`` (DAPO dynamic sampling) drops a complete group whose rewards
   are all equal; it works in both modes, while TorchRL's ``keep_return_bounds`` (also offered)
-  needs ``trajectory_return``.
+  needs ``trajectory_return``. With oversampling it is part of "useful": a selected subset
+  whose returns are all equal is not released (the selector is not told of it).
+- The counters of candidate selection (``selected_trajectories``, ``unselected_trajectories``,
+  ``rescued_groups``) count released groups only; TorchRL also counts a selection that its
+  bounds check then rejects. ``rescued_groups`` counts released groups whose first
+  ``grpo_size`` candidates would have been dropped.
+- A selector's answer is checked: ``grpo_size`` distinct candidate indices, or None.
 - The group identity may be any hashable value (a string, an int, a tensor grouped by value, a
   list taken as a tuple); TorchRL accepts strings and tensors only.
 - The ``prompt_key`` and ``rewards_key`` defaults depend on the way in: ``inv`` reads TorchRL's
   ``"query"`` and ``("next", "reward")``; ``add`` reads flat records, ``"prompt_id"`` and
   ``"reward"``. A key passed explicitly is used by both. ``reward_key`` is accepted as another
-  name for ``rewards_key``.
+  name for ``rewards_key``. ``add`` does not oversample (its records have no trajectories).
 - Calling the transform on a TensorDict (TorchRL's read path) returns it unchanged; calling it on
   anything else is :meth:`add`.
 - A complete group comes out of ``inv`` as a lazy stack of step copies: the caller's
   TensorDicts are never modified.
-- Oversampling (``candidate_group_size``, ``candidate_selection_min_size``,
-  ``candidate_selector``) and cross-process sharing (``share_memory_``) are not offered:
-  passing a candidate option other than its default raises ``NotImplementedError``. Several
-  writers in one process are safe (the state is behind a lock); writers in several processes
-  should write to one buffer (e.g. a Ray actor holding it).
+- :meth:`MCAdvantage.close` (rlpost's) takes shared state back into the process and stops the
+  manager that ``share_memory_`` started. rlpost's ReplayBuffer has no ``share()``: call
+  ``share_memory_`` yourself before handing the transform to other processes.
 
 Bad input raises before any state changes: a missing key (``KeyError`` naming it), a
 trajectory whose last step is not done (``RuntimeError``), a non-finite reward or an
@@ -64,19 +89,25 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import os
 import threading
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase, is_non_tensor, is_tensor_collection, lazy_stack
+from tensordict import TensorDict, TensorDictBase, is_tensor_collection, lazy_stack
 
 from rlpost.algo import group_advantages
+from rlpost.algo.selection import mean_in_bounds
+from rlpost.objectives.grouping import GroupQueues, get_entry, group_identity, split_trajectories
+from rlpost.objectives.selection import MCAdvantageSelector
 
 logger = logging.getLogger(__name__)
 
 MC_ADVANTAGE_SCALES: tuple[str, ...] = ("group", "none")
 TRAJECTORY_RETURNS: tuple[str, ...] = ("sum", "max", "mean")
+LOCAL_QUEUES_ENV = "TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES"
 
 # Defaults of each way in (see the module docstring).
 _TRAJECTORY_PROMPT_KEY: Any = "query"
@@ -84,7 +115,9 @@ _TRAJECTORY_REWARDS_KEY: Any = ("next", "reward")
 _RECORD_PROMPT_KEY: Any = "prompt_id"
 _RECORD_REWARD_KEY: Any = "reward"
 
-_STAT_NAMES: tuple[str, ...] = (
+_ALL_EQUAL = "all rewards equal"
+
+MC_ADVANTAGE_STATS: tuple[str, ...] = (
     "completed_trajectories",
     "completed_decisions",
     "trajectory_return_sum",
@@ -94,7 +127,31 @@ _STAT_NAMES: tuple[str, ...] = (
     "written_groups",
     "dropped_groups",
     "num_dropped_equal",
+    "rescued_groups",
+    "selected_trajectories",
+    "unselected_trajectories",
 )
+
+
+def _fresh_stats() -> dict[str, float | int]:
+    stats: dict[str, float | int] = dict.fromkeys(MC_ADVANTAGE_STATS, 0)
+    stats.update(trajectory_return_sum=0.0, trajectory_return_max=float("-inf"))
+    return stats
+
+
+class _Stat:
+    """A counter of the transform, kept in its ``_stats`` dict (a manager's once shared)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, transform: Any, owner: type | None = None) -> Any:
+        if transform is None:
+            return self
+        return transform._stats[self.name]
+
+    def __set__(self, transform: Any, value: Any) -> None:
+        transform._stats[self.name] = value
 
 
 class MCAdvantage:
@@ -114,8 +171,13 @@ class MCAdvantage:
             Needs ``grpo_size >= 2``.
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped. Needs ``trajectory_return``.
-        candidate_group_size, candidate_selection_min_size, candidate_selector: TorchRL's
-            oversampling; only their defaults (None, or ``grpo_size``) are accepted.
+        candidate_group_size: the most candidate trajectories a group gathers before it is
+            dropped (default ``grpo_size``); more than ``grpo_size`` needs ``trajectory_return``.
+        candidate_selection_min_size: candidates needed before the first selection, between
+            ``grpo_size`` (the default) and ``candidate_group_size``.
+        candidate_selector: an object whose ``select(candidates, *, group_size,
+            keep_return_bounds)`` returns candidate indices or None (see the module docstring);
+            default :class:`~rlpost.objectives.MCAdvantageSelector`.
         scale: ``"group"`` (divide by the group's std + eps) or ``"none"`` (centre only).
         eps: added to the std (see :func:`rlpost.algo.group_advantages`).
         filter_equal_rewards: drop (and count) complete groups whose rewards are all equal.
@@ -126,11 +188,27 @@ class MCAdvantage:
         completed_trajectories, completed_decisions: trajectories and steps taken by ``inv``.
         trajectory_return_sum, trajectory_return_max, successful_trajectories: returns of the
             trajectories taken by ``inv`` (with ``trajectory_return`` only; successful: > 0).
-        completed_groups: groups that reached ``grpo_size`` (written or dropped).
+        completed_groups: groups released or dropped.
         written_groups: groups released (``num_emitted_groups`` is the same count).
         dropped_groups: groups dropped by ``filter_equal_rewards`` or ``keep_return_bounds``.
         num_dropped_equal: groups dropped by ``filter_equal_rewards``.
+        selected_trajectories, unselected_trajectories: candidates released, and discarded, with
+            the groups released after a selection (``trajectory_return`` only).
+        rescued_groups: released groups whose first ``grpo_size`` candidates were not useful.
     """
+
+    completed_trajectories = _Stat()
+    completed_decisions = _Stat()
+    trajectory_return_sum = _Stat()
+    trajectory_return_max = _Stat()
+    successful_trajectories = _Stat()
+    completed_groups = _Stat()
+    written_groups = _Stat()
+    dropped_groups = _Stat()
+    num_dropped_equal = _Stat()
+    rescued_groups = _Stat()
+    selected_trajectories = _Stat()
+    unselected_trajectories = _Stat()
 
     def __init__(
         self,
@@ -151,8 +229,7 @@ class MCAdvantage:
         filter_equal_rewards: bool = False,
         reward_key: Any = None,
     ) -> None:
-        if isinstance(grpo_size, bool) or not isinstance(grpo_size, int) or grpo_size < 1:
-            raise ValueError(f"grpo_size must be an int >= 1, got {grpo_size!r}")
+        _check_count("grpo_size", grpo_size)
         if scale not in MC_ADVANTAGE_SCALES:
             raise ValueError(f"MCAdvantage scale must be one of {MC_ADVANTAGE_SCALES}, got {scale!r}")
         if eps < 0:
@@ -172,33 +249,23 @@ class MCAdvantage:
             )
         if keep_return_bounds is not None:
             if trajectory_return is None:
-                raise ValueError("keep_return_bounds filters on trajectory returns: set trajectory_return too")
+                raise ValueError(
+                    "keep_return_bounds (dynamic sampling) filters on trajectory returns: set trajectory_return too"
+                )
             if len(keep_return_bounds) != 2 or not keep_return_bounds[0] < keep_return_bounds[1]:
                 raise ValueError(
                     f"keep_return_bounds must be an increasing (low, high) pair, got {keep_return_bounds!r}"
                 )
             keep_return_bounds = (float(keep_return_bounds[0]), float(keep_return_bounds[1]))
-        for name, value in (
-            ("candidate_group_size", candidate_group_size),
-            ("candidate_selection_min_size", candidate_selection_min_size),
-        ):
-            if value is not None and value != grpo_size:
-                raise NotImplementedError(
-                    f"MCAdvantage does not oversample: {name}={value!r} must be None or grpo_size ({grpo_size})"
-                )
-        if candidate_selector is not None:
-            raise NotImplementedError("MCAdvantage does not oversample: candidate_selector must be None")
-
         self.grpo_size = grpo_size
+        self.trajectory_return = trajectory_return
+        self._set_candidates(candidate_group_size, candidate_selection_min_size, candidate_selector)
         self.prompt_key = _TRAJECTORY_PROMPT_KEY if prompt_key is None else prompt_key
         self.rewards_key = _TRAJECTORY_REWARDS_KEY if rewards_key is None else rewards_key
         self.advantage_key = advantage_key
         self.done_key = done_key
         self.verbose = verbose
-        self.trajectory_return = trajectory_return
         self.keep_return_bounds = keep_return_bounds
-        self.candidate_group_size = grpo_size
-        self.candidate_selection_min_size = grpo_size
         self.scale = scale
         self.eps = eps
         self.filter_equal_rewards = filter_equal_rewards
@@ -206,27 +273,46 @@ class MCAdvantage:
         self.out_keys = [self.advantage_key]
         self._record_prompt_key = _RECORD_PROMPT_KEY if prompt_key is None else prompt_key
         self._record_reward_key = _RECORD_REWARD_KEY if rewards_key is None else rewards_key
-        self._lock = threading.RLock()
-        # group -> trajectories (inv), and group -> [(record, reward)] (add); dicts keep
-        # insertion order.
-        self.queues: dict[Hashable, list[TensorDictBase]] = {}
-        self._pending: dict[Hashable, list[tuple[Any, float]]] = {}
-        self.reset_stats()
+        # The state: a lock, the counters and two queues (group -> trajectories for inv, group ->
+        # [(record, reward)] for add); share_memory_ moves all four into a manager.
+        self._lock: Any = threading.RLock()
+        self._stats: Any = _fresh_stats()
+        self.queues = GroupQueues()
+        self._pending = GroupQueues()
+        self._manager: Any = None
+        self._shared = False
+
+    def _set_candidates(self, group_size: int | None, min_size: int | None, selector: Any) -> None:
+        group_size = self.grpo_size if group_size is None else _check_count("candidate_group_size", group_size)
+        if group_size < self.grpo_size:
+            raise ValueError(
+                f"candidate_group_size must be >= grpo_size, got candidate_group_size={group_size} and "
+                f"grpo_size={self.grpo_size}"
+            )
+        if group_size > self.grpo_size and self.trajectory_return is None:
+            raise ValueError(
+                "candidate_group_size > grpo_size needs trajectory_return: candidates are selected by their return"
+            )
+        min_size = self.grpo_size if min_size is None else _check_count("candidate_selection_min_size", min_size)
+        if not self.grpo_size <= min_size <= group_size:
+            raise ValueError(
+                f"candidate_selection_min_size must be between grpo_size ({self.grpo_size}) and "
+                f"candidate_group_size ({group_size}), got {min_size}"
+            )
+        if selector is None:
+            selector = MCAdvantageSelector()
+        elif not callable(getattr(selector, "select", None)):
+            raise TypeError(f"candidate_selector needs a select() method, got {type(selector).__name__}")
+        self.candidate_group_size = group_size
+        self.candidate_selection_min_size = min_size
+        self.candidate_selector = selector
 
     # ------------------------------------------------------------------ state and statistics
 
     def reset_stats(self) -> None:
         """Zero the counters (the queues are kept)."""
         with self._lock:
-            self.completed_trajectories = 0
-            self.completed_decisions = 0
-            self.trajectory_return_sum = 0.0
-            self.trajectory_return_max = float("-inf")
-            self.successful_trajectories = 0
-            self.completed_groups = 0
-            self.written_groups = 0
-            self.dropped_groups = 0
-            self.num_dropped_equal = 0
+            self._stats.update(_fresh_stats())
 
     def clear_queues(self) -> None:
         """Forget every incomplete group (the counters are kept)."""
@@ -237,7 +323,7 @@ class MCAdvantage:
     def get_stats(self) -> dict[str, float | int]:
         """The counters and the queue sizes, as a plain dict."""
         with self._lock:
-            stats = {name: getattr(self, name) for name in _STAT_NAMES}
+            stats = self._stats.copy()
             stats.update(
                 queued_groups=self.queued_groups,
                 queued_trajectories=self.queued_trajectories,
@@ -276,14 +362,62 @@ class MCAdvantage:
         """Incomplete groups (both ways in)."""
         return len(self._pending) + len(self.queues)
 
+    # ------------------------------------------------------------------ sharing across processes
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the queues and counters live in a ``multiprocessing`` manager."""
+        return self._shared
+
+    def share_memory_(self) -> MCAdvantage:
+        """Move the queues, counters and lock into a ``multiprocessing`` manager (a server
+        process started here), so that copies of this transform sent to other processes (as a
+        ``multiprocessing.Process`` argument) fill the same groups. Call it before the writers
+        start. A no-op when already shared, or with ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1``.
+        """
+        if self._shared:
+            return self
+        if os.environ.get(LOCAL_QUEUES_ENV) == "1":
+            logger.info(
+                "MCAdvantage.share_memory_: %s=1, the queues stay in each process; a group whose trajectories "
+                "come from several writer processes will never complete",
+                LOCAL_QUEUES_ENV,
+            )
+            return self
+        manager = multiprocessing.Manager()
+        with self._lock:
+            self.queues = self.queues.shared(manager)
+            self._pending = self._pending.shared(manager)
+            self._stats = manager.dict(self._stats)
+            self._lock = manager.RLock()
+            self._manager, self._shared = manager, True
+        return self
+
+    def close(self) -> None:
+        """Stop the manager that :meth:`share_memory_` started, after taking its queues and
+        counters back into this process (copies in other processes can no longer write). Does
+        nothing for a transform that is not shared, or in a process that received a copy."""
+        if self._manager is None:
+            return
+        with self._lock:
+            self.queues = GroupQueues(dict(self.queues.items()))
+            self._pending = GroupQueues(dict(self._pending.items()))
+            self._stats = self._stats.copy()
+        self._lock = threading.RLock()
+        self._manager.shutdown()
+        self._manager, self._shared = None, False
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"]
+        state["_manager"] = None  # the creator's: it cannot travel, and only the creator stops it
+        if not self._shared:
+            del state["_lock"]  # a threading lock; a shared one (a manager's proxy) travels
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.RLock()
+        if "_lock" not in state:
+            self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ the transform (TorchRL)
 
@@ -305,32 +439,22 @@ class MCAdvantage:
         # Read and check every trajectory before touching the queues: bad data raises and
         # leaves the state as it was.
         filed = []
-        for traj in self._trajectories(tensordict):
-            group = self._group_of(traj)
+        for traj in split_trajectories(tensordict, self.done_key, "MCAdvantage"):
+            group = group_identity(get_entry(traj[0], self.prompt_key, "prompt_key"), self.prompt_key)
             filed.append((group, traj, self._trajectory_values(traj, group)[1]))
         released: list[TensorDictBase] = []
         with self._lock:
             for group, traj, value in filed:
                 self._count_trajectory(traj, value)
-                queue = self.queues.setdefault(group, [])
-                queue.append(traj)
-                if len(queue) == self.grpo_size:
-                    del self.queues[group]
-                    released.extend(self._score_trajectories(group, queue))
+                released.extend(self._decide(group, self.queues.append(group, traj)))
         if not released:
             return None
         return lazy_stack(released, 0)
 
-    def _trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
-        return split_trajectories(tensordict, self.done_key, "MCAdvantage")
-
-    def _group_of(self, traj: TensorDictBase) -> Hashable:
-        return _hashable(_get(traj[0], self.prompt_key, "prompt_key"), self.prompt_key)
-
     def _step_rewards(self, traj: TensorDictBase, group: Hashable) -> list[torch.Tensor]:
         rewards = []
         for step in traj.unbind(0):
-            reward = torch.as_tensor(_get(step, self.rewards_key, "rewards_key"))
+            reward = torch.as_tensor(get_entry(step, self.rewards_key, "rewards_key"))
             if reward.numel() == 0:
                 raise ValueError(f"a step of prompt {group!r} has an empty reward under {self.rewards_key!r}")
             if not torch.isfinite(reward.to(torch.float64)).all():
@@ -358,43 +482,109 @@ class MCAdvantage:
             self.trajectory_return_max = max(self.trajectory_return_max, value)
             self.successful_trajectories += int(value > 0.0)
 
-    def _score_trajectories(self, group: Hashable, trajs: list[TensorDictBase]) -> list[TensorDictBase]:
-        """The steps of a complete group with their advantages; [] when the group is dropped."""
-        self.completed_groups += 1
-        per_traj = [self._trajectory_values(traj, group) for traj in trajs]
-        step_rewards = [rewards for rewards, _ in per_traj]
-        if self.trajectory_return is not None:
-            values = torch.tensor([value for _, value in per_traj], dtype=torch.float64)
-        else:
-            values = torch.cat([r.reshape(-1).to(torch.float64) for rewards in step_rewards for r in rewards])
-        if self.filter_equal_rewards and bool((values == values[0]).all()):
-            self.num_dropped_equal += 1
-            self.dropped_groups += 1
-            self._log_group(group, values, "dropped (all rewards equal)")
-            return []
-        if self.keep_return_bounds is not None:
-            low, high = self.keep_return_bounds
-            if not low < float(values.mean()) < high:
-                self.dropped_groups += 1
-                self._log_group(group, values, f"dropped (mean return outside ({low}, {high}))")
+    def _decide(self, group: Hashable, trajs: list[TensorDictBase]) -> list[TensorDictBase]:
+        """``group``'s queue has just grown to ``trajs``: release the group (the steps returned,
+        advantages set), drop it or let it wait (both return [])."""
+        if self.trajectory_return is None:
+            if len(trajs) < self.grpo_size:
                 return []
-        advantages = group_advantages(values.unsqueeze(0), scale=self.scale, eps=self.eps)[0]
-        steps_out: list[TensorDictBase] = []
-        flat_position = 0
-        for traj_index, (traj, rewards) in enumerate(zip(trajs, step_rewards)):
-            for step, reward in zip(traj.unbind(0), rewards):
-                if self.trajectory_return is not None:
-                    advantage = advantages[traj_index].expand(reward.shape)
-                else:
-                    advantage = advantages[flat_position : flat_position + reward.numel()].reshape(reward.shape)
-                    flat_position += reward.numel()
-                dtype = reward.dtype if reward.is_floating_point() else torch.get_default_dtype()
-                out = step.copy()
-                out.set(self.advantage_key, advantage.to(dtype=dtype, device=reward.device).clone())
-                steps_out.append(out)
+            self.queues.pop(group)
+            return self._release_by_steps(group, trajs)
+        if len(trajs) < self.candidate_selection_min_size:
+            return []
+        per_traj = [self._trajectory_values(traj, group) for traj in trajs]
+        values = [value for _, value in per_traj]
+        chosen = self._choose(trajs, values)
+        if chosen is None:
+            if len(trajs) >= self.candidate_group_size:
+                self.queues.pop(group)
+                reason = self._why_not_useful(values) or f"no useful {self.grpo_size} of {len(trajs)} candidates"
+                self._count_dropped(group, values, reason)
+            return []
+        self.queues.pop(group)
+        self.completed_groups += 1
         self.written_groups += 1
-        self._log_group(group, values, f"released with {len(steps_out)} steps")
-        return steps_out
+        self.selected_trajectories += len(chosen)
+        self.unselected_trajectories += len(trajs) - len(chosen)
+        self.rescued_groups += int(len(trajs) > self.grpo_size and bool(self._why_not_useful(values[: self.grpo_size])))
+        returns = torch.tensor([values[i] for i in chosen], dtype=torch.float64)
+        advantages = group_advantages(returns.unsqueeze(0), scale=self.scale, eps=self.eps)[0]
+        pairs = [(advantages[k].expand(r.shape), r) for k, i in enumerate(chosen) for r in per_traj[i][0]]
+        self._log_group(group, returns, f"released ({len(chosen)} of {len(trajs)} candidates)")
+        return self._steps_with_advantages([trajs[i] for i in chosen], pairs)
+
+    def _choose(self, trajs: list[TensorDictBase], values: list[float]) -> list[int] | None:
+        """The candidates the selector keeps, if they make a useful group; else None."""
+        candidates = TensorDict(
+            {"return": torch.tensor(values, dtype=torch.float64), "trajectories": lazy_stack(trajs, 0)},
+            batch_size=[len(trajs)],
+        )
+        in_keys = getattr(self.candidate_selector, "in_keys", None)
+        if in_keys is not None:
+            candidates = candidates.select(*in_keys, strict=True)
+        chosen = self.candidate_selector.select(
+            candidates, group_size=self.grpo_size, keep_return_bounds=self.keep_return_bounds
+        )
+        if chosen is None:
+            return None
+        chosen = [int(i) for i in chosen]
+        if (
+            len(chosen) != self.grpo_size
+            or len(set(chosen)) != len(chosen)
+            or not all(0 <= i < len(trajs) for i in chosen)
+        ):
+            raise ValueError(
+                f"{type(self.candidate_selector).__name__}.select must return {self.grpo_size} distinct indices of "
+                f"the {len(trajs)} candidates, or None; got {chosen}"
+            )
+        return None if self._why_not_useful([values[i] for i in chosen]) else chosen
+
+    def _why_not_useful(self, values: list[float]) -> str:
+        """Why a group with these returns (or step rewards) is dropped; "" when it is not."""
+        if self.filter_equal_rewards and all(value == values[0] for value in values):
+            return _ALL_EQUAL
+        if not mean_in_bounds(values, range(len(values)), self.keep_return_bounds):
+            return f"mean return outside {self.keep_return_bounds}"
+        return ""
+
+    def _count_dropped(self, group: Hashable, values: list[float], reason: str) -> None:
+        self.completed_groups += 1
+        self.dropped_groups += 1
+        self.num_dropped_equal += int(reason == _ALL_EQUAL)
+        self._log_group(group, torch.tensor(values, dtype=torch.float64), f"dropped ({reason})")
+
+    def _release_by_steps(self, group: Hashable, trajs: list[TensorDictBase]) -> list[TensorDictBase]:
+        """A complete group without ``trajectory_return``: every step's rewards normalised together."""
+        step_rewards = [reward for traj in trajs for reward in self._step_rewards(traj, group)]
+        values = torch.cat([r.reshape(-1).to(torch.float64) for r in step_rewards])
+        reason = self._why_not_useful(values.tolist())
+        if reason:
+            self._count_dropped(group, values.tolist(), reason)
+            return []
+        advantages = group_advantages(values.unsqueeze(0), scale=self.scale, eps=self.eps)[0]
+        pairs, position = [], 0
+        for reward in step_rewards:
+            pairs.append((advantages[position : position + reward.numel()].reshape(reward.shape), reward))
+            position += reward.numel()
+        self.completed_groups += 1
+        self.written_groups += 1
+        self._log_group(group, values, f"released with {len(pairs)} steps")
+        return self._steps_with_advantages(trajs, pairs)
+
+    def _steps_with_advantages(
+        self, trajs: list[TensorDictBase], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[TensorDictBase]:
+        """Copies of the steps of ``trajs`` with ``advantage`` set; ``pairs`` holds each step's
+        (advantage shaped as its reward, reward), in step order."""
+        steps = [step for traj in trajs for step in traj.unbind(0)]
+        assert len(steps) == len(pairs), "one (advantage, reward) pair per step"
+        out = []
+        for step, (advantage, reward) in zip(steps, pairs):
+            dtype = reward.dtype if reward.is_floating_point() else torch.get_default_dtype()
+            copy = step.copy()
+            copy.set(self.advantage_key, advantage.to(dtype=dtype, device=reward.device).clone())
+            out.append(copy)
+        return out
 
     def _log_group(self, group: Hashable, values: torch.Tensor, what: str) -> None:
         if self.verbose:
@@ -413,18 +603,20 @@ class MCAdvantage:
         of the reward's shape for a one-element tensor). A prompt that receives more than
         ``grpo_size`` records starts a new group after the first is released.
         """
+        if self.candidate_group_size > self.grpo_size:
+            raise NotImplementedError(
+                "MCAdvantage.add does not oversample (candidate_group_size > grpo_size selects trajectories: use inv)"
+            )
         # Read every record before touching the pending groups: a bad record raises and leaves
         # the state as it was, instead of losing groups that this call had already completed.
         keyed = []
         for sample in samples:
-            prompt = _hashable(_get(sample, self._record_prompt_key, "prompt_key"), self._record_prompt_key)
+            prompt = group_identity(get_entry(sample, self._record_prompt_key, "prompt_key"), self._record_prompt_key)
             keyed.append((prompt, sample, self._record_reward(sample, prompt)))
         with self._lock:
             complete: list[tuple[Hashable, list[tuple[Any, float]]]] = []
             for prompt, sample, reward in keyed:
-                members = self._pending.setdefault(prompt, [])
-                members.append((sample, reward))
-                if len(members) == self.grpo_size:
+                if len(self._pending.append(prompt, (sample, reward))) == self.grpo_size:
                     complete.append((prompt, self._pending.pop(prompt)))
             return self._score_records(complete)
 
@@ -459,7 +651,7 @@ class MCAdvantage:
         return out
 
     def _record_reward(self, sample: Any, prompt: Hashable) -> float:
-        reward = _get(sample, self._record_reward_key, "rewards_key")
+        reward = get_entry(sample, self._record_reward_key, "rewards_key")
         if isinstance(reward, torch.Tensor):
             if reward.numel() != 1:
                 raise ValueError(
@@ -472,73 +664,20 @@ class MCAdvantage:
         return value
 
     def __repr__(self) -> str:
+        candidates = ""
+        if self.candidate_group_size > self.grpo_size:
+            candidates = (
+                f", candidate_group_size={self.candidate_group_size}, "
+                f"candidate_selection_min_size={self.candidate_selection_min_size}"
+            )
         return (
             f"MCAdvantage(grpo_size={self.grpo_size}, prompt_key={self.prompt_key!r}, "
             f"rewards_key={self.rewards_key!r}, advantage_key={self.advantage_key!r}, "
-            f"trajectory_return={self.trajectory_return!r}, scale={self.scale!r})"
+            f"trajectory_return={self.trajectory_return!r}, scale={self.scale!r}{candidates})"
         )
 
 
-_MISSING = object()
-
-
-def split_trajectories(tensordict: TensorDictBase, done_key: Any, who: str) -> list[TensorDictBase]:
-    """The complete trajectories of a write: a 1-D TensorDict of steps laid end to end (each
-    trajectory ending with ``done``), 2-D ``[B, T]`` (each row such steps) or more (flattened to
-    2-D). ``who`` names the transform in errors.
-
-    Raises:
-        ValueError: a TensorDict without a batch dimension.
-        RuntimeError: steps after the last ``done`` (an unfinished trajectory).
-    """
-    if tensordict.ndim == 0:
-        raise ValueError(
-            f"{who}.inv needs steps along a batch dimension (got batch size []); a buffer's add() adds that "
-            "dimension itself"
-        )
-    if tensordict.ndim > 2:
-        tensordict = tensordict.flatten(0, -2)
-    rows = tensordict.unbind(0) if tensordict.ndim == 2 else (tensordict,)
-    pieces = []
-    for steps in rows:
-        num_steps = steps.shape[0]
-        if num_steps == 0:
-            continue
-        done = torch.as_tensor(_get(steps, done_key, "done_key")).reshape(num_steps, -1).any(-1)
-        ends = done.nonzero().flatten().tolist()
-        if not ends or ends[-1] != num_steps - 1:
-            raise RuntimeError(
-                f"{who} expects complete trajectories: the last of {num_steps} steps written has {done_key!r} "
-                "False (write trajectories once they are done)"
-            )
-        start = 0
-        for end in ends:
-            pieces.append(steps[start : end + 1])
-            start = end + 1
-    return pieces
-
-
-def _get(sample: Any, key: Any, argument: str) -> Any:
-    """``sample[key]``, with non-tensor TensorDict entries unwrapped to their python value."""
-    try:
-        value = sample.get(key, _MISSING) if is_tensor_collection(sample) else sample[key]
-    except KeyError:
-        value = _MISSING
-    if value is _MISSING:
-        raise KeyError(f"MCAdvantage: sample has no key {key!r} ({argument})")
-    if is_non_tensor(value):
-        return value.tolist()
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
-
-
-def _hashable(prompt: Any, key: Any) -> Hashable:
-    """A group identity: a tensor by value, a list as a tuple, any other value as it is."""
-    if isinstance(prompt, torch.Tensor):
-        return prompt.item() if prompt.numel() == 1 else tuple(prompt.flatten().tolist())
-    if isinstance(prompt, list):
-        prompt = tuple(prompt)
-    try:
-        hash(prompt)
-    except TypeError:
-        raise ValueError(f"prompt key {key!r} holds an unhashable {type(prompt).__name__}") from None
-    return prompt

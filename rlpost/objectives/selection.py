@@ -17,7 +17,7 @@ import torch
 from tensordict import NestedKey, TensorDictBase, is_tensor_collection, lazy_stack
 
 from rlpost.algo.selection import SELECTION_STRATEGIES, select_subset, top_k_above_median
-from rlpost.objectives.mc_advantage import _get, _hashable, split_trajectories
+from rlpost.objectives.grouping import get_entry, group_identity, split_trajectories
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class TopKRewardSelector:
             raise TypeError(f"TopKRewardSelector.inv expects a TensorDict of steps, got {type(tensordict).__name__}")
         filed = []
         for traj in split_trajectories(tensordict, self.done_key, "TopKRewardSelector"):
-            prompt = _hashable(_get(traj[0], self.prompt_key, "prompt_key"), self.prompt_key)
+            prompt = group_identity(get_entry(traj[0], self.prompt_key, "prompt_key"), self.prompt_key)
             filed.append((prompt, traj, self._reward(traj)))
         released = []
         with self._lock:
@@ -99,7 +99,9 @@ class TopKRewardSelector:
 
     def _reward(self, traj: TensorDictBase) -> float:
         """The trajectory's reward: the mean over its reward entries (every step, every value)."""
-        values = [torch.as_tensor(_get(step, self.rewards_key, "rewards_key")).float().reshape(-1) for step in traj]
+        values = [
+            torch.as_tensor(get_entry(step, self.rewards_key, "rewards_key")).float().reshape(-1) for step in traj
+        ]
         return float(torch.cat(values).mean())
 
     def _select(self, prompt, members: list[tuple[TensorDictBase, float]]) -> list[TensorDictBase]:

@@ -102,8 +102,14 @@ _TOOLS = _same(
     "XMLBlockParser",
 )
 _NEW_LOSSES = _same(
-    "rlpost.objectives", "CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "MCAdvantageSelector"
-) | _missing(NOT_YET, "RayMCAdvantage")
+    "rlpost.objectives",
+    "CISPOLoss",
+    "CISPOLossOutput",
+    "DAPO",
+    "DAPOLossOutput",
+    "MCAdvantageSelector",
+    "RayMCAdvantage",
+)
 _DISTILLATION = _same("rlpost.objectives", "DistillationLoss", "DistillationLossOutput", "k3_kl_token_estimate")
 _SFT = _same("rlpost.objectives", "SFTLoss", "SFTLossOutput")
 _VLLM_SYNC = _same("rlpost.collect.weight_sync", "VLLMWeightReceiver", "VLLMWeightSender", "VLLMWeightSyncScheme")

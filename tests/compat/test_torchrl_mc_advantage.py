@@ -1,5 +1,6 @@
 """TorchRL's MCAdvantage (``torchrl.objectives.llm.MCAdvantage``) run against rlpost: its tests
-and docstring example with rlpost's imports, and the GRPO recipe's composition
+(candidate selection, ``share_memory_`` with two writer processes and validation included) and
+docstring example with rlpost's imports, and the GRPO recipe's composition
 (``LLMCollector(replay_buffer=rb)`` -> ``ReplayBuffer`` with ``MCAdvantage`` -> ``rb.sample()``)
 on a DatasetChatEnv with a scripted policy.
 
@@ -10,6 +11,8 @@ numbers, they are checked to within that difference.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import numpy as np
 import pytest
 import tensordict
@@ -19,7 +22,7 @@ from tensordict import NonTensorData, TensorDict, lazy_stack
 from rlpost.collect import LLMCollector
 from rlpost.data import History, LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 from rlpost.envs import AnswerRewardParser, DatasetChatEnv
-from rlpost.objectives import MCAdvantage
+from rlpost.objectives import MCAdvantage, MCAdvantageSelector
 
 pytestmark = pytest.mark.compat
 
@@ -180,12 +183,6 @@ def test_mc_advantage_clear_queues_preserves_stats():
     assert (adv_t.queued_groups, adv_t.queued_trajectories, adv_t.completed_trajectories) == (0, 0, 1)
 
 
-def test_mc_advantage_oversampling_is_refused():
-    """Deliberate deviation: TorchRL's candidate oversampling is not offered."""
-    with pytest.raises(NotImplementedError, match="candidate_group_size=4"):
-        MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum", candidate_group_size=4)
-
-
 def test_mc_advantage_trajectory_return_rb():
     rb = ReplayBuffer(storage=LazyStackStorage(100))
     rb.append_transform(
@@ -335,3 +332,174 @@ def test_groups_from_two_writers_complete_in_one_buffer():
         assert rewards.count(0.1) >= 2  # the fixed writer is always wrong
         assert [a for _, _, a in members] == pytest.approx(rlpost_advantages(rewards).tolist(), rel=1e-5, abs=1e-6)
     assert rb.sample()["advantage"].shape == (4, 1)
+
+
+# ---------------------------------------------------------------------------- oversampling and sharing
+# TorchRL's candidate-selection, share_memory and validation tests. Its test_ray_mc_advantage is in
+# tests/integration/test_ray_mc_advantage.py (it needs a Ray cluster).
+
+
+def test_mc_advantage_candidate_selection_rescues_dynamic_sampling_group():
+    selector = MCAdvantageSelector()
+    returns = TensorDict({"return": torch.tensor([0.0, 0.0, 0.0, 1.0])}, [4])
+    assert selector.select(returns, group_size=2, keep_return_bounds=(0.1, 0.9)) == [0, 3]
+    adv_t = MCAdvantage(
+        grpo_size=2, prompt_key="group_id", trajectory_return="sum", keep_return_bounds=(0.1, 0.9),
+        candidate_group_size=4, candidate_selector=selector,
+    )  # fmt: skip
+    for _ in range(3):
+        assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    out = adv_t.inv(make_group_traj(0, [1.0]))
+    assert out.shape == (2,) and out["advantage"].shape == out["next", "reward"].shape
+    # candidates 0 and 3 (returns 0 and 1): TorchRL's advantages are -/+ 0.7071
+    torch.testing.assert_close(out["advantage"].squeeze(-1), torch.tensor([-0.7071, 0.7071]), rtol=0, atol=2e-4)
+    assert out["next", "reward"].squeeze(-1).tolist() == [0.0, 1.0]
+    assert (adv_t.completed_groups, adv_t.written_groups, adv_t.dropped_groups) == (1, 1, 0)
+    assert (adv_t.rescued_groups, adv_t.selected_trajectories, adv_t.unselected_trajectories) == (1, 2, 2)
+
+
+def test_mc_advantage_candidate_selector_reads_tensordict():
+    class ScoreSelector(MCAdvantageSelector):
+        def __init__(self):
+            super().__init__(in_keys=[("trajectories", "selector_score")])
+
+        def select(self, candidates, *, group_size, keep_return_bounds=None):
+            trajectories = candidates.select(*self.in_keys, strict=True).get("trajectories")
+            scores = torch.stack([trajectory.get("selector_score")[0] for trajectory in trajectories.unbind(0)])
+            return scores.topk(group_size).indices.tolist()
+
+    def make_scored_traj(score, rewards):
+        traj = make_group_traj(0, rewards)
+        traj.set("selector_score", torch.full((len(rewards),), float(score)))
+        return traj
+
+    adv_t = MCAdvantage(
+        grpo_size=2, prompt_key="group_id", trajectory_return="sum", candidate_group_size=3,
+        candidate_selection_min_size=3, candidate_selector=ScoreSelector(),
+    )  # fmt: skip
+    assert adv_t.inv(make_scored_traj(0, [0.0])) is None
+    assert adv_t.inv(make_scored_traj(2, [1.0])) is None
+    out = adv_t.inv(make_scored_traj(1, [0.0]))
+    assert out["selector_score"].tolist() == [2.0, 1.0]  # the selector's order
+    assert out["next", "reward"].squeeze(-1).tolist() == [1.0, 0.0]
+    torch.testing.assert_close(out["advantage"].squeeze(-1), torch.tensor([0.7071, -0.7071]), rtol=0, atol=2e-4)
+    assert (adv_t.selected_trajectories, adv_t.unselected_trajectories, adv_t.rescued_groups) == (2, 1, 0)
+
+
+def test_mc_advantage_candidate_selection_writes_as_soon_as_useful():
+    adv_t = MCAdvantage(
+        grpo_size=2, prompt_key="group_id", trajectory_return="sum", keep_return_bounds=(0.1, 0.9),
+        candidate_group_size=4,
+    )  # fmt: skip
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    out = adv_t.inv(make_group_traj(0, [1.0]))
+    assert out.shape == (2,)
+    assert (adv_t.completed_groups, adv_t.written_groups, adv_t.dropped_groups, adv_t.queued_groups) == (1, 1, 0, 0)
+    assert (adv_t.selected_trajectories, adv_t.unselected_trajectories, adv_t.rescued_groups) == (2, 0, 0)
+
+
+def test_mc_advantage_candidate_selection_rescues_before_max_candidates():
+    adv_t = MCAdvantage(
+        grpo_size=2, prompt_key="group_id", trajectory_return="sum", keep_return_bounds=(0.1, 0.9),
+        candidate_group_size=4,
+    )  # fmt: skip
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    out = adv_t.inv(make_group_traj(0, [1.0]))
+    assert out.shape == (2,)
+    assert out["next", "reward"].squeeze(-1).tolist() == [0.0, 1.0]  # candidates 0 and 2
+    assert (adv_t.completed_groups, adv_t.written_groups, adv_t.rescued_groups) == (1, 1, 1)
+    assert (adv_t.selected_trajectories, adv_t.unselected_trajectories) == (2, 1)
+
+
+def test_mc_advantage_candidate_selection_drops_without_valid_subset():
+    adv_t = MCAdvantage(
+        grpo_size=2, prompt_key="group_id", trajectory_return="sum", keep_return_bounds=(0.1, 0.9),
+        candidate_group_size=4,
+    )  # fmt: skip
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    assert (adv_t.completed_groups, adv_t.queued_trajectories) == (0, 2)
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    assert (adv_t.completed_groups, adv_t.queued_trajectories) == (0, 3)
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    assert (adv_t.completed_groups, adv_t.written_groups, adv_t.dropped_groups, adv_t.queued_groups) == (1, 0, 1, 0)
+    assert (adv_t.selected_trajectories, adv_t.unselected_trajectories) == (0, 0)
+
+
+def test_mc_advantage_share_memory():
+    adv_t = MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum")
+    assert not adv_t.is_shared
+    assert adv_t.inv(make_group_traj(0, [0.0])) is None
+    adv_t.share_memory_()
+    try:
+        assert adv_t.is_shared
+        assert (adv_t.queued_groups, adv_t.queued_trajectories) == (1, 1)
+        out = adv_t.inv(make_group_traj(0, [1.0]))
+        torch.testing.assert_close(out["advantage"].squeeze(-1), torch.tensor([-0.7071, 0.7071]), rtol=0, atol=2e-4)
+        assert (adv_t.queued_groups, adv_t.completed_groups, adv_t.written_groups) == (0, 1, 1)
+        adv_t.reset_stats()
+        assert (adv_t.completed_groups, adv_t.written_groups) == (0, 0)
+        assert adv_t.inv(make_group_traj(1, [0.0])) is None
+        assert adv_t.queued_groups == 1
+        adv_t.queues.clear()
+        assert adv_t.queued_groups == 0
+    finally:
+        adv_t.close()
+
+
+def test_mc_advantage_local_queues(monkeypatch):
+    monkeypatch.setenv("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES", "1")
+    adv_t = MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum")
+    assert adv_t.share_memory_() is adv_t
+    assert not adv_t.is_shared
+
+
+def _shared_writer(advantage, group_id, rewards, queue):
+    """A writer process: one trajectory into the shared transform; what came out goes to ``queue``."""
+    out = advantage.inv(make_group_traj(group_id, rewards))
+    queue.put(None if out is None else out["advantage"].squeeze(-1).tolist())
+
+
+def test_mc_advantage_share_memory_multiprocessing():
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    adv_t = MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum").share_memory_()
+    try:
+        queue = ctx.Queue()
+        processes = [ctx.Process(target=_shared_writer, args=(adv_t, 0, [r], queue)) for r in (0.0, 1.0)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=60)
+        assert [process.exitcode for process in processes] == [0, 0]
+        results = [queue.get(timeout=5) for _ in processes]
+        assert sum(result is None for result in results) == 1
+        advantage = next(result for result in results if result is not None)
+        # whichever writer came second released both trajectories: -/+ 1/sqrt(2) (rlpost's eps)
+        assert sorted(advantage) == pytest.approx([-(2**-0.5), 2**-0.5], abs=2e-4)
+        assert (adv_t.queued_groups, adv_t.completed_groups, adv_t.written_groups) == (0, 1, 1)
+        assert adv_t.completed_trajectories == 2
+    finally:
+        adv_t.close()
+
+
+def test_mc_advantage_validation():
+    with pytest.raises(ValueError, match="trajectory_return must be one of"):
+        MCAdvantage(grpo_size=2, trajectory_return="prod")
+    with pytest.raises(ValueError, match="dynamic sampling"):
+        MCAdvantage(grpo_size=2, keep_return_bounds=(0.1, 0.9))
+    with pytest.raises(ValueError, match="increasing"):
+        MCAdvantage(grpo_size=2, trajectory_return="sum", keep_return_bounds=(0.9, 0.1))
+    with pytest.raises(ValueError, match="grpo_size >= 2"):
+        MCAdvantage(grpo_size=1, trajectory_return="sum")
+    with pytest.raises(ValueError, match="candidate_group_size"):
+        MCAdvantage(grpo_size=2, trajectory_return="sum", candidate_group_size=1)
+    with pytest.raises(ValueError, match="candidate_group_size > grpo_size"):
+        MCAdvantage(grpo_size=2, candidate_group_size=4)
+    for min_size in (1, 5):
+        with pytest.raises(ValueError, match="candidate_selection_min_size"):
+            MCAdvantage(
+                grpo_size=2, trajectory_return="sum", candidate_group_size=4, candidate_selection_min_size=min_size
+            )
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        MCAdvantageSelector("unknown")

@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from rlpost.data import LazyStackStorage, ReplayBuffer
+from rlpost.objectives import MCAdvantageSelector
 from rlpost.objectives.mc_advantage import MCAdvantage
 
 pytestmark = pytest.mark.unit
@@ -319,10 +320,12 @@ def test_options_are_checked():
         MCAdvantage(grpo_size=2, keep_return_bounds=(0.1, 0.9))
     with pytest.raises(ValueError, match="increasing"):
         MCAdvantage(grpo_size=2, trajectory_return="sum", keep_return_bounds=(0.9, 0.1))
-    with pytest.raises(NotImplementedError, match="candidate_group_size=4"):
+    with pytest.raises(ValueError, match="needs trajectory_return"):
         MCAdvantage(grpo_size=2, candidate_group_size=4)
-    with pytest.raises(NotImplementedError, match="candidate_selector"):
+    with pytest.raises(TypeError, match="candidate_selector needs a select"):
         MCAdvantage(grpo_size=2, candidate_selector=object())
+    with pytest.raises(ValueError, match="candidate_group_size must be an int"):
+        MCAdvantage(grpo_size=2, trajectory_return="sum", candidate_group_size=2.5)
     with pytest.raises(TypeError, match="not both"):
         MCAdvantage(grpo_size=2, rewards_key="r", reward_key="r")
     assert MCAdvantage(grpo_size=2, candidate_group_size=2).candidate_group_size == 2
@@ -394,3 +397,145 @@ def test_inv_groups_by_any_hashable_identity():
     out = mc.inv(turns((7, 1.0), ([1, 2], 0.0), (7, 0.0), ([1, 2], 2.0)))
     assert out["advantage"].flatten().tolist() == [0.5, -0.5, -1.0, 1.0]
     assert mc.completed_groups == 2 and mc.queued_groups == 0
+
+
+# ---------------------------------------------------------------------------- oversampling and sharing
+
+
+def group_traj(group_id, rewards):
+    """One trajectory of len(rewards) steps under an int group id (TorchRL's test layout)."""
+    n_steps = len(rewards)
+    return TensorDict(
+        {
+            "group_id": torch.full((n_steps,), group_id),
+            ("next", "reward"): torch.tensor(rewards).reshape(n_steps, 1),
+            ("next", "done"): torch.tensor([False] * (n_steps - 1) + [True]).reshape(n_steps, 1),
+        },
+        batch_size=[n_steps],
+    )
+
+
+def oversampled(**options):
+    defaults = dict(grpo_size=2, prompt_key="group_id", trajectory_return="sum", candidate_group_size=4)
+    return MCAdvantage(**{**defaults, **options})
+
+
+def test_selection_waits_for_candidate_selection_min_size():
+    mc = oversampled(keep_return_bounds=(0.1, 0.9), candidate_selection_min_size=3)
+    assert mc.inv(group_traj(0, [0.0])) is None
+    assert mc.inv(group_traj(0, [1.0])) is None  # useful already, but only 2 of the 3 candidates needed
+    out = mc.inv(group_traj(0, [0.0]))
+    # (0, 1) and (1, 2) both have mean 0.5 and spread 1: the first is kept
+    assert out["next", "reward"].flatten().tolist() == [0.0, 1.0]
+    assert out["advantage"].flatten().tolist() == pytest.approx(expected_advantages([0.0, 1.0]), rel=1e-6)
+    assert (mc.rescued_groups, mc.selected_trajectories, mc.unselected_trajectories) == (0, 2, 1)
+    assert mc.queued_groups == 0
+
+
+def test_the_selector_receives_every_candidate_and_may_wait_or_drop():
+    seen = []
+
+    class Recording:  # no in_keys: it receives every entry of the candidates
+        def select(self, candidates, *, group_size, keep_return_bounds=None):
+            seen.append(candidates)
+            return [2, 0] if candidates.batch_size == (3,) else None
+
+    mc = oversampled(candidate_group_size=3, candidate_selector=Recording())
+    assert mc.inv(group_traj(0, [1.0, 2.0])) is None
+    assert mc.inv(group_traj(0, [0.0])) is None
+    assert seen[0]["return"].dtype == torch.float64 and seen[0]["return"].tolist() == [3.0, 0.0]
+    out = mc.inv(group_traj(0, [5.0, 1.0, 1.0]))
+    candidates = seen[-1]
+    assert candidates["return"].tolist() == [3.0, 0.0, 7.0]
+    assert [t["next", "reward"].flatten().tolist() for t in candidates["trajectories"].unbind(0)] == [
+        [1.0, 2.0],
+        [0.0],
+        [5.0, 1.0, 1.0],
+    ]
+    # the selector's order: candidate 2 (return 7, three steps), then candidate 0 (return 3, two steps)
+    assert out["next", "reward"].flatten().tolist() == [5.0, 1.0, 1.0, 1.0, 2.0]
+    high, low = expected_advantages([7.0, 3.0])
+    assert out["advantage"].flatten().tolist() == pytest.approx([high] * 3 + [low] * 2, rel=1e-6)
+    assert (mc.written_groups, mc.selected_trajectories, mc.unselected_trajectories) == (1, 2, 1)
+
+    never = oversampled(
+        candidate_group_size=3, candidate_selector=type("Never", (), {"select": lambda *a, **k: None})()
+    )
+    for rewards in ([1.0], [0.0], [2.0]):
+        assert never.inv(group_traj(0, rewards)) is None
+    assert (never.completed_groups, never.dropped_groups, never.num_dropped_equal, never.queued_groups) == (1, 1, 0, 0)
+
+
+def test_a_selectors_answer_is_checked():
+    class Twice(MCAdvantageSelector):
+        def select(self, candidates, *, group_size, keep_return_bounds=None):
+            return [0, 0]
+
+    mc = oversampled(candidate_selector=Twice())
+    mc.inv(group_traj(0, [0.0]))
+    with pytest.raises(ValueError, match=r"Twice.select must return 2 distinct indices of the 2 candidates.*\[0, 0\]"):
+        mc.inv(group_traj(0, [1.0]))
+
+
+def test_oversampling_with_filter_equal_rewards_waits_for_unequal_returns():
+    mc = oversampled(candidate_group_size=3, filter_equal_rewards=True)
+    assert mc.inv(group_traj(0, [1.0])) is None
+    assert mc.inv(group_traj(0, [1.0])) is None  # two equal returns: not useful yet
+    out = mc.inv(group_traj(0, [0.0]))
+    # no bounds: spread over the sorted returns [0, 1, 1], lowest and highest
+    assert out["next", "reward"].flatten().tolist() == [0.0, 1.0]
+    assert (mc.rescued_groups, mc.unselected_trajectories, mc.num_dropped_equal) == (1, 1, 0)
+    for _ in range(3):
+        assert mc.inv(group_traj(1, [0.5])) is None
+    assert (mc.completed_groups, mc.dropped_groups, mc.num_dropped_equal, mc.queued_groups) == (2, 1, 1, 0)
+
+
+def test_add_does_not_oversample():
+    with pytest.raises(NotImplementedError, match="does not oversample"):
+        oversampled().add([sample("a", 1.0)])
+
+
+def test_selection_counters_are_stats_and_reset():
+    mc = oversampled(keep_return_bounds=(0.1, 0.9))
+    for rewards in ([0.0], [0.0], [1.0]):
+        mc.inv(group_traj(0, rewards))
+    stats = mc.get_stats()
+    assert {k: stats[k] for k in ("rescued_groups", "selected_trajectories", "unselected_trajectories")} == {
+        "rescued_groups": 1,
+        "selected_trajectories": 2,
+        "unselected_trajectories": 1,
+    }
+    assert "oversampl" not in repr(mc) and "candidate_group_size=4" in repr(mc)
+    mc.reset_stats()
+    assert (mc.rescued_groups, mc.selected_trajectories, mc.written_groups) == (0, 0, 0)
+
+
+def test_a_shared_transform_and_its_copies_fill_the_same_groups():
+    mc = MCAdvantage(grpo_size=2, scale="none")
+    mc.inv(turns(("a", 1.0)))
+    assert mc.share_memory_().share_memory_() is mc and mc.is_shared
+    try:
+        copy = pickle.loads(pickle.dumps(mc))  # what a child process receives
+        assert copy.is_shared and copy.queued_groups == 1
+        out = copy.inv(turns(("a", 3.0), ("b", 0.0)))
+        assert out["advantage"].flatten().tolist() == [-1.0, 1.0]
+        assert copy.add([sample("x", 2.0)]) == []
+        assert (mc.written_groups, mc.completed_trajectories, mc.queued_groups, mc.num_pending) == (1, 3, 1, 2)
+    finally:
+        mc.close()
+    # close() took the state back: the transform goes on in this process
+    assert not mc.is_shared and (mc.written_groups, mc.queued_groups, mc.num_pending) == (1, 1, 2)
+    assert mc.inv(turns(("b", 2.0)))["advantage"].flatten().tolist() == [-1.0, 1.0]
+    assert len(mc.add([sample("x", 0.0)])) == 1
+    mc.close()  # nothing left to stop
+
+
+def test_verbose_logs_selection(caplog):
+    mc = oversampled(keep_return_bounds=(0.1, 0.9), verbose=True)
+    with caplog.at_level(logging.INFO, logger="rlpost.objectives.mc_advantage"):
+        for rewards in ([0.0], [0.0], [1.0]):
+            mc.inv(group_traj(0, rewards))
+        for _ in range(4):
+            mc.inv(group_traj(1, [0.0]))
+    assert "group 0 released (2 of 3 candidates)" in caplog.text
+    assert "group 1 dropped (mean return outside (0.1, 0.9))" in caplog.text
