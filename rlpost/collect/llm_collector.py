@@ -100,9 +100,12 @@ class LLMCollector:
     Keyword Args:
         policy: a callable td -> td (an LLM wrapper); or ``policy_factory``, a callable that
             builds it (exclusive).
-        dialog_turns_per_batch: turns per yielded batch (env rows x steps); episodes per batch
-            with ``whole_episodes``. Default: 1 with ``yield_completed_trajectories``, the env's
-            rows otherwise.
+        dialog_turns_per_batch: turns per yielded batch (env rows x steps), rounded up to a
+            multiple of the env's rows as in TorchRL (a step moves every row); episodes per batch
+            with ``whole_episodes`` (not rounded). Default: the env's rows (TorchRL's default of 1
+            with ``yield_completed_trajectories``, rounded up). With
+            ``yield_completed_trajectories`` it is reported only: trajectories are yielded one at
+            a time (module docstring).
         total_dialog_turns: turns over the collector's life (episodes with
             ``whole_episodes``); -1 for no end.
         yield_completed_trajectories: yield finished trajectories one at a time.
@@ -188,9 +191,7 @@ class LLMCollector:
         self.policy = policy if policy is not None else policy_factory()
         if hasattr(self.policy, "register_collector"):
             self.policy.register_collector(self)
-        if dialog_turns_per_batch is None:
-            dialog_turns_per_batch = 1 if yield_completed_trajectories else self.env.batch_size.numel()
-        self.requested_frames_per_batch = int(dialog_turns_per_batch)
+        self.requested_frames_per_batch = _turns_per_batch(dialog_turns_per_batch, self.env, whole_episodes)
         self.total_frames = int(total_dialog_turns)
         self.episode_stats = CollectorStats()  # running totals of the whole-episodes mode
         self.last_batch_info: dict[str, Any] = {}  # the whole-episodes mode's last batch
@@ -652,6 +653,17 @@ class LLMCollector:
             f"yield_completed_trajectories={self.yield_completed_trajectories}, "
             f"whole_episodes={self.whole_episodes is not None})"
         )
+
+
+def _turns_per_batch(requested: int | None, env: Any, whole_episodes: Any) -> int:
+    """``dialog_turns_per_batch`` as the collector counts it: the env's rows when None, else
+    ``requested`` rounded up to whole steps of the env (episodes, unrounded, with whole_episodes)."""
+    rows = env.batch_size.numel()
+    if requested is None:
+        return rows
+    if whole_episodes:
+        return int(requested)
+    return -(-int(requested) // rows) * rows
 
 
 def _whole_episodes_settings(whole_episodes: bool | WholeEpisodes | None, env: Any) -> WholeEpisodes | None:

@@ -11,7 +11,8 @@ along any dim, in place or not, dense or lazily stacked.
 Conversations of different lengths are padded on the right with messages whose role is
 ``"<none>"`` (:data:`PAD_ROLE`), so that a batch stays dense; padding messages are dropped
 whenever a History is turned back into chats or rendered. (A ``lazy_stack`` of ragged Histories
-works everywhere a History is read.)
+works everywhere a History is read; ``torch.cat`` of Histories of different lengths, e.g. of two
+collector batches, gives one.)
 
 Deliberate deviations from TorchRL, each because TorchRL's behaviour is wrong for training:
 
@@ -97,6 +98,17 @@ class History(TensorClass["nocast"]):
             complete = complete.expand(self.batch_size).clone()
         self.is_complete = complete
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.cat of Histories whose other dims differ (conversations of different lengths, as
+        # in two collector batches): a lazy stack of their elements, as TorchRL's lazily stacked
+        # Histories concatenate. Everything else is the tensorclass's own handling.
+        if func is torch.cat:
+            joined = _cat_ragged(*args, **(kwargs or {}))
+            if joined is not None:
+                return joined
+        return super().__torch_function__(func, types, args, kwargs)
+
     # ------------------------------------------------------------------ construction
 
     @classmethod
@@ -157,7 +169,9 @@ class History(TensorClass["nocast"]):
         The tokenizer's BOS/EOS tokens are used by the formats that render them.
 
         A last message without its end marker is ``is_complete=False``, so rendering the result
-        gives the text back (see :func:`parse_chatml` for ChatML's tool turns). A list of texts
+        gives the text back (see :func:`parse_chatml` for ChatML's tool turns). ChatML text after
+        a block's ``<|im_end|>`` that opens no new block (what vLLM generates with
+        ``ignore_eos=True``) is dropped, as in TorchRL. A list of texts
         gives a ``"<none>"``-padded ``[B, max_n]`` batch.
         """
         del chat_template  # TorchRL's parser ignores it too
@@ -337,6 +351,25 @@ class History(TensorClass["nocast"]):
 
     # ------------------------------------------------------------------ specs
 
+    def _spec_view(self) -> History:
+        """This History as a spec checks it (:meth:`Composite.is_in <rlpost.data.specs.Composite.is_in>`).
+
+        A History built without a batch size from lists (``History(role=[...], content=[...])``,
+        TorchRL's way to write a conversation) is 0-d with its messages stacked inside each
+        field; it is read as the ``[n]`` conversation it holds, so that
+        ``History.default_spec().is_in(history)`` holds as in TorchRL. Anything else is itself.
+        """
+        role = self._tensordict.get("role", None)
+        if self.batch_dims or not is_non_tensor(role) or role.batch_dims != 1:
+            return self
+        td = self._tensordict.copy()
+        td.set("is_complete", self.is_complete.expand(role.batch_size).clone())
+        try:
+            td.batch_size = role.batch_size
+        except RuntimeError:  # a field that does not hold one value per message
+            return self
+        return History._from_tensordict(td)
+
     @classmethod
     def default_spec(cls, shape=(-1,)):
         """The spec of a History field in an env or transform (TorchRL's ``History.default_spec``).
@@ -442,6 +475,23 @@ def _join(a: History, b: History, dim: int) -> History:
         return torch.cat([_canonical(a, keys), _canonical(b, keys)], dim)
     except RuntimeError:  # e.g. content blocks of different counts: keep them ragged
         return lazy_stack(list(a.unbind(dim)) + list(b.unbind(dim)), dim)
+
+
+def _cat_ragged(tensors, dim: int = 0, *, out=None) -> History | None:
+    """``torch.cat(tensors, dim)`` of Histories that differ off ``dim`` (a lazy stack of all their
+    elements along ``dim``); None when they agree there (or are not all Histories), so that the
+    tensorclass concatenates them as usual."""
+    histories = list(tensors)
+    if out is not None or not histories or not all(isinstance(h, History) for h in histories):
+        return None
+    ndim = histories[0].batch_dims
+    if ndim == 0 or any(h.batch_dims != ndim for h in histories):
+        return None
+    dim = _positive_dim(dim, ndim)
+    others = {h.batch_size[:dim] + h.batch_size[dim + 1 :] for h in histories}
+    if len(others) == 1:
+        return None
+    return lazy_stack([element for h in histories for element in h.unbind(dim)], dim)
 
 
 def _canonical(history: History, keys: set[str]) -> History:

@@ -315,6 +315,9 @@ class Composite(TensorSpec):
             return True
         if self.data_cls is not None and not isinstance(value, self.data_cls):
             return False
+        view = getattr(value, "_spec_view", None)  # a class may say how it is checked (History does)
+        if callable(view):
+            value = view()
         td = getattr(value, "_tensordict", value)
         if isinstance(td, LazyStackedTensorDict):
             element = self._drop_dim(td.stack_dim)

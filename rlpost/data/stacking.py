@@ -2,12 +2,16 @@
 ``as_padded_tensor``, the ``stack_method`` choices of its data-loading primer).
 
 Who uses them: data loaders that batch tokenized prompts, and envs whose reset stacks rows.
+:func:`set_rows` writes per-row outputs of different lengths (unpadded log-probs, KL) so that
+``td.get(key, as_list=True)`` reads them back one tensor per row; the KL transforms use it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase, lazy_stack
 
 
 def as_nested_tensor(list_of_tensordicts: list[TensorDictBase]) -> TensorDictBase:
@@ -49,3 +53,64 @@ def as_padded_tensor(list_of_tensordicts: list[TensorDictBase], dim: int = 0, st
         return torch.stack(padded, dim=stack_dim)
 
     return first.apply(pad, *rest, batch_size=batch_size)
+
+
+def is_row_stacked(td: TensorDictBase, key: NestedKey) -> bool:
+    """Whether ``td[key]`` lives in a lazy stack along dim 0 (``td`` itself or a container on the
+    way to ``key``): then its rows are separate tensors, which may differ in length."""
+    path = (key,) if isinstance(key, str) else tuple(key)
+    node: Any = td
+    for part in path[:-1]:
+        if _is_row_stack(node):
+            return True
+        node = node.get(part, None)
+        if node is None:
+            return False
+    return _is_row_stack(node)
+
+
+def set_rows(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor]) -> TensorDictBase:
+    """Write one tensor per row of ``td`` (batch ``[B]``) at ``key``, lengths free, so that
+    ``td.get(key, as_list=True)`` gives the ``B`` tensors back (TorchRL's unpadded layout).
+
+    Into a lazy stack each row goes to its own TensorDict. Into a dense ``td`` a two-part key
+    (``("log_probs", "full")``) becomes a lazy stack of one TensorDict per row under its
+    container (an existing dense container is unbound into one first, its other entries kept),
+    as the wrappers write with ``pad_output=False``. A one-part key of a dense ``td`` has no
+    container to hold separate rows: it gets a jagged nested tensor (TorchRL stores a nested
+    tensor there too), whose ``[i]`` is row ``i``. A 0-d ``td`` takes its one row as it is.
+    """
+    if td.batch_dims == 0:
+        (row,) = rows
+        td.set(key, row)
+        return td
+    if _is_row_stack(td):
+        for sub, row in zip(_inner(td).tensordicts, rows, strict=True):
+            sub.set(key, row)
+        return td
+    path = (key,) if isinstance(key, str) else tuple(key)
+    if len(path) == 1 or td.batch_dims != 1:
+        td.set(key, torch.nested.as_nested_tensor(list(rows), layout=torch.jagged))
+        return td
+    container_key = path[:-1] if len(path) > 2 else path[0]
+    container = td.get(container_key, None)
+    if container is None:
+        scalar = torch.Size([])
+        td.set(container_key, lazy_stack([TensorDict({path[-1]: row}, batch_size=scalar) for row in rows]))
+        return td
+    if not _is_row_stack(container):
+        container = lazy_stack(list(container.unbind(0)))
+        td.set(container_key, container)
+    for sub, row in zip(_inner(container).tensordicts, rows, strict=True):
+        sub.set(path[-1], row)
+    return td
+
+
+def _inner(value: Any) -> Any:
+    """A tensorclass's TensorDict (containers such as LogProbs are tensorclasses), or ``value``."""
+    return getattr(value, "_tensordict", value)
+
+
+def _is_row_stack(value: Any) -> bool:
+    inner = _inner(value)
+    return isinstance(inner, LazyStackedTensorDict) and inner.stack_dim == 0

@@ -155,15 +155,20 @@ def parse_chatml(text: str) -> list[dict]:
     (``is_complete=False``) when it is the last one; a block that the next ``<|im_start|>``
     follows ends there, complete, minus a closing ``<|endoftext|>``. A user or tool turn made
     only of ``<tool_response>`` blocks (how Qwen templates render tool messages) gives one
-    ``"tool"`` message per block. Text outside the blocks (other than whitespace) is an error.
+    ``"tool"`` message per block.
+
+    Text after a block's ``<|im_end|>`` that opens no new block is dropped, as TorchRL's parser
+    drops it: it is what an engine generates past the end of its turn when told to ignore EOS
+    (vLLM's ``ignore_eos=True``), and belongs to no message. Text before the first block (other
+    than whitespace) is an error: it is not a ChatML rendering.
     """
     messages: list[dict] = []
     pos = 0
     while True:
         start = text.find(_IM_START, pos)
         junk = text[pos:] if start < 0 else text[pos:start]
-        if junk.strip():
-            raise ValueError(f"from_text: text outside a <|im_start|>...<|im_end|> block: {junk[:80]!r}")
+        if junk.strip() and not messages:
+            raise ValueError(f"from_text: text before the first <|im_start|> block: {junk[:80]!r}")
         if start < 0:
             break
         header_end = text.find("\n", start)

@@ -7,9 +7,14 @@ thread each; ``async_step_and_maybe_reset_recv(min_get)`` returns as soon as ``m
 them are done (step and next root, rows in completion order). An LLM collector with
 ``async_envs=True`` thus generates for the rows that are ready while slow rows still run.
 
+``stack`` says how rows are put together, as in TorchRL: ``"lazy"`` (a lazy stack, each row
+kept as its sub-env returned it), ``"maybe_dense"`` (dense where the rows agree, lazy where they
+do not) or ``"dense"`` (``torch.stack``: fails on rows of different shapes).
+
 Deviations from TorchRL: one backend, threads (rlpost's envs release the GIL in their slow
 parts: tool sandboxes, reward worker processes, HTTP); sub-envs have batch ``[1]``; every wait
-is bounded by ``timeout_s``.
+is bounded by ``timeout_s``; ``stack`` defaults to ``"lazy"`` (TorchRL: ``"dense"``), because
+conversations of different lengths do not stack densely.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase, lazy_stack, maybe_dense_stack
+
+_STACKS = {"lazy": lazy_stack, "maybe_dense": maybe_dense_stack, "dense": torch.stack}
 
 
 class AsyncEnvPool:
@@ -31,6 +38,7 @@ class AsyncEnvPool:
     Keyword Args:
         num_envs: the number of sub-envs when ``env_makers`` is a single callable.
         backend: "threading" (the only one).
+        stack: "lazy" (default), "maybe_dense" or "dense": how rows are stacked.
         timeout_s: bound of every wait for a sub-env.
     """
 
@@ -42,10 +50,14 @@ class AsyncEnvPool:
         *,
         num_envs: int | None = None,
         backend: str = "threading",
+        stack: str = "lazy",
         timeout_s: float = 600.0,
     ) -> None:
         if backend != "threading":
             raise ValueError(f"AsyncEnvPool supports backend='threading' only, got {backend!r}")
+        if stack not in _STACKS:
+            raise ValueError(f"AsyncEnvPool stack must be one of {sorted(_STACKS)}, got {stack!r}")
+        self.stack = stack
         if callable(env_makers):
             env_makers = [env_makers] * (num_envs or 1)
         self.envs = [make() for make in env_makers]
@@ -137,7 +149,7 @@ class AsyncEnvPool:
             row = out[0]
             row.set(self._env_idx_key, torch.tensor(index))
             rows.append(row)
-        return lazy_stack(rows) if rows else TensorDict(batch_size=[0])
+        return _STACKS[self.stack](rows) if rows else TensorDict(batch_size=[0])
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

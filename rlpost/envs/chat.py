@@ -74,11 +74,35 @@ class ChatEnv(EnvBase):
         device: device of the tensors the env creates.
         max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
             None for no limit.
+        with_tokenizer: TorchRL's option: ``ChatEnv(..., with_tokenizer=True)`` returns the env
+            wrapped in a :class:`~rlpost.envs.common.TransformedEnv` with an
+            :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer` of ``tokenizer``
+            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``; the same
+            as :meth:`with_tokenizer`.
     """
 
     data_key = "query"
     text_key = ("text", "prompt")
     response_key = ("text", "response")
+
+    def __new__(cls, *args: Any, with_tokenizer: bool = False, **kwargs: Any) -> Any:
+        if not with_tokenizer:
+            return super().__new__(cls)
+        tokenizer = kwargs.get("tokenizer")
+        if tokenizer is None:
+            raise ValueError("tokenizer must be provided when with_tokenizer=True")
+        # a returned object that is not a ChatEnv is not initialised by Python: do it here
+        env = super().__new__(cls)
+        env.__init__(*args, **kwargs)
+        from rlpost.envs.incremental_tokenizer import IncrementalTokenizer  # it imports this module
+
+        return TransformedEnv(env, IncrementalTokenizer(tokenizer))
+
+    @classmethod
+    def with_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> TransformedEnv:
+        """This env wrapped with an IncrementalTokenizer of ``tokenizer`` (TorchRL's classmethod):
+        ``ChatEnv(tokenizer=tokenizer, with_tokenizer=True, **kwargs)``."""
+        return cls(tokenizer=tokenizer, with_tokenizer=True, **kwargs)
 
     def __init__(
         self,
@@ -94,7 +118,9 @@ class ChatEnv(EnvBase):
         data_key: str | None = None,
         device: torch.device | str | None = None,
         max_steps: int | None = None,
+        with_tokenizer: bool = False,
     ) -> None:
+        del with_tokenizer  # handled by __new__, which wraps the env
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
         if input_mode != "history" and tokenizer is None:

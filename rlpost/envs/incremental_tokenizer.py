@@ -49,8 +49,9 @@ class IncrementalTokenizer(Transform):
     to ``tokens.full`` (TorchRL copies ``tokens.full`` alone, so the tokens lose the tool
     result that the history holds); the transform refuses a tokens-mode env (whose own
     ``tokens.prompt`` it would overwrite) and one where it runs before a transform that adds
-    messages; ``with_tokenizer=True`` on ChatEnv is not provided (append the transform); no
-    observation spec is added (rlpost's transforms have no specs).
+    messages; no observation spec is added (rlpost's transforms have no specs).
+    ``ChatEnv(..., with_tokenizer=True)`` and ``ChatEnv.with_tokenizer(tokenizer, ...)`` append
+    it with its defaults, as in TorchRL.
     """
 
     def __init__(

@@ -2,11 +2,13 @@
 
 - :class:`RetrieveLogProb` scores a model (``generate=False``) on the full sequences of a step
   (``td[(mode, "full")]``) and writes its log-probs under ``next`` (zeroed outside the assistant
-  tokens when ``assistant_only``), padded (``pad_output=True``, ``padding_side``) or as a jagged
-  nested tensor (``pad_output=False``).
+  tokens when ``assistant_only``), padded (``pad_output=True``, ``padding_side``) or, with
+  ``pad_output=False``, one tensor per row: ``td.get(key, as_list=True)`` gives the rows back,
+  as from TorchRL's transform (:func:`~rlpost.data.stacking.set_rows` says how they are stored).
 - :class:`KLComputation` reads generation and reference log-probs from ``next`` and writes the
   per-token KL ``gen - ref`` under ``kl_key``; with ``add_to_reward`` the reward becomes
-  per-token: ``reward - coeff * kl`` with shape ``[B, T, 1]`` (nested when ragged).
+  per-token: ``reward - coeff * kl`` with shape ``[B, T, 1]`` (rows stored as RetrieveLogProb's
+  when ragged).
 - :class:`RetrieveKL` chains them (a :class:`~rlpost.envs.transforms.Compose`): generation
   log-probs (scored by ``gen_model``, or taken from the collector's policy with
   ``gen_model="from_collector"``), reference log-probs, then the KL.
@@ -48,6 +50,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch.nn.utils.rnn import pad_sequence
 
+from rlpost.data.stacking import is_row_stacked, set_rows
 from rlpost.envs.transforms import Compose, Transform
 
 GEN_LOG_PROBS_FULL = ("log_probs", "full")
@@ -70,13 +73,21 @@ def _get_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
 
 
 def _entry(td: TensorDictBase, key: NestedKey) -> Any:
-    """``td[key]``, or its rows as a list when they cannot be stacked; None when absent."""
+    """``td[key]``: a tensor, or a list of its rows when they are stored one per row (a lazy
+    stack, even of rows of one length); None when absent."""
     if key not in td.keys(include_nested=True):
         return None
-    try:
-        return td.get(key)
-    except RuntimeError:  # rows of different lengths in a lazy stack
+    if is_row_stacked(td, key):
         return td.get(key, as_list=True)
+    return td.get(key)
+
+
+def _write(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor], padded: bool, padding_side: str) -> None:
+    """Write rows at ``key``: padded into one tensor, or one tensor per row (:func:`set_rows`)."""
+    if padded:
+        td.set(key, _pack(rows, True, padding_side))
+    else:
+        set_rows(td, key, rows)
 
 
 def _rows(value: Any) -> list[torch.Tensor]:
@@ -129,15 +140,20 @@ class RetrieveLogProb(Transform):
         padding_side: str = "left",
     ) -> None:
         super().__init__()
-        if getattr(model, "generate", True):
-            raise ValueError(f"{type(self).__name__} needs a scoring model: build the wrapper with generate=False")
+        # TorchRL's wording: its tests match these messages
+        name = type(self).__name__
         if not getattr(model, "return_log_probs", True):
-            raise ValueError(f"{type(self).__name__} needs the model's log-probs: build it with return_log_probs=True")
+            raise ValueError(f"The model must have `return_log_probs=True` to use the `{name}` transform.")
+        if getattr(model, "generate", True):
+            raise ValueError(
+                f"The model must have `generate=False` to use the `{name}` transform: it needs a scoring model"
+            )
         input_mode = getattr(model, "input_mode", "history")
         if assistant_only and input_mode != "history":
             raise ValueError(
-                f"assistant_only=True needs a model with input_mode='history' (got {input_mode!r}): only a "
-                "history says which tokens are the assistant's; pass assistant_only=False for text or tokens"
+                f"The model must have `input_mode='history'` when `assistant_only=True`. Current input_mode is "
+                f"'{input_mode}': only a history says which tokens are the assistant's. To use input_mode "
+                f"'{input_mode}', set `assistant_only=False`."
             )
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
@@ -163,7 +179,12 @@ class RetrieveLogProb(Transform):
         return bool(getattr(self.model, "pad_output", True))
 
     def log_probs(self, td: TensorDictBase) -> torch.Tensor:
-        """The model's log-probs of ``td``'s full sequences, masked and packed (see the class)."""
+        """The model's log-probs of ``td``'s full sequences, masked, as one tensor: padded, or
+        jagged with ``pad_output=False`` (the transform itself stores such rows one per row)."""
+        return _pack(self._rows(td), self.pad_output, self.padding_side)
+
+    def _rows(self, td: TensorDictBase) -> list[torch.Tensor]:
+        """The masked log-probs of each full sequence, on ``td``'s device."""
         source_device = td.device
         data = td.copy() if self.device is None else td.to(self.device)
         with torch.set_grad_enabled(not self.detach):
@@ -179,15 +200,16 @@ class RetrieveLogProb(Transform):
             rows = [row.masked_fill(~mask.bool(), 0.0) for row, mask in zip(rows, masks)]
         if self.detach:
             rows = [row.detach() for row in rows]
-        packed = _pack(rows, self.pad_output, self.padding_side)
-        return packed.to(source_device) if source_device is not None and self.device is not None else packed
+        if source_device is not None and self.device is not None:
+            rows = [row.to(source_device) for row in rows]
+        return rows
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        next_td.set(self.log_probs_full_key, self.log_probs(td))
+        _write(next_td, self.log_probs_full_key, self._rows(td), self.pad_output, self.padding_side)
         return next_td
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        _target(td).set(self.log_probs_full_key, self.log_probs(td))
+        self.on_step(td, _target(td))
         return td
 
     forward = __call__
@@ -210,7 +232,7 @@ class KLComputation(Transform):
         add_to_reward: ``reward = reward - coeff * kl`` per token (``[B, T, 1]``).
         coeff: the KL coefficient.
         padding_side: side of the padding when ragged rows are padded (padded inputs keep their
-            layout; ragged ones give a jagged nested KL).
+            layout; ragged ones are stored one tensor per row).
         estimator: ``"k1"`` (``gen - ref``, TorchRL's) or ``"k3"`` (see the module docstring).
     """
 
@@ -238,7 +260,13 @@ class KLComputation(Transform):
         self.padding_side, self.estimator = padding_side, estimator
 
     def kl(self, next_td: TensorDictBase) -> torch.Tensor:
-        """The per-token KL of ``next_td``'s two entries (padded in, padded out; else jagged)."""
+        """The per-token KL of ``next_td``'s two entries as one tensor (padded in, padded out;
+        else jagged)."""
+        rows, padded = self._kl_rows(next_td)
+        return _pack(rows, padded, self.padding_side)
+
+    def _kl_rows(self, next_td: TensorDictBase) -> tuple[list[torch.Tensor], bool]:
+        """The per-token KL of each row, and whether the inputs were padded tensors."""
         gen, ref = _entry(next_td, self.gen_log_probs_full_key), _entry(next_td, self.ref_log_probs_full_key)
         for key, value in ((self.gen_log_probs_full_key, gen), (self.ref_log_probs_full_key, ref)):
             if value is None:
@@ -256,8 +284,7 @@ class KLComputation(Transform):
                     "both must come from the same layout (same pad_output; keep the EOS token when pad == eos)"
                 )
         rows = [self._estimate(g, r.to(g.device)) for g, r in zip(gen_rows, ref_rows)]
-        padded = isinstance(gen, torch.Tensor) and not gen.is_nested
-        return _pack(rows, padded, self.padding_side)
+        return rows, isinstance(gen, torch.Tensor) and not gen.is_nested
 
     def _estimate(self, gen: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         if self.estimator == "k1":
@@ -267,17 +294,20 @@ class KLComputation(Transform):
 
     def apply(self, next_td: TensorDictBase) -> TensorDictBase:
         """Write the KL (and the penalised reward) into ``next_td``."""
-        kl = self.kl(next_td)
-        next_td.set(self.kl_key, kl)
+        kl_rows, padded = self._kl_rows(next_td)
+        _write(next_td, self.kl_key, kl_rows, padded, self.padding_side)
         if self.add_to_reward:
-            reward = next_td.get("reward", None)
+            reward = _entry(next_td, "reward")
             if reward is not None:
-                next_td.set("reward", self._penalised(reward, kl))
+                penalised = self._penalised(_rows(reward), kl_rows)
+                if padded:
+                    next_td.set("reward", torch.stack(penalised))
+                else:
+                    set_rows(next_td, "reward", penalised)
         return next_td
 
-    def _penalised(self, reward: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
-        kl_rows = _rows(kl)
-        reward_rows = _rows(reward)
+    def _penalised(self, reward_rows: list[torch.Tensor], kl_rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per row, ``reward - coeff * kl`` per token (``[T, 1]``)."""
         out = []
         for i, (r, k) in enumerate(zip(reward_rows, kl_rows)):
             if r.ndim == k.ndim:  # rlpost's [1] per sample: one scalar for every token
@@ -288,9 +318,7 @@ class KLComputation(Transform):
                     "rewards must be [B, 1], [B, 1, 1] or [B, T, 1]"
                 )
             out.append(r - self.coeff * k.unsqueeze(-1).to(r.dtype))
-        if isinstance(kl, torch.Tensor) and not kl.is_nested:
-            return torch.stack(out)
-        return torch.nested.as_nested_tensor(out, layout=torch.jagged)
+        return out
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         return self.apply(next_td)
@@ -384,10 +412,10 @@ class RetrieveKL(Compose):
         if self._initialized:
             self._build(gen_model)
 
-    def _build(self, gen_model: Any) -> None:
+    def _build(self, gen_model: Any, *, distinct_keys: bool = True) -> None:
         ref = self.ref_model
         if gen_model is not None:
-            _check_pair(gen_model, ref)
+            _check_pair(gen_model, ref, distinct_keys=distinct_keys)
             self.append(RetrieveLogProb(gen_model, log_probs_full_key=self.gen_log_probs_full_key, **self._settings))
         self.append(RetrieveLogProb(ref, log_probs_full_key=self.ref_log_probs_full_key, **self._settings))
         self.append(self.kl_computation)
@@ -396,7 +424,11 @@ class RetrieveKL(Compose):
         self._initialized = True
 
     def _init_deferred(self) -> None:
-        """``gen_model="from_collector"``: the scoring twin of the collector's policy."""
+        """``gen_model="from_collector"``: the scoring twin of the collector's policy.
+
+        The twin writes to ``gen_log_probs_full_key`` and the reference to
+        ``ref_log_probs_full_key``, so a reference with the default ``log_probs_key`` (the
+        twin's too) is accepted, as in TorchRL, whose deferred build skips that check."""
         collector = getattr(self, "collector", None)
         if collector is None and self.parent is not None:
             collector = getattr(self.parent, "collector", None)
@@ -413,7 +445,7 @@ class RetrieveKL(Compose):
             generate=False, return_log_probs=True, log_probs_key=key[0] if len(key) == 2 else key[:-1],
             input_mode=ref.input_mode, pad_output=getattr(ref, "pad_output", True),
         )  # fmt: skip
-        self._build(gen_model)
+        self._build(gen_model, distinct_keys=False)
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         if not self._initialized:
@@ -434,7 +466,9 @@ class RetrieveKL(Compose):
         return f"RetrieveKL({', '.join(map(repr, self))}{state})"
 
 
-def _check_pair(gen_model: Any, ref_model: Any) -> None:
+def _check_pair(gen_model: Any, ref_model: Any, *, distinct_keys: bool = True) -> None:
+    """TorchRL's checks of a (generation, reference) pair; ``distinct_keys`` also refuses one
+    ``log_probs_key`` for both (TorchRL checks that for models given to the constructor only)."""
     for name, model in (("generation", gen_model), ("reference", ref_model)):
         if not getattr(model, "return_log_probs", True):
             raise ValueError(f"The {name} model must have return_log_probs=True to use RetrieveKL")
@@ -445,7 +479,7 @@ def _check_pair(gen_model: Any, ref_model: Any) -> None:
             f"pad_output mismatch: gen_model.pad_output={gen_model.pad_output}, ref_model.pad_output={ref_model.pad_output}; "
             "both models must use the same padding for the KL"
         )
-    if getattr(gen_model, "log_probs_key", "gen") == getattr(ref_model, "log_probs_key", "ref"):
+    if distinct_keys and getattr(gen_model, "log_probs_key", "gen") == getattr(ref_model, "log_probs_key", "ref"):
         raise ValueError("The generation and reference models must have different log_probs_key values")
 
 

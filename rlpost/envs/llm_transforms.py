@@ -812,6 +812,14 @@ class PolicyVersion(Transform):
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         return self._stamp(next_td)
 
+    # TorchRL's hook names, which its tests call directly: ``_step(td, next_td)`` stamps
+    # ``next_td``, ``_reset(td, reset_td)`` stamps ``reset_td``; both return what they stamped.
+    def _step(self, tensordict: TensorDictBase | None, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return self._stamp(next_tensordict)
+
+    def _reset(self, tensordict: TensorDictBase | None, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return self._stamp(tensordict_reset)
+
     def _stamp(self, td: TensorDictBase) -> TensorDictBase:
         if self._kind == "int":
             kwargs = {"device": td.device} if td.device is not None else {}

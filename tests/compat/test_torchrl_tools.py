@@ -6,7 +6,7 @@ PythonInterpreter tests (plain, persistent, persistent after an error, persisten
 and the MCP Python-execution test. Substitutions: rlpost's imports; the offline tiny model's
 tokenizer for GPT-2's and Qwen2.5-3B's; the local MCP server of tests/mcp_server.py (which runs
 code in rlpost's sandbox) for ``uvx mcp-run-python`` (Deno, network). Where rlpost differs on
-purpose the assertion says so; three tests are skipped with the reason.
+purpose the assertion says so; one test is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -267,13 +267,26 @@ class TestIncrementalTokenizer:
         decoded = tokenizer.decode(new[0], skip_special_tokens=False)
         assert "Hello" in decoded and "Hi there! How can I help you?" in decoded
 
-    @pytest.mark.skip(reason="rlpost's ChatEnv has no with_tokenizer=True: append IncrementalTokenizer instead")
     def test_with_tokenizer_constructor_arg(self, tokenizer):
-        pass
+        env = ChatEnv(tokenizer=tokenizer, batch_size=(1,), system_prompt="You are a helpful assistant.",
+                      with_tokenizer=True)  # fmt: skip
+        assert isinstance(env, TransformedEnv)
+        # rlpost's env.transform is always a Compose (TorchRL's is the one transform itself)
+        assert len(env.transform) == 1 and isinstance(env.transform[0], IncrementalTokenizer)
+        result = env.reset(TensorDict({"query": "Hello!"}, batch_size=(1,)))
+        expected = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"}],
+            add_generation_prompt=True, tokenize=True, return_dict=False,
+        )  # fmt: skip
+        assert result.get(("tokens", "prompt"), as_list=True)[0].tolist() == list(expected)
 
-    @pytest.mark.skip(reason="rlpost's ChatEnv has no ChatEnv.with_tokenizer(): append IncrementalTokenizer instead")
     def test_with_tokenizer_provides_tokens(self, tokenizer):
-        pass
+        env = ChatEnv.with_tokenizer(tokenizer=tokenizer, batch_size=(1,))
+        result = env.reset(TensorDict({"query": "Test"}, batch_size=(1,)))
+        ids = result.get(("tokens", "prompt"), as_list=True)[0]
+        assert "Test" in tokenizer.decode(ids, skip_special_tokens=False)
+        with pytest.raises(ValueError, match="tokenizer must be provided"):
+            ChatEnv(batch_size=(1,), with_tokenizer=True)
 
     def test_tokens_consistency_across_multiple_steps(self, tokenizer):
         env = tokenized_env(tokenizer, batch_size=(1,))  # TorchRL: ChatEnv.with_tokenizer(...)
