@@ -492,6 +492,11 @@ class KLRewardTransform(Transform):
 
     Args:
         ref_model: the reference as a scoring wrapper (``generate=False``, input_mode "tokens").
+            The legacy form of TorchRL's docstring, ``KLRewardTransform(gen_model, ref_model)``,
+            is accepted too (TorchRL's own signature rejects it): the generation model then only
+            says where its log-probs are (``(gen_model.log_probs_key, "full")``, unless
+            ``log_prob_key`` is given), and a reference in another input mode is scored through
+            its tokens-mode twin (``ref_model.get_new_version(input_mode="tokens")``).
 
     Keyword Args:
         ref_model_factory: a callable building it instead.
@@ -514,12 +519,12 @@ class KLRewardTransform(Transform):
     def __init__(
         self,
         ref_model: Any = None,
-        *,
+        *legacy_ref_model: Any,
         ref_model_factory: Callable[[], Any] | None = None,
         coef: float = 1.0,
         in_keys: list | None = None,
         out_keys: list | None = None,
-        log_prob_key: NestedKey = GEN_LOG_PROBS_FULL,
+        log_prob_key: NestedKey | None = None,
         device: torch.device | str | None = None,
         add_to_reward: bool = True,
         tokenizer: Any = None,
@@ -528,6 +533,18 @@ class KLRewardTransform(Transform):
         use_ray_service: bool = False,
     ) -> None:
         super().__init__()
+        if legacy_ref_model:  # KLRewardTransform(gen_model, ref_model)
+            if len(legacy_ref_model) != 1 or ref_model_factory is not None:
+                raise TypeError(
+                    "KLRewardTransform takes the reference model, or (gen_model, ref_model) in the legacy form; "
+                    f"got {1 + len(legacy_ref_model)} models{' and a ref_model_factory' if ref_model_factory else ''}"
+                )
+            gen_model, ref_model = ref_model, legacy_ref_model[0]
+            if log_prob_key is None:
+                log_prob_key = (getattr(gen_model, "log_probs_key", "log_probs"), "full")
+            if getattr(ref_model, "input_mode", "tokens") != "tokens" and hasattr(ref_model, "get_new_version"):
+                ref_model = ref_model.get_new_version(input_mode="tokens")
+        log_prob_key = GEN_LOG_PROBS_FULL if log_prob_key is None else log_prob_key
         if ref_model_factory is not None:
             if ref_model is not None:
                 raise ValueError("Cannot provide both 'ref_model' and 'ref_model_factory'. Choose one.")

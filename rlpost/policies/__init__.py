@@ -6,16 +6,22 @@ Text, Tokens, LogProbs, Masks, also in :mod:`rlpost.data`) are importable from h
 engines are created by the caller (``make_vllm_engine``, or
 :func:`rlpost.actors.vllm_workers.make_vllm_worker` for an engine that takes weight updates) or
 passed in. ``vLLMWorker`` is the weight-update extension mixed into vLLM's worker;
-:class:`RemoteVLLMClient` generates through workers in Ray actors. ``LLMOnDevice`` is loaded on
-first access.
+:class:`RemoteVLLMClient` generates through workers in Ray actors;
+:class:`RemoteTransformersWrapper` is a TransformersWrapper in a Ray actor.
+:class:`LLMMaskedCategorical` is TorchRL's masked distribution over LLM logits;
+:class:`HFRewardModelWrapper` and :class:`TorchRLBufferDataset` are TorchRL's adapters to and from
+TRL (``torchrl.modules.llm.trl_interop``). ``LLMOnDevice`` is loaded on first access.
 """
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens
 from rlpost.policies.base import Completion, LLMWrapperBase
-from rlpost.policies.categorical import CategoricalSequential
+from rlpost.policies.batching import BatchQueue
+from rlpost.policies.categorical import CategoricalSequential, LLMMaskedCategorical
 from rlpost.policies.generation import normalize_generate_kwargs
 from rlpost.policies.remote_client import RemoteVLLMClient
+from rlpost.policies.remote_transformers import RemoteTransformersWrapper
 from rlpost.policies.transformers_wrapper import TransformersWrapper
+from rlpost.policies.trl_interop import HFRewardModelWrapper, TorchRLBufferDataset
 from rlpost.policies.vllm_worker_ext import WeightSyncExtension as vLLMWorker  # noqa: N812 (TorchRL's name)
 from rlpost.policies.vllm_wrapper import WORKER_EXTENSION as VLLM_WORKER_EXTENSION
 from rlpost.policies.vllm_wrapper import (
@@ -28,17 +34,22 @@ from rlpost.policies.vllm_wrapper import (
 )
 
 __all__ = [
+    "BatchQueue",
     "CategoricalSequential",
     "ChatHistory",
     "Completion",
+    "HFRewardModelWrapper",
+    "LLMMaskedCategorical",
     "LLMOnDevice",
     "LLMWrapperBase",
     "LocalVLLMClient",
     "LogProbs",
     "Masks",
+    "RemoteTransformersWrapper",
     "RemoteVLLMClient",
     "Text",
     "Tokens",
+    "TorchRLBufferDataset",
     "TransformersWrapper",
     "VLLMEngineClient",
     "VLLM_WORKER_EXTENSION",

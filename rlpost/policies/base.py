@@ -30,7 +30,7 @@ flags chosen from the mode, ``max_tokens`` winning over ``max_new_tokens`` and `
 ``num_return_sequences``, ``inplace`` (True updates the input, also a 0-d one; False and
 "empty" hold the outputs only), 0-d and N-d batches, TorchRL's exception types and messages
 (ValueError for bad arguments and missing keys, TypeError for a wrong input type). Deliberate
-deviations: ``batching`` is not supported (rlpost batches at the collector); ``return_text`` /
+deviations: ``return_text`` /
 ``return_tokens`` / ``return_masks`` can turn outputs off; text inputs are tokenised with
 ``add_special_tokens=False`` (chat-rendered text carries its own markers); dense token ids
 without a mask at ``attention_mask_key`` are read as they are (TorchRL drops every id equal to
@@ -57,6 +57,7 @@ from tensordict import NestedKey, NonTensorData, TensorDict, TensorDictBase, laz
 
 from rlpost.data.history import History, parse_chatml
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens, pad_full, pad_rows
+from rlpost.policies.batching import BatchQueue, batch_size_bounds
 from rlpost.policies.categorical import CategoricalSequential
 from rlpost.policies.generation import normalize_generate_kwargs, standard_names
 from rlpost.policies.inputs import (
@@ -150,6 +151,18 @@ class LLMWrapperBase(CategoricalSequential):
             (``logits_to_keep``, as TRL scores the completion only), which on a large vocabulary
             is most of the cost of scoring a prompt. Default False: every position is scored,
             as in TorchRL.
+        batching, min_batch_size, max_batch_size, batching_timeout: TorchRL's batching of
+            concurrent calls: rows of calls made from several threads at once run in shared
+            model calls (:mod:`rlpost.policies.batching` gives the rules). ``batching=True``
+            alone means ``min_batch_size=1``: whoever calls first runs at once, and calls that
+            arrive meanwhile run together next. A batch waits at most ``batching_timeout``
+            seconds for ``min_batch_size`` rows. Inputs of more than one batch dimension are
+            refused (ValueError), as in TorchRL.
+        prefer_tokens: TorchRL's token-first generation: in "history" mode, prompt token ids
+            already in the input at ``(tokens_key, "prompt")`` (or else ``(tokens_key, "full")``),
+            as ChatEnv's ``with_tokenizer`` and IncrementalTokenizer keep them, are generated from
+            as they are instead of rendering the history again (the ids a KV cache holds). The
+            prompt text is then decoded from them.
 
     ``out_keys`` are, in TorchRL's order: text, masks, tokens, log_probs, history (those
     returned). The history is returned in "history" mode, also when scoring (the input's).
@@ -182,6 +195,10 @@ class LLMWrapperBase(CategoricalSequential):
         masks_key: NestedKey = "masks",
         log_probs_key: NestedKey = "log_probs",
         batching: bool | None = None,
+        min_batch_size: int | None = None,
+        max_batch_size: int | None = None,
+        batching_timeout: float = 10.0,
+        prefer_tokens: bool = False,
         score_assistant_only: bool = False,
     ):
         super().__init__()
@@ -195,8 +212,14 @@ class LLMWrapperBase(CategoricalSequential):
             raise ValueError(f"input_mode={input_mode!r} needs a tokenizer")
         if layout not in (None, torch.strided):
             raise ValueError(f"layout={layout}: rlpost returns lazy stacks of strided tensors (pad_output=False)")
-        if batching:
-            raise ValueError("batching=True is not supported: rlpost batches requests in the collector")
+        self._min_batch_size, self._max_batch_size = batch_size_bounds(batching, min_batch_size, max_batch_size)
+        self._batching_timeout = batching_timeout
+        self._batch_queue = None
+        if self.batching:
+            self._batch_queue = BatchQueue(
+                self._run_batch, min_batch_size=self._min_batch_size, max_batch_size=self._max_batch_size,
+                timeout_s=batching_timeout,
+            )  # fmt: skip
         if return_log_probs is False and not generate:
             raise ValueError("return_log_probs must be True when generate=False (scoring returns log-probs)")
         params, num_samples = normalize_generate_kwargs(generate_kwargs, num_samples)
@@ -223,6 +246,7 @@ class LLMWrapperBase(CategoricalSequential):
         self.return_masks = True if return_masks is None else bool(return_masks)
         self.return_history = input_mode == "history"
         self.score_assistant_only = bool(score_assistant_only)
+        self.prefer_tokens = bool(prefer_tokens)
         self.inplace = inplace
         self._device = torch.device(device) if device is not None else None
         self.layout = torch.strided if not pad_output else layout
@@ -257,10 +281,13 @@ class LLMWrapperBase(CategoricalSequential):
 
         ``get_new_version(generate=False)`` gives the scoring twin of a generator (same
         tokenizer, temperature and keys). Settings tied to generation are dropped when switching
-        to scoring unless given again: ``num_samples``, ``inplace`` and ``n``; a changed
+        to scoring unless given again: ``num_samples``, ``inplace`` and ``n`` (and
+        ``pad_model_input`` when switching to generation); a changed
         ``input_mode`` or ``generate`` resets an ``input_key`` that was not given again.
         """
         kwargs = dict(self._kwargs, generate_kwargs=dict(self.generate_kwargs))
+        if overrides.get("generate") is True and not self.generate and "pad_model_input" in kwargs:
+            kwargs["pad_model_input"] = None  # a scoring setting (TransformersWrapper's)
         if overrides.get("generate") is False and self.generate:
             kwargs["num_samples"] = None
             kwargs["inplace"] = None
@@ -279,13 +306,50 @@ class LLMWrapperBase(CategoricalSequential):
         return type(self)(self._engine(), **kwargs)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self.batching:
+            return self._batched_forward(tensordict)
+        return self._forward(tensordict)
+
+    # ------------------------------------------------------------------ batching (TorchRL's)
+
+    @property
+    def batching(self) -> bool:
+        """Whether concurrent calls are batched (``min_batch_size`` or ``max_batch_size`` set)."""
+        return self._min_batch_size is not None or self._max_batch_size is not None
+
+    def _batched_forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """The rows of ``tensordict`` through the batch queue; a 0-d input gives a 0-d output."""
+        if tensordict.batch_dims > 1:
+            raise ValueError(f"Batching not supported for batch_dims > 1: {tensordict.batch_dims}")
+        single = tensordict.batch_dims == 0
+        rows = [tensordict] if single else list(tensordict.unbind(0))
+        if not rows:
+            return self._forward(tensordict)
+        results = self._batch_queue.submit(rows)
+        return results[0] if single else lazy_stack(results)
+
+    def _run_batch(self, rows: list[TensorDictBase]) -> list[TensorDictBase]:
+        return list(self._forward(lazy_stack(rows)).unbind(0))
+
+    def cleanup_batching(self, *, flush: bool = False) -> None:
+        """Empty the batch queue: waiting callers get a ``CancelledError``, or with ``flush=True``
+        the results of running their rows now. Nothing to do without batching."""
+        if self._batch_queue is not None:
+            self._batch_queue.cleanup(flush=flush)
+
+    def get_batching_state(self) -> dict[str, Any]:
+        """TorchRL's view of the batch queue (sizes, ``queue_size``, ``pending_futures``,
+        ``lock_state``), or ``{"batching_enabled": False}``."""
+        return self._batch_queue.state() if self._batch_queue is not None else {"batching_enabled": False}
+
+    def _forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         if tensordict.ndim == 0:
             # a lazy stack of the one row (TorchRL's): writing into it writes into the row, so that
             # inplace=True updates a 0-d input, and [0] gives that same TensorDict back
-            return self.forward(lazy_stack([tensordict]))[0]
+            return self._forward(lazy_stack([tensordict]))[0]
         if tensordict.ndim > 1:
             shape = tensordict.shape
-            out = self.forward(tensordict.reshape(-1))
+            out = self._forward(tensordict.reshape(-1))
             return out.reshape(*shape, *out.shape[1:])
         rows = self._read_inputs(tensordict)
         if not self.generate and self.score_assistant_only:
@@ -365,7 +429,11 @@ class LLMWrapperBase(CategoricalSequential):
         main = as_conversations(td.get(key), key, td.batch_dims)
         rows = _Rows()
         if self.generate:
-            texts, ids, _ = self._render(main, add_generation_prompt=True, masks=False)
+            ids = self._given_prompt_ids(td) if self.prefer_tokens else None
+            if ids is None:
+                texts, ids, _ = self._render(main, add_generation_prompt=True, masks=False)
+            else:
+                texts = decode_rows(self.tokenizer, ids)
             rows.prompt_history, rows.prompt_text, rows.prompt_ids = main, texts, ids
             return rows
         texts, ids, assistant = self._render(main, add_generation_prompt=False)
@@ -376,6 +444,16 @@ class LLMWrapperBase(CategoricalSequential):
             rows.prompt_text, rows.prompt_ids, _ = self._render(prompt, add_generation_prompt=True, masks=False)
             check_prefixes(rows.prompt_ids, rows.full_ids, "history.prompt", "history.full")
         return rows
+
+    def _given_prompt_ids(self, td: TensorDictBase) -> list[list[int]] | None:
+        """``prefer_tokens``: the prompt ids the input already holds (``tokens.prompt``, else
+        ``tokens.full``, TorchRL's order), or None when it holds neither."""
+        for part in ("prompt", "full"):
+            key = join_key(self.tokens_key, part)
+            if has_entry(td, key):
+                # no attention mask: the one in the input, if any, is of an earlier turn's tokens
+                return self._token_rows(td, key, is_prompt=True, container_key=self.tokens_key, with_mask=False)
+        return None
 
     def _scored_history(self, td: TensorDictBase) -> ChatHistory:
         """The history a scoring call returns: the input's ChatHistory as it is, or a bare
@@ -438,12 +516,18 @@ class LLMWrapperBase(CategoricalSequential):
             rows.prompt_ids = prompt
         return rows
 
-    def _token_rows(self, td: TensorDictBase, key: NestedKey, *, is_prompt: bool) -> list[list[int]]:
+    def _token_rows(
+        self, td: TensorDictBase, key: NestedKey, *, is_prompt: bool, container_key: NestedKey | None = None,
+        with_mask: bool = True,
+    ) -> list[list[int]]:  # fmt: skip
         """Token ids of each row, cut by the attention mask when one is found at
         ``attention_mask_key``. Lazy stacks are read row by row: their rows may be ragged, or
-        the padded rows of a dense batch (a 0-d input, or TorchRL's ``to_lazystack(0)``)."""
-        container = peek(td, self._container_key) if has_entry(td, self._container_key) else None
-        has_mask = has_entry(td, self.attention_mask_key)
+        the padded rows of a dense batch (a 0-d input, or TorchRL's ``to_lazystack(0)``).
+        ``container_key``: the Tokens container ``key`` is in (default: the input's);
+        ``with_mask=False`` reads the ids without a mask."""
+        container_key = self._container_key if container_key is None else container_key
+        container = peek(td, container_key) if has_entry(td, container_key) else None
+        has_mask = with_mask and has_entry(td, self.attention_mask_key)
         if is_lazy(td) or is_lazy(container):
             ids = td.get(key, as_list=True)
             masks = td.get(self.attention_mask_key, as_list=True) if has_mask else [None] * len(ids)

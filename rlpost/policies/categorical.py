@@ -12,9 +12,11 @@ base class works on rlpost's wrappers:
 - ``log_prob_key(s)``, ``dist_sample_keys``, ``register_collector`` / ``collector``.
 
 Deviation from TorchRL: ``get_dist`` returns a plain ``Categorical`` over right-padded positions
-and its mask (``dist.mask``, True on real tokens) instead of TorchRL's masked categorical, which
-rlpost does not depend on; sampling goes through ``forward`` (``generate=True``), never the
-distribution.
+and its mask (``dist.mask``, True on real tokens) instead of TorchRL's masked categorical; its
+``log_prob`` and ``entropy`` are then the distribution's at every position, masked or not, which
+rlpost's losses rely on. Sampling goes through ``forward`` (``generate=True``), never the
+distribution. TorchRL's masked categorical for LLM logits is here too,
+:class:`LLMMaskedCategorical`.
 """
 
 from __future__ import annotations
@@ -104,3 +106,109 @@ class CategoricalSequential(TensorDictModuleBase):
     def _full_logits(self, tensordict: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, T, V] aligned so that logits[:, t] predicts token t, mask [B, T])``."""
         raise NotImplementedError(f"{type(self).__name__} cannot return logits; get_dist needs a backend that can")
+
+
+class LLMMaskedCategorical(torch.distributions.Distribution):
+    """A categorical over the vocabulary at every position of LLM logits, with a mask
+    (TorchRL's ``torchrl.modules.LLMMaskedCategorical``).
+
+    Args:
+        logits: ``[*B, T, V]`` unnormalised scores.
+        mask: ``[*B, T]`` (position level: True where the position counts) or ``[*B, T, V]``
+            (token level: True where the token may be chosen at that position).
+        ignore_index: the token id :meth:`log_prob` reads as "no token here" (default -100, as
+            ``cross_entropy``'s).
+
+    ``log_prob(tokens)`` is ``-cross_entropy(logits, tokens)`` per position, so the logits are
+    never copied for a position-level mask: masked positions and positions holding
+    ``ignore_index`` score 0. With a token-level mask the masked logits are used, so a masked
+    token scores about ``finfo.min`` (a very large negative number, as in TorchRL, not -inf).
+    ``sample``, ``mode`` and ``entropy`` use the masked logits (masked entries set to
+    ``finfo(dtype).min``, made once, on first use; :meth:`clear_cache` drops them), so a masked
+    token is never sampled; a fully masked position samples uniformly.
+    """
+
+    arg_constraints: dict = {}
+
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor, ignore_index: int = -100) -> None:
+        if mask.shape not in (logits.shape[:-1], logits.shape):
+            raise ValueError(
+                f"Mask shape {tuple(mask.shape)} must be either logits batch shape {tuple(logits.shape[:-1])} "
+                f"(for position-level masking) or logits shape {tuple(logits.shape)} (for token-level masking)"
+            )
+        self._original_logits = logits
+        self._mask = mask.bool()
+        self.ignore_index = ignore_index
+        self._position_level_masking = mask.shape == logits.shape[:-1]
+        self._masked_logits: torch.Tensor | None = None
+        self._masked_dist: torch.distributions.Categorical | None = None
+        super().__init__(batch_shape=logits.shape[:-1], event_shape=logits.shape[-1:], validate_args=False)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The logits as given (not normalised, not masked)."""
+        return self._original_logits
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._mask
+
+    @property
+    def position_level_masking(self) -> bool:
+        """True for a ``[*B, T]`` mask, False for a ``[*B, T, V]`` one."""
+        return self._position_level_masking
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """``softmax`` of the given logits (the mask is not applied)."""
+        return torch.softmax(self._original_logits, dim=-1)
+
+    @property
+    def masked_logits(self) -> torch.Tensor:
+        """The logits with masked entries at ``finfo(dtype).min`` (made on first use)."""
+        if self._masked_logits is None:
+            mask = self._mask if not self._position_level_masking else self._mask.unsqueeze(-1)
+            lowest = torch.finfo(self._original_logits.dtype).min
+            self._masked_logits = self._original_logits.masked_fill(~mask, lowest)
+        return self._masked_logits
+
+    @property
+    def masked_dist(self) -> torch.distributions.Categorical:
+        """A ``Categorical`` on :attr:`masked_logits` (what sampling and entropy use)."""
+        if self._masked_dist is None:
+            logits = self.masked_logits
+            if not bool(logits.isfinite().all()):  # an inf or NaN logit would break the softmax
+                logits = torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4)
+            self._masked_dist = torch.distributions.Categorical(logits=logits)
+        return self._masked_dist
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """``log p(value)`` per position, ``[*B, T]``; 0 where ignored (see the class docstring)."""
+        if self._position_level_masking:
+            logits = self._original_logits
+            value = value.masked_fill(~self._mask, self.ignore_index)
+        else:
+            logits = self.masked_logits
+        scores = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), value.reshape(-1), reduction="none", ignore_index=self.ignore_index
+        )
+        return -scores.reshape(value.shape)
+
+    def sample(self, sample_shape: torch.Size | tuple = ()) -> torch.Tensor:
+        return self.masked_dist.sample(torch.Size(sample_shape))
+
+    def rsample(self, sample_shape: torch.Size | tuple = ()) -> torch.Tensor:
+        """Token ids are discrete: a plain sample, as in TorchRL."""
+        return self.sample(sample_shape)
+
+    @property
+    def mode(self) -> torch.Tensor:
+        return self.masked_logits.argmax(dim=-1)
+
+    def entropy(self) -> torch.Tensor:
+        return self.masked_dist.entropy()
+
+    def clear_cache(self) -> None:
+        """Drop the masked logits and their distribution (memory, for a large vocabulary)."""
+        self._masked_logits = None
+        self._masked_dist = None

@@ -29,12 +29,15 @@ of one call are laid end to end in bins as wide as the longest row
 within itself (transformers builds that mask from the position ids when no attention mask is
 given; SDPA, eager, flash and flex attention support it). Skewed lengths then cost far fewer
 tokens than padding every row to the longest. The outputs are the padded path's: one tensor per
-row, as TorchRL's wrappers return them.
+row, as TorchRL's wrappers return them. TorchRL's ``pad_model_input`` chooses the same thing from
+the other side (True: pad, False: pack); TorchRL packs on every model, rlpost where the chunked
+path runs (other models are scored padded: the values are the same, only the cost differs).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,41 +57,54 @@ class TransformersWrapper(LLMWrapperBase):
 
     Args:
         model: a ``PreTrainedModel`` (or a path, loaded with ``AutoModelForCausalLM`` in fp32).
-        tokenizer: its tokenizer (or a path); loaded from the model's ``name_or_path`` when
-            omitted.
+        tokenizer: its tokenizer (or a path). When omitted, TorchRL's fallback: a model given as
+            a path loads the tokenizer from there, a model object from its ``name_or_path``
+            (where ``from_pretrained`` loaded it), else from the model's ``get_tokenizer()``;
+            a ValueError says so when none of them gives one.
         chunked_scoring: score through the LM head in chunks where the model allows it (module
             docstring; rlpost's). False: always the dense path.
         score_chunk_tokens: tokens per chunk (None: as many as make 64 MB of float32 logits).
         pack_sequences: on the chunked path, pack the rows end to end where the model's
             attention implementation supports it (module docstring; rlpost's). False: pad.
+            None (default): pack, unless ``pad_model_input=True``.
+        pad_model_input: TorchRL's name for the other side of ``pack_sequences``, scoring only
+            (with ``generate=True`` a ValueError, as in TorchRL): True pads the rows, False packs
+            them. None: ``pack_sequences`` decides. ``self.pad_model_input`` reads back whether
+            the model's input is padded (generation always pads).
     """
 
     def __init__(self, model, *, tokenizer=None, chunked_scoring: bool = True, score_chunk_tokens: int | None = None,
-                 pack_sequences: bool = True, **kwargs):  # fmt: skip
+                 pack_sequences: bool | None = None, pad_model_input: bool | None = None, **kwargs):  # fmt: skip
         if score_chunk_tokens is not None and score_chunk_tokens < 1:
             raise ValueError(f"score_chunk_tokens must be >= 1, got {score_chunk_tokens}")
+        if pad_model_input is not None and kwargs.get("generate", True):
+            raise ValueError("pad_model_input is not supported when generate=True.")
+        if pad_model_input is not None and pack_sequences is not None and pack_sequences == pad_model_input:
+            raise ValueError(f"pack_sequences={pack_sequences} contradicts pad_model_input={pad_model_input}")
         self.chunked_scoring, self.score_chunk_tokens = chunked_scoring, score_chunk_tokens
-        self.pack_sequences = bool(pack_sequences)
-        if isinstance(model, str):
+        self.pack_sequences = (not pad_model_input) if pack_sequences is None else bool(pack_sequences)
+        if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
         if tokenizer is None:
-            tokenizer = _name_or_path(model)
-            if tokenizer is None:
-                raise ValueError(
-                    "TransformersWrapper: no tokenizer given and the model has no name_or_path to load one "
-                    "from; pass tokenizer=AutoTokenizer.from_pretrained(...)"
-                )
-        if isinstance(tokenizer, str):
+            tokenizer = model_tokenizer(model)
+        if isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         super().__init__(tokenizer=tokenizer, **kwargs)
         self._kwargs.update(  # for get_new_version
-            chunked_scoring=chunked_scoring, score_chunk_tokens=score_chunk_tokens, pack_sequences=pack_sequences
-        )
+            chunked_scoring=chunked_scoring, score_chunk_tokens=score_chunk_tokens, pack_sequences=pack_sequences,
+            pad_model_input=pad_model_input,
+        )  # fmt: skip
         self.model = model
+
+    @property
+    def pad_model_input(self) -> bool:
+        """Whether the model reads padded rows (TorchRL's flag): always when generating; when
+        scoring, unless the rows are packed (:attr:`packs_sequences`)."""
+        return self.generate or not self.packs_sequences
 
     def _engine(self):
         return self.model
@@ -366,6 +382,28 @@ def _name_or_path(model) -> str | None:
     """Where a Hugging Face model was loaded from (its tokenizer usually lives there too)."""
     name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     return name or None
+
+
+def model_tokenizer(model):
+    """The tokenizer of a model given without one: loaded from its ``name_or_path``, else its
+    ``get_tokenizer()``; a ValueError naming what was tried when neither gives one."""
+    name = _name_or_path(model)
+    if name is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"TransformersWrapper: no tokenizer given, and none could be loaded from the model's "
+                f"name_or_path {name!r} ({type(err).__name__}: {err}); pass tokenizer=..."
+            ) from err
+    if callable(getattr(model, "get_tokenizer", None)):
+        return model.get_tokenizer()
+    raise ValueError(
+        "TransformersWrapper: no tokenizer given, and the model has neither a name_or_path to load one from "
+        "nor a get_tokenizer(); pass tokenizer=AutoTokenizer.from_pretrained(...)"
+    )
 
 
 def _sampled_logprobs(scores: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:

@@ -199,6 +199,8 @@ class vLLMWrapper(LLMWrapperBase):
             (an engine is made with :func:`make_vllm_engine`).
         tokenizer: the model's tokenizer (or a path); taken from the engine's
             ``get_tokenizer()`` when omitted.
+        pad_model_input: TorchRL's argument, refused as TorchRL refuses it (ValueError when
+            given): vLLM schedules its own batches.
 
     Log-probs are never silently wrong. vLLM's default ``logprobs_mode="raw_logprobs"`` returns
     log-probs *before* temperature / top-k / top-p, which are not the behaviour policy's when
@@ -213,7 +215,9 @@ class vLLMWrapper(LLMWrapperBase):
         sampling_params: the ``vllm.SamplingParams`` a call uses (built on access).
     """
 
-    def __init__(self, model, *, tokenizer=None, **kwargs):
+    def __init__(self, model, *, tokenizer=None, pad_model_input: bool | None = None, **kwargs):
+        if pad_model_input is not None:
+            raise ValueError("pad_model_input is not supported by vLLMWrapper.")
         if isinstance(model, (str, os.PathLike)):
             model = make_vllm_engine(model)
         client = _worker_client(model, tokenizer)

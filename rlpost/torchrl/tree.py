@@ -216,7 +216,7 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     }
     | _SGLANG_ENGINES
     | _missing(SGLANG, "SGLangWrapper")
-    | _missing(NOT_YET, "RemoteTransformersWrapper", "HFRewardModelWrapper", "TorchRLBufferDataset"),
+    | _same("rlpost.policies", "RemoteTransformersWrapper", "HFRewardModelWrapper", "TorchRLBufferDataset"),
     "modules.llm.backends": _WORKERS | _ASYNC_VLLM | _SGLANG_ENGINES,
     "modules.llm.backends.sglang": _SGLANG_ENGINES | _missing(SGLANG, "get_open_port", "wait_for_server"),
     "modules.llm.backends.vllm": _WORKERS | _ASYNC_VLLM,
@@ -232,12 +232,15 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     ),
     "modules.llm.policies": _CONTAINERS
     | _WRAPPERS
-    | _missing(NOT_YET, "RemoteTransformersWrapper")
+    | _same("rlpost.policies", "RemoteTransformersWrapper")
     | _missing(SGLANG, "SGLangWrapper"),
     "modules.llm.policies.common": _CONTAINERS,
     "modules.llm.policies.transformers_wrapper": _same("rlpost.policies", "TransformersWrapper"),
     "modules.llm.policies.vllm_wrapper": _same("rlpost.policies", "vLLMWrapper"),
-    "modules.llm.trl_interop": _missing(NOT_YET, "HFRewardModelWrapper", "TorchRLBufferDataset"),
+    "modules.llm.trl_interop": _same("rlpost.policies", "HFRewardModelWrapper", "TorchRLBufferDataset"),
+    "modules": _same("rlpost.policies", "LLMMaskedCategorical"),
+    "modules.distributions": _same("rlpost.policies", "LLMMaskedCategorical"),
+    "modules.distributions.discrete": _same("rlpost.policies", "LLMMaskedCategorical"),
     # collectors
     "collectors.llm": _same("rlpost.collect", "LLMCollector", "RayLLMCollector", "vLLMUpdater")
     | _same("rlpost.collect.weight_sync", "vLLMUpdaterV2"),

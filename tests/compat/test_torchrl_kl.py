@@ -137,17 +137,44 @@ def test_kl_computation_takes_rlpost_sequence_rewards_and_ragged_rows():
     )
 
 
-def test_kl_reward_transform_docstring_recommends_retrieve_kl(tiny):
-    """The legacy docstring's recommended line; its first line (``KLRewardTransform(gen_model,
-    ref_model)``) does not match TorchRL's own signature (one positional model) and is not run."""
+def test_kl_reward_transform_docstring_examples(tiny):
+    """The legacy docstring's two lines as written: ``KLRewardTransform(gen_model, ref_model)``
+    (a form TorchRL's own signature rejects; rlpost takes it: the generation model says where its
+    log-probs are, the history-mode reference is scored through its tokens-mode twin), then the
+    recommended ``RetrieveKL(gen_model, ref_model, assistant_only=True)``. The legacy transform
+    is then run on the generation model's output: the KL is ``gen - ref`` on the response
+    tokens, and the reward is lowered by it."""
     model, tokenizer = tiny
     gen_model = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
                                     log_probs_key="gen_log_probs")  # fmt: skip
     ref_model = TransformersWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
                                     log_probs_key="ref_log_probs")  # fmt: skip
-    transform = RetrieveKL(gen_model, ref_model, assistant_only=True)
-    assert len(transform) == 3
+    # Legacy usage (not recommended for new code)
+    transform = KLRewardTransform(gen_model, ref_model)
+    assert transform.log_prob_full_key == ("gen_log_probs", "full")
+    assert transform.ref_model.input_mode == "tokens" and transform.ref_model.model is model
+    # Recommended approach using RetrieveKL
+    recommended = RetrieveKL(gen_model, ref_model, assistant_only=True)
+    assert len(recommended) == 3
+
+    history = History.from_chats(CHATS)
+    scored = gen_model(TensorDict(history=ChatHistory(full=history), batch_size=(2,)))
+    prompt_ids = [
+        torch.tensor(
+            tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for chat in CHATS
+    ]
+    scored.set(("tokens", "prompt"), torch.nested.as_nested_tensor(prompt_ids, layout=torch.jagged))
+    scored.set("next", TensorDict(reward=torch.tensor([[1.0], [0.0]]), batch_size=(2,)))
+    out = transform(scored)["next"]
+    kl_rows = list(out.get("kl_penalty", as_list=True))
+    for row, prompt in zip(kl_rows, prompt_ids):
+        # the same model on both sides: no KL anywhere, and the prompt never counts
+        assert row.abs().max().item() < 1e-5 and row.shape[0] > prompt.numel()
     with pytest.raises(ValueError, match="tokens as input"):
         KLRewardTransform(ref_model)
     with pytest.raises(ValueError, match="exactly one of 'ref_model' or 'ref_model_factory'"):
         KLRewardTransform()
+    with pytest.raises(TypeError, match="legacy form"):
+        KLRewardTransform(gen_model, ref_model, ref_model)

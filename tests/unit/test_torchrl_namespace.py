@@ -289,6 +289,10 @@ TORCHRL_IMPORTED = {
     "torchrl.envs.llm.transforms.kl": ["KLComputation", "RetrieveKL", "RetrieveLogProb"],
     "torchrl.envs.llm.transforms.tools": ["SimpleToolTransform"],
     "torchrl.envs.transforms": ["TransformedEnv"],
+    # TorchRL's LLM distribution, in its packages' __all__ (TorchRL's distribution tests import it)
+    "torchrl.modules": ["LLMMaskedCategorical"],
+    "torchrl.modules.distributions": ["LLMMaskedCategorical"],
+    "torchrl.modules.distributions.discrete": ["LLMMaskedCategorical"],
     "torchrl.modules.llm": [
         "AsyncVLLM",
         "HFRewardModelWrapper",
@@ -411,16 +415,17 @@ def test_star_imports_give_the_modules_all_and_the_names_are_the_same_objects():
 
 
 def test_a_missing_name_imports_and_raises_at_use_naming_why():
-    from rlpost.torchrl.modules.llm import RemoteTransformersWrapper, SGLangWrapper
+    from rlpost.torchrl.data import TensorDictReplayBuffer
+    from rlpost.torchrl.modules.llm import SGLangWrapper
 
-    missing = RemoteTransformersWrapper
+    missing = TensorDictReplayBuffer
     for use in (lambda: missing(), lambda: missing.default_keys, lambda: types.new_class("Mine", (missing,))):
-        with pytest.raises(NotImplementedError, match="RemoteTransformersWrapper: not implemented yet in rlpost"):
+        with pytest.raises(NotImplementedError, match="TensorDictReplayBuffer: not implemented yet in rlpost"):
             use()
     with pytest.raises(NotImplementedError, match="vLLM only: use vLLMWrapper"):
         SGLangWrapper(None)
     # one placeholder per name, whatever path it is imported from
-    assert resolve("modules.llm.policies", "RemoteTransformersWrapper") is missing
+    assert resolve("data", "TensorDictReplayBuffer") is missing
 
 
 def test_unknown_paths_and_names_are_clear_errors():
