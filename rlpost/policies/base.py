@@ -172,7 +172,7 @@ class LLMWrapperBase(CategoricalSequential):
         self,
         *,
         tokenizer=None,
-        input_mode: Literal["history", "text", "tokens"] = "history",
+        input_mode: Literal["history", "text", "tokens"] | None = None,
         input_key: NestedKey | None = None,
         attention_mask_key: NestedKey | None = None,
         generate: bool = True,
@@ -204,6 +204,10 @@ class LLMWrapperBase(CategoricalSequential):
         super().__init__()
         # the constructor arguments, for get_new_version twins (input_key None follows input_mode)
         self._kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__", "generate_kwargs")}
+        # input_mode not given: "history" (TorchRL's default), and TorchRL 0.9's text layout for
+        # an input that holds bare strings under "text" and no history (_legacy_text_forward)
+        self._reads_legacy_text = input_mode is None
+        input_mode = "history" if input_mode is None else input_mode
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of 'history', 'text', 'tokens'. Got {input_mode!r}")
         if not isinstance(pad_output, bool):
@@ -351,6 +355,8 @@ class LLMWrapperBase(CategoricalSequential):
             shape = tensordict.shape
             out = self._forward(tensordict.reshape(-1))
             return out.reshape(*shape, *out.shape[1:])
+        if self._is_legacy_text(tensordict):
+            return self._legacy_text_forward(tensordict)
         rows = self._read_inputs(tensordict)
         if not self.generate and self.score_assistant_only:
             rows.score_from = self._first_assistant_position(tensordict)
@@ -360,6 +366,34 @@ class LLMWrapperBase(CategoricalSequential):
         if self._device is not None:
             outputs = {key: value.to(self._device) for key, value in outputs.items()}
         return self._write(tensordict, outputs)
+
+    # ------------------------------------------------------------------ TorchRL 0.9's text layout
+
+    def _is_legacy_text(self, td: TensorDictBase) -> bool:
+        """A generating wrapper built without ``input_mode``, given what TorchRL 0.9's text envs
+        hold (``LLMEnv(from_text=True)``: bare strings under ``"text"``, no history)."""
+        if not (self._reads_legacy_text and self.generate) or has_entry(td, self.history_key):
+            return False
+        return has_entry(td, "text") and not isinstance(peek(td, "text"), Text)
+
+    def _legacy_text_forward(self, td: TensorDictBase) -> TensorDictBase:
+        """Generate from the strings under ``"text"`` and write TorchRL 0.9's flat outputs into
+        ``td``: ``text_response`` (strings), ``tokens_response`` (padded ids) and, with
+        log-probs, ``log_probs`` (the response's, padded with 0): the keys the legacy envs read
+        their action from. Used by TorchRL's LLMCollector example, ``vLLMWrapper(llm)`` over
+        ``LLMEnv.from_dataloader(from_text=True)``, which predates the input modes."""
+        if getattr(self, "_legacy_twin", None) is None:
+            self._legacy_twin = self.get_new_version(input_mode="text", inplace=False)
+        prompts = td.get("text")
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        text = Text(prompt=prompts, batch_size=td.batch_size)
+        out = self._legacy_twin(TensorDict(text=text, batch_size=td.batch_size))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        td.set("text_response", out.get((self.text_key, "response")))
+        td.set("tokens_response", out.get((self.tokens_key, "response"), as_padded_tensor=True, padding_value=pad))
+        if self.return_log_probs:
+            td.set("log_probs", out.get((self.log_probs_key, "response"), as_padded_tensor=True, padding_value=0.0))
+        return td
 
     # ------------------------------------------------------------------ backend hooks
 

@@ -1,14 +1,14 @@
 """TorchRL's LLMCollector (``torchrl.collectors.llm.LLMCollector``) run against rlpost: its
 docstring example with the tiny model on a real vLLM engine, and a TransformersWrapper policy.
 
-The docstring pairs ``LLMEnv.from_dataloader(from_text=True, tokenizer=...)`` with the policy of
-TorchRL 0.9, which wrote its answer under flat keys (``tokens_response``, ``text_response``: the
-batch it prints). Current wrappers, TorchRL's and rlpost's, write containers instead
-(``("text", "response")``, ``("tokens", "response")``), so the example's policy here is
-``vLLMWrapper(llm_model)`` in text mode behind a three-line adapter that writes 0.9's flat keys;
-everything else is the example's code with the tiny model's ``vllm.LLM``. The assertions are what
-the example prints: ``[1, 1]`` batches (one env, one turn) with the prompt, the response, its
-tokens and ``collector.traj_ids``.
+The docstring example runs as written, with the tiny model's ``vllm.LLM``: its policy,
+``vLLMWrapper(llm_model)``, is a current wrapper (no ``input_mode``), and its env,
+``LLMEnv.from_dataloader(from_text=True)``, TorchRL 0.9's text env, which holds bare strings
+under ``"text"`` and reads its action from ``"text_response"``. TorchRL's own wrapper, in its
+default history mode, cannot read that env; rlpost's, built without ``input_mode``, answers such
+an input in 0.9's layout (``text_response``, ``tokens_response``), the batch the docstring
+prints. The assertions are what it prints: ``[1, 1]`` batches (one env, one turn) with the
+prompt, the response, its tokens and ``collector.traj_ids``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import string
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from rlpost.collect import LLMCollector
-from rlpost.data import Text
 from rlpost.envs import LLMEnv
 from rlpost.policies import TransformersWrapper, vLLMWrapper
 
@@ -48,14 +46,7 @@ def test_llm_collector_docstring_example(plain_llm):
     llm_model = plain_llm
     tokenizer = llm_model.get_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
-    wrapper = vLLMWrapper(llm_model, input_mode="text", generate_kwargs={"max_tokens": 8})
-
-    def policy(td):  # TorchRL 0.9's keys, from the wrapper's containers
-        out = wrapper(TensorDict(text=Text(prompt=td.get("text"), batch_size=td.batch_size), batch_size=td.batch_size))
-        td.set("tokens_response", out.get(("tokens", "response"), as_padded_tensor=True))
-        td.set("text_response", out.get(("text", "response")))
-        return td
-
+    policy = vLLMWrapper(llm_model)
     dataloader = DummyStrDataLoader(1)
     env = LLMEnv.from_dataloader(
         dataloader=dataloader,
@@ -86,6 +77,9 @@ def test_llm_collector_docstring_example(plain_llm):
     assert isinstance(data[0, 0]["text_response"], str)
     assert data["tokens_response"].shape[:2] == (1, 1)
     assert data[0, 0]["next", "text"] == prompt + data[0, 0]["text_response"]  # the observation grows
+    # a wrapper given its input mode reads that mode only: history mode finds no history here
+    with pytest.raises(ValueError, match="Expected .*history.* key for history input mode"):
+        vLLMWrapper(llm_model, input_mode="history")(env.reset())
 
 
 def test_llm_collector_with_a_transformers_policy_on_a_chat_env(tiny_model_path, tiny_tokenizer):
