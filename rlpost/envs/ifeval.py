@@ -387,35 +387,33 @@ class IfEvalScorer(Transform):
         answer_blocks: list[str] | None = None,
         complete: bool | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """TorchRL's tiered reward for one row (shape ``[1]``, default float dtype).
+        """TorchRL's reward of one row: the weighted IFEval metrics plus a small bonus for the
+        response's structure, in ``[0, 1.15]`` with the default weights (which sum to 1). Shape ``score.batch_size + (1,)`` (``[1]`` for the
+        scorer's 0-d score), default float dtype.
 
-        - No answer block: 0.
-        - ``format`` = the weighted sum of the prompt-level flags and the means of the
-          instruction-level flags (``format_weights``, in field order).
-        - ``structure``: 1, times 0.3 without a think block or 0.7 with several, times 0.7 with
-          several answer blocks.
-        - ``quality``: 0.3 when ``format > 0.8``, plus 0.2 when the response is complete.
-        - ``complexity`` = 1 + 0.2 * (number of instructions - 1).
-        - reward = (format + quality) * structure * complexity.
+        - ``metrics`` = ``format_weights`` dotted with (the prompt-level strict flag, the mean of
+          the instruction-level strict flags, the prompt-level loose flag, the mean of the
+          instruction-level loose flags).
+        - ``bonus`` = 0.1 for exactly one answer block + 0.05 for exactly one think block.
+        - reward = metrics + bonus.
+
+        ``complete`` is accepted (it is part of the aggregator's call) and, as in TorchRL, not
+        used. Without an answer block the scorer checked the empty response, which follows
+        nothing, so such a reply earns at most the think bonus.
         """
         dtype = torch.get_default_dtype()
-        if not answer_blocks:
-            return torch.zeros(1, dtype=dtype)
-        fields = [getattr(score, name).to(dtype).reshape(-1) for name in _FIELDS]
-        components = torch.stack([fields[0].sum(), fields[1].mean(), fields[2].sum(), fields[3].mean()])
-        format_score = (components * torch.tensor(self.format_weights, dtype=dtype)).sum()
-        structure = 1.0
-        if not think_blocks:
-            structure *= 0.3
-        elif len(think_blocks) > 1:
-            structure *= 0.7
-        if len(answer_blocks) > 1:
-            structure *= 0.7
-        quality = 0.3 if format_score > 0.8 else 0.0
-        if complete is not None:
-            quality += 0.2 * float(complete.float().item() if isinstance(complete, torch.Tensor) else complete)
-        complexity = 1.0 + 0.2 * (fields[1].numel() - 1)
-        return ((format_score + quality) * structure * complexity).reshape(1).to(dtype)
+        fields = [getattr(score, name).to(dtype) for name in _FIELDS]
+        components_b4 = torch.stack(
+            [fields[0].sum(-1), fields[1].mean(-1), fields[2].sum(-1), fields[3].mean(-1)], dim=-1
+        )
+        weights = torch.tensor(self.format_weights, dtype=dtype, device=components_b4.device)
+        metrics = (components_b4 * weights).sum(-1, keepdim=True)
+        bonus = 0.0
+        if answer_blocks and len(answer_blocks) == 1:
+            bonus += 0.1
+        if think_blocks and len(think_blocks) == 1:
+            bonus += 0.05
+        return metrics + bonus
 
     def _reward(self, score: IFEvalScoreData, think: list[str], answer: list[str], complete: bool, where: str) -> float:
         aggregate = self.aggregate_reward if callable(self.aggregate_reward) else self.default_reward_aggregator

@@ -518,7 +518,10 @@ class SimpleToolTransform(ToolTransformBase):
     Deviation from TorchRL: the functions run in worker processes (:class:`FunctionPool`) with
     ``timeout`` enforced (a call past it is killed and reported as failed); TorchRL calls them in
     the env's process and does not enforce its timeout. Functions must therefore be importable
-    (module-level, or given by path).
+    (module-level, or given by path). The calls of one response make one tool message, their
+    results in order (TorchRL: one message per call), as in rlpost's other tool transforms; a
+    function's exception is reported as ``TypeName: message`` (TorchRL: ``Tool execution failed:
+    message``).
     """
 
     def __init__(

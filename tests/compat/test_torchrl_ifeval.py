@@ -113,8 +113,8 @@ def test_ifeval_test_suite(tiny_tokenizer):
         td = env.step(r)
     assert td["next", "ifeval_score"].all()
     assert td.get(("next", "reward")) is not None
-    # every instruction followed, one think and one answer block, complete: (1 + 0.3 + 0.2) * 1.2
-    assert td["next", "reward"].item() == pytest.approx(1.8)
+    # every instruction followed (1), one answer block (0.1) and one think block (0.05)
+    assert td["next", "reward"].item() == pytest.approx(1.15)
     assert td["next", "done"].all() and td["next", "terminated"].all()  # set_done_if_answer
     # Deviation: the reward is [B, 1] (TorchRL's scorer writes [B, 1, 1])
     assert td["next", "reward"].shape == (1, 1)
@@ -128,7 +128,7 @@ def test_ifeval_test_suite_torchrl_0_9_keys(tiny_tokenizer):
         r.set("text_response", [RESPONSE + "<|im_end|>\n"])
         td = env.step(r)
     assert td["next", "ifeval_score"].all()
-    assert td["next", "reward"].item() == pytest.approx(1.8)
+    assert td["next", "reward"].item() == pytest.approx(1.15)
 
 
 def test_ifevalscorer_as_a_chatenv_transform(tiny_tokenizer):
@@ -160,8 +160,8 @@ def test_ifevalscorer_as_a_chatenv_transform(tiny_tokenizer):
     assert score.get("inst_level_strict_acc", as_list=True)[0].tolist() == [False, True]
     # the comma is on the answer's first line: the loose check drops it
     assert score.get("inst_level_loose_acc", as_list=True)[0].tolist() == [True, True]
-    # format 0.3 * 0.5 + 0.2 + 0.1 = 0.45: no quality bonus, completion 0.2; x 1.2 for two instructions
-    assert td["next", "reward"].item() == pytest.approx((0.45 + 0.2) * 1.2)
+    # metrics 0.3 * 0.5 + 0.2 + 0.1 = 0.45, plus 0.15 for one answer and one think block
+    assert td["next", "reward"].item() == pytest.approx(0.45 + 0.15)
     assert not td["next", "done"].any()
 
 
@@ -174,4 +174,57 @@ def test_ifevalscorer_deviation_works_in_text_mode(tiny_tokenizer):
     r["text"].full = [prompt + RESPONSE + "<|im_end|>"]
     td = env.step(r)
     assert td["next", "ifeval_score"].all()
-    assert td["next", "reward"].item() == pytest.approx(1.8)
+    assert td["next", "reward"].item() == pytest.approx(1.15)
+
+
+def _all_followed() -> IFEvalScoreData:
+    return IFEvalScoreData(
+        prompt_level_strict_acc=torch.tensor([True]),
+        inst_level_strict_acc=torch.tensor([True]),
+        prompt_level_loose_acc=torch.tensor([True]),
+        inst_level_loose_acc=torch.tensor([True]),
+        batch_size=(),
+    )
+
+
+class TestIFEvalRewardAggregator:
+    """TorchRL ``test/llm`` ``TestIFEvalRewardAggregator``: ``default_reward_aggregator`` called on
+    a score directly. The reward is the weighted metrics (weights summing to 1) plus 0.1 for one
+    answer block and 0.05 for one think block."""
+
+    def test_perfect_score_with_format(self):
+        reward = IfEvalScorer().default_reward_aggregator(
+            _all_followed(), think_blocks=["reasoning"], answer_blocks=["answer"]
+        )
+        assert reward.item() == pytest.approx(1.0 + 0.1 + 0.05, abs=0.01)
+        assert reward.item() == pytest.approx(1.15)  # exactly, here
+        assert reward.shape == (1,) and reward.dtype == torch.get_default_dtype()
+
+    def test_zero_score_no_answer(self):
+        score = IFEvalScoreData(
+            prompt_level_strict_acc=torch.tensor([False]),
+            inst_level_strict_acc=torch.tensor([False]),
+            prompt_level_loose_acc=torch.tensor([False]),
+            inst_level_loose_acc=torch.tensor([False]),
+            batch_size=(),
+        )
+        reward = IfEvalScorer().default_reward_aggregator(score, think_blocks=[], answer_blocks=[])
+        assert reward.item() == pytest.approx(0.0, abs=0.01)
+        assert reward.item() == 0.0
+
+    def test_reward_range_bounded(self):
+        scorer = IfEvalScorer()
+        reward = scorer.default_reward_aggregator(_all_followed(), think_blocks=["t"], answer_blocks=["a"])
+        assert 0.0 <= reward.item() <= 1.2
+        # the bound holds for any flags and blocks: the most is 1.15, the least 0
+        for think, answer in ([], []), (["t"], ["a"]), (["t", "t"], ["a", "a"]), (["t"], []), ([], ["a"]):
+            for flag in (False, True):
+                score = IFEvalScoreData(
+                    prompt_level_strict_acc=torch.tensor([flag]),
+                    inst_level_strict_acc=torch.tensor([flag, True]),
+                    prompt_level_loose_acc=torch.tensor([flag]),
+                    inst_level_loose_acc=torch.tensor([True, flag]),
+                    batch_size=(),
+                )
+                value = scorer.default_reward_aggregator(score, think_blocks=think, answer_blocks=answer).item()
+                assert 0.0 <= value <= 1.15 + 1e-6

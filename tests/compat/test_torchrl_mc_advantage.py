@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensordict
 import torch
-from tensordict import NonTensorData, TensorDict, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, lazy_stack
 
 from rlpost.collect import LLMCollector
 from rlpost.data import History, LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
@@ -215,6 +215,52 @@ def test_mc_advantage_multi_done_flat_batch():
     )
     assert sum(len(q) for q in adv_t.queues.values()) == 1
     assert adv_t.max_queued_trajectories_per_group == 1
+
+
+def test_mc_advantage_mixed_lazy_plain_trajectories_return_a_lazy_stack():
+    """TorchRL's ``test_mc_advantage_mixed_lazy_plain_trajectories_return_plain_tensordict``: one
+    plain and one lazily stacked trajectory queued, then a flat write completing both groups.
+
+    Deviation: the released steps come back as a lazy stack of copies of the caller's steps
+    (TorchRL: a plain TensorDict); what TorchRL's test reads of it (shape, ``advantage`` in the
+    reward's shape, the queue sizes) reads the same, and ``to_tensordict()`` gives the plain one."""
+    adv_t = MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum")
+    assert adv_t.inv(make_group_traj(0, [1.0])) is None
+    lazy_traj = lazy_stack([make_group_traj(1, [0.0])], 0).unbind(0)[0]
+    assert adv_t.inv(lazy_traj) is None
+    assert all(isinstance(queue[0], TensorDict) for queue in (adv_t.queues[0], adv_t.queues[1]))
+
+    flat = torch.cat([make_group_traj(0, [0.0]), make_group_traj(1, [1.0])], 0)
+    out = adv_t.inv(flat)
+
+    assert isinstance(out, LazyStackedTensorDict)  # TorchRL: isinstance(out, TensorDict)
+    assert out.shape == (4,)
+    assert out["advantage"].shape == out["next", "reward"].shape
+    assert adv_t.queued_groups == 0
+    assert adv_t.max_queued_trajectories_per_group == 0
+    # groups in the order they completed, each in arrival order: returns [1, 0] then [0, 1]
+    assert out["group_id"].tolist() == [0, 0, 1, 1]
+    assert out["next", "reward"].flatten().tolist() == [1.0, 0.0, 0.0, 1.0]
+    expected = torch.cat([rlpost_advantages([1.0, 0.0]), rlpost_advantages([0.0, 1.0])]).float()
+    torch.testing.assert_close(out["advantage"].flatten(), expected)
+    plain = out.to_tensordict()
+    assert type(plain) is TensorDict and plain.shape == (4,)
+    torch.testing.assert_close(plain["advantage"], out["advantage"])
+    assert "advantage" not in flat.keys()  # copies: the caller's steps are left as they were
+
+
+def test_mc_advantage_lazily_stacked_trajectory_steps():
+    """A trajectory that is a lazy stack of its steps (as a LazyStackStorage holds them) groups
+    with a plain one; its advantages are those of the plain case."""
+    adv_t = MCAdvantage(grpo_size=2, prompt_key="group_id", trajectory_return="sum")
+    steps = lazy_stack(list(make_group_traj(3, [0.0, 1.0]).unbind(0)), 0)
+    assert isinstance(steps, LazyStackedTensorDict)
+    assert adv_t.inv(steps) is None
+    out = adv_t.inv(make_group_traj(3, [0.0, 0.0]))
+    assert out.shape == (4,) and out["advantage"].shape == (4, 1)
+    expected = rlpost_advantages([1.0, 0.0]).float().repeat_interleave(2)
+    torch.testing.assert_close(out["advantage"].flatten(), expected)
+    assert "advantage" not in steps.keys()
 
 
 def test_mc_advantage_docstring_example():

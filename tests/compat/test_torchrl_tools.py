@@ -2,9 +2,11 @@
 
 From TorchRL's LLM transform tests: ToolRegistry, XMLBlockParser, JSONCallParser,
 ExecuteToolsInOrder, ToolCall and IncrementalTokenizer; from its LLM env tests, the
-PythonInterpreter tests (plain, persistent, persistent after an error, persistent across a reset)
-and the MCP Python-execution test. Substitutions: rlpost's imports; the offline tiny model's
-tokenizer for GPT-2's and Qwen2.5-3B's; the local MCP server of tests/mcp_server.py (which runs
+PythonInterpreter tests (plain, persistent, persistent after an error, persistent across a reset),
+the SimpleToolTransform calculator test, the AsyncEnvPool of tool envs and the MCP
+Python-execution test. Substitutions: rlpost's imports; the offline tiny model's tokenizer for
+GPT-2's and Qwen2.5-3B's; the calculator as module-level functions (calculator_tools.py: rlpost
+runs tool functions in worker processes); the local MCP server of tests/mcp_server.py (which runs
 code in rlpost's sandbox) for ``uvx mcp-run-python`` (Deno, network). Where rlpost differs on
 purpose the assertion says so; one test is skipped with the reason.
 """
@@ -16,16 +18,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from tensordict import TensorDict, set_list_to_stack
+import torch
+from calculator_tools import CALCULATOR_SCHEMA, calculator, delayed_calculator
+from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from rlpost.data import History
+from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import TransformedEnv
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.tool_parsers import JSONCallParser, XMLBlockParser
 from rlpost.envs.tool_services import ExecuteToolsInOrder, ToolRegistry
-from rlpost.envs.transforms import PythonInterpreter, ToolCall
+from rlpost.envs.transforms import PythonInterpreter, SimpleToolTransform, ToolCall
 
 pytestmark = pytest.mark.compat
 
@@ -435,3 +440,117 @@ class TestTools:
         assert tool_message["role"] == "tool"
         assert "python.run_python_code executed successfully" in tool_message["content"]
         assert "Result: 15.141592653589793" in tool_message["content"]
+
+    def test_mcp_tool_transform(self, tokenizer):
+        """TorchRL's SimpleToolTransform calculator: dict results, two calls in one reply, a tool
+        that raises and arguments that are not JSON, each reported in the tool message.
+
+        Deviation: the two calls of one reply make one tool message holding both results in
+        order (TorchRL: one message per call), as every rlpost tool transform does. A tool's
+        exception is reported as ``ValueError: ...`` (TorchRL: ``Tool execution failed: ...``)."""
+        base_env = ChatEnv(
+            batch_size=(1,), system_prompt="You are a helpful assistant that uses a calculator.", tokenizer=tokenizer
+        )
+        env = base_env.append_transform(
+            SimpleToolTransform({"calculator": calculator}, {"calculator": CALCULATOR_SCHEMA})
+        )
+
+        def step(query, content):
+            td = env.reset(TensorDict({base_env.data_key: [query]}, batch_size=(1,)))
+            td["history"].full = td["history"].prompt.extend(
+                History(role="assistant", content=content).view(1, 1), dim=-1
+            )
+            result = env.step(td)
+            return result["next", "history"].prompt, result
+
+        add = '<tool>calculator\n{"operation": "add", "a": 2, "b": 3}</tool>'
+        history, _ = step("Let me calculate 2 + 3", f"I will help you calculate 2 + 3:\n{add}<|im_end|>")
+        assert len(history[0]) == 4  # system, user, assistant, tool response
+        assert history[0, -1].role == "tool"
+        assert "result': 5" in history[0, -1].content
+        assert history[0, -1].content == "Tool calculator executed successfully:\n{'result': 5}"
+
+        multiply = '<tool>calculator\n{"operation": "multiply", "a": 4, "b": 5}</tool>'
+        history, result = step(
+            "Calculate 2 + 3 and 4 * 5", f"I will help you calculate both:\n{add}\n{multiply}<|im_end|>"
+        )
+        assert len(history[0]) == 4  # deviation: TorchRL has 5, one tool message per call
+        assert history[0, -1].role == "tool" and history[0, -2].role == "assistant"
+        assert history[0, -1].content == (
+            "Tool calculator executed successfully:\n{'result': 5}\n"
+            "Tool calculator executed successfully:\n{'result': 20}"
+        )
+        assert result["next", "tool_calls"].tolist() == [[2]] and result["next", "tool_errors"].tolist() == [[0]]
+
+        invalid = '<tool>calculator\n{"operation": "invalid", "a": 2, "b": 3}</tool>'
+        history, _ = step("Calculate 2 ? 3", f"I will try to calculate:\n{invalid}<|im_end|>")
+        assert len(history[0]) == 4
+        assert history[0, -1].role == "tool"
+        assert "failed" in history[0, -1].content
+        assert "Unknown operation: invalid" in history[0, -1].content
+        assert history[0, -1].content == "Tool calculator failed:\nValueError: Unknown operation: invalid"
+
+        history, result = step(
+            "Calculate something", "Let me calculate:\n<tool>calculator\ninvalid json</tool><|im_end|>"
+        )
+        assert len(history[0]) == 4
+        assert history[0, -1].role == "tool"
+        assert "failed" in history[0, -1].content
+        assert "Failed to parse tool arguments" in history[0, -1].content
+        assert history[0, -1].content.startswith("Tool calculator failed:\nFailed to parse tool arguments: Expecting")
+        assert result["next", "tool_errors"].tolist() == [[1]]
+        env.close()
+
+    def test_async_mcp_tools(self, tokenizer):
+        """TorchRL's AsyncEnvPool of two calculator envs whose tool waits 0.1 to 0.3 s: send a
+        step to both, take the first result as soon as it is there, then the other; each row's
+        tool message holds its own result.
+
+        Deviations (see rlpost.envs.async_pool): the sub-envs run on threads (TorchRL's test asks
+        for ``backend="multiprocessing"``, which rlpost refuses); the pool's rows are ``[2]``
+        (TorchRL: ``[2, 1]``, the sub-envs' batch kept); a step is sent and received with
+        ``async_step_and_maybe_reset_send`` / ``_recv``, which return the step and the next root
+        (rlpost has no step-only ``async_step_send`` / ``async_step_recv``)."""
+
+        def make_env():
+            env = ChatEnv(batch_size=(1,), system_prompt="I'm a calculator assistant", tokenizer=tokenizer)
+            tools, schemas = {"calculator": delayed_calculator}, {"calculator": CALCULATOR_SCHEMA}
+            return env.append_transform(SimpleToolTransform(tools, schemas))
+
+        with pytest.raises(ValueError, match="backend='threading' only"):
+            AsyncEnvPool([make_env, make_env], backend="multiprocessing")
+        env_pool = AsyncEnvPool([make_env, make_env])
+        try:
+            tdreset = TensorDict(query=["Let me calculate 2 + 3", "Let me calculate 4 * 5"], batch_size=(2,))
+            td = env_pool.reset(tdreset)
+            replies = [
+                'Let me calculate 2 + 3:\n<tool>calculator\n{"operation": "add", "a": 2, "b": 3}</tool><|im_end|>',
+                'Let me calculate 4 * 5:\n<tool>calculator\n{"operation": "multiply", "a": 4, "b": 5}</tool><|im_end|>',
+            ]
+            td["history"].full = torch.stack(
+                [
+                    td[i]["history"].prompt.extend(History(role="assistant", content=reply).view(1), dim=-1)
+                    for i, reply in enumerate(replies)
+                ]
+            )
+            env_pool.async_step_and_maybe_reset_send(td)
+
+            results, _ = env_pool.async_step_and_maybe_reset_recv(min_get=1)  # at least one result
+            assert len(results) >= 1
+            rows = list(results.unbind(0))
+            if len(rows) < 2:  # the remaining result
+                rows += env_pool.async_step_and_maybe_reset_recv()[0].unbind(0)
+            all_results = lazy_stack(rows)
+
+            history = all_results["next", "history"].prompt
+            assert len(history[0]) == 4  # system, user, assistant, tool response
+            assert history[0, -1].role == "tool" and history[1, -1].role == "tool"
+            contents = history[:, -1].content
+            assert any("result': 5" in c for c in contents)  # 2 + 3 = 5
+            assert any("result': 20" in c for c in contents)  # 4 * 5 = 20
+            # rows come back in completion order; env_index says which sub-env each is
+            by_env = dict(zip(all_results["env_index"].tolist(), contents))
+            assert by_env[0].startswith("Tool calculator executed successfully:\n{'result': 5, 'delay': ")
+            assert by_env[1].startswith("Tool calculator executed successfully:\n{'result': 20, 'delay': ")
+        finally:
+            env_pool.close()

@@ -169,12 +169,15 @@ def _score(strict, loose):
 @pytest.mark.parametrize(
     "strict, loose, think, answer, complete, expected",
     [
-        ([True, True], [True, True], ["t"], ["a"], True, (1.0 + 0.3 + 0.2) * 1.2),
-        ([True, True], [True, True], ["t"], [], True, 0.0),  # no answer block: nothing
-        ([True], [True], [], ["a"], False, (1.0 + 0.3) * 0.3),  # no think block
-        ([True], [True], ["t", "t"], ["a", "a"], False, 1.3 * 0.7 * 0.7),  # several of each
-        ([True, False], [True, True], ["t"], ["a"], True, (0.3 * 0.5 + 0.2 + 0.1 + 0.2) * 1.2),  # format 0.45
-        ([False, False, False], [False, False, False], ["t"], ["a"], None, 0.0),
+        ([True, True], [True, True], ["t"], ["a"], True, 1.0 + 0.1 + 0.05),  # the most: 1.15
+        ([True, True], [True, True], ["t"], ["a"], False, 1.15),  # completion is not rewarded
+        # no answer block: the scorer checked the empty response, which follows nothing
+        ([False, False], [False, False], ["t"], [], True, 0.05),
+        ([False], [False], [], [], None, 0.0),  # the least
+        ([True], [True], [], ["a"], False, 1.0 + 0.1),  # no think block
+        ([True], [True], ["t", "t"], ["a", "a"], False, 1.0),  # several of each: no bonus
+        ([True, False], [True, True], ["t"], ["a"], True, 0.3 * 0.5 + 0.2 + 0.1 + 0.15),  # metrics 0.45
+        ([False, False, False], [False, False, False], ["t"], ["a"], None, 0.15),  # the format alone
     ],
 )
 def test_default_reward_aggregator(scorer, strict, loose, think, answer, complete, expected):
@@ -184,10 +187,26 @@ def test_default_reward_aggregator(scorer, strict, loose, think, answer, complet
     assert reward.item() == pytest.approx(expected)
 
 
+def test_default_reward_aggregator_on_a_batch_of_scores(scorer):
+    """A score of batch ``[B]`` (equal instruction counts) gives ``[B, 1]``, as in TorchRL."""
+    score = IFEvalScoreData(
+        prompt_level_strict_acc=torch.tensor([True, False]),
+        inst_level_strict_acc=torch.tensor([[True, True], [False, True]]),
+        prompt_level_loose_acc=torch.tensor([True, True]),
+        inst_level_loose_acc=torch.tensor([[True, True], [True, True]]),
+        batch_size=[2],
+    )
+    reward = scorer.default_reward_aggregator(score, think_blocks=["t"], answer_blocks=["a"])
+    assert reward.shape == (2, 1)
+    assert reward.view(-1).tolist() == pytest.approx([1.15, 0.3 * 0.5 + 0.2 + 0.1 + 0.15])
+
+
 def test_format_weights_are_used_and_checked():
     only_strict = IfEvalScorer(format_weights=[1.0, 0.0, 0.0, 0.0])
     reward = only_strict.default_reward_aggregator(_score([True], [True]), think_blocks=["t"], answer_blocks=["a"])
-    assert reward.item() == pytest.approx(1.0 + 0.3)
+    assert reward.item() == pytest.approx(1.0 + 0.15)
+    half_strict = only_strict.default_reward_aggregator(_score([True, False], [True, True]))
+    assert half_strict.item() == pytest.approx(0.0)  # the prompt-level strict flag is False; no blocks
     with pytest.raises(ValueError, match="format_weights needs 4 weights"):
         IfEvalScorer(format_weights=[1.0, 0.0])
 
@@ -228,10 +247,10 @@ def test_env_step_scores_rewards_and_terminates():
     td = env.reset()
     good = _answers_for(td)
     completions = [
-        f"<think>plan</think><answer>{good[0]}</answer>",  # all followed: (1 + 0.3 + 0.2) * 1.2
-        f"<think>plan</think>{good[1]}",  # no answer block: the empty response, reward 0
+        f"<think>plan</think><answer>{good[0]}</answer>",  # all followed, both blocks: 1 + 0.15
+        f"<think>plan</think>{good[1]}",  # no answer block: the empty response, the think bonus only
         f"<think>plan</think><answer>{good[2].lower()}</answer>",  # capital letters missed
-        f"<answer>{good[3]}</answer>",  # no think block: x 0.3
+        f"<answer>{good[3]}</answer>",  # no think block: 1 + 0.1
     ]
     out, nxt = respond(env, td, completions, complete=[True, True, False, True])
     n = out["next"]
@@ -241,8 +260,8 @@ def test_env_step_scores_rewards_and_terminates():
     assert [t.tolist() for t in score.get("inst_level_strict_acc", as_list=True)] == [
         [True, True], [False, False], [True, False], [True, True]
     ]  # fmt: skip
-    # row 2: format 0.3 * 0.5 + 0.1 * 0.5 = 0.2, incomplete: no bonus
-    expected = [1.5 * 1.2, 0.0, 0.2 * 1.2, (1.0 + 0.3 + 0.2) * 0.3 * 1.2]
+    # row 2: metrics 0.3 * 0.5 + 0.1 * 0.5 = 0.2, plus both blocks' bonus (incomplete changes nothing)
+    expected = [1.15, 0.05, 0.2 + 0.15, 1.1]
     assert n["reward"].dtype == torch.float32 and n["reward"].shape == (4, 1)
     assert n["reward"].view(-1).tolist() == pytest.approx(expected)
     assert n["terminated"].view(-1).tolist() == [True, False, True, True]  # an answer ends the episode
@@ -266,15 +285,26 @@ def test_hub_layout_parquet_with_none_filled_kwargs(tmp_path):
     good = _answers_for(td)
     out, _ = respond(env, td, [f"<think>a</think><answer>{text}</answer>" for text in good])
     assert out["next", "ifeval_score"].prompt_level_strict_acc.view(-1).tolist() == [True, True]
-    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.8, 1.8])
+    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.15, 1.15])
 
 
-def test_incomplete_response_loses_the_completion_bonus():
+def _completion(score, think_blocks=None, answer_blocks=None, complete=None):
+    """An aggregator whose reward is whether the response was complete (1.0) or cut (0.0)."""
+    return torch.tensor([float(complete)])
+
+
+COMPLETION = {"aggregate_reward": _completion}
+
+
+def test_completion_reaches_the_aggregator_and_the_default_ignores_it():
     env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2)
     td = env.reset()
     answer = f"<think>plan</think><answer>{_answers_for(td)[0]}</answer>"
     out, _ = respond(env, td, [answer, answer], complete=[True, False])
-    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.5 * 1.2, 1.3 * 1.2])
+    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.15, 1.15])  # as TorchRL's: no bonus
+    env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2, scorer_kwargs=COMPLETION)
+    out, _ = respond(env, env.reset(), [answer, answer], complete=[True, False])
+    assert out["next", "reward"].view(-1).tolist() == [1.0, 0.0]
 
 
 def test_set_done_if_answer_false_and_custom_aggregator():
@@ -317,11 +347,12 @@ def test_reward_is_added_to_the_reward_of_earlier_transforms():
     env = env.append_transform(_PlusOne())
     env = env.append_transform(IfEvalScorer())
     out, _ = respond(env, env.reset(), [f"<think>a</think><answer>{NOTE}</answer>"])
-    assert out["next", "reward"].tolist() == [[pytest.approx(1.0 + 1.5 * 1.2)]]
+    assert out["next", "reward"].tolist() == [[pytest.approx(1.0 + 1.15)]]
 
 
 def test_text_mode_completion_is_the_end_of_turn_marker(tiny_tokenizer):
-    env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2, input_mode="text", tokenizer=tiny_tokenizer)
+    env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2, input_mode="text", tokenizer=tiny_tokenizer,
+                    scorer_kwargs=COMPLETION)  # fmt: skip
     td = env.reset()
     prompts = td["text"].prompt
     answer = f"<think>plan</think><answer>{NOTE}</answer>"
@@ -329,12 +360,13 @@ def test_text_mode_completion_is_the_end_of_turn_marker(tiny_tokenizer):
     td.set("text", Text(prompt=prompts, response=responses, full=[p + r for p, r in zip(prompts, responses)],
                         batch_size=[2]))  # fmt: skip
     out = env.step(td)
-    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.5 * 1.2, 1.3 * 1.2])
+    assert out["next", "reward"].view(-1).tolist() == [1.0, 0.0]
     assert out["next", "ifeval_score"].prompt_level_strict_acc.view(-1).tolist() == [True, True]
 
 
 def test_tokens_mode_completion_is_the_end_of_turn_token(tiny_tokenizer):
-    env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2, input_mode="tokens", tokenizer=tiny_tokenizer)
+    env = IFEvalEnv(dataset=DATA, num_envs=2, shuffle=False, repeats=2, input_mode="tokens", tokenizer=tiny_tokenizer,
+                    scorer_kwargs=COMPLETION)  # fmt: skip
     td = env.reset()
     prompts = td.get(("tokens", "prompt"), as_list=True)
     answer = f"<think>plan</think><answer>{NOTE}</answer>"
@@ -343,7 +375,7 @@ def test_tokens_mode_completion_is_the_end_of_turn_token(tiny_tokenizer):
     rows = [Tokens(prompt=p, response=r, full=torch.cat([p, r]), padded=False) for p, r in zip(prompts, responses)]
     td.set("tokens", lazy_stack(rows))
     out = env.step(td)
-    assert out["next", "reward"].view(-1).tolist() == pytest.approx([1.5 * 1.2, 1.3 * 1.2])
+    assert out["next", "reward"].view(-1).tolist() == [1.0, 0.0]
     assert out["next", "terminated"].view(-1).tolist() == [True, True]
 
 
@@ -359,7 +391,7 @@ def test_scorer_on_a_chat_env_reads_the_reset_input_and_names_a_missing_key():
         batch_size=(1,),
     )  # fmt: skip
     out, _ = respond(env, env.reset(reset_input), [f"<think>a</think><answer>{NOTE}</answer>"])
-    assert out["next", "reward"].tolist() == [[pytest.approx(1.8)]]
+    assert out["next", "reward"].tolist() == [[pytest.approx(1.15)]]
     td = env.reset(TensorDict({"query": ["no instructions here"]}, batch_size=(1,)))
     with pytest.raises(ValueError, match=r"needs the instruction ids under 'instruction_id_list'.*has keys"):
         respond(env, td, ["<answer>x</answer>"])
