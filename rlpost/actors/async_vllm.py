@@ -11,7 +11,13 @@ weight-update extension, versioned weights, in-flight updates. The fleet gives:
 - ``fleet.generate(prompts, SamplingParams(...))``: vLLM's ``RequestOutput`` objects, the
   prompts spread over the replicas (TorchRL's call form).
 - weight updates: :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` (or
-  :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`) sends new weights to every replica.
+  :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`, or :class:`vLLMUpdaterV2
+  <rlpost.collect.weight_sync.vLLMUpdaterV2>` on the fleet) sends new weights to every replica;
+  the fleet is an :class:`~rlpost.collect.weight_sync.RLvLLMEngine`, so
+  ``fleet.init_weight_update_group()`` then ``fleet.update_weights(named_tensors)`` does it too.
+- prefix caching: each replica resets its prefix cache whenever its weights change, before it
+  serves its next request, so no completion reuses KV computed with older weights;
+  ``fleet.reset_prefix_cache()`` resets every replica's on demand.
 
 A replica that dies (its process crashes, is OOM-killed or ``ray.kill``\\ ed) is restarted by
 Ray (``max_restarts`` per replica) on the model it started from: requests in flight on it are
@@ -28,9 +34,11 @@ job's engine settings, and the run's supervisor restarts a dead one with
 Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
 (so they work on the CPU backend too, and take rlpost's weight bus); ``AsyncVLLM(engine_args)``
 takes vLLM's ``AsyncEngineArgs`` or a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's
-own compilation setting as it is; vLLM's prefix caching stays on unless disabled (TorchRL turns
-it off: safe here, since a replica resets its prefix cache whenever its weights change); no
-prefix-aware load balancer (least-busy replica instead);
+own compilation setting as it is; prefix caching left unset (None) stays vLLM's default, on for
+generative models (TorchRL turns it off: safe here, since a replica resets its prefix cache
+whenever its weights change); ``update_weights`` calls no fleet-wide ``reset_prefix_cache``
+(the replicas reset as part of the update, which a running generate call need not finish for);
+no prefix-aware load balancer (least-busy replica instead);
 ``enable_fp32_output``, data and pipeline parallelism are refused with a message.
 """
 
@@ -39,9 +47,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+from rlpost.collect.weight_sync import RLvLLMEngine, VLLMWeightSyncScheme
 
 log = logging.getLogger("rlpost")
 
@@ -49,7 +60,7 @@ STARTUP_TIMEOUT_S = 600.0  # a replica's start (its engine loads the model)
 MAX_RESTARTS = 3  # Ray restarts of one replica before it is given up
 
 
-class AsyncVLLM:
+class AsyncVLLM(RLvLLMEngine):
     """vLLM replicas as Ray actors behind one object; see the module docstring.
 
     Args:
@@ -58,14 +69,20 @@ class AsyncVLLM:
             (``kv_cache_space_gb``, ``cpu_threads``) may be in the dict.
         num_replicas: engines to start.
         actor_class: not supported (the replicas are rlpost's inference workers); must be None.
-        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s. Safe with weight updates:
-            a replica resets its prefix cache whenever its weights change.
+        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s (unset there too: vLLM's
+            default, on for generative models). A value given here is written into
+            ``engine_args`` (as TorchRL does). Safe with weight updates: a replica resets its
+            prefix cache whenever its weights change.
 
     Keyword Args:
         max_restarts: Ray restarts of a replica that died.
         request_timeout_s: bound of one generate call on a replica.
         startup_timeout_s: bound of the replicas' start.
         verbose: vLLM's INFO logs from the replicas (False: warnings and errors only).
+
+    Attributes:
+        engine_args: the engine arguments the replicas start with: the ``AsyncEngineArgs`` given,
+            or, for a dict, a namespace of its entries (``enable_prefix_caching`` None when unset).
     """
 
     def __init__(self, engine_args: Any, num_replicas: int = 1, actor_class: Any = None,
@@ -76,9 +93,17 @@ class AsyncVLLM:
             raise ValueError("AsyncVLLM's replicas are rlpost's inference workers: actor_class must be None")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        self.engine_kwargs = _engine_kwargs(engine_args)
+        if isinstance(engine_args, dict):
+            engine_args = types.SimpleNamespace(**{"enable_prefix_caching": None, **engine_args})
+            self.engine_kwargs = _engine_kwargs(vars(engine_args))
+            if self.engine_kwargs["enable_prefix_caching"] is None:  # vLLM's default, as for AsyncEngineArgs
+                del self.engine_kwargs["enable_prefix_caching"]
+        else:
+            self.engine_kwargs = _engine_kwargs(engine_args)
         if enable_prefix_caching is not None:
+            engine_args.enable_prefix_caching = enable_prefix_caching
             self.engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
+        self.engine_args = engine_args
         self.model_name = str(self.engine_kwargs.pop("model"))
         self.num_replicas = num_replicas
         self.max_restarts, self.request_timeout_s, self.startup_timeout_s = max_restarts, request_timeout_s, startup_timeout_s  # fmt: skip
@@ -88,6 +113,7 @@ class AsyncVLLM:
         self._service_id = uuid.uuid4().hex[:8]
         self._master_port: int | None = None
         self._start_replica: Callable[[int], Any] = self._start_vllm_replica
+        self._weight_sender: Any = None  # init_weight_update_group's VLLMWeightSender
 
     @classmethod
     def from_replica_starter(cls, start_replica: Callable[[int], Any], num_replicas: int, model_name: str, *,
@@ -121,6 +147,11 @@ class AsyncVLLM:
     def actors(self) -> list:
         """The started replicas' actor handles, by replica index."""
         return [self._replicas[i] for i in sorted(self._replicas)]
+
+    @property
+    def _launched(self) -> bool:
+        """Whether replicas were started (TorchRL's attribute, which its code and tests read)."""
+        return bool(self._replicas)
 
     def start_replica(self, index: int) -> Any:
         """Start replica ``index`` (any of ``0..num_replicas-1``) and return its actor handle
@@ -280,9 +311,25 @@ class AsyncVLLM:
         return [actor.collective_rpc.remote(method, timeout, args, kwargs) for actor in self.actors]
 
     def reset_prefix_cache(self) -> None:
+        """Drop every replica's cached KV prefixes (a no-op when prefix caching is off). A replica
+        whose running requests still hold cached blocks cannot drop those: one warning names such
+        replicas. Weight updates need no call of this: each replica resets as it switches weights."""
         import ray
 
-        ray.get([actor.reset_prefix_cache.remote() for actor in self.actors], timeout=self.request_timeout_s)
+        if self.engine_kwargs.get("enable_prefix_caching") is False:
+            return
+        indices = sorted(self._replicas)
+        refs = [self._replicas[i].reset_prefix_cache.remote() for i in indices]
+        try:
+            results = ray.get(refs, timeout=self.request_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"AsyncVLLM.reset_prefix_cache: the replicas did not answer within {self.request_timeout_s:.0f} s"
+            ) from None
+        refused = [i for i, done in zip(indices, results) if done is False]
+        if refused:
+            log.warning("AsyncVLLM.reset_prefix_cache: replica(s) %s could not drop every cached block (running "
+                        "requests hold some); those prefixes go when the requests end", refused)  # fmt: skip
 
     # ------------------------------------------------------------------ weight sync (RLvLLMEngine)
 
@@ -314,6 +361,37 @@ class AsyncVLLM:
         """TorchRL's returns {} (the trainer's model gives it: ``get_model_metadata(model)``)."""
         return {}
 
+    def init_weight_update_group(self, *, timeout_s: float = 120.0) -> None:
+        """Form the weight group of this process (the sender, on :meth:`get_master_address` and
+        :meth:`get_master_port`) and every started replica; :meth:`update_weights` then sends
+        over it. It is a :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` sender, so a
+        replica that Ray restarted is brought back into the group at the next update.
+        ``timeout_s`` (rlpost's) bounds every step of an update."""
+        if not self.actors:
+            raise RuntimeError("AsyncVLLM service must be launched before initializing weight update group")
+        if self._weight_sender is not None:
+            self._weight_sender.shutdown()
+        scheme = VLLMWeightSyncScheme(self.get_master_address(), self.get_master_port(), self.get_tp_size(),
+                                      len(self.actors), strategy="state_dict", timeout_s=timeout_s)  # fmt: skip
+        self._weight_sender = scheme.create_sender()
+        self._weight_sender.init_all_workers_group(vllm_engine=self)
+
+    def update_weights(self, weights: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int | None:
+        """Send ``weights`` (``(name, tensor)`` pairs, as TorchRL takes them; or a state_dict, a
+        module, a TensorDict) to every replica and return once each serves them; returns the new
+        version (None, with a warning, for no weights). Each replica resets its prefix cache
+        before it serves a request with them."""
+        import torch
+
+        if self._weight_sender is None:
+            raise RuntimeError("AsyncVLLM has no weight group. Call init_weight_update_group first.")
+        if not isinstance(weights, torch.nn.Module) and not hasattr(weights, "flatten_keys"):
+            weights = dict(weights)  # (name, tensor) pairs or a state_dict
+            if not weights:
+                log.warning("AsyncVLLM.update_weights: no weights given; nothing sent")
+                return None
+        return self._weight_sender.update_weights(weights)
+
     def get_versions(self) -> list[int]:
         """The weights version each replica serves."""
         import ray
@@ -325,6 +403,9 @@ class AsyncVLLM:
     def shutdown(self) -> None:
         """End every replica (their engines stop with them)."""
         self._client = None
+        if self._weight_sender is not None:
+            self._weight_sender.shutdown()
+            self._weight_sender = None
         for index in list(self._replicas):
             self.stop_replica(index)
 

@@ -22,6 +22,11 @@ bounded) and sends once more; an update that fails again raises
 :class:`~rlpost.transport.WeightSyncError` (or Ray's error for a replica that stays dead), and
 the next one re-forms the group first.
 
+:class:`RLvLLMEngine` is the interface an engine that takes weights offers (TorchRL's):
+:class:`~rlpost.actors.async_vllm.AsyncVLLM` implements it, and :class:`vLLMUpdaterV2` takes
+such an engine (or a worker of ``make_vllm_worker``) and reads its address, port and tensor-parallel
+size from it.
+
 Deviations from TorchRL: the replicas join the group from the sender's
 ``init_all_workers_group`` (rlpost drives both ends), so the receiver's methods have nothing to
 do; ``strategy`` is accepted and any named tensors may be sent; ``num_replicas`` and
@@ -30,17 +35,57 @@ do; ``strategy`` is accepted and any named tensors may be sent; ``num_replicas``
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rlpost.collect.weight_update import get_model_metadata, vLLMUpdater
+from rlpost.policies.remote_client import is_local_worker, is_remote_worker
 from rlpost.transport.weight_bus import WeightSyncError
 
 log = logging.getLogger("rlpost")
+
+
+class RLvLLMEngine(abc.ABC):
+    """A vLLM engine that takes weight updates from a trainer (TorchRL's interface).
+
+    :class:`vLLMUpdaterV2` reads the group's address, port and the engine's tensor-parallel size
+    from it; :meth:`init_weight_update_group` forms the group of the trainer and the engine's
+    workers and :meth:`update_weights` sends one update. An engine with a prefix cache must not
+    serve KV computed with older weights after an update (:meth:`reset_prefix_cache`).
+    """
+
+    @abc.abstractmethod
+    def get_tp_size(self) -> int:
+        """The tensor-parallel size of each of the engine's replicas."""
+
+    @abc.abstractmethod
+    def get_model_metadata(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """``{name: (dtype, shape)}`` of the weights the engine takes ({} when only the trainer knows)."""
+
+    @abc.abstractmethod
+    def get_master_address(self) -> str:
+        """Where the weight group's store listens, as the engine's workers dial it."""
+
+    @abc.abstractmethod
+    def get_master_port(self) -> int:
+        """The port of the weight group's store."""
+
+    @abc.abstractmethod
+    def init_weight_update_group(self) -> None:
+        """Form the weight group of this process (the sender) and the engine's workers."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Any:
+        """Send ``(name, tensor)`` pairs and return once the engine serves them."""
+
+    def reset_prefix_cache(self) -> None:  # noqa: B027  (optional: engines without a prefix cache)
+        """Drop the engine's cached KV prefixes (they were computed with older weights)."""
 
 
 def engine_workers(vllm_engine: Any) -> list:
@@ -49,6 +94,8 @@ def engine_workers(vllm_engine: Any) -> list:
     actors = getattr(vllm_engine, "actors", None)
     if actors:
         return list(actors)
+    if isinstance(vllm_engine, RLvLLMEngine):
+        raise RuntimeError(f"{type(vllm_engine).__name__} has no started replicas: launch it before syncing weights")
     if callable(getattr(vllm_engine, "update_weights", None)):
         return [vllm_engine]
     raise TypeError(f"expected an AsyncVLLM fleet or a make_vllm_worker worker, got {type(vllm_engine).__name__}")
@@ -246,9 +293,26 @@ class VLLMWeightReceiver:
 
 class vLLMUpdaterV2(vLLMUpdater):  # noqa: N801  (TorchRL's name)
     """TorchRL's engine-based updater: a :class:`~rlpost.collect.vLLMUpdater` on the workers of
-    ``vllm_engine`` (an AsyncVLLM fleet or a worker of ``make_vllm_worker``)."""
+    ``vllm_engine``, an :class:`RLvLLMEngine` (an AsyncVLLM fleet) or a worker of
+    ``make_vllm_worker``. From an RLvLLMEngine it takes the group's ``master_address`` and
+    ``master_port`` and the engine's ``model_metadata`` ({}: each push is not checked), unless
+    ``kwargs`` (vLLMUpdater's keywords) give them.
+
+    Deviation from TorchRL: the updater sends over its own group with the engine's workers
+    (rlpost's bus) rather than through the engine's ``update_weights``; so it also takes
+    ``make_vllm_worker``'s workers, which are Ray actor handles or in-process workers.
+    """
 
     def __init__(self, vllm_engine: Any, **kwargs: Any):
+        if isinstance(vllm_engine, RLvLLMEngine):
+            kwargs.setdefault("master_address", vllm_engine.get_master_address())
+            kwargs.setdefault("master_port", vllm_engine.get_master_port())
+            kwargs.setdefault("model_metadata", vllm_engine.get_model_metadata())
+        elif not (is_remote_worker(vllm_engine) or is_local_worker(vllm_engine)):
+            raise TypeError(
+                "vllm_engine must implement RLvLLMEngine interface (an AsyncVLLM fleet) or be a worker of "
+                f"make_vllm_worker, got {type(vllm_engine)}"
+            )
         super().__init__(engine_workers(vllm_engine), **kwargs)
         self.vllm_engine = vllm_engine
 
@@ -267,4 +331,11 @@ class vLLMUpdaterV2(vLLMUpdater):  # noqa: N801  (TorchRL's name)
         return list(range(len(self.workers)))
 
 
-__all__ = ["VLLMWeightReceiver", "VLLMWeightSender", "VLLMWeightSyncScheme", "get_model_metadata", "vLLMUpdaterV2"]
+__all__ = [
+    "RLvLLMEngine",
+    "VLLMWeightReceiver",
+    "VLLMWeightSender",
+    "VLLMWeightSyncScheme",
+    "get_model_metadata",
+    "vLLMUpdaterV2",
+]

@@ -64,7 +64,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
     Keyword Args:
         master_address, master_port: where the bus's store listens (port 0 or None: a free one).
         model_metadata: TorchRL's ``{name: (dtype, shape)}`` of the weights to push
-            (:meth:`get_model_metadata`); when given, each push is checked against it and a
+            (:meth:`get_model_metadata`); when given and not empty, each push is checked against it and a
             missing, extra or reshaped tensor is a ``ValueError`` naming it.
         vllm_tp_size: TorchRL's tensor-parallel size of the workers; accepted for porting and
             not needed (each worker's engine spreads what it receives over its own ranks).
@@ -182,7 +182,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
             self.init()
         version = self.version + 1 if version is None else int(version)
         named = _named_tensors(weights)
-        if self.model_metadata is not None:
+        if self.model_metadata:  # {} (an engine's, TorchRL's "not known"): nothing to check against
             _check_metadata(named, self.model_metadata)
         self.publish(named, version)
         return version
@@ -321,7 +321,13 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
 
 
 def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a module, a mapping or a TensorDict (nested keys joined by ".")."""
+    """(name, tensor) pairs from a module, a mapping or a TensorDict (nested keys joined by ".");
+    a TransformersWrapper gives its model's (the names the engine loads, without the wrapper's
+    ``model.`` prefix)."""
+    from rlpost.policies import LLMWrapperBase
+
+    if isinstance(weights, LLMWrapperBase) and isinstance(getattr(weights, "model", None), torch.nn.Module):
+        weights = weights.model
     if isinstance(weights, torch.nn.Module):
         weights = weights.state_dict()
     if hasattr(weights, "flatten_keys") and hasattr(weights, "items"):

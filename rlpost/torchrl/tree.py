@@ -79,14 +79,17 @@ _IFEVAL_REWARD = _same("rlpost.envs", "IFEvalScoreData", "IfEvalScorer")
 _WORKERS = _same("rlpost.actors.vllm_workers", "make_vllm_worker") | _same(
     "rlpost.transport", "stateless_init_process_group"
 )
-_ASYNC_VLLM = _same("rlpost.actors.async_vllm", "AsyncVLLM", "make_async_vllm_engine") | _missing(
-    "rlpost's vLLM engines are its inference workers: use make_vllm_worker (one engine) or AsyncVLLM (a fleet)",
-    "RLvLLMEngine",
-    "RayLLMWorker",
-    "LocalLLMWrapper",
-    "stateless_init_process_group_async",
-    "_AsyncvLLMWorker",
-    "_AsyncLLMEngine",
+_ASYNC_VLLM = (
+    _same("rlpost.actors.async_vllm", "AsyncVLLM", "make_async_vllm_engine")
+    | _same("rlpost.collect.weight_sync", "RLvLLMEngine")
+    | _missing(
+        "rlpost's vLLM engines are its inference workers: use make_vllm_worker (one engine) or AsyncVLLM (a fleet)",
+        "RayLLMWorker",
+        "LocalLLMWrapper",
+        "stateless_init_process_group_async",
+        "_AsyncvLLMWorker",
+        "_AsyncLLMEngine",
+    )
 )
 _SGLANG_ENGINES = _missing(SGLANG, "AsyncSGLang", "RLSGLangEngine")
 _TOOLS = _same(
