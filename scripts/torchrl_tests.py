@@ -15,6 +15,7 @@ YAML alone.
     python scripts/torchrl_tests.py                          # update the inventory
     python scripts/torchrl_tests.py /path/to/rl --commit main
     python scripts/torchrl_tests.py --list                   # print the tests, write nothing
+    python scripts/torchrl_tests.py --report                 # the counts and missing tests, for the docs
 """
 
 from __future__ import annotations
@@ -178,13 +179,62 @@ def dump(inventory: dict) -> str:
     return HEADER + yaml.safe_dump(inventory, sort_keys=False, width=120, allow_unicode=True)
 
 
+REPORT_START, REPORT_END = "<!-- counts: scripts/torchrl_tests.py --report -->", "<!-- /counts -->"
+
+
+def report(inventory: dict) -> str:
+    """The counts per TorchRL file and the missing tests, as the markdown docs/torchrl-tests.md
+    holds between its ``REPORT_START`` and ``REPORT_END`` lines (a unit test compares them)."""
+    statuses = ("ported", "deviation", "not_applicable", "missing")
+    per_file: dict[str, dict[str, int]] = {file: dict.fromkeys(statuses, 0) for file in FILES}
+    for test_id, entry in inventory["tests"].items():
+        per_file[test_id.split("::")[0]][entry["status"]] += 1
+
+    def figure(row: dict[str, int]) -> str:
+        passing = row["ported"] + row["deviation"]
+        counted = passing + row["missing"]
+        return f"{100 * passing / counted:.1f}%" if counted else "n/a"
+
+    lines = [
+        "| TorchRL file | tests | ported | deviation | not_applicable | missing | pass |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    total = dict.fromkeys(statuses, 0)
+    for file, row in per_file.items():
+        lines.append(
+            f"| `{file}` | {sum(row.values())} | " + " | ".join(str(row[s]) for s in statuses) + f" | {figure(row)} |"
+        )
+        for status in statuses:
+            total[status] += row[status]
+    lines.append(
+        f"| **all** | {sum(total.values())} | " + " | ".join(str(total[s]) for s in statuses) + f" | {figure(total)} |"
+    )
+    missing = [
+        (test_id, entry.get("needs", ""))
+        for test_id, entry in inventory["tests"].items()
+        if entry["status"] == "missing"
+    ]
+    lines += ["", f"Missing ({len(missing)}):", ""]
+    lines += [f"- `{test_id}`" + (f": {needs}" if needs else "") for test_id, needs in missing]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mirror", nargs="?", type=Path, default=DEFAULT_MIRROR, help="a git checkout of pytorch/rl")
     parser.add_argument("--commit", default=DEFAULT_COMMIT, help="the commit to read (default %(default)s)")
     parser.add_argument("--inventory", type=Path, default=INVENTORY, help="the YAML file to update")
     parser.add_argument("--list", action="store_true", help="print the tests and their cases; write nothing")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="print the inventory's counts and missing tests (markdown); no mirror needed",
+    )
     args = parser.parse_args(argv)
+
+    if args.report:
+        print(report(load_inventory(args.inventory)), end="")
+        return 0
 
     tests = list_all(args.mirror, args.commit)
     if args.list:

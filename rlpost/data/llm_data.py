@@ -91,8 +91,12 @@ class ChatHistory(TensorClass["nocast"]):
         ``prompt`` is rendered with the generation prompt, ``full`` without; ``response`` is
         ``full`` minus the ``prompt`` text when both are set (a ValueError when the prompt's
         text is not a prefix of the full text), else the ``response`` History rendered alone.
-        An unfinished last message is continued, not closed (see :class:`History`).
+        An unfinished last message is continued, not closed (see :class:`History`). A ChatHistory
+        of two or more batch dims converts row by row along its first dim into a lazy stack of
+        Texts, which keeps its batch size (TorchRL's nested ``[2, 2]`` batch).
         """
+        if self.batch_dims > 1:
+            return lazy_stack([row.to_text(tokenizer, chat_template_name, chat_template) for row in self.unbind(0)])
         kwargs = _template_kwargs(chat_template_name, chat_template)
         out: dict[str, Any] = {}
         if self.prompt is not None:
@@ -234,10 +238,13 @@ class Tokens(TensorClass["nocast"]):
     def to_text(self, tokenizer, skip_special_tokens: bool = False) -> Text:
         """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only.
 
-        ``[L]`` ids give a string, ``[k, L]`` ids (or a nested tensor) a list of ``k`` strings.
+        ``[L]`` ids give a string, ``[k, L]`` ids (or a nested tensor) a list of ``k`` strings;
+        Tokens of two or more batch dims decode row by row along the first (a lazy stack of Texts).
         """
         if _any_flag(self.padded):
             raise ValueError("Tokens.to_text needs unpadded tokens (padded=False): padding ids would be decoded")
+        if self.batch_dims > 1:
+            return lazy_stack([row.to_text(tokenizer, skip_special_tokens) for row in self.unbind(0)])
         out = {}
         for name in _PARTS:
             if name in self._tensordict.keys():

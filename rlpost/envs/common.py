@@ -125,6 +125,8 @@ class EnvBase:
     ) -> TensorDictBase:
         """Run ``policy`` for up to ``max_steps`` steps; the steps stacked along a new last
         batch dim (``[*batch_size, T]``, lazily: rows may hold prompts of different lengths).
+        The rows' stack is outermost, as in TorchRL's rollout of lazily stacked rows:
+        ``out.get(key, as_list=True)`` gives one ``[T, ...]`` entry per row.
 
         As TorchRL: the env is reset first (``auto_reset=True``; else ``tensordict`` is the
         first step's input), the rollout stops after the step where any env is done
@@ -157,7 +159,7 @@ class EnvBase:
             if (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
                 break
             td = self.maybe_reset(td.get("next"))
-        return lazy_stack(steps, dim=len(self.batch_size))
+        return _stack_steps(steps, dim=len(self.batch_size))
 
     # ------------------------------------------------------------------ transforms and state
 
@@ -326,3 +328,13 @@ class TransformedEnv(EnvBase):
 
     def __repr__(self) -> str:
         return f"TransformedEnv(env={self.base_env!r}, transform={self.transform!r})"
+
+
+def _stack_steps(steps: list[TensorDictBase], dim: int) -> TensorDictBase:
+    """The steps of a rollout stacked along a new batch dim ``dim``, lazily; for a batched env
+    (``dim > 0``) row by row, the rows' stack outermost, as TorchRL's rollout of lazily stacked
+    rows comes out."""
+    if dim == 0:
+        return lazy_stack(steps, dim=0)
+    num_rows = steps[0].batch_size[0]
+    return lazy_stack([lazy_stack([step[i] for step in steps], dim - 1) for i in range(num_rows)], 0)

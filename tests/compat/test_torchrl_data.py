@@ -856,8 +856,8 @@ def test_lazy_stack_of_chat_histories_converts_row_by_row(tiny_tokenizer, templa
     """TorchRL test-suite conversions, batch and "single batch dimension": a ``lazy_stack`` of
     ChatHistory rows, each over a ``[1, n]`` History, keeps its ``[2]`` batch through
     ``to_text``, ``to_tokens`` (unpadded, readable as a nested tensor), ``Tokens.to_text``,
-    ``Text.to_history`` and ``Tokens.to_history``. (TorchRL's nested ``[2, 2]`` case is an
-    expected failure there and is not ported.)"""
+    ``Text.to_history`` and ``Tokens.to_history``. (TorchRL's nested ``[2, 2]`` case is
+    test_torchrl_more_ports.py::test_nested_batch_dimensions.)"""
     tokenizer = templateless_tokenizer
     histories = History.from_chats([HELLO_CHAT, MULTI_TURN_CHAT])
     batch = lazy_stack([ChatHistory(full=histories[i : i + 1]) for i in range(histories.shape[0])])

@@ -30,7 +30,7 @@ COMMON = {"cases", "inherited_from", "status", "note"}
 
 # The ratchet: today's pass figure, rounded down to a whole percent. It goes up as TorchRL's tests
 # are ported (raise it in the change that ports them); the target is 95%.
-MIN_PASS_PERCENT = 86
+MIN_PASS_PERCENT = 97
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,17 @@ def test_the_pass_figure_does_not_go_down(inventory):
         f"not_applicable={total['not_applicable']} (out of the figure); pass figure {figure:.1%}"
     )
     assert figure * 100 >= MIN_PASS_PERCENT, f"pass figure {figure:.1%} < {MIN_PASS_PERCENT}%"
+
+
+def test_the_docs_show_the_inventorys_counts_and_missing_tests(inventory):
+    """docs/torchrl-tests.md holds ``scripts/torchrl_tests.py --report`` between its markers:
+    after changing the inventory, paste the report there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torchrl_tests", REPO / "scripts" / "torchrl_tests.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    doc = (REPO / "docs" / "torchrl-tests.md").read_text()
+    assert script.REPORT_START in doc and script.REPORT_END in doc, "docs/torchrl-tests.md lost its report markers"
+    shown = doc.split(script.REPORT_START, 1)[1].split(script.REPORT_END, 1)[0].strip("\n")
+    assert shown == script.report(inventory).strip("\n"), "run scripts/torchrl_tests.py --report into the docs"
