@@ -29,6 +29,9 @@ from rlpost.data import Text
 from rlpost.policies import TransformersWrapper, vLLMWrapper
 
 pytestmark = [pytest.mark.compat, pytest.mark.timeout(600)]
+# the tests on a live fleet (one replica, and a plain vllm.LLM before it: ~80 s of engine starts)
+# run in make test-long; the pure ones, on stand-ins, in make test
+FLEET = pytest.mark.long
 
 # the fleet's engine settings, and the sync engine's for the comparison (fp32: exact log-probs)
 ENGINE = dict(max_model_len=256, enforce_eager=True, dtype="float32", enable_prefix_caching=True)
@@ -251,6 +254,7 @@ def test_async_vllm_reset_prefix_cache_fanout(local_ray, monkeypatch, caplog):
 # ----------------------------------------------------------------------------- live engines
 
 
+@FLEET
 def test_sync_async_vllm_strict_equivalence(sync_greedy, fleet, tiny_tokenizer):
     """TestLogProbsComparison.test_sync_async_vllm_strict_equivalence: vLLMWrapper over a plain
     vllm.LLM and over the fleet give the same greedy text and tokens, and the same log-probs."""
@@ -261,12 +265,14 @@ def test_sync_async_vllm_strict_equivalence(sync_greedy, fleet, tiny_tokenizer):
         torch.testing.assert_close(log_probs, sync_log_probs, rtol=1e-6, atol=1e-6, msg=prompt)
 
 
+@FLEET
 def test_async_vllm_specific_features(fleet):
     assert isinstance(fleet, AsyncVLLM)
     assert fleet.num_replicas == 1 and len(fleet.actors) == 1
     assert fleet._launched is True
 
 
+@FLEET
 def test_updater_v2_creation(fleet):
     """vLLMUpdaterV2 takes its group's address and port and the engine's metadata from the fleet."""
     updater = vLLMUpdaterV2(fleet)
@@ -277,6 +283,7 @@ def test_updater_v2_creation(fleet):
     assert updater.workers == fleet.actors
 
 
+@FLEET
 def test_prefix_cache_reset_after_update(fleet):
     """The prefix-caching opt-in reached the engine args, and reset_prefix_cache round-trips on
     the live replica: a prompt just cached is read from the cache no more after the reset."""
@@ -288,6 +295,7 @@ def test_prefix_cache_reset_after_update(fleet):
     assert cached_tokens(fleet, prompt) == 0
 
 
+@FLEET
 def test_weight_update_interface(fleet, tiny_model_path, tiny_tokenizer):
     """vLLMUpdaterV2.init(metadata) then push_weights_from_transformers(policy): the fleet serves
     the policy's weights."""
@@ -307,6 +315,7 @@ def test_weight_update_interface(fleet, tiny_model_path, tiny_tokenizer):
         updater.close()
 
 
+@FLEET
 def test_async_vllm_update_weights_resets_prefix_cache(fleet, tiny_model_path, tiny_tokenizer):
     """A weight update (the fleet's own, TorchRL's update_weights of (name, tensor) pairs) resets
     the replica's prefix cache before it serves again: the first request after it reads nothing

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict, set_list_to_stack
+from tensordict import TensorDict, list_to_stack, set_list_to_stack
 
 from rlpost.data import History
 from rlpost.envs import KLComputation, KLRewardTransform, RetrieveKL, RetrieveLogProb
@@ -47,7 +47,15 @@ def longest(tokenizer) -> int:
     return max(len(tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]) for c in CHATS)
 
 
-def test_retrieve_log_prob_docstring_example(tiny):
+@pytest.fixture
+def restore_list_to_stack():
+    """The docstring example sets tensordict's list_to_stack for the process; put it back after."""
+    before = list_to_stack()
+    yield
+    set_list_to_stack(before).set()
+
+
+def test_retrieve_log_prob_docstring_example(tiny, restore_list_to_stack):
     model, tokenizer = tiny
     set_list_to_stack(True).set()
     chats = CHATS

@@ -104,6 +104,7 @@ def test_a_slow_tool_times_out_and_the_session_goes_on(tools):
     ]
 
 
+@pytest.mark.long  # ~5 s; make test runs the same path in the compat port (test_mcp_python_execution)
 def test_model_code_sent_to_the_server_runs_in_rlposts_sandbox():
     # its own transform: the server's first run imports rlpost, which takes longer than 2 s
     transform = MCPToolTransform({"python": server()}, timeout=60.0)

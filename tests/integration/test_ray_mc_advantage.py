@@ -74,6 +74,7 @@ def test_torchrl_ray_mc_advantage(ray_session):
         adv_t.inv(group_traj(0, [0.0]))
 
 
+@pytest.mark.long  # a Ray task per writer: ~9 s, more than make test's budget has room for
 def test_copies_in_other_processes_complete_one_group(ray_session):
     ray = ray_session
     adv_t = RayMCAdvantage(
@@ -125,6 +126,7 @@ def test_a_named_actor_is_reused_and_owned_by_its_creator(ray_session):
         pytest.fail("the creator's close() did not kill the named actor")
 
 
+@pytest.mark.long  # waits out a bound: ~8 s, more than make test's budget has room for
 def test_a_call_past_its_bound_raises_timeout_error_naming_it(ray_session):
     class Slow(MCAdvantageSelector):  # defined here: pickled by value to the actor
         def select(self, candidates, *, group_size, keep_return_bounds=None):
