@@ -460,6 +460,11 @@ class LossConfig(_Section):
                 self.clip_eps_high = DAPO_CLIP_EPS_HIGH
             if "filter_equal_rewards" not in self.model_fields_set:
                 self.filter_equal_rewards = True
+            if self.clip_eps_high < self.clip_eps_low:
+                raise ValueError(
+                    f"loss.type=dapo is clip-higher: loss.clip_eps_high ({self.clip_eps_high}) must be >= "
+                    f"loss.clip_eps_low ({self.clip_eps_low})"
+                )
         if self.top_k is not None and self.type != "sft":
             raise ValueError(f"loss.top_k is set but loss.type is {self.type!r}: top_k selects samples for sft")
         if self.type == "sft" and self.off_policy_correction != "none":

@@ -3,7 +3,8 @@
 
 Who uses them: data loaders that batch tokenized prompts, and envs whose reset stacks rows.
 :func:`set_rows` writes per-row outputs of different lengths (unpadded log-probs, KL) so that
-``td.get(key, as_list=True)`` reads them back one tensor per row; the KL transforms use it.
+``td.get(key, as_list=True)`` reads them back one tensor per row, and :func:`get_rows` reads one
+tensor per row from any layout; the KL transforms and the history losses use them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,25 @@ def is_row_stacked(td: TensorDictBase, key: NestedKey) -> bool:
         if node is None:
             return False
     return _is_row_stack(node)
+
+
+def get_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
+    """The per-row tensors of ``td[key]`` (None when absent), whatever the layout: rows kept
+    apart in a lazy stack (:func:`is_row_stacked`), a nested tensor, a list, or a dense
+    ``[*batch, T]`` tensor (its rows over the flattened batch). A 0-d ``td`` has one row. The
+    reading side of :func:`set_rows`."""
+    if key not in td.keys(include_nested=True):
+        return None
+    if is_row_stacked(td, key):
+        return [torch.as_tensor(row) for row in td.get(key, as_list=True)]
+    value = td.get(key)
+    if isinstance(value, (list, tuple)):
+        return [torch.as_tensor(row) for row in value]
+    if value.is_nested:
+        return list(value.unbind(0))
+    if td.batch_dims == 0:
+        return [value]
+    return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
 
 
 def set_rows(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor]) -> TensorDictBase:

@@ -50,7 +50,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch.nn.utils.rnn import pad_sequence
 
-from rlpost.data.stacking import is_row_stacked, set_rows
+from rlpost.data.stacking import get_rows, is_row_stacked, set_rows
 from rlpost.envs.transforms import Compose, Transform
 
 GEN_LOG_PROBS_FULL = ("log_probs", "full")
@@ -63,13 +63,6 @@ def _target(td: TensorDictBase) -> TensorDictBase:
     """Where a standalone call writes: ``td["next"]`` when present, else ``td`` itself."""
     next_td = td.get("next", None)
     return next_td if next_td is not None else td
-
-
-def _get_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
-    """The per-sample rows of ``td[key]`` (None when absent), whether the entry is one padded
-    tensor, a nested tensor or ragged rows of a lazy stack."""
-    value = _entry(td, key)
-    return None if value is None else _rows(value)
 
 
 def _entry(td: TensorDictBase, key: NestedKey) -> Any:
@@ -189,9 +182,9 @@ class RetrieveLogProb(Transform):
         data = td.copy() if self.device is None else td.to(self.device)
         with torch.set_grad_enabled(not self.detach):
             scored = self.model(data)
-        rows = _get_rows(scored, (self.model.log_probs_key, "full"))
+        rows = get_rows(scored, (self.model.log_probs_key, "full"))
         if self.assistant_only:
-            masks = _get_rows(scored, (self.model.masks_key, "all_assistant_mask"))
+            masks = get_rows(scored, (self.model.masks_key, "all_assistant_mask"))
             if masks is None:
                 raise ValueError(
                     "assistant_only=True but the model returned no assistant mask "
@@ -579,8 +572,8 @@ class KLRewardTransform(Transform):
 
     def _response_masks(self, td: TensorDictBase, lengths: list[int]) -> list[torch.Tensor]:
         """Per row: the tokens after the prompt (and not padding) count."""
-        prompts = _get_rows(td, ("tokens", "prompt"))
-        attention = _get_rows(td, ("masks", "all_attention_mask"))
+        prompts = get_rows(td, ("tokens", "prompt"))
+        attention = get_rows(td, ("masks", "all_attention_mask"))
         masks = []
         for i, length in enumerate(lengths):
             mask = torch.ones(length, dtype=torch.bool)
@@ -602,8 +595,8 @@ class KLRewardTransform(Transform):
         data = td.copy() if self.device is None else td.to(self.device)
         with torch.no_grad():
             scored = self.ref_model(data)
-        ref_rows = _get_rows(scored, (self.ref_model.log_probs_key, "full"))
-        cur = _get_rows(td, self.log_prob_full_key)
+        ref_rows = get_rows(scored, (self.ref_model.log_probs_key, "full"))
+        cur = get_rows(td, self.log_prob_full_key)
         if cur is None:
             raise ValueError(f"KLRewardTransform needs the generation log-probs under {self.log_prob_full_key!r}")
         cur_rows = [row.to(ref_rows[0].device) for row in cur]

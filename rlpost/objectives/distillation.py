@@ -36,7 +36,8 @@ from tensordict import NestedKey, TensorClass, TensorDictBase
 
 from rlpost.algo import k3_kl_token_estimate
 from rlpost.algo.sft import reduce
-from rlpost.objectives.sft import HistoryLoss, _batch_shape, rows
+from rlpost.data.stacking import get_rows
+from rlpost.objectives.sft import HistoryLoss, _batch_shape
 
 KL_DIRECTIONS = ("reverse", "forward")
 # share of exact-zero teacher log-probs on non-assistant tokens that marks assistant-only data
@@ -126,7 +127,7 @@ class DistillationLoss(HistoryLoss):
                 "masks (or build the loss with assistant_only=False)."
             )
         student = self.actor_log_probs(tensordict)
-        teacher = rows(tensordict, self.tensor_keys.teacher_log_prob)
+        teacher = get_rows(tensordict, self.tensor_keys.teacher_log_prob)
         if teacher is None:
             raise KeyError(
                 f"Teacher log-probs not found at {self.tensor_keys.teacher_log_prob!r} (the batch has "

@@ -39,7 +39,8 @@ from tensordict import NestedKey, TensorClass, TensorDictBase
 
 from rlpost.algo import k3_kl_token_estimate
 from rlpost.algo.sft import minor_sft_loss, reduce, sequence_log_likelihood
-from rlpost.policies.inputs import is_lazy
+from rlpost.data.stacking import get_rows
+from rlpost.objectives.grpo import _same_key
 
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -107,7 +108,7 @@ class HistoryLoss(torch.nn.Module):
     def masks(self, td: TensorDictBase, need_assistant: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per row: the attention mask and (None when not found and not ``need_assistant``) the
         assistant mask, from the batch's masks or by rendering its histories."""
-        attention, assistant = rows(td, ATTENTION_MASK), rows(td, ASSISTANT_MASK)
+        attention, assistant = get_rows(td, ATTENTION_MASK), get_rows(td, ASSISTANT_MASK)
         if attention is None or (assistant is None and need_assistant):
             if self.tokenizer is None:
                 raise ValueError(
@@ -122,15 +123,15 @@ class HistoryLoss(torch.nn.Module):
                 )
             with self._device():
                 rendered = history.apply_chat_template(tokenizer=self.tokenizer, **self.tokenizer_kwargs)
-            if assistant is None and "assistant_masks" in rendered.keys():
-                assistant = _as_rows(rendered, "assistant_masks")
+            if assistant is None:
+                assistant = get_rows(rendered, "assistant_masks")
             if assistant is None and need_assistant:
                 raise ValueError(
                     "the rendered histories have no assistant mask: the chat template must mark assistant turns "
                     "({% generation %}); rlpost's registered templates do"
                 )
             if attention is None:
-                attention = _as_rows(rendered, "attention_mask")
+                attention = get_rows(rendered, "attention_mask")
         attention = [mask.bool() for mask in attention]
         return attention, None if assistant is None else [mask.bool() for mask in assistant]
 
@@ -140,7 +141,7 @@ class HistoryLoss(torch.nn.Module):
             raise RuntimeError(f"{type(self).__name__} was built with actor_network=None: it has nothing to train")
         with self._device():
             out = self.actor_network(td.select(self.tensor_keys.history))
-        found = rows(out, self.tensor_keys.log_probs)
+        found = get_rows(out, self.tensor_keys.log_probs)
         if found is None:
             raise KeyError(
                 f"the actor wrote no log-probs at {self.tensor_keys.log_probs!r}: build it with generate=False "
@@ -263,9 +264,9 @@ class SFTLoss(HistoryLoss):
 
     def _ref_log_probs(self, td: TensorDictBase, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         key = self.tensor_keys.ref_log_prob
-        found = rows(td, key)
+        found = get_rows(td, key)
         if found is None and _same_key(key, self.default_keys.ref_log_prob):
-            found = rows(td, ("ref_log_probs", "full"))
+            found = get_rows(td, ("ref_log_probs", "full"))
         if found is None:
             raise ValueError(
                 f"Reference log probs not found in tensordict at key {key!r}, needed by "
@@ -277,34 +278,6 @@ class SFTLoss(HistoryLoss):
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
-    """The per-row tensors at ``key`` (None when absent): a lazy stack's rows, a nested tensor's,
-    or a dense ``[*batch, T]`` tensor's rows over the flattened batch."""
-    try:
-        if is_lazy(td):
-            found = td.get(key, None, as_list=True)
-            return None if found is None else list(found)
-        value = td.get(key, None)
-    except KeyError:
-        return None
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return list(value.unbind(0))
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, torch.Tensor) and td.batch_dims > 0:
-        return list(value.reshape(-1, *value.shape[td.batch_dims :]).unbind(0))
-    return [value]
-
-
-def _as_rows(rendered, key: str) -> list[torch.Tensor]:
-    value = rendered.get(key, as_list=True) if is_lazy(rendered) else rendered.get(key)
-    if isinstance(value, torch.Tensor):
-        return [value] if value.ndim == 1 else list(value.unbind(0))
-    return list(value)
 
 
 def _per_row(fn, values: list[torch.Tensor], masks: list[torch.Tensor], *args) -> torch.Tensor:
@@ -320,11 +293,6 @@ def _masked_mean(values: list[torch.Tensor], masks: list[torch.Tensor]) -> torch
 
 def _batch_shape(td: TensorDictBase) -> torch.Size:
     return td.batch_size if td.batch_dims > 0 else torch.Size([1])
-
-
-def _same_key(a: NestedKey, b: NestedKey) -> bool:
-    as_tuple = lambda k: (k,) if isinstance(k, str) else tuple(k)  # noqa: E731
-    return as_tuple(a) == as_tuple(b)
 
 
 __all__ = ["SFTLoss", "SFTLossOutput"]

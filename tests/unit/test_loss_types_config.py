@@ -24,6 +24,7 @@ def test_dapo_brings_its_defaults_unless_the_config_sets_them():
     ("raw", "message"),
     [
         ({"loss": {"type": "ppo"}}, "loss.type"),
+        ({"loss": {"type": "dapo", "clip_eps_low": 0.3, "clip_eps_high": 0.2}}, "clip_eps_high \\(0.2\\) must be >="),
         ({"loss": {"top_k": 2}}, "top_k selects samples for sft"),
         ({"loss": {"type": "sft", "off_policy_correction": "tis"}}, "no importance ratio"),
         ({"loss": {"type": "sft", "kl_to_inference_coef": 0.1}}, "kl_to_inference_coef must be 0"),
