@@ -412,7 +412,7 @@ class RoleMetrics:
         "env_pool": (
             {
                 "reward_mean": "Mean reward of the last collected batch",
-                "groups_filtered": "Groups this pool's DAPO filter dropped so far (every reward equal)",
+                "groups_filtered": "Groups this pool dropped so far for having every reward equal (DAPO filter, expert iteration)",
             },
             {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"},
         ),

@@ -240,7 +240,7 @@ class GSM8KRewardParser(Transform):
         """Whether ``answer`` is right for the reference ``true_answer`` (see the module
         docstring). A check that fails or runs past ``verify_timeout_s`` is False and counted in
         ``errors``. Safe from any thread."""
-        return self._verify(answer, true_answer)[0]
+        return self.judge(answer, true_answer)[0]
 
     def score(self, completion: str, answer_field: Any) -> dict[str, Any]:
         """The reward fields of one response against one dataset answer field, under TorchRL's

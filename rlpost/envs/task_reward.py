@@ -30,9 +30,5 @@ class TaskRewardParser(GSM8KRewardParser):
         """``(right, error type or None)`` of the stripped answer-tag content ``answer``."""
         raise NotImplementedError
 
-    def check_answer(self, answer: str, reference: Any) -> bool:
-        """Whether ``answer`` is right for ``reference`` (as :meth:`reference` returns it)."""
-        return self.judge(answer, reference)[0]
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(answer_key={self.answer_key!r}, strict_format={self.strict_format})"
