@@ -17,7 +17,7 @@ EXTRA ?= cpu
 # rlpost and its tests again (~1 s an actor process; pytest's collection 21 s instead of 7 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-tools demo-distillation tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
+.PHONY: demo demo-tools demo-distillation demo-reward-model tiny-reward-model tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ demo: install tiny-model
 # block, trained multi-turn with the sandboxed Python tool (configs/tiny-cpu-tools.yaml).
 tiny-model-tools: install
 	$(VENV)/bin/rlpost make-tiny-model --task tool_arithmetic $(TINY_TOOL_MODEL)
+
+# The reward-model role's tiny classifier (reward_model.kind: classifier), trained from the tiny LM.
+TINY_REWARD_MODEL := .cache/tiny-reward-model
+tiny-reward-model: install tiny-model
+	$(VENV)/bin/rlpost make-tiny-reward-model $(TINY_REWARD_MODEL) --lm $(TINY_MODEL)
+
+demo-reward-model: install tiny-reward-model
+	$(VENV)/bin/rlpost train configs/tiny-cpu-reward-model.yaml
 
 demo-tools: install tiny-model-tools
 	$(VENV)/bin/rlpost train configs/tiny-cpu-tools.yaml
@@ -99,10 +107,10 @@ monitor: install monitoring-tools
 # estimated with 2026-12-02's tests; budget 45 min. The two tiny models are
 # built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
 # machine, 9.5 min on another); the tests' fixtures then find them.
-test: install-dev lint tiny-model tiny-model-tools
+test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
 	$(PY) -m pytest tests -m "not long"
 
-test-long: install-dev tiny-model tiny-model-tools monitoring-tools
+test-long: install-dev tiny-model tiny-model-tools tiny-reward-model monitoring-tools
 	$(PY) -m pytest tests -m long
 
 lint: install-dev

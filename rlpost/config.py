@@ -116,6 +116,35 @@ class ModelConfig(_Section):
         return self.tokenizer or self.name_or_path
 
 
+class ReasoningGymConfig(_Section):
+    """data.task=reasoning_gym: procedural tasks of the ``reasoning-gym`` package, scored by its own verifiers."""
+
+    tasks: dict[str, float | dict[str, Any] | None] = Field(
+        default_factory=dict,
+        description="The tasks and their weights in the mixture: NAME: WEIGHT, or NAME: {weight: W, OPTION: VALUE, "
+        "...} with that task's own generator options (e.g. chain_sum: {weight: 2, min_terms: 2, max_terms: 2}); "
+        "a bare NAME: is weight 1 with the defaults. Names are the package's (reasoning_gym.factory.DATASETS).",
+    )
+    size: int = Field(1000, ge=1, description="Rows generated for training (the tasks drawn by weight).")
+    seed: int = Field(0, description="Seed of the generators; evaluation (split 'test') draws other rows.")
+
+
+class CodeTaskConfig(_Section):
+    """data.task=code: the model writes a function; the dataset's unit tests grade it in the sandbox."""
+
+    reward: Literal["fraction", "binary"] = Field(
+        "fraction", description="'fraction': the share of the tests passed; 'binary': 1 when every test passes, else 0."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of grading one completion (all its tests).")
+    call_timeout_s: float = Field(3.0, gt=0, description="Wall-clock limit of one call of the model's function.")
+    memory_mb: int = Field(512, ge=64, description="Address-space limit of the sandboxed interpreter running it.")
+    require_answer_tag: bool | None = Field(
+        None,
+        description="Grade only code inside <answer> tags. None: when tools.python is on (its ```python blocks are "
+        "runs the model makes before answering), else the last ```python block also counts.",
+    )
+
+
 class DataConfig(_Section):
     """Where prompts come from, how completions are rewarded, and the GRPO group size."""
 
@@ -132,12 +161,17 @@ class DataConfig(_Section):
     )
     prompt_column: str = Field("question", description="Column holding the user prompt.")
     answer_column: str = Field("answer", description="Column holding the reference answer for the reward.")
-    task: Literal["arithmetic", "tool_arithmetic", "gsm8k", "custom"] = Field(
+    task: Literal["arithmetic", "tool_arithmetic", "gsm8k", "reasoning_gym", "code", "custom"] = Field(
         "arithmetic",
         description="Reward and prompt format: 'arithmetic' (offline synthetic), 'tool_arithmetic' (offline "
         "synthetic products too large to do in the head: needs tools.python), 'gsm8k' (answer after ####), "
-        "or 'custom' (reward_fn).",
+        "'reasoning_gym' (the package's generators and verifiers: data.reasoning_gym), 'code' (HumanEval-format "
+        "rows graded by their unit tests in the sandbox: data.code) or 'custom' (reward_fn).",
     )
+    reasoning_gym: ReasoningGymConfig = Field(
+        default_factory=ReasoningGymConfig, description="The tasks of data.task=reasoning_gym."
+    )
+    code: CodeTaskConfig = Field(default_factory=CodeTaskConfig, description="Grading of data.task=code.")
     reward_fn: str | None = Field(
         None,
         description="Dotted path 'package.module:function' called as fn(completion, row) -> float; "
@@ -662,6 +696,10 @@ class ResourcesConfig(_Section):
     reference: TorchRoleResources = Field(
         default_factory=lambda: TorchRoleResources(num_cpus=0.25), description="The reference actor."
     )
+    reward: TorchRoleResources = Field(
+        default_factory=lambda: TorchRoleResources(num_cpus=0.25),
+        description="The reward actor (reward_model): its GPUs hold the classifier or the judge's engine.",
+    )
     buffer: RoleResources = Field(
         default_factory=lambda: RoleResources(num_cpus=0.0),
         description="The buffer actor. It reserves no placement bundle and runs on the head node (whose loss "
@@ -738,6 +776,81 @@ class LoggingConfig(_Section):
         return value
 
 
+class JudgeConfig(_Section):
+    """The generative judge of reward_model.kind=generative: its prompt and how its verdict is read."""
+
+    template: str = Field(
+        "Rate the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {completion}\n"
+        "Reply with 'Score: N'.",
+        description="The judge's user message (inline text, or a path to a text file) with {prompt} (the row's "
+        "prompt), {completion} (the final response) and {answer} (the row's reference answer, '' without one).",
+    )
+    system_prompt: str | None = Field(None, description="A system message before the judge's user message.")
+    pattern: str = Field(
+        r"Score:\s*(-?\d+(?:\.\d+)?)",
+        description="Regular expression whose first group is the verdict, searched in the judge's reply (the last "
+        "match counts). A reply without a match scores 0 and counts in reward_errors as 'unparsed_verdict'.",
+    )
+    verdicts: dict[str, float] | None = Field(
+        None,
+        description="Score of each verdict text (matched without case), e.g. {yes: 1, no: 0}; None reads the "
+        "verdict as a number. A verdict not in the mapping counts as unparsed.",
+    )
+    scale: float = Field(10.0, gt=0, description="The verdict is divided by this (0-10 ratings become 0-1 scores).")
+    max_tokens: int = Field(64, ge=1, description="Most tokens of the judge's reply (greedy decoding).")
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, value: str) -> str:
+        import re
+
+        try:
+            compiled = re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a regular expression ({exc})") from None
+        if compiled.groups < 1:
+            raise ValueError("needs a group around the verdict, e.g. 'Score: (\\d+)'")
+        return value
+
+
+class RewardModelConfig(_Section):
+    """A learned reward: the supervised Ray actor ``reward`` scores each episode's final response."""
+
+    name_or_path: str = Field(
+        ..., description="The reward model: a hub name (GPU users) or a local folder (`rlpost make-tiny-reward-model`)."
+    )
+    kind: Literal["classifier", "generative"] = Field(
+        "classifier",
+        description="'classifier': a Hugging Face sequence-classification model with one label, scoring the "
+        "conversation (user prompt + response) rendered with its own tokenizer's chat template; 'generative': an LLM "
+        "judge on a vLLM engine of its own (reward_model.judge).",
+    )
+    weight: float = Field(1.0, description="Weight of the model's score in the reward.")
+    rule_weight: float = Field(
+        1.0,
+        description="Weight of the task's own reward (data.task's rule, data.reward_fn) beside it: reward = "
+        "rule_weight * rule + weight * score. 0 trains on the model's score alone.",
+    )
+    batch_size: int = Field(16, ge=1, description="Conversations per forward pass of the classifier.")
+    max_length: int = Field(
+        1024, ge=8, description="Most tokens of a scored conversation; longer ones keep their last tokens."
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Bound of one scoring call from an env pool.")
+    restart_wait_s: float = Field(
+        180.0,
+        gt=0,
+        description="How long an env pool waits for the supervisor to start a lost reward actor again before its "
+        "collection fails.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="The reward model's dtype on GPU; None: model.dtype (CPUs always use float32)."
+    )
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The generative judge (kind=generative).")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The judge's own vLLM engine (kind=generative)."
+    )
+
+
 class JobConfig(_Section):
     """A whole rlpost job."""
 
@@ -747,6 +860,9 @@ class JobConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out prompts.")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools the model may call.")
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="Reference model and KL.")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="A learned reward model or LLM judge beside the task's reward (null: none)."
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="GRPO loss family.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Training loop.")
@@ -802,6 +918,25 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"tools are enabled but rollout.max_turns is {cfg.rollout.max_turns}; a tool's result is read on the "
             "next turn, so set rollout.max_turns >= 2"
+        )
+    if cfg.data.task == "reasoning_gym" and not cfg.data.reasoning_gym.tasks:
+        errors.append("data.task=reasoning_gym needs data.reasoning_gym.tasks: {NAME: WEIGHT, ...}")
+    if cfg.data.task == "reasoning_gym" and cfg.data.dataset:
+        errors.append("data.task=reasoning_gym generates its rows: leave data.dataset empty")
+    if cfg.data.task == "code" and not cfg.data.dataset:
+        errors.append("data.dataset is required for data.task=code (rows with prompt, test and entry_point)")
+    if cfg.data.task == "code" and cfg.data.code.require_answer_tag is False and cfg.tools.python.enabled:
+        errors.append(
+            "data.code.require_answer_tag=false with tools.python: the Python tool runs ```python blocks, so the "
+            "graded answer must be inside <answer> tags; leave require_answer_tag unset or true"
+        )
+    rm = cfg.reward_model
+    if rm is not None and rm.weight == 0 and rm.rule_weight == 0:
+        errors.append("reward_model.weight and reward_model.rule_weight are both 0: every reward would be 0")
+    if rm is not None and rm.kind == "generative" and rm.judge.max_tokens >= rm.engine.max_model_len:
+        errors.append(
+            f"reward_model.judge.max_tokens ({rm.judge.max_tokens}) must be below reward_model.engine.max_model_len "
+            f"({rm.engine.max_model_len})"
         )
     if cfg.data.task == "tool_arithmetic" and not cfg.tools.python.enabled:
         errors.append("data.task=tool_arithmetic needs the Python tool: set tools.python.enabled=true")

@@ -20,7 +20,10 @@ The metrics (keys as in metrics.jsonl):
 - ``eval_pass_at_k`` (only when ``n = eval.samples_per_prompt > 1``): the share of prompts with
   at least one passing completion (pass@k with k = n);
 - ``eval_length_mean``: mean completion tokens; ``eval_s``: seconds the evaluation took;
-  ``eval_num_prompts``; ``eval_policy_version``: the weights' version that generated them.
+  ``eval_num_prompts``; ``eval_policy_version``: the weights' version that generated them;
+- with a task mixture (rows with a ``task`` column, e.g. ``data.task: reasoning_gym``), per task:
+  ``eval_reward_mean/<task>``, ``eval_pass_at_1/<task>`` (and ``eval_pass_at_k/<task>``); with a
+  reward model, the mean of each part of the reward: ``eval_reward_part/<part>``.
 
 The same weights give the same figures every time: the prompts are fixed, greedy decoding is
 deterministic and sampling is seeded. During training the controller runs it after a weight
@@ -39,6 +42,7 @@ from typing import Any
 
 from rlpost.config import ConfigError, JobConfig
 from rlpost.lora import is_adapter_checkpoint, merged_model_for
+from rlpost.metrics import reward_breakdown
 
 EVAL_KEYS = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k", "eval_length_mean", "eval_s",
              "eval_num_prompts", "eval_policy_version")  # fmt: skip
@@ -124,7 +128,12 @@ class Evaluator:
             **pass_metrics([g.rewards for g in groups], ev.pass_threshold),
             "eval_length_mean": mean(s.num_generated for s in samples),
             "eval_num_prompts": float(len(groups)),
+            **reward_breakdown(groups, prefix="eval_"),
         }
+        tasks = sorted({g.samples[0].task for g in groups if g.samples and g.samples[0].task is not None})
+        for task in tasks:
+            of_task = [g.rewards for g in groups if g.samples and g.samples[0].task == task]
+            metrics.update({f"{k}/{task}": v for k, v in pass_metrics(of_task, ev.pass_threshold).items()})
         versions = [s.policy_version for s in samples if s.policy_version is not None]
         served = min(versions) if versions else policy_version
         if served is not None:

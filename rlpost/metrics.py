@@ -286,15 +286,37 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def reward_breakdown(groups: Iterable[Any], prefix: str = "") -> dict[str, float]:
+    """The reward per task and per part, from groups (``rlpost.types.Group``) whose samples say
+    their ``task`` (a task mixture's rows) or carry ``reward_parts`` (a reward model's score beside
+    the task's rule): ``<prefix>reward_mean/<task>`` over every sampled answer of that task's
+    groups (expert iteration's ``info["sampled_rewards"]`` included), and
+    ``<prefix>reward_part/<part>`` over the samples that have the part. Empty when neither."""
+    by_task: dict[str, list[float]] = {}
+    by_part: dict[str, list[float]] = {}
+    for group in groups:
+        task = group.samples[0].task if group.samples else None
+        if task is not None:
+            by_task.setdefault(task, []).extend(group.info.get("sampled_rewards", group.rewards))
+        for sample in group.samples:
+            for part, value in (sample.reward_parts or {}).items():
+                by_part.setdefault(part, []).append(value)
+    out = {f"{prefix}reward_mean/{task}": sum(v) / len(v) for task, v in sorted(by_task.items()) if v}
+    out.update({f"{prefix}reward_part/{part}": sum(v) / len(v) for part, v in sorted(by_part.items())})
+    return out
+
+
 def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
     """Per-step episode figures from the trained groups (``rlpost.types.Group``): ``turns_mean``
     and ``tool_calls_mean`` per sample, ``tool_error_fraction`` of the tool calls (0 without
-    calls), ``tool_time_s`` summed over the samples, and ``reward_errors``: failed reward
-    computations in the batches these groups came from."""
+    calls), ``tool_time_s`` summed over the samples, ``reward_errors``: failed reward
+    computations in the batches these groups came from, and the reward per task and per part
+    (:func:`reward_breakdown`)."""
     groups = list(groups)
     samples = [s for g in groups for s in g.samples]
     calls = sum(s.num_tool_calls for s in samples)
     return {
+        **reward_breakdown(groups),
         "turns_mean": sum(s.num_turns for s in samples) / max(len(samples), 1),
         "tool_calls_mean": calls / max(len(samples), 1),
         "tool_error_fraction": sum(s.num_tool_errors for s in samples) / calls if calls else 0.0,
@@ -340,6 +362,7 @@ class RayMetrics:
         "restarts_inference": "Inference workers restarted so far",
         "restarts_env_pool": "Env pools restarted so far",
         "restarts_reference": "Reference actors restarted so far",
+        "restarts_reward": "Reward actors restarted so far",
         "restarts_buffer": "Buffer actors restarted so far",
         "bus_reforms": "Weight-bus re-formations so far",
         "learner_resumes": "Times the learner was resumed from a checkpoint in this run",
@@ -433,6 +456,13 @@ class RoleMetrics:
             {},
         ),
         "reference": ({}, {"samples_scored": "Samples scored by the reference model"}),
+        "reward": (
+            {},
+            {
+                "samples_scored": "Final responses scored by the reward model or judge",
+                "unparsed_verdicts": "Judge replies without a readable verdict (scored 0)",
+            },
+        ),
     }
 
     def __init__(self, role: str, run_name: str, actor: str):

@@ -27,6 +27,8 @@ engine client found its worker dead (its ``wait`` raises) all end in a recovery 
                            `inference_workers` in metrics.jsonl counts the serving ones
     a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
     reference dead      -> started again (it is stateless)
+    reward dead         -> started again (stateless); an env pool's call that met the dead one
+                           waits for the new one (reward_model.restart_wait_s)
     env-pool-<j> dead   -> started again with a higher epoch from the position its last put
                            recorded (the buffer fences off the old one's late puts); in async
                            mode it starts collecting. With no room for it (as for a worker) and
@@ -45,7 +47,7 @@ check) opens or closes slots: :meth:`Supervisor.resize`.
 A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
 so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
 Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
-``restarts_reference``, ``restarts_buffer``, ``bus_reforms``; ``learner_resumes``).
+``restarts_reference``, ``restarts_reward``, ``restarts_buffer``, ``bus_reforms``; ``learner_resumes``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rlpost.actors import learner_name
+from rlpost.actors import REWARD_ACTOR, learner_name
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all
 from rlpost.clients import (
+    ActorClient,
     BufferClient,
     ControlClient,
     EnvPoolClient,
@@ -137,6 +140,7 @@ class RunActors:
     # which it updates as slots open and close)
     slot_groups: dict[str, Any] = dataclasses.field(default_factory=dict)
     control: ControlClient | None = None  # the operators' mailbox (rlpost scale)
+    reward: ActorClient | None = None  # the reward model's actor (reward_model), called by the env pools
 
 
 @dataclasses.dataclass
@@ -176,6 +180,8 @@ def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
     plan += [(learner_name(r), res.learner) for r in range(res.learner.num_workers)]
     if cfg.reference.enabled:
         plan.append(("reference", res.reference))
+    if cfg.reward_model is not None:
+        plan.append((REWARD_ACTOR, res.reward))
     plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
     return plan
 
@@ -342,6 +348,14 @@ class ActorStarter:
         release_names(["reference"], NAME_RELEASE_TIMEOUT_S)
         return ReferenceClient("reference", start_reference(settings, scheduling_strategy=self.place("reference")))
 
+    def reward(self) -> ActorClient:
+        """``reward``, the reward model's actor, which the env pools find by its name."""
+        from rlpost.actors.reward import RewardSettings, start_reward
+
+        release_names([REWARD_ACTOR], NAME_RELEASE_TIMEOUT_S)
+        settings = RewardSettings.from_job(self.cfg)
+        return ActorClient(REWARD_ACTOR, start_reward(settings, scheduling_strategy=self.place(REWARD_ACTOR)))
+
     def env_pool(
         self, index: int, inference: list[InferenceClient], buffer: BufferClient, epoch: int = 0
     ) -> EnvPoolClient:
@@ -376,10 +390,11 @@ class ActorStarter:
         inference = [self.inference(i) for i in range(cfg.rollout.num_inference_workers)]
         learner = self.learner()
         reference = self.reference() if cfg.reference.enabled else None
+        reward = self.reward() if cfg.reward_model is not None else None
         env_pools = [self.env_pool(j, inference, buffer) for j in range(cfg.rollout.num_env_pools)]
         wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S)
         actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group, self.slot_groups,
-                           self.control())  # fmt: skip
+                           self.control(), reward)  # fmt: skip
         connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
         return actors
 
@@ -419,7 +434,8 @@ def stop_actors(actors: RunActors) -> None:
         _quietly(functools.partial(pool.stop, timeout_s=30))
     for worker in actors.inference:
         _quietly(functools.partial(worker.shutdown, timeout_s=60))
-    clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer, actors.reference, actors.control]
+    clients = [*actors.env_pools, *actors.inference, actors.learner, actors.buffer, actors.reference, actors.reward,
+               actors.control]  # fmt: skip
     for client in clients:
         if client is not None:
             client.kill()
@@ -491,6 +507,7 @@ class Supervisor:
             "restarts_inference": 0,
             "restarts_env_pool": 0,
             "restarts_reference": 0,
+            "restarts_reward": 0,
             "restarts_buffer": 0,
             "bus_reforms": 0,
         }
@@ -690,6 +707,8 @@ class Supervisor:
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
             self._restart_reference()
+        if self.actors.reward is not None and not self._alive(self.actors.reward, lost):
+            self._restart_reward()
         for pool in [p for p in self.actors.env_pools if not self._alive(p, lost)]:
             self._replace_pool(pool)
         for slot in self._placed(self.pool_slots):
@@ -824,6 +843,14 @@ class Supervisor:
         self.actors.reference = self.starter.reference()
         self.counts["restarts_reference"] += 1
         _replaced("reference", start)
+
+    def _restart_reward(self) -> None:
+        log.warning("the reward actor died; starting it again (the env pools wait for it)")
+        start = time.monotonic()
+        self.actors.reward.kill()
+        self.actors.reward = self.starter.reward()
+        self.counts["restarts_reward"] += 1
+        _replaced(REWARD_ACTOR, start)
 
     def _replace_pool(self, lost: EnvPoolClient) -> None:
         """Start a dead env pool again in its slot; with no room for it in the cluster (within

@@ -52,6 +52,10 @@ class Sample:
     # per token of token_ids, the policy version that generated it (-1: not generated, or the
     # engine did not say); a weight update may land mid-completion (in-flight updates)
     token_versions: list[int] | None = None
+    # the reward's named parts, summed over the episode's steps (e.g. {"rule": 1.0, "reward_model":
+    # 0.7} with a reward model); None when the env reports none
+    reward_parts: dict[str, float] | None = None
+    task: str | None = None  # the row's "task" column (a task mixture reports metrics per task)
 
     @property
     def num_generated(self) -> int:

@@ -1,5 +1,6 @@
 """Shared fixtures and the suite's order. The tiny model is built once into .cache/tiny-model (or
-$RLPOST_TINY_MODEL), its tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL).
+$RLPOST_TINY_MODEL), its tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL),
+the tiny reward model into .cache/tiny-reward-model (or $RLPOST_TINY_REWARD_MODEL).
 
 Each folder of tests/ is a tier, and every test in it carries the tier's marker (a collection
 error names a file that does not), so `pytest -m unit` runs exactly tests/unit. The tiers run
@@ -232,6 +233,19 @@ def tiny_tool_model_path() -> Path:
     with open(path.parent / ".tiny-model-tools.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_tiny_model(path, TOOL_SPEC)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tiny_model_path) -> Path:
+    """The tiny reward model (``make-tiny-reward-model``: a one-label classifier on the tiny LM's
+    trunk), built on first use (~15 s on 2 cores) and rebuilt when its recipe or the LM changes."""
+    from rlpost.tiny_reward_model import ensure_tiny_reward_model
+
+    path = Path(os.environ.get("RLPOST_TINY_REWARD_MODEL", REPO / ".cache" / "tiny-reward-model"))
+    with open(path.parent / ".tiny-reward-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_tiny_reward_model(path, tiny_model_path)
     return path
 
 

@@ -1,4 +1,4 @@
-"""The run's roles, one module each: buffer, inference, learner, reference, env_pool.
+"""The run's roles, one module each: buffer, inference, learner, reference, reward, env_pool.
 
 Each module holds:
 - ``<Role>Settings``: the job config sections the role reads, and nothing else, built from a
@@ -12,6 +12,8 @@ Each module holds:
 from __future__ import annotations
 
 from typing import Any
+
+REWARD_ACTOR = "reward"  # the reward model's actor (reward_model), which the env pools find by name
 
 
 def learner_name(rank: int) -> str:

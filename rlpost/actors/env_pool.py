@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         JobConfig,
         LossConfig,
         ModelConfig,
+        RewardModelConfig,
         RoleResources,
         RolloutConfig,
         ToolsConfig,
@@ -68,11 +69,12 @@ class EnvPoolSettings:
     trainer: TrainerConfig  # prompts_per_step: the pools share each step's prompts
     resources: RoleResources  # ``resources.env_pool``
     run_name: str = ""  # the run whose metrics the actor reports under
+    reward_model: RewardModelConfig | None = None  # scored through the run's ``reward`` actor
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> EnvPoolSettings:
         return cls(cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.loss, cfg.trainer, cfg.resources.env_pool,
-                   cfg.logging.run_name or "")  # fmt: skip
+                   cfg.logging.run_name or "", cfg.reward_model)  # fmt: skip
 
 
 class EnvPool(LLMCollector):

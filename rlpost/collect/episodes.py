@@ -40,7 +40,8 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpost.algo import ADVANTAGE_SCALES, group_advantages, top_k_above_median
-from rlpost.envs.transforms import TOOL_STAT_KEYS
+from rlpost.envs.chat import as_list
+from rlpost.envs.transforms import REWARD_PARTS_KEY, TOOL_STAT_KEYS
 from rlpost.objectives.mc_advantage import MCAdvantage
 from rlpost.types import Group, Sample
 
@@ -179,6 +180,8 @@ class Episode:
     num_turns: int = 0
     tool_stats: list[float] = field(default_factory=lambda: [0, 0, 0.0])  # calls, errors, seconds
     token_versions: list[int] = field(default_factory=list)  # -1 on tokens not generated
+    reward_parts: dict[str, float] = field(default_factory=dict)  # summed over the steps
+    task: str | None = None
 
     def add_turn(self, prompt_ids: list[int], generated: list[int], logprobs: list[float],
                  versions: list[int] | None = None) -> bool:  # fmt: skip
@@ -218,6 +221,8 @@ class Episode:
             num_tool_errors=int(self.tool_stats[1]),
             tool_time_s=float(self.tool_stats[2]),
             token_versions=list(self.token_versions),
+            reward_parts=dict(self.reward_parts) or None,
+            task=self.task,
         )
 
 
@@ -316,6 +321,22 @@ def num_tokens(prompt: Any, env: Any) -> int:
     ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True,
                                         **env.template_kwargs)["input_ids"]  # fmt: skip
     return len(ids)
+
+
+def row_tasks(td: TensorDictBase, num_rows: int) -> list[str | None]:
+    """The ``task`` column of each row of a reset (a task mixture's rows name their task), or
+    None per row when the rows have none."""
+    rows = as_list(td.get("row"), num_rows) if "row" in td.keys() else [None] * num_rows
+    return [str(row["task"]) if isinstance(row, dict) and row.get("task") is not None else None for row in rows]
+
+
+def reward_parts(next_td: TensorDictBase, num_rows: int) -> list[dict[str, float]]:
+    """Per row: the named parts of this step's reward (:data:`REWARD_PARTS_KEY`; empty without)."""
+    parts = next_td.get(REWARD_PARTS_KEY, None)
+    if parts is None:
+        return [{} for _ in range(num_rows)]
+    columns = {name: parts.get(name).view(-1).tolist() for name in parts.keys()}
+    return [{name: values[i] for name, values in columns.items()} for i in range(num_rows)]
 
 
 def tool_stats(next_td: TensorDictBase, num_rows: int) -> list[tuple[float, float, float]]:

@@ -469,7 +469,7 @@ class LLMCollector:
         td = self.env.reset(TensorDict(batch_size=[num_rows]))
         ids = ep.prompt_ids(td, num_rows)
         ep.check_group_layout(ids, settings.group_size)
-        episodes = [ep.Episode(pid) for pid in ids]
+        episodes = [ep.Episode(pid, task=task) for pid, task in zip(ids, ep.row_tasks(td, num_rows))]
         active = list(range(num_rows))
         for turn in range(settings.max_turns):
             td = self._policy_turn(td, [episodes[i] for i in active])
@@ -477,6 +477,7 @@ class LLMCollector:
             rewards = next_td.get("reward").view(-1).tolist()
             done = next_td.get("done").view(-1).tolist()
             tool_stats = ep.tool_stats(next_td, len(active))
+            parts = ep.reward_parts(next_td, len(active))
             keep = []
             for j, i in enumerate(active):
                 if episodes[i].frozen:  # this turn's response is not in its sample
@@ -484,6 +485,8 @@ class LLMCollector:
                 episodes[i].reward += rewards[j]
                 episodes[i].num_turns += 1
                 episodes[i].tool_stats = [a + b for a, b in zip(episodes[i].tool_stats, tool_stats[j])]
+                for name, value in parts[j].items():
+                    episodes[i].reward_parts[name] = episodes[i].reward_parts.get(name, 0.0) + value
                 if not done[j]:
                     keep.append(j)
             keep = self._drop_long_prompts(next_td, keep)

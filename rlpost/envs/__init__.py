@@ -15,6 +15,11 @@
   :class:`GSM8KPrepareQuestion` (and :class:`GSM8KEnv`, :class:`GSM8KRewardParser`),
 - IFEval (:mod:`rlpost.envs.ifeval`): :class:`IFEvalEnv`, its rows :class:`IFEvalData`, the
   reward transform :class:`IfEvalScorer` and its :class:`IFEvalScoreData`,
+- real tasks from outside: reasoning-gym's generators and verifiers (:mod:`rlpost.envs.reasoning_gym`:
+  :class:`ReasoningGymEnv`, :class:`ReasoningGymRewardParser`) and code graded by its unit tests in
+  the sandbox (:mod:`rlpost.envs.code`: :class:`CodeEnv`, :class:`CodeTestReward`, HumanEval's format),
+- a learned reward beside a task's rule (:mod:`rlpost.envs.reward_model`: :class:`RewardModelReward`,
+  and :class:`RemoteRewardModel`, the client of a run's ``reward`` actor),
 - MATH (:mod:`rlpost.envs.math`: :class:`MATHEnv`, :class:`MATHRewardParser`, math-verify
   checked) and Countdown (:mod:`rlpost.envs.countdown`: :class:`CountdownEnv`,
   :class:`CountdownRewardParser`, generated problems, exact arithmetic),
@@ -38,6 +43,7 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.browser import BrowserTransform
 from rlpost.envs.chat import ChatEnv
+from rlpost.envs.code import CodeEnv, CodeTestReward
 from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
 from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
 from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv, RayDataLoadingPrimer
@@ -58,6 +64,8 @@ from rlpost.envs.math import MATHEnv, MATHRewardParser
 from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
 from rlpost.envs.python_executor import PythonExecutorService
+from rlpost.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymRewardParser
+from rlpost.envs.reward_model import RemoteRewardModel, RewardModelReward
 from rlpost.envs.tasks import (
     AnswerRewardParser,
     ArithmeticEnv,
@@ -88,6 +96,8 @@ __all__ = [
     "AsyncEnvPool",
     "BrowserTransform",
     "ChatEnv",
+    "CodeEnv",
+    "CodeTestReward",
     "Compose",
     "CountdownEnv",
     "CountdownRewardParser",
@@ -120,8 +130,12 @@ __all__ = [
     "RayDataLoadingPrimer",
     "RayKLRewardTransform",
     "RayRetrieveKL",
+    "ReasoningGymEnv",
+    "ReasoningGymRewardParser",
+    "RemoteRewardModel",
     "RetrieveKL",
     "RetrieveLogProb",
+    "RewardModelReward",
     "SimpleToolTransform",
     "StepCounter",
     "StopWithoutToolCall",

@@ -49,7 +49,8 @@ from rlpost.envs.chat import ChatEnv
 from rlpost.envs.common import TransformedEnv
 from rlpost.envs.transforms import Transform
 
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# local file extensions and the ``datasets`` builder that reads them (gzip-compressed JSON included)
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
 
 
 # ---------------------------------------------------------------------------- loading rows
@@ -79,7 +80,7 @@ class RowList:
 def load_rows(source: Any, *, name: str | None = None, split: str | None = "train") -> tuple[Any, str]:
     """The rows of ``source`` and a description of it for error messages.
 
-    ``source``: a local ``.json``/``.jsonl``/``.parquet`` file (its only split is ``"train"``), a
+    ``source``: a local ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (its only split is ``"train"``), a
     local dataset folder or hub name (``name`` is the subset, ``split`` the split; ``None`` takes
     ``"train"``), a list of row dicts, or a loaded ``datasets.Dataset``.
     """
@@ -106,9 +107,13 @@ def load_rows(source: Any, *, name: str | None = None, split: str | None = "trai
 
 
 def _load_local_file(datasets, path: Path, *, name: str | None, split: str | None) -> tuple[Any, str]:
-    builder = _LOCAL_BUILDERS.get(path.suffix.lower())
+    extension = "".join(path.suffixes[-2:]).lower() if path.suffix.lower() == ".gz" else path.suffix.lower()
+    builder = _LOCAL_BUILDERS.get(extension)
     if builder is None:
-        raise ValueError(f"dataset file {path}: unsupported extension {path.suffix!r} (use .json, .jsonl or .parquet)")
+        raise ValueError(
+            f"dataset file {path}: unsupported extension {extension!r} (use .json, .jsonl, .json.gz, .jsonl.gz or "
+            ".parquet)"
+        )
     if split not in (None, "train"):
         raise ValueError(f"dataset file {path} has a single split 'train'; got split={split!r}")
     if name is not None:

@@ -47,7 +47,7 @@ from rlpost.envs.transforms import (
 )
 
 if TYPE_CHECKING:
-    from rlpost.config import DataConfig, RolloutConfig, ToolsConfig
+    from rlpost.config import DataConfig, RewardModelConfig, RolloutConfig, ToolsConfig
 
 
 class EnvSections(Protocol):
@@ -57,6 +57,7 @@ class EnvSections(Protocol):
     data: DataConfig
     tools: ToolsConfig
     rollout: RolloutConfig
+    reward_model: RewardModelConfig | None
 
 
 logger = logging.getLogger(__name__)
@@ -220,16 +221,19 @@ class ToolArithmeticEnv(ArithmeticEnv):
 
 def make_env(
     cfg: EnvSections, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
-    num_shards: int = 1, shard_index: int = 0,
+    num_shards: int = 1, shard_index: int = 0, reward_scorer: Any = None,
 ) -> DatasetChatEnv:  # fmt: skip
     """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size).
 
     task "arithmetic": ArithmeticEnv (generated rows unless ``data.dataset`` is set); "gsm8k":
-    GSM8KEnv with ``strict_format=True``; "custom": DatasetChatEnv with ``data.reward_fn`` as the
-    reward. ``data.reward_fn`` with another task adds to the task's reward. ``rollout.max_turns``
-    bounds the steps of an episode. ``num_shards``/``shard_index`` split the prompt order between
-    env pools. Mistakes in the data section (a missing column, a bad reward path) raise
-    ``ConfigError`` naming it.
+    GSM8KEnv with ``strict_format=True``; "reasoning_gym": ReasoningGymEnv (``data.reasoning_gym``);
+    "code": CodeEnv (``data.code``, graded in ``tools.sandbox``); "custom": DatasetChatEnv with
+    ``data.reward_fn`` as the reward. ``data.reward_fn`` with another task adds to the task's
+    reward. Then the tools, and last, with a ``reward_model`` section, :class:`RewardModelReward`
+    scoring each episode's final response through ``reward_scorer`` (default: the run's
+    ``reward`` actor). ``rollout.max_turns`` bounds the steps of an episode.
+    ``num_shards``/``shard_index`` split the prompt order between env pools. Mistakes in the data
+    section (a missing column, a bad reward path, an unknown task) raise ``ConfigError`` naming it.
     """
     from rlpost.config import ConfigError
 
@@ -250,14 +254,41 @@ def make_env(
             # rlpost's strict answer rule: text after </answer> scores 0, so the policy learns to
             # stop after its answer (see rlpost.envs.rewards)
             env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, strict_format=True, **common)
+        elif data.task == "reasoning_gym":
+            from rlpost.envs.reasoning_gym import ReasoningGymEnv
+
+            gym = data.reasoning_gym
+            try:
+                env = ReasoningGymEnv(tasks=gym.tasks, size=gym.size, row_seed=gym.seed, split=data.split, **common)
+            except ValueError as exc:
+                raise ConfigError(f"data.reasoning_gym.tasks ({data.split} split): {exc}") from exc
+        elif data.task == "code":
+            from rlpost.envs.code import CodeEnv
+
+            code = data.code
+            require_tag = code.require_answer_tag if code.require_answer_tag is not None else cfg.tools.python.enabled
+            common["answer_column"] = None  # graded by the row's tests, not against an answer
+            env = CodeEnv(
+                dataset=data.dataset, name=data.subset, split=data.split, reward=code.reward, timeout_s=code.timeout_s,
+                call_timeout_s=code.call_timeout_s, memory_mb=code.memory_mb, sandbox=cfg.tools.sandbox,
+                require_answer_tag=require_tag, **common,
+            )  # fmt: skip
         else:
             env = DatasetChatEnv(dataset=data.dataset, name=data.subset, split=data.split, **common)
         pool = FunctionPool() if data.reward_fn or cfg.tools.functions else None
         if data.reward_fn:
             env.append_transform(UserReward(data.reward_fn, timeout_s=data.reward_timeout_s, pool=pool))
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise ConfigError(f"data (task={data.task}, dataset={data.dataset!r}): {exc}") from exc
     add_tools(env, cfg.tools, pool)
+    rm = getattr(cfg, "reward_model", None)
+    if rm is not None:
+        from rlpost.envs.reward_model import RemoteRewardModel, RewardModelReward
+
+        scorer = reward_scorer or RemoteRewardModel(timeout_s=rm.timeout_s, restart_wait_s=rm.restart_wait_s)
+        env.append_transform(RewardModelReward(scorer, weight=rm.weight, rule_weight=rm.rule_weight))
     return env
 
 

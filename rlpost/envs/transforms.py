@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 _OPEN, _CLOSE = "<tool_response>\n", "\n</tool_response>"
 TOOL_STAT_KEYS = ("tool_calls", "tool_errors", "tool_time_s")  # per row of ``next``, summed over tools
+# per row of ``next``: the named parts of this step's reward ([B, 1] float64 each), for the metrics
+REWARD_PARTS_KEY = "reward_parts"
 DEFAULT_PYTHON_TIMEOUT_S = 10.0  # TorchRL's PythonInterpreter default
 
 
@@ -207,6 +209,13 @@ def add_tool_stats(next_td: TensorDictBase, calls: list[int], errors: list[int],
         added = torch.tensor(values, dtype=dtype).view(-1, 1)
         current = next_td.get(key, None)
         next_td.set(key, added if current is None else current + added)
+
+
+def set_reward_part(next_td: TensorDictBase, name: str, values: list[float]) -> None:
+    """Record ``values`` (one per row) as the part ``name`` of this step's reward, under
+    ``next_td[REWARD_PARTS_KEY, name]``. The parts are what the metrics report beside the reward
+    (``reward_part/<name>``); the reward itself is ``next_td["reward"]``, whatever the parts say."""
+    next_td.set((REWARD_PARTS_KEY, name), torch.tensor(values, dtype=torch.float64).view(-1, 1))
 
 
 class ToolTransformBase(Transform):

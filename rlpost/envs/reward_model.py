@@ -1,0 +1,160 @@
+"""A learned reward beside the task's rule: :class:`RewardModelReward` and the ``reward`` actor's client.
+
+When an episode ends (``done`` on its step), :class:`RewardModelReward` sends its conversation,
+``[user prompt, final response]``, to a scorer (the run's ``reward`` actor through
+:class:`RemoteRewardModel`, or any object with the same ``score`` method, e.g. an in-process
+``rlpost.actors.reward.RewardModel``) and sets that step's reward to::
+
+    reward = rule_weight * rule + weight * score        (rule: what the transforms before it gave)
+
+On the steps before the last, the rule's part is scaled the same way and no score is added (the
+reward is scored once per episode, on its final response). The step also records both parts
+(``rule``, ``reward_model``) under ``next["reward_parts"]``, which the collector sums per episode
+and the metrics report as ``reward_part/<part>``. Append it after every other reward and done
+transform (``make_env`` does), so that it sees the step's whole rule reward and its final ``done``.
+
+The scorer's failures by kind (e.g. a judge reply without a verdict, scored 0) are added to the
+transform's ``errors`` (the env's ``reward_errors``) and the first of each kind is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from rlpost.envs.chat import as_list
+from rlpost.envs.transforms import Transform, set_reward_part
+
+logger = logging.getLogger(__name__)
+
+RULE_PART, MODEL_PART = "rule", "reward_model"
+_RETRY_S = 1.0  # how often a call waits for a lost reward actor's replacement
+
+
+class RewardModelReward(Transform):
+    """``reward = rule_weight * reward + weight * scorer.score(...)`` on the step an episode ends.
+
+    Args:
+        scorer: an object with ``score(conversations, answers) -> result`` where ``result`` has
+            ``scores`` (one float per conversation) and ``errors`` (failures by kind):
+            :class:`RemoteRewardModel`, or ``rlpost.actors.reward.RewardModel`` in-process.
+
+    Keyword Args:
+        weight: the score's weight.
+        rule_weight: the weight of the reward the transforms before this one gave.
+        row_key: where the dataset row is in the step input (written by the DataLoadingPrimer);
+            its prompt column is the user's prompt, its ``answer`` the reference shown to a judge.
+    """
+
+    def __init__(self, scorer: Any, *, weight: float = 1.0, rule_weight: float = 1.0, row_key: str = "row") -> None:
+        super().__init__()
+        self.scorer, self.weight, self.rule_weight, self.row_key = scorer, float(weight), float(rule_weight), row_key
+        self.errors: Counter = Counter()
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        num_envs = td.batch_size[0]
+        reward = next_td.get("reward")
+        rule = reward.view(-1).tolist()
+        ended = [i for i, done in enumerate(next_td.get("done").view(-1).tolist()) if done]
+        scores = [0.0] * num_envs
+        if ended:
+            for i, score in zip(ended, self._score(td, ended)):
+                scores[i] = score
+        combined = [self.rule_weight * r + self.weight * s for r, s in zip(rule, scores)]
+        next_td.set("reward", torch.tensor(combined, dtype=reward.dtype, device=reward.device).view_as(reward))
+        set_reward_part(next_td, RULE_PART, rule)
+        set_reward_part(next_td, MODEL_PART, scores)
+        return next_td
+
+    def _score(self, td: TensorDictBase, rows: list[int]) -> list[float]:
+        num_envs = td.batch_size[0]
+        if self.row_key not in td.keys():
+            raise ValueError(f"{type(self).__name__} needs the dataset row under {self.row_key!r} in the step input")
+        data_rows = as_list(td.get(self.row_key), num_envs)
+        responses = self._chat_env().last_responses(td)
+        primer = getattr(self._env(), "primer", None)
+        prompt_column = getattr(primer, "prompt_column", None) or "question"
+        answer_column = getattr(primer, "answer_column", None) or "answer"
+        conversations, answers = [], []
+        for i in rows:
+            row = data_rows[i] if isinstance(data_rows[i], dict) else {}
+            conversations.append(
+                [{"role": "user", "content": str(row.get(prompt_column, ""))},
+                 {"role": "assistant", "content": responses[i]}]
+            )  # fmt: skip
+            answer = row.get(answer_column)
+            answers.append(None if answer is None else str(answer))
+        result = self.scorer.score(conversations, answers)
+        if len(result.scores) != len(rows):
+            raise RuntimeError(f"the reward model returned {len(result.scores)} scores for {len(rows)} conversations")
+        for kind, count in result.errors.items():
+            if count and not self.errors[kind]:
+                logger.warning("reward model: %d %s in one batch (scored 0, counted in reward_errors; logged once "
+                               "per kind)", count, kind)  # fmt: skip
+            self.errors[kind] += count
+        return [float(s) for s in result.scores]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(weight={self.weight}, rule_weight={self.rule_weight}, scorer={self.scorer!r})"
+
+
+class RemoteRewardModel:
+    """The bounded client of the run's named ``reward`` actor (``rlpost.actors.reward``).
+
+    A call waits at most ``timeout_s`` for its answer (past it: ``TimeoutError``). A call that
+    meets a dead or restarting actor (killed, its node lost) looks the name up again every second
+    until the supervisor's replacement answers, for at most ``restart_wait_s``; past that it
+    raises ``RuntimeError`` naming the actor, and the env pool's collection fails.
+    """
+
+    def __init__(self, actor_name: str = "reward", *, namespace: str | None = None, timeout_s: float = 120.0,
+                 restart_wait_s: float = 180.0) -> None:  # fmt: skip
+        self.actor_name, self.namespace = actor_name, namespace
+        self.timeout_s, self.restart_wait_s = timeout_s, restart_wait_s
+        self._handle: Any = None
+
+    def score(self, conversations: list[list[dict[str, str]]], answers: list[str | None]) -> Any:
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + self.restart_wait_s
+        last_error: BaseException | None = None
+        while True:
+            handle = self._lookup()
+            if handle is not None:
+                try:
+                    return ray.get(handle.score.remote(conversations, answers), timeout=self.timeout_s)
+                except GetTimeoutError:
+                    raise TimeoutError(
+                        f"the reward actor {self.actor_name!r} did not score {len(conversations)} conversations "
+                        f"within {self.timeout_s:.0f} s (reward_model.timeout_s)"
+                    ) from None
+                except (RayActorError, ActorUnavailableError) as exc:  # lost: wait for its replacement
+                    self._handle, last_error = None, exc
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the reward actor {self.actor_name!r} is gone and no replacement answered within "
+                    f"{self.restart_wait_s:.0f} s (reward_model.restart_wait_s); last error: {last_error}"
+                )
+            time.sleep(_RETRY_S)
+
+    def _lookup(self) -> Any:
+        if self._handle is None:
+            import ray
+
+            try:
+                self._handle = ray.get_actor(self.actor_name, namespace=self.namespace)
+            except ValueError:  # not started (yet, or again)
+                return None
+        return self._handle
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handle": None}  # a handle is looked up again where it is used
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.actor_name!r}, timeout_s={self.timeout_s})"
