@@ -43,6 +43,7 @@ def render(quick: bool = False, results: Path | None = None, out: Path | None = 
         ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
         ("race_lora", lambda d, r, b: _e2e(d, r, b, "race_lora")),
         ("profile_engine", _profile_engine),
+        ("reasoning_gym", _reasoning_gym),
     ):
         if name in data:
             parts.append(section(data[name], results, out.parent))
@@ -76,6 +77,7 @@ TITLES = {
     "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
+    "reasoning_gym": "17. reasoning-gym: which of the package's tasks the tiny model learns with GRPO",
 }
 
 
@@ -473,6 +475,42 @@ def _learning(d: dict, name: str, description: str) -> str:
     ]
     for case, c in d["cases"].items():
         lines.append(f"| {case} | {_fmt(c['median'])} | {_repeats(c)} |")
+    return "\n".join(lines) + "\n\n" + _notes(d)
+
+
+def _reasoning_gym(d: dict, results: Path, base: Path) -> str:
+    s = d["settings"]
+    wall = d["cases"].get("wall (s)", {}).get("median")
+    lines = [
+        f"## {TITLES['reasoning_gym']}",
+        "",
+        f"One run of `rlpost train {s['config']}` ({s['steps']} steps of {s['prompts_per_step']} prompts x "
+        f"{s['group_size']} samples on the {s['model']} model, seeds {s['seed']}"
+        + (f", {_fmt(wall)} s start-up included" if wall else "")
+        + ") on an equal-weight mixture of the tasks below, the options of each in its row. A learning curve "
+        "of one sampled run, not a speed ratio nor a median of repeats. *eval*: greedy, on the held-out "
+        f"split's first {s['eval_num_prompts']} rows (never training questions; the prompts column says how "
+        f"many a task got), before training and at step {s.get('eval_steps', [s['steps']])[-1]}; *train*: "
+        f"the mean sampled reward of the task's groups in the first and last {s['window']} steps. A task "
+        f"learns when its eval reward rose by more than {s['threshold']:g} (about 2 standard errors of a "
+        "pass rate near 0.1 on ~30 prompts; bench/bench_reasoning_gym.py says why).",
+        "",
+        _ratios(d),
+        "| task | options | prompts | eval reward before | after | change | eval pass@1 before | after | "
+        "train reward first | last | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for task, c in d["cases"].items():
+        if "verdict" not in c:
+            continue
+        options = ", ".join(f"{k}={v}" for k, v in (c.get("options") or {}).items()) or "-"
+        change = c["eval_reward_change"]
+        lines.append(
+            f"| {task} | {options} | {c['eval_prompts']} | {_fmt(c['eval_reward_before'])} | "
+            f"{_fmt(c['eval_reward_after'])} | {'-' if change is None else f'{change:+.3f}'} | "
+            f"{_fmt(c['eval_pass_at_1_before'])} | {_fmt(c['eval_pass_at_1_after'])} | "
+            f"{_fmt(c['train_reward_first'])} | {_fmt(c['train_reward_last'])} | **{c['verdict']}** |"
+        )
     return "\n".join(lines) + "\n\n" + _notes(d)
 
 

@@ -157,17 +157,64 @@ def _fixtures(tmp_path):
             },
             {},
         ),
+        "reasoning_gym": _file(
+            "reasoning_gym",
+            {
+                "config": "configs/tiny-cpu-reasoning-gym.yaml",
+                "steps": 300,
+                "prompts_per_step": 16,
+                "group_size": 8,
+                "model": "tiny",
+                "seed": 0,
+                "eval_num_prompts": 128,
+                "eval_steps": [0, 150, 300],
+                "window": 60,
+                "threshold": 0.1,
+            },
+            {
+                "chain_sum": _task(0.0, 0.25, 0.05, 0.3, "learns", {"min_terms": 2, "max_terms": 2}),
+                "products": _task(0.0, 0.03, 0.0, 0.01, "no clear change", {"min_terms": 2}),
+                "all tasks": _task(0.0, 0.14, 0.03, 0.16, "learns", None),
+                "wall (s)": _s(230.0),
+            },
+            {"tasks that learn (eval reward up > 0.1)": "1 of 2: chain_sum"},
+        ),
     }
     for name, data in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+
+def _task(before: float, after: float, first: float, last: float, verdict: str, options: dict | None) -> dict:
+    """One task's figures as bench/bench_reasoning_gym.py records them."""
+    return {
+        "eval_reward_before": before,
+        "eval_reward_after": after,
+        "eval_reward_change": after - before,
+        "eval_pass_at_1_before": before,
+        "eval_pass_at_1_after": after,
+        "eval_pass_at_1_change": after - before,
+        "train_reward_first": first,
+        "train_reward_last": last,
+        "train_reward_change": last - first,
+        "verdict": verdict,
+        "eval_prompts": 30,
+        "options": options,
+    }
 
 
 def test_report_renders_every_section_with_figures_and_plots(tmp_path):
     _fixtures(tmp_path)
     out = render(results=tmp_path, out=tmp_path / "BENCHMARKS.md")
     text = out.read_text()
-    for heading in ("## 1. Rollout", "## 2. End to end", "## 3. Weight sync", "## 4. Buffer", "## 5. Scaling"):
+    for heading in ("## 1. Rollout", "## 2. End to end", "## 3. Weight sync", "## 4. Buffer", "## 5. Scaling",
+                    "## 17. reasoning-gym"):  # fmt: skip
         assert heading in text
+    # per task: options, prompts, eval reward before / after / change, pass@1, train reward, verdict
+    assert (
+        "| chain_sum | min_terms=2, max_terms=2 | 30 | 0 | 0.25 | +0.250 | 0 | 0.25 | 0.05 | 0.3 | **learns** |" in text
+    )
+    assert "| all tasks | - | 30 |" in text and "wall (s)" not in text.split("## 17.")[1]
+    assert "**1 of 2: chain_sum**" in text
     assert "| rlpost: path | 210.0 | 4800 | 0.960 |" in text  # median ms, tokens/s, ratio
     assert "| rlpost sync | 101 (4.81x TRL) |" in text  # median samples/s and its ratio to TRL
     assert "| 1 | shm | 64 | 40 | 2.10 | 1.19 | 0.238 |" in text
@@ -218,6 +265,33 @@ def test_run_figures():
     assert _gain([0.1, 0.2]) is None  # too short for quarters
 
 
+def test_reasoning_gym_figures_per_task():
+    """bench/bench_reasoning_gym.py: eval before (step 0) and after (the last eval), the training
+    reward of the first and last steps over the steps whose batch held the task, the verdict."""
+    from bench.bench_reasoning_gym import overrides, task_figures
+
+    metrics = [{"reward_mean": 0.1, "reward_mean/a": 0.1}, {"reward_mean": 0.2, "reward_mean/b": 0.3},
+               {"reward_mean": 0.3, "reward_mean/a": 0.5}, {"reward_mean": 0.4, "reward_mean/a": 0.7}]  # fmt: skip
+    evals = [{"step": 0, "eval_reward_mean": 0.1, "eval_reward_mean/a": 0.0, "eval_pass_at_1/a": 0.0,
+              "eval_reward_mean/b": 0.5},
+             {"step": 2, "eval_reward_mean/a": 0.5},
+             {"step": 4, "eval_reward_mean": 0.2, "eval_reward_mean/a": 0.3, "eval_pass_at_1/a": 0.25,
+              "eval_reward_mean/b": 0.3}]  # fmt: skip
+    figures = task_figures(metrics, evals, ["a", "b", "c"], window=2, threshold=0.1)
+    a = figures["a"]
+    assert (a["eval_reward_before"], a["eval_reward_after"]) == (0.0, 0.3)  # the last eval, not the best
+    assert a["eval_pass_at_1_change"] == 0.25 and a["verdict"] == "learns"
+    assert (a["train_reward_first"], a["train_reward_last"]) == (0.1, pytest.approx(0.6))
+    assert figures["b"]["verdict"] == "worse" and figures["b"]["train_reward_last"] is None
+    assert figures["c"]["verdict"] == "not evaluated"
+    assert figures["all tasks"]["eval_reward_change"] == pytest.approx(0.1)
+    assert figures["all tasks"]["verdict"] == "no clear change"  # not more than the threshold
+    assert figures["all tasks"]["train_reward_first"] == pytest.approx(0.15)
+    run = overrides(300, 128, {"chain_sum": {"min_terms": 2}})
+    assert 'data.reasoning_gym.tasks={"chain_sum": {"min_terms": 2}}' in run
+    assert "eval.interval=150" in run and "eval.before_training=true" in run
+
+
 def test_rlpost_step_times_start_at_the_first_step():
     """What the run did before its first step (the start-up weight sync) is start-up, outside
     the steps' window, as TRL's window starts at its first step's begin."""
@@ -262,6 +336,7 @@ def test_workload_overrides_and_benchmark_names():
         "profile_engine",
         "sync_route",
         "scoring",
+        "reasoning_gym",
         "race_genheavy",
         "race_lora",
         "profile_tiny",

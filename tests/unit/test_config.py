@@ -5,7 +5,13 @@ from rlpost.config import ConfigError, JobConfig, load_config, save_config, sect
 
 pytestmark = pytest.mark.unit
 
-REPO_CONFIGS = ["configs/tiny-cpu.yaml", "configs/gsm8k-qwen2.5-1.5b.yaml"]
+REPO_CONFIGS = [
+    "configs/tiny-cpu.yaml",
+    "configs/gsm8k-qwen2.5-1.5b.yaml",
+    "configs/tiny-cpu-reasoning-gym.yaml",
+    "configs/tiny-cpu-code.yaml",
+    "configs/tiny-cpu-reward-model.yaml",
+]
 
 
 def write(tmp_path, text):

@@ -161,6 +161,13 @@ class FakeReference(Stand):
         return groups
 
 
+class FakeReward(Stand):
+    """The reward actor: the env pools call it (here nobody does); the supervisor only keeps it alive."""
+
+    def __init__(self, world):
+        super().__init__(world, "reward")
+
+
 class FakeLearner(Stand):
     def __init__(self, world):
         super().__init__(world, "learner")
@@ -381,6 +388,9 @@ class Starter:
     def reference(self):
         return FakeReference(self.world)
 
+    def reward(self):
+        return FakeReward(self.world)
+
     def env_pool(self, index, inference, buffer, epoch=0):
         return FakePool(self.world, index, buffer, epoch)
 
@@ -391,7 +401,8 @@ class Starter:
         learner = FakeLearner(self.world)
         learner.workers = list(inference)  # connect_bus
         control = self.control() if self.world.requests else None
-        return RunActors(buffer, inference, pools, learner, self.reference(), control=control)
+        reward = self.reward() if self.cfg.reward_model is not None else None
+        return RunActors(buffer, inference, pools, learner, self.reference(), control=control, reward=reward)
 
 
 def make_cfg(mode, extra=()):
@@ -553,6 +564,19 @@ def test_any_actor_dies_at_any_call(tmp_path, monkeypatch, mode, extra, victim):
         restarted += rows[-1][role]
     # a death noticed by no later call (e.g. a pool killed after its last share) needs no restart
     assert restarted >= clean.calls // 2, (restarted, clean.calls)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_dead_reward_actor_is_started_again_at_the_next_health_check(tmp_path, monkeypatch, mode):
+    """The reward actor dies at any call of a run with a reward_model: the supervisor's next
+    health check starts it again (the env pools' calls wait for it), once, and nothing is lost."""
+    extra = ["reward_model.name_or_path=rm"]
+    clean, _ = run_world(tmp_path, monkeypatch, mode, extra=extra)
+    for k in range(1, clean.calls // 2, 3):  # a death in the run's first half: later checks see it
+        world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim="reward", extra=extra)
+        check_run(world, rows, mode)
+        assert rows[-1]["restarts_reward"] == 1, k
+        assert not world.actors["reward"].dead and rows[-1]["restarts_env_pool"] == 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
