@@ -40,7 +40,7 @@ BENCHMARKS = {
     "profile_engine": "bench.profile_engine",  # where the engine's generate call goes, tiny race (~2 min)
     "sync_route": "bench.bench_sync_route",  # weight sync + reload, gloo vs shared memory (~4 min)
     "scoring": "bench.bench_scoring",  # scoring for training: chunked vs dense LM head, packed vs padded (~8 min)
-    # which reasoning-gym tasks the tiny model learns: one 300-step GRPO run on a 4-task mixture (~4 min)
+    # which reasoning-gym tasks the tiny model learns: one 300-step GRPO run on a 4-task mixture (~4 min; ~6 loaded)
     "reasoning_gym": "bench.bench_reasoning_gym",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",

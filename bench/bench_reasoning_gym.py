@@ -38,13 +38,14 @@ is weaker evidence; the per-task prompt counts in the table let a reader judge.
 
 This is one run with fixed seeds (data, generators, trainer and eval at 0): a learning curve of
 one sampled run, not a speed ratio nor a median of repeats. Training samples at temperature 1,
-so another seed or machine can end a few hundredths apart.
+so a run with other seeds can end elsewhere (not measured here).
 
     python -m bench reasoning_gym [--quick] [-- --steps 300 --threshold 0.1]
 
-About 4 minutes here with the default 300 steps (the tiny-cpu runs train ~100 steps a minute on
-2 idle cores; start-up and the three evaluations add ~40 s); ``--quick`` trains 20 steps (~1.5 min,
-a smoke test of the path: too short to learn).
+About 4 minutes with the default 300 steps on 2 idle cores (configs/tiny-cpu.yaml's header: ~0.6 s
+a step, plus ~45 s of start-up and the three evaluations), about 6 with another job on one of the
+cores (measured: ~1.0 s a step then). ``--quick`` trains 20 steps in about 80 s: a smoke test of
+the path, too short to learn.
 """
 
 from __future__ import annotations

@@ -485,8 +485,8 @@ def _reasoning_gym(d: dict, results: Path, base: Path) -> str:
         f"## {TITLES['reasoning_gym']}",
         "",
         f"One run of `rlpost train {s['config']}` ({s['steps']} steps of {s['prompts_per_step']} prompts x "
-        f"{s['group_size']} samples on the {s['model']} model, seeds {s['seed']}"
-        + (f", {_fmt(wall)} s start-up included" if wall else "")
+        f"{s['group_size']} samples on the {s['model']} model, seed {s['seed']}"
+        + (f"; the process took {wall:.0f} s, start-up included" if wall else "")
         + ") on an equal-weight mixture of the tasks below, the options of each in its row. A learning curve "
         "of one sampled run, not a speed ratio nor a median of repeats. *eval*: greedy, on the held-out "
         f"split's first {s['eval_num_prompts']} rows (never training questions; the prompts column says how "
