@@ -82,15 +82,17 @@ class Evaluator:
 
     Keyword Args:
         tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
+        reward_scorer: with a ``reward_model`` section, what scores the final responses (an
+            in-process ``rlpost.actors.reward.RewardModel``); None: the run's ``reward`` actor.
 
     Raises ConfigError at construction when the eval data cannot be loaded (naming the ``eval``
     keys), so a run fails before it trains rather than at its first evaluation.
     """
 
-    def __init__(self, cfg: JobConfig, *, tokenizer: Any = None):
+    def __init__(self, cfg: JobConfig, *, tokenizer: Any = None, reward_scorer: Any = None):
         from rlpost.actors.env_pool import load_tokenizer, with_chat_template
 
-        self.cfg, self.eval_cfg = cfg, eval_job_config(cfg)
+        self.cfg, self.eval_cfg, self.reward_scorer = cfg, eval_job_config(cfg), reward_scorer
         self.tokenizer = with_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg), cfg)
         self._make_env()  # fail now on bad eval data
 
@@ -99,7 +101,8 @@ class Evaluator:
 
         ev = self.cfg.eval
         try:
-            return make_env(self.eval_cfg, self.tokenizer, ev.num_prompts * ev.samples_per_prompt, input_mode="tokens")
+            return make_env(self.eval_cfg, self.tokenizer, ev.num_prompts * ev.samples_per_prompt, input_mode="tokens",
+                            reward_scorer=self.reward_scorer)  # fmt: skip
         except ConfigError as exc:
             source = ev.dataset if ev.dataset is not None else f"{self.cfg.data.dataset} (data.dataset)"
             raise ConfigError(f"eval (dataset={source!r}, split={ev.split!r}): {exc}") from exc
@@ -183,6 +186,7 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
     checkpoint's ``merged/`` folder, or else the config's base model with the adapter merged in
     (written to a temporary folder).
     """
+    from rlpost.actors.reward import RewardModel
     from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.config import load_config
 
@@ -198,13 +202,17 @@ def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
             model = merged_model_for(checkpoint, cfg.model.name_or_path, scratch,
                                      trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
         cfg.model.name_or_path, cfg.model.tokenizer, cfg.model.lora = str(model), None, None
-        evaluator = Evaluator(cfg)  # bad eval data fails here, before the engine starts
+        # a run's reward model is its `reward` actor; here it is loaded in this process
+        scorer = RewardModel(cfg.reward_model) if cfg.reward_model is not None else None
+        evaluator = Evaluator(cfg, reward_scorer=scorer)  # bad eval data fails here, before the engine starts
         worker = make_vllm_worker(str(model), make_ray_worker=False, engine_config=cfg.rollout.engine,
                                   dtype=cfg.model.dtype)  # fmt: skip
         try:
             metrics = evaluator.run(worker.client)
         finally:
             worker.shutdown()
+            if scorer is not None:
+                scorer.shutdown()
     # the engine counts versions from the weights it loaded (0): the checkpoint's name says which
     metrics.pop("eval_policy_version", None)
     return checkpoint, metrics

@@ -1,5 +1,7 @@
-"""The shipped configs of the other losses (DAPO, CISPO, expert iteration, on-policy distillation)
-run as ``rlpost train`` on the tier's shared cluster, a few steps each on the tiny model."""
+"""The shipped configs of the other losses (DAPO, expert iteration, on-policy distillation) run as
+``rlpost train`` on the tier's shared cluster, a few steps each on the tiny model. CISPO's config
+differs from DAPO's in its loss section only: tests/unit/test_config.py loads it, and
+tests/integration/test_learner_loss_types.py trains the tiny model with its loss."""
 
 from __future__ import annotations
 
@@ -46,11 +48,9 @@ def teacher(tmp_path_factory, tiny_model_path):
     return folder
 
 
-def test_dapo_cispo_and_expert_iteration_configs_train(tmp_path, tiny_model_path, ray_head):
+def test_dapo_and_expert_iteration_configs_train(tmp_path, tiny_model_path, ray_head):
     dapo = train("configs/tiny-cpu-dapo.yaml", tmp_path / "dapo", ray_head, f"model.name_or_path={tiny_model_path}")
     assert all(0.0 <= r["clip_fraction"] <= 1.0 for r in dapo)
-    cispo = train("configs/tiny-cpu-cispo.yaml", tmp_path / "cispo", ray_head, f"model.name_or_path={tiny_model_path}")
-    assert all(r["sync_logprob_diff"] <= 1e-3 for r in cispo)
     expert = train(
         "configs/tiny-cpu-expert-iteration.yaml", tmp_path / "expert", ray_head, f"model.name_or_path={tiny_model_path}"
     )

@@ -11,6 +11,7 @@ REPO_CONFIGS = [
     "configs/tiny-cpu-reasoning-gym.yaml",
     "configs/tiny-cpu-code.yaml",
     "configs/tiny-cpu-reward-model.yaml",
+    "configs/tiny-cpu-cispo.yaml",
 ]
 
 
