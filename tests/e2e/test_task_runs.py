@@ -1,11 +1,13 @@
-"""Whole runs of the real tasks and the reward-model role, on the tier's shared cluster.
+"""Whole runs of the real tasks and the reward-model role, on the tier's shared cluster (both in
+the long tier: make test keeps their parts in tests/integration/test_reward_actor.py,
+tests/integration/test_code_grading.py and the supervisor's stand-ins).
 
 - reasoning-gym with a reward model: the shipped reasoning-gym config (a mixture of two of the
   package's tasks) with the tiny reward model beside the package's verifiers; the ``reward`` actor
   is killed with SIGKILL (as the OOM killer would end it) while step 2 is collected. The
   supervisor starts it again, the env pools' calls wait for it, every step trains, and the
   metrics report the reward per task and per part.
-- code (long tier): the shipped code config, the tiny model's completions graded by each
+- code: the shipped code config, the tiny model's completions graded by each
   problem's unit tests in the bwrap sandbox inside the env pool's actor.
 """
 
@@ -29,6 +31,7 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.long  # ~40 s; make test keeps the reward actor's death and wait in tests/integration/test_reward_actor.py
 def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_death(
     tmp_path, tiny_model_path, tiny_reward_model_path, connect_driver
 ):
