@@ -93,7 +93,7 @@ monitor: install monitoring-tools
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: MAKE_TEST_FIGURE on 2026-12-02's second session (2312 tests, with the reasoning-gym,
+# Xeon machine, idle: 14m32s on 2026-12-02's second session (2311 tests, with the reasoning-gym,
 # code and reward-model tests; their whole runs are in test-long); 13m29s earlier that day (2144
 # tests, after the live-fleet AsyncVLLM ports moved to test-long); 14m17s-14m36s on 2026-12-01 (1760-1762 tests); 26-31 min before the e2e runs
 # shared one Ray cluster. The 15 slowest
@@ -106,8 +106,8 @@ monitor: install monitoring-tools
 # reasoning-gym run with a reward model and the code run (~75 s), every HumanEval solution graded
 # (15 s)): about 23.5 min estimated on 2026-12-02's second session; 22m33s earlier that day (32
 # tests); 22m09s on 2026-12-01 (20 tests). CI runs the set-up (about 6 min from a fresh clone),
-# then both: 41.7 min on 2026-12-02's first landing, about 45 min estimated with the second
-# session's tests: at the budget of 45 min, so the next tests must trim first. The tiny models are
+# then both: 41.7 min on 2026-12-02's first landing, about 44 min estimated with the second
+# session's tests: near the budget of 45 min, so the next tests must trim first. The tiny models are
 # built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
 # machine, 9.5 min on another); the tests' fixtures then find them.
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
