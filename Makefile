@@ -104,10 +104,10 @@ monitor: install monitoring-tools
 # (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min), the four loss-type
 # configs through `rlpost train` (2 min), the AsyncVLLM ports on a live fleet (~1.5 min), the
 # reasoning-gym run with a reward model and the code run (~75 s), every HumanEval solution graded
-# (15 s)): about 23.5 min estimated on 2026-12-02's second session; 22m33s earlier that day (32
+# (15 s)): 24m11s on 2026-12-02's second session (35 tests); 22m33s earlier that day (32
 # tests); 22m09s on 2026-12-01 (20 tests). CI runs the set-up (about 6 min from a fresh clone),
-# then both: 41.7 min on 2026-12-02's first landing, about 44 min estimated with the second
-# session's tests: near the budget of 45 min, so the next tests must trim first. The tiny models are
+# then both: 41.7 min on 2026-12-02's first landing, about 45 min estimated with the second
+# session's tests: at the budget of 45 min, so the next tests must trim first. The tiny models are
 # built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
 # machine, 9.5 min on another); the tests' fixtures then find them.
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
