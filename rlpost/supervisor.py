@@ -706,9 +706,9 @@ class Supervisor:
         if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         if self.actors.reference is not None and not self._alive(self.actors.reference, lost):
-            self._restart_reference()
+            self._restart_stateless("reference")
         if self.actors.reward is not None and not self._alive(self.actors.reward, lost):
-            self._restart_reward()
+            self._restart_stateless(REWARD_ACTOR)
         for pool in [p for p in self.actors.env_pools if not self._alive(p, lost)]:
             self._replace_pool(pool)
         for slot in self._placed(self.pool_slots):
@@ -836,21 +836,15 @@ class Supervisor:
             _replaced(name, start)
         self.restarted_at.clear()
 
-    def _restart_reference(self) -> None:
-        log.warning("the reference actor died; starting it again")
+    def _restart_stateless(self, role: str) -> None:
+        """Start the dead ``reference`` or ``reward`` actor again: they hold nothing a new one lacks
+        (the env pools' calls to the reward actor wait for its replacement)."""
+        log.warning("the %s actor died; starting it again", role)
         start = time.monotonic()
-        self.actors.reference.kill()
-        self.actors.reference = self.starter.reference()
-        self.counts["restarts_reference"] += 1
-        _replaced("reference", start)
-
-    def _restart_reward(self) -> None:
-        log.warning("the reward actor died; starting it again (the env pools wait for it)")
-        start = time.monotonic()
-        self.actors.reward.kill()
-        self.actors.reward = self.starter.reward()
-        self.counts["restarts_reward"] += 1
-        _replaced(REWARD_ACTOR, start)
+        getattr(self.actors, role).kill()
+        setattr(self.actors, role, getattr(self.starter, role)())
+        self.counts[f"restarts_{role}"] += 1
+        _replaced(role, start)
 
     def _replace_pool(self, lost: EnvPoolClient) -> None:
         """Start a dead env pool again in its slot; with no room for it in the cluster (within

@@ -103,22 +103,28 @@ def build_tiny_model(
     if spec.task == "tool_arithmetic":
         meta["start_tool_call_rate"] = tool_rate
         meta["system_prompt"] = TOOL_ARITHMETIC_SYSTEM_PROMPT
+    # build_seconds varies run to run; keep it out of the deterministic artefacts' file
+    save_model_folder(out_dir, model, tokenizer, "rlpost_tiny_model.json",
+                      {k: v for k, v in meta.items() if k != "build_seconds"})  # fmt: skip
+    log(f"tiny model written to {out_dir} in {meta['build_seconds']} s")
+    return meta
+
+
+def save_model_folder(out_dir: Path, model, tokenizer, meta_file: str, meta: dict) -> None:
+    """Write ``model``, ``tokenizer`` and ``meta`` (as ``meta_file``) into ``out_dir`` atomically:
+    into a temporary sibling first, renamed once complete, so an interrupted build never leaves
+    a half-written folder that later runs would trust."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # build_seconds varies run to run; keep it out of the deterministic artefacts' file
-        (tmp / "rlpost_tiny_model.json").write_text(
-            json.dumps({k: v for k, v in meta.items() if k != "build_seconds"}, indent=2) + "\n"
-        )
+        (tmp / meta_file).write_text(json.dumps(meta, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"tiny model written to {out_dir} in {meta['build_seconds']} s")
-    return meta
 
 
 def ensure_tiny_model(

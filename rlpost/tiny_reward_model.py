@@ -27,10 +27,7 @@ it separates right answers from wrong ones on held-out questions.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,6 +37,7 @@ import torch
 
 from rlpost.envs.arithmetic import make_arithmetic_rows
 from rlpost.envs.rewards import answer_reward
+from rlpost.tiny_model import save_model_folder
 
 META_FILE = "rlpost_tiny_reward_model.json"
 
@@ -108,9 +106,8 @@ def build_tiny_reward_model(
     out_dir: str | Path, lm_dir: str | Path, spec: TinyRewardModelSpec = TinyRewardModelSpec(),
     log: Callable[[str], None] = print,
 ) -> dict:  # fmt: skip
-    """Train the tiny reward model from the tiny LM in ``lm_dir`` into ``out_dir`` (written to a
-    temporary sibling and renamed, so an interrupted build leaves nothing half-written); returns
-    its metadata."""
+    """Train the tiny reward model from the tiny LM in ``lm_dir`` into ``out_dir`` (atomically:
+    :func:`rlpost.tiny_model.save_model_folder`); returns its metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     out_dir, lm_dir = Path(out_dir), Path(lm_dir)
@@ -147,17 +144,7 @@ def build_tiny_reward_model(
         f"{quality['score_wrong_tagged_mean']:.3f}, untagged ones {quality['score_untagged_mean']:.3f}"
     )
     meta = {"spec": asdict(spec), "lm": lm_meta(lm_dir), "held_out": quality}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_model_folder(out_dir, model, tokenizer, META_FILE, meta)
     log(f"tiny reward model written to {out_dir} in {time.perf_counter() - start:.1f} s")
     return meta
 

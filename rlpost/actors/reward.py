@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,8 +215,6 @@ def judge_template(template: str) -> str:
     ``{answer}``."""
     if "{" not in template and Path(template).is_file():
         template = Path(template).read_text()
-    import string
-
     fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     unknown = fields - {"prompt", "completion", "answer"}
     if unknown or "completion" not in fields:
