@@ -40,7 +40,7 @@ from bench.runs import LEARNER_ONE_THREAD, PHASES, PROBE_EVERY, Workload, model_
 from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT
 
 SYSTEMS = {
-    # as the README runs them: sync trains on both cores (configs/tiny-cpu.yaml); async on one,
+    # as docs/demo.md runs them: sync trains on both cores (configs/tiny-cpu.yaml); async on one,
     # leaving the other to the engine that generates alongside, except where the workload says
     # otherwise (Workload.rlpost_async_extra: on both where generation is a small share of a step)
     "rlpost sync": ["trainer.mode=sync"],

@@ -67,7 +67,7 @@ def main() -> None:
             mode, workers, pools = POINTS[point_id]
             point = label(point_id)
             load = wait_for_quiet(args.quick)
-            # async as the README runs it: the learner on 1 thread, the engines on the other core
+            # async as docs/demo.md runs it: the learner on 1 thread, the engines on the other core
             threads = 1 if mode == "async" else 2
             overrides = [
                 f"trainer.mode={mode}",

@@ -451,8 +451,8 @@ class LossConfig(_Section):
     )
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group",
-        description="Advantage normalisation: group std, batch std (over an env pool's batch; not with "
-        "reference.kl_in=reward), or none (Dr.GRPO).",
+        description="Advantage normalisation: group std, batch std (over an env pool's batch; with "
+        "reference.kl_in=reward over the step's groups, after the KL penalty), or none (Dr.GRPO).",
     )
     filter_equal_rewards: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
@@ -962,12 +962,6 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append("loss.distillation.use_reward=false without loss.distillation.coef: nothing would be trained")
     if cfg.reference.kl_coef > 0 and not cfg.reference.enabled:
         errors.append(f"reference.kl_coef is {cfg.reference.kl_coef} but reference.enabled is false")
-    if cfg.reference.enabled and cfg.reference.kl_in == "reward" and cfg.loss.advantage_scale == "batch":
-        errors.append(
-            "loss.advantage_scale=batch with reference.kl_in=reward: the reference actor recomputes the advantages "
-            "after the KL penalty one group at a time, so it cannot scale them over the batch; use "
-            "loss.advantage_scale=group (or none), or reference.kl_in=loss"
-        )
     if cfg.weight_sync.backend == "nccl" and (
         cfg.resources.inference.num_gpus == 0 or cfg.resources.learner.num_gpus == 0
     ):

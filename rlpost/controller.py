@@ -1,25 +1,7 @@
 """The controller: the training loop, run on the driver over the actors' clients.
 
-            prompts (HF datasets)                          new weights (versioned)
-                  |                                  +------------------------------+
-                  v                                  |  weight-sync bus             |
- +-------------------------+   generate(n samples)   |  torch.distributed group     |
- | env-pool actors (M)     | ----------------------> | inference workers (N) ------+|
- | ChatEnv + transforms    | <---------------------- | vLLM engine each            ||
- | LLMCollector, rewards  |   tokens + log-probs +  +-----------------------------+|
- | tools, PolicyVersion    |   policy version                  ^                    |
- +-------------------------+                                   | broadcast (NCCL on |
-        | completed groups (+ advantages)                      | GPU, gloo on CPU)  |
-        |        +------------------------+                    |                    |
-        +------> | reference actor        |  (only when KL on) |                    |
-        |        | frozen model, RetrieveKL|                    |                    |
-        |        +------------------------+                    |                    |
-        v                                                      |                    |
- +-------------------------+   batches    +-------------------------+               |
- | buffer (queue-backed,   | -----------> | learner actor           | --------------+
- | bounded, staleness cap) |              | GRPOLoss + optimizer,   |
- +-------------------------+              | checkpoints             |
-                                          +-------------------------+
+The actors it drives and the data between them are drawn in the repository's README.md (the
+architecture diagram); docs/architecture.md follows a prompt through them module by module.
 
 The loop itself (sync and async, and what each waits on) is :meth:`Controller.run`'s docstring.
 

@@ -3,7 +3,6 @@
 They are plain dataclasses of Python lists and numbers: cheap to pickle through Ray, readable
 without torch, and independent of any padding layout. Tensors are built where they are used.
 
-    GenerateResult  made by an inference worker (rlpost.actors.inference), read by env pools
     Sample          made by an env pool's collector, one completed episode
     Group           made by an env pool (all samples of one prompt + advantages), put in the
                     buffer, read by the learner (and by the reference actor when KL is on)
@@ -12,17 +11,6 @@ without torch, and independent of any padding layout. Tensors are built where th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-
-@dataclass
-class GenerateResult:
-    """One prompt's completions from one inference worker, stamped with the weights' version."""
-
-    token_ids: list[list[int]]  # [n][T_i] generated ids, EOS included when generation stopped on it
-    logprobs: list[list[float]]  # [n][T_i] processed (post-temperature) sampled-token log-probs
-    finished: list[bool]  # [n] stopped on EOS / a stop condition (False: hit max_tokens)
-    policy_version: int  # the weights version that generated every completion here
-    worker: int  # index of the inference worker that served the request
 
 
 @dataclass

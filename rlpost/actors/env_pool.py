@@ -163,15 +163,6 @@ class EnvPool(LLMCollector):
 
     # ------------------------------------------------------------------ collecting
 
-    def collect(self, num_groups: int | None = None) -> list[Group]:
-        """One batch of ``num_groups`` prompts (default: this pool's share of a learner step);
-        fewer groups come back when the DAPO filter drops some."""
-        if self.is_running():
-            raise RuntimeError(
-                f"env pool {self.pool_index} is collecting in the background (start()); stop() it before collect()"
-            )
-        return self.collect_groups(num_groups)
-
     def collect_groups(self, num_groups: int | None = None) -> list[Group]:
         """:meth:`LLMCollector.collect_groups`, counted in the pool's position and reported."""
         num_groups = num_groups or self.groups_per_batch

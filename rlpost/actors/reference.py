@@ -21,7 +21,7 @@ import torch
 
 from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
-from rlpost.algo import group_advantages
+from rlpost.algo import ragged_group_advantages
 from rlpost.config import LossConfig, ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
 from rlpost.types import Group
@@ -101,10 +101,12 @@ class Reference(KLServiceActor):
             rewards = (batch.get("reward").reshape(-1) - self.cfg.reference.kl_coef * kl_per_sample).tolist()
             for sample, reward in zip(samples, rewards):
                 sample.reward = reward
-            for group in groups:
-                rewards_g = torch.tensor([group.rewards])
-                scale = self.cfg.loss.advantage_scale  # "group" or "none": the config refuses "batch" here
-                group.advantages = group_advantages(rewards_g, scale=scale).reshape(-1).tolist()
+            # the rewards changed: the advantages are those of the penalised rewards ("batch": the
+            # std of every reward of this step's groups, as the env pools' is of their batch)
+            scale = self.cfg.loss.advantage_scale
+            advantages = ragged_group_advantages([group.rewards for group in groups], scale=scale)
+            for group, advantages_n in zip(groups, advantages):
+                group.advantages = advantages_n
         return groups
 
 

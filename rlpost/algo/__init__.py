@@ -8,7 +8,13 @@ be tested and reused anywhere; tests/unit/test_algo_purity.py enforces it. The T
 modules built on it live in ``rlpost.objectives``.
 """
 
-from rlpost.algo.advantages import ADVANTAGE_SCALES, AdvantageScale, distillation_advantages, group_advantages
+from rlpost.algo.advantages import (
+    ADVANTAGE_SCALES,
+    AdvantageScale,
+    distillation_advantages,
+    group_advantages,
+    ragged_group_advantages,
+)
 from rlpost.algo.chunked import chunked_logprobs_and_entropy, chunked_token_logprobs
 from rlpost.algo.grpo import (
     AGGREGATIONS,
@@ -59,6 +65,7 @@ __all__ = [
     "minor_sft_loss",
     "pack_lengths",
     "packed_tokens",
+    "ragged_group_advantages",
     "select_subset",
     "sequence_log_likelihood",
     "sft_loss",

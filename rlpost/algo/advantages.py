@@ -20,6 +20,7 @@ all-equal by definition (its Bessel std would be NaN).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -68,6 +69,25 @@ def group_advantages(
         advantages_gn = centred_gn
     # torch.where, not a multiply: with eps = 0 an all-equal group divides 0 by 0.
     return torch.where(is_equal_g1, torch.zeros_like(advantages_gn), advantages_gn)
+
+
+def ragged_group_advantages(
+    reward_rows: Sequence[Sequence[float]],
+    *,
+    scale: AdvantageScale = "group",
+    eps: float = 1e-4,
+) -> list[list[float]]:
+    """:func:`group_advantages` of groups that may differ in size (one list of rewards per
+    group), as lists. "batch" divides by the std of every reward of every group; for groups of
+    one size the result is :func:`group_advantages`' of the stacked rewards."""
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    rows = [torch.as_tensor(list(row), dtype=torch.float64).reshape(1, -1) for row in reward_rows]
+    if scale != "batch":
+        return [group_advantages(row, scale=scale, eps=eps)[0].tolist() for row in rows]
+    every = torch.cat([row[0] for row in rows]) if rows else torch.zeros(0, dtype=torch.float64)
+    std = float(every.std()) if every.numel() > 1 else 0.0
+    return [(group_advantages(row, scale="none", eps=eps)[0] / (std + eps)).tolist() for row in rows]
 
 
 def distillation_advantages(

@@ -294,7 +294,7 @@ class History(TensorClass["nocast"]):
                 raise HistoryError("return_assistant_tokens_mask=True needs return_dict=True")
         request = RenderRequest(
             tokenizer=tokenizer,
-            chat_template=_resolve_template(tokenizer, chat_template, chat_template_name),
+            chat_template=templates.resolve_template(tokenizer, chat_template, chat_template_name),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=bool(tokenize),
@@ -391,20 +391,6 @@ class History(TensorClass["nocast"]):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _resolve_template(tokenizer, chat_template: str | None, chat_template_name: str | None) -> str | None:
-    """The Jinja template to render with; None means the tokenizer's own."""
-    if chat_template is not None:
-        return chat_template
-    if chat_template_name is not None:
-        return templates.chat_template(chat_template_name)
-    custom = templates.custom_template_name(tokenizer)
-    if custom is not None:
-        return templates.chat_template(custom)
-    if not getattr(tokenizer, "chat_template", None):
-        return templates.chat_template("chatml_format")
-    return None
 
 
 def _blocks_row(row: list[dict], num_messages: int) -> History:

@@ -126,6 +126,17 @@ def set_rows(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor]) -> Te
     return td
 
 
+def same_key(a: NestedKey, b: NestedKey) -> bool:
+    """Whether two nested keys name one entry (``"a"`` and ``("a",)`` do)."""
+    as_tuple = lambda k: (k,) if isinstance(k, str) else tuple(k)  # noqa: E731
+    return as_tuple(a) == as_tuple(b)
+
+
+def batch_shape(td: TensorDictBase) -> torch.Size:
+    """``td``'s batch size, ``[1]`` for a TensorDict of batch ``[]`` (the shape of a per-row loss)."""
+    return td.batch_size if td.batch_dims > 0 else torch.Size([1])
+
+
 def _inner(value: Any) -> Any:
     """A tensorclass's TensorDict (containers such as LogProbs are tensorclasses), or ``value``."""
     return getattr(value, "_tensordict", value)

@@ -386,3 +386,18 @@ def parse_text(text: str, name: str, tokenizer=None):
     if not messages:
         raise ValueError(f"from_text: no {name} message found in {text[:80]!r}")
     return messages
+
+
+def resolve_template(tokenizer, template: str | None, template_name: str | None) -> str | None:
+    """The Jinja template a chat renders with (``apply_chat_template``'s ``chat_template`` and
+    ``chat_template_name``); None means the tokenizer's own."""
+    if template is not None:
+        return template
+    if template_name is not None:
+        return chat_template(template_name)
+    custom = custom_template_name(tokenizer)
+    if custom is not None:
+        return chat_template(custom)
+    if not getattr(tokenizer, "chat_template", None):
+        return chat_template("chatml_format")
+    return None

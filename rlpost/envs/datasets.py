@@ -1,4 +1,7 @@
-"""Prompts from a dataset: :class:`DataLoadingPrimer` (the transform) and :class:`DatasetChatEnv`.
+"""Prompts from a dataset: :class:`DataLoadingPrimer` (the transform) and the row loaders.
+
+The env over the primer, :class:`~rlpost.envs.chat.DatasetChatEnv`, is in :mod:`rlpost.envs.chat`
+(as in TorchRL: ``ChatEnv.from_dataloader`` builds one).
 
 A dataset is a Hugging Face hub name (with subset and split: what GPU users run), a local
 json/jsonl/parquet file or dataset folder (what tests and the demo run), an in-memory list of
@@ -35,9 +38,8 @@ import secrets
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,8 +47,6 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data.specs import Composite, NonTensor
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
-from rlpost.envs.chat import ChatEnv
-from rlpost.envs.common import TransformedEnv
 from rlpost.envs.transforms import Transform
 
 # local file extensions and the ``datasets`` builder that reads them (gzip-compressed JSON included)
@@ -251,7 +251,7 @@ class DataLoadingPrimer(Transform):
         self.device = torch.device(device) if device is not None else None
         self.shuffle, self.num_shards, self.shard_index = shuffle, num_shards, shard_index
         self.seed = secrets.randbits(63) if seed is None else int(seed)
-        self.is_iterable = _is_batch_iterable(source)
+        self.is_iterable = is_batch_iterable(source)
         if self.is_iterable:
             if num_shards != 1:
                 raise ValueError("num_shards > 1 needs a rows source (a file, hub name, Dataset or list of rows)")
@@ -619,7 +619,7 @@ class RayDataLoadingPrimer(DataLoadingPrimer):
         return f"RayDataLoadingPrimer(actor={self.actor_name or 'unnamed'}, dataset={self.description}, repeats={self.repeats})"
 
 
-def _is_batch_iterable(source: Any) -> bool:
+def is_batch_iterable(source: Any) -> bool:
     """A DataLoader or other iterable of batches (not a rows source)."""
     if isinstance(source, (str, os.PathLike, list, tuple)) or hasattr(source, "column_names"):
         return False
@@ -678,139 +678,3 @@ def _stack_or_nest(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len({tuple(t.shape) for t in tensors}) == 1:
         return torch.stack(tensors)
     return as_nested_tensor(tensors)
-
-
-# ---------------------------------------------------------------------------- the env
-
-
-class DatasetChatEnv(TransformedEnv):
-    """A :class:`ChatEnv` whose prompts come from a dataset through a :class:`DataLoadingPrimer`
-    (a :class:`~rlpost.envs.common.TransformedEnv`: ``env.base_env`` is the ChatEnv,
-    ``env.transform[0]`` and ``env.primer`` the primer).
-
-    The base of GSM8KEnv, ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer
-    supplies the query (plus the row's columns, ``answer``, ``prompt_id`` and ``row``).
-    Subclasses set ``SYSTEM_PROMPT``; a ``system_prompt`` argument overrides it.
-
-    Keyword args are TorchRL's (``dataset``, ``shuffle``, ``name`` (subset), ``split``,
-    ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``,
-    ``device``, ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``,
-    ``data_key``, ``primers``, ``system_prompt``) plus ``prompt_column``, ``answer_column``,
-    ``max_steps``, ``num_shards`` and ``shard_index``. ``dataset`` may also be a local file, a
-    list of rows, a ``datasets.Dataset``, a DataLoader or any iterable of batches.
-    ``apply_template`` is accepted for compatibility and has no effect: the chat template is
-    applied by the env's ``input_mode`` (text and tokens modes render with the tokenizer), as
-    in TorchRL, whose env does not read it either.
-    """
-
-    SYSTEM_PROMPT: str | None = None
-
-    def __init__(
-        self,
-        *,
-        dataset: Any,
-        shuffle: bool = True,
-        name: str | None = None,
-        split: str | None = "train",
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        collate_fn: Callable[[Any], Any] | None = None,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        data_key: str | None = None,
-        primers: Any = None,
-        system_prompt: str | None = None,
-        prompt_column: str | None = None,
-        answer_column: str | None = None,
-        max_steps: int | None = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        ray_backend: bool = False,
-        dataloader_actor_name: str | None = None,
-    ) -> None:
-        if dataloader_actor_name is not None and not ray_backend:
-            raise ValueError("dataloader_actor_name must be None if ray_backend is False")
-        base = ChatEnv(
-            batch_size=(num_envs,),
-            system_prompt=self.SYSTEM_PROMPT if system_prompt is None else system_prompt,
-            tokenizer=tokenizer,
-            template_kwargs=template_kwargs,
-            input_mode=input_mode,
-            data_key=data_key,
-            device=device,
-            max_steps=max_steps,
-        )
-        if ray_backend:  # one stream in a Ray actor, shared by every env naming it
-            source = {"dataloader": dataset} if _is_batch_iterable(dataset) else {"dataset": dataset}
-            make_primer = partial(RayDataLoadingPrimer, actor_name=dataloader_actor_name, **source)
-        else:
-            make_primer = partial(DataLoadingPrimer, dataset)
-        primer = make_primer(
-            primers=primers,
-            repeats=repeats,
-            device=device,
-            group_repeats=group_repeats,
-            batch_size=num_envs,
-            batch_size_dl=batch_size_dl,
-            collate_fn=collate_fn,
-            prompt_column=prompt_column,
-            answer_column=answer_column,
-            data_key=base.data_key,
-            name=name,
-            split=split,
-            shuffle=shuffle,
-            seed=seed,
-            num_shards=num_shards,
-            shard_index=shard_index,
-        )
-        if primer.prompt_column is None:
-            raise ValueError(
-                f"dataset {primer.description} has no prompt column: its columns are {primer.columns}; name the "
-                f"prompt with prompt_column= (the env reads it under {base.data_key!r})"
-            )
-        self.apply_template = apply_template
-        TransformedEnv.__init__(self, base, primer)
-
-    @property
-    def primer(self) -> DataLoadingPrimer:
-        return self.transform[0]
-
-    @classmethod
-    def from_dataloader(
-        cls,
-        dataloader: Any,
-        *,
-        repeats: int | None = None,
-        device: torch.device | str | None = None,
-        group_repeats: bool = False,
-        batch_size: int | tuple[int, ...] | torch.Size | None = None,
-        primers: Any = None,
-        tokenizer: Any = None,
-        template_kwargs: dict[str, Any] | None = None,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        max_steps: int | None = None,
-    ) -> DatasetChatEnv:
-        """A chat env over ``dataloader`` (TorchRL's keywords; ``batch_size`` is the number of
-        envs, default 1). The dataloader's batches go through :func:`default_collate_fn` unless
-        it collates them itself."""
-        num_envs = batch_size if isinstance(batch_size, int) else (int(batch_size[0]) if batch_size else 1)
-        self = cls.__new__(cls)
-        DatasetChatEnv.__init__(
-            self, dataset=dataloader, num_envs=num_envs, repeats=repeats, device=device, group_repeats=group_repeats,
-            primers=primers, tokenizer=tokenizer, template_kwargs=template_kwargs, input_mode=input_mode,
-            data_key=data_key, system_prompt=system_prompt, max_steps=max_steps,
-        )  # fmt: skip
-        return self
-
-    def reset_dataloader(self) -> DatasetChatEnv:
-        """Restart the prompt stream at epoch 0."""
-        self.primer.reset_dataloader()
-        return self

@@ -52,8 +52,7 @@ from typing import Any, Literal
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
-from rlpost.envs.chat import as_list
-from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.rewards import final_answer
 from rlpost.envs.rewards import has_answer as has_answer_tag
@@ -457,7 +456,7 @@ class GSM8KEnv(DatasetChatEnv):
     Keyword Args (TorchRL's): ``dataset``, ``shuffle``, ``num_envs``, ``repeats``,
     ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
     ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``: as
-    :class:`~rlpost.envs.datasets.DatasetChatEnv` takes them; plus
+    :class:`~rlpost.envs.chat.DatasetChatEnv` takes them; plus
 
         compute_reward: append a :class:`GSM8KRewardParser` (default True).
         max_steps: steps per episode (default 1, one answer); 0 or None for no limit.
@@ -542,7 +541,7 @@ def make_gsm8k_env(
     and a :class:`GSM8KRewardParser` only when a ``tokenizer`` is given (otherwise a warning says
     that no reward is assigned). Actions may use TorchRL 0.9's ``"text_response"`` key.
 
-    Deviations: the env is a history-mode :class:`~rlpost.envs.datasets.DatasetChatEnv` (the
+    Deviations: the env is a history-mode :class:`~rlpost.envs.chat.DatasetChatEnv` (the
     prompt is also in ``history.prompt`` as a user message), and without a tokenizer ``next`` still
     holds ``reward``, all zeros (a ChatEnv always writes it).
     """

@@ -69,9 +69,8 @@ from tensordict import NonTensorData, NonTensorStack, TensorClass, TensorDictBas
 from tensordict.utils import is_non_tensor
 
 from rlpost.data import specs
-from rlpost.envs.chat import ChatEnv, as_list
-from rlpost.envs.datasets import DatasetChatEnv
-from rlpost.envs.tasks import add_reward
+from rlpost.envs.chat import ChatEnv, DatasetChatEnv, as_list
+from rlpost.envs.rewards import add_reward
 from rlpost.envs.transforms import Transform
 
 __all__ = [
@@ -503,7 +502,7 @@ class IfEvalScorer(Transform):
 
     def _markers(self, env: ChatEnv) -> list[str]:
         if self._stop_markers is None:
-            from rlpost.envs.chat import TurnRenderer
+            from rlpost.envs.turns import TurnRenderer
 
             markers = [env.tokenizer.eos_token or ""]
             try:
@@ -618,7 +617,7 @@ class IFEvalEnv(DatasetChatEnv):
     prompt (:data:`IFEVAL_SYSTEM_PROMPT`) asks for ``<think>`` then ``<answer>`` blocks: only the
     answer is checked. As in TorchRL, ``max_steps`` defaults to 1 (one answer per episode).
 
-    Keyword args are those of :class:`~rlpost.envs.datasets.DatasetChatEnv` (``dataset``,
+    Keyword args are those of :class:`~rlpost.envs.chat.DatasetChatEnv` (``dataset``,
     ``shuffle``, ``num_envs``, ``repeats``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
     ``template_kwargs``, ``apply_template``, ``collate_fn``, ``batch_size_dl``, ``input_mode``,
     ``name``, ``split``, ``system_prompt``, ``prompt_column``, ``ray_backend`` (default actor

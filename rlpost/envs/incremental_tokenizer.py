@@ -23,11 +23,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.data import History
-from rlpost.data.history import _resolve_template  # the template History itself renders with
-from rlpost.envs.chat import TurnRenderer, close_with
-from rlpost.envs.common import EnvInputError
-from rlpost.envs.llm_transforms import AddThinkingPrompt, NestedKey, _key, stack_rows, tensor_rows
+from rlpost.data.templates import resolve_template  # the template History itself renders with
+from rlpost.envs.errors import EnvInputError
+from rlpost.envs.llm_transforms import AddThinkingPrompt, NestedKey, as_key, stack_rows, tensor_rows
 from rlpost.envs.transforms import ToolTransformBase, Transform
+from rlpost.envs.turns import TurnRenderer, close_with
 
 
 class IncrementalTokenizer(Transform):
@@ -68,7 +68,7 @@ class IncrementalTokenizer(Transform):
         if tokenizer is None:
             raise ValueError("IncrementalTokenizer needs a tokenizer")
         self.tokenizer = tokenizer
-        self.history_key, self.tokens_key = _key(history_key), _key(tokens_key)
+        self.history_key, self.tokens_key = as_key(history_key), as_key(tokens_key)
         if isinstance(self.tokens_key, tuple) and len(self.tokens_key) > 2:
             raise ValueError(f"IncrementalTokenizer tokens_key has at most two parts, got {tokens_key!r}")
         self.chat_template_name, self.chat_template = chat_template_name, chat_template
@@ -147,7 +147,7 @@ class IncrementalTokenizer(Transform):
 
     def _turn_end(self, role: str) -> str:
         if role not in self._renderers:
-            template = _resolve_template(self.tokenizer, self.chat_template, self.chat_template_name)
+            template = resolve_template(self.tokenizer, self.chat_template, self.chat_template_name)
             kwargs = {} if template is None else {"chat_template": template}
             self._renderers[role] = TurnRenderer(self.tokenizer, role, kwargs)
         return self._renderers[role].turn_end()

@@ -31,7 +31,8 @@ Deliberate deviations from TorchRL:
 - ``gen_model=None`` (:class:`RetrieveKL`) uses the generation log-probs already in the data
   (e.g. the ones the inference engine returned): no second scoring pass.
 - ``estimator="k3"`` (KLComputation, RetrieveKL) gives ``exp(r) - r - 1`` with
-  ``r = ref - gen``, a non-negative estimate; TorchRL has only ``gen - ref`` (k1, the default).
+  ``r = ref - gen`` (:func:`rlpost.algo.kl_per_token`), a non-negative estimate; TorchRL has only
+  ``gen - ref`` (k1, the default).
 - KLComputation also accepts the spellings its TorchRL docstring example uses
   (``gen_log_probs_key``, ``ref_log_probs_key``, ``coef``).
 - A remote call has a time limit (``timeout_s``): a dead or stuck service raises
@@ -50,6 +51,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch.nn.utils.rnn import pad_sequence
 
+from rlpost.algo import kl_per_token
 from rlpost.data.stacking import get_rows, is_row_stacked, set_rows
 from rlpost.envs.transforms import Compose, Transform
 
@@ -276,14 +278,8 @@ class KLComputation(Transform):
                     f"sample {i}: generation log-probs {tuple(g.shape)} and reference log-probs {tuple(r.shape)} differ: "
                     "both must come from the same layout (same pad_output; keep the EOS token when pad == eos)"
                 )
-        rows = [self._estimate(g, r.to(g.device)) for g, r in zip(gen_rows, ref_rows)]
+        rows = [kl_per_token(g, r.to(g.device), self.estimator) for g, r in zip(gen_rows, ref_rows)]
         return rows, isinstance(gen, torch.Tensor) and not gen.is_nested
-
-    def _estimate(self, gen: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-        if self.estimator == "k1":
-            return gen - ref
-        log_ratio = ref - gen
-        return log_ratio.exp() - log_ratio - 1
 
     def apply(self, next_td: TensorDictBase) -> TensorDictBase:
         """Write the KL (and the penalised reward) into ``next_td``."""

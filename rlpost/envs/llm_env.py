@@ -35,15 +35,16 @@ from tensordict import (
 )
 
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import FLAGS, EnvBase, EnvInputError, TransformedEnv
+from rlpost.envs.common import FLAGS, EnvBase, TransformedEnv
 from rlpost.envs.datasets import DataLoadingPrimer
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.llm_transforms import (
     Tokenizer,
-    _has,
-    _key,
-    _num_rows,
-    _replace_last,
+    as_key,
+    count_rows,
+    has_key,
     object_rows,
+    replace_last,
     run_inverse,
     stack_rows,
     tensor_rows,
@@ -248,12 +249,12 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
         if as_llm_data:
             raise NotImplementedError("LLMEnv(as_llm_data=True) is TorchRL's unfinished option; it is not supported")
         self.from_text = from_text
-        self.token_key = _key(token_key if token_key is not None else self._DEFAULT_TOKEN_KEY)
-        self.str_key = _key(str_key if str_key is not None else self._DEFAULT_STR_KEY)
-        self.attention_key = _key(attention_key if attention_key is not None else self._DEFAULT_ATTENTION_KEY)
+        self.token_key = as_key(token_key if token_key is not None else self._DEFAULT_TOKEN_KEY)
+        self.str_key = as_key(str_key if str_key is not None else self._DEFAULT_STR_KEY)
+        self.attention_key = as_key(attention_key if attention_key is not None else self._DEFAULT_ATTENTION_KEY)
         default_action = self._DEFAULT_ACTION_STR_KEY if from_text else self._DEFAULT_ACTION_TOKENS_KEY
-        self._action_key = _key(action_key if action_key is not None else default_action)
-        self._reward_key = _key(reward_key)
+        self._action_key = as_key(action_key if action_key is not None else default_action)
+        self._reward_key = as_key(reward_key)
         self.batch_size = _batch(batch_size, what="LLMEnv")
         self.device = torch.device(device) if device is not None else None
         self.vocab_size, self.has_attention = vocab_size, has_attention
@@ -374,9 +375,9 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
         return td
 
     def _prompt_key(self, td: TensorDictBase) -> NestedKey:
-        if self.from_text and self.str_key != self.QUERY_KEY and _has(td, self.QUERY_KEY):
+        if self.from_text and self.str_key != self.QUERY_KEY and has_key(td, self.QUERY_KEY):
             return self.QUERY_KEY
-        if _has(td, self.input_mode):
+        if has_key(td, self.input_mode):
             return self.input_mode
         also = ""
         if self.from_text:
@@ -417,7 +418,7 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
         """The next observation (observation + action), the flags and, optionally, the reward."""
-        num = _num_rows(td)
+        num = count_rows(td)
         self._require(td, self._action_key, "action")
         self._require(td, self.input_mode, "observation")
         entries: dict[NestedKey, list] = {}
@@ -465,7 +466,7 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
 
     def _token_actions(self, td: TensorDictBase) -> list[torch.Tensor]:
         """The tokens of a text action, which ``eos_token_id`` is looked for in."""
-        if not _has(td, self._DEFAULT_ACTION_TOKENS_KEY):
+        if not has_key(td, self._DEFAULT_ACTION_TOKENS_KEY):
             raise EnvInputError(
                 f"LLMEnv(eos_token_id={self.eos_token_id}) looks for the end-of-sequence token in the action's "
                 f"tokens under {self._DEFAULT_ACTION_TOKENS_KEY!r}, which the step input lacks"
@@ -473,10 +474,10 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
         return tensor_rows(td, self._DEFAULT_ACTION_TOKENS_KEY)
 
     def _require(self, td: TensorDictBase, key: NestedKey, what: str) -> None:
-        if _has(td, key):
+        if has_key(td, key):
             return
         hint = ""
-        if key == self._action_key and self.from_text and _has(td, self._DEFAULT_ACTION_TOKENS_KEY):
+        if key == self._action_key and self.from_text and has_key(td, self._DEFAULT_ACTION_TOKENS_KEY):
             hint = (
                 f" (the input has {self._DEFAULT_ACTION_TOKENS_KEY!r}: append a Tokenizer with "
                 f"in_keys_inv=[{self._action_key!r}], out_keys_inv=[{self._DEFAULT_ACTION_TOKENS_KEY!r}] to decode it)"
@@ -536,16 +537,16 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
         (decoded into ``action_key`` before each step).
         """
         cls._warn_deprecated()
-        str_key = _key(str_key if str_key is not None else cls._DEFAULT_STR_KEY)
-        token_key = _key(token_key if token_key is not None else cls._DEFAULT_TOKEN_KEY)
+        str_key = as_key(str_key if str_key is not None else cls._DEFAULT_STR_KEY)
+        token_key = as_key(token_key if token_key is not None else cls._DEFAULT_TOKEN_KEY)
         if attention_key is None:
             attention_key = cls._DEFAULT_ATTENTION_KEY
             if tokenizer is not None:
-                attention_key = _replace_last(token_key, "attention_mask")
-        elif tokenizer is not None and _key(attention_key) != _replace_last(token_key, "attention_mask"):
+                attention_key = replace_last(token_key, "attention_mask")
+        elif tokenizer is not None and as_key(attention_key) != replace_last(token_key, "attention_mask"):
             raise ValueError(
                 "When using the Tokenizer, attention key must match `(*token_key[:-1], 'attention_mask')`. "
-                f"Got attention_key={attention_key!r} while expecting {_replace_last(token_key, 'attention_mask')!r}."
+                f"Got attention_key={attention_key!r} while expecting {replace_last(token_key, 'attention_mask')!r}."
             )
         tokenizer_transform = None
         if tokenizer is not None:
@@ -658,7 +659,7 @@ class _ColumnsPrimer(DataLoadingPrimer):
         return wanted
 
     def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
-        if _has(td, self.observation_key):
+        if has_key(td, self.observation_key):
             return td
         items = self.next_items(td.batch_size[0])
         for column in self.columns:
@@ -754,9 +755,9 @@ class LLMHashingEnv(_LLMEnvLoop, EnvBase):
         self.vocab_size = vocab_size
         self._hashing_module = hashing_module if hashing_module is not None else hash_rows
         self._tokenizer = tokenizer
-        self.observation_key = _key(observation_key)
+        self.observation_key = as_key(observation_key)
         self.text_output = text_output
-        self.text_key = _key(text_key if text_key is not None else "text") if text_output else None
+        self.text_key = as_key(text_key if text_key is not None else "text") if text_output else None
         self.batch_size = torch.Size([])
         self.device = None
 
@@ -844,7 +845,7 @@ class LLMHashingEnv(_LLMEnvLoop, EnvBase):
         return td
 
     def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
-        if not _has(td, self.observation_key):
+        if not has_key(td, self.observation_key):
             raise EnvInputError(
                 f"Resetting the LLMHashingEnv environment requires a prompt: token ids under {self.observation_key!r}; "
                 f"the reset input has keys {sorted(map(str, td.keys(include_nested=True)))}"
@@ -862,7 +863,7 @@ class LLMHashingEnv(_LLMEnvLoop, EnvBase):
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
         for key in (self.observation_key, "hashing", "action"):
-            if not _has(td, key):
+            if not has_key(td, key):
                 raise EnvInputError(
                     f"LLMHashingEnv.step needs {key!r} (the policy writes 'action', one token id per row); the step "
                     f"input has keys {sorted(map(str, td.keys(include_nested=True)))}"

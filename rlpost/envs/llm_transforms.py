@@ -26,7 +26,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.data import ChatHistory, History
-from rlpost.envs import common as _common  # its names are read at call time (import order)
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.transforms import Compose, Transform
 
 NestedKey = Any  # a str or a tuple of str
@@ -35,7 +35,7 @@ NestedKey = Any  # a str or a tuple of str
 # ---------------------------------------------------------------------------- helpers
 
 
-def _key(key: NestedKey) -> NestedKey:
+def as_key(key: NestedKey) -> NestedKey:
     """A nested key in one spelling: a str, or a tuple of two or more str."""
     if isinstance(key, tuple):
         if not key or not all(isinstance(part, str) for part in key):
@@ -51,29 +51,29 @@ def _keys(keys: Sequence[NestedKey] | NestedKey | None) -> list:
         return []
     if isinstance(keys, (str, tuple)):
         keys = [keys]
-    return [_key(key) for key in keys]
+    return [as_key(key) for key in keys]
 
 
-def _replace_last(key: NestedKey, last: str) -> NestedKey:
+def replace_last(key: NestedKey, last: str) -> NestedKey:
     """``key`` with its last part replaced by ``last`` (``"tokens"`` -> ``last``,
     ``("a", "ids")`` -> ``("a", last)``)."""
     return last if isinstance(key, str) else (*key[:-1], last)
 
 
-def _has(td: TensorDictBase, key: NestedKey) -> bool:
+def has_key(td: TensorDictBase, key: NestedKey) -> bool:
     return key in td.keys(include_nested=isinstance(key, tuple))
 
 
-def _num_rows(td: TensorDictBase) -> int:
+def count_rows(td: TensorDictBase) -> int:
     if td.batch_dims > 1:
-        raise _common.EnvInputError(f"expected a TensorDict of batch [] or [B], got batch {tuple(td.batch_size)}")
+        raise EnvInputError(f"expected a TensorDict of batch [] or [B], got batch {tuple(td.batch_size)}")
     return td.batch_size[0] if td.batch_dims else 1
 
 
 def object_rows(td: TensorDictBase, key: NestedKey) -> list:
     """The Python values (strings, chats...) of ``td[key]``, one per row (one for batch ``[]``)."""
     value = td.get(key)
-    num = _num_rows(td)
+    num = count_rows(td)
     if isinstance(value, NonTensorStack):
         value = value.tolist()
     elif isinstance(value, NonTensorData):
@@ -96,7 +96,7 @@ def tensor_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
     except RuntimeError:  # a lazy stack whose rows differ in length
         return [row.get(key) for row in td.unbind(0)]
     if not isinstance(value, torch.Tensor):
-        raise _common.EnvInputError(f"expected a tensor under {key!r}, got {type(value).__name__}")
+        raise EnvInputError(f"expected a tensor under {key!r}, got {type(value).__name__}")
     return list(value.unbind(0))
 
 
@@ -164,7 +164,7 @@ class Tokenizer(Transform):
         max_length: pad (a batch or a single string) to this length.
         return_attention_mask: write the attention mask (default True).
         missing_tolerance: a missing input entry is skipped (default True); otherwise it raises
-            :class:`~rlpost.envs.common.EnvInputError` naming the key (TorchRL: ``KeyError``).
+            :class:`~rlpost.envs.errors.EnvInputError` naming the key (TorchRL: ``KeyError``).
         call_before_reset: tokenize the reset input before the base env's reset instead of its
             output.
 
@@ -228,7 +228,7 @@ class Tokenizer(Transform):
         for out_key in self.out_keys:
             keys.append(out_key)
             if self.return_attention_mask:
-                keys.append(_replace_last(out_key, "attention_mask"))
+                keys.append(replace_last(out_key, "attention_mask"))
         return tuple(keys)
 
     # ------------------------------------------------------------------ hooks
@@ -250,9 +250,9 @@ class Tokenizer(Transform):
     def inv(self, td: TensorDictBase) -> TensorDictBase:
         """Decode each ``out_keys_inv`` entry (token ids per row) into ``in_keys_inv``."""
         for text_key, tokens_key in zip(self.in_keys_inv, self.out_keys_inv):
-            if not _has(td, tokens_key):
+            if not has_key(td, tokens_key):
                 if not self.missing_tolerance:
-                    raise _common.EnvInputError(
+                    raise EnvInputError(
                         f"Tokenizer: no {tokens_key!r} to decode into {text_key!r}; "
                         f"the step input has keys {sorted(map(str, td.keys(include_nested=True)))}"
                     )
@@ -264,20 +264,20 @@ class Tokenizer(Transform):
 
     def _tokenize_entries(self, td: TensorDictBase, *, tolerant: bool) -> None:
         for in_key, out_key in zip(self.in_keys, self.out_keys):
-            mask_key = _replace_last(out_key, "attention_mask")
-            if not _has(td, in_key):
+            mask_key = replace_last(out_key, "attention_mask")
+            if not has_key(td, in_key):
                 if not tolerant:
-                    raise _common.EnvInputError(
+                    raise EnvInputError(
                         f"Tokenizer: no {in_key!r} to tokenize into {out_key!r}; "
                         f"the TensorDict has keys {sorted(map(str, td.keys(include_nested=True)))}"
                     )
-                if self.return_attention_mask and _has(td, out_key) and not _has(td, mask_key):
+                if self.return_attention_mask and has_key(td, out_key) and not has_key(td, mask_key):
                     td.set(mask_key, torch.ones_like(td.get(out_key), dtype=torch.int64))
                 continue
             texts = object_rows(td, in_key)
             if not all(isinstance(text, str) for text in texts):
                 kinds = sorted({type(text).__name__ for text in texts})
-                raise _common.EnvInputError(f"Tokenizer: {in_key!r} must hold strings, got {kinds}")
+                raise EnvInputError(f"Tokenizer: {in_key!r} must hold strings, got {kinds}")
             ids, mask = self.encode(texts[0]) if td.batch_dims == 0 else self.encode(texts)
             td.set(out_key, ids)
             if self.return_attention_mask:
@@ -341,7 +341,7 @@ class TemplateTransform(Transform):
     inverse pass cuts at are read from the template (TorchRL hard-codes Llama 3's
     ``<|start_header_id|>assistant<|end_header_id|>`` and ``<|eot_id|>``), and a plain string
     renders as a user message (TorchRL passes it to ``apply_chat_template`` as is, which fails).
-    A missing entry raises :class:`~rlpost.envs.common.EnvInputError` naming the key.
+    A missing entry raises :class:`~rlpost.envs.errors.EnvInputError` naming the key.
     """
 
     _MARK = "\u2063rlpost-template\u2063"
@@ -390,7 +390,7 @@ class TemplateTransform(Transform):
         for in_key, out_key in zip(self.in_keys_inv, self.out_keys_inv):
             texts = self._entry(td, in_key, "completion")
             if not all(isinstance(text, str) for text in texts):
-                raise _common.EnvInputError(f"TemplateTransform: {in_key!r} must hold strings (rendered completions)")
+                raise EnvInputError(f"TemplateTransform: {in_key!r} must hold strings (rendered completions)")
             td.set(out_key, batch_value([self.last_assistant_turn(text) for text in texts], td))
         return td
 
@@ -429,11 +429,11 @@ class TemplateTransform(Transform):
 
     def _render_entries(self, td: TensorDictBase) -> TensorDictBase:
         for in_key, out_key in zip(self.in_keys, self.out_keys):
-            value = td.get(in_key) if _has(td, in_key) else None
+            value = td.get(in_key) if has_key(td, in_key) else None
             if isinstance(value, History):
                 chats = value.to_chats() if td.batch_dims else [value.to_chats()]
             elif isinstance(value, ChatHistory):
-                raise _common.EnvInputError(
+                raise EnvInputError(
                     f"TemplateTransform: {in_key!r} holds a ChatHistory; name one of its Histories, "
                     f"e.g. in_keys=[({in_key!r}, 'prompt')]"
                 )
@@ -443,8 +443,8 @@ class TemplateTransform(Transform):
         return td
 
     def _entry(self, td: TensorDictBase, key: NestedKey, what: str) -> list:
-        if not _has(td, key):
-            raise _common.EnvInputError(
+        if not has_key(td, key):
+            raise EnvInputError(
                 f"TemplateTransform needs the {what} under {key!r}; the TensorDict has keys "
                 f"{sorted(map(str, td.keys(include_nested=True)))}"
             )
@@ -463,7 +463,7 @@ def _as_chat(conversation: Any) -> list[dict]:
         return [conversation]
     if isinstance(conversation, (list, tuple)) and all(isinstance(m, dict) for m in conversation):
         return list(conversation)
-    raise _common.EnvInputError(
+    raise EnvInputError(
         f"TemplateTransform renders a History, a list of message dicts or a string, got {type(conversation).__name__}"
     )
 
@@ -497,7 +497,7 @@ class AddThinkingPrompt(Transform):
         egocentric: whether the prompt speaks as the assistant (default: ``role == "assistant"``).
 
     On an env that is not in history mode (or not attached to one) the transform raises
-    :class:`~rlpost.envs.common.EnvInputError` at the first reset or step.
+    :class:`~rlpost.envs.errors.EnvInputError` at the first reset or step.
 
     Deliberate deviation from TorchRL: when the edited message ends with ``<|im_end|>`` after
     its answer block, the answer is replaced and the marker kept; TorchRL's current code keeps
@@ -558,10 +558,10 @@ class AddThinkingPrompt(Transform):
     def _check_env(self) -> Any:
         parent = self.parent
         if parent is None:
-            raise _common.EnvInputError("AddThinkingPrompt is not attached to an env: use env.append_transform(...)")
+            raise EnvInputError("AddThinkingPrompt is not attached to an env: use env.append_transform(...)")
         mode = getattr(parent.base_env, "input_mode", None)
         if mode != "history":
-            raise _common.EnvInputError(
+            raise EnvInputError(
                 f"AddThinkingPrompt edits the conversation history: it needs a ChatEnv with input_mode='history', "
                 f"but {type(parent.base_env).__name__} has input_mode={mode!r}"
             )
@@ -575,7 +575,7 @@ class AddThinkingPrompt(Transform):
         env = self._check_env()
         chat = next_td.get("history", None)
         if not isinstance(chat, ChatHistory) or chat.prompt is None:
-            raise _common.EnvInputError("AddThinkingPrompt needs the next prompt under ('history', 'prompt')")
+            raise EnvInputError("AddThinkingPrompt needs the next prompt under ('history', 'prompt')")
         rows = chat.prompt.to_chats(include_state=True)
         changed = False
         for i in range(len(rows)):
@@ -598,7 +598,7 @@ class AddThinkingPrompt(Transform):
     @staticmethod
     def _fill_row(next_td: TensorDictBase, keys: Iterable[NestedKey], row: int, value: Any) -> None:
         for key in keys:
-            if _has(next_td, key):
+            if has_key(next_td, key):
                 tensor = next_td.get(key).clone()
                 tensor[row] = value
                 next_td.set(key, tensor)
@@ -647,7 +647,7 @@ class StepCounter(Transform):
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"StepCounter max_steps must be a positive int or None, got {max_steps!r}")
         self.max_steps = max_steps
-        self.truncated_key, self.step_count_key = _key(truncated_key), _key(step_count_key)
+        self.truncated_key, self.step_count_key = as_key(truncated_key), as_key(step_count_key)
         self.update_done = update_done
 
     @property
@@ -660,13 +660,15 @@ class StepCounter(Transform):
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         shape = (*next_td.batch_size, 1)
-        count = td.get(self.step_count_key) if _has(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
+        count = (
+            td.get(self.step_count_key) if has_key(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
+        )
         count = count.reshape(shape).to(torch.int64) + 1
         next_td.set(self.step_count_key, count)
         if self.max_steps is not None:
             reached = count >= self.max_steps
             current = torch.zeros_like(reached)
-            if _has(next_td, self.truncated_key):
+            if has_key(next_td, self.truncated_key):
                 current = next_td.get(self.truncated_key)
             next_td.set(self.truncated_key, current.reshape(shape) | reached)
             if self.update_done:
@@ -733,7 +735,7 @@ class PolicyVersion(Transform):
         else:
             raise ValueError(f"Invalid version type: {version_type!r} (use int, 'int', str or 'uuid')")
         self.version_type = version_type
-        self.key = _key(key)
+        self.key = as_key(key)
         self.state_keys = (self.key,)
         self.version_history: list[VersionChange] = []
         self._current_version: str | int | None = None

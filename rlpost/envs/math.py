@@ -47,8 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlpost.envs.chat import ChatEnv
-from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.chat import ChatEnv, DatasetChatEnv
 from rlpost.envs.task_reward import TaskRewardParser
 
 __all__ = ["MATH_SYSTEM_PROMPT", "MATHColumns", "MATHEnv", "MATHRewardParser", "last_boxed"]

@@ -7,7 +7,7 @@ credit. Nothing is downloaded: the generators are procedural (a few read word li
 files that ship inside the package).
 
 - :func:`reasoning_gym_rows` turns a task mapping into rows for a
-  :class:`~rlpost.envs.datasets.DatasetChatEnv` (an in-memory list of dicts).
+  :class:`~rlpost.envs.chat.DatasetChatEnv` (an in-memory list of dicts).
 - :class:`ReasoningGymRewardParser` adds the package's own score of the response's
   ``<answer>...</answer>`` content to the reward.
 - :class:`ReasoningGymEnv` is the env: the rows, a system prompt asking for the answer tag, and
@@ -61,9 +61,8 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.envs.chat import as_list
-from rlpost.envs.datasets import DatasetChatEnv
-from rlpost.envs.rewards import extract_answer, final_answer, has_answer, reward_value
+from rlpost.envs.chat import DatasetChatEnv, as_list
+from rlpost.envs.rewards import add_reward, extract_answer, final_answer, has_answer, reward_value
 from rlpost.envs.transforms import Transform
 
 __all__ = [
@@ -266,7 +265,7 @@ def _draw_rows(specs: list[_TaskSpec], size: int, seed: int, split: str) -> list
 
 
 def reasoning_gym_rows(tasks: Mapping[str, Any], *, size: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of reasoning_gym tasks for a :class:`~rlpost.envs.datasets.DatasetChatEnv`.
+    """Rows of reasoning_gym tasks for a :class:`~rlpost.envs.chat.DatasetChatEnv`.
 
     Args:
         tasks: task name -> weight, or -> ``{"weight": W, **options}`` (see the module docstring).
@@ -373,8 +372,6 @@ class ReasoningGymRewardParser(Transform):
         self._scorers: dict[str, Callable[[str | None, dict[str, Any]], Any]] = {}
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        from rlpost.envs.tasks import add_reward  # rlpost.envs.tasks may import this module
-
         num_envs = td.batch_size[0]
         if self.row_key not in td.keys():
             raise ValueError(f"{type(self).__name__} needs the dataset row under {self.row_key!r} in the step input")
@@ -439,13 +436,13 @@ class ReasoningGymRewardParser(Transform):
 
 
 class ReasoningGymEnv(DatasetChatEnv):
-    """A :class:`~rlpost.envs.datasets.DatasetChatEnv` over generated reasoning_gym rows.
+    """A :class:`~rlpost.envs.chat.DatasetChatEnv` over generated reasoning_gym rows.
 
     The rows are :func:`reasoning_gym_rows` of ``tasks`` (``size`` of them, from ``row_seed``,
     default ``seed`` or 0, and ``split``); the prompt is the ``question`` column and ``answer``
     the reference. With ``compute_reward`` a :class:`ReasoningGymRewardParser` scores the
     responses with the tasks' own scorers. One answer per episode by default (``max_steps=1``).
-    Every other keyword goes to :class:`~rlpost.envs.datasets.DatasetChatEnv` (``num_envs``,
+    Every other keyword goes to :class:`~rlpost.envs.chat.DatasetChatEnv` (``num_envs``,
     ``repeats``, ``seed``, ``tokenizer``, ``input_mode``, ...), except ``dataset``: the rows are
     generated.
     """

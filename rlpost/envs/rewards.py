@@ -26,6 +26,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+from tensordict import TensorDictBase
+
 from rlpost.dotted import load_callable
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -142,3 +145,10 @@ def load_reward_fn(dotted_path: str) -> RewardFn:
     """The reward function at ``"package.module:function"`` or ``"package.module.function"``
     (:func:`rlpost.dotted.load_callable`; its ValueError names the path)."""
     return load_callable(dotted_path, "reward function")
+
+
+def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
+    """``next_td["reward"] += rewards`` (one per env), keeping the ``[B, 1]`` float32 layout."""
+    reward = next_td.get("reward")
+    next_td.set("reward", reward + torch.tensor(rewards, dtype=reward.dtype, device=reward.device).view_as(reward))
+    return next_td

@@ -31,11 +31,10 @@ from rlpost.envs.arithmetic import (
     make_arithmetic_rows,
     make_tool_arithmetic_rows,
 )
-from rlpost.envs.chat import as_list
-from rlpost.envs.datasets import DatasetChatEnv
+from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT, GSM8KEnv, GSM8KRewardParser  # noqa: F401  (re-exported)
-from rlpost.envs.rewards import answer_reward, has_answer, load_reward_fn, reward_value
+from rlpost.envs.rewards import add_reward, answer_reward, has_answer, load_reward_fn, reward_value
 from rlpost.envs.sandbox import SandboxUnavailable
 from rlpost.envs.transforms import (
     HermesToolCallParser,
@@ -169,13 +168,6 @@ class UserReward(Transform):
 
     def __repr__(self) -> str:
         return f"UserReward({self.name!r}, timeout_s={self.timeout_s})"
-
-
-def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
-    """``next_td["reward"] += rewards`` (one per env), keeping the ``[B, 1]`` float32 layout."""
-    reward = next_td.get("reward")
-    next_td.set("reward", reward + torch.tensor(rewards, dtype=reward.dtype, device=reward.device).view_as(reward))
-    return next_td
 
 
 class ArithmeticEnv(DatasetChatEnv):

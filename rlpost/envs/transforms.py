@@ -40,6 +40,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.python_executor import PythonExecutor, RayExecutorHandle, check_run_options, result_from_execution
 from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks, format_tool_response, run_python
@@ -99,8 +100,6 @@ class Transform:
         transforms that read the policy's messages or add messages."""
         env = self._env()
         if not callable(getattr(env, "last_responses", None)):
-            from rlpost.envs.common import EnvInputError
-
             base = getattr(env, "base_env", env)
             raise EnvInputError(
                 f"{type(self).__name__} reads the policy's messages (history, text or tokens of a ChatEnv); "
@@ -589,14 +588,3 @@ class StopWithoutToolCall(Transform):
         next_td.set("terminated", next_td.get("terminated") | no_call)
         next_td.set("done", next_td.get("done") | no_call)
         return next_td
-
-
-# TorchRL's LLM transforms, importable from here as from ``torchrl.envs.llm.transforms`` (this
-# module is fully defined by now; they build on its Transform).
-from rlpost.envs.llm_transforms import (  # noqa: E402, F401
-    AddThinkingPrompt,
-    PolicyVersion,
-    StepCounter,
-    TemplateTransform,
-    Tokenizer,
-)

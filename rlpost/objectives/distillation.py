@@ -36,8 +36,8 @@ from tensordict import NestedKey, TensorClass, TensorDictBase
 
 from rlpost.algo import k3_kl_token_estimate
 from rlpost.algo.sft import reduce
-from rlpost.data.stacking import get_rows
-from rlpost.objectives.sft import HistoryLoss, _batch_shape
+from rlpost.data.stacking import batch_shape, get_rows
+from rlpost.objectives.sft import HistoryLoss
 
 KL_DIRECTIONS = ("reverse", "forward")
 # share of exact-zero teacher log-probs on non-assistant tokens that marks assistant-only data
@@ -154,7 +154,7 @@ class DistillationLoss(HistoryLoss):
         summed_kl = torch.stack(summed)
         loss = _distillation_loss(summed_kl, self.reduction)
         if self.reduction == "none":
-            loss = loss.reshape(_batch_shape(tensordict))
+            loss = loss.reshape(batch_shape(tensordict))
         return DistillationLossOutput(loss_distill=loss, kl_to_teacher=summed_kl.detach().mean(), batch_size=[])
 
 

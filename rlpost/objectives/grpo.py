@@ -82,6 +82,7 @@ from tensordict import NestedKey, TensorClass, TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.algo import OFF_POLICY_CORRECTIONS, GRPOLossTerms, LossFunction, grpo_loss, trust_region_mask
+from rlpost.data.stacking import same_key
 from rlpost.policies.inputs import is_lazy
 
 TOKENS_FULL = ("tokens", "full")
@@ -590,7 +591,7 @@ class GRPOLoss(torch.nn.Module):
             return None
         key = self.tensor_keys.ref_log_probs
         ref = _read(td, key, 0.0)
-        if ref is None and _same_key(key, NEXT_REF_LOG_PROBS_FULL):
+        if ref is None and same_key(key, NEXT_REF_LOG_PROBS_FULL):
             key = REF_LOG_PROBS_FULL
             ref = _read(td, key, 0.0)
         if ref is None:
@@ -762,11 +763,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
-
-
-def _same_key(a: NestedKey, b: NestedKey) -> bool:
-    as_tuple = lambda k: (k,) if isinstance(k, str) else tuple(k)  # noqa: E731
-    return as_tuple(a) == as_tuple(b)
 
 
 __all__ = ["CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput"]

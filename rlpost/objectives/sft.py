@@ -39,8 +39,7 @@ from tensordict import NestedKey, TensorClass, TensorDictBase
 
 from rlpost.algo import k3_kl_token_estimate
 from rlpost.algo.sft import minor_sft_loss, reduce, sequence_log_likelihood
-from rlpost.data.stacking import get_rows
-from rlpost.objectives.grpo import _same_key
+from rlpost.data.stacking import batch_shape, get_rows, same_key
 
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -251,7 +250,7 @@ class SFTLoss(HistoryLoss):
         else:
             ref_ll = _per_row(sequence_log_likelihood, ref, masks, self.normalize_by_seq_length).to(ll.device)
             loss = minor_sft_loss(ll, ref_ll, self.beta, self.reduction)
-        loss = loss.reshape(_batch_shape(tensordict)) if self.reduction == "none" else loss
+        loss = loss.reshape(batch_shape(tensordict)) if self.reduction == "none" else loss
         if self.kl_to_ref_coeff is None:
             return SFTLossOutput(loss_sft=loss, batch_size=[])
         with torch.no_grad() if self.loss_function == "minor_sft" else contextlib.nullcontext():
@@ -265,7 +264,7 @@ class SFTLoss(HistoryLoss):
     def _ref_log_probs(self, td: TensorDictBase, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         key = self.tensor_keys.ref_log_prob
         found = get_rows(td, key)
-        if found is None and _same_key(key, self.default_keys.ref_log_prob):
+        if found is None and same_key(key, self.default_keys.ref_log_prob):
             found = get_rows(td, ("ref_log_probs", "full"))
         if found is None:
             raise ValueError(
@@ -289,10 +288,6 @@ def _masked_mean(values: list[torch.Tensor], masks: list[torch.Tensor]) -> torch
     total = sum(torch.where(m.to(v.device), v, 0.0).sum() for v, m in zip(values, masks))
     count = sum(int(m.sum()) for m in masks)
     return total / max(count, 1)
-
-
-def _batch_shape(td: TensorDictBase) -> torch.Size:
-    return td.batch_size if td.batch_dims > 0 else torch.Size([1])
 
 
 __all__ = ["SFTLoss", "SFTLossOutput"]

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import BarrierOptions, BroadcastOptions, TCPStore
 
-from rlpost.transport.weight_bus import BusSpec, _full_device, _Group, resolve_backend
+from rlpost.transport.weight_bus import BusGroup, BusSpec, full_device, resolve_backend
 
 
 class StatelessProcessGroup:
@@ -53,13 +53,13 @@ class StatelessProcessGroup:
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.backend = resolve_backend(backend, device)
-        self.device = _full_device(device) if self.backend == "nccl" else device
+        self.device = full_device(device) if self.backend == "nccl" else device
         self._timeout = timedelta(seconds=timeout_s)
         self._store = TCPStore(master_address, master_port, None, rank == 0, self._timeout, wait_for_workers=False)
         self.port = self._store.port
         spec = BusSpec(host=master_address, port=self.port, world_size=world_size, backend=self.backend,
                        timeout_s=timeout_s)  # fmt: skip
-        self._group = _Group(self._store, spec, rank, self.device)
+        self._group = BusGroup(self._store, spec, rank, self.device)
         try:
             self._group.await_peers(timeout_s)
         except RuntimeError as err:  # the store's wait timed out

@@ -252,7 +252,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _full_device(device: torch.device) -> torch.device:
+def full_device(device: torch.device) -> torch.device:
     """ "cuda" -> "cuda:<current>": NCCL binds its communicator to one indexed device."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -263,7 +263,7 @@ def _connect_store(spec: BusSpec, is_master: bool) -> TCPStore:
     return TCPStore(spec.host, spec.port, None, is_master, timedelta(seconds=spec.timeout_s), wait_for_workers=False)
 
 
-class _Group:
+class BusGroup:
     """One generation of the bus: its key space in the store and its collective backend."""
 
     def __init__(self, store: TCPStore, spec: BusSpec, rank: int, device: torch.device):
@@ -417,7 +417,7 @@ class _TorchEnd:
 
     def __init__(self, spec: BusSpec, rank: int, device: torch.device, store: TCPStore):
         self.spec, self.rank, self.device, self._store = spec, rank, device, store
-        self._group: _Group | None = None
+        self._group: BusGroup | None = None
         self._broken: str | None = None  # why the current generation is unusable
         self._seq = 0
         # shared memory of this generation: the publisher's segment, or a receiver's mapping of it
@@ -438,7 +438,7 @@ class _TorchEnd:
             )
         if self._group is not None:
             return 0.0
-        group = _Group(self._store, self.spec, self.rank, self.device)
+        group = BusGroup(self._store, self.spec, self.rank, self.device)
         fail = _SyncFailure(
             version, self.generation, lambda: group.unconfirmed(range(self.spec.world_size), "joined/{}")
         )
@@ -528,7 +528,7 @@ class TorchWeightPublisher(_TorchEnd):
             raise ValueError(
                 f"need world_size >= 1, bucket_mb > 0, timeout_s > 0; got {world_size}, {bucket_mb}, {timeout_s}"
             )
-        device = _full_device(torch.device(device if device is not None else "cpu"))
+        device = full_device(torch.device(device if device is not None else "cpu"))
         spec = BusSpec(host, port, world_size, 0, resolve_backend(backend, device), bucket_mb, timeout_s, shared_memory,
                        session=uuid.uuid4().hex)  # fmt: skip
         if spec.backend == "nccl" and device.type != "cuda":
@@ -759,7 +759,7 @@ class TorchWeightReceiver(_TorchEnd):
 
     def __init__(self, spec: BusSpec, rank: int, *, device: str | torch.device | None = None):
         _check_rank(spec, rank)
-        device = _full_device(
+        device = full_device(
             torch.device(device if device is not None else "cuda" if spec.backend == "nccl" else "cpu")
         )
         super().__init__(spec, rank, device, _connect_store(spec, is_master=False))

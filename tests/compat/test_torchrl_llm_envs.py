@@ -35,7 +35,6 @@ from rlpost.envs import (
     TransformedEnv,
     as_padded_tensor,
 )
-from rlpost.envs import transforms as llm_transforms
 
 pytestmark = [
     pytest.mark.compat,
@@ -504,10 +503,13 @@ def test_policy_version_stamps_the_data(version_type):
 
 
 def test_llm_transforms_importable_from_the_transforms_module():
-    """``torchrl.envs.llm.transforms`` exports these transforms; rlpost's counterpart module does
-    too."""
+    """``torchrl.envs.llm.transforms`` exports these transforms; so does its rlpost counterpart,
+    ``rlpost.torchrl.envs.llm.transforms`` (rlpost.envs.transforms holds the Transform base they
+    build on, and cannot import them back)."""
+    import rlpost.torchrl.envs.llm.transforms as torchrl_transforms
+
     for name in ("AddThinkingPrompt", "PolicyVersion", "TemplateTransform", "Tokenizer"):
-        assert getattr(llm_transforms, name) is globals()[name]
+        assert getattr(torchrl_transforms, name) is globals()[name]
 
 
 def test_tokenizer_keywords():

@@ -300,7 +300,7 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     pool = EnvPool(cfg, 1, client, buffer, tokenizer=tiny_tokenizer)
     assert pool.groups_per_batch == 2
 
-    groups = pool.collect()
+    groups = pool.collect_groups()
     assert len(groups) == 2 and all(g.info["env_pool"] == 1 for g in groups)
     assert all(g.prompt_id % 2 == 1 for g in groups)  # shard 1 of 2: odd positions only
     assert buffer.put_sizes == []
@@ -317,10 +317,10 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     # each put recorded the pool's position after it: a pool restarted from it goes on exactly
     state = buffer.producer_state("env-pool-1")
     assert state["num_prompts_collected"] == 6 and state["pool_index"] == 1
-    expected = [g.prompt_id for g in pool.collect()]
+    expected = [g.prompt_id for g in pool.collect_groups()]
     resumed = EnvPool(cfg, 1, client, None, tokenizer=tiny_tokenizer)
     resumed.load_state_dict(state)
-    assert [g.prompt_id for g in resumed.collect()] == expected
+    assert [g.prompt_id for g in resumed.collect_groups()] == expected
     assert resumed.num_prompts_collected == pool.num_prompts_collected == 8
     with pytest.raises(ValueError, match="cannot resume shard 0 of 2"):
         EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
@@ -335,7 +335,7 @@ def test_env_pools_of_a_range_split_the_prompts_into_its_top_shards(engine, tiny
     client = RecordingClient(engine)
     first, second = (EnvPool(cfg, j, client, None, tokenizer=tiny_tokenizer) for j in (0, 1))
     assert first.groups_per_batch == second.groups_per_batch == cfg.trainer.prompts_per_step
-    ids = [[g.prompt_id for g in pool.collect(2)] for pool in (first, second)]
+    ids = [[g.prompt_id for g in pool.collect_groups(2)] for pool in (first, second)]
     assert all(p % 2 == 0 for p in ids[0]) and all(p % 2 == 1 for p in ids[1])
     assert second.state_dict()["num_shards"] == 2
     with pytest.raises(ValueError, match=r"must be in \[0, 2\)"):
@@ -470,7 +470,7 @@ def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokeni
     buffer = start_buffer(BufferSettings(capacity=10**6, max_staleness=None), name="buffer-env-pool-test")
     actor = start_env_pool(cfg, 0, FixedClient(ids, 5), buffer)
     assert ray_cluster.get_actor("env-pool-0") is not None and issubclass(EnvPool, LLMCollector)
-    groups = ray_cluster.get(actor.collect.remote(2), timeout=120)
+    groups = ray_cluster.get(actor.collect_groups.remote(2), timeout=120)
     assert len(groups) == 2 and all(s.token_ids[s.prompt_len :] == ids for s in flat(groups))
     assert {g.policy_version for g in groups} == {5}
     ray_cluster.get(actor.start.remote(None), timeout=30)

@@ -72,3 +72,25 @@ def test_kl_in_reward_penalises_and_recomputes_advantages(tiny_model_path, tiny_
     assert second.reward == pytest.approx(0.1, abs=1e-4)
     expected = group_advantages(torch.tensor([[first.reward, second.reward]])).reshape(-1).tolist()
     assert out[0].advantages == pytest.approx(expected)
+
+
+def test_kl_in_reward_with_batch_scale_scales_over_every_group(tiny_model_path, tiny_tokenizer, model):
+    cfg = load_config(
+        "configs/tiny-cpu.yaml",
+        [
+            f"model.name_or_path={tiny_model_path}",
+            "reference.enabled=true",
+            "reference.kl_coef=0.5",
+            "reference.kl_in=reward",
+            "loss.advantage_scale=batch",
+        ],
+    )
+    first, _ = make_groups(tiny_tokenizer, model, 0.1)
+    second, _ = make_groups(tiny_tokenizer, model, 0.0)
+    second[0].prompt_id = 1
+    out = Reference(ReferenceSettings.from_job(cfg)).annotate(first + second)
+    rewards = torch.tensor([g.rewards for g in out], dtype=torch.float64)
+    assert rewards[0, 0] < 1.0 - 1e-3 and rewards[1, 0] == pytest.approx(1.0, abs=1e-4)  # only the first shifted
+    expected = group_advantages(rewards, scale="batch")
+    torch.testing.assert_close(torch.tensor([g.advantages for g in out], dtype=torch.float64), expected)
+    assert not torch.allclose(expected, group_advantages(rewards, scale="group"))

@@ -9,7 +9,7 @@ from tensordict import TensorDict, lazy_stack
 
 from rlpost.data import ChatHistory, History, Tokens
 from rlpost.envs.chat import ChatEnv
-from rlpost.envs.common import EnvInputError
+from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.transforms import PythonInterpreter
 
