@@ -37,12 +37,12 @@ from rlpost.config import JobConfig
 from rlpost.evaluation import Evaluator, append_eval_line
 from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
 from rlpost.ray_start import init_ray
+from rlpost.run_state import Ledger, RunState
 from rlpost.runs import latest_checkpoint, supersede_metrics_after
 from rlpost.shutdown import StopRequested, raise_if_stopping, stop_on_signals
 from rlpost.supervisor import (
     ActorStarter,
     LearnerDied,
-    Ledger,
     ResumeNeeded,
     Supervisor,
     run_with_auto_resume,
@@ -151,7 +151,7 @@ def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
 def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
     """Start every actor of the run and the supervisor that keeps them alive."""
     starter = ActorStarter(cfg)
-    return Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
+    return Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
 
 
 class Controller:
@@ -160,10 +160,9 @@ class Controller:
     def __init__(self, cfg: JobConfig, run_dir: Path, supervisor: Supervisor, resume: bool = False,
                  evaluator: Evaluator | None = None):  # fmt: skip
         self.cfg, self.run_dir, self.supervisor = cfg, Path(run_dir), supervisor
+        self.state = supervisor.state  # the loop's own (step, version, ledger); the supervisor reads it
         self.ray_metrics = RayMetrics(cfg.logging.run_name)
         self.start_time = time.perf_counter()
-        self.version = 0
-        self.step = 0  # the step being trained
         self.trained_step = 0  # the last step the learner finished training
         self.first_step = 1
         self.probe: list[int] | None = None
@@ -197,7 +196,11 @@ class Controller:
 
     @property
     def ledger(self) -> Ledger:
-        return self.supervisor.ledger
+        return self.state.ledger
+
+    @property
+    def version(self) -> int:
+        return self.state.version
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -258,7 +261,7 @@ class Controller:
                 self.supervisor.run("start collection", self.supervisor.start_collection)
             for step in range(self.first_step, steps + 1):
                 raise_if_stopping()
-                self.step = self.supervisor.step = step
+                self.state.step = step
                 step_start = time.perf_counter()
                 groups = self._collect_step()
                 collected = time.perf_counter()
@@ -397,7 +400,7 @@ class Controller:
             if left > 0:
                 others = self._spread(targets, left)
                 log.warning("env-pool-%d is not serving: the %d prompts left of its share of step %d go to env "
-                            "pools %s", slot, left, self.step, others)  # fmt: skip
+                            "pools %s", slot, left, self.state.step, others)  # fmt: skip
 
     def _start_share(self, pool, target: int) -> bool:
         """Start ``pool`` on what is left of its share (``target``: its shard's prompts collected
@@ -441,7 +444,7 @@ class Controller:
         except ActorFailure as failure:
             self.supervisor.recover(failure)
             raise
-        self.version = self.supervisor.version = int(metrics["policy_version"])
+        self.state.version = int(metrics["policy_version"])
         self.trained_step, self.taken = step, []
         # the reward of what the policy sampled (expert iteration trains on a group's best only)
         rewards = [r for g in groups for r in g.info.get("sampled_rewards", g.rewards)]
@@ -546,8 +549,8 @@ class Controller:
             version = self.actors.learner.version(timeout_s=CHECKPOINT_TIMEOUT_S)
             if version != self.version:  # the interrupted step was trained after all
                 self.unrecorded = self._interrupted_row(self.taken, version)
-                self.version = self.supervisor.version = version
-                self.trained_step, self.taken = self.step, []
+                self.state.version = version
+                self.trained_step, self.taken = self.state.step, []
             if self.trained_step < self.first_step:
                 log.warning("stopping before the first step was trained: no checkpoint written")
                 return
@@ -568,7 +571,13 @@ class Controller:
         """The metrics row of a step whose train call the stop interrupted after the learner
         finished it: what the controller knows (rewards, version); the learner's loss is lost."""
         rewards = [r for g in groups for r in g.rewards]
-        row = {"step": self.step, "policy_version": version, "loss": None, "kl_to_ref": None, "clip_fraction": None}
+        row = {
+            "step": self.state.step,
+            "policy_version": version,
+            "loss": None,
+            "kl_to_ref": None,
+            "clip_fraction": None,
+        }
         row.update(reward_mean=mean(rewards) if rewards else None, reward_std=pstdev(rewards) if rewards else None)
         return row
 
@@ -598,12 +607,11 @@ class Controller:
         if path is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
         info = self.actors.learner.load_checkpoint(str(path), timeout_s=CHECKPOINT_TIMEOUT_S)
-        self.version, self.first_step = int(info["version"]), int(info["step"]) + 1
-        self.supervisor.version, self.trained_step = self.version, int(info["step"])
+        self.state.version, self.first_step = int(info["version"]), int(info["step"]) + 1
+        self.trained_step = int(info["step"])
         state = info["rollout_state"] or {}
         if state:
-            ledger = Ledger(**state.get("ledger", {}))
-            self.supervisor.ledger = ledger
+            ledger = self.state.ledger = Ledger(**state.get("ledger", {}))
             self.actors.buffer.restore(
                 BufferSnapshot(
                     state["buffer_groups"],
@@ -618,7 +626,7 @@ class Controller:
                     pool.load_state_dict(pool_state)
             saved = list(state["pool_prompts"])
             self.pool_prompts = saved + [0] * (len(self.pool_prompts) - len(saved))
-            self.supervisor.counts.update(state["counts"])
+            self.supervisor.restore_counts(state["counts"])
             self.start_time -= state["elapsed_s"]
             if state.get("fleet"):  # an operator's rlpost scale outlives the restart
                 self.supervisor.restore_fleet(state["fleet"])

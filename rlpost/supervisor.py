@@ -74,9 +74,10 @@ from rlpost.clients import (
     release_names,
 )
 from rlpost.config import JobConfig
+from rlpost.run_state import RunState
 from rlpost.runs import latest_checkpoint
 from rlpost.shutdown import raise_if_stopping
-from rlpost.transport.buffer import BufferSnapshot, Taken
+from rlpost.transport.buffer import BufferSnapshot
 
 log = logging.getLogger("rlpost")
 T = TypeVar("T")
@@ -141,36 +142,6 @@ class RunActors:
     slot_groups: dict[str, Any] = dataclasses.field(default_factory=dict)
     control: ControlClient | None = None  # the operators' mailbox (rlpost scale)
     reward: ActorClient | None = None  # the reward model's actor (reward_model), called by the env pools
-
-
-@dataclasses.dataclass
-class Ledger:
-    """What the learner's side received from the buffer. It outlives the buffer actor: a new
-    buffer is started from it, and the accounting in metrics.jsonl comes from it."""
-
-    groups_taken: int = 0  # trained once their step ends
-    groups_dropped_stale: int = 0
-    acknowledged: dict[str, int] = dataclasses.field(default_factory=dict)  # producer -> highest seq received
-
-    def record(self, taken: Taken) -> None:
-        self.groups_taken += len(taken.groups)
-        self.groups_dropped_stale += taken.num_dropped_stale
-        seqs = dict(taken.dropped_seqs)
-        for group in taken.groups:
-            if group.producer is not None and group.seq is not None:
-                seqs[group.producer] = max(group.seq, seqs.get(group.producer, 0))
-        for producer, seq in seqs.items():
-            self.acknowledged[producer] = max(seq, self.acknowledged.get(producer, 0))
-
-    def accounting(self, buffer_size: int, last_seqs: dict[str, int]) -> dict[str, int]:
-        """The metrics.jsonl counts; after a step, ``groups_put == groups_trained +
-        groups_dropped_stale + groups_in_buffer``."""
-        return {
-            "groups_put": sum(last_seqs.values()),
-            "groups_trained": self.groups_taken,
-            "groups_dropped_stale": self.groups_dropped_stale,
-            "groups_in_buffer": buffer_size,
-        }
 
 
 def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
@@ -498,11 +469,14 @@ class Supervisor:
         run_dir: the run directory (named in LearnerDied's message).
         actors: the started actors' clients; replaced in place as actors are restarted.
         starter: starts a role's actor again (an :class:`ActorStarter`, or a test's stand-in).
-        ledger: what the learner's side received from the buffer (to rebuild a buffer).
+        state: the loop's state (step, policy version, ledger), which the loop writes and the
+            supervisor only reads: the step for messages, the version a publish must carry, the
+            ledger a new buffer is rebuilt from.
     """
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, actors: RunActors, starter: Any, ledger: Ledger):
-        self.cfg, self.run_dir, self.actors, self.starter, self.ledger = cfg, Path(run_dir), actors, starter, ledger
+    def __init__(self, cfg: JobConfig, run_dir: Path, actors: RunActors, starter: Any, state: RunState):
+        self.cfg, self.run_dir, self.actors, self.starter, self.state = cfg, Path(run_dir), actors, starter, state
+        # recovery's own counts, which the loop reads for metrics.jsonl and checkpoints
         self.counts = {
             "restarts_inference": 0,
             "restarts_env_pool": 0,
@@ -511,8 +485,6 @@ class Supervisor:
             "restarts_buffer": 0,
             "bus_reforms": 0,
         }
-        self.version = 0  # the learner's weights version (the loop sets it after each step)
-        self.step = 0  # the step being trained (for messages)
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
         self.pool_failures: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> failed collections
         self.last_check = time.monotonic()
@@ -540,7 +512,9 @@ class Supervisor:
             except ActorFailure as exc:
                 log.warning("%s (attempt %d of %d): %s", what, attempt, MAX_ATTEMPTS, exc)
                 failure = exc
-        raise RuntimeError(f"{what} failed {MAX_ATTEMPTS} times in step {self.step}; last: {failure}") from failure
+        raise RuntimeError(
+            f"{what} failed {MAX_ATTEMPTS} times in step {self.state.step}; last: {failure}"
+        ) from failure
 
     def start_collection(self) -> None:
         """Async mode: every env pool starts collecting until it is stopped."""
@@ -602,6 +576,11 @@ class Supervisor:
     def fleet_wanted(self) -> dict[str, int]:
         """The slots each fleet has, as a scale request (what a checkpoint records)."""
         return {slots.key: len(slots.wanted) for slots in (self.inference_slots, self.pool_slots)}
+
+    def restore_counts(self, counts: dict[str, int]) -> None:
+        """After a resume: the restart and re-form counts a checkpoint recorded, so that they go
+        on counting across the restart (names the config no longer has are dropped)."""
+        self.counts.update({name: int(n) for name, n in counts.items() if name in self.counts})
 
     def restore_fleet(self, wanted: dict[str, int]) -> None:
         """After a resume: the fleet a checkpoint recorded (:meth:`fleet_wanted`), so that an
@@ -737,7 +716,7 @@ class Supervisor:
             else "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again"
         )
         cause = f" ({first_line(failure)})" if failure is not None else ""
-        return f"the learner died during step {self.step}{cause}; {where}"
+        return f"the learner died during step {self.state.step}{cause}; {where}"
 
     def _restart_buffer(self) -> None:
         """A new buffer from the ledger; every live pool puts again what it keeps."""
@@ -745,7 +724,7 @@ class Supervisor:
         start = time.monotonic()
         self.actors.buffer.kill()
         buffer = self.starter.buffer()
-        acknowledged = dict(self.ledger.acknowledged)
+        acknowledged = dict(self.state.ledger.acknowledged)
         buffer.restore(BufferSnapshot([], {}, last_seqs=acknowledged, acknowledged=acknowledged))
         self.actors.buffer = buffer
         self.counts["restarts_buffer"] += 1
@@ -882,7 +861,7 @@ class Supervisor:
         self.epochs[slot] += 1
         pool = self.starter.env_pool(slot, self.actors.inference, self.actors.buffer, epoch=self.epochs[slot])
         state = self.actors.buffer.fence(name, self.epochs[slot])
-        if state is None and self.ledger.acknowledged.get(name):
+        if state is None and self.state.ledger.acknowledged.get(name):
             raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
         if state is not None:
             pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
@@ -932,9 +911,9 @@ class Supervisor:
         start = time.perf_counter()
         published = self.actors.learner.publish(wait).result(self.publish_timeout_s)
         sync_s = time.perf_counter() - start
-        if int(published["policy_version"]) != self.version:
+        if int(published["policy_version"]) != self.state.version:
             raise RuntimeError(
-                f"the learner published version {int(published['policy_version'])}, the loop expected {self.version}"
+                f"the learner published version {int(published['policy_version'])}, the loop expected {self.state.version}"
             )
         return {
             "weight_sync_s": sync_s,

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("what the loop is made of: losses, environments", ("objectives", "envs", "ray_start")),
     ("the collector, the offline tiny model", ("collect", "tiny_model", "doctor")),
     ("Ray roles", ("actors", "tiny_reward_model")),
-    ("bounded clients of the roles, evaluation", ("clients", "evaluation")),
+    ("bounded clients of the roles, evaluation, the loop's state", ("clients", "evaluation", "run_state")),
     ("the supervisor (recovery)", ("supervisor",)),
     ("the training loop, the monitoring stack", ("controller", "monitor")),
     ("entry points", ("cli", "config_reference", "torchrl")),

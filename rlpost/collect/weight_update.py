@@ -153,16 +153,18 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         # continue from what the workers serve: a version below it would be refused
         self.version = max([self.version, *map(int, self._wait([self._call(w, "get_version") for w in workers]))])
 
-    def set_workers(self, workers: Iterable[Any]) -> None:
+    def set_workers(self, workers: Iterable[Any]) -> int:
         """Use these workers from now on (e.g. after one was restarted): the bus opens its next
-        generation with them. The next push sends the full weights to every worker."""
+        generation with them, which this returns. The next push sends the full weights to every
+        worker."""
         self.workers = list(workers)
         self._unconfirmed = None  # the old set's calls end with the old generation
         if self.publisher is None:
             self.init()
-            return
-        self.publisher.reform(1 + len(self.workers))
-        self._join_workers()
+        else:
+            self.publisher.reform(1 + len(self.workers))
+            self._join_workers()
+        return self.publisher.generation
 
     def _join_workers(self) -> None:
         spec = dataclasses.asdict(self.publisher.spec)

@@ -1,5 +1,6 @@
-"""The learner on the real tiny model: collate layout, learning, grad accumulation, publishing,
-checkpoints and scoring."""
+"""The learner's step on the real tiny model: collate layout, learning, grad accumulation,
+publishing and scoring. Its checkpoints, memory and Ray actor are tested beside their modules, in
+tests/integration/actors/learner/ (which import this file's helpers)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlpost.actors.learner import Learner, LearnerSettings, list_checkpoints
+from rlpost.actors.learner import Learner, LearnerSettings
 from rlpost.config import JobConfig
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.transport.weight_bus import LocalWeightBus
@@ -108,54 +109,6 @@ def train_on_policy(learner: Learner, prompt: list[int], good: list[int], bad: l
         assert metrics["lr"] == learner.cfg.optimizer.lr and metrics["grad_norm"] > 0 and metrics["kl_to_ref"] == 0
         trace.append(tuple(completion_logprob(learner, prompt, r) for r in (good, bad)))
     return trace
-
-
-def _inside(param, ranges: list[tuple[int, int]]) -> bool:
-    return any(lo <= param.data_ptr() < hi for lo, hi in ranges)
-
-
-def _mapped_ranges(path) -> list[tuple[int, int]]:
-    """The address ranges of this process that map the file ``path``."""
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] == str(path):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                ranges.append((start, end))
-    return ranges
-
-
-def test_own_trainable_weights_copies_them_out_of_the_mapped_checkpoint(tiny_model_path):
-    """transformers maps the safetensors file and its CPU parameters are views of it: the first
-    optimizer step would copy each page of them on a fault. The trainable ones are copied out
-    (frozen ones stay mapped); tied weights stay tied and the values are unchanged."""
-    from transformers import AutoModelForCausalLM
-
-    from rlpost.actors.learner import own_trainable_weights
-
-    checkpoint = (tiny_model_path / "model.safetensors").resolve()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    mapped = _mapped_ranges(checkpoint)
-    params = list(model.parameters())
-    assert mapped and all(_inside(p, mapped) for p in params), "transformers no longer maps the checkpoint"
-    frozen = model.model.norm.weight
-    frozen.requires_grad_(False)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    assert own_trainable_weights(model) == len(params) - 1
-    assert _inside(frozen, mapped) and not any(_inside(p, mapped) for p in params if p is not frozen)
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-
-
-def test_the_learner_keeps_no_view_of_the_checkpoint_file(tiny_model_path):
-    """Every weight of a full fine-tuning learner is its own copy, outside any mapping of the
-    checkpoint file (other models of the test session may still map it)."""
-    checkpoint = (tiny_model_path / "model.safetensors").resolve()
-    learner = Learner(make_cfg(tiny_model_path))
-    mapped = _mapped_ranges(checkpoint)
-    params = list(learner.model.parameters())
-    assert params and not [p for p in params if _inside(p, mapped)]
 
 
 def test_learning_prefers_the_rewarded_completion(tiny_model_path, tiny_tokenizer, prompt_ids):
@@ -388,47 +341,6 @@ def test_publish_through_local_bus(tiny_model_path, tiny_tokenizer, prompt_ids):
     assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # fp32 masters
 
 
-def _snapshot(learner: Learner) -> dict:
-    opt = learner.optimizer.state_dict()
-    return {
-        "params": {k: v.clone() for k, v in learner.model.state_dict().items()},
-        "exp_avg": [s["exp_avg"].clone() for s in opt["state"].values()],
-        "opt_steps": [float(s["step"]) for s in opt["state"].values()],
-        "version": learner.version,
-        "lr_epoch": learner.scheduler.last_epoch,
-        "rng": torch.get_rng_state(),
-    }
-
-
-def test_checkpoint_round_trip(tiny_model_path, tiny_tokenizer, prompt_ids, tmp_path):
-    learner = Learner(
-        make_cfg(tiny_model_path, optimizer={"lr": 1e-3, "warmup_steps": 4}, trainer={"keep_checkpoints": 2})
-    )
-    replies, rewards = [[completion(tiny_tokenizer, GOOD), completion(tiny_tokenizer, BAD)]], [[1.0, 0.0]]
-    for step in (1, 2, 3):
-        learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
-        path = learner.save_checkpoint(tmp_path, step, rollout_state={"step": step, "groups": replies})
-    assert (
-        [p.name for p in list_checkpoints(tmp_path)]
-        == ["step_2", "step_3"]
-        == [p.name for p in (tmp_path / "checkpoints").iterdir()]
-    )  # no temporary folders left behind
-    saved = _snapshot(learner)
-    learner.train_step(on_policy_groups(learner, prompt_ids, replies, rewards))
-    assert learner.version == 4 and not torch.equal(
-        learner.model.state_dict()["model.norm.weight"], saved["params"]["model.norm.weight"]
-    )
-    assert learner.load_checkpoint(path) == {"step": 3, "version": 3, "rollout_state": {"step": 3, "groups": replies}}
-    restored = _snapshot(learner)
-    assert restored["version"] == 3 and restored["opt_steps"] == saved["opt_steps"] == [3.0] * len(saved["opt_steps"])
-    assert restored["lr_epoch"] == saved["lr_epoch"] == 3
-    assert torch.equal(restored["rng"], saved["rng"])
-    for name, tensor in saved["params"].items():
-        assert torch.equal(restored["params"][name], tensor), name
-    for got, want in zip(restored["exp_avg"], saved["exp_avg"]):
-        assert torch.equal(got, want)
-
-
 def test_score_matches_the_loss_and_a_manual_forward(tiny_model_path, prompt_ids):
     learner = Learner(make_cfg(tiny_model_path))
     rows = [prompt_ids + [40, 41, 42], prompt_ids[:7]]
@@ -442,77 +354,3 @@ def test_score_matches_the_loss_and_a_manual_forward(tiny_model_path, prompt_ids
             logits = learner.model(input_ids=torch.tensor([ids])).logits[0, :-1] / 0.9  # rollout temperature
             manual = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
             assert torch.allclose(torch.tensor(scores[i][1:]), manual, atol=1e-5)
-
-
-def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, prompt_ids):
-    """The learner actor's vLLMUpdater forms the bus with a worker actor and drives its receive."""
-    from rlpost.actors.learner import start_learner
-
-    class BusWorker:  # the weight side of an inference worker, without an engine
-        def __init__(self):
-            self.receiver, self.update, self.version = None, None, 0
-
-        def join_bus(self, spec, rank):
-            from rlpost.transport.weight_bus import BusSpec, TorchWeightReceiver
-
-            self.receiver = TorchWeightReceiver(BusSpec(**spec), rank)
-            return rank
-
-        def update_weights(self, timeout_s):
-            self.update = self.receiver.receive(timeout_s)
-            self.version = self.update.version
-            return {"version": self.version, "receive_s": 0.0, "load_s": 0.25}
-
-        def get_version(self):
-            return self.version
-
-        def received(self):
-            return self.update.version, {name: t.clone() for name, t in self.update.tensors.items()}
-
-    cfg = make_cfg(tiny_model_path, resources={"learner": {"num_cpus": 0.5, "num_threads": 2}})
-    actor = start_learner(cfg, namespace="rlpost-test-learner", num_cpus=0)
-    worker = ray_cluster.remote(BusWorker).options(num_cpus=0).remote()
-    try:
-        assert ray_cluster.get(actor.connect_workers.remote([worker], "127.0.0.1", "gloo", 1, 30.0), timeout=120) == 0
-        stats = ray_cluster.get(actor.publish.remote(), timeout=90)
-        assert stats["weight_load_s"] == 0.25  # the worker's reload time comes back with the stats
-        received = {"update": ray_cluster.get(worker.received.remote(), timeout=60)}
-        assert ray_cluster.get(actor.set_workers.remote([worker]), timeout=120) == 1  # the next generation
-        assert ray_cluster.get(actor.publish.remote(), timeout=90)["policy_version"] == 0  # same version again
-        # not waited for: back once sent; the confirmation (the worker's reload) is collected later
-        assert ray_cluster.get(actor.publish.remote(False), timeout=90)["policy_version"] == 0
-        assert ray_cluster.get(actor.confirm_publish.remote(), timeout=90)["weight_load_s"] == 0.25
-        local = Learner(cfg)
-        version, tensors = received["update"]
-        assert version == stats["policy_version"] == 0 and stats["bytes"] > 0
-        expected = dict(local.named_parameters_for_sync())
-        assert tensors.keys() == expected.keys()
-        assert all(torch.equal(tensors[name], expected[name]) for name in expected)  # bit for bit
-        probe = [prompt_ids + [40, 41]]
-        assert ray_cluster.get(actor.score.remote(probe), timeout=60) == local.score(probe)
-        assert ray_cluster.get(actor.version.remote(), timeout=60) == 0
-        assert ray_cluster.get(actor.num_threads.remote(), timeout=60) == 2  # not Ray's 1 for its CPU share
-        assert ray_cluster.get_actor("learner", namespace="rlpost-test-learner") is not None
-    finally:
-        ray_cluster.get(actor.close.remote(), timeout=60)
-        ray_cluster.kill(actor)
-        ray_cluster.kill(worker)
-
-
-def test_gradient_checkpointing_refuses_a_model_it_cannot_checkpoint():
-    from types import SimpleNamespace
-
-    from rlpost.actors.learner import enable_activation_checkpointing
-
-    with pytest.raises(ValueError, match="trainer.gradient_checkpointing: Linear does not support"):
-        enable_activation_checkpointing(torch.nn.Linear(2, 2))
-
-    class NoCheckpointableLayers(torch.nn.Module):  # claims support, but no layer takes it
-        supports_gradient_checkpointing = True
-        config = SimpleNamespace(use_cache=True)
-
-        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-            pass
-
-    with pytest.raises(ValueError, match="no layer of NoCheckpointableLayers can be checkpointed"):
-        enable_activation_checkpointing(NoCheckpointableLayers())

@@ -1,6 +1,4 @@
-"""The learner's batch: splitting rows into micro-batches, packing them to a token budget, its metrics."""
-
-import dataclasses
+"""The learner's batch: splitting rows into micro-batches, packing them to a token budget."""
 
 import pytest
 
@@ -74,37 +72,3 @@ def test_packed_micro_batches_count_the_bins_the_scorer_packs():
 def test_split_rows_makes_contiguous_slices_of_near_equal_size():
     assert split_rows(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split_rows([1, 2], 5) == [[1], [2]]  # never an empty slice
-
-
-def test_batch_metrics_measure_staleness_per_token_where_samples_say_which_version_made_each():
-    from rlpost.actors.learner import _batch_metrics
-    from rlpost.types import Sample
-
-    def sample(policy_version, versions):
-        n = len(versions)
-        return Sample(prompt_id=0, token_ids=[1] * (2 + n), logprobs=[0.0] * (2 + n), loss_mask=[False] * 2 + [True] * n,
-                      prompt_len=2, reward=1.0, policy_version=policy_version, finished=True,
-                      token_versions=[-1, -1] + versions)  # fmt: skip
-
-    rows = [(sample(3, [3, 3, 4, 4]), 1.0), (sample(4, [4, 4]), -1.0)]
-    metrics = _batch_metrics(rows, version_at_start=5)
-    assert metrics["staleness_mean"] == 1.5  # per sample: 2 and 1
-    assert metrics["token_staleness_mean"] == (2 + 2 + 1 + 1 + 1 + 1) / 6
-    assert metrics["inflight_token_fraction"] == 2 / 6  # the first sample's version-4 tokens
-    assert metrics["entropy_sampled"] == 0.0  # every generated token had log-prob 0
-    unlabelled = [(dataclasses.replace(s, token_versions=None), a) for s, a in rows]
-    assert "token_staleness_mean" not in _batch_metrics(unlabelled, version_at_start=5)
-
-
-def test_batch_metrics_estimate_the_sampling_entropy_from_the_generated_tokens_log_probs():
-    from rlpost.actors.learner import _batch_metrics
-    from rlpost.types import Sample
-
-    # two prompt tokens (log-prob 0, not generated) and the generated tokens' behaviour log-probs
-    rows = [
-        (Sample(prompt_id=0, token_ids=[1] * 4, logprobs=[0.0, 0.0, -0.5, -1.5], loss_mask=[False, False, True, True],
-                prompt_len=2, reward=1.0, policy_version=0, finished=True), 1.0),
-        (Sample(prompt_id=0, token_ids=[1] * 3, logprobs=[0.0, 0.0, -2.5], loss_mask=[False, False, True],
-                prompt_len=2, reward=0.0, policy_version=0, finished=True), -1.0),
-    ]  # fmt: skip
-    assert _batch_metrics(rows, version_at_start=0)["entropy_sampled"] == pytest.approx((0.5 + 1.5 + 2.5) / 3)

@@ -15,8 +15,9 @@ import json
 import pytest
 
 from rlpost.actors.calls import ActorLost, BusFailure
+from rlpost.run_state import Ledger, RunState
 from rlpost.shutdown import StopRequested
-from rlpost.supervisor import LearnerDied, Ledger, RunActors, Supervisor
+from rlpost.supervisor import LearnerDied, RunActors, Supervisor
 from rlpost.transport.buffer import BufferSnapshot, LocalBuffer
 from rlpost.types import Group, Sample
 
@@ -444,7 +445,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
     run_dir.mkdir()
-    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, Ledger())
+    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
     supervisor.health_check_s = 0.0
     controller = ctl.Controller(cfg, run_dir, supervisor)
     controller.probe = [1, 2, 3]
@@ -765,7 +766,7 @@ def test_a_checkpoint_keeps_the_fleet_an_operator_asked_for(tmp_path, monkeypatc
     _, state = learner.saved[-1]
     assert state["fleet"] == {"inference": 1, "env_pools": 1}
     supervisor = Supervisor(make_cfg("sync"), tmp_path, Starter(world, make_cfg("sync")).start_all(),
-                            Starter(world, make_cfg("sync")), Ledger())  # fmt: skip
+                            Starter(world, make_cfg("sync")), RunState())  # fmt: skip
     supervisor.restore_fleet({"inference": 1, "env_pools": 5})  # 5 pools: more than the 2 shards
     assert supervisor.fleet_sizes()["inference_workers"] == 1 and supervisor.fleet_sizes()["env_pools"] == 2
 

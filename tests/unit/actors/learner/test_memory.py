@@ -1,6 +1,8 @@
-"""The learner process gives freed tensor memory back to the OS (glibc's allocator settings).
+"""How a learner holds its memory (rlpost.actors.learner.memory): the process gives freed tensor
+memory back to the OS (glibc's allocator settings), and activation checkpointing refuses a model
+it cannot checkpoint.
 
-Each case runs in a fresh interpreter: the allocator settings are process-wide.
+Each allocator case runs in a fresh interpreter: the allocator settings are process-wide.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ _SCRIPT = """
 import ctypes, json, sys
 applied = None
 if sys.argv[1] == "on":  # the plain process does not even import rlpost (~5 s here)
-    from rlpost.actors.learner import return_freed_memory_to_os
+    from rlpost.actors.learner.memory import return_freed_memory_to_os
     applied = return_freed_memory_to_os()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -57,10 +59,31 @@ def test_freed_blocks_leave_the_process_with_the_learner_setting_and_stay_withou
 def test_only_a_group_of_ranks_releases_freed_memory_by_default():
     """Releasing costs step time (fresh pages on every large allocation), so by default only the
     ranks of a group, whose point is memory per rank, pay it; the config can say either way."""
-    from rlpost.actors.learner import release_freed_memory
+    from rlpost.actors.learner.memory import release_freed_memory
     from rlpost.config import LearnerResources
 
     auto = LearnerResources(num_cpus=1)
     assert not release_freed_memory(auto, world_size=1) and release_freed_memory(auto, world_size=2)
     assert release_freed_memory(LearnerResources(num_cpus=1, release_freed_memory=True), world_size=1)
     assert not release_freed_memory(LearnerResources(num_cpus=1, release_freed_memory=False), world_size=4)
+
+
+def test_gradient_checkpointing_refuses_a_model_it_cannot_checkpoint():
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlpost.actors.learner.memory import enable_activation_checkpointing
+
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing: Linear does not support"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+    class NoCheckpointableLayers(torch.nn.Module):  # claims support, but no layer takes it
+        supports_gradient_checkpointing = True
+        config = SimpleNamespace(use_cache=True)
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            pass
+
+    with pytest.raises(ValueError, match="no layer of NoCheckpointableLayers can be checkpointed"):
+        enable_activation_checkpointing(NoCheckpointableLayers())

@@ -1,5 +1,9 @@
-"""Learner.save_checkpoint when the disk fills up: CheckpointWriteError, no temporary folder left,
-every earlier checkpoint intact (a step saved again included).
+"""The learner's checkpoint I/O (rlpost.actors.learner.checkpoint).
+
+Its pure parts on folders and errors: moving a folder into place, pruning to the newest N, the
+error a failed write raises. Then Learner.save_checkpoint when the disk fills up:
+CheckpointWriteError, no temporary folder left, every earlier checkpoint intact (a step saved
+again included).
 
 The learners here are real, built from a micro Qwen2 model made in a few seconds (not the tiny
 model, which takes minutes to build). One test fills a real filesystem: a small tmpfs mounted in a
@@ -24,8 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpost.actors import learner as learner_module
-from rlpost.actors.learner import CheckpointWriteError, Learner, LearnerSettings, _os_error_behind
+from rlpost.actors.learner import Learner, LearnerSettings, checkpoint
+from rlpost.actors.learner.checkpoint import (
+    CheckpointWriteError,
+    move_into_place,
+    os_error_behind,
+    prune_checkpoints,
+    write_error,
+)
 from rlpost.config import JobConfig
 
 pytestmark = pytest.mark.unit
@@ -94,6 +104,81 @@ def entries(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
 
 
+# ------------------------------------------------------------------ folders and errors
+
+
+def folder_with(path: Path, text: str) -> Path:
+    """A folder at ``path`` holding one file, ``marker``, with ``text``."""
+    path.mkdir(parents=True)
+    (path / "marker").write_text(text)
+    return path
+
+
+def test_a_folder_moves_into_a_free_place_and_leaves_nothing_aside(tmp_path):
+    tmp = folder_with(tmp_path / ".tmp-step_3-abc", "new")
+    assert move_into_place(tmp, tmp_path / "step_3") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+    assert (tmp_path / "step_3" / "marker").read_text() == "new"
+
+
+def test_a_folder_takes_the_place_of_an_old_one_which_is_renamed_aside(tmp_path):
+    final = folder_with(tmp_path / "step_3", "old")
+    tmp = folder_with(tmp_path / ".tmp-step_3-abc", "new")
+    aside = move_into_place(tmp, final)
+    assert aside.parent == tmp_path and aside.name.startswith(f".old-step_3-{os.getpid()}-")
+    assert (aside / "marker").read_text() == "old"  # for the caller to delete
+    assert (final / "marker").read_text() == "new" and not tmp.exists()
+
+
+def test_the_old_folder_is_renamed_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    final = folder_with(tmp_path / "step_3", "old")
+    tmp = folder_with(tmp_path / ".tmp-step_3-abc", "new")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(src) == tmp:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(src))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        move_into_place(tmp, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step_3-abc", "step_3"]
+    assert (final / "marker").read_text() == "old"
+
+
+def test_pruning_keeps_the_newest_checkpoints_by_step_number(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ("step_1", "step_2", "step_9", "step_10", ".tmp-step_11-abc", "notes"):
+        folder_with(root / name, name)
+    prune_checkpoints(root, 2)
+    # step_10 is newer than step_9 (not by name); what is no step_<N> folder stays
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_11-abc", "notes", "step_10", "step_9"]
+    prune_checkpoints(root, 5)  # fewer than keep: nothing goes
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_11-abc", "notes", "step_10", "step_9"]
+
+
+def test_the_write_error_names_the_cause_the_checkpoint_to_resume_from_and_room_on_a_full_disk(tmp_path):
+    root = tmp_path / "checkpoints"
+    folder_with(root / "step_2", "kept")
+    full = write_error(root / "step_4", disk_full())
+    assert isinstance(full, CheckpointWriteError) and full.errno == errno.ENOSPC
+    assert str(full) == (  # OSError's form with an errno: "[Errno N] message"
+        f"[Errno 28] could not write checkpoint {root / 'step_4'}: no space left on device (free space on the disk of "
+        f"{root}: every save needs room for one more checkpoint); its partial copy was removed and the latest "
+        f"intact checkpoint is {root / 'step_2'}. Cause: [Errno 28] No space left on device"
+    )
+    denied = write_error(root / "step_4", OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    assert denied.errno == errno.EACCES
+    assert str(denied).startswith(f"[Errno 13] could not write checkpoint {root / 'step_4'}: permission denied; its")
+    first = write_error(tmp_path / "elsewhere" / "checkpoints" / "step_1", OSError("no errno"))
+    assert first.errno is None
+    assert str(first).startswith(
+        f"could not write checkpoint {tmp_path / 'elsewhere' / 'checkpoints' / 'step_1'}: "
+        "OSError; its partial copy was removed and there is no earlier checkpoint"
+    )
+
+
 # ------------------------------------------------------------------ writers made to fail
 
 
@@ -138,7 +223,7 @@ def test_saving_a_step_again_restores_the_old_folder_when_the_rename_fails(micro
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(src))
         real_rename(src, dst)
 
-    monkeypatch.setattr(learner_module.os, "rename", rename)
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
     with pytest.raises(CheckpointWriteError, match="input/output error"):
         learner.save_checkpoint(tmp_path, 1)
     assert entries(tmp_path) == ["step_1"]  # the old one renamed back, the new one removed
@@ -178,16 +263,16 @@ def test_the_os_error_is_found_behind_the_errors_of_cpp_and_rust_writers():
             # implicit chaining on purpose: that is how the C++ writer's error arrives
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
     except RuntimeError as err:
-        assert _os_error_behind(err).errno == errno.ENOSPC
+        assert os_error_behind(err).errno == errno.ENOSPC
     # safetensors: the errno only in the message
     rust = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
-    assert _os_error_behind(rust).errno == errno.ENOSPC
-    assert _os_error_behind(ValueError("no I/O here")) is None
+    assert os_error_behind(rust).errno == errno.ENOSPC
+    assert os_error_behind(ValueError("no I/O here")) is None
 
 
 def test_the_error_keeps_its_errno_across_pickling():
     """Ray pickles an actor's exception to hand it to the driver."""
-    error = learner_module._write_error(Path("/nowhere/checkpoints/step_3"), disk_full())
+    error = write_error(Path("/nowhere/checkpoints/step_3"), disk_full())
     copy = pickle.loads(pickle.dumps(error))
     assert isinstance(copy, CheckpointWriteError) and copy.errno == errno.ENOSPC and str(copy) == str(error)
 
@@ -200,7 +285,7 @@ CHILD = textwrap.dedent("""
     import json, os, sys, traceback
     from pathlib import Path
     sys.path.insert(0, os.path.dirname(sys.argv[3]))
-    from test_checkpoint_disk_full import file_digests, make_learner
+    from test_checkpoint import file_digests, make_learner
     from rlpost.actors.learner import CheckpointWriteError
 
     disk, run_dir = Path(sys.argv[1]), Path(sys.argv[1]) / "run"

@@ -1,0 +1,195 @@
+"""The learner's Ray shell: :class:`LearnerActor`, and the functions that start it.
+
+:func:`start_learner` starts one learner actor (``learner``); :func:`start_learner_group` starts
+``resources.learner.num_workers`` of them (``learner``, ``learner-1``, ...) that shard one model
+with FSDP2 (:mod:`rlpost.actors.sharding`). Each actor sets its process's memory and threads
+(:mod:`rlpost.actors.learner.memory`), builds a :class:`~rlpost.actors.learner.core.Learner` and
+forwards every call to it, recording the role's metrics; the weight bus to the inference workers
+is formed here (:meth:`LearnerActor.connect_workers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlpost.actors import learner_name, sharding, start_actor
+from rlpost.actors.learner.core import Learner, LearnerSettings
+from rlpost.actors.learner.memory import release_freed_memory, return_freed_memory_to_os, set_torch_threads
+from rlpost.types import Group
+
+# forming a learner group waits this long beyond the group's timeout: every rank loads the model first
+_MODEL_LOAD_GRACE_S = 600.0
+
+
+class LearnerActor:
+    """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`, or a group of
+    them with :func:`start_learner_group`).
+
+    Alone (``world_size`` 1) it builds its learner at once. As rank ``rank`` of a group it builds
+    a sharded learner in :meth:`join_group`, after rank 0's :meth:`open_rendezvous`.
+    """
+
+    def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
+        from rlpost.metrics import RoleMetrics
+
+        if release_freed_memory(cfg.resources, world_size):
+            return_freed_memory_to_os()  # before the model's first allocation
+        set_torch_threads(cfg.resources.num_threads)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._store = None  # rank 0 of a group: the group's TCPStore, kept alive with the actor
+        self.learner = Learner(cfg) if world_size == 1 else None
+        self.metrics = RoleMetrics("learner", cfg.run_name, learner_name(rank))
+
+    def open_rendezvous(self, backend: str | None = None, timeout_s: float = 300.0) -> sharding.GroupSpec:
+        """Rank 0: host the group's store; returns the spec every rank joins with."""
+        if self.rank != 0:
+            raise RuntimeError(f"{learner_name(self.rank)}: only rank 0 opens the learner group's rendezvous")
+        self._store, spec = sharding.open_rendezvous(self.world_size, backend=backend, timeout_s=timeout_s)
+        return spec
+
+    def join_group(self, spec: sharding.GroupSpec) -> int:
+        """Join the learner group and build this rank's sharded learner (every rank at once:
+        it returns once all joined and sharded). Returns the rank."""
+        sharding.join_group(spec, self.rank, store=self._store)
+        self.learner = Learner(self.cfg, sharded=True)
+        return self.rank
+
+    def memory(self) -> dict[str, float]:
+        """What this rank holds: ``state_bytes`` (parameters, AdamW state and any gradients: its
+        shards in a group), ``peak_rss_bytes`` (the process's peak resident memory) and, on a
+        GPU, ``peak_gpu_bytes``."""
+        import resource
+
+        out = {
+            "state_bytes": float(sharding.local_state_bytes(self.learner.model, self.learner.optimizer)),
+            "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        }
+        if torch.cuda.is_available():
+            out["peak_gpu_bytes"] = float(torch.cuda.max_memory_allocated())
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's float32 weights on the CPU (a collective in a group: every rank calls it)."""
+        return {
+            name: sharding.full_tensor(t.detach()).float().cpu() for name, t in self.learner.model.state_dict().items()
+        }
+
+    def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float,
+                        shared_memory: bool = True) -> int:  # fmt: skip
+        """Form the weight bus with these inference workers (Ray actor handles): a
+        :class:`~rlpost.collect.vLLMUpdater` in this process becomes the learner's publisher and
+        joins every worker to its bus (``shared_memory``: ``weight_sync.shared_memory``).
+        Returns the version the workers serve."""
+        from rlpost.collect.weight_update import vLLMUpdater
+
+        if self.learner.publisher is not None:
+            self.learner.publisher.close()
+        updater = vLLMUpdater(
+            workers,
+            master_address=host,
+            backend=backend,
+            device=self.learner.device,
+            bucket_mb=bucket_mb,
+            timeout_s=timeout_s,
+            shared_memory=shared_memory,
+        )
+        updater.init()
+        self.learner.publisher = updater
+        if self.cfg.model.lora is not None:
+            self.learner.choose_sync_mode(updater.workers_serve_lora())
+        return updater.version
+
+    def set_workers(self, workers: list) -> int:
+        """After a worker was restarted: the bus's next generation with ``workers``; returns it."""
+        return self.learner.publisher.set_workers(workers)
+
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        metrics = self.learner.train_step(groups)
+        keys = ("loss", "kl_to_ref", "clip_fraction", "step_time_s", "policy_version", "staleness_mean")
+        self.metrics.record(**{k: metrics[k] for k in keys if k in metrics})
+        return metrics
+
+    def publish(self, wait: bool = True) -> dict[str, float]:
+        stats = self.learner.publish(wait)
+        self.metrics.record(weight_sync_s=stats["weight_sync_s"])
+        return stats
+
+    def confirm_publish(self) -> dict[str, float]:
+        return self.learner.confirm_publish()
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        return self.learner.score(token_ids)
+
+    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict | None = None) -> str:
+        return str(self.learner.save_checkpoint(run_dir, step, rollout_state))
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.learner.load_checkpoint(path)
+
+    def version(self) -> int:
+        return self.learner.version
+
+    def num_threads(self) -> int:
+        """torch threads this actor trains with (``resources.learner.num_threads``)."""
+        return torch.get_num_threads()
+
+    def close(self) -> None:
+        if self.learner is not None and self.learner.publisher is not None:
+            self.learner.publisher.close()
+        sharding.leave_group()
+
+
+def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace: str | None = None, **options):
+    """Start the named learner actor with the CPUs and GPUs of ``settings.resources``
+    (``options`` go to ``.options()`` and win, e.g. a placement-group scheduling strategy)."""
+    return start_actor(LearnerActor, settings, name=name, resources=settings.resources, namespace=namespace,
+                       **options)  # fmt: skip
+
+
+def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespace: str | None = None,
+                        timeout_s: float | None = None, backend: str | None = None,
+                        options_for: Callable[[int], dict] | None = None) -> list:  # fmt: skip
+    """Start ``num_workers`` learner ranks (``learner``, ``learner-1``, ...) that shard one model
+    between them, and return their handles in rank order once every rank joined the group and
+    sharded its model. One worker is a plain :func:`start_learner`.
+
+    ``options_for(rank)`` gives each rank's ``.options()`` (e.g. its placement-group bundle).
+    ``timeout_s`` (default ``resources.learner.timeout_s``) bounds forming the group (+ the
+    model load) and every collective of the group; if forming fails, every rank started is
+    killed and the error raised.
+    """
+    import ray
+
+    from rlpost.actors.calls import Pending, wait_all
+
+    options_for = options_for or (lambda rank: {})
+    timeout_s = settings.resources.timeout_s if timeout_s is None else timeout_s
+    if num_workers < 1:
+        raise ValueError(f"resources.learner.num_workers must be >= 1, got {num_workers}")
+    if num_workers == 1:
+        return [start_learner(settings, namespace=namespace, **options_for(0))]
+    handles = [
+        start_actor(
+            LearnerActor,
+            settings,
+            rank,
+            num_workers,
+            name=learner_name(rank),
+            resources=settings.resources,
+            namespace=namespace,
+            **options_for(rank),
+        )  # fmt: skip
+        for rank in range(num_workers)
+    ]
+    try:
+        spec = Pending("learner", "open_rendezvous", handles[0].open_rendezvous.remote(backend, timeout_s))
+        spec = spec.result(timeout_s)
+        joins = [Pending(learner_name(r), "join_group", h.join_group.remote(spec)) for r, h in enumerate(handles)]
+        wait_all(joins, timeout_s + _MODEL_LOAD_GRACE_S)
+    except BaseException:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        raise
+    return handles
