@@ -200,7 +200,13 @@ class Controller:
 
     @property
     def version(self) -> int:
+        """The learner's policy version (``state.version``)."""
         return self.state.version
+
+    @property
+    def step(self) -> int:
+        """The step being trained (``state.step``)."""
+        return self.state.step
 
     # ----------------------------------------------------------------------------- the loop
 
