@@ -1,6 +1,7 @@
-"""The run's roles, one module each: buffer, inference, learner, reference, reward, env_pool.
+"""The run's roles, one module each (the learner a package: rlpost.actors.learner): buffer,
+inference, learner, reference, reward, env_pool.
 
-Each module holds:
+Each role holds:
 - ``<Role>Settings``: the job config sections the role reads, and nothing else, built from a
   whole job config by ``<Role>Settings.from_job(cfg)``;
 - a plain class (usable without Ray) that takes those settings;

@@ -4,7 +4,7 @@ group to keep (top-k, balanced subsets), the chunked log-probs and entropies of 
 through the LM head, and the bins of sequence packing.
 
 Imports torch only (no ray, vllm, transformers, tensordict or torch.distributed) so that it can
-be tested and reused anywhere; tests/unit/test_algo_purity.py enforces it. The TensorDict-facing
+be tested and reused anywhere; tests/unit/algo/test_algo_purity.py enforces it. The TensorDict-facing
 modules built on it live in ``rlpost.objectives``.
 """
 

@@ -32,7 +32,7 @@ backpropagate work: ``out.loss_objective + out.loss_entropy + ...``,
 mean of every field, as TorchRL's GRPO scripts do; its gradient is the loss terms' over the
 number of fields).
 
-Deliberate deviations from TorchRL, each tested in tests/unit/test_grpo_loss.py:
+Deliberate deviations from TorchRL, each tested in tests/unit/objectives/test_grpo_loss.py:
 
 - Diagnostics (``clip_fraction``, ``kl_approx``, ``entropy``, ``kl_to_ref``,
   ``kl_to_inference``) are means over the counted tokens; TorchRL's average over every position

@@ -13,7 +13,7 @@ with the tokenizer (``return_assistant_tokens_mask``). The math is :mod:`rlpost.
 service's expert iteration trains with the same NLL through its learner
 (:func:`rlpost.algo.sft_loss`).
 
-Deliberate deviations from TorchRL, each tested in tests/unit/test_sft_distillation_losses.py:
+Deliberate deviations from TorchRL, each tested in tests/unit/algo/test_sft_distillation_losses.py:
 
 - The KL to the reference (``kl_to_ref``, and ``loss_kl_to_ref`` with its coefficient) is the k3
   mean over the assistant tokens; TorchRL averages it over every position of the rows, so the

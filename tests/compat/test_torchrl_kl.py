@@ -4,7 +4,7 @@ against rlpost with rlpost's imports and the offline tiny model instead of OPT.
 The printed shapes in TorchRL's docstrings are OPT's token counts; here each example asserts the
 same thing for the tiny model's ChatML rendering: one row per conversation, as many positions as
 the longest rendered conversation. The shared-actor (Ray) forms are exercised in
-tests/integration/test_kl_retrieval.py, which has a Ray cluster.
+tests/integration/envs/test_kl_retrieval.py, which has a Ray cluster.
 """
 
 from __future__ import annotations

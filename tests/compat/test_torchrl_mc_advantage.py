@@ -382,7 +382,7 @@ def test_groups_from_two_writers_complete_in_one_buffer():
 
 # ---------------------------------------------------------------------------- oversampling and sharing
 # TorchRL's candidate-selection, share_memory and validation tests. Its test_ray_mc_advantage is in
-# tests/integration/test_ray_mc_advantage.py (it needs a Ray cluster).
+# tests/integration/objectives/test_ray_mc_advantage.py (it needs a Ray cluster).
 
 
 def test_mc_advantage_candidate_selection_rescues_dynamic_sampling_group():

@@ -4,7 +4,7 @@ The calls are TorchRL's, with rlpost's imports and the offline tiny model (a pla
 ``vllm.LLM`` and a transformers model) instead of the hub model. Where TorchRL's test only checks
 that a field is there, these tests also check its value. Behaviours already covered by
 ``test_torchrl_llm_wrappers.py`` (the tutorial and the API docs) or by
-``tests/integration/test_wrappers.py`` are not repeated; batching, ``prefer_tokens``, the Ray
+``tests/integration/policies/test_wrappers.py`` are not repeated; batching, ``prefer_tokens``, the Ray
 wrapper and the TRL adapters are ported in ``test_torchrl_wrapper_options.py``, async engines in
 the AsyncVLLM tests.
 """

@@ -1,6 +1,6 @@
 """A run whose learner is a group of two sharded ranks (resources.learner.num_workers=2): it
 learns, publishes weights the engines serve, survives losing a rank, checkpoints, and its
-checkpoint resumes with one rank (the group's steps in sync mode: tests/integration/test_learner_group.py).
+checkpoint resumes with one rank (the group's steps in sync mode: tests/integration/actors/learner/test_learner_group.py).
 Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo).
 
 Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 completions a step), so

@@ -1,7 +1,7 @@
 """The shipped configs of the other losses (DAPO, expert iteration, on-policy distillation) run as
 ``rlpost train`` on the tier's shared cluster, a few steps each on the tiny model. CISPO's config
 differs from DAPO's in its loss section only: tests/unit/test_config.py loads it, and
-tests/integration/test_learner_loss_types.py trains the tiny model with its loss."""
+tests/integration/actors/learner/test_learner_loss_types.py trains the tiny model with its loss."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Whole runs of the real tasks and the reward-model role, on the tier's shared cluster (both in
-the long tier: make test keeps their parts in tests/integration/test_reward_actor.py,
-tests/integration/test_code_grading.py and the supervisor's stand-ins).
+the long tier: make test keeps their parts in tests/integration/actors/test_reward_actor.py,
+tests/integration/envs/test_code_grading.py and the supervisor's stand-ins).
 
 - reasoning-gym with a reward model: the shipped reasoning-gym config (a mixture of two of the
   package's tasks) with the tiny reward model beside the package's verifiers; the ``reward`` actor
@@ -31,7 +31,7 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.long  # ~40 s; make test keeps the reward actor's death and wait in tests/integration/test_reward_actor.py
+@pytest.mark.long  # ~40 s; make test keeps the reward actor's death and wait in tests/integration/actors/test_reward_actor.py
 def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_death(
     tmp_path, tiny_model_path, tiny_reward_model_path, connect_driver
 ):
@@ -77,7 +77,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
     assert any(k.startswith("eval_pass_at_1/") for k in evals[0])
 
 
-@pytest.mark.long  # ~35 s; make test keeps the code task's env and grader in tests/integration/test_code_grading.py
+@pytest.mark.long  # ~35 s; make test keeps the code task's env and grader in tests/integration/envs/test_code_grading.py
 def test_the_code_config_grades_completions_in_the_sandbox(tmp_path, tiny_model_path, connect_driver):
     from rlpost.config import load_config
     from rlpost.controller import Controller, start_run, stop_actors

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlpost.actors.learner import Learner, start_learner
-from tests.integration.test_learner import make_cfg
+from tests.integration.actors.learner.test_learner import make_cfg
 
 pytestmark = pytest.mark.integration
 

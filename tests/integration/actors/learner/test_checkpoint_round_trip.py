@@ -9,7 +9,7 @@ import torch
 
 from rlpost.actors.learner import Learner
 from rlpost.runs import list_checkpoints
-from tests.integration.test_learner import BAD, GOOD, completion, make_cfg, on_policy_groups
+from tests.integration.actors.learner.test_learner import BAD, GOOD, completion, make_cfg, on_policy_groups
 
 pytestmark = pytest.mark.integration
 

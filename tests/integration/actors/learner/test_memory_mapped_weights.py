@@ -9,7 +9,7 @@ import torch
 
 from rlpost.actors.learner import Learner
 from rlpost.actors.learner.memory import own_trainable_weights
-from tests.integration.test_learner import make_cfg
+from tests.integration.actors.learner.test_learner import make_cfg
 
 pytestmark = pytest.mark.integration
 

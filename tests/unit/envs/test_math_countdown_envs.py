@@ -28,7 +28,7 @@ from rlpost.envs.math import MATH_SYSTEM_PROMPT, MATHColumns, MATHEnv, MATHRewar
 
 pytestmark = pytest.mark.unit
 
-IFEVAL_DATA = Path(__file__).resolve().parents[1] / "data" / "ifeval_sample.jsonl"
+IFEVAL_DATA = Path(__file__).resolve().parents[2] / "data" / "ifeval_sample.jsonl"
 MATH_ROWS = [
     {"problem": "What is $1+1$?", "level": "Level 1", "type": "Prealgebra", "solution": "So $1+1=\\boxed{2}$."},
     {

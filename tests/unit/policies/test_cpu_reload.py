@@ -1,5 +1,5 @@
 """The direct CPU reload's planning: how update names map onto an engine's layers, and what it
-refuses. Loading itself needs a real engine: tests/integration/test_inference_worker.py."""
+refuses. Loading itself needs a real engine: tests/integration/actors/test_inference_worker.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from rlpost.envs.ifeval import IFEVAL_SYSTEM_PROMPT, PUNKT_INSTRUCTIONS
 
 pytestmark = pytest.mark.unit
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "ifeval_sample.jsonl"
+DATA = Path(__file__).resolve().parents[2] / "data" / "ifeval_sample.jsonl"
 ROWS = [json.loads(line) for line in DATA.read_text().splitlines()]
 BY_PROMPT = {row["prompt"]: row for row in ROWS}
 

@@ -1,6 +1,6 @@
 """The learner's step on the real tiny model: collate layout, learning, grad accumulation,
-publishing and scoring. Its checkpoints, memory and Ray actor are tested beside their modules, in
-tests/integration/actors/learner/ (which import this file's helpers)."""
+publishing and scoring. Its checkpoints, memory and Ray actor are tested beside it, in this folder
+(those files import this file's helpers)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The code task's pure parts: splitting a row's tests, the value encoding across the sandbox
 boundary, extracting code from a response, building the program, and the row checks.
 
-The sandboxed grading itself is in tests/integration/test_code_grading.py."""
+The sandboxed grading itself is in tests/integration/envs/test_code_grading.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (``_BackgroundReceive``): the bytes arrive while the caller goes on, the load happens on the
 caller's thread, and the receive confirms only after it; every failure reaches both sides. A
 stand-in receiver plays the bus (the real one, with a real engine, is in
-tests/integration/test_inference_worker.py)."""
+tests/integration/actors/test_inference_worker.py)."""
 
 from __future__ import annotations
 

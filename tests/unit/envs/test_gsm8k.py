@@ -31,7 +31,7 @@ from rlpost.math_verify_check import math_verify_equal
 
 pytestmark = pytest.mark.unit
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "gsm8k_sample.jsonl"
+DATA = Path(__file__).resolve().parents[2] / "data" / "gsm8k_sample.jsonl"
 ROWS = [json.loads(line) for line in DATA.read_text().splitlines()]
 PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"  # sympy never finishes comparing this tower with a number
 

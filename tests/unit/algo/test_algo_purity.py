@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 ALGO_DIR = REPO_ROOT / "rlpost" / "algo"
 FORBIDDEN_TOP_LEVEL = {"ray", "vllm", "transformers", "tensordict"}
 

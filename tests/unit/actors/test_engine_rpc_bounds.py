@@ -10,7 +10,7 @@ from rlpost.actors.inference import ENGINE_RPC_TIMEOUT_S, InferenceWorker
 
 pytestmark = pytest.mark.unit
 
-RLPOST = Path(__file__).resolve().parents[2] / "rlpost"
+RLPOST = Path(__file__).resolve().parents[3] / "rlpost"
 
 
 class RecordingLLM:

@@ -10,7 +10,7 @@ import torch
 from rlpost.actors.learner import Learner
 from rlpost.objectives import DAPO, CISPOLoss, GRPOLoss
 from rlpost.types import Group
-from tests.integration.test_learner import (
+from tests.integration.actors.learner.test_learner import (
     BAD,
     GOOD,
     completion,

@@ -20,7 +20,7 @@ from rlpost.envs.tools import PythonSession, run_python
 
 pytestmark = pytest.mark.unit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 
 

@@ -1,6 +1,6 @@
 """Pure logic of TorchRL's distributed pieces: argument handling and clear errors (the real Ray
-actors and vLLM replicas are tested in tests/integration/test_async_vllm.py and
-test_ray_collector.py)."""
+actors and vLLM replicas are tested in tests/integration/actors/test_async_vllm.py and
+tests/integration/collect/test_ray_collector.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from rlpost.envs.mcp_tools import MCPToolTransform
 
 pytestmark = pytest.mark.integration
 
-SERVER = str(Path(__file__).resolve().parents[1] / "mcp_server.py")
+SERVER = str(Path(__file__).resolve().parents[2] / "mcp_server.py")
 
 
 def server(**extra):

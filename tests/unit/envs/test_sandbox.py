@@ -23,7 +23,7 @@ from rlpost.envs.tools import PythonResult, extract_python_blocks, format_tool_r
 
 pytestmark = pytest.mark.unit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SEED_CODE = "def square(x):\n    return x * x\nprint('testing the square function with input 2:', square(2))\n"
 
 
