@@ -400,7 +400,20 @@ class ReferenceConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL coefficient (beta).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman).")
     kl_in: Literal["loss", "reward"] = Field(
-        "loss", description="Add KL as a loss term ('loss', GRPO) or subtract it from the reward ('reward', k1, RLHF)."
+        "loss",
+        description="Add KL as a loss term ('loss', GRPO) or subtract it from the reward ('reward', k1, RLHF: each "
+        "env pool has its batch scored by the reference actor before it computes the group advantages).",
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Bound of one env pool's call scoring a batch for the KL-shaped reward (kl_in: reward).",
+    )
+    restart_wait_s: float = Field(
+        180.0,
+        gt=0,
+        description="How long an env pool waits for the supervisor to start a lost reference actor again before its "
+        "collection fails (kl_in: reward).",
     )
 
 
@@ -451,8 +464,8 @@ class LossConfig(_Section):
     )
     advantage_scale: Literal["group", "batch", "none"] = Field(
         "group",
-        description="Advantage normalisation: group std, batch std (over an env pool's batch; with "
-        "reference.kl_in=reward over the step's groups, after the KL penalty), or none (Dr.GRPO).",
+        description="Advantage normalisation: group std, batch std (over an env pool's batch, after the KL "
+        "penalty with reference.kl_in=reward), or none (Dr.GRPO).",
     )
     filter_equal_rewards: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards are all equal."
@@ -960,6 +973,11 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append("loss.distillation with loss.type=sft: SFT has no advantage to carry the teacher's term")
     if not distill.use_reward and distill.coef == 0:
         errors.append("loss.distillation.use_reward=false without loss.distillation.coef: nothing would be trained")
+    if cfg.loss.filter_equal_rewards and cfg.reference.enabled and cfg.reference.kl_in == "reward":
+        errors.append(
+            "loss.filter_equal_rewards with reference.kl_in=reward: the KL-shaped rewards of a group are never all "
+            "equal, so the filter would drop nothing; use reference.kl_in=loss (or turn the filter off)"
+        )
     if cfg.reference.kl_coef > 0 and not cfg.reference.enabled:
         errors.append(f"reference.kl_coef is {cfg.reference.kl_coef} but reference.enabled is false")
     if cfg.weight_sync.backend == "nccl" and (

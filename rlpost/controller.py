@@ -216,7 +216,8 @@ class Controller:
 
             groups = collect             sync: the pools collect this step's prompts, then take
                                          async: take from the buffer the pools keep filling
-            annotate groups              the reference actor adds its log-probs (KL on)
+            annotate groups              the reference actor adds its log-probs (KL in the
+                                         loss; a KL in the reward is the env pools')
             train one step               the learner; policy version += epochs_per_batch
             sync weights                 every weight_sync_interval steps, the last step, and
                                          before an evaluation
@@ -328,14 +329,15 @@ class Controller:
 
     def _collect_step(self) -> list:
         """The step's groups: taken from the buffer (sync: after every pool collected its
-        share), annotated by the reference actor when KL is on."""
+        share), annotated by the reference actor when the KL is in the loss (in the reward, each
+        env pool had its batch penalised before computing the advantages)."""
         if self.cfg.trainer.mode == "sync":
             targets = self._step_targets()
             self.taken = self.supervisor.run("collect", lambda: self._collect_sync(targets))
             self.pool_prompts = targets
         else:
             self.taken = self.supervisor.run("take", lambda: self._take(self.cfg.trainer.prompts_per_step))
-        if self.actors.reference is None:
+        if self.actors.reference is None or self.cfg.reference.kl_in == "reward":  # the pools called it
             return self.taken
         return self.supervisor.run("reference", lambda: self.actors.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 

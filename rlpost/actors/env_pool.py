@@ -1,4 +1,5 @@
-"""The env pool: prompts -> inference -> rewards -> whole GRPO groups -> buffer.
+"""The env pool: prompts -> inference -> rewards (-> the reference's KL penalty) -> whole GRPO
+groups with their advantages -> buffer.
 
 :class:`EnvPool` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode (each
 batch's episodes start together and end inside it; whole GRPO groups come out), built from the
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
         JobConfig,
         LossConfig,
         ModelConfig,
+        ReferenceConfig,
         RewardModelConfig,
         RoleResources,
         RolloutConfig,
@@ -65,16 +67,22 @@ class EnvPoolSettings:
     data: DataConfig  # prompts, rewards, group size
     tools: ToolsConfig
     rollout: RolloutConfig  # sampling, turns, the number of pools (the prompt shards)
-    loss: LossConfig  # advantage_scale and filter_equal_rewards (advantages are computed here)
+    loss: LossConfig  # advantage_scale and filter_equal_rewards (advantages are computed here, once)
     trainer: TrainerConfig  # prompts_per_step: the pools share each step's prompts
     resources: RoleResources  # ``resources.env_pool``
     run_name: str = ""  # the run whose metrics the actor reports under
     reward_model: RewardModelConfig | None = None  # scored through the run's ``reward`` actor
+    reference: ReferenceConfig | None = None  # kl_in: reward: each batch penalised through the ``reference`` actor
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> EnvPoolSettings:
         return cls(cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.loss, cfg.trainer, cfg.resources.env_pool,
-                   cfg.logging.run_name or "", cfg.reward_model)  # fmt: skip
+                   cfg.logging.run_name or "", cfg.reward_model, cfg.reference)  # fmt: skip
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The reference actor's KL penalty goes into the rewards (``reference.kl_in: reward``)."""
+        return self.reference is not None and self.reference.enabled and self.reference.kl_in == "reward"
 
 
 class EnvPool(LLMCollector):
@@ -99,6 +107,10 @@ class EnvPool(LLMCollector):
             higher one, and the buffer then refuses puts of older epochs).
         report_metrics: report each batch's reward and counts as the run's Ray metrics (the
             actor does; needs Ray).
+        reference: with ``reference.kl_in: reward``, what penalises each batch's rewards before
+            its groups' advantages are computed: an object with the ``penalize(samples)`` of
+            :class:`~rlpost.actors.reference.Reference` (e.g. one in-process); None: the run's
+            ``reference`` actor, through :class:`~rlpost.actors.reference.RemoteReference`.
     """
 
     def __init__(
@@ -113,6 +125,7 @@ class EnvPool(LLMCollector):
         policy_version: PolicyVersion | None = None,
         epoch: int = 0,
         report_metrics: bool = False,
+        reference: Any = None,
     ) -> None:
         num_shards = cfg.rollout.env_pool_shards()
         if not 0 <= pool_index < num_shards:
@@ -130,6 +143,10 @@ class EnvPool(LLMCollector):
         sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
         policy = vLLMWrapper(engine_client, tokenizer=tokenizer, input_mode=input_mode, generate_kwargs=sampling,
                              return_log_probs=True, return_tokens=True, pad_output=False)  # fmt: skip
+        if cfg.kl_in_reward and reference is None:
+            from rlpost.actors.reference import RemoteReference
+
+            reference = RemoteReference(cfg.reference)
         self.writer = None if buffer is None else GroupWriter(_as_buffer(buffer), self.name, epoch=epoch,
                                                               state=self.state_dict)  # fmt: skip
         super().__init__(
@@ -147,6 +164,7 @@ class EnvPool(LLMCollector):
                 top_k=cfg.loss.top_k,
                 max_prompt_tokens=rollout.engine.max_model_len - 1,
                 group_info={"env_pool": pool_index},
+                reward_adjustment=reference.penalize if cfg.kl_in_reward else None,
             ),
         )
         self.engine_client = engine_client

@@ -1,15 +1,20 @@
 """The ``reference`` actor: the frozen initial model (or ``reference.model``, a teacher), scoring
-completed groups for the KL term and for on-policy distillation.
+generated tokens for the KL term and for on-policy distillation.
 
-One shared actor (only when ``reference.enabled``). For each batch of groups it computes the
-reference log-probs of every generated token with :class:`~rlpost.envs.RetrieveKL` (the
-generation log-probs are the ones the inference engine returned). With ``kl_in: loss`` they are
-stored on the samples for GRPOLoss's KL term; with ``kl_in: reward`` the k1 KL summed over the
-generated tokens is subtracted from each reward (RLHF style: one reward per sequence, where
-the KLComputation transform would make the reward per-token) and the group advantages are
-recomputed from the new rewards. With ``reference.model`` set it loads that model instead of the
-policy's initial weights (the teacher of ``loss.distillation``), after checking that its
-tokenizer gives the policy's token ids.
+One shared actor (only when ``reference.enabled``). It computes the reference log-probs of every
+generated token with :class:`~rlpost.envs.RetrieveKL` (the generation log-probs are the ones the
+inference engine returned), in one of two places, by ``reference.kl_in``:
+
+- ``loss``: the loop sends each step's groups (:meth:`Reference.annotate`); the log-probs are
+  stored on the samples for GRPOLoss's KL term (or the distillation teacher's term).
+- ``reward``: each env pool sends its batch's samples before it groups them
+  (:meth:`Reference.penalize`, through :class:`RemoteReference`): the k1 KL summed over the
+  generated tokens is subtracted from each reward (RLHF style: one reward per sequence, where the
+  KLComputation transform would make the reward per-token). The pool's MCAdvantage then computes
+  the group advantages once, from the penalised rewards.
+
+With ``reference.model`` set it loads that model instead of the policy's initial weights (the
+teacher of ``loss.distillation``), after checking that its tokenizer gives the policy's token ids.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import torch
 
 from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
-from rlpost.algo import ragged_group_advantages
-from rlpost.config import LossConfig, ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
+from rlpost.config import ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
-from rlpost.types import Group
+from rlpost.transport.named_actor import NamedActorClient
+from rlpost.types import Group, Sample
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -36,15 +41,13 @@ class ReferenceSettings:
 
     model: ModelConfig  # the initial weights, kept frozen
     reference: ReferenceConfig  # where the KL goes (loss or reward) and its coefficient
-    loss: LossConfig  # advantage_scale, to recompute advantages after a reward-side KL
     rollout: RolloutConfig  # the sampling temperature (log-probs of the processed distribution)
     resources: TorchRoleResources  # ``resources.reference``
     run_name: str = ""  # the run whose metrics the actor reports under
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> ReferenceSettings:
-        return cls(cfg.model, cfg.reference, cfg.loss, cfg.rollout, cfg.resources.reference,
-                   cfg.logging.run_name or "")  # fmt: skip
+        return cls(cfg.model, cfg.reference, cfg.rollout, cfg.resources.reference, cfg.logging.run_name or "")
 
 
 class Reference(KLServiceActor):
@@ -87,27 +90,31 @@ class Reference(KLServiceActor):
         KLServiceActor.__init__(self, transform=self.kl)
 
     def annotate(self, groups: list[Group]) -> list[Group]:
-        """Fill ``ref_logprobs`` on every sample (and apply the reward-side KL when configured)."""
-        samples = [s for g in groups for s in g.samples]
+        """Fill ``ref_logprobs`` on every sample of ``groups`` (the loss's KL term, the teacher's
+        term of distillation); rewards and advantages are left as they are."""
+        self._score([s for g in groups for s in g.samples])
+        return groups
+
+    def penalize(self, samples: list[Sample]) -> list[Sample]:
+        """Fill ``ref_logprobs`` and subtract ``kl_coef`` times the k1 KL summed over each
+        sample's generated tokens from its reward (``kl_in: reward``). The env pools call this
+        before computing their groups' advantages, so those come from the penalised rewards."""
+        kl_per_sample = self._score(samples)
+        for sample, kl in zip(samples, kl_per_sample):
+            sample.reward = sample.reward - self.cfg.reference.kl_coef * kl
+        return samples
+
+    def _score(self, samples: list[Sample]) -> list[float]:
+        """Set every sample's ``ref_logprobs`` (0 off the generated tokens); return each one's k1
+        KL summed over its generated tokens."""
         if not samples:
-            return groups
+            return []
         batch = self.kl(collate_samples(samples, self.pad_token_id))
         mask_bt = batch.get(("masks", "all_assistant_mask"))
         ref_bt = torch.where(mask_bt, batch.get(("ref_log_probs", "full")), torch.zeros(()))
         for i, sample in enumerate(samples):
             sample.ref_logprobs = ref_bt[i, : len(sample.token_ids)].tolist()
-        if self.cfg.reference.kl_in == "reward":
-            kl_per_sample = torch.where(mask_bt, batch.get("kl_penalty"), torch.zeros(())).sum(-1)
-            rewards = (batch.get("reward").reshape(-1) - self.cfg.reference.kl_coef * kl_per_sample).tolist()
-            for sample, reward in zip(samples, rewards):
-                sample.reward = reward
-            # the rewards changed: the advantages are those of the penalised rewards ("batch": the
-            # std of every reward of this step's groups, as the env pools' is of their batch)
-            scale = self.cfg.loss.advantage_scale
-            advantages = ragged_group_advantages([group.rewards for group in groups], scale=scale)
-            for group, advantages_n in zip(groups, advantages):
-                group.advantages = advantages_n
-        return groups
+        return torch.where(mask_bt, batch.get("kl_penalty"), torch.zeros(())).sum(-1).tolist()
 
 
 class ReferenceActor(Reference):
@@ -126,6 +133,11 @@ class ReferenceActor(Reference):
         self.metrics.record(samples_scored=sum(len(g.samples) for g in groups))
         return groups
 
+    def penalize(self, samples: list[Sample]) -> list[Sample]:
+        samples = super().penalize(samples)
+        self.metrics.record(samples_scored=len(samples))
+        return samples
+
 
 def start_reference(settings: ReferenceSettings, *, name: str = "reference", namespace: str | None = None,
                     **options):  # fmt: skip
@@ -133,6 +145,21 @@ def start_reference(settings: ReferenceSettings, *, name: str = "reference", nam
     (``options`` go to ``.options()`` and win)."""
     return start_actor(ReferenceActor, settings, name=name, resources=settings.resources, namespace=namespace,
                        **options)  # fmt: skip
+
+
+class RemoteReference(NamedActorClient):
+    """The env pools' bounded client of the run's ``reference`` actor (``kl_in: reward``), by
+    name: a lost actor's replacement is waited for (``reference.restart_wait_s``), a call is
+    bounded by ``reference.timeout_s``."""
+
+    def __init__(self, cfg: ReferenceConfig, actor_name: str = "reference", *, namespace: str | None = None):
+        super().__init__(actor_name, namespace=namespace, timeout_s=cfg.timeout_s, restart_wait_s=cfg.restart_wait_s,
+                         role="reference actor",
+                         settings=("reference.timeout_s", "reference.restart_wait_s"))  # fmt: skip
+
+    def penalize(self, samples: list[Sample]) -> list[Sample]:
+        """:meth:`Reference.penalize` in the actor; the scored samples come back."""
+        return self.call("penalize", samples, what=f"score {len(samples)} samples for the KL-shaped reward")
 
 
 def check_same_vocabulary(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:

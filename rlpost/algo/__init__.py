@@ -13,7 +13,7 @@ from rlpost.algo.advantages import (
     AdvantageScale,
     distillation_advantages,
     group_advantages,
-    ragged_group_advantages,
+    scale_by_batch_std,
 )
 from rlpost.algo.chunked import chunked_logprobs_and_entropy, chunked_token_logprobs
 from rlpost.algo.grpo import (
@@ -65,7 +65,7 @@ __all__ = [
     "minor_sft_loss",
     "pack_lengths",
     "packed_tokens",
-    "ragged_group_advantages",
+    "scale_by_batch_std",
     "select_subset",
     "sequence_log_likelihood",
     "sft_loss",

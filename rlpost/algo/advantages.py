@@ -71,23 +71,23 @@ def group_advantages(
     return torch.where(is_equal_g1, torch.zeros_like(advantages_gn), advantages_gn)
 
 
-def ragged_group_advantages(
+def scale_by_batch_std(
+    centred_rows: Sequence[Sequence[float]],
     reward_rows: Sequence[Sequence[float]],
     *,
-    scale: AdvantageScale = "group",
     eps: float = 1e-4,
 ) -> list[list[float]]:
-    """:func:`group_advantages` of groups that may differ in size (one list of rewards per
-    group), as lists. "batch" divides by the std of every reward of every group; for groups of
-    one size the result is :func:`group_advantages`' of the stacked rewards."""
-    if scale not in ADVANTAGE_SCALES:
-        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
-    rows = [torch.as_tensor(list(row), dtype=torch.float64).reshape(1, -1) for row in reward_rows]
-    if scale != "batch":
-        return [group_advantages(row, scale=scale, eps=eps)[0].tolist() for row in rows]
-    every = torch.cat([row[0] for row in rows]) if rows else torch.zeros(0, dtype=torch.float64)
+    """The "batch" scale of advantages already centred per group (``scale="none"``, e.g.
+    MCAdvantage's): each divided by the std of every reward of every group, plus ``eps``. Groups
+    may differ in size; for groups of one size the result is :func:`group_advantages`' with
+    ``scale="batch"`` (an all-equal group's zeros stay zeros)."""
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if [len(row) for row in centred_rows] != [len(row) for row in reward_rows]:
+        raise ValueError("centred_rows and reward_rows must have the same groups of the same sizes")
+    every = torch.tensor([r for row in reward_rows for r in row], dtype=torch.float64)
     std = float(every.std()) if every.numel() > 1 else 0.0
-    return [(group_advantages(row, scale="none", eps=eps)[0] / (std + eps)).tolist() for row in rows]
+    return [[a / (std + eps) if a != 0 else 0.0 for a in row] for row in centred_rows]
 
 
 def distillation_advantages(

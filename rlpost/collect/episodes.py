@@ -33,13 +33,14 @@ turn and a re-rendering that differs from the generated ids ("drift") ends that 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.algo import ADVANTAGE_SCALES, group_advantages, top_k_above_median
+from rlpost.algo import ADVANTAGE_SCALES, scale_by_batch_std, top_k_above_median
 from rlpost.envs.chat import as_list
 from rlpost.envs.transforms import REWARD_PARTS_KEY, TOOL_STAT_KEYS
 from rlpost.objectives.mc_advantage import MCAdvantage
@@ -67,6 +68,11 @@ class WholeEpisodes:
             none (all rewards equal) is dropped and counted with the filtered ones. The group's
             ``info["sampled_rewards"]`` keeps every sample's reward.
         top_k: the most samples ``keep_top`` keeps per group; None: all above the median.
+        reward_adjustment: called with a batch's samples once their rewards are in and before
+            the groups and their advantages are made; returns the samples with the rewards to
+            train on (copies are fine). An env pool's is the reference actor's KL penalty
+            (``reference.kl_in: reward``), so the advantages are computed once, from the final
+            rewards. None: the rewards stand.
     """
 
     group_size: int | None = None
@@ -78,6 +84,7 @@ class WholeEpisodes:
     group_info: dict[str, Any] = field(default_factory=dict)
     keep_top: bool = False
     top_k: int | None = None
+    reward_adjustment: Callable[[list[Sample]], list[Sample]] | None = None
 
     def resolved(self, env: Any) -> WholeEpisodes:
         """These settings with ``group_size`` and ``max_turns`` read from ``env`` where None,
@@ -249,9 +256,10 @@ class CollectorStats:
 
 
 def assemble_groups(samples: list[Sample], settings: WholeEpisodes) -> tuple[list[Group], int]:
-    """Group ``samples`` by prompt with MCAdvantage; return the groups and how many the DAPO
-    filter (or ``keep_top``'s selection) dropped. "batch" scaling is done here over the kept groups (MCAdvantage refuses it:
-    it sees groups one at a time)."""
+    """Group ``samples`` by prompt with MCAdvantage, which computes their advantages; return the
+    groups and how many the DAPO filter (or ``keep_top``'s selection) dropped. With "batch"
+    scaling, MCAdvantage only centres (it sees groups one at a time, so it has no batch std) and
+    the centred advantages are divided here by the std of the kept groups' rewards."""
     scale = settings.advantage_scale
     mc = MCAdvantage(
         settings.group_size, scale="none" if scale == "batch" else scale, eps=settings.advantage_eps,
@@ -260,9 +268,9 @@ def assemble_groups(samples: list[Sample], settings: WholeEpisodes) -> tuple[lis
     scored = mc.add({"prompt_id": s.prompt_id, "reward": s.reward, "sample": s} for s in samples)
     assert mc.num_pending == 0, f"{mc.num_pending} samples left in incomplete groups"
     advantages = [[m["advantage"] for m in members] for members in scored]
-    if scale == "batch" and scored:
-        rewards_gn = torch.tensor([[m["reward"] for m in members] for members in scored], dtype=torch.float64)
-        advantages = group_advantages(rewards_gn, scale="batch", eps=settings.advantage_eps).tolist()
+    if scale == "batch":
+        rewards = [[m["reward"] for m in members] for members in scored]
+        advantages = scale_by_batch_std(advantages, rewards, eps=settings.advantage_eps)
     groups, num_dropped = [], mc.num_dropped_equal
     for members, advantages_n in zip(scored, advantages):
         group_samples = [m["sample"] for m in members]

@@ -441,6 +441,8 @@ class LLMCollector:
         episodes = self._run_episodes(num_groups * settings.group_size)
         fallback = self.policy_version_tracker.version
         samples = [e.to_sample(getattr(self.policy, "tokenizer", None), fallback) for e in episodes]
+        if settings.reward_adjustment is not None:  # e.g. the KL penalty, before any advantage
+            samples = settings.reward_adjustment(samples)
         groups, num_filtered = ep.assemble_groups(samples, settings)
         reward_errors = Counter(getattr(self.env, "reward_errors", {}))
         reward_errors.subtract(errors_before)

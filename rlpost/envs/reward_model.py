@@ -20,7 +20,6 @@ transform's ``errors`` (the env's ``reward_errors``) and the first of each kind 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from typing import Any
 
@@ -29,11 +28,11 @@ from tensordict import TensorDictBase
 
 from rlpost.envs.chat import as_list
 from rlpost.envs.transforms import Transform, set_reward_part
+from rlpost.transport.named_actor import NamedActorClient
 
 logger = logging.getLogger(__name__)
 
 RULE_PART, MODEL_PART = "rule", "reward_model"
-_RETRY_S = 1.0  # how often a call waits for a lost reward actor's replacement
 
 
 class RewardModelReward(Transform):
@@ -103,7 +102,7 @@ class RewardModelReward(Transform):
         return f"{type(self).__name__}(weight={self.weight}, rule_weight={self.rule_weight}, scorer={self.scorer!r})"
 
 
-class RemoteRewardModel:
+class RemoteRewardModel(NamedActorClient):
     """The bounded client of the run's named ``reward`` actor (``rlpost.actors.reward``).
 
     A call waits at most ``timeout_s`` for its answer (past it: ``TimeoutError``). A call that
@@ -114,47 +113,9 @@ class RemoteRewardModel:
 
     def __init__(self, actor_name: str = "reward", *, namespace: str | None = None, timeout_s: float = 120.0,
                  restart_wait_s: float = 180.0) -> None:  # fmt: skip
-        self.actor_name, self.namespace = actor_name, namespace
-        self.timeout_s, self.restart_wait_s = timeout_s, restart_wait_s
-        self._handle: Any = None
+        super().__init__(actor_name, namespace=namespace, timeout_s=timeout_s, restart_wait_s=restart_wait_s,
+                         role="reward actor",
+                         settings=("reward_model.timeout_s", "reward_model.restart_wait_s"))  # fmt: skip
 
     def score(self, conversations: list[list[dict[str, str]]], answers: list[str | None]) -> Any:
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
-        deadline = time.monotonic() + self.restart_wait_s
-        last_error: BaseException | None = None
-        while True:
-            handle = self._lookup()
-            if handle is not None:
-                try:
-                    return ray.get(handle.score.remote(conversations, answers), timeout=self.timeout_s)
-                except GetTimeoutError:
-                    raise TimeoutError(
-                        f"the reward actor {self.actor_name!r} did not score {len(conversations)} conversations "
-                        f"within {self.timeout_s:.0f} s (reward_model.timeout_s)"
-                    ) from None
-                except (RayActorError, ActorUnavailableError) as exc:  # lost: wait for its replacement
-                    self._handle, last_error = None, exc
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the reward actor {self.actor_name!r} is gone and no replacement answered within "
-                    f"{self.restart_wait_s:.0f} s (reward_model.restart_wait_s); last error: {last_error}"
-                )
-            time.sleep(_RETRY_S)
-
-    def _lookup(self) -> Any:
-        if self._handle is None:
-            import ray
-
-            try:
-                self._handle = ray.get_actor(self.actor_name, namespace=self.namespace)
-            except ValueError:  # not started (yet, or again)
-                return None
-        return self._handle
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_handle": None}  # a handle is looked up again where it is used
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.actor_name!r}, timeout_s={self.timeout_s})"
+        return self.call("score", conversations, answers, what=f"score {len(conversations)} conversations")

@@ -108,6 +108,10 @@ def test_errors_name_the_key(tmp_path, text, overrides, expected):
         (["rollout.num_env_pools=3", "trainer.prompts_per_step=8"], r"prompts_per_step \(8\) must be divisible"),
         (["optimizer.grad_accumulation=5"], r"grad_accumulation \(5\) must divide the samples per step"),
         (["reference.kl_coef=0.1"], "reference.enabled is false"),
+        (
+            ["reference.enabled=true", "reference.kl_in=reward", "loss.type=dapo"],
+            "loss.filter_equal_rewards with reference.kl_in=reward",
+        ),
         (["weight_sync.backend=nccl"], "weight_sync.backend=nccl needs GPUs"),
         (["rollout.max_tokens=600"], "must be below rollout.engine.max_model_len"),
     ],
@@ -118,7 +122,7 @@ def test_cross_field_checks(overrides, expected):
 
 
 def test_batch_scaled_advantages_go_with_the_kl_in_the_reward():
-    # the reference actor recomputes the advantages of the penalised rewards over the step's groups
+    # each env pool has its batch penalised by the reference actor, then scales over that batch
     cfg = load_config(
         "configs/tiny-cpu.yaml", ["reference.enabled=true", "reference.kl_in=reward", "loss.advantage_scale=batch"]
     )

@@ -52,7 +52,7 @@ def test_kl_in_loss_stores_reference_logprobs(tiny_model_path, tiny_tokenizer, m
     assert [s.reward for s in out[0].samples] == [1.0, 0.1]
 
 
-def test_kl_in_reward_penalises_and_recomputes_advantages(tiny_model_path, tiny_tokenizer, model):
+def test_kl_in_reward_penalises_each_sample_and_annotate_leaves_rewards_alone(tiny_model_path, tiny_tokenizer, model):
     cfg = load_config(
         "configs/tiny-cpu.yaml",
         [
@@ -62,35 +62,21 @@ def test_kl_in_reward_penalises_and_recomputes_advantages(tiny_model_path, tiny_
             "reference.kl_in=reward",
         ],
     )
-    groups, _ = make_groups(tiny_tokenizer, model, 0.1)  # behaviour log-probs 0.1 above the reference's
+    groups, lp = make_groups(tiny_tokenizer, model, 0.1)  # behaviour log-probs 0.1 above the reference's
     groups[0].samples[1].logprobs = [
         v - 0.1 if m else 0.0 for v, m in zip(groups[0].samples[1].logprobs, groups[0].samples[1].loss_mask)
     ]
-    out = Reference(ReferenceSettings.from_job(cfg)).annotate(groups)
-    first, second = out[0].samples
+    reference = Reference(ReferenceSettings.from_job(cfg))
+    first, second = reference.penalize(groups[0].samples)
     assert first.reward == pytest.approx(1.0 - 0.5 * 0.1 * first.num_generated, abs=1e-4)
     assert second.reward == pytest.approx(0.1, abs=1e-4)
-    expected = group_advantages(torch.tensor([[first.reward, second.reward]])).reshape(-1).tolist()
-    assert out[0].advantages == pytest.approx(expected)
+    expected = [v if m else 0.0 for v, m in zip(lp, second.loss_mask)]
+    assert max(abs(a - b) for a, b in zip(second.ref_logprobs, expected)) < 1e-4
 
-
-def test_kl_in_reward_with_batch_scale_scales_over_every_group(tiny_model_path, tiny_tokenizer, model):
-    cfg = load_config(
-        "configs/tiny-cpu.yaml",
-        [
-            f"model.name_or_path={tiny_model_path}",
-            "reference.enabled=true",
-            "reference.kl_coef=0.5",
-            "reference.kl_in=reward",
-            "loss.advantage_scale=batch",
-        ],
-    )
-    first, _ = make_groups(tiny_tokenizer, model, 0.1)
-    second, _ = make_groups(tiny_tokenizer, model, 0.0)
-    second[0].prompt_id = 1
-    out = Reference(ReferenceSettings.from_job(cfg)).annotate(first + second)
-    rewards = torch.tensor([g.rewards for g in out], dtype=torch.float64)
-    assert rewards[0, 0] < 1.0 - 1e-3 and rewards[1, 0] == pytest.approx(1.0, abs=1e-4)  # only the first shifted
-    expected = group_advantages(rewards, scale="batch")
-    torch.testing.assert_close(torch.tensor([g.advantages for g in out], dtype=torch.float64), expected)
-    assert not torch.allclose(expected, group_advantages(rewards, scale="group"))
+    # annotate (the loss's path) fills the log-probs only: the advantages it was given stand
+    fresh, _ = make_groups(tiny_tokenizer, model, 0.1)
+    advantages = list(fresh[0].advantages)
+    out = reference.annotate(fresh)
+    assert [s.reward for s in out[0].samples] == [1.0, 0.1] and out[0].advantages == advantages
+    assert all(s.ref_logprobs is not None for s in out[0].samples)
+    assert reference.penalize([]) == []

@@ -326,6 +326,44 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
         EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
 
 
+class RecordingReference:
+    """The in-process reference (a Reference on the tiny model); records each batch's rewards as
+    they were before its penalty."""
+
+    def __init__(self, inner):
+        self.inner, self.rewards_before = inner, []
+
+    def penalize(self, samples):
+        self.rewards_before.append([s.reward for s in samples])
+        return self.inner.penalize(samples)
+
+
+def test_env_pool_has_a_batch_penalised_by_the_reference_before_its_advantages(engine, tiny_tokenizer, tiny_model_path):
+    """reference.kl_in=reward: the pool's batch goes through the reference before MCAdvantage, so
+    each group's advantages (batch-scaled here) are computed once, from the penalised rewards."""
+    from rlpost.actors.reference import Reference, ReferenceSettings
+
+    kl = {"enabled": True, "kl_coef": 0.5, "kl_in": "reward"}
+    cfg = make_cfg(reference=kl, loss={"advantage_scale": "batch"}, rollout={"num_env_pools": 2})
+    # the reference scores at another temperature than the engine sampled at: a KL well above 0
+    scorer_cfg = JobConfig.model_validate({"model": {"name_or_path": str(tiny_model_path)}, "reference": kl,
+                                           "rollout": {"temperature": 0.5}})  # fmt: skip
+    reference = RecordingReference(Reference(ReferenceSettings.from_job(scorer_cfg)))
+    pool = EnvPool(cfg, 0, RecordingClient(engine), None, tokenizer=tiny_tokenizer, reference=reference)
+    groups = pool.collect_groups()
+
+    assert len(reference.rewards_before) == 1 and len(groups) == 2  # one call, the whole batch
+    for sample, before in zip(flat(groups), reference.rewards_before[0]):
+        n = sample.prompt_len
+        kl_sum = sum(g - r for g, r in zip(sample.logprobs[n:], sample.ref_logprobs[n:]))
+        assert sample.reward == pytest.approx(before - 0.5 * kl_sum, abs=1e-6)
+        assert sample.ref_logprobs[:n] == [0.0] * n
+    assert any(abs(s.reward - b) > 1e-2 for s, b in zip(flat(groups), reference.rewards_before[0]))
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    expected = group_advantages(rewards, scale="batch")
+    assert [a for g in groups for a in g.advantages] == pytest.approx(expected.flatten().tolist(), abs=1e-9)
+
+
 def test_env_pools_of_a_range_split_the_prompts_into_its_top_shards(engine, tiny_tokenizer):
     """rollout.num_env_pools: 1..2: the prompt stream has two shards from the start, so the pool
     the run starts beyond num_env_pools (env-pool-1) takes the positions env-pool-0 never does;

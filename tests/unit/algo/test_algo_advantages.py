@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlpost.algo import group_advantages, ragged_group_advantages
+from rlpost.algo import group_advantages, scale_by_batch_std
 
 pytestmark = pytest.mark.unit
 
@@ -81,19 +81,21 @@ def test_negative_eps_is_rejected():
         group_advantages(torch.zeros(2, 2), eps=-1.0)
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_ragged_groups_of_one_size_match_the_stacked_rewards(scale):
+def test_batch_scaling_centred_groups_of_one_size_matches_the_batch_scale():
     rewards = [[1.0, 0.0, 0.5], [0.2, 0.2, 0.2], [0.0, 1.0, 1.0]]
-    expected = group_advantages(torch.tensor(rewards, dtype=torch.float64), scale=scale).tolist()
-    out = ragged_group_advantages(rewards, scale=scale)
-    assert [a for row in out for a in row] == pytest.approx([a for row in expected for a in row])
+    centred = group_advantages(torch.tensor(rewards, dtype=torch.float64), scale="none").tolist()
+    expected = group_advantages(torch.tensor(rewards, dtype=torch.float64), scale="batch").tolist()
+    out = scale_by_batch_std(centred, rewards)
+    assert [a for row in out for a in row] == pytest.approx([a for row in expected for a in row], abs=1e-12)
 
 
-def test_ragged_batch_scale_divides_by_the_std_of_every_reward():
+def test_batch_scaling_of_ragged_groups_divides_by_the_std_of_every_reward():
     rewards = [[1.0, 0.0], [0.5, 0.5, 0.5], [3.0]]
+    centred = [[0.5, -0.5], [0.0, 0.0, 0.0], [0.0]]
     std = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.5, 3.0], dtype=torch.float64).std().item()
-    out = ragged_group_advantages(rewards, scale="batch", eps=0.0)
+    out = scale_by_batch_std(centred, rewards, eps=0.0)
     assert out[0] == pytest.approx([0.5 / std, -0.5 / std])
     assert out[1] == [0.0, 0.0, 0.0] and out[2] == [0.0]  # all-equal groups and a group of one carry no signal
-    with pytest.raises(ValueError, match="scale must be one of"):
-        ragged_group_advantages(rewards, scale="prompt")
+    assert scale_by_batch_std([[0.0, 0.0]], [[2.0, 2.0]], eps=0.0) == [[0.0, 0.0]]  # std 0: no 0/0
+    with pytest.raises(ValueError, match="same groups"):
+        scale_by_batch_std(centred, rewards[:2])
