@@ -25,6 +25,7 @@ record, :func:`actor_state`), never of the actor, whose queue may be busy with a
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from rlpost.actors.calls import ActorLost, CallTimeout, GroupPending, Pending, first_line
@@ -254,7 +255,7 @@ class LearnerClient(ActorClient):
 
     def version(self, timeout_s: float) -> int:
         """The learner's weights version (after any call it is still running)."""
-        return self.call("version", timeout_s=timeout_s)
+        return self.call("policy_version", timeout_s=timeout_s)
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
                         timeout_s: float, shared_memory: bool = True) -> int:  # fmt: skip
@@ -267,7 +268,8 @@ class LearnerClient(ActorClient):
         """The bus's next generation with ``workers`` (after a restart); returns the generation."""
         return self.call("set_workers", workers, timeout_s=timeout_s)
 
-    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict, timeout_s: float) -> str:
+    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict, timeout_s: float) -> Path:
+        """Every rank writes its part; returns the checkpoint's folder."""
         return self._on_every_rank("save_checkpoint", run_dir, step, rollout_state).result(timeout_s)
 
     def load_checkpoint(self, path: str, timeout_s: float) -> dict:

@@ -16,10 +16,11 @@
   each of its tokens (``Completion.token_versions``, from vLLM's weight-version spans). The call's
   version stamp stays the version it started with, the oldest of its tokens. Every other call
   (score, a later generate, an update when no generate runs) takes the engine alone.
-  ``InferenceActor`` (the Ray actor ``inference-<i>``) is a thin shell; it is a threaded actor so
-  that an update can reach a running generate. On the CPU backend the engine's core and model
-  worker run in the worker's own process (``rollout.engine.in_process``) and every engine call
-  runs on one thread of the worker, the one whose cores the model's threads inherit.
+  ``InferenceActor`` (the Ray actor ``inference-<i>``) is the plain worker with its metrics and
+  an engine watch added; it is a threaded actor so that an update can reach a running
+  generate. On the CPU backend the engine's core and model worker run in the worker's own
+  process (``rollout.engine.in_process``) and every engine call runs on one thread of the
+  worker, the one whose cores the model's threads inherit.
 - :func:`start_inference` starts ``inference-<i>`` for a run, and :func:`start_worker_actor` any
   worker actor (``make_vllm_worker``'s too, in :mod:`rlpost.actors.vllm_workers`).
 

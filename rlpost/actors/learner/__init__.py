@@ -14,8 +14,9 @@ The role's modules, read in this order:
 - :mod:`~rlpost.actors.learner.memory`: the model's and the process's memory (weights copied out
   of the mapped checkpoint, activation checkpointing, freed memory back to the OS) and threads.
 - :mod:`~rlpost.actors.learner.step_metrics`: the metrics a step reports.
-- :mod:`~rlpost.actors.learner.actor`: :class:`LearnerActor`, the thin Ray shell around a
-  Learner, and :func:`start_learner` / :func:`start_learner_group`, the ways it is started.
+- :mod:`~rlpost.actors.learner.actor`: :class:`LearnerActor`, the Learner as a Ray actor (a
+  subclass adding the process's set-up, the metrics and the weight bus), and
+  :func:`start_learner` / :func:`start_learner_group`, the ways it is started.
 
 A learner group shards one model over its ranks with :mod:`rlpost.actors.sharding` (outside this
 package: the benchmarks and GPU checks use it too). The names below are the role's public ones,

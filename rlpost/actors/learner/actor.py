@@ -1,11 +1,12 @@
-"""The learner's Ray shell: :class:`LearnerActor`, and the functions that start it.
+"""The learner's Ray actor: :class:`LearnerActor`, and the functions that start it.
 
 :func:`start_learner` starts one learner actor (``learner``); :func:`start_learner_group` starts
 ``resources.learner.num_workers`` of them (``learner``, ``learner-1``, ...) that shard one model
-with FSDP2 (:mod:`rlpost.actors.sharding`). Each actor sets its process's memory and threads
-(:mod:`rlpost.actors.learner.memory`), builds a :class:`~rlpost.actors.learner.core.Learner` and
-forwards every call to it, recording the role's metrics; the weight bus to the inference workers
-is formed here (:meth:`LearnerActor.connect_workers`).
+with FSDP2 (:mod:`rlpost.actors.sharding`). The actor is the plain
+:class:`~rlpost.actors.learner.core.Learner` itself; it adds only what a process of its own
+needs: its memory and threads (:mod:`rlpost.actors.learner.memory`), the role's metrics, the
+learner group's rendezvous, and the weight bus to the inference workers
+(:meth:`LearnerActor.connect_workers`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from rlpost.types import Group
 _MODEL_LOAD_GRACE_S = 600.0
 
 
-class LearnerActor:
-    """Thin Ray shell around :class:`Learner` (start it with :func:`start_learner`, or a group of
-    them with :func:`start_learner_group`).
+class LearnerActor(Learner):
+    """The Ray actor ``learner``: a :class:`Learner` in a process of its own (start it with
+    :func:`start_learner`, or a group of them with :func:`start_learner_group`). Its training
+    calls are the Learner's; ``train_step`` and ``publish`` also record the role's metrics.
 
-    Alone (``world_size`` 1) it builds its learner at once. As rank ``rank`` of a group it builds
-    a sharded learner in :meth:`join_group`, after rank 0's :meth:`open_rendezvous`.
+    Alone (``world_size`` 1) it builds its model at once. As rank ``rank`` of a group the
+    Learner is built in :meth:`join_group`, after rank 0's :meth:`open_rendezvous` (the model is
+    sharded over the group's process group, which must exist first).
     """
 
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
@@ -37,10 +40,11 @@ class LearnerActor:
         if release_freed_memory(cfg.resources, world_size):
             return_freed_memory_to_os()  # before the model's first allocation
         set_torch_threads(cfg.resources.num_threads)
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cfg, self.rank, self.world_size, self.publisher = cfg, rank, world_size, None
         self._store = None  # rank 0 of a group: the group's TCPStore, kept alive with the actor
-        self.learner = Learner(cfg) if world_size == 1 else None
         self.metrics = RoleMetrics("learner", cfg.run_name, learner_name(rank))
+        if world_size == 1:
+            Learner.__init__(self, cfg)
 
     def open_rendezvous(self, backend: str | None = None, timeout_s: float = 300.0) -> sharding.GroupSpec:
         """Rank 0: host the group's store; returns the spec every rank joins with."""
@@ -50,10 +54,10 @@ class LearnerActor:
         return spec
 
     def join_group(self, spec: sharding.GroupSpec) -> int:
-        """Join the learner group and build this rank's sharded learner (every rank at once:
+        """Join the learner group and build this rank's sharded Learner (every rank at once:
         it returns once all joined and sharded). Returns the rank."""
         sharding.join_group(spec, self.rank, store=self._store)
-        self.learner = Learner(self.cfg, sharded=True)
+        Learner.__init__(self, self.cfg, sharded=True)
         return self.rank
 
     def memory(self) -> dict[str, float]:
@@ -63,7 +67,7 @@ class LearnerActor:
         import resource
 
         out = {
-            "state_bytes": float(sharding.local_state_bytes(self.learner.model, self.learner.optimizer)),
+            "state_bytes": float(sharding.local_state_bytes(self.model, self.optimizer)),
             "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
         }
         if torch.cuda.is_available():
@@ -72,9 +76,7 @@ class LearnerActor:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's float32 weights on the CPU (a collective in a group: every rank calls it)."""
-        return {
-            name: sharding.full_tensor(t.detach()).float().cpu() for name, t in self.learner.model.state_dict().items()
-        }
+        return {name: sharding.full_tensor(t.detach()).float().cpu() for name, t in self.model.state_dict().items()}
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float,
                         shared_memory: bool = True) -> int:  # fmt: skip
@@ -84,60 +86,49 @@ class LearnerActor:
         Returns the version the workers serve."""
         from rlpost.collect.weight_update import vLLMUpdater
 
-        if self.learner.publisher is not None:
-            self.learner.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
         updater = vLLMUpdater(
             workers,
             master_address=host,
             backend=backend,
-            device=self.learner.device,
+            device=self.device,
             bucket_mb=bucket_mb,
             timeout_s=timeout_s,
             shared_memory=shared_memory,
         )
         updater.init()
-        self.learner.publisher = updater
+        self.publisher = updater
         if self.cfg.model.lora is not None:
-            self.learner.choose_sync_mode(updater.workers_serve_lora())
+            self.choose_sync_mode(updater.workers_serve_lora())
         return updater.version
 
     def set_workers(self, workers: list) -> int:
         """After a worker was restarted: the bus's next generation with ``workers``; returns it."""
-        return self.learner.publisher.set_workers(workers)
+        return self.publisher.set_workers(workers)
 
     def train_step(self, groups: list[Group]) -> dict[str, float]:
-        metrics = self.learner.train_step(groups)
+        metrics = super().train_step(groups)
         keys = ("loss", "kl_to_ref", "clip_fraction", "step_time_s", "policy_version", "staleness_mean")
         self.metrics.record(**{k: metrics[k] for k in keys if k in metrics})
         return metrics
 
     def publish(self, wait: bool = True) -> dict[str, float]:
-        stats = self.learner.publish(wait)
+        stats = super().publish(wait)
         self.metrics.record(weight_sync_s=stats["weight_sync_s"])
         return stats
 
-    def confirm_publish(self) -> dict[str, float]:
-        return self.learner.confirm_publish()
-
-    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
-        return self.learner.score(token_ids)
-
-    def save_checkpoint(self, run_dir: str, step: int, rollout_state: dict | None = None) -> str:
-        return str(self.learner.save_checkpoint(run_dir, step, rollout_state))
-
-    def load_checkpoint(self, path: str) -> dict:
-        return self.learner.load_checkpoint(path)
-
-    def version(self) -> int:
-        return self.learner.version
+    def policy_version(self) -> int:
+        """:attr:`Learner.version` as a call (an actor's callers cannot read its properties)."""
+        return self.version
 
     def num_threads(self) -> int:
         """torch threads this actor trains with (``resources.learner.num_threads``)."""
         return torch.get_num_threads()
 
     def close(self) -> None:
-        if self.learner is not None and self.learner.publisher is not None:
-            self.learner.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
         sharding.leave_group()
 
 

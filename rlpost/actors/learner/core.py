@@ -2,8 +2,9 @@
 
 :class:`Learner` trains on completed GRPO groups from the buffer, publishes versioned weights on
 the weight bus and writes checkpoints; :class:`LearnerSettings` are the job config sections it
-reads. It is a plain class (no Ray): :class:`~rlpost.actors.learner.actor.LearnerActor` is the
-thin Ray shell around it (the logic stays testable without Ray). What the step needs besides
+reads. It is a plain class (no Ray); :class:`~rlpost.actors.learner.actor.LearnerActor`, the Ray
+actor, is this class with a process's set-up, the role's metrics and the weight bus added (the
+logic stays testable without Ray). What the step needs besides
 lives beside this module, in :mod:`rlpost.actors.learner`: the checkpoint I/O
 (:mod:`~rlpost.actors.learner.checkpoint`, behind :meth:`Learner.save_checkpoint` and
 :meth:`Learner.load_checkpoint`), what a weight sync sends and the LoRA route

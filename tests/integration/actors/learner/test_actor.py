@@ -57,7 +57,7 @@ def test_learner_actor_publishes_on_the_torch_bus(ray_cluster, tiny_model_path, 
         assert all(torch.equal(tensors[name], expected[name]) for name in expected)  # bit for bit
         probe = [prompt_ids + [40, 41]]
         assert ray_cluster.get(actor.score.remote(probe), timeout=60) == local.score(probe)
-        assert ray_cluster.get(actor.version.remote(), timeout=60) == 0
+        assert ray_cluster.get(actor.policy_version.remote(), timeout=60) == 0
         assert ray_cluster.get(actor.num_threads.remote(), timeout=60) == 2  # not Ray's 1 for its CPU share
         assert ray_cluster.get_actor("learner", namespace="rlpost-test-learner") is not None
     finally:

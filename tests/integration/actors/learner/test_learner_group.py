@@ -76,7 +76,7 @@ def test_two_sharded_ranks_take_the_same_steps_as_one_learner(ray_cluster, tiny_
     steps = [make_groups(one, tiny_tokenizer, n, seed) for seed, n in enumerate([3, 3, 1])]
     group = start_learner_group(cfg, 2, timeout_s=120, options_for=lambda rank: {"num_cpus": 0})
     try:
-        assert ray.get([h.version.remote() for h in group], timeout=60) == [0, 0]
+        assert ray.get([h.policy_version.remote() for h in group], timeout=60) == [0, 0]
         for step, groups in enumerate(steps, start=1):
             ranks = ray.get([h.train_step.remote(groups) for h in group], timeout=300)
             alone = one.train_step(groups)
@@ -94,10 +94,12 @@ def test_two_sharded_ranks_take_the_same_steps_as_one_learner(ray_cluster, tiny_
         moved = 0.0
         for name, param in one.model.named_parameters():
             for rank in range(2):
-                assert torch.allclose(weights[rank][name], param.detach(), atol=1e-5, rtol=0), (name, rank)
+                gap = float((weights[rank][name] - param.detach()).abs().max())
+                assert gap <= 3e-5, (name, rank, gap)
             moved = max(moved, float((param.detach() - initial[name]).abs().max()))
-        # measured: the ranks' weights are within 4.6e-6 of the single learner's after weights
-        # moved by up to 3e-3 (lr 1e-3)
+        # measured: the ranks' weights are within 4.6e-6 (one 2-core machine) to 1.2e-5 (another:
+        # the shards' sums add in another order, and AdamW's first steps divide tiny gradients by
+        # their own size) of the single learner's, after weights moved by up to 3e-3 (lr 1e-3)
         assert moved > 1e-3
         # scoring is a collective too: both ranks score as the single learner does
         probe = steps[0][0].samples[0].token_ids
@@ -127,7 +129,7 @@ def test_group_checkpoints_resume_with_one_rank_and_single_checkpoints_with_two(
         for groups in steps[:2]:
             group_step(groups)
         saved = ray.get([h.save_checkpoint.remote(str(tmp_path / "a"), 2, {"pools": [7]}) for h in group], timeout=300)
-        assert saved[0] == saved[1] == str(tmp_path / "a" / "checkpoints" / "step_2")
+        assert saved[0] == saved[1] == tmp_path / "a" / "checkpoints" / "step_2"
         after_3 = group_step(steps[2])
         weights_3 = ray.get([h.full_state_dict.remote() for h in group], timeout=120)[0]
 
