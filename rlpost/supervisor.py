@@ -26,7 +26,9 @@ engine client found its worker dead (its ``wait`` raises) all end in a recovery 
                            the bundle is placed (the node's replacement, or a node added):
                            `inference_workers` in metrics.jsonl counts the serving ones
     a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
-    reference dead      -> started again (it is stateless)
+    reference dead      -> started again (it is stateless); with kl_in: reward an env pool's
+                           call that met the dead one waits for the new one
+                           (reference.restart_wait_s)
     reward dead         -> started again (stateless); an env pool's call that met the dead one
                            waits for the new one (reward_model.restart_wait_s)
     env-pool-<j> dead   -> started again with a higher epoch from the position its last put
