@@ -105,12 +105,12 @@ monitor: install monitoring-tools
 # (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min), the four loss-type
 # configs through `rlpost train` (2 min), the AsyncVLLM ports on a live fleet (~1.5 min), the
 # reasoning-gym run with a reward model and the code run (~75 s), every HumanEval solution graded
-# (15 s)): 24m11s on 2026-12-02's second session (35 tests); 22m33s earlier that day (32
-# tests); 22m09s on 2026-12-01 (20 tests). CI runs the set-up (about 6 min from a fresh clone),
-# then both: 41.7 min on 2026-12-02's first landing, about 45 min estimated with the second
-# session's tests: at the budget of 45 min, so the next tests must trim first. The tiny models are
-# built first, outside any test's timeout (the tool model's warm start took 2.5 min on one 2-core
-# machine, 9.5 min on another); the tests' fixtures then find them.
+# (15 s)): 17m46s on 2026-12-02's fifth session (35 tests, a faster Xeon), 24m11s on its second;
+# 22m09s on 2026-12-01 (20 tests). CI runs the set-up (4-6 min from a fresh clone), then both:
+# 41.7-48.6 min on 2026-12-02's Xeons, 83.6 min on a slower machine (the fourth session's
+# landing): over the budget of 45 min there, so new tests must trim first. The tiny models are
+# built first, outside any test's timeout (the tool model's warm start: 1.8 min on a 2-core Xeon,
+# its idle OpenMP threads sleeping; docs/performance.md); the tests' fixtures then find them.
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
 	$(PY) -m pytest tests -m "not long"
 

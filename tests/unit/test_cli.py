@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -135,3 +136,26 @@ def test_make_tiny_model_on_an_up_to_date_folder_answers_without_importing_torch
         f"rlpost: tiny model already built at {tmp_path / 'm'} (use --force to rebuild)",
         "0 False",
     ]
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_the_tiny_model_builds_run_with_sleeping_openmp_threads_unless_told_otherwise(tmp_path, monkeypatch, policy):
+    """A build's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) so that a busy neighbour
+    process cannot slow it tenfold; a policy the environment sets is kept."""
+    from rlpost import tiny_model, tiny_reward_model
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset-below")
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    seen = []
+    monkeypatch.setattr(tiny_model, "ensure_tiny_model", lambda *a, **k: seen.append(os.environ["OMP_WAIT_POLICY"]))
+    monkeypatch.setattr(
+        tiny_reward_model, "ensure_tiny_reward_model", lambda *a, **k: seen.append(os.environ["OMP_WAIT_POLICY"])
+    )
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text("{}")
+    assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
+    assert main(["make-tiny-reward-model", str(tmp_path / "rm"), "--lm", str(tmp_path / "lm")]) == 0
+    assert seen == [policy or "PASSIVE"] * 2

@@ -329,9 +329,10 @@ def test_an_in_flight_update_pauses_generation_only_for_the_reload(worker, tiny_
     ray.get(worker.join_bus.remote(dataclasses.asdict(publisher.spec), 1), timeout=60)
     tensors = [(k, t.detach().contiguous()) for k, t in model.state_dict().items()]
     prompts = [prompt_ids(tiny_tokenizer, f"What is {a} + 4?") for a in (3, 5)]
-    # 16 x 180 tokens: 0.9-1.0 s of generation (engine in the actor's process, tiny model, 2
-    # cores; 8 x 180 took 0.7 s, which the update, sent 0.7 s after the call, sometimes missed)
-    sampling = {"n": 8, "max_tokens": 180, "temperature": 1.0, "seed": 1, "ignore_eos": True, "logprobs": True}
+    # 32 x 180 tokens, so that the call outlasts the update's 0.5 s on a fast machine too: 16 x 180
+    # took 0.9-1.0 s on earlier 2-core machines, but on a faster Xeon it ended before the update
+    # came in all 3 tries (the worker's max_model_len, 256, leaves no room for longer completions)
+    sampling = {"n": 16, "max_tokens": 180, "temperature": 1.0, "seed": 1, "ignore_eos": True, "logprobs": True}
     version = ray.get(worker.get_version.remote())
     for _ in range(3):  # the update must land while the call runs: retry if it came too late
         version += 1
