@@ -93,8 +93,8 @@ monitor: install monitoring-tools
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
 # tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: 9m31s on 2026-12-02's fifth session (2333 tests, a faster Xeon); 13m41s on its third (2332 tests; 23m19s on a 2-core AMD
-# EPYC without AVX-512, the fourth); 14m32s on 2026-12-02's second session (2311 tests, with the reasoning-gym,
+# Xeon machine, idle: 9m31s on 2026-12-02's fifth session (2333 tests, a faster Xeon); 13m41s on
+# its third (2332 tests; 23m19s on a 2-core AMD EPYC without AVX-512, the fourth); 14m32s on 2026-12-02's second session (2311 tests, with the reasoning-gym,
 # code and reward-model tests; their whole runs are in test-long); 13m29s earlier that day (2144
 # tests, after the live-fleet AsyncVLLM ports moved to test-long); 14m17s-14m36s on 2026-12-01 (1760-1762 tests); 26-31 min before the e2e runs
 # shared one Ray cluster. The 15 slowest

@@ -60,7 +60,7 @@ _TOOL_ONLY_FIELDS = ("task", "tool_fraction", "target_tool_rate", "max_turn_toke
 # once roughly a third to a half of the tool calls are copied right: room for GRPO both to call
 # the tool more and to copy better. Many distinct rows so that copying, not memorising, is what pays.
 # When the plateau ends depends on the CPU's float arithmetic (the threads are fixed, the kernels
-# are not): step ~1100 on a 2-core Xeon, ~2300 on an AMD EPYC without AVX-512. The cap leaves room
+# are not): steps 825-1100 on 2-core Xeons, ~2300 on an AMD EPYC without AVX-512. The cap leaves room
 # past both; it changes no step before the stop, so it changes no byte of a build that stops.
 TOOL_SPEC = TinyModelSpec(
     task="tool_arithmetic",

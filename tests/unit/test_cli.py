@@ -144,7 +144,7 @@ def test_the_tiny_model_builds_run_with_sleeping_openmp_threads_unless_told_othe
     process cannot slow it tenfold; a policy the environment sets is kept."""
     from rlpost import tiny_model, tiny_reward_model
 
-    monkeypatch.setenv("OMP_WAIT_POLICY", "unset-below")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "x")  # recorded first, so the variable is restored after the test
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY")
     else:
