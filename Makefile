@@ -92,25 +92,15 @@ monitor: install monitoring-tools
 
 # ruff (configured in pyproject.toml) checks the code and its formatting before the tests run;
 # `make format` rewrites the files the format check names. `make test` runs every tier but the
-# tests marked long; budget 15 min, and CI (.ci/run) warns past 20. Measured on a 2-core Intel
-# Xeon machine, idle: 9m31s on 2026-12-02's fifth session (2333 tests, a faster Xeon); 13m41s on
-# its third (2332 tests; 23m19s on a 2-core AMD EPYC without AVX-512, the fourth); 14m32s on 2026-12-02's second session (2311 tests, with the reasoning-gym,
-# code and reward-model tests; their whole runs are in test-long); 13m29s earlier that day (2144
-# tests, after the live-fleet AsyncVLLM ports moved to test-long); 14m17s-14m36s on 2026-12-01 (1760-1762 tests); 26-31 min before the e2e runs
-# shared one Ray cluster. The 15 slowest
-# tests are printed at the end: the place to look first. `make test-long` runs the long tests
-# (the chaos runs, the stops from a terminal, the sharded learner's run, the tiny model's
-# rebuild, the TorchRL-shaped GRPO scripts, the restarts of a fleet's replica and of a Ray replay
-# buffer, a node lost from a two-node cluster (1m51s-2m28s), a fleet scaled by `rlpost scale`
-# (~2 min), the e2e actor restarts, a real Prometheus on a run (~1 min), the four loss-type
-# configs through `rlpost train` (2 min), the AsyncVLLM ports on a live fleet (~1.5 min), the
-# reasoning-gym run with a reward model and the code run (~75 s), every HumanEval solution graded
-# (15 s)): 17m46s on 2026-12-02's fifth session (35 tests, a faster Xeon), 24m11s on its second;
-# 22m09s on 2026-12-01 (20 tests). CI runs the set-up (4-6 min from a fresh clone), then both:
-# 41.7-48.6 min on 2026-12-02's Xeons, 83.6 min on a slower machine (the fourth session's
-# landing): over the budget of 45 min there, so new tests must trim first. The tiny models are
-# built first, outside any test's timeout (the tool model's warm start: 1.8 min on a 2-core Xeon,
-# its idle OpenMP threads sleeping; docs/performance.md); the tests' fixtures then find them.
+# tests marked long (budget 15 min; CI (.ci/run) warns past 20); the 15 slowest tests are printed
+# at the end: the place to look first. `make test-long` runs the long tests: the chaos runs, the
+# stops from a terminal, the sharded learner's runs, the tiny model's rebuild, the TorchRL-shaped
+# GRPO scripts, the restarts of a fleet's replica and of a Ray replay buffer, a node lost from a
+# two-node cluster, a fleet scaled by `rlpost scale`, the e2e actor restarts, a real Prometheus on
+# a run, the loss-type configs through `rlpost train`, the AsyncVLLM ports on a live fleet, the
+# reasoning-gym and code runs, every HumanEval solution graded. CI runs the set-up, then both
+# (budget 45 min; hard limit 90). The tiny models are built first, outside any test's timeout;
+# the tests' fixtures then find them. Measured times, machine by machine: docs/performance.md.
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
 	$(PY) -m pytest tests -m "not long"
 
