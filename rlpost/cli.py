@@ -569,7 +569,7 @@ def _run_status(run_dir: Path) -> int:
     for line in fleet_lines(last):
         print(f"  {line}")
     restarts = {k.removeprefix("restarts_"): v for k, v in last.items() if k.startswith("restarts_") and v}
-    restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes") if last.get(k)}
+    restarts |= {k: last[k] for k in ("bus_reforms", "learner_resumes", "watchdog_kills") if last.get(k)}
     print("  restarts: " + (", ".join(f"{k} {v}" for k, v in restarts.items()) or "none"))
     return EXIT_OK
 

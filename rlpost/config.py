@@ -726,6 +726,69 @@ class ResourcesConfig(_Section):
     )
 
 
+class RoleDeadlines(_Section):
+    """How long one actor of a role may stay silent, or busy without progress, before the watchdog
+    takes it for frozen or hung and kills it (its loss is then handled as a death)."""
+
+    answer_s: float = Field(
+        ...,
+        gt=0,
+        description="Most seconds an actor may leave the watchdog's heartbeat unanswered. The heartbeat runs on "
+        "a thread of its own, beside the actor's calls, so only a process that runs no Python misses it: stopped "
+        "(SIGSTOP), on a frozen node, or with a thread holding the GIL for ever. Counted once the actor's "
+        "constructor returned (a model still loading is bounded by the start's own timeout).",
+    )
+    progress_s: float | None = Field(
+        None,
+        gt=0,
+        description="Most seconds the actor's own work (an engine step, a micro-batch, a checkpoint file) may go "
+        "without progress while a call is working: a thread blocked inside it (a deadlock, a wait that never "
+        "ends). Waiting on another actor is not work and never counts. null: the role is judged by its answers "
+        "alone (its calls only wait on others, each with a timeout of its own).",
+    )
+
+
+class WatchdogConfig(_Section):
+    """The watchdog (rlpost.watchdog): an actor alive to Ray but frozen or hung is killed and replaced.
+
+    Ray's record of an actor says ALIVE for a stopped or deadlocked process; the run asks every actor
+    itself instead, every ``interval_s`` (docs/failures.md, "Frozen and hung actors")."""
+
+    enabled: bool = Field(True, description="Ask every actor for a heartbeat and kill the frozen or hung ones.")
+    interval_s: float = Field(2.0, gt=0, description="Seconds between two heartbeats of an actor.")
+    inference: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0, progress_s=300.0),
+        description="Each inference worker: its work is its engine's steps (generate, score) and weight loads.",
+    )
+    env_pool: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0),
+        description="Each env pool: judged by its answers (its collection waits on the workers, the reward and "
+        "reference actors and the buffer, each call bounded; its rewards and tools run in bounded subprocesses).",
+    )
+    learner: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=120.0, progress_s=900.0),
+        description="The learner and each of its ranks: its work is each micro-batch's forward and backward, the "
+        "optimizer step, the scoring of the probe and each checkpoint file (a rank waiting in a collective for a "
+        "slower rank counts as working: keep progress_s above the longest micro-batch).",
+    )
+    reference: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0, progress_s=300.0),
+        description="The reference actor: its work is scoring each chunk of rows.",
+    )
+    reward: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0, progress_s=300.0),
+        description="The reward actor (reward_model): its work is scoring each batch.",
+    )
+    buffer: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0),
+        description="The buffer: judged by its answers (its calls hold a lock briefly or wait, bounded, for data).",
+    )
+    control: RoleDeadlines = Field(
+        default_factory=lambda: RoleDeadlines(answer_s=30.0),
+        description="The run's control mailbox (rlpost scale): judged by its answers.",
+    )
+
+
 class LoggingConfig(_Section):
     run_dir: str = Field("runs", description="Parent folder of run directories.")
     run_name: str | None = Field(None, description="Run name (Ray namespace rlpost-<run_name>); default: a timestamp.")
@@ -881,6 +944,9 @@ class JobConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Training loop.")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Weight bus.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources per role.")
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig, description="Frozen and hung actors: found by heartbeat, killed, replaced."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Run directory and metrics.")
 
     @model_validator(mode="after")

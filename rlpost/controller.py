@@ -145,13 +145,16 @@ def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
             controller.writer.close()  # the trackers, after every row reached them
     finally:
         if supervisor is not None:
-            stop_actors(supervisor.actors)
+            supervisor.close()
 
 
 def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
-    """Start every actor of the run and the supervisor that keeps them alive."""
+    """Start every actor of the run and the supervisor that keeps them alive, its watchdog watching
+    them (stop both with ``Supervisor.close()``)."""
     starter = ActorStarter(cfg)
-    return Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
+    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
+    supervisor.watch()
+    return supervisor
 
 
 class Controller:

@@ -365,6 +365,7 @@ class RayMetrics:
         "restarts_reward": "Reward actors restarted so far",
         "restarts_buffer": "Buffer actors restarted so far",
         "bus_reforms": "Weight-bus re-formations so far",
+        "watchdog_kills": "Actors the watchdog found frozen or hung and killed (then replaced) so far",
         "learner_resumes": "Times the learner was resumed from a checkpoint in this run",
         "inference_workers": "Inference workers serving (fewer than the target while the cluster has no room)",
         "inference_workers_vacant": "Inference workers waiting for room in the cluster",

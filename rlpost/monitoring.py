@@ -169,13 +169,15 @@ ROWS: dict[str, list[Panel]] = {
         _gauges(
             "short",
             "Restarts",
-            "Actors restarted so far, by role; weight-bus re-formations; learner resumes.",
+            "Actors restarted so far, by role; weight-bus re-formations; learner resumes; actors the watchdog "
+            "found frozen or hung (and killed, to be replaced).",
             "restarts_inference",
             "restarts_env_pool",
             "restarts_reference",
             "restarts_buffer",
             "bus_reforms",
             "learner_resumes",
+            "watchdog_kills",
         ),  # fmt: skip
         _gauges(
             "short",

@@ -80,6 +80,7 @@ from rlpost.run_state import RunState
 from rlpost.runs import latest_checkpoint
 from rlpost.shutdown import raise_if_stopping
 from rlpost.transport.buffer import BufferSnapshot
+from rlpost.watchdog import Watchdog
 
 log = logging.getLogger("rlpost")
 T = TypeVar("T")
@@ -144,6 +145,14 @@ class RunActors:
     slot_groups: dict[str, Any] = dataclasses.field(default_factory=dict)
     control: ControlClient | None = None  # the operators' mailbox (rlpost scale)
     reward: ActorClient | None = None  # the reward model's actor (reward_model), called by the env pools
+
+    def named_handles(self) -> list[tuple[str, Any]]:
+        """(actor name, handle) of every actor of the run, each learner rank on its own (what the
+        watchdog asks for heartbeats)."""
+        pairs = [(w.name, w.handle) for w in self.inference] + [(p.name, p.handle) for p in self.env_pools]
+        pairs += self.learner.members + [(self.buffer.name, self.buffer.rb.actor)]
+        pairs += [(c.name, c.handle) for c in (self.reference, self.reward, self.control) if c is not None]
+        return pairs
 
 
 def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
@@ -486,6 +495,7 @@ class Supervisor:
             "restarts_reward": 0,
             "restarts_buffer": 0,
             "bus_reforms": 0,
+            "watchdog_kills": 0,  # actors found frozen or hung, killed and then replaced like the dead
         }
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
         self.pool_failures: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> failed collections
@@ -493,6 +503,8 @@ class Supervisor:
         self.health_check_s = HEALTH_CHECK_S
         self.collecting = False  # async mode: the pools collect on their own from now on
         self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
+        self.watchdog: Watchdog | None = None  # finds frozen and hung actors (watch())
+        self.verdicts: dict[str, str] = {}  # actor name -> why the watchdog killed it (for the messages)
         # each fleet's slots (serving or vacant); the range's top is opened now, rlpost scale changes them
         self.inference_slots = Slots("inference", "inference", set(range(len(actors.inference))))
         self.pool_slots = Slots("env-pool", "env_pools", set(range(len(actors.env_pools))))
@@ -500,6 +512,17 @@ class Supervisor:
         self._open_slots(self.pool_slots, cfg.rollout.env_pool_shards())
 
     # ------------------------------------------------------------------ what the loop calls
+
+    def watch(self) -> None:
+        """Start the watchdog over the run's actors (``watchdog``): from now on a frozen or hung
+        actor is killed, and then recovered from like a dead one."""
+        self.watchdog = Watchdog(self.cfg.watchdog, self.actors.named_handles).start()
+
+    def close(self) -> None:
+        """Stop the watchdog, then every actor (:func:`stop_actors`)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        stop_actors(self.actors)
 
     def run(self, what: str, part: Callable[[], T], *, bus: bool = False) -> T:
         """``part()``, run again after a recovery when an actor it needed is lost (``bus``: the
@@ -547,10 +570,14 @@ class Supervisor:
         try:
             return control.exchange(self.fleet_sizes(), timeout_s=CALL_TIMEOUT_S)
         except ActorFailure as exc:
+            why = self._how_lost(control.name)
+            why = first_line(exc) if why == "died" else why
             log.warning("the run's control mailbox failed (%s); starting it again (a scale request it held "
-                        "is lost: ask again)", first_line(exc))  # fmt: skip
+                        "is lost: ask again)", why)  # fmt: skip
+            start = time.monotonic()
             control.kill()
             self.actors.control = self.starter.control()
+            _replaced(control.name, start)
             return {}
 
     # ------------------------------------------------------------------ the fleet's size
@@ -672,6 +699,7 @@ class Supervisor:
         """Restart every lost actor in dependency order (module docstring); re-form the bus
         when a worker was restarted or ``reform_bus``."""
         lost = {failure.name} if failure is not None and failure.name else set()
+        lost |= self._killed_by_watchdog()
         if failure is not None and failure.name is None:  # a peer of the callee: which one?
             lost |= {w.name for w in self.actors.inference if w.unreachable(PING_TIMEOUT_S)}
         if not self._alive(self.actors.learner, lost):
@@ -697,6 +725,20 @@ class Supervisor:
         if self.collecting:
             self._replace_failed_pools()
 
+    def _killed_by_watchdog(self) -> set[str]:
+        """The actors the watchdog killed since the last recovery (frozen or hung): counted, and
+        their verdicts kept for the messages of their replacement."""
+        verdicts = self.watchdog.take_verdicts() if self.watchdog is not None else {}
+        self.counts["watchdog_kills"] += len(verdicts)
+        self.verdicts.update(verdicts)
+        return set(verdicts)
+
+    def _how_lost(self, name: str) -> str:
+        """How actor ``name`` was lost, for the log: "died", or the watchdog's verdict."""
+        self._killed_by_watchdog()  # a kill since the last recovery: its verdict too
+        why = self.verdicts.pop(name, None)
+        return "died" if why is None else f"was killed by the watchdog ({why})"
+
     def _placed(self, slots: Slots) -> list[int]:
         """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
         return [slot for slot in sorted(slots.vacant) if self.starter.has_room(slots.name(slot))]
@@ -718,11 +760,18 @@ class Supervisor:
             else "no checkpoint was written yet (trainer.checkpoint_interval), so the run must start again"
         )
         cause = f" ({first_line(failure)})" if failure is not None else ""
+        killed = [
+            f"{name} was {self.verdicts.pop(name)}" for name in self.actors.learner.names if name in self.verdicts
+        ]
+        if killed:
+            cause = f" ({'; '.join(killed)}: the watchdog killed it)"
         return f"the learner died during step {self.state.step}{cause}; {where}"
 
     def _restart_buffer(self) -> None:
         """A new buffer from the ledger; every live pool puts again what it keeps."""
-        log.warning("the buffer died; starting it again and asking the env pools for the groups it held")
+        log.warning(
+            "the buffer %s; starting it again and asking the env pools for the groups it held", self._how_lost("buffer")
+        )
         start = time.monotonic()
         self.actors.buffer.kill()
         buffer = self.starter.buffer()
@@ -746,7 +795,7 @@ class Supervisor:
             self.actors.inference = others
             self._leave_vacant(self.inference_slots, slot, len(others), "inference workers")
             return
-        log.warning("%s died; starting it again", lost.name)
+        log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
         self._start_inference(slot)
 
     def _leave_vacant(self, slots: Slots, slot: int, serving: int, what: str) -> None:
@@ -820,7 +869,7 @@ class Supervisor:
     def _restart_stateless(self, role: str) -> None:
         """Start the dead ``reference`` or ``reward`` actor again: they hold nothing a new one lacks
         (the env pools' calls to the reward actor wait for its replacement)."""
-        log.warning("the %s actor died; starting it again", role)
+        log.warning("the %s actor %s; starting it again", role, self._how_lost(role))
         start = time.monotonic()
         getattr(self.actors, role).kill()
         setattr(self.actors, role, getattr(self.starter, role)())
@@ -839,6 +888,7 @@ class Supervisor:
             self._fence_pool(slot)
             self._leave_vacant(self.pool_slots, slot, len(others), "env pools")
             return
+        log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
         self._start_pool(slot)
 
     def _fence_pool(self, slot: int) -> None:

@@ -5,8 +5,11 @@ subprocess. While it trains, the harness attaches to the run's Ray cluster (the 
 ``RUN_DIR/ray_address``), finds actors by name (``ray.get_actor("inference-0",
 namespace="rlpost-<run>")``) and ends each in one of WAYS, drawn at random: as an operator does
 (``ray.kill``), as Ray ends an actor whose process died (``ray.kill(..., no_restart=False)``),
-as the OOM killer or a segfault does (SIGKILL of the actor's process), or by the process
-exiting on its own (SIGTERM, on which Ray's worker exits). A kill lands a random
+as the OOM killer or a segfault does (SIGKILL of the actor's process), by the process
+exiting on its own (SIGTERM, on which Ray's worker exits), or by freezing it: SIGSTOP, which
+leaves the actor ALIVE in Ray's record and answering nothing, as a stuck collective, a deadlock
+or a frozen node does (the run's watchdog must find it; the runs use short deadlines,
+FREEZE_DEADLINE_S). A kill lands a random
 delay after a random metrics line, so it hits generation, a weight receive, the sync probe, a
 buffer put or a checkpoint by chance; every third run kills two actors, in a row (the second
 once the run recovered from the first) or at the same moment.
@@ -51,13 +54,18 @@ SLOTS = {"rollout_slot": 1, "pool_slot": 1}
 # an async step of the tiny job takes ~0.5 s here against ~4 s in sync mode: async runs get this
 # many times the steps, so that a kill lands while the run still needs the actor
 ASYNC_PACE = 4
-WAYS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM")
+WAYS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM", "SIGSTOP")
+# the watchdog's answer_s for every role in these runs (the defaults, 30-120 s, would make a freeze
+# cost minutes of a run of seconds): a frozen actor is killed this long after its last answer
+FREEZE_DEADLINE_S = 8
 COUNTER = {
     "inference-0": "restarts_inference",
     "env-pool-0": "restarts_env_pool",
     "reference": "restarts_reference",
     "buffer": "restarts_buffer",
     "learner": "learner_resumes",
+    "reward": "restarts_reward",  # a run with a reward model (Plan.overrides)
+    "control": None,  # the run's mailbox: started again, counted nowhere (the log says it)
 }
 
 
@@ -77,6 +85,7 @@ class Plan:
     kills: list[Kill]
     rejoin_s: float | None = None  # a node plan: a new node joins this long after the node's loss
     steps: int | None = None  # the run's steps (None: run_plan's)
+    overrides: list[str] = dataclasses.field(default_factory=list)  # more config overrides of the run
 
 
 @dataclasses.dataclass
@@ -130,20 +139,27 @@ def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
             "rollout.num_env_pools=2", "resources.env_pool.num_cpus=0",
             f"resources.env_pool.resources={json.dumps({'pool_slot': 1})}", "resources.replacement_wait_s=3",
         ]  # fmt: skip
-    return nodes + [
-        f"model.name_or_path={model}",
-        f"trainer.steps={steps}",
-        "trainer.prompts_per_step=8",
-        f"trainer.mode={plan.mode}",
-        "trainer.checkpoint_interval=2",
-        "trainer.keep_checkpoints=3",
-        "trainer.auto_resume=true",
-        "reference.enabled=true",
-        "reference.kl_coef=0.01",
-        "weight_sync.timeout_s=20",
-        "logging.progress=false",
-        f"logging.run_name={plan.name}",
-    ]
+    deadlines = [f"watchdog.{role}.answer_s={FREEZE_DEADLINE_S}" for role in
+                 ("inference", "env_pool", "learner", "reference", "reward", "buffer", "control")]  # fmt: skip
+    return (
+        nodes
+        + deadlines
+        + plan.overrides
+        + [
+            f"model.name_or_path={model}",
+            f"trainer.steps={steps}",
+            "trainer.prompts_per_step=8",
+            f"trainer.mode={plan.mode}",
+            "trainer.checkpoint_interval=2",
+            "trainer.keep_checkpoints=3",
+            "trainer.auto_resume=true",
+            "reference.enabled=true",
+            "reference.kl_coef=0.01",
+            "weight_sync.timeout_s=20",
+            "logging.progress=false",
+            f"logging.run_name={plan.name}",
+        ]
+    )
 
 
 # a node's roles whose actors may leave the fleet (no room for them) instead of being restarted
@@ -169,7 +185,9 @@ def unrecovered(killed: list[str], late: list[str], rows: list[dict], resumed_pa
 
 def counters_of(victim: str) -> list[str]:
     """The metrics.jsonl counters that must have counted ``victim``'s loss."""
-    return ["restarts_inference", "restarts_env_pool"] if victim == NODE else [COUNTER[victim]]
+    if victim == NODE:
+        return ["restarts_inference", "restarts_env_pool"]
+    return [COUNTER[victim]] if COUNTER[victim] else []
 
 
 class Nodes:
@@ -368,7 +386,7 @@ def end_actor(handle, way: str) -> None:
         ray.kill(handle)
     elif way == "ray.kill(no_restart=False)":
         ray.kill(handle, no_restart=False)
-    elif way in ("SIGKILL", "SIGTERM"):
+    elif way in ("SIGKILL", "SIGTERM", "SIGSTOP"):
         record = actor_record(handle)
         if record.get("State") != "ALIVE" or not record.get("Pid"):
             raise ProcessLookupError(f"the actor has no live process ({record.get('State')})")

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlpost"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves: no rlpost import", ("rlpost", "dotted", "trackers", "timing", "types", "shutdown", "buffer_host",
                                   "tiny_model_spec", "math_verify_check",
-                                  "local_cluster")),
+                                  "local_cluster", "liveness")),
     ("settings: the job config and the metrics sink", ("config", "metrics")),
     ("pure parts: math, data, transport, run files, control mailbox",
      ("algo", "data", "transport", "lora", "runs", "control", "jobs", "monitoring")),
@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the collector, the offline tiny model", ("collect", "tiny_model", "doctor")),
     ("Ray roles", ("actors", "tiny_reward_model")),
     ("bounded clients of the roles, evaluation, the loop's state", ("clients", "evaluation", "run_state")),
+    ("the watchdog (frozen and hung actors)", ("watchdog",)),
     ("the supervisor (recovery)", ("supervisor",)),
     ("the training loop, the monitoring stack", ("controller", "monitor")),
     ("entry points", ("cli", "config_reference", "torchrl")),

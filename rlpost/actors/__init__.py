@@ -27,10 +27,10 @@ def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namesp
     """Start ``actor_class(*args, **init_kwargs)`` as the Ray actor ``name`` with the CPUs and
     GPUs of ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to
     ``.options()`` and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
-    ``scheduling_strategy``)."""
-    import ray  # here, not at import: the plain classes must work where Ray is not installed
+    ``scheduling_strategy``). The actor answers the watchdog's heartbeat
+    (:func:`rlpost.liveness.remote_class`)."""
+    from rlpost.liveness import remote_class
 
     chosen = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus} | options
-    return (
-        ray.remote(actor_class).options(name=name, namespace=namespace, **chosen).remote(*args, **(init_kwargs or {}))
-    )
+    remote = remote_class(actor_class).options(name=name, namespace=namespace, **chosen)
+    return remote.remote(*args, **(init_kwargs or {}))

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
+from rlpost.liveness import progress, working
 from rlpost.lora import engine_lora_kwargs, engine_supports_lora, sync_route
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
@@ -109,11 +110,11 @@ def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, ind
     """Start one :class:`InferenceActor` with the Ray actor ``options`` (resources, name,
     scheduling). The actor is threaded, so that an update reaches a running generate call
     (in-flight updates); the worker itself lets one call at a time use its engine."""
-    import ray
+    from rlpost.liveness import remote_class
 
     options = {"max_concurrency": 8, **options}
     return (
-        ray.remote(InferenceActor)
+        remote_class(InferenceActor)
         .options(**options)
         .remote(
             model_path,
@@ -280,16 +281,23 @@ class InferenceWorker:
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         """Completions per prompt plus the version of the weights the call started with (the
         oldest of its tokens; ``Completion.token_versions`` has each token's)."""
-        with self._request(), self._engine_turn(generating=True):
+        with self._request(), self._engine_turn(generating=True), working("generate"):
             version = self.version
             self._reset_stale_prefix_cache()
-            hook = self._between_steps if self.inflight_updates and self.lora is None else None
-            completions = self.client.generate(prompt_token_ids, sampling, between_steps=hook)
+            completions = self.client.generate(prompt_token_ids, sampling, between_steps=self._after_step)
             self._reset_stale_prefix_cache()
         return completions, version
 
+    def _after_step(self) -> None:
+        """After each engine step of a generate call: the work progressed (the watchdog's
+        measure, :mod:`rlpost.liveness`), and a pending weight update moves on when updates
+        land in flight (:meth:`_between_steps`)."""
+        progress()
+        if self.inflight_updates and self.lora is None:
+            self._between_steps()
+
     def score(self, token_ids: list[list[int]], temperature: float) -> list[list[float]]:
-        with self._request(), self._engine_turn():
+        with self._request(), self._engine_turn(), working("score"):
             self._reset_stale_prefix_cache()
             return self.client.score(token_ids, temperature=temperature)
 

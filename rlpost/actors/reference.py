@@ -28,6 +28,7 @@ from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
 from rlpost.config import ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
+from rlpost.liveness import working
 from rlpost.transport.named_actor import NamedActorClient
 from rlpost.types import Group, Sample
 
@@ -109,7 +110,8 @@ class Reference(KLServiceActor):
         KL summed over its generated tokens."""
         if not samples:
             return []
-        batch = self.kl(collate_samples(samples, self.pad_token_id))
+        with working("score"):
+            batch = self.kl(collate_samples(samples, self.pad_token_id))
         mask_bt = batch.get(("masks", "all_assistant_mask"))
         ref_bt = torch.where(mask_bt, batch.get(("ref_log_probs", "full")), torch.zeros(()))
         for i, sample in enumerate(samples):

@@ -39,6 +39,7 @@ import torch
 
 from rlpost.actors import REWARD_ACTOR, start_actor
 from rlpost.config import RewardModelConfig, TorchRoleResources
+from rlpost.liveness import progress, working
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -110,10 +111,11 @@ class RewardModel:
             raise ValueError(f"{len(conversations)} conversations but {len(answers)} answers")
         if not conversations:
             return Scores([], {})
-        if self.cfg.kind == "classifier":
-            result = Scores(self._classify(conversations), {})
-        else:
-            result = self._judge(conversations, answers)
+        with working("score"):
+            if self.cfg.kind == "classifier":
+                result = Scores(self._classify(conversations), {})
+            else:
+                result = self._judge(conversations, answers)
         self.num_scored += len(conversations)
         return result
 
@@ -156,6 +158,7 @@ class RewardModel:
                 batch_size=[len(chunk)],
             )
             scores += self.scorer(batch).get("reward").float().cpu().tolist()
+            progress()
         return scores
 
     def _render(self, messages: list[dict[str, str]]) -> str:

@@ -50,6 +50,7 @@ from typing import Any
 
 from rlpost.buffer_host import BufferHost
 from rlpost.data.replay_buffers import ReplayBuffer
+from rlpost.liveness import remote_class
 
 log = logging.getLogger("rlpost")
 
@@ -86,7 +87,7 @@ class RayReplayBuffer(ReplayBuffer):
         if not ray.is_initialized():
             ray.init(**(ray_init_config or {}))
         options = dict(DEFAULT_REMOTE_CONFIG if remote_config is None else remote_config)
-        handle = ray.remote(BufferHost).options(**options).remote(replay_buffer_cls, kwargs)
+        handle = remote_class(BufferHost).options(**options).remote(replay_buffer_cls, kwargs)
         self._setup(handle, timeout_s, kwargs.get("batch_size"), owner=True, restarts=options.get("max_restarts", 0))
 
     def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool, restarts: int) -> None:

@@ -124,7 +124,7 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
 
     from rlpost.clients import actor_record
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run, stop_actors
+    from rlpost.controller import Controller, start_run
     from rlpost.ray_start import init_ray
     from rlpost.runs import create_run_dir
 
@@ -161,12 +161,11 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
     for key, value in fast_metrics.items():
         monkeypatch.setenv(key, value)
     assert init_ray(cfg) is True
-    actors = None
+    supervisor = None
     try:
         start = START_LINE.search(capsys.readouterr().out)
         assert start is not None and start["namespace"] == f"rlpost-{run_name}"
         supervisor = start_run(cfg, run_dir)
-        actors = supervisor.actors
         names = {
             a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == start["namespace"]
         }
@@ -184,8 +183,8 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
             time.sleep(1)
             exported, samples = rlpost_metrics(start["metrics"], run_name)
     finally:
-        if actors is not None:
-            stop_actors(actors)
+        if supervisor is not None:
+            supervisor.close()
         ray.shutdown()
     assert 1 <= samples["ray_rlpost_policy_version"] <= 6  # the driver's gauges, tagged with the run
     assert samples["ray_rlpost_groups_trained"] >= 4  # trainer.prompts_per_step groups a step

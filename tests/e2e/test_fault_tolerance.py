@@ -62,7 +62,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     import time
 
     from rlpost.clients import actor_record
-    from rlpost.controller import Controller, start_run, stop_actors
+    from rlpost.controller import Controller, start_run
     from rlpost.runs import create_run_dir
 
     ray = connect_driver("rlpost-e2e-restarts")
@@ -95,7 +95,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
         KillMidCollection(cfg, run_dir, supervisor).run()
         assert time.monotonic() - start < 400
     finally:
-        stop_actors(supervisor.actors)
+        supervisor.close()
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]
     assert [(r["restarts_inference"], r["restarts_env_pool"]) for r in rows] == [(0, 0), (1, 0), (1, 0), (1, 1), (1, 1)]

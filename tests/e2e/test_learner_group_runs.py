@@ -45,14 +45,18 @@ def train(*args):
 
 def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_with_one_rank(tmp_path, tiny_model_path):
     """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
-    learner-1 dies in step 6 and the run resumes from step_4 by itself (a group of two ranks
-    again), learns and finishes; its last checkpoint (the ranks' shards) then resumes with one
-    rank."""
+    learner-1 freezes in step 6 (SIGSTOP: alive to Ray, answering nothing, rank 0 waiting for it
+    in the step's collectives), the watchdog kills it, and the run resumes from step_4 by itself
+    (a group of two ranks again), learns and finishes; its last checkpoint (the ranks' shards)
+    then resumes with one rank."""
+    import os
     import pickle
+    import signal
 
     import ray
 
     from rlpost import controller as ctl
+    from rlpost.clients import actor_record
     from rlpost.config import load_config
     from rlpost.runs import create_run_dir
 
@@ -60,7 +64,8 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
         "configs/tiny-cpu.yaml",
         [f"model.name_or_path={tiny_model_path}", *PRACTICE, "trainer.mode=async", "resources.learner.num_threads=1",
          "trainer.steps=30", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=16",
-         "trainer.auto_resume=true", "resources.learner.timeout_s=60", "logging.run_name=e2e-group-kill"],
+         "trainer.auto_resume=true", "resources.learner.timeout_s=60", "logging.run_name=e2e-group-kill",
+         "watchdog.learner.answer_s=5"],
     )  # fmt: skip
     run_dir = create_run_dir(cfg, tmp_path / "kill")
     killed = []
@@ -70,7 +75,7 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
             if step == 6 and not killed:
                 name, handle = self.actors.learner.members[1]
                 killed.append(name)
-                ray.kill(handle)
+                os.kill(actor_record(handle)["Pid"], signal.SIGSTOP)
             return super()._train(groups, step)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -37,7 +37,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
 ):
     from rlpost.clients import actor_record
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run, stop_actors
+    from rlpost.controller import Controller, start_run
     from rlpost.runs import create_run_dir
 
     connect_driver("rlpost-e2e-reward-model")
@@ -62,7 +62,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
     try:
         KillTheRewardActor(cfg, run_dir, supervisor).run()
     finally:
-        stop_actors(supervisor.actors)
+        supervisor.close()
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["restarts_reward"] == 1 and rows[-1]["restarts_env_pool"] == 0
@@ -80,7 +80,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
 @pytest.mark.long  # ~35 s; make test keeps the code task's env and grader in tests/integration/envs/test_code_grading.py
 def test_the_code_config_grades_completions_in_the_sandbox(tmp_path, tiny_model_path, connect_driver):
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run, stop_actors
+    from rlpost.controller import Controller, start_run
     from rlpost.runs import create_run_dir
 
     connect_driver("rlpost-e2e-code")
@@ -94,7 +94,7 @@ def test_the_code_config_grades_completions_in_the_sandbox(tmp_path, tiny_model_
     try:
         Controller(cfg, run_dir, supervisor).run()
     finally:
-        stop_actors(supervisor.actors)
+        supervisor.close()
     rows = read(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

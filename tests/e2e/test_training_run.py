@@ -19,7 +19,7 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     import ray
 
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run, stop_actors
+    from rlpost.controller import Controller, start_run
     from rlpost.runs import create_run_dir
 
     cfg = load_config(
@@ -45,14 +45,13 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
             return record
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-reform", log_to_driver=False)
-    actors = None
+    supervisor = None
     try:
         supervisor = start_run(cfg, run_dir)
-        actors = supervisor.actors
         KillOneWorker(cfg, run_dir, supervisor).run()
     finally:
-        if actors is not None:
-            stop_actors(actors)
+        if supervisor is not None:
+            supervisor.close()
         ray.shutdown()
     rows = read(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]

@@ -37,6 +37,7 @@ import torch
 
 from rlpost import lora
 from rlpost.actors import sharding
+from rlpost.liveness import progress
 from rlpost.runs import latest_checkpoint, list_checkpoints
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ class Checkpointer:
         exception's ``__context__``, where :func:`os_error_behind` finds it.
         """
         self.model.save_pretrained(folder)  # with LoRA: the adapter (adapter_config.json, adapter_model.safetensors)
+        progress()
         self.tokenizer.save_pretrained(folder)
         if self.lora_config is not None and self.lora_config.save_merged:
             lora.save_merged(self.model, folder / lora.MERGED_FOLDER)
@@ -222,6 +224,7 @@ class Checkpointer:
         if self.rank != 0:
             return
         self.model.save_pretrained(folder, state_dict=whole)
+        progress()
         _name_architecture(folder, self.architecture)
         self.tokenizer.save_pretrained(folder)
         with open(folder / TRAINER_META, "wb") as f:

@@ -112,6 +112,7 @@ from rlpost.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from rlpost.liveness import progress, working
 from rlpost.objectives import DAPO, CISPOLoss, GRPOLoss
 from rlpost.objectives.grpo import ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.policies import TransformersWrapper
@@ -290,7 +291,12 @@ class Learner:
     # -------------------------------------------------------------------------------- training
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics."""
+        """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics.
+        Its work shows progress at every micro-batch (:mod:`rlpost.liveness`)."""
+        with working("train_step"):
+            return self._train_step(groups)
+
+    def _train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         start, version_at_start = time.perf_counter(), self._version
         rows = batch_rows(groups)
         own = (
@@ -416,8 +422,10 @@ class Learner:
                 terms = self.loss_fn.loss_terms(batch, normaliser=normaliser)
             terms.loss.backward()
             parts.append((terms.metrics(), int(loss_tokens(batch).sum())))
+            progress()
         for _ in range(idle):
             self._idle_pass()
+            progress()
         if self.sharded:  # the metrics of every rank's micro-batches
             parts = [part for rank_parts in sharding.all_gather_objects(parts) for part in rank_parts]
         grad_norm = sharding.full_tensor(
@@ -454,7 +462,7 @@ class Learner:
         for i, ids in enumerate(rows):
             tokens_bt[i, : len(ids)] = torch.tensor(ids)
             attention_bt[i, : len(ids)] = True
-        with self._autocast():
+        with self._autocast(), working("score"):
             logprobs_bt = self.loss_fn.score(tokens_bt, attention_bt)
         return [logprobs_bt[i, : len(ids)].float().tolist() for i, ids in enumerate(rows)]
 
@@ -551,13 +559,15 @@ class Learner:
         its cause is an I/O error (:meth:`Checkpointer.save
         <rlpost.actors.learner.checkpoint.Checkpointer.save>` says how).
         """
-        return self._checkpointer().save(run_dir, step, rollout_state, version=self._version)
+        with working("save_checkpoint"):
+            return self._checkpointer().save(run_dir, step, rollout_state, version=self._version)
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Restore weights, optimizer, scheduler, version and RNG from a ``step_<N>`` folder in
         place (the optimizer keeps pointing at the same parameters); returns its ``step``,
         ``version`` and ``rollout_state`` (None when the checkpoint has none)."""
-        restored = self._checkpointer().load(path)
+        with working("load_checkpoint"):
+            restored = self._checkpointer().load(path)
         self._version, self._step = restored["version"], restored["step"]
         return restored
 

@@ -1,0 +1,125 @@
+"""An actor's side of the watchdog: a heartbeat that a busy actor still answers, and its work's progress.
+
+Ray's record of an actor says ALIVE for a process that is stopped (SIGSTOP, a frozen node), deadlocked
+or stuck in a call that never returns: the record only changes when the process ends. So the run's
+supervisor asks every actor a question of its own (:mod:`rlpost.watchdog`), and each actor answers it
+on a thread of its own, a Ray concurrency group (LIVENESS_GROUP) beside the threads that run its
+calls, so that a long call never delays the answer:
+
+- no answer within the role's deadline: the process runs no Python at all (stopped, frozen, a
+  thread holding the GIL for ever);
+- an answer that says the actor's work has not progressed for the role's deadline: the process
+  runs, but the thread doing the work is blocked (a deadlock, a wait on something that will never
+  come).
+
+The work is told apart from waiting by marking it: code that computes (an engine's generate, a
+learner step, a checkpoint) runs inside :func:`working`, and calls :func:`progress` at each step it
+completes (an engine step, a micro-batch, a file written). A long legitimate call keeps
+progressing; a blocked one does not. Time spent outside a ``working`` section (a wait on another
+actor, on the buffer, an idle actor) is never a stall: the peer waited on has its own heartbeat,
+and the wait its own timeout.
+
+This module imports nothing of rlpost or Ray at import: the plain classes that mark their work
+also run in-process, where marking costs a lock and a clock read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+LIVENESS_GROUP = "liveness"  # the Ray concurrency group (one thread) that answers heartbeats
+HEARTBEAT_METHOD = "rlpost_heartbeat"
+
+
+class _Work:
+    """The process's open work sections and when its work last progressed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.open: dict[int, tuple[str, int]] = {}  # thread id -> (label of its outermost section, depth)
+        self.last_progress = time.monotonic()
+
+    def enter(self, label: str) -> None:
+        thread = threading.get_ident()
+        with self.lock:
+            outer, depth = self.open.get(thread, (label, 0))
+            self.open[thread] = (outer, depth + 1)
+            self.last_progress = time.monotonic()  # starting work is progress too
+
+    def leave(self) -> None:
+        thread = threading.get_ident()
+        with self.lock:
+            label, depth = self.open[thread]
+            if depth == 1:
+                del self.open[thread]
+            else:
+                self.open[thread] = (label, depth - 1)
+            self.last_progress = time.monotonic()
+
+    def mark(self) -> None:
+        self.last_progress = time.monotonic()  # one float store: no lock needed
+
+    def report(self) -> dict[str, Any]:
+        with self.lock:
+            labels = sorted({label for label, _ in self.open.values()})
+            stalled_s = time.monotonic() - self.last_progress if labels else 0.0
+        return {"pid": os.getpid(), "working": labels, "stalled_s": stalled_s}
+
+
+_WORK = _Work()
+
+
+@contextlib.contextmanager
+def working(label: str) -> Iterator[None]:
+    """Mark the calling thread's work (``label``: what it does, e.g. ``"generate"``) until the
+    block ends; inside it, the work must call :func:`progress` at least every role's
+    ``watchdog.<role>.progress_s`` or the watchdog takes the actor for hung. Nested sections
+    count as the outer one."""
+    _WORK.enter(label)
+    try:
+        yield
+    finally:
+        _WORK.leave()
+
+
+def progress() -> None:
+    """The work of this process moved on (an engine step, a micro-batch, a file written)."""
+    _WORK.mark()
+
+
+def report() -> dict[str, Any]:
+    """What a heartbeat answers: ``pid``, the labels of the open work sections (``working``),
+    and ``stalled_s``, the seconds since the work last progressed (0 when no section is open)."""
+    return _WORK.report()
+
+
+class Heartbeat:
+    """The heartbeat method of every rlpost actor (added by :func:`remote_class`): its answer is
+    :func:`report`. Called in LIVENESS_GROUP, it runs beside whatever the actor is doing."""
+
+    def rlpost_heartbeat(self) -> dict[str, Any]:
+        return report()
+
+
+def remote_class(actor_class: type, **remote_options: Any) -> Any:
+    """``ray.remote(actor_class)`` with the heartbeat: a subclass adding :class:`Heartbeat`'s
+    method, with its own concurrency group (one thread). ``remote_options`` go to
+    ``ray.remote`` (a concurrency group must be declared there, not in ``.options()``)."""
+    import ray
+
+    watched = actor_class if issubclass(actor_class, Heartbeat) else type(actor_class.__name__, (actor_class, Heartbeat),
+                                                                          {"__module__": actor_class.__module__,
+                                                                           "__doc__": actor_class.__doc__})  # fmt: skip
+    groups = {**remote_options.pop("concurrency_groups", {}), LIVENESS_GROUP: 1}
+    return ray.remote(concurrency_groups=groups, **remote_options)(watched)
+
+
+def heartbeat_ref(handle: Any) -> Any:
+    """Ask the actor ``handle`` (started through :func:`remote_class`) for its heartbeat; the
+    ObjectRef of its answer."""
+    return getattr(handle, HEARTBEAT_METHOD).options(concurrency_group=LIVENESS_GROUP).remote()
