@@ -75,6 +75,7 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     _check_tools(cfg)
     _check_custom_loss(cfg)
+    check_data(cfg)
     # the eval data is loaded now: a bad eval section fails before any actor starts
     evaluator = Evaluator(cfg) if cfg.eval.enabled else None
     started_ray = init_ray(cfg)
@@ -90,6 +91,52 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def check_data(cfg: JobConfig) -> None:
+    """The training data against the model and the engine, before any actor starts: the env the
+    pools will build is built here (a missing column, a bad reward path or a template the
+    tokenizer cannot render is a ConfigError now, not an env pool's death later), and every
+    prompt is measured against ``rollout.engine.max_model_len`` less ``rollout.max_tokens``
+    (:func:`rlpost.envs.tasks.fit_prompts`: a ConfigError naming the longest, or, with
+    ``data.drop_long_prompts``, a warning with the count)."""
+    from rlpost.actors.env_pool import load_tokenizer, with_chat_template
+    from rlpost.envs.tasks import fit_prompts, make_env
+
+    start = time.perf_counter()
+    tokenizer = with_chat_template(load_tokenizer(cfg), cfg)
+    _check_model_fits(cfg, tokenizer)
+    env = make_env(cfg, tokenizer, 1, input_mode="tokens")
+    fit = fit_prompts(env, cfg)
+    if fit is not None:
+        log.info("data: %d prompts checked against the engine in %.1f s (the longest %d tokens, %d leave room for "
+                 "rollout.max_tokens=%d)", len(fit.kept) + len(fit.too_long), time.perf_counter() - start,
+                 fit.longest, len(fit.kept), cfg.rollout.max_tokens)  # fmt: skip
+
+
+def _check_model_fits(cfg: JobConfig, tokenizer) -> None:
+    """The engine's length against the model's context, and the tokenizer against the model's
+    embeddings (a ``model.tokenizer`` of another model): what an engine would refuse, or a
+    learner index out of range, found before any actor starts (ConfigError)."""
+    from transformers import AutoConfig
+
+    from rlpost.config import ConfigError
+
+    model = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    model = getattr(model, "text_config", model)  # a multimodal config keeps its language model's here
+    context = getattr(model, "max_position_embeddings", None)
+    if context is not None and cfg.rollout.engine.max_model_len > context:
+        raise ConfigError(
+            f"rollout.engine.max_model_len={cfg.rollout.engine.max_model_len} is beyond the context of "
+            f"model.name_or_path={cfg.model.name_or_path!r} ({context} positions, max_position_embeddings)"
+        )
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ConfigError(
+            f"the tokenizer ({cfg.model.tokenizer_path!r}) has {len(tokenizer)} tokens, more than the "
+            f"{vocab} rows of the embeddings of model.name_or_path={cfg.model.name_or_path!r}: model.tokenizer "
+            "must be the model's own (or one of its family)"
+        )
 
 
 def _check_custom_loss(cfg: JobConfig) -> None:

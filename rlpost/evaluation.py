@@ -94,18 +94,30 @@ class Evaluator:
 
         self.cfg, self.eval_cfg, self.reward_scorer = cfg, eval_job_config(cfg), reward_scorer
         self.tokenizer = with_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg), cfg)
-        self._make_env()  # fail now on bad eval data
+        self.kept_rows: list[int] | None = None  # data.drop_long_prompts: the eval rows whose prompts fit
+        self._make_env(check=True)  # fail now on bad eval data, or prompts the engine cannot take
 
-    def _make_env(self) -> Any:
-        from rlpost.envs.tasks import make_env
+    def _make_env(self, check: bool = False) -> Any:
+        """The eval env; ``check``: also its prompts against the engine's length (the first
+        ``eval.num_prompts`` rows, or every row when ``data.drop_long_prompts`` leaves the long ones
+        out: the evaluation then draws the first rows that fit)."""
+        from rlpost.envs.tasks import fit_prompts, make_env
 
         ev = self.cfg.eval
         try:
-            return make_env(self.eval_cfg, self.tokenizer, ev.num_prompts * ev.samples_per_prompt, input_mode="tokens",
-                            reward_scorer=self.reward_scorer)  # fmt: skip
+            env = make_env(self.eval_cfg, self.tokenizer, ev.num_prompts * ev.samples_per_prompt, input_mode="tokens",
+                           reward_scorer=self.reward_scorer)  # fmt: skip
+            if check:
+                rows = None if self.cfg.data.drop_long_prompts else ev.num_prompts
+                fit = fit_prompts(env, self.eval_cfg, max_tokens=ev.max_tokens or self.cfg.rollout.max_tokens,
+                                  rows=rows, what="eval")  # fmt: skip
+                self.kept_rows = fit.kept if fit is not None and fit.too_long else None
         except ConfigError as exc:
             source = ev.dataset if ev.dataset is not None else f"{self.cfg.data.dataset} (data.dataset)"
             raise ConfigError(f"eval (dataset={source!r}, split={ev.split!r}): {exc}") from exc
+        if self.kept_rows is not None and not check:
+            env.primer.keep_rows(self.kept_rows)
+        return env
 
     def run(self, engine_client: Any, policy_version: int | None = None) -> dict[str, float]:
         """One evaluation of the weights ``engine_client`` serves now (the run's

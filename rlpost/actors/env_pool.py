@@ -40,6 +40,7 @@ from rlpost.actors import start_actor
 from rlpost.actors.calls import InferenceWorkerLost
 from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
 from rlpost.envs import make_env
+from rlpost.envs.tasks import fit_prompts
 from rlpost.policies import vLLMWrapper
 from rlpost.transport.buffer import DEFAULT_PUT_TIMEOUT_S, GroupWriter, RayBuffer
 from rlpost.types import Group
@@ -140,6 +141,8 @@ class EnvPool(LLMCollector):
             cfg, tokenizer, self.groups_per_batch * group_size, input_mode=input_mode,
             num_shards=num_shards, shard_index=pool_index,
         )  # fmt: skip
+        if cfg.data.drop_long_prompts:  # the rows the driver's check left out (without it, it refused the run)
+            fit_prompts(env, cfg)
         sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_tokens}
         policy = vLLMWrapper(engine_client, tokenizer=tokenizer, input_mode=input_mode, generate_kwargs=sampling,
                              return_log_probs=True, return_tokens=True, pad_output=False)  # fmt: skip

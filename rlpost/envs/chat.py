@@ -566,6 +566,22 @@ class DatasetChatEnv(TransformedEnv):
     def primer(self) -> DataLoadingPrimer:
         return self.transform[0]
 
+    def prompt_lengths(self, chunk: int = 256) -> list[int] | None:
+        """The token count of each row's first prompt as a reset renders it (the system prompt, the
+        chat template with its generation prompt, the tools the template lists), in row order;
+        None for a dataloader source, whose rows are not known ahead. rlpost's, not TorchRL's: the
+        run checks the prompts against its engine's length before it starts (rlpost.envs.tasks)."""
+        primer, base = self.primer, self.base_env
+        if primer.is_iterable or base.tokenizer is None:
+            return None
+        lengths: list[int] = []
+        for start in range(0, len(primer.rows), chunk):
+            stop = min(start + chunk, len(primer.rows))
+            systems = [primer.rows[i].get("system_prompt", base.system_prompt) for i in range(start, stop)]
+            chats = [base._first_chat(prompt, system) for prompt, system in zip(primer.prompts(start, stop), systems)]
+            lengths += [len(ids) for ids in base._render(History.from_chats(chats), tokenize=True)]
+        return lengths
+
     @classmethod
     def from_dataloader(
         cls,

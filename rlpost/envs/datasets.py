@@ -251,6 +251,7 @@ class DataLoadingPrimer(Transform):
         self.device = torch.device(device) if device is not None else None
         self.shuffle, self.num_shards, self.shard_index = shuffle, num_shards, shard_index
         self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self._kept: np.ndarray | None = None  # keep_rows: the rows drawn (None: all)
         self.is_iterable = is_batch_iterable(source)
         if self.is_iterable:
             if num_shards != 1:
@@ -328,6 +329,22 @@ class DataLoadingPrimer(Transform):
 
     # ------------------------------------------------------------------ the stream
 
+    def keep_rows(self, indices: Sequence[int]) -> DataLoadingPrimer:
+        """Draw only the rows ``indices`` of a rows source (say, the prompts the engine can take):
+        the order, the shards and the prompt ids are those of a dataset of just these rows, and
+        each item keeps its row's index in the whole dataset. Goes back to the first prompt."""
+        if self.is_iterable:
+            raise ValueError(f"keep_rows needs a rows source, not {self.description}")
+        kept = np.asarray(sorted(set(int(i) for i in indices)), dtype=np.int64)
+        if len(kept) == 0 or kept[0] < 0 or kept[-1] >= len(self.rows):
+            raise ValueError(f"keep_rows: {len(kept)} row indices, in range 0..{len(self.rows) - 1} of dataset "
+                             f"{self.description}, are needed")  # fmt: skip
+        if self.num_shards > len(kept):
+            raise ValueError(f"{len(kept)} rows of dataset {self.description} kept, fewer than the {self.num_shards} "
+                             "shards that draw from them")  # fmt: skip
+        self._kept, self.num_rows = kept, len(kept)
+        return self.reset_dataloader()
+
     def reset_dataloader(self) -> DataLoadingPrimer:
         """Go back to the first prompt of epoch 0 (TorchRL's name for it)."""
         self.epoch, self.position, self.served, self.batches = 0, self.shard_index, 0, 0
@@ -360,9 +377,9 @@ class DataLoadingPrimer(Transform):
     def _load_rows_batch(self) -> list[PromptItem]:
         positions = self._batch_positions(self.epoch, self.position)
         order = self.order(self.epoch)
-        rows = [dict(self.rows[int(order[p])]) for p in positions]
-        collated = self._collate(rows, len(rows))
-        return [PromptItem(row, int(order[p]), self.epoch * self.num_rows + p) for row, p in zip(collated, positions)]
+        indices = [int(order[p]) if self._kept is None else int(self._kept[order[p]]) for p in positions]
+        collated = self._collate([dict(self.rows[i]) for i in indices], len(indices))
+        return [PromptItem(row, i, self.epoch * self.num_rows + p) for row, i, p in zip(collated, indices, positions)]
 
     def _load_iterable_batch(self) -> list[PromptItem]:
         if self._iterator is None:
@@ -460,6 +477,12 @@ class DataLoadingPrimer(Transform):
                 return _stack_or_nest(values)
             return self.stack_method([TensorDict({column: v}, batch_size=[]) for v in values]).get(column)
         return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=batch_size)
+
+    def prompts(self, start: int, stop: int) -> list[str]:
+        """The prompts of rows ``start``..``stop - 1`` of a rows source, as the primer serves them
+        (collated, from the prompt column), whether kept or not (:meth:`keep_rows`)."""
+        rows = self._collate([dict(self.rows[i]) for i in range(start, stop)], stop - start)
+        return [self._prompt_of(PromptItem(row, start + k, -1)) for k, row in enumerate(rows)]
 
     def _prompt_of(self, item: PromptItem) -> str:
         prompt = item.row.get(self.prompt_column)

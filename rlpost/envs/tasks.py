@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -282,6 +283,64 @@ def make_env(
         scorer = reward_scorer or RemoteRewardModel(timeout_s=rm.timeout_s, restart_wait_s=rm.restart_wait_s)
         env.append_transform(RewardModelReward(scorer, weight=rm.weight, rule_weight=rm.rule_weight))
     return env
+
+
+@dataclass(frozen=True)
+class PromptFit:
+    """Which rows' first prompts leave the engine room for the completion (:func:`prompt_fit`)."""
+
+    kept: list[int]  # row indices whose prompt fits
+    too_long: list[int]  # row indices whose prompt does not
+    room: int  # tokens a prompt may have: max_model_len - max_tokens
+    longest: int  # tokens of the longest prompt
+    longest_row: int  # its row
+
+
+def prompt_fit(
+    env: DatasetChatEnv, *, max_model_len: int, max_tokens: int, rows: int | None = None
+) -> PromptFit | None:
+    """Each row's first prompt (of the first ``rows`` rows; None: all) against the engine's
+    length: a prompt fits when ``max_tokens`` new tokens still fit after it. None when the env's
+    source is a dataloader (its rows are not known ahead)."""
+    lengths = env.prompt_lengths()
+    if lengths is None:
+        return None
+    lengths = lengths[:rows] if rows is not None else lengths
+    room = max_model_len - max_tokens
+    longest_row = max(range(len(lengths)), key=lengths.__getitem__)
+    return PromptFit(kept=[i for i, n in enumerate(lengths) if n <= room],
+                     too_long=[i for i, n in enumerate(lengths) if n > room], room=room,
+                     longest=lengths[longest_row], longest_row=longest_row)  # fmt: skip
+
+
+def fit_prompts(env: DatasetChatEnv, cfg: EnvSections, *, max_tokens: int | None = None, rows: int | None = None,
+                what: str = "data") -> PromptFit | None:  # fmt: skip
+    """Check the env's prompts against ``rollout.engine.max_model_len`` before anything is
+    generated (``max_tokens``: the completion's length, default ``rollout.max_tokens``; ``rows``:
+    only the first rows, as an evaluation draws them). Prompts that leave no room for it are
+    left out of the env's stream with a warning when ``data.drop_long_prompts`` is on; otherwise
+    ConfigError names the keys, the count and the longest prompt. Returns the fit (None for a
+    dataloader source, which cannot be checked ahead)."""
+    from rlpost.config import ConfigError
+
+    max_tokens = cfg.rollout.max_tokens if max_tokens is None else max_tokens
+    max_model_len = cfg.rollout.engine.max_model_len
+    fit = prompt_fit(env, max_model_len=max_model_len, max_tokens=max_tokens, rows=rows)
+    if fit is None or not fit.too_long:
+        return fit
+    total = len(fit.kept) + len(fit.too_long)
+    source = cfg.data.dataset if cfg.data.dataset is not None else env.primer.description
+    why = (f"{len(fit.too_long)} of {total} prompts of {what} ({source!r}) are too long for the engine: "
+           f"rollout.engine.max_model_len={max_model_len} less {max_tokens} tokens to generate leaves {fit.room} "
+           f"for a prompt, and the longest has {fit.longest} (row {fit.longest_row})")  # fmt: skip
+    if not fit.kept:
+        raise ConfigError(f"{why}; none fits: raise rollout.engine.max_model_len (the model's context allowing)")
+    if not cfg.data.drop_long_prompts:
+        raise ConfigError(f"{why}; raise rollout.engine.max_model_len, lower the tokens to generate, or set "
+                          f"data.drop_long_prompts=true to use the {len(fit.kept)} that fit")  # fmt: skip
+    logger.warning("data.drop_long_prompts: %s; they are left out, %d prompts remain", why, len(fit.kept))
+    env.primer.keep_rows(fit.kept)
+    return fit
 
 
 def add_tools(env: DatasetChatEnv, tools: ToolsConfig, pool: FunctionPool | None = None) -> DatasetChatEnv:
