@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlpost.config import ConfigError, check_overrides, load_config
+from rlpost.config import ConfigError, JobConfig, check_overrides, load_config, resolve_local_paths
 from rlpost.jobs import ClusterError, JobNotFoundError
 from rlpost.shutdown import StopRequested, exit_code, in_own_session, run_in_own_session
 
@@ -153,7 +153,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args) -> JobConfig:  # noqa: F821
+def _load(args) -> JobConfig:
     cfg = load_config(args.config, list(args.overrides))
     if getattr(args, "address", None):
         cfg.resources.address = args.address
@@ -186,6 +186,7 @@ def _cmd_train(args) -> int:
             raise ConfigError("train needs a CONFIG file (or --resume RUN_DIR)")
         cfg = _load(args)
         run_dir = None
+    _resolve_paths_for_a_cluster(cfg)
     check_inputs_exist(cfg)
     if run_dir is None:
         run_dir = create_run_dir(cfg, args.run_dir)
@@ -195,6 +196,23 @@ def _cmd_train(args) -> int:
     # `ray job stop` and schedulers send SIGTERM: run_training turns it (and Ctrl-C) into a clean
     # stop that writes a final checkpoint and stops every actor (rlpost.shutdown)
     return run_training(cfg, run_dir, resume=bool(args.resume))
+
+
+def _resolve_paths_for_a_cluster(cfg: JobConfig) -> None:
+    """On an existing cluster (``--address``, ``resources.address``, RAY_ADDRESS) the actors do
+    not start in this directory: a relative local path of the config resolves against it here,
+    and the resolved config records where it pointed. Not in a Ray job with a working dir
+    (``rlpost submit``): there every actor starts in its copy of that dir, where relative paths
+    resolve as written."""
+    import json
+
+    if not (cfg.resources.address or os.environ.get("RAY_ADDRESS")):
+        return
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    if (job.get("runtime_env") or {}).get("working_dir"):
+        return
+    for key, (written, absolute) in resolve_local_paths(cfg, Path.cwd()).items():
+        print(f"rlpost: {key}={written} is relative: the cluster's actors read {absolute}")
 
 
 def _config_or_override(args) -> None:

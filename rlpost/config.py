@@ -1072,6 +1072,41 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
     return errors
 
 
+# ---------------------------------------------------------------------------- local paths
+
+# the keys whose value may be a local file or folder (else a hub name, or inline text)
+LOCAL_PATH_KEYS = ("model.name_or_path", "model.tokenizer", "model.chat_template", "data.dataset", "eval.dataset",
+                   "reference.model", "reward_model.name_or_path")  # fmt: skip
+
+
+def path_values(cfg: JobConfig) -> dict[str, str]:
+    """The values of LOCAL_PATH_KEYS that are set (a file, a folder or a hub name; inline templates
+    left out)."""
+    values = {}
+    for key in LOCAL_PATH_KEYS:
+        section, field = key.split(".")
+        value = getattr(getattr(cfg, section), field, None) if getattr(cfg, section) is not None else None
+        if isinstance(value, str) and value and "{" not in value:
+            values[key] = value
+    return values
+
+
+def resolve_local_paths(cfg: JobConfig, base: Path) -> dict[str, tuple[str, str]]:
+    """Make every relative local path of ``cfg`` (LOCAL_PATH_KEYS: a value that names a file or
+    folder under ``base``) absolute, in place; returns ``{key: (as written, absolute)}``. A run
+    on an existing cluster calls it with the directory it was started in: its actors start
+    elsewhere (the raylet's directory), where a relative path names nothing. Values that name
+    nothing under ``base`` (hub names, inline templates) are left as they are."""
+    resolved = {}
+    for key, value in path_values(cfg).items():
+        path = base / value
+        if not Path(value).expanduser().is_absolute() and path.exists():
+            section, field = key.split(".")
+            setattr(getattr(cfg, section), field, str(path.resolve()))
+            resolved[key] = (value, str(path.resolve()))
+    return resolved
+
+
 # ---------------------------------------------------------------------------- loading and saving
 
 

@@ -39,7 +39,7 @@ from typing import TextIO
 
 import tomllib
 
-from rlpost.config import ConfigError, JobConfig, check_overrides, default_run_name, load_config
+from rlpost.config import ConfigError, JobConfig, check_overrides, default_run_name, load_config, path_values
 
 REQUEST_TIMEOUT_S = 30.0
 UPLOAD_TIMEOUT_S = 600.0  # the working-dir package goes up in one PUT
@@ -335,13 +335,8 @@ def _path_notes(cfg: JobConfig, working_dir: Path | None, cwd: Path) -> list[str
     (an error otherwise); an absolute path must exist on the cluster's nodes (a note).
     """
     notes = []
-    inputs = {
-        "model.name_or_path": cfg.model.name_or_path,
-        "model.tokenizer": cfg.model.tokenizer,
-        "data.dataset": cfg.data.dataset,
-    }
-    for key, value in inputs.items():
-        if not value or not (value.startswith((".", "/", "~")) or (cwd / value).exists()):
+    for key, value in path_values(cfg).items():
+        if not (value.startswith((".", "/", "~")) or (cwd / value).exists()):
             continue  # a hub name
         path = Path(value).expanduser()
         if path.is_absolute():

@@ -1,4 +1,5 @@
-"""An actor's side of the watchdog: a heartbeat that a busy actor still answers, and its work's progress.
+"""An actor's side of the supervision: a heartbeat that a busy actor still answers, its work's
+progress, and the error that ended it.
 
 Ray's record of an actor says ALIVE for a process that is stopped (SIGSTOP, a frozen node), deadlocked
 or stuck in a call that never returns: the record only changes when the process ends. So the run's
@@ -18,6 +19,14 @@ completes (an engine step, a micro-batch, a file written). A long legitimate cal
 progressing; a blocked one does not. Time spent outside a ``working`` section (a wait on another
 actor, on the buffer, an idle actor) is never a stall: the peer waited on has its own heartbeat,
 and the wait its own timeout.
+
+An actor whose constructor raises can die before Ray reports why: Ray formats the error with the
+half-built object's ``repr``, and a ``repr`` that raises takes the worker process down ("its worker
+process has died", the cause only in the worker's log); a C extension may abort the process on its
+way out. So :func:`remote_class` also gives every actor a ``repr`` that cannot fail, and records the
+constructor's error in Ray's key-value store under the actor's id before it propagates
+(:func:`recorded_error` reads it), so that the driver can name the cause whatever Ray says of the
+death.
 
 This module imports nothing of rlpost or Ray at import: the plain classes that mark their work
 also run in-process, where marking costs a lock and a clock read.
@@ -98,23 +107,69 @@ def report() -> dict[str, Any]:
     return _WORK.report()
 
 
-class Heartbeat:
+ERROR_NAMESPACE = "rlpost-errors"  # Ray's key-value store: actor id -> the error its constructor raised
+
+
+def rlpost_heartbeat(self) -> dict[str, Any]:
     """The heartbeat method of every rlpost actor (added by :func:`remote_class`): its answer is
     :func:`report`. Called in LIVENESS_GROUP, it runs beside whatever the actor is doing."""
+    return report()
 
-    def rlpost_heartbeat(self) -> dict[str, Any]:
-        return report()
+
+def record_error(exc: BaseException, where: str) -> None:
+    """Keep ``exc`` (type and message) and ``where`` it was raised (``"constructor"``, or what
+    the actor was doing) in Ray's key-value store under this actor's id, for
+    :func:`recorded_error`: an actor about to end its own process says why. Nothing outside an
+    actor, and never an error of its own."""
+    try:
+        import ray
+        from ray.experimental import internal_kv
+
+        actor_id = ray.get_runtime_context().get_actor_id()
+        if actor_id:
+            text = " ".join(f"{type(exc).__name__}: {exc}".strip().splitlines())
+            internal_kv._internal_kv_put(actor_id, f"{where}: {text}"[:2000], namespace=ERROR_NAMESPACE)
+    except Exception:  # the error being raised matters, not this record of it
+        pass
+
+
+def recorded_error(actor_id: str | None) -> str | None:
+    """What actor ``actor_id`` recorded before it ended (``"where: Type: message"``,
+    :func:`record_error`); None when it recorded nothing."""
+    if not actor_id:
+        return None
+    try:
+        from ray.experimental import internal_kv
+
+        value = internal_kv._internal_kv_get(actor_id, namespace=ERROR_NAMESPACE)
+    except Exception:  # no connection to the cluster: nothing to add
+        return None
+    return value.decode() if value else None
 
 
 def remote_class(actor_class: type, **remote_options: Any) -> Any:
-    """``ray.remote(actor_class)`` with the heartbeat: a subclass adding :class:`Heartbeat`'s
-    method, with its own concurrency group (one thread). ``remote_options`` go to
+    """``ray.remote`` of a subclass of ``actor_class`` that answers the heartbeat
+    (``rlpost_heartbeat`` in its own concurrency group, one thread), has a ``repr`` that cannot
+    fail, and records its constructor's error (module docstring). ``remote_options`` go to
     ``ray.remote`` (a concurrency group must be declared there, not in ``.options()``)."""
     import ray
 
-    watched = actor_class if issubclass(actor_class, Heartbeat) else type(actor_class.__name__, (actor_class, Heartbeat),
-                                                                          {"__module__": actor_class.__module__,
-                                                                           "__doc__": actor_class.__doc__})  # fmt: skip
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            actor_class.__init__(self, *args, **kwargs)
+        except BaseException as exc:
+            record_error(exc, "constructor")
+            raise
+
+    def __repr__(self) -> str:
+        try:
+            return actor_class.__repr__(self)
+        except Exception:  # a half-built object (its constructor raised): its class's repr may not work on it
+            return f"{actor_class.__name__}(not built)"
+
+    members = {"__module__": actor_class.__module__, "__doc__": actor_class.__doc__, "__init__": __init__,
+               "__repr__": __repr__, HEARTBEAT_METHOD: rlpost_heartbeat}  # fmt: skip
+    watched = type(actor_class.__name__, (actor_class,), members)
     groups = {**remote_options.pop("concurrency_groups", {}), LIVENESS_GROUP: 1}
     return ray.remote(concurrency_groups=groups, **remote_options)(watched)
 

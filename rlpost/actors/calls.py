@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rlpost.liveness import recorded_error
 from rlpost.transport.buffer import BufferLost
 
 
@@ -88,15 +89,19 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
 
 
 def _why_dead(exc: BaseException) -> str:
-    """Why Ray says the actor died, as a clause: its constructor's error, or the sentence of
-    Ray's message that names the death ("The actor is dead because its worker process has
-    died"); empty when Ray says neither."""
-    if getattr(exc, "actor_init_failed", False):
-        return f": its constructor raised {first_line(exc)}"
+    """Why the actor died, as a clause: the error its constructor raised (as the actor recorded
+    it, :func:`rlpost.liveness.recorded_error`, or as Ray reports it), or the sentence of Ray's
+    message that names the death ("The actor is dead because its worker process has died")
+    with the error the actor recorded before it (a process that aborted on its way out);
+    empty when nothing says."""
+    recorded = recorded_error(getattr(exc, "actor_id", None))
+    if getattr(exc, "actor_init_failed", False) or (recorded or "").startswith("constructor: "):
+        return f": its constructor raised {recorded.removeprefix('constructor: ') if recorded else first_line(exc)}"
     for line in str(exc).splitlines():
         if line.startswith("The actor is dead because"):
-            return ": " + line.split(". ")[0].rstrip(".")
-    return ""
+            said = ": " + line.split(". ")[0].rstrip(".")
+            return said + (f" (its last error: {recorded})" if recorded else "")
+    return f": its last error: {recorded}" if recorded else ""
 
 
 def first_line(exc: BaseException) -> str:

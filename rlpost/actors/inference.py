@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
-from rlpost.liveness import progress, working
+from rlpost.liveness import progress, record_error, working
 from rlpost.lora import engine_lora_kwargs, engine_supports_lora, sync_route
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
@@ -549,6 +549,7 @@ class InferenceActor(InferenceWorker):
             return
         log.error("inference-%d: its engine's process died (%s); exiting, so that the run starts a new worker",
                   self.index, why)  # fmt: skip
+        record_error(RuntimeError(f"its engine's process died ({why})"), "engine")
         logging.shutdown()
         os._exit(1)
 

@@ -249,3 +249,89 @@ def test_an_inference_actor_whose_engine_process_is_killed_ends_its_own_process(
         client.wait_ready(60)
     assert lost.value.name == "inference-with-processes"
     client.kill()
+
+
+def half_built_class() -> type:
+    """A threaded actor's plain class whose constructor raises and whose repr needs what the
+    constructor never set (as LLMCollector's did): Ray formats the error with the repr."""
+
+    class HalfBuilt:
+        def __init__(self, path: str):
+            with open(path) as f:  # a relative path from another directory: FileNotFoundError
+                self.rows = f.read()
+
+        def __repr__(self) -> str:
+            return f"HalfBuilt({len(self.rows)} bytes)"
+
+        def ping(self) -> int:
+            return 1
+
+    return HalfBuilt
+
+
+def test_a_constructors_error_reaches_the_driver_even_when_the_repr_fails(ray_cluster):
+    """Plain ``ray.remote``: the half-built repr takes the worker down and the driver learns only
+    that its process died; through ``remote_class`` (every rlpost actor) the driver's error
+    names the constructor's exception."""
+    from rlpost.liveness import remote_class
+
+    ray = ray_cluster
+    cls = half_built_class()
+    plain = ActorClient("half-built-plain", ray.remote(cls).options(max_concurrency=4, num_cpus=0).remote("no/such"))
+    with pytest.raises(ActorLost) as lost:
+        plain.call("ping", timeout_s=60)
+    assert "FileNotFoundError" not in str(lost.value)  # the failure mode rlpost's actors are guarded against
+    watched = remote_class(cls).options(max_concurrency=4, num_cpus=0).remote("no/such")
+    with pytest.raises(ActorLost) as lost:
+        ActorClient("half-built", watched).call("ping", timeout_s=60)
+    assert str(lost.value) == (
+        "half-built died during ping: its constructor raised FileNotFoundError: [Errno 2] No such file or "
+        "directory: 'no/such'"
+    )
+
+
+def test_an_env_pool_whose_constructor_raises_names_the_error(ray_cluster, tiny_model_path):
+    """A real env pool whose dataset is not where its process looks (a relative path on a node
+    started elsewhere): the driver's error is the pool's own, not a dead process."""
+    from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
+    from rlpost.clients import EnvPoolClient
+    from rlpost.config import load_config
+
+    cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}", "data.task=custom",
+                                                "data.dataset=elsewhere/rows.jsonl", "data.reward_fn=x:y"])  # fmt: skip
+    settings = EnvPoolSettings.from_job(cfg)
+    pool = EnvPoolClient("env-pool-0", start_env_pool(settings, 0, None, None, namespace="rlpost-ctor", num_cpus=0))
+    with pytest.raises(ActorLost) as lost:
+        pool.wait(1.0)
+    # datasets' own error (not found here, it asks the hub for a dataset of that name), as the pool raised it
+    assert str(lost.value).startswith("env-pool-0 died during wait: its constructor raised ConnectionError: ")
+    assert "elsewhere/rows.jsonl" in str(lost.value)
+
+
+def test_an_actor_that_aborts_after_recording_its_error_is_reported_with_it(ray_cluster):
+    """A process that ends by a signal (SIGABRT, as a C extension's abort) after the actor
+    recorded its error (as an inference worker does before it ends a process whose engine died):
+    the driver's error adds that error to Ray's "worker process has died"."""
+    from rlpost.liveness import remote_class
+
+    def aborting_class() -> type:
+        class Aborting:
+            def fail(self) -> None:
+                import os
+
+                from rlpost.liveness import record_error
+
+                record_error(RuntimeError("its engine's process died (EngineDeadError)"), "engine")
+                os.abort()
+
+        return Aborting
+
+    ray = ray_cluster
+    client = ActorClient("aborting", remote_class(aborting_class()).options(num_cpus=0).remote())
+    with pytest.raises(ActorLost) as lost:
+        client.call("fail", timeout_s=60)
+    assert "aborting died during fail: The actor is dead because its worker process has died" in str(lost.value)
+    assert str(lost.value).endswith(
+        "(its last error: engine: RuntimeError: its engine's process died (EngineDeadError))"
+    )
+    assert ray is not None

@@ -150,3 +150,43 @@ def test_a_custom_loss_is_checked_before_any_actor_starts(tmp_path):
     with pytest.raises(ConfigError, match="loss.custom_fn: .*cannot import module 'no_such_module_xyz'"):
         _check_custom_loss(cfg)
     _check_custom_loss(load_config(None, ["loss.custom_fn=rlpost.algo:grpo_loss"]))  # importable: fine
+
+
+def test_relative_local_paths_resolve_against_the_given_directory(tmp_path, monkeypatch):
+    from rlpost.cli import _resolve_paths_for_a_cluster
+    from rlpost.config import resolve_local_paths
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    (tmp_path / "model").mkdir()
+
+    def job():
+        return load_config(None, ["data.task=custom", "data.dataset=data/rows.jsonl", "data.reward_fn=x:y",
+                                  "model.name_or_path=model", "model.tokenizer=Qwen/Qwen2.5-0.5B",
+                                  "model.chat_template={{ messages }}", "eval.dataset=/abs/eval.jsonl"])  # fmt: skip
+
+    cfg = job()
+    resolved = resolve_local_paths(cfg, tmp_path)
+    assert resolved == {"model.name_or_path": ("model", str(tmp_path / "model")),
+                        "data.dataset": ("data/rows.jsonl", str(tmp_path / "data" / "rows.jsonl"))}  # fmt: skip
+    assert cfg.data.dataset == str(tmp_path / "data" / "rows.jsonl") and cfg.model.name_or_path == str(
+        tmp_path / "model"
+    )
+    # a hub name, an inline template and an absolute path are left as written
+    assert (cfg.model.tokenizer, cfg.model.chat_template, cfg.eval.dataset) == (
+        "Qwen/Qwen2.5-0.5B", "{{ messages }}", "/abs/eval.jsonl")  # fmt: skip
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    cfg = job()
+    _resolve_paths_for_a_cluster(cfg)  # a local run: its actors start here
+    assert cfg.data.dataset == "data/rows.jsonl"
+    cfg.resources.address = "10.0.0.1:6379"  # --address: they start elsewhere
+    _resolve_paths_for_a_cluster(cfg)
+    assert cfg.data.dataset == str(tmp_path / "data" / "rows.jsonl")
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {"working_dir": "/tmp/upload"}}')
+    cfg = job()
+    cfg.resources.address = "auto"  # rlpost submit's driver: its actors start in their copy of the working dir
+    _resolve_paths_for_a_cluster(cfg)
+    assert cfg.data.dataset == "data/rows.jsonl"
