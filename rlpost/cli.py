@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_in_own_session(sys.argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.command_line = argv is None  # this process is the command (not a caller's in-process call)
     try:
         return args.handler(args)
     except (ConfigError, JobNotFoundError) as exc:
@@ -187,6 +188,8 @@ def _cmd_train(args) -> int:
         cfg = _load(args)
         run_dir = None
     _resolve_paths_for_a_cluster(cfg)
+    if args.command_line and os.environ.get("PYTHONHASHSEED") != str(cfg.resources.python_hash_seed):
+        _start_again_with_hash_seed(cfg.resources.python_hash_seed)
     check_inputs_exist(cfg)
     if run_dir is None:
         run_dir = create_run_dir(cfg, args.run_dir)
@@ -196,6 +199,15 @@ def _cmd_train(args) -> int:
     # `ray job stop` and schedulers send SIGTERM: run_training turns it (and Ctrl-C) into a clean
     # stop that writes a final checkpoint and stops every actor (rlpost.shutdown)
     return run_training(cfg, run_dir, resume=bool(args.resume))
+
+
+def _start_again_with_hash_seed(seed: int) -> None:
+    """Run this command line again, in this process, with PYTHONHASHSEED=``seed``: Python reads it
+    once, at start, and the driver must hash strings as the run's actors do (it draws the held-out
+    rows that the actors must never train on). Nothing was started yet."""
+    argv = [sys.executable, "-m", "rlpost.cli", *sys.argv[1:]]
+    sys.stdout.flush()
+    os.execve(sys.executable, argv, {**os.environ, "PYTHONHASHSEED": str(seed)})
 
 
 def _resolve_paths_for_a_cluster(cfg: JobConfig) -> None:

@@ -725,12 +725,29 @@ class ResourcesConfig(_Section):
         description="The buffer actor. It reserves no placement bundle and runs on the head node (whose loss "
         "ends the run anyway) unless `resources` names custom resources that send it elsewhere.",
     )
+    python_hash_seed: int = Field(
+        0,
+        ge=0,
+        le=4294967295,
+        description="PYTHONHASHSEED of every process of the run: the driver (rlpost train starts its Python again "
+        "with it when the shell's differs) and every actor. Python's string hashing orders sets of strings, "
+        "which some generators iterate over (reasoning-gym's isomorphic_strings, knight_swap, "
+        "polynomial_multiplication, ransom_note, word_ladder): with one seed their rows, the held-out split and "
+        "the shuffles agree across processes and across runs.",
+    )
     env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every process of the run (Ray runtime_env), over rlpost's own: "
         "TOKENIZERS_PARALLELISM=false, and THP_MEM_ALLOC_ENABLE=1 (torch's large CPU tensors on transparent huge "
         'pages: vLLM\'s CPU weight reload 2.3 s against 3.0 s on the 0.5B-shaped model; "0" turns it off).',
     )
+
+    @field_validator("env_vars")
+    @classmethod
+    def _no_hash_seed(cls, value: dict[str, str]) -> dict[str, str]:
+        if "PYTHONHASHSEED" in value:
+            raise ValueError("PYTHONHASHSEED is resources.python_hash_seed (the driver's too), not an env var")
+        return value
 
 
 class RoleDeadlines(_Section):

@@ -258,7 +258,9 @@ def build_entrypoint(config: str, overrides: list[str] | tuple[str, ...]) -> str
 
 
 def build_runtime_env(cfg: JobConfig, working_dir: Path | None) -> dict:
-    env: dict = {"env_vars": {**BASE_ENV_VARS, **cfg.resources.env_vars}}
+    # the job's driver starts with the run's hash seed (rlpost train would start its Python again otherwise)
+    hash_seed = {"PYTHONHASHSEED": str(cfg.resources.python_hash_seed)}
+    env: dict = {"env_vars": {**BASE_ENV_VARS, **cfg.resources.env_vars, **hash_seed}}
     if working_dir is not None:
         env["working_dir"] = str(working_dir)
         env["excludes"] = list(WORKING_DIR_EXCLUDES)

@@ -29,8 +29,8 @@ RUN_ENV_VARS = {"TOKENIZERS_PARALLELISM": "false", "THP_MEM_ALLOC_ENABLE": "1"}
 
 def run_env_vars(cfg: JobConfig) -> dict[str, str]:
     """The environment variables of every process of the run: :data:`RUN_ENV_VARS` with
-    ``resources.env_vars`` over them."""
-    return {**RUN_ENV_VARS, **cfg.resources.env_vars}
+    ``resources.env_vars`` over them, and PYTHONHASHSEED (``resources.python_hash_seed``)."""
+    return {**RUN_ENV_VARS, **cfg.resources.env_vars, "PYTHONHASHSEED": str(cfg.resources.python_hash_seed)}
 
 
 # what a script's Ray workers get from the driver's environment when it has them (credentials and

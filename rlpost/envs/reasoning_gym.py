@@ -38,7 +38,8 @@ fewer for a task with few distinct questions); it raises when none are left.
 Determinism. The same ``(tasks, size, seed, split)`` gives the same rows in every process, except
 for the few tasks whose generators iterate over Python sets of strings
 (:data:`HASH_SEED_DEPENDENT_TASKS`): their rows also depend on ``PYTHONHASHSEED``, so processes
-must share a fixed one for those rows (and the train/test separation) to agree; a warning says so.
+must share a fixed one for those rows (and the train/test separation) to agree. A run's processes
+do (``resources.python_hash_seed``); elsewhere a warning says so.
 """
 
 from __future__ import annotations
@@ -319,8 +320,9 @@ def _warn_hash_seed_dependence(specs: list[_TaskSpec]) -> None:
     if affected and not hash_seed.isdigit():
         logger.warning(
             "reasoning_gym tasks %s generate rows that depend on PYTHONHASHSEED (unset or random here): "
-            "processes draw different rows for them and the test split may hold train questions; set "
-            "PYTHONHASHSEED to a fixed number in every process",
+            "processes draw different rows for them and the test split may hold train questions; rlpost train "
+            "gives every process of a run resources.python_hash_seed, elsewhere set PYTHONHASHSEED to a fixed "
+            "number in every process",
             affected,
         )
 

@@ -28,9 +28,13 @@ with open("/proc/self/smaps_rollup") as f:
 
 def test_the_run_environment_is_rlposts_with_the_users_over_it():
     cfg = load_config("configs/tiny-cpu.yaml", ["resources.env_vars={THP_MEM_ALLOC_ENABLE: '0', MY_FLAG: x}"])
-    assert run_env_vars(load_config("configs/tiny-cpu.yaml")) == RUN_ENV_VARS
+    assert run_env_vars(load_config("configs/tiny-cpu.yaml")) == {**RUN_ENV_VARS, "PYTHONHASHSEED": "0"}
     assert RUN_ENV_VARS["THP_MEM_ALLOC_ENABLE"] == "1"
-    assert run_env_vars(cfg) == {**RUN_ENV_VARS, "THP_MEM_ALLOC_ENABLE": "0", "MY_FLAG": "x"}
+    assert run_env_vars(cfg) == {**RUN_ENV_VARS, "THP_MEM_ALLOC_ENABLE": "0", "MY_FLAG": "x", "PYTHONHASHSEED": "0"}
+    seeded = load_config("configs/tiny-cpu.yaml", ["resources.python_hash_seed=123"])
+    assert run_env_vars(seeded)["PYTHONHASHSEED"] == "123"
+    with pytest.raises(ValueError, match="PYTHONHASHSEED is resources.python_hash_seed"):
+        load_config("configs/tiny-cpu.yaml", ["resources.env_vars={PYTHONHASHSEED: '1'}"])
 
 
 def _huge_page_kb(extra_env: dict[str, str]) -> int:

@@ -159,3 +159,29 @@ def test_the_tiny_model_builds_run_with_sleeping_openmp_threads_unless_told_othe
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert main(["make-tiny-reward-model", str(tmp_path / "rm"), "--lm", str(tmp_path / "lm")]) == 0
     assert seen == [policy or "PASSIVE"] * 2
+
+
+def test_train_starts_its_python_again_with_the_runs_hash_seed(monkeypatch, tmp_path):
+    """The driver hashes strings as the run's actors do: `rlpost train` with another PYTHONHASHSEED
+    (Python's default is a random one) runs its command line again with the run's, before
+    anything is started; with the run's already, it goes on."""
+    from rlpost import cli
+
+    started = []
+
+    def execve(path, argv, env):
+        started.append((argv, env.get("PYTHONHASHSEED")))
+        raise SystemExit(0)
+
+    argv = ["rlpost", "train", "configs/tiny-cpu.yaml", "model.name_or_path=/no/model", "resources.python_hash_seed=7",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setenv("RLPOST_DRIVER_SESSION", "1")  # the driver itself (no session of its own to start)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert started == [([sys.executable, "-m", "rlpost.cli", *argv[1:]], "7")]
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert cli.main() == 2 and len(started) == 1  # the run's seed: on to the next check (no model there)
+    assert cli.main(argv[1:]) == 2 and len(started) == 1  # an in-process call never replaces its caller

@@ -94,7 +94,12 @@ def test_runtime_env_carries_the_config_env_vars_and_the_excludes(tmp_path):
     cfg = load_config("configs/tiny-cpu.yaml", ["resources.env_vars.HF_HOME=/data/hf", "logging.run_dir=outputs/grpo"])
     env = jobs.build_runtime_env(cfg, tmp_path)
     assert env["working_dir"] == str(tmp_path)
-    assert env["env_vars"] == {"PYTHONUNBUFFERED": "1", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "HF_HOME": "/data/hf"}
+    assert env["env_vars"] == {
+        "PYTHONUNBUFFERED": "1",
+        "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
+        "HF_HOME": "/data/hf",
+        "PYTHONHASHSEED": "0",
+    }  # the job's driver starts with the run's hash seed
     assert {".venv", ".git", "runs", ".cache", "__pycache__", "*.egg-info"} <= set(env["excludes"])
     assert env["excludes"][-1] == "/outputs"  # a custom run_dir's earlier runs are not uploaded
     assert "working_dir" not in jobs.build_runtime_env(cfg, None)
