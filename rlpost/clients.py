@@ -260,9 +260,10 @@ class LearnerClient(ActorClient):
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
                         timeout_s: float, shared_memory: bool = True) -> int:  # fmt: skip
         """Form the weight bus between the learner and ``workers`` (handles); the learner drives
-        the workers' side of every later sync itself."""
-        return self.call("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, shared_memory,
-                         timeout_s=timeout_s)  # fmt: skip
+        the workers' side of every later sync itself. A run's start: a stop signal ends the wait
+        (the learner may still be loading its model)."""
+        pending = self.submit("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, shared_memory)
+        return pending.result(timeout_s, stoppable=True)
 
     def set_workers(self, workers: list, timeout_s: float) -> int:
         """The bus's next generation with ``workers`` (after a restart); returns the generation."""

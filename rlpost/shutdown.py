@@ -14,7 +14,10 @@ writes a final checkpoint; a resumed run goes on from the step the run was stopp
 that raised at whatever line the main thread was running would also land inside C calls (a
 ``ray.get``, a constructor), which then fail with errors such as ``SystemError: ... returned a
 result with an exception set`` instead of stopping. A call in flight (a train step, a weight
-sync; at start-up, the engines loading) is let finish first: every such call is bounded.
+sync) is let finish first: every such call is bounded. The waits of a run's start (the cluster
+placing the actors, the engines and models loading) ask :func:`raise_if_stopping` every half
+second instead (``stoppable`` waits, :mod:`rlpost.actors.calls`): nothing is trained yet, so the
+start ends at once, killing every actor it started.
 
 * Later signals exit at once with ``os._exit(130)``: the way out when the cleanup hangs (an
   actor that no longer answers). It skips the cleanup, ``finally`` blocks, atexit handlers and

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlpost.actors import REWARD_ACTOR, learner_name
-from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all
+from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all, wait_stoppably
 from rlpost.clients import (
     ActorClient,
     BufferClient,
@@ -198,7 +198,13 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
     if not bundles:
         return None, index
     pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    placed = pg.ready()
+    try:
+        wait_stoppably([placed], timeout_s)  # a stop signal ends the wait (the group is removed)
+        ready, _ = ray.wait([placed], timeout=0)
+    except BaseException:
+        ray.util.remove_placement_group(pg)
+        raise
     if not ready:
         ray.util.remove_placement_group(pg)
         asked = {k: round(sum(b.get(k, 0) for b in bundles), 2) for k in ("CPU", "GPU")}
@@ -366,19 +372,42 @@ class ActorStarter:
         return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
 
     def start_all(self) -> RunActors:
-        """Every actor of the run, its engines up and the weight bus connected."""
+        """Every actor of the run, its engines up and the weight bus connected. A stop signal
+        (Ctrl-C, SIGTERM) while the engines and models load ends the start within a second, and
+        a start that fails or is stopped kills every actor it started and removes the run's
+        placement groups before it raises."""
         cfg = self.cfg
-        buffer = self.buffer()
-        inference = [self.inference(i) for i in range(cfg.rollout.num_inference_workers)]
-        learner = self.learner()
-        reference = self.reference() if cfg.reference.enabled else None
-        reward = self.reward() if cfg.reward_model is not None else None
-        env_pools = [self.env_pool(j, inference, buffer) for j in range(cfg.rollout.num_env_pools)]
-        wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S)
-        actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group, self.slot_groups,
-                           self.control(), reward)  # fmt: skip
-        connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
+        started: list[ActorClient] = []
+
+        def keep(client):
+            started.append(client)
+            return client
+
+        try:
+            buffer = keep(self.buffer())
+            inference = [keep(self.inference(i)) for i in range(cfg.rollout.num_inference_workers)]
+            learner = keep(self.learner())
+            reference = keep(self.reference()) if cfg.reference.enabled else None
+            reward = keep(self.reward()) if cfg.reward_model is not None else None
+            env_pools = [keep(self.env_pool(j, inference, buffer)) for j in range(cfg.rollout.num_env_pools)]
+            wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S, stoppable=True)
+            actors = RunActors(buffer, inference, env_pools, learner, reference, self.placement_group,
+                               self.slot_groups, keep(self.control()), reward)  # fmt: skip
+            connect_bus(cfg, actors, timeout_s=STARTUP_TIMEOUT_S)
+        except BaseException:
+            for client in started:
+                client.kill()
+            self.remove_placement_groups()
+            raise
         return actors
+
+    def remove_placement_groups(self) -> None:
+        """Remove the run's placement group and every slot's own (a start that did not finish)."""
+        import ray
+
+        for group in [self.placement_group, *self.slot_groups.values()]:
+            if group is not None:
+                _quietly(functools.partial(ray.util.remove_placement_group, group))
 
 
 def on_the_head():

@@ -20,7 +20,10 @@ import dataclasses
 from typing import Any
 
 from rlpost.liveness import recorded_error
+from rlpost.shutdown import raise_if_stopping
 from rlpost.transport.buffer import BufferLost
+
+STOP_POLL_S = 0.5  # a stoppable wait looks for a stop signal this often
 
 
 class InferenceWorkerLost(RuntimeError):
@@ -118,11 +121,16 @@ class Pending:
     method: str
     ref: Any
 
-    def result(self, timeout_s: float):
+    def result(self, timeout_s: float, *, stoppable: bool = False):
+        """The call's result within ``timeout_s``. ``stoppable``: a stop signal (Ctrl-C, SIGTERM:
+        :func:`rlpost.shutdown.raise_if_stopping`) ends the wait within STOP_POLL_S, raising
+        StopRequested; for the waits of a run's start, where no call in flight must finish first."""
         import ray
 
+        if stoppable:
+            wait_stoppably([self.ref], timeout_s)
         try:
-            return ray.get(self.ref, timeout=timeout_s)
+            return ray.get(self.ref, timeout=0.0 if stoppable else timeout_s)
         except Exception as exc:
             mapped = classify(exc, self.name, self.method)
             if mapped is not exc:
@@ -159,16 +167,34 @@ class GroupPending:
         return self.calls[0].result(0.0)
 
 
-def wait_all(pending: list[Pending], timeout_s: float) -> list:
+def wait_stoppably(refs: list, timeout_s: float) -> None:
+    """Wait until every one of ``refs`` is ready or ``timeout_s`` passed, raising StopRequested
+    within STOP_POLL_S of a stop signal (:func:`rlpost.shutdown.raise_if_stopping`)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    waiting = list(refs)
+    while waiting:
+        raise_if_stopping()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(STOP_POLL_S, left))
+
+
+def wait_all(pending: list[Pending], timeout_s: float, *, stoppable: bool = False) -> list:
     """Results of every call in ``pending``; all are waited for (so none is left running
-    unobserved) and the first failure is raised afterwards."""
+    unobserved) and the first failure is raised afterwards. ``stoppable``: as
+    :meth:`Pending.result`'s."""
     import time
 
     deadline = time.monotonic() + timeout_s
     results, failure = [], None
     for call in pending:
         try:
-            results.append(call.result(max(0.0, deadline - time.monotonic())))
+            results.append(call.result(max(0.0, deadline - time.monotonic()), stoppable=stoppable))
         except Exception as exc:
             results.append(None)
             failure = failure or exc

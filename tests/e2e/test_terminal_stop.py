@@ -35,6 +35,7 @@ class Stopped:
     lines: int  # metrics lines when the stop was sent
     shielded: bool  # every process of the run's session was outside the terminal's process group
     left: list[str]  # processes of the run still there 30 s after it ended
+    exit_s: float  # from the stop sent to the run's exit
 
 
 def _stat(pid: int) -> tuple[int, int, int]:
@@ -92,9 +93,10 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int, delay_s: float, how: str) -> Stopped:
-    """Run the tiny job in a pty; once metrics.jsonl has ``after_lines`` lines, wait ``delay_s``
-    and stop it ``how``: "ctrl-c", "ctrl-c twice" or "SIGTERM to the group"."""
+def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int | None, delay_s: float, how: str) -> Stopped:
+    """Run the tiny job in a pty; once metrics.jsonl has ``after_lines`` lines (None: once the run
+    said where its Ray cluster is, and its actors start), wait ``delay_s`` and stop it ``how``:
+    "ctrl-c", "ctrl-c twice" or "SIGTERM to the group"."""
     args = [
         sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
         f"model.name_or_path={tiny_model_path}", "trainer.prompts_per_step=4", "trainer.steps=60",
@@ -119,9 +121,13 @@ def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int, delay_
                 if not chunk:
                     break
                 output += chunk
-            if sent_at is None and metrics.is_file() and len(metrics.read_text().splitlines()) >= after_lines:
+            if sent_at is None and (
+                b"(namespace rlpost-" in output
+                if after_lines is None
+                else metrics.is_file() and len(metrics.read_text().splitlines()) >= after_lines
+            ):
                 time.sleep(delay_s)
-                lines = len(metrics.read_text().splitlines())
+                lines = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
                 driver = _driver_of(front)
                 members = _session_members(driver) if driver else []  # the driver and its Ray processes
                 group = os.getpgid(front)  # the terminal's foreground process group
@@ -140,12 +146,14 @@ def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int, delay_
             pytest.fail(f"the run did not end within 400 s:\n{output.decode(errors='replace')[-3000:]}")
     finally:
         _, status = os.waitpid(front, 0)
+        ended = time.monotonic()
         os.close(fd)
     end = time.monotonic() + 30  # the Ray processes end with the driver (the agents within seconds)
     while [p for p in members if _running(p)] and time.monotonic() < end:
         time.sleep(0.2)
     left = [f"{p}: {_command(p)}" for p in members if _running(p)]
-    return Stopped(os.waitstatus_to_exitcode(status), output.decode(errors="replace"), lines, shielded, left)
+    exit_s = ended - sent_at if sent_at is not None else float("nan")
+    return Stopped(os.waitstatus_to_exitcode(status), output.decode(errors="replace"), lines, shielded, left, exit_s)
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
@@ -167,6 +175,21 @@ def _assert_stopped_cleanly(stopped: Stopped, run_dir: Path, code: int, name: st
 
 # The tiny job's step takes ~0.5 s: a stop sent right after a metrics line lands in the next
 # step's collection, 0.25 s after it in the train call, 0.35 s after it in the weight sync.
+
+
+@pytest.mark.long  # ~25 s
+def test_ctrl_c_while_the_engines_load_stops_the_start_within_seconds(tmp_path, tiny_model_path):
+    """Ctrl-C 3 s after the run's cluster started: its actors are starting, the inference
+    worker's engine loading (~15 s here). The start ends at once, every actor it started is
+    killed, the run exits 130 with no checkpoint (nothing was trained) and no process left."""
+    run_dir = tmp_path / "loading"
+    stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=None, delay_s=3.0, how="ctrl-c")
+    assert stopped.code == 130, stopped.output[-3000:]
+    assert stopped.shielded, "the run's Ray processes were in the terminal's process group"
+    assert stopped.lines == 0 and not (run_dir / "metrics.jsonl").exists()
+    assert "rlpost: stopped by SIGINT" in stopped.output and "Traceback" not in stopped.output, stopped.output[-3000:]
+    assert stopped.exit_s < 10.0, (stopped.exit_s, stopped.output[-3000:])
+    assert not stopped.left, f"processes of the run left running: {stopped.left}"
 
 
 @pytest.mark.long  # ~45 s, past make test's 15-minute budget (rlpost.shutdown's unit tests stay there)

@@ -176,9 +176,9 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
     ]
     try:
         spec = Pending("learner", "open_rendezvous", handles[0].open_rendezvous.remote(backend, timeout_s))
-        spec = spec.result(timeout_s)
+        spec = spec.result(timeout_s, stoppable=True)  # a stop signal ends a start that loads models
         joins = [Pending(learner_name(r), "join_group", h.join_group.remote(spec)) for r, h in enumerate(handles)]
-        wait_all(joins, timeout_s + _MODEL_LOAD_GRACE_S)
+        wait_all(joins, timeout_s + _MODEL_LOAD_GRACE_S, stoppable=True)
     except BaseException:
         for handle in handles:
             ray.kill(handle, no_restart=True)
