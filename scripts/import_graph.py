@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlpost"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves: no rlpost import", ("rlpost", "dotted", "trackers", "timing", "types", "shutdown", "buffer_host",
                                   "tiny_model_spec", "math_verify_check",
-                                  "local_cluster", "liveness")),
+                                  "local_cluster", "liveness", "placement")),
     ("settings: the job config and the metrics sink", ("config", "metrics")),
     ("pure parts: math, data, transport, run files, control mailbox",
      ("algo", "data", "transport", "lora", "runs", "control", "jobs", "monitoring")),

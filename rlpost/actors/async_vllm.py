@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlpost.collect.weight_sync import RLvLLMEngine, VLLMWeightSyncScheme
+from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, placed, wait_until_placed
 
 log = logging.getLogger("rlpost")
 
@@ -78,6 +79,9 @@ class AsyncVLLM(RLvLLMEngine):
         max_restarts: Ray restarts of a replica that died.
         request_timeout_s: bound of one generate call on a replica.
         startup_timeout_s: bound of the replicas' start.
+        placement_timeout_s: bound of the wait for the cluster to place the replicas (their GPUs
+            and CPUs); past it the start fails naming what they ask for and what the cluster has
+            (rlpost's: a cluster without the GPUs would otherwise keep them pending for ever).
         verbose: vLLM's INFO logs from the replicas (False: warnings and errors only).
 
     Attributes:
@@ -88,7 +92,7 @@ class AsyncVLLM(RLvLLMEngine):
     def __init__(self, engine_args: Any, num_replicas: int = 1, actor_class: Any = None,
                  enable_prefix_caching: bool | None = None, *, max_restarts: int = MAX_RESTARTS,
                  request_timeout_s: float = 600.0, startup_timeout_s: float = STARTUP_TIMEOUT_S,
-                 verbose: bool = True):  # fmt: skip
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S, verbose: bool = True):  # fmt: skip
         if actor_class is not None:
             raise ValueError("AsyncVLLM's replicas are rlpost's inference workers: actor_class must be None")
         if num_replicas < 1:
@@ -107,6 +111,8 @@ class AsyncVLLM(RLvLLMEngine):
         self.model_name = str(self.engine_kwargs.pop("model"))
         self.num_replicas = num_replicas
         self.max_restarts, self.request_timeout_s, self.startup_timeout_s = max_restarts, request_timeout_s, startup_timeout_s  # fmt: skip
+        self.placement_timeout_s = placement_timeout_s
+        self._asks: dict[int, dict[str, float]] = {}  # replica index -> what it asks the cluster for
         self.verbose = verbose
         self._replicas: dict[int, Any] = {}  # replica index -> its actor (a resized fleet may have gaps)
         self._client = None
@@ -132,15 +138,17 @@ class AsyncVLLM(RLvLLMEngine):
 
     def _start_vllm_replica(self, index: int) -> Any:
         """Replica ``index`` from the fleet's vLLM arguments (an actor named after the fleet)."""
-        from rlpost.actors.vllm_workers import make_vllm_worker
+        from rlpost.actors.vllm_workers import engine_devices, make_vllm_worker
 
         kwargs = dict(self.engine_kwargs)
         dtype = kwargs.pop("dtype", "auto")
         devices = kwargs.pop("tensor_parallel_size", None)
+        num_cpus = kwargs.pop("num_cpus", 1)
         name = f"async-vllm-{self._service_id}" + (f"-{index}" if self.num_replicas > 1 else "")
+        self._asks[index] = asks_of({"num_cpus": num_cpus, "num_gpus": engine_devices(devices)})
         return make_vllm_worker(
             self.model_name, num_devices=devices, dtype=_dtype_name(dtype), name=name, index=index,
-            num_cpus=kwargs.pop("num_cpus", 1), ray_options=self._replica_options(), **kwargs,
+            num_cpus=num_cpus, ray_options=self._replica_options(), **kwargs,
         )  # fmt: skip
 
     @property
@@ -178,7 +186,8 @@ class AsyncVLLM(RLvLLMEngine):
             return
         self._serve_from_started()
         try:
-            ray.get(actor.shutdown.remote(), timeout=60)
+            if placed(actor):  # one still waiting for its resources has no engine to stop
+                ray.get(actor.shutdown.remote(), timeout=60)
         except Exception:  # noqa: BLE001 (already dead or stuck: killed below either way)
             pass
         ray.kill(actor, no_restart=True)
@@ -208,6 +217,8 @@ class AsyncVLLM(RLvLLMEngine):
             self.start_replica(index)
         start = time.monotonic()
         try:
+            replicas = {f"replica {i}": (self._replicas[i], self._asks.get(i, {})) for i in sorted(self._replicas)}
+            wait_until_placed(replicas, self.placement_timeout_s, f"AsyncVLLM ({self.model_name})")
             ray.get([actor.get_version.remote() for actor in self.actors], timeout=self.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
@@ -228,9 +239,10 @@ class AsyncVLLM(RLvLLMEngine):
         return options
 
     @classmethod
-    def launch(cls, engine_args: Any, num_replicas: int = 1, *, verbose: bool = True) -> AsyncVLLM:
+    def launch(cls, engine_args: Any, num_replicas: int = 1, *, verbose: bool = True,
+               placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> AsyncVLLM:  # fmt: skip
         """Start ``num_replicas`` engines on ``engine_args`` and return the fleet."""
-        fleet = cls(engine_args, num_replicas, verbose=verbose)
+        fleet = cls(engine_args, num_replicas, verbose=verbose, placement_timeout_s=placement_timeout_s)
         fleet._launch()
         return fleet
 
@@ -420,8 +432,10 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
     """Start an :class:`AsyncVLLM` fleet of ``num_replicas`` engines on ``model_name``, each on
     ``num_devices`` GPUs (tensor parallel; none on a CPU-only machine). ``**kwargs`` are
     ``vllm.LLM`` arguments (``max_model_len``, ``gpu_memory_utilization``, ``enforce_eager``,
-    ``seed``, ``dtype``, ...), rlpost's engine settings (``kv_cache_space_gb``) and ``num_cpus``,
-    the CPUs Ray reserves for each replica (default 1)."""
+    ``seed``, ``dtype``, ...), rlpost's engine settings (``kv_cache_space_gb``), ``num_cpus``, the
+    CPUs Ray reserves for each replica (default 1), and ``placement_timeout_s``, how long the
+    replicas may wait for the cluster to have room for them (a cluster without the GPUs asked for
+    fails then, naming them; default PLACEMENT_TIMEOUT_S)."""
     del compile  # vLLM's own compilation setting is kept
     if enable_fp32_output:
         raise ValueError(
@@ -434,7 +448,9 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
     devices = tensor_parallel_size if tensor_parallel_size is not None else num_devices
     if devices is not None:
         kwargs["tensor_parallel_size"] = devices
-    return AsyncVLLM.launch({"model": model_name, **kwargs}, num_replicas, verbose=verbose)
+    placement_timeout_s = kwargs.pop("placement_timeout_s", PLACEMENT_TIMEOUT_S)
+    return AsyncVLLM.launch({"model": model_name, **kwargs}, num_replicas, verbose=verbose,
+                            placement_timeout_s=placement_timeout_s)  # fmt: skip
 
 
 def _engine_kwargs(engine_args: Any) -> dict[str, Any]:

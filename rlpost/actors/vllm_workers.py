@@ -24,6 +24,13 @@ _ENGINE_FIELDS = ("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_sp
                   "max_num_seqs", "enforce_eager", "seed", "cpu_threads")  # fmt: skip
 
 
+def engine_devices(num_devices: int | None) -> int:
+    """GPUs per engine: ``num_devices``, or, when None, 1 on a machine with a GPU and 0 without."""
+    import torch
+
+    return num_devices if num_devices is not None else (1 if torch.cuda.is_available() else 0)
+
+
 def make_vllm_worker(
     model_name: str,
     *,
@@ -74,7 +81,7 @@ def make_vllm_worker(
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     on_gpu = torch.cuda.is_available()
-    devices = num_devices if num_devices is not None else (1 if on_gpu else 0)
+    devices = engine_devices(num_devices)
     if engine_config is None:
         settings = {key: kwargs.pop(key) for key in _ENGINE_FIELDS if key in kwargs}
         engine_config = EngineConfig(

@@ -73,6 +73,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.collect import episodes as ep
 from rlpost.collect.episodes import CollectorStats, WholeEpisodes
+from rlpost.liveness import remote_class
 from rlpost.types import Group
 
 logger = logging.getLogger(__name__)
@@ -647,10 +648,8 @@ class LLMCollector:
     def as_remote(cls, remote_config: dict[str, Any] | None = None, **remote_options: Any) -> Any:
         """The collector as a Ray actor class: ``LLMCollector.as_remote({"num_cpus": 1})`` (TorchRL's
         form) or ``LLMCollector.as_remote(num_cpus=1)``, then ``.remote(env, ...)``."""
-        import ray
-
         options = {**(remote_config or {}), **remote_options}
-        return ray.remote(**options)(cls) if options else ray.remote(cls)
+        return remote_class(cls, **options)
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlpost.collect.llm_collector import LLMCollector
+from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 
 # Ray options of the collector's actor when none are given: it mostly waits on its env and the
 # inference workers, so it reserves no CPU of its own.
@@ -49,6 +50,9 @@ class RayLLMCollector(LLMCollector):
         num_cpus, num_gpus: shorthands for those options.
         sync_iter: iterate in lock-step (True) or let the actor collect ahead by one batch.
         timeout_s: bound of each call into the actor (rlpost's).
+        placement_timeout_s: bound of the wait for the cluster to place the actor (what
+            ``remote_config`` asks for); past it the constructor fails naming the resources
+            (rlpost's; :mod:`rlpost.placement`).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class RayLLMCollector(LLMCollector):
         num_cpus: float | None = None,
         num_gpus: float | None = None,
         timeout_s: float = 600.0,
+        placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
     ) -> None:
         import ray
 
@@ -107,6 +112,12 @@ class RayLLMCollector(LLMCollector):
             whole_episodes=whole_episodes,
             verbose=verbose,
         )
+        try:
+            wait_until_placed({"its collector actor": (self._collector, asks_of(options))}, placement_timeout_s,
+                              "RayLLMCollector")  # fmt: skip
+        except BaseException:
+            ray.kill(self._collector)
+            raise
 
     def _get(self, call: str, ref: Any) -> Any:
         import ray

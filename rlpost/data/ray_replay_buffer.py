@@ -51,6 +51,7 @@ from typing import Any
 from rlpost.buffer_host import BufferHost
 from rlpost.data.replay_buffers import ReplayBuffer
 from rlpost.liveness import remote_class
+from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 
 log = logging.getLogger("rlpost")
 
@@ -65,6 +66,9 @@ class RayReplayBuffer(ReplayBuffer):
         ray_init_config: ``ray.init`` arguments when Ray is not initialized yet.
         remote_config: Ray actor options (default: no CPU, no GPU).
         timeout_s: bound of each call into the actor (rlpost's).
+        placement_timeout_s: bound of the wait for the cluster to place the actor (what
+            ``remote_config`` asks for); past it the constructor fails naming the resources
+            (rlpost's; :mod:`rlpost.placement`).
         **kwargs: the buffer's arguments (``storage``, ``sampler`` and ``transform_factory`` as
             constructors; ``batch_size``, ``collate_fn``).
     """
@@ -76,6 +80,7 @@ class RayReplayBuffer(ReplayBuffer):
         ray_init_config: dict[str, Any] | None = None,
         remote_config: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
+        placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
         import ray
@@ -88,6 +93,11 @@ class RayReplayBuffer(ReplayBuffer):
             ray.init(**(ray_init_config or {}))
         options = dict(DEFAULT_REMOTE_CONFIG if remote_config is None else remote_config)
         handle = remote_class(BufferHost).options(**options).remote(replay_buffer_cls, kwargs)
+        try:
+            wait_until_placed({"its buffer actor": (handle, asks_of(options))}, placement_timeout_s, "RayReplayBuffer")
+        except BaseException:
+            ray.kill(handle)
+            raise
         self._setup(handle, timeout_s, kwargs.get("batch_size"), owner=True, restarts=options.get("max_restarts", 0))
 
     def _setup(self, handle: Any, timeout_s: float, batch_size: int | None, owner: bool, restarts: int) -> None:

@@ -679,23 +679,14 @@ class TorchWeightPublisher(_TorchEnd):
     def _await_shared_readers(self, seq: int) -> None:
         """Wait for the shared-memory receivers' ``done`` keys, watching their processes: one
         that exits fails the update at once, as a closed socket does on the bus (no collective
-        would notice it). Polls the store 0.2 ms apart for the first 20 ms (a GPU update of a
-        small model takes milliseconds), then backs off to 20 ms apart."""
-        group = self._group
-        pending = dict(group.pids)
-        start = time.monotonic()
-        deadline, pause = start + self.spec.timeout_s, 0.0002
-        while pending:
-            pending = {r: pid for r, pid in pending.items() if not group.keys.check([f"done/{seq}/{r}"])}
-            gone = [r for r, pid in pending.items() if _process_gone(pid)]
-            if gone:
-                raise RuntimeError(f"receiver rank(s) {gone} exited during the update")
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"receiver rank(s) {sorted(pending)} did not confirm within {self.spec.timeout_s}s")
-            if pending:
-                time.sleep(pause)
-                if time.monotonic() - start > 0.02:
-                    pause = min(pause * 2, 0.02)
+        would notice it), and so does one that reports a failure (:meth:`_await_confirmations`)."""
+        pids = self._group.pids
+
+        def gone(ranks: list[int]) -> str | None:
+            exited = [r for r in ranks if _process_gone(pids[r])]
+            return f"receiver rank(s) {exited} exited during the update" if exited else None
+
+        self._await_confirmations(seq, sorted(pids), gone)
 
     def _announce(self, layout: BucketLayout, version: int, seq: int) -> None:
         keys = self._group.keys
@@ -739,15 +730,41 @@ class TorchWeightPublisher(_TorchEnd):
 
     def _await_done(self, seq: int, layout: BucketLayout) -> None:
         keys = self._group.keys
-        done = [f"done/{seq}/{r}" for r in range(1, self.spec.world_size)]
+        ranks = list(range(1, self.spec.world_size))
         ready = []  # the shared-memory readers' per-bucket keys
         if self._group.shm_ranks:
             self._await_shared_readers(seq)
             ready = [f"ready/{seq}/{i}" for i in self._segment.ready_points(layout)]
-        if done:
-            keys.wait(done, self._group.timeout)
-        for key in [f"update/{seq}", *done, *ready]:
+        self._await_confirmations(seq, ranks)
+        for key in [f"update/{seq}", *[f"done/{seq}/{r}" for r in ranks], *ready]:
             keys.delete_key(key)
+
+    def _await_confirmations(self, seq: int, ranks: list[int],
+                             also: Callable[[list[int]], str | None] | None = None) -> None:  # fmt: skip
+        """Wait (up to ``timeout_s``) until each of ``ranks`` confirmed update ``seq``. A receiver
+        that reports a failure of its own (``failed/{seq}/{rank}``: its receive or its reload
+        raised) fails the update at once, with its message, instead of after the whole timeout;
+        ``also(pending)`` may name another reason to fail (a reader's process gone). Polls the
+        store 0.2 ms apart for the first 20 ms (a GPU update of a small model takes milliseconds),
+        then backs off to 20 ms apart."""
+        keys = self._group.keys
+        start = time.monotonic()
+        deadline, pause, pending = start + self.spec.timeout_s, 0.0002, list(ranks)
+        while pending:
+            pending = [r for r in pending if not keys.check([f"done/{seq}/{r}"])]
+            failed = [r for r in pending if keys.check([f"failed/{seq}/{r}"])]
+            if failed:
+                reasons = "; ".join(f"rank {r}: {keys.get(f'failed/{seq}/{r}').decode()}" for r in failed)
+                raise RuntimeError(f"receiver rank(s) {failed} failed the update ({reasons})")
+            why = also(pending) if also is not None and pending else None
+            if why:
+                raise RuntimeError(why)
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"receiver rank(s) {pending} did not confirm within {self.spec.timeout_s}s")
+            if pending:
+                time.sleep(pause)
+                if time.monotonic() - start > 0.02:
+                    pause = min(pause * 2, 0.02)
 
 
 class TorchWeightReceiver(_TorchEnd):

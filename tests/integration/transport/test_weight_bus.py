@@ -425,10 +425,13 @@ def test_a_streamed_receive_hands_over_every_tensor_and_a_failed_load_fails_the_
         assert publisher.publish(model_weights(version), version).num_buckets >= 5
         assert peers[0].reply() == ("ok", version, [])
 
-    # the loader fails on the first tensor: the update fails on both sides, naming the cause
+    # the loader fails on the first tensor: the update fails on both sides, naming the cause, and
+    # the publisher acts on the receiver's report at once instead of waiting out its timeout
     peers[0].send("stream and fail", REPLY_S)
+    start = time.monotonic()
     with pytest.raises(WeightSyncError) as failure:
         publisher.publish(model_weights(3), 3)
+    assert time.monotonic() - start < TIMEOUT_S / 2, (time.monotonic() - start, str(failure.value))
     assert failure.value.version == 3
     status, version, message = peers[0].reply()
     assert (status, version) == ("error", 3)
