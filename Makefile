@@ -127,7 +127,8 @@ bench-quick: install-bench tiny-model
 
 # `make chaos` runs 20 tiny-model runs that each lose a random actor at a random moment (every
 # third run two, in a row or at once), ended in a random way (ray.kill, ray.kill(no_restart=False),
-# SIGKILL or SIGTERM of its process), or (every fifth run) a whole node of a two-node cluster, and
+# SIGKILL or SIGTERM of its process) or, one time in three, frozen (SIGSTOP: the watchdog must find
+# it), or (every fifth run) a whole node of a two-node cluster, and
 # checks that every run finishes with consistent accounting (scripts/chaos.py; ~1-2 min a run
 # here, 26m41s for the 20 on 2026-12-01). CHAOS_RUNS / CHAOS_SEED change the count and the plans.
 CHAOS_RUNS ?= 20

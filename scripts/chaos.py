@@ -54,7 +54,10 @@ SLOTS = {"rollout_slot": 1, "pool_slot": 1}
 # an async step of the tiny job takes ~0.5 s here against ~4 s in sync mode: async runs get this
 # many times the steps, so that a kill lands while the run still needs the actor
 ASYNC_PACE = 4
-WAYS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM", "SIGSTOP")
+DEATHS = ("ray.kill", "ray.kill(no_restart=False)", "SIGKILL", "SIGTERM")
+FREEZES = ("SIGSTOP",)
+WAYS = DEATHS + FREEZES
+FREEZE_SHARE = 1 / 3  # of the kills: a freeze, else a death drawn from DEATHS
 # the watchdog's answer_s for every role in these runs (the defaults, 30-120 s, would make a freeze
 # cost minutes of a run of seconds): a frozen actor is killed this long after its last answer
 FREEZE_DEADLINE_S = 8
@@ -104,8 +107,8 @@ class Outcome:
 
 def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
     """Random plans: modes alternate, every fifth run loses a node, every third of the others
-    kills two actors (in a row and at the same moment by turns), each kill in a way drawn from
-    WAYS."""
+    kills two actors (in a row and at the same moment by turns), each kill a freeze or a death
+    (:func:`draw_way`)."""
     rng = random.Random(seed)
     plans = []
     for i in range(num_runs):
@@ -123,11 +126,16 @@ def make_plans(num_runs: int, seed: int, steps: int) -> list[Plan]:
         together = len(victims) == 2 and (i // 3) % 2 == 1
         gap = rng.randint(2, 3) * (ASYNC_PACE if mode == "async" else 1)
         lines = [first, first if together else first + gap][: len(victims)]
-        kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2), rng.choice(WAYS)) for v, line in zip(victims, lines)]
+        kills = [Kill(v, line, round(rng.uniform(0.0, 2.0), 2), draw_way(rng)) for v, line in zip(victims, lines)]
         if together:
             kills[0].with_next = True
         plans.append(Plan(name, mode, kills, steps=run_steps))
     return plans
+
+
+def draw_way(rng: random.Random) -> str:
+    """A freeze one time in three (FREEZE_SHARE), else a way of dying."""
+    return rng.choice(FREEZES) if rng.random() < FREEZE_SHARE else rng.choice(DEATHS)
 
 
 def overrides(plan: Plan, model: Path, steps: int) -> list[str]:
