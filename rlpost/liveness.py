@@ -107,7 +107,7 @@ def report() -> dict[str, Any]:
     return _WORK.report()
 
 
-ERROR_NAMESPACE = "rlpost-errors"  # Ray's key-value store: actor id -> the error its constructor raised
+ERROR_NAMESPACE = "rlpost-errors"  # in Ray's key-value store: actor id -> the error it recorded before it ended
 
 
 def rlpost_heartbeat(self) -> dict[str, Any]:

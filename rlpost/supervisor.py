@@ -46,6 +46,11 @@ The fleet's size changes too. Each role with slots (inference workers, env pools
 operator's ``rlpost scale`` (a request left in the run's ``control`` actor, taken at a health
 check) opens or closes slots: :meth:`Supervisor.resize`.
 
+An actor that is alive to Ray but answers nothing (stopped, on a frozen node, deadlocked) is
+killed by the run's watchdog (:mod:`rlpost.watchdog`, started by :meth:`Supervisor.watch`), and
+then recovered from as above: the supervisor only names the watchdog's verdict in its messages
+and counts it (``watchdog_kills``).
+
 A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
 so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
 Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
@@ -403,11 +408,7 @@ class ActorStarter:
 
     def remove_placement_groups(self) -> None:
         """Remove the run's placement group and every slot's own (a start that did not finish)."""
-        import ray
-
-        for group in [self.placement_group, *self.slot_groups.values()]:
-            if group is not None:
-                _quietly(functools.partial(ray.util.remove_placement_group, group))
+        _remove_groups([self.placement_group, *self.slot_groups.values()])
 
 
 def on_the_head():
@@ -439,7 +440,6 @@ def connect_bus(cfg: JobConfig, actors: RunActors, timeout_s: float) -> None:
 
 def stop_actors(actors: RunActors) -> None:
     """Stop collection, shut engines down, kill every actor (best effort, bounded)."""
-    import ray
 
     for pool in actors.env_pools:
         _quietly(functools.partial(pool.stop, timeout_s=30))
@@ -450,7 +450,14 @@ def stop_actors(actors: RunActors) -> None:
     for client in clients:
         if client is not None:
             client.kill()
-    for group in [actors.placement_group, *actors.slot_groups.values()]:
+    _remove_groups([actors.placement_group, *actors.slot_groups.values()])
+
+
+def _remove_groups(groups: list) -> None:
+    """Remove these placement groups (None: none), best effort."""
+    import ray
+
+    for group in groups:
         if group is not None:
             _quietly(functools.partial(ray.util.remove_placement_group, group))
 

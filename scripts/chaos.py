@@ -222,6 +222,26 @@ class Nodes:
         self.stack.enter_context(self.worker_node(self.head, num_cpus=0, resources=SLOTS, name="node3"))
 
 
+def start_nodes(stack: contextlib.ExitStack, out: Path, name: str) -> Nodes:
+    """A node plan's cluster, tried twice: a `ray start` of the second node has failed here on
+    its first RPC to the head's control store (a deadline exceeded while the machine was busy),
+    which is the test cluster's start, not the run under test."""
+    try:
+        attempt = contextlib.ExitStack()
+        nodes = Nodes(attempt, out)
+    except RuntimeError as exc:
+        attempt.close()
+        print(f"  {name}: the cluster did not start ({str(exc).splitlines()[0][:200]}); starting it again", flush=True)
+        attempt = contextlib.ExitStack()
+        try:
+            nodes = Nodes(attempt, out)
+        except BaseException:
+            attempt.close()
+            raise
+    stack.enter_context(attempt)
+    return nodes
+
+
 def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -> Outcome:
     """One run of ``plan`` (``plan.steps`` steps, else ``steps``): train in a subprocess, kill its
     actors (or its node), check what it wrote."""
@@ -237,8 +257,8 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     start = time.monotonic()
     with contextlib.ExitStack() as cluster, log_path.open("w") as log:
         try:
-            nodes = Nodes(cluster, out) if plan.rejoin_s is not None else None
-        except RuntimeError as exc:  # a node that did not start: this run fails, the others go on
+            nodes = start_nodes(cluster, out, plan.name) if plan.rejoin_s is not None else None
+        except RuntimeError as exc:  # a node that did not start twice: this run fails, the others go on
             return Outcome(plan, False, 0.0, [f"the cluster did not start: {str(exc)[:500]}"], [], [], {})
         if nodes is not None:
             cmd += ["--address", nodes.head.gcs_address]

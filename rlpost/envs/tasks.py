@@ -325,7 +325,15 @@ def fit_prompts(env: DatasetChatEnv, cfg: EnvSections, *, max_tokens: int | None
 
     max_tokens = cfg.rollout.max_tokens if max_tokens is None else max_tokens
     max_model_len = cfg.rollout.engine.max_model_len
-    fit = prompt_fit(env, max_model_len=max_model_len, max_tokens=max_tokens, rows=rows)
+    try:
+        fit = prompt_fit(env, max_model_len=max_model_len, max_tokens=max_tokens, rows=rows)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the tokenizer's chat template (jinja) or a row it cannot render
+        raise ConfigError(
+            f"the prompts of {what} cannot be rendered with the tokenizer's chat template "
+            f"({type(exc).__name__}: {exc}); check model.chat_template and data.prompt_column"
+        ) from exc
     if fit is None or not fit.too_long:
         return fit
     total = len(fit.kept) + len(fit.too_long)

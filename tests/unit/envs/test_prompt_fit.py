@@ -108,3 +108,13 @@ def test_the_run_refuses_an_engine_longer_than_the_models_context(tiny_model_pat
     with pytest.raises(ConfigError, match="max_model_len=4096 is beyond the context of model.name_or_path"):
         check_data(cfg)
     check_data(load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}"]))  # the demo fits
+
+
+def test_a_template_that_cannot_render_the_prompts_is_a_config_error(tiny_tokenizer):
+    import copy
+
+    tokenizer = copy.copy(tiny_tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('this template needs a tools list') }}"
+    with pytest.raises(ConfigError, match=r"cannot be rendered with the tokenizer's chat template .*tools list.*"
+                                          r"check model.chat_template"):  # fmt: skip
+        fit_prompts(env_of(tokenizer), job())
