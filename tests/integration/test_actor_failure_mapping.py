@@ -298,13 +298,13 @@ def test_an_env_pool_whose_constructor_raises_names_the_error(ray_cluster, tiny_
     from rlpost.config import load_config
 
     cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}", "data.task=custom",
-                                                "data.dataset=elsewhere/rows.jsonl", "data.reward_fn=x:y"])  # fmt: skip
+                                                "data.dataset=./elsewhere/rows.jsonl", "data.reward_fn=x:y"])  # fmt: skip
     settings = EnvPoolSettings.from_job(cfg)
     pool = EnvPoolClient("env-pool-0", start_env_pool(settings, 0, None, None, namespace="rlpost-ctor", num_cpus=0))
     with pytest.raises(ActorLost) as lost:
         pool.wait(1.0)
-    # datasets' own error (not found here, it asks the hub for a dataset of that name), as the pool raised it
-    assert str(lost.value).startswith("env-pool-0 died during wait: its constructor raised ConnectionError: ")
+    # the pool's process aborts (SIGABRT) after its creation task failed: the cause is the one it recorded
+    assert str(lost.value).startswith("env-pool-0 died during wait: its constructor raised FileNotFoundError: ")
     assert "elsewhere/rows.jsonl" in str(lost.value)
 
 
