@@ -782,7 +782,8 @@ class WatchdogConfig(_Section):
     interval_s: float = Field(2.0, gt=0, description="Seconds between two heartbeats of an actor.")
     inference: RoleDeadlines = Field(
         default_factory=lambda: RoleDeadlines(answer_s=30.0, progress_s=300.0),
-        description="Each inference worker: its work is its engine's steps (generate, score) and weight loads.",
+        description="Each inference worker: its work is its engine's steps in a generate call, and each scoring "
+        "call (a weight update waits on the learner, bounded by weight_sync.timeout_s).",
     )
     env_pool: RoleDeadlines = Field(
         default_factory=lambda: RoleDeadlines(answer_s=30.0),
