@@ -1,60 +1,63 @@
-"""Render BENCHMARKS.md (tables + plots) from bench/results/*.json.
+"""Render the benchmark pages from bench/results/*.json.
 
     python -m bench.report [--quick]      (also run at the end of `python -m bench`)
 
-Plots go next to the JSON files (bench/results/*.png). The written analysis (what limits rlpost
-here, what changes on a GPU cluster, profiles and fixes) is kept by hand in bench/analysis.md and
-appended as it is. Quick mode renders bench/results/quick/BENCHMARKS.md from the smoke-test
-results and never touches the real report.
+It writes two pages:
+
+- BENCHMARKS.md, the results page: for each benchmark one table of its current figures, each row
+  with the machine, the date (UTC) and the commit of the run it comes from (every results file
+  records them; a file that does not shows "not recorded"), a line on what the figures mean and
+  whether the target is met, and links to the benchmark's full tables and to its sections of
+  bench/analysis.md; then the GPU checks kept in bench/results/gpu/;
+- bench/tables.md: every case of every results file, its repeats, notes and plots (next to the
+  JSON files, bench/results/*.png), under the same section numbers.
+
+The history and the analysis (what limits rlpost here, what changed and by how much) are kept by
+hand in bench/analysis.md; the renderer only links to its sections and never copies them. Quick
+mode renders bench/results/quick/BENCHMARKS.md and tables.md from the smoke-test results and
+never touches the real pages.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, results_dir
 
 ANALYSIS = REPO / "bench" / "analysis.md"
+TABLES = REPO / "bench" / "tables.md"
+NOT_RECORDED = "not recorded"
 
 
-def render(quick: bool = False, results: Path | None = None, out: Path | None = None) -> Path:
-    """Write the report for the JSON files in ``results``; returns its path."""
+def render(
+    quick: bool = False,
+    results: Path | None = None,
+    out: Path | None = None,
+    tables: Path | None = None,
+    analysis: Path | None = None,
+) -> Path:
+    """Write the results page and the full tables for the JSON files in ``results``; returns the
+    results page's path.
+
+    ``out`` defaults to BENCHMARKS.md (quick mode: ``results``/BENCHMARKS.md); ``tables`` to
+    bench/tables.md (quick mode: ``results``/tables.md) when ``out`` is the default, else to
+    tables.md beside ``out``. ``analysis`` is the hand-kept page the results page links to.
+    """
     results = results or results_dir(quick)
-    out = out or (results / "BENCHMARKS.md" if quick else REPO / "BENCHMARKS.md")
+    if out is None:
+        out = results / "BENCHMARKS.md" if quick else REPO / "BENCHMARKS.md"
+        tables = tables or (results / "tables.md" if quick else TABLES)
+    tables = tables or out.with_name("tables.md")
+    analysis = analysis or ANALYSIS
     data = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
-    parts = [_header(data, quick)]
-    for name, section in (
-        ("rollout", _rollout),
-        ("e2e", _e2e),
-        ("weight_sync", _weight_sync),
-        ("buffer", _buffer),
-        ("scaling", _scaling),
-        ("sandbox", _sandbox),
-        ("grpo_by_hand", _grpo_by_hand),
-        ("grpo_async", _grpo_async),
-        ("learner_group", _learner_group),
-        ("lora", _lora),
-        ("profile_reload", _profile_reload),
-        ("sync_route", _sync_route),
-        ("scoring", _scoring),
-        ("race_genheavy", lambda d, r, b: _e2e(d, r, b, "race_genheavy")),
-        ("race_lora", lambda d, r, b: _e2e(d, r, b, "race_lora")),
-        ("profile_engine", _profile_engine),
-        ("reasoning_gym", _reasoning_gym),
-    ):
-        if name in data:
-            parts.append(section(data[name], results, out.parent))
-        else:
-            parts.append(f"## {TITLES[name]}\n\nNot measured yet (`python -m bench {name}`).\n")
-    profiles = [k for k in data if k.startswith("profile_step_")]
-    if profiles:
-        parts.append(_profiles({k: data[k] for k in profiles}))
-    if ANALYSIS.is_file() and not quick:
-        parts.append(ANALYSIS.read_text())
-    out.write_text("\n".join(parts))
+    tables.write_text(_tables_page(data, results, tables, out, analysis, quick))
+    out.write_text(_results_page(data, results, out, tables, analysis, quick))
     return out
 
 
@@ -66,32 +69,578 @@ TITLES = {
     "scaling": "5. Scaling: inference workers and env pools on 2 CPU cores",
     "sandbox": "6. Tool sandbox: the namespace boundary's cost per call",
     "grpo_by_hand": "7. GRPO by hand: the loop composed from the public pieces learns",
-    "grpo_async": "15. TorchRL's async GRPO script, ported by its imports, learns",
     "learner_group": "8. Learner group: 1 and 2 sharded ranks (FSDP2 over gloo)",
     "lora": "9. LoRA against full fine-tuning: weight sync, learner step, learner state",
     "profile_reload": "10. Weight reload: where vLLM's CPU reload of the 0.5B-shaped model spends its time, "
     "and rlpost's direct reload",
-    "profile_engine": "14. The engine's generate call on the tiny race's workload: where vLLM's CPU engine spends "
-    "it, against transformers' generate",
     "sync_route": "11. Weight sync with the engine's reload: gloo collectives against same-node shared memory",
-    "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "race_genheavy": "12. The race on a generation-heavy workload (128-token completions): rlpost against TRL",
     "race_lora": "13. The race with LoRA on both sides (the 0.5B-shaped model, rank 16): rlpost against TRL",
+    "profile_engine": "14. The engine's generate call on the tiny race's workload: where vLLM's CPU engine spends "
+    "it, against transformers' generate",
+    "grpo_async": "15. TorchRL's async GRPO script, ported by its imports, learns",
+    "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "reasoning_gym": "17. reasoning-gym: which of the package's tasks the tiny model learns with GRPO",
 }
 
 
-def _header(data: dict[str, dict], quick: bool) -> str:
+# ------------------------------------------------------------------------------ the results page
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of a benchmark's results table: a headline figure of a results file."""
+
+    key: str  # a key of the file's "ratios", or the start of one (the first key that starts so is shown)
+    target: str = ""  # "OP VALUE" with OP one of >=, <=, >, <; empty: no target
+    source: str = ""  # another results file (its stem): a partial re-run, shown while newer than the benchmark's own
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the results page shows of one benchmark."""
+
+    figures: tuple[Figure, ...]
+    means: str  # what the figures measure and how to read them, in one sentence without figures
+    analysis: tuple[str, ...] = ()  # headings of bench/analysis.md on this benchmark, oldest first
+
+
+# the analysis's sections (headings of bench/analysis.md), named once for the summaries below
+A_MEASURED = "How and when it was measured (the sessions of 2026-11-23)"
+A_FLOPS = "The race against TRL where FLOPs are equal (2026-11-25, evening)"
+A_NEXT = "The race, next session (2026-11-26, AMD EPYC): the first step, huge pages, the probe"
+A_DIRECT = "The race, 2026-11-26 (later, Intel Xeon): the direct CPU reload, syncs overlapping training"
+A_STREAM = (
+    "The race, 2026-11-26 (afternoon, Intel Xeon): the generation-heavy race's second repeat; "
+    "streaming the reload, reverted"
+)
+A_STARTUP = "The race, 2026-11-26 (evening, Intel Xeon): one-time work at start-up; the 0.5B-shaped race at 0.97x"
+A_MERGED = (
+    "The race, 2026-11-27 (AMD EPYC): LoRA sends CPU engines the merged projections; "
+    "in-flight updates receive while generating"
+)
+A_GAP = (
+    "The tiny race's gap, named (2026-11-27, later, AMD EPYC): vLLM's CPU engine costs 2.1x "
+    "transformers' generate per call on this model"
+)
+A_LAYOUT = (
+    "Half the gap was the engine's process layout (2026-11-27, evening, AMD EPYC): the engine now runs "
+    "in the inference worker's process on CPU"
+)
+A_COMPILED = "The collect path's own Python, and vLLM's compiled CPU engine (2026-11-27, night, AMD EPYC)"
+A_LORA_AGAIN = (
+    "The LoRA race again, on the engine-in-process layout and the first-step window (2026-11-27, evening, AMD EPYC)"
+)
+A_CUDA_IPC = "Same-node weight sync on a GPU: CUDA IPC (2026-11-27, one NVIDIA H200 lent for 15 minutes)"
+A_PUBLIC = "The race on the public pieces (2026-11-28, Intel Xeon)"
+A_ITEM6 = "Item 6: where rlpost was behind, why, and what changed (before / after)"
+A_3X = 'Is "rlpost async >= 3x TRL on the 0.5B-shaped model" reachable here? No, and why'
+A_SCALING = "Scaling on this machine (item 5), and what changes on a GPU cluster"
+A_SMALLER = "Smaller findings"
+A_GPU_SCORING = (
+    "Scoring for training on a GPU: chunked, packed, the auto budget (2026-11-28, one NVIDIA H200 lent for 15 minutes)"
+)
+A_GENHEAVY = "The generation-heavy race with the default token budget (2026-11-28, evening, Intel Xeon)"
+A_REASONING = "reasoning-gym on the tiny model (2026-12-02, Intel Xeon)"
+A_RESTRUCTURE = "The tiny race before and after the package's restructuring (2026-12-02, fifth session, Intel Xeon)"
+
+RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
+
+SUMMARIES: dict[str, Summary] = {
+    "rollout": Summary(
+        (
+            Figure("rlpost rollout path / direct vllm.LLM.generate, tokens/s", ">= 0.95"),
+            Figure("the same, median of the per-repeat (paired) ratios", ">= 0.95"),
+            Figure("vLLMWrapper in-process / direct, tokens/s"),
+        ),
+        "Tokens/s of the path an env pool uses (wrapper, client, inference actor) over vLLM's own "
+        "`LLM.generate` on the same engine settings: 1.0 means the path adds nothing.",
+        (A_ITEM6, A_SMALLER),
+    ),
+    "e2e": Summary(
+        (
+            Figure("tiny: rlpost sync / TRL, samples_per_s", RACE_TARGET),
+            Figure("tiny: rlpost async / TRL, samples_per_s", RACE_TARGET),
+            Figure("qwen05b: rlpost sync / TRL, samples_per_s", RACE_TARGET),
+            Figure("qwen05b: rlpost async / TRL, samples_per_s", RACE_TARGET),
+            Figure("tiny: rlpost sync / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_house"),
+            Figure("tiny: rlpost async / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_house"),
+        ),
+        "rlpost's samples/s over TRL's GRPOTrainer on the same model, workload and 2 CPU cores, so the same "
+        "FLOPs: 1.0 is parity, above it rlpost is faster; a row naming another results file is a later "
+        "run of that workload alone.",
+        (
+            A_MEASURED,
+            A_FLOPS,
+            A_NEXT,
+            A_DIRECT,
+            A_STARTUP,
+            A_GAP,
+            A_LAYOUT,
+            A_COMPILED,
+            A_PUBLIC,
+            A_ITEM6,
+            A_3X,
+            A_SMALLER,
+            A_RESTRUCTURE,
+        ),  # fmt: skip
+    ),
+    "weight_sync": Summary(
+        (
+            Figure("1 receiver(s), shm: best GB/s / floor GB/s", ">= 0.5"),
+            Figure("1 receiver(s), shm: best publish seconds"),
+            Figure("1 receiver(s), bus: best GB/s / floor GB/s"),
+            Figure("1 receiver(s), bus: best publish seconds"),
+            Figure("2 receiver(s), shm: best GB/s / floor GB/s", ">= 0.5"),
+        ),
+        "A publish and receive of the 0.5B-shaped model (2.52 GB) as a share of a plain in-memory copy's "
+        "GB/s (1.0 is the copy's speed), and its seconds: shared memory is the same-node route, the gloo "
+        "bus the fallback.",
+        (A_SMALLER, A_CUDA_IPC),
+    ),
+    "buffer": Summary(
+        (
+            Figure("rlpost sync: buffer throughput / collector rate"),
+            Figure("rlpost sync: buffer share of step time", "< 0.02"),
+            Figure("rlpost async: buffer throughput / collector rate"),
+            Figure("rlpost async: buffer share of step time", "< 0.02"),
+        ),
+        "The buffer actor's groups/s over the rate the collectors produce them (above 1.0 it is never the "
+        "bottleneck), and its share of a training step's time.",
+    ),
+    "scaling": Summary(
+        (
+            Figure("async, 2 workers, 1 pool / async, 1 worker, 1 pool, samples_per_s"),
+            Figure("async, 1 worker, 2 pools / async, 1 worker, 1 pool, samples_per_s"),
+            Figure("async, 2 workers, 2 pools / async, 1 worker, 1 pool, samples_per_s"),
+        ),
+        "Samples/s of each async layout over one inference worker and one env pool on the same 2 cores: "
+        "above 1.0 the extra worker or pool helps.",
+        (A_ITEM6, A_SCALING),
+    ),
+    "sandbox": Summary(
+        (Figure("bwrap overhead over guard (ms/call)"), Figure("bwrap / guard")),
+        "What bubblewrap's namespaces add to one Python tool call over the in-process guard alone.",
+    ),
+    "grpo_by_hand": Summary(
+        (Figure("reward last / first"), Figure("reward gain (last - first)"), Figure("repeats that gained")),
+        "Learning, not speed: the training reward of the last steps over the first in one run of "
+        "examples/grpo_by_hand.py (above 1.0 it learned), and in how many seeds it rose.",
+        (A_NEXT,),
+    ),
+    "learner_group": Summary(
+        (
+            Figure("tiny: step time, 2 ranks / 1 rank"),
+            Figure("qwen05b: step time, 2 ranks / 1 rank"),
+            Figure("qwen05b: state bytes per rank, 2 ranks / 1 rank", "<= 0.6"),
+            Figure("qwen05b: peak RSS per rank, 2 ranks / 1 rank", "<= 0.6"),
+        ),
+        "Two FSDP2 ranks over one on the same 2 cores: the step time (above 1.0 slower: CPU ranks add no "
+        "compute) and each rank's state bytes and peak memory (below 1.0 the sharding saves memory).",
+        (A_FLOPS, A_SMALLER),
+    ),
+    "lora": Summary(
+        (
+            Figure("qwen05b: weight_sync_s, LoRA / full"),
+            Figure("qwen05b: bytes per sync, LoRA / full"),
+            Figure("qwen05b: learner step time, LoRA / full"),
+            Figure("qwen05b: learner state bytes, LoRA / full"),
+            Figure("qwen05b: weight_sync_s, reload overlapping the transfer / after it"),
+        ),
+        "A rank-16 LoRA adapter over full fine-tuning of the 0.5B-shaped model (below 1.0 LoRA costs less), "
+        "and a full sync whose reload overlaps the transfer over one that reloads after it.",
+        (A_MERGED, A_SMALLER),
+    ),
+    "profile_reload": Summary(
+        (
+            Figure("reload_weights / copy floor (time)"),
+            Figure("direct reload / copy floor (time)"),
+            Figure("reload_weights / direct reload (time)"),
+        ),
+        "The time of vLLM's CPU `reload_weights` and of rlpost's direct reload of the 0.5B-shaped model "
+        "over a plain copy of the same bytes (1.0 is the copy's time).",
+        (A_NEXT, A_DIRECT, A_SMALLER),
+    ),
+    "sync_route": Summary(
+        (
+            Figure("steady weight_sync_s, shm / bus"),
+            Figure("steady weight_sync_s, shm (s)"),
+            Figure("steady weight_sync_s, bus (s)"),
+        ),
+        "A whole weight sync of the 0.5B-shaped model, the engine's reload included, through shared memory "
+        "over the gloo bus (below 1.0 shared memory is faster), and both in seconds.",
+        (A_NEXT, A_DIRECT, A_STREAM, A_SMALLER),
+    ),
+    "race_genheavy": Summary(
+        (
+            Figure("genheavy: rlpost sync / TRL, samples_per_s", RACE_TARGET),
+            Figure("genheavy: rlpost async / TRL, samples_per_s", RACE_TARGET),
+        ),
+        "As section 2, on 128-token completions of an 8-layer 0.5B-shaped model, where generation "
+        "dominates the step: 1.0 is parity with TRL.",
+        (A_FLOPS, A_STREAM, A_SMALLER, A_GENHEAVY),
+    ),
+    "race_lora": Summary(
+        (
+            Figure("qwen05b_lora: rlpost sync / TRL, samples_per_s", RACE_TARGET),
+            Figure("qwen05b_lora: rlpost sync (LoRA adapter) / TRL, samples_per_s", RACE_TARGET),
+            Figure("qwen05b_lora: rlpost async / TRL, samples_per_s", RACE_TARGET),
+        ),
+        "As section 2, with a rank-16 LoRA adapter on both sides of the 0.5B-shaped model ('LoRA adapter': "
+        "rlpost syncs the adapter instead of the merged projections): 1.0 is parity with TRL.",
+        (A_FLOPS, A_NEXT, A_DIRECT, A_STARTUP, A_MERGED, A_LORA_AGAIN),
+    ),
+    "profile_engine": Summary(
+        (
+            Figure("vllm engine (in process, 1 thread(s)) / transformers generate, s per call"),
+            Figure("vllm engine (in process, 2 thread(s)) / transformers generate, s per call"),
+            Figure("vllm engine (in its own processes, 1 thread(s)) / transformers generate, s per call"),
+            Figure("vllm engine (in its own processes, 2 thread(s)) / transformers generate, s per call"),
+        ),
+        "Seconds per generate call of vLLM's CPU engine over transformers' `generate` on the tiny race's "
+        "workload: above 1.0 vLLM is slower.",
+        (A_GAP, A_LAYOUT, A_COMPILED),
+    ),
+    "grpo_async": Summary(
+        (Figure("reward last / first"), Figure("reward gain (last - first)"), Figure("repeats that gained")),
+        "Learning, not speed: the reward of the batches sampled in the last steps over the first in one run "
+        "of examples/grpo_async.py (TorchRL's script on rlpost's imports; above 1.0 it learned), and in "
+        "how many seeds it rose.",
+    ),
+    "scoring": Summary(
+        (
+            Figure("4096 tokens: peak extra memory chunked / dense"),
+            Figure("4096 tokens: time chunked / dense"),
+            Figure("peak memory per token chunked / dense"),
+            Figure("skewed batch: tokens/s packed / padded"),
+        ),
+        "Chunked scoring through the LM head over the dense logits (peak memory and time: below 1.0 chunked "
+        "costs less) and packed rows over padded ones (tokens/s: above 1.0 packing is faster), 0.5B-shaped "
+        "model on CPU.",
+        (A_GPU_SCORING,),
+    ),
+    "reasoning_gym": Summary(
+        (
+            Figure("tasks that learn"),
+            Figure("eval reward, all tasks, after - before"),
+            Figure("train reward, all tasks, last - first"),
+        ),
+        "Which reasoning-gym tasks the tiny model learns in one GRPO run, judged by its held-out greedy eval "
+        "reward; one sampled run, not a ratio.",
+        (A_REASONING,),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GpuFigure:
+    """One figure of a GPU check's output in bench/results/gpu/."""
+
+    file: str  # the file's stem
+    path: str  # dotted path to the value in the file
+    label: str
+
+
+GPU_FIGURES = (
+    GpuFigure(
+        "check_chunked_scoring_h200",
+        "memory_32768.peak_chunked_over_dense",
+        "scoring one 32,768-token row: peak memory chunked / dense",
+    ),
+    GpuFigure(
+        "check_chunked_scoring_h200", "memory_32768.time_chunked_over_dense", "the same row: time chunked / dense"
+    ),
+    GpuFigure(
+        "check_chunked_scoring_h200",
+        "packed_skewed.packed_over_padded",
+        "8 rows of 2,048 and 256 tokens: tokens/s packed / padded",
+    ),
+    GpuFigure(
+        "check_nccl_bus_h200_ipc",
+        "checks.ipc_bandwidth_qwen05b-fp32.best_view_share_of_floor",
+        "CUDA IPC publish + receive, 0.5B-shaped fp32 (2.52 GB): best share of a device copy's speed",
+    ),
+    GpuFigure(
+        "check_nccl_bus_h200_ipc",
+        "checks.ipc_bandwidth_qwen7b-bf16.best_view_share_of_floor",
+        "CUDA IPC publish + receive, 7B-shaped bf16 (15.2 GB): best share of a device copy's speed",
+    ),
+)
+# The GPU checks' files record neither date nor commit: the dates are those of their sections in
+# bench/analysis.md (A_CUDA_IPC, A_GPU_SCORING), by the start of the file's name.
+GPU_DATES = {"check_nccl_bus": "2026-11-27", "check_chunked_scoring": "2026-11-28"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a results table, with the run it comes from."""
+
+    label: str
+    value: Any
+    target: str
+    met: bool | None
+    machine: str
+    date: str
+    commit: str
+
+    def line(self) -> str:
+        """The row in GitHub markdown."""
+        target = f"{self.target}: {'met' if self.met else 'not met'}" if self.met is not None else self.target or "-"
+        return f"| {self.label} | {_fmt(self.value)} | {target} | {self.machine} | {self.date} | {self.commit} |"
+
+
+TABLE_HEAD = ["| figure | value | target | machine | date (UTC) | commit |", "| --- | --- | --- | --- | --- | --- |"]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _headings(path: Path) -> set[str]:
+    """The headings of a markdown file, of any level, as written (empty if the file is missing)."""
+    if not path.is_file():
+        return set()
+    return {m.group(1).strip() for m in re.finditer(r"^#{1,6} (.+)$", path.read_text(), re.MULTILINE)}
+
+
+def _link(target: Path, page: Path) -> str:
+    """The relative link from ``page`` to ``target``."""
+    return Path(os.path.relpath(target, page.parent)).as_posix()
+
+
+def _meets(value: Any, target: str) -> bool | None:
+    """Whether ``value`` meets ``target`` ("OP VALUE"); None without a target or a numeric value."""
+    match = re.fullmatch(r"\s*(>=|<=|>|<)\s*([-+0-9.e]+)\s*", target)
+    if not match or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    op, bound = match.group(1), float(match.group(2))
+    return {">=": value >= bound, "<=": value <= bound, ">": value > bound, "<": value < bound}[op]
+
+
+def _machine(d: dict) -> str:
+    """The machine a results file ran on: its CPU count and model, or "not recorded"."""
+    m = d.get("machine") or {}
+    if not m.get("cpu_model") and not m.get("cpu_count"):
+        return NOT_RECORDED
+    return f"{m.get('cpu_count') or '?'} CPU cores, {m.get('cpu_model') or 'CPU model not recorded'}"
+
+
+def _run_columns(d: dict) -> tuple[str, str, str]:
+    """Machine, date (UTC) and commit of a results file; "not recorded" for each it lacks."""
+    started = d.get("started_utc")
+    commit = (d.get("machine") or {}).get("git_commit")
+    return _machine(d), started[:10] if started else NOT_RECORDED, commit or NOT_RECORDED
+
+
+def _rows(name: str, spec: Summary, data: dict[str, dict]) -> list[Row]:
+    """The rows of one benchmark's results table: its figures found in the results files, else
+    every headline of its own file (a file whose headlines are named otherwise, e.g. quick mode)."""
+    rows = []
+    own_start = data[name].get("started_utc") or ""
+    for figure in spec.figures:
+        d = data.get(figure.source or name)
+        key = next((k for k in (d or {}).get("ratios", {}) if k.startswith(figure.key)), None)
+        if d is None or key is None:
+            continue
+        if figure.source and (d.get("started_utc") or "") <= own_start:
+            continue  # a partial re-run that the benchmark's own run has since replaced
+        value = d["ratios"][key]
+        label = f"{key} (`{figure.source}.json`)" if figure.source else key
+        rows.append(Row(label, value, figure.target, _meets(value, figure.target), *_run_columns(d)))
+    if not rows:
+        d = data[name]
+        rows = [Row(key, value, "", None, *_run_columns(d)) for key, value in d.get("ratios", {}).items()]
+    return rows
+
+
+def _verdict(rows: list[Row]) -> str:
+    """Whether the rows that have a target meet it, in one sentence."""
+    judged = [r for r in rows if r.met is not None]
+    if not judged:
+        return "No target is set for these figures."
+    missed = [r for r in judged if not r.met]
+    if not missed:
+        return {1: "Target met.", 2: "Target met by both figures that have one."}.get(
+            len(judged), f"Target met by all {len(judged)} figures that have one."
+        )
+    detail = "; ".join(f"{r.label} ({_fmt(r.value)}, target {r.target})" for r in missed)
+    if len(judged) == 1:
+        return f"Target not met: {detail}."
+    return f"Target not met by {len(missed)} of the {len(judged)} figures that have one: {detail}."
+
+
+def _summary(name: str, data: dict[str, dict], out: Path, tables: Path, analysis: Path, headings: set[str]) -> str:
+    """One benchmark's section of the results page: its table, what it means, its links."""
+    title, spec = TITLES[name], SUMMARIES[name]
+    lines = [f"## {title}", ""]
+    if name not in data:
+        return "\n".join([*lines, f"Not measured yet (`python -m bench {name}`).", ""])
+    rows = _rows(name, spec, data)
+    if rows:
+        lines += [*TABLE_HEAD, *(r.line() for r in rows), "", f"{spec.means} {_verdict(rows)}", ""]
+    else:
+        lines += [f"Its results file holds no headline figure. {spec.means}", ""]
+    number = title.split(".")[0]
+    links = [
+        f"Every case, repeat and note: [bench/tables.md, section {number}]({_link(tables, out)}#{_anchor(title)})."
+    ]
+    links += _analysis_links(spec.analysis, analysis, out, headings)
+    return "\n".join([*lines, " ".join(links), ""])
+
+
+def _analysis_links(wanted: tuple[str, ...], analysis: Path, out: Path, headings: set[str]) -> list[str]:
+    """The sentence linking ``out`` to the sections of ``analysis`` named in ``wanted`` that exist
+    (none: no sentence)."""
+    written = [h for h in wanted if h in headings]
+    if not written:
+        return []
+    target = _link(analysis, out)
+    return ["History and analysis: " + "; ".join(f"[{h}]({target}#{_anchor(h)})" for h in written) + "."]
+
+
+def _dotted(d: Any, path: str) -> Any:
+    """The value at a dotted path of nested dicts, or None."""
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _oks(d: Any) -> list[bool]:
+    """Every "ok" flag in a GPU check's nested output."""
+    if isinstance(d, dict):
+        return [v for k, v in d.items() if k == "ok" and isinstance(v, bool)] + [
+            ok for v in d.values() for ok in _oks(v)
+        ]
+    if isinstance(d, list):
+        return [ok for v in d for ok in _oks(v)]
+    return []
+
+
+def _gpu_checks(gpu: Path, out: Path, analysis: Path, headings: set[str]) -> str:
+    """The results page's section on the GPU checks' outputs in ``gpu`` (empty if there are none)."""
+    files = {p.stem: json.loads(p.read_text()) for p in sorted(gpu.glob("*.json"))} if gpu.is_dir() else {}
+    if not files:
+        return ""
+    rows = []
+    for stem, d in files.items():
+        device = d.get("device") or ", ".join(d.get("gpus") or []) or NOT_RECORDED
+        machine = f"{device}, torch {d['torch']}" if d.get("torch") and device != NOT_RECORDED else device
+        date = next((f"{v} (bench/analysis.md)" for k, v in GPU_DATES.items() if stem.startswith(k)), NOT_RECORDED)
+        oks = _oks(d)
+        passed = f"{sum(oks)} of {len(oks)}" if oks else NOT_RECORDED
+        rows.append(Row(f"checks passed (`{stem}.json`)", passed, "", None, machine, date, NOT_RECORDED))
+        for figure in (f for f in GPU_FIGURES if f.file == stem):
+            value = _dotted(d, figure.path)
+            if value is not None:
+                rows.append(Row(figure.label, value, "", None, machine, date, NOT_RECORDED))
+    lines = [
+        "## GPU checks (run by hand on a lent GPU, not part of `make bench`)",
+        "",
+        *TABLE_HEAD,
+        *(r.line() for r in rows),
+        "",
+        "`scripts/check_nccl_bus.py` and `scripts/check_chunked_scoring_gpu.py`: correctness first (a check "
+        "passes or not), then CUDA IPC's publish speed as a share of a device-to-device copy (1.0 is the "
+        "copy's speed) and chunked / dense, packed / padded scoring as in section 16. No target is set for "
+        "these figures. The files record neither date nor commit; the dates are those of their sections in "
+        "bench/analysis.md.",
+        "",
+    ]
+    links = [
+        f"Raw output: [bench/results/gpu/]({_link(gpu, out)}/).",
+        *_analysis_links((A_CUDA_IPC, A_GPU_SCORING), analysis, out, headings),
+    ]
+    return "\n".join([*lines, " ".join(links), ""])
+
+
+def _results_page(data: dict[str, dict], results: Path, out: Path, tables: Path, analysis: Path, quick: bool) -> str:
+    """BENCHMARKS.md: the intro, one section per benchmark in the order of their numbers, the GPU checks."""
+    headings = _headings(analysis)
+    intro = [
+        "# rlpost benchmarks" + (" (QUICK MODE: smoke-test sizes, not measurements)" if quick else ""),
+        "",
+        "The current figures of rlpost's benchmarks: one table per benchmark, each row with the machine, the date "
+        "(UTC) and the commit of the run it comes from, then a line on what the figures mean and whether the "
+        "target is met. Most figures are ratios against a baseline measured in the same run, medians of its "
+        "repeats. Runs happen on machines of the same size but not always the same CPU (the machine column): "
+        "compare figures within one run, not across runs.",
+        "",
+        "- `make bench` runs the default benchmarks (about 65 minutes on 2 CPU cores; it installs the bench "
+        'extra, TRL included) and renders this page; `make bench BENCH="weight_sync buffer"` runs the '
+        "benchmarks named, `make bench BENCH=--all` adds the long races (about 2 hours in all).",
+        "- `make bench-quick` (or `make bench-quick BENCH=NAME`) is a smoke test at tiny sizes; its results go "
+        "to `bench/results/quick/` and are not measurements.",
+        "- `python -m bench --report` only renders the pages again from `bench/results/*.json`.",
+        "",
+        f"This page and [bench/tables.md]({_link(tables, out)}) (every case, its repeats, notes and plots) are "
+        f"rendered by `bench/report.py`; [bench/analysis.md]({_link(analysis, out)}) is the history and the "
+        "analysis, written by hand: how the runs were made, what limits rlpost on this machine, what changed "
+        "and by how much.",
+        "",
+    ]
+    names = sorted(TITLES, key=lambda n: int(TITLES[n].split(".")[0]))
+    parts = ["\n".join(intro)]
+    parts += [_summary(name, data, out, tables, analysis, headings) for name in names]
+    gpu = _gpu_checks(results / "gpu", out, analysis, headings)
+    if gpu:
+        parts.append(gpu)
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------- the full tables
+
+
+def _tables_page(data: dict[str, dict], results: Path, tables: Path, out: Path, analysis: Path, quick: bool) -> str:
+    """bench/tables.md: the runs, then every benchmark's full section in the order of their numbers."""
+    sections = {
+        "rollout": _rollout,
+        "e2e": _e2e,
+        "weight_sync": _weight_sync,
+        "buffer": _buffer,
+        "scaling": _scaling,
+        "sandbox": _sandbox,
+        "grpo_by_hand": _grpo_by_hand,
+        "learner_group": _learner_group,
+        "lora": _lora,
+        "profile_reload": _profile_reload,
+        "sync_route": _sync_route,
+        "race_genheavy": lambda d, r, b: _e2e(d, r, b, "race_genheavy"),
+        "race_lora": lambda d, r, b: _e2e(d, r, b, "race_lora"),
+        "profile_engine": _profile_engine,
+        "grpo_async": _grpo_async,
+        "scoring": _scoring,
+        "reasoning_gym": _reasoning_gym,
+    }
+    parts = [_header(data, quick, tables, out, analysis)]
+    for name in sorted(sections, key=lambda n: int(TITLES[n].split(".")[0])):
+        if name in data:
+            parts.append(sections[name](data[name], results, tables.parent))
+        else:
+            parts.append(f"## {TITLES[name]}\n\nNot measured yet (`python -m bench {name}`).\n")
+    profiles = [k for k in data if k.startswith("profile_step_")]
+    if profiles:
+        parts.append(_profiles({k: data[k] for k in profiles}))
+    return "\n".join(parts)
+
+
+def _header(data: dict[str, dict], quick: bool, tables: Path, out: Path, analysis: Path) -> str:
     newest = max(data.values(), key=lambda d: d.get("started_utc") or "", default={})
     machine = newest.get("machine", {})
     lines = [
-        "# rlpost benchmarks" + (" (QUICK MODE: smoke-test sizes, not measurements)" if quick else ""),
+        "# rlpost benchmarks: the full tables" + (" (QUICK MODE: smoke-test sizes, not measurements)" if quick else ""),
+        "",
+        f"Every case of every results file, with its repeats and notes. The current figures, one table per "
+        f"benchmark, are in [BENCHMARKS.md]({_link(out, tables)}); the history and the analysis in "
+        f"[bench/analysis.md]({_link(analysis, tables)}). Both pages are rendered by `bench/report.py`.",
         "",
         "Every figure is a ratio against a baseline run in the same process or session, and every",
         "time the median of at least 3 repeats (raw repeats in `bench/results/<name>.json`). Reproduce",
         "with `make bench` (installs the bench extra: TRL; ~65 min), the long races too with",
         "`make bench BENCH=--all` (~2 h), one benchmark with `python -m bench NAME`, a smoke test with",
-        "`python -m bench --quick NAME`; this file is rendered by `bench/report.py`.",
+        "`python -m bench --quick NAME`.",
         "",
         "Sessions run on machines of the same size but not always the same CPU (the table's last column):",
         "compare figures within one benchmark's run, not across runs.",
@@ -108,8 +657,8 @@ def _header(data: dict[str, dict], quick: bool) -> str:
         m = d.get("machine", {})
         wall = f"{d['wall_s'] / 60:.1f} min" if d.get("wall_s") else "-"
         lines.append(
-            f"| {name} | {d.get('started_utc')} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
-            f"| {m.get('git_commit')} | {m.get('cpu_model', '-')} |"
+            f"| {name} | {d.get('started_utc') or NOT_RECORDED} | {wall} | {m.get('load_avg_at_start', ['-'])[0]} "
+            f"| {m.get('git_commit') or NOT_RECORDED} | {m.get('cpu_model', '-')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,5 @@
-"""The benchmark harness: the report renderer on fixture results, run-figure arithmetic, names.
+"""The benchmark harness: the report renderer on fixture results (the results page BENCHMARKS.md
+and the full tables), run-figure arithmetic, names.
 
 No benchmark runs here (they take minutes to an hour); `python -m bench --quick NAME` is the smoke
 test of a benchmark itself.
@@ -12,7 +13,21 @@ import pytest
 
 from bench.__main__ import BENCHMARKS, _resolve
 from bench.bench_e2e import _gain
-from bench.report import _window_note, render
+from bench.report import (
+    A_CUDA_IPC,
+    A_GPU_SCORING,
+    ANALYSIS,
+    GPU_FIGURES,
+    SUMMARIES,
+    TITLES,
+    _anchor,
+    _headings,
+    _meets,
+    _results_page,
+    _rows,
+    _window_note,
+    render,
+)
 from bench.runs import RunResult, Workload, step_times
 
 pytestmark = pytest.mark.unit
@@ -92,7 +107,7 @@ def _fixtures(tmp_path):
                 "rlpost_config": "configs/tiny-cpu.yaml",
                 "workloads": {
                     "tiny": {
-                        "model": ".cache/tiny-model",
+                        "model": "models/tiny-model",
                         "prompts_per_step": 16,
                         "group_size": 8,
                         "max_tokens": 16,
@@ -204,8 +219,8 @@ def _task(before: float, after: float, first: float, last: float, verdict: str, 
 
 def test_report_renders_every_section_with_figures_and_plots(tmp_path):
     _fixtures(tmp_path)
-    out = render(results=tmp_path, out=tmp_path / "BENCHMARKS.md")
-    text = out.read_text()
+    render(results=tmp_path, out=tmp_path / "BENCHMARKS.md")
+    text = (tmp_path / "tables.md").read_text()  # every case's table, beside the results page
     for heading in ("## 1. Rollout", "## 2. End to end", "## 3. Weight sync", "## 4. Buffer", "## 5. Scaling",
                     "## 17. reasoning-gym"):  # fmt: skip
         assert heading in text
@@ -246,7 +261,80 @@ def test_report_names_missing_benchmarks(tmp_path):
     )
     text = render(results=tmp_path, out=tmp_path / "B.md").read_text()
     assert "Not measured yet (`python -m bench e2e`)" in text
-    assert "## 4. Buffer" in text
+    assert "## 4. Buffer" in text and "Its results file holds no headline figure." in text
+    assert "Not measured yet (`python -m bench e2e`)" in (tmp_path / "tables.md").read_text()
+
+
+def test_results_page_has_one_table_per_benchmark_with_machine_date_and_commit(tmp_path):
+    """BENCHMARKS.md: how to run, then per benchmark its figures with the run's machine, date and
+    commit, whether the target is met, and links to its full tables and its analysis sections;
+    the analysis itself is never copied in."""
+    _fixtures(tmp_path)
+    (tmp_path / "analysis.md").write_text("# History\n\n## Smaller findings\n\nText of the analysis.\n")
+    page = render(results=tmp_path, out=tmp_path / "BENCHMARKS.md", analysis=tmp_path / "analysis.md").read_text()
+    assert "`make bench`" in page and "`make bench-quick`" in page and "`make bench BENCH=" in page
+    assert "| figure | value | target | machine | date (UTC) | commit |" in page
+    run = "2 CPU cores, test cpu | 2026-11-23 | abc1234 |"
+    assert f"| rlpost rollout path / direct vllm.LLM.generate, tokens/s | 0.96 | >= 0.95: met | {run}" in page
+    assert f"| tiny: rlpost sync / TRL, samples_per_s | 5.05 | >= 0.95: met | {run}" in page
+    assert f"| rlpost sync: buffer share of step time | 0.012 | < 0.02: met | {run}" in page
+    assert f"| tasks that learn (eval reward up > 0.1) | 1 of 2: chain_sum | - | {run}" in page
+    # a headline the summary does not name (the fixture's weight sync): the file's own, no target
+    assert f"| 1 receiver(s): best bus GB/s / floor GB/s (bucket 64 MB) | 0.238 | - | {run}" in page
+    assert "Target met." in page and "No target is set for these figures." in page
+    title = TITLES["rollout"]
+    assert f"[bench/tables.md, section 1](tables.md#{_anchor(title)})" in page
+    assert _anchor(title) == "1-rollout-the-inference-worker-against-vllm-called-directly"  # GitHub's anchor
+    # only the analysis sections that exist are linked; their text stays in analysis.md
+    assert "[Smaller findings](analysis.md#smaller-findings)" in page and "Text of the analysis" not in page
+    assert "analysis.md#item-6" not in page
+    assert "| rlpost: path | 210.0 |" not in page  # the cases are in tables.md
+    assert "Not measured yet (`python -m bench lora`)" in page
+    assert len(page.splitlines()) < 300
+
+
+def test_results_page_says_what_a_run_did_not_record_and_which_targets_are_missed(tmp_path):
+    """An older results file without machine, date or commit, and a GPU check's output (which
+    records none of the three), show "not recorded"; a missed target is named."""
+    old = _file("sandbox", {"code": "print(1)", "repeats": 3, "calls_per_repeat": 50}, {}, {"bwrap / guard": 1.17})
+    del old["machine"], old["started_utc"]
+    (tmp_path / "sandbox.json").write_text(json.dumps(old))
+    e2e = _file("race_genheavy", {}, {}, {"genheavy: rlpost sync / TRL, samples_per_s": 0.5})
+    (tmp_path / "race_genheavy.json").write_text(json.dumps(e2e))
+    (tmp_path / "gpu").mkdir()
+    check = {"ok": True, "torch": "2.11", "gpus": ["NVIDIA H200"],
+             "checks": {"a": {"ok": True}, "ipc_bandwidth_qwen05b-fp32": {"best_view_share_of_floor": 0.66, "ok": False}}}  # fmt: skip
+    (tmp_path / "gpu" / "check_nccl_bus_h200_ipc.json").write_text(json.dumps(check))
+    # the tables page needs a whole e2e file's settings: only the results page is rendered here
+    page = _results_page(
+        {"sandbox": old, "race_genheavy": e2e}, tmp_path, tmp_path / "B.md", tmp_path / "t.md", ANALYSIS, False
+    )
+    assert "| bwrap / guard | 1.17 | - | not recorded | not recorded | not recorded |" in page
+    assert "| genheavy: rlpost sync / TRL, samples_per_s | 0.5 | >= 0.95: not met |" in page
+    assert "Target not met: genheavy: rlpost sync / TRL, samples_per_s (0.5, target >= 0.95)." in page
+    gpu = "NVIDIA H200, torch 2.11 | 2026-11-27 (bench/analysis.md) | not recorded |"
+    assert f"| checks passed (`check_nccl_bus_h200_ipc.json`) | 2 of 3 | - | {gpu}" in page
+    assert f"| {GPU_FIGURES[3].label} | 0.66 | - | {gpu}" in page
+    assert "[bench/results/gpu/](gpu/)" in page
+
+
+def test_a_partial_re_run_is_shown_while_it_is_newer_than_the_benchmarks_own_run():
+    key = "tiny: rlpost sync / TRL, samples_per_s"
+    data = {"e2e": _file("e2e", {}, {}, {key: 0.76}), "e2e_tiny_house": _file("e2e_tiny_house", {}, {}, {key: 0.65})}
+    data["e2e_tiny_house"]["started_utc"] = "2026-12-02T18:34:07+00:00"
+    assert [r.value for r in _rows("e2e", SUMMARIES["e2e"], data)] == [0.76, 0.65]
+    data["e2e"]["started_utc"] = "2026-12-03T10:00:00+00:00"  # a full e2e run since
+    assert [r.value for r in _rows("e2e", SUMMARIES["e2e"], data)] == [0.76]
+
+
+def test_targets_and_the_analysis_sections_the_results_page_links():
+    assert _meets(0.96, ">= 0.95") is True and _meets(0.94, ">= 0.95") is False
+    assert _meets(0.012, "< 0.02") is True and _meets(0.6, "<= 0.6") is True
+    assert _meets("2 of 2", ">= 1") is None and _meets(0.5, "") is None
+    assert set(SUMMARIES) == set(TITLES)  # every benchmark has its row on the results page
+    # every heading the page links is a heading of bench/analysis.md, kept by hand: a renamed one fails here
+    linked = {h for s in SUMMARIES.values() for h in s.analysis} | {A_CUDA_IPC, A_GPU_SCORING}
+    assert linked <= _headings(ANALYSIS)
 
 
 def test_run_figures():
@@ -316,7 +404,7 @@ def test_e2e_table_says_when_rlpost_timed_its_start_up_sync():
 
 
 def test_workload_overrides_and_benchmark_names():
-    work = Workload(".cache/tiny-model", steps=30, prompts_per_step=16, group_size=8, max_tokens=16, lr=3e-4)
+    work = Workload("models/tiny-model", steps=30, prompts_per_step=16, group_size=8, max_tokens=16, lr=3e-4)
     assert work.samples_per_step == 128
     assert "trainer.prompts_per_step=16" in work.rlpost_overrides()
     assert "logging.progress=false" in work.rlpost_overrides()
@@ -415,7 +503,8 @@ def test_the_engine_profile_groups_py_spy_samples_by_process_and_phase(tmp_path)
         {"vllm engine (1 thread(s)) / transformers generate, s per call": 2.0},
     )  # fmt: skip
     (tmp_path / "profile_engine.json").write_text(json.dumps(data))
-    text = render(results=tmp_path, out=tmp_path / "B.md").read_text()
+    render(results=tmp_path, out=tmp_path / "B.md")
+    text = (tmp_path / "tables.md").read_text()
     assert "## 14. The engine's generate call" in text
     assert "| vllm engine, 1 thread(s) | 0.5 | 0.7 | 0.5, 0.6, 0.4 |" in text
     assert "| worker: model forward | 0.5 |" in text and "**2.00**" in text
