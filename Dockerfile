@@ -35,6 +35,8 @@ COPY rlpost ./rlpost
 RUN pip install --upgrade pip setuptools wheel \
  && pip install ".[gpu]"
 COPY configs ./configs
+# the shipped tiny models (5.4 MB), so the tiny configs run in the image as they do in a checkout
+COPY models ./models
 
 # Non-root. Run directories (logging.run_dir, default runs/ under /app) and the Hugging Face cache
 # are written by this user; mount shared storage over them on a cluster (deploy/).

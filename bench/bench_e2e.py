@@ -8,7 +8,7 @@ cluster, vLLM inference worker, env pool, learner, buffer, gloo weight bus); fig
 its metrics.jsonl. Each repeat runs every system once, interleaved, so load drift hits all alike.
 
 Workloads:
-- ``tiny``: the offline tiny model (.cache/tiny-model), 16 prompts x 8 samples, 16 tokens, lr
+- ``tiny``: the offline tiny model (models/tiny-model), 16 prompts x 8 samples, 16 tokens, lr
   3e-4 (the demo's settings); its reward curves compare learning per sample.
 - ``qwen05b``: a random-initialised model of Qwen2.5-0.5B's shape (494M parameters, built
   offline), 2 prompts x 4 samples, 8 tokens, few steps: a throughput test only (rewards are 0).

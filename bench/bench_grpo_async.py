@@ -48,7 +48,7 @@ def main() -> None:
     wait_for_quiet(args.quick)
     first, last, walls = [], [], []
     for seed in range(repeats):
-        cfg = grpo_async.Config(model=str(REPO / ".cache" / "tiny-model"), steps=steps, num_collectors=args.collectors,
+        cfg = grpo_async.Config(model=str(REPO / "models" / "tiny-model"), steps=steps, num_collectors=args.collectors,
                                 questions=questions, groups_per_batch=args.groups_per_batch, seed=seed,
                                 dataloader_actor_name=f"bench-data-{seed}")  # fmt: skip
         cfg.buffer_size = 4 * cfg.dialog_turns_per_batch  # the newest four batches

@@ -49,7 +49,7 @@ def main() -> None:
     window = args.window or max(1, steps // 10)
     group_size = args.group_size or (4 if args.quick else 8)
     prompts_per_step = args.prompts_per_step or (2 if args.quick else 16)
-    model = REPO / ".cache" / "tiny-model"
+    model = REPO / "models" / "tiny-model"
     settings = {
         "steps": steps,
         "repeats": repeats,

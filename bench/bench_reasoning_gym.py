@@ -2,7 +2,7 @@
 
 One training run, ``rlpost train configs/tiny-cpu-reasoning-gym.yaml`` in a process of its own
 (a fresh local Ray cluster), on an equal-weight mixture of four procedural tasks of the
-reasoning-gym package near the offline tiny model's one skill (.cache/tiny-model was fine-tuned
+reasoning-gym package near the offline tiny model's one skill (models/tiny-model was fine-tuned
 only on "What is a + b?" -> <answer>c</answer>, operands up to 10):
 
 - ``basic_arithmetic``: "Calculate 51 + 95." -- '+' only, 2 terms of 1-2 digits, no parentheses

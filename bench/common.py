@@ -27,7 +27,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-TINY_MODEL = REPO / ".cache" / "tiny-model"
+TINY_MODEL = REPO / "models" / "tiny-model"
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 MAX_BUSY_CORES = 0.5  # CPU in use by anything (cores, over a few seconds) under which a measurement starts
 

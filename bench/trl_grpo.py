@@ -27,7 +27,7 @@ mode). CPU mode as TRL documents it: ``use_cpu=True, bf16=False``; generation wi
 (no vLLM in TRL's CPU mode; ``--vllm-colocate`` tries TRL's colocated vLLM, which fails on
 vLLM's CPU build at the first weight push).
 
-    python -m bench.trl_grpo --model .cache/tiny-model --steps 40 --out /tmp/trl.json
+    python -m bench.trl_grpo --model models/tiny-model --steps 40 --out /tmp/trl.json
 """
 
 from __future__ import annotations

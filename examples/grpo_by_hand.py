@@ -115,7 +115,7 @@ def completion_logprobs(actor: TransformersWrapper, batch) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".cache/tiny-model", help="model folder (default: the tiny model)")
+    parser.add_argument("--model", default="models/tiny-model", help="model folder (default: the tiny model)")
     parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step")

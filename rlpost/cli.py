@@ -88,10 +88,14 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser(
         "make-tiny-model",
         help="build the offline tiny model (tokenizer + Qwen2 LM) used by the demo and tests",
-        description="Build the offline tiny model into DIR; skipped when DIR already holds one built from the same spec (use --force).",
+        description="Build the offline tiny model into DIR; skipped when DIR already holds one built from the same spec "
+        "(use --force). The repository ships the result in models/ (models/README.md): rebuild there only when the "
+        "spec changes, then record the digests in models/SHA256SUMS.",
     )
-    tiny.add_argument("dir", help="output folder, e.g. .cache/tiny-model")
-    tiny.add_argument("--seed", type=int, default=0, help="seed (the same seed gives identical files)")
+    tiny.add_argument("dir", help="output folder, e.g. models/tiny-model")
+    tiny.add_argument(
+        "--seed", type=int, default=0, help="seed (the same seed gives identical files on the same kind of CPU)"
+    )
     tiny.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
     tiny.add_argument(
         "--task",
@@ -107,10 +111,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="build the offline tiny reward model (a one-label classifier on the tiny LM) for reward_model tests",
         description="Train the tiny reward model into DIR from the tiny LM in --lm (~15 s on 2 cores): the LM's trunk "
         "with a score head, regressed on the arithmetic task's rule reward of right, wrong and untagged answers. "
-        "Skipped when DIR holds one of the same recipe built from the same LM (use --force).",
+        "Skipped when DIR holds one of the same recipe built from the same LM (use --force). The repository ships "
+        "the result in models/tiny-reward-model (models/README.md).",
     )
-    tiny_rm.add_argument("dir", help="output folder, e.g. .cache/tiny-reward-model")
-    tiny_rm.add_argument("--lm", default=".cache/tiny-model", help="the tiny LM to start from (make-tiny-model's DIR)")
+    tiny_rm.add_argument("dir", help="output folder, e.g. models/tiny-reward-model")
+    tiny_rm.add_argument("--lm", default="models/tiny-model", help="the tiny LM to start from (make-tiny-model's DIR)")
     tiny_rm.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
     tiny_rm.set_defaults(handler=_cmd_make_tiny_reward_model)
 

@@ -73,9 +73,9 @@ class ModelConfig(_Section):
     """The policy model (also the frozen reference and the learner's starting point)."""
 
     name_or_path: str = Field(
-        ".cache/tiny-model",
+        "models/tiny-model",
         description="Hugging Face hub name (GPU users) or local folder; the default is the offline tiny "
-        "model that `rlpost make-tiny-model` builds.",
+        "model shipped in models/ (`rlpost make-tiny-model` rebuilds it).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype for inference and the reference; fp32 on CPU."

@@ -60,7 +60,12 @@ def check_inputs_exist(cfg: JobConfig) -> None:
     """
     model = Path(cfg.model.name_or_path)
     if _looks_local(cfg.model.name_or_path) and not (model / "config.json").is_file():
-        hint = " (build it with `rlpost make-tiny-model .cache/tiny-model`)" if "tiny" in model.name else ""
+        hint = (
+            " (the tiny models are shipped in the repository's models/ folder: run from the checkout's root, "
+            "or rebuild one with `rlpost make-tiny-model DIR`)"
+            if "tiny" in model.name
+            else ""
+        )
         raise ConfigError(f"model.name_or_path: no model folder with config.json at {model}{hint}")
     if cfg.model.tokenizer and _looks_local(cfg.model.tokenizer) and not Path(cfg.model.tokenizer).exists():
         raise ConfigError(f"model.tokenizer: not found: {cfg.model.tokenizer}")

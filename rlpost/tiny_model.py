@@ -1,8 +1,9 @@
 """Build the offline tiny model: a ChatML tokenizer and a small Qwen2 LM warm-started on arithmetic.
 
 Why it exists: tests and the demo must run a real GRPO job with real transformers and a real vLLM
-engine on 2 CPU cores with no hub access. So rlpost builds its own model, deterministically from a
-seed, in well under 3 minutes:
+engine on 2 CPU cores with no hub access. So rlpost builds its own model from a seed, in well
+under 3 minutes (the same bytes on one kind of CPU, not across kinds: the result is shipped in
+models/, and models/README.md says why):
 
 1. a byte-level BPE tokenizer trained on the synthetic arithmetic chats, with the ChatML special
    tokens of Qwen (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``) and a Qwen-style chat

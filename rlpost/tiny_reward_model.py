@@ -2,7 +2,7 @@
 
 Why it exists: the reward-model role (``reward_model.kind: classifier``) must be tested and
 demonstrated with a real Hugging Face reward model, on 2 CPU cores, with no hub access. So rlpost
-trains one, deterministically from a seed, in about 20 seconds:
+trains one from a seed, in about 20 seconds (shipped in models/tiny-reward-model):
 
 1. the tiny LM's tokenizer, and its decoder layers as the trunk (``Qwen2ForSequenceClassification``
    of the same config with ``num_labels=1``; the score head starts at zero);
@@ -10,8 +10,8 @@ trains one, deterministically from a seed, in about 20 seconds:
    "What is a + b?" and the assistant answers right (``<answer>c</answer>``), wrong
    (``<answer>c + d</answer>``) or without the tag; the label is the task's own rule
    (:func:`rlpost.envs.rewards.answer_reward`: 1.0, 0.1, 0.0). What the model learns is the
-   format half of the rule: on held-out questions a tagged answer scores about 0.7 (a right one
-   0.716, a wrong one 0.693), an untagged one about 0. The arithmetic half is beyond this trunk
+   format half of the rule: on held-out questions a tagged answer scores about 0.7 (the shipped
+   build: 0.697 for right and for wrong ones), an untagged one about 0.007. The arithmetic half is beyond this trunk
    in the steps it gets (tried: up to 1,200 steps at lr 5e-4 to 2e-3; right and wrong tagged
    answers never scored more than 0.03 apart). So it is a
    learned reward that agrees with the rule on format only: the property the reward-model tests

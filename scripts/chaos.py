@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per run")
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "chaos", help="where the runs and chaos.json go")
-    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-model", help="the tiny model")
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-model", help="the tiny model")
     parser.add_argument(
         "--only",
         nargs="+",

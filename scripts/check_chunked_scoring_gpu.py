@@ -4,7 +4,7 @@
 
 Needs torch with CUDA, transformers and tensordict (no Ray, no vLLM); builds its models from the
 Qwen2.5-0.5B shape with random weights (nothing downloaded) and the tokenizer in
-.cache/tiny-model (``make tiny-model``). Checks (each reports ok and its figures):
+models/tiny-model (``make tiny-model``). Checks (each reports ok and its figures):
 
 - equal_fp32: on CUDA in float32, chunked scoring with rows packed end to end gives the dense
   padded path's log-probs, exact entropies and gradients (2-layer model, skewed rows).
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from bench.common import QWEN25_05B  # noqa: E402
 
-TOKENIZER = REPO / ".cache" / "tiny-model"
+TOKENIZER = REPO / "models" / "tiny-model"
 
 
 def build_model(layers: int, dtype=torch.float32):

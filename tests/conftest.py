@@ -1,6 +1,6 @@
-"""Shared fixtures and the suite's order. The tiny model is built once into .cache/tiny-model (or
-$RLPOST_TINY_MODEL), its tool-using variant into .cache/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL),
-the tiny reward model into .cache/tiny-reward-model (or $RLPOST_TINY_REWARD_MODEL).
+"""Shared fixtures and the suite's order. The tiny models are shipped in models/ (models/README.md):
+the tiny model (or $RLPOST_TINY_MODEL), its tool-using variant (or $RLPOST_TINY_TOOL_MODEL) and the
+tiny reward model (or $RLPOST_TINY_REWARD_MODEL); a fixture fails the session when one is stale.
 
 Each folder of tests/ is a tier, and every test in it carries the tier's marker (a collection
 error names a file that does not), so `pytest -m unit` runs exactly tests/unit. The tiers run
@@ -16,8 +16,8 @@ tier before is used and gone early."""
 from __future__ import annotations
 
 import atexit
-import fcntl
 import gc
+import json
 import os
 import sys
 import time
@@ -206,47 +206,49 @@ def _alive(process) -> bool:
 
 
 def tiny_model_dir() -> Path:
-    return Path(os.environ.get("RLPOST_TINY_MODEL", REPO / ".cache" / "tiny-model"))
+    return Path(os.environ.get("RLPOST_TINY_MODEL", REPO / "models" / "tiny-model"))
+
+
+def shipped_model(path: Path, up_to_date: bool, target: str) -> Path:
+    """``path`` when it holds a tiny model of the code's current spec; otherwise the session fails
+    at once, saying how to rebuild (models/README.md), instead of building inside a test's time."""
+    if not up_to_date:
+        pytest.fail(f"{path} is missing or was built from another spec: `make {target}` rebuilds it (models/README.md)")
+    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    """Path of the offline tiny model, built on first use (a file lock keeps parallel sessions safe)."""
-    path = tiny_model_dir()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / ".tiny-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        from rlpost.tiny_model import ensure_tiny_model
+    """The offline tiny model: shipped in models/tiny-model (or $RLPOST_TINY_MODEL)."""
+    from rlpost.tiny_model_spec import TinyModelSpec, built_spec, spec_dict
 
-        ensure_tiny_model(path)  # builds, or rebuilds a cache made from an older spec
-    return path
+    path = tiny_model_dir()
+    return shipped_model(path, built_spec(path) == spec_dict(TinyModelSpec()), "tiny-model")
 
 
 @pytest.fixture(scope="session")
 def tiny_tool_model_path() -> Path:
-    """The tool_arithmetic variant (``make-tiny-model --task tool_arithmetic``), built on first use
-    (~2.5 min on 2 cores) and rebuilt when its spec changes."""
-    from rlpost.tiny_model import TOOL_SPEC, ensure_tiny_model
+    """The tool_arithmetic variant (``make-tiny-model --task tool_arithmetic``): shipped in
+    models/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL)."""
+    from rlpost.tiny_model_spec import TOOL_SPEC, built_spec, spec_dict
 
-    path = Path(os.environ.get("RLPOST_TINY_TOOL_MODEL", REPO / ".cache" / "tiny-model-tools"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / ".tiny-model-tools.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ensure_tiny_model(path, TOOL_SPEC)
-    return path
+    path = Path(os.environ.get("RLPOST_TINY_TOOL_MODEL", REPO / "models" / "tiny-model-tools"))
+    return shipped_model(path, built_spec(path) == spec_dict(TOOL_SPEC), "tiny-model-tools")
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_model_path(tiny_model_path) -> Path:
     """The tiny reward model (``make-tiny-reward-model``: a one-label classifier on the tiny LM's
-    trunk), built on first use (~15 s on 2 cores) and rebuilt when its recipe or the LM changes."""
-    from rlpost.tiny_reward_model import ensure_tiny_reward_model
+    trunk): shipped in models/tiny-reward-model (or $RLPOST_TINY_REWARD_MODEL), built from the
+    tiny LM the session uses."""
+    from dataclasses import asdict
 
-    path = Path(os.environ.get("RLPOST_TINY_REWARD_MODEL", REPO / ".cache" / "tiny-reward-model"))
-    with open(path.parent / ".tiny-reward-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ensure_tiny_reward_model(path, tiny_model_path)
-    return path
+    from rlpost.tiny_reward_model import META_FILE, TinyRewardModelSpec, lm_meta
+
+    path = Path(os.environ.get("RLPOST_TINY_REWARD_MODEL", REPO / "models" / "tiny-reward-model"))
+    meta = json.loads((path / META_FILE).read_text()) if (path / META_FILE).is_file() else {}
+    current = meta.get("spec") == asdict(TinyRewardModelSpec()) and meta.get("lm") == lm_meta(tiny_model_path)
+    return shipped_model(path, current, "tiny-reward-model")
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ def test_plans_lose_a_node_every_fifth_run_and_two_actors_at_once_by_turns(chaos
     together = [p for p in pairs if p.kills[0].with_next]
     assert together and len(together) < len(pairs)  # both kinds of pairs
     assert all(p.kills[0].after_line == p.kills[1].after_line for p in together)
-    node_overrides = chaos.overrides(nodes[0], chaos.REPO / ".cache" / "tiny-model", 10)
+    node_overrides = chaos.overrides(nodes[0], chaos.REPO / "models" / "tiny-model", 10)
     assert "rollout.num_inference_workers=2" in node_overrides and "rollout.num_env_pools=2" in node_overrides
     assert all("resources" not in o for o in chaos.overrides(plans[0], chaos.REPO, 10))
 

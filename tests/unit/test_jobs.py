@@ -118,7 +118,7 @@ def test_rays_packer_leaves_out_venv_runs_caches_and_build_outputs(tmp_path):
         ".venv/bin/python",
         ".git/HEAD",
         "runs/old/metrics.jsonl",
-        ".cache/tiny-model/config.json",
+        ".cache/tiny-teacher/config.json",
         "rlpost/__pycache__/cli.pyc",
         "rlpost.egg-info/PKG-INFO",
         ".pytest_cache/v",
@@ -168,7 +168,8 @@ def test_plan_names_the_job_after_the_run_and_passes_the_config_relative_to_the_
 def test_plan_refuses_what_the_cluster_would_not_see(tmp_path):
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
-    (project / ".cache" / "tiny-model").mkdir(parents=True)
+    (project / "models" / "tiny-model").mkdir(parents=True)
+    (project / ".cache" / "tiny-teacher").mkdir(parents=True)
     (project / "configs" / "tiny.yaml").write_text((REPO / "configs" / "tiny-cpu.yaml").read_text())
     outside = tmp_path / "mine.yaml"
     outside.write_text((REPO / "configs" / "tiny-cpu.yaml").read_text())
@@ -178,11 +179,12 @@ def test_plan_refuses_what_the_cluster_would_not_see(tmp_path):
 
     with pytest.raises(ConfigError, match=f"config: {outside} is outside the working dir {project}"):
         plan(outside, "model.name_or_path=/m")
-    # the config's default model path is the local cache folder, which is never uploaded
+    # the config's default model, shipped in models/, goes with the working dir; a local cache never does
+    assert plan("configs/tiny.yaml").entrypoint.startswith("rlpost train configs/tiny.yaml")
     with pytest.raises(
-        ConfigError, match=r"model.name_or_path: .cache/tiny-model is not uploaded with the working dir"
+        ConfigError, match=r"model.name_or_path: .cache/tiny-teacher is not uploaded with the working dir"
     ):
-        plan("configs/tiny.yaml")
+        plan("configs/tiny.yaml", "model.name_or_path=.cache/tiny-teacher")
     with pytest.raises(ConfigError, match=f"data.dataset: ./none.jsonl is not in the working dir {project}"):
         plan("configs/tiny.yaml", "model.name_or_path=/m", "data.dataset=./none.jsonl")
     with pytest.raises(ConfigError, match="--job-id: job id 'a b'"):

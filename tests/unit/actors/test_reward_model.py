@@ -53,7 +53,7 @@ def respond(env, td, completions):
 
 
 def test_the_reward_model_section_and_its_errors_name_the_keys():
-    cfg = load_config(None, ["reward_model.name_or_path=.cache/tiny-reward-model", "reward_model.weight=0.5"])
+    cfg = load_config(None, ["reward_model.name_or_path=models/tiny-reward-model", "reward_model.weight=0.5"])
     assert cfg.reward_model.kind == "classifier" and cfg.reward_model.rule_weight == 1.0
     assert cfg.resources.reward.num_cpus == 0.25
     assert load_config().reward_model is None

@@ -27,7 +27,7 @@ from rlpost.envs.reasoning_gym import (
 
 pytestmark = pytest.mark.unit
 
-TINY_MODEL = Path(__file__).resolve().parents[3] / ".cache" / "tiny-model"
+TINY_MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-model"
 # chain_sum with two one-digit terms: "a + b" or "a - b", 200 distinct questions
 SMALL_CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
