@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves: no rlpost import", ("rlpost", "dotted", "trackers", "timing", "types", "shutdown", "buffer_host",
                                   "tiny_model_spec", "math_verify_check",
                                   "local_cluster", "liveness", "placement")),
-    ("settings: the job config and the metrics sink", ("config", "metrics")),
+    ("settings: the job config and the metrics sink", ("config", "metrics", "loggers")),
     ("pure parts: math, data, transport, run files, control mailbox",
      ("algo", "data", "transport", "lora", "runs", "control", "jobs", "monitoring")),
     ("models: the LLM wrappers", ("policies",)),

@@ -1,9 +1,11 @@
 """Data types of rlpost's LLM stack: chat histories, the containers the policies fill, and a replay
-buffer with its storages and samplers, also as a Ray actor (RayReplayBuffer)."""
+buffer with its storages and samplers (a prioritized one too, and TorchRL's TensorDictReplayBuffer),
+also as a Ray actor (RayReplayBuffer)."""
 
 from rlpost.data.content import ContentBase
 from rlpost.data.history import PAD_ROLE, History, HistoryError
 from rlpost.data.llm_data import ChatHistory, LLMData, LogProbs, Masks, Text, Tokens
+from rlpost.data.prioritized import PrioritizedSampler
 from rlpost.data.ray_replay_buffer import RayReplayBuffer
 from rlpost.data.replay_buffers import (
     LazyStackStorage,
@@ -16,6 +18,7 @@ from rlpost.data.replay_buffers import (
 )
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
 from rlpost.data.templates import add_chat_template
+from rlpost.data.tensordict_replay_buffer import TensorDictReplayBuffer
 
 __all__ = [
     "PAD_ROLE",
@@ -28,12 +31,14 @@ __all__ = [
     "ListStorage",
     "LogProbs",
     "Masks",
+    "PrioritizedSampler",
     "RandomSampler",
     "RayReplayBuffer",
     "ReplayBuffer",
     "Sampler",
     "SamplerWithoutReplacement",
     "Storage",
+    "TensorDictReplayBuffer",
     "Text",
     "Tokens",
     "add_chat_template",

@@ -2,7 +2,9 @@
 
 :data:`TREE` has one entry per TorchRL module that user code imports from (the packages' public
 ``__all__`` at pytorch/rl ae9719f, and the submodules TorchRL's own GRPO and expert-iteration
-scripts, LLM tests and LLM tutorials import from), keyed by its path without the ``torchrl.``
+scripts, LLM tests, LLM tutorials and examples, the examples of its LLM docs and docstrings, and its
+LLM modules import from: every such name of ``torchrl.envs`` and its submodules included), keyed
+by its path without the ``torchrl.``
 prefix. Each name maps to ``"rlpost.module:attribute"``, the very object rlpost's own module
 holds, or to a :class:`NotInRlpost` that imports fine and says, when used, why rlpost lacks it and
 what to use instead.
@@ -43,8 +45,7 @@ class NotInRlpost:
         return f"<{self.name}: not in rlpost>"
 
 
-# Why a name is missing. NOT_YET and LOGGERS are work in progress; the others are deliberate.
-NOT_YET = "not implemented yet in rlpost"
+# Why a name is missing: each is deliberate.
 SGLANG = "rlpost serves models with vLLM only: use vLLMWrapper with make_vllm_worker"
 RLHF_DATA = (
     "TorchRL's earlier RLHF data pipeline is not part of rlpost: load prompts with DatasetChatEnv or "
@@ -56,7 +57,6 @@ FP32_PLUGIN = (
 )
 TEST_HELPER = "one of TorchRL's own test helpers, not part of its API"
 TORCHRL_UTILITY = "one of TorchRL's general utilities, not part of rlpost"
-LOGGERS = "not implemented yet: rlpost logs a run to wandb, MLflow or TensorBoard through logging.trackers"
 
 
 def _same(module: str, *names: str) -> dict[str, str]:
@@ -76,6 +76,18 @@ _KL = _same("rlpost.envs", "KLComputation", "RetrieveKL", "RetrieveLogProb")
 _STACKING = _same("rlpost.data", "as_nested_tensor", "as_padded_tensor")
 _GSM8K = _same("rlpost.envs", "GSM8KEnv", "GSM8KPrepareQuestion", "make_gsm8k_env")
 _IFEVAL_REWARD = _same("rlpost.envs", "IFEvalScoreData", "IfEvalScorer")
+_ENV_LOOP = _same("rlpost.envs", "Compose", "Transform", "TransformedEnv")  # torchrl.envs.transforms'
+_BUFFERS = _same(
+    "rlpost.data",
+    "LazyStackStorage",
+    "ListStorage",
+    "PrioritizedSampler",
+    "RayReplayBuffer",
+    "ReplayBuffer",
+    "SamplerWithoutReplacement",
+    "TensorDictReplayBuffer",
+)
+_WANDB_LOGGER = _same("rlpost.loggers", "WandbLogger")
 _WORKERS = _same("rlpost.actors.vllm_workers", "make_vllm_worker") | _same(
     "rlpost.transport", "stateless_init_process_group"
 )
@@ -147,10 +159,9 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _same("rlpost.timing", "timeit")
     | _same("rlpost.ray_start", "merge_ray_runtime_env"),
     # data
-    "data": _same("rlpost.data", "History", "LazyStackStorage", "ListStorage", "RayReplayBuffer", "ReplayBuffer")
-    | _same("rlpost.data", "SamplerWithoutReplacement")
-    | _same("rlpost.data.specs", "Unbounded")
-    | _missing(NOT_YET, "TensorDictReplayBuffer", "PrioritizedSampler"),
+    "data": _same("rlpost.data", "History", "RandomSampler", "Storage")
+    | _BUFFERS
+    | _same("rlpost.data.specs", "Unbounded"),
     "data.llm": _HISTORY
     | _same("rlpost.objectives", "TopKRewardSelector")
     | _missing(
@@ -169,11 +180,15 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     ),
     "data.llm.history": _HISTORY,
     "data.llm.topk": _same("rlpost.objectives", "TopKRewardSelector"),
+    "data.replay_buffers": _BUFFERS | _same("rlpost.data", "RandomSampler", "Sampler", "Storage"),
     "data.replay_buffers.ray_buffer": _same("rlpost.data", "RayReplayBuffer"),
     # envs
-    "envs": _same("rlpost.envs", "AsyncEnvPool", "StepCounter", "Transform")
-    | _missing("rlpost batches envs with ChatEnv(batch_size=N) or AsyncEnvPool", "SerialEnv"),
-    "envs.transforms": _same("rlpost.envs", "TransformedEnv"),
+    "envs": _same("rlpost.envs", "AsyncEnvPool", "EnvBase", "LLMHashingEnv", "StepCounter")
+    | _ENV_LOOP
+    | _same("rlpost.envs.serial", "SerialEnv"),
+    "envs.common": _same("rlpost.envs", "EnvBase"),
+    "envs.transforms": _ENV_LOOP | _same("rlpost.envs", "StepCounter"),
+    "envs.transforms.transforms": _ENV_LOOP | _same("rlpost.envs", "StepCounter"),
     "envs.llm": _same("rlpost.envs", "ChatEnv", "DatasetChatEnv", "DataLoadingPrimer", "LLMEnv", "LLMHashingEnv")
     | _same("rlpost.envs", "AddThinkingPrompt", "TemplateTransform", "Tokenizer", "PythonInterpreter")
     | _same("rlpost.envs", "KLRewardTransform", "GSM8KRewardParser", "IFEvalEnv", "MLGymWrapper", "make_mlgym")
@@ -184,10 +199,12 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _same("rlpost.envs", "CountdownEnv", "CountdownRewardParser", "IFEvalData", "MATHEnv", "MATHRewardParser")
     | {name: _TOOLS[name] for name in ("BrowserTransform", "MCPToolTransform")}
     | _same("rlpost.envs", "RayDataLoadingPrimer"),
-    "envs.llm.chat": _same("rlpost.envs", "ChatEnv"),
+    "envs.llm.chat": _same("rlpost.envs", "ChatEnv", "DatasetChatEnv"),
+    "envs.llm.envs": _same("rlpost.envs", "LLMEnv", "LLMHashingEnv"),
     "envs.llm.datasets": _GSM8K
     | _same("rlpost.envs", "IFEvalEnv", "IfEvalScorer", "CountdownEnv", "IFEvalData", "MATHEnv"),
     "envs.llm.datasets.countdown": _same("rlpost.envs", "CountdownEnv"),
+    "envs.llm.datasets.gsm8k": _GSM8K,
     "envs.llm.datasets.ifeval": _same("rlpost.envs", "IFEvalEnv"),
     "envs.llm.datasets.math": _same("rlpost.envs", "MATHEnv"),
     "envs.llm.libs": _same("rlpost.envs", "MLGymWrapper", "make_mlgym"),
@@ -207,7 +224,10 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
     | _TOOLS
     | _same("rlpost.envs", "RayDataLoadingPrimer"),
     "envs.llm.transforms.browser": {"BrowserTransform": _TOOLS["BrowserTransform"]},
+    "envs.llm.transforms.dataloading": _same("rlpost.envs", "DataLoadingPrimer", "RayDataLoadingPrimer") | _STACKING,
     "envs.llm.transforms.kl": _KL,
+    "envs.llm.transforms.policy_version": _same("rlpost.envs", "PolicyVersion"),
+    "envs.llm.transforms.tokenizer": _same("rlpost.envs", "IncrementalTokenizer", "Tokenizer"),
     "envs.llm.transforms.tools": _same("rlpost.envs", "SimpleToolTransform"),
     # modules
     "modules.llm": _CONTAINERS
@@ -270,7 +290,9 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
         "VLLMDoubleBufferWeightReceiver": _VLLM_DOUBLE_BUFFER["VLLMDoubleBufferWeightReceiver"]
     },
     # the rest of TorchRL that its LLM tests and scripts import
-    "record.loggers.wandb": _missing(LOGGERS, "WandbLogger"),
+    "record": _WANDB_LOGGER,
+    "record.loggers": _WANDB_LOGGER,
+    "record.loggers.wandb": _WANDB_LOGGER,
     "testing": _missing(
         TEST_HELPER,
         "DummyStrDataLoader",
