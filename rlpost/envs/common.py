@@ -18,7 +18,8 @@ As in TorchRL, ``base_env.append_transform(t)`` returns a new :class:`Transforme
 leaves ``base_env`` as it was; ``TransformedEnv.append_transform(t)`` appends in place and
 returns the same env. A TransformedEnv answers every attribute it does not have from its base
 env (``env.input_mode``, ``env.tokenizer``, ``env.last_responses``...), so transforms and
-callers treat both alike.
+callers treat both alike. Its specs (``full_observation_spec``, ...) are the base env's passed
+through each transform's ``transform_observation_spec`` (...), as in TorchRL.
 
 :meth:`EnvBase.rollout` runs a policy for up to ``max_steps`` steps and stacks the steps along a
 new last batch dim (``[*batch_size, T]``), as TorchRL's ``EnvBase.rollout`` does.
@@ -198,27 +199,35 @@ class EnvBase:
             if close is not None:
                 close()
 
-    # ------------------------------------------------------------------ specs (from the base env)
+    # ------------------------------------------------------------------ specs (the base env's, through the transforms)
+
+    def _transformed_spec(self, part: str) -> Composite:
+        """The base env's ``part`` spec (a new Composite each call) passed through each
+        transform's ``transform_<part>_spec`` in order, as TorchRL's TransformedEnv does."""
+        spec = getattr(self.base_env, f"_{part}_spec")()
+        for transform in self.transforms:
+            spec = getattr(transform, f"transform_{part}_spec")(spec)
+        return spec
 
     @property
     def full_observation_spec(self) -> Composite:
-        return self.base_env._observation_spec()
+        return self._transformed_spec("observation")
 
     @property
     def full_action_spec(self) -> Composite:
-        return self.base_env._action_spec()
+        return self._transformed_spec("action")
 
     @property
     def full_state_spec(self) -> Composite:
-        return self.base_env._state_spec()
+        return self._transformed_spec("state")
 
     @property
     def full_reward_spec(self) -> Composite:
-        return self.base_env._reward_spec()
+        return self._transformed_spec("reward")
 
     @property
     def full_done_spec(self) -> Composite:
-        return self.base_env._done_spec()
+        return self._transformed_spec("done")
 
     @property
     def observation_spec(self) -> Composite:

@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.data import History
+from rlpost.data.specs import Composite, Unbounded
 from rlpost.data.templates import resolve_template  # the template History itself renders with
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.llm_transforms import AddThinkingPrompt, NestedKey, as_key, stack_rows, tensor_rows
@@ -49,7 +50,9 @@ class IncrementalTokenizer(Transform):
     to ``tokens.full`` (TorchRL copies ``tokens.full`` alone, so the tokens lose the tool
     result that the history holds); the transform refuses a tokens-mode env (whose own
     ``tokens.prompt`` it would overwrite) and one where it runs before a transform that adds
-    messages; no observation spec is added (rlpost's transforms have no specs).
+    messages. ``transform_observation_spec`` adds ``tokens_key`` to the env's observation spec,
+    as TorchRL's does: int64 ids of shape ``[*batch, -1]`` (TorchRL: a ``Bounded`` spec in
+    ``[0, vocab_size)``; rlpost's specs have ``Unbounded`` only).
     ``ChatEnv(..., with_tokenizer=True)`` and ``ChatEnv.with_tokenizer(tokenizer, ...)`` append
     it with its defaults, as in TorchRL.
     """
@@ -113,6 +116,12 @@ class IncrementalTokenizer(Transform):
         ]
         self._set_rows(next_td, rows)
         return next_td
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        """``observation_spec`` with ``tokens_key``: the prompt's ids, ``[*batch, -1]`` int64."""
+        ids = Unbounded(shape=(*observation_spec.shape, -1), dtype=torch.int64, device=observation_spec.device)
+        observation_spec[self.tokens_key] = ids
+        return observation_spec
 
     # ------------------------------------------------------------------ ids
 

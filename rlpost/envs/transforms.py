@@ -12,9 +12,12 @@ a tool) through hooks the env calls around its own reset and step::
 This mirrors TorchRL's ``Transform._reset_env_preprocess`` / ``_reset`` / ``_step``; the loop
 that calls the hooks is :class:`~rlpost.envs.common.EnvBase` (a base env alone, or a
 :class:`~rlpost.envs.common.TransformedEnv` holding its transforms in a :class:`Compose`).
-``base_env.append_transform(t)`` returns a new TransformedEnv, as in TorchRL. Deliberate
-deviations: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
-or out) and no per-transform specs.
+``base_env.append_transform(t)`` returns a new TransformedEnv, as in TorchRL. A transform that
+writes keys of its own says so in the specs, as in TorchRL: a TransformedEnv's
+``full_observation_spec`` (and action, state, reward and done specs) is the base env's passed
+through each transform's ``transform_observation_spec`` (``transform_action_spec``, ...), which
+return the spec unchanged by default. Deliberate deviation: no ``_call``/``_inv_call``
+(observations and actions are not rewritten on the way in or out).
 
 :class:`PythonInterpreter` runs the ```` ```python ```` blocks of the last assistant message in
 the sandbox (:mod:`rlpost.envs.sandbox`) and :class:`SimpleToolTransform` calls the user's
@@ -46,6 +49,7 @@ from rlpost.envs.python_executor import PythonExecutor, RayExecutorHandle, check
 from rlpost.envs.tools import PythonResult, PythonSession, extract_python_blocks, format_tool_response, run_python
 
 if TYPE_CHECKING:
+    from rlpost.data.specs import Composite
     from rlpost.envs.chat import ChatEnv
 
 _OPEN, _CLOSE = "<tool_response>\n", "\n</tool_response>"
@@ -81,6 +85,28 @@ class Transform:
         """After the base step: edit ``next_td`` (reward, done, next prompt) from ``td``, the
         step input carrying the policy's output."""
         return next_td
+
+    # TorchRL's spec hooks: the env's spec (a Composite) goes through each transform in order;
+    # a transform that writes a key adds its spec and returns the Composite (edited in place).
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        """The observation spec after this transform (default: unchanged)."""
+        return observation_spec
+
+    def transform_action_spec(self, action_spec: Composite) -> Composite:
+        """The action spec after this transform (default: unchanged)."""
+        return action_spec
+
+    def transform_state_spec(self, state_spec: Composite) -> Composite:
+        """The state spec after this transform (default: unchanged)."""
+        return state_spec
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        """The reward spec after this transform (default: unchanged)."""
+        return reward_spec
+
+    def transform_done_spec(self, done_spec: Composite) -> Composite:
+        """The done spec after this transform (default: unchanged)."""
+        return done_spec
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs to continue as if uninterrupted (empty for stateless transforms)."""
@@ -179,6 +205,31 @@ class Compose(Transform):
         for transform in self._transforms:
             next_td = transform.on_step(td, next_td)
         return next_td
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        for transform in self._transforms:
+            observation_spec = transform.transform_observation_spec(observation_spec)
+        return observation_spec
+
+    def transform_action_spec(self, action_spec: Composite) -> Composite:
+        for transform in self._transforms:
+            action_spec = transform.transform_action_spec(action_spec)
+        return action_spec
+
+    def transform_state_spec(self, state_spec: Composite) -> Composite:
+        for transform in self._transforms:
+            state_spec = transform.transform_state_spec(state_spec)
+        return state_spec
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        for transform in self._transforms:
+            reward_spec = transform.transform_reward_spec(reward_spec)
+        return reward_spec
+
+    def transform_done_spec(self, done_spec: Composite) -> Composite:
+        for transform in self._transforms:
+            done_spec = transform.transform_done_spec(done_spec)
+        return done_spec
 
     def state_dict(self) -> dict[str, Any]:
         return {"transforms": [transform.state_dict() for transform in self._transforms]}

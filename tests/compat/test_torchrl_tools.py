@@ -8,13 +8,14 @@ Python-execution test. Substitutions: rlpost's imports; the offline tiny model's
 GPT-2's and Qwen2.5-3B's; the calculator as module-level functions (calculator_tools.py: rlpost
 runs tool functions in worker processes); the local MCP server of tests/mcp_server.py (which runs
 code in rlpost's sandbox) for ``uvx mcp-run-python`` (Deno, network). Where rlpost differs on
-purpose the assertion says so; one test is skipped with the reason.
+purpose the assertion says so.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -305,9 +306,18 @@ class TestIncrementalTokenizer:
         decoded = tokenizer.decode(tokens2, skip_special_tokens=True)
         assert "2+2" in decoded and "3+3" in decoded
 
-    @pytest.mark.skip(reason="rlpost's transforms add no observation specs (specs describe the base env's keys)")
     def test_incremental_tokenizer_spec_transform(self, tokenizer):
-        pass
+        env = ChatEnv(batch_size=(1,), tokenizer=tokenizer)
+        transform = IncrementalTokenizer(tokenizer)
+        env = TransformedEnv(env, transform)
+        # The spec should include tokens.prompt
+        obs_spec = env.observation_spec
+        assert ("tokens", "prompt") in obs_spec.keys(True, True)
+        # rlpost: int64 ids of any length per row (TorchRL: Bounded in [0, vocab_size)), which
+        # the reset output satisfies; the base env's own spec is left as it was
+        assert obs_spec["tokens", "prompt"].shape == (1, -1) and obs_spec["tokens", "prompt"].dtype == torch.int64
+        assert obs_spec.is_in(env.reset(TensorDict({"query": "Hello"}, batch_size=(1,))).select("tokens"))
+        assert ("tokens", "prompt") not in env.base_env.observation_spec.keys(True, True)
 
     def test_custom_keys(self, tokenizer):
         env = TransformedEnv(ChatEnv(batch_size=(1,), tokenizer=tokenizer), IncrementalTokenizer(
@@ -501,56 +511,94 @@ class TestTools:
         assert result["next", "tool_errors"].tolist() == [[1]]
         env.close()
 
+    @staticmethod
+    def calculator_env(tokenizer):
+        env = ChatEnv(batch_size=(1,), system_prompt="I'm a calculator assistant", tokenizer=tokenizer)
+        tools, schemas = {"calculator": delayed_calculator}, {"calculator": CALCULATOR_SCHEMA}
+        return env.append_transform(SimpleToolTransform(tools, schemas))
+
+    @staticmethod
+    def calculator_replies(td):
+        """The pool's reset ``td`` with each row's assistant turn calling the calculator."""
+        replies = [
+            'Let me calculate 2 + 3:\n<tool>calculator\n{"operation": "add", "a": 2, "b": 3}</tool><|im_end|>',
+            'Let me calculate 4 * 5:\n<tool>calculator\n{"operation": "multiply", "a": 4, "b": 5}</tool><|im_end|>',
+        ]
+        td["history"].full = torch.stack(
+            [
+                td[i]["history"].prompt.extend(History(role="assistant", content=reply).view(1), dim=-1)
+                for i, reply in enumerate(replies)
+            ]
+        )
+        return td
+
     def test_async_mcp_tools(self, tokenizer):
         """TorchRL's AsyncEnvPool of two calculator envs whose tool waits 0.1 to 0.3 s: send a
-        step to both, take the first result as soon as it is there, then the other; each row's
-        tool message holds its own result.
+        step to both with ``async_step_send``, take the first result as soon as it is there with
+        ``async_step_recv(min_get=1)``, then the other; each row's tool message holds its own result.
 
         Deviations (see rlpost.envs.async_pool): the sub-envs run on threads (TorchRL's test asks
-        for ``backend="multiprocessing"``, which rlpost refuses); the pool's rows are ``[2]``
-        (TorchRL: ``[2, 1]``, the sub-envs' batch kept); a step is sent and received with
-        ``async_step_and_maybe_reset_send`` / ``_recv``, which return the step and the next root
-        (rlpost has no step-only ``async_step_send`` / ``async_step_recv``)."""
-
-        def make_env():
-            env = ChatEnv(batch_size=(1,), system_prompt="I'm a calculator assistant", tokenizer=tokenizer)
-            tools, schemas = {"calculator": delayed_calculator}, {"calculator": CALCULATOR_SCHEMA}
-            return env.append_transform(SimpleToolTransform(tools, schemas))
-
+        for ``backend="multiprocessing"``, which rlpost refuses on purpose); the pool's rows are
+        ``[2]`` (TorchRL: ``[2, 1]``, the sub-envs' batch kept), so the reset query is one string
+        per row and ``history[i]`` is row ``i`` (TorchRL: ``history[i, 0]``)."""
+        make_env = partial(self.calculator_env, tokenizer)
         with pytest.raises(ValueError, match="backend='threading' only"):
             AsyncEnvPool([make_env, make_env], backend="multiprocessing")
+        env_pool = AsyncEnvPool([make_env, make_env])  # TorchRL: backend="multiprocessing"
+        try:
+            # Reset both environments
+            tdreset = TensorDict(query=["Let me calculate 2 + 3", "Let me calculate 4 * 5"], batch_size=(2,))
+            td = env_pool.reset(tdreset)
+
+            # Send async steps to both environments
+            env_pool.async_step_send(self.calculator_replies(td))
+
+            # Get results as they complete
+            results = env_pool.async_step_recv(min_get=1)  # Get at least one result
+            assert len(results) >= 1  # We should get at least one result
+
+            # Get remaining results
+            if len(results) < 2:
+                remaining = env_pool.async_step_recv()
+            else:
+                remaining = []
+
+            # Combine results
+            all_results = torch.stack(list(results) + list(remaining))
+
+            # Verify results
+            history = all_results["next", "history"].prompt
+            assert len(history[0]) == 4  # system, user, assistant, tool response
+            assert history[0, -1].role == "tool"
+            assert any("result': 5" in c for c in history[:, -1].content)  # 2 + 3 = 5
+            assert any("result': 20" in c for c in history[:, -1].content)  # 4 * 5 = 20
+            # rlpost: each row says its sub-env, whose own result it holds
+            by_env = dict(zip(all_results["env_index"].tolist(), history[:, -1].content))
+            assert by_env[0].startswith("Tool calculator executed successfully:\n{'result': 5, 'delay': ")
+            assert by_env[1].startswith("Tool calculator executed successfully:\n{'result': 20, 'delay': ")
+        finally:
+            env_pool.close()
+
+    def test_async_mcp_tools_step_and_maybe_reset(self, tokenizer):
+        """The same pool through ``async_step_and_maybe_reset_send`` / ``_recv`` (what the LLM
+        collector uses): the steps, and the next roots whose prompts end with the tool message."""
+        make_env = partial(self.calculator_env, tokenizer)
         env_pool = AsyncEnvPool([make_env, make_env])
         try:
             tdreset = TensorDict(query=["Let me calculate 2 + 3", "Let me calculate 4 * 5"], batch_size=(2,))
-            td = env_pool.reset(tdreset)
-            replies = [
-                'Let me calculate 2 + 3:\n<tool>calculator\n{"operation": "add", "a": 2, "b": 3}</tool><|im_end|>',
-                'Let me calculate 4 * 5:\n<tool>calculator\n{"operation": "multiply", "a": 4, "b": 5}</tool><|im_end|>',
-            ]
-            td["history"].full = torch.stack(
-                [
-                    td[i]["history"].prompt.extend(History(role="assistant", content=reply).view(1), dim=-1)
-                    for i, reply in enumerate(replies)
-                ]
-            )
-            env_pool.async_step_and_maybe_reset_send(td)
-
-            results, _ = env_pool.async_step_and_maybe_reset_recv(min_get=1)  # at least one result
+            env_pool.async_step_and_maybe_reset_send(self.calculator_replies(env_pool.reset(tdreset)))
+            results, roots = env_pool.async_step_and_maybe_reset_recv(min_get=1)  # at least one result
             assert len(results) >= 1
-            rows = list(results.unbind(0))
+            rows, root_rows = list(results.unbind(0)), list(roots.unbind(0))
             if len(rows) < 2:  # the remaining result
-                rows += env_pool.async_step_and_maybe_reset_recv()[0].unbind(0)
-            all_results = lazy_stack(rows)
-
+                more, more_roots = env_pool.async_step_and_maybe_reset_recv()
+                rows, root_rows = rows + list(more.unbind(0)), root_rows + list(more_roots.unbind(0))
+            all_results, all_roots = lazy_stack(rows), lazy_stack(root_rows)
             history = all_results["next", "history"].prompt
-            assert len(history[0]) == 4  # system, user, assistant, tool response
             assert history[0, -1].role == "tool" and history[1, -1].role == "tool"
-            contents = history[:, -1].content
-            assert any("result': 5" in c for c in contents)  # 2 + 3 = 5
-            assert any("result': 20" in c for c in contents)  # 4 * 5 = 20
-            # rows come back in completion order; env_index says which sub-env each is
-            by_env = dict(zip(all_results["env_index"].tolist(), contents))
-            assert by_env[0].startswith("Tool calculator executed successfully:\n{'result': 5, 'delay': ")
-            assert by_env[1].startswith("Tool calculator executed successfully:\n{'result': 20, 'delay': ")
+            by_env = dict(zip(all_results["env_index"].tolist(), history[:, -1].content))
+            assert "'result': 5," in by_env[0] and "'result': 20," in by_env[1]
+            assert all_roots["env_index"].tolist() == all_results["env_index"].tolist()
+            assert all_roots["history"].prompt[:, -1].content == history[:, -1].content
         finally:
             env_pool.close()
