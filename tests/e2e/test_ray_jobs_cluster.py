@@ -80,8 +80,9 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_submitted_sync_run_trains_evaluates_checkpoints_and_resumes_as_a_new_job(cluster, tiny_model_path,
-                                                                                    tmp_path):  # fmt: skip
+def test_a_submitted_sync_run_trains_evaluates_checkpoints_then_resumes_as_a_new_job_scaled_and_stopped(
+    cluster, tiny_model_path, tmp_path
+):
     job = "rlpost-jobs-e2e"
     out = rlpost(
         cluster,
@@ -139,46 +140,40 @@ def test_a_submitted_sync_run_trains_evaluates_checkpoints_and_resumes_as_a_new_
     assert info.runtime_env["working_dir"].startswith("gcs://")  # the checkout went up as a package
     assert info.entrypoint.startswith("rlpost train configs/tiny-cpu.yaml ")
 
-    # the run goes on as a new job: `rlpost train --resume RUN_DIR` from its final checkpoint
-    resumed = rlpost(
-        cluster, "submit", "--resume", str(run_dir), "trainer.steps=5", "--job-id", f"{job}-resume", "--follow"
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"rlpost: job {job}-resume SUCCEEDED" in resumed.stderr
-    assert [r["step"] for r in read(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-
-
-def test_scale_reaches_a_running_job_and_stop_ends_it(cluster, tiny_model_path, tmp_path):
-    job = "rlpost-jobs-e2e-stop"
-    out = rlpost(cluster, "submit", *tiny_run(tiny_model_path, tmp_path, "jobs-e2e-stop", steps=1000))
+    # the run goes on as a new job (`rlpost train --resume RUN_DIR` from its final checkpoint), which
+    # is then scaled and stopped while it runs: one more job start, not two
+    resumed = f"{job}-resume"
+    out = rlpost(
+        cluster, "submit", "--resume", str(run_dir), "trainer.steps=1000", "trainer.checkpoint_interval=1000",
+        "--job-id", resumed,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     client = jobs.connect(cluster.dashboard, environ=cluster.env)
-    deadline = time.monotonic() + 120
-    while "rlpost: run directory" not in client.get_job_logs(job) and time.monotonic() < deadline:
-        time.sleep(1)  # the driver has started and installed its SIGTERM handler
-    assert str(client.get_job_status(job)) == "RUNNING"
+    deadline = time.monotonic() + 240
+    while len(read(run_dir / "metrics.jsonl")) < 5:  # its actors are up and it trains from step_4 on
+        assert time.monotonic() < deadline, client.get_job_logs(resumed)[-3000:]
+        time.sleep(0.5)
 
     # `rlpost scale JOB`: a short job beside the run leaves the request in its mailbox (the count
     # it has, so no engine starts here; growing and shrinking a fleet is the long tier's test)
-    while "start-up weight sync" not in client.get_job_logs(job) and time.monotonic() < deadline + 120:
-        time.sleep(1)  # its actors are up
-    out = rlpost(cluster, "scale", job, "inference=1", "--wait", "120")
+    out = rlpost(cluster, "scale", resumed, "inference=1", "--wait", "120")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "asked for 1 inference workers" in out.stdout and "1 serving of 1 wanted" in out.stdout
-    fleet = rlpost(cluster, "status", job, "--fleet")  # asked of the run by a short job beside it
-    assert fleet.returncode == 0 and fleet.stdout.startswith(f"{job}: RUNNING"), fleet.stdout[-3000:]
+    fleet = rlpost(cluster, "status", resumed, "--fleet")  # asked of the run by a short job beside it
+    assert fleet.returncode == 0 and fleet.stdout.startswith(f"{resumed}: RUNNING"), fleet.stdout[-3000:]
     assert "inference workers: 1 serving of 1 wanted" in fleet.stdout, fleet.stdout[-3000:]
     assert "env pools: 1 serving of 1 wanted" in fleet.stdout, fleet.stdout[-3000:]
-    bad = rlpost(cluster, "scale", job, "inference=0")
+    bad = rlpost(cluster, "scale", resumed, "inference=0")
     assert bad.returncode == 2 and "at least one inference worker" in bad.stderr, bad.stderr
     unknown = rlpost(cluster, "scale", "no-such-job", "inference=2")
     assert unknown.returncode == 2 and "no job no-such-job" in unknown.stderr, unknown.stderr
-
-    out = rlpost(cluster, "stop", job)
+    out = rlpost(cluster, "stop", resumed)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"rlpost: job {job} STOPPED" in out.stdout
-    status = rlpost(cluster, "status", job)
-    assert status.returncode == 1 and status.stdout.startswith(f"{job}: STOPPED")
+    assert f"rlpost: job {resumed} STOPPED" in out.stdout
+    status = rlpost(cluster, "status", resumed)
+    assert status.returncode == 1 and status.stdout.startswith(f"{resumed}: STOPPED")
+    steps = [r["step"] for r in read(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5  # steps 1-4, then the resumed job's
 
 
 def test_doctor_compares_ray_with_the_clusters(cluster):
