@@ -226,6 +226,7 @@ for override in [f"logging.dashboard_port={taken.getsockname()[1]}", "logging.da
 """
 
 
+@pytest.mark.long  # two Ray starts in a process of its own (14 s): make test-long
 def test_a_dashboard_that_cannot_start_or_is_turned_off_leaves_ray_running_without_it():
     """A taken ``logging.dashboard_port``: Ray logs why, rlpost warns and Ray starts anyway;
     ``logging.dashboard=false``: no dashboard and no warning. Both print the namespace and the

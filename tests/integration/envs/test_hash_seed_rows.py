@@ -42,6 +42,7 @@ def rows(process: subprocess.Popen) -> dict[str, dict[str, list]]:
     return json.loads(out.splitlines()[-1])
 
 
+@pytest.mark.long  # three processes importing the task stack (10-20 s): make test-long
 def test_processes_sharing_the_runs_hash_seed_keep_the_held_out_split_held_out():
     seed = run_env_vars(load_config("configs/tiny-cpu.yaml"))["PYTHONHASHSEED"]  # what every actor gets
     assert seed == "0"
