@@ -6,6 +6,11 @@ Everything is imported as TorchRL's scripts import it, with ``torchrl`` replaced
 ``rlpost.torchrl``. The differences from TorchRL's own utilities are the CPU set-up: a plain
 dataclass instead of a hydra config, the offline tiny model, and a task the script writes
 itself (arithmetic questions in GSM8K's row format, so GSM8KEnv scores them with its own parser).
+
+The trainer's model carries TorchRL's default LoRA adapter (``train_model.lora.enabled: true``,
+rank 8, alpha 16, every linear layer), built as TorchRL's ``get_hf_model`` builds it, and the
+weight-sync scheme is given that peft model, as TorchRL's scripts give it: each update sends its
+merged weights under the base model's names (``Config(lora=False)`` trains every weight).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ SYSTEM_PROMPT = "Answer with <answer>number</answer>."  # the tiny model's answe
 class Config:
     """The run's settings (TorchRL's hydra config, reduced to what these scripts read)."""
 
-    model: str = ".cache/tiny-model"  # a local model folder (the tiny model: ``make tiny-model``)
+    model: str = "models/tiny-model"  # a local model folder (the tiny model: ``make tiny-model``)
     num_replicas: int = 1  # vLLM replicas in the AsyncVLLM fleet
     replica_cpus: float = 1.0  # CPUs Ray reserves for each replica
     num_collectors: int = 1  # RayLLMCollector actors (the async script; the sync one has one)
@@ -38,6 +43,9 @@ class Config:
     max_tokens: int = 16
     temperature: float = 1.0
     lr: float = 3e-4
+    lora: bool = True  # TorchRL's train_model.lora.enabled (its default)
+    lora_r: int = 8  # train_model.lora.r
+    lora_alpha: int = 16  # train_model.lora.alpha
     clip_grad_norm: float = 1.0
     steps: int = 10  # optimizer steps (sync: one per collected batch; async: one per sample)
     buffer_size: int = 64  # the async buffer's capacity (its oldest items are overwritten)
@@ -89,14 +97,36 @@ def get_inference_model(cfg: Config) -> vLLMWrapper:
 
 
 def get_train_model(cfg: Config):
-    """The trainer's policy: the same model under transformers, scoring the engine's tokens."""
+    """The trainer's policy: the same model under transformers, scoring the engine's tokens; with
+    ``cfg.lora`` a peft model whose LoRA adapter is all that trains (TorchRL's ``get_hf_model``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    if cfg.lora:
+        model = add_lora(model, cfg)
+    model.eval()
     policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens", generate=False,
                                  return_log_probs=True, pad_output=False)  # fmt: skip
     return policy, tokenizer
+
+
+def add_lora(model, cfg: Config):
+    """``model`` under peft with TorchRL's LoRA settings: every linear layer, no dropout (its
+    ``get_hf_model`` fixes 0.0 whatever the config says), no bias, the base frozen and the
+    adapters trainable in fp32."""
+    from peft import LoraConfig, get_peft_model
+
+    lora_config = LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules="all-linear", lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM", inference_mode=False, init_lora_weights=True,
+    )  # fmt: skip
+    model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(torch.float32)
+            param.requires_grad_(True)
+    return model
 
 
 def make_weight_sync_scheme(vllm_engine) -> VLLMWeightSyncScheme:

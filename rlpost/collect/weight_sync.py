@@ -12,6 +12,11 @@ fleet like this, and so does code ported to rlpost::
     sender.register_collector(collector)                # its version follows each update
     sender.update_weights()                             # every replica now serves the new weights
 
+The model may be a peft model, as TorchRL's scripts train with LoRA by default: the sender then
+sends (and ``get_model_metadata`` describes) its merged weights under the base model's names, as
+TorchRL's scheme does, computed while they are sent and without changing the model
+(:func:`~rlpost.collect.weight_update.peft_merged_weights`; TorchRL merges a deep copy of it).
+
 Underneath, the sender is a :class:`~rlpost.collect.vLLMUpdater` on the fleet's replicas, so an
 update travels rlpost's versioned bus (NCCL on GPU, gloo or shared memory on CPU, in buckets),
 every step bounded by ``timeout_s``. Before each update the sender reads the version each replica
@@ -220,7 +225,8 @@ class VLLMWeightSender:
 
     def update_weights(self, weights: Any = None) -> int:
         """Send ``weights`` (default: the registered model's) to every replica and return once each
-        serves them; returns the new version."""
+        serves them; returns the new version. A peft model sends its merged weights, the model
+        unchanged (:func:`~rlpost.collect.weight_update.peft_merged_weights`)."""
         if self._updater is None:
             raise RuntimeError("Transport not initialized. Call init_all_workers_group first.")
         if weights is None:
@@ -297,6 +303,11 @@ class vLLMUpdaterV2(vLLMUpdater):  # noqa: N801  (TorchRL's name)
     ``make_vllm_worker``. From an RLvLLMEngine it takes the group's ``master_address`` and
     ``master_port`` and the engine's ``model_metadata`` ({}: each push is not checked), unless
     ``kwargs`` (vLLMUpdater's keywords) give them.
+
+    A peft model (given itself or in a TransformersWrapper, to :meth:`push_weights` or
+    :meth:`push_weights_from_transformers`) sends its merged weights under the base model's names,
+    as TorchRL's does, but leaves the model as it is where TorchRL's ``merge_and_unload()``
+    changes it (:func:`~rlpost.collect.weight_update.peft_merged_weights`).
 
     Deviation from TorchRL: the updater sends over its own group with the engine's workers
     (rlpost's bus) rather than through the engine's ``update_weights``; so it also takes

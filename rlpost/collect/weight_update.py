@@ -21,6 +21,15 @@ worker that does not answer in time (:class:`WorkerTimeout`, a WeightSyncError a
 ``TimeoutError``); a worker that died raises Ray's error. Every worker call of a push is waited
 for before the first failure is raised, so none is left running unobserved.
 
+A peft model (``peft.PeftModel``, as TorchRL's GRPO scripts train with LoRA), given itself or
+inside a TransformersWrapper, is sent as TorchRL's updaters send it: the base model's weights
+under the base model's names (``model.layers.0.self_attn.q_proj.weight``, the names the engine
+loads), each adapted layer's weight with its adapter merged in (``W + scale * B @ A``), and so
+is its :func:`get_model_metadata`. The model being trained is not changed (see
+:func:`peft_merged_weights` for how and what it costs); TorchRL's ``vLLMUpdater`` and
+``vLLMUpdaterV2`` call ``merge_and_unload()`` on the live model instead, which folds the
+adapter into the trained model's base weights and removes it.
+
 Deviation from TorchRL: versions are counted here (and by the workers, which stamp each
 generation with the version they serve), and a push takes any named tensors (a module, its
 ``state_dict``, a TensorDict of parameters) rather than TorchRL's ``TensorDict`` of weights
@@ -30,6 +39,7 @@ only.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -38,6 +48,7 @@ from typing import Any
 import torch
 
 from rlpost.policies.remote_client import is_local_worker, is_remote_worker
+from rlpost.transport.bucketing import StreamedTensors
 from rlpost.transport.weight_bus import NamedTensors, PublishStats, TorchWeightPublisher, WeightSyncError
 
 # A worker call may finish this long after the bus's own timeout (its reload follows the receive).
@@ -50,8 +61,39 @@ class WorkerTimeout(WeightSyncError, TimeoutError):
 
 def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
     """``{name: (dtype, shape)}`` of a module's (or a state_dict's / TensorDict's) tensors: what
-    :meth:`vLLMUpdater.init` takes to check each push (TorchRL's ``get_model_metadata``)."""
-    return {name: (tensor.dtype, tensor.shape) for name, tensor in _named_tensors(model)}
+    :meth:`vLLMUpdater.init` takes to check each push (TorchRL's ``get_model_metadata``). For a
+    peft model, those of its merged weights: the base model's names (nothing is merged to tell)."""
+    weights = _weights_to_send(model)
+    if isinstance(weights, StreamedTensors):
+        return {name: (dtype, torch.Size(shape)) for name, dtype, shape in weights.specs}
+    return {name: (tensor.dtype, tensor.shape) for name, tensor in weights}
+
+
+def peft_merged_weights(model: torch.nn.Module) -> StreamedTensors:
+    """What a push of the peft ``model`` sends: every tensor of its base model under the base
+    model's name, each adapted layer's weight with its active adapters merged in
+    (``W + scale * B @ A``, :func:`rlpost.lora.merged_tensors`, the merge rlpost's own LoRA runs
+    send), in the base weight's dtype.
+
+    The merged tensors are computed, never written into the model: its base weights, adapters,
+    gradients and optimizer state stay as they are, and training goes on with the same
+    parameters (no ``merge_and_unload()`` on the live model, which would fold the adapter into
+    the base weights and drop it). Nor is the model copied: they are made one at a time while the
+    bus sends them (a :class:`~rlpost.transport.bucketing.StreamedTensors`), so the memory a push
+    adds is about one bucket's worth of merged weights (``bucket_mb``, 64 MB by default, two
+    buckets in flight) on top of the buckets every push uses; the tensors no adapter touches are
+    read from the model's own storage. TorchRL's scheme merges a ``copy.deepcopy`` of the model
+    instead, a second copy of the whole model for each sync."""
+    from rlpost import lora
+
+    specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in lora.merged_tensors(model, merge=False))
+
+    @torch.no_grad()
+    def produce():
+        for name, tensor in lora.merged_tensors(model):
+            yield name, tensor.detach().contiguous()
+
+    return StreamedTensors(specs, produce)
 
 
 class vLLMUpdater:  # noqa: N801  (TorchRL's name)
@@ -177,13 +219,14 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
 
     def push_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Publish ``weights`` as ``version`` (default: the last one, or the workers' at the
-        first push, + 1) and return once every worker serves them; returns the version."""
+        first push, + 1) and return once every worker serves them; returns the version. A peft
+        model (or a wrapper of one) sends its merged weights (:func:`peft_merged_weights`)."""
         if weights is None:
             raise ValueError("push_weights needs the weights: a module, a state_dict or a TensorDict of parameters")
         if self.publisher is None:
             self.init()
         version = self.version + 1 if version is None else int(version)
-        named = _named_tensors(weights)
+        named = _weights_to_send(weights)
         if self.model_metadata:  # {} (an engine's, TorchRL's "not known"): nothing to check against
             _check_metadata(named, self.model_metadata)
         self.publish(named, version)
@@ -322,14 +365,36 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return f"vLLMUpdater(workers={count}, version={self.version})"
 
 
-def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a module, a mapping or a TensorDict (nested keys joined by ".");
-    a TransformersWrapper gives its model's (the names the engine loads, without the wrapper's
-    ``model.`` prefix)."""
+def _weights_to_send(weights: Any) -> list[tuple[str, torch.Tensor]] | StreamedTensors:
+    """What a push of ``weights`` sends: a peft model's merged weights (given itself or inside a
+    wrapper), else :func:`_named_tensors`."""
+    model = _unwrapped(weights)
+    if _is_peft_model(model):
+        return peft_merged_weights(model)
+    return _named_tensors(model)
+
+
+def _unwrapped(weights: Any) -> Any:
+    """A TransformersWrapper's model (the names the engine loads are its model's, without the
+    wrapper's ``model.`` prefix); anything else as it is."""
     from rlpost.policies import LLMWrapperBase
 
     if isinstance(weights, LLMWrapperBase) and isinstance(getattr(weights, "model", None), torch.nn.Module):
-        weights = weights.model
+        return weights.model
+    return weights
+
+
+def _is_peft_model(weights: Any) -> bool:
+    """Whether ``weights`` is a ``peft.PeftModel`` (peft is not imported for this: a peft model
+    exists only once its maker imported peft)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(weights, peft.PeftModel)
+
+
+def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a module, a mapping or a TensorDict (nested keys joined by ".");
+    a TransformersWrapper gives its model's."""
+    weights = _unwrapped(weights)
     if isinstance(weights, torch.nn.Module):
         weights = weights.state_dict()
     if hasattr(weights, "flatten_keys") and hasattr(weights, "items"):
@@ -339,9 +404,12 @@ def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
     return [(str(name), tensor.detach().contiguous()) for name, tensor in weights.items()]
 
 
-def _check_metadata(named: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Any]) -> None:
+def _check_metadata(named: list[tuple[str, torch.Tensor]] | StreamedTensors, metadata: Mapping[str, Any]) -> None:
     """Raise a ValueError naming what differs between the weights and ``model_metadata``."""
-    got = {name: tuple(tensor.shape) for name, tensor in named}
+    if isinstance(named, StreamedTensors):
+        got = {name: tuple(shape) for name, _, shape in named.specs}
+    else:
+        got = {name: tuple(tensor.shape) for name, tensor in named}
     want = {name: tuple(shape) for name, (_, shape) in metadata.items()}
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     reshaped = sorted(name for name in want.keys() & got.keys() if want[name] != got[name])
