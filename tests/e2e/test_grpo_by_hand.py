@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_by_hand.py"
 
 
+@pytest.mark.long  # a whole training script (9-14 s): make test-long
 def test_grpo_by_hand_raises_the_reward_and_versions_advance(tiny_model_path):
     spec = importlib.util.spec_from_file_location("grpo_by_hand", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

@@ -60,6 +60,7 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows)
 
 
+@pytest.mark.long  # a whole run through `rlpost train` (30-35 s): make test-long
 def test_a_tool_using_run_joins_an_existing_token_authenticated_cluster(tmp_path, tiny_tool_model_path, ray_head):
     """`rlpost train --address` on the tier's `ray start --head` cluster (token authentication on,
     as Ray 2.60 has it by default; the token found through RAY_AUTH_TOKEN_PATH, RAY_AUTH_MODE
