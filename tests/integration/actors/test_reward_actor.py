@@ -91,8 +91,10 @@ def test_a_generative_judge_reads_its_verdict_from_a_real_engine_and_counts_unpa
         out = engine.generate([list(ids)], {"temperature": 0.0, "max_tokens": 12, "logprobs": False})[0][0]
         replies.append(judge.tokenizer.decode(out.token_ids, skip_special_tokens=True))
     assert result.scores == [float(r.split("<answer>")[1].split("</answer>")[0]) for r in replies]
-    # the verdict follows the question the template rendered (which sums the tiny LM gets right
-    # depends on the CPU that built it: its training's float arithmetic differs between CPUs)
+    # the verdict follows the question the template rendered. Which sums the tiny LM gets right is
+    # not asserted: its weights are the same bytes everywhere (models/), but the engine's CPU
+    # kernels sum in an order that depends on the instruction set, and a near-tie of two tokens
+    # can then go either way
     assert len(set(result.scores)) > 1
 
     strict = RewardModel(rm_config(tiny_model_path, *overrides[:2], "reward_model.judge.max_tokens=12"), engine=engine)
