@@ -1,9 +1,10 @@
 """TorchRL's ``WandbLogger`` (``torchrl.record.loggers.wandb``), as TorchRL's GRPO and
 expert-iteration scripts use it, writing through rlpost's wandb tracker.
 
-wandb is an optional extra (``rlpost[wandb]``) and there is no network here, so wandb is the
-stand-in module that the tracker's own tests use (tests/unit/test_trackers.py): what lands in its
-run's log is what rlpost's :class:`~rlpost.trackers.WandbTracker` would hand to wandb's files.
+wandb is an optional extra (``rlpost[wandb]``) that the dev extra installs. Most tests here use
+the stand-in module of the tracker's own tests (tests/unit/test_trackers.py), which records each
+call, so that they can assert what rlpost's :class:`~rlpost.trackers.WandbTracker` hands to wandb;
+the last one runs the real wandb, offline (there is no network here), and reads its run's files.
 """
 
 from __future__ import annotations
@@ -173,3 +174,24 @@ def test_one_class_at_torchrls_paths():
     from rlpost.torchrl.record.loggers.wandb import WandbLogger as FromScripts
 
     assert FromScripts is WandbLogger is loggers.WandbLogger is record.WandbLogger
+
+
+def test_a_real_offline_wandb_run_holds_what_the_logger_logged(tmp_path, monkeypatch):
+    """The real wandb (the dev extra installs it), offline as it is here: the run's files are under
+    ``save_dir/wandb/``, named after the id the tracker keeps in ``trackers.json``, and its log
+    holds the metrics' keys and values (wandb's history records are protobuf with JSON values)."""
+    pytest.importorskip("wandb", reason="wandb is the optional extra rlpost[wandb]; the dev extra installs it")
+    from rlpost.torchrl.record.loggers.wandb import WandbLogger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(exp_name="grpo-offline", offline=True, save_dir=str(tmp_path), project="rlpost-tests")
+    logger.log_scalar("reward", 0.625, step=1)
+    logger.log_metrics({"reward": 0.875, "kl_to_ref": 0.0312}, step=2)
+    logger.experiment.finish()
+
+    run_id = json.loads((tmp_path / IDS_FILE).read_text())["wandb"]
+    (log,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    data = log.read_bytes()
+    for expected in (b"reward", b"0.625", b"0.875", b"kl_to_ref", b"0.0312"):
+        assert expected in data, expected
