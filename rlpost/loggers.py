@@ -28,42 +28,20 @@ service (no ``use_ray_service``).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import os
 import platform
 import sys
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlpost.trackers import TRACKER_PACKAGES, WandbTracker, numeric_values, remember_id
 
-# wandb.init arguments a WandbLogger passes on, and the variable wandb reads each from
-_INIT_ENV = {
-    "entity": "WANDB_ENTITY",
-    "group": "WANDB_RUN_GROUP",
-    "tags": "WANDB_TAGS",
-    "notes": "WANDB_NOTES",
-    "job_type": "WANDB_JOB_TYPE",
-}
-
-
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set, restored on exit."""
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+# wandb.init arguments a WandbLogger passes on to the tracker's run
+_INIT_ARGUMENTS = ("entity", "group", "tags", "notes", "job_type")
 
 
 def environment_metadata() -> dict[str, Any]:
@@ -140,11 +118,7 @@ class WandbLogger:
         if save_dir and log_dir:
             raise ValueError("log_dir and save_dir point to the same value in WandbLogger. Both cannot be specified.")
         config = kwargs.pop("config", None)
-        env = {}
-        for argument, variable in _INIT_ENV.items():
-            if kwargs.get(argument) is not None:
-                value = kwargs.pop(argument)
-                env[variable] = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+        init_kwargs = {name: value for name in _INIT_ARGUMENTS if (value := kwargs.pop(name, None)) is not None}
         if kwargs:
             raise TypeError(
                 f"WandbLogger: rlpost's wandb run takes no {sorted(kwargs)} (it passes config, entity, group, tags, "
@@ -165,12 +139,9 @@ class WandbLogger:
         # a new run unless an id is given (the tracker would continue the run it remembers)
         self.id = id or uuid.uuid4().hex[:12]
         remember_id(self.log_dir, "wandb", self.id)
-        if project:
-            env["WANDB_PROJECT"] = project
-        if offline:
-            env["WANDB_MODE"] = "offline"
-        with _environ(env):
-            self.tracker = WandbTracker(self.log_dir, exp_name)
+        self.tracker = WandbTracker(
+            self.log_dir, exp_name, project=project, mode="offline" if offline else None, **init_kwargs
+        )
         self._last_steps: dict[str, int] = {}
         if config:
             self.log_hparams(config)

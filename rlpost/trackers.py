@@ -170,18 +170,24 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run_dir: str | Path, run_name: str):
+    def __init__(
+        self, run_dir: str | Path, run_name: str, *, project: str | None = None, mode: str | None = None, **init_kwargs
+    ):
+        """``project`` (default ``WANDB_PROJECT``, else "rlpost") and ``mode`` (default
+        :func:`wandb_mode`) as a caller gives them; ``init_kwargs`` (entity, group, tags, ...)
+        go to ``wandb.init`` as they are."""
         import wandb
 
         run_dir = Path(run_dir)
         run_id = remembered_id(run_dir, "wandb", lambda: uuid.uuid4().hex[:12])
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or "rlpost",
+            project=project or os.environ.get("WANDB_PROJECT") or "rlpost",
             name=run_name,
             id=run_id,
             resume="allow",
             dir=str(run_dir),
-            mode=wandb_mode(os.environ),
+            mode=mode or wandb_mode(os.environ),
+            **init_kwargs,
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

@@ -206,30 +206,26 @@ class Compose(Transform):
             next_td = transform.on_step(td, next_td)
         return next_td
 
-    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+    def _through_each(self, part: str, spec: Composite) -> Composite:
+        """``spec`` passed through each transform's ``transform_<part>_spec`` in order."""
         for transform in self._transforms:
-            observation_spec = transform.transform_observation_spec(observation_spec)
-        return observation_spec
+            spec = getattr(transform, f"transform_{part}_spec")(spec)
+        return spec
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        return self._through_each("observation", observation_spec)
 
     def transform_action_spec(self, action_spec: Composite) -> Composite:
-        for transform in self._transforms:
-            action_spec = transform.transform_action_spec(action_spec)
-        return action_spec
+        return self._through_each("action", action_spec)
 
     def transform_state_spec(self, state_spec: Composite) -> Composite:
-        for transform in self._transforms:
-            state_spec = transform.transform_state_spec(state_spec)
-        return state_spec
+        return self._through_each("state", state_spec)
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        for transform in self._transforms:
-            reward_spec = transform.transform_reward_spec(reward_spec)
-        return reward_spec
+        return self._through_each("reward", reward_spec)
 
     def transform_done_spec(self, done_spec: Composite) -> Composite:
-        for transform in self._transforms:
-            done_spec = transform.transform_done_spec(done_spec)
-        return done_spec
+        return self._through_each("done", done_spec)
 
     def state_dict(self) -> dict[str, Any]:
         return {"transforms": [transform.state_dict() for transform in self._transforms]}

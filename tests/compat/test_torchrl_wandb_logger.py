@@ -32,7 +32,6 @@ class FakeConfig(dict):
 class FakeRun:
     def __init__(self, **kwargs):
         self.kwargs, self.defined, self.logged, self.finished = kwargs, [], [], 0
-        self.environ = {key: value for key, value in os.environ.items() if key.startswith("WANDB_")}
         self.config = FakeConfig()
         self.id = kwargs.get("id")
 
@@ -150,7 +149,7 @@ def test_online_only_with_a_key_and_init_arguments(fake_wandb, tmp_path, monkeyp
     WandbLogger("exp", log_dir=tmp_path, log_env_packages=False, tags=["grpo", "tiny"], group="g", config={"k": 1})
     run = fake_wandb.runs[-1]
     assert run.kwargs["mode"] == "online" and run.kwargs["project"] == "rlpost"
-    assert run.environ["WANDB_TAGS"] == "grpo,tiny" and run.environ["WANDB_RUN_GROUP"] == "g"
+    assert run.kwargs["tags"] == ["grpo", "tiny"] and run.kwargs["group"] == "g"
     assert run.config == {"k": 1}
     assert "WANDB_TAGS" not in os.environ
     with pytest.raises(ValueError, match="Both cannot be specified"):
