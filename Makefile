@@ -102,11 +102,21 @@ monitor: install monitoring-tools
 # reasoning-gym and code runs, every HumanEval solution graded. CI runs the set-up, then both
 # (budget 45 min; hard limit 90). The tiny models' targets only check the
 # shipped folders. Measured times, machine by machine: docs/performance.md.
+# The unit, compat and integration tiers run on TEST_WORKERS pytest-xdist workers (most of their
+# tests keep one core busy, so two workers use both), each worker taking whole files, and a shared
+# engine's users together (tests/conftest.py, pytest_xdist_make_scheduler); the e2e tier's runs, each of which
+# uses every core, run after them one at a time. Both halves run even when the first fails.
+TEST_WORKERS ?= 2
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
-	$(PY) -m pytest tests -m "not long"
+	@status=0; \
+	$(PY) -m pytest tests -m "not long and not e2e" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
+	$(PY) -m pytest tests -m "e2e and not long" || status=$$?; \
+	exit $$status
 
+# The long tests run on TEST_WORKERS workers too, each test on its own (their runs leave a third
+# of the two cores idle, starting and waiting, which a second run fills).
 test-long: install-dev tiny-model tiny-model-tools tiny-reward-model monitoring-tools
-	$(PY) -m pytest tests -m long
+	$(PY) -m pytest tests -m long -n $(TEST_WORKERS) --dist load
 
 lint: install-dev
 	$(PY) -m ruff check .

@@ -11,14 +11,20 @@ Shared engines (SHARED_ENGINES): a vLLM engine that tests of several modules, in
 only read is started once, by its first user, and shut down right after its last one (a start-up
 costs 20-25 s of the 2 cores; an idle engine still holds ~2 GB and some CPU). Within a tier the
 modules that use one run first, in the order of SHARED_ENGINES, so that an engine started by the
-tier before is used and gone early."""
+tier before is used and gone early.
+
+Under pytest-xdist (`make test`'s ``-n 2 --dist loadfile``) each worker runs its share in this
+order; a worker takes each test file whole, and every file that uses a shared engine in one unit
+with the engine's other users (pytest_xdist_make_scheduler)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +61,40 @@ def pytest_collection_modifyitems(config, items):
             f"missing in: {', '.join(unmarked)}"
         )
     items.sort(key=run_order(items))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the dev extra), unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s ``-n 2 --dist loadfile``: a worker takes each test file whole (its
+    module-scoped fixtures, Ray actors among them, start once), and the files whose tests use
+    a shared engine as one unit (:func:`xdist_scope`), so that one worker starts the engine,
+    once, and stops it after its last user. Other ``--dist`` modes are pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileAndEngine(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid.split("::", 1)[0])
+
+    return ByFileAndEngine(config, log)
+
+
+@functools.cache
+def xdist_scope(test_file: str) -> str:
+    """The unit of work of a test file (relative to the repository) for a pytest-xdist worker:
+    the name of the first shared engine its text names as a parameter (a test or fixture of the
+    file asks for it), else the file. The scheduler sees only node ids, not fixtures, so it reads the file; an
+    engine reached only through a conftest's fixture is missed, which costs a second start of
+    the engine on the other worker, not a failure."""
+    if tier_of(REPO / test_file) == "unit":  # no engine there
+        return test_file
+    try:
+        text = (REPO / test_file).read_text()
+    except OSError:
+        return test_file
+    named = [name for name in SHARED_ENGINES if re.search(rf"[(,]\s*{name}\s*[,):]", text)]
+    return named[0] if named else test_file
 
 
 def run_order(items):

@@ -126,3 +126,71 @@ def test_a_shared_engine_starts_once_its_users_go_first_in_their_tier_and_it_sto
     # the last user among the selected tests
     events = re.findall(r"test ran: \S+|engine \w+", run_pytest(root, "-m", "compat", "-k", "first").stdout)
     assert events == ["engine started", "test ran: compat/engine_first", "engine stopped"]
+
+
+LOGGED = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.{tier}
+
+
+def log(event):
+    with open(os.environ["EVENTS"], "a") as out:
+        out.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + " " + event + "\\n")
+"""
+
+LOGGING_ENGINE = (
+    LOGGED
+    + """
+
+@pytest.fixture
+def plain_llm(shared_engines):
+    return shared_engines("plain_llm", lambda: log("engine started") or "engine", lambda _: log("engine stopped"))
+"""
+)
+
+LOGGED_TESTS = (
+    LOGGED
+    + """
+
+def test_{name}_first({fixture}):
+    log("ran {name}_first")
+
+
+def test_{name}_second():
+    log("ran {name}_second")
+"""
+)
+
+
+def test_under_xdist_a_worker_takes_a_file_whole_and_an_engines_users_together(tmp_path, monkeypatch):
+    """`make test`'s ``-n 2 --dist loadfile``: each file's tests run on one worker (its module's
+    fixtures start once), and every file with a user of a shared engine runs on the worker that
+    started it, which starts it once and stops it after its last user."""
+    files = {f"{tier}/conftest.py": LOGGING_ENGINE.format(tier=tier) for tier in ("compat", "integration")}
+    for tier in ("compat", "integration"):
+        files[f"{tier}/test_{tier}_engine.py"] = LOGGED_TESTS.format(
+            tier=tier, name=f"{tier}_engine", fixture="plain_llm"
+        )
+        for k in range(3):
+            name = f"{tier}_plain{k}"
+            files[f"{tier}/test_{name}.py"] = LOGGED_TESTS.format(tier=tier, name=name, fixture="tmp_path")
+    root = suite(tmp_path, files)
+    monkeypatch.setenv("EVENTS", str(root / "events.txt"))
+    out = run_pytest(root, "-n", "2", "--dist", "loadfile")
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = [line.split(" ", 1) for line in (root / "events.txt").read_text().splitlines()]
+    worker = {}  # file -> the workers that ran its tests
+    for who, event in events:
+        if event.startswith("ran "):
+            worker.setdefault(event[4:].rsplit("_", 1)[0], set()).add(who)
+    assert len(worker) == 8 and all(len(workers) == 1 for workers in worker.values()), events
+    assert {next(iter(w)) for w in worker.values()} == {"gw0", "gw1"}  # both workers took files
+    engine = [(who, event) for who, event in events if event.startswith("engine")]
+    assert [event for _, event in engine] == ["engine started", "engine stopped"], events
+    host = engine[0][0]
+    assert worker["compat_engine"] == worker["integration_engine"] == {host}
+    on_host = [event for who, event in events if who == host]
+    assert on_host.index("engine stopped") == on_host.index("ran integration_engine_first") + 1  # its last user
