@@ -104,11 +104,12 @@ monitor: install monitoring-tools
 # shipped folders. Measured times, machine by machine: docs/performance.md.
 # The unit, compat and integration tiers run on TEST_WORKERS pytest-xdist workers (most of their
 # tests keep one core busy, so two workers use both), each worker taking whole files, and a shared
-# engine's users together (tests/conftest.py, pytest_xdist_make_scheduler); the e2e tier's runs, each of which
-# uses every core, run after them one at a time. Both halves run even when the first fails.
+# engine's users together (pytest_xdist_make_scheduler in tests/conftest.py); the e2e tier's runs,
+# each of which uses every core, run after them one at a time. Both halves run even when the first
+# fails; make fails with the status of the last half that failed.
 TEST_WORKERS ?= 2
 test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
-	@status=0; \
+	status=0; \
 	$(PY) -m pytest tests -m "not long and not e2e" -n $(TEST_WORKERS) --dist loadfile || status=$$?; \
 	$(PY) -m pytest tests -m "e2e and not long" || status=$$?; \
 	exit $$status

@@ -84,9 +84,9 @@ def pytest_xdist_make_scheduler(config, log):
 def xdist_scope(test_file: str) -> str:
     """The unit of work of a test file (relative to the repository) for a pytest-xdist worker:
     the name of the first shared engine its text names as a parameter (a test or fixture of the
-    file asks for it), else the file. The scheduler sees only node ids, not fixtures, so it reads the file; an
-    engine reached only through a conftest's fixture is missed, which costs a second start of
-    the engine on the other worker, not a failure."""
+    file asks for it), else the file. The scheduler sees only node ids, not fixtures, so it reads
+    the file; an engine reached only through a conftest's fixture is missed, which costs a second
+    start of the engine on the other worker, not a failure."""
     if tier_of(REPO / test_file) == "unit":  # no engine there
         return test_file
     try:
