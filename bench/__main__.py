@@ -21,7 +21,7 @@ import sys
 import time
 
 from bench.common import REPO
-from rlpost.ray_start import RUN_ENV_VARS
+from rlpost.runtime.ray_start import RUN_ENV_VARS
 
 # name -> module (and its arguments), in the order `make bench` runs them (the buffer benchmark
 # reads the e2e runs; profile_* are the phase profiles of one sync step, issue 8 item 6)

@@ -2,7 +2,7 @@
 
 The buffer is rlpost's real one (``start_buffer``: the Ray actor around LocalBuffer, reached
 through RayBuffer, as the controller starts it for the demo job: capacity one step of 16 groups,
-staleness cap 1). The groups are real ``rlpost.types.Group`` objects shaped like the tiny demo's
+staleness cap 1). The groups are real ``rlpost.data.samples.Group`` objects shaped like the tiny demo's
 (8 samples of a ~30-token prompt + 9 generated tokens, log-probs, masks, text).
 
 - throughput: a producer actor puts batches of 16 groups (one env-pool put per step) as fast as
@@ -27,7 +27,7 @@ PROMPTS_PER_STEP, GROUP_SIZE, PROMPT_LEN, GEN_LEN = 16, 8, 30, 9
 
 
 def make_groups(num_groups: int, seed: int = 0, version: int = 0) -> list:
-    from rlpost.types import Group, Sample
+    from rlpost.data.samples import Group, Sample
 
     rng = random.Random(seed)
     groups = []

@@ -27,7 +27,7 @@ from bench.common import TINY_MODEL, Result, median, qwen05b_model, summary, wai
 
 
 def make_groups(num_groups: int, vocab: int, seed: int = 0):
-    from rlpost.types import Group, Sample
+    from rlpost.data.samples import Group, Sample
 
     rng = random.Random(seed)
     groups = []

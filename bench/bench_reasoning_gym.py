@@ -109,7 +109,7 @@ def check_config(run_overrides: list[str], tasks: dict[str, Any]) -> Any:
 
 def eval_prompts_per_task(cfg: Any) -> dict[str, int]:
     """How many of the eval's prompts each task gets: the eval scores the first eval.num_prompts
-    rows of the held-out split in order (rlpost.evaluation), which these are."""
+    rows of the held-out split in order (rlpost.service.evaluation), which these are."""
     from rlpost.envs.reasoning_gym import reasoning_gym_rows
 
     gym = cfg.data.reasoning_gym
@@ -206,7 +206,7 @@ def main() -> None:
     result.data["settings"]["busy_cores_at_start"] = round(wait_for_quiet(args.quick), 2)
     keep = results_dir(args.quick) / "runs" / "reasoning_gym"
     tmp = Path(tempfile.mkdtemp(prefix="rlpost-bench-"))
-    cmd = [python(), "-m", "rlpost.cli", "train", str(CONFIG), *run_overrides,
+    cmd = [python(), "-m", "rlpost.ops.cli", "train", str(CONFIG), *run_overrides,
            f"logging.run_name=bench-reasoning-gym-{int(time.time())}", "--run-dir", str(tmp / "run")]  # fmt: skip
     print(f"  {steps} steps on {sorted(TASKS)}; eval prompts per task {prompts}", flush=True)
     try:

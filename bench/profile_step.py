@@ -38,7 +38,7 @@ def main() -> None:
     from rlpost.actors.inference import InferenceWorker
     from rlpost.actors.learner import Learner, LearnerSettings
     from rlpost.config import load_config
-    from rlpost.controller import probe_sequence
+    from rlpost.service.loop import probe_sequence
     from rlpost.transport.weight_bus import TorchWeightPublisher
 
     if args.model == "tiny":

@@ -122,7 +122,7 @@ def run_rlpost(
     cmd = [
         python(),
         "-m",
-        "rlpost.cli",
+        "rlpost.ops.cli",
         "train",
         str(CONFIG),
         *work.rlpost_overrides(),

@@ -15,7 +15,7 @@ buffer put or a checkpoint by chance; every third run kills two actors, in a row
 once the run recovered from the first) or at the same moment.
 
 Every fifth run loses a whole node instead: it runs on a two-node cluster on this machine (two
-``ray start`` raylets, :mod:`rlpost.local_cluster`) whose second node holds one of the two
+``ray start`` raylets, :mod:`rlpost.ops.local_cluster`) whose second node holds one of the two
 inference workers and one of the two env pools, and that node's raylet is SIGKILLed (its
 workers die with it, as when a host fails); a third node joins a random 5-30 s later, where
 both come back. A run passes when it finishes every step within its time bound, metrics.jsonl
@@ -199,12 +199,12 @@ def counters_of(victim: str) -> list[str]:
 
 
 class Nodes:
-    """A node plan's cluster (:mod:`rlpost.local_cluster`): a head and a second node, each with
+    """A node plan's cluster (:mod:`rlpost.ops.local_cluster`): a head and a second node, each with
     SLOTS, Ray declaring a silent node dead after ~3 s instead of ~15 s; a third node joins on
     demand. Everything stops when ``stack`` closes."""
 
     def __init__(self, stack: contextlib.ExitStack, folder: Path):
-        from rlpost.local_cluster import head_node, worker_node
+        from rlpost.ops.local_cluster import head_node, worker_node
 
         self.stack, self.worker_node = stack, worker_node
         token = (folder / "ray-token").resolve()  # the nodes start in temp dirs of their own
@@ -251,7 +251,7 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     # a plan's folder from an earlier `make chaos`: the run would refuse it (and its stale
     # ray_address would point the harness at a cluster long gone)
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
+    cmd = [sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml", *overrides(plan, model, steps),
            "--run-dir", str(run_dir)]  # fmt: skip
     killed, late, problems, kill_times = [], [], [], []
     start = time.monotonic()
@@ -299,8 +299,8 @@ def _kill_as_planned(
     ``(victim, wall-clock time)`` of each kill."""
     import ray
 
-    from rlpost.control import check_reachable
-    from rlpost.ray_start import use_ray_token_if_present
+    from rlpost.runtime.ray_start import use_ray_token_if_present
+    from rlpost.service.mailbox import check_reachable
 
     address_file = run_dir / "ray_address"
     while not address_file.is_file():
@@ -408,7 +408,7 @@ def end_actor(handle, way: str) -> None:
 
     import ray
 
-    from rlpost.clients import actor_record
+    from rlpost.service.clients import actor_record
 
     if way == "ray.kill":
         ray.kill(handle)

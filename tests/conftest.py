@@ -260,7 +260,7 @@ def shipped_model(path: Path, up_to_date: bool, target: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """The offline tiny model: shipped in models/tiny-model (or $RLPOST_TINY_MODEL)."""
-    from rlpost.tiny_model_spec import TinyModelSpec, built_spec, spec_dict
+    from rlpost.tiny.spec import TinyModelSpec, built_spec, spec_dict
 
     path = tiny_model_dir()
     return shipped_model(path, built_spec(path) == spec_dict(TinyModelSpec()), "tiny-model")
@@ -270,7 +270,7 @@ def tiny_model_path() -> Path:
 def tiny_tool_model_path() -> Path:
     """The tool_arithmetic variant (``make-tiny-model --task tool_arithmetic``): shipped in
     models/tiny-model-tools (or $RLPOST_TINY_TOOL_MODEL)."""
-    from rlpost.tiny_model_spec import TOOL_SPEC, built_spec, spec_dict
+    from rlpost.tiny.spec import TOOL_SPEC, built_spec, spec_dict
 
     path = Path(os.environ.get("RLPOST_TINY_TOOL_MODEL", REPO / "models" / "tiny-model-tools"))
     return shipped_model(path, built_spec(path) == spec_dict(TOOL_SPEC), "tiny-model-tools")
@@ -283,7 +283,7 @@ def tiny_reward_model_path(tiny_model_path) -> Path:
     tiny LM the session uses."""
     from dataclasses import asdict
 
-    from rlpost.tiny_reward_model import META_FILE, TinyRewardModelSpec, lm_meta
+    from rlpost.tiny.reward_model import META_FILE, TinyRewardModelSpec, lm_meta
 
     path = Path(os.environ.get("RLPOST_TINY_REWARD_MODEL", REPO / "models" / "tiny-reward-model"))
     meta = json.loads((path / META_FILE).read_text()) if (path / META_FILE).is_file() else {}

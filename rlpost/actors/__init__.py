@@ -28,8 +28,8 @@ def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namesp
     GPUs of ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to
     ``.options()`` and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
     ``scheduling_strategy``). The actor answers the watchdog's heartbeat
-    (:func:`rlpost.liveness.remote_class`)."""
-    from rlpost.liveness import remote_class
+    (:func:`rlpost.runtime.liveness.remote_class`)."""
+    from rlpost.runtime.liveness import remote_class
 
     chosen = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus} | options
     remote = remote_class(actor_class).options(name=name, namespace=namespace, **chosen)

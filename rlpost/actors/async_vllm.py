@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlpost.collect.weight_sync import RLvLLMEngine, VLLMWeightSyncScheme
-from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, placed, wait_until_placed
+from rlpost.runtime.placement import PLACEMENT_TIMEOUT_S, asks_of, placed, wait_until_placed
 
 log = logging.getLogger("rlpost")
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
+from rlpost.data.samples import Group, Sample
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
-from rlpost.types import Group, Sample
 
 
 def batch_rows(groups: Sequence[Group]) -> list[tuple[Sample, float]]:

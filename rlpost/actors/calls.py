@@ -10,7 +10,7 @@ from (:func:`classify`):
 
 Any other error propagates as the actor raised it, with the remote traceback chained.
 :class:`Pending` is one call in flight, :class:`GroupPending` one call on every rank of a group,
-:func:`wait_all` waits for several. The run's clients (:mod:`rlpost.clients`) and the learner
+:func:`wait_all` waits for several. The run's clients (:mod:`rlpost.service.clients`) and the learner
 group's start are built on them.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlpost.liveness import recorded_error
-from rlpost.shutdown import raise_if_stopping
+from rlpost.runtime.liveness import recorded_error
+from rlpost.runtime.shutdown import raise_if_stopping
 from rlpost.transport.buffer import BufferLost
 
 STOP_POLL_S = 0.5  # a stoppable wait looks for a stop signal this often
@@ -93,7 +93,7 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
 
 def _why_dead(exc: BaseException) -> str:
     """Why the actor died, as a clause: the error its constructor raised (as the actor recorded
-    it, :func:`rlpost.liveness.recorded_error`, or as Ray reports it), or the sentence of Ray's
+    it, :func:`rlpost.runtime.liveness.recorded_error`, or as Ray reports it), or the sentence of Ray's
     message that names the death ("The actor is dead because its worker process has died")
     with the error the actor recorded before it (a process that aborted on its way out);
     empty when nothing says."""
@@ -123,7 +123,7 @@ class Pending:
 
     def result(self, timeout_s: float, *, stoppable: bool = False):
         """The call's result within ``timeout_s``. ``stoppable``: a stop signal (Ctrl-C, SIGTERM:
-        :func:`rlpost.shutdown.raise_if_stopping`) ends the wait within STOP_POLL_S, raising
+        :func:`rlpost.runtime.shutdown.raise_if_stopping`) ends the wait within STOP_POLL_S, raising
         StopRequested; for the waits of a run's start, where no call in flight must finish first."""
         import ray
 
@@ -169,7 +169,7 @@ class GroupPending:
 
 def wait_stoppably(refs: list, timeout_s: float) -> None:
     """Wait until every one of ``refs`` is ready or ``timeout_s`` passed, raising StopRequested
-    within STOP_POLL_S of a stop signal (:func:`rlpost.shutdown.raise_if_stopping`)."""
+    within STOP_POLL_S of a stop signal (:func:`rlpost.runtime.shutdown.raise_if_stopping`)."""
     import time
 
     import ray

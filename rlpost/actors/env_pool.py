@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 from rlpost.actors import start_actor
 from rlpost.actors.calls import InferenceWorkerLost
 from rlpost.collect import LLMCollector, PolicyVersion, WholeEpisodes
+from rlpost.data.samples import Group
 from rlpost.envs import make_env
 from rlpost.envs.tasks import fit_prompts
 from rlpost.policies import vLLMWrapper
 from rlpost.transport.buffer import DEFAULT_PUT_TIMEOUT_S, GroupWriter, RayBuffer
-from rlpost.types import Group
 
 if TYPE_CHECKING:
     from rlpost.config import (
@@ -178,7 +178,7 @@ class EnvPool(LLMCollector):
             engine_client.on_worker_lost = self._on_worker_lost
         self.metrics = None
         if report_metrics:
-            from rlpost.metrics import RoleMetrics
+            from rlpost.record.metrics import RoleMetrics
 
             self.metrics = RoleMetrics("env_pool", cfg.run_name, self.name)
 

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
-from rlpost.liveness import progress, record_error, working
-from rlpost.lora import engine_lora_kwargs, engine_supports_lora, sync_route
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
+from rlpost.policies.lora import engine_lora_kwargs, engine_supports_lora, sync_route
 from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
+from rlpost.runtime.liveness import progress, record_error, working
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -69,7 +69,9 @@ class InferenceSettings:
     dtype: str  # ``model.dtype``: the engine's dtype, and the dtype the weights are published in
     resources: RoleResources  # ``resources.inference``
     run_name: str = ""  # the run whose metrics the worker reports under
-    lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (rlpost.lora.sync_route)
+    lora: LoraConfig | None = (
+        None  # ``model.lora`` when the engines serve the adapter (rlpost.policies.lora.sync_route)
+    )
     inflight_updates: bool = True  # ``weight_sync.inflight_updates``
 
     @classmethod
@@ -110,7 +112,7 @@ def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, ind
     """Start one :class:`InferenceActor` with the Ray actor ``options`` (resources, name,
     scheduling). The actor is threaded, so that an update reaches a running generate call
     (in-flight updates); the worker itself lets one call at a time use its engine."""
-    from rlpost.liveness import remote_class
+    from rlpost.runtime.liveness import remote_class
 
     options = {"max_concurrency": 8, **options}
     return (
@@ -290,7 +292,7 @@ class InferenceWorker:
 
     def _after_step(self) -> None:
         """After each engine step of a generate call: the work progressed (the watchdog's
-        measure, :mod:`rlpost.liveness`), and a pending weight update moves on when updates
+        measure, :mod:`rlpost.runtime.liveness`), and a pending weight update moves on when updates
         land in flight (:meth:`_between_steps`)."""
         progress()
         if self.inflight_updates and self.lora is None:
@@ -438,7 +440,7 @@ class InferenceWorker:
         the engine, then drop the previous one (its id and its folder)."""
         from vllm.lora.request import LoRARequest
 
-        from rlpost.lora import adapter_config_dict
+        from rlpost.policies.lora import adapter_config_dict
 
         self._adapter_loads += 1
         folder = os.path.join(self._adapter_root, f"load-{self._adapter_loads}")
@@ -519,7 +521,7 @@ class InferenceActor(InferenceWorker):
     ENGINE_WATCH_S = 1.0
 
     def __init__(self, *args, run_name: str = "", **kwargs):
-        from rlpost.metrics import RoleMetrics
+        from rlpost.record.metrics import RoleMetrics
 
         self._stopping = False  # shutdown() was called: vLLM's own shutdown marks the engine dead
         super().__init__(*args, **kwargs)

@@ -27,10 +27,10 @@ import torch
 from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
 from rlpost.config import ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
+from rlpost.data.samples import Group, Sample
 from rlpost.envs.kl import KLServiceActor, RetrieveKL
-from rlpost.liveness import working
+from rlpost.runtime.liveness import working
 from rlpost.transport.named_actor import NamedActorClient
-from rlpost.types import Group, Sample
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -124,7 +124,7 @@ class ReferenceActor(Reference):
 
     def __init__(self, cfg: ReferenceSettings):
         from rlpost.actors.learner import set_torch_threads
-        from rlpost.metrics import RoleMetrics
+        from rlpost.record.metrics import RoleMetrics
 
         set_torch_threads(cfg.resources.num_threads)
         super().__init__(cfg)

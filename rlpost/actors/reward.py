@@ -39,7 +39,7 @@ import torch
 
 from rlpost.actors import REWARD_ACTOR, start_actor
 from rlpost.config import RewardModelConfig, TorchRoleResources
-from rlpost.liveness import progress, working
+from rlpost.runtime.liveness import progress, working
 
 if TYPE_CHECKING:
     from rlpost.config import JobConfig
@@ -250,7 +250,7 @@ class RewardActor(RewardModel):
 
     def __init__(self, settings: RewardSettings):
         from rlpost.actors.learner import set_torch_threads
-        from rlpost.metrics import RoleMetrics
+        from rlpost.record.metrics import RoleMetrics
 
         set_torch_threads(settings.resources.num_threads)
         super().__init__(settings.reward_model)

@@ -97,7 +97,7 @@ from typing import Literal
 import torch
 
 from rlpost.algo.kl import KL_ESTIMATORS, KLEstimator, kl_per_token
-from rlpost.dotted import load_callable
+from rlpost.runtime.dotted import load_callable
 
 Aggregation = Literal["token_mean", "sequence_mean", "sequence_sum_norm", "none"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_norm", "none")

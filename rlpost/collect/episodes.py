@@ -14,7 +14,7 @@ In that mode (the mode ``rlpost train``'s env pools and evaluation run) one batc
 This module holds the pieces the loop uses: its settings (:class:`WholeEpisodes`), the recorder
 of engine calls, the episode being built, the running totals and the grouping.
 
-What a Sample holds (rlpost.types): ``token_ids`` = the first prompt's ids + for each turn
+What a Sample holds (rlpost.data.samples): ``token_ids`` = the first prompt's ids + for each turn
 (the ids the env added since the last turn, e.g. a tool message) + (the ids the engine
 generated); ``loss_mask`` is True exactly on generated ids; ``logprobs`` are the engine's
 behaviour log-probs there and 0.0 elsewhere; ``reward`` is the sum of the env's step rewards
@@ -41,10 +41,11 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpost.algo import ADVANTAGE_SCALES, scale_by_batch_std, top_k_above_median
+from rlpost.data.samples import Group, Sample
 from rlpost.envs.chat import as_list
-from rlpost.envs.transforms import REWARD_PARTS_KEY, TOOL_STAT_KEYS
+from rlpost.envs.tool_transforms import TOOL_STAT_KEYS
+from rlpost.envs.transforms import REWARD_PARTS_KEY
 from rlpost.objectives.mc_advantage import MCAdvantage
-from rlpost.types import Group, Sample
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.collect import episodes as ep
 from rlpost.collect.episodes import CollectorStats, WholeEpisodes
-from rlpost.liveness import remote_class
-from rlpost.types import Group
+from rlpost.data.samples import Group
+from rlpost.runtime.liveness import remote_class
 
 logger = logging.getLogger(__name__)
 

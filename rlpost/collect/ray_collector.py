@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlpost.collect.llm_collector import LLMCollector
-from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
+from rlpost.runtime.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 
 # Ray options of the collector's actor when none are given: it mostly waits on its env and the
 # inference workers, so it reserves no CPU of its own.
@@ -52,7 +52,7 @@ class RayLLMCollector(LLMCollector):
         timeout_s: bound of each call into the actor (rlpost's).
         placement_timeout_s: bound of the wait for the cluster to place the actor (what
             ``remote_config`` asks for); past it the constructor fails naming the resources
-            (rlpost's; :mod:`rlpost.placement`).
+            (rlpost's; :mod:`rlpost.runtime.placement`).
     """
 
     def __init__(

@@ -72,7 +72,7 @@ def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
 def peft_merged_weights(model: torch.nn.Module) -> StreamedTensors:
     """What a push of the peft ``model`` sends: every tensor of its base model under the base
     model's name, each adapted layer's weight with its active adapters merged in
-    (``W + scale * B @ A``, :func:`rlpost.lora.merged_tensors`, the merge rlpost's own LoRA runs
+    (``W + scale * B @ A``, :func:`rlpost.policies.lora.merged_tensors`, the merge rlpost's own LoRA runs
     send), in the base weight's dtype.
 
     The merged tensors are computed, never written into the model: its base weights, adapters,
@@ -84,7 +84,7 @@ def peft_merged_weights(model: torch.nn.Module) -> StreamedTensors:
     buckets in flight) on top of the buckets every push uses; the tensors no adapter touches are
     read from the model's own storage. TorchRL's scheme merges a ``copy.deepcopy`` of the model
     instead, a second copy of the whole model for each sync."""
-    from rlpost import lora
+    from rlpost.policies import lora
 
     specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in lora.merged_tensors(model, merge=False))
 

@@ -48,10 +48,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rlpost.buffer_host import BufferHost
+from rlpost.data.buffer_host import BufferHost
 from rlpost.data.replay_buffers import ReplayBuffer
-from rlpost.liveness import remote_class
-from rlpost.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
+from rlpost.runtime.liveness import remote_class
+from rlpost.runtime.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 
 log = logging.getLogger("rlpost")
 
@@ -68,7 +68,7 @@ class RayReplayBuffer(ReplayBuffer):
         timeout_s: bound of each call into the actor (rlpost's).
         placement_timeout_s: bound of the wait for the cluster to place the actor (what
             ``remote_config`` asks for); past it the constructor fails naming the resources
-            (rlpost's; :mod:`rlpost.placement`).
+            (rlpost's; :mod:`rlpost.runtime.placement`).
         **kwargs: the buffer's arguments (``storage``, ``sampler`` and ``transform_factory`` as
             constructors; ``batch_size``, ``collate_fn``).
     """

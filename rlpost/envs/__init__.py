@@ -44,7 +44,7 @@ from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.browser import BrowserTransform
 from rlpost.envs.chat import ChatEnv, DatasetChatEnv
 from rlpost.envs.code import CodeEnv, CodeTestReward
-from rlpost.envs.common import EnvBase, TransformedEnv
+from rlpost.envs.common import EnvBase
 from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
 from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
@@ -78,17 +78,14 @@ from rlpost.envs.tasks import (
 )
 from rlpost.envs.tool_parsers import JSONCallParser, XMLBlockParser
 from rlpost.envs.tool_services import ExecuteToolsInOrder, ToolRegistry, ToolService
-from rlpost.envs.transforms import (
-    Compose,
+from rlpost.envs.tool_transforms import (
     HermesToolCallParser,
     PythonInterpreter,
     SimpleToolTransform,
     StopWithoutToolCall,
     ToolCall,
-    Transform,
-    as_nested_tensor,
-    as_padded_tensor,
 )
+from rlpost.envs.transforms import Compose, Transform, TransformedEnv, as_nested_tensor, as_padded_tensor
 
 __all__ = [
     "AddThinkingPrompt",

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpost.envs.event_loop import EventLoopThread
-from rlpost.envs.transforms import SimpleToolTransform, ToolCall
+from rlpost.envs.tool_transforms import SimpleToolTransform, ToolCall
 
 ACTIONS = ("navigate", "click", "type", "scroll", "extract")
 EXTRACT_TYPES = ("text", "html", "attribute")

@@ -21,7 +21,7 @@ show them): a reset input may give the query under ``"text"``, and a step input 
 text under ``"text_response"``, or the whole conversation as a bare History under ``"history"``,
 instead of ``history.full``.
 
-``env.append_transform(t)`` returns a new :class:`~rlpost.envs.common.TransformedEnv` (this env
+``env.append_transform(t)`` returns a new :class:`~rlpost.envs.transforms.TransformedEnv` (this env
 is left as it was); ``reset(None)`` and a reset input without the query raise
 :class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError, as in TorchRL). Specs
 (``full_observation_spec``, ``full_action_spec``, ``full_state_spec``, reward and done specs)
@@ -47,11 +47,11 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import EnvBase, TransformedEnv
+from rlpost.envs.common import EnvBase
 from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer, is_batch_iterable
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
-from rlpost.envs.transforms import Transform
+from rlpost.envs.transforms import Transform, TransformedEnv
 from rlpost.envs.turns import TurnRenderer
 from rlpost.policies.inputs import is_lazy
 
@@ -81,7 +81,7 @@ class ChatEnv(EnvBase):
         max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
             None for no limit.
         with_tokenizer: TorchRL's option: ``ChatEnv(..., with_tokenizer=True)`` returns the env
-            wrapped in a :class:`~rlpost.envs.common.TransformedEnv` with an
+            wrapped in a :class:`~rlpost.envs.transforms.TransformedEnv` with an
             :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer` of ``tokenizer``
             (required then), which keeps ``tokens.prompt`` beside ``history.prompt``; the same
             as :meth:`with_tokenizer`.
@@ -155,7 +155,7 @@ class ChatEnv(EnvBase):
         return (self.data_key, "system_prompt", "step_count")
 
     def append_transform(self, transform: Transform) -> TransformedEnv:
-        """A new :class:`~rlpost.envs.common.TransformedEnv` of this env and ``transform``; this
+        """A new :class:`~rlpost.envs.transforms.TransformedEnv` of this env and ``transform``; this
         env is left as it was (TorchRL's ``EnvBase.append_transform``)."""
         return TransformedEnv(self, transform)
 
@@ -470,7 +470,7 @@ class ChatEnv(EnvBase):
 
 class DatasetChatEnv(TransformedEnv):
     """A :class:`ChatEnv` whose prompts come from a dataset through a :class:`DataLoadingPrimer`
-    (a :class:`~rlpost.envs.common.TransformedEnv`: ``env.base_env`` is the ChatEnv,
+    (a :class:`~rlpost.envs.transforms.TransformedEnv`: ``env.base_env`` is the ChatEnv,
     ``env.transform[0]`` and ``env.primer`` the primer).
 
     The base of GSM8KEnv, ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer

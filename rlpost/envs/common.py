@@ -1,10 +1,10 @@
-"""The run loop of an env and its transforms: :class:`EnvBase` and :class:`TransformedEnv`.
+"""The run loop of an env and its transforms: :class:`EnvBase` (TorchRL's ``torchrl.envs.common``).
 
 A base env (:class:`~rlpost.envs.chat.ChatEnv`) knows how to build a first prompt (``_reset``)
 and the next one (``_step``). Transforms (:class:`~rlpost.envs.transforms.Transform`) add data
 loading, rewards and tools through hooks. :class:`EnvBase` runs both, for a base env alone and
-for a :class:`TransformedEnv` (a base env plus a :class:`~rlpost.envs.transforms.Compose` of
-transforms)::
+for a :class:`~rlpost.envs.transforms.TransformedEnv` (a base env plus a
+:class:`~rlpost.envs.transforms.Compose` of transforms)::
 
     reset(td):  td = t.reset_preprocess(td)   for t in transforms    # e.g. load the query
                 out = base._reset(td)
@@ -31,11 +31,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from rlpost.envs.errors import EnvInputError
-from rlpost.envs.transforms import Compose, Transform
 
 if TYPE_CHECKING:
     from rlpost.data.specs import Composite
@@ -272,65 +270,6 @@ class EnvBase:
     @property
     def done_keys(self) -> list:
         return list(FLAGS)
-
-
-class TransformedEnv(EnvBase):
-    """A base env with a :class:`~rlpost.envs.transforms.Compose` of transforms (TorchRL's
-    ``TransformedEnv``).
-
-    Args:
-        env: the base env; a TransformedEnv's base env and transforms are taken over (its own
-            transform list is left as it was).
-        transform: a transform, a Compose, or None.
-
-    ``env.transform`` is the Compose (``env.transform[0]`` is the first transform);
-    ``append_transform`` and ``insert_transform`` edit it in place.
-    """
-
-    def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
-        if not isinstance(env, EnvBase):
-            raise ValueError(f"TransformedEnv expects an env, got {type(env).__name__}")
-        inner = list(env.transforms) if isinstance(env, TransformedEnv) else []
-        self.__dict__["base_env"] = env.base_env
-        self.__dict__["transform"] = Compose()
-        for existing in inner:
-            self.append_transform(existing)
-        if transform is not None:
-            self.append_transform(transform)
-
-    @property
-    def transforms(self) -> list[Transform]:
-        return list(self.transform)
-
-    def append_transform(self, transform: Transform) -> TransformedEnv:
-        """Append ``transform`` (in place) and return this env, for chaining."""
-        if not isinstance(transform, Transform):
-            raise ValueError(f"append_transform expects a Transform, got {type(transform).__name__}")
-        transform.parent = self
-        self.transform.append(transform)
-        return self
-
-    def insert_transform(self, index: int, transform: Transform) -> TransformedEnv:
-        """Insert ``transform`` at ``index`` (in place) and return this env."""
-        if not isinstance(transform, Transform):
-            raise ValueError(f"insert_transform expects a Transform, got {type(transform).__name__}")
-        transform.parent = self
-        self.transform.insert(index, transform)
-        return self
-
-    @property
-    def batch_size(self) -> torch.Size:
-        return self.base_env.batch_size
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes this env does not have: ask the base env.
-        base = self.__dict__.get("base_env")
-        if base is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(base, name)
-
-    def __repr__(self) -> str:
-        return f"TransformedEnv(env={self.base_env!r}, transform={self.transform!r})"
 
 
 def _stack_steps(steps: list[TensorDictBase], dim: int) -> TensorDictBase:

@@ -89,7 +89,7 @@ _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TURN_END = "<|im_end|>"
-_MATH_VERIFY_EQUAL = "rlpost.math_verify_check:math_verify_equal"  # imported by the worker only
+_MATH_VERIFY_EQUAL = "rlpost.envs.math_verify_check:math_verify_equal"  # imported by the worker only
 _POOL_LOCK = threading.Lock()  # module-level, so that parsers (and the envs holding them) stay picklable
 
 

@@ -27,7 +27,8 @@ from rlpost.data.specs import Composite, Unbounded
 from rlpost.data.templates import resolve_template  # the template History itself renders with
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.llm_transforms import AddThinkingPrompt, NestedKey, as_key, stack_rows, tensor_rows
-from rlpost.envs.transforms import ToolTransformBase, Transform
+from rlpost.envs.tool_transforms import ToolTransformBase
+from rlpost.envs.transforms import Transform
 from rlpost.envs.turns import TurnRenderer, close_with
 
 

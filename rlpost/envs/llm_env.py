@@ -3,7 +3,7 @@ each action) and :class:`LLMHashingEnv` (token ids identified by a running hash)
 
 Both run on rlpost's env loop (:class:`~rlpost.envs.common.EnvBase`: reset, step,
 ``step_and_maybe_reset``, ``rollout``) and take rlpost's transforms. Their
-``append_transform`` returns a :class:`~rlpost.envs.common.TransformedEnv` that also runs the
+``append_transform`` returns a :class:`~rlpost.envs.transforms.TransformedEnv` that also runs the
 transforms' inverse pass (``inv``, e.g. :class:`~rlpost.envs.llm_transforms.Tokenizer`
 decoding a token action into the text the env concatenates) before each step, resets a
 batch-less env, and answers the env's own action, reward and done keys.
@@ -35,7 +35,7 @@ from tensordict import (
 )
 
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import FLAGS, EnvBase, TransformedEnv
+from rlpost.envs.common import FLAGS, EnvBase
 from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.llm_transforms import (
@@ -49,7 +49,7 @@ from rlpost.envs.llm_transforms import (
     stack_rows,
     tensor_rows,
 )
-from rlpost.envs.transforms import Compose, Transform
+from rlpost.envs.transforms import Compose, Transform, TransformedEnv
 
 NestedKey = Any
 

@@ -6,7 +6,7 @@ They use rlpost's hook protocol (:mod:`rlpost.envs.transforms`: ``reset_preproce
 step's input before the base env sees it (e.g. decoding the policy's tokens into the text action
 an :class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of :mod:`rlpost.envs.llm_env`
 run it (transforms in reverse order, as TorchRL's ``Compose.inv``); a plain
-:class:`~rlpost.envs.common.TransformedEnv` of a :class:`~rlpost.envs.chat.ChatEnv` does not.
+:class:`~rlpost.envs.transforms.TransformedEnv` of a :class:`~rlpost.envs.chat.ChatEnv` does not.
 
 Batches: these transforms accept a ``[B]`` batch and, for a batchless
 :class:`~rlpost.envs.llm_env.LLMEnv`, a ``[]`` one.

@@ -12,7 +12,7 @@ An answer is right when it equals the reference once both are normalised
 (:meth:`MATHRewardParser.normalize_answer`: whitespace, ``$``, ``\\left``/``\\right`` and LaTeX
 spacing removed) or when math-verify finds them equivalent (``\\frac{1}{2}`` and ``0.5``,
 ``x^2+1`` and ``1+x^2``). math-verify runs in a worker process with a wall-clock limit, as for
-GSM8K (rlpost's one checker, :mod:`rlpost.math_verify_check`).
+GSM8K (rlpost's one checker, :mod:`rlpost.envs.math_verify_check`).
 
 Deliberate deviations from TorchRL (each tested):
 

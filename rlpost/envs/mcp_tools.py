@@ -12,7 +12,7 @@ The sessions live on one event loop on a thread of the transform's own
 (:class:`~rlpost.envs.event_loop.EventLoopThread`); the env's synchronous hooks submit calls to
 it. A server is a program the user configured, trusted as such; the transform passes it the
 model's arguments and nothing else. A server whose tools run model-written code must contain
-that code itself (or use :class:`~rlpost.envs.transforms.PythonInterpreter`, which runs it in
+that code itself (or use :class:`~rlpost.envs.tool_transforms.PythonInterpreter`, which runs it in
 rlpost's sandbox).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from rlpost.envs.event_loop import EventLoopThread
-from rlpost.envs.transforms import ToolCall, ToolTransformBase, find_pattern_calls
+from rlpost.envs.tool_transforms import ToolCall, ToolTransformBase, find_pattern_calls
 
 logger = logging.getLogger(__name__)
 

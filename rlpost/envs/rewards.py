@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlpost.dotted import load_callable
+from rlpost.runtime.dotted import load_callable
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 CORRECT_REWARD, FORMAT_REWARD = 1.0, 0.1
@@ -143,7 +143,7 @@ def reward_value(value: Any) -> tuple[float, str | None]:
 
 def load_reward_fn(dotted_path: str) -> RewardFn:
     """The reward function at ``"package.module:function"`` or ``"package.module.function"``
-    (:func:`rlpost.dotted.load_callable`; its ValueError names the path)."""
+    (:func:`rlpost.runtime.dotted.load_callable`; its ValueError names the path)."""
     return load_callable(dotted_path, "reward function")
 
 

@@ -37,14 +37,14 @@ from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT, GSM8KEnv, GSM8KRewardParser  # noqa: F401  (re-exported)
 from rlpost.envs.rewards import add_reward, answer_reward, has_answer, load_reward_fn, reward_value
 from rlpost.envs.sandbox import SandboxUnavailable
-from rlpost.envs.transforms import (
+from rlpost.envs.tool_transforms import (
     HermesToolCallParser,
     PythonInterpreter,
     SimpleToolTransform,
     StopWithoutToolCall,
     ToolTransformBase,
-    Transform,
 )
+from rlpost.envs.transforms import Transform
 
 if TYPE_CHECKING:
     from rlpost.config import DataConfig, RewardModelConfig, RolloutConfig, ToolsConfig
@@ -201,7 +201,7 @@ class ToolArithmeticEnv(ArithmeticEnv):
     """Products too large to work out in the head ("What is 4821 * 937?"), offline: the tiny
     model's tool-use task. As :class:`ArithmeticEnv`, with rows from
     :func:`~rlpost.envs.arithmetic.make_tool_arithmetic_rows` and 2 steps by default: append a
-    :class:`~rlpost.envs.transforms.PythonInterpreter` (``make_env`` does), and the model computes
+    :class:`~rlpost.envs.tool_transforms.PythonInterpreter` (``make_env`` does), and the model computes
     in one turn and answers in the next.
     """
 

@@ -2,9 +2,9 @@
 
 A parser is any callable ``parser(response) -> ParseResult`` (:class:`LLMToolParser`): the
 response text (or an already decoded dict) in; the user-visible text without the call blocks,
-the calls as :class:`~rlpost.envs.transforms.ToolCall` in order of appearance, and a ``meta``
+the calls as :class:`~rlpost.envs.tool_transforms.ToolCall` in order of appearance, and a ``meta``
 dict out. :class:`ExecuteToolsInOrder <rlpost.envs.tool_services.ExecuteToolsInOrder>` and
-:class:`~rlpost.envs.transforms.SimpleToolTransform` take one. Formats::
+:class:`~rlpost.envs.tool_transforms.SimpleToolTransform` take one. Formats::
 
     XMLBlockParser    <tool name="search" tag="A">{"query": "torchrl"}</tool>
     JSONCallParser    {"message": "...", "tools": [{"tool": "search", "args": {...}, "tag": "A"}]}
@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Protocol, TypedDict
 
-from rlpost.envs.transforms import ToolCall
+from rlpost.envs.tool_transforms import ToolCall
 
 
 class ParseResult(TypedDict):

@@ -10,7 +10,7 @@ the calls appear, and appends one tool message with every result::
     env = ChatEnv(batch_size=(1,)).append_transform(
         ExecuteToolsInOrder(registry=registry, parser=XMLBlockParser()))
 
-How it differs from :class:`~rlpost.envs.transforms.SimpleToolTransform`, which also calls
+How it differs from :class:`~rlpost.envs.tool_transforms.SimpleToolTransform`, which also calls
 named tools: a service is an object called in the env's process (it may hold a client, a
 cache, a sandbox pool), where SimpleToolTransform's tools are importable functions it runs in
 worker processes with a time limit. A service that runs model-written code must run it in the
@@ -27,7 +27,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.envs.tool_parsers import LLMToolParser, ParseResult
-from rlpost.envs.transforms import ToolCall, ToolTransformBase
+from rlpost.envs.tool_transforms import ToolCall, ToolTransformBase
 
 
 class ToolService(Protocol):

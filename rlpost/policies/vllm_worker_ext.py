@@ -123,7 +123,7 @@ class WeightSyncExtension:
     def rlpost_receive_adapter(self, timeout_s: float, folder: str, adapter_config: dict) -> dict:
         """Receive the next update, a LoRA adapter's tensors, and write it as an adapter folder
         (``folder``) that the engine then loads as a LoRA adapter; returns version and timings."""
-        from rlpost.lora import write_adapter
+        from rlpost.policies.lora import write_adapter
 
         start = time.perf_counter()
         version, tensors = self._rlpost_receiver.receive(timeout_s)

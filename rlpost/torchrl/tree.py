@@ -87,7 +87,7 @@ _BUFFERS = _same(
     "SamplerWithoutReplacement",
     "TensorDictReplayBuffer",
 )
-_WANDB_LOGGER = _same("rlpost.loggers", "WandbLogger")
+_WANDB_LOGGER = _same("rlpost.record.loggers", "WandbLogger")
 _WORKERS = _same("rlpost.actors.vllm_workers", "make_vllm_worker") | _same(
     "rlpost.transport", "stateless_init_process_group"
 )
@@ -141,8 +141,8 @@ _VLLM_DOUBLE_BUFFER = _missing(
 
 TREE: dict[str, dict[str, str | NotInRlpost]] = {
     "": {"torchrl_logger": "rlpost.torchrl.tree:torchrl_logger", "logger": "rlpost.torchrl.tree:torchrl_logger"}
-    | _same("rlpost.ray_start", "merge_ray_runtime_env", "get_ray_default_runtime_env")
-    | _same("rlpost.timing", "timeit")
+    | _same("rlpost.runtime.ray_start", "merge_ray_runtime_env", "get_ray_default_runtime_env")
+    | _same("rlpost.record.timing", "timeit")
     | _missing(
         TORCHRL_UTILITY,
         "auto_unwrap_transformed_env",
@@ -156,8 +156,8 @@ TREE: dict[str, dict[str, str | NotInRlpost]] = {
         "transport_backend",
     ),
     "_utils": {"logger": "rlpost.torchrl.tree:torchrl_logger"}
-    | _same("rlpost.timing", "timeit")
-    | _same("rlpost.ray_start", "merge_ray_runtime_env"),
+    | _same("rlpost.record.timing", "timeit")
+    | _same("rlpost.runtime.ray_start", "merge_ray_runtime_env"),
     # data
     "data": _same("rlpost.data", "History", "RandomSampler", "Storage")
     | _BUFFERS

@@ -444,7 +444,7 @@ class BufferMetrics:
         self._metrics: Any = None  # made in the actor, on the first report
 
     def __call__(self, stats: BufferStats) -> None:
-        from rlpost.metrics import RoleMetrics
+        from rlpost.record.metrics import RoleMetrics
 
         if self._metrics is None:
             self._metrics = RoleMetrics("buffer", self.run_name, "buffer")

@@ -53,7 +53,7 @@ def test_python_interpreter_example(tiny_tokenizer):
     """TorchRL LLM interface page, "Transforms": a ChatEnv with a PythonInterpreter executes the
     code of the (simulated) LLM response and adds the tool's answer to the history."""
     from rlpost.envs import ChatEnv
-    from rlpost.envs.transforms import PythonInterpreter
+    from rlpost.envs.tool_transforms import PythonInterpreter
 
     tokenizer = tiny_tokenizer
     with set_list_to_stack(True):
@@ -81,7 +81,8 @@ def test_python_interpreter_example(tiny_tokenizer):
     [
         ("rlpost.data", ["History", "ContentBase", "LLMData"]),
         ("rlpost.policies", ["TransformersWrapper", "vLLMWrapper", "CategoricalSequential", "LLMOnDevice"]),
-        ("rlpost.envs.transforms", ["PythonInterpreter", "as_nested_tensor", "as_padded_tensor"]),
+        ("rlpost.envs.tool_transforms", ["PythonInterpreter"]),
+        ("rlpost.envs.transforms", ["as_nested_tensor", "as_padded_tensor"]),
         ("rlpost.objectives", ["GRPOLoss", "GRPOLossOutput", "MCAdvantage"]),
         ("rlpost.collect", ["LLMCollector"]),
     ],

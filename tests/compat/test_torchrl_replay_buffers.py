@@ -150,7 +150,7 @@ def test_the_buffer_host_builds_it_as_ray_replay_buffer_would():
     """RayReplayBuffer(replay_buffer_cls=TensorDictReplayBuffer, sampler=partial(PrioritizedSampler,
     ...), priority_key=...): the actor builds the buffer from those arguments (BufferHost, here
     in this process: no Ray cluster)."""
-    from rlpost.buffer_host import BufferHost
+    from rlpost.data.buffer_host import BufferHost
 
     host = BufferHost(
         TensorDictReplayBuffer,

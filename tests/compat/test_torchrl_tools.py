@@ -26,12 +26,12 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from rlpost.data import History
 from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
-from rlpost.envs.common import TransformedEnv
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.tool_parsers import JSONCallParser, XMLBlockParser
 from rlpost.envs.tool_services import ExecuteToolsInOrder, ToolRegistry
-from rlpost.envs.transforms import PythonInterpreter, SimpleToolTransform, ToolCall
+from rlpost.envs.tool_transforms import PythonInterpreter, SimpleToolTransform, ToolCall
+from rlpost.envs.transforms import TransformedEnv
 
 pytestmark = pytest.mark.compat
 

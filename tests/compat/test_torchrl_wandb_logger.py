@@ -3,7 +3,7 @@ expert-iteration scripts use it, writing through rlpost's wandb tracker.
 
 wandb is an optional extra (``rlpost[wandb]``) that the dev extra installs. Most tests here use
 the stand-in module of the tracker's own tests (tests/unit/test_trackers.py), which records each
-call, so that they can assert what rlpost's :class:`~rlpost.trackers.WandbTracker` hands to wandb;
+call, so that they can assert what rlpost's :class:`~rlpost.record.trackers.WandbTracker` hands to wandb;
 the last one runs the real wandb, offline (there is no network here), and reads its run's files.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlpost.trackers import IDS_FILE
+from rlpost.record.trackers import IDS_FILE
 
 pytestmark = pytest.mark.compat
 
@@ -169,7 +169,7 @@ def test_without_wandb_the_error_says_what_to_install(monkeypatch, tmp_path):
 def test_one_class_at_torchrls_paths():
     import rlpost.torchrl.record as record
     import rlpost.torchrl.record.loggers as loggers
-    from rlpost.loggers import WandbLogger
+    from rlpost.record.loggers import WandbLogger
     from rlpost.torchrl.record.loggers.wandb import WandbLogger as FromScripts
 
     assert FromScripts is WandbLogger is loggers.WandbLogger is record.WandbLogger

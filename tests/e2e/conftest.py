@@ -7,7 +7,7 @@ on it skips the start and stop of a cluster of its own (~10 s of the 2 cores eac
 about a cluster of its own (a local run's dashboard, say) starts one with ``start_ray_head``, or
 lets ``rlpost train`` start a local one.
 
-Each cluster is :mod:`rlpost.local_cluster`'s: `ray start --block` processes with their own temp
+Each cluster is :mod:`rlpost.ops.local_cluster`'s: `ray start --block` processes with their own temp
 dirs and ports, stopped (their whole process trees) when the fixture or block ends; `ray stop`,
 which kills every Ray process on the machine, is never used.
 """
@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from rlpost.local_cluster import RayHead, head_node
+from rlpost.ops.local_cluster import RayHead, head_node
 
 # Ray's processes report their metrics every 10 s by default; the clusters the tests start report
 # every second, so that a test waiting for a run's metrics on Prometheus waits ~1 s, not ~10.

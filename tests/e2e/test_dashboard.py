@@ -122,11 +122,11 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
 
     import ray
 
-    from rlpost.clients import actor_record
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run
-    from rlpost.ray_start import init_ray
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.runtime.ray_start import init_ray
+    from rlpost.service.clients import actor_record
+    from rlpost.service.loop import Controller, start_run
 
     run_name = f"e2e-async-{os.getpid()}"
     cfg = load_config(
@@ -212,7 +212,7 @@ FALLBACK_SCRIPT = """
 import logging, socket, sys
 import ray
 from rlpost.config import load_config
-from rlpost.ray_start import init_ray
+from rlpost.runtime.ray_start import init_ray
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 taken = socket.socket()

@@ -61,9 +61,9 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     import signal
     import time
 
-    from rlpost.clients import actor_record
-    from rlpost.controller import Controller, start_run
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service.clients import actor_record
+    from rlpost.service.loop import Controller, start_run
 
     ray = connect_driver("rlpost-e2e-restarts")
     cfg = tiny_cfg(tiny_model_path, "e2e-restarts", "trainer.steps=5")
@@ -114,26 +114,26 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     import os
     import signal
 
-    from rlpost import controller as ctl
-    from rlpost.clients import actor_record
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service import loop
+    from rlpost.service.clients import actor_record
 
     ray = local_ray
     cfg = tiny_cfg(tiny_model_path, "e2e-learner", "trainer.steps=6", "trainer.checkpoint_interval=2")
     run_dir = create_run_dir(cfg, tmp_path / "learner")
 
-    class KillLearner(ctl.Controller):
+    class KillLearner(loop.Controller):
         def _train(self, groups, step):
             if step == 6:
                 os.kill(actor_record(self.actors.learner.handle)["Pid"], signal.SIGKILL)
             return super()._train(groups, step)
 
-    original, ctl.Controller = ctl.Controller, KillLearner
+    original, loop.Controller = loop.Controller, KillLearner
     try:
-        with pytest.raises(ctl.LearnerDied) as died:
-            ctl.run_training(cfg, run_dir)
+        with pytest.raises(loop.LearnerDied) as died:
+            loop.run_training(cfg, run_dir)
     finally:
-        ctl.Controller = original
+        loop.Controller = original
     message = str(died.value)
     assert "during step 6" in message and str(run_dir / "checkpoints" / "step_4") in message
     assert f"rlpost train --resume {run_dir}" in message
@@ -141,7 +141,7 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     ray.shutdown()  # the CLI below starts its own local cluster
 
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir)],
+        [sys.executable, "-m", "rlpost.ops.cli", "train", "--resume", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=500,

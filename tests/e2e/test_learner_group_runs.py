@@ -38,7 +38,7 @@ def gain(rows, window=8):
 
 
 def train(*args):
-    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rlpost.ops.cli", "train", *args], capture_output=True, text=True,
                          timeout=540)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -55,10 +55,10 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
 
     import ray
 
-    from rlpost import controller as ctl
-    from rlpost.clients import actor_record
     from rlpost.config import load_config
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service import loop
+    from rlpost.service.clients import actor_record
 
     cfg = load_config(
         "configs/tiny-cpu.yaml",
@@ -70,7 +70,7 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
     run_dir = create_run_dir(cfg, tmp_path / "kill")
     killed = []
 
-    class KillRankOneOnce(ctl.Controller):
+    class KillRankOneOnce(loop.Controller):
         def _train(self, groups, step):
             if step == 6 and not killed:
                 name, handle = self.actors.learner.members[1]
@@ -79,11 +79,11 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
             return super()._train(groups, step)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    original, ctl.Controller = ctl.Controller, KillRankOneOnce
+    original, loop.Controller = loop.Controller, KillRankOneOnce
     try:
-        assert ctl.run_training(cfg, run_dir) == 0
+        assert loop.run_training(cfg, run_dir) == 0
     finally:
-        ctl.Controller = original
+        loop.Controller = original
         ray.shutdown()
     assert killed == ["learner-1"]
     rows = read(run_dir / "metrics.jsonl")

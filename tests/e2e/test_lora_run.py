@@ -36,7 +36,7 @@ def read(path):
 
 
 def train(*args):
-    out = subprocess.run([sys.executable, "-m", "rlpost.cli", "train", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rlpost.ops.cli", "train", *args], capture_output=True, text=True,
                          timeout=540)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return out

@@ -20,7 +20,7 @@ def read(path):
 
 def train(config: str, run_dir, ray_head, *overrides: str):
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", config, "trainer.steps=3", "trainer.prompts_per_step=4",
+        [sys.executable, "-m", "rlpost.ops.cli", "train", config, "trainer.steps=3", "trainer.prompts_per_step=4",
          "eval.interval=0", "logging.progress=false", *overrides, "--address", ray_head.gcs_address,
          "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=540, env=ray_head.env,

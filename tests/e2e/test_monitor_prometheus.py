@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost import monitoring
-from rlpost.local_cluster import free_ports, head_node
+from rlpost.ops import dashboards
+from rlpost.ops.local_cluster import free_ports, head_node
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
 
@@ -62,7 +62,7 @@ def wait_for(what: str, probe, timeout_s: float, log: Path):
 def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny_model_path, fast_metrics):
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         pytest.fail("the prometheus package is not installed: `apt-get install prometheus` (.ci/run installs it)")
-    rules = monitoring.DEPLOY_DIR / monitoring.ALERTS_FILE
+    rules = dashboards.DEPLOY_DIR / dashboards.ALERTS_FILE
     checked = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
     assert checked.returncode == 0 and "SUCCESS: 5 rules found" in checked.stdout, checked.stdout + checked.stderr
 
@@ -76,7 +76,7 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
         monitor_log = tmp_path / "monitor.log"
         with monitor_log.open("w") as out:
             watcher = subprocess.Popen(
-                [sys.executable, "-m", "rlpost.cli", "monitor", "--port", str(port), "--scrape-interval", "1",
+                [sys.executable, "-m", "rlpost.ops.cli", "monitor", "--port", str(port), "--scrape-interval", "1",
                  "--ray-temp-dir", str(head.temp_dir), "--data-dir", str(tmp_path / "prometheus"), "--no-grafana",
                  "--stall-after", str(STALL_AFTER_S)],
                 cwd=REPO, env=head.env, stdout=out, stderr=subprocess.STDOUT,
@@ -88,13 +88,13 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
             prometheus_pid = int(re.search(r"Prometheus at \S+ \(pid (\d+)", text).group(1))
             # the dashboard copied beside the ones Ray's dashboard wrote for its session
             grafana = head.temp_dir / "session_latest" / "metrics" / "grafana" / "dashboards"
-            wait_for("the provisioned dashboard", lambda: (grafana / monitoring.DASHBOARD_FILE).is_file(), 30,
+            wait_for("the provisioned dashboard", lambda: (grafana / dashboards.DASHBOARD_FILE).is_file(), 30,
                      monitor_log)  # fmt: skip
             assert (grafana / "default_grafana_dashboard.json").is_file()
 
             run_log = tmp_path / "run.log"
             args = [
-                sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
+                sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml",
                 f"model.name_or_path={tiny_model_path}", "trainer.steps=10", "trainer.prompts_per_step=4",
                 "eval.interval=2", "eval.num_prompts=8", "loss.entropy_coef=0.001", "logging.progress=false",
                 f"logging.run_dir={tmp_path}", f"logging.run_name={RUN}", "--address", head.gcs_address,
@@ -111,7 +111,7 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
                 return api(base, "query_range", query=expr, start=started, end=end, step="1")["result"]
 
             empty = []
-            for title, expr in monitoring.panel_queries():
+            for title, expr in dashboards.panel_queries():
                 found = series(expr.replace("$run", RUN))
                 if not found:
                     empty.append((title, expr))
@@ -123,10 +123,10 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
             assert float(reward) == pytest.approx(rows[-1]["reward_mean"], rel=1e-6)
 
             # every alert expression parses and evaluates; the stalled-run one fires on the stopped run
-            for expr in monitoring.alert_expressions().values():
+            for expr in dashboards.alert_expressions().values():
                 api(base, "query", query=expr)
             groups = api(base, "rules", type="alert")["groups"]
-            assert {r["name"] for g in groups for r in g["rules"]} == set(monitoring.alert_expressions())
+            assert {r["name"] for g in groups for r in g["rules"]} == set(dashboards.alert_expressions())
 
             def firing(name: str):
                 alerts = api(base, "alerts")["alerts"]

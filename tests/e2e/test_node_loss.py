@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.local_cluster import head_node, worker_node
+from rlpost.ops.local_cluster import head_node, worker_node
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -76,7 +76,7 @@ def test_a_lost_node_leaves_the_fleet_and_a_new_node_brings_the_worker_back(tmp_
     ):
         log = tmp_path / "run.log"
         args = [
-            sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
+            sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml",
             f"model.name_or_path={tiny_model_path}", "trainer.mode=sync", "trainer.steps=500", "trainer.prompts_per_step=4",
             "rollout.num_inference_workers=2", "resources.inference.num_cpus=0",
             f"resources.inference.resources={json.dumps(SLOT)}", "resources.replacement_wait_s=3",

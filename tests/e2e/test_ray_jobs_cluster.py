@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost import jobs
-from rlpost.metrics import REQUIRED_KEYS
+from rlpost.ops import jobs
+from rlpost.record.metrics import REQUIRED_KEYS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -27,7 +27,7 @@ def cluster(ray_head):
 
 def rlpost(cluster, *args, env=None, timeout=240):
     return subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", *args, "--address", cluster.dashboard],
+        [sys.executable, "-m", "rlpost.ops.cli", *args, "--address", cluster.dashboard],
         cwd=REPO,
         env=env or cluster.env,
         capture_output=True,

@@ -36,7 +36,7 @@ def rows_of(path: Path) -> list[dict]:
 
 
 def rlpost(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlpost.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
@@ -45,7 +45,7 @@ def test_an_operator_shrinks_and_grows_the_inference_fleet_of_a_running_job(tmp_
     run_dir = tmp_path / "scaled"
     log = tmp_path / "run.log"
     args = [
-        sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
+        sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml", f"model.name_or_path={tiny_model_path}",
         "trainer.steps=2000", "trainer.prompts_per_step=4", "rollout.num_inference_workers=1..2",
         "rollout.num_env_pools=1..2", "eval.interval=0",
         "logging.progress=false", f"logging.run_dir={tmp_path}", "logging.run_name=scaled",

@@ -35,10 +35,10 @@ def read(path):
 def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_death(
     tmp_path, tiny_model_path, tiny_reward_model_path, connect_driver
 ):
-    from rlpost.clients import actor_record
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service.clients import actor_record
+    from rlpost.service.loop import Controller, start_run
 
     connect_driver("rlpost-e2e-reward-model")
     cfg = load_config("configs/tiny-cpu-reasoning-gym.yaml", [
@@ -80,8 +80,8 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
 @pytest.mark.long  # ~35 s; make test keeps the code task's env and grader in tests/integration/envs/test_code_grading.py
 def test_the_code_config_grades_completions_in_the_sandbox(tmp_path, tiny_model_path, connect_driver):
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service.loop import Controller, start_run
 
     connect_driver("rlpost-e2e-code")
     cfg = load_config("configs/tiny-cpu-code.yaml", [

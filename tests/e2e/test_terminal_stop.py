@@ -98,7 +98,7 @@ def stop_in_terminal(run_dir: Path, tiny_model_path, *, after_lines: int | None,
     said where its Ray cluster is, and its actors start), wait ``delay_s`` and stop it ``how``:
     "ctrl-c", "ctrl-c twice" or "SIGTERM to the group"."""
     args = [
-        sys.executable, "-m", "rlpost.cli", "train", "configs/tiny-cpu.yaml",
+        sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml",
         f"model.name_or_path={tiny_model_path}", "trainer.prompts_per_step=4", "trainer.steps=60",
         "logging.dashboard=false", "--run-dir", str(run_dir),
     ]  # fmt: skip
@@ -192,7 +192,7 @@ def test_ctrl_c_while_the_engines_load_stops_the_start_within_seconds(tmp_path, 
     assert not stopped.left, f"processes of the run left running: {stopped.left}"
 
 
-@pytest.mark.long  # ~45 s, past make test's 15-minute budget (rlpost.shutdown's unit tests stay there)
+@pytest.mark.long  # ~45 s, past make test's 15-minute budget (rlpost.runtime.shutdown's unit tests stay there)
 def test_ctrl_c_in_a_terminal_writes_the_final_checkpoint_and_exits_130(tmp_path, tiny_model_path):
     run_dir = tmp_path / "ctrl-c"
     stopped = stop_in_terminal(run_dir, tiny_model_path, after_lines=2, delay_s=0.0, how="ctrl-c")
@@ -213,7 +213,7 @@ def test_sigterm_to_the_group_writes_the_final_checkpoint_and_the_run_resumes_fr
     _assert_stopped_cleanly(stopped, run_dir, 143, "SIGTERM")
     last = len((run_dir / "metrics.jsonl").read_text().splitlines())
     resumed = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "--resume", str(run_dir), f"trainer.steps={last + 2}"],
+        [sys.executable, "-m", "rlpost.ops.cli", "train", "--resume", str(run_dir), f"trainer.steps={last + 2}"],
         cwd=REPO, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -19,8 +19,8 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
     import ray
 
     from rlpost.config import load_config
-    from rlpost.controller import Controller, start_run
-    from rlpost.runs import create_run_dir
+    from rlpost.record.run_dir import create_run_dir
+    from rlpost.service.loop import Controller, start_run
 
     cfg = load_config(
         "configs/tiny-cpu.yaml",
@@ -72,7 +72,7 @@ def test_a_tool_using_run_joins_an_existing_token_authenticated_cluster(tmp_path
         [
             sys.executable,
             "-m",
-            "rlpost.cli",
+            "rlpost.ops.cli",
             "train",
             "configs/tiny-cpu-tools.yaml",
             f"model.name_or_path={tiny_tool_model_path}",

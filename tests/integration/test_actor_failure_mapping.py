@@ -5,7 +5,7 @@ import time
 import pytest
 
 from rlpost.actors.calls import ActorLost
-from rlpost.clients import ActorClient, actor_state, alive, release_names
+from rlpost.service.clients import ActorClient, actor_state, alive, release_names
 
 pytestmark = pytest.mark.integration
 
@@ -230,8 +230,8 @@ def test_an_inference_actor_whose_engine_process_is_killed_ends_its_own_process(
     import psutil
 
     from rlpost.actors.vllm_workers import make_vllm_worker
-    from rlpost.clients import InferenceClient, actor_record
     from rlpost.config import EngineConfig
+    from rlpost.service.clients import InferenceClient, actor_record
 
     engine = EngineConfig(
         max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=8, enforce_eager=True, in_process=False
@@ -273,7 +273,7 @@ def test_a_constructors_error_reaches_the_driver_even_when_the_repr_fails(ray_cl
     """Plain ``ray.remote``: the half-built repr takes the worker down and the driver learns only
     that its process died; through ``remote_class`` (every rlpost actor) the driver's error
     names the constructor's exception."""
-    from rlpost.liveness import remote_class
+    from rlpost.runtime.liveness import remote_class
 
     ray = ray_cluster
     cls = half_built_class()
@@ -294,8 +294,8 @@ def test_an_env_pool_whose_constructor_raises_names_the_error(ray_cluster, tiny_
     """A real env pool whose dataset is not where its process looks (a relative path on a node
     started elsewhere): the driver's error is the pool's own, not a dead process."""
     from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
-    from rlpost.clients import EnvPoolClient
     from rlpost.config import load_config
+    from rlpost.service.clients import EnvPoolClient
 
     cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}", "data.task=custom",
                                                 "data.dataset=./elsewhere/rows.jsonl", "data.reward_fn=x:y"])  # fmt: skip
@@ -312,14 +312,14 @@ def test_an_actor_that_aborts_after_recording_its_error_is_reported_with_it(ray_
     """A process that ends by a signal (SIGABRT, as a C extension's abort) after the actor
     recorded its error (as an inference worker does before it ends a process whose engine died):
     the driver's error adds that error to Ray's "worker process has died"."""
-    from rlpost.liveness import remote_class
+    from rlpost.runtime.liveness import remote_class
 
     def aborting_class() -> type:
         class Aborting:
             def fail(self) -> None:
                 import os
 
-                from rlpost.liveness import record_error
+                from rlpost.runtime.liveness import record_error
 
                 record_error(RuntimeError("its engine's process died (EngineDeadError)"), "engine")
                 os.abort()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rlpost.config import load_config, save_config
-from rlpost.evaluation import Evaluator
+from rlpost.service.evaluation import Evaluator
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def test_rlpost_eval_scores_a_checkpoint_like_the_evaluator(request, tiny_model_
     # engine up the command's engine would start processes of its own (~2x the start-up on 2
     # cores, and not the layout `rlpost eval` has in a process of its own).
     from rlpost.actors.learner import Learner, LearnerSettings
-    from rlpost.cli import main
+    from rlpost.ops.cli import main
 
     cfg = make_cfg(tiny_model_path)
     run_dir = tmp_path / "run"

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rlpost import lora
 from rlpost.actors.learner import Learner, LearnerSettings
 from rlpost.config import JobConfig
+from rlpost.data.samples import Group, Sample
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
+from rlpost.policies import lora
 from rlpost.transport.weight_bus import LocalWeightBus
-from rlpost.types import Group, Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlpost.placement import ResourcesUnavailable
+from rlpost.runtime.placement import ResourcesUnavailable
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlpost.config import load_config
-from rlpost.ray_start import RUN_ENV_VARS, run_env_vars
+from rlpost.runtime.ray_start import RUN_ENV_VARS, run_env_vars
 
 pytestmark = pytest.mark.integration
 

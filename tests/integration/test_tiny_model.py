@@ -9,7 +9,7 @@ import torch
 
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT, make_arithmetic_rows, make_tool_arithmetic_rows
 from rlpost.envs.rewards import answer_reward
-from rlpost.tiny_model import (
+from rlpost.tiny.model import (
     TOOL_SPEC,
     TinyModelSpec,
     build_tiny_model,
@@ -74,7 +74,7 @@ def test_tokenizer_has_chatml_and_assistant_masks(tiny_tokenizer):
 def test_transformers_loads_and_start_reward_is_in_band(tiny_model_path, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from rlpost.tiny_model import evaluate_reward
+    from rlpost.tiny.model import evaluate_reward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     assert model.config.hidden_size // model.config.num_attention_heads == 64
@@ -179,7 +179,7 @@ def test_tool_message_for_accepts_only_a_product_of_literals():
 def test_tool_model_calls_the_tool_sometimes_and_is_in_band(tiny_tool_model_path, tool_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from rlpost.tiny_model import evaluate_tool_episodes
+    from rlpost.tiny.model import evaluate_tool_episodes
 
     model = AutoModelForCausalLM.from_pretrained(tiny_tool_model_path, dtype=torch.float32)
     assert model.config.hidden_size // model.config.num_attention_heads == 64

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from rlpost.actors import start_actor
-from rlpost.clients import actor_state
 from rlpost.config import RoleDeadlines, RoleResources, WatchdogConfig
-from rlpost.watchdog import Watchdog
+from rlpost.service.clients import actor_state
+from rlpost.service.watchdog import Watchdog
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def busy_class() -> type:
             return os.getpid()
 
         def work(self, seconds: float, progressing: bool) -> str:
-            from rlpost.liveness import progress, working
+            from rlpost.runtime.liveness import progress, working
 
             with working("generate"):
                 deadline = time.monotonic() + seconds
@@ -43,7 +43,7 @@ def busy_class() -> type:
             return "done"
 
         def block_for_ever(self) -> None:
-            from rlpost.liveness import working
+            from rlpost.runtime.liveness import working
 
             with working("train_step"):
                 threading.Event().wait()  # a deadlock: nothing will ever set it

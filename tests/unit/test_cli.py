@@ -5,15 +5,15 @@ import sys
 import pytest
 import yaml
 
-from rlpost.cli import main
 from rlpost.config import load_config
-from rlpost.runs import create_run_dir
+from rlpost.ops.cli import main
+from rlpost.record.run_dir import create_run_dir
 
 pytestmark = pytest.mark.unit
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rlpost.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"], ["plot"]])
@@ -73,7 +73,7 @@ def test_train_refuses_to_reuse_a_run_dir(tmp_path, tiny_model_path):
 
 
 def test_plot_command(tmp_path):
-    from rlpost.metrics import REQUIRED_KEYS, MetricsWriter
+    from rlpost.record.metrics import REQUIRED_KEYS, MetricsWriter
 
     out = run_cli("plot", str(tmp_path))
     assert out.returncode == 2 and f"no metrics.jsonl in run directory {tmp_path}" in out.stderr
@@ -93,7 +93,7 @@ def test_automatic_run_names_never_collide(tmp_path):
 def test_tiny_model_cache_is_rebuilt_only_when_the_spec_changes(tmp_path, monkeypatch):
     import json
 
-    from rlpost import tiny_model
+    from rlpost.tiny import model as tiny_model
 
     builds = []
 
@@ -120,13 +120,13 @@ def test_make_tiny_model_on_an_up_to_date_folder_answers_without_importing_torch
     built from the current spec comes from its stored spec, before torch and transformers load."""
     import json
 
-    from rlpost.tiny_model_spec import TOOL_SPEC, spec_dict
+    from rlpost.tiny.spec import TOOL_SPEC, spec_dict
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     (tmp_path / "m" / "rlpost_tiny_model.json").write_text(json.dumps({"spec": spec_dict(TOOL_SPEC)}))
     script = (
-        "import sys; from rlpost.cli import main; "
+        "import sys; from rlpost.ops.cli import main; "
         f"code = main(['make-tiny-model', '--task', 'tool_arithmetic', {str(tmp_path / 'm')!r}]); "
         "print(code, 'torch' in sys.modules)"
     )
@@ -142,7 +142,8 @@ def test_make_tiny_model_on_an_up_to_date_folder_answers_without_importing_torch
 def test_the_tiny_model_builds_run_with_sleeping_openmp_threads_unless_told_otherwise(tmp_path, monkeypatch, policy):
     """A build's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) so that a busy neighbour
     process cannot slow it tenfold; a policy the environment sets is kept."""
-    from rlpost import tiny_model, tiny_reward_model
+    from rlpost.tiny import model as tiny_model
+    from rlpost.tiny import reward_model as tiny_reward_model
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "x")  # recorded first, so the variable is restored after the test
     if policy is None:
@@ -165,7 +166,7 @@ def test_train_starts_its_python_again_with_the_runs_hash_seed(monkeypatch, tmp_
     """The driver hashes strings as the run's actors do: `rlpost train` with another PYTHONHASHSEED
     (Python's default is a random one) runs its command line again with the run's, before
     anything is started; with the run's already, it goes on."""
-    from rlpost import cli
+    from rlpost.ops import cli
 
     started = []
 
@@ -181,7 +182,7 @@ def test_train_starts_its_python_again_with_the_runs_hash_seed(monkeypatch, tmp_
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.raises(SystemExit):
         cli.main()
-    assert started == [([sys.executable, "-m", "rlpost.cli", *argv[1:]], "7")]
+    assert started == [([sys.executable, "-m", "rlpost.ops.cli", *argv[1:]], "7")]
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert cli.main() == 2 and len(started) == 1  # the run's seed: on to the next check (no model there)
     assert cli.main(argv[1:]) == 2 and len(started) == 1  # an in-process call never replaces its caller

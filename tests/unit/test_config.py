@@ -142,7 +142,7 @@ def test_saved_config_is_complete_yaml(tmp_path):
 
 
 def test_a_custom_loss_is_checked_before_any_actor_starts(tmp_path):
-    from rlpost.controller import _check_custom_loss
+    from rlpost.service.loop import _check_custom_loss
 
     with pytest.raises(ConfigError, match="loss.custom_fn: loss function 'reinforce' is not of the form"):
         _check_custom_loss(load_config(None, ["loss.custom_fn=reinforce"]))  # no module
@@ -153,8 +153,8 @@ def test_a_custom_loss_is_checked_before_any_actor_starts(tmp_path):
 
 
 def test_relative_local_paths_resolve_against_the_given_directory(tmp_path, monkeypatch):
-    from rlpost.cli import _resolve_paths_for_a_cluster
     from rlpost.config import resolve_local_paths
+    from rlpost.ops.cli import _resolve_paths_for_a_cluster
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "rows.jsonl").write_text('{"question": "q", "answer": "a"}\n')

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.config_reference import DOC_PATH, main, render
-from rlpost.metrics import REQUIRED_KEYS, RayMetrics
+from rlpost.config.reference import DOC_PATH, main, render
+from rlpost.record.metrics import REQUIRED_KEYS, RayMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +18,7 @@ CONTRACTS = (REPO / "docs" / "contracts.md").read_text()
 
 
 def test_the_config_reference_is_generated_from_the_current_config():
-    assert DOC_PATH.read_text() == render(), "docs/config.md is out of date: run python -m rlpost.config_reference"
+    assert DOC_PATH.read_text() == render(), "docs/config.md is out of date: run python -m rlpost.config.reference"
     assert main(["--check"]) == 0
     text = render()
     for key in ("eval.interval", "logging.trackers", "logging.dashboard", "rollout.engine.max_model_len",
@@ -30,7 +30,7 @@ def test_the_contracts_page_names_every_metric_gauge_and_command():
     named = set(re.findall(r"`(\w+)`", CONTRACTS))
     assert set(REQUIRED_KEYS) <= named
     assert set(RayMetrics.GAUGES) | set(RayMetrics.COUNTERS) <= named, set(RayMetrics.GAUGES) - named
-    from rlpost.cli import _build_parser
+    from rlpost.ops.cli import _build_parser
 
     subparsers = next(a for a in _build_parser()._actions if a.dest == "command")
     for command in subparsers.choices:

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from rlpost import doctor
-from rlpost.cli import main
-from rlpost.doctor import Check, Installed
+from rlpost.ops import doctor
+from rlpost.ops.cli import main
+from rlpost.ops.doctor import Check, Installed
 
 pytestmark = pytest.mark.unit
 
@@ -162,7 +162,7 @@ def test_printout_and_exit_code(tiny_model_path, capsys):
         [
             sys.executable,
             "-m",
-            "rlpost.cli",
+            "rlpost.ops.cli",
             "doctor",
             "configs/tiny-cpu.yaml",
             f"model.name_or_path={tiny_model_path}",

@@ -6,7 +6,7 @@ import pytest
 
 from rlpost.config import ConfigError, load_config
 from rlpost.envs.arithmetic import is_held_out, make_arithmetic_rows, make_tool_arithmetic_rows
-from rlpost.evaluation import append_eval_line, eval_job_config, pass_metrics, resolve_checkpoint
+from rlpost.service.evaluation import append_eval_line, eval_job_config, pass_metrics, resolve_checkpoint
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost import jobs
 from rlpost.config import ConfigError, load_config
+from rlpost.ops import jobs
 
 pytestmark = pytest.mark.unit
 
@@ -113,8 +113,8 @@ def test_rays_packer_leaves_out_venv_runs_caches_and_build_outputs(tmp_path):
     for name in [
         "pyproject.toml",
         "configs/a.yaml",
-        "rlpost/cli.py",
-        "rlpost/runs.py",
+        "rlpost/ops/cli.py",
+        "rlpost/record/run_dir.py",
         ".venv/bin/python",
         ".git/HEAD",
         "runs/old/metrics.jsonl",
@@ -132,7 +132,13 @@ def test_rays_packer_leaves_out_venv_runs_caches_and_build_outputs(tmp_path):
     package = tmp_path / "pkg.zip"
     create_package(str(tree), package, include_gitignore=True, excludes=jobs.build_runtime_env(cfg, tree)["excludes"])
     files = {n for n in zipfile.ZipFile(package).namelist() if not n.endswith("/")}
-    assert files == {"pyproject.toml", "configs/a.yaml", "rlpost/cli.py", "rlpost/runs.py", "docs/build/index.md"}
+    assert files == {
+        "pyproject.toml",
+        "configs/a.yaml",
+        "rlpost/ops/cli.py",
+        "rlpost/record/run_dir.py",
+        "docs/build/index.md",
+    }
 
 
 # ------------------------------------------------------------------------------ planning a submission
@@ -236,7 +242,7 @@ def test_an_unreachable_cluster_is_a_clear_error_naming_the_address():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "status", "some-job", "--address", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "rlpost.ops.cli", "status", "some-job", "--address", f"127.0.0.1:{port}"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -260,7 +266,7 @@ def test_a_silent_cluster_times_out_instead_of_hanging():
 @pytest.mark.parametrize("command", ["submit", "status", "logs", "stop", "doctor"])
 def test_help_of_the_cluster_commands(command):
     out = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", command, "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rlpost.ops.cli", command, "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and f"usage: rlpost {command}" in out.stdout
 
@@ -356,7 +362,7 @@ def test_plan_resume_of_a_run_only_the_cluster_sees_and_bad_input(tmp_path):
     ],
 )
 def test_submit_command_line_errors(args, message, capsys):
-    from rlpost.cli import main
+    from rlpost.ops.cli import main
 
     assert main(args) == 2
     assert message in capsys.readouterr().err

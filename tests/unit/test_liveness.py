@@ -1,14 +1,14 @@
-"""The watchdog's pure parts: an actor's work sections and progress (rlpost.liveness), each role's
-deadlines and the verdicts drawn from a heartbeat (rlpost.watchdog)."""
+"""The watchdog's pure parts: an actor's work sections and progress (rlpost.runtime.liveness), each role's
+deadlines and the verdicts drawn from a heartbeat (rlpost.service.watchdog)."""
 
 import threading
 import time
 
 import pytest
 
-from rlpost import liveness
 from rlpost.config import JobConfig, RoleDeadlines
-from rlpost.watchdog import role_of, verdict
+from rlpost.runtime import liveness
+from rlpost.service.watchdog import role_of, verdict
 
 pytestmark = pytest.mark.unit
 

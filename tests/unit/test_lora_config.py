@@ -8,7 +8,7 @@ import torch
 from rlpost.actors.inference import InferenceSettings
 from rlpost.actors.learner import LearnerSettings
 from rlpost.config import ConfigError, load_config
-from rlpost.lora import adapter_config_dict, apply_lora, engine_lora_kwargs, sync_route
+from rlpost.policies.lora import adapter_config_dict, apply_lora, engine_lora_kwargs, sync_route
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpost import lora
 from rlpost.config import load_config
+from rlpost.policies import lora
 
 pytestmark = pytest.mark.unit
 

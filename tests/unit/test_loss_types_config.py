@@ -7,7 +7,7 @@ import pytest
 
 from rlpost.collect.episodes import WholeEpisodes, assemble_groups
 from rlpost.config import ConfigError, validate_config
-from rlpost.types import Sample
+from rlpost.data.samples import Sample
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rlpost.metrics import REQUIRED_KEYS, MetricsWriter, plot_metrics, read_metrics
+from rlpost.record.metrics import REQUIRED_KEYS, MetricsWriter, plot_metrics, read_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def progress_row(step, reward, **extra):
 def test_progress_off_a_terminal_prints_a_line_every_n_steps():
     import io
 
-    from rlpost.controller import _Progress
+    from rlpost.service.loop import _Progress
 
     out = io.StringIO()
     progress = _Progress(10, enabled=True, every=3, stream=out)
@@ -73,7 +73,7 @@ def test_progress_off_a_terminal_prints_a_line_every_n_steps():
 def test_progress_line_every_defaults_to_a_twentieth_and_counts_a_resume():
     import io
 
-    from rlpost.controller import _Progress
+    from rlpost.service.loop import _Progress
 
     assert _Progress(100, enabled=True, stream=io.StringIO()).every == 5
     assert _Progress(7, enabled=True, stream=io.StringIO()).every == 1
@@ -90,7 +90,7 @@ def test_progress_line_every_defaults_to_a_twentieth_and_counts_a_resume():
 def test_progress_bar_on_a_terminal_and_nothing_when_off():
     import io
 
-    from rlpost.controller import _Progress
+    from rlpost.service.loop import _Progress
 
     out = io.StringIO()
     progress = _Progress(4, enabled=True, stream=out, is_terminal=True)

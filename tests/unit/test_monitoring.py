@@ -1,5 +1,5 @@
-"""rlpost's Grafana dashboard and alert rules (rlpost.monitoring) and `rlpost monitor`'s pieces
-(rlpost.monitor): the shipped files are the generator's, every query reads a metric the code
+"""rlpost's Grafana dashboard and alert rules (rlpost.ops.dashboards) and `rlpost monitor`'s pieces
+(rlpost.ops.prometheus): the shipped files are the generator's, every query reads a metric the code
 exports, and the command's errors name what to do. A real Prometheus evaluating every query of a
 real run is tests/e2e/test_monitor_prometheus.py (long tier)."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlpost import monitor, monitoring
-from rlpost.cli import main
 from rlpost.config import ConfigError
-from rlpost.metrics import RayMetrics, RoleMetrics
+from rlpost.ops import dashboards, prometheus
+from rlpost.ops.cli import main
+from rlpost.record.metrics import RayMetrics, RoleMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -32,27 +32,27 @@ def exported_names() -> set[str]:
 
 
 def test_the_deploy_files_are_the_generators(tmp_path):
-    written = monitoring.write_deploy_files(tmp_path)
-    assert [p.name for p in written] == [monitoring.DASHBOARD_FILE, monitoring.ALERTS_FILE,
-                                         monitoring.PROMETHEUS_RULE_FILE]  # fmt: skip
+    written = dashboards.write_deploy_files(tmp_path)
+    assert [p.name for p in written] == [dashboards.DASHBOARD_FILE, dashboards.ALERTS_FILE,
+                                         dashboards.PROMETHEUS_RULE_FILE]  # fmt: skip
     for path in written:
-        shipped = monitoring.DEPLOY_DIR / path.name
-        assert shipped.read_text() == path.read_text(), f"{shipped} is out of date: run python -m rlpost.monitoring"
+        shipped = dashboards.DEPLOY_DIR / path.name
+        assert shipped.read_text() == path.read_text(), f"{shipped} is out of date: run python -m rlpost.ops.dashboards"
 
 
 def test_every_panel_and_alert_reads_metrics_the_code_exports():
     exported = exported_names()
-    exprs = [expr for _, expr in monitoring.panel_queries()] + list(monitoring.alert_expressions().values())
+    exprs = [expr for _, expr in dashboards.panel_queries()] + list(dashboards.alert_expressions().values())
     for expr in exprs:
         for name in re.findall(r"\bray_rlpost_\w+", expr):
             assert name in exported, (name, expr)
     restarts = {n for n in exported if n.startswith("ray_rlpost_restarts_")}
-    assert restarts == {f"ray_rlpost_restarts_{r}" for r in monitoring.RESTART_ROLES}  # the storm counts them all
+    assert restarts == {f"ray_rlpost_restarts_{r}" for r in dashboards.RESTART_ROLES}  # the storm counts them all
 
 
 def test_the_dashboard_covers_each_view_filtered_by_run():
-    board = monitoring.dashboard()
-    assert board["uid"] == monitoring.DASHBOARD_UID
+    board = dashboards.dashboard()
+    assert board["uid"] == dashboards.DASHBOARD_UID
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["query"] == "prometheus"
     assert variables["run"]["query"] == "label_values(ray_rlpost_policy_version, run)"
@@ -77,24 +77,24 @@ def test_the_dashboard_covers_each_view_filtered_by_run():
 
 
 def test_alert_rules_take_their_thresholds():
-    settings = monitoring.AlertSettings(stall_after_s=15, restarts=5, restart_window_s=120, sync_logprob_diff=1e-4)
-    rules = {r["alert"]: r for r in monitoring.alert_rules(settings)["groups"][0]["rules"]}
+    settings = dashboards.AlertSettings(stall_after_s=15, restarts=5, restart_window_s=120, sync_logprob_diff=1e-4)
+    rules = {r["alert"]: r for r in dashboards.alert_rules(settings)["groups"][0]["rules"]}
     assert set(rules) == {"RlpostNoLearnerStep", "RlpostRunStopped", "RlpostRestartStorm", "RlpostSyncDrift",
                           "RlpostRewardCollapse"}  # fmt: skip
     assert rules["RlpostNoLearnerStep"]["expr"].endswith("> 15")
     assert rules["RlpostRestartStorm"]["expr"].endswith("(delta(ray_rlpost_restarts_buffer[120s])) >= 5")
     assert rules["RlpostSyncDrift"]["expr"].endswith("> 0.0001")
     assert all(r["labels"]["severity"] in ("info", "warning", "critical") for r in rules.values())
-    shipped = yaml.safe_load((monitoring.DEPLOY_DIR / monitoring.ALERTS_FILE).read_text())
-    assert shipped == monitoring.alert_rules()  # the shipped file holds the defaults
-    rule = yaml.safe_load((monitoring.DEPLOY_DIR / monitoring.PROMETHEUS_RULE_FILE).read_text())
+    shipped = yaml.safe_load((dashboards.DEPLOY_DIR / dashboards.ALERTS_FILE).read_text())
+    assert shipped == dashboards.alert_rules()  # the shipped file holds the defaults
+    rule = yaml.safe_load((dashboards.DEPLOY_DIR / dashboards.PROMETHEUS_RULE_FILE).read_text())
     assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     assert rule["spec"] == shipped
 
 
 def test_prometheus_config_scrapes_rays_node_list_with_the_rules(tmp_path):
-    settings = monitor.MonitorSettings(ray_temp_dir=tmp_path / "ray", scrape_interval_s=1.0)
-    config = monitor.prometheus_config(settings, tmp_path / "rules.yml")
+    settings = prometheus.MonitorSettings(ray_temp_dir=tmp_path / "ray", scrape_interval_s=1.0)
+    config = prometheus.prometheus_config(settings, tmp_path / "rules.yml")
     assert config["global"] == {"scrape_interval": "1s", "evaluation_interval": "1s"}
     assert config["rule_files"] == [str(tmp_path / "rules.yml")]
     (job,) = config["scrape_configs"]
@@ -104,9 +104,9 @@ def test_prometheus_config_scrapes_rays_node_list_with_the_rules(tmp_path):
 
 def test_run_name_comes_from_the_run_directory(tmp_path):
     (tmp_path / "config.yaml").write_text("logging:\n  run_name: exp-7\n")
-    assert monitor.run_name_of(tmp_path) == "exp-7"
+    assert prometheus.run_name_of(tmp_path) == "exp-7"
     with pytest.raises(ConfigError, match="has no config.yaml"):
-        monitor.run_name_of(tmp_path / "missing")
+        prometheus.run_name_of(tmp_path / "missing")
 
 
 def test_a_missing_prometheus_names_the_install_command(capsys):
@@ -122,7 +122,7 @@ def test_a_taken_port_and_bad_options_are_input_errors(capsys, tmp_path):
         sock.listen()
         port = sock.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is taken .*pick another with --grafana-port"):
-            monitor.check_port_free(port, "Grafana", "--grafana-port")
+            prometheus.check_port_free(port, "Grafana", "--grafana-port")
     assert main(["monitor", "--port", "70000"]) == 2
     assert main(["monitor", str(tmp_path / "no-such-run")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -137,14 +137,14 @@ def ray_session(temp_dir: Path) -> Path:
 
 
 def test_the_dashboard_is_provisioned_beside_rays(tmp_path):
-    board, _ = monitoring.write_files(tmp_path / "work")
-    assert monitor.provision_dashboard(tmp_path, board) is None  # no session yet
+    board, _ = dashboards.write_files(tmp_path / "work")
+    assert prometheus.provision_dashboard(tmp_path, board) is None  # no session yet
     grafana = ray_session(tmp_path)
-    path = monitor.provision_dashboard(tmp_path, board)
-    assert path == grafana / "dashboards" / monitoring.DASHBOARD_FILE
-    assert json.loads(path.read_text())["uid"] == monitoring.DASHBOARD_UID
-    settings = monitor.MonitorSettings(ray_temp_dir=tmp_path, grafana_port=3123)
-    command = monitor.grafana_command("/usr/sbin/grafana", settings, tmp_path / "work")
+    path = prometheus.provision_dashboard(tmp_path, board)
+    assert path == grafana / "dashboards" / dashboards.DASHBOARD_FILE
+    assert json.loads(path.read_text())["uid"] == dashboards.DASHBOARD_UID
+    settings = prometheus.MonitorSettings(ray_temp_dir=tmp_path, grafana_port=3123)
+    command = prometheus.grafana_command("/usr/sbin/grafana", settings, tmp_path / "work")
     assert command[:3] == ["/usr/sbin/grafana", "server", f"--config={grafana / 'grafana.ini'}"]
     assert "cfg:server.http_port=3123" in command and f"cfg:paths.data={tmp_path / 'work' / 'grafana'}" in command
 
@@ -172,7 +172,7 @@ def test_monitor_starts_prometheus_on_its_config_and_stops_it(tmp_path, monkeypa
     writes, the URLs it prints, and the process it stops when told to."""
     import psutil
 
-    from rlpost.local_cluster import free_ports
+    from rlpost.ops.local_cluster import free_ports
 
     record = tmp_path / "args"
     binary = tmp_path / "prometheus"
@@ -182,7 +182,7 @@ def test_monitor_starts_prometheus_on_its_config_and_stops_it(tmp_path, monkeypa
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("logging:\n  run_name: exp-7\n")
     (port,) = free_ports(1)
-    settings = monitor.MonitorSettings(run_dir=run_dir, port=port, ray_temp_dir=tmp_path / "ray",
+    settings = prometheus.MonitorSettings(run_dir=run_dir, port=port, ray_temp_dir=tmp_path / "ray",
                                        prometheus=str(binary), grafana=None)  # fmt: skip
     lines: list[str] = []
 
@@ -192,14 +192,14 @@ def test_monitor_starts_prometheus_on_its_config_and_stops_it(tmp_path, monkeypa
             monitor_stop.set()
 
     monitor_stop = threading.Event()
-    monkeypatch.setattr(monitor, "_stop_on_sigterm", lambda: _Yield(monitor_stop))
-    assert monitor.run_monitor(settings, say=say) == 0
+    monkeypatch.setattr(prometheus, "_stop_on_sigterm", lambda: _Yield(monitor_stop))
+    assert prometheus.run_monitor(settings, say=say) == 0
     args = record.read_text().splitlines()
     work = run_dir / "prometheus"
     assert f"--config.file={work / 'prometheus.yml'}" in args and f"--storage.tsdb.path={work / 'data'}" in args
     config = yaml.safe_load((work / "prometheus.yml").read_text())
-    assert config["rule_files"] == [str(work / monitoring.ALERTS_FILE)]
-    assert (work / monitoring.ALERTS_FILE).read_text() == (monitoring.DEPLOY_DIR / monitoring.ALERTS_FILE).read_text()
+    assert config["rule_files"] == [str(work / dashboards.ALERTS_FILE)]
+    assert (work / dashboards.ALERTS_FILE).read_text() == (dashboards.DEPLOY_DIR / dashboards.ALERTS_FILE).read_text()
     text = "\n".join(lines)
     assert f"Prometheus at http://127.0.0.1:{port}" in text and "/alerts" in text
     assert "ray_rlpost_reward_mean%7Brun%3D%22exp-7%22%7D" in text  # the run's reward, URL-encoded
@@ -222,7 +222,7 @@ class _Yield:
 
 
 def test_the_monitor_command_line_documents_its_options():
-    from rlpost.cli import _build_parser
+    from rlpost.ops.cli import _build_parser
 
     sub = next(a for a in _build_parser()._actions if a.dest == "command")
     help_text = sub.choices["monitor"].format_help()
@@ -232,8 +232,8 @@ def test_the_monitor_command_line_documents_its_options():
 
 
 def test_the_pod_monitor_scrapes_every_ray_pod_of_the_clusters():
-    deploy = monitoring.DEPLOY_DIR.parent
-    (monitor_spec,) = yaml.safe_load_all((monitoring.DEPLOY_DIR / "podmonitor.yaml").read_text())
+    deploy = dashboards.DEPLOY_DIR.parent
+    (monitor_spec,) = yaml.safe_load_all((dashboards.DEPLOY_DIR / "podmonitor.yaml").read_text())
     assert (monitor_spec["apiVersion"], monitor_spec["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
     wanted = monitor_spec["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor_spec["spec"]["podMetricsEndpoints"]
@@ -258,16 +258,16 @@ def test_what_the_command_started_ends_with_it_even_when_it_is_killed(tmp_path, 
 
     import psutil
 
-    from rlpost.local_cluster import free_ports
+    from rlpost.ops.local_cluster import free_ports
 
     binary = tmp_path / "prometheus"
     binary.write_text(FAKE_PROMETHEUS.format(python=sys.executable, record=str(tmp_path / "args")))
     binary.chmod(0o755)
     (port,) = free_ports(1)
-    log = tmp_path / "monitor.log"
+    log = tmp_path / "prometheus.log"
     with log.open("w") as out:
         command = subprocess.Popen(
-            [sys.executable, "-m", "rlpost.cli", "monitor", "--prometheus", str(binary), "--port", str(port),
+            [sys.executable, "-m", "rlpost.ops.cli", "monitor", "--prometheus", str(binary), "--port", str(port),
              "--ray-temp-dir", str(tmp_path / "ray"), "--data-dir", str(tmp_path / "work"), "--no-grafana"],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -289,7 +289,7 @@ def test_what_the_command_started_ends_with_it_even_when_it_is_killed(tmp_path, 
 
 
 def test_grafana_starts_on_rays_configuration_when_it_is_installed(tmp_path, monkeypatch):
-    from rlpost.local_cluster import free_ports
+    from rlpost.ops.local_cluster import free_ports
 
     binaries = {}
     for name in ("prometheus", "grafana"):
@@ -298,7 +298,7 @@ def test_grafana_starts_on_rays_configuration_when_it_is_installed(tmp_path, mon
         binaries[name].chmod(0o755)
     grafana_dir = ray_session(tmp_path / "ray")
     prometheus_port, grafana_port = free_ports(2)
-    settings = monitor.MonitorSettings(port=prometheus_port, ray_temp_dir=tmp_path / "ray", data_dir=tmp_path / "work",
+    settings = prometheus.MonitorSettings(port=prometheus_port, ray_temp_dir=tmp_path / "ray", data_dir=tmp_path / "work",
                                        prometheus=str(binaries["prometheus"]), grafana=str(binaries["grafana"]),
                                        grafana_port=grafana_port)  # fmt: skip
     lines: list[str] = []
@@ -309,11 +309,11 @@ def test_grafana_starts_on_rays_configuration_when_it_is_installed(tmp_path, mon
         if line.endswith("Ctrl-C stops it"):
             stop.set()
 
-    monkeypatch.setattr(monitor, "_stop_on_sigterm", lambda: _Yield(stop))
-    assert monitor.run_monitor(settings, say=say) == 0
+    monkeypatch.setattr(prometheus, "_stop_on_sigterm", lambda: _Yield(stop))
+    assert prometheus.run_monitor(settings, say=say) == 0
     args = (tmp_path / "grafana.args").read_text().splitlines()
     assert args[:2] == ["server", f"--config={grafana_dir / 'grafana.ini'}"]
     assert f"cfg:server.http_port={grafana_port}" in args
-    assert (grafana_dir / "dashboards" / monitoring.DASHBOARD_FILE).is_file()
-    assert any(f"Grafana at http://127.0.0.1:{grafana_port}/d/{monitoring.DASHBOARD_UID}" in line for line in lines)
+    assert (grafana_dir / "dashboards" / dashboards.DASHBOARD_FILE).is_file()
+    assert any(f"Grafana at http://127.0.0.1:{grafana_port}/d/{dashboards.DASHBOARD_UID}" in line for line in lines)
     assert not any("not installed" in line for line in lines)

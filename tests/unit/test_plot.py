@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from rlpost.cli import main
-from rlpost.metrics import REQUIRED_KEYS, _completion_lengths, plot_run
+from rlpost.ops.cli import main
+from rlpost.record.metrics import REQUIRED_KEYS, _completion_lengths, plot_run
 
 pytestmark = pytest.mark.unit
 

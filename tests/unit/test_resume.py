@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from rlpost.cli import main
 from rlpost.config import ConfigError, load_config
-from rlpost.runs import (
+from rlpost.ops.cli import main
+from rlpost.record.run_dir import (
     create_run_dir,
     latest_checkpoint,
     list_checkpoints,

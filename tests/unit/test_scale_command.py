@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlpost import jobs
 from rlpost.config import ConfigError, load_config, save_config
-from rlpost.control import describe_fleet, fleet_reached, parse_scale_request
+from rlpost.ops import jobs
+from rlpost.service.mailbox import describe_fleet, fleet_reached, parse_scale_request
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rlpost.cli", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *args], capture_output=True, text=True, cwd=REPO)
 
 
 @pytest.mark.parametrize(

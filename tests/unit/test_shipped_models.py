@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.tiny_model_spec import TOOL_SPEC, TinyModelSpec, built_spec, spec_dict
+from rlpost.tiny.spec import TOOL_SPEC, TinyModelSpec, built_spec, spec_dict
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ def test_every_shipped_file_has_its_recorded_digest():
 def test_the_shipped_models_are_built_from_the_current_specs():
     assert built_spec(MODELS / "tiny-model") == spec_dict(TinyModelSpec())
     assert built_spec(MODELS / "tiny-model-tools") == spec_dict(TOOL_SPEC)
-    from rlpost.tiny_reward_model import META_FILE, TinyRewardModelSpec
+    from rlpost.tiny.reward_model import META_FILE, TinyRewardModelSpec
 
     reward_meta = json.loads((MODELS / "tiny-reward-model" / META_FILE).read_text())
     assert reward_meta["spec"] == asdict(TinyRewardModelSpec())
@@ -50,8 +50,8 @@ def test_the_shipped_models_are_built_from_the_current_specs():
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_the_make_targets_find_each_folder_up_to_date(folder):
     """`make test` asks for the three targets; each must leave the shipped folder alone."""
-    from rlpost.tiny_model import ensure_tiny_model
-    from rlpost.tiny_reward_model import ensure_tiny_reward_model
+    from rlpost.tiny.model import ensure_tiny_model
+    from rlpost.tiny.reward_model import ensure_tiny_reward_model
 
     def refuse(message):
         raise AssertionError(f"would rebuild: {message}")

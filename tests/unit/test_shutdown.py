@@ -1,4 +1,4 @@
-"""rlpost.shutdown: the first SIGTERM / SIGINT is raised as StopRequested at the loop's next safe
+"""rlpost.runtime.shutdown: the first SIGTERM / SIGINT is raised as StopRequested at the loop's next safe
 point (never inside the call in flight), a second one exits at once, the previous handlers come
 back, and other threads are left alone.
 
@@ -17,14 +17,14 @@ import time
 
 import pytest
 
-from rlpost.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
+from rlpost.runtime.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
 
 pytestmark = pytest.mark.unit
 
 # The child: a training loop stand-in inside stop_on_signals; its cleanup runs inside the block.
 CHILD = textwrap.dedent("""
     import sys, time
-    from rlpost.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
+    from rlpost.runtime.shutdown import StopRequested, exit_code, raise_if_stopping, stop_on_signals
 
     cleanup_s, call_s = float(sys.argv[1]), float(sys.argv[2])
     with stop_on_signals():
@@ -137,7 +137,7 @@ def test_outside_the_main_thread_it_does_nothing():
 
 
 def test_only_a_shell_train_that_starts_a_local_cluster_gets_a_session_of_its_own(monkeypatch):
-    from rlpost.cli import _shield_local_cluster
+    from rlpost.ops.cli import _shield_local_cluster
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RLPOST_DRIVER_SESSION", raising=False)
@@ -153,9 +153,9 @@ def test_only_a_shell_train_that_starts_a_local_cluster_gets_a_session_of_its_ow
 
 
 def test_the_driver_runs_in_a_session_of_its_own_and_its_status_comes_back(tmp_path, capfd):
-    """The child is `python -m rlpost.cli ARGV`: a config error's status (2) and message come
+    """The child is `python -m rlpost.ops.cli ARGV`: a config error's status (2) and message come
     through the parent."""
-    from rlpost.shutdown import run_in_own_session
+    from rlpost.runtime.shutdown import run_in_own_session
 
     assert run_in_own_session(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capfd.readouterr().err

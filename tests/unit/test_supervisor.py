@@ -15,11 +15,11 @@ import json
 import pytest
 
 from rlpost.actors.calls import ActorLost, BusFailure
-from rlpost.run_state import Ledger, RunState
-from rlpost.shutdown import StopRequested
-from rlpost.supervisor import LearnerDied, RunActors, Supervisor
+from rlpost.data.samples import Group, Sample
+from rlpost.runtime.shutdown import StopRequested
+from rlpost.service.run_state import Ledger, RunState
+from rlpost.service.supervisor import LearnerDied, RunActors, Supervisor
 from rlpost.transport.buffer import BufferSnapshot, LocalBuffer
-from rlpost.types import Group, Sample
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
@@ -433,7 +433,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     """One run over stand-ins (``extra``: config overrides; ``no_room``: actors the cluster cannot
     place until call ``room_back_at``; ``requests``: the mailbox's k-th exchange -> workers asked
     for); returns the world and the metrics lines."""
-    import rlpost.controller as ctl
+    import rlpost.service.loop as ctl
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
@@ -772,7 +772,7 @@ def test_a_checkpoint_keeps_the_fleet_an_operator_asked_for(tmp_path, monkeypatc
 
 
 def test_a_scale_request_outside_the_range_is_refused_and_changes_nothing(tmp_path, monkeypatch):
-    from rlpost.control import RunControl, check_scale_request
+    from rlpost.service.mailbox import RunControl, check_scale_request
 
     inference = {"inference": (1, None)}
     with pytest.raises(ValueError, match="at least one inference worker"):
@@ -862,7 +862,7 @@ def test_a_role_whose_restart_keeps_failing_stops_the_run_naming_the_role_and_th
     """Every actor of the role dies in its constructor (a missing file, an engine that cannot
     load), the first one and each restart: after MAX_ATTEMPTS tries of a part the run stops, and
     the error names the role and the constructor's error, never retrying forever."""
-    import rlpost.supervisor as sup
+    import rlpost.service.supervisor as sup
 
     name = {"inference": "inference-0", "reference": "reference", "env_pool": "env-pool-0"}[role]
     original = getattr(Starter, role)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlpost.ray_start import RUN_ENV_VARS, merge_ray_runtime_env
-from rlpost.timing import timeit
+from rlpost.record.timing import timeit
+from rlpost.runtime.ray_start import RUN_ENV_VARS, merge_ray_runtime_env
 
 pytestmark = pytest.mark.unit
 

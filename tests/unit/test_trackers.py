@@ -8,8 +8,8 @@ import types
 import pytest
 
 from rlpost.config import ConfigError, LoggingConfig, load_config
-from rlpost.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics
-from rlpost.trackers import (
+from rlpost.record.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics
+from rlpost.record.trackers import (
     IDS_FILE,
     MlflowTracker,
     WandbTracker,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from rlpost.actors.learner.actor import LearnerActor, start_learner, start_learner_group
 from rlpost.actors.learner.checkpoint import Checkpointer, CheckpointWriteError
-from rlpost.actors.learner.core import LOSS_TYPES, Learner, LearnerSettings
+from rlpost.actors.learner.core import LOSS_TYPES, Learner
 from rlpost.actors.learner.memory import (
     enable_activation_checkpointing,
     own_trainable_weights,
@@ -35,6 +35,7 @@ from rlpost.actors.learner.memory import (
     return_freed_memory_to_os,
     set_torch_threads,
 )
+from rlpost.actors.learner.settings import LearnerSettings
 
 __all__ = [
     "LOSS_TYPES",

@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 
 from rlpost.actors import learner_name, sharding, start_actor
-from rlpost.actors.learner.core import Learner, LearnerSettings
+from rlpost.actors.learner.core import Learner
 from rlpost.actors.learner.memory import release_freed_memory, return_freed_memory_to_os, set_torch_threads
-from rlpost.types import Group
+from rlpost.actors.learner.settings import LearnerSettings
+from rlpost.data.samples import Group
 
 # forming a learner group waits this long beyond the group's timeout: every rank loads the model first
 _MODEL_LOAD_GRACE_S = 600.0
@@ -35,7 +36,7 @@ class LearnerActor(Learner):
     """
 
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
-        from rlpost.metrics import RoleMetrics
+        from rlpost.record.metrics import RoleMetrics
 
         if release_freed_memory(cfg.resources, world_size):
             return_freed_memory_to_os()  # before the model's first allocation

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlpost import lora
 from rlpost.actors import sharding
-from rlpost.liveness import progress
-from rlpost.runs import latest_checkpoint, list_checkpoints
+from rlpost.policies import lora
+from rlpost.record.run_dir import latest_checkpoint, list_checkpoints
+from rlpost.runtime.liveness import progress
 
 if TYPE_CHECKING:
     from rlpost.config import LoraConfig

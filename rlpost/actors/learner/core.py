@@ -66,7 +66,7 @@ LoRA (``model.lora``): the model is wrapped by ``peft`` with an adapter on each 
 only the adapter trains (AdamW holds state for it alone). A sync sends the adapter's tensors,
 which the inference workers serve as a vLLM LoRA adapter, or the merged weights where an engine
 cannot (``sync_mode``, :meth:`choose_sync_mode`); checkpoints hold the adapter in peft's format
-and, with ``model.lora.save_merged``, the merged model in ``merged/`` (:mod:`rlpost.lora`).
+and, with ``model.lora.save_merged``, the merged model in ``merged/`` (:mod:`rlpost.policies.lora`).
 
 Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
 :mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group; each rank builds
@@ -87,40 +87,30 @@ import functools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 
-from rlpost import lora
 from rlpost.actors import sharding
 from rlpost.actors.batch import batch_rows, collate_samples, loss_tokens, split_rows, split_to_budget
 from rlpost.actors.learner import lora_sync
 from rlpost.actors.learner.checkpoint import Checkpointer
 from rlpost.actors.learner.memory import enable_activation_checkpointing, own_trainable_weights
+from rlpost.actors.learner.settings import LearnerSettings
 from rlpost.actors.learner.step_metrics import batch_metrics, combine_micro_metrics, mean_dicts
 from rlpost.actors.token_budget import TokenBudget, auto_token_budget
 from rlpost.algo import distillation_advantages, load_loss_function, loss_normaliser, sft_loss
-from rlpost.config import (
-    LearnerResources,
-    LossConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ReferenceConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
-from rlpost.liveness import progress, working
+from rlpost.data.samples import Group, Sample
 from rlpost.objectives import DAPO, CISPOLoss, GRPOLoss
 from rlpost.objectives.grpo import ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
-from rlpost.policies import TransformersWrapper
+from rlpost.policies import TransformersWrapper, lora
+from rlpost.runtime.liveness import progress, working
 from rlpost.transport.bucketing import StreamedTensors
-from rlpost.types import Group, Sample
 
 if TYPE_CHECKING:
-    from rlpost.config import JobConfig
+    pass
 
 # loss.type -> the loss module and the function its terms come from (None: rlpost.algo.grpo_loss);
 # expert iteration is SFT through the same module, on the samples the env pools kept
@@ -137,28 +127,6 @@ def _warmup_factor(step: int, warmup_steps: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ learner
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """The job config sections the learner reads (the YAML's sections of the same names)."""
-
-    model: ModelConfig  # the weights to start from, their dtype, the tokenizer
-    loss: LossConfig
-    optimizer: OptimizerConfig
-    reference: ReferenceConfig  # the KL-to-reference term: on or off, coefficient, estimator
-    trainer: TrainerConfig  # epochs per batch, torch seed, checkpoints kept
-    rollout: RolloutConfig  # the sampling temperature (log-probs) and max_tokens (Dr.GRPO's L_max)
-    resources: LearnerResources  # ``resources.learner`` (per rank; num_workers ranks)
-    run_name: str = ""  # the run whose metrics the actor reports under
-    # with LoRA, what the syncs send ("adapter" or "merged", rlpost.lora.sync_route: it also
-    # depends on where the engines run); None: model.lora.sync as written, with auto as adapter
-    lora_sync: str | None = None
-
-    @classmethod
-    def from_job(cls, cfg: JobConfig) -> LearnerSettings:
-        return cls(cfg.model, cfg.loss, cfg.optimizer, cfg.reference, cfg.trainer, cfg.rollout,
-                   cfg.resources.learner, cfg.logging.run_name or "", lora.sync_route(cfg))  # fmt: skip
 
 
 class Learner:
@@ -292,7 +260,7 @@ class Learner:
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
         """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics.
-        Its work shows progress at every micro-batch (:mod:`rlpost.liveness`)."""
+        Its work shows progress at every micro-batch (:mod:`rlpost.runtime.liveness`)."""
         with working("train_step"):
             return self._train_step(groups)
 

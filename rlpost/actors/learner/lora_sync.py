@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlpost import lora
 from rlpost.actors import sharding
+from rlpost.policies import lora
 from rlpost.transport.bucketing import StreamedTensors
 
 if TYPE_CHECKING:
-    from rlpost.actors.learner.core import LearnerSettings
+    from rlpost.actors.learner.settings import LearnerSettings
     from rlpost.config import LoraConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlpost.types import Sample
+from rlpost.data.samples import Sample
 
 # Diagnostics that are token means over the loss tokens whatever the aggregation: combined over
 # micro-batches weighted by their loss tokens (exact, except for ess, which is not a mean).

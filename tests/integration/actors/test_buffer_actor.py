@@ -109,7 +109,7 @@ def test_the_supervisors_client_maps_a_wait_and_a_death(ray_cluster):
     import ray
 
     from rlpost.actors.calls import ActorLost
-    from rlpost.clients import BufferClient
+    from rlpost.service.clients import BufferClient
 
     client = BufferClient(start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-client").rb)
     client.name = "buffer-client"  # the run's is "buffer"

@@ -6,8 +6,8 @@ import torch
 from rlpost.actors.reference import Reference, ReferenceSettings
 from rlpost.algo import group_advantages
 from rlpost.config import load_config
+from rlpost.data.samples import Group, Sample
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
-from rlpost.types import Group, Sample
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from rlpost.actors.reward import UNPARSED, RewardModel, RewardSettings, start_re
 from rlpost.config import load_config
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
 from rlpost.envs.reward_model import RemoteRewardModel
-from rlpost.tiny_reward_model import conversation
+from rlpost.tiny.reward_model import conversation
 
 pytestmark = pytest.mark.integration
 

@@ -565,7 +565,7 @@ def test_tool_turns_train_only_generated_ids_and_keep_each_turns_logprobs(engine
         assert sample.logprobs[len(p2) : len(p2) + len(c2.token_ids)] == pytest.approx(c2.logprobs, abs=0)
         assert sample.num_tool_calls == 1 and sample.num_tool_errors == 0 and sample.tool_time_s > 0
         assert sample.num_turns >= 2
-    from rlpost.metrics import episode_metrics
+    from rlpost.record.metrics import episode_metrics
 
     metrics = episode_metrics(groups)
     assert metrics["tool_calls_mean"] == 1.0 and metrics["tool_error_fraction"] == 0.0

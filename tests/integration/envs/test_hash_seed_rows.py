@@ -14,7 +14,7 @@ import pytest
 
 from rlpost.config import load_config
 from rlpost.envs.reasoning_gym import HASH_SEED_DEPENDENT_TASKS
-from rlpost.ray_start import run_env_vars
+from rlpost.runtime.ray_start import run_env_vars
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ def load(path, dtype, lora=False):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if lora:
         from rlpost.config import LoraConfig
-        from rlpost.lora import apply_lora
+        from rlpost.policies.lora import apply_lora
 
         model = apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
         with torch.no_grad():  # adapters away from zero, so that they change the scores

@@ -4,7 +4,7 @@ import pytest
 
 from rlpost.actors.batch import collate_samples, split_rows, split_to_budget
 from rlpost.algo.packing import packed_tokens
-from rlpost.types import Sample
+from rlpost.data.samples import Sample
 
 pytestmark = pytest.mark.unit
 

@@ -15,10 +15,10 @@ from rlpost.actors.reward import judge_template, parse_verdict
 from rlpost.collect.episodes import reward_parts, row_tasks
 from rlpost.config import ConfigError, load_config
 from rlpost.data import ChatHistory, History
+from rlpost.data.samples import Group, Sample
 from rlpost.envs import ArithmeticEnv, make_env
 from rlpost.envs.reward_model import RemoteRewardModel, RewardModelReward
-from rlpost.metrics import reward_breakdown
-from rlpost.types import Group, Sample
+from rlpost.record.metrics import reward_breakdown
 
 pytestmark = pytest.mark.unit
 

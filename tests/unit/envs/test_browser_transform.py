@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from rlpost.data import ChatHistory, History
 from rlpost.envs.browser import BROWSER_SCHEMA, BrowserTransform, BrowserUnavailable, action_problem, url_problem
 from rlpost.envs.chat import ChatEnv
-from rlpost.envs.transforms import ToolCall
+from rlpost.envs.tool_transforms import ToolCall
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from tensordict import TensorDict, lazy_stack
 
 from rlpost.data import ChatHistory, History, Masks, Text, Tokens
 from rlpost.envs import ChatEnv, Transform
-from rlpost.envs.common import TransformedEnv
+from rlpost.envs.transforms import TransformedEnv
 from rlpost.envs.turns import close_with
 
 pytestmark = pytest.mark.unit

@@ -27,7 +27,7 @@ from rlpost.envs.gsm8k import (
     gsm8k_target,
     make_gsm8k_env,
 )
-from rlpost.math_verify_check import math_verify_equal
+from rlpost.envs.math_verify_check import math_verify_equal
 
 pytestmark = pytest.mark.unit
 

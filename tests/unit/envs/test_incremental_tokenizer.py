@@ -11,7 +11,7 @@ from rlpost.data import ChatHistory, History, Tokens
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
-from rlpost.envs.transforms import PythonInterpreter
+from rlpost.envs.tool_transforms import PythonInterpreter
 
 pytestmark = pytest.mark.unit
 

@@ -20,8 +20,8 @@ from rlpost.envs.python_executor import (
     execution_dict,
     result_from_execution,
 )
+from rlpost.envs.tool_transforms import DEFAULT_PYTHON_TIMEOUT_S, PythonInterpreter
 from rlpost.envs.tools import PythonResult
-from rlpost.envs.transforms import DEFAULT_PYTHON_TIMEOUT_S, PythonInterpreter
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from rlpost.data import ChatHistory, History
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.tool_parsers import JSONCallParser, XMLBlockParser
 from rlpost.envs.tool_services import ExecuteToolsInOrder, ToolRegistry
-from rlpost.envs.transforms import HermesToolCallParser, PythonInterpreter, SimpleToolTransform, ToolCall
+from rlpost.envs.tool_transforms import HermesToolCallParser, PythonInterpreter, SimpleToolTransform, ToolCall
 
 pytestmark = pytest.mark.unit
 

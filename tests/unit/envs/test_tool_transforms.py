@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 from rlpost.config import ConfigError, validate_config
 from rlpost.data import ChatHistory, History
-from rlpost.doctor import sandbox_check
+from rlpost.data.samples import Group, Sample
 from rlpost.envs import (
     ChatEnv,
     DatasetChatEnv,
@@ -28,8 +28,8 @@ from rlpost.envs import (
     make_env,
 )
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.metrics import episode_metrics
-from rlpost.types import Group, Sample
+from rlpost.ops.doctor import sandbox_check
+from rlpost.record.metrics import episode_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -286,12 +286,12 @@ def test_episode_metrics():
 
 
 def test_train_refuses_before_starting_actors_when_the_sandbox_cannot_run(monkeypatch, caplog):
-    from rlpost.controller import _check_tools
+    from rlpost.service.loop import _check_tools
 
     monkeypatch.setenv("RLPOST_BWRAP", "/bin/false")
     with pytest.raises(ConfigError, match="tools.sandbox=bwrap: the namespace sandbox .* tools.sandbox: guard"):
         _check_tools(tools_config())
-    with caplog.at_level(logging.INFO, logger="rlpost.controller"):
+    with caplog.at_level(logging.INFO, logger="rlpost.service.loop"):
         _check_tools(tools_config(tools={"sandbox": "guard"}))  # asked for: runs, and the log says so
     assert "NOT a security boundary" in caplog.text
     _check_tools(tools_config(tools={"python": {"enabled": False}}, data={"task": "arithmetic"}))  # no code: no check

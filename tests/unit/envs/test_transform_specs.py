@@ -10,9 +10,8 @@ from tensordict import TensorDict
 from rlpost.data.specs import Composite, Unbounded
 from rlpost.envs.async_pool import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
-from rlpost.envs.common import TransformedEnv
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
-from rlpost.envs.transforms import Compose, Transform
+from rlpost.envs.transforms import Compose, Transform, TransformedEnv
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlpost.actors.learner import Learner
-from rlpost.runs import list_checkpoints
+from rlpost.record.run_dir import list_checkpoints
 from tests.integration.actors.learner.test_learner import BAD, GOOD, completion, make_cfg, on_policy_groups
 
 pytestmark = pytest.mark.integration

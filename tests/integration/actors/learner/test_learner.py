@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from rlpost.actors.learner import Learner, LearnerSettings
 from rlpost.config import JobConfig
+from rlpost.data.samples import Group, Sample
 from rlpost.objectives.grpo import ASSISTANT_MASK, ATTENTION_MASK, LOG_PROBS_FULL, REF_LOG_PROBS_FULL, TOKENS_FULL
 from rlpost.transport.weight_bus import LocalWeightBus
-from rlpost.types import Group, Sample
 
 pytestmark = pytest.mark.integration
 

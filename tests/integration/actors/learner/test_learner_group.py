@@ -12,8 +12,8 @@ from preforked import forkserver_context  # tests/preforked.py
 
 from rlpost.actors.learner import Learner, LearnerSettings, start_learner_group
 from rlpost.config import JobConfig
+from rlpost.data.samples import Group, Sample
 from rlpost.envs.arithmetic import ARITHMETIC_SYSTEM_PROMPT
-from rlpost.types import Group, Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

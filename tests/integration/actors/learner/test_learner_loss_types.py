@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlpost.actors.learner import Learner
+from rlpost.data.samples import Group
 from rlpost.objectives import DAPO, CISPOLoss, GRPOLoss
-from rlpost.types import Group
 from tests.integration.actors.learner.test_learner import (
     BAD,
     GOOD,

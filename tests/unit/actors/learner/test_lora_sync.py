@@ -10,7 +10,6 @@ import logging
 import pytest
 import torch
 
-from rlpost import lora
 from rlpost.actors.learner import LearnerSettings
 from rlpost.actors.learner.lora_sync import (
     adapter_dropout,
@@ -21,6 +20,7 @@ from rlpost.actors.learner.lora_sync import (
     weights_for_sync,
 )
 from rlpost.config import load_config
+from rlpost.policies import lora
 
 pytestmark = pytest.mark.unit
 

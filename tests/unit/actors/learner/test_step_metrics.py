@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from rlpost.actors.learner.step_metrics import batch_metrics, combine_micro_metrics, mean_dicts
-from rlpost.types import Sample
+from rlpost.data.samples import Sample
 
 pytestmark = pytest.mark.unit
 

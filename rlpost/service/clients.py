@@ -194,7 +194,7 @@ class EnvPoolClient(ActorClient):
 
 
 class ControlClient(ActorClient):
-    """``control``: the run's mailbox for operators' requests (:mod:`rlpost.control`)."""
+    """``control``: the run's mailbox for operators' requests (:mod:`rlpost.service.mailbox`)."""
 
     def exchange(self, sizes: dict[str, int], timeout_s: float) -> dict[str, int]:
         """Report the fleet's sizes; what an operator asked for (``inference``, ``env_pools``;

@@ -51,8 +51,8 @@ from rlpost.envs.arithmetic import (
 )
 from rlpost.envs.rewards import answer_reward
 
-# the spec lives in rlpost.tiny_model_spec (importable without torch); its names stay importable here
-from rlpost.tiny_model_spec import TASKS, TOOL_SPEC, TinyModelSpec, built_spec, spec_dict  # noqa: F401
+# the spec lives in rlpost.tiny.spec (importable without torch); its names stay importable here
+from rlpost.tiny.spec import TASKS, TOOL_SPEC, TinyModelSpec, built_spec, spec_dict  # noqa: F401
 
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

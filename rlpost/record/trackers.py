@@ -1,7 +1,7 @@
 """Experiment trackers: every metrics.jsonl record also goes to TensorBoard, wandb and/or MLflow.
 
 ``logging.trackers`` names them (default ``["tensorboard"]``). Each is a small adapter with the
-same two methods, ``log(metrics, step)`` and ``close()``; :class:`rlpost.metrics.MetricsWriter`
+same two methods, ``log(metrics, step)`` and ``close()``; :class:`rlpost.record.metrics.MetricsWriter`
 calls them after it appends a line to metrics.jsonl, with the line's numeric values under the
 same names (None and non-numbers skipped, bools as 0/1).
 
@@ -33,25 +33,18 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from rlpost.config import LoggingConfig
+from rlpost.config import LoggingConfig
 
 log = logging.getLogger("rlpost")
 
-# tracker name -> (module that must be importable, pip requirement that provides it)
-TRACKER_PACKAGES: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard (a dependency of rlpost: reinstall it)"),
-    "wandb": ("wandb", "'rlpost[wandb]'"),
-    "mlflow": ("mlflow", "'rlpost[mlflow]'"),
-}
 TENSORBOARD_DIR = "tensorboard"
 IDS_FILE = "trackers.json"
 
 
 class Tracker(Protocol):
-    """What :class:`rlpost.metrics.MetricsWriter` needs from a tracker."""
+    """What :class:`rlpost.record.metrics.MetricsWriter` needs from a tracker."""
 
     name: str
 
@@ -80,22 +73,6 @@ def numeric_values(record: Mapping[str, object]) -> dict[str, float]:
         elif isinstance(value, (int, float)) and math.isfinite(value):
             out[key] = float(value)
     return out
-
-
-def missing_tracker_packages(names: list[str]) -> list[str]:
-    """For each tracker in ``names`` whose package cannot be imported here, a sentence naming
-    what to install. Looks the module up with :func:`importlib.util.find_spec` (nothing is
-    imported)."""
-    import importlib.util
-
-    problems = []
-    for name in names:
-        module, requirement = TRACKER_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            problems.append(
-                f"tracker {name!r} needs the {module} package, which is not installed: pip install {requirement}"
-            )
-    return problems
 
 
 def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_step: int = 1) -> list[Tracker]:

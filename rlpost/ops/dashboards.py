@@ -1,6 +1,6 @@
 """rlpost's Grafana dashboard and Prometheus alert rules, written from the metrics the run exports.
 
-Every role reports Ray metrics (:mod:`rlpost.metrics`); Prometheus scrapes them from each node's
+Every role reports Ray metrics (:mod:`rlpost.record.metrics`); Prometheus scrapes them from each node's
 metrics port with Ray's ``ray_`` prefix and Ray's ``SessionName`` and ``NodeAddress`` labels, plus
 rlpost's ``run`` (and ``actor`` for the per-role ones). This module turns them into two files:
 
@@ -11,7 +11,7 @@ rlpost's ``run`` (and ``actor`` for the per-role ones). This module turns them i
   restart storm, drifting weight syncs, a run whose metrics stopped, reward collapse.
 
 ``deploy/monitoring/`` holds both as written with the default settings, for clusters, and the
-rules as a Prometheus Operator ``PrometheusRule`` for Kubernetes (``python -m rlpost.monitoring``
+rules as a Prometheus Operator ``PrometheusRule`` for Kubernetes (``python -m rlpost.ops.dashboards``
 rewrites the three; a test checks that they match). ``rlpost monitor``
 writes them again for its own Prometheus, with the settings it was given.
 """
@@ -25,18 +25,18 @@ from typing import Any
 
 import yaml
 
-from rlpost.metrics import RayMetrics
+from rlpost.record.metrics import RayMetrics
 
 DASHBOARD_UID = "rlpost-run"
 DASHBOARD_FILE = "rlpost_grafana_dashboard.json"
 ALERTS_FILE = "rlpost_alerts.yml"
 PROMETHEUS_RULE_FILE = "rlpost_prometheusrule.yaml"  # the same rules as a Prometheus Operator resource
-DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy" / "monitoring"
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 RUN = '{run=~"$run"}'  # the dashboard's filter: the runs picked in its `run` variable
 
 
 def metric(name: str, selector: str = RUN) -> str:
-    """A run-level gauge of the driver (``rlpost.metrics.RayMetrics``) as Prometheus names it."""
+    """A run-level gauge of the driver (``rlpost.record.metrics.RayMetrics``) as Prometheus names it."""
     return f"ray_rlpost_{name}{selector}"
 
 
@@ -358,7 +358,7 @@ def prometheus_rule(settings: AlertSettings = DEFAULT_ALERTS) -> dict[str, Any]:
     }
 
 
-_HEADER = "# Written by `python -m rlpost.monitoring` (rlpost/monitoring.py): edit that, not this file.\n"
+_HEADER = "# Written by `python -m rlpost.ops.dashboards` (rlpost/ops/dashboards.py): edit that, not this file.\n"
 
 
 def write_files(folder: str | Path, settings: AlertSettings = DEFAULT_ALERTS) -> list[Path]:

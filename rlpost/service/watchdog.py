@@ -6,7 +6,7 @@ record, and every call into it fails: the supervisor notices at once. A process 
 (SIGSTOP, a frozen node) or whose working thread is blocked (a deadlock, a collective that never
 returns) stays ALIVE in that record, and a call into it waits until its own timeout, minutes for
 a learner step. So a thread of the driver asks every actor of the run for a heartbeat every
-``watchdog.interval_s`` (:mod:`rlpost.liveness`, the actor's side) and judges each by its role's
+``watchdog.interval_s`` (:mod:`rlpost.runtime.liveness`, the actor's side) and judges each by its role's
 deadlines (``watchdog.<role>``, :class:`~rlpost.config.RoleDeadlines`):
 
     no answer for answer_s                      -> frozen: the process runs no Python at all
@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlpost.clients import actor_record, actor_state, kill
 from rlpost.config import RoleDeadlines, WatchdogConfig
-from rlpost.liveness import heartbeat_ref
+from rlpost.runtime.liveness import heartbeat_ref
+from rlpost.service.clients import actor_record, actor_state, kill
 
 log = logging.getLogger("rlpost")
 
@@ -74,7 +74,7 @@ def verdict(deadlines: RoleDeadlines, *, now: float, waiting_since: float | None
     """Why an actor is to be killed, or None while it is fine.
 
     ``waiting_since``: since when a heartbeat has gone unanswered, counted from when the actor
-    could answer (None: none is outstanding); ``reply``: its last answer (:func:`rlpost.liveness.report`)."""
+    could answer (None: none is outstanding); ``reply``: its last answer (:func:`rlpost.runtime.liveness.report`)."""
     if waiting_since is not None and now - waiting_since > deadlines.answer_s:
         return f"frozen: no answer to its heartbeat for {now - waiting_since:.0f} s (watchdog answer_s={deadlines.answer_s:g})"
     if reply is None or deadlines.progress_s is None:

@@ -1,7 +1,7 @@
 """The job config's reference (docs/config.md), generated from the pydantic models' descriptions.
 
-    python -m rlpost.config_reference            rewrite docs/config.md
-    python -m rlpost.config_reference --check    exit 1 when docs/config.md is out of date
+    python -m rlpost.config.reference            rewrite docs/config.md
+    python -m rlpost.config.reference --check    exit 1 when docs/config.md is out of date
 
 Every key of :class:`rlpost.config.JobConfig` is listed under its section with its type, its
 default and its field description, so the reference cannot drift from the code (a unit test
@@ -23,11 +23,11 @@ from pydantic_core import PydanticUndefined
 
 from rlpost.config import JobConfig, section_type
 
-DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 HEADER = """# Job config reference
 
-Generated from `rlpost/config.py` by `python -m rlpost.config_reference`; do not edit by hand.
+Generated from `rlpost/config/` by `python -m rlpost.config.reference`; do not edit by hand.
 A job is one YAML file with these sections; every key can also be set on the command line as a
 dotted override (`rlpost train CONFIG trainer.steps=100 "logging.trackers=[tensorboard]"`).
 Unknown keys are errors that name the key.
@@ -106,14 +106,14 @@ def _cell(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write (or --check) docs/config.md from rlpost/config.py.")
+    parser = argparse.ArgumentParser(description="Write (or --check) docs/config.md from rlpost/config/.")
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/config.md is out of date")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         current = DOC_PATH.read_text() if DOC_PATH.is_file() else ""
         if current != text:
-            print(f"{DOC_PATH} is out of date: run python -m rlpost.config_reference", file=sys.stderr)
+            print(f"{DOC_PATH} is out of date: run python -m rlpost.config.reference", file=sys.stderr)
             return 1
         return 0
     DOC_PATH.parent.mkdir(parents=True, exist_ok=True)

@@ -773,7 +773,7 @@ class RoleDeadlines(_Section):
 
 
 class WatchdogConfig(_Section):
-    """The watchdog (rlpost.watchdog): an actor alive to Ray but frozen or hung is killed and replaced.
+    """The watchdog (rlpost.service.watchdog): an actor alive to Ray but frozen or hung is killed and replaced.
 
     Ray's record of an actor says ALIVE for a stopped or deadlocked process; the run asks every actor
     itself instead, every ``interval_s`` (docs/failures.md, "Frozen and hung actors")."""
@@ -812,6 +812,30 @@ class WatchdogConfig(_Section):
         default_factory=lambda: RoleDeadlines(answer_s=30.0),
         description="The run's control mailbox (rlpost scale): judged by its answers.",
     )
+
+
+# tracker name -> (module that must be importable, pip requirement that provides it)
+TRACKER_PACKAGES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard (a dependency of rlpost: reinstall it)"),
+    "wandb": ("wandb", "'rlpost[wandb]'"),
+    "mlflow": ("mlflow", "'rlpost[mlflow]'"),
+}
+
+
+def missing_tracker_packages(names: list[str]) -> list[str]:
+    """For each tracker in ``names`` whose package cannot be imported here, a sentence naming
+    what to install. Looks the module up with :func:`importlib.util.find_spec` (nothing is
+    imported)."""
+    import importlib.util
+
+    problems = []
+    for name in names:
+        module, requirement = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            problems.append(
+                f"tracker {name!r} needs the {module} package, which is not installed: pip install {requirement}"
+            )
+    return problems
 
 
 class LoggingConfig(_Section):
@@ -856,8 +880,6 @@ class LoggingConfig(_Section):
     def _trackers_known_and_installed(cls, value: list[str]) -> list[str]:
         """Each tracker is a known name, named once, and its package is importable here (checked
         with importlib's find_spec, nothing imported), so a missing one fails before any actor starts."""
-        from rlpost.trackers import TRACKER_PACKAGES, missing_tracker_packages
-
         valid = ", ".join(TRACKER_PACKAGES)
         for name in value:
             if name not in TRACKER_PACKAGES:

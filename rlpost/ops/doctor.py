@@ -280,7 +280,7 @@ def _gpu_need_check(cfg: JobConfig, num_gpus: int) -> Check:
 def auth_check(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> Check:
     """How this process would authenticate to a Ray cluster (the token itself is never shown)."""
     from rlpost.config import ConfigError
-    from rlpost.jobs import find_auth_token
+    from rlpost.ops.jobs import find_auth_token
 
     mode = environ.get("RAY_AUTH_MODE")
     try:
@@ -305,7 +305,7 @@ def cluster_check(address: str) -> Check:
     """The cluster's Ray version against this machine's (they must be equal)."""
     import ray
 
-    from rlpost.jobs import ClusterError, connect
+    from rlpost.ops.jobs import ClusterError, connect
 
     try:
         client = connect(address, timeout_s=15.0)

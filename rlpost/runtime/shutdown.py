@@ -177,7 +177,7 @@ def in_own_session() -> bool:
 
 
 def run_in_own_session(argv: Sequence[str]) -> int:
-    """Run ``python -m rlpost.cli ARGV`` in a session of its own and return its exit status,
+    """Run ``python -m rlpost.ops.cli ARGV`` in a session of its own and return its exit status,
     passing SIGINT and SIGTERM on to it (SIGHUP as SIGTERM); see the module docstring.
 
     The child shares this process's stdin, stdout and stderr (a terminal stays a terminal for
@@ -185,7 +185,7 @@ def run_in_own_session(argv: Sequence[str]) -> int:
     """
     env = {**os.environ, DRIVER_SESSION_ENV: "1"}
     child = subprocess.Popen(
-        [sys.executable, "-m", "rlpost.cli", *argv], env=env, start_new_session=True, preexec_fn=die_with_parent
+        [sys.executable, "-m", "rlpost.ops.cli", *argv], env=env, start_new_session=True, preexec_fn=die_with_parent
     )
 
     def pass_on(signum: int, frame) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from rlpost.envs.arithmetic import make_arithmetic_rows
 from rlpost.envs.rewards import answer_reward
-from rlpost.tiny_model import save_model_folder
+from rlpost.tiny.model import save_model_folder
 
 META_FILE = "rlpost_tiny_reward_model.json"
 
@@ -107,7 +107,7 @@ def build_tiny_reward_model(
     log: Callable[[str], None] = print,
 ) -> dict:  # fmt: skip
     """Train the tiny reward model from the tiny LM in ``lm_dir`` into ``out_dir`` (atomically:
-    :func:`rlpost.tiny_model.save_model_folder`); returns its metadata."""
+    :func:`rlpost.tiny.model.save_model_folder`); returns its metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     out_dir, lm_dir = Path(out_dir), Path(lm_dir)

@@ -40,26 +40,11 @@ from typing import TextIO
 import tomllib
 
 from rlpost.config import ConfigError, JobConfig, check_overrides, default_run_name, load_config, path_values
+from rlpost.runtime.ray_start import WORKING_DIR_EXCLUDES
 
 REQUEST_TIMEOUT_S = 30.0
 UPLOAD_TIMEOUT_S = 600.0  # the working-dir package goes up in one PUT
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
-# Names (gitignore patterns, matched at any depth unless anchored with "/") never uploaded with the
-# working dir. Without a trailing slash a pattern matches the folder itself, so Ray's packer skips
-# it whole instead of walking every file of .venv to exclude them one by one.
-WORKING_DIR_EXCLUDES = (
-    ".git",
-    ".venv",
-    "venv",
-    ".cache",
-    "runs",
-    "__pycache__",
-    "*.egg-info",
-    ".pytest_cache",
-    "*.pyc",
-    "/build",
-    "/dist",
-)
 # PYTHONUNBUFFERED: the driver's output reaches `rlpost logs --follow` as it is printed.
 # RAY_OVERRIDE_JOB_RUNTIME_ENV: the driver's ray.init passes resources.env_vars again (for local
 # runs); Ray refuses to merge a driver runtime_env that repeats a job env var unless this is set.

@@ -5,7 +5,7 @@ architecture diagram); docs/architecture.md follows a prompt through them module
 
 The loop itself (sync and async, and what each waits on) is :meth:`Controller.run`'s docstring.
 
-Failures are the supervisor's (:mod:`rlpost.supervisor`): each part of a step runs through
+Failures are the supervisor's (:mod:`rlpost.service.supervisor`): each part of a step runs through
 ``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
 ``Supervisor.check`` so a death is noticed while the loop waits. A lost learner ends the loop
 with LearnerDied; :func:`run_training` then restarts the run from its last checkpoint when
@@ -34,13 +34,14 @@ from typing import TextIO
 
 from rlpost.actors.calls import ActorFailure
 from rlpost.config import JobConfig
-from rlpost.evaluation import Evaluator, append_eval_line
-from rlpost.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
-from rlpost.ray_start import init_ray
-from rlpost.run_state import Ledger, RunState
-from rlpost.runs import latest_checkpoint, supersede_metrics_after
-from rlpost.shutdown import StopRequested, raise_if_stopping, stop_on_signals
-from rlpost.supervisor import (
+from rlpost.record.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
+from rlpost.record.run_dir import latest_checkpoint, supersede_metrics_after
+from rlpost.record.trackers import make_trackers
+from rlpost.runtime.ray_start import init_ray
+from rlpost.runtime.shutdown import StopRequested, raise_if_stopping, stop_on_signals
+from rlpost.service.evaluation import Evaluator, append_eval_line
+from rlpost.service.run_state import Ledger, RunState
+from rlpost.service.supervisor import (
     ActorStarter,
     LearnerDied,
     ResumeNeeded,
@@ -49,7 +50,6 @@ from rlpost.supervisor import (
     slot_of,
     stop_actors,
 )
-from rlpost.trackers import make_trackers
 from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
@@ -68,8 +68,8 @@ def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
     """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
     process exit code (0 on success). With ``trainer.auto_resume`` a lost learner (or an actor
     lost with the state it needed) restarts the run from its last checkpoint
-    (:func:`rlpost.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested at the
-    loop's next safe point (rlpost.shutdown), after the final checkpoint."""
+    (:func:`rlpost.service.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested at the
+    loop's next safe point (rlpost.runtime.shutdown), after the final checkpoint."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
@@ -348,7 +348,7 @@ class Controller:
 
     def _evaluate(self, step: int) -> dict:
         """Score the weights the inference workers now serve on the held-out prompts (module
-        :mod:`rlpost.evaluation`); the result also goes to eval.jsonl. The run's env pools keep
+        :mod:`rlpost.service.evaluation`); the result also goes to eval.jsonl. The run's env pools keep
         collecting meanwhile (async mode). A failed evaluation is a warning, never the run's end:
         its keys are left out of the step's line."""
         from rlpost.policies import RemoteVLLMClient

@@ -3,7 +3,7 @@ progress, and the error that ended it.
 
 Ray's record of an actor says ALIVE for a process that is stopped (SIGSTOP, a frozen node), deadlocked
 or stuck in a call that never returns: the record only changes when the process ends. So the run's
-supervisor asks every actor a question of its own (:mod:`rlpost.watchdog`), and each actor answers it
+supervisor asks every actor a question of its own (:mod:`rlpost.service.watchdog`), and each actor answers it
 on a thread of its own, a Ray concurrency group (LIVENESS_GROUP) beside the threads that run its
 calls, so that a long call never delays the answer:
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpost.trackers import Tracker, numeric_values
+from rlpost.record.trackers import Tracker, numeric_values
 
 log = logging.getLogger("rlpost")
 
@@ -37,10 +37,10 @@ REQUIRED_KEYS = (
 
 class MetricsWriter:
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line) and
-    hands the same record to the run's trackers (:mod:`rlpost.trackers`).
+    hands the same record to the run's trackers (:mod:`rlpost.record.trackers`).
 
     Appending (never truncating) lets a resumed run continue the same file. Each tracker gets the
-    record's numeric values (:func:`rlpost.trackers.numeric_values`) at the record's ``step``. A
+    record's numeric values (:func:`rlpost.record.trackers.numeric_values`) at the record's ``step``. A
     tracker whose ``log`` raises is closed and dropped with one warning; the file and the other
     trackers go on. :meth:`close` closes the trackers; records written after it go to the file only.
     """
@@ -287,7 +287,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def reward_breakdown(groups: Iterable[Any], prefix: str = "") -> dict[str, float]:
-    """The reward per task and per part, from groups (``rlpost.types.Group``) whose samples say
+    """The reward per task and per part, from groups (``rlpost.data.samples.Group``) whose samples say
     their ``task`` (a task mixture's rows) or carry ``reward_parts`` (a reward model's score beside
     the task's rule): ``<prefix>reward_mean/<task>`` over every sampled answer of that task's
     groups (expert iteration's ``info["sampled_rewards"]`` included), and
@@ -307,7 +307,7 @@ def reward_breakdown(groups: Iterable[Any], prefix: str = "") -> dict[str, float
 
 
 def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
-    """Per-step episode figures from the trained groups (``rlpost.types.Group``): ``turns_mean``
+    """Per-step episode figures from the trained groups (``rlpost.data.samples.Group``): ``turns_mean``
     and ``tool_calls_mean`` per sample, ``tool_error_fraction`` of the tool calls (0 without
     calls), ``tool_time_s`` summed over the samples, ``reward_errors``: failed reward
     computations in the batches these groups came from, and the reward per task and per part

@@ -1,6 +1,6 @@
 """The tiny model's spec: what determines its bytes, and how a built folder records it.
 
-Kept apart from :mod:`rlpost.tiny_model` (which imports torch and transformers to build it) so
+Kept apart from :mod:`rlpost.tiny.model` (which imports torch and transformers to build it) so
 that ``rlpost make-tiny-model`` tells in a fraction of a second that a folder is up to date.
 """
 

@@ -37,12 +37,28 @@ def run_env_vars(cfg: JobConfig) -> dict[str, str]:
 # caches of the hubs a run reads from and logs to)
 PROPAGATED_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
 
+# Names (gitignore patterns, matched at any depth unless anchored with "/") never uploaded with the
+# working dir (by `rlpost submit`, and by a script's ray.init through merge_ray_runtime_env).
+# Without a trailing slash a pattern matches the folder itself, so Ray's packer skips it whole
+# instead of walking every file of .venv to exclude them one by one.
+WORKING_DIR_EXCLUDES = (
+    ".git",
+    ".venv",
+    "venv",
+    ".cache",
+    "runs",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    "*.pyc",
+    "/build",
+    "/dist",
+)
+
 
 def get_ray_default_runtime_env() -> dict:
     """TorchRL's ``get_ray_default_runtime_env``: the runtime env every upload of a working dir
     starts from, ``{"excludes": [...]}`` (what ``rlpost submit`` leaves out)."""
-    from rlpost.jobs import WORKING_DIR_EXCLUDES
-
     return {"excludes": list(WORKING_DIR_EXCLUDES)}
 
 

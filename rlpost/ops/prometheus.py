@@ -4,7 +4,7 @@ It starts the ``prometheus`` binary (Debian's and Ubuntu's package, or a release
 prometheus.io) with Ray's scrape configuration, the job ``ray`` reading the node list that Ray
 keeps in ``<ray temp dir>/prom_metrics_service_discovery.json`` (so it may start before the
 cluster does, and follows it across restarts), plus rlpost's alert rules
-(:mod:`rlpost.monitoring`). It copies rlpost's dashboard into the Grafana folder of Ray's session,
+(:mod:`rlpost.ops.dashboards`). It copies rlpost's dashboard into the Grafana folder of Ray's session,
 beside Ray's own dashboards, and starts Grafana with Ray's configuration when a ``grafana``
 binary is on PATH. It prints the URLs, then waits; Ctrl-C (or SIGTERM) stops what it started,
 and what it started gets SIGTERM from the kernel should the command itself be killed.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import yaml
 
-from rlpost import monitoring
 from rlpost.config import ConfigError
-from rlpost.shutdown import die_with_parent
+from rlpost.ops import dashboards
+from rlpost.runtime.shutdown import die_with_parent
 
 DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for its node list
 PROMETHEUS_INSTALL = (
@@ -65,7 +65,7 @@ class MonitorSettings:
     grafana: str | None = "grafana"  # None: never start Grafana
     grafana_home: Path = Path("/usr/share/grafana")  # Grafana's --homepath (its packages install there)
     grafana_port: int = 3000  # Grafana's default, where Ray's dashboard looks for it (RAY_GRAFANA_HOST)
-    alerts: monitoring.AlertSettings = dataclasses.field(default_factory=monitoring.AlertSettings)
+    alerts: dashboards.AlertSettings = dataclasses.field(default_factory=dashboards.AlertSettings)
 
 
 def run_name_of(run_dir: Path) -> str:
@@ -216,7 +216,7 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpost-monitor-")))
         work.mkdir(parents=True, exist_ok=True)
-        board, rules = monitoring.write_files(work, settings.alerts)
+        board, rules = dashboards.write_files(work, settings.alerts)
         config = work / "prometheus.yml"
         config.write_text(yaml.safe_dump(prometheus_config(settings, rules), sort_keys=False))
         base = f"http://127.0.0.1:{settings.port}"
@@ -272,5 +272,5 @@ def _start_grafana(settings: MonitorSettings, stack: contextlib.ExitStack, work:
     stack.callback(stop_process, process)
     base = f"http://127.0.0.1:{settings.grafana_port}"
     wait_until_ready(process, f"{base}/api/health", log, "Grafana")
-    say(f"rlpost monitor: Grafana at {base}/d/{monitoring.DASHBOARD_UID} (pid {process.pid}; Ray's dashboards "
+    say(f"rlpost monitor: Grafana at {base}/d/{dashboards.DASHBOARD_UID} (pid {process.pid}; Ray's dashboards "
         "in its Ray folder)")  # fmt: skip

@@ -1,8 +1,8 @@
 """The supervisor: starts the run's actors and owns every failure of one.
 
-The training loop (:mod:`rlpost.controller`) runs each part of a step through
+The training loop (:mod:`rlpost.service.loop`) runs each part of a step through
 :meth:`Supervisor.run`. When an actor is lost the part's call raises one of the clients' errors
-(:mod:`rlpost.clients`); the supervisor then recovers and runs the part again. A part is safe
+(:mod:`rlpost.service.clients`); the supervisor then recovers and runs the part again. A part is safe
 to run again: taking from the buffer, annotating, a weight sync and a checkpoint repeat
 harmlessly, and collection goes on from what the buffer recorded. Between parts,
 :meth:`Supervisor.check` reads every actor's state in Ray's control store every HEALTH_CHECK_S
@@ -47,7 +47,7 @@ operator's ``rlpost scale`` (a request left in the run's ``control`` actor, take
 check) opens or closes slots: :meth:`Supervisor.resize`.
 
 An actor that is alive to Ray but answers nothing (stopped, on a frozen node, deadlocked) is
-killed by the run's watchdog (:mod:`rlpost.watchdog`, started by :meth:`Supervisor.watch`), and
+killed by the run's watchdog (:mod:`rlpost.service.watchdog`, started by :meth:`Supervisor.watch`), and
 then recovered from as above: the supervisor only names the watchdog's verdict in its messages
 and counts it (``watchdog_kills``).
 
@@ -70,7 +70,10 @@ from typing import Any, TypeVar
 
 from rlpost.actors import REWARD_ACTOR, learner_name
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all, wait_stoppably
-from rlpost.clients import (
+from rlpost.config import JobConfig
+from rlpost.record.run_dir import latest_checkpoint
+from rlpost.runtime.shutdown import raise_if_stopping
+from rlpost.service.clients import (
     ActorClient,
     BufferClient,
     ControlClient,
@@ -80,12 +83,9 @@ from rlpost.clients import (
     ReferenceClient,
     release_names,
 )
-from rlpost.config import JobConfig
-from rlpost.run_state import RunState
-from rlpost.runs import latest_checkpoint
-from rlpost.shutdown import raise_if_stopping
+from rlpost.service.run_state import RunState
+from rlpost.service.watchdog import Watchdog
 from rlpost.transport.buffer import BufferSnapshot
-from rlpost.watchdog import Watchdog
 
 log = logging.getLogger("rlpost")
 T = TypeVar("T")
@@ -370,7 +370,7 @@ class ActorStarter:
 
     def control(self) -> ControlClient:
         """``control``, the run's mailbox for ``rlpost scale``, on the head node (:func:`on_the_head`)."""
-        from rlpost.control import CONTROL_ACTOR, start_control
+        from rlpost.service.mailbox import CONTROL_ACTOR, start_control
 
         release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
         bounds = self.cfg.rollout.scale_bounds()
@@ -502,7 +502,7 @@ class Slots:
         """``serving``, the vacant slots and the slots the fleet has, under the role's metrics keys
         (``inference_workers``, ``inference_workers_vacant``, ``inference_workers_target``; the
         same for ``env_pools``)."""
-        from rlpost.control import FLEET_KEYS
+        from rlpost.service.mailbox import FLEET_KEYS
 
         serving_key, wanted_key, vacant_key = FLEET_KEYS[self.key]
         return {serving_key: serving, vacant_key: len(self.vacant), wanted_key: len(self.wanted)}
@@ -565,7 +565,7 @@ class Supervisor:
         part is a weight sync, so a failure re-forms the bus even when no worker died)."""
         failure: ActorFailure | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            raise_if_stopping()  # a safe point for SIGINT / SIGTERM (rlpost.shutdown)
+            raise_if_stopping()  # a safe point for SIGINT / SIGTERM (rlpost.runtime.shutdown)
             try:
                 if failure is not None:
                     self.recover(failure, reform_bus=bus)
@@ -627,7 +627,7 @@ class Supervisor:
         Fewer slots: vacant ones close first, then the serving ones with the highest slots leave
         (:meth:`_retire_workers`, :meth:`_retire_pools`). Raises ValueError outside the config's
         ranges. Safe to run again after a failure part-way."""
-        from rlpost.control import check_scale_request
+        from rlpost.service.mailbox import check_scale_request
 
         check_scale_request(self.cfg.rollout.scale_bounds(), request)
         if "inference" in request:
@@ -651,7 +651,7 @@ class Supervisor:
         """After a resume: the fleet a checkpoint recorded (:meth:`fleet_wanted`), so that an
         operator's ``rlpost scale`` outlives a restart; a count the resumed config's ranges no
         longer allow is left at the config's, and the log says so."""
-        from rlpost.control import check_scale_request
+        from rlpost.service.mailbox import check_scale_request
 
         bounds, request = self.cfg.rollout.scale_bounds(), {}
         for key, count in wanted.items():
@@ -782,7 +782,7 @@ class Supervisor:
     def _alive(self, client: Any, lost: set[str]) -> bool:
         """False for the actors a failure named or that cannot be reached (killed to be sure: a
         silent actor is as good as dead) and for any actor Ray's record says is dead or
-        restarting (:func:`rlpost.clients.actor_state`)."""
+        restarting (:func:`rlpost.service.clients.actor_state`)."""
         if lost & set(client.names):
             client.kill()
             return False

@@ -7,7 +7,7 @@ TorchRL's GRPO and expert-iteration scripts log with::
     wandb_logger.log_str("history", history_str, step=global_step)
     wandb_logger.experiment.finish()
 
-Here the run is the one rlpost's own runs log to: a :class:`~rlpost.trackers.WandbTracker`, with
+Here the run is the one rlpost's own runs log to: a :class:`~rlpost.record.trackers.WandbTracker`, with
 its files in ``save_dir/wandb/``, its run id kept in ``save_dir/trackers.json`` and every chart's
 x-axis the metric ``step``. Numbers go through the tracker's ``log(metrics, step)``, as a run's
 metrics.jsonl records do; strings, tables, histograms and videos go to the same wandb run
@@ -38,7 +38,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpost.trackers import TRACKER_PACKAGES, WandbTracker, numeric_values, remember_id
+from rlpost.config import TRACKER_PACKAGES
+from rlpost.record.trackers import WandbTracker, numeric_values, remember_id
 
 # wandb.init arguments a WandbLogger passes on to the tracker's run
 _INIT_ARGUMENTS = ("entity", "group", "tags", "notes", "job_type")

@@ -41,8 +41,8 @@ from statistics import mean
 from typing import Any
 
 from rlpost.config import ConfigError, JobConfig
-from rlpost.lora import is_adapter_checkpoint, merged_model_for
-from rlpost.metrics import reward_breakdown
+from rlpost.policies.lora import is_adapter_checkpoint, merged_model_for
+from rlpost.record.metrics import reward_breakdown
 
 EVAL_KEYS = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k", "eval_length_mean", "eval_s",
              "eval_num_prompts", "eval_policy_version")  # fmt: skip
@@ -170,7 +170,7 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
     """(checkpoint folder, its run directory or None) for ``rlpost eval TARGET``: a run directory
     (its latest checkpoint) or a checkpoint folder (``RUN_DIR/checkpoints/step_<N>``, or any
     folder holding a Hugging Face model)."""
-    from rlpost.runs import latest_checkpoint
+    from rlpost.record.run_dir import latest_checkpoint
 
     target = Path(target)
     if (target / "config.yaml").is_file() and (target / "checkpoints").is_dir():

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from rlpost.config import ConfigError, JobConfig, check_overrides, load_config, resolve_local_paths
-from rlpost.jobs import ClusterError, JobNotFoundError
-from rlpost.shutdown import StopRequested, exit_code, in_own_session, run_in_own_session
+from rlpost.ops.jobs import ClusterError, JobNotFoundError
+from rlpost.runtime.shutdown import StopRequested, exit_code, in_own_session, run_in_own_session
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 def _shield_local_cluster(argv: list[str]) -> bool:
     """Whether this command line is a ``train`` that starts a local Ray cluster (no --address,
     no RAY_ADDRESS) on a POSIX system, in a driver not already in a session of its own
-    (:func:`rlpost.shutdown.run_in_own_session`)."""
+    (:func:`rlpost.runtime.shutdown.run_in_own_session`)."""
     return (
         bool(argv)
         and argv[0] == "train"
@@ -175,7 +175,7 @@ def _cmd_check_config(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from rlpost.runs import check_inputs_exist, create_run_dir, open_run_for_resume
+    from rlpost.record.run_dir import check_inputs_exist, create_run_dir, open_run_for_resume
 
     _config_or_override(args)
     if args.resume:
@@ -199,10 +199,10 @@ def _cmd_train(args) -> int:
     if run_dir is None:
         run_dir = create_run_dir(cfg, args.run_dir)
         print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
-    from rlpost.controller import run_training
+    from rlpost.service.loop import run_training
 
     # `ray job stop` and schedulers send SIGTERM: run_training turns it (and Ctrl-C) into a clean
-    # stop that writes a final checkpoint and stops every actor (rlpost.shutdown)
+    # stop that writes a final checkpoint and stops every actor (rlpost.runtime.shutdown)
     return run_training(cfg, run_dir, resume=bool(args.resume))
 
 
@@ -210,7 +210,7 @@ def _start_again_with_hash_seed(seed: int) -> None:
     """Run this command line again, in this process, with PYTHONHASHSEED=``seed``: Python reads it
     once, at start, and the driver must hash strings as the run's actors do (it draws the held-out
     rows that the actors must never train on). Nothing was started yet."""
-    argv = [sys.executable, "-m", "rlpost.cli", *sys.argv[1:]]
+    argv = [sys.executable, "-m", "rlpost.ops.cli", *sys.argv[1:]]
     sys.stdout.flush()
     os.execve(sys.executable, argv, {**os.environ, "PYTHONHASHSEED": str(seed)})
 
@@ -240,7 +240,7 @@ def _config_or_override(args) -> None:
 
 
 def _cmd_plot(args) -> int:
-    from rlpost.metrics import plot_run, read_metrics
+    from rlpost.record.metrics import plot_run, read_metrics
 
     run_dir = Path(args.run_dir)
     metrics = run_dir / "metrics.jsonl"
@@ -257,7 +257,7 @@ def _cmd_plot(args) -> int:
 def _cmd_eval(args) -> int:
     import json
 
-    from rlpost.evaluation import evaluate_checkpoint
+    from rlpost.service.evaluation import evaluate_checkpoint
 
     _config_or_override(args)
     check_overrides(args.overrides)
@@ -271,14 +271,14 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_make_tiny_model(args) -> int:
-    from rlpost.tiny_model_spec import TinyModelSpec, built_spec, spec_dict
+    from rlpost.tiny.spec import TinyModelSpec, built_spec, spec_dict
 
     out, spec = Path(args.dir), TinyModelSpec.for_task(args.task, seed=args.seed)
     if not args.force and built_spec(out) == spec_dict(spec):  # checked before torch is imported
         print(f"rlpost: tiny model already built at {out} (use --force to rebuild)")
         return EXIT_OK
     _idle_openmp_threads_sleep()
-    from rlpost.tiny_model import build_tiny_model, ensure_tiny_model
+    from rlpost.tiny.model import build_tiny_model, ensure_tiny_model
 
     if args.force:
         build_tiny_model(out, spec)
@@ -307,7 +307,7 @@ def _cmd_make_tiny_reward_model(args) -> int:
     if not (Path(args.lm) / "config.json").is_file():
         raise ConfigError(f"--lm {args.lm}: no tiny LM there; build it first with `rlpost make-tiny-model {args.lm}`")
     _idle_openmp_threads_sleep()
-    from rlpost.tiny_reward_model import build_tiny_reward_model, ensure_tiny_reward_model
+    from rlpost.tiny.reward_model import build_tiny_reward_model, ensure_tiny_reward_model
 
     if args.force:
         build_tiny_reward_model(args.dir, args.lm)
@@ -422,11 +422,11 @@ def _add_scale_command(sub) -> None:
 
 
 def _cmd_scale(args) -> int:
-    from rlpost import control
+    from rlpost.service import mailbox
 
     try:
-        request = control.parse_scale_request(args.changes)
-        control.check_scale_request({}, request)  # the run's own ranges are checked where they are known
+        request = mailbox.parse_scale_request(args.changes)
+        mailbox.check_scale_request({}, request)  # the run's own ranges are checked where they are known
     except ValueError as exc:
         raise ConfigError(f"scale: {exc}") from None
     if args.namespace:  # inside the cluster, as the job `rlpost scale JOB` submits
@@ -434,9 +434,9 @@ def _cmd_scale(args) -> int:
     target = Path(args.target)
     if target.is_dir():
         try:
-            address, namespace, bounds = control.run_namespace(target)
-            control.check_scale_request(bounds, request)
-            control.check_reachable(address)
+            address, namespace, bounds = mailbox.run_namespace(target)
+            mailbox.check_scale_request(bounds, request)
+            mailbox.check_reachable(address)
         except (LookupError, ValueError) as exc:
             raise ConfigError(f"scale: {exc}") from None
         return _scale_in(namespace, address, request, args.wait)
@@ -450,25 +450,25 @@ def _scale_in(namespace: str, address: str | None, request: dict[str, int], wait
     the cluster this process runs in) and, with ``wait_s``, wait until the fleet has it."""
     import ray
 
-    from rlpost import control
-    from rlpost.ray_start import use_ray_token_if_present
+    from rlpost.runtime.ray_start import use_ray_token_if_present
+    from rlpost.service import mailbox
 
     use_ray_token_if_present()  # a driver joining a cluster sends its token only in token mode
 
     ray.init(address=address or "auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
     try:
         try:
-            fleet = control.scale_run(namespace, **request)
+            fleet = mailbox.scale_run(namespace, **request)
         except (LookupError, ValueError) as exc:
             raise ConfigError(f"scale: {exc}") from None
-        print(f"rlpost: {namespace}: asked for {control.describe_request(request)} (now {_fleet_words(fleet)}); "
+        print(f"rlpost: {namespace}: asked for {mailbox.describe_request(request)} (now {_fleet_words(fleet)}); "
               "the run applies it at its next health check")  # fmt: skip
         if wait_s <= 0:
             return EXIT_OK
-        fleet = control.wait_for_fleet(namespace, request, wait_s)
+        fleet = mailbox.wait_for_fleet(namespace, request, wait_s)
         print(f"rlpost: {namespace}: {_fleet_words(fleet)}")
-        if not control.fleet_reached(fleet, request):
-            print(f"rlpost: failed: the run does not serve {control.describe_request(request)} after {wait_s:g} s",
+        if not mailbox.fleet_reached(fleet, request):
+            print(f"rlpost: failed: the run does not serve {mailbox.describe_request(request)} after {wait_s:g} s",
                   file=sys.stderr)  # fmt: skip
             return EXIT_FAILURE
         return EXIT_OK
@@ -478,14 +478,14 @@ def _scale_in(namespace: str, address: str | None, request: dict[str, int], wait
 
 def _fleet_words(fleet: dict) -> str:
     """``inference workers: 2 serving of 2 wanted; env pools: 1 serving of 2 wanted, ...``."""
-    from rlpost.control import fleet_lines
+    from rlpost.service.mailbox import fleet_lines
 
     return "; ".join(fleet_lines(fleet)) or "not reported yet"
 
 
 def _scale_job(args) -> int:
     """``rlpost scale JOB``: a short job beside it leaves the request (jobs.plan_scale)."""
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     address = jobs.resolve_address(args.address)
     client = jobs.connect(address, timeout_s=args.timeout)
@@ -495,7 +495,7 @@ def _scale_job(args) -> int:
 
 def _run_beside(client, submission, timeout_s: float) -> int:
     """Run a short job beside a running one (jobs.plan_beside): print its output, return its exit code."""
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     helper = jobs.submit(client, submission)
     ended = jobs.wait_until_ended(client, helper, timeout_s=timeout_s)
@@ -513,7 +513,7 @@ def _add_cluster_arguments(parser) -> None:
 
 
 def _cmd_submit(args) -> int:
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     working_dir = jobs.choose_working_dir(args.working_dir, upload=not args.no_working_dir)
     _config_or_override(args)
@@ -540,7 +540,7 @@ def _cmd_submit(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     if args.namespace:  # inside the cluster, as `rlpost status JOB --fleet` submits
         return _fleet_in(args.namespace)
@@ -568,18 +568,18 @@ def _fleet_in(namespace: str) -> int:
     mailbox last heard it (``rlpost status JOB --fleet``'s short job)."""
     import ray
 
-    from rlpost import control
-    from rlpost.ray_start import use_ray_token_if_present
+    from rlpost.runtime.ray_start import use_ray_token_if_present
+    from rlpost.service import mailbox
 
     use_ray_token_if_present()
     ray.init(address="auto", namespace=namespace, logging_level="ERROR", log_to_driver=False)
     try:
-        fleet = control.run_fleet(namespace)
+        fleet = mailbox.run_fleet(namespace)
     except LookupError as exc:
         raise ConfigError(f"status: {exc}") from None
     finally:
         ray.shutdown()
-    for line in control.fleet_lines(fleet) or ["fleet: not reported yet"]:
+    for line in mailbox.fleet_lines(fleet) or ["fleet: not reported yet"]:
         print(f"  {line}")
     return EXIT_OK
 
@@ -587,8 +587,8 @@ def _fleet_in(namespace: str) -> int:
 def _run_status(run_dir: Path) -> int:
     """``rlpost status RUN_DIR``: the run's last metrics line, in words (its step, reward, fleet
     and restarts)."""
-    from rlpost.control import fleet_lines
-    from rlpost.metrics import read_metrics
+    from rlpost.record.metrics import read_metrics
+    from rlpost.service.mailbox import fleet_lines
 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"status: {run_dir}: not a run directory (no config.yaml)")
@@ -614,7 +614,7 @@ def _number(value, spec: str = ".3f") -> str:
 
 
 def _cmd_logs(args) -> int:
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     address = jobs.resolve_address(args.address)
     if args.follow:
@@ -630,7 +630,7 @@ def _follow(jobs, address: str, job_id: str, timeout_s: float) -> int:
 
 
 def _cmd_stop(args) -> int:
-    from rlpost import jobs
+    from rlpost.ops import jobs
 
     address = jobs.resolve_address(args.address)
     status = jobs.stop(jobs.connect(address, timeout_s=args.timeout), args.job_id, wait_s=args.wait)
@@ -659,12 +659,12 @@ def _add_doctor_command(sub) -> None:
 
 
 def _cmd_doctor(args) -> int:
-    from rlpost.doctor import print_checks, run_checks
+    from rlpost.ops.doctor import print_checks, run_checks
 
     cfg = load_config(args.config, args.overrides) if args.config else None
     address = None
     if args.address:
-        from rlpost.jobs import resolve_address
+        from rlpost.ops.jobs import resolve_address
 
         address = resolve_address(args.address)
     checks = run_checks(cfg, address=address)
@@ -711,8 +711,8 @@ def _add_monitor_command(sub) -> None:
 
 
 def _cmd_monitor(args) -> int:
-    from rlpost.monitor import MonitorSettings, default_ray_temp_dir, run_monitor
-    from rlpost.monitoring import AlertSettings
+    from rlpost.ops.dashboards import AlertSettings
+    from rlpost.ops.prometheus import MonitorSettings, default_ray_temp_dir, run_monitor
 
     if args.run_dir is not None and not args.run_dir.is_dir():
         raise ConfigError(f"run directory {args.run_dir} does not exist")

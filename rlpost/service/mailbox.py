@@ -82,7 +82,7 @@ class RunControl:
 
 def start_control(bounds: Bounds, **options: Any):
     """The run's ``control`` actor (no CPU; ``options`` go to Ray's actor options)."""
-    from rlpost.liveness import remote_class
+    from rlpost.runtime.liveness import remote_class
 
     remote = remote_class(RunControl).options(name=CONTROL_ACTOR, num_cpus=0, max_restarts=0, **options)
     return remote.remote(bounds)
