@@ -83,7 +83,7 @@ class EnvPoolSettings:
     @property
     def kl_in_reward(self) -> bool:
         """The reference actor's KL penalty goes into the rewards (``reference.kl_in: reward``)."""
-        return self.reference is not None and self.reference.enabled and self.reference.kl_in == "reward"
+        return self.reference is not None and self.reference.kl_goes_to == "reward"
 
 
 class EnvPool(LLMCollector):

@@ -3,15 +3,17 @@ generated tokens for the KL term and for on-policy distillation.
 
 One shared actor (only when ``reference.enabled``). It computes the reference log-probs of every
 generated token with :class:`~rlpost.envs.RetrieveKL` (the generation log-probs are the ones the
-inference engine returned), in one of two places, by ``reference.kl_in``:
+inference engine returned), in one of two places, by ``reference.kl_in``
+(:attr:`~rlpost.config.ReferenceConfig.kl_goes_to`):
 
 - ``loss``: the loop sends each step's groups (:meth:`Reference.annotate`); the log-probs are
   stored on the samples for GRPOLoss's KL term (or the distillation teacher's term).
 - ``reward``: each env pool sends its batch's samples before it groups them
   (:meth:`Reference.penalize`, through :class:`RemoteReference`): the k1 KL summed over the
-  generated tokens is subtracted from each reward (RLHF style: one reward per sequence, where the
-  KLComputation transform would make the reward per-token). The pool's MCAdvantage then computes
-  the group advantages once, from the penalised rewards.
+  generated tokens is subtracted from each reward by :class:`~rlpost.envs.KLComputation`, the
+  transform that computes the KL (``reward_per="sequence"``: RLHF style, one reward per sequence,
+  where TorchRL's form makes the reward per-token). The pool's MCAdvantage then computes the group
+  advantages once, from the penalised rewards.
 
 With ``reference.model`` set it loads that model instead of the policy's initial weights (the
 teacher of ``loss.distillation``), after checking that its tokenizer gives the policy's token ids.
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from tensordict import TensorDict
 
 from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
 from rlpost.config import ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.data.samples import Group, Sample
-from rlpost.envs.kl import KLServiceActor, RetrieveKL
+from rlpost.envs.kl import ASSISTANT_MASK, KLComputation, KLServiceActor, RetrieveKL
 from rlpost.runtime.liveness import working
 from rlpost.transport.named_actor import NamedActorClient
 
@@ -85,9 +88,14 @@ class Reference(KLServiceActor):
             chunked_scoring=cfg.model.chunked_scoring,
             pack_sequences=cfg.model.pack_sequences,
         )
-        # The generation log-probs are the engine's (gen_model=None); the KL is applied here per
-        # sequence (kl_in: reward) or left to the loss, so the transform only writes it.
+        # The generation log-probs are the engine's (gen_model=None); the transform only writes the
+        # reference log-probs and the KL (what envs attached to this actor are served).
         self.kl = RetrieveKL(None, scorer, assistant_only=False, add_to_reward=False, estimator="k1")
+        # kl_in: reward: the KL on the generated tokens, summed, taken from each sequence's reward
+        self.reward_penalty = KLComputation(
+            mask_key=ASSISTANT_MASK, add_to_reward=True, coeff=cfg.reference.kl_coef, reward_per="sequence",
+            estimator="k1",
+        )  # fmt: skip
         KLServiceActor.__init__(self, transform=self.kl)
 
     def annotate(self, groups: list[Group]) -> list[Group]:
@@ -100,23 +108,28 @@ class Reference(KLServiceActor):
         """Fill ``ref_logprobs`` and subtract ``kl_coef`` times the k1 KL summed over each
         sample's generated tokens from its reward (``kl_in: reward``). The env pools call this
         before computing their groups' advantages, so those come from the penalised rewards."""
-        kl_per_sample = self._score(samples)
-        for sample, kl in zip(samples, kl_per_sample):
-            sample.reward = sample.reward - self.cfg.reference.kl_coef * kl
+        if self.cfg.reference.kl_goes_to != "reward":
+            raise RuntimeError("penalize is the KL-shaped reward of reference.kl_in=reward; this run has kl_in=loss")
+        batch = self._score(samples)
+        if batch is not None:
+            # the rewards as the samples hold them (float64), so the penalty is their only change
+            batch.set("reward", torch.tensor([s.reward for s in samples], dtype=torch.float64))
+            self.reward_penalty(batch)
+            for sample, reward in zip(samples, batch.get("reward").tolist()):
+                sample.reward = reward
         return samples
 
-    def _score(self, samples: list[Sample]) -> list[float]:
-        """Set every sample's ``ref_logprobs`` (0 off the generated tokens); return each one's k1
-        KL summed over its generated tokens."""
+    def _score(self, samples: list[Sample]) -> TensorDict | None:
+        """Set every sample's ``ref_logprobs`` (0 off the generated tokens); return the scored
+        batch, None for no samples."""
         if not samples:
-            return []
+            return None
         with working("score"):
             batch = self.kl(collate_samples(samples, self.pad_token_id))
-        mask_bt = batch.get(("masks", "all_assistant_mask"))
-        ref_bt = torch.where(mask_bt, batch.get(("ref_log_probs", "full")), torch.zeros(()))
+        ref_bt = batch.get(("ref_log_probs", "full")).masked_fill(~batch.get(ASSISTANT_MASK), 0.0)
         for i, sample in enumerate(samples):
             sample.ref_logprobs = ref_bt[i, : len(sample.token_ids)].tolist()
-        return torch.where(mask_bt, batch.get("kl_penalty"), torch.zeros(())).sum(-1).tolist()
+        return batch
 
 
 class ReferenceActor(Reference):

@@ -423,6 +423,14 @@ class ReferenceConfig(_Section):
         "collection fails (kl_in: reward).",
     )
 
+    @property
+    def kl_goes_to(self) -> Literal["loss", "reward"] | None:
+        """Where the KL to the reference goes: ``None`` without a reference actor, else ``kl_in``.
+        The one place this is decided: the learner puts a KL term in its loss when it says
+        ``"loss"``, the env pools have each batch's rewards penalised when it says ``"reward"``,
+        and the loop has each step's groups annotated only in the first case."""
+        return self.kl_in if self.enabled else None
+
 
 class DistillationConfig(_Section):
     """On-policy distillation toward the reference actor's model (reference.model, the teacher)."""
@@ -1077,7 +1085,7 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
             f"(trainer.prompts_per_step * data.group_size = {cfg.samples_per_step})"
         )
     distill = cfg.loss.distillation
-    if distill.coef > 0 and not (cfg.reference.enabled and cfg.reference.kl_in == "loss"):
+    if distill.coef > 0 and cfg.reference.kl_goes_to != "loss":
         errors.append(
             f"loss.distillation.coef is {distill.coef}: the teacher's log-probs come from the reference actor; set "
             "reference.enabled=true (with reference.model the teacher) and reference.kl_in=loss"
@@ -1086,7 +1094,7 @@ def _cross_field_errors(cfg: JobConfig) -> list[str]:
         errors.append("loss.distillation with loss.type=sft: SFT has no advantage to carry the teacher's term")
     if not distill.use_reward and distill.coef == 0:
         errors.append("loss.distillation.use_reward=false without loss.distillation.coef: nothing would be trained")
-    if cfg.loss.filter_equal_rewards and cfg.reference.enabled and cfg.reference.kl_in == "reward":
+    if cfg.loss.filter_equal_rewards and cfg.reference.kl_goes_to == "reward":
         errors.append(
             "loss.filter_equal_rewards with reference.kl_in=reward: the KL-shaped rewards of a group are never all "
             "equal, so the filter would drop nothing; use reference.kl_in=loss (or turn the filter off)"

@@ -35,6 +35,12 @@ Deliberate deviations from TorchRL:
   ``gen - ref`` (k1, the default).
 - KLComputation also accepts the spellings its TorchRL docstring example uses
   (``gen_log_probs_key``, ``ref_log_probs_key``, ``coef``).
+- ``reward_per="sequence"`` (KLComputation, RetrieveKL) keeps one reward per sequence:
+  ``reward - coeff * sum_t kl_t`` (RLHF's KL-shaped reward, which GRPO's group advantages need:
+  one scalar per sample), where TorchRL's only form makes the reward per token. ``mask_key``
+  zeroes the KL outside a mask of the data (e.g. the generated tokens, when the log-probs of
+  the prompt are not zero), before it is written and summed. rlpost's ``reference`` actor
+  penalises the rewards of ``reference.kl_in: reward`` this way.
 - A remote call has a time limit (``timeout_s``): a dead or stuck service raises
   ``TimeoutError`` naming the actor instead of hanging the env.
 """
@@ -224,8 +230,13 @@ class KLComputation(Transform):
 
     Keyword Args:
         kl_key: where the KL goes.
-        add_to_reward: ``reward = reward - coeff * kl`` per token (``[B, T, 1]``).
+        add_to_reward: ``reward = reward - coeff * kl`` per token (``[B, T, 1]``), or per
+            sequence with ``reward_per="sequence"``.
         coeff: the KL coefficient.
+        reward_per: ``"token"`` (TorchRL's) or ``"sequence"``: ``reward - coeff * kl.sum()``
+            per row, the reward keeping its shape (``[B]`` or ``[B, 1]``).
+        mask_key: a boolean entry of the data (``[B, T]``); the KL is zero where it is False.
+            None: every token's KL counts.
         padding_side: side of the padding when ragged rows are padded (padded inputs keep their
             layout; ragged ones are stored one tensor per row).
         estimator: ``"k1"`` (``gen - ref``, TorchRL's) or ``"k3"`` (see the module docstring).
@@ -241,6 +252,8 @@ class KLComputation(Transform):
         coeff: float = 1.0,
         padding_side: str = "left",
         estimator: Literal["k1", "k3"] = "k1",
+        reward_per: Literal["token", "sequence"] = "token",
+        mask_key: NestedKey | None = None,
         gen_log_probs_key: NestedKey | None = None,
         ref_log_probs_key: NestedKey | None = None,
         coef: float | None = None,
@@ -248,11 +261,14 @@ class KLComputation(Transform):
         super().__init__()
         if estimator not in ("k1", "k3"):
             raise ValueError(f"estimator must be 'k1' or 'k3', got {estimator!r}")
+        if reward_per not in ("token", "sequence"):
+            raise ValueError(f"reward_per must be 'token' or 'sequence', got {reward_per!r}")
         self.gen_log_probs_full_key = gen_log_probs_key if gen_log_probs_key is not None else gen_log_probs_full_key
         self.ref_log_probs_full_key = ref_log_probs_key if ref_log_probs_key is not None else ref_log_probs_full_key
         self.kl_key, self.add_to_reward = kl_key, add_to_reward
         self.coeff = float(coef if coef is not None else coeff)
         self.padding_side, self.estimator = padding_side, estimator
+        self.reward_per, self.mask_key = reward_per, mask_key
 
     def kl(self, next_td: TensorDictBase) -> torch.Tensor:
         """The per-token KL of ``next_td``'s two entries as one tensor (padded in, padded out;
@@ -279,6 +295,11 @@ class KLComputation(Transform):
                     "both must come from the same layout (same pad_output; keep the EOS token when pad == eos)"
                 )
         rows = [kl_per_token(g, r.to(g.device), self.estimator) for g, r in zip(gen_rows, ref_rows)]
+        if self.mask_key is not None:
+            masks = _entry(next_td, self.mask_key)
+            if masks is None:
+                raise ValueError(f"KLComputation(mask_key={self.mask_key!r}) found no mask there")
+            rows = [row.masked_fill(~mask.bool().to(row.device), 0.0) for row, mask in zip(rows, _rows(masks))]
         return rows, isinstance(gen, torch.Tensor) and not gen.is_nested
 
     def apply(self, next_td: TensorDictBase) -> TensorDictBase:
@@ -289,14 +310,17 @@ class KLComputation(Transform):
             reward = _entry(next_td, "reward")
             if reward is not None:
                 penalised = self._penalised(_rows(reward), kl_rows)
-                if padded:
+                if padded or self.reward_per == "sequence":  # one reward per row: a plain tensor
                     next_td.set("reward", torch.stack(penalised))
                 else:
                     set_rows(next_td, "reward", penalised)
         return next_td
 
     def _penalised(self, reward_rows: list[torch.Tensor], kl_rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per row, ``reward - coeff * kl`` per token (``[T, 1]``)."""
+        """Per row, ``reward - coeff * kl`` per token (``[T, 1]``), or with ``reward_per="sequence"``
+        ``reward - coeff * kl.sum()`` (the reward's shape)."""
+        if self.reward_per == "sequence":
+            return [r - self.coeff * k.to(r.dtype).sum() for r, k in zip(reward_rows, kl_rows)]
         out = []
         for i, (r, k) in enumerate(zip(reward_rows, kl_rows)):
             if r.ndim == k.ndim:  # rlpost's [1] per sample: one scalar for every token
@@ -319,7 +343,8 @@ class KLComputation(Transform):
     forward = __call__
 
     def __repr__(self) -> str:
-        return f"KLComputation(kl_key={self.kl_key!r}, add_to_reward={self.add_to_reward}, coeff={self.coeff})"
+        per = "" if self.reward_per == "token" else f", reward_per={self.reward_per!r}"
+        return f"KLComputation(kl_key={self.kl_key!r}, add_to_reward={self.add_to_reward}, coeff={self.coeff}{per})"
 
 
 # ---------------------------------------------------------------------------- RetrieveKL
@@ -341,8 +366,8 @@ class RetrieveKL(Compose):
             models themselves; what a Ray service runs remotely).
         assistant_only, tokenizer_kwargs, detach, device, tokenizer, padding_side: as
             :class:`RetrieveLogProb`.
-        gen_log_probs_full_key, ref_log_probs_full_key, kl_key, add_to_reward, coeff, estimator:
-            as :class:`KLComputation`.
+        gen_log_probs_full_key, ref_log_probs_full_key, kl_key, add_to_reward, coeff, estimator,
+        reward_per, mask_key: as :class:`KLComputation`.
         history_key: TorchRL's keyword (the history entry); recorded.
         use_ray_service: return a :class:`RayRetrieveKL` instead (one shared Ray actor);
             ``actor_name``, ``num_cpus``, ``num_gpus`` and ``timeout_s`` go to it.
@@ -373,6 +398,8 @@ class RetrieveKL(Compose):
         add_to_reward: bool = True,
         coeff: float = 1.0,
         estimator: Literal["k1", "k3"] = "k1",
+        reward_per: Literal["token", "sequence"] = "token",
+        mask_key: NestedKey | None = None,
         use_ray_service: bool = False,
     ) -> None:
         super().__init__()
@@ -395,7 +422,7 @@ class RetrieveKL(Compose):
         self.ref_model = ref_model
         self.kl_computation = KLComputation(
             gen_log_probs_full_key, ref_log_probs_full_key, kl_key=kl_key, add_to_reward=add_to_reward, coeff=coeff,
-            padding_side=padding_side, estimator=estimator,
+            padding_side=padding_side, estimator=estimator, reward_per=reward_per, mask_key=mask_key,
         )  # fmt: skip
         self._initialized = not (isinstance(gen_model, str) and gen_model == "from_collector")
         if self._initialized:

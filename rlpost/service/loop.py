@@ -387,7 +387,7 @@ class Controller:
             self.pool_prompts = targets
         else:
             self.taken = self.supervisor.run("take", lambda: self._take(self.cfg.trainer.prompts_per_step))
-        if self.actors.reference is None or self.cfg.reference.kl_in == "reward":  # the pools called it
+        if self.cfg.reference.kl_goes_to != "loss":  # no reference, or the pools had it penalise the rewards
             return self.taken
         return self.supervisor.run("reference", lambda: self.actors.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 

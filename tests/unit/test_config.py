@@ -190,3 +190,16 @@ def test_relative_local_paths_resolve_against_the_given_directory(tmp_path, monk
     cfg.resources.address = "auto"  # rlpost submit's driver: its actors start in their copy of the working dir
     _resolve_paths_for_a_cluster(cfg)
     assert cfg.data.dataset == "data/rows.jsonl"
+
+
+@pytest.mark.parametrize(
+    "overrides,where",
+    [
+        ([], None),
+        (["reference.kl_in=reward"], None),  # no reference actor: no KL anywhere, whatever kl_in says
+        (["reference.enabled=true"], "loss"),
+        (["reference.enabled=true", "reference.kl_in=reward"], "reward"),
+    ],
+)
+def test_where_the_kl_goes_is_decided_once_from_enabled_and_kl_in(overrides, where):
+    assert load_config("configs/tiny-cpu.yaml", overrides).reference.kl_goes_to == where

@@ -212,7 +212,6 @@ class Learner:
             chunked_scoring=cfg.model.chunked_scoring,
             pack_sequences=cfg.model.pack_sequences,
         )
-        kl_in_loss = cfg.reference.enabled and cfg.reference.kl_in == "loss"
         loss_class, loss_function = LOSS_TYPES[cfg.loss.type]
         if cfg.loss.custom_fn:
             loss_function = load_loss_function(cfg.loss.custom_fn)
@@ -223,7 +222,7 @@ class Learner:
             clip_epsilon=(cfg.loss.clip_eps_low, cfg.loss.clip_eps_high),
             aggregation=cfg.loss.aggregation,
             max_tokens=cfg.rollout.max_tokens,
-            kl_to_ref_coeff=cfg.reference.kl_coef if kl_in_loss else 0.0,
+            kl_to_ref_coeff=cfg.reference.kl_coef if cfg.reference.kl_goes_to == "loss" else 0.0,
             kl_estimator=cfg.reference.kl_estimator,
             entropy_bonus=cfg.loss.entropy_coef > 0,
             entropy_coeff=cfg.loss.entropy_coef,
