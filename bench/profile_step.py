@@ -1,7 +1,7 @@
 """Profile of one sync GRPO step, phase by phase, with rlpost's plain classes in one process.
 
 Where does a step's time go? The same objects the actors hold, without Ray: an
-``InferenceWorker`` (its own vLLM engine), an ``EnvPool`` collecting through it, a ``Learner``,
+``InferenceWorker`` (its own vLLM engine), an ``GroupCollector`` collecting through it, a ``Learner``,
 and the gloo weight bus between them (publisher here, receiver in the engine's worker process).
 Each repeat times: collect (generate + reward + groups), train (one learner step), weight sync
 (publish -> receive -> in-place reload; the bus part and the reload part apart), and the probe
@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from rlpost.actors.env_pool import EnvPool, EnvPoolSettings
+    from rlpost.actors.env_pool import EnvPoolSettings, GroupCollector
     from rlpost.actors.inference import InferenceWorker
     from rlpost.actors.learner import Learner, LearnerSettings
     from rlpost.config import load_config
@@ -66,7 +66,7 @@ def main() -> None:
     wait_for_quiet(args.quick)
     t0 = time.perf_counter()
     worker = InferenceWorker(cfg.model.name_or_path, cfg.rollout.engine, dtype=cfg.model.dtype)
-    pool = EnvPool(EnvPoolSettings.from_job(cfg), 0, worker.client)
+    pool = GroupCollector(EnvPoolSettings.from_job(cfg), 0, worker.client)
     learner = Learner(LearnerSettings.from_job(cfg))
     publisher = TorchWeightPublisher(
         2,

@@ -1242,7 +1242,7 @@ def _profiles(files: dict[str, dict]) -> str:
     lines = [
         "## 8. Profile of one sync step (phases, plain classes in one process)",
         "",
-        "bench/profile_step.py: an InferenceWorker (vLLM engine), an EnvPool, a Learner and the gloo bus "
+        "bench/profile_step.py: an InferenceWorker (vLLM engine), an GroupCollector, a Learner and the gloo bus "
         "in one process, timing the phases of the controller's sync step; the learner's torch threads "
         "are the variable (a Ray actor reserving < 2 CPUs gets OMP_NUM_THREADS=1). Seconds, medians "
         "of the repeats after a warm-up.",

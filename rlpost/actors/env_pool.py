@@ -1,7 +1,7 @@
 """The env pool: prompts -> inference -> rewards (-> the reference's KL penalty) -> whole GRPO
 groups with their advantages -> buffer.
 
-:class:`EnvPool` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode (each
+:class:`GroupCollector` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode (each
 batch's episodes start together and end inside it; whole GRPO groups come out), built from the
 job config: the env of its settings (its shard of the prompt order), a
 :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process ``LocalVLLMClient`` or
@@ -14,7 +14,7 @@ its replay buffer. It is a plain class (no Ray needed) and, unchanged, the Ray a
             reserve room -> collect -> writer.extend(groups) (ONE batched put per batch;
             backpressure blocks there) until the total, stop(), or an error
 
-Every put carries the pool's :meth:`EnvPool.state_dict` (its position in the prompt stream and
+Every put carries the pool's :meth:`GroupCollector.state_dict` (its position in the prompt stream and
 the number of prompts collected so far), which the buffer keeps beside the groups: a pool that
 dies is restarted from the position its last put ended at, so no completed group is lost or
 repeated (the prompts it was generating are generated again). A restarted pool has a higher
@@ -23,7 +23,7 @@ in flight cannot land after it).
 
 The pool also survives its buffer: its writer numbers the groups it puts (``Group.seq``) and keeps
 them until the learner's side acknowledges them. When the buffer actor dies, a call to it waits
-for :meth:`EnvPool.set_buffer` (the supervisor starting a new one), which puts them again; groups
+for :meth:`GroupCollector.set_buffer` (the supervisor starting a new one), which puts them again; groups
 the new buffer already has are skipped.
 """
 
@@ -86,8 +86,9 @@ class EnvPoolSettings:
         return self.reference is not None and self.reference.kl_goes_to == "reward"
 
 
-class EnvPool(LLMCollector):
-    """One env pool: an LLMCollector of whole GRPO groups from its shard of the prompts.
+class GroupCollector(LLMCollector):
+    """One env pool: an LLMCollector of whole GRPO groups from its shard of the prompts (named for
+    what it does: it collects groups; :class:`~rlpost.envs.AsyncEnvPool` is TorchRL's pool of envs).
 
     Args:
         cfg: the env pool's sections of the job config (``EnvPoolSettings.from_job(job_config)``).
@@ -340,15 +341,15 @@ def start_env_pool(
     epoch: int = 0,
     **options: Any,
 ):
-    """Start :class:`EnvPool` as the actor ``env-pool-<pool_index>`` (threaded, so that ``stop``
+    """Start :class:`GroupCollector` as the actor ``env-pool-<pool_index>`` (threaded, so that ``stop``
     and ``stats`` answer while the background collection runs; reporting its metrics) with the
     CPUs and GPUs of ``settings.resources`` and return its handle. ``epoch``: the pool's
-    incarnation (see :class:`EnvPool`); ``options`` go to ``.options()`` and win (e.g. a
+    incarnation (see :class:`GroupCollector`); ``options`` go to ``.options()`` and win (e.g. a
     placement-group scheduling strategy)."""
     if max_concurrency < 2:
         raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
     return start_actor(
-        EnvPool, settings, pool_index, engine_client, buffer, name=f"env-pool-{pool_index}",
+        GroupCollector, settings, pool_index, engine_client, buffer, name=f"env-pool-{pool_index}",
         resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency,
         init_kwargs={"epoch": epoch, "report_metrics": True}, **options,
     )  # fmt: skip

@@ -256,7 +256,7 @@ class FakeLearner(Stand):
 
 
 class FakePool(Stand):
-    """An env pool: one group per prompt, numbered and kept until acknowledged (as EnvPool)."""
+    """An env pool: one group per prompt, numbered and kept until acknowledged (as GroupCollector)."""
 
     def __init__(self, world, index, buffer, epoch, batch=2):
         super().__init__(world, f"env-pool-{index}")
@@ -285,10 +285,10 @@ class FakePool(Stand):
         return self.world.served_version
 
     def _batch(self, n):
-        try:  # room for the batch first, as EnvPool's writer reserves it before generating
+        try:  # room for the batch first, as GroupCollector's writer reserves it before generating
             room = self.buffer.reserve(n, 0.0, self.name)
         except ActorLost:
-            self.blocked = True  # EnvPool waits for set_buffer here
+            self.blocked = True  # GroupCollector waits for set_buffer here
             return
         if not room:
             if self.forever:
@@ -327,7 +327,7 @@ class FakePool(Stand):
         try:
             receipt = self.buffer.put(groups, 1.0, self.name, state, self.epoch)
         except ActorLost:
-            self.blocked = True  # EnvPool waits for set_buffer here
+            self.blocked = True  # GroupCollector waits for set_buffer here
             return
         self.outbox = [g for g in self.outbox if g.seq > receipt.acknowledged]
 

@@ -1,4 +1,4 @@
-"""LLMCollector's whole-episodes mode, PolicyVersion and EnvPool on a real vLLM engine with the tiny model.
+"""LLMCollector's whole-episodes mode, PolicyVersion and GroupCollector on a real vLLM engine with the tiny model.
 
 One in-process engine serves the module. Engine calls go through a recording
 client, so the tests compare every sample with the exact ids and log-probs the engine returned.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlpost.actors.calls import InferenceWorkerLost
-from rlpost.actors.env_pool import EnvPool, EnvPoolSettings
+from rlpost.actors.env_pool import EnvPoolSettings, GroupCollector
 from rlpost.algo import group_advantages
 from rlpost.collect import LLMCollector, WholeEpisodes
 from rlpost.config import JobConfig
@@ -297,7 +297,7 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     cfg = make_cfg(rollout={"num_env_pools": 2})
     client = RecordingClient(engine)
     buffer = CountingBuffer(capacity=100)
-    pool = EnvPool(cfg, 1, client, buffer, tokenizer=tiny_tokenizer)
+    pool = GroupCollector(cfg, 1, client, buffer, tokenizer=tiny_tokenizer)
     assert pool.groups_per_batch == 2
 
     groups = pool.collect_groups()
@@ -318,12 +318,12 @@ def test_env_pool_collect_run_and_resume(engine, tiny_tokenizer):
     state = buffer.producer_state("env-pool-1")
     assert state["num_prompts_collected"] == 6 and state["pool_index"] == 1
     expected = [g.prompt_id for g in pool.collect_groups()]
-    resumed = EnvPool(cfg, 1, client, None, tokenizer=tiny_tokenizer)
+    resumed = GroupCollector(cfg, 1, client, None, tokenizer=tiny_tokenizer)
     resumed.load_state_dict(state)
     assert [g.prompt_id for g in resumed.collect_groups()] == expected
     assert resumed.num_prompts_collected == pool.num_prompts_collected == 8
     with pytest.raises(ValueError, match="cannot resume shard 0 of 2"):
-        EnvPool(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
+        GroupCollector(cfg, 0, client, None, tokenizer=tiny_tokenizer).load_state_dict(state)
 
 
 class RecordingReference:
@@ -349,7 +349,7 @@ def test_env_pool_has_a_batch_penalised_by_the_reference_before_its_advantages(e
     scorer_cfg = JobConfig.model_validate({"model": {"name_or_path": str(tiny_model_path)}, "reference": kl,
                                            "rollout": {"temperature": 0.5}})  # fmt: skip
     reference = RecordingReference(Reference(ReferenceSettings.from_job(scorer_cfg)))
-    pool = EnvPool(cfg, 0, RecordingClient(engine), None, tokenizer=tiny_tokenizer, reference=reference)
+    pool = GroupCollector(cfg, 0, RecordingClient(engine), None, tokenizer=tiny_tokenizer, reference=reference)
     groups = pool.collect_groups()
 
     assert len(reference.rewards_before) == 1 and len(groups) == 2  # one call, the whole batch
@@ -371,19 +371,19 @@ def test_env_pools_of_a_range_split_the_prompts_into_its_top_shards(engine, tiny
     cfg = make_cfg(rollout={"num_env_pools": "1..2"})
     assert (cfg.rollout.num_env_pools, cfg.rollout.max_env_pools, cfg.rollout.env_pool_shards()) == (1, 2, 2)
     client = RecordingClient(engine)
-    first, second = (EnvPool(cfg, j, client, None, tokenizer=tiny_tokenizer) for j in (0, 1))
+    first, second = (GroupCollector(cfg, j, client, None, tokenizer=tiny_tokenizer) for j in (0, 1))
     assert first.groups_per_batch == second.groups_per_batch == cfg.trainer.prompts_per_step
     ids = [[g.prompt_id for g in pool.collect_groups(2)] for pool in (first, second)]
     assert all(p % 2 == 0 for p in ids[0]) and all(p % 2 == 1 for p in ids[1])
     assert second.state_dict()["num_shards"] == 2
     with pytest.raises(ValueError, match=r"must be in \[0, 2\)"):
-        EnvPool(cfg, 2, client, None, tokenizer=tiny_tokenizer)
+        GroupCollector(cfg, 2, client, None, tokenizer=tiny_tokenizer)
 
 
 def test_env_pool_background_run_stops(engine, tiny_tokenizer):
     cfg = make_cfg()
     buffer = CountingBuffer(capacity=1000)
-    pool = EnvPool(cfg, 0, RecordingClient(engine, versions=[3]), buffer, tokenizer=tiny_tokenizer)
+    pool = GroupCollector(cfg, 0, RecordingClient(engine, versions=[3]), buffer, tokenizer=tiny_tokenizer)
     pool.start(num_groups_total=8)
     assert pool.wait(timeout_s=60)
     assert buffer.put_sizes == [4, 4]
@@ -403,7 +403,7 @@ def test_env_pool_background_error_propagates(engine, tiny_tokenizer):
         def put(self, groups, timeout_s, producer=None, producer_state=None, epoch=0):
             raise OSError("buffer gone")
 
-    pool = EnvPool(make_cfg(), 0, RecordingClient(engine), Broken(), tokenizer=tiny_tokenizer)
+    pool = GroupCollector(make_cfg(), 0, RecordingClient(engine), Broken(), tokenizer=tiny_tokenizer)
     pool.start(num_groups_total=4)
     with pytest.raises(RuntimeError, match="buffer gone"):
         pool.wait(timeout_s=60)
@@ -429,7 +429,7 @@ def test_env_pool_wait_tells_of_a_dead_worker_at_once_and_the_run_goes_on(engine
 
     buffer = CountingBuffer(capacity=1000)
     client = LosingClient(engine)
-    pool = EnvPool(make_cfg(), 0, client, buffer, tokenizer=tiny_tokenizer)
+    pool = GroupCollector(make_cfg(), 0, client, buffer, tokenizer=tiny_tokenizer)
     assert client.on_worker_lost is not None  # the pool listens
     pool.start(num_groups_total=8)
     start = time.monotonic()
@@ -454,7 +454,7 @@ def test_env_pool_keeps_what_it_put_until_acknowledged_and_survives_its_buffer(e
             return super().put(groups, timeout_s, producer, producer_state, epoch, force)
 
     old, new = Dying(capacity=100), LocalBuffer(capacity=100)
-    pool = EnvPool(make_cfg(), 0, RecordingClient(engine), old, tokenizer=tiny_tokenizer)
+    pool = GroupCollector(make_cfg(), 0, RecordingClient(engine), old, tokenizer=tiny_tokenizer)
     pool.writer.buffer_wait_s = 60
     pool.start(num_groups_total=12)
     deadline = time.monotonic() + 60
@@ -497,7 +497,7 @@ def fixed_client_class():
 
 
 def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokenizer, tiny_model_path):
-    """The actor ``env-pool-0`` is EnvPool itself (an LLMCollector: no shell of forwards); its
+    """The actor ``env-pool-0`` is GroupCollector itself (an LLMCollector: no shell of forwards); its
     stats answer while its background collection runs."""
     from rlpost.actors.buffer import BufferSettings, start_buffer
     from rlpost.actors.env_pool import start_env_pool
@@ -507,7 +507,7 @@ def test_env_pool_actor_is_the_plain_class_and_threaded(ray_cluster, tiny_tokeni
     cfg = make_cfg(model={"name_or_path": str(tiny_model_path)})  # the actor loads the tokenizer
     buffer = start_buffer(BufferSettings(capacity=10**6, max_staleness=None), name="buffer-env-pool-test")
     actor = start_env_pool(cfg, 0, FixedClient(ids, 5), buffer)
-    assert ray_cluster.get_actor("env-pool-0") is not None and issubclass(EnvPool, LLMCollector)
+    assert ray_cluster.get_actor("env-pool-0") is not None and issubclass(GroupCollector, LLMCollector)
     groups = ray_cluster.get(actor.collect_groups.remote(2), timeout=120)
     assert len(groups) == 2 and all(s.token_ids[s.prompt_len :] == ids for s in flat(groups))
     assert {g.policy_version for g in groups} == {5}

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 
 def task_error(cause: BaseException) -> ray.exceptions.RayTaskError:
-    return ray.exceptions.RayTaskError("EnvPool.wait", "Traceback ...", cause)
+    return ray.exceptions.RayTaskError("GroupCollector.wait", "Traceback ...", cause)
 
 
 def test_the_called_actor_died_or_did_not_answer():
