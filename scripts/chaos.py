@@ -408,7 +408,7 @@ def end_actor(handle, way: str) -> None:
 
     import ray
 
-    from rlpost.service.clients import actor_record
+    from rlpost.runtime.actors import actor_record
 
     if way == "ray.kill":
         ray.kill(handle)

@@ -1,5 +1,5 @@
-"""The ``buffer`` actor: a :class:`~rlpost.data.RayReplayBuffer` holding a
-:class:`rlpost.transport.buffer.LocalBuffer`, the same public pieces a script composes by hand.
+"""The ``buffer`` actor: a :class:`rlpost.transport.buffer.LocalBuffer` in a Ray actor, and its one
+client, :class:`~rlpost.transport.buffer.RayBuffer` (what :func:`start_buffer` returns).
 
 It is a threaded actor (``max_concurrency`` > 1) so that a producer blocked in ``put`` by
 backpressure does not stop the learner's ``take`` from running and freeing space. Ray does not
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlpost.config import RoleResources
-from rlpost.data.ray_replay_buffer import RayReplayBuffer
+from rlpost.runtime.liveness import remote_class
+from rlpost.runtime.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 from rlpost.transport.buffer import BufferMetrics, LocalBuffer, RayBuffer
 
 if TYPE_CHECKING:
@@ -53,20 +54,28 @@ def staleness_cap(cfg: JobConfig) -> int:
 
 def start_buffer(
     settings: BufferSettings, *, name: str = "buffer", namespace: str | None = None, max_concurrency: int = 16,
-    **options: Any,
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S, **options: Any,
 ) -> RayBuffer:  # fmt: skip
     """Start the named buffer actor (``options`` go to the actor's options and win over the
-    settings') and return the service's client for it."""
-    remote_config = {
+    settings'), wait at most ``placement_timeout_s`` for the cluster to place it, and return its
+    client."""
+    import ray
+
+    actor_options = {
         "name": name, "namespace": namespace, "max_concurrency": max_concurrency, "max_restarts": 0,
         "num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus,
         "resources": dict(settings.resources.resources),
     } | options  # fmt: skip
-    rb = RayReplayBuffer(
-        replay_buffer_cls=LocalBuffer,
-        remote_config=remote_config,
-        capacity=settings.capacity,
-        max_staleness=settings.max_staleness,
-        report=BufferMetrics(settings.run_name),
+    handle = (
+        remote_class(LocalBuffer)
+        .options(**actor_options)
+        .remote(
+            capacity=settings.capacity, max_staleness=settings.max_staleness, report=BufferMetrics(settings.run_name)
+        )
     )
-    return RayBuffer(rb)
+    try:
+        wait_until_placed({name: (handle, asks_of(actor_options))}, placement_timeout_s, "the buffer")
+    except BaseException:
+        ray.kill(handle)
+        raise
+    return RayBuffer(handle, name)

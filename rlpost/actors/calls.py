@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rlpost.runtime.actors import ActorFailure, ActorLost, CallTimeout
 from rlpost.runtime.liveness import recorded_error
 from rlpost.runtime.shutdown import raise_if_stopping
 from rlpost.transport.buffer import BufferLost
@@ -32,27 +33,8 @@ class InferenceWorkerLost(RuntimeError):
     error only tells whoever waits on the pool, at once, that a worker needs replacing."""
 
 
-class ActorFailure(RuntimeError):
-    """A call failed because an actor of the run is gone or silent; the supervisor recovers.
-
-    ``name`` is the actor known to be lost (None when the failure came from further away).
-    """
-
-    def __init__(self, message: str, name: str | None = None):
-        super().__init__(message)
-        self.name = name
-
-
-class ActorLost(ActorFailure):
-    """An actor died: the one called (``name``) or one the called actor depended on."""
-
-
 class BusFailure(ActorFailure):
     """A weight sync failed: a bus peer died or did not answer within ``weight_sync.timeout_s``."""
-
-
-class CallTimeout(ActorFailure):
-    """The actor ``name`` did not answer a call within its timeout."""
 
 
 def _is_actor_death(exc: BaseException) -> bool:

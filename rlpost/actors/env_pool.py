@@ -43,7 +43,7 @@ from rlpost.data.samples import Group
 from rlpost.envs import make_env
 from rlpost.envs.tasks import fit_prompts
 from rlpost.policies import vLLMWrapper
-from rlpost.transport.buffer import DEFAULT_PUT_TIMEOUT_S, GroupWriter, RayBuffer
+from rlpost.transport.buffer import DEFAULT_PUT_TIMEOUT_S, GroupWriter
 
 if TYPE_CHECKING:
     from rlpost.config import (
@@ -97,8 +97,8 @@ class GroupCollector(LLMCollector):
             prompt ids never collide across pools, whichever of them run.
         engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
             ``last_policy_version``).
-        buffer: where the background run puts groups (a LocalBuffer or a RayBuffer; a
-            RayReplayBuffer is wrapped in a RayBuffer); None for collect-only.
+        buffer: where the background run puts groups (a LocalBuffer, the run's RayBuffer, or a
+            script's RayReplayBuffer of a LocalBuffer); None for collect-only.
 
     Keyword Args:
         tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
@@ -151,7 +151,7 @@ class GroupCollector(LLMCollector):
             from rlpost.actors.reference import RemoteReference
 
             reference = RemoteReference(cfg.reference)
-        self.writer = None if buffer is None else GroupWriter(_as_buffer(buffer), self.name, epoch=epoch,
+        self.writer = None if buffer is None else GroupWriter(buffer, self.name, epoch=epoch,
                                                               state=self.state_dict)  # fmt: skip
         super().__init__(
             env,
@@ -289,12 +289,12 @@ class GroupCollector(LLMCollector):
         self.engine_client.set_handles(handles)
 
     def set_buffer(self, buffer: Any, timeout_s: float = 60.0) -> int:
-        """Put into ``buffer`` from now on (the supervisor started it after the old one died; a
-        RayReplayBuffer or a buffer): the writer puts the groups not yet acknowledged into it.
+        """Put into ``buffer`` from now on (the supervisor started it after the old one died: its
+        RayBuffer): the writer puts the groups not yet acknowledged into it.
         Returns how many groups the new buffer took."""
         if self.writer is None:
             raise ValueError(f"env pool {self.pool_index} was built without a buffer")
-        return self.writer.set_buffer(_as_buffer(buffer), timeout_s)
+        return self.writer.set_buffer(buffer, timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt stream's position, the prompts collected and groups put so far, and the
@@ -321,13 +321,6 @@ class GroupCollector(LLMCollector):
         if self.writer is not None:
             self.writer.num_groups_put = int(state.get("num_groups_put", 0))
             self.writer.outbox = []  # what a restarted pool put before is in the buffer (or acknowledged)
-
-
-def _as_buffer(buffer: Any) -> Any:
-    """``buffer``, or the bounded client of a RayReplayBuffer (what the supervisor sends)."""
-    from rlpost.data.ray_replay_buffer import RayReplayBuffer
-
-    return RayBuffer(buffer) if isinstance(buffer, RayReplayBuffer) else buffer
 
 
 def start_env_pool(

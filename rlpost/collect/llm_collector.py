@@ -46,7 +46,7 @@ they restart finished rows at once and carry unfinished trajectories into the ne
 older weights generated their first turns. A batch is a ``list[Group]``
 (:mod:`rlpost.collect.episodes` says what a Sample holds) and is written with
 ``replay_buffer.extend(groups)`` (a :class:`~rlpost.transport.buffer.LocalBuffer`, alone or in
-a :class:`~rlpost.data.RayReplayBuffer`: the service's buffer; or a
+a :class:`~rlpost.data.RayReplayBuffer` or the service's actor; or a
 :class:`~rlpost.transport.buffer.GroupWriter` over it, which numbers the groups, keeps them until
 acknowledged and reserves room before each batch, as the env pools do). ``dialog_turns_per_batch`` and
 ``total_dialog_turns`` count episodes (rows) in this mode; :meth:`collect_groups` collects one

@@ -33,8 +33,9 @@ actor's incarnation, and the first call to see a new one logs a warning with the
 before it and counts it in :attr:`restarts`. Transforms appended after construction are not
 rebuilt on a restart (give them through ``transform_factory``). Once its restarts are spent, calls
 raise Ray's ``RayActorError``; with ``remote_config={"max_restarts": 0}`` the first call to meet
-the dead actor raises it (rlpost's service buffer: its supervisor rebuilds the buffer from what the
-producers kept, which an empty restart cannot do).
+the dead actor raises it. (rlpost's service does not use this class for its buffer: its
+supervisor rebuilds the buffer from what the producers kept, which an empty restart cannot do,
+through one client of a plain LocalBuffer actor, :class:`~rlpost.transport.buffer.RayBuffer`.)
 
 Deviations from TorchRL: no ``transport="distributed"``, delayed initialisation or runtime lease
 (the buffer's actor starts with the object and lives until :meth:`close` or Ray's shutdown);
@@ -118,7 +119,8 @@ class RayReplayBuffer(ReplayBuffer):
             raise RuntimeError("RayReplayBuffer is closed")
         return _client(self._rb, self.timeout_s, self._batch_size, self._max_restarts)
 
-    def _ask(self, what: str, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+    def _ask(self, what: str, method: str, *args: Any, timeout_s: float | None = None,
+             kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
         """``actor.method(*args, **kwargs)``, bounded by ``timeout_s`` (the buffer's by default);
         while Ray restarts the actor the call is made again until it runs. Notes a new
         incarnation (module docstring)."""
@@ -130,7 +132,7 @@ class RayReplayBuffer(ReplayBuffer):
         deadline, deaths = time.monotonic() + bound, 0
         while True:
             try:
-                ref = getattr(self._rb, method).remote(*args, **kwargs)
+                ref = getattr(self._rb, method).remote(*args, **(kwargs or {}))
                 incarnation, writes, result = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 break
             except ray.exceptions.ActorUnavailableError:  # restarting: the call did not run
@@ -156,12 +158,13 @@ class RayReplayBuffer(ReplayBuffer):
         return result
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._ask(method, "call", method, *args, **kwargs)
+        # the method's own keywords (LocalBuffer.put's timeout_s among them) go to it, not to the bound
+        return self._ask(method, "call", method, *args, kwargs=kwargs)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         """``buffer.method(*args, **kwargs)`` in the actor, bounded by ``timeout_s`` (default: the
         buffer's) instead of the buffer's own bound (rlpost's)."""
-        return self._ask(method, "call", method, *args, timeout_s=timeout_s, **kwargs)
+        return self._ask(method, "call", method, *args, timeout_s=timeout_s, kwargs=kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """Any other public method of the buffer class, called in the actor (TorchRL's)."""

@@ -2,7 +2,7 @@
 
 The controller and the supervisor never call ``ray.get`` themselves; they hold one client per
 actor (:class:`InferenceClient`, :class:`EnvPoolClient`, :class:`ReferenceClient`,
-:class:`LearnerClient`, :class:`BufferClient`). A
+:class:`LearnerClient`; the buffer's is :class:`~rlpost.transport.buffer.RayBuffer`). A
 client call waits a bounded time and turns Ray's ways of failing into the errors the supervisor
 recovers from:
 
@@ -24,92 +24,11 @@ record, :func:`actor_state`), never of the actor, whose queue may be busy with a
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from rlpost.actors.calls import ActorLost, CallTimeout, GroupPending, Pending, first_line
-from rlpost.transport.buffer import BufferLost, BufferTimeout, RayBuffer
-
-# The states of Ray's actor record in which the actor serves no call now or later: DEAD, and
-# RESTARTING (its process died; Ray may start it again, but nothing it held survived). A new
-# actor is PENDING_CREATION or DEPENDENCIES_UNREADY until its constructor ran, then ALIVE.
-LOST_STATES = frozenset({"DEAD", "RESTARTING"})
-NAME_POLL_S = 0.5  # release_names: how often it asks whether a lost actor's name is free
-
-
-def actor_state(handle: Any) -> str:
-    """The state of the actor ``handle`` in Ray's control store (GCS): ``"ALIVE"``, ``"DEAD"``,
-    ``"RESTARTING"``, ``"PENDING_CREATION"`` or ``"DEPENDENCIES_UNREADY"``; ``"DEAD"`` when the
-    store holds no record of it.
-
-    Ray keeps a named actor's name, and ``ray.get_actor`` keeps returning its handle, after the
-    actor died of anything but ``ray.kill(handle)`` (a signal, the OOM killer, a lost node,
-    ``ray.kill(..., no_restart=False)``), until its last handle is released: a name lookup alone
-    cannot tell a dead actor from a live one. The record can. It is read with one GCS call
-    (about 1 ms on one node) through ``ray._private.state``: Ray's public state API
-    (``ray.util.state``) asks the dashboard's server, which a run may not have.
-    """
-    return actor_record(handle).get("State", "DEAD")
-
-
-def actor_record(handle: Any) -> dict:
-    """Ray's record of the actor ``handle`` (``State``, ``Pid``, ``NumRestarts``, ``Address``,
-    ...; see :func:`actor_state`), empty when there is none."""
-    from ray._private import state
-
-    return state.actors(actor_id=handle._actor_id.hex()) or {}
-
-
-def alive(name: str, handle: Any) -> bool:
-    """Whether the actor ``handle`` is alive by Ray's record of it (:func:`actor_state`) and
-    still holds the name ``name`` (another actor holding it means ``handle`` was replaced)."""
-    import ray
-
-    if actor_state(handle) in LOST_STATES:
-        return False
-    try:
-        return ray.get_actor(name) == handle
-    except ValueError:
-        return False
-
-
-def kill(handle: Any) -> None:
-    """Kill the actor ``handle`` (no-op when it is already gone)."""
-    import ray
-
-    try:
-        ray.kill(handle)
-    except Exception:  # already dead: nothing to do
-        pass
-
-
-def release_names(names: list[str], timeout_s: float) -> None:
-    """Free each of ``names`` for a new actor: kill whichever actor holds it and wait until Ray
-    lets the name go, at most ``timeout_s`` in all.
-
-    Called before an actor is started (again) under a name: its predecessor was judged lost, or
-    belongs to a run being resumed. ``ray.kill`` frees a name at once when the holder is dead or
-    on a live node, but a holder on a lost node keeps it until Ray declares that node dead (its
-    health checks: ~15 s by default); starting the new actor meanwhile fails with
-    ``ActorAlreadyExistsError``. Raises RuntimeError naming the name still held at the deadline.
-    """
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    for name in names:
-        while True:
-            try:
-                holder = ray.get_actor(name)
-            except ValueError:  # nobody holds it
-                break
-            kill(holder)
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"the actor name {name!r} is still held by its lost predecessor after {timeout_s:.0f} s "
-                    f"(state {actor_state(holder)}); Ray frees it once it declares the predecessor's node dead"
-                )
-            time.sleep(NAME_POLL_S)
+from rlpost.actors.calls import GroupPending, Pending
+from rlpost.runtime.actors import alive, kill
 
 
 class ActorClient:
@@ -185,9 +104,10 @@ class EnvPoolClient(ActorClient):
     def set_inference(self, handles: list, timeout_s: float = 60.0) -> None:
         self.call("set_inference", handles, timeout_s=timeout_s)
 
-    def set_buffer(self, rb: Any, timeout_s: float) -> int:
-        """Point the pool at a new buffer (a RayReplayBuffer copy); returns the groups it put again."""
-        return self.call("set_buffer", rb, timeout_s=timeout_s)
+    def set_buffer(self, buffer: Any, timeout_s: float) -> int:
+        """Point the pool at a new buffer (a :class:`~rlpost.transport.buffer.RayBuffer`, sent as a
+        copy that does not own the actor); returns the groups it put again."""
+        return self.call("set_buffer", buffer, timeout_s=timeout_s)
 
     def load_state_dict(self, state: dict, timeout_s: float = 60.0) -> None:
         self.call("load_state_dict", state, timeout_s=timeout_s)
@@ -275,29 +195,3 @@ class LearnerClient(ActorClient):
 
     def load_checkpoint(self, path: str, timeout_s: float) -> dict:
         return self._on_every_rank("load_checkpoint", path).result(timeout_s)
-
-
-class BufferClient(RayBuffer):
-    """``buffer``, seen from the learner's side: :class:`RayBuffer` (a take that waits its own
-    ``timeout_s`` in vain still raises BufferTimeout) with the actor's loss and silence mapped
-    like every other client's."""
-
-    def _call(self, timeout_s: float, method: str, *args: Any) -> Any:
-        try:
-            return super()._call(timeout_s, method, *args)
-        except BufferLost as exc:
-            raise ActorLost(f"the buffer died: {first_line(exc)}", self.name) from exc
-        except BufferTimeout as exc:
-            if "did not answer" in str(exc):  # RayBuffer's own reply timeout: the actor is silent
-                raise CallTimeout(str(exc), self.name) from exc
-            raise
-
-    @property
-    def names(self) -> list[str]:
-        return [self.name]
-
-    def alive(self) -> bool:
-        return alive(self.name, self.rb.actor)
-
-    def kill(self) -> None:
-        kill(self.rb.actor)

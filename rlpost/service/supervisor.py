@@ -72,20 +72,19 @@ from rlpost.actors import REWARD_ACTOR, learner_name
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line, wait_all, wait_stoppably
 from rlpost.config import JobConfig
 from rlpost.record.run_dir import latest_checkpoint
+from rlpost.runtime.actors import release_names
 from rlpost.runtime.shutdown import raise_if_stopping
 from rlpost.service.clients import (
     ActorClient,
-    BufferClient,
     ControlClient,
     EnvPoolClient,
     InferenceClient,
     LearnerClient,
     ReferenceClient,
-    release_names,
 )
 from rlpost.service.run_state import RunState
 from rlpost.service.watchdog import Watchdog
-from rlpost.transport.buffer import BufferSnapshot
+from rlpost.transport.buffer import BufferSnapshot, RayBuffer
 
 log = logging.getLogger("rlpost")
 T = TypeVar("T")
@@ -139,7 +138,7 @@ def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool, run_once: 
 class RunActors:
     """A client for every actor of the run (the supervisor replaces them as it restarts actors)."""
 
-    buffer: BufferClient
+    buffer: RayBuffer
     inference: list[InferenceClient]
     env_pools: list[EnvPoolClient]
     learner: LearnerClient
@@ -155,7 +154,7 @@ class RunActors:
         """(actor name, handle) of every actor of the run, each learner rank on its own (what the
         watchdog asks for heartbeats)."""
         pairs = [(w.name, w.handle) for w in self.inference] + [(p.name, p.handle) for p in self.env_pools]
-        pairs += self.learner.members + [(self.buffer.name, self.buffer.rb.actor)]
+        pairs += self.learner.members + [(self.buffer.name, self.buffer.handle)]
         pairs += [(c.name, c.handle) for c in (self.reference, self.reward, self.control) if c is not None]
         return pairs
 
@@ -306,7 +305,7 @@ class ActorStarter:
             tensor_parallel_size=settings.engine.tensor_parallel_size,
         )  # fmt: skip
 
-    def buffer(self) -> BufferClient:
+    def buffer(self) -> RayBuffer:
         """``buffer``. It reserves no bundle; unless ``resources.buffer.resources`` sends it
         elsewhere it runs on the head node (:func:`on_the_head`), so that losing another node
         does not take the groups in flight with it."""
@@ -315,7 +314,7 @@ class ActorStarter:
         settings = BufferSettings.from_job(self.cfg)
         options = {} if settings.resources.resources else {"scheduling_strategy": on_the_head()}
         release_names(["buffer"], NAME_RELEASE_TIMEOUT_S)
-        return BufferClient(start_buffer(settings, **options).rb)
+        return start_buffer(settings, **options)
 
     def inference(self, index: int) -> InferenceClient:
         """``inference-<index>``: the fleet's replica ``index``, started (again)."""
@@ -350,11 +349,10 @@ class ActorStarter:
         return ActorClient(REWARD_ACTOR, start_reward(settings, scheduling_strategy=self.place(REWARD_ACTOR)))
 
     def env_pool(
-        self, index: int, inference: list[InferenceClient], buffer: BufferClient, epoch: int = 0
+        self, index: int, inference: list[InferenceClient], buffer: RayBuffer, epoch: int = 0
     ) -> EnvPoolClient:
         from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
         from rlpost.policies import RemoteVLLMClient
-        from rlpost.transport.buffer import RayBuffer
 
         name = f"env-pool-{index}"
         release_names([name], NAME_RELEASE_TIMEOUT_S)
@@ -362,7 +360,7 @@ class ActorStarter:
             EnvPoolSettings.from_job(self.cfg),
             index,
             RemoteVLLMClient([w.handle for w in inference]),
-            RayBuffer(buffer.rb),  # sent to the pool as a copy that does not own the actor
+            buffer,  # sent to the pool as a copy that does not own the actor
             epoch=epoch,
             scheduling_strategy=self.place(name),
         )
@@ -817,7 +815,7 @@ class Supervisor:
         self.counts["restarts_buffer"] += 1
         for j, pool in enumerate(self.actors.env_pools):
             if pool.alive():
-                count = pool.set_buffer(buffer.rb, timeout_s=CALL_TIMEOUT_S)
+                count = pool.set_buffer(buffer, timeout_s=CALL_TIMEOUT_S)
                 log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
         _replaced("buffer", start)
 

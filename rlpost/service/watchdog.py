@@ -39,8 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rlpost.config import RoleDeadlines, WatchdogConfig
+from rlpost.runtime.actors import actor_record, actor_state, kill
 from rlpost.runtime.liveness import heartbeat_ref
-from rlpost.service.clients import actor_record, actor_state, kill
 
 log = logging.getLogger("rlpost")
 

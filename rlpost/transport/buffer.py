@@ -5,10 +5,11 @@ has one interface and two implementations:
 
 - :class:`LocalBuffer`: a deque guarded by a condition variable; used in-process and as the
   state inside the Ray actor.
-- :class:`RayBuffer`: the service's client of a LocalBuffer held in a Ray actor by a
-  :class:`~rlpost.data.RayReplayBuffer` (``replay_buffer_cls=LocalBuffer``; started by
-  :func:`rlpost.actors.buffer.start_buffer`). One actor call moves a whole batch: single-item Ray
-  queue calls cost ~2.5 ms each here, batched ones ~1000x less per item.
+- :class:`RayBuffer`: the one client of a LocalBuffer in a Ray actor (started by
+  :func:`rlpost.actors.buffer.start_buffer`): the env pools put and the loop takes through it.
+  One actor call moves a whole batch: single-item Ray queue calls cost ~2.5 ms each here,
+  batched ones ~1000x less per item. A put from an env pool to the learner's take is
+  :class:`GroupWriter` -> :class:`RayBuffer` -> (the actor) :class:`LocalBuffer`, all here.
 
 A LocalBuffer also has a ReplayBuffer's API (``extend``, ``add``, ``sample``, ``len``,
 ``write_count``), so a script built from TorchRL's pieces may use it as its buffer, in-process or
@@ -71,12 +72,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlpost.runtime.actors import ActorLost, CallTimeout, alive, kill
+
 
 class BufferTimeout(TimeoutError):
     """A put or take waited ``timeout_s`` without completing."""
 
 
-class BufferLost(ConnectionError):
+class BufferLost(ActorLost):
     """The buffer actor died; its client's call cannot complete."""
 
 
@@ -461,20 +464,23 @@ def _highest_seqs(groups: list[Any]) -> dict[str, int]:
 
 
 class RayBuffer:
-    """The service's client of a LocalBuffer in a Ray actor; same interface as :class:`LocalBuffer`.
+    """The one client of the buffer actor (a :class:`LocalBuffer` in a Ray actor, started by
+    :func:`rlpost.actors.buffer.start_buffer`); same interface as :class:`LocalBuffer`.
 
-    It forwards each call to a :class:`~rlpost.data.RayReplayBuffer` holding the LocalBuffer (one
-    actor round trip for the whole batch) and waits ``timeout_s`` plus ``rpc_margin_s`` for the
-    reply, so a dead actor surfaces as an error, never a hang: a dead actor as
-    :class:`BufferLost`, no reply in time as :class:`BufferTimeout`. Pickled (sent to an env
-    pool), it carries a copy of the RayReplayBuffer that does not own the actor.
+    Each method is one call of the actor's LocalBuffer (a whole batch per round trip), waited for
+    ``timeout_s`` plus ``rpc_margin_s``, so a dead actor surfaces as an error, never a hang:
+
+        the actor died or was killed                -> BufferLost (an ActorLost of ``name``)
+        no reply within the call's bound            -> CallTimeout(``name``): alive but silent
+        the buffer's own wait ran out (full, empty) -> BufferTimeout, as LocalBuffer raises it
+
+    The loop takes through it, the env pools' :class:`GroupWriter` puts through it and the
+    supervisor asks it whether the actor is ``alive()`` and ``kill()`` s it. Pickled (sent to an
+    env pool) it is a copy of the handle, which does not own the actor.
     """
 
-    name = "buffer"
-
-    def __init__(self, rb: Any, rpc_margin_s: float = 30.0):
-        self.rb = rb
-        self.rpc_margin_s = rpc_margin_s
+    def __init__(self, handle: Any, name: str = "buffer", rpc_margin_s: float = 30.0):
+        self.handle, self.name, self.rpc_margin_s = handle, name, rpc_margin_s
 
     def put(
         self,
@@ -523,22 +529,34 @@ class RayBuffer:
     def producer_state(self, producer: str) -> Any:
         return self._call(0.0, "producer_state", producer)
 
+    # what the supervisor and the watchdog ask of every client
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def alive(self) -> bool:
+        """Whether Ray's record says the actor is alive and holds the name (never asks the actor)."""
+        return alive(self.name, self.handle)
+
+    def kill(self) -> None:
+        kill(self.handle)
+
     def _call(self, timeout_s: float, method: str, *args: Any) -> Any:
         """``method(*args)`` in the actor, whose own wait is ``timeout_s``."""
         import ray
 
         bound = timeout_s + self.rpc_margin_s
         try:
-            return self.rb.call(method, *args, timeout_s=bound)
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=bound)
+        except ray.exceptions.GetTimeoutError:
+            raise CallTimeout(f"{self.name} did not answer {method} within {bound:.1f}s", self.name) from None
         except ray.exceptions.RayActorError as exc:
-            raise BufferLost(f"the buffer actor died: {str(exc).strip().splitlines()[0]}") from exc
+            raise BufferLost(f"the buffer actor died: {str(exc).strip().splitlines()[0]}", self.name) from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if isinstance(cause, BufferTimeout):
                 raise BufferTimeout(str(cause).splitlines()[-1]) from None
             raise
-        except TimeoutError:  # the RayReplayBuffer's bound: no reply
-            raise BufferTimeout(f"buffer actor did not answer within {bound:.1f}s") from None
 
 
 DEFAULT_PUT_TIMEOUT_S = 600.0

@@ -62,7 +62,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
     import time
 
     from rlpost.record.run_dir import create_run_dir
-    from rlpost.service.clients import actor_record
+    from rlpost.runtime.actors import actor_record
     from rlpost.service.loop import Controller, start_run
 
     ray = connect_driver("rlpost-e2e-restarts")
@@ -115,8 +115,8 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     import signal
 
     from rlpost.record.run_dir import create_run_dir
+    from rlpost.runtime.actors import actor_record
     from rlpost.service import loop
-    from rlpost.service.clients import actor_record
 
     ray = local_ray
     cfg = tiny_cfg(tiny_model_path, "e2e-learner", "trainer.steps=6", "trainer.checkpoint_interval=2")

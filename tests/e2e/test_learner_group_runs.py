@@ -57,8 +57,8 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
 
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
+    from rlpost.runtime.actors import actor_record
     from rlpost.service import loop
-    from rlpost.service.clients import actor_record
 
     cfg = load_config(
         "configs/tiny-cpu.yaml",

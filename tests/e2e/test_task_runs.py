@@ -37,7 +37,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
 ):
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
-    from rlpost.service.clients import actor_record
+    from rlpost.runtime.actors import actor_record
     from rlpost.service.loop import Controller, start_run
 
     connect_driver("rlpost-e2e-reward-model")

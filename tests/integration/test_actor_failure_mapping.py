@@ -5,7 +5,8 @@ import time
 import pytest
 
 from rlpost.actors.calls import ActorLost
-from rlpost.service.clients import ActorClient, actor_state, alive, release_names
+from rlpost.runtime.actors import actor_state, alive, release_names
+from rlpost.service.clients import ActorClient
 
 pytestmark = pytest.mark.integration
 
@@ -231,7 +232,8 @@ def test_an_inference_actor_whose_engine_process_is_killed_ends_its_own_process(
 
     from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.config import EngineConfig
-    from rlpost.service.clients import InferenceClient, actor_record
+    from rlpost.runtime.actors import actor_record
+    from rlpost.service.clients import InferenceClient
 
     engine = EngineConfig(
         max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=8, enforce_eager=True, in_process=False

@@ -11,7 +11,7 @@ import pytest
 
 from rlpost.actors import start_actor
 from rlpost.config import RoleDeadlines, RoleResources, WatchdogConfig
-from rlpost.service.clients import actor_state
+from rlpost.runtime.actors import actor_state
 from rlpost.service.watchdog import Watchdog
 
 pytestmark = pytest.mark.integration

@@ -1,12 +1,17 @@
-"""The buffer actor on a real local Ray cluster: batching, backpressure, staleness, a dead actor."""
+"""The buffer actor on a real local Ray cluster through its one client, RayBuffer: batching,
+backpressure, staleness, a dead actor and a silent one; and LocalBuffer in a script's own
+RayReplayBuffer (TorchRL's API)."""
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
 from rlpost.actors.buffer import BufferSettings, start_buffer
-from rlpost.transport.buffer import BufferLost, BufferTimeout
+from rlpost.runtime.actors import ActorLost, CallTimeout, actor_record
+from rlpost.transport.buffer import BufferLost, BufferTimeout, RayBuffer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -67,31 +72,20 @@ def test_dead_actor_is_an_error_not_a_hang(ray_cluster):
     import ray
 
     buf = start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-dead")
-    ray.kill(buf.rb.actor)
+    ray.kill(buf.handle)
     start = time.monotonic()
-    with pytest.raises(BufferLost, match="the buffer actor died"):
+    with pytest.raises(BufferLost, match="the buffer actor died") as lost:
         buf.get(1, timeout_s=1)
     assert time.monotonic() - start < 5  # not restarted by Ray: the first call says so
+    assert isinstance(lost.value, ActorLost) and lost.value.name == "buffer-dead"  # the supervisor's error
+    assert not buf.alive()
 
 
-def test_the_service_buffer_is_a_ray_replay_buffer_a_script_can_use(ray_cluster):
-    """The same actor through TorchRL's API: extend / sample / len / write_count, any other method
-    forwarded, a client copy that does not own the actor."""
+def test_a_script_holds_a_local_buffer_in_its_own_ray_replay_buffer(ray_cluster):
+    """LocalBuffer through TorchRL's API in a RayReplayBuffer: extend / sample, the buffer's own
+    wait and the call's own bound."""
     from rlpost.data import RayReplayBuffer
     from rlpost.transport.buffer import LocalBuffer
-
-    buf = start_buffer(BufferSettings(capacity=8, max_staleness=0), name="buffer-as-rb")
-    rb = buf.rb
-    assert isinstance(rb, RayReplayBuffer)
-    assert rb.extend(groups([3, 3, 3])) == [0, 1, 2]
-    assert len(rb) == 3 and rb.write_count == 3
-    assert [g["prompt_id"] for g in rb.sample(2)] == [0, 1]  # oldest first, each once
-    assert rb.put(groups([4], start=9), 5, "env-pool-0").accepted  # LocalBuffer's own method
-    assert [g["prompt_id"] for g in rb.sample(1, current_version=4)] == [9]  # group 2 was stale
-    assert rb.stats().num_dropped_stale == 1
-    copy = rb.client()
-    copy.close()  # a copy only lets go
-    assert buf.stats().num_put == 4
 
     own = RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=4, batch_size=2, wait_s=0.5, timeout_s=30)
     try:
@@ -105,18 +99,25 @@ def test_the_service_buffer_is_a_ray_replay_buffer_a_script_can_use(ray_cluster)
         own.close()
 
 
-def test_the_supervisors_client_maps_a_wait_and_a_death(ray_cluster):
-    import ray
-
-    from rlpost.actors.calls import ActorLost
-    from rlpost.service.clients import BufferClient
-
-    client = BufferClient(start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-client").rb)
-    client.name = "buffer-client"  # the run's is "buffer"
+def test_the_client_maps_a_wait_a_silence_and_a_death(ray_cluster):
+    """The buffer's own wait stays a BufferTimeout; an actor that does not answer within the
+    call's bound is a CallTimeout and a dead one an ActorLost, named, as the supervisor expects
+    of every client."""
+    buf = start_buffer(BufferSettings(capacity=4, max_staleness=None), name="buffer-client")
     with pytest.raises(BufferTimeout, match="waited 0.3s for 1 groups"):  # the buffer's own wait: not a silence
-        client.take(1, timeout_s=0.3)
-    assert client.alive()
-    ray.kill(client.rb.actor)
-    with pytest.raises(ActorLost, match="the buffer died"):
-        client.take(1, timeout_s=0.3)
-    assert not client.alive()
+        buf.take(1, timeout_s=0.3)
+    assert buf.alive() and buf.names == ["buffer-client"]
+    pid = int(actor_record(buf.handle)["Pid"])
+    os.kill(pid, signal.SIGSTOP)  # alive to Ray, answering nothing: a frozen process
+    try:
+        silent = RayBuffer(buf.handle, "buffer-client", rpc_margin_s=0.5)
+        with pytest.raises(CallTimeout, match="buffer-client did not answer stats within 0.5s") as late:
+            silent.stats()
+        assert late.value.name == "buffer-client" and buf.alive()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert buf.stats().size == 0  # it answers again
+    buf.kill()
+    with pytest.raises(ActorLost, match="the buffer actor died"):
+        buf.take(1, timeout_s=0.3)
+    assert not buf.alive()

@@ -597,7 +597,7 @@ def test_a_ray_collector_of_whole_episodes_writes_each_group_once_through_a_grou
 
     from rlpost.collect import RayLLMCollector
     from rlpost.data import RayReplayBuffer
-    from rlpost.transport.buffer import GroupWriter, LocalBuffer, RayBuffer
+    from rlpost.transport.buffer import GroupWriter, LocalBuffer
 
     FixedClient = fixed_client_class()
     ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)
@@ -616,7 +616,7 @@ def test_a_ray_collector_of_whole_episodes_writes_each_group_once_through_a_grou
 
     rb = RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=100, remote_config={"num_cpus": 0})
     collector = RayLLMCollector(build_env, policy_factory=build_policy, whole_episodes=True,
-                                replay_buffer=GroupWriter(RayBuffer(rb), "collector-0"),
+                                replay_buffer=GroupWriter(rb, "collector-0"),
                                 total_dialog_turns=4 * GROUP_SIZE, timeout_s=120)  # fmt: skip
     collector.start()
     deadline = time.monotonic() + 120

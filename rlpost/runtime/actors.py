@@ -1,0 +1,116 @@
+"""What the driver knows of an actor without asking it: Ray's record of it (alive, lost), how to
+kill it and free its name, and the errors a call to a lost or silent actor becomes.
+
+The errors are raised by every bounded client of an actor (:mod:`rlpost.actors.calls`, the run's
+clients in :mod:`rlpost.service.clients`, the buffer's :class:`~rlpost.transport.buffer.RayBuffer`)
+and caught by the supervisor, which replaces what was lost:
+
+    the called actor died or was killed                     -> ActorLost(name)
+    the call failed because another actor it used died      -> ActorLost(None)
+    no answer within the call's timeout                     -> CallTimeout(name)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class ActorFailure(RuntimeError):
+    """A call failed because an actor of the run is gone or silent; the supervisor recovers.
+
+    ``name`` is the actor known to be lost (None when the failure came from further away).
+    """
+
+    def __init__(self, message: str, name: str | None = None):
+        super().__init__(message)
+        self.name = name
+
+
+class ActorLost(ActorFailure):
+    """An actor died: the one called (``name``) or one the called actor depended on."""
+
+
+class CallTimeout(ActorFailure):
+    """The actor ``name`` did not answer a call within its timeout."""
+
+
+# The states of Ray's actor record in which the actor serves no call now or later: DEAD, and
+# RESTARTING (its process died; Ray may start it again, but nothing it held survived). A new
+# actor is PENDING_CREATION or DEPENDENCIES_UNREADY until its constructor ran, then ALIVE.
+LOST_STATES = frozenset({"DEAD", "RESTARTING"})
+NAME_POLL_S = 0.5  # release_names: how often it asks whether a lost actor's name is free
+
+
+def actor_state(handle: Any) -> str:
+    """The state of the actor ``handle`` in Ray's control store (GCS): ``"ALIVE"``, ``"DEAD"``,
+    ``"RESTARTING"``, ``"PENDING_CREATION"`` or ``"DEPENDENCIES_UNREADY"``; ``"DEAD"`` when the
+    store holds no record of it.
+
+    Ray keeps a named actor's name, and ``ray.get_actor`` keeps returning its handle, after the
+    actor died of anything but ``ray.kill(handle)`` (a signal, the OOM killer, a lost node,
+    ``ray.kill(..., no_restart=False)``), until its last handle is released: a name lookup alone
+    cannot tell a dead actor from a live one. The record can. It is read with one GCS call
+    (about 1 ms on one node) through ``ray._private.state``: Ray's public state API
+    (``ray.util.state``) asks the dashboard's server, which a run may not have.
+    """
+    return actor_record(handle).get("State", "DEAD")
+
+
+def actor_record(handle: Any) -> dict:
+    """Ray's record of the actor ``handle`` (``State``, ``Pid``, ``NumRestarts``, ``Address``,
+    ...; see :func:`actor_state`), empty when there is none."""
+    from ray._private import state
+
+    return state.actors(actor_id=handle._actor_id.hex()) or {}
+
+
+def alive(name: str, handle: Any) -> bool:
+    """Whether the actor ``handle`` is alive by Ray's record of it (:func:`actor_state`) and
+    still holds the name ``name`` (another actor holding it means ``handle`` was replaced)."""
+    import ray
+
+    if actor_state(handle) in LOST_STATES:
+        return False
+    try:
+        return ray.get_actor(name) == handle
+    except ValueError:
+        return False
+
+
+def kill(handle: Any) -> None:
+    """Kill the actor ``handle`` (no-op when it is already gone)."""
+    import ray
+
+    try:
+        ray.kill(handle)
+    except Exception:  # already dead: nothing to do
+        pass
+
+
+def release_names(names: list[str], timeout_s: float) -> None:
+    """Free each of ``names`` for a new actor: kill whichever actor holds it and wait until Ray
+    lets the name go, at most ``timeout_s`` in all.
+
+    Called before an actor is started (again) under a name: its predecessor was judged lost, or
+    belongs to a run being resumed. ``ray.kill`` frees a name at once when the holder is dead or
+    on a live node, but a holder on a lost node keeps it until Ray declares that node dead (its
+    health checks: ~15 s by default); starting the new actor meanwhile fails with
+    ``ActorAlreadyExistsError``. Raises RuntimeError naming the name still held at the deadline.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                holder = ray.get_actor(name)
+            except ValueError:  # nobody holds it
+                break
+            kill(holder)
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"the actor name {name!r} is still held by its lost predecessor after {timeout_s:.0f} s "
+                    f"(state {actor_state(holder)}); Ray frees it once it declares the predecessor's node dead"
+                )
+            time.sleep(NAME_POLL_S)
