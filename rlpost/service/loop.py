@@ -40,16 +40,9 @@ from rlpost.record.trackers import make_trackers
 from rlpost.runtime.ray_start import init_ray
 from rlpost.runtime.shutdown import StopRequested, raise_if_stopping, stop_on_signals
 from rlpost.service.evaluation import Evaluator, append_eval_line
+from rlpost.service.fleet import Fleet, slot_of
 from rlpost.service.run_state import Ledger, RunState
-from rlpost.service.supervisor import (
-    ActorStarter,
-    LearnerDied,
-    ResumeNeeded,
-    Supervisor,
-    run_with_auto_resume,
-    slot_of,
-    stop_actors,
-)
+from rlpost.service.supervisor import LearnerDied, ResumeNeeded, Supervisor, run_with_auto_resume
 from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
@@ -61,7 +54,7 @@ CHECKPOINT_TIMEOUT_S = 600.0
 POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
 EVAL_WORKER_WAIT_S = 5.0  # an evaluation whose every worker died gives up this soon (the run goes on)
 
-__all__ = ["Controller", "LearnerDied", "ResumeNeeded", "run_training", "start_run", "stop_actors"]
+__all__ = ["Controller", "LearnerDied", "ResumeNeeded", "run_training", "start_run"]
 
 
 def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
@@ -198,8 +191,7 @@ def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
 def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
     """Start every actor of the run and the supervisor that keeps them alive, its watchdog watching
     them (stop both with ``Supervisor.close()``)."""
-    starter = ActorStarter(cfg)
-    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
+    supervisor = Supervisor(cfg, run_dir, Fleet.start(cfg), RunState())
     supervisor.watch()
     return supervisor
 
@@ -241,8 +233,9 @@ class Controller:
         self.evaluator = evaluator
 
     @property
-    def actors(self):
-        return self.supervisor.actors
+    def fleet(self) -> Fleet:
+        """The run's actors; the supervisor replaces the lost ones in it."""
+        return self.supervisor.fleet
 
     @property
     def ledger(self) -> Ledger:
@@ -353,7 +346,7 @@ class Controller:
         its keys are left out of the step's line."""
         from rlpost.policies import RemoteVLLMClient
 
-        client = RemoteVLLMClient([w.handle for w in self.actors.inference], request_timeout_s=COLLECT_TIMEOUT_S,
+        client = RemoteVLLMClient([w.handle for w in self.fleet.inference], request_timeout_s=COLLECT_TIMEOUT_S,
                                   worker_wait_s=EVAL_WORKER_WAIT_S)  # fmt: skip
         try:
             metrics = self.evaluator.run(client, policy_version=self.version)
@@ -389,7 +382,7 @@ class Controller:
             self.taken = self.supervisor.run("take", lambda: self._take(self.cfg.trainer.prompts_per_step))
         if self.cfg.reference.kl_goes_to != "loss":  # no reference, or the pools had it penalise the rewards
             return self.taken
-        return self.supervisor.run("reference", lambda: self.actors.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
+        return self.supervisor.run("reference", lambda: self.fleet.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 
     def _step_targets(self) -> list[int]:
         """Sync mode: the prompts each shard will have collected once this step is done. The
@@ -402,7 +395,7 @@ class Controller:
     def _spread(self, targets: list[int], prompts: int) -> list[int]:
         """Add ``prompts`` to the serving pools' ``targets`` in equal shares, the remainder to
         the lowest slots; returns those slots."""
-        serving = sorted(slot_of(pool.name) for pool in self.actors.env_pools)
+        serving = sorted(slot_of(pool.name) for pool in self.fleet.env_pools)
         share, extra = divmod(prompts, len(serving))
         for rank, slot in enumerate(serving):
             targets[slot] += share + (rank < extra)
@@ -410,7 +403,7 @@ class Controller:
 
     def _collect_sync(self, targets: list[int]) -> list:
         self._collect_shares(targets)
-        size = self.actors.buffer.stats().size
+        size = self.fleet.buffer.stats().size
         return self._take(max(1, size))  # the DAPO filter may have dropped groups
 
     def _collect_shares(self, targets: list[int]) -> None:
@@ -428,7 +421,7 @@ class Controller:
         while True:
             self._hand_over_shares(targets)
             pending = []
-            for pool in self.actors.env_pools:
+            for pool in self.fleet.env_pools:
                 share = (pool.name, targets[slot_of(pool.name)])
                 if share in finished:
                     continue
@@ -448,11 +441,11 @@ class Controller:
     def _hand_over_shares(self, targets: list[int]) -> None:
         """A shard without a serving pool keeps the prompts its last put recorded; what is left
         of its share goes to the serving pools (``targets`` is changed in place)."""
-        serving = {slot_of(pool.name) for pool in self.actors.env_pools}
+        serving = {slot_of(pool.name) for pool in self.fleet.env_pools}
         for slot, target in enumerate(targets):
             if slot in serving or target <= self.pool_prompts[slot]:
                 continue
-            state = self.actors.buffer.producer_state(f"env-pool-{slot}")
+            state = self.fleet.buffer.producer_state(f"env-pool-{slot}")
             done = max(state["num_prompts_collected"] if state else 0, self.pool_prompts[slot])
             left, targets[slot] = target - done, done
             if left > 0:
@@ -466,7 +459,7 @@ class Controller:
         alone (True)."""
         if not pool.wait(0.0):
             return True
-        state = self.actors.buffer.producer_state(pool.name)
+        state = self.fleet.buffer.producer_state(pool.name)
         left = target - (state["num_prompts_collected"] if state else 0)
         if left <= 0:
             return False
@@ -482,7 +475,7 @@ class Controller:
         while True:
             self.supervisor.check()
             try:
-                taken = self.actors.buffer.take(num_groups, POLL_S, self.version, self.ledger.acknowledged)
+                taken = self.fleet.buffer.take(num_groups, POLL_S, self.version, self.ledger.acknowledged)
             except BufferTimeout:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -498,7 +491,7 @@ class Controller:
         """One learner step. Not run again after a failure (it would train twice): a lost
         learner becomes LearnerDied (the supervisor's recovery raises it)."""
         try:
-            metrics = self.actors.learner.train_step(groups, timeout_s=COLLECT_TIMEOUT_S)
+            metrics = self.fleet.learner.train_step(groups, timeout_s=COLLECT_TIMEOUT_S)
         except ActorFailure as failure:
             self.supervisor.recover(failure)
             raise
@@ -559,8 +552,8 @@ class Controller:
         """Max |log-prob difference| between a worker and the learner on a fixed probe sequence."""
         if self.probe is None:
             self.probe = probe_sequence(self.cfg)
-        served = self.actors.inference[0].score([self.probe], self.cfg.rollout.temperature, timeout_s=120)[0]
-        learned = self.actors.learner.score([self.probe], timeout_s=120)[0]
+        served = self.fleet.inference[0].score([self.probe], self.cfg.rollout.temperature, timeout_s=120)[0]
+        learned = self.fleet.learner.score([self.probe], timeout_s=120)[0]
         diff = max(abs(a - b) for a, b in zip(served, learned))
         if diff > SYNC_LOGPROB_WARN and self.cfg.model.dtype == "float32":
             log.warning(
@@ -577,7 +570,7 @@ class Controller:
         """The learner writes its checkpoint with the rollout state: the groups waiting in the
         buffer (after any taken but not trained), every pool's position after its last put, and
         the ledger (one consistent snapshot)."""
-        snapshot = self.actors.buffer.snapshot()
+        snapshot = self.fleet.buffer.snapshot()
         ledger = Ledger(
             self.ledger.groups_taken - len(self.taken), self.ledger.groups_dropped_stale, dict(self.ledger.acknowledged)
         )
@@ -588,10 +581,10 @@ class Controller:
             "ledger": dataclasses.asdict(ledger),
             "pool_prompts": self.pool_prompts,
             "counts": dict(self.supervisor.counts),
-            "fleet": self.supervisor.fleet_wanted(),
+            "fleet": self.fleet.wanted(),
             "elapsed_s": time.perf_counter() - self.start_time,
         }
-        path = self.actors.learner.save_checkpoint(
+        path = self.fleet.learner.save_checkpoint(
             str(self.run_dir), step, rollout_state, timeout_s=CHECKPOINT_TIMEOUT_S
         )
         log.info("checkpoint written: %s (%d groups from the buffer)", path, len(rollout_state["buffer_groups"]))
@@ -600,11 +593,11 @@ class Controller:
         """After SIGTERM / Ctrl-C: a final checkpoint of the last trained step when the learner
         is alive (a train call the signal interrupted finishes first: the learner runs one
         call at a time, and its version says whether it did)."""
-        if not self.actors.learner.alive():
+        if not self.fleet.learner.alive():
             log.warning("stopping: the learner is gone, so no final checkpoint (the last one on disk stays)")
             return
         try:
-            version = self.actors.learner.version(timeout_s=CHECKPOINT_TIMEOUT_S)
+            version = self.fleet.learner.version(timeout_s=CHECKPOINT_TIMEOUT_S)
             if version != self.version:  # the interrupted step was trained after all
                 self.unrecorded = self._interrupted_row(self.taken, version)
                 self.state.version = version
@@ -644,7 +637,7 @@ class Controller:
         groups taken for a step not trained count as in the buffer (the checkpoint puts them
         back). Empty when the buffer does not answer (the row then has none)."""
         try:
-            stats = self.actors.buffer.stats()
+            stats = self.fleet.buffer.stats()
         except Exception as exc:  # noqa: BLE001 (the stop goes on; the row says less)
             log.warning("stopping: the buffer did not answer (%s); the last row has no accounting", exc)
             return {}
@@ -664,13 +657,13 @@ class Controller:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
-        info = self.actors.learner.load_checkpoint(str(path), timeout_s=CHECKPOINT_TIMEOUT_S)
+        info = self.fleet.learner.load_checkpoint(str(path), timeout_s=CHECKPOINT_TIMEOUT_S)
         self.state.version, self.first_step = int(info["version"]), int(info["step"]) + 1
         self.trained_step = int(info["step"])
         state = info["rollout_state"] or {}
         if state:
             ledger = self.state.ledger = Ledger(**state.get("ledger", {}))
-            self.actors.buffer.restore(
+            self.fleet.buffer.restore(
                 BufferSnapshot(
                     state["buffer_groups"],
                     state["producer_states"],
@@ -678,7 +671,7 @@ class Controller:
                     dict(ledger.acknowledged),
                 )
             )
-            for pool in self.actors.env_pools:
+            for pool in self.fleet.env_pools:
                 pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
                     pool.load_state_dict(pool_state)
@@ -705,7 +698,7 @@ class Controller:
         elapsed_step = time.perf_counter() - step_start
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(s.num_generated for g in groups for s in g.samples)
-        stats = self.supervisor.run("buffer stats", lambda: self.actors.buffer.stats())
+        stats = self.supervisor.run("buffer stats", lambda: self.fleet.buffer.stats())
         return {
             "step_time_s": elapsed_step,
             "samples_per_s": samples / elapsed_step,
@@ -722,7 +715,7 @@ class Controller:
         record.setdefault("sync_logprob_diff", None)
         record.setdefault("staleness_mean", 0.0)
         record.update(self.supervisor.counts, learner_resumes=self.learner_resumes)
-        record.update(self.supervisor.fleet_sizes())
+        record.update(self.fleet.sizes())
         self.writer.write(record)
         self.recorded_step = step
         self.ray_metrics.record({**record, "last_step_time_s": time.time()})  # the stalled-run alert's clock

@@ -46,7 +46,7 @@ def ray_head(tmp_path_factory):
     """The tier's shared cluster: dashboard on, token authentication with a token file of its own,
     found through RAY_AUTH_TOKEN_PATH with RAY_AUTH_MODE unset in its clients' environment
     (``head.env``), as a user's shell would have it. Runs on it stop their actors when they end
-    (the CLI, the controller's ``stop_actors``, a job's driver), so one run leaves the cluster's
+    (the CLI, the supervisor's ``Fleet.stop``, a job's driver), so one run leaves the cluster's
     CPUs free for the next."""
     token = tmp_path_factory.mktemp("auth") / "token"
     token.write_text(secrets.token_hex(32))

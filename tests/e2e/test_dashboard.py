@@ -151,7 +151,7 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
         def _collect_step(self):
             if self.step == 3:  # it dies (SIGKILL of its process, a crash) under the pools' calls:
                 os.kill(
-                    actor_record(self.actors.reference.handle)["Pid"], signal.SIGKILL
+                    actor_record(self.fleet.reference.handle)["Pid"], signal.SIGKILL
                 )  # started again once the health check sees it, no step lost
             return super()._collect_step()
 

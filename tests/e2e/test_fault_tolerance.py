@@ -78,7 +78,7 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
 
     class KillMidCollection(Controller):
         def _collect_shares(self, targets):
-            victim = {2: (sigkill, self.actors.inference[0]), 4: (ray_kill_as_after_a_crash, self.actors.env_pools[0])}
+            victim = {2: (sigkill, self.fleet.inference[0]), 4: (ray_kill_as_after_a_crash, self.fleet.env_pools[0])}
             if self.step in victim and self.step not in killed:  # killed shortly after the pool starts generating
                 killed.add(self.step)  # once: the collection runs again after the restart
                 how, client = victim[self.step]
@@ -125,7 +125,7 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
     class KillLearner(loop.Controller):
         def _train(self, groups, step):
             if step == 6:
-                os.kill(actor_record(self.actors.learner.handle)["Pid"], signal.SIGKILL)
+                os.kill(actor_record(self.fleet.learner.handle)["Pid"], signal.SIGKILL)
             return super()._train(groups, step)
 
     original, loop.Controller = loop.Controller, KillLearner

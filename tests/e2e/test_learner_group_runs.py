@@ -73,7 +73,7 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
     class KillRankOneOnce(loop.Controller):
         def _train(self, groups, step):
             if step == 6 and not killed:
-                name, handle = self.actors.learner.members[1]
+                name, handle = self.fleet.learner.members[1]
                 killed.append(name)
                 os.kill(actor_record(handle)["Pid"], signal.SIGSTOP)
             return super()._train(groups, step)

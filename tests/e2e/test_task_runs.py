@@ -54,7 +54,7 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
         def _collect_shares(self, targets):
             if self.step == 2 and not killed:
                 killed.append(True)
-                pid = actor_record(self.supervisor.actors.reward.handle)["Pid"]
+                pid = actor_record(self.supervisor.fleet.reward.handle)["Pid"]
                 threading.Timer(0.05, os.kill, args=(pid, signal.SIGKILL)).start()
             super()._collect_shares(targets)
 

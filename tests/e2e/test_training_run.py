@@ -41,7 +41,7 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
         def _train(self, groups, step):
             record = super()._train(groups, step)
             if step == 2:  # dies between training and the weight sync of step 2
-                ray.kill(self.actors.inference[1].handle)
+                ray.kill(self.fleet.inference[1].handle)
             return record
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlpost-e2e-reform", log_to_driver=False)

@@ -17,8 +17,9 @@ import pytest
 from rlpost.actors.calls import ActorLost, BusFailure
 from rlpost.data.samples import Group, Sample
 from rlpost.runtime.shutdown import StopRequested
+from rlpost.service.fleet import Fleet
 from rlpost.service.run_state import Ledger, RunState
-from rlpost.service.supervisor import LearnerDied, RunActors, Supervisor
+from rlpost.service.supervisor import LearnerDied, Supervisor
 from rlpost.transport.buffer import BufferSnapshot, LocalBuffer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
@@ -403,7 +404,9 @@ class Starter:
         learner.workers = list(inference)  # connect_bus
         control = self.control() if self.world.requests else None
         reward = self.reward() if self.cfg.reward_model is not None else None
-        return RunActors(buffer, inference, pools, learner, self.reference(), control=control, reward=reward)
+        return Fleet(
+            self.cfg, self, buffer, inference, pools, learner, self.reference(), control=control, reward=reward
+        )
 
 
 def make_cfg(mode, extra=()):
@@ -445,13 +448,13 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
     run_dir.mkdir()
-    supervisor = Supervisor(cfg, run_dir, starter.start_all(), starter, RunState())
+    supervisor = Supervisor(cfg, run_dir, starter.start_all(), RunState())
     supervisor.health_check_s = 0.0
     controller = ctl.Controller(cfg, run_dir, supervisor)
     controller.probe = [1, 2, 3]
-    supervisor.actors.learner.stop_at_step = stop_at_step
+    supervisor.fleet.learner.stop_at_step = stop_at_step
     for name, value in learner_stops.items():  # stop_after_training / stop_at_publish
-        setattr(supervisor.actors.learner, name, value)
+        setattr(supervisor.fleet.learner, name, value)
     try:
         controller.run()
     except StopRequested:
@@ -765,10 +768,9 @@ def test_a_checkpoint_keeps_the_fleet_an_operator_asked_for(tmp_path, monkeypatc
     learner = world.actors["learner"]
     _, state = learner.saved[-1]
     assert state["fleet"] == {"inference": 1, "env_pools": 1}
-    supervisor = Supervisor(make_cfg("sync"), tmp_path, Starter(world, make_cfg("sync")).start_all(),
-                            Starter(world, make_cfg("sync")), RunState())  # fmt: skip
+    supervisor = Supervisor(make_cfg("sync"), tmp_path, Starter(world, make_cfg("sync")).start_all(), RunState())
     supervisor.restore_fleet({"inference": 1, "env_pools": 5})  # 5 pools: more than the 2 shards
-    assert supervisor.fleet_sizes()["inference_workers"] == 1 and supervisor.fleet_sizes()["env_pools"] == 2
+    assert supervisor.fleet.sizes()["inference_workers"] == 1 and supervisor.fleet.sizes()["env_pools"] == 2
 
 
 def test_a_scale_request_outside_the_range_is_refused_and_changes_nothing(tmp_path, monkeypatch):
