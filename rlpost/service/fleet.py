@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlpost.actors import REWARD_ACTOR, learner_name
-from rlpost.actors.calls import wait_all, wait_stoppably
+from rlpost.actors.calls import ActorFailure, first_line, wait_all, wait_stoppably
 from rlpost.config import JobConfig
 from rlpost.runtime.actors import release_names
 from rlpost.service.clients import (
@@ -40,6 +40,9 @@ log = logging.getLogger("rlpost")
 
 STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
 NAME_RELEASE_TIMEOUT_S = 120.0  # a lost actor's name, held until Ray declares its node dead
+PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
+DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the rest are re-issued)
+POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch (a multi-turn one may be long)
 
 
 class Fleet:
@@ -140,6 +143,88 @@ class Fleet:
             slots.fresh.discard(slot)
             if slots.vacant.pop(slot, None) is not None:
                 self.starter.close_slot(slots.name(slot))
+
+    def scale(self, request: dict[str, int]) -> bool:
+        """Resize the roles ``request`` names (``rlpost scale``'s keys: ``inference`` workers,
+        ``env_pools``) within the config's ranges (ValueError outside them, nothing changed). New
+        slots are vacant until the cluster places their bundles (the supervisor's recovery then
+        starts their actors); fewer slots close the vacant ones first, then retire the serving
+        ones with the highest slots (:meth:`retire_workers`, :meth:`retire_pools`). True when a
+        worker left: the weight bus must re-form without it. Safe to run again after a failure
+        part-way."""
+        from rlpost.service.mailbox import check_scale_request
+
+        check_scale_request(self.cfg.rollout.scale_bounds(), request)
+        workers_left = False
+        if "inference" in request:
+            self.resize_slots(self.inference_slots, request["inference"])
+            workers_left = self.retire_workers()
+        if "env_pools" in request:
+            self.resize_slots(self.pool_slots, request["env_pools"])
+            self.retire_pools()
+        return workers_left
+
+    def retire_workers(self) -> bool:
+        """Stop the serving workers whose slots closed, after the pools stopped using them and
+        they finished their requests (``DRAIN_TIMEOUT_S``; the rest are re-issued to the others).
+        True when a worker left: the weight bus must then re-form without it (the caller's)."""
+        leaving = [w for w in self.inference if slot_of(w.name) not in self.inference_slots.wanted]
+        if not leaving:
+            return False
+        staying = [w for w in self.inference if w not in leaving]
+        for pool in self.env_pools:
+            if pool.alive():
+                pool.set_inference([w.handle for w in staying])
+        for worker in leaving:
+            try:
+                if not worker.drain(DRAIN_TIMEOUT_S):
+                    log.warning("%s did not finish its requests within %.0f s: the env pools re-issue them to the "
+                                "other workers", worker.name, DRAIN_TIMEOUT_S)  # fmt: skip
+            except ActorFailure as exc:  # gone already: its requests were re-issued
+                log.warning("%s was lost while leaving the fleet (%s)", worker.name, first_line(exc))
+            self.starter.close_slot(worker.name)
+            worker.kill()
+        self.inference = staying
+        return True
+
+    def retire_pools(self) -> None:
+        """Stop the serving env pools whose slots closed: each stops after its current batch
+        (``POOL_STOP_TIMEOUT_S``; what it had not put yet is collected again when its shard serves
+        again, from its last put's position), then its actor goes. In sync mode the other pools
+        collect what was left of its share of the step."""
+        leaving = [p for p in self.env_pools if slot_of(p.name) not in self.pool_slots.wanted]
+        for pool in leaving:
+            try:
+                pool.stop(timeout_s=POOL_STOP_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 (lost, failed or slow: its last put's position stands)
+                log.warning("%s did not stop cleanly while leaving the fleet (%s)", pool.name, first_line(exc))
+            self.starter.close_slot(pool.name)
+            pool.kill()
+            self.fence_pool(slot_of(pool.name))
+            self.env_pools = [p for p in self.env_pools if p is not pool]
+
+    # ------------------------------------------------------------------ recovery
+
+    def fence_pool(self, slot: int) -> None:
+        """``env-pool-<slot>`` is gone and no pool replaces it now: the buffer refuses a put its
+        last incarnation left in flight and frees the room that one held for its next batch (which
+        the serving pools need for the shares they take over)."""
+        self.epochs[slot] += 1
+        self.buffer.fence(f"env-pool-{slot}", self.epochs[slot])
+
+    def placed(self, slots: Slots) -> list[int]:
+        """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
+        return [slot for slot in sorted(slots.vacant) if self.starter.has_room(slots.name(slot))]
+
+    def wait_for_room(self, name: str) -> bool:
+        """Whether ``name``'s bundle is placed, waiting up to ``resources.replacement_wait_s``
+        (after a node's loss Ray places its bundles on other nodes at once where they fit)."""
+        deadline = time.monotonic() + self.cfg.resources.replacement_wait_s
+        while not self.starter.has_room(name):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(PLACEMENT_POLL_S)
+        return True
 
 
 @dataclasses.dataclass

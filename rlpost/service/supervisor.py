@@ -86,9 +86,6 @@ log = logging.getLogger("rlpost")
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
-PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
-DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the rest are re-issued)
-POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch (a multi-turn one may be long)
 PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
 CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
@@ -245,17 +242,10 @@ class Supervisor:
         actor's replacement (at once when there is room): a worker loads the current weights and
         joins the bus, a pool takes up its shard of the prompt stream where it last stopped.
         Fewer slots: vacant ones close first, then the serving ones with the highest slots leave
-        (:meth:`_retire_workers`, :meth:`_retire_pools`). Raises ValueError outside the config's
-        ranges. Safe to run again after a failure part-way."""
-        from rlpost.service.mailbox import check_scale_request
-
-        check_scale_request(self.cfg.rollout.scale_bounds(), request)
-        if "inference" in request:
-            self.fleet.resize_slots(self.fleet.inference_slots, request["inference"])
-            self._retire_workers()
-        if "env_pools" in request:
-            self.fleet.resize_slots(self.fleet.pool_slots, request["env_pools"])
-            self._retire_pools()
+        (:meth:`Fleet.scale`). Raises ValueError outside the config's ranges. Safe to run again
+        after a failure part-way."""
+        if self.fleet.scale(request):
+            self._reform_bus()  # without the workers that left
         self.recover(None)  # vacant slots with room start now
 
     def restore_counts(self, counts: dict[str, int]) -> None:
@@ -280,47 +270,6 @@ class Supervisor:
         if request:
             self.resize(request)
 
-    def _retire_workers(self) -> None:
-        """Stop the serving workers whose slots closed, after the pools stopped using them and
-        they finished their requests (``DRAIN_TIMEOUT_S``; the rest are re-issued to the others);
-        the bus then re-forms without them."""
-        leaving = [w for w in self.fleet.inference if slot_of(w.name) not in self.fleet.inference_slots.wanted]
-        if not leaving:
-            return
-        staying = [w for w in self.fleet.inference if w not in leaving]
-        for pool in self.fleet.env_pools:
-            if pool.alive():
-                pool.set_inference([w.handle for w in staying])
-        for worker in leaving:
-            try:
-                if not worker.drain(DRAIN_TIMEOUT_S):
-                    log.warning("%s did not finish its requests within %.0f s: the env pools re-issue them to the "
-                                "other workers", worker.name, DRAIN_TIMEOUT_S)  # fmt: skip
-            except ActorFailure as exc:  # gone already: its requests were re-issued
-                log.warning("%s was lost while leaving the fleet (%s)", worker.name, first_line(exc))
-            self.fleet.starter.close_slot(worker.name)
-            worker.kill()
-        self.fleet.inference = staying
-        self._reform_bus()
-
-    def _retire_pools(self) -> None:
-        """Stop the serving env pools whose slots closed: each stops after its current batch
-        (``POOL_STOP_TIMEOUT_S``; what it had not put yet is collected again when its shard serves
-        again, from its last put's position), then its actor goes. In sync mode the other pools
-        collect what was left of its share of the step."""
-        leaving = [p for p in self.fleet.env_pools if slot_of(p.name) not in self.fleet.pool_slots.wanted]
-        for pool in leaving:
-            try:
-                pool.stop(timeout_s=POOL_STOP_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 (lost, failed or slow: its last put's position stands)
-                log.warning("%s did not stop cleanly while leaving the fleet (%s)", pool.name, first_line(exc))
-            self.fleet.starter.close_slot(pool.name)
-            pool.kill()
-            self._fence_pool(slot_of(pool.name))
-            self.fleet.env_pools = [p for p in self.fleet.env_pools if p is not pool]
-
-    # ------------------------------------------------------------------ recovery
-
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
         """Restart every lost actor in dependency order (module docstring); re-form the bus
         when a worker was restarted or ``reform_bus``."""
@@ -335,7 +284,7 @@ class Supervisor:
         dead = [w for w in self.fleet.inference if not self._alive(w, lost)]
         for worker in dead:
             self._replace_inference(worker)
-        placed = self._placed(self.fleet.inference_slots)
+        placed = self.fleet.placed(self.fleet.inference_slots)
         for slot in placed:
             self._refill(slot)
         if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
@@ -346,7 +295,7 @@ class Supervisor:
             self._restart_stateless(REWARD_ACTOR)
         for pool in [p for p in self.fleet.env_pools if not self._alive(p, lost)]:
             self._replace_pool(pool)
-        for slot in self._placed(self.fleet.pool_slots):
+        for slot in self.fleet.placed(self.fleet.pool_slots):
             self._refill_pool(slot)
         if self.collecting:
             self._replace_failed_pools()
@@ -364,10 +313,6 @@ class Supervisor:
         self._killed_by_watchdog()  # a kill since the last recovery: its verdict too
         why = self.verdicts.pop(name, None)
         return "died" if why is None else f"was killed by the watchdog ({why})"
-
-    def _placed(self, slots: Slots) -> list[int]:
-        """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
-        return [slot for slot in sorted(slots.vacant) if self.fleet.starter.has_room(slots.name(slot))]
 
     def _alive(self, client: Any, lost: set[str]) -> bool:
         """False for the actors a failure named or that cannot be reached (killed to be sure: a
@@ -415,7 +360,7 @@ class Supervisor:
         slot = slot_of(lost.name)
         lost.kill()
         others = [w for w in self.fleet.inference if w is not lost]
-        if others and not self._wait_for_room(lost.name):
+        if others and not self.fleet.wait_for_room(lost.name):
             self.fleet.inference = others
             self._leave_vacant(self.fleet.inference_slots, slot, len(others), "inference workers")
             return
@@ -458,16 +403,6 @@ class Supervisor:
         else:
             self.counts["restarts_inference"] += 1
 
-    def _wait_for_room(self, name: str) -> bool:
-        """Whether ``name``'s bundle is placed, waiting up to ``resources.replacement_wait_s``
-        (after a node's loss Ray places its bundles on other nodes at once where they fit)."""
-        deadline = time.monotonic() + self.cfg.resources.replacement_wait_s
-        while not self.fleet.starter.has_room(name):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(PLACEMENT_POLL_S)
-        return True
-
     def _reform_bus(self) -> None:
         """Open the bus's next generation with every worker, publish the current weights, and
         give the live env pools the workers' handles."""
@@ -500,20 +435,13 @@ class Supervisor:
         slot = slot_of(lost.name)
         lost.kill()
         others = [p for p in self.fleet.env_pools if p is not lost]
-        if others and not self._wait_for_room(lost.name):
+        if others and not self.fleet.wait_for_room(lost.name):
             self.fleet.env_pools = others
-            self._fence_pool(slot)
+            self.fleet.fence_pool(slot)
             self._leave_vacant(self.fleet.pool_slots, slot, len(others), "env pools")
             return
         log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
         self._start_pool(slot)
-
-    def _fence_pool(self, slot: int) -> None:
-        """``env-pool-<slot>`` is gone and no pool replaces it now: the buffer refuses a put its
-        last incarnation left in flight and frees the room that one held for its next batch (which
-        the serving pools need for the shares they take over)."""
-        self.fleet.epochs[slot] += 1
-        self.fleet.buffer.fence(f"env-pool-{slot}", self.fleet.epochs[slot])
 
     def _refill_pool(self, slot: int) -> None:
         """A vacant env-pool slot whose bundle is placed (again): its pool starts."""

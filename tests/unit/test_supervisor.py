@@ -896,3 +896,25 @@ def test_a_role_whose_restart_keeps_failing_stops_the_run_naming_the_role_and_th
     assert name in message and "its constructor raised FileNotFoundError: model.safetensors" in message
     # a few recoveries in all (a health check's and the failing part's tries), never unbounded
     assert 1 <= len(starts) <= 2 * sup.MAX_ATTEMPTS, starts
+
+
+def test_the_fleet_scales_without_a_training_loop():
+    """Fleet.scale on its own: leaving workers drain and go (True: the bus must re-form without
+    them), leaving pools stop and are fenced off, new slots are vacant until started, and a
+    request outside the config's ranges changes nothing."""
+    world = World()
+    fleet = Starter(world, make_cfg("sync")).start_all()
+    assert fleet.scale({"inference": 1}) is True
+    assert world.actors["inference-1"].drained and world.actors["inference-1"].dead
+    assert ("inference-1", "close_slot") in world.log and [w.name for w in fleet.inference] == ["inference-0"]
+    assert fleet.scale({"env_pools": 1}) is False
+    assert [p.name for p in fleet.env_pools] == ["env-pool-0"] and fleet.epochs[1] == 1  # fenced off
+    before = fleet.sizes()
+    with pytest.raises(ValueError):
+        fleet.scale({"env_pools": 3})  # more pools than the prompt stream has shards (2)
+    assert fleet.sizes() == before
+    assert fleet.scale({"inference": 3}) is False  # two new slots, vacant until their actors start
+    assert fleet.sizes() | fleet.wanted() == {
+        "inference_workers": 1, "inference_workers_vacant": 2, "inference_workers_target": 3,
+        "env_pools": 1, "env_pools_vacant": 0, "env_pools_target": 1, "inference": 3,
+    }  # fmt: skip
