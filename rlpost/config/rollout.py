@@ -1,0 +1,189 @@
+"""The ``rollout`` section (sampling, turns, the inference workers and env pools, the engine's
+settings) and ``eval``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from rlpost.config.base import Section
+
+
+def _split_range(data: dict[str, Any], key: str, max_key: str) -> dict[str, Any]:
+    """``data`` with a range ``key: "A..B"`` read as ``key: A`` and ``max_key: B``; anything else
+    as it is (a plain number as text is pydantic's to read, or to name as a bad value)."""
+    text = data.get(key)
+    if not isinstance(text, str) or ".." not in text:
+        return data
+    low, _, high = text.strip().partition("..")
+    try:
+        low_n, high_n = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"{key}: a range is two whole numbers A..B, got {text!r}") from None
+    if not 1 <= low_n <= high_n:
+        raise ValueError(f"{key}: the range {text!r} needs 1 <= A <= B")
+    if data.get(max_key) not in (None, high_n):
+        raise ValueError(f"{key} {text!r} and {max_key} {data[max_key]} disagree: give one of them")
+    return {**data, key: low_n, max_key: high_n}
+
+
+class EngineConfig(Section):
+    """Options handed to each vLLM engine."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per inference worker (vLLM tensor parallel).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
+    kv_cache_space_gb: float = Field(
+        1.0, gt=0, description="KV cache size on the CPU backend (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    max_model_len: int = Field(512, ge=16, description="Longest prompt + completion the engine accepts.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine schedules at once.")
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph / compile warm-up (faster start, slower decode).")
+    seed: int = Field(0, description="Engine sampling seed.")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU backend: threads that run the model, each bound to a core of the worker's node (worker i "
+        "takes cores i*n .. i*n+n-1, wrapping round). None keeps vLLM's choice: all the cores but one, which it "
+        "leaves to the engine's other threads and processes (1 thread on a 2-core node). Sync mode on a CPU-only node: the node's "
+        "cores, since the learner waits while the engine generates (a model of 8 0.5B-shaped layers generates "
+        "1.8x faster on 2 threads than on 1; configs/tiny-cpu.yaml's model, with the engine in process, 1.4x); "
+        "async mode: leave the learner its cores. Ignored on GPU.",
+    )
+    direct_reload: bool = Field(
+        True,
+        description="CPU backend: load each weight update straight into the engine's kernels (linear weights "
+        "packed by vLLM's own CPU GEMM dispatch from the update's memory, other tensors copied in place) instead "
+        "of vLLM's reload_weights, which re-creates and copies every parameter first (0.5B-shaped model: "
+        "BENCHMARKS.md, section 10). For dense models of unquantized linear, embedding and norm layers on one "
+        "tensor-parallel rank; any other model, and an update with a name it cannot place, uses reload_weights "
+        "(logged once). false: always reload_weights. Ignored on GPU.",
+    )
+    in_process: bool | None = Field(
+        None,
+        description="Run vLLM's engine core and model worker inside the inference worker's own process (vLLM's "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of two child processes of their own; the worker then runs "
+        "every engine call on one thread of its own, whose cpu_threads cores the model's threads inherit. None: "
+        "true on the CPU backend, where the two child processes cost ~28 s of start-up per engine (each imports "
+        "vLLM) and busy-poll beside the model (tiny race's generate call on 2 threads: 0.33 s in process against "
+        "0.63 s; BENCHMARKS.md, section 14); false on a GPU (vLLM's own layout).",
+    )
+    extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
+
+
+class RolloutConfig(Section):
+    """Sampling and the inference / environment worker counts."""
+
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs are the processed ones).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_tokens: int = Field(64, ge=1, description="Most new tokens per completion (also Dr.GRPO's L_max).")
+    max_turns: int = Field(1, ge=1, description="Most assistant turns per episode (tool turns continue it).")
+    num_inference_workers: int = Field(
+        1,
+        ge=1,
+        description="Inference worker actors started with the run, one vLLM engine each; the run waits for the "
+        "cluster to place them (resources.placement_timeout_s). A range `A..B` (e.g. `1..4`) means A of them "
+        "and max_inference_workers B.",
+    )
+    max_inference_workers: int | None = Field(
+        None,
+        ge=1,
+        description="The most inference workers the run may have, and the bounds of `rlpost scale`: the run wants "
+        "this many and starts each beyond num_inference_workers whenever the cluster can place it (each has its "
+        "own placement group, which a cluster autoscaler sees as demand), serving without it meanwhile. None: "
+        "num_inference_workers, and `rlpost scale` may ask for any number.",
+    )
+    num_env_pools: int = Field(
+        1,
+        ge=1,
+        description="Env-pool actors started with the run, each running an LLM collector over its shard of the "
+        "prompt stream. A range `A..B` means A of them and max_env_pools B.",
+    )
+    max_env_pools: int | None = Field(
+        None,
+        ge=1,
+        description="The most env pools the run may have, and the bounds of `rlpost scale env_pools=M`: the prompt "
+        "stream is split into this many shards (one a pool: env-pool-<j> takes shard j), and the run starts each "
+        "pool beyond num_env_pools whenever the cluster can place it. A pool that is not running (no room for it, "
+        "or scaled down) keeps its shard's position: its prompts wait for it, none is repeated or skipped. None: "
+        "num_env_pools (scaling may lower it, and raise it back up to that).",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _worker_ranges(cls, data: Any) -> Any:
+        """``num_<role>: A..B`` is ``num_<role>: A`` with ``max_<role>: B`` (inference workers, env pools)."""
+        if not isinstance(data, dict):
+            return data
+        for role in ("inference_workers", "env_pools"):
+            data = _split_range(data, f"num_{role}", f"max_{role}")
+        return data
+
+    @model_validator(mode="after")
+    def _max_covers_start(self) -> RolloutConfig:
+        for role in ("inference_workers", "env_pools"):
+            start, most = getattr(self, f"num_{role}"), getattr(self, f"max_{role}")
+            if most is not None and most < start:
+                raise ValueError(f"max_{role} ({most}) is below num_{role} ({start})")
+        return self
+
+    def inference_worker_bounds(self) -> tuple[int, int | None]:
+        """What `rlpost scale` may ask for: (least, most; None: no bound). With a range, the range;
+        otherwise from one worker up."""
+        if self.max_inference_workers is None:
+            return 1, None
+        return self.num_inference_workers, self.max_inference_workers
+
+    def inference_worker_target(self) -> int:
+        """The inference workers the run wants from its start."""
+        return self.max_inference_workers or self.num_inference_workers
+
+    def env_pool_shards(self) -> int:
+        """The prompt stream's shards: the most env pools the run may have."""
+        return self.max_env_pools or self.num_env_pools
+
+    def scale_bounds(self) -> dict[str, tuple[int, int | None]]:
+        """What `rlpost scale` may ask for, per key: (least, most; None: no bound). Inference
+        workers: the range, or any number from one. Env pools: the range, or one up to
+        num_env_pools (the prompt stream's shards are fixed when the run starts)."""
+        low = self.num_env_pools if self.max_env_pools is not None else 1
+        return {"inference": self.inference_worker_bounds(), "env_pools": (low, self.env_pool_shards())}
+
+
+class EvalConfig(Section):
+    """Evaluation on held-out prompts with the current weights, on the inference workers."""
+
+    interval: int = Field(
+        0,
+        ge=0,
+        description="Learner steps between evaluations (after that step's weight sync); 0: none during training.",
+    )
+    before_training: bool = Field(
+        False, description="Also evaluate the initial weights before step 1 (logged as step 0 in eval.jsonl)."
+    )
+    dataset: str | None = Field(
+        None,
+        description="Held-out dataset (hub name or local file); None: the training data's source (data.dataset, "
+        "or the synthetic task's held-out questions).",
+    )
+    subset: str | None = Field(None, description="Configuration name of eval.dataset; None: data.subset.")
+    split: str = Field(
+        "test",
+        description="Split evaluated. For the synthetic arithmetic tasks 'test' is the held-out eighth of "
+        "the questions, which data.split 'train' never draws.",
+    )
+    num_prompts: int = Field(
+        64, ge=1, description="Prompts per evaluation: the split's first rows, the same every time."
+    )
+    samples_per_prompt: int = Field(1, ge=1, description="Completions per prompt (k of pass@k).")
+    greedy: bool = Field(True, description="Greedy decoding; false samples at eval.temperature (needed for k > 1).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when eval.greedy is false.")
+    max_tokens: int | None = Field(None, ge=1, description="Most new tokens per completion; None: rollout.max_tokens.")
+    pass_threshold: float = Field(1.0, description="A completion passes when its reward is at least this.")
+    seed: int = Field(0, description="Sampling seed: the same weights give the same score every time.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a run evaluates at all (during training or before it)."""
+        return self.interval > 0 or self.before_training
