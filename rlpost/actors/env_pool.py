@@ -5,7 +5,7 @@ groups with their advantages -> buffer.
 batch's episodes start together and end inside it; whole GRPO groups come out), built from the
 job config: the env of its settings (its shard of the prompt order), a
 :class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process ``LocalVLLMClient`` or
-the inference workers' remote client), and a :class:`~rlpost.transport.buffer.GroupWriter` as
+the inference workers' remote client), and a :class:`~rlpost.transport.group_writer.GroupWriter` as
 its replay buffer. It is a plain class (no Ray needed) and, unchanged, the Ray actor
 ``env-pool-<i>`` (:func:`start_env_pool`). The controller drives it in one of two ways::
 
@@ -43,7 +43,7 @@ from rlpost.data.samples import Group
 from rlpost.envs import make_env
 from rlpost.envs.tasks import fit_prompts
 from rlpost.policies import vLLMWrapper
-from rlpost.transport.buffer import DEFAULT_PUT_TIMEOUT_S, GroupWriter
+from rlpost.transport.group_writer import DEFAULT_PUT_TIMEOUT_S, GroupWriter
 
 if TYPE_CHECKING:
     from rlpost.config import (

@@ -47,7 +47,7 @@ older weights generated their first turns. A batch is a ``list[Group]``
 (:mod:`rlpost.collect.episodes` says what a Sample holds) and is written with
 ``replay_buffer.extend(groups)`` (a :class:`~rlpost.transport.buffer.LocalBuffer`, alone or in
 a :class:`~rlpost.data.RayReplayBuffer` or the service's actor; or a
-:class:`~rlpost.transport.buffer.GroupWriter` over it, which numbers the groups, keeps them until
+:class:`~rlpost.transport.group_writer.GroupWriter` over it, which numbers the groups, keeps them until
 acknowledged and reserves room before each batch, as the env pools do). ``dialog_turns_per_batch`` and
 ``total_dialog_turns`` count episodes (rows) in this mode; :meth:`collect_groups` collects one
 batch of a given number of prompts, :attr:`episode_stats` keeps the running totals, and

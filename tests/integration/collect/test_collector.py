@@ -597,7 +597,8 @@ def test_a_ray_collector_of_whole_episodes_writes_each_group_once_through_a_grou
 
     from rlpost.collect import RayLLMCollector
     from rlpost.data import RayReplayBuffer
-    from rlpost.transport.buffer import GroupWriter, LocalBuffer
+    from rlpost.transport.buffer import LocalBuffer
+    from rlpost.transport.group_writer import GroupWriter
 
     FixedClient = fixed_client_class()
     ids = tiny_tokenizer.encode("<answer>1</answer><|im_end|>", add_special_tokens=False)

@@ -200,7 +200,7 @@ class Item:
 
 
 def test_a_group_writer_numbers_keeps_until_acknowledged_and_refuses_once_fenced():
-    from rlpost.transport.buffer import GroupWriter
+    from rlpost.transport.group_writer import GroupWriter
 
     buf = LocalBuffer(capacity=2)
     position = {"n": 0}
@@ -225,7 +225,8 @@ def test_a_group_writer_numbers_keeps_until_acknowledged_and_refuses_once_fenced
 
 
 def test_a_group_writer_survives_its_buffer_and_puts_again_what_is_not_acknowledged():
-    from rlpost.transport.buffer import BufferLost, GroupWriter
+    from rlpost.transport.buffer import BufferLost
+    from rlpost.transport.group_writer import GroupWriter
 
     class Dead:
         def put(self, *args, **kwargs):
