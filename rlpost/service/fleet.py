@@ -52,9 +52,10 @@ class Fleet:
     the run's placement group, the slots' own groups, the inference replicas).
 
     It is the one place that answers "what serves now" (:meth:`sizes`). :meth:`start` starts it
-    without any training loop and :meth:`stop` ends every actor and placement group; the
-    supervisor (:mod:`rlpost.service.supervisor`) is the one writer of its clients, slots and
-    epochs after the start, as it mends what is lost and takes operators' scale requests.
+    without any training loop, :meth:`scale` resizes it and :meth:`stop` ends every actor and
+    placement group. After the start, only the supervisor (:mod:`rlpost.service.supervisor`)
+    changes it: through :meth:`scale` on an operator's request, and by replacing the clients of
+    the actors it finds lost.
 
     Args:
         cfg: the job config.
@@ -203,7 +204,7 @@ class Fleet:
             self.fence_pool(slot_of(pool.name))
             self.env_pools = [p for p in self.env_pools if p is not pool]
 
-    # ------------------------------------------------------------------ recovery
+    # ------------------------------------------------------------------ asked while the supervisor mends
 
     def fence_pool(self, slot: int) -> None:
         """``env-pool-<slot>`` is gone and no pool replaces it now: the buffer refuses a put its
