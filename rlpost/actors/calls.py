@@ -22,7 +22,6 @@ from typing import Any
 from rlpost.runtime.actors import ActorFailure, ActorLost, CallTimeout
 from rlpost.runtime.liveness import recorded_error
 from rlpost.runtime.shutdown import raise_if_stopping
-from rlpost.transport.buffer import BufferLost
 
 STOP_POLL_S = 0.5  # a stoppable wait looks for a stop signal this often
 
@@ -40,7 +39,7 @@ class BusFailure(ActorFailure):
 def _is_actor_death(exc: BaseException) -> bool:
     import ray
 
-    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, BufferLost, InferenceWorkerLost))
+    return isinstance(exc, (ray.exceptions.RayActorError, ActorLost, InferenceWorkerLost))  # BufferLost is an ActorLost
 
 
 def _causes(exc: BaseException):

@@ -92,8 +92,7 @@ class Fleet:
             _quietly(functools.partial(worker.shutdown, timeout_s=60))
         for client in self.clients():
             client.kill()
-        _remove_groups([getattr(self.starter, "placement_group", None),
-                        *getattr(self.starter, "slot_groups", {}).values()])  # fmt: skip
+        self.starter.remove_placement_groups()
 
     def clients(self) -> list[Any]:
         """Every role's client (a learner group is one)."""
@@ -506,7 +505,8 @@ class ActorStarter:
         return fleet
 
     def remove_placement_groups(self) -> None:
-        """Remove the run's placement group and every slot's own (a start that did not finish)."""
+        """Remove the run's placement group and every slot's own (a start that did not finish, or
+        the fleet's stop)."""
         _remove_groups([self.placement_group, *self.slot_groups.values()])
 
 

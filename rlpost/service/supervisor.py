@@ -254,7 +254,7 @@ class Supervisor:
         self.counts.update({name: int(n) for name, n in counts.items() if name in self.counts})
 
     def restore_fleet(self, wanted: dict[str, int]) -> None:
-        """After a resume: the fleet a checkpoint recorded (:meth:`fleet_wanted`), so that an
+        """After a resume: the fleet a checkpoint recorded (:meth:`Fleet.wanted`), so that an
         operator's ``rlpost scale`` outlives a restart; a count the resumed config's ranges no
         longer allow is left at the config's, and the log says so."""
         from rlpost.service.mailbox import check_scale_request
