@@ -199,7 +199,7 @@ def _cmd_train(args) -> int:
     if run_dir is None:
         run_dir = create_run_dir(cfg, args.run_dir)
         print(f"rlpost: run directory {run_dir} (resolved config in {run_dir / 'config.yaml'})")
-    from rlpost.service.loop import run_training
+    from rlpost.service.run import run_training
 
     # `ray job stop` and schedulers send SIGTERM: run_training turns it (and Ctrl-C) into a clean
     # stop that writes a final checkpoint and stops every actor (rlpost.runtime.shutdown)

@@ -6,10 +6,11 @@ slots of the roles that have a range (``rollout.num_inference_workers: A..B``,
 ``rollout.num_env_pools: A..B``: a :class:`Slots` each) and the :class:`ActorStarter` that places
 and starts each role's actor in the run's placement group (:func:`make_placement_group`: a bundle
 per actor that reserves CPUs, GPUs or custom resources; slots beyond it get groups of their
-own). ``Fleet.start(cfg)`` starts it all, without any training loop, and ``fleet.stop()`` ends it.
-
-The supervisor (:mod:`rlpost.service.supervisor`) mends what the fleet loses and resizes it on an
-operator's request; the loop (:mod:`rlpost.service.loop`) drives steps over its clients.
+own; :mod:`rlpost.service.starter`). ``Fleet.start(cfg)`` starts it all, without any training
+loop, and ``fleet.stop()`` ends it. Its methods do what a change of the fleet takes (start an
+actor in a slot, a new buffer, the weight bus's next generation); when to do it is the
+supervisor's (:mod:`rlpost.service.supervisor`), which mends what the fleet loses and resizes it
+on an operator's request. The loop (:mod:`rlpost.service.loop`) drives steps over its clients.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-from rlpost.actors import REWARD_ACTOR, learner_name
-from rlpost.actors.calls import ActorFailure, first_line, wait_all, wait_stoppably
+from rlpost.actors.calls import ActorFailure, first_line
 from rlpost.config import JobConfig
-from rlpost.runtime.actors import release_names
 from rlpost.service.clients import (
     ActorClient,
     ControlClient,
@@ -34,12 +32,12 @@ from rlpost.service.clients import (
     LearnerClient,
     ReferenceClient,
 )
-from rlpost.transport.buffer import RayBuffer
+from rlpost.service.starter import STARTUP_TIMEOUT_S, ActorStarter, quietly, slot_of
+from rlpost.transport.buffer import BufferSnapshot, RayBuffer
 
 log = logging.getLogger("rlpost")
 
-STARTUP_TIMEOUT_S = 600.0  # an actor's start (a vLLM engine loads its model)
-NAME_RELEASE_TIMEOUT_S = 120.0  # a lost actor's name, held until Ray declares its node dead
+CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 PLACEMENT_POLL_S = 0.5  # how often a lost worker's bundle is looked at while waiting for room
 DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the rest are re-issued)
 POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch (a multi-turn one may be long)
@@ -78,18 +76,28 @@ class Fleet:
         self.open_slots(self.pool_slots, cfg.rollout.env_pool_shards())
 
     @classmethod
-    def start(cls, cfg: JobConfig) -> Fleet:
-        """Place and start every actor of ``cfg``'s run: the engines up and the weight bus
-        connected (:meth:`ActorStarter.start_all`). Usable on its own, without a training loop."""
-        return ActorStarter(cfg).start_all()
+    def start(cls, cfg: JobConfig, starter: Any = None) -> Fleet:
+        """Place and start every actor of ``cfg``'s run with ``starter`` (default: an
+        :class:`ActorStarter`): the engines up and the weight bus connected. Usable on its own,
+        without a training loop. A start that fails or is stopped (Ctrl-C) leaves no actor."""
+        starter = ActorStarter(cfg) if starter is None else starter
+        fleet = cls(cfg, starter, **starter.start_all())
+        try:
+            starter.connect_bus(fleet.learner, fleet.inference)
+        except BaseException:
+            for client in fleet.clients():
+                client.kill()
+            starter.remove_placement_groups()
+            raise
+        return fleet
 
     def stop(self) -> None:
         """Stop collection, shut the engines down, kill every actor and remove the placement
         groups (best effort, bounded)."""
         for pool in self.env_pools:
-            _quietly(functools.partial(pool.stop, timeout_s=30))
+            quietly(functools.partial(pool.stop, timeout_s=30))
         for worker in self.inference:
-            _quietly(functools.partial(worker.shutdown, timeout_s=60))
+            quietly(functools.partial(worker.shutdown, timeout_s=60))
         for client in self.clients():
             client.kill()
         self.starter.remove_placement_groups()
@@ -226,6 +234,98 @@ class Fleet:
             time.sleep(PLACEMENT_POLL_S)
         return True
 
+    # ------------------------------------------------------------------ starting actors again
+
+    def restart_buffer(self, acknowledged: dict[str, int]) -> dict[str, int]:
+        """A new buffer in place of the lost one, told what the learner's side already received
+        (``acknowledged``: producer -> its last sequence number taken); every live env pool puts
+        into it again what it put and was not acknowledged. Returns each pool's count put again."""
+        self.buffer.kill()
+        buffer = self.starter.buffer()
+        buffer.restore(BufferSnapshot([], {}, last_seqs=dict(acknowledged), acknowledged=dict(acknowledged)))
+        self.buffer = buffer
+        return {pool.name: pool.set_buffer(buffer, timeout_s=CALL_TIMEOUT_S) for pool in self.env_pools if pool.alive()}
+
+    def start_inference(self, slot: int) -> bool:
+        """Start ``inference-<slot>`` (again) and wait until its engine is up; it serves once the
+        bus re-forms with it (:meth:`reform_bus`). False when it is the slot's first actor (a new
+        slot), True for a replacement."""
+        name = self.inference_slots.name(slot)
+        worker = self.starter.inference(slot)
+        worker.wait_ready(STARTUP_TIMEOUT_S)
+        self.inference = sorted([w for w in self.inference if w.name != name] + [worker], key=lambda w: slot_of(w.name))
+        return self.inference_slots.filled(slot)
+
+    def start_pool(self, slot: int, collecting: bool, has_position: bool = False) -> tuple[dict | None, bool]:
+        """Start ``env-pool-<slot>`` (again) with the next epoch, from the position its
+        predecessor's last put recorded in the buffer (none: its shard's start); ``collecting``:
+        it starts collecting at once (async mode). ``has_position``: the shard is known to have
+        put before, so a buffer that does not know where it stopped means that position is lost
+        (ResumeNeeded, before the pool collects anything). Returns the position (the pool's
+        state, or None) and whether the pool replaced one (False: the slot's first)."""
+        name = self.pool_slots.name(slot)
+        for old in [p for p in self.env_pools if p.name == name]:
+            old.kill()
+        self.epochs[slot] += 1
+        pool = self.starter.env_pool(slot, self.inference, self.buffer, epoch=self.epochs[slot])
+        self.env_pools = sorted([p for p in self.env_pools if p.name != name] + [pool], key=lambda p: slot_of(p.name))
+        state = self.buffer.fence(name, self.epochs[slot])
+        if state is None and has_position:
+            raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
+        if state is not None:
+            pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
+        if collecting:
+            pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
+        return state, self.pool_slots.filled(slot)
+
+    def restart(self, role: str) -> None:
+        """Start the ``reference`` or ``reward`` actor again in place of the lost one: they hold
+        nothing a new one lacks (the env pools' calls to the reward actor wait for it)."""
+        getattr(self, role).kill()
+        setattr(self, role, getattr(self.starter, role)())
+
+    # ------------------------------------------------------------------ the weight bus
+
+    def reform_bus(self) -> int:
+        """Open the bus's next generation with every serving worker, publish the learner's
+        weights to them, and give the live env pools the workers' handles; returns the
+        generation. A peer's failure raises a client error (the caller recovers)."""
+        handles = [w.handle for w in self.inference]
+        generation = self.learner.set_workers(handles, timeout_s=CALL_TIMEOUT_S)
+        self.publish()
+        for pool in self.env_pools:
+            if pool.alive():
+                pool.set_inference(handles)
+        return generation
+
+    def publish(self, wait: bool = True) -> dict:
+        """The learner publishes its weights through its vLLMUpdater, which has every worker
+        receive and reload them; returns the sync's metrics and the ``policy_version`` sent.
+        ``wait=False``: return once the weights are sent and let the workers reload while the
+        learner trains on; the next publish first waits for that reload, and a failure found
+        there is raised then. Raises a client error when a peer fails (the caller recovers)."""
+        start = time.perf_counter()
+        published = self.learner.publish(wait).result(self.publish_timeout_s)
+        return {
+            "policy_version": int(published["policy_version"]),
+            "weight_sync_s": time.perf_counter() - start,
+            "weight_sync_bytes": published.get("bytes"),
+            "weight_load_s": published.get("weight_load_s"),  # the slowest engine's reload
+            "weight_sync_receivers_shm": published.get("receivers_shm"),
+            "weight_sync_receivers_bus": published.get("receivers_bus"),
+        }
+
+    @property
+    def publish_timeout_s(self) -> float:
+        """Bound of one publish call on the learner: it may confirm an earlier update and then
+        publish its own, each up to two bus waits of ``weight_sync.timeout_s`` and the workers'
+        grace (the learner's own bounds end it first)."""
+        return 4 * self.cfg.weight_sync.timeout_s + 180
+
+
+class ResumeNeeded(RuntimeError):
+    """The run cannot go on with the actors it has; it can restart from its last checkpoint."""
+
 
 @dataclasses.dataclass
 class Slots:
@@ -242,6 +342,14 @@ class Slots:
     def name(self, slot: int) -> str:
         return f"{self.prefix}-{slot}"
 
+    def filled(self, slot: int) -> bool:
+        """``slot``'s actor started: it is neither vacant nor fresh now. Whether it had one before
+        (False: its first)."""
+        self.vacant.pop(slot, None)
+        had_one = slot not in self.fresh
+        self.fresh.discard(slot)
+        return had_one
+
     def sizes(self, serving: int) -> dict[str, int]:
         """``serving``, the vacant slots and the slots the fleet has, under the role's metrics keys
         (``inference_workers``, ``inference_workers_vacant``, ``inference_workers_target``; the
@@ -250,304 +358,3 @@ class Slots:
 
         serving_key, wanted_key, vacant_key = FLEET_KEYS[self.key]
         return {serving_key: serving, vacant_key: len(self.vacant), wanted_key: len(self.wanted)}
-
-
-def slot_of(name: str) -> int:
-    """The slot of ``inference-<i>`` or ``env-pool-<j>``: i or j."""
-    return int(name.rsplit("-", 1)[1])
-
-
-# ----------------------------------------------------------------------------- placement and starts
-
-
-def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
-    """(actor name, its RoleResources) for every actor of the run, in start order."""
-    res = cfg.resources
-    plan = [(f"inference-{i}", res.inference) for i in range(cfg.rollout.num_inference_workers)]
-    plan += [(learner_name(r), res.learner) for r in range(res.learner.num_workers)]
-    if cfg.reference.enabled:
-        plan.append(("reference", res.reference))
-    if cfg.reward_model is not None:
-        plan.append((REWARD_ACTOR, res.reward))
-    plan += [(f"env-pool-{i}", res.env_pool) for i in range(cfg.rollout.num_env_pools)]
-    return plan
-
-
-def role_bundles(cfg: JobConfig) -> list[tuple[str, dict[str, float]]]:
-    """(actor name, its placement bundle) for every actor that reserves something: its CPUs,
-    GPUs and custom resources."""
-    return [(name, bundle) for name, role in role_plan(cfg) if (bundle := bundle_of(role))]
-
-
-def bundle_of(role) -> dict[str, float]:
-    """What one actor of a role (a RoleResources) reserves: its CPUs, GPUs and custom resources."""
-    return {k: v for k, v in (("CPU", role.num_cpus), ("GPU", role.num_gpus)) if v > 0} | role.resources
-
-
-def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
-    """One placement group for the run: a bundle per actor that reserves CPUs, GPUs or custom
-    resources (``resources.<role>.resources``).
-
-    Returns the group (None when no actor reserves anything) and each such actor's bundle index.
-    The strategy (PACK/SPREAD/...) comes from ``resources.placement_strategy``: PACK keeps an
-    inference worker's GPUs with the learner's on few nodes, SPREAD puts them on different nodes.
-    If the cluster cannot hold the bundles in ``timeout_s`` (``resources.placement_timeout_s``)
-    the run stops, naming what it asked for and what the cluster has.
-    """
-    import ray
-    from ray.util.placement_group import placement_group
-
-    named = role_bundles(cfg)
-    index = {name: i for i, (name, _) in enumerate(named)}
-    bundles = [bundle for _, bundle in named]
-    if not bundles:
-        return None, index
-    pg = placement_group(bundles, strategy=cfg.resources.placement_strategy, name=f"rlpost-{cfg.logging.run_name}")
-    placed = pg.ready()
-    try:
-        wait_stoppably([placed], timeout_s)  # a stop signal ends the wait (the group is removed)
-        ready, _ = ray.wait([placed], timeout=0)
-    except BaseException:
-        ray.util.remove_placement_group(pg)
-        raise
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        asked = {k: round(sum(b.get(k, 0) for b in bundles), 2) for k in ("CPU", "GPU")}
-        raise RuntimeError(
-            f"the cluster cannot place the run's actors: they ask for {asked} "
-            f"({cfg.resources.placement_strategy}), the cluster has {ray.cluster_resources()}; "
-            "lower resources.* or add nodes"
-        )
-    return pg, index
-
-
-class ActorStarter:
-    """Starts the run's actors: each with its role's start function (``rlpost.actors.<role>``),
-    given only its role's settings, in its bundle of the run's placement group."""
-
-    def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
-        self.placement_group, self.bundle_index = make_placement_group(cfg, timeout_s=cfg.resources.placement_timeout_s)
-        self.slot_groups: dict[str, Any] = {}  # slots beyond the run's group: actor name -> its own group
-        self.fleet = self._inference_fleet()
-
-    def _group_of(self, name: str):
-        """(placement group, bundle index) holding actor ``name``, or None when it reserves nothing."""
-        if name in self.bundle_index:
-            return self.placement_group, self.bundle_index[name]
-        if name in self.slot_groups:
-            return self.slot_groups[name], 0
-        return None
-
-    def place(self, name: str):
-        """The scheduling strategy of actor ``name``: its bundle (None: it reserves nothing)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        held = self._group_of(name)
-        return None if held is None else PlacementGroupSchedulingStrategy(*held)
-
-    def has_room(self, name: str) -> bool:
-        """Whether actor ``name`` can start now: its bundle is placed on a node (after a node's
-        loss Ray places the bundles it held on other nodes where they fit, or waits for one)."""
-        held = self._group_of(name)
-        if held is None:
-            return True
-        from ray.util.placement_group import placement_group_table
-
-        group, index = held
-        return bool(placement_group_table(group)["bundles_to_node_id"].get(index))
-
-    def open_slot(self, name: str) -> None:
-        """Make ``name`` (``inference-<i>``, ``env-pool-<j>``) a slot of its role's fleet: beyond
-        the run's placement group it gets a one-bundle group of its own, which Ray places whenever
-        the cluster has room (a cluster autoscaler sees it as pending demand and adds a node);
-        :meth:`has_room` says when."""
-        from ray.util.placement_group import placement_group
-
-        if name.startswith("inference-") and slot_of(name) >= self.fleet.num_replicas:
-            self.fleet.resize(slot_of(name) + 1)
-        bundle = bundle_of(self._role_resources(name))
-        if name in self.bundle_index or name in self.slot_groups or not bundle:
-            return
-        self.slot_groups[name] = placement_group(
-            [bundle], strategy="PACK", name=f"rlpost-{self.cfg.logging.run_name}-{name}"
-        )
-
-    def close_slot(self, name: str) -> None:
-        """``name`` leaves its fleet: an inference worker's replica stops, and a group of the
-        slot's own is removed (a slot of the run's placement group keeps its bundle reserved: Ray
-        cannot take one bundle out of a group)."""
-        import ray
-
-        if name.startswith("inference-"):
-            self.fleet.stop_replica(slot_of(name))
-        group = self.slot_groups.pop(name, None)
-        if group is not None:
-            ray.util.remove_placement_group(group)
-
-    def _role_resources(self, name: str):
-        """The RoleResources of the role actor ``name`` belongs to."""
-        return self.cfg.resources.inference if name.startswith("inference-") else self.cfg.resources.env_pool
-
-    def _inference_fleet(self):
-        """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
-        its replica ``i`` is ``inference-<i>``, in its bundle, with the job's engine settings.
-        The supervisor, not Ray, restarts a replica (it re-forms the bus and tells the pools)."""
-        from rlpost.actors.async_vllm import AsyncVLLM
-        from rlpost.actors.inference import InferenceSettings, start_inference
-
-        settings = InferenceSettings.from_job(self.cfg)
-
-        def start_replica(index: int):
-            return start_inference(settings, index, scheduling_strategy=self.place(f"inference-{index}"))
-
-        return AsyncVLLM.from_replica_starter(
-            start_replica, self.cfg.rollout.num_inference_workers, settings.model_path,
-            tensor_parallel_size=settings.engine.tensor_parallel_size,
-        )  # fmt: skip
-
-    def buffer(self) -> RayBuffer:
-        """``buffer``. It reserves no bundle; unless ``resources.buffer.resources`` sends it
-        elsewhere it runs on the head node (:func:`on_the_head`), so that losing another node
-        does not take the groups in flight with it."""
-        from rlpost.actors.buffer import BufferSettings, start_buffer
-
-        settings = BufferSettings.from_job(self.cfg)
-        options = {} if settings.resources.resources else {"scheduling_strategy": on_the_head()}
-        release_names(["buffer"], NAME_RELEASE_TIMEOUT_S)
-        return start_buffer(settings, **options)
-
-    def inference(self, index: int) -> InferenceClient:
-        """``inference-<index>``: the fleet's replica ``index``, started (again)."""
-        name = f"inference-{index}"
-        release_names([name], NAME_RELEASE_TIMEOUT_S)
-        return InferenceClient(name, self.fleet.start_replica(index))
-
-    def learner(self) -> LearnerClient:
-        """The learner, or its group of ``resources.learner.num_workers`` ranks, one bundle each."""
-        from rlpost.actors.learner import LearnerSettings, start_learner_group
-
-        settings = LearnerSettings.from_job(self.cfg)
-        release_names([learner_name(r) for r in range(settings.resources.num_workers)], NAME_RELEASE_TIMEOUT_S)
-        ranks = start_learner_group(settings, settings.resources.num_workers,
-                                    options_for=lambda r: {"scheduling_strategy": self.place(learner_name(r))})  # fmt: skip
-        others = [(learner_name(r), handle) for r, handle in enumerate(ranks) if r > 0]
-        return LearnerClient(learner_name(0), ranks[0], others)
-
-    def reference(self) -> ReferenceClient:
-        from rlpost.actors.reference import ReferenceSettings, start_reference
-
-        settings = ReferenceSettings.from_job(self.cfg)
-        release_names(["reference"], NAME_RELEASE_TIMEOUT_S)
-        return ReferenceClient("reference", start_reference(settings, scheduling_strategy=self.place("reference")))
-
-    def reward(self) -> ActorClient:
-        """``reward``, the reward model's actor, which the env pools find by its name."""
-        from rlpost.actors.reward import RewardSettings, start_reward
-
-        release_names([REWARD_ACTOR], NAME_RELEASE_TIMEOUT_S)
-        settings = RewardSettings.from_job(self.cfg)
-        return ActorClient(REWARD_ACTOR, start_reward(settings, scheduling_strategy=self.place(REWARD_ACTOR)))
-
-    def env_pool(
-        self, index: int, inference: list[InferenceClient], buffer: RayBuffer, epoch: int = 0
-    ) -> EnvPoolClient:
-        from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
-        from rlpost.policies import RemoteVLLMClient
-
-        name = f"env-pool-{index}"
-        release_names([name], NAME_RELEASE_TIMEOUT_S)
-        handle = start_env_pool(
-            EnvPoolSettings.from_job(self.cfg),
-            index,
-            RemoteVLLMClient([w.handle for w in inference]),
-            buffer,  # sent to the pool as a copy that does not own the actor
-            epoch=epoch,
-            scheduling_strategy=self.place(name),
-        )
-        return EnvPoolClient(name, handle)
-
-    def control(self) -> ControlClient:
-        """``control``, the run's mailbox for ``rlpost scale``, on the head node (:func:`on_the_head`)."""
-        from rlpost.service.mailbox import CONTROL_ACTOR, start_control
-
-        release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
-        bounds = self.cfg.rollout.scale_bounds()
-        return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
-
-    def start_all(self) -> Fleet:
-        """Every actor of the run, its engines up and the weight bus connected. A stop signal
-        (Ctrl-C, SIGTERM) while the engines and models load ends the start within a second, and
-        a start that fails or is stopped kills every actor it started and removes the run's
-        placement groups before it raises."""
-        cfg = self.cfg
-        started: list[ActorClient] = []
-
-        def keep(client):
-            started.append(client)
-            return client
-
-        try:
-            buffer = keep(self.buffer())
-            inference = [keep(self.inference(i)) for i in range(cfg.rollout.num_inference_workers)]
-            learner = keep(self.learner())
-            reference = keep(self.reference()) if cfg.reference.enabled else None
-            reward = keep(self.reward()) if cfg.reward_model is not None else None
-            env_pools = [keep(self.env_pool(j, inference, buffer)) for j in range(cfg.rollout.num_env_pools)]
-            wait_all([w.submit("get_version") for w in inference], STARTUP_TIMEOUT_S, stoppable=True)
-            fleet = Fleet(cfg, self, buffer, inference, env_pools, learner, reference, keep(self.control()), reward)
-            connect_bus(cfg, fleet, timeout_s=STARTUP_TIMEOUT_S)
-        except BaseException:
-            for client in started:
-                client.kill()
-            self.remove_placement_groups()
-            raise
-        return fleet
-
-    def remove_placement_groups(self) -> None:
-        """Remove the run's placement group and every slot's own (a start that did not finish, or
-        the fleet's stop)."""
-        _remove_groups([self.placement_group, *self.slot_groups.values()])
-
-
-def on_the_head():
-    """The scheduling strategy that pins an actor to the cluster's head node, for the actors that
-    reserve nothing and hold the run's state between calls (the buffer, the control mailbox):
-    the head's loss ends the cluster, and the run, anyway, while any other node may go. Ray gives
-    the head the resource ``node:__internal_head__``; without one (an unusual cluster) the
-    driver's node. Not soft: Ray's soft affinity placed half of such actors elsewhere on a
-    two-node cluster, where a node's loss took the buffer with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
-    node = heads[0] if heads else ray.get_runtime_context().get_node_id()
-    return NodeAffinitySchedulingStrategy(node, soft=False)
-
-
-def connect_bus(cfg: JobConfig, fleet: Fleet, timeout_s: float) -> None:
-    """Form the weight bus: the learner's vLLMUpdater joins every inference worker to it."""
-    import ray
-
-    ws = cfg.weight_sync
-    host = ray.util.get_node_ip_address() if cfg.resources.address else "127.0.0.1"
-    fleet.learner.connect_workers(
-        [w.handle for w in fleet.inference], host, ws.backend, ws.bucket_mb, ws.timeout_s, timeout_s=timeout_s,
-        shared_memory=ws.shared_memory,
-    )  # fmt: skip
-
-
-def _remove_groups(groups: list) -> None:
-    """Remove these placement groups (None: none), best effort."""
-    import ray
-
-    for group in groups:
-        if group is not None:
-            _quietly(functools.partial(ray.util.remove_placement_group, group))
-
-
-def _quietly(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except Exception as exc:  # shutdown must reach every actor even when one is already gone
-        log.debug("shutdown step failed: %s", exc)

@@ -8,8 +8,8 @@ The loop itself (sync and async, and what each waits on) is :meth:`Controller.ru
 Failures are the supervisor's (:mod:`rlpost.service.supervisor`): each part of a step runs through
 ``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
 ``Supervisor.check`` so a death is noticed while the loop waits. A lost learner ends the loop
-with LearnerDied; :func:`run_training` then restarts the run from its last checkpoint when
-``trainer.auto_resume`` is on. SIGTERM or Ctrl-C stops every actor after writing a final
+with LearnerDied; :func:`rlpost.service.run.run_training` then restarts the run from its last
+checkpoint when ``trainer.auto_resume`` is on. SIGTERM or Ctrl-C stops every actor after writing a final
 checkpoint (when the learner is alive); a second signal exits at once.
 
 Accounting (metrics.jsonl, after every step): ``groups_put == groups_trained +
@@ -23,26 +23,23 @@ groups it held and each env pool its position; training goes on at the next step
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
-import math
-import sys
 import time
 from pathlib import Path
 from statistics import mean, pstdev
-from typing import TextIO
 
 from rlpost.actors.calls import ActorFailure
 from rlpost.config import JobConfig
 from rlpost.record.metrics import MetricsWriter, RayMetrics, episode_metrics, plot_run, read_metrics
+from rlpost.record.progress import Progress
 from rlpost.record.run_dir import latest_checkpoint, supersede_metrics_after
 from rlpost.record.trackers import make_trackers
-from rlpost.runtime.ray_start import init_ray
-from rlpost.runtime.shutdown import StopRequested, raise_if_stopping, stop_on_signals
+from rlpost.runtime.shutdown import raise_if_stopping
 from rlpost.service.evaluation import Evaluator, append_eval_line
-from rlpost.service.fleet import Fleet, slot_of
-from rlpost.service.run_state import Ledger, RunState
-from rlpost.service.supervisor import LearnerDied, ResumeNeeded, Supervisor, run_with_auto_resume
+from rlpost.service.fleet import Fleet
+from rlpost.service.run_state import Ledger
+from rlpost.service.starter import slot_of
+from rlpost.service.supervisor import Supervisor
 from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
@@ -54,146 +51,7 @@ CHECKPOINT_TIMEOUT_S = 600.0
 POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
 EVAL_WORKER_WAIT_S = 5.0  # an evaluation whose every worker died gives up this soon (the run goes on)
 
-__all__ = ["Controller", "LearnerDied", "ResumeNeeded", "run_training", "start_run"]
-
-
-def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
-    """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
-    process exit code (0 on success). With ``trainer.auto_resume`` a lost learner (or an actor
-    lost with the state it needed) restarts the run from its last checkpoint
-    (:func:`rlpost.service.supervisor.run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested at the
-    loop's next safe point (rlpost.runtime.shutdown), after the final checkpoint."""
-    import ray
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
-    _check_tools(cfg)
-    _check_custom_loss(cfg)
-    check_data(cfg)
-    # the eval data is loaded now: a bad eval section fails before any actor starts
-    evaluator = Evaluator(cfg) if cfg.eval.enabled else None
-    started_ray = init_ray(cfg)
-    # where the run's Ray cluster is (operators and tools attach to it: `ray.init(address=...)`)
-    (Path(run_dir) / "ray_address").write_text(ray.get_runtime_context().gcs_address + "\n")
-    try:
-        # after ray.init: Ray installs a C++ SIGTERM handler there that aborts the driver (exit -6)
-        with stop_on_signals():
-            run_with_auto_resume(
-                cfg, run_dir, resume, lambda again, resumes: _run_once(cfg, run_dir, again, resumes, evaluator)
-            )
-        return 0
-    finally:
-        if started_ray:
-            ray.shutdown()
-
-
-def check_data(cfg: JobConfig) -> None:
-    """The training data against the model and the engine, before any actor starts: the env the
-    pools will build is built here (a missing column, a bad reward path or a template the
-    tokenizer cannot render is a ConfigError now, not an env pool's death later), and every
-    prompt is measured against ``rollout.engine.max_model_len`` less ``rollout.max_tokens``
-    (:func:`rlpost.envs.tasks.fit_prompts`: a ConfigError naming the longest, or, with
-    ``data.drop_long_prompts``, a warning with the count)."""
-    from rlpost.actors.env_pool import load_tokenizer, with_chat_template
-    from rlpost.envs.tasks import fit_prompts, make_env
-
-    start = time.perf_counter()
-    tokenizer = with_chat_template(load_tokenizer(cfg), cfg)
-    _check_model_fits(cfg, tokenizer)
-    env = make_env(cfg, tokenizer, 1, input_mode="tokens")
-    fit = fit_prompts(env, cfg)
-    if fit is not None:
-        log.info("data: %d prompts checked against the engine in %.1f s (the longest %d tokens, %d leave room for "
-                 "rollout.max_tokens=%d)", len(fit.kept) + len(fit.too_long), time.perf_counter() - start,
-                 fit.longest, len(fit.kept), cfg.rollout.max_tokens)  # fmt: skip
-
-
-def _check_model_fits(cfg: JobConfig, tokenizer) -> None:
-    """The engine's length against the model's context, and the tokenizer against the model's
-    embeddings (a ``model.tokenizer`` of another model): what an engine would refuse, or a
-    learner index out of range, found before any actor starts (ConfigError)."""
-    from transformers import AutoConfig
-
-    from rlpost.config import ConfigError
-
-    model = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
-    model = getattr(model, "text_config", model)  # a multimodal config keeps its language model's here
-    context = getattr(model, "max_position_embeddings", None)
-    if context is not None and cfg.rollout.engine.max_model_len > context:
-        raise ConfigError(
-            f"rollout.engine.max_model_len={cfg.rollout.engine.max_model_len} is beyond the context of "
-            f"model.name_or_path={cfg.model.name_or_path!r} ({context} positions, max_position_embeddings)"
-        )
-    vocab = getattr(model, "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise ConfigError(
-            f"the tokenizer ({cfg.model.tokenizer_path!r}) has {len(tokenizer)} tokens, more than the "
-            f"{vocab} rows of the embeddings of model.name_or_path={cfg.model.name_or_path!r}: model.tokenizer "
-            "must be the model's own (or one of its family)"
-        )
-
-
-def _check_custom_loss(cfg: JobConfig) -> None:
-    """A ``loss.custom_fn`` that cannot be imported here is a ConfigError before any actor starts
-    (the learner imports it again in its own process)."""
-    from rlpost.algo import load_loss_function
-    from rlpost.config import ConfigError
-
-    if cfg.loss.custom_fn:
-        try:
-            load_loss_function(cfg.loss.custom_fn)
-        except ValueError as exc:
-            raise ConfigError(f"loss.custom_fn: {exc}") from None
-
-
-def _check_tools(cfg: JobConfig) -> None:
-    """Say in the log what guards the tools' code; refuse (ConfigError) before any actor starts when
-    the namespace sandbox is asked for and cannot run here. (Each env pool checks again on its own
-    node.)"""
-    from rlpost.config import ConfigError
-    from rlpost.envs.sandbox import SandboxUnavailable, check_sandbox
-
-    tools = cfg.tools
-    if not tools.enabled:
-        return
-    names = (["python"] if tools.python.enabled else []) + list(tools.functions)
-    log.info("tools: %s; model-written code runs in sandbox %s", ", ".join(names), tools.sandbox)
-    if not tools.python.enabled:
-        return
-    if tools.sandbox == "guard":
-        log.warning("tools.sandbox=guard: the in-process guard and rlimits only, NOT a security boundary")
-        return
-    try:
-        check_sandbox(tools.sandbox)
-    except SandboxUnavailable as exc:
-        raise ConfigError(f"tools.sandbox={tools.sandbox}: {exc}") from None
-
-
-def _run_once(cfg: JobConfig, run_dir: Path, resume: bool, learner_resumes: int,
-              evaluator: Evaluator | None = None) -> None:  # fmt: skip
-    supervisor = None
-    try:
-        supervisor = start_run(cfg, run_dir)
-        raise_if_stopping()  # a stop asked while the actors started takes effect now
-        controller = Controller(cfg, run_dir, supervisor, resume=resume, evaluator=evaluator)
-        controller.learner_resumes = learner_resumes
-        try:
-            controller.run()
-        except StopRequested:
-            controller.checkpoint_on_stop()  # writes the stop's last metrics row
-            raise
-        finally:
-            controller.writer.close()  # the trackers, after every row reached them
-    finally:
-        if supervisor is not None:
-            supervisor.close()
-
-
-def start_run(cfg: JobConfig, run_dir: Path) -> Supervisor:
-    """Start every actor of the run and the supervisor that keeps them alive, its watchdog watching
-    them (stop both with ``Supervisor.close()``)."""
-    supervisor = Supervisor(cfg, run_dir, Fleet.start(cfg), RunState())
-    supervisor.watch()
-    return supervisor
+__all__ = ["Controller", "probe_sequence"]
 
 
 class Controller:
@@ -301,7 +159,7 @@ class Controller:
             self.writer.close()
             print(f"rlpost: {self.run_dir} already trained {steps} steps (raise trainer.steps to continue)")
             return
-        progress = _Progress(steps, cfg.logging.progress, initial=self.first_step - 1)
+        progress = Progress(steps, cfg.logging.progress, initial=self.first_step - 1)
         try:
             if not self.resumed:  # a resumed run's workers were synced to its checkpoint
                 self._start_up_sync()
@@ -543,7 +401,10 @@ class Controller:
         then score the probe when ``probe``."""
         ws = self.cfg.weight_sync
         overlap = self.cfg.trainer.mode == "async" and ws.train_during_reload and not (wait or probe)
-        record = self.supervisor.publish_weights(wait=not overlap)
+        record = self.fleet.publish(wait=not overlap)
+        version = record.pop("policy_version")
+        if version != self.version:
+            raise RuntimeError(f"the learner published version {version}, the loop expected {self.version}")
         if probe:
             record["sync_logprob_diff"] = self._probe_diff()
         return record
@@ -734,90 +595,3 @@ def probe_sequence(cfg: JobConfig) -> list[int]:
         {"role": "assistant", "content": "<answer>2</answer>"},
     ]
     return tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
-
-
-class _Progress:
-    """The driver's progress: step, reward, eval score (the last one seen), samples/s and ETA.
-
-    On a terminal it is a tqdm bar (tqdm computes the ETA from ``steps``). When ``stream`` is not
-    a terminal (a Ray job's log, a file) it prints a plain line every ``every`` steps and at the
-    last step instead (default ``max(1, steps // 20)``), e.g. ``rlpost: step 40/200 reward=0.412
-    eval=0.350 samples/s=9.8 eta=0:12:31``, with the ETA from this process's own pace. With
-    ``enabled`` false it shows nothing. ``is_terminal`` overrides the ``stream.isatty()`` check.
-    """
-
-    EVAL_KEYS = ("eval_pass_at_1", "eval_reward_mean")
-
-    def __init__(
-        self,
-        steps: int,
-        enabled: bool,
-        initial: int = 0,
-        every: int | None = None,
-        stream: TextIO | None = None,
-        is_terminal: bool | None = None,
-    ):
-        self.steps, self.enabled, self.initial = steps, enabled, initial
-        self.every = every if every is not None else max(1, steps // 20)
-        self.stream = stream if stream is not None else sys.stderr
-        self.eval_score: float | None = None
-        self.started = time.monotonic()
-        terminal = is_terminal if is_terminal is not None else _isatty(self.stream)
-        self.bar = None
-        if enabled and terminal:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=steps, initial=initial, desc="rlpost", unit="step", file=self.stream)
-
-    def update(self, record: dict) -> None:
-        """Show the step ``record`` (a metrics row) finished."""
-        for key in self.EVAL_KEYS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.eval_score = float(value)
-                break
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            postfix = {"reward": _fmt(record.get("reward_mean"), ".3f")}
-            if self.eval_score is not None:
-                postfix["eval"] = _fmt(self.eval_score, ".3f")
-            postfix.update(sps=_fmt(record.get("samples_per_s"), ".1f"), loss=_fmt(record.get("loss"), ".3f"))
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
-            return
-        step = int(record["step"])
-        if step % self.every == 0 or step == self.steps:
-            self.stream.write(self.line(record) + "\n")
-            self.stream.flush()
-
-    def line(self, record: dict) -> str:
-        """The plain progress line for ``record``."""
-        step = int(record["step"])
-        done = step - self.initial
-        elapsed = time.monotonic() - self.started
-        eta = elapsed / done * (self.steps - step) if done > 0 else None
-        parts = [f"rlpost: step {step}/{self.steps}", f"reward={_fmt(record.get('reward_mean'), '.3f')}"]
-        if self.eval_score is not None:
-            parts.append(f"eval={_fmt(self.eval_score, '.3f')}")
-        parts.append(f"samples/s={_fmt(record.get('samples_per_s'), '.1f')}")
-        parts.append(f"eta={dt.timedelta(seconds=round(eta)) if eta is not None else '?'}")
-        return " ".join(parts)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
-def _fmt(value: object, spec: str) -> str:
-    """``value`` formatted with ``spec``, or ``-`` when it is not a number (None: not measured)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "-"
-    return format(value, spec)

@@ -77,49 +77,22 @@ from rlpost.service.clients import (
     EnvPoolClient,
     InferenceClient,
 )
-from rlpost.service.fleet import STARTUP_TIMEOUT_S, Fleet, Slots, slot_of
+from rlpost.service.fleet import CALL_TIMEOUT_S, Fleet, ResumeNeeded, Slots
 from rlpost.service.run_state import RunState
+from rlpost.service.starter import slot_of
 from rlpost.service.watchdog import Watchdog
-from rlpost.transport.buffer import BufferSnapshot
 
 log = logging.getLogger("rlpost")
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 4  # tries of one part of a step (the first and three after recoveries)
 PING_TIMEOUT_S = 5.0  # a worker asked whether it can be reached (after a peer of a call was lost)
-CALL_TIMEOUT_S = 60.0  # a short control call (set handles, join the bus, load a pool's state)
 HEALTH_CHECK_S = 2.0  # actors' states are read at most this often while things go well (~1 ms each)
 MAX_POOL_FAILURES = 3  # an async pool whose collection fails (not by a lost actor) this often stops the run
-MAX_AUTO_RESUMES = 3  # restarts of a whole run from its last checkpoint (trainer.auto_resume)
-
-
-class ResumeNeeded(RuntimeError):
-    """The run cannot go on with the actors it has; it can restart from its last checkpoint."""
 
 
 class LearnerDied(ResumeNeeded):
     """The learner actor is gone; the message says how to resume."""
-
-
-def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool, run_once: Callable[[bool, int], None]) -> None:
-    """``run_once(resume, learner_resumes)``; when it raises ResumeNeeded (the learner died) and
-    ``trainer.auto_resume`` is on, run it again from the last checkpoint, at most
-    MAX_AUTO_RESUMES times. Otherwise the error propagates, naming the resume command."""
-    learner_resumes = 0
-    while True:
-        try:
-            return run_once(resume, learner_resumes)
-        except ResumeNeeded as exc:
-            if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
-                raise
-            learner_resumes += 1
-            log.warning(
-                "%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
-                exc,
-                learner_resumes,
-                MAX_AUTO_RESUMES,
-            )
-            resume = True
 
 
 # ----------------------------------------------------------------------------- the supervisor
@@ -137,15 +110,17 @@ class Supervisor:
     Args:
         cfg: the job config.
         run_dir: the run directory (named in LearnerDied's message).
-        fleet: the run's actors (:class:`~rlpost.service.fleet.Fleet`); the supervisor replaces
-            its clients in place as it restarts actors, and resizes its slots.
+        fleet: the run's actors (:class:`~rlpost.service.fleet.Fleet`); the supervisor has it
+            start actors in place of the lost ones (the fleet's methods do the starting), and
+            resizes its slots.
         state: the loop's state (step, policy version, ledger), which the loop writes and the
-            supervisor only reads: the step for messages, the version a publish must carry, the
-            ledger a new buffer is rebuilt from.
+            supervisor only reads: the step for its messages and the ledger a new buffer and a
+            new env pool start from. None: a fleet with no training loop (step 0, nothing taken).
     """
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, fleet: Fleet, state: RunState):
-        self.cfg, self.run_dir, self.fleet, self.state = cfg, Path(run_dir), fleet, state
+    def __init__(self, cfg: JobConfig, run_dir: Path, fleet: Fleet, state: RunState | None = None):
+        self.cfg, self.run_dir, self.fleet = cfg, Path(run_dir), fleet
+        self.state = RunState() if state is None else state
         # recovery's own counts, which the loop reads for metrics.jsonl and checkpoints
         self.counts = {
             "restarts_inference": 0,
@@ -342,16 +317,10 @@ class Supervisor:
             "the buffer %s; starting it again and asking the env pools for the groups it held", self._how_lost("buffer")
         )
         start = time.monotonic()
-        self.fleet.buffer.kill()
-        buffer = self.fleet.starter.buffer()
-        acknowledged = dict(self.state.ledger.acknowledged)
-        buffer.restore(BufferSnapshot([], {}, last_seqs=acknowledged, acknowledged=acknowledged))
-        self.fleet.buffer = buffer
+        put_again = self.fleet.restart_buffer(self.state.ledger.acknowledged)
         self.counts["restarts_buffer"] += 1
-        for j, pool in enumerate(self.fleet.env_pools):
-            if pool.alive():
-                count = pool.set_buffer(buffer, timeout_s=CALL_TIMEOUT_S)
-                log.warning("env-pool-%d put %d groups the learner had not received into the new buffer", j, count)
+        for name, count in put_again.items():
+            log.warning("%s put %d groups the learner had not received into the new buffer", name, count)
         _replaced("buffer", start)
 
     def _replace_inference(self, lost: InferenceClient) -> None:
@@ -377,8 +346,9 @@ class Supervisor:
         )  # fmt: skip
 
     def _take_vacant(self, slots: Slots, slot: int) -> None:
-        """A vacant slot whose bundle is placed (again): say so; its actor starts next."""
-        waited = time.monotonic() - slots.vacant.pop(slot)
+        """A vacant slot whose bundle is placed (again): say so; its actor starts next (and the
+        fleet takes the slot out of the vacant ones)."""
+        waited = time.monotonic() - slots.vacant[slot]
         if slot in slots.fresh:
             log.warning("the cluster has room for %s (a new slot, %.0f s); starting it", slots.name(slot), waited)
         else:
@@ -390,30 +360,18 @@ class Supervisor:
         self._start_inference(slot)
 
     def _start_inference(self, slot: int) -> None:
-        """Start ``inference-<slot>`` (a replacement, or the first worker of a new slot)."""
-        name = f"inference-{slot}"
-        if slot not in self.fleet.inference_slots.fresh:
-            self.restarted_at[name] = time.monotonic()
-        worker = self.fleet.starter.inference(slot)
-        worker.wait_ready(STARTUP_TIMEOUT_S)
-        workers = [w for w in self.fleet.inference if w.name != name] + [worker]
-        self.fleet.inference = sorted(workers, key=lambda w: slot_of(w.name))
-        if slot in self.fleet.inference_slots.fresh:
-            self.fleet.inference_slots.fresh.discard(slot)
-        else:
+        """Start ``inference-<slot>`` (a replacement, or the first worker of a new slot); it
+        serves once the bus re-forms (:meth:`_reform_bus`)."""
+        start = time.monotonic()
+        if self.fleet.start_inference(slot):
+            self.restarted_at[self.fleet.inference_slots.name(slot)] = start
             self.counts["restarts_inference"] += 1
 
     def _reform_bus(self) -> None:
-        """Open the bus's next generation with every worker, publish the current weights, and
-        give the live env pools the workers' handles."""
-        workers = self.fleet.inference
-        generation = self.fleet.learner.set_workers([w.handle for w in workers], timeout_s=CALL_TIMEOUT_S)
+        """The bus's next generation with every worker, the current weights published to it."""
+        generation = self.fleet.reform_bus()
         self.counts["bus_reforms"] += 1
-        log.warning("weight bus re-formed (generation %s) with %d workers", generation, len(workers))
-        self.publish_weights()
-        for pool in self.fleet.env_pools:
-            if pool.alive():
-                pool.set_inference([w.handle for w in workers])
+        log.warning("weight bus re-formed (generation %s) with %d workers", generation, len(self.fleet.inference))
         for name, start in self.restarted_at.items():  # serving the current weights to the pools
             _replaced(name, start)
         self.restarted_at.clear()
@@ -423,8 +381,7 @@ class Supervisor:
         (the env pools' calls to the reward actor wait for its replacement)."""
         log.warning("the %s actor %s; starting it again", role, self._how_lost(role))
         start = time.monotonic()
-        getattr(self.fleet, role).kill()
-        setattr(self.fleet, role, getattr(self.fleet.starter, role)())
+        self.fleet.restart(role)
         self.counts[f"restarts_{role}"] += 1
         _replaced(role, start)
 
@@ -451,29 +408,14 @@ class Supervisor:
     def _start_pool(self, slot: int) -> None:
         """Start ``env-pool-<slot>`` (a replacement, or the first pool of a new slot) with a new
         epoch from the position of its predecessor's last put (none: its shard's start)."""
-        name = f"env-pool-{slot}"
-        start = time.monotonic()
-        for old in [p for p in self.fleet.env_pools if p.name == name]:
-            old.kill()
-        self.fleet.epochs[slot] += 1
-        pool = self.fleet.starter.env_pool(slot, self.fleet.inference, self.fleet.buffer, epoch=self.fleet.epochs[slot])
-        state = self.fleet.buffer.fence(name, self.fleet.epochs[slot])
-        if state is None and self.state.ledger.acknowledged.get(name):
-            raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
-        if state is not None:
-            pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
-        if self.collecting:
-            pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
-        pools = [p for p in self.fleet.env_pools if p.name != name] + [pool]
-        self.fleet.env_pools = sorted(pools, key=lambda p: slot_of(p.name))
-        collected = state["num_prompts_collected"] if state else 0
-        if slot in self.fleet.pool_slots.fresh:
-            self.fleet.pool_slots.fresh.discard(slot)
-            log.warning("%s started (a new slot, epoch %d): %d prompts of its shard collected", name,
-                        self.fleet.epochs[slot], collected)  # fmt: skip
+        name, start = self.fleet.pool_slots.name(slot), time.monotonic()
+        has_position = bool(self.state.ledger.acknowledged.get(name))
+        state, restart = self.fleet.start_pool(slot, self.collecting, has_position)
+        collected, epoch = state["num_prompts_collected"] if state else 0, self.fleet.epochs[slot]
+        if not restart:
+            log.warning("%s started (a new slot, epoch %d): %d prompts of its shard collected", name, epoch, collected)
             return
-        log.warning("%s started again (epoch %d) from its last put: %s prompts collected", name, self.fleet.epochs[slot],
-                    collected)  # fmt: skip
+        log.warning("%s started again (epoch %d) from its last put: %s prompts collected", name, epoch, collected)
         self.counts["restarts_env_pool"] += 1
         _replaced(name, start)
 
@@ -496,33 +438,3 @@ class Supervisor:
             if ended:
                 log.warning("%s stopped collecting; replacing it", pool.name)
                 self._start_pool(slot)
-
-    # ------------------------------------------------------------------ the weight bus
-
-    def publish_weights(self, wait: bool = True) -> dict:
-        """The learner publishes its weights through its vLLMUpdater, which has every worker
-        receive and reload them; returns the sync's metrics. ``wait=False``: return once the
-        weights are sent and let the workers reload while the learner trains on; the next
-        publish first waits for that reload, and a failure found there is raised then. Raises
-        a client error when a peer fails (the caller recovers)."""
-        start = time.perf_counter()
-        published = self.fleet.learner.publish(wait).result(self.publish_timeout_s)
-        sync_s = time.perf_counter() - start
-        if int(published["policy_version"]) != self.state.version:
-            raise RuntimeError(
-                f"the learner published version {int(published['policy_version'])}, the loop expected {self.state.version}"
-            )
-        return {
-            "weight_sync_s": sync_s,
-            "weight_sync_bytes": published.get("bytes"),
-            "weight_load_s": published.get("weight_load_s"),
-            "weight_sync_receivers_shm": published.get("receivers_shm"),
-            "weight_sync_receivers_bus": published.get("receivers_bus"),
-        }  # the slowest engine's reload (of the update before, when that one was not waited for)
-
-    @property
-    def publish_timeout_s(self) -> float:
-        """Bound of one publish call on the learner: it may confirm an earlier update and then
-        publish its own, each up to two bus waits of ``weight_sync.timeout_s`` and the workers'
-        grace (the learner's own bounds end it first)."""
-        return 4 * self.cfg.weight_sync.timeout_s + 180

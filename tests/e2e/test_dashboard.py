@@ -126,7 +126,8 @@ def test_an_async_local_run_shows_on_the_dashboard_bounds_staleness_and_restarts
     from rlpost.record.run_dir import create_run_dir
     from rlpost.runtime.actors import actor_record
     from rlpost.runtime.ray_start import init_ray
-    from rlpost.service.loop import Controller, start_run
+    from rlpost.service.loop import Controller
+    from rlpost.service.run import start_run
 
     run_name = f"e2e-async-{os.getpid()}"
     cfg = load_config(

@@ -63,7 +63,8 @@ def test_dead_inference_worker_and_env_pool_are_restarted_and_no_group_is_lost(t
 
     from rlpost.record.run_dir import create_run_dir
     from rlpost.runtime.actors import actor_record
-    from rlpost.service.loop import Controller, start_run
+    from rlpost.service.loop import Controller
+    from rlpost.service.run import start_run
 
     ray = connect_driver("rlpost-e2e-restarts")
     cfg = tiny_cfg(tiny_model_path, "e2e-restarts", "trainer.steps=5")

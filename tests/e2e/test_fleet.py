@@ -1,7 +1,8 @@
 """A fleet without a training loop: ``Fleet.start(cfg)`` places and starts every actor of the tiny
 job on the tier's shared cluster, its clients serve (the engine and the learner score alike, an
-env pool collects into the buffer, the buffer hands the groups out), and ``fleet.stop()`` ends
-every actor and placement group."""
+env pool collects into the buffer, the buffer hands the groups out), its own methods mend and
+grow it with no supervisor (a vacant slot's pool started, a new buffer, the bus's next
+generation), and ``fleet.stop()`` ends every actor and placement group."""
 
 import pytest
 
@@ -41,6 +42,21 @@ def test_a_fleet_starts_serves_and_stops_without_a_training_loop(tiny_model_path
         assert [g.producer for g in taken.groups] == ["env-pool-0", "env-pool-0"]
         assert all(len(g.samples) == cfg.data.group_size for g in taken.groups)
         assert pool.wait(60.0) is True  # its run ended with the two groups
+
+        # what the supervisor would do, done by hand: a new buffer that knows what was taken,
+        # the vacant slot's pool started, the bus's next generation with the weights published
+        assert fleet.placed(fleet.pool_slots) == [1]
+        acknowledged = {"env-pool-0": max(g.seq for g in taken.groups)}
+        assert acknowledged == {"env-pool-0": 2}
+        assert fleet.restart_buffer(acknowledged) == {"env-pool-0": 0}  # both groups were taken
+        assert fleet.start_pool(1, collecting=False) == (None, False)  # a new slot: its shard's start
+        assert [p.name for p in fleet.env_pools] == ["env-pool-0", "env-pool-1"]
+        assert fleet.sizes()["env_pools"] == 2 and fleet.sizes()["env_pools_vacant"] == 0
+        assert fleet.reform_bus() == 1
+        assert fleet.publish()["policy_version"] == 0
+        fleet.env_pools[1].start(1)
+        assert [g.producer for g in fleet.buffer.take(1, timeout_s=120).groups] == ["env-pool-1"]
+        handles = fleet.named_handles()
     finally:
         fleet.stop()
     assert {name: actor_state(handle) for name, handle in handles} == {name: "DEAD" for name, _ in handles}

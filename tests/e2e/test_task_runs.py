@@ -38,7 +38,8 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
     from rlpost.runtime.actors import actor_record
-    from rlpost.service.loop import Controller, start_run
+    from rlpost.service.loop import Controller
+    from rlpost.service.run import start_run
 
     connect_driver("rlpost-e2e-reward-model")
     cfg = load_config("configs/tiny-cpu-reasoning-gym.yaml", [
@@ -81,7 +82,8 @@ def test_a_reasoning_gym_run_with_a_reward_model_survives_the_reward_actors_deat
 def test_the_code_config_grades_completions_in_the_sandbox(tmp_path, tiny_model_path, connect_driver):
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
-    from rlpost.service.loop import Controller, start_run
+    from rlpost.service.loop import Controller
+    from rlpost.service.run import start_run
 
     connect_driver("rlpost-e2e-code")
     cfg = load_config("configs/tiny-cpu-code.yaml", [

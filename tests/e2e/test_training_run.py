@@ -20,7 +20,8 @@ def test_a_worker_lost_before_a_weight_sync_is_restarted_and_the_bus_reformed(tm
 
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
-    from rlpost.service.loop import Controller, start_run
+    from rlpost.service.loop import Controller
+    from rlpost.service.run import start_run
 
     cfg = load_config(
         "configs/tiny-cpu.yaml",

@@ -2,7 +2,7 @@ import pytest
 
 from rlpost.actors.buffer import buffer_capacity, staleness_cap
 from rlpost.config import load_config
-from rlpost.service.fleet import role_bundles, role_plan
+from rlpost.service.starter import role_bundles, role_plan
 
 pytestmark = pytest.mark.unit
 

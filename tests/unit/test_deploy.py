@@ -13,7 +13,7 @@ import tomllib
 import yaml
 
 from rlpost.config import load_config
-from rlpost.service.fleet import role_plan
+from rlpost.service.starter import role_plan
 
 pytestmark = pytest.mark.unit
 

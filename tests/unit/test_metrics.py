@@ -53,10 +53,10 @@ def progress_row(step, reward, **extra):
 def test_progress_off_a_terminal_prints_a_line_every_n_steps():
     import io
 
-    from rlpost.service.loop import _Progress
+    from rlpost.record.progress import Progress
 
     out = io.StringIO()
-    progress = _Progress(10, enabled=True, every=3, stream=out)
+    progress = Progress(10, enabled=True, every=3, stream=out)
     assert progress.bar is None  # a StringIO is not a terminal
     for step in range(1, 11):
         extra = {"eval_pass_at_1": 0.75} if step == 5 else {}
@@ -73,12 +73,12 @@ def test_progress_off_a_terminal_prints_a_line_every_n_steps():
 def test_progress_line_every_defaults_to_a_twentieth_and_counts_a_resume():
     import io
 
-    from rlpost.service.loop import _Progress
+    from rlpost.record.progress import Progress
 
-    assert _Progress(100, enabled=True, stream=io.StringIO()).every == 5
-    assert _Progress(7, enabled=True, stream=io.StringIO()).every == 1
+    assert Progress(100, enabled=True, stream=io.StringIO()).every == 5
+    assert Progress(7, enabled=True, stream=io.StringIO()).every == 1
     out = io.StringIO()
-    progress = _Progress(40, enabled=True, initial=20, stream=out)  # resumed after step 20: a line every 2 steps
+    progress = Progress(40, enabled=True, initial=20, stream=out)  # resumed after step 20: a line every 2 steps
     progress.started -= 100.0  # this process has run 100 s
     progress.update(progress_row(21, 0.5, eval_reward_mean=0.25))
     assert out.getvalue() == ""
@@ -90,10 +90,10 @@ def test_progress_line_every_defaults_to_a_twentieth_and_counts_a_resume():
 def test_progress_bar_on_a_terminal_and_nothing_when_off():
     import io
 
-    from rlpost.service.loop import _Progress
+    from rlpost.record.progress import Progress
 
     out = io.StringIO()
-    progress = _Progress(4, enabled=True, stream=out, is_terminal=True)
+    progress = Progress(4, enabled=True, stream=out, is_terminal=True)
     progress.update(progress_row(1, 0.25, eval_reward_mean=0.5, loss=None))
     progress.close()
     shown = out.getvalue()
@@ -101,7 +101,7 @@ def test_progress_bar_on_a_terminal_and_nothing_when_off():
     assert "loss=-" in shown
     quiet = io.StringIO()
     for terminal in (True, False):
-        progress = _Progress(4, enabled=False, every=1, stream=quiet, is_terminal=terminal)
+        progress = Progress(4, enabled=False, every=1, stream=quiet, is_terminal=terminal)
         progress.update(progress_row(1, 0.25))
         progress.close()
     assert quiet.getvalue() == ""

@@ -402,14 +402,18 @@ class Starter:
     def start_all(self):
         buffer = self.buffer()
         inference = [self.inference(i) for i in range(self.cfg.rollout.num_inference_workers)]
-        pools = [self.env_pool(j, inference, buffer) for j in range(self.cfg.rollout.num_env_pools)]
-        learner = FakeLearner(self.world)
-        learner.workers = list(inference)  # connect_bus
-        control = self.control() if self.world.requests else None
-        reward = self.reward() if self.cfg.reward_model is not None else None
-        return Fleet(
-            self.cfg, self, buffer, inference, pools, learner, self.reference(), control=control, reward=reward
-        )
+        return {
+            "buffer": buffer,
+            "inference": inference,
+            "env_pools": [self.env_pool(j, inference, buffer) for j in range(self.cfg.rollout.num_env_pools)],
+            "learner": FakeLearner(self.world),
+            "reference": self.reference(),
+            "control": self.control() if self.world.requests else None,
+            "reward": self.reward() if self.cfg.reward_model is not None else None,
+        }
+
+    def connect_bus(self, learner, inference):
+        learner.workers = list(inference)
 
 
 def make_cfg(mode, extra=()):
@@ -451,7 +455,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
     run_dir.mkdir()
-    supervisor = Supervisor(cfg, run_dir, starter.start_all(), RunState())
+    supervisor = Supervisor(cfg, run_dir, Fleet.start(cfg, starter), RunState())
     supervisor.health_check_s = 0.0
     controller = ctl.Controller(cfg, run_dir, supervisor)
     controller.probe = [1, 2, 3]
@@ -771,7 +775,8 @@ def test_a_checkpoint_keeps_the_fleet_an_operator_asked_for(tmp_path, monkeypatc
     learner = world.actors["learner"]
     _, state = learner.saved[-1]
     assert state["fleet"] == {"inference": 1, "env_pools": 1}
-    supervisor = Supervisor(make_cfg("sync"), tmp_path, Starter(world, make_cfg("sync")).start_all(), RunState())
+    cfg = make_cfg("sync")
+    supervisor = Supervisor(cfg, tmp_path, Fleet.start(cfg, Starter(world, cfg)), RunState())
     supervisor.restore_fleet({"inference": 1, "env_pools": 5})  # 5 pools: more than the 2 shards
     assert supervisor.fleet.sizes()["inference_workers"] == 1 and supervisor.fleet.sizes()["env_pools"] == 2
 
@@ -906,7 +911,7 @@ def test_the_fleet_scales_without_a_training_loop():
     them), leaving pools stop and are fenced off, new slots are vacant until started, and a
     request outside the config's ranges changes nothing."""
     world = World()
-    fleet = Starter(world, make_cfg("sync")).start_all()
+    fleet = Fleet.start(make_cfg("sync"), Starter(world, make_cfg("sync")))
     assert fleet.scale({"inference": 1}) is True
     assert world.actors["inference-1"].drained and world.actors["inference-1"].dead
     assert ("inference-1", "close_slot") in world.log and [w.name for w in fleet.inference] == ["inference-0"]

@@ -101,7 +101,7 @@ def test_keep_rows_orders_and_shards_the_kept_rows_keeping_their_row_index():
 
 def test_the_run_refuses_an_engine_longer_than_the_models_context(tiny_model_path):
     from rlpost.config import load_config
-    from rlpost.service.loop import check_data
+    from rlpost.service.preflight import check_data
 
     cfg = load_config("configs/tiny-cpu.yaml", [f"model.name_or_path={tiny_model_path}",
                                                 "rollout.engine.max_model_len=4096"])  # fmt: skip

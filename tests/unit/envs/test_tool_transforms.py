@@ -286,12 +286,12 @@ def test_episode_metrics():
 
 
 def test_train_refuses_before_starting_actors_when_the_sandbox_cannot_run(monkeypatch, caplog):
-    from rlpost.service.loop import _check_tools
+    from rlpost.service.preflight import check_tools
 
     monkeypatch.setenv("RLPOST_BWRAP", "/bin/false")
     with pytest.raises(ConfigError, match="tools.sandbox=bwrap: the namespace sandbox .* tools.sandbox: guard"):
-        _check_tools(tools_config())
-    with caplog.at_level(logging.INFO, logger="rlpost.service.loop"):
-        _check_tools(tools_config(tools={"sandbox": "guard"}))  # asked for: runs, and the log says so
+        check_tools(tools_config())
+    with caplog.at_level(logging.INFO, logger="rlpost.service.preflight"):
+        check_tools(tools_config(tools={"sandbox": "guard"}))  # asked for: runs, and the log says so
     assert "NOT a security boundary" in caplog.text
-    _check_tools(tools_config(tools={"python": {"enabled": False}}, data={"task": "arithmetic"}))  # no code: no check
+    check_tools(tools_config(tools={"python": {"enabled": False}}, data={"task": "arithmetic"}))  # no code: no check
