@@ -220,6 +220,21 @@ class Fleet:
         self.epochs[slot] += 1
         self.buffer.fence(f"env-pool-{slot}", self.epochs[slot])
 
+    def lost(self, named: set[str]) -> list[Any]:
+        """The clients of the actors lost now (the control mailbox aside: its exchange mends it):
+        those ``named`` (a failure named them, the watchdog killed them, a peer could not reach
+        them), killed to be sure since a silent actor is as good as dead, and every one Ray's
+        record says is dead or restarting (:func:`rlpost.runtime.actors.actor_state`)."""
+        roles = [self.learner, self.buffer, *self.inference, self.reference, self.reward, *self.env_pools]
+        lost = []
+        for client in [c for c in roles if c is not None]:
+            if named & set(client.names):
+                client.kill()
+                lost.append(client)
+            elif not client.alive():
+                lost.append(client)
+        return lost
+
     def placed(self, slots: Slots) -> list[int]:
         """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
         return [slot for slot in sorted(slots.vacant) if self.starter.has_room(slots.name(slot))]

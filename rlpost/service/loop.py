@@ -130,27 +130,20 @@ class Controller:
         polls of ``POLL_S``):
 
         - sync: every env pool collects its share of ``prompts_per_step`` with the current
-          weights and puts it in the buffer; the controller polls the pools until each has put
-          its share, then takes the whole step from the buffer (staleness 0). Nothing is
-          generated while the learner trains, so every sample is on-policy and the learner has
-          the machine to itself.
-        - async: the pools collect on their own (a thread in each actor) from the start,
-          blocking only on the buffer when it is full (it holds ``max_staleness`` steps); the
-          controller waits on ``buffer.take``, which drops groups more than ``max_staleness``
-          versions behind the learner. A weight update that reaches a worker while it
-          generates is applied between two engine steps (``weight_sync.inflight_updates``): the
-          running requests go on with the new weights, and each token records its version.
-        - both: the learner's train call (``COLLECT_TIMEOUT_S``); the weight sync, where the
-          learner's vLLMUpdater has every inference worker receive and reload
-          (``weight_sync.timeout_s``), then a probe sequence scored by a worker and by the
-          learner gives ``sync_logprob_diff`` (on the syncs ``weight_sync.probe_every``
-          checks); an evaluation (the held-out prompts through the inference workers; in async
-          mode the pools keep collecting meanwhile).
+          weights; the loop polls the pools until each has put its share, then takes the whole
+          step (staleness 0). Nothing is generated while the learner trains.
+        - async: the pools collect on their own threads from the start, blocking only on a full
+          buffer (it holds ``max_staleness`` steps); the loop waits on ``buffer.take``, which
+          drops groups more than ``max_staleness`` versions behind. A weight update reaching a
+          worker mid-generation is applied between two engine steps
+          (``weight_sync.inflight_updates``) and each token records its version.
+        - both: the train call (``COLLECT_TIMEOUT_S``); the weight sync (``weight_sync.timeout_s``),
+          then on the syncs ``weight_sync.probe_every`` picks a probe scored by a worker and the
+          learner (``sync_logprob_diff``); an evaluation through the inference workers.
 
-        Sync mode is not async mode with ``max_staleness: 0``: there the pools generate the next
-        step with the old weights while the learner trains, and the buffer drops nearly all of
-        it as stale. On the demo that generated twice the groups and ran 25-38% slower
-        (docs/architecture.md, "Sync and async").
+        Sync mode is not async mode with ``max_staleness: 0``: there the pools would generate
+        the next step with the old weights while the learner trains, and the buffer would drop
+        nearly all of it (on the demo: twice the groups generated, 25-38% slower).
 
         Before the first step of a fresh run, a start-up sync (:meth:`_start_up_sync`).
         """

@@ -1,62 +1,32 @@
-"""The supervisor: starts the run's actors and owns every failure of one.
+"""The supervisor: it owns every failure of a run's actors, and the fleet's size.
 
-The training loop (:mod:`rlpost.service.loop`) runs each part of a step through
-:meth:`Supervisor.run`. When an actor is lost the part's call raises one of the clients' errors
-(:mod:`rlpost.service.clients`); the supervisor then recovers and runs the part again. A part is safe
-to run again: taking from the buffer, annotating, a weight sync and a checkpoint repeat
-harmlessly, and collection goes on from what the buffer recorded. Between parts,
-:meth:`Supervisor.check` reads every actor's state in Ray's control store every HEALTH_CHECK_S
-seconds, so a death is noticed while the loop waits, and whoever meets a dead peer first says
-so at once: a client call to a dead actor, a weight sync with a dead worker, an env pool whose
-engine client found its worker dead (its ``wait`` raises) all end in a recovery right away. Recovery restarts what is dead, in this order:
+The loop (:mod:`rlpost.service.loop`) runs each part of a step through :meth:`Supervisor.run`.
+When an actor is lost the part's call raises a client error (:mod:`rlpost.service.clients`); the
+supervisor recovers and runs the part again. Every part is safe to run again: a take, an
+annotation, a weight sync and a checkpoint repeat harmlessly, and collection goes on from what
+the buffer recorded. Between parts :meth:`Supervisor.check` reads every actor's state in Ray's
+control store every HEALTH_CHECK_S seconds, so a death is noticed while the loop waits. An actor
+that is alive to Ray but answers nothing is killed by the run's watchdog
+(:mod:`rlpost.service.watchdog`) and then recovered from like a dead one.
 
-    learner dead        -> LearnerDied: run_with_auto_resume restarts the whole run from its
-                           last checkpoint (trainer.auto_resume) or it stops naming the
-                           resume command
-    buffer dead         -> a new buffer, told what the learner's side already received (the
-                           ledger); every env pool puts again what it put and was not
-                           acknowledged, so no completed group is lost or taken twice
-    inference-<i> dead  -> started again in its bundle; the bus re-forms with every worker and
-                           the current weights are published; the env pools get the new
-                           handles (their request in flight on the dead worker is re-issued by
-                           their RemoteVLLMClient). When the cluster has no room for its
-                           bundle (its node was lost and no other node can hold it) within
-                           resources.replacement_wait_s, the run goes on with the other
-                           workers, and the worker is started again at a health check once
-                           the bundle is placed (the node's replacement, or a node added):
-                           `inference_workers` in metrics.jsonl counts the serving ones
-    a weight sync failed (or timed out) -> the bus re-forms and the weights are sent again
-    reference dead      -> started again (it is stateless); with kl_in: reward an env pool's
-                           call that met the dead one waits for the new one
-                           (reference.restart_wait_s)
-    reward dead         -> started again (stateless); an env pool's call that met the dead one
-                           waits for the new one (reward_model.restart_wait_s)
-    env-pool-<j> dead   -> started again with a higher epoch from the position its last put
-                           recorded (the buffer fences off the old one's late puts); in async
-                           mode it starts collecting. With no room for it (as for a worker) and
-                           another pool serving, its slot is left vacant: its shard of the
-                           prompt stream waits at that position, the other pools collect the
-                           step's prompts, and it starts again once its bundle is placed
-                           (`env_pools` in metrics.jsonl counts the serving ones)
-    an async pool's collection failed -> the pool is replaced the same way
+:meth:`Supervisor.recover` decides what to start again, in dependency order, and the fleet
+(:class:`~rlpost.service.fleet.Fleet`) does the starting: the learner's loss is LearnerDied (the
+run restarts from its last checkpoint with ``trainer.auto_resume``, else it stops naming the
+resume command); a new buffer from the ledger, the pools putting again what was not
+acknowledged; a worker started again in its slot, then the bus's next generation with the
+current weights; the stateless reference and reward actors; an env pool with the next epoch
+from its last put's position. A worker or pool with no room in the cluster within
+``resources.replacement_wait_s`` leaves its slot vacant (another of its role serving) until the
+bundle is placed. docs/failures.md has the whole table and the guarantees.
 
-The actors are the run's :class:`~rlpost.service.fleet.Fleet`, started before the supervisor
-(``Fleet.start``); the supervisor replaces the lost ones in it and resizes it. The fleet's size
-changes too. Each role with slots (inference workers, env pools; a
-:class:`~rlpost.service.fleet.Slots` each) wants the top of its range (``rollout.num_inference_workers: A..B``,
-``rollout.num_env_pools: A..B``) and starts each slot beyond A when the cluster places it; an
-operator's ``rlpost scale`` (a request left in the run's ``control`` actor, taken at a health
-check) opens or closes slots: :meth:`Supervisor.resize`.
-
-An actor that is alive to Ray but answers nothing (stopped, on a frozen node, deadlocked) is
-killed by the run's watchdog (:mod:`rlpost.service.watchdog`, started by :meth:`Supervisor.watch`), and
-then recovered from as above: the supervisor only names the watchdog's verdict in its messages
-and counts it (``watchdog_kills``).
+Ranges (``rollout.num_inference_workers: A..B``, ``rollout.num_env_pools: A..B``) open their top
+as slots that start when placed; an operator's ``rlpost scale`` (a request in the run's
+``control`` mailbox, taken at a health check) opens or closes slots: :meth:`Supervisor.resize`.
 
 A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
 so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
-Restarts are counted in metrics.jsonl (``restarts_inference``, ``restarts_env_pool``,
-``restarts_reference``, ``restarts_reward``, ``restarts_buffer``, ``bus_reforms``; ``learner_resumes``).
+Restarts are counted in metrics.jsonl (``restarts_<role>``, ``bus_reforms``,
+``watchdog_kills``; ``learner_resumes``).
 """
 
 from __future__ import annotations
@@ -66,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from rlpost.actors import REWARD_ACTOR
 from rlpost.actors.calls import ActorFailure, BusFailure, first_line
@@ -246,17 +216,18 @@ class Supervisor:
             self.resize(request)
 
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
-        """Restart every lost actor in dependency order (module docstring); re-form the bus
-        when a worker was restarted or ``reform_bus``."""
+        """Restart every actor the fleet reports lost (:meth:`Fleet.lost`), in dependency order
+        (module docstring); re-form the bus when a worker was restarted or ``reform_bus``."""
         lost = {failure.name} if failure is not None and failure.name else set()
         lost |= self._killed_by_watchdog()
         if failure is not None and failure.name is None:  # a peer of the callee: which one?
             lost |= {w.name for w in self.fleet.inference if w.unreachable(PING_TIMEOUT_S)}
-        if not self._alive(self.fleet.learner, lost):
+        lost = self.fleet.lost(lost)
+        if self.fleet.learner in lost:
             raise LearnerDied(self._learner_message(failure))
-        if not self._alive(self.fleet.buffer, lost):
+        if self.fleet.buffer in lost:
             self._restart_buffer()
-        dead = [w for w in self.fleet.inference if not self._alive(w, lost)]
+        dead = [w for w in self.fleet.inference if w in lost]
         for worker in dead:
             self._replace_inference(worker)
         placed = self.fleet.placed(self.fleet.inference_slots)
@@ -264,11 +235,10 @@ class Supervisor:
             self._refill(slot)
         if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
-        if self.fleet.reference is not None and not self._alive(self.fleet.reference, lost):
-            self._restart_stateless("reference")
-        if self.fleet.reward is not None and not self._alive(self.fleet.reward, lost):
-            self._restart_stateless(REWARD_ACTOR)
-        for pool in [p for p in self.fleet.env_pools if not self._alive(p, lost)]:
+        for role in ("reference", REWARD_ACTOR):
+            if getattr(self.fleet, role) in lost:
+                self._restart_stateless(role)
+        for pool in [p for p in self.fleet.env_pools if p in lost]:
             self._replace_pool(pool)
         for slot in self.fleet.placed(self.fleet.pool_slots):
             self._refill_pool(slot)
@@ -288,15 +258,6 @@ class Supervisor:
         self._killed_by_watchdog()  # a kill since the last recovery: its verdict too
         why = self.verdicts.pop(name, None)
         return "died" if why is None else f"was killed by the watchdog ({why})"
-
-    def _alive(self, client: Any, lost: set[str]) -> bool:
-        """False for the actors a failure named or that cannot be reached (killed to be sure: a
-        silent actor is as good as dead) and for any actor Ray's record says is dead or
-        restarting (:func:`rlpost.service.clients.actor_state`)."""
-        if lost & set(client.names):
-            client.kill()
-            return False
-        return client.alive()
 
     def _learner_message(self, failure: ActorFailure | None) -> str:
         last = latest_checkpoint(self.run_dir)
