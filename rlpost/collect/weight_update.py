@@ -49,7 +49,8 @@ import torch
 
 from rlpost.policies.remote_client import is_local_worker, is_remote_worker
 from rlpost.transport.bucketing import StreamedTensors
-from rlpost.transport.weight_bus import NamedTensors, PublishStats, TorchWeightPublisher, WeightSyncError
+from rlpost.transport.bus_publisher import TorchWeightPublisher
+from rlpost.transport.bus_types import NamedTensors, PublishStats, WeightSyncError
 
 # A worker call may finish this long after the bus's own timeout (its reload follows the receive).
 _WORKER_GRACE_S = 30.0
