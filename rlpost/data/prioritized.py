@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlpost.data.replay_buffers import Sampler, Storage
+from rlpost.data.samplers import Sampler
+from rlpost.data.storages import Storage
 
 REDUCTIONS = ("max", "min", "mean", "median")
 _DTYPES = (torch.float32, torch.float64)
