@@ -1,63 +1,57 @@
 """Weight-sync bus: the learner publishes versioned weights, every inference worker receives them.
 
-Two implementations behind one small interface:
+Two implementations behind one small interface (:mod:`rlpost.transport.bus_types`):
+`LocalWeightBus` / `LocalWeightReceiver` (one process; `publish` copies the tensors, `receive`
+hands each receiver its own copy of the latest update), and `TorchWeightPublisher` (rank 0, the
+learner; :mod:`~rlpost.transport.bus_publisher`) / `TorchWeightReceiver` (ranks 1..N, one per
+inference worker; :mod:`~rlpost.transport.bus_receiver`): a torch.distributed group of the bus's
+own (:mod:`~rlpost.transport.bus_group`), gloo on CPU and NCCL on GPU through the same code. It
+never touches the global default group (vLLM owns one in its worker): the group is a bare
+`ProcessGroupGloo` / `ProcessGroupNCCL` backend on a `TCPStore`, without `init_process_group`.
 
-- `LocalWeightBus` / `LocalWeightReceiver`: one process; `publish` snapshots (copies) the
-  tensors, `receive` hands each receiver its own copy of the latest update.
-- `TorchWeightPublisher` (rank 0, the learner) / `TorchWeightReceiver` (ranks 1..N, one per
-  inference worker): a torch.distributed group of the bus's own, gloo on CPU and NCCL on GPU
-  through the same code. It never touches the global default group (vLLM owns one in its
-  worker): the group is a bare `ProcessGroupGloo` / `ProcessGroupNCCL` backend built on a
-  `TCPStore`, without `init_process_group`, and collectives are called on it directly.
-
-Protocol (store keys live under `rlpost-bus/gen{g}/`, g = the generation):
+Protocol (store keys under `rlpost-bus/gen{g}/`, g = the generation):
 
 1. The publisher hosts the `TCPStore` (`host`, `port`; port 0 picks a free one) and hands
    `publisher.spec` (a `BusSpec`) to every worker, which builds `TorchWeightReceiver(spec, rank)`.
 2. Connect (`connect()`, or lazily in the first `publish` / `receive`): each rank sets
-   `joined/{rank}` and waits up to `timeout_s` for all the others (so a missing rank is named,
-   NCCL never starts a communicator without it, and this timeout can simply be retried), then
-   builds the backend on the prefix `pg/`.
-3. Update s of a generation (s = 0, 1, ...): the publisher plans per-dtype buckets of
-   `bucket_mb` (`bucketing.plan_buckets`), stores the layout once per generation under
-   `layout/{signature}`, sets `update/{s}` = {version, layout}, and broadcasts the buckets from
-   rank 0, two in flight. Metadata thus travels over the store and the group carries only
-   bucket bytes; no checksum (TCP / NCCL deliver exact bytes; the integration test checks bit
-   equality). A receiver waits for `update/{s}`, receives into fresh buckets, hands out views
-   (no copies) and sets `done/{s}/{rank}`. `publish` returns once every `done` key is set, so
-   every receiver then holds the version. `publish(wait=False)` returns once the buckets are
-   sent and leaves the `done` keys to `confirm`, which the next `publish` calls first; the
-   receivers' reload after their receive thus overlaps the publisher's next work.
+   `joined/{rank}` and waits up to `timeout_s` for all the others (a missing rank is named, NCCL
+   never starts a communicator without it, and the timeout can be retried), then builds the
+   backend on the prefix `pg/`.
+3. Update s (0, 1, ... within a generation): the publisher plans per-dtype buckets of `bucket_mb`
+   (`bucketing.plan_buckets`), stores the layout once under `layout/{signature}`, sets
+   `update/{s}` = {version, layout} and broadcasts the buckets from rank 0, two in flight: metadata
+   travels over the store, the group carries only bucket bytes (no checksum: TCP / NCCL deliver
+   exact bytes; the integration test checks bit equality). A receiver waits for `update/{s}`,
+   receives into fresh buckets, hands out views (no copies) and sets `done/{s}/{rank}`. `publish`
+   returns once every `done` is set; `publish(wait=False)` returns once the bytes are sent and
+   leaves the `done` keys to `confirm` (called by the next `publish`), so the receivers' reload
+   overlaps the publisher's next work.
 4. Versions: `publish` refuses a version below the last published (`ValueError`); a receiver
-   refuses one below what it holds (`WeightSyncError`, after draining the bytes so the group
-   stays in step). An equal version is a resend and is accepted.
-5. Timeouts: store waits, every collective (`work.wait(timeout)`) and the backend carry
-   `timeout_s`. A timeout or a dead peer (gloo sees the closed socket at once; NCCL only by the
-   timeout) raises `WeightSyncError` with the version, generation, suspect ranks and elapsed
-   time. The failing side destroys its backend, so the others fail fast too; a failing receiver
-   sets `failed/{s}/{rank}`, and a failing publisher waits up to 1 s for those reports: the
-   suspects are the receivers that stayed silent (dead or stuck). Both sides then refuse work
-   until `reform`. A `receive` that finds no update announced in time leaves the group usable.
-6. Recovery: `spec = publisher.reform(world_size)` opens generation g+1 (fresh keys, nothing of
-   the broken group reused); each surviving worker calls `receiver.reform(spec, rank)` and a
-   restarted one builds a receiver from `spec` (ranks 1..world_size-1); the learner then
-   publishes its current weights (the same version is fine). Whom to drop or restart is the
-   caller's decision (the controller sees actor deaths).
+   refuses one below what it holds (`WeightSyncError`, after draining the bytes so the group stays
+   in step). An equal version is a resend and is accepted.
+5. Timeouts: store waits, every collective and the backend carry `timeout_s`. A timeout or a dead
+   peer (gloo sees the closed socket at once; NCCL only by the timeout) raises `WeightSyncError`
+   with the version, generation, suspect ranks and elapsed time. The failing side destroys its
+   backend, so the others fail fast too; a failing receiver sets `failed/{s}/{rank}`, and a failing
+   publisher waits up to 1 s for those reports: the suspects are the receivers that stayed silent.
+   Both sides then refuse work until `reform`. A `receive` that finds no update announced in time
+   leaves the group usable.
+6. Recovery: `spec = publisher.reform(world_size)` opens generation g+1 (nothing of the broken
+   group reused); each surviving worker calls `receiver.reform(spec, rank)`, a restarted one builds
+   a receiver from `spec`, and the learner publishes its current weights again (the same version
+   is fine). Whom to drop or restart is the caller's decision (the controller sees actor deaths).
 
-Same node (``BusSpec.shared_memory``): the publisher offers a shared segment under `shm-probe`
-before it joins: host memory (:mod:`rlpost.transport.shared_memory`) for CPU weights on gloo, GPU
-memory exported over CUDA IPC (:mod:`rlpost.transport.cuda_ipc`) for GPU weights. Each receiver
-tries to map it (a host segment from a CPU receiver on the node, a CUDA one from a receiver on
-the same GPU) and sets `route/{rank}` to "shm" or "bus". The receivers on "shm" take no part in
-the collectives: the publisher writes each bucket into the segment (growing it when an update
-needs more room; the header `update/{s}` names the segment) and sets `ready/{s}/{bucket}` at the
-segment's ready points (every bucket of host memory; only the last of GPU memory), and
-they read the tensors as views of the segment, valid until they confirm `done` (`receive`
-copies them; `receive_streamed` hands the views to its consumer). On a GPU both sides first
-wait for their queued copies (the segment's `settle`) before they set those keys. The others
-form the collective backend among themselves with the publisher (ranks renumbered), and the
-publisher broadcasts the same bucket memory to them: one copy of the weights serves both.
-Versions, timeouts, failure reports and `reform` are the same on both routes.
+Same node (``BusSpec.shared_memory``): before it joins, the publisher offers a segment under
+`shm-probe`: host memory (:mod:`rlpost.transport.shared_memory`) for CPU weights on gloo, GPU memory
+over CUDA IPC (:mod:`rlpost.transport.cuda_ipc`) for GPU weights. Each receiver tries to map it (a
+CPU receiver on the node, a receiver on the same GPU) and sets `route/{rank}` to "shm" or "bus".
+"shm" receivers take no part in the collectives: the publisher writes each bucket into the segment
+(growing it when needed; `update/{s}` names the segment) and sets `ready/{s}/{bucket}` at the
+segment's ready points (every bucket of host memory; only the last of GPU memory, after the
+segment's `settle`), and they read views valid until they confirm `done` (`receive` copies them,
+`receive_streamed` hands the views on). The others form the backend with the publisher (ranks
+renumbered), which broadcasts the same bucket memory: one copy of the weights serves both routes.
+Versions, timeouts, failure reports and `reform` are the same on both.
 
 NCCL: by default a timed-out NCCL collective makes torch's watchdog kill the process
 (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the bus builds its NCCL backend with mode 2 (abort the
