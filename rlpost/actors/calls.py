@@ -55,7 +55,7 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
     """The error a failed call of ``name.method`` should raise (see the module docstring)."""
     import ray
 
-    from rlpost.transport.weight_bus import WeightSyncError
+    from rlpost.transport.bus_types import WeightSyncError
 
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return CallTimeout(f"{name} did not answer {method}", name)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
 from rlpost.policies.lora import engine_lora_kwargs, engine_supports_lora, sync_route
-from rlpost.policies.vllm_wrapper import WORKER_EXTENSION, engine_cpu_cores
+from rlpost.policies.vllm_engine import WORKER_EXTENSION, engine_cpu_cores
 from rlpost.runtime.liveness import progress, record_error, working
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """RayLLMCollector: an :class:`~rlpost.collect.LLMCollector` in a Ray actor (TorchRL's).
 
-The collector object stays in the caller's process and forwards each call to the actor
+The object stays in the caller's process and forwards each call to the actor
 (``self._collector``, TorchRL's attribute), which builds the env and the policy where it runs::
 
     rb = RayReplayBuffer(storage=partial(LazyStackStorage, 64), transform_factory=partial(MCAdvantage, grpo_size=4))
@@ -10,14 +10,10 @@ The collector object stays in the caller's process and forwards each call to the
     ... rb.sample() ...; sender.update_weights(); collector.increment_version()
     collector.async_shutdown()
 
-Iterating it (``for _ in collector``) has the actor collect one batch per step; with
-``sync_iter=False`` the actor collects the next batch while the caller works on the last one.
-
-Every call is bounded (rlpost's addition): a call that takes longer than ``timeout_s`` raises
-TimeoutError naming the call, and a collector actor that died raises Ray's ``RayActorError``.
-
-Deviations from TorchRL: ``timeout_s``; properties read through the actor are plain reads of the
-collector's state (TorchRL's ``total_dialog_turns`` property calls a remote property and fails).
+Iterating it collects one batch per step on the actor (ahead by one with ``sync_iter=False``).
+Deviations from TorchRL: every call is bounded by ``timeout_s`` (TimeoutError naming the call; a
+dead actor raises Ray's ``RayActorError``); properties are plain reads of the collector's state
+(TorchRL's ``total_dialog_turns`` calls a remote property and fails).
 """
 
 from __future__ import annotations

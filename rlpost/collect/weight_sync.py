@@ -51,7 +51,7 @@ import torch
 
 from rlpost.collect.weight_update import get_model_metadata, vLLMUpdater
 from rlpost.policies.remote_client import is_local_worker, is_remote_worker
-from rlpost.transport.weight_bus import WeightSyncError
+from rlpost.transport.bus_types import WeightSyncError
 
 log = logging.getLogger("rlpost")
 

@@ -1,39 +1,27 @@
 """vLLMUpdater: push a trainer's weights to vLLM workers over the versioned bus (TorchRL's name).
 
-A collector's ``weight_updater``: :meth:`LLMCollector.update_policy_weights_(weights)
-<rlpost.collect.LLMCollector.update_policy_weights_>` calls :meth:`vLLMUpdater.push_weights`,
-which publishes the weights as version ``v + 1`` on a weight bus
-(:class:`~rlpost.transport.TorchWeightPublisher`: gloo on CPU, NCCL on GPU, in buckets) while
-every worker receives and reloads them in place. The workers are those of
-:func:`~rlpost.actors.vllm_workers.make_vllm_worker` (Ray actors or in-process), given here or found on the
-collector's policy. The first push forms the bus (``init``).
+A collector's ``weight_updater``: ``LLMCollector.update_policy_weights_(weights)`` calls
+:meth:`vLLMUpdater.push_weights`, which publishes them as version ``v + 1`` on a weight bus
+(:class:`~rlpost.transport.TorchWeightPublisher`: gloo on CPU, NCCL on GPU, in buckets) while every
+worker (:func:`~rlpost.actors.vllm_workers.make_vllm_worker`, given or found on the collector's
+policy) receives and reloads them in place. The first push forms the bus.
 
-rlpost's own runs use this same class: the ``learner`` actor holds a vLLMUpdater on the run's
-``inference-<i>`` actors and publishes every version through it (:meth:`publish`, the bus's
-publisher interface); after a worker was restarted the run calls :meth:`set_workers`, which opens
-the bus's next generation with the new set. In async mode it publishes with ``wait=False``
-(``weight_sync.train_during_reload``): the learner trains on while the workers reload, and the
-next publish first confirms that reload (:meth:`confirm`).
+rlpost's runs use this class too: the ``learner`` actor publishes every version through it
+(:meth:`publish`); after a worker restart the run calls :meth:`set_workers` (the bus's next
+generation). In async mode (``weight_sync.train_during_reload``) it publishes with ``wait=False``
+and the next publish first confirms the reload (:meth:`confirm`).
 
-Failures are bounded and raised, never hung on: every bus step and worker call is bounded by
-``timeout_s``. A bus failure raises :class:`~rlpost.transport.WeightSyncError`, and so does a
-worker that does not answer in time (:class:`WorkerTimeout`, a WeightSyncError and a
-``TimeoutError``); a worker that died raises Ray's error. Every worker call of a push is waited
-for before the first failure is raised, so none is left running unobserved.
+Every bus step and worker call is bounded by ``timeout_s``: a bus failure raises
+:class:`~rlpost.transport.WeightSyncError`, a silent worker :class:`WorkerTimeout` (a
+WeightSyncError and a ``TimeoutError``), a dead one Ray's error; every worker call of a push is
+waited for before the first failure is raised, so none is left running unobserved.
 
-A peft model (``peft.PeftModel``, as TorchRL's GRPO scripts train with LoRA), given itself or
-inside a TransformersWrapper, is sent as TorchRL's updaters send it: the base model's weights
-under the base model's names (``model.layers.0.self_attn.q_proj.weight``, the names the engine
-loads), each adapted layer's weight with its adapter merged in (``W + scale * B @ A``), and so
-is its :func:`get_model_metadata`. The model being trained is not changed (see
-:func:`peft_merged_weights` for how and what it costs); TorchRL's ``vLLMUpdater`` and
-``vLLMUpdaterV2`` call ``merge_and_unload()`` on the live model instead, which folds the
-adapter into the trained model's base weights and removes it.
-
-Deviation from TorchRL: versions are counted here (and by the workers, which stamp each
-generation with the version they serve), and a push takes any named tensors (a module, its
-``state_dict``, a TensorDict of parameters) rather than TorchRL's ``TensorDict`` of weights
-only.
+A peft model (TorchRL's GRPO scripts train with LoRA), alone or in a TransformersWrapper, is sent
+as TorchRL sends it: the base model's names, each adapted weight merged (``W + scale * B @ A``),
+and so is its :func:`get_model_metadata`. Deviation: the trained model is not changed
+(:func:`peft_merged_weights`); TorchRL calls ``merge_and_unload()`` on the live model. Also
+rlpost's: versions are counted here (and stamped by the workers), and a push takes any named
+tensors (a module, a ``state_dict``, a TensorDict), not only TorchRL's ``TensorDict`` of weights.
 """
 
 from __future__ import annotations
@@ -49,7 +37,8 @@ import torch
 
 from rlpost.policies.remote_client import is_local_worker, is_remote_worker
 from rlpost.transport.bucketing import StreamedTensors
-from rlpost.transport.weight_bus import NamedTensors, PublishStats, TorchWeightPublisher, WeightSyncError
+from rlpost.transport.bus_publisher import TorchWeightPublisher
+from rlpost.transport.bus_types import NamedTensors, PublishStats, WeightSyncError
 
 # A worker call may finish this long after the bus's own timeout (its reload follows the receive).
 _WORKER_GRACE_S = 30.0

@@ -7,16 +7,10 @@ from rlpost.data.history import PAD_ROLE, History, HistoryError
 from rlpost.data.llm_data import ChatHistory, LLMData, LogProbs, Masks, Text, Tokens
 from rlpost.data.prioritized import PrioritizedSampler
 from rlpost.data.ray_replay_buffer import RayReplayBuffer
-from rlpost.data.replay_buffers import (
-    LazyStackStorage,
-    ListStorage,
-    RandomSampler,
-    ReplayBuffer,
-    Sampler,
-    SamplerWithoutReplacement,
-    Storage,
-)
+from rlpost.data.replay_buffers import ReplayBuffer
+from rlpost.data.samplers import RandomSampler, Sampler, SamplerWithoutReplacement
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
+from rlpost.data.storages import LazyStackStorage, ListStorage, Storage
 from rlpost.data.templates import add_chat_template
 from rlpost.data.tensordict_replay_buffer import TensorDictReplayBuffer
 

@@ -1,29 +1,15 @@
 """PrioritizedSampler: prioritized experience replay (TorchRL's ``PrioritizedSampler``).
 
-Each stored item ``i`` has a priority ``p_i``. The sampler keeps ``(p_i + eps) ** alpha`` per slot
-and draws slots with replacement in proportion to it::
+Slots are drawn with replacement in proportion to ``(p_i + eps) ** alpha``::
 
     P(i) = (p_i + eps) ** alpha / sum_j (p_j + eps) ** alpha
 
-Every sample comes with importance weights under ``"priority_weight"``, ``w_i = (N * P(i)) **
--beta`` scaled by the largest possible one, i.e. ``((p_i + eps) ** alpha / min_j (p_j + eps) **
-alpha) ** -beta``: the least likely item has weight 1, the others less.
-
-A newly written item gets the default priority: the largest priority seen so far (1.0 before
-any), so that new items are sampled at least as often as any other until their own priority is
-known (:meth:`PrioritizedSampler.update_priority`, or a
-:class:`~rlpost.data.tensordict_replay_buffer.TensorDictReplayBuffer` reading its
-``priority_key``). With ``max_priority_within_buffer=True`` that largest priority is the largest
-among the items still stored, not the largest ever seen.
-
-Used as TorchRL's GRPO and expert-iteration scripts use it::
-
-    rb = TensorDictReplayBuffer(
-        storage=LazyStackStorage(256),
-        sampler=PrioritizedSampler(max_capacity=256, alpha=0.7, beta=0.5, eps=1e-6),
-        priority_key=("next", "reward"),
-        batch_size=8,
-    )
+with importance weights under ``"priority_weight"``, ``w_i = (N * P(i)) ** -beta`` scaled by the
+largest possible one, i.e. ``((p_i + eps) ** alpha / min_j (p_j + eps) ** alpha) ** -beta`` (the
+least likely item has weight 1). A new item gets the largest priority seen so far (1.0 before any;
+with ``max_priority_within_buffer=True`` the largest among the items stored), so it is sampled at
+least as often as any other until its own is known (:meth:`PrioritizedSampler.update_priority`, or
+a :class:`~rlpost.data.tensordict_replay_buffer.TensorDictReplayBuffer` reading its ``priority_key``).
 
 Deviations from TorchRL: the priorities are one torch tensor (sampling costs O(capacity), no C++
 segment tree: LLM buffers hold hundreds of items, not millions); storages are one-dimensional, so
@@ -38,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlpost.data.replay_buffers import Sampler, Storage
+from rlpost.data.samplers import Sampler
+from rlpost.data.storages import Storage
 
 REDUCTIONS = ("max", "min", "mean", "median")
 _DTYPES = (torch.float32, torch.float64)

@@ -1,9 +1,8 @@
 r"""RayReplayBuffer: a :class:`~rlpost.data.ReplayBuffer` in a Ray actor (TorchRL's).
 
-The buffer lives in one actor; this object, in the caller's process, forwards each call to it,
-and so does every copy of it sent to another actor (a :class:`~rlpost.collect.RayLLMCollector`
-writing batches, a trainer sampling them). Storage, sampler and transforms are given as
-constructors, built in the actor::
+The buffer lives in one actor; this object, and every copy of it sent to another actor (a
+:class:`~rlpost.collect.RayLLMCollector` writing, a trainer sampling), forwards each call to it.
+Storage, sampler and transforms are given as constructors, built in the actor::
 
     rb = RayReplayBuffer(
         storage=partial(LazyStackStorage, 64),
@@ -15,31 +14,24 @@ constructors, built in the actor::
     rb.sample()               # a batch, read hooks applied
     rb.write_count            # items written so far, by every writer
 
-A transform appended afterwards (``append_transform``) is pickled to the actor. Any other public
-method of the buffer class is called in the actor too (``rb.stats()``, or a class's own methods:
-``rb.put(...)`` on rlpost's :class:`~rlpost.transport.buffer.LocalBuffer`), as in TorchRL;
-:meth:`RayReplayBuffer.call` does the same with its own bound. :meth:`RayReplayBuffer.client`
-gives a copy for another process that forwards calls without owning the actor.
+A transform appended later is pickled to the actor. Any other public method of the buffer class
+runs in the actor too (``rb.stats()``, ``rb.put(...)`` on a
+:class:`~rlpost.transport.buffer.LocalBuffer`), as in TorchRL; :meth:`RayReplayBuffer.call` does
+so with its own bound. :meth:`RayReplayBuffer.client` gives a copy that does not own the actor:
+only the creator's :meth:`close` ends it.
 
-Every call is bounded (rlpost's addition): past ``timeout_s`` it raises TimeoutError naming the
-call. Copies sent to other processes forward calls but do not own the actor: only the creator's
-:meth:`close` ends it.
+A buffer actor that dies (crash, OOM kill, ``ray.kill``) is restarted by Ray (``max_restarts``, 3
+by default) empty, with the same storage, sampler and ``transform_factory`` transforms (not those
+appended later); a call made meanwhile waits for it (within ``timeout_s``). The loss is never
+silent: each answer carries the actor's incarnation, and the first call to see a new one logs a
+warning with the items written before and counts it in :attr:`restarts`. Once restarts are spent
+(or with ``remote_config={"max_restarts": 0}``) calls raise Ray's ``RayActorError``. (rlpost's
+service rebuilds its buffer from what the producers kept instead, through
+:class:`~rlpost.transport.buffer.RayBuffer`.)
 
-A buffer actor that dies (its process crashes, is OOM-killed or ``ray.kill``\ ed) is restarted by
-Ray (``max_restarts``, 3 by default) with the same storage, sampler and transforms, empty: a call
-made while it restarts waits for it (within ``timeout_s``) and then runs on the new actor, so a
-script goes on. What the old actor held is lost, and never silently: each answer carries the
-actor's incarnation, and the first call to see a new one logs a warning with the items written
-before it and counts it in :attr:`restarts`. Transforms appended after construction are not
-rebuilt on a restart (give them through ``transform_factory``). Once its restarts are spent, calls
-raise Ray's ``RayActorError``; with ``remote_config={"max_restarts": 0}`` the first call to meet
-the dead actor raises it. (rlpost's service does not use this class for its buffer: its
-supervisor rebuilds the buffer from what the producers kept, which an empty restart cannot do,
-through one client of a plain LocalBuffer actor, :class:`~rlpost.transport.buffer.RayBuffer`.)
-
-Deviations from TorchRL: no ``transport="distributed"``, delayed initialisation or runtime lease
-(the buffer's actor starts with the object and lives until :meth:`close` or Ray's shutdown);
-``timeout_s`` and the restarts; the actor reserves no CPU unless ``remote_config`` says so.
+Deviations from TorchRL: every call is bounded (TimeoutError naming it past ``timeout_s``); the
+restarts; no ``transport="distributed"``, delayed initialisation or runtime lease (the actor lives
+until :meth:`close` or Ray's shutdown); the actor reserves no CPU unless ``remote_config`` says so.
 """
 
 from __future__ import annotations

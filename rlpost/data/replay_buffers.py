@@ -45,7 +45,6 @@ passed to the read hooks as it is (TorchRL wraps it under a ``"data"`` key).
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -53,267 +52,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, is_tensor_collection, lazy_stack
+from tensordict import is_tensor_collection
 
-_EMPTY_STORAGE_ERROR = "Cannot sample from an empty storage."
+from rlpost.data.samplers import RandomSampler, Sampler, SamplerWithoutReplacement
+from rlpost.data.storages import LazyStackStorage, ListStorage, Storage, default_collate, identity_collate
 
-
-def _check_max_size(max_size: int | None) -> int:
-    if max_size is None:
-        return sys.maxsize
-    if isinstance(max_size, bool) or not isinstance(max_size, (int, np.integer)) or max_size < 1:
-        raise ValueError(f"max_size must be an int >= 1 or None (unlimited), got {max_size!r}")
-    return int(max_size)
-
-
-# ---------------------------------------------------------------------------- storages
-
-
-class Storage:
-    """Base class of storages: ``max_size`` items addressed by integer index."""
-
-    ndim = 1
-
-    def __init__(self, max_size: int | None = None) -> None:
-        self.max_size = _check_max_size(max_size)
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def get(self, index: Any) -> Any:
-        raise NotImplementedError
-
-    def set(self, cursor: int, data: Any) -> None:
-        raise NotImplementedError
-
-    def _empty(self) -> None:
-        raise NotImplementedError
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.get(index)
-
-
-class ListStorage(Storage):
-    """Items in a python list (TorchRL's ``ListStorage``).
-
-    Args:
-        max_size: the most items kept (None: unlimited).
-
-    Keyword Args:
-        device: items with a ``.to`` method are moved there when written (None: left as
-            they are).
-    """
-
-    def __init__(self, max_size: int | None = None, *, device: torch.device | str | None = None) -> None:
-        super().__init__(max_size)
-        self.device = torch.device(device) if device is not None else None
-        self._storage: list[Any] = []
-
-    def __len__(self) -> int:
-        return len(self._storage)
-
-    def set(self, cursor: int, data: Any) -> None:
-        """Write ``data`` at ``cursor`` (the next free slot, or an existing one)."""
-        if not 0 <= cursor <= len(self._storage):
-            raise RuntimeError(
-                f"{type(self).__name__}: cannot write at index {cursor} of a storage holding {len(self._storage)} items"
-            )
-        if cursor >= self.max_size:
-            raise RuntimeError(f"{type(self).__name__}: index {cursor} is beyond max_size={self.max_size}")
-        if self.device is not None and hasattr(data, "to"):
-            data = data.to(self.device)
-        if cursor == len(self._storage):
-            self._storage.append(data)
-        else:
-            self._storage[cursor] = data
-
-    def get(self, index: Any) -> Any:
-        """One item for an integer index; a list of items for a slice or a sequence of ints."""
-        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-            return self._storage[int(index)]
-        if isinstance(index, torch.Tensor) and index.ndim == 0:
-            return self._storage[int(index)]
-        if isinstance(index, slice):
-            return self._storage[index]
-        if isinstance(index, torch.Tensor):
-            index = index.cpu().tolist()
-        elif isinstance(index, np.ndarray):
-            index = index.tolist()
-        return [self._storage[int(i)] for i in index]
-
-    def _empty(self) -> None:
-        self._storage = []
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(max_size={self.max_size}, items={len(self)})"
-
-
-class LazyStackStorage(ListStorage):
-    """A :class:`ListStorage` of TensorDicts whose reads are lazy stacks (TorchRL's).
-
-    Items may differ in shapes and hold strings (LLM steps do); reading several gives a
-    ``LazyStackedTensorDict`` stacked along ``stack_dim``.
-
-    Args:
-        max_size: the most items kept (None: unlimited).
-
-    Keyword Args:
-        stack_dim: the dim the items are stacked along (negative counts from the end of the
-            stacked batch size).
-        device: as for :class:`ListStorage`.
-    """
-
-    def __init__(
-        self, max_size: int | None = None, *, stack_dim: int = 0, device: torch.device | str | None = None
-    ) -> None:
-        super().__init__(max_size, device=device)
-        self.stack_dim = stack_dim
-
-    def set(self, cursor: int, data: Any) -> None:
-        if not is_tensor_collection(data):
-            raise TypeError(f"LazyStackStorage holds TensorDicts, got {type(data).__name__}; use ListStorage")
-        super().set(cursor, data)
-
-    def get(self, index: Any) -> Any:
-        out = super().get(index)
-        if isinstance(out, list) and out:
-            stack_dim = self.stack_dim if self.stack_dim >= 0 else out[0].ndim + 1 + self.stack_dim
-            return lazy_stack(out, stack_dim)
-        return out
-
-
-def _default_collate(items: Any) -> Any:
-    """How :class:`ListStorage` samples are put together (see the module docstring)."""
-    if not isinstance(items, list) or not items:
-        return items
-    if all(is_tensor_collection(item) for item in items):
-        return LazyStackedTensorDict.maybe_dense_stack(items)
-    if all(isinstance(item, torch.Tensor) for item in items):
-        return torch.stack(items)
-    if all(isinstance(item, (bool, int, float, np.number)) for item in items):
-        return torch.tensor(items)
-    return items
-
-
-def _identity(items: Any) -> Any:
-    return items
-
-
-# ---------------------------------------------------------------------------- samplers
-
-
-class Sampler:
-    """Base class of samplers: ``sample(storage, batch_size) -> (indices, info)``."""
-
-    def __init__(self) -> None:
-        self._rng: torch.Generator | None = None
-        self._ran_out = False
-
-    @property
-    def ran_out(self) -> bool:
-        """Whether the last sample ended a pass over the storage (iteration stops then)."""
-        return self._ran_out
-
-    @ran_out.setter
-    def ran_out(self, value: bool) -> None:
-        self._ran_out = value
-
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        raise NotImplementedError
-
-    def add(self, index: int) -> None:
-        """Told after an item is written at ``index``."""
-
-    def extend(self, index: torch.Tensor) -> None:
-        """Told after items are written at ``index``."""
-
-    def _empty(self) -> None:
-        self._ran_out = False
-
-
-class RandomSampler(Sampler):
-    """Uniform sampling with replacement (TorchRL's default sampler).
-
-    Keyword Args:
-        replacement: False builds a :class:`SamplerWithoutReplacement` instead, with the other
-            keyword arguments (``drop_last``, ``shuffle``).
-    """
-
-    def __new__(cls, *, replacement: bool = True, **kwargs: Any) -> Sampler:
-        if not replacement:
-            return SamplerWithoutReplacement(**kwargs)
-        if kwargs:
-            raise TypeError(f"RandomSampler got unexpected arguments {sorted(kwargs)} (they need replacement=False)")
-        return super().__new__(cls)
-
-    def __init__(self, *, replacement: bool = True, **kwargs: Any) -> None:
-        super().__init__()
-
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        if len(storage) == 0:
-            raise RuntimeError(_EMPTY_STORAGE_ERROR)
-        return torch.randint(len(storage), (batch_size,), generator=self._rng), {}
-
-    def __repr__(self) -> str:
-        return "RandomSampler()"
-
-
-class SamplerWithoutReplacement(Sampler):
-    """Each stored item once per pass, in a random order (TorchRL's).
-
-    A pass is a permutation of the storage's indices, drawn anew when a pass ends or when the
-    storage's size changed since the last sample. The sample that ends a pass sets
-    ``ran_out``, which ends iteration over the buffer.
-
-    Args:
-        drop_last: never return a short batch: a pass ends when fewer than ``batch_size``
-            indices are left (they are skipped); sampling more than the storage holds raises.
-        shuffle: False walks the storage in write order.
-    """
-
-    def __init__(self, drop_last: bool = False, shuffle: bool = True) -> None:
-        super().__init__()
-        self.drop_last = drop_last
-        self.shuffle = shuffle
-        self._sample_list: torch.Tensor | None = None
-        self.len_storage = 0
-
-    def _new_pass(self, len_storage: int) -> None:
-        if self.shuffle:
-            self._sample_list = torch.randperm(len_storage, generator=self._rng)
-        else:
-            self._sample_list = torch.arange(len_storage)
-
-    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
-        len_storage = len(storage)
-        if len_storage == 0:
-            raise RuntimeError(_EMPTY_STORAGE_ERROR)
-        if self.drop_last and len_storage < batch_size:
-            raise ValueError(
-                f"batch_size={batch_size} is larger than the {len_storage} items stored: with drop_last=True "
-                "no batch can be drawn without repeating items (use drop_last=False or a smaller batch)"
-            )
-        if self._sample_list is None or len_storage != self.len_storage:
-            self._new_pass(len_storage)
-        self.len_storage = len_storage
-        index = self._sample_list[:batch_size]
-        self._sample_list = self._sample_list[batch_size:]
-        left = self._sample_list.numel()
-        if left == 0 or (self.drop_last and left < batch_size):
-            self.ran_out = True
-            self._new_pass(len_storage)
-        else:
-            self.ran_out = False
-        return index, {}
-
-    def _empty(self) -> None:
-        super()._empty()
-        self._sample_list = None
-        self.len_storage = 0
-
-    def __repr__(self) -> str:
-        left = 0 if self._sample_list is None else self._sample_list.numel()
-        return f"SamplerWithoutReplacement(drop_last={self.drop_last}, shuffle={self.shuffle}, left_in_pass={left})"
+__all__ = [
+    "LazyStackStorage",
+    "ListStorage",
+    "RandomSampler",
+    "ReplayBuffer",
+    "Sampler",
+    "SamplerWithoutReplacement",
+    "Storage",
+]
 
 
 # ---------------------------------------------------------------------------- transforms
@@ -387,7 +139,7 @@ class ReplayBuffer:
         if generator is not None:
             self._sampler._rng = generator
         if collate_fn is None:
-            collate_fn = _identity if isinstance(self._storage, LazyStackStorage) else _default_collate
+            collate_fn = identity_collate if isinstance(self._storage, LazyStackStorage) else default_collate
         self._collate_fn = collate_fn
         if transform_factory is not None:
             if transform is not None:

@@ -1,29 +1,18 @@
 """TensorDictReplayBuffer: a :class:`~rlpost.data.ReplayBuffer` of TensorDicts that keeps track of
 where each item is (TorchRL's ``TensorDictReplayBuffer``).
 
-On top of the plain buffer:
-
-- a write (``extend``, ``add``) sets ``"index"`` in the written TensorDict (after the write
-  hooks: the data that was stored) to the storage index of each item;
-- a sample carries what the sampler said about it: ``"index"``, and for a
-  :class:`~rlpost.data.prioritized.PrioritizedSampler` the importance weights
+- a write sets ``"index"`` in the written TensorDict (after the write hooks) to each item's
+  storage index;
+- a sample carries ``"index"`` and, from a :class:`~rlpost.data.prioritized.PrioritizedSampler`,
   ``"priority_weight"``, each expanded to the sample's batch size;
-- priorities: with a PrioritizedSampler, an item written with a ``priority_key`` entry (default
+- with a PrioritizedSampler, an item written with a ``priority_key`` entry (default
   ``"td_error"``; TorchRL's expert-iteration script uses ``("next", "reward")``) gets that
   priority, several values per item reduced by the sampler's ``reduction``;
-  :meth:`TensorDictReplayBuffer.update_tensordict_priority` does the same for a sample whose
-  ``priority_key`` was changed (it reads the sample's ``"index"``), and
-  :meth:`TensorDictReplayBuffer.update_priority` takes indices and priorities.
+  :meth:`TensorDictReplayBuffer.update_tensordict_priority` does the same for a changed sample
+  (by its ``"index"``), :meth:`TensorDictReplayBuffer.update_priority` from indices.
 
-It runs in a Ray actor as TorchRL's scripts build it::
-
-    RayReplayBuffer(
-        storage=partial(LazyStackStorage, 256),
-        sampler=partial(PrioritizedSampler, max_capacity=256, alpha=0.7, beta=0.5),
-        replay_buffer_cls=TensorDictReplayBuffer,
-        priority_key=("next", "reward"),
-        batch_size=8,
-    )
+TorchRL's scripts run it as ``RayReplayBuffer(..., sampler=partial(PrioritizedSampler, ...),
+replay_buffer_cls=TensorDictReplayBuffer, priority_key=("next", "reward"))``.
 
 Deviations from TorchRL: those of :class:`~rlpost.data.ReplayBuffer` (no writers, prefetching,
 ``dim_extend`` or multi-dimensional storages); ``extend`` reduces several priority values per item

@@ -22,16 +22,11 @@ from rlpost.policies.remote_client import RemoteVLLMClient
 from rlpost.policies.remote_transformers import RemoteTransformersWrapper
 from rlpost.policies.transformers_wrapper import TransformersWrapper
 from rlpost.policies.trl_interop import HFRewardModelWrapper, TorchRLBufferDataset
+from rlpost.policies.vllm_client import LocalVLLMClient, VLLMEngineClient, processed_logprobs
+from rlpost.policies.vllm_engine import WORKER_EXTENSION as VLLM_WORKER_EXTENSION
+from rlpost.policies.vllm_engine import make_vllm_engine, shutdown_vllm_engine
 from rlpost.policies.vllm_worker_ext import WeightSyncExtension as vLLMWorker  # noqa: N812 (TorchRL's name)
-from rlpost.policies.vllm_wrapper import WORKER_EXTENSION as VLLM_WORKER_EXTENSION
-from rlpost.policies.vllm_wrapper import (
-    LocalVLLMClient,
-    VLLMEngineClient,
-    make_vllm_engine,
-    processed_logprobs,
-    shutdown_vllm_engine,
-    vLLMWrapper,
-)
+from rlpost.policies.vllm_wrapper import vLLMWrapper
 
 __all__ = [
     "BatchQueue",

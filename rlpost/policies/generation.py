@@ -9,6 +9,7 @@ and win when both are given.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 # vLLM's SamplingParams default; TorchRL's vLLMWrapper passes no length, so vLLM's 16 applies.
@@ -84,3 +85,21 @@ def _validate_sampling(params: dict[str, Any]) -> None:
     penalty = params.get("repetition_penalty")
     if penalty is not None and penalty <= 0:
         raise ValueError(f"repetition_penalty must be positive, got {penalty}")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation, as an engine returns it (plain data: it crosses processes).
+
+    ``token_ids`` include the EOS token when generation stopped on it (``finished=True``);
+    ``logprobs`` are the processed log-probs of those tokens, or None when not requested.
+    ``token_versions``: the policy version of the weights that sampled each token, when new
+    weights arrived while the completion was generated (an inference worker's in-flight update:
+    its tokens come from several versions); None when one version made them all (the version
+    the call reports) or the engine does not label its weights.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    token_versions: list[int] | None = None

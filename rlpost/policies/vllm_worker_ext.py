@@ -32,7 +32,8 @@ class WeightSyncExtension:
 
     def rlpost_join_bus(self, spec: dict, rank: int) -> int:
         """Join (or re-join, after a reform) the weight bus as ``rank``; returns the rank."""
-        from rlpost.transport.weight_bus import BusSpec, TorchWeightReceiver
+        from rlpost.transport.bus_receiver import TorchWeightReceiver
+        from rlpost.transport.bus_types import BusSpec
 
         bus_spec = BusSpec(**spec)
         receiver = getattr(self, "_rlpost_receiver", None)

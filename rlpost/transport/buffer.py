@@ -1,67 +1,50 @@
 """The buffer between collectors and the learner: bounded, batched, with a staleness cap.
 
-Producers (env pools) ``put`` whole GRPO groups; the learner ``take``s a batch of groups. The pipe
-has one interface and two implementations:
-
-- :class:`LocalBuffer`: a deque guarded by a condition variable; used in-process and as the
-  state inside the Ray actor.
-- :class:`RayBuffer`: the one client of a LocalBuffer in a Ray actor (started by
-  :func:`rlpost.actors.buffer.start_buffer`): the env pools put and the loop takes through it.
-  One actor call moves a whole batch: single-item Ray queue calls cost ~2.5 ms each here,
-  batched ones ~1000x less per item. A put from an env pool to the learner's take is
-  :class:`~rlpost.transport.group_writer.GroupWriter` -> :class:`RayBuffer` -> (the actor)
-  :class:`LocalBuffer`.
+Producers (env pools) ``put`` whole GRPO groups; the learner ``take``s a batch of groups. One
+interface, two implementations: :class:`LocalBuffer` (a deque under a condition variable; in
+process, and the state inside the Ray actor) and :class:`RayBuffer`, the one client of a
+LocalBuffer in a Ray actor (:func:`rlpost.actors.buffer.start_buffer`). One actor call moves a
+whole batch: single-item Ray queue calls cost ~2.5 ms each here, batched ones ~1000x less per
+item. A put travels :class:`~rlpost.transport.group_writer.GroupWriter` -> :class:`RayBuffer` ->
+(the actor) :class:`LocalBuffer`.
 
 A LocalBuffer also has a ReplayBuffer's API (``extend``, ``add``, ``sample``, ``len``,
-``write_count``), so a script built from TorchRL's pieces may use it as its buffer, in-process or
-as ``RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=..., max_staleness=...)``: ``extend``
-waits for room (backpressure) and ``sample`` takes the oldest groups, each exactly once, instead of
-drawing at random with replacement.
+``write_count``), so a TorchRL-style script may use it, in process or as
+``RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=..., max_staleness=...)``; deviation:
+``extend`` waits for room (backpressure) and ``sample`` takes the oldest groups, each exactly
+once, instead of drawing at random with replacement.
 
 Rules:
 - Backpressure: ``put`` blocks while the buffer is full, up to ``timeout_s``, then raises
-  :class:`BufferTimeout` with nothing put. A put is atomic: its groups go in together, as soon as
-  one slot is free, so the buffer may hold up to one batch beyond its capacity. (Appending group
-  by group left a timed-out batch half in, which its producer could not put again without
-  duplicates; waiting for room for the whole batch could deadlock with a consumer waiting for a
-  full step when the DAPO filter made a batch short.)
-- Staleness: a group whose ``policy_version`` is more than ``max_staleness`` behind the consumer's
-  version is dropped and counted. Nothing else is ever dropped.
-- Every blocking call has a timeout.
-- Reservations: a producer ``reserve``s room for its next batch *before* generating it and its
-  next ``put`` releases it, so two producers never generate for the same free slots (without it,
-  2 env pools over a one-step buffer generated 18% of their groups only to see them dropped as
-  stale: both saw the same room, one batch then waited for it and aged).
+  :class:`BufferTimeout` with nothing put. A put is atomic: its groups go in together as soon as
+  one slot is free, so the buffer may hold up to one batch beyond its capacity. (Group by group
+  left a timed-out batch half in, not puttable again without duplicates; waiting for room for
+  the whole batch could deadlock with a consumer waiting for a full step after a short DAPO batch.)
+- Staleness: a group more than ``max_staleness`` policy versions behind the consumer's is
+  dropped and counted. Nothing else is ever dropped. Every blocking call has a timeout.
+- Reservations: a producer ``reserve``s room for its next batch *before* generating it (its next
+  ``put`` releases it), so two producers never generate for the same free slots (without it, 2
+  env pools over a one-step buffer generated 18% of their groups only to see them dropped stale).
 
-Producer positions: a producer may pass its state (e.g. an env pool's position in the prompt
-stream) with each put; the buffer stores it with the groups, under the same lock. Then
-:meth:`LocalBuffer.snapshot` gives the groups still waiting *and* every producer's position after
-its last put, consistent with each other: a checkpoint of both (plus the learner's) loses no
-completed group and repeats none, and a restarted producer resumes from where its last put ended.
+Producer positions: a put may carry its producer's state (an env pool's position in the prompt
+stream), stored with the groups under the same lock; :meth:`LocalBuffer.snapshot` gives the
+waiting groups and every producer's position after its last put, consistent with each other, so
+a checkpoint loses no completed group and repeats none.
 
-Surviving a lost actor. Groups that carry a ``seq`` (an env pool numbers the groups it puts 1, 2,
-3, ... across its restarts) get three more guarantees:
+Surviving a lost actor, for groups that carry a ``seq`` (an env pool numbers its groups 1, 2, ...
+across its restarts):
+- Replays are harmless: a group whose ``seq`` is not above its producer's last accepted one is skipped.
+- Fencing: :meth:`LocalBuffer.fence` (when a dead producer is replaced) returns its state and
+  refuses later puts of an older ``epoch``: a put the dead producer left in flight cannot land.
+- Acknowledgements: the consumer passes ``acknowledged`` (per producer, the highest ``seq`` it
+  received, took or was told dropped) to :meth:`LocalBuffer.take`; each :class:`PutReceipt` hands
+  it back to the producer, which keeps every group until then. A new buffer actor is started with
+  the consumer's acknowledgements and the producers put again what they keep: nothing completed
+  is lost or taken twice. ``take`` reports stale drops so the consumer counts each once.
 
-- Replays are harmless: a group whose ``seq`` is not above its producer's last accepted one is
-  skipped, so a producer may put again what it is not sure went in.
-- Fencing: :meth:`LocalBuffer.fence` (called when a dead producer is replaced) returns the
-  producer's state and refuses every later put of an older ``epoch``; a put that the dead
-  producer left in flight cannot land after its replacement started from that state.
-- Acknowledgements: the consumer passes ``acknowledged`` (per producer, the highest ``seq`` it has
-  received, taken or reported dropped) to :meth:`LocalBuffer.take`; each put's
-  :class:`PutReceipt` hands it back to the producer, which keeps every group it put until then.
-  If the buffer actor dies, a new one is started with the consumer's acknowledgements and the
-  producers put again what they keep: nothing completed is lost and nothing is taken twice.
-  :meth:`LocalBuffer.take` reports the groups it dropped as stale for the same reason: the
-  consumer counts a drop once, from the reply it received.
-
-The producer's side of these guarantees is :class:`~rlpost.transport.group_writer.GroupWriter`: it numbers a producer's
-groups, keeps them until acknowledged, reserves room before each batch and puts its outbox again
-into a new buffer. A collector writes through it as through any replay buffer (``extend``): the
-env pools' :class:`~rlpost.collect.LLMCollector` does.
-
-Items are opaque to the buffer except for ``policy_version`` and, when present, ``producer`` and
-``seq`` (attributes or keys).
+The producer's side of these guarantees is :class:`~rlpost.transport.group_writer.GroupWriter`.
+Items are opaque except for ``policy_version`` and, when present, ``producer`` and ``seq``
+(attributes or keys).
 """
 
 from __future__ import annotations
@@ -71,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from rlpost.runtime.actors import ActorLost, CallTimeout, alive, kill
 
@@ -123,33 +106,6 @@ class Taken:
     groups: list[Any]
     num_dropped_stale: int
     dropped_seqs: dict[str, int]
-
-
-class Buffer(Protocol):
-    def put(
-        self,
-        groups: Sequence[Any],
-        timeout_s: float,
-        producer: str | None = None,
-        producer_state: Any = None,
-        epoch: int = 0,
-        force: bool = False,
-    ) -> PutReceipt: ...
-    def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool: ...
-    def take(
-        self,
-        num_groups: int,
-        timeout_s: float,
-        current_version: int | None = None,
-        acknowledged: dict[str, int] | None = None,
-    ) -> Taken: ...
-    def get(self, num_groups: int, timeout_s: float, current_version: int | None = None) -> list[Any]: ...
-    def fence(self, producer: str, epoch: int) -> Any: ...
-    def stats(self) -> BufferStats: ...
-    def drain(self) -> list[Any]: ...
-    def snapshot(self) -> BufferSnapshot: ...
-    def restore(self, snapshot: BufferSnapshot) -> None: ...
-    def producer_state(self, producer: str) -> Any: ...
 
 
 def _field(item: Any, name: str) -> Any:

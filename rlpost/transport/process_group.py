@@ -23,7 +23,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import BarrierOptions, BroadcastOptions, TCPStore
 
-from rlpost.transport.weight_bus import BusGroup, BusSpec, full_device, resolve_backend
+from rlpost.transport.bus_group import BusGroup, full_device, resolve_backend
+from rlpost.transport.bus_types import BusSpec
 
 
 class StatelessProcessGroup:

@@ -3,7 +3,7 @@
 import pytest
 
 from rlpost.policies.base import Completion
-from rlpost.policies.vllm_wrapper import cut_by_model_len
+from rlpost.policies.vllm_client import cut_by_model_len
 
 pytestmark = pytest.mark.unit
 

@@ -2,15 +2,15 @@
 
 import pytest
 
-from rlpost.policies import vllm_wrapper
-from rlpost.policies.vllm_wrapper import engine_cpu_cores
+from rlpost.policies import vllm_engine
+from rlpost.policies.vllm_engine import engine_cpu_cores
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def four_cores(monkeypatch):
-    monkeypatch.setattr(vllm_wrapper.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    monkeypatch.setattr(vllm_engine.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
 
 
 def test_engines_take_consecutive_runs_of_the_process_cores(four_cores):

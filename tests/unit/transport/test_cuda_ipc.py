@@ -16,8 +16,8 @@ from torch.multiprocessing import reductions
 
 from rlpost.transport import cuda_ipc, shared_memory
 from rlpost.transport.bucketing import BucketLayout, flatten_bucket, plan_buckets, unflatten
+from rlpost.transport.bus_group import open_segment
 from rlpost.transport.cuda_ipc import CudaSegment, CudaSegmentRef
-from rlpost.transport.weight_bus import _open_segment as open_segment
 
 pytestmark = pytest.mark.unit
 
