@@ -12,7 +12,7 @@ from rlpost.tiny.spec import TOOL_SPEC, TinyModelSpec, built_spec, spec_dict
 
 pytestmark = pytest.mark.unit
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[3] / "models"
 FOLDERS = ("tiny-model", "tiny-model-tools", "tiny-reward-model")
 
 

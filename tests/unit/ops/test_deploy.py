@@ -17,7 +17,7 @@ from rlpost.service.starter import role_plan
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"
 RAY_VERSION = importlib.metadata.version("ray")
 

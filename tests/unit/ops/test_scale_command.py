@@ -17,7 +17,7 @@ from rlpost.service.mailbox import describe_fleet, fleet_reached, parse_scale_re
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def run_cli(*args):

@@ -16,7 +16,7 @@ from rlpost.ops import jobs
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ------------------------------------------------------------------------------ the token
