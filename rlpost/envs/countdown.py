@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 
 from rlpost.envs.chat import ChatEnv, DatasetChatEnv
-from rlpost.envs.task_reward import TaskRewardParser
+from rlpost.envs.gsm8k import GSM8KRewardParser, task_env_kwargs
 
 __all__ = [
     "COUNTDOWN_SYSTEM_PROMPT", "CountdownColumns", "CountdownEnv", "CountdownProblems", "CountdownRewardParser",
@@ -196,7 +196,7 @@ def _evaluate(node: ast.AST) -> Fraction:
     return Fraction(node.value)
 
 
-class CountdownRewardParser(TaskRewardParser):
+class CountdownRewardParser(GSM8KRewardParser):
     """TorchRL's Countdown reward: GSM8K's fields and values, with the first answer tag judged by
     :meth:`validate_expression` against the row's ``"target=..., numbers=..."`` reference (see
     the module docstring for the deviations from TorchRL).
@@ -342,12 +342,6 @@ class CountdownEnv(DatasetChatEnv):
             )
         if collate_fn is None:
             collate_fn = CountdownColumns(data_key or ChatEnv.data_key)
-        super().__init__(
-            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
-            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
-            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
-            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, answer_column="answer",
-            max_steps=max_steps or None, num_shards=num_shards, shard_index=shard_index,
-        )  # fmt: skip
+        super().__init__(**task_env_kwargs(locals(), answer_column="answer"))
         if compute_reward:
             self.append_transform(CountdownRewardParser(tokenizer=tokenizer, strict_format=strict_format))

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from rlpost.envs.chat import ChatEnv, DatasetChatEnv
-from rlpost.envs.task_reward import TaskRewardParser
+from rlpost.envs.gsm8k import GSM8KRewardParser, task_env_kwargs
 
 __all__ = ["MATH_SYSTEM_PROMPT", "MATHColumns", "MATHEnv", "MATHRewardParser", "last_boxed"]
 
@@ -93,7 +93,7 @@ def inline_math(text: str) -> str:
     return "$" + text.strip().strip("$").strip() + "$"
 
 
-class MATHRewardParser(TaskRewardParser):
+class MATHRewardParser(GSM8KRewardParser):
     """TorchRL's MATH reward: GSM8K's fields and values, with the reference taken from the last
     ``\\boxed{}`` of the solution and answers compared as LaTeX (see the module docstring for
     the rule and the deviations from TorchRL).
@@ -135,12 +135,6 @@ class MATHRewardParser(TaskRewardParser):
     def answers_match(self, predicted: str, reference: str) -> bool:
         """TorchRL's name: whether ``predicted`` is right for the (already extracted) reference."""
         return self.check_answer(predicted, reference)
-
-    def __repr__(self) -> str:
-        return (
-            f"MATHRewardParser(answer_key={self.answer_key!r}, strict_format={self.strict_format}, "
-            f"use_math_verify={self.use_math_verify}, verify_timeout_s={self.verify_timeout_s})"
-        )
 
 
 class MATHColumns:
@@ -219,13 +213,6 @@ class MATHEnv(DatasetChatEnv):
             dataloader_actor_name = "math_dataloader"  # TorchRL's name
         if collate_fn is None:
             collate_fn = MATHColumns(data_key or ChatEnv.data_key)
-        super().__init__(
-            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
-            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
-            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
-            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, answer_column="answer",
-            max_steps=max_steps or None, num_shards=num_shards, shard_index=shard_index, ray_backend=ray_backend,
-            dataloader_actor_name=dataloader_actor_name,
-        )  # fmt: skip
+        super().__init__(**task_env_kwargs(locals(), answer_column="answer"))
         if compute_reward:
             self.append_transform(MATHRewardParser(tokenizer=tokenizer, strict_format=strict_format))
