@@ -174,20 +174,10 @@ class GRPOLoss(torch.nn.Module):
 
     @dataclass
     class _AcceptedKeys:
-        """The TensorDict keys the loss reads; change them with :meth:`GRPOLoss.set_keys`.
-
-        Attributes:
-            advantage: the advantage. Default ``"advantage"``.
-            action: the token ids scored. Default ``("tokens", "full")``.
-            sample_log_prob: the log-probs the tokens were sampled with. Default
-                ``("log_probs", "full")``.
-            ref_log_probs: the reference model's log-probs. Default
-                ``("next", "ref_log_probs", "full")`` (``("ref_log_probs", "full")`` when the
-                batch has no entry there).
-            proximal_log_probs: rlpost's: the learner's own log-probs of the tokens under its
-                weights at the start of the step, read (when present) by an off-policy
-                correction. Default ``"proximal_log_probs"``.
-        """
+        """The TensorDict keys the loss reads (the module docstring's table); change them with
+        :meth:`GRPOLoss.set_keys`. rlpost's ``proximal_log_probs``: the learner's own log-probs of
+        the tokens under its weights at the start of the step, read (when present) by an
+        off-policy correction."""
 
         advantage: NestedKey = "advantage"
         action: NestedKey = TOKENS_FULL

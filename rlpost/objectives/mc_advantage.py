@@ -40,13 +40,9 @@ candidates gave no useful choice. The selector is called with a TensorDict of th
 batch ``[num_candidates]``: ``"return"`` (float64, one per candidate) and ``"trajectories"``
 (their steps, lazily stacked), of which it receives the entries in its ``in_keys``.
 
-Several writers. In one process, writer threads are safe (the state is behind a lock). For
-writers in several processes, :meth:`MCAdvantage.share_memory_` moves the queues, counters and
-lock into a ``multiprocessing`` manager, so that every copy of the transform handed to a child
-process fills the same groups; with ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` in the environment
-it does nothing (the state stays in each process: a group whose trajectories come from several
-processes then never completes). Across Ray actors use :class:`~rlpost.objectives.RayMCAdvantage`
-(the state in one actor), or a :class:`~rlpost.data.RayReplayBuffer` built with
+Several writers: threads of one process are safe (the state is behind a lock); for several processes see
+:mod:`rlpost.objectives.mc_advantage_state` (``share_memory_``); across Ray actors use
+:class:`~rlpost.objectives.RayMCAdvantage` or a :class:`~rlpost.data.RayReplayBuffer` built with
 ``transform_factory=MCAdvantage``.
 
 Deliberate deviations from TorchRL:
@@ -63,8 +59,7 @@ Deliberate deviations from TorchRL:
   whose returns are all equal is not released (the selector is not told of it).
 - The counters of candidate selection (``selected_trajectories``, ``unselected_trajectories``,
   ``rescued_groups``) count released groups only; TorchRL also counts a selection that its
-  bounds check then rejects. ``rescued_groups`` counts released groups whose first
-  ``grpo_size`` candidates would have been dropped.
+  bounds check then rejects.
 - A selector's answer is checked: ``grpo_size`` distinct candidate indices, or None.
 - The group identity may be any hashable value (a string, an int, a tensor grouped by value, a
   list taken as a tuple); TorchRL accepts strings and tensors only.

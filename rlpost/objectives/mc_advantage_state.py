@@ -1,7 +1,11 @@
-"""The state of :class:`~rlpost.objectives.mc_advantage.MCAdvantage`: its lock, its counters and its
-two queues (group -> trajectories for ``inv``, group -> ``(record, reward)`` pairs for ``add``), the
-counters and queue sizes it reports, and :meth:`MCAdvantageState.share_memory_`, which moves all four
-into a ``multiprocessing`` manager so that copies in other processes fill the same groups."""
+"""The state of :class:`~rlpost.objectives.mc_advantage.MCAdvantage`: a lock, the counters and two
+queues (group -> trajectories for ``inv``, group -> ``(record, reward)`` pairs for ``add``), and what
+it reports of them.
+
+For writers in several processes, :meth:`MCAdvantageState.share_memory_` moves all four into a
+``multiprocessing`` manager, so that every copy of the transform handed to a child process fills the
+same groups; with ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` in the environment it does nothing (a group
+whose trajectories come from several processes then never completes)."""
 
 from __future__ import annotations
 
@@ -139,11 +143,8 @@ class MCAdvantageState:
         return self._shared
 
     def share_memory_(self) -> MCAdvantageState:
-        """Move the queues, counters and lock into a ``multiprocessing`` manager (a server
-        process started here), so that copies of this transform sent to other processes (as a
-        ``multiprocessing.Process`` argument) fill the same groups. Call it before the writers
-        start. A no-op when already shared, or with ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1``.
-        """
+        """Share the state through a ``multiprocessing`` manager (a server process started here; see the
+        module docstring). Call it before the writers start; a no-op when already shared."""
         if self._shared:
             return self
         if os.environ.get(LOCAL_QUEUES_ENV) == "1":
