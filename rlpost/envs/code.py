@@ -283,15 +283,7 @@ class CodeEnv(DatasetChatEnv):
         collate_fn = QuestionFromPrompt(prompt_template, kwargs.pop("collate_fn", None))
         super().__init__(dataset=rows, collate_fn=collate_fn, max_steps=max_steps, **kwargs)
         if compute_reward:
-            self.append_transform(
-                CodeTestReward(
-                    reward=reward,
-                    timeout_s=timeout_s,
-                    call_timeout_s=call_timeout_s,
-                    memory_mb=memory_mb,
-                    sandbox=sandbox,
-                    require_answer_tag=require_answer_tag,
-                    max_workers=max_workers,
-                    pool=pool,
-                )
-            )
+            self.append_transform(CodeTestReward(
+                reward=reward, timeout_s=timeout_s, call_timeout_s=call_timeout_s, memory_mb=memory_mb, sandbox=sandbox,
+                require_answer_tag=require_answer_tag, max_workers=max_workers, pool=pool,
+            ))  # fmt: skip

@@ -201,12 +201,7 @@ class CountdownRewardParser(GSM8KRewardParser):
     :meth:`validate_expression` against the row's ``"target=..., numbers=..."`` reference (see
     the module docstring for the deviations from TorchRL).
 
-    Args (TorchRL's, in its order): ``tokenizer``, ``in_keys``, ``out_keys``, ``eos_token``,
-    ``set_done_if_answer``, ``input_mode``, ``format_reward``, ``correct_reward``; as for
-    :class:`~rlpost.envs.gsm8k.GSM8KRewardParser`.
-
-    Keyword Args (rlpost's): ``answer_key`` (default ``in_keys[1]``, else ``"answer"``) and
-    ``strict_format`` (rlpost's answer rule: the last ``<answer>``, with nothing after it).
+    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` but the math-verify ones.
     """
 
     def __init__(
@@ -282,23 +277,15 @@ class CountdownEnv(DatasetChatEnv):
     (:data:`COUNTDOWN_SYSTEM_PROMPT`), and with ``compute_reward`` a
     :class:`CountdownRewardParser` scores each response. One step per episode by default.
 
-    Keyword Args (TorchRL's): ``num_count`` (numbers per problem, 4), ``max_number`` (100),
-    ``max_target`` (1000), ``shuffle`` (the order rows are served in; each row is random either
-    way), ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``,
-    ``tokenizer``, ``device``, ``template_kwargs``, ``apply_template``, ``compute_reward``,
-    ``collate_fn`` (default :class:`CountdownColumns`), ``max_steps`` (0 or None: no limit) and
-    ``input_mode``.
+    Keyword Args: TorchRL's ``num_count`` (numbers per problem, 4), ``max_number`` (100) and
+    ``max_target`` (1000); ``shuffle`` is the order rows are served in (each row is random either
+    way); ``collate_fn`` defaults to :class:`CountdownColumns`; the others are
+    :class:`~rlpost.envs.gsm8k.GSM8KEnv`'s, plus rlpost's
 
-    Keyword Args (rlpost's):
-        dataset: rows to serve instead of generated ones (a local file, a list of rows, a
-            ``datasets.Dataset``, a hub name, a DataLoader): TorchRL's ``query``/``answer``
-            columns, or ``target`` and ``nums``/``numbers``.
+        dataset: rows to serve instead of generated ones: TorchRL's ``query``/``answer`` columns,
+            or ``target`` and ``nums``/``numbers``.
         num_rows: how many problems are generated (default 1,000,000).
         row_seed: the seed of the problems (default ``seed``, else 0); ``seed`` sets the order.
-        name, split: subset and split of a hub ``dataset``.
-        data_key, system_prompt, num_shards, shard_index: as for
-            :class:`~rlpost.envs.chat.DatasetChatEnv`.
-        strict_format: passed to the reward parser.
     """
 
     SYSTEM_PROMPT = COUNTDOWN_SYSTEM_PROMPT

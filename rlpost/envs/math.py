@@ -98,11 +98,8 @@ class MATHRewardParser(GSM8KRewardParser):
     ``\\boxed{}`` of the solution and answers compared as LaTeX (see the module docstring for
     the rule and the deviations from TorchRL).
 
-    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` (TorchRL's ``tokenizer``,
-    ``in_keys``, ``out_keys``, ``eos_token``, ``set_done_if_answer``, ``input_mode``,
-    ``format_reward``, ``correct_reward``; rlpost's ``answer_key``, ``strict_format``,
-    ``use_math_verify`` (False: the normalised string comparison only, TorchRL's fallback
-    without math-verify), ``verify_timeout_s`` and ``pool``).
+    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser`; ``use_math_verify=False``
+    is the normalised string comparison only (TorchRL's fallback without math-verify).
     """
 
     @staticmethod
@@ -165,18 +162,10 @@ class MATHEnv(DatasetChatEnv):
     (:data:`MATH_SYSTEM_PROMPT`), and with ``compute_reward`` a :class:`MATHRewardParser` scores
     each response. One step per episode by default.
 
-    Keyword Args (TorchRL's): ``dataset``, ``shuffle``, ``num_envs``, ``repeats``,
-    ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
-    ``template_kwargs``, ``apply_template``, ``compute_reward``, ``collate_fn`` (default
-    :class:`MATHColumns`), ``max_steps`` (0 or None: no limit), ``input_mode``, ``ray_backend``
-    and ``dataloader_actor_name`` (default ``"math_dataloader"`` with ``ray_backend``).
-
-    Keyword Args (rlpost's): ``name`` (subset), ``split``, ``data_key``, ``system_prompt``,
-    ``num_shards``, ``shard_index`` and ``strict_format`` (passed to the reward parser).
-
-    ``dataset`` may be a hub name, a local json/jsonl/parquet file or folder, a list of rows, a
-    ``datasets.Dataset`` or a DataLoader, with MATH's ``problem`` and ``solution`` columns (or
-    ``query`` and ``answer``).
+    Keyword Args: those of :class:`~rlpost.envs.gsm8k.GSM8KEnv` but ``prompt_column`` and
+    ``answer_column``; ``collate_fn`` defaults to :class:`MATHColumns` and ``dataloader_actor_name``
+    to ``"math_dataloader"`` (TorchRL's). The dataset has MATH's ``problem`` and ``solution``
+    columns (or ``query`` and ``answer``).
     """
 
     SYSTEM_PROMPT = MATH_SYSTEM_PROMPT
