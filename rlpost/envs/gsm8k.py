@@ -55,7 +55,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.rewards import final_answer
+from rlpost.envs.rewards import count_failure, end_episodes, final_answer
 from rlpost.envs.rewards import has_answer as has_answer_tag
 from rlpost.envs.transforms import Transform
 
@@ -317,13 +317,8 @@ class GSM8KRewardParser(Transform):
         return False, self._count(result.error or "Error", f"{result.message}\n{result.traceback}".strip())
 
     def _count(self, error: str, detail: str) -> str:
-        if not self.errors[error]:
-            logger.warning(
-                "%s: %s; the sample scores 0 (counted in reward_errors; logged once per error type): %s",
-                type(self).__name__, error, detail,
-            )  # fmt: skip
-        self.errors[error] += 1
-        return error
+        message = "%s: %s; the sample scores 0 (counted in reward_errors; logged once per error type): %s"
+        return count_failure(self.errors, error, logger, message, type(self).__name__, error, detail)
 
     @property
     def pool(self) -> FunctionPool:
@@ -359,9 +354,7 @@ class GSM8KRewardParser(Transform):
                 values = current | values.view_as(current) if dtype is torch.bool else current + values.view_as(current)
             next_td.set(self._out[name], values)
         if self.set_done_if_answer:
-            answered = torch.tensor([s["answered"] for s in scores], dtype=torch.bool, device=reward.device)
-            for flag in ("terminated", "done"):
-                next_td.set(flag, next_td.get(flag) | answered.view_as(next_td.get(flag)))
+            end_episodes(next_td, [s["answered"] for s in scores])
         return next_td
 
     def _reference_answers(self, td: TensorDictBase, num_envs: int) -> list[Any]:

@@ -65,7 +65,7 @@ from tensordict.utils import is_non_tensor
 
 from rlpost.data import specs
 from rlpost.envs.chat import ChatEnv, as_list
-from rlpost.envs.rewards import add_reward
+from rlpost.envs.rewards import add_reward, end_episodes
 from rlpost.envs.transforms import Transform
 
 __all__ = ["PUNKT_INSTRUCTIONS", "IFEvalScoreData", "IfEvalScorer", "require_punkt"]
@@ -391,9 +391,7 @@ class IfEvalScorer(Transform):
         if self.aggregate_reward:
             add_reward(next_td, rewards)
         if self.set_done_if_answer:
-            flags = torch.tensor(answered, dtype=torch.bool, device=next_td.get("done").device).view(num_envs, 1)
-            next_td.set("terminated", next_td.get("terminated") | flags)
-            next_td.set("done", next_td.get("done") | flags)
+            end_episodes(next_td, answered)
         return next_td
 
     def _column(self, td: TensorDictBase, key: Any, what: str) -> list:
