@@ -13,11 +13,9 @@ from every question (the tiny model's supervised warm-start data, made before an
 
 from __future__ import annotations
 
-import json
 import random
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 ARITHMETIC_SYSTEM_PROMPT = "Answer with <answer>number</answer>."
 TOOL_ARITHMETIC_SYSTEM_PROMPT = "Compute with a ```python block, then answer with <answer>number</answer>."
@@ -78,13 +76,3 @@ def _draw_rows(draw: Callable[[random.Random], dict[str, str]], num_rows: int, s
         if split is None or is_held_out(row["question"]) == (split == "test"):
             rows.append(row)
     return rows
-
-
-def write_arithmetic_jsonl(path: str | Path, num_rows: int, *, seed: int = 0) -> Path:
-    """Write :func:`make_arithmetic_rows` as a jsonl file that ``datasets`` loads as a local dataset."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in make_arithmetic_rows(num_rows, seed=seed):
-            f.write(json.dumps(row) + "\n")
-    return path

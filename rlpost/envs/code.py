@@ -43,14 +43,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import torch
 from tensordict import TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.code_grader import REQUIRED_COLUMNS, CodeGrade, grade_code
 from rlpost.envs.datasets import default_collate_fn, load_rows
 from rlpost.envs.function_pool import CallResult, FunctionPool
-from rlpost.envs.rewards import ANSWER_CLOSE, ANSWER_OPEN, add_reward
+from rlpost.envs.rewards import ANSWER_CLOSE, ANSWER_OPEN, add_reward, count_failure, end_episodes
 from rlpost.envs.sandbox import check_sandbox
 from rlpost.envs.transforms import Transform
 
@@ -175,10 +174,7 @@ class CodeTestReward(Transform):
         else:
             scores = iter([self._score(*job) for job in jobs])
         add_reward(next_td, [next(scores) if code is not None else 0.0 for code in codes])
-        graded = torch.tensor([code is not None for code in codes], dtype=torch.bool).view(num_envs, 1)
-        next_td.set("terminated", next_td.get("terminated") | graded)
-        next_td.set("done", next_td.get("done") | graded)
-        return next_td
+        return end_episodes(next_td, [code is not None for code in codes])
 
     def grade(self, code: str, row: dict[str, Any]) -> CallResult:
         """Grade one response's code against one row in a worker (its result's value a CodeGrade)."""
@@ -189,13 +185,10 @@ class CodeTestReward(Transform):
         result = self.grade(code, row)
         if not result.ok:
             error = result.error or "Error"
-            if not self.errors[error]:
-                logger.warning(
-                    "%s: grading failed with %s; the sample scores 0 (counted in reward_errors; logged once per error "
-                    "type):\n%s",
-                    type(self).__name__, error, result.traceback or result.message,
-                )  # fmt: skip
-            self.errors[error] += 1
+            message = "%s: grading failed with %s; the sample scores 0 (counted in reward_errors; logged once per error type):\n%s"
+            count_failure(
+                self.errors, error, logger, message, type(self).__name__, error, result.traceback or result.message
+            )
             return 0.0
         grade: CodeGrade = result.value
         if grade.error is not None:
@@ -283,15 +276,7 @@ class CodeEnv(DatasetChatEnv):
         collate_fn = QuestionFromPrompt(prompt_template, kwargs.pop("collate_fn", None))
         super().__init__(dataset=rows, collate_fn=collate_fn, max_steps=max_steps, **kwargs)
         if compute_reward:
-            self.append_transform(
-                CodeTestReward(
-                    reward=reward,
-                    timeout_s=timeout_s,
-                    call_timeout_s=call_timeout_s,
-                    memory_mb=memory_mb,
-                    sandbox=sandbox,
-                    require_answer_tag=require_answer_tag,
-                    max_workers=max_workers,
-                    pool=pool,
-                )
-            )
+            self.append_transform(CodeTestReward(
+                reward=reward, timeout_s=timeout_s, call_timeout_s=call_timeout_s, memory_mb=memory_mb, sandbox=sandbox,
+                require_answer_tag=require_answer_tag, max_workers=max_workers, pool=pool,
+            ))  # fmt: skip

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 
 from rlpost.envs.chat import ChatEnv, DatasetChatEnv
-from rlpost.envs.task_reward import TaskRewardParser
+from rlpost.envs.gsm8k import GSM8KRewardParser, task_env_kwargs
 
 __all__ = [
     "COUNTDOWN_SYSTEM_PROMPT", "CountdownColumns", "CountdownEnv", "CountdownProblems", "CountdownRewardParser",
@@ -196,17 +196,12 @@ def _evaluate(node: ast.AST) -> Fraction:
     return Fraction(node.value)
 
 
-class CountdownRewardParser(TaskRewardParser):
+class CountdownRewardParser(GSM8KRewardParser):
     """TorchRL's Countdown reward: GSM8K's fields and values, with the first answer tag judged by
     :meth:`validate_expression` against the row's ``"target=..., numbers=..."`` reference (see
     the module docstring for the deviations from TorchRL).
 
-    Args (TorchRL's, in its order): ``tokenizer``, ``in_keys``, ``out_keys``, ``eos_token``,
-    ``set_done_if_answer``, ``input_mode``, ``format_reward``, ``correct_reward``; as for
-    :class:`~rlpost.envs.gsm8k.GSM8KRewardParser`.
-
-    Keyword Args (rlpost's): ``answer_key`` (default ``in_keys[1]``, else ``"answer"``) and
-    ``strict_format`` (rlpost's answer rule: the last ``<answer>``, with nothing after it).
+    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` but the math-verify ones.
     """
 
     def __init__(
@@ -282,23 +277,15 @@ class CountdownEnv(DatasetChatEnv):
     (:data:`COUNTDOWN_SYSTEM_PROMPT`), and with ``compute_reward`` a
     :class:`CountdownRewardParser` scores each response. One step per episode by default.
 
-    Keyword Args (TorchRL's): ``num_count`` (numbers per problem, 4), ``max_number`` (100),
-    ``max_target`` (1000), ``shuffle`` (the order rows are served in; each row is random either
-    way), ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``,
-    ``tokenizer``, ``device``, ``template_kwargs``, ``apply_template``, ``compute_reward``,
-    ``collate_fn`` (default :class:`CountdownColumns`), ``max_steps`` (0 or None: no limit) and
-    ``input_mode``.
+    Keyword Args: TorchRL's ``num_count`` (numbers per problem, 4), ``max_number`` (100) and
+    ``max_target`` (1000); ``shuffle`` is the order rows are served in (each row is random either
+    way); ``collate_fn`` defaults to :class:`CountdownColumns`; the others are
+    :class:`~rlpost.envs.gsm8k.GSM8KEnv`'s, plus rlpost's
 
-    Keyword Args (rlpost's):
-        dataset: rows to serve instead of generated ones (a local file, a list of rows, a
-            ``datasets.Dataset``, a hub name, a DataLoader): TorchRL's ``query``/``answer``
-            columns, or ``target`` and ``nums``/``numbers``.
+        dataset: rows to serve instead of generated ones: TorchRL's ``query``/``answer`` columns,
+            or ``target`` and ``nums``/``numbers``.
         num_rows: how many problems are generated (default 1,000,000).
         row_seed: the seed of the problems (default ``seed``, else 0); ``seed`` sets the order.
-        name, split: subset and split of a hub ``dataset``.
-        data_key, system_prompt, num_shards, shard_index: as for
-            :class:`~rlpost.envs.chat.DatasetChatEnv`.
-        strict_format: passed to the reward parser.
     """
 
     SYSTEM_PROMPT = COUNTDOWN_SYSTEM_PROMPT
@@ -342,12 +329,6 @@ class CountdownEnv(DatasetChatEnv):
             )
         if collate_fn is None:
             collate_fn = CountdownColumns(data_key or ChatEnv.data_key)
-        super().__init__(
-            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
-            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
-            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
-            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, answer_column="answer",
-            max_steps=max_steps or None, num_shards=num_shards, shard_index=shard_index,
-        )  # fmt: skip
+        super().__init__(**task_env_kwargs(locals(), answer_column="answer"))
         if compute_reward:
             self.append_transform(CountdownRewardParser(tokenizer=tokenizer, strict_format=strict_format))

@@ -40,12 +40,13 @@ Deliberate deviations from TorchRL:
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import re
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any, Literal
 
@@ -54,7 +55,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.rewards import final_answer
+from rlpost.envs.rewards import count_failure, end_episodes, final_answer
 from rlpost.envs.rewards import has_answer as has_answer_tag
 from rlpost.envs.transforms import Transform
 
@@ -91,6 +92,16 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TURN_END = "<|im_end|>"
 _MATH_VERIFY_EQUAL = "rlpost.envs.math_verify_check:math_verify_equal"  # imported by the worker only
 _POOL_LOCK = threading.Lock()  # module-level, so that parsers (and the envs holding them) stay picklable
+_DATASET_ENV_KEYWORDS = tuple(inspect.signature(DatasetChatEnv.__init__).parameters)[1:]
+
+
+def task_env_kwargs(arguments: Mapping[str, Any], **overrides: Any) -> dict[str, Any]:
+    """The :class:`~rlpost.envs.chat.DatasetChatEnv` keywords among a task env's arguments (its
+    ``locals()``), with ``overrides``; ``max_steps=0`` means no limit (None), as in TorchRL."""
+    kwargs = {key: arguments[key] for key in _DATASET_ENV_KEYWORDS if key in arguments}
+    kwargs.update(overrides)
+    kwargs["max_steps"] = kwargs.get("max_steps") or None
+    return kwargs
 
 
 # ---------------------------------------------------------------------------- math-verify
@@ -306,13 +317,8 @@ class GSM8KRewardParser(Transform):
         return False, self._count(result.error or "Error", f"{result.message}\n{result.traceback}".strip())
 
     def _count(self, error: str, detail: str) -> str:
-        if not self.errors[error]:
-            logger.warning(
-                "%s: %s; the sample scores 0 (counted in reward_errors; logged once per error type): %s",
-                type(self).__name__, error, detail,
-            )  # fmt: skip
-        self.errors[error] += 1
-        return error
+        message = "%s: %s; the sample scores 0 (counted in reward_errors; logged once per error type): %s"
+        return count_failure(self.errors, error, logger, message, type(self).__name__, error, detail)
 
     @property
     def pool(self) -> FunctionPool:
@@ -348,9 +354,7 @@ class GSM8KRewardParser(Transform):
                 values = current | values.view_as(current) if dtype is torch.bool else current + values.view_as(current)
             next_td.set(self._out[name], values)
         if self.set_done_if_answer:
-            answered = torch.tensor([s["answered"] for s in scores], dtype=torch.bool, device=reward.device)
-            for flag in ("terminated", "done"):
-                next_td.set(flag, next_td.get(flag) | answered.view_as(next_td.get(flag)))
+            end_episodes(next_td, [s["answered"] for s in scores])
         return next_td
 
     def _reference_answers(self, td: TensorDictBase, num_envs: int) -> list[Any]:
@@ -371,7 +375,7 @@ class GSM8KRewardParser(Transform):
 
     def __repr__(self) -> str:
         return (
-            f"GSM8KRewardParser(answer_key={self.answer_key!r}, strict_format={self.strict_format}, "
+            f"{type(self).__name__}(answer_key={self.answer_key!r}, strict_format={self.strict_format}, "
             f"use_math_verify={self.use_math_verify}, verify_timeout_s={self.verify_timeout_s})"
         )
 
@@ -512,14 +516,7 @@ class GSM8KEnv(DatasetChatEnv):
             dataloader_actor_name = "gsm8k_dataloader"
         if name is None and isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES:
             name = "main"  # the hub dataset's configurations are "main" and "socratic"
-        super().__init__(
-            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
-            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
-            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
-            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, prompt_column=prompt_column,
-            answer_column=answer_column, max_steps=max_steps or None, num_shards=num_shards,
-            shard_index=shard_index, ray_backend=ray_backend, dataloader_actor_name=dataloader_actor_name,
-        )  # fmt: skip
+        super().__init__(**task_env_kwargs(locals()))
         if compute_reward:
             self.append_transform(GSM8KRewardParser(tokenizer=tokenizer, strict_format=strict_format))
 

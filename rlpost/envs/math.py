@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from rlpost.envs.chat import ChatEnv, DatasetChatEnv
-from rlpost.envs.task_reward import TaskRewardParser
+from rlpost.envs.gsm8k import GSM8KRewardParser, task_env_kwargs
 
 __all__ = ["MATH_SYSTEM_PROMPT", "MATHColumns", "MATHEnv", "MATHRewardParser", "last_boxed"]
 
@@ -93,16 +93,13 @@ def inline_math(text: str) -> str:
     return "$" + text.strip().strip("$").strip() + "$"
 
 
-class MATHRewardParser(TaskRewardParser):
+class MATHRewardParser(GSM8KRewardParser):
     """TorchRL's MATH reward: GSM8K's fields and values, with the reference taken from the last
     ``\\boxed{}`` of the solution and answers compared as LaTeX (see the module docstring for
     the rule and the deviations from TorchRL).
 
-    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` (TorchRL's ``tokenizer``,
-    ``in_keys``, ``out_keys``, ``eos_token``, ``set_done_if_answer``, ``input_mode``,
-    ``format_reward``, ``correct_reward``; rlpost's ``answer_key``, ``strict_format``,
-    ``use_math_verify`` (False: the normalised string comparison only, TorchRL's fallback
-    without math-verify), ``verify_timeout_s`` and ``pool``).
+    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser`; ``use_math_verify=False``
+    is the normalised string comparison only (TorchRL's fallback without math-verify).
     """
 
     @staticmethod
@@ -136,12 +133,6 @@ class MATHRewardParser(TaskRewardParser):
         """TorchRL's name: whether ``predicted`` is right for the (already extracted) reference."""
         return self.check_answer(predicted, reference)
 
-    def __repr__(self) -> str:
-        return (
-            f"MATHRewardParser(answer_key={self.answer_key!r}, strict_format={self.strict_format}, "
-            f"use_math_verify={self.use_math_verify}, verify_timeout_s={self.verify_timeout_s})"
-        )
-
 
 class MATHColumns:
     """MATHEnv's collate function (TorchRL renames the same columns): ``problem`` becomes the
@@ -171,18 +162,10 @@ class MATHEnv(DatasetChatEnv):
     (:data:`MATH_SYSTEM_PROMPT`), and with ``compute_reward`` a :class:`MATHRewardParser` scores
     each response. One step per episode by default.
 
-    Keyword Args (TorchRL's): ``dataset``, ``shuffle``, ``num_envs``, ``repeats``,
-    ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
-    ``template_kwargs``, ``apply_template``, ``compute_reward``, ``collate_fn`` (default
-    :class:`MATHColumns`), ``max_steps`` (0 or None: no limit), ``input_mode``, ``ray_backend``
-    and ``dataloader_actor_name`` (default ``"math_dataloader"`` with ``ray_backend``).
-
-    Keyword Args (rlpost's): ``name`` (subset), ``split``, ``data_key``, ``system_prompt``,
-    ``num_shards``, ``shard_index`` and ``strict_format`` (passed to the reward parser).
-
-    ``dataset`` may be a hub name, a local json/jsonl/parquet file or folder, a list of rows, a
-    ``datasets.Dataset`` or a DataLoader, with MATH's ``problem`` and ``solution`` columns (or
-    ``query`` and ``answer``).
+    Keyword Args: those of :class:`~rlpost.envs.gsm8k.GSM8KEnv` but ``prompt_column`` and
+    ``answer_column``; ``collate_fn`` defaults to :class:`MATHColumns` and ``dataloader_actor_name``
+    to ``"math_dataloader"`` (TorchRL's). The dataset has MATH's ``problem`` and ``solution``
+    columns (or ``query`` and ``answer``).
     """
 
     SYSTEM_PROMPT = MATH_SYSTEM_PROMPT
@@ -219,13 +202,6 @@ class MATHEnv(DatasetChatEnv):
             dataloader_actor_name = "math_dataloader"  # TorchRL's name
         if collate_fn is None:
             collate_fn = MATHColumns(data_key or ChatEnv.data_key)
-        super().__init__(
-            dataset=dataset, shuffle=shuffle, name=name, split=split, num_envs=num_envs, repeats=repeats,
-            batch_size_dl=batch_size_dl, seed=seed, group_repeats=group_repeats, tokenizer=tokenizer,
-            device=device, template_kwargs=template_kwargs, apply_template=apply_template, collate_fn=collate_fn,
-            input_mode=input_mode, data_key=data_key, system_prompt=system_prompt, answer_column="answer",
-            max_steps=max_steps or None, num_shards=num_shards, shard_index=shard_index, ray_backend=ray_backend,
-            dataloader_actor_name=dataloader_actor_name,
-        )  # fmt: skip
+        super().__init__(**task_env_kwargs(locals(), answer_column="answer"))
         if compute_reward:
             self.append_transform(MATHRewardParser(tokenizer=tokenizer, strict_format=strict_format))

@@ -62,117 +62,42 @@ batch-less ``MLGymWrapper`` and its transforms):
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import numbers
 import os
 import random
-import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from rlpost.data import ChatHistory, History, Text
+from rlpost.envs.mlgym_tasks import MLGYM_INSTALL_HINT, MLGymTasks, chdir
+from rlpost.envs.mlgym_text import (
+    EvaluationOutputParser,
+    check_env,
+    command_file,
+    fill,
+    parse_command,
+    read_state,
+    reset_observation,
+    rows_of,
+    step_output,
+    string_stack,
+    strings,
+    task_fields,
+    tool_fields,
+    user_message,
+)
 
 __all__ = ["MLGYM_INSTALL_HINT", "EvaluationOutputParser", "MLGymWrapper", "make_mlgym", "parse_command"]
 
-MLGYM_INSTALL_HINT = "pip install git+https://github.com/facebookresearch/MLGym"
 SYSTEM_ROLE, USER_ROLE, POLICY_ROLE = "system", "user", "assistant"
 RESPONSE_KEY = "text_response"  # TorchRL's action key: the policy's text after the prompt
-_FLAGS = ("done", "terminated", "truncated")
-# What the wrapper uses of an MLGym env (mlgym.environment.env.MLGymEnv) and of its agent config.
-_ENV_ATTRIBUTES = (
-    "reset", "step", "communicate", "reset_container", "add_commands",
-    "config", "task_workspace", "current_step", "max_steps",
-)  # fmt: skip
-_CONFIG_ATTRIBUTES = (
-    "system_template", "task_template", "state_command", "env_variables", "command_files", "tools_handler",
-)  # fmt: skip
 # End-of-turn markers cut from a "text_response" (with the tokenizer's EOS token).
 _TURN_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
-_FENCE = re.compile(r"```(\S*)\s*")
-_SCORE = r"\{'Score': (?:[\w.]+\()?([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
-
-
-# ---------------------------------------------------------------------------- parsing
-
-
-def parse_command(response: str) -> str | None:
-    """The command of an assistant message: its last top-level fenced block, stripped.
-
-    Fences are lines starting with three backticks. A fence with a language tag
-    (```` ```bash ````) always opens a block, possibly nested; a bare fence closes the open
-    block, or opens one when none is open. Blocks still open at the end are ignored. Returns
-    None when there is no closed block or the last one is blank (MLGym's
-    ``ThoughtActionParser`` raises its format error there).
-    """
-    if not isinstance(response, str):
-        raise ValueError(f"parse_command expects the assistant's text, got {type(response).__name__}")
-    depth, content_start, found, offset = 0, 0, None, 0
-    for line in response.splitlines(keepends=True):
-        fence = _FENCE.fullmatch(line.rstrip("\r\n"))
-        if fence is not None:
-            if depth and not fence.group(1):
-                depth -= 1
-                if depth == 0:
-                    found = response[content_start:offset]
-            else:
-                if depth == 0:
-                    content_start = offset + len(line)
-                depth += 1
-        offset += len(line)
-    if found is None or not found.strip():
-        return None
-    return found.strip()
-
-
-class EvaluationOutputParser:
-    """Reads MLGym's evaluation output (TorchRL's parser of the same name).
-
-    Calling it on a text returns the fields found: ``submission_artefact_path``,
-    ``baseline_score`` and ``evaluation_score`` (floats, from ``Baseline Score: {'Score': x}``
-    and ``Evaluation Score: {'Score': x}``), ``current_step`` and ``remaining_steps`` (ints),
-    ``open_file`` and ``current_directory``. :meth:`reward` is ``evaluation_score -
-    baseline_score``, a missing one counting as 0.
-
-    Deviation from TorchRL: a score written ``np.float64(x)`` or followed by other metrics in
-    the same dict is read; TorchRL's float conversion fails on both.
-    """
-
-    patterns: dict[str, re.Pattern] = {
-        "submission_artefact_path": re.compile(r"valid submission artefact at (.*)\."),
-        "baseline_score": re.compile(r"Baseline Score: " + _SCORE),
-        "evaluation_score": re.compile(r"Evaluation Score: " + _SCORE),
-        "current_step": re.compile(r"\(Current Step: (\d+),"),
-        "remaining_steps": re.compile(r"Remaining Steps: (\d+)\)"),
-        "open_file": re.compile(r"\(Open file: (.*)\)"),
-        "current_directory": re.compile(r"\(Current directory: (.*)\)"),
-    }
-    converters: dict[str, Callable[[str], Any]] = {
-        "baseline_score": float,
-        "evaluation_score": float,
-        "current_step": int,
-        "remaining_steps": int,
-    }
-
-    def __call__(self, output: str) -> dict[str, Any]:
-        if not isinstance(output, str):
-            raise ValueError(f"EvaluationOutputParser reads text, got {type(output).__name__}")
-        parsed: dict[str, Any] = {}
-        for name, pattern in self.patterns.items():
-            match = pattern.search(output)
-            if match is not None:
-                parsed[name] = self.converters.get(name, str)(match.group(1).strip())
-        return parsed
-
-    def reward(self, output: str) -> float:
-        parsed = self(output)
-        return parsed.get("evaluation_score", 0.0) - parsed.get("baseline_score", 0.0)
 
 
 # ---------------------------------------------------------------------------- the wrapper
@@ -223,7 +148,7 @@ class MLGymWrapper:
         if not envs:
             raise ValueError("MLGymWrapper needs at least one MLGym env, got an empty list")
         for one in envs:
-            _check_env(one)
+            check_env(one)
         if task is not None and (not isinstance(task, str) or not task):
             raise ValueError(f"task must be a task name (a non-empty str), got {task!r}")
         if tasks is not None:
@@ -291,7 +216,7 @@ class MLGymWrapper:
         td = self._reset_input(td)
         num_rows = self.batch_size[0]
         if "task" in td.keys():
-            names = _strings(td.get("task"), num_rows, "task")
+            names = strings(td.get("task"), num_rows, "task")
             if not all(names):
                 raise ValueError(f"the reset input's 'task' must name a task in every row, got {names!r}")
         else:
@@ -319,17 +244,17 @@ class MLGymWrapper:
         return self._rng.choice(self.tasks) if self.tasks is not None else None
 
     def _reset_row(self, row: int, task: str | None) -> dict[str, Any]:
-        with self._in_workdir():
+        with chdir(self.workdir):
             if task is not None and task != self.current_tasks[row]:
                 self._switch_task(row, task)
             env = self.envs[row]
             env.reset_container()
             env.communicate(f"cd {Path(str(env.task_workspace)).parent}")
-            observation = _reset_observation(env.reset())
+            observation = reset_observation(env.reset())
             self._set_environment_variables(env)
-            system = _fill(env.config, "system_template", {**self._task_fields(env), **_tool_fields(env)})
-            state, state_fields = _read_state(env)
-            message = self._message(env, first=True, observation=observation, state_fields=state_fields)
+            system = fill(env.config, "system_template", {**task_fields(env), **tool_fields(env)})
+            state, state_fields = read_state(env)
+            message = user_message(env, first=True, observation=observation, state_fields=state_fields)
         chat = [{"role": SYSTEM_ROLE, "content": system}, {"role": USER_ROLE, "content": message}]
         return {
             "chat": chat, "observation": observation, "state": state, "message": message,
@@ -348,7 +273,7 @@ class MLGymWrapper:
         except Exception as err:  # a container that will not stop must not block the next task
             warnings.warn(f"closing the MLGym env of task {self.current_tasks[row]!r} failed: {err!r}", stacklevel=3)
         env = self.make_env(task)
-        _check_env(env)
+        check_env(env)
         self.envs[row], self.current_tasks[row] = env, task
 
     def _set_environment_variables(self, env: Any) -> None:
@@ -362,7 +287,7 @@ class MLGymWrapper:
             raise RuntimeError(
                 f"setting the MLGym env's variables failed with return code {env.returncode}: {output!r}"
             )
-        env.add_commands([_command_file(Path(path)) for path in config.command_files])
+        env.add_commands([command_file(Path(path)) for path in config.command_files])
 
     # ------------------------------------------------------------------ step
 
@@ -442,23 +367,23 @@ class MLGymWrapper:
         chats, responses = self._responses(td)
         previous = [""] * num_rows
         if "observation" in td.keys():
-            previous = _strings(td.get("observation"), num_rows, "observation")
+            previous = strings(td.get("observation"), num_rows, "observation")
         with_task = "task" in td.keys()
-        tasks = _strings(td.get("task"), num_rows, "task") if with_task else self.current_tasks
+        tasks = strings(td.get("task"), num_rows, "task") if with_task else self.current_tasks
         rows, actions = [], []
         for i, (chat, response) in enumerate(zip(chats, responses)):
             command = parse_command(response)
             actions.append(command or "")
             env = self.envs[i]
-            with self._in_workdir():
+            with chdir(self.workdir):
                 if command is None:
                     observation, reward, terminated, truncated = previous[i], 0.0, False, False
                     if self.reward_wrong_format is not None:
                         reward += self.reward_wrong_format
                 else:
-                    observation, reward, terminated, truncated = _step_output(env.step(command))
-                state, state_fields = _read_state(env)
-                message = self._message(env, first=False, observation=observation, state_fields=state_fields)
+                    observation, reward, terminated, truncated = step_output(env.step(command))
+                state, state_fields = read_state(env)
+                message = user_message(env, first=False, observation=observation, state_fields=state_fields)
             if command is not None:
                 reward += self.parser.reward(message)
             rows.append({
@@ -467,7 +392,7 @@ class MLGymWrapper:
                 "terminated": terminated, "truncated": truncated,
             })  # fmt: skip
         td.set("retry", torch.tensor([[not a] for a in actions], dtype=torch.bool, device=self.device))
-        td.set("action", _string_stack(actions))
+        td.set("action", string_stack(actions))
         td.set("next", self._pack(rows, with_task=with_task, with_reward=True))
         return td, rows, with_task
 
@@ -481,7 +406,7 @@ class MLGymWrapper:
         num_rows = self.batch_size[0]
         history = td.get("history", None)
         if isinstance(history, ChatHistory) and history.full is not None:
-            chats = _rows_of(history.full, num_rows, ("history", "full"))
+            chats = rows_of(history.full, num_rows, ("history", "full"))
             for chat in chats:
                 if not chat or chat[-1]["role"] != POLICY_ROLE:
                     chat.append({"role": POLICY_ROLE, "content": ""})
@@ -493,8 +418,8 @@ class MLGymWrapper:
         if RESPONSE_KEY in td.keys():
             if not isinstance(history, ChatHistory) or history.prompt is None:
                 raise ValueError(f"a step with {RESPONSE_KEY!r} also needs the prompt under ('history', 'prompt')")
-            chats = _rows_of(history.prompt, num_rows, ("history", "prompt"))
-            responses = [self._strip_turn_end(t) for t in _strings(td.get(RESPONSE_KEY), num_rows, RESPONSE_KEY)]
+            chats = rows_of(history.prompt, num_rows, ("history", "prompt"))
+            responses = [self._strip_turn_end(t) for t in strings(td.get(RESPONSE_KEY), num_rows, RESPONSE_KEY)]
             for chat, response in zip(chats, responses):
                 chat.append({"role": POLICY_ROLE, "content": response})
             return chats, responses
@@ -508,42 +433,7 @@ class MLGymWrapper:
         cut = min((text.find(m) for m in markers if m in text), default=len(text))
         return text[:cut].strip()
 
-    # ------------------------------------------------------------------ messages and output
-
-    def _message(self, env: Any, *, first: bool, observation: str, state_fields: dict[str, Any]) -> str:
-        """The user message after a reset (``first``) or after a command's ``observation``."""
-        config = env.config
-        if first:
-            names = ["task_template"]
-            if getattr(config, "strategy_template", None) is not None:
-                names.append("strategy_template")
-        elif not observation.strip():
-            names = [_first_template(config, "next_step_no_output_template", "next_step_template", "task_template")]
-        else:
-            names = [_first_template(config, "next_step_template", "task_template")]
-        fields = {
-            **self._task_fields(env),
-            **_tool_fields(env),
-            **state_fields,
-            "current_step": env.current_step,
-            "remaining_steps": env.max_steps - env.current_step,
-            "observation": observation,
-        }
-        return "\n".join(_fill(config, name, fields) for name in names)
-
-    @staticmethod
-    def _task_fields(env: Any) -> dict[str, Any]:
-        args = getattr(getattr(env, "task", None), "args", None)
-        if dataclasses.is_dataclass(args) and not isinstance(args, type):
-            return dataclasses.asdict(args)
-        if isinstance(args, Mapping):
-            return dict(args)
-        if hasattr(args, "model_dump"):
-            return dict(args.model_dump())
-        raise ValueError(
-            "the MLGym env's env.task.args (the task config, set by env.reset) must be a dataclass or a "
-            f"mapping, got {type(args).__name__}"
-        )
+    # ------------------------------------------------------------------ output
 
     def _pack(self, rows: list[dict[str, Any]], *, with_task: bool, with_reward: bool) -> TensorDict:
         num_rows = len(rows)
@@ -554,11 +444,11 @@ class MLGymWrapper:
             rendered = history.apply_chat_template(
                 tokenizer=self.tokenizer, add_generation_prompt=True, tokenize=False, **self.template_kwargs
             )
-            out.set("text", Text(prompt=_string_stack(rendered), batch_size=[num_rows]))
+            out.set("text", Text(prompt=string_stack(rendered), batch_size=[num_rows]))
         for key in ("observation", "state", "message"):
-            out.set(key, _string_stack([row[key] for row in rows]))
+            out.set(key, string_stack([row[key] for row in rows]))
         if with_task:
-            out.set("task", _string_stack([row["task"] or "" for row in rows]))
+            out.set("task", string_stack([row["task"] or "" for row in rows]))
         if with_reward:
             out.set("reward", self._column([row["reward"] for row in rows], torch.float32))
         terminated = self._column([row["terminated"] for row in rows], torch.bool)
@@ -570,14 +460,6 @@ class MLGymWrapper:
 
     def _column(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device).view(-1, 1)
-
-    @contextmanager
-    def _in_workdir(self) -> Iterator[None]:
-        if self.workdir is None:
-            yield
-            return
-        with _chdir(self.workdir):
-            yield
 
     def __repr__(self) -> str:
         return (
@@ -622,7 +504,7 @@ def make_mlgym(
     if tasks and (isinstance(tasks, str) or not all(isinstance(t, str) and t for t in tasks)):
         raise ValueError(f"tasks must be a list of task names, got {tasks!r}")
     names = [task] if task else list(tasks)
-    registry = _MLGymTasks()
+    registry = MLGymTasks()
     for name in names:
         registry.register(name)
     return MLGymWrapper(
@@ -635,204 +517,3 @@ def make_mlgym(
         make_env=registry.make,
         workdir=registry.root,
     )
-
-
-class _MLGymTasks:
-    """Registers MLGym tasks and builds their envs (imports MLGym and gymnasium)."""
-
-    def __init__(self) -> None:
-        self.mlgym = _import_optional("mlgym", f"MLGym is not installed; it is not on PyPI: {MLGYM_INSTALL_HINT}")
-        self.gym = _import_optional("gymnasium", "MLGym's envs are gymnasium envs: pip install gymnasium")
-        locations = list(getattr(self.mlgym, "__path__", None) or [])
-        self.root = Path(locations[0]).parent if locations else None
-        self._registered: dict[str, tuple[str, Any]] = {}
-
-    def register(self, task: str) -> None:
-        with _chdir(self.root):
-            import mlgym.environment.registration  # noqa: F401  (registers MLGym's gymnasium envs)
-            from mlgym import CONFIG_DIR
-            from mlgym.agent.base import AgentArguments
-            from mlgym.backend.base import ModelArguments
-            from mlgym.environment.env import EnvironmentArguments
-            from mlgym.environment.registration import register_task
-
-            environment_args = EnvironmentArguments(
-                task_config_path=f"tasks/{task}.yaml",
-                max_steps=10,
-                seed=42,
-                container_type="podman",
-                verbose=False,
-                aliases_file="docker/aliases.sh",
-            )
-            agent_args = AgentArguments(
-                model=ModelArguments(""), agent_config_path=Path(CONFIG_DIR) / "agents" / "default.yaml"
-            )
-            register_task(environment_args)
-        self._registered[task] = (environment_args.task.id, agent_args)
-
-    def make(self, task: str) -> Any:
-        if task not in self._registered:
-            self.register(task)
-        task_id, agent_args = self._registered[task]
-        with _chdir(self.root):
-            env = self.gym.make(f"mlgym/{task_id}", devices=["cpu_0"]).unwrapped
-        env.config = agent_args.config  # the templates and tools the wrapper reads
-        return env
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _import_optional(name: str, hint: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != name:  # the package is there but one of its own imports failed
-            raise
-        raise ImportError(f"make_mlgym needs the {name!r} package. {hint}") from err
-
-
-@contextmanager
-def _chdir(path: Path | None) -> Iterator[None]:
-    if path is None:
-        yield
-        return
-    old = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
-def _check_env(env: Any) -> None:
-    missing = [name for name in _ENV_ATTRIBUTES if not hasattr(env, name)]
-    if missing:
-        raise ValueError(
-            f"MLGymWrapper wraps MLGym envs (mlgym.environment.env.MLGymEnv, with the agent config set "
-            f"as env.config); {type(env).__name__} has no {', '.join(missing)}"
-        )
-    missing = [name for name in _CONFIG_ATTRIBUTES if not hasattr(env.config, name)]
-    if missing:
-        raise ValueError(f"the MLGym env's agent config (env.config) has no {', '.join(missing)}")
-
-
-def _tool_fields(env: Any) -> dict[str, Any]:
-    tools = env.config.tools_handler
-    return {"command_docs": tools.command_docs, **dict(tools.env_variables)}
-
-
-def _read_state(env: Any) -> tuple[str, dict[str, Any]]:
-    """What the state command printed, and its JSON fields ("" and none without a command)."""
-    command = getattr(env.config.state_command, "name", None)
-    if not command:
-        return "", {}
-    text = env.communicate(command)
-    try:
-        fields = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as err:
-        raise ValueError(f"the MLGym state command {command!r} printed {text!r}, which is not JSON") from err
-    if not isinstance(fields, dict):
-        raise ValueError(f"the MLGym state command {command!r} printed {text!r}, not a JSON object")
-    return text, fields
-
-
-def _first_template(config: Any, *names: str) -> str:
-    for name in names:
-        if getattr(config, name, None) is not None:
-            return name
-    return names[-1]
-
-
-def _fill(config: Any, name: str, fields: dict[str, Any]) -> str:
-    template = getattr(config, name, None)
-    if not isinstance(template, str):
-        raise ValueError(f"the MLGym config's {name} must be a str, got {type(template).__name__}")
-    try:
-        return template.format(**fields)
-    except KeyError as err:
-        raise ValueError(
-            f"the MLGym config's {name} uses the field {{{err.args[0]}}}, which is not among the fields "
-            f"it is filled with: {sorted(fields)}"
-        ) from err
-    except (IndexError, ValueError) as err:
-        raise ValueError(f"the MLGym config's {name} is not a valid format string: {err}") from err
-
-
-def _command_file(path: Path) -> dict[str, str]:
-    """One of the config's command files, as MLGym's ``add_commands`` takes it."""
-    contents = path.read_text()
-    if contents.strip().startswith("#!"):  # a script, made executable
-        return {"contents": contents, "name": path.name.rsplit(".", 1)[0], "type": "script"}
-    if path.name.endswith(".sh"):  # sourced
-        return {"contents": contents, "name": path.name, "type": "source_file"}
-    if path.name.startswith("_"):  # a helper the other commands use
-        return {"contents": contents, "name": path.name, "type": "utility"}
-    raise ValueError(
-        f"MLGym command file {str(path)!r} is not a shell script: start it with a shebang (#!), name it "
-        "*.sh to have it sourced, or start its name with '_' for a utility file"
-    )
-
-
-def _observation_text(observation: Any) -> str:
-    if isinstance(observation, Mapping):
-        observation = observation.get("observation")
-    if observation is None:
-        return ""
-    if not isinstance(observation, str):
-        raise ValueError(f"MLGym observations are text, got {type(observation).__name__}: {observation!r}")
-    return observation
-
-
-def _reset_observation(output: Any) -> str:
-    """The observation of ``env.reset()``: ``(observation, info)`` or the observation alone."""
-    if isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], Mapping):
-        output = output[0]
-    return _observation_text(output)
-
-
-def _step_output(output: Any) -> tuple[str, float, bool, bool]:
-    """(observation, reward, terminated, truncated) of MLGym's ``(observation, reward, done,
-    info)`` or gymnasium's ``(observation, reward, terminated, truncated, info)``."""
-    if not isinstance(output, tuple) or len(output) not in (4, 5):
-        raise ValueError(
-            "the MLGym env's step must return (observation, reward, done, info) or "
-            f"(observation, reward, terminated, truncated, info), got {output!r:.200}"
-        )
-    if len(output) == 4:
-        observation, reward, terminated, _ = output
-        truncated = False
-    else:
-        observation, reward, terminated, truncated, _ = output
-    return _observation_text(observation), float(reward), bool(terminated), bool(truncated)
-
-
-def _strings(value: Any, num_rows: int, key: str) -> list[str]:
-    """The text of each row of entry ``key`` (a non-tensor stack or datum, a str or a list)."""
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    elif isinstance(value, NonTensorData):
-        value = [value.data] * num_rows
-    elif isinstance(value, str):
-        value = [value] * num_rows
-    elif isinstance(value, (list, tuple)):
-        value = list(value)
-    else:
-        raise ValueError(f"{key!r} must hold one str per row, got {type(value).__name__}")
-    if len(value) != num_rows:
-        raise ValueError(f"{key!r} has {len(value)} values for a batch of {num_rows}")
-    if not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{key!r} must hold one str per row, got {value!r}")
-    return value
-
-
-def _rows_of(history: History, num_rows: int, key: tuple[str, str]) -> list[list[dict]]:
-    if history.batch_dims != 2 or history.batch_size[0] != num_rows:
-        raise ValueError(f"{key} must be a History of batch [{num_rows}, n_messages], got {tuple(history.batch_size)}")
-    return history.to_chats(include_state=True)
-
-
-def _string_stack(values: list[str]) -> NonTensorStack:
-    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[len(values)])

@@ -59,11 +59,18 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
-from rlpost.envs.rewards import add_reward, extract_answer, final_answer, has_answer, reward_value
+from rlpost.envs.rewards import (
+    add_reward,
+    count_failure,
+    end_episodes,
+    extract_answer,
+    final_answer,
+    has_answer,
+    reward_value,
+)
 from rlpost.envs.transforms import Transform
 
 __all__ = [
@@ -381,9 +388,7 @@ class ReasoningGymRewardParser(Transform):
         rows = as_list(td.get(self.row_key), num_envs)
         add_reward(next_td, [self.score(completion, row) for completion, row in zip(completions, rows)])
         if self.set_done_if_answer:
-            answered = torch.tensor([has_answer(c) for c in completions], dtype=torch.bool).view(num_envs, 1)
-            next_td.set("terminated", next_td.get("terminated") | answered)
-            next_td.set("done", next_td.get("done") | answered)
+            end_episodes(next_td, [has_answer(c) for c in completions])
         return next_td
 
     def score(self, completion: str, row: Mapping[str, Any]) -> float:
@@ -417,14 +422,8 @@ class ReasoningGymRewardParser(Transform):
         return self._scorers[task]
 
     def _failed(self, error: str, detail: str) -> float:
-        if not self.errors[error]:
-            logger.warning(
-                "%s: %s; reward 0 (counted in reward_errors as %s; logged once per error type)",
-                type(self).__name__,
-                detail,
-                error,
-            )
-        self.errors[error] += 1
+        message = "%s: %s; reward 0 (counted in reward_errors as %s; logged once per error type)"
+        count_failure(self.errors, error, logger, message, type(self).__name__, detail, error)
         return 0.0
 
     def __repr__(self) -> str:

@@ -21,9 +21,11 @@ type name, for the metrics, so that one bad sample never stops an env.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -152,3 +154,21 @@ def add_reward(next_td: TensorDictBase, rewards: list[float]) -> TensorDictBase:
     reward = next_td.get("reward")
     next_td.set("reward", reward + torch.tensor(rewards, dtype=reward.dtype, device=reward.device).view_as(reward))
     return next_td
+
+
+def end_episodes(next_td: TensorDictBase, ended: Sequence[bool]) -> TensorDictBase:
+    """Set ``terminated`` and ``done`` in the rows where ``ended`` holds (one flag per env)."""
+    done = next_td.get("done")
+    flags = torch.tensor(list(ended), dtype=torch.bool, device=done.device).view_as(done)
+    for key in ("terminated", "done"):
+        next_td.set(key, next_td.get(key) | flags)
+    return next_td
+
+
+def count_failure(errors: Counter, error: str, log: logging.Logger, message: str, *args: Any) -> str:
+    """Count a sample scored 0 because of a failure, by type, in a reward's ``errors`` (an env sums them in
+    ``reward_errors``); the first failure of each type is logged (``message % args``). Returns ``error``."""
+    if not errors[error]:
+        log.warning(message, *args)
+    errors[error] += 1
+    return error

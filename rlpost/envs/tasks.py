@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from tensordict import TensorDictBase
 
 from rlpost.envs.arithmetic import (
@@ -35,7 +34,15 @@ from rlpost.envs.arithmetic import (
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
 from rlpost.envs.gsm8k import GSM8K_SYSTEM_PROMPT, GSM8KEnv, GSM8KRewardParser  # noqa: F401  (re-exported)
-from rlpost.envs.rewards import add_reward, answer_reward, has_answer, load_reward_fn, reward_value
+from rlpost.envs.rewards import (
+    add_reward,
+    answer_reward,
+    count_failure,
+    end_episodes,
+    has_answer,
+    load_reward_fn,
+    reward_value,
+)
 from rlpost.envs.sandbox import SandboxUnavailable
 from rlpost.envs.tool_transforms import (
     HermesToolCallParser,
@@ -95,20 +102,15 @@ class AnswerRewardParser(Transform):
         rewards = [self._reward(completion, answer) for completion, answer in zip(completions, answers)]
         add_reward(next_td, rewards)
         if self.set_done_if_answer:
-            answered = torch.tensor([has_answer(c) for c in completions], dtype=torch.bool).view(num_envs, 1)
-            next_td.set("terminated", next_td.get("terminated") | answered)
-            next_td.set("done", next_td.get("done") | answered)
+            end_episodes(next_td, [has_answer(c) for c in completions])
         return next_td
 
     def _reward(self, completion: str, answer: Any) -> float:
         try:
             target = self.parse_target(answer)
         except ValueError as exc:
-            if not self.errors[type(exc).__name__]:
-                logger.warning(
-                    "%s: bad reference answer, reward 0 (counted in reward_errors): %s", type(self).__name__, exc
-                )
-            self.errors[type(exc).__name__] += 1
+            message = "%s: bad reference answer, reward 0 (counted in reward_errors): %s"
+            count_failure(self.errors, type(exc).__name__, logger, message, type(self).__name__, exc)
             return 0.0
         return answer_reward(completion, target)
 
@@ -156,15 +158,8 @@ class UserReward(Transform):
         else:
             reward, error, detail = 0.0, result.error, result.traceback or result.message
         if error is not None:
-            if not self.errors[error]:
-                logger.warning(
-                    "reward function %s failed with %s; reward 0 (counted in reward_errors; logged once "
-                    "per error type):\n%s",
-                    self.name,
-                    error,
-                    detail,
-                )
-            self.errors[error] += 1
+            message = "reward function %s failed with %s; reward 0 (counted in reward_errors; logged once per error type):\n%s"
+            count_failure(self.errors, error, logger, message, self.name, error, detail)
         return reward
 
     def __repr__(self) -> str:

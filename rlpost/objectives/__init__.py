@@ -6,15 +6,9 @@ iteration's top-k)."""
 
 from rlpost.algo.kl import k3_kl_token_estimate
 from rlpost.objectives.distillation import DistillationLoss, DistillationLossOutput
-from rlpost.objectives.grpo import (
-    DAPO,
-    CISPOLoss,
-    CISPOLossOutput,
-    DAPOLossOutput,
-    GRPOLoss,
-    GRPOLossOutput,
-    LLMLossOutput,
-)
+from rlpost.objectives.grpo import GRPOLoss
+from rlpost.objectives.grpo_variants import DAPO, CISPOLoss
+from rlpost.objectives.loss_output import CISPOLossOutput, DAPOLossOutput, GRPOLossOutput, LLMLossOutput
 from rlpost.objectives.mc_advantage import MCAdvantage
 from rlpost.objectives.ray_mc_advantage import RayMCAdvantage
 from rlpost.objectives.selection import MCAdvantageSelector, TopKRewardSelector

@@ -99,14 +99,10 @@ class DistillationLoss(HistoryLoss):
         assistant_only: bool = True,
         device: torch.device | None = None,
     ):
-        super().__init__(actor_network, tokenizer, tokenizer_kwargs, device)
+        super().__init__(actor_network, tokenizer, tokenizer_kwargs, device, reduction, normalize_by_seq_length)
         if kl_direction not in KL_DIRECTIONS:
             raise ValueError(f"kl_direction must be 'reverse' or 'forward', got {kl_direction!r}.")
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
         self.kl_direction = kl_direction
-        self.reduction = reduction
-        self.normalize_by_seq_length = normalize_by_seq_length
         self.assistant_only = assistant_only
 
     @property

@@ -138,3 +138,18 @@ class GroupQueues:
 
     def __repr__(self) -> str:
         return f"GroupQueues({dict(self.items())!r})"
+
+
+class GroupingTransform:
+    """The read side shared by :class:`~rlpost.objectives.MCAdvantage` and
+    :class:`~rlpost.objectives.RayMCAdvantage` (TorchRL's): a grouping transform acts on write."""
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """The read path: data sampled from a buffer passes unchanged."""
+        return tensordict
+
+    def __call__(self, data: Any) -> Any:
+        """A TensorDict: :meth:`forward` (unchanged). Anything else: :meth:`add`."""
+        if isinstance(data, TensorDictBase):
+            return self.forward(data)
+        return self.add(data)

@@ -74,16 +74,28 @@ Deliberate deviations from TorchRL, each tested in tests/unit/objectives/test_gr
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from numbers import Real
 from typing import Literal
 
 import torch
-from tensordict import NestedKey, TensorClass, TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.algo import OFF_POLICY_CORRECTIONS, GRPOLossTerms, LossFunction, grpo_loss, trust_region_mask
 from rlpost.data.stacking import same_key
-from rlpost.policies.inputs import is_lazy
+from rlpost.objectives.loss_inputs import (
+    actor_input,
+    advantage_bt,
+    check_number,
+    clip_bounds,
+    describe,
+    key_list,
+    lazy_rows,
+    per_token_bt,
+    read_padded,
+    score_and_entropy,
+    scoring_twin,
+)
+from rlpost.objectives.loss_output import GRPOLossOutput, LLMLossOutput
 
 TOKENS_FULL = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -103,47 +115,6 @@ _AGGREGATIONS = {
     "sequence_mean": "sequence_mean",
     "sequence_sum_norm": "sequence_sum_norm",
 }
-
-
-class LLMLossOutput(TensorClass["nocast"]):
-    """What an LLM policy loss returns (TorchRL's ``LLMLossOutput``, the base of its GRPO, DAPO
-    and CISPO outputs).
-
-    Always set: ``loss_objective`` (the clipped surrogate, with its graph), ``clip_fraction``,
-    ``kl_approx`` (mean ``old - new`` log-prob) and ``ESS`` (normalised effective sample size of
-    the importance weights, 1 on-policy). None unless the loss computes them: ``entropy`` and
-    ``loss_entropy`` (``entropy_bonus``), ``loss_kl_to_ref`` and ``kl_to_ref``
-    (``kl_to_ref_coeff``), ``loss_kl_to_inference`` and ``kl_to_inference``
-    (``kl_to_inference_coeff`` not None). The ``loss_*`` fields carry their coefficient and sign
-    and keep their graph; the others are detached. Fields left None are not entries, so
-    ``out.items()`` and ``out.mean(reduce=True)`` see only the computed ones.
-    """
-
-    loss_objective: torch.Tensor
-    clip_fraction: torch.Tensor
-    kl_approx: torch.Tensor
-    ESS: torch.Tensor
-    entropy: torch.Tensor | None = None
-    loss_entropy: torch.Tensor | None = None
-    loss_kl_to_ref: torch.Tensor | None = None
-    kl_to_ref: torch.Tensor | None = None
-    loss_kl_to_inference: torch.Tensor | None = None
-    kl_to_inference: torch.Tensor | None = None
-
-
-class GRPOLossOutput(LLMLossOutput):
-    """What :class:`GRPOLoss` returns (TorchRL's ``GRPOLossOutput``): the fields of
-    :class:`LLMLossOutput`."""
-
-
-class DAPOLossOutput(LLMLossOutput):
-    """What :class:`DAPO` returns (TorchRL's ``DAPOLossOutput``): the fields of
-    :class:`LLMLossOutput`."""
-
-
-class CISPOLossOutput(LLMLossOutput):
-    """What :class:`CISPOLoss` returns (TorchRL's ``CISPOLossOutput``): the fields of
-    :class:`LLMLossOutput`."""
 
 
 class GRPOLoss(torch.nn.Module):
@@ -203,20 +174,10 @@ class GRPOLoss(torch.nn.Module):
 
     @dataclass
     class _AcceptedKeys:
-        """The TensorDict keys the loss reads; change them with :meth:`GRPOLoss.set_keys`.
-
-        Attributes:
-            advantage: the advantage. Default ``"advantage"``.
-            action: the token ids scored. Default ``("tokens", "full")``.
-            sample_log_prob: the log-probs the tokens were sampled with. Default
-                ``("log_probs", "full")``.
-            ref_log_probs: the reference model's log-probs. Default
-                ``("next", "ref_log_probs", "full")`` (``("ref_log_probs", "full")`` when the
-                batch has no entry there).
-            proximal_log_probs: rlpost's: the learner's own log-probs of the tokens under its
-                weights at the start of the step, read (when present) by an off-policy
-                correction. Default ``"proximal_log_probs"``.
-        """
+        """The TensorDict keys the loss reads (the module docstring's table); change them with
+        :meth:`GRPOLoss.set_keys`. rlpost's ``proximal_log_probs``: the learner's own log-probs of
+        the tokens under its weights at the start of the step, read (when present) by an
+        off-policy correction."""
 
         advantage: NestedKey = "advantage"
         action: NestedKey = TOKENS_FULL
@@ -276,18 +237,18 @@ class GRPOLoss(torch.nn.Module):
             raise ValueError(f"off_policy_threshold must be a number > 1, got {off_policy_threshold!r}")
         if kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator must be one of ('k1', 'k2', 'k3'), got {kl_estimator!r}")
-        _check_number("entropy_coeff", entropy_coeff)
+        check_number("entropy_coeff", entropy_coeff)
         for name, value in (
             ("kl_to_ref_coeff", kl_to_ref_coeff),
             ("kl_to_inference_coeff", kl_to_inference_coeff),
             ("kl_mask_threshold", kl_mask_threshold),
         ):
             if value is not None:
-                _check_number(name, value)
+                check_number(name, value)
         if kl_to_ref_coeff is not None and kl_to_ref_coeff < 0:
             raise ValueError(f"kl_to_ref_coeff must be >= 0 (or None), got {kl_to_ref_coeff!r}")
 
-        self.actor_network = _scoring_twin(actor_network)
+        self.actor_network = scoring_twin(actor_network)
         self.entropy_bonus = bool(entropy_bonus)
         self.entropy_coeff = float(entropy_coeff)
         self.entropy_estimator = entropy_estimator
@@ -307,7 +268,7 @@ class GRPOLoss(torch.nn.Module):
         if device is None:
             param = next(self.parameters(), None)
             device = param.device if param is not None else torch.get_default_device()
-        eps_low, eps_high = _clip_epsilon(clip_epsilon)
+        eps_low, eps_high = clip_bounds(clip_epsilon)
         self.register_buffer("clip_epsilon_low", torch.tensor(eps_low, device=device))
         self.register_buffer("clip_epsilon_high", torch.tensor(eps_high, device=device))
         self._tensor_keys = self._AcceptedKeys()
@@ -400,28 +361,28 @@ class GRPOLoss(torch.nn.Module):
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
         td = tensordict if tensordict.batch_dims == 1 else tensordict.reshape(-1)
         keys = self.tensor_keys
-        tokens_bt = _read(td, keys.action, 0)
+        tokens_bt = read_padded(td, keys.action, 0)
         if tokens_bt is None:
             raise ValueError(f"Action key {keys.action} not in tensordict.")
         if not isinstance(tokens_bt, torch.Tensor) or tokens_bt.ndim != 2:
-            raise ValueError(f"{keys.action!r} must hold token ids of shape [B, T], got {_describe(tokens_bt)}")
-        advantage = _read(td, keys.advantage, 0.0)
+            raise ValueError(f"{keys.action!r} must hold token ids of shape [B, T], got {describe(tokens_bt)}")
+        advantage = read_padded(td, keys.advantage, 0.0)
         if advantage is None:
             raise ValueError(f"Advantage key {keys.advantage} not in tensordict.")
-        old_bt = _read(td, keys.sample_log_prob, 0.0)
+        old_bt = read_padded(td, keys.sample_log_prob, 0.0)
         if old_bt is None:
             raise KeyError(f"Couldn't find the log-prob {keys.sample_log_prob} in the input data.")
         if old_bt.requires_grad:
             raise RuntimeError(f"tensordict stored {keys.sample_log_prob} requires grad.")
-        old_bt = _per_token(old_bt, keys.sample_log_prob, tokens_bt)
-        advantage = _advantage(advantage, keys.advantage, tokens_bt)
+        old_bt = per_token_bt(old_bt, keys.sample_log_prob, tokens_bt)
+        advantage = advantage_bt(advantage, keys.advantage, tokens_bt)
         ref_bt = self._ref_log_probs(td, tokens_bt)
         attention_bt = self._attention(td, tokens_bt)
         mask_bt = self._loss_mask(td, tokens_bt, attention_bt)
 
         want_entropy = self.entropy_bonus
         if want_entropy and self.entropy_estimator == "exact":
-            logprobs_bt, entropy_bt = self._score_and_entropy(tokens_bt, attention_bt)
+            logprobs_bt, entropy_bt = score_and_entropy(self.actor_network, tokens_bt, attention_bt)
         else:
             logprobs_bt = self.score(tokens_bt, attention_bt, mask_bt)
             entropy_bt = -logprobs_bt if want_entropy else None
@@ -430,13 +391,13 @@ class GRPOLoss(torch.nn.Module):
         # passed only when used, so a custom loss_function without them still works
         correction = {} if self.objective == "ppo" else {"objective": self.objective}
         if self.off_policy_correction != "none":
-            prox_bt = _read(td, keys.proximal_log_probs, 0.0)
+            prox_bt = read_padded(td, keys.proximal_log_probs, 0.0)
             correction.update(
                 off_policy_correction=self.off_policy_correction,
                 off_policy_threshold=self.off_policy_threshold,
                 proximal_logprobs=None
                 if prox_bt is None
-                else _per_token(prox_bt, keys.proximal_log_probs, tokens_bt).to(logprobs_bt.device),
+                else per_token_bt(prox_bt, keys.proximal_log_probs, tokens_bt).to(logprobs_bt.device),
             )
         return self.loss_function(
             logprobs_bt,
@@ -474,7 +435,7 @@ class GRPOLoss(torch.nn.Module):
         if self.actor_network is None:
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
         actor = self.actor_network
-        td = self._actor_input(tokens_bt, attention_bt)
+        td = actor_input(actor, tokens_bt, attention_bt)
         if needed_bt is not None:
             td.set((actor.masks_key, "all_assistant_mask"), needed_bt.bool())
         rows = actor(td).get((actor.log_probs_key, "full"), as_list=True)
@@ -482,65 +443,20 @@ class GRPOLoss(torch.nn.Module):
         # boolean-mask assignment fills row by row, left to right: the order rows were read in
         return logprobs_bt.index_put((attention_bt.cpu(),), torch.cat(list(rows)).cpu())
 
-    def _score_and_entropy(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor):
-        """Log-probs and exact entropies ``[B, T]`` from one forward pass, in the batch's layout,
-        0 where there is no prediction: through the actor's ``log_probs_and_entropy`` where it
-        has one (rlpost's TransformersWrapper: chunked, no ``[B, T, vocab]`` tensor), else from
-        its distribution (``get_dist``)."""
-        actor = self.actor_network
-        if hasattr(actor, "log_probs_and_entropy"):
-            rows = [row[mask].tolist() for row, mask in zip(tokens_bt.cpu(), attention_bt.cpu())]
-            logprob_rows, entropy_rows = actor.log_probs_and_entropy(rows)
-
-            def to_batch(values: list[torch.Tensor]) -> torch.Tensor:
-                out = torch.zeros(tokens_bt.shape, dtype=values[0].dtype)
-                return out.index_put((attention_bt.cpu(),), torch.cat(values))
-
-            return to_batch(logprob_rows), to_batch(entropy_rows)
-        try:
-            dist = actor.get_dist(self._actor_input(tokens_bt, attention_bt))
-        except NotImplementedError as err:
-            raise NotImplementedError(
-                f"entropy_estimator='exact' needs the logits of the actor ({type(actor).__name__}.get_dist): {err}. "
-                "Build the loss with entropy_estimator='sampled' or entropy_bonus=False."
-            ) from err
-        logits_device = dist.logits.device
-        lengths = attention_bt.sum(dim=1).to(logits_device)
-        # the actor's rows are right-padded: row i holds its real tokens at 0 .. len_i - 1
-        real_right = torch.arange(dist.logits.shape[1], device=logits_device)[None, :] < lengths[:, None]
-        ids_right = torch.zeros(real_right.shape, dtype=torch.long, device=logits_device)
-        ids_right = ids_right.index_put((real_right,), tokens_bt[attention_bt].to(logits_device))
-        predicted = dist.mask.to(logits_device)
-        logprobs_right = torch.where(predicted, dist.log_prob(ids_right), 0.0)
-        entropy_right = torch.where(predicted, dist.entropy(), 0.0)
-
-        def to_batch_layout(x_right: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(tokens_bt.shape, dtype=x_right.dtype, device=attention_bt.device)
-            return out.index_put((attention_bt,), x_right[real_right].to(attention_bt.device))
-
-        return to_batch_layout(logprobs_right), to_batch_layout(entropy_right)
-
-    def _actor_input(self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> TensorDict:
-        actor = self.actor_network
-        td = TensorDict({}, batch_size=tokens_bt.shape[:1])
-        td.set(actor.input_key, tokens_bt)
-        td.set(actor.attention_mask_key, attention_bt)
-        return td
-
     # --------------------------------------------------------------------------- reading
 
     def _attention(self, td: TensorDictBase, tokens_bt: torch.Tensor) -> torch.Tensor:
         """The attention mask (True on real tokens); all True for dense ids without one, the
         rows' lengths for a lazy stack without one."""
         key = self._actor_key("attention_mask_key", ATTENTION_MASK)
-        attention = _read(td, key, False)
+        attention = read_padded(td, key, False)
         if attention is None:
-            rows = _rows(td, self.tensor_keys.action)
+            rows = lazy_rows(td, self.tensor_keys.action)
             if rows is None:
                 return torch.ones(tokens_bt.shape, dtype=torch.bool, device=tokens_bt.device)
             rows = [torch.ones(row.shape[-1], dtype=torch.bool) for row in rows]
             attention = pad_sequence(rows, batch_first=True, padding_value=False, padding_side="left")
-        return _per_token(attention, key, tokens_bt).bool()
+        return per_token_bt(attention, key, tokens_bt).bool()
 
     def _loss_mask(self, td: TensorDictBase, tokens_bt: torch.Tensor, attention_bt: torch.Tensor) -> torch.Tensor:
         """The tokens that count under ``masking_strategy``, less each row's first token."""
@@ -549,15 +465,15 @@ class GRPOLoss(torch.nn.Module):
             response_bt = self._response_mask(td, tokens_bt) if self.masking_strategy == "sft" else None
             if response_bt is None:
                 key = (self._actor_key("masks_key", "masks"), "all_assistant_mask")
-                assistant = _read(td, key, False)
+                assistant = read_padded(td, key, False)
                 if assistant is None:
                     raise ValueError(
                         f"masking_strategy={self.masking_strategy!r} needs the assistant mask at {key!r}"
                         + (" or the prompt ids" if self.masking_strategy == "sft" else "")
-                        + f"; the batch has {_key_list(td)}. "
+                        + f"; the batch has {key_list(td)}. "
                         "masking_strategy='generic' counts every real token."
                     )
-                response_bt = _per_token(assistant, key, tokens_bt).bool()
+                response_bt = per_token_bt(assistant, key, tokens_bt).bool()
             mask_bt = mask_bt & response_bt
         first_bt = attention_bt & (attention_bt.long().cumsum(dim=1) == 1)
         return mask_bt & ~first_bt
@@ -568,11 +484,11 @@ class GRPOLoss(torch.nn.Module):
         lazy stack's row ``i`` is right-aligned (read left-padded) and its prompt is its first
         ``p_i`` tokens."""
         key = (self._actor_key("tokens_key", "tokens"), "prompt")
-        prompt = _read(td, key, 0)
+        prompt = read_padded(td, key, 0)
         if prompt is None:
             return None
         num_rows, width = tokens_bt.shape
-        prompt_rows, token_rows = _rows(td, key), _rows(td, self.tensor_keys.action)
+        prompt_rows, token_rows = lazy_rows(td, key), lazy_rows(td, self.tensor_keys.action)
         if prompt_rows is None:
             prompt_lengths = torch.full((num_rows,), prompt.shape[-1])
         else:
@@ -590,179 +506,21 @@ class GRPOLoss(torch.nn.Module):
         if self.kl_to_ref_coeff is None:
             return None
         key = self.tensor_keys.ref_log_probs
-        ref = _read(td, key, 0.0)
+        ref = read_padded(td, key, 0.0)
         if ref is None and same_key(key, NEXT_REF_LOG_PROBS_FULL):
             key = REF_LOG_PROBS_FULL
-            ref = _read(td, key, 0.0)
+            ref = read_padded(td, key, 0.0)
         if ref is None:
             if self.kl_to_ref_coeff > 0:
                 raise KeyError(
                     f"Couldn't find the ref log-prob {self.tensor_keys.ref_log_probs} in the input data "
-                    f"(keys: {_key_list(td)})."
+                    f"(keys: {key_list(td)})."
                 )
             return None
-        return _per_token(ref, key, tokens_bt)
+        return per_token_bt(ref, key, tokens_bt)
 
     def _actor_key(self, attribute: str, default: NestedKey) -> NestedKey:
         return getattr(self.actor_network, attribute, default)
 
 
-class DAPO(GRPOLoss):
-    """DAPO's loss (Yu et al. 2025, arXiv:2503.14476): :class:`GRPOLoss` with clip-higher
-    (``clip_epsilon=(0.2, 0.28)`` by default, the paper's Eq. 10) and the token-level mean
-    (``aggregation="token_mean"``). Its other two parts act on the data, not the loss: dynamic
-    sampling is ``MCAdvantage(filter_equal_rewards=True)`` (or ``keep_return_bounds``), and
-    overlong shaping is a reward transform.
-
-    Deliberate deviation: TorchRL's ``DAPO`` cannot be built (at pytorch/rl ae9719f its
-    ``__init__`` is a misplaced KL helper); this one takes :class:`GRPOLoss`'s arguments, with
-    those two defaults, and refuses ``eps_high < eps_low`` (a clip that is tighter upward than
-    downward is not clip-higher).
-    """
-
-    output_type = DAPOLossOutput
-
-    def __init__(self, actor_network=None, *, clip_epsilon: float | tuple[float, float] = (0.2, 0.28), **kwargs):
-        super().__init__(actor_network, clip_epsilon=clip_epsilon, **kwargs)
-        if float(self.clip_epsilon_high) < float(self.clip_epsilon_low):
-            raise ValueError(
-                f"DAPO's clip-higher needs eps_high >= eps_low, got clip_epsilon={clip_epsilon!r} "
-                "(recommended: (0.2, 0.28))"
-            )
-
-
-class CISPOLoss(GRPOLoss):
-    """CISPO's loss (MiniMax-M1, arXiv:2506.13585): :class:`GRPOLoss` whose per-token objective
-    is the clipped importance weight, held constant, times the log-prob's gradient::
-
-        loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A    (gradient: that times grad log p)
-
-    Deliberate deviation: TorchRL's ``CISPOLoss`` clamps the log-ratio inside the graph, so a
-    clipped token has no gradient at all (PPO's clip without its min), which is the very thing
-    CISPO was made to avoid; here every counted token keeps its gradient, scaled by its clipped
-    weight. The reported value is TorchRL's (``-clip(ratio) * A``, aggregated), and
-    ``clip_fraction`` is the share of counted tokens whose weight was clipped, as in TorchRL.
-    The arguments are :class:`GRPOLoss`'s.
-    """
-
-    output_type = CISPOLossOutput
-    objective = "cispo"
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-def _scoring_twin(actor):
-    """A twin of ``actor`` on the same model that scores token ids and returns log-probs only."""
-    if actor is None:
-        return None
-    if not hasattr(actor, "get_new_version"):
-        raise TypeError(
-            f"actor_network must be an rlpost LLM wrapper (e.g. TransformersWrapper(model, generate=False)), "
-            f"got {type(actor).__name__}"
-        )
-    if getattr(actor, "generate", False):
-        raise ValueError("GRPOLoss needs a scoring actor (generate=False); use actor.get_new_version(generate=False)")
-    if getattr(actor, "input_mode", "tokens") != "tokens":
-        actor = actor.get_new_version(input_mode="tokens")
-    return actor.get_new_version(
-        pad_output=False, return_text=False, return_tokens=False, return_masks=False, inplace="empty"
-    )
-
-
-def _clip_epsilon(clip_epsilon) -> tuple[float, float]:
-    """TorchRL's validation: a number, or a pair (low, high); non-negative; low < 1."""
-    if isinstance(clip_epsilon, (tuple, list)):
-        if len(clip_epsilon) != 2:
-            raise ValueError(f"clip_epsilon tuple must have length 2, got {clip_epsilon!r}.")
-        values = tuple(clip_epsilon)
-    else:
-        values = (clip_epsilon, clip_epsilon)
-    for value in values:
-        _check_number("clip_epsilon", value)
-    eps_low, eps_high = (float(v) for v in values)
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"clip_epsilon values must be non-negative, got ({eps_low}, {eps_high}).")
-    if eps_low >= 1.0:
-        raise ValueError(f"clip_epsilon low must be < 1 (to keep 1 - eps_low > 0), got {eps_low}.")
-    return eps_low, eps_high
-
-
-def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real) or value != value:
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-
-
-def _lazy_part(td: TensorDictBase, key: NestedKey):
-    """``(the outermost lazy stack on the way to key, the rest of the key)``, or ``(None, None)``
-    when the entry is not read through a lazy stack."""
-    path = (key,) if isinstance(key, str) else tuple(key)
-    for i in range(len(path)):
-        node = td if i == 0 else td.get(path[:i], None)
-        if node is None or isinstance(node, torch.Tensor):
-            return None, None
-        if is_lazy(node):
-            rest = path[i:]
-            return node, rest[0] if len(rest) == 1 else rest
-    return None, None
-
-
-def _rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
-    """The per-row tensors of an entry read through a lazy stack; None for a dense entry."""
-    node, rest = _lazy_part(td, key)
-    return None if node is None else node.get(rest, as_list=True)
-
-
-def _read(td: TensorDictBase, key: NestedKey, padding_value):
-    """``td[key]`` as one tensor (None when absent): a lazy stack's rows and a nested tensor's
-    are left-padded with ``padding_value``."""
-    node, rest = _lazy_part(td, key)
-    if node is None:
-        value = td.get(key, None)
-    else:
-        value = node.get(rest, None, as_padded_tensor=True, padding_side="left", padding_value=padding_value)
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        value = pad_sequence(list(value.unbind(0)), batch_first=True, padding_value=padding_value, padding_side="left")
-    return value
-
-
-def _per_token(value, key: NestedKey, tokens_bt: torch.Tensor) -> torch.Tensor:
-    """``value`` as ``[B, T]`` like the tokens (a trailing dim of 1 is dropped)."""
-    if isinstance(value, torch.Tensor) and value.ndim == 3 and value.shape[-1] == 1:
-        value = value.squeeze(-1)
-    if not isinstance(value, torch.Tensor) or value.shape != tokens_bt.shape:
-        raise ValueError(
-            f"{key!r} is {_describe(value)} but the tokens are {tuple(tokens_bt.shape)}: per-token entries must "
-            "be [B, T] in the tokens' layout"
-        )
-    return value
-
-
-def _advantage(value, key: NestedKey, tokens_bt: torch.Tensor) -> torch.Tensor:
-    """One advantage per sequence ``[B]`` (from [B], [B, 1] or [B, 1, 1]) or per token ``[B, T]``
-    (from [B, T] or [B, T, 1])."""
-    num_rows, width = tokens_bt.shape
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        shape = tuple(value.shape)
-        if shape in ((num_rows,), (num_rows, 1), (num_rows, 1, 1)):
-            return value.reshape(num_rows)
-        if shape in ((num_rows, width), (num_rows, width, 1)):
-            return value.reshape(num_rows, width)
-    raise ValueError(
-        f"{key!r} must be a float tensor of shape [B], [B, 1] (one per sequence) or [B, T], [B, T, 1] (one per "
-        f"token) with B, T = {num_rows}, {width}; got {_describe(value)}"
-    )
-
-
-def _key_list(td: TensorDictBase) -> str:
-    """The batch's keys for an error message (no quotes of its own: a KeyError reprs it)."""
-    return ", ".join(sorted(str(key) for key in td.keys(True, True)))
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-__all__ = ["CISPOLoss", "CISPOLossOutput", "DAPO", "DAPOLossOutput", "GRPOLoss", "GRPOLossOutput", "LLMLossOutput"]
+__all__ = ["GRPOLoss"]

@@ -38,7 +38,9 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from rlpost.objectives.mc_advantage import MC_ADVANTAGE_STATS, MCAdvantage
+from rlpost.objectives.grouping import GroupingTransform
+from rlpost.objectives.mc_advantage import MCAdvantage
+from rlpost.objectives.mc_advantage_state import MC_ADVANTAGE_STATS
 
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0}
 
@@ -124,7 +126,7 @@ class _RemoteQueues:
         return len(self) > 0
 
 
-class RayMCAdvantage:
+class RayMCAdvantage(GroupingTransform):
     """An MCAdvantage in a Ray actor; see the module docstring.
 
     Args:
@@ -232,16 +234,6 @@ class RayMCAdvantage:
     def add(self, samples: Iterable[Any]) -> list[list[Any]]:
         """MCAdvantage's flat records way in, in the actor."""
         return self.call("add", list(samples))
-
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """The read path: sampled data passes unchanged (no call)."""
-        return tensordict
-
-    def __call__(self, data: Any) -> Any:
-        """A TensorDict: :meth:`forward` (unchanged). Anything else: :meth:`add`."""
-        if isinstance(data, TensorDictBase):
-            return self.forward(data)
-        return self.add(data)
 
     def reset_stats(self) -> None:
         """Zero the actor's counters (its queues are kept)."""

@@ -67,8 +67,12 @@ class HistoryLoss(torch.nn.Module):
 
     default_keys = _AcceptedKeys
 
-    def __init__(self, actor_network, tokenizer, tokenizer_kwargs: dict | None, device):
+    def __init__(self, actor_network, tokenizer, tokenizer_kwargs: dict | None, device, reduction: str,
+                 normalize_by_seq_length: bool):  # fmt: skip
         super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        self.reduction, self.normalize_by_seq_length = reduction, normalize_by_seq_length
         self.actor_network = actor_network
         self.tokenizer = tokenizer if tokenizer is not None else getattr(actor_network, "tokenizer", None)
         kwargs = dict(tokenizer_kwargs or {})
@@ -204,11 +208,9 @@ class SFTLoss(HistoryLoss):
         beta: float = 0.1,
         device: torch.device | None = None,
     ):
-        super().__init__(actor_network, tokenizer, tokenizer_kwargs, device)
+        super().__init__(actor_network, tokenizer, tokenizer_kwargs, device, reduction, normalize_by_seq_length)
         if self.tokenizer is None:
             raise ValueError("SFTLoss needs a tokenizer: pass tokenizer= or an actor that has one")
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         if loss_function not in ("sft", "minor_sft"):
             raise ValueError(f"loss_function must be 'sft' or 'minor_sft', got {loss_function!r}")
         if loss_function == "minor_sft" and kl_to_ref_coeff:
@@ -217,8 +219,6 @@ class SFTLoss(HistoryLoss):
                 stacklevel=2,
             )
             kl_to_ref_coeff = 0.0
-        self.reduction = reduction
-        self.normalize_by_seq_length = normalize_by_seq_length
         self.kl_to_ref_coeff = kl_to_ref_coeff
         self.loss_function = loss_function
         self.beta = beta
