@@ -1,7 +1,7 @@
 """PolicyVersion: which weights version generated the tokens of each sample.
 
 The class is TorchRL's ``PolicyVersion`` transform, defined in
-:mod:`rlpost.envs.llm_transforms` and re-exported here; this module describes how rlpost's
+:mod:`rlpost.envs.policy_version` and re-exported here; this module describes how rlpost's
 collector in its whole-episodes mode (:class:`~rlpost.collect.LLMCollector`, the service's) uses it. Integer versions
 only there: the learner bumps the version at every weight publication; inference workers load
 the new weights and report the version they served with. Contract with engine clients
@@ -22,6 +22,6 @@ version under ``"policy_version"`` at every reset and step.
 
 from __future__ import annotations
 
-from rlpost.envs.llm_transforms import PolicyVersion, VersionChange
+from rlpost.envs.policy_version import PolicyVersion, VersionChange
 
 __all__ = ["PolicyVersion", "VersionChange"]

@@ -49,6 +49,7 @@ from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
 from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
+from rlpost.envs.hashing_env import LLMHashingEnv
 from rlpost.envs.ifeval import IFEvalData, IFEvalEnv, IFEvalScoreData, IfEvalScorer
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
 from rlpost.envs.kl import (
@@ -59,11 +60,12 @@ from rlpost.envs.kl import (
     RetrieveKL,
     RetrieveLogProb,
 )
-from rlpost.envs.llm_env import LLMEnv, LLMHashingEnv
-from rlpost.envs.llm_transforms import AddThinkingPrompt, PolicyVersion, StepCounter, TemplateTransform, Tokenizer
+from rlpost.envs.llm_env import LLMEnv
+from rlpost.envs.llm_transforms import AddThinkingPrompt, TemplateTransform, Tokenizer
 from rlpost.envs.math import MATHEnv, MATHRewardParser
 from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
+from rlpost.envs.policy_version import PolicyVersion
 from rlpost.envs.python_executor import PythonExecutorService
 from rlpost.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymRewardParser
 from rlpost.envs.reward_model import RemoteRewardModel, RewardModelReward
@@ -85,7 +87,14 @@ from rlpost.envs.tool_transforms import (
     StopWithoutToolCall,
     ToolCall,
 )
-from rlpost.envs.transforms import Compose, Transform, TransformedEnv, as_nested_tensor, as_padded_tensor
+from rlpost.envs.transforms import (
+    Compose,
+    StepCounter,
+    Transform,
+    TransformedEnv,
+    as_nested_tensor,
+    as_padded_tensor,
+)
 
 __all__ = [
     "AddThinkingPrompt",

@@ -34,6 +34,7 @@ from tensordict import TensorDictBase
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
 from rlpost.envs.common import EnvBase
 from rlpost.envs.errors import EnvInputError
+from rlpost.envs.td_rows import NestedKey, as_key, has_key
 
 if TYPE_CHECKING:
     from rlpost.data.specs import Composite
@@ -289,6 +290,62 @@ class TransformedEnv(EnvBase):
 
     def __repr__(self) -> str:
         return f"TransformedEnv(env={self.base_env!r}, transform={self.transform!r})"
+
+
+class StepCounter(Transform):
+    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
+    ``StepCounter``).
+
+    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
+    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
+    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
+    itself, the count written is the same.
+
+    Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
+    is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
+    """
+
+    def __init__(
+        self,
+        max_steps: int | None = None,
+        truncated_key: NestedKey = "truncated",
+        step_count_key: NestedKey = "step_count",
+        update_done: bool = True,
+    ) -> None:
+        super().__init__()
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"StepCounter max_steps must be a positive int or None, got {max_steps!r}")
+        self.max_steps = max_steps
+        self.truncated_key, self.step_count_key = as_key(truncated_key), as_key(step_count_key)
+        self.update_done = update_done
+
+    @property
+    def state_keys(self) -> tuple:
+        return (self.step_count_key,)
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        reset_td.set(self.step_count_key, torch.zeros(*reset_td.batch_size, 1, dtype=torch.int64))
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        shape = (*next_td.batch_size, 1)
+        count = (
+            td.get(self.step_count_key) if has_key(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
+        )
+        count = count.reshape(shape).to(torch.int64) + 1
+        next_td.set(self.step_count_key, count)
+        if self.max_steps is not None:
+            reached = count >= self.max_steps
+            current = torch.zeros_like(reached)
+            if has_key(next_td, self.truncated_key):
+                current = next_td.get(self.truncated_key)
+            next_td.set(self.truncated_key, current.reshape(shape) | reached)
+            if self.update_done:
+                next_td.set("done", next_td.get("done").reshape(shape) | reached)
+        return next_td
+
+    def __repr__(self) -> str:
+        return f"StepCounter(max_steps={self.max_steps})"
 
 
 def set_reward_part(next_td: TensorDictBase, name: str, values: list[float]) -> None:
