@@ -52,14 +52,8 @@ from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
 from rlpost.envs.hashing_env import LLMHashingEnv
 from rlpost.envs.ifeval import IFEvalData, IFEvalEnv, IFEvalScoreData, IfEvalScorer
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
-from rlpost.envs.kl import (
-    KLComputation,
-    KLRewardTransform,
-    RayKLRewardTransform,
-    RayRetrieveKL,
-    RetrieveKL,
-    RetrieveLogProb,
-)
+from rlpost.envs.kl import KLComputation, RayRetrieveKL, RetrieveKL, RetrieveLogProb
+from rlpost.envs.kl_reward import KLRewardTransform, RayKLRewardTransform
 from rlpost.envs.llm_env import LLMEnv
 from rlpost.envs.llm_transforms import AddThinkingPrompt, TemplateTransform, Tokenizer
 from rlpost.envs.math import MATHEnv, MATHRewardParser
