@@ -46,7 +46,7 @@ from rlpost.envs.chat import ChatEnv, DatasetChatEnv
 from rlpost.envs.code import CodeEnv, CodeTestReward
 from rlpost.envs.common import EnvBase
 from rlpost.envs.countdown import CountdownEnv, CountdownRewardParser
-from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer
+from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.gsm8k import GSM8KPrepareQuestion, make_gsm8k_env
 from rlpost.envs.hashing_env import LLMHashingEnv
@@ -61,6 +61,7 @@ from rlpost.envs.mcp_tools import MCPToolTransform
 from rlpost.envs.mlgym import MLGymWrapper, make_mlgym
 from rlpost.envs.policy_version import PolicyVersion
 from rlpost.envs.python_executor import PythonExecutorService
+from rlpost.envs.ray_primer import RayDataLoadingPrimer
 from rlpost.envs.reasoning_gym import ReasoningGymEnv, ReasoningGymRewardParser
 from rlpost.envs.reward_model import RemoteRewardModel, RewardModelReward
 from rlpost.envs.tasks import (

@@ -48,9 +48,11 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
 from rlpost.envs.common import EnvBase
-from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer, is_batch_iterable
+from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
+from rlpost.envs.ray_primer import RayDataLoadingPrimer
+from rlpost.envs.row_sources import is_batch_iterable
 from rlpost.envs.transforms import Transform, TransformedEnv
 from rlpost.envs.turns import TurnRenderer
 from rlpost.policies.inputs import is_lazy
