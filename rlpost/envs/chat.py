@@ -43,11 +43,22 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase
 
 from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import EnvBase
+from rlpost.envs.chat_rows import (
+    as_list,
+    distinct_chats,
+    is_padded,
+    is_strings,
+    make_text,
+    make_tokens,
+    row_list,
+    row_values,
+    stack_values,
+)
+from rlpost.envs.common import FLAGS, EnvBase
 from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
@@ -55,14 +66,12 @@ from rlpost.envs.ray_primer import RayDataLoadingPrimer
 from rlpost.envs.row_sources import is_batch_iterable
 from rlpost.envs.transforms import Transform, TransformedEnv
 from rlpost.envs.turns import TurnRenderer
-from rlpost.policies.inputs import is_lazy
 
 INPUT_MODES = ("history", "text", "tokens")
 # TorchRL 0.9's keys, still shown in TorchRL's LLM API page: the query of a reset under "text",
 # the policy's response text under "text_response".
 LEGACY_QUERY_KEY = "text"
 LEGACY_RESPONSE_KEY = "text_response"
-_FLAGS = ("done", "terminated", "truncated")
 _CONTAINERS = {"history": ChatHistory, "text": Text, "tokens": Tokens}
 
 
@@ -195,7 +204,7 @@ class ChatEnv(EnvBase):
         return Composite({"reward": reward}, shape=self.batch_size, device=self.device)
 
     def _done_spec(self) -> Composite:
-        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool, device=self.device) for flag in _FLAGS}
+        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool, device=self.device) for flag in FLAGS}
         return Composite(flags, shape=self.batch_size, device=self.device)
 
     # ------------------------------------------------------------------ reset
@@ -218,7 +227,7 @@ class ChatEnv(EnvBase):
         out = td.exclude(self.input_mode, "next").clone(recurse=False)
         out.set(self.input_mode, self._make_prompt(chats))
         out.set("step_count", torch.zeros(num_envs, 1, dtype=torch.int64, device=self.device))
-        for flag in _FLAGS:
+        for flag in FLAGS:
             out.set(flag, torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
         return out
 
@@ -236,7 +245,7 @@ class ChatEnv(EnvBase):
         return td
 
     def _queries(self, td: TensorDictBase, *, given: bool = True) -> list[str]:
-        if self.data_key not in td.keys() and _is_strings(td.get(LEGACY_QUERY_KEY, None)):
+        if self.data_key not in td.keys() and is_strings(td.get(LEGACY_QUERY_KEY, None)):
             return as_list(td.get(LEGACY_QUERY_KEY), td.batch_size[0])
         if self.data_key not in td.keys() and not given:
             raise EnvInputError(
@@ -273,7 +282,7 @@ class ChatEnv(EnvBase):
         eighth of the cost. Each row still gets a tensor of its own."""
         if self.input_mode == "history":
             return ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)])
-        distinct, row_of = _distinct_chats(chats)
+        distinct, row_of = distinct_chats(chats)
         rendered = self._render(History.from_chats(distinct), tokenize=self.input_mode == "tokens")
         if self.input_mode == "text":
             return make_text([rendered[i] for i in row_of])
@@ -365,20 +374,20 @@ class ChatEnv(EnvBase):
         keys = td.keys(include_nested=True)
         if ("tokens", "full") not in keys and ("tokens", "prompt") in keys and ("tokens", "response") in keys:
             rows = td.get("tokens").unbind(0)
-            if any(_is_padded(row) for row in rows):
+            if any(is_padded(row) for row in rows):
                 raise EnvInputError(
                     "tokens mode: the policy wrote padded tokens.prompt/tokens.response without tokens.full; "
                     "padding cannot be told apart from ids here: return tokens.full (return_tokens=True) or use pad_output=False"
                 )
             return [torch.cat([row.prompt.reshape(-1), row.response.reshape(-1).to(row.prompt.dtype)]) for row in rows]
         self._policy_field(td, "full")
-        rows = _row_list(td, ("tokens", "full"))
+        rows = row_list(td, ("tokens", "full"))
         if ("masks", "all_attention_mask") in td.keys(include_nested=True):
-            masks = _row_list(td, ("masks", "all_attention_mask"))
+            masks = row_list(td, ("masks", "all_attention_mask"))
             rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
         return rows
 
-    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+    def _mergerow_values(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
         """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
         source = [(kept, i) for i in range(kept.batch_size[0])]
         for j, i in enumerate(fresh_idx):
@@ -387,12 +396,12 @@ class ChatEnv(EnvBase):
         for key in kept.keys():
             if key == self.input_mode:
                 continue
-            values = {id(t): _rows(t.get(key), t.batch_size[0]) for t in (kept, fresh) if key in t.keys()}
+            values = {id(t): row_values(t.get(key), t.batch_size[0]) for t in (kept, fresh) if key in t.keys()}
             if len(values) < 2:
                 raise ValueError(f"cannot merge reset rows: key {key!r} is missing from the reset output")
             out.set(key, stack_values([values[id(t)][i] for t, i in source]))
-        prompts = {id(t): self.prompt_rows(t) for t in (kept, fresh)}
-        out.set(self.input_mode, self._from_prompt_rows([prompts[id(t)][i] for t, i in source]))
+        prompts = {id(t): self.promptrow_values(t) for t in (kept, fresh)}
+        out.set(self.input_mode, self._from_promptrow_values([prompts[id(t)][i] for t, i in source]))
         return out
 
     # ------------------------------------------------------------------ helpers for transforms
@@ -420,7 +429,7 @@ class ChatEnv(EnvBase):
         responses = [row.response for row in td.get("tokens").unbind(0)]
         return [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in responses]
 
-    def prompt_rows(self, td: TensorDictBase) -> list:
+    def promptrow_values(self, td: TensorDictBase) -> list:
         """Per-row prompts of a reset output or ``next``: message-dict lists, strings or ids."""
         if self.input_mode == "history":
             return td.get("history").prompt.to_chats(include_state=True)
@@ -428,7 +437,7 @@ class ChatEnv(EnvBase):
             return as_list(td.get(self.text_key), td.batch_size[0])
         return [row.prompt for row in td.get("tokens").unbind(0)]
 
-    def _from_prompt_rows(self, rows: list) -> Any:
+    def _from_promptrow_values(self, rows: list) -> Any:
         if self.input_mode == "history":
             return ChatHistory(prompt=History.from_chats(rows), batch_size=[len(rows)])
         return make_text(rows) if self.input_mode == "text" else make_tokens(rows)
@@ -441,7 +450,7 @@ class ChatEnv(EnvBase):
         assistant turn is closed (its end-of-turn text is completed when the response stopped
         before or inside it), then the message and a new generation prompt are added.
         """
-        rows = self.prompt_rows(next_td)
+        rows = self.promptrow_values(next_td)
         for i, content in enumerate(contents):
             if content is None:
                 continue
@@ -451,7 +460,7 @@ class ChatEnv(EnvBase):
                 rows[i] = self._turns.append_text(rows[i], role, content)
             else:
                 rows[i] = self._turns.append_tokens(rows[i], role, content)
-        next_td.set(self.input_mode, self._from_prompt_rows(rows))
+        next_td.set(self.input_mode, self._from_promptrow_values(rows))
         return next_td
 
     @property
@@ -617,92 +626,3 @@ class DatasetChatEnv(TransformedEnv):
         """Restart the prompt stream at epoch 0."""
         self.primer.reset_dataloader()
         return self
-
-
-# ---------------------------------------------------------------------------- small helpers
-
-
-def _is_padded(tokens: Any) -> bool:
-    padded = getattr(tokens, "padded", None)
-    if isinstance(padded, torch.Tensor):
-        return bool(padded.any())
-    return bool(padded)
-
-
-def _is_strings(value: Any) -> bool:
-    """A plain string entry (str, NonTensorData or NonTensorStack of str), not a Text container."""
-    if isinstance(value, str):
-        return True
-    if isinstance(value, (NonTensorData, NonTensorStack)):
-        data = value.tolist() if isinstance(value, NonTensorStack) else [value.data]
-        return all(isinstance(v, str) for v in data)
-    return False
-
-
-def as_list(value: Any, num_rows: int) -> list:
-    """Python values of a batch ``[num_rows]`` entry (non-tensor stack, data or plain list)."""
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    elif isinstance(value, NonTensorData):
-        value = [value.data] * num_rows
-    elif isinstance(value, str) or not isinstance(value, (list, tuple)):
-        value = [value] * num_rows
-    if len(value) != num_rows:
-        raise ValueError(f"expected {num_rows} values, got {len(value)}")
-    return list(value)
-
-
-def _distinct_chats(chats: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
-    """The distinct chats, in first-seen order, and for each input row the index of its chat
-    there. Chats are compared by their messages' (role, content) when those are the only keys
-    and the contents are strings (the messages a reset builds); any other chat counts as
-    distinct from every other."""
-    distinct: list[list[dict]] = []
-    row_of: list[int] = []
-    index_of: dict[tuple, int] = {}
-    for row, chat in enumerate(chats):
-        index = index_of.setdefault(_chat_key(chat) or ("row", row), len(distinct))
-        if index == len(distinct):
-            distinct.append(chat)
-        row_of.append(index)
-    return distinct, row_of
-
-
-def _chat_key(chat: list[dict]) -> tuple | None:
-    if all(message.keys() == {"role", "content"} and isinstance(message["content"], str) for message in chat):
-        return tuple((message["role"], message["content"]) for message in chat)
-    return None
-
-
-def _row_list(td: TensorDictBase, key: tuple[str, str]) -> list[torch.Tensor]:
-    """The rows of entry ``key``, one tensor each, without building a tensorclass per row (a
-    lazy stack gives its stored rows; a dense entry is split along its first dim)."""
-    if is_lazy(td.get(key[0])):
-        return list(td.get(key, as_list=True))
-    return list(td.get(key).unbind(0))
-
-
-def _rows(value: Any, num_rows: int) -> list:
-    if isinstance(value, (torch.Tensor, TensorDictBase)) and not isinstance(value, (NonTensorStack, NonTensorData)):
-        return list(value.unbind(0))
-    return as_list(value, num_rows)
-
-
-def stack_values(values: list) -> Any:
-    """Tensors stacked, TensorDicts lazily stacked; anything else as a NonTensorStack (dicts
-    stay dicts)."""
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack(values)
-    if all(isinstance(v, TensorDictBase) and not isinstance(v, NonTensorData) for v in values):
-        return lazy_stack(values)
-    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[len(values)])
-
-
-def make_text(prompts: list[str]) -> Text:
-    stacked = NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=[len(prompts)])
-    return Text(prompt=stacked, batch_size=[len(prompts)])
-
-
-def make_tokens(rows: list[torch.Tensor]) -> Tokens:
-    """Unpadded token rows as a lazy stack of Tokens (read with ``as_list=True``)."""
-    return lazy_stack([Tokens(prompt=ids, padded=False) for ids in rows])
