@@ -387,7 +387,7 @@ class ChatEnv(EnvBase):
             rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
         return rows
 
-    def _mergerow_values(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
+    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
         """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
         source = [(kept, i) for i in range(kept.batch_size[0])]
         for j, i in enumerate(fresh_idx):
@@ -400,8 +400,8 @@ class ChatEnv(EnvBase):
             if len(values) < 2:
                 raise ValueError(f"cannot merge reset rows: key {key!r} is missing from the reset output")
             out.set(key, stack_values([values[id(t)][i] for t, i in source]))
-        prompts = {id(t): self.promptrow_values(t) for t in (kept, fresh)}
-        out.set(self.input_mode, self._from_promptrow_values([prompts[id(t)][i] for t, i in source]))
+        prompts = {id(t): self.prompt_rows(t) for t in (kept, fresh)}
+        out.set(self.input_mode, self._from_prompt_rows([prompts[id(t)][i] for t, i in source]))
         return out
 
     # ------------------------------------------------------------------ helpers for transforms
@@ -429,7 +429,7 @@ class ChatEnv(EnvBase):
         responses = [row.response for row in td.get("tokens").unbind(0)]
         return [self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in responses]
 
-    def promptrow_values(self, td: TensorDictBase) -> list:
+    def prompt_rows(self, td: TensorDictBase) -> list:
         """Per-row prompts of a reset output or ``next``: message-dict lists, strings or ids."""
         if self.input_mode == "history":
             return td.get("history").prompt.to_chats(include_state=True)
@@ -437,7 +437,7 @@ class ChatEnv(EnvBase):
             return as_list(td.get(self.text_key), td.batch_size[0])
         return [row.prompt for row in td.get("tokens").unbind(0)]
 
-    def _from_promptrow_values(self, rows: list) -> Any:
+    def _from_prompt_rows(self, rows: list) -> Any:
         if self.input_mode == "history":
             return ChatHistory(prompt=History.from_chats(rows), batch_size=[len(rows)])
         return make_text(rows) if self.input_mode == "text" else make_tokens(rows)
@@ -450,7 +450,7 @@ class ChatEnv(EnvBase):
         assistant turn is closed (its end-of-turn text is completed when the response stopped
         before or inside it), then the message and a new generation prompt are added.
         """
-        rows = self.promptrow_values(next_td)
+        rows = self.prompt_rows(next_td)
         for i, content in enumerate(contents):
             if content is None:
                 continue
@@ -460,7 +460,7 @@ class ChatEnv(EnvBase):
                 rows[i] = self._turns.append_text(rows[i], role, content)
             else:
                 rows[i] = self._turns.append_tokens(rows[i], role, content)
-        next_td.set(self.input_mode, self._from_promptrow_values(rows))
+        next_td.set(self.input_mode, self._from_prompt_rows(rows))
         return next_td
 
     @property
