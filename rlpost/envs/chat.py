@@ -1,39 +1,28 @@
 """ChatEnv: the conversation around the LLM, in history, text or tokens mode (TorchRL's ``ChatEnv``).
 
-The env never calls the model. ``reset`` turns a query (and a system prompt) into the first
-prompt; the policy reads the prompt and writes its output (``full`` = prompt + response);
-``step`` makes ``full`` the next prompt and writes ``reward``, ``done``, ``terminated`` and
-``truncated``. Transforms (:mod:`rlpost.envs.transforms`) add the rest: prompts from a dataset,
-rewards, tools. Keys per ``input_mode`` (B = batch)::
+The env never calls the model: ``reset`` turns a query (and a system prompt) into the first
+prompt; the policy writes its output (``full`` = prompt + response); ``step`` makes ``full`` the
+next prompt and writes ``reward`` (float32 ``[B, 1]``) and the flags (bool ``[B, 1]``).
+Transforms add the rest: prompts from a dataset, rewards, tools. Keys per ``input_mode``::
 
     "history": reset -> history.prompt (History [B, n]);  step reads history.full
     "text":    reset -> text.prompt (rendered str per row); step reads text.full
     "tokens":  reset -> tokens.prompt (int64 ids per row, lazily stacked, unpadded);
-               step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask)
+               step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask),
+               or only tokens.response (the next prompt is then prompt + response)
 
-TorchRL conventions kept: ``step(td)`` returns ``td`` with a ``"next"`` sub-TensorDict;
-``step_and_maybe_reset(td)`` also returns the next root input, in which done envs were reset;
-``reward`` is float32 ``[B, 1]`` and the flags bool ``[B, 1]``; the reset input's keys are
-carried into the reset output.
+As in TorchRL: ``step(td)`` returns ``td`` with ``"next"``; ``step_and_maybe_reset`` also returns
+the next root input, done envs reset; the reset input's keys are carried into its output;
+``reset(None)`` or a reset input without the query raises
+:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError). TorchRL 0.9's keys, still shown on
+TorchRL's LLM API page, work in history mode: the query under ``"text"``; the response text under
+``"text_response"``, or the whole conversation as a bare History under ``"history"``.
 
-TorchRL 0.9's keys also work in history mode (TorchRL's LLM API page and ChatEnv docstring still
-show them): a reset input may give the query under ``"text"``, and a step input the response
-text under ``"text_response"``, or the whole conversation as a bare History under ``"history"``,
-instead of ``history.full``.
-
-``env.append_transform(t)`` returns a new :class:`~rlpost.envs.transforms.TransformedEnv` (this env
-is left as it was); ``reset(None)`` and a reset input without the query raise
-:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError, as in TorchRL). Specs
-(``full_observation_spec``, ``full_action_spec``, ``full_state_spec``, reward and done specs)
-describe the mode's keys. In tokens mode a policy that returns only ``tokens.response`` is
-accepted: the next prompt is the prompt followed by the response.
-
-Deliberate deviations: no torchrl dependency; transforms use rlpost's hooks
-(:mod:`rlpost.envs.transforms`); ``max_steps`` truncates episodes (TorchRL uses a
-``StepCounter`` transform) and ``step_count`` is carried in the TensorDict; a reset input may
-carry a per-row ``"system_prompt"``; a partial reset is a ``reset`` of the sub-batch of done
-envs (batch ``[k]``) rather than a ``"_reset"`` mask; batch sizes have one dim (``[B]``; more
-raise ``ValueError``).
+Deliberate deviations: transforms use rlpost's hooks (:mod:`rlpost.envs.transforms`);
+``max_steps`` truncates episodes (TorchRL uses a ``StepCounter``) and ``step_count`` is carried in
+the TensorDict; a reset input may carry a per-row ``"system_prompt"``; a partial reset is a
+``reset`` of the sub-batch of done envs (batch ``[k]``), not a ``"_reset"`` mask; batch sizes
+have one dim (more raise ``ValueError``).
 """
 
 from __future__ import annotations
@@ -91,11 +80,9 @@ class ChatEnv(EnvBase):
         device: device of the tensors the env creates.
         max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
             None for no limit.
-        with_tokenizer: TorchRL's option: ``ChatEnv(..., with_tokenizer=True)`` returns the env
-            wrapped in a :class:`~rlpost.envs.transforms.TransformedEnv` with an
+        with_tokenizer: TorchRL's option: return the env in a TransformedEnv with an
             :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer` of ``tokenizer``
-            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``; the same
-            as :meth:`with_tokenizer`.
+            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``.
     """
 
     data_key = "query"
@@ -166,17 +153,12 @@ class ChatEnv(EnvBase):
         return (self.data_key, "system_prompt", "step_count")
 
     def append_transform(self, transform: Transform) -> TransformedEnv:
-        """A new :class:`~rlpost.envs.transforms.TransformedEnv` of this env and ``transform``; this
-        env is left as it was (TorchRL's ``EnvBase.append_transform``)."""
+        """A new TransformedEnv of this env and ``transform``; this env is left as it was."""
         return TransformedEnv(self, transform)
 
     @classmethod
     def from_dataloader(cls, dataloader: Any, **kwargs: Any) -> Any:
-        """A chat env whose prompts come from ``dataloader`` (a DataLoader, any iterable of
-        batches, or rows): :meth:`DatasetChatEnv.from_dataloader`,
-        with the same keywords (``repeats``, ``device``, ``group_repeats``, ``batch_size``,
-        ``primers``, ``tokenizer``, ``template_kwargs``, ``input_mode``, ``data_key``,
-        ``system_prompt``)."""
+        """:meth:`DatasetChatEnv.from_dataloader` (a DataLoader, any iterable of batches, or rows)."""
         return DatasetChatEnv.from_dataloader(dataloader, **kwargs)
 
     # ------------------------------------------------------------------ specs
@@ -210,10 +192,8 @@ class ChatEnv(EnvBase):
     # ------------------------------------------------------------------ reset
 
     def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
-        """The base reset (see :meth:`EnvBase.reset <rlpost.envs.common.EnvBase.reset>`): the
-        prompt under the mode's key, ``step_count`` 0, the flags False, and every key of the
-        input ``td`` (which holds the query under ``data_key`` and optionally a per-row
-        ``"system_prompt"``)."""
+        """The prompt under the mode's key, ``step_count`` 0, the flags False, and every key of
+        ``td`` (the query under ``data_key``, optionally a per-row ``"system_prompt"``)."""
         num_envs = td.batch_size[0]
         if self.input_mode in td.keys() and not isinstance(td.get(self.input_mode), _CONTAINERS[self.input_mode]):
             raise EnvInputError(

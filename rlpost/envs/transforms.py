@@ -1,27 +1,15 @@
-"""Env transforms: the small hook protocol of an env, :class:`Compose` and :class:`TransformedEnv`
-(TorchRL's ``torchrl.envs.transforms``).
+"""Env transforms: the small hook protocol of an env, :class:`Compose`, :class:`TransformedEnv`
+and :class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
 
-A transform adds one capability to a :class:`~rlpost.envs.chat.ChatEnv` (data loading, a reward,
-a tool) through hooks the env calls around its own reset and step::
-
-    reset(td):  td = t.reset_preprocess(td)   for t in transforms    # e.g. load the query
-                out = base reset(td)
-                out = t.on_reset(td, out)      for t in transforms
-    step(td):   next = base step(td)                                  # full -> next prompt
-                next = t.on_step(td, next)     for t in transforms    # e.g. reward, tool turn
-
-This mirrors TorchRL's ``Transform._reset_env_preprocess`` / ``_reset`` / ``_step``; the loop
-that calls the hooks is :class:`~rlpost.envs.common.EnvBase` (a base env alone, or a
-:class:`TransformedEnv` holding its transforms in a :class:`Compose`).
-``base_env.append_transform(t)`` returns a new TransformedEnv, as in TorchRL. A transform that
-writes keys of its own says so in the specs, as in TorchRL: a TransformedEnv's
-``full_observation_spec`` (and action, state, reward and done specs) is the base env's passed
-through each transform's ``transform_observation_spec`` (``transform_action_spec``, ...), which
-return the spec unchanged by default. Deliberate deviation: no ``_call``/``_inv_call``
-(observations and actions are not rewritten on the way in or out).
-
-The tool transforms (:class:`~rlpost.envs.tool_transforms.PythonInterpreter` and the others)
-are in :mod:`rlpost.envs.tool_transforms`.
+A transform adds one capability to an env (data loading, a reward, a tool) through hooks that
+:class:`~rlpost.envs.common.EnvBase` calls around the base env's reset and step (its module doc
+draws the loop): ``reset_preprocess(td)`` before the base reset, ``on_reset(td, out)`` after it,
+``on_step(td, next)`` after the base step; TorchRL's ``_reset_env_preprocess`` / ``_reset`` /
+``_step``. As in TorchRL, ``base_env.append_transform(t)`` returns a new TransformedEnv, and a
+TransformedEnv's ``full_observation_spec`` (action, state, reward, done) is the base env's passed
+through each transform's ``transform_observation_spec`` (...), unchanged by default. Deliberate
+deviation: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
+or out; the older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
 """
 
 from __future__ import annotations
@@ -72,24 +60,20 @@ class Transform:
 
     # TorchRL's spec hooks: the env's spec (a Composite) goes through each transform in order;
     # a transform that writes a key adds its spec and returns the Composite (edited in place).
+    # Default: unchanged.
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        """The observation spec after this transform (default: unchanged)."""
         return observation_spec
 
     def transform_action_spec(self, action_spec: Composite) -> Composite:
-        """The action spec after this transform (default: unchanged)."""
         return action_spec
 
     def transform_state_spec(self, state_spec: Composite) -> Composite:
-        """The state spec after this transform (default: unchanged)."""
         return state_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        """The reward spec after this transform (default: unchanged)."""
         return reward_spec
 
     def transform_done_spec(self, done_spec: Composite) -> Composite:
-        """The done spec after this transform (default: unchanged)."""
         return done_spec
 
     def state_dict(self) -> dict[str, Any]:
