@@ -62,21 +62,12 @@ class PromptItem:
 class DataLoadingPrimer(Transform):
     """Fill the reset input of a chat env with prompts drawn from a dataset or a dataloader.
 
-    Two kinds of source:
-
-    - **rows** (a local file, a hub name, a ``datasets.Dataset`` or a list of row dicts): walked
-      in a seeded order, ``batch_size_dl`` rows at a time, resumable exactly and shardable (see
-      the module docstring);
-    - **a DataLoader or any other iterable of batches** (TorchRL's ``dataloader`` argument):
-      each batch a dict of columns or a list of row dicts (a bare string or list of strings is
-      read as the ``data_key`` column); iterated endlessly (restarted at its end).
-
-    Each loaded batch goes through ``collate_fn`` (default: :func:`default_collate_fn`, the
-    ``"text"`` -> ``"query"`` rename) and then, as in TorchRL, into a queue with every row
-    ``repeats`` times in a row: with ``batch_size_dl=2`` and ``repeats=3`` the queue is
-    ``a a a b b b`` and each reset of ``k`` envs takes the next ``k`` items (copies continue
-    over the next resets). With ``group_repeats=True`` every reset must take whole loaded
-    batches with all their copies (all copies of a prompt in one reset).
+    The source is rows (a local file, a hub name, a ``datasets.Dataset`` or a list of row dicts:
+    walked in a seeded order, resumable exactly and shardable) or, TorchRL's ``dataloader``, a
+    DataLoader or any iterable of batches (each a dict of columns or a list of row dicts; a bare
+    string or list of strings is the ``data_key`` column), iterated endlessly. Each loaded batch
+    goes through ``collate_fn`` (default :func:`default_collate_fn`) and into the queue of
+    copies the module docstring describes.
 
     A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
     collated row (or those of ``primers``), the prompt under ``data_key`` (from

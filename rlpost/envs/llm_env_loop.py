@@ -61,10 +61,6 @@ class LLMEnvLoop:
         return self.base_env._action_keys()
 
     @property
-    def action_key(self) -> Any:
-        return self.action_keys[0]
-
-    @property
     def reward_keys(self) -> list:
         return self.base_env._reward_keys()
 
