@@ -39,7 +39,13 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data.specs import Composite, NonTensor
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
-from rlpost.envs.row_sources import batch_rows, default_collate_fn, is_batch_iterable, load_rows
+from rlpost.envs.row_sources import (  # noqa: F401 (RowList: its old path)
+    RowList,
+    batch_rows,
+    default_collate_fn,
+    is_batch_iterable,
+    load_rows,
+)
 from rlpost.envs.td_rows import stack_rows
 from rlpost.envs.transforms import Transform
 
