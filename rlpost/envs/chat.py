@@ -254,12 +254,10 @@ class ChatEnv(EnvBase):
         return chat + [{"role": self.user_role, "content": query}]
 
     def _make_prompt(self, chats: list[list[dict]]) -> Any:
-        """The mode's prompt container for a batch of chats (lists of message dicts).
-
-        Text and tokens modes render each distinct chat once: a group's rows repeat one prompt
-        (``repeats``), and the chat template renders equal chats to equal text, so rendering the
-        16 distinct prompts of a 16 x 8 batch gives the same rows as rendering all 128, at an
-        eighth of the cost. Each row still gets a tensor of its own."""
+        """The mode's prompt container for a batch of chats (lists of message dicts). Text and
+        tokens modes render each distinct chat once (a group's rows repeat one prompt, and equal
+        chats render to equal text: 16 renders for a 16 x 8 batch instead of 128); each row still
+        gets a tensor of its own."""
         if self.input_mode == "history":
             return ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)])
         distinct, row_of = distinct_chats(chats)
@@ -276,9 +274,8 @@ class ChatEnv(EnvBase):
     # ------------------------------------------------------------------ step
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
-        """The base step (see :meth:`EnvBase.step <rlpost.envs.common.EnvBase.step>`): the
-        next prompt from the policy's ``full``, ``step_count`` + 1, ``reward`` 0 and the flags
-        (``truncated`` and ``done`` once ``max_steps`` is reached)."""
+        """The next prompt from the policy's ``full``, ``step_count`` + 1, ``reward`` 0 and the
+        flags (``truncated`` and ``done`` once ``max_steps`` is reached)."""
         if td.batch_dims != 1:
             raise EnvInputError(
                 f"{type(self).__name__}.step expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}"
@@ -387,12 +384,10 @@ class ChatEnv(EnvBase):
     # ------------------------------------------------------------------ helpers for transforms
 
     def last_responses(self, td: TensorDictBase) -> list[str]:
-        """The text of each row's latest policy response in a step input ``td``.
-
-        History mode: the last message of ``history.full`` when its role is ``policy_role``
-        (else ""). Text mode: ``text.response`` (or ``full`` minus ``prompt``) without its
-        end-of-turn marker. Tokens mode: ``tokens.response`` decoded without special tokens.
-        """
+        """The text of each row's latest policy response in a step input ``td``: the last
+        message of ``history.full`` when it is ``policy_role``'s (else ""); ``text.response`` (or
+        ``full`` minus ``prompt``) without its end-of-turn marker; or ``tokens.response`` decoded
+        without special tokens."""
         num_envs = td.batch_size[0]
         if self.input_mode == "history":
             rows = self._policy_field(td, "full").to_chats(include_state=True)
@@ -424,12 +419,10 @@ class ChatEnv(EnvBase):
 
     def append_messages(self, next_td: TensorDictBase, role: str, contents: list[str | None]) -> TensorDictBase:
         """Add a ``role`` message with ``contents[i]`` to the prompt of row ``i`` of ``next_td``
-        (rows whose content is None are left as they are); used by tool transforms.
-
-        Text and tokens modes render the message with the chat template: the previous
-        assistant turn is closed (its end-of-turn text is completed when the response stopped
-        before or inside it), then the message and a new generation prompt are added.
-        """
+        (None: row left as it is); used by tool transforms. Text and tokens modes render it with
+        the chat template: the previous assistant turn is closed (its end-of-turn text completed
+        when the response stopped before or inside it), then the message and a new generation
+        prompt are added."""
         rows = self.prompt_rows(next_td)
         for i, content in enumerate(contents):
             if content is None:
@@ -460,13 +453,11 @@ class ChatEnv(EnvBase):
 
 
 class DatasetChatEnv(TransformedEnv):
-    """A :class:`ChatEnv` whose prompts come from a dataset through a :class:`DataLoadingPrimer`
-    (a :class:`~rlpost.envs.transforms.TransformedEnv`: ``env.base_env`` is the ChatEnv,
-    ``env.transform[0]`` and ``env.primer`` the primer).
-
-    The base of GSM8KEnv, ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer
-    supplies the query (plus the row's columns, ``answer``, ``prompt_id`` and ``row``).
-    Subclasses set ``SYSTEM_PROMPT``; a ``system_prompt`` argument overrides it.
+    """A :class:`ChatEnv` (``env.base_env``) whose prompts come from a dataset through a
+    :class:`DataLoadingPrimer` (``env.primer``, ``env.transform[0]``): the base of GSM8KEnv,
+    ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer supplies the query
+    (and the row's columns, ``answer``, ``prompt_id``, ``row``). Subclasses set ``SYSTEM_PROMPT``;
+    a ``system_prompt`` argument overrides it.
 
     Keyword args are TorchRL's (``dataset``, ``shuffle``, ``name`` (subset), ``split``,
     ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``,
