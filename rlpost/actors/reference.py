@@ -31,7 +31,8 @@ from rlpost.actors import start_actor
 from rlpost.actors.batch import collate_samples
 from rlpost.config import ModelConfig, ReferenceConfig, RolloutConfig, TorchRoleResources
 from rlpost.data.samples import Group, Sample
-from rlpost.envs.kl import ASSISTANT_MASK, KLComputation, KLServiceActor, RetrieveKL
+from rlpost.envs.kl import ASSISTANT_MASK, KLComputation, RetrieveKL
+from rlpost.envs.kl_service import KLServiceActor
 from rlpost.runtime.liveness import working
 from rlpost.transport.named_actor import NamedActorClient
 
@@ -55,7 +56,7 @@ class ReferenceSettings:
 
 
 class Reference(KLServiceActor):
-    """The reference model behind the KL term; as a :class:`~rlpost.envs.kl.KLServiceActor` it
+    """The reference model behind the KL term; as a :class:`~rlpost.envs.kl_service.KLServiceActor` it
     also serves envs that attach with ``RayRetrieveKL(actor_name="reference")`` (tokens mode,
     padded, the generation log-probs already in the data)."""
 

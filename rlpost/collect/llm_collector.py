@@ -15,7 +15,7 @@ batches are written there (``extend``/``put``) and the iterator yields None.
 
 Weights and versions: ``weight_updater`` (an object, or a constructor) pushes a trainer's
 weights to where the policy runs when :meth:`update_policy_weights_` is called;
-``track_policy_version=True`` (or a :class:`~rlpost.envs.llm_transforms.PolicyVersion`) adds a
+``track_policy_version=True`` (or a :class:`~rlpost.envs.policy_version.PolicyVersion`) adds a
 PolicyVersion transform to the env, so each step records the version that produced it, and
 :meth:`increment_version` bumps it.
 
@@ -208,7 +208,7 @@ class LLMCollector(WholeEpisodeLoop):
         self.collection_error: BaseException | None = None  # what ended a start()ed collection
 
     def _add_version_tracker(self, track: Any) -> Any:
-        from rlpost.envs.llm_transforms import PolicyVersion
+        from rlpost.envs.policy_version import PolicyVersion
 
         if self.whole_episodes is not None and track in (False, None, True):
             track = True  # samples carry versions: always tracked

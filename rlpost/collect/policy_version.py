@@ -1,6 +1,6 @@
 """PolicyVersion: which weights version generated the tokens of each sample.
 
-TorchRL's ``PolicyVersion`` transform (defined in :mod:`rlpost.envs.llm_transforms`, re-exported
+TorchRL's ``PolicyVersion`` transform (defined in :mod:`rlpost.envs.policy_version`, re-exported
 here); as an env transform it writes the current version under ``"policy_version"`` at every
 reset and step. The whole-episodes collector uses integer versions: the learner bumps the version
 at every publication and inference workers report the version they served with. Contract with
@@ -14,6 +14,6 @@ tokens (:meth:`PolicyVersion.merge`): a multi-turn episode is as stale as its ol
 
 from __future__ import annotations
 
-from rlpost.envs.llm_transforms import PolicyVersion, VersionChange
+from rlpost.envs.policy_version import PolicyVersion, VersionChange
 
 __all__ = ["PolicyVersion", "VersionChange"]

@@ -1,34 +1,20 @@
 """AsyncEnvPool: several envs stepped concurrently, results taken as they finish (TorchRL's).
 
-Each of ``len(env_makers)`` sub-envs (batch ``[1]``, e.g. a ChatEnv whose tools or reward take a
-while, or unbatched: batch ``()``) is one row of the pool (batch ``[N]``); every row carries its
-sub-env's index under ``"env_index"``. The asynchronous API is TorchRL's, in three send/recv
-pairs that differ in what a sub-env does with its rows:
-
-- ``async_step_send(td)`` / ``async_step_recv(min_get)``: a step (``env.step``: the input with
-  its ``"next"``);
-- ``async_step_and_maybe_reset_send(td)`` / ``async_step_and_maybe_reset_recv(min_get)``: a
-  step and the next root (done rows reset), two tensordicts;
-- ``async_reset_send(td)`` / ``async_reset_recv(min_get)``: a reset.
-
-A send starts one thread per row of ``td``; which sub-env a row goes to is ``env_index=`` (a
-list, one per row, or an int: a per-env send), else ``td["env_index"]``, else row ``i`` is
-sub-env ``i``. A sub-env that has been
-sent something and whose result was not received yet is busy: a second send to it raises
-``RuntimeError``. A recv waits until ``min_get`` (default ``pool.min_get``, 1) results of its kind
-are done, then also takes those already done (up to ``max_get``; ``timeout=`` seconds after the
-first result it keeps waiting for more), and returns them stacked in the order of their
-``env_index`` (TorchRL's sort). ``recv(env_index=i)`` after ``send(td, env_index=i)`` is the
-per-env pair: it waits for sub-env ``i``'s result and returns its row alone. ``reset(td)``,
-``step(td)`` and ``step_and_maybe_reset(td)`` do every row and wait for all. An LLM collector
-with ``async_envs=True`` thus generates for the rows that are ready while slow rows still run.
-The pool's specs (``full_action_spec``, ``full_observation_spec``, ``full_done_spec``, ...) are
-the sub-envs' with the pool's batch ``[N]`` in place of theirs; ``action_keys`` and the other key
-lists are the sub-envs'.
-
-``stack`` says how rows are put together, as in TorchRL: ``"lazy"`` (a lazy stack, each row
-kept as its sub-env returned it), ``"maybe_dense"`` (dense where the rows agree, lazy where they
-do not) or ``"dense"`` (``torch.stack``: fails on rows of different shapes).
+Each of ``len(env_makers)`` sub-envs (batch ``[1]``, or ``()``) is one row of the pool (batch
+``[N]``), carrying its index under ``"env_index"``. TorchRL's asynchronous API is three
+send/recv pairs: ``async_step_*`` (a step: the input with its ``"next"``),
+``async_step_and_maybe_reset_*`` (a step and the next root, done rows reset) and
+``async_reset_*`` (a reset). A send starts one thread per row of ``td``; a row goes to sub-env
+``env_index=`` (a list, one per row; an int: a per-env send), else ``td["env_index"]``, else row
+``i`` to sub-env ``i``. A sub-env sent something not yet received is busy: a second send to it
+raises ``RuntimeError``. A recv waits for ``min_get`` (default ``pool.min_get``, 1) results of
+its kind, also takes those already done (up to ``max_get``; with ``timeout=``, those done within
+that many seconds of the first) and stacks them in ``env_index`` order (TorchRL's sort);
+``recv(env_index=i)`` after ``send(td, env_index=i)`` returns sub-env ``i``'s row alone.
+``reset``, ``step`` and ``step_and_maybe_reset`` do every row and wait for all. An LLM collector
+with ``async_envs=True`` thus generates for the ready rows while slow ones still run. The specs
+are the sub-envs' with the pool's batch ``[N]``; the key lists are the sub-envs'. ``stack``:
+``"lazy"`` (each row as its sub-env returned it), ``"maybe_dense"`` or ``"dense"`` (``torch.stack``).
 
 Deviations from TorchRL: one backend, threads (``backend="multiprocessing"`` raises
 ``ValueError``: rlpost's envs release the GIL in their slow parts, tool sandboxes, reward worker
@@ -41,7 +27,7 @@ by ``timeout_s`` (``TimeoutError``); a per-env send to a busy sub-env raises too
 replaces the pending result), and ``step`` / ``reset`` refuse busy sub-envs only (TorchRL's refuse
 while any step is pending); ``async_step_and_maybe_reset_recv`` asked for more results than are
 pending returns those pending (TorchRL raises, as ``async_step_recv`` and ``async_reset_recv`` do
-here); ``stack`` defaults to ``"lazy"`` (TorchRL: ``"dense"``), because conversations of different
+here); ``stack`` defaults to ``"lazy"`` (TorchRL: ``"dense"``): conversations of different
 lengths do not stack densely.
 """
 

@@ -1,39 +1,28 @@
 """ChatEnv: the conversation around the LLM, in history, text or tokens mode (TorchRL's ``ChatEnv``).
 
-The env never calls the model. ``reset`` turns a query (and a system prompt) into the first
-prompt; the policy reads the prompt and writes its output (``full`` = prompt + response);
-``step`` makes ``full`` the next prompt and writes ``reward``, ``done``, ``terminated`` and
-``truncated``. Transforms (:mod:`rlpost.envs.transforms`) add the rest: prompts from a dataset,
-rewards, tools. Keys per ``input_mode`` (B = batch)::
+The env never calls the model: ``reset`` turns a query (and a system prompt) into the first
+prompt; the policy writes its output (``full`` = prompt + response); ``step`` makes ``full`` the
+next prompt and writes ``reward`` (float32 ``[B, 1]``) and the flags (bool ``[B, 1]``).
+Transforms add the rest: prompts from a dataset, rewards, tools. Keys per ``input_mode``::
 
     "history": reset -> history.prompt (History [B, n]);  step reads history.full
     "text":    reset -> text.prompt (rendered str per row); step reads text.full
     "tokens":  reset -> tokens.prompt (int64 ids per row, lazily stacked, unpadded);
-               step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask)
+               step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask),
+               or only tokens.response (the next prompt is then prompt + response)
 
-TorchRL conventions kept: ``step(td)`` returns ``td`` with a ``"next"`` sub-TensorDict;
-``step_and_maybe_reset(td)`` also returns the next root input, in which done envs were reset;
-``reward`` is float32 ``[B, 1]`` and the flags bool ``[B, 1]``; the reset input's keys are
-carried into the reset output.
+As in TorchRL: ``step(td)`` returns ``td`` with ``"next"``; ``step_and_maybe_reset`` also returns
+the next root input, done envs reset; the reset input's keys are carried into its output;
+``reset(None)`` or a reset input without the query raises
+:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError). TorchRL 0.9's keys, still shown on
+TorchRL's LLM API page, work in history mode: the query under ``"text"``; the response text under
+``"text_response"``, or the whole conversation as a bare History under ``"history"``.
 
-TorchRL 0.9's keys also work in history mode (TorchRL's LLM API page and ChatEnv docstring still
-show them): a reset input may give the query under ``"text"``, and a step input the response
-text under ``"text_response"``, or the whole conversation as a bare History under ``"history"``,
-instead of ``history.full``.
-
-``env.append_transform(t)`` returns a new :class:`~rlpost.envs.transforms.TransformedEnv` (this env
-is left as it was); ``reset(None)`` and a reset input without the query raise
-:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError, as in TorchRL). Specs
-(``full_observation_spec``, ``full_action_spec``, ``full_state_spec``, reward and done specs)
-describe the mode's keys. In tokens mode a policy that returns only ``tokens.response`` is
-accepted: the next prompt is the prompt followed by the response.
-
-Deliberate deviations: no torchrl dependency; transforms use rlpost's hooks
-(:mod:`rlpost.envs.transforms`); ``max_steps`` truncates episodes (TorchRL uses a
-``StepCounter`` transform) and ``step_count`` is carried in the TensorDict; a reset input may
-carry a per-row ``"system_prompt"``; a partial reset is a ``reset`` of the sub-batch of done
-envs (batch ``[k]``) rather than a ``"_reset"`` mask; batch sizes have one dim (``[B]``; more
-raise ``ValueError``).
+Deliberate deviations: transforms use rlpost's hooks (:mod:`rlpost.envs.transforms`);
+``max_steps`` truncates episodes (TorchRL uses a ``StepCounter``) and ``step_count`` is carried in
+the TensorDict; a reset input may carry a per-row ``"system_prompt"``; a partial reset is a
+``reset`` of the sub-batch of done envs (batch ``[k]``), not a ``"_reset"`` mask; batch sizes
+have one dim (more raise ``ValueError``).
 """
 
 from __future__ import annotations
@@ -43,24 +32,35 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase
 
 from rlpost.data import ChatHistory, History, Text, Tokens
 from rlpost.data.specs import Composite, NonTensor, Unbounded
-from rlpost.envs.common import EnvBase
-from rlpost.envs.datasets import DataLoadingPrimer, RayDataLoadingPrimer, is_batch_iterable
+from rlpost.envs.chat_rows import (
+    as_list,
+    distinct_chats,
+    is_padded,
+    is_strings,
+    make_text,
+    make_tokens,
+    row_list,
+    row_values,
+    stack_values,
+)
+from rlpost.envs.common import FLAGS, EnvBase
+from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.incremental_tokenizer import IncrementalTokenizer
+from rlpost.envs.ray_primer import RayDataLoadingPrimer
+from rlpost.envs.row_sources import is_batch_iterable
 from rlpost.envs.transforms import Transform, TransformedEnv
 from rlpost.envs.turns import TurnRenderer
-from rlpost.policies.inputs import is_lazy
 
 INPUT_MODES = ("history", "text", "tokens")
 # TorchRL 0.9's keys, still shown in TorchRL's LLM API page: the query of a reset under "text",
 # the policy's response text under "text_response".
 LEGACY_QUERY_KEY = "text"
 LEGACY_RESPONSE_KEY = "text_response"
-_FLAGS = ("done", "terminated", "truncated")
 _CONTAINERS = {"history": ChatHistory, "text": Text, "tokens": Tokens}
 
 
@@ -80,11 +80,9 @@ class ChatEnv(EnvBase):
         device: device of the tensors the env creates.
         max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
             None for no limit.
-        with_tokenizer: TorchRL's option: ``ChatEnv(..., with_tokenizer=True)`` returns the env
-            wrapped in a :class:`~rlpost.envs.transforms.TransformedEnv` with an
+        with_tokenizer: TorchRL's option: return the env in a TransformedEnv with an
             :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer` of ``tokenizer``
-            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``; the same
-            as :meth:`with_tokenizer`.
+            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``.
     """
 
     data_key = "query"
@@ -155,17 +153,12 @@ class ChatEnv(EnvBase):
         return (self.data_key, "system_prompt", "step_count")
 
     def append_transform(self, transform: Transform) -> TransformedEnv:
-        """A new :class:`~rlpost.envs.transforms.TransformedEnv` of this env and ``transform``; this
-        env is left as it was (TorchRL's ``EnvBase.append_transform``)."""
+        """A new TransformedEnv of this env and ``transform``; this env is left as it was."""
         return TransformedEnv(self, transform)
 
     @classmethod
     def from_dataloader(cls, dataloader: Any, **kwargs: Any) -> Any:
-        """A chat env whose prompts come from ``dataloader`` (a DataLoader, any iterable of
-        batches, or rows): :meth:`DatasetChatEnv.from_dataloader`,
-        with the same keywords (``repeats``, ``device``, ``group_repeats``, ``batch_size``,
-        ``primers``, ``tokenizer``, ``template_kwargs``, ``input_mode``, ``data_key``,
-        ``system_prompt``)."""
+        """:meth:`DatasetChatEnv.from_dataloader` (a DataLoader, any iterable of batches, or rows)."""
         return DatasetChatEnv.from_dataloader(dataloader, **kwargs)
 
     # ------------------------------------------------------------------ specs
@@ -193,16 +186,14 @@ class ChatEnv(EnvBase):
         return Composite({"reward": reward}, shape=self.batch_size, device=self.device)
 
     def _done_spec(self) -> Composite:
-        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool, device=self.device) for flag in _FLAGS}
+        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool, device=self.device) for flag in FLAGS}
         return Composite(flags, shape=self.batch_size, device=self.device)
 
     # ------------------------------------------------------------------ reset
 
     def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
-        """The base reset (see :meth:`EnvBase.reset <rlpost.envs.common.EnvBase.reset>`): the
-        prompt under the mode's key, ``step_count`` 0, the flags False, and every key of the
-        input ``td`` (which holds the query under ``data_key`` and optionally a per-row
-        ``"system_prompt"``)."""
+        """The prompt under the mode's key, ``step_count`` 0, the flags False, and every key of
+        ``td`` (the query under ``data_key``, optionally a per-row ``"system_prompt"``)."""
         num_envs = td.batch_size[0]
         if self.input_mode in td.keys() and not isinstance(td.get(self.input_mode), _CONTAINERS[self.input_mode]):
             raise EnvInputError(
@@ -216,7 +207,7 @@ class ChatEnv(EnvBase):
         out = td.exclude(self.input_mode, "next").clone(recurse=False)
         out.set(self.input_mode, self._make_prompt(chats))
         out.set("step_count", torch.zeros(num_envs, 1, dtype=torch.int64, device=self.device))
-        for flag in _FLAGS:
+        for flag in FLAGS:
             out.set(flag, torch.zeros(num_envs, 1, dtype=torch.bool, device=self.device))
         return out
 
@@ -234,7 +225,7 @@ class ChatEnv(EnvBase):
         return td
 
     def _queries(self, td: TensorDictBase, *, given: bool = True) -> list[str]:
-        if self.data_key not in td.keys() and _is_strings(td.get(LEGACY_QUERY_KEY, None)):
+        if self.data_key not in td.keys() and is_strings(td.get(LEGACY_QUERY_KEY, None)):
             return as_list(td.get(LEGACY_QUERY_KEY), td.batch_size[0])
         if self.data_key not in td.keys() and not given:
             raise EnvInputError(
@@ -263,15 +254,13 @@ class ChatEnv(EnvBase):
         return chat + [{"role": self.user_role, "content": query}]
 
     def _make_prompt(self, chats: list[list[dict]]) -> Any:
-        """The mode's prompt container for a batch of chats (lists of message dicts).
-
-        Text and tokens modes render each distinct chat once: a group's rows repeat one prompt
-        (``repeats``), and the chat template renders equal chats to equal text, so rendering the
-        16 distinct prompts of a 16 x 8 batch gives the same rows as rendering all 128, at an
-        eighth of the cost. Each row still gets a tensor of its own."""
+        """The mode's prompt container for a batch of chats (lists of message dicts). Text and
+        tokens modes render each distinct chat once (a group's rows repeat one prompt, and equal
+        chats render to equal text: 16 renders for a 16 x 8 batch instead of 128); each row still
+        gets a tensor of its own."""
         if self.input_mode == "history":
             return ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)])
-        distinct, row_of = _distinct_chats(chats)
+        distinct, row_of = distinct_chats(chats)
         rendered = self._render(History.from_chats(distinct), tokenize=self.input_mode == "tokens")
         if self.input_mode == "text":
             return make_text([rendered[i] for i in row_of])
@@ -285,9 +274,8 @@ class ChatEnv(EnvBase):
     # ------------------------------------------------------------------ step
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
-        """The base step (see :meth:`EnvBase.step <rlpost.envs.common.EnvBase.step>`): the
-        next prompt from the policy's ``full``, ``step_count`` + 1, ``reward`` 0 and the flags
-        (``truncated`` and ``done`` once ``max_steps`` is reached)."""
+        """The next prompt from the policy's ``full``, ``step_count`` + 1, ``reward`` 0 and the
+        flags (``truncated`` and ``done`` once ``max_steps`` is reached)."""
         if td.batch_dims != 1:
             raise EnvInputError(
                 f"{type(self).__name__}.step expects a TensorDict of batch [k], got batch {tuple(td.batch_size)}"
@@ -363,16 +351,16 @@ class ChatEnv(EnvBase):
         keys = td.keys(include_nested=True)
         if ("tokens", "full") not in keys and ("tokens", "prompt") in keys and ("tokens", "response") in keys:
             rows = td.get("tokens").unbind(0)
-            if any(_is_padded(row) for row in rows):
+            if any(is_padded(row) for row in rows):
                 raise EnvInputError(
                     "tokens mode: the policy wrote padded tokens.prompt/tokens.response without tokens.full; "
                     "padding cannot be told apart from ids here: return tokens.full (return_tokens=True) or use pad_output=False"
                 )
             return [torch.cat([row.prompt.reshape(-1), row.response.reshape(-1).to(row.prompt.dtype)]) for row in rows]
         self._policy_field(td, "full")
-        rows = _row_list(td, ("tokens", "full"))
+        rows = row_list(td, ("tokens", "full"))
         if ("masks", "all_attention_mask") in td.keys(include_nested=True):
-            masks = _row_list(td, ("masks", "all_attention_mask"))
+            masks = row_list(td, ("masks", "all_attention_mask"))
             rows = [ids[mask.bool()] for ids, mask in zip(rows, masks)]
         return rows
 
@@ -385,7 +373,7 @@ class ChatEnv(EnvBase):
         for key in kept.keys():
             if key == self.input_mode:
                 continue
-            values = {id(t): _rows(t.get(key), t.batch_size[0]) for t in (kept, fresh) if key in t.keys()}
+            values = {id(t): row_values(t.get(key), t.batch_size[0]) for t in (kept, fresh) if key in t.keys()}
             if len(values) < 2:
                 raise ValueError(f"cannot merge reset rows: key {key!r} is missing from the reset output")
             out.set(key, stack_values([values[id(t)][i] for t, i in source]))
@@ -396,12 +384,10 @@ class ChatEnv(EnvBase):
     # ------------------------------------------------------------------ helpers for transforms
 
     def last_responses(self, td: TensorDictBase) -> list[str]:
-        """The text of each row's latest policy response in a step input ``td``.
-
-        History mode: the last message of ``history.full`` when its role is ``policy_role``
-        (else ""). Text mode: ``text.response`` (or ``full`` minus ``prompt``) without its
-        end-of-turn marker. Tokens mode: ``tokens.response`` decoded without special tokens.
-        """
+        """The text of each row's latest policy response in a step input ``td``: the last
+        message of ``history.full`` when it is ``policy_role``'s (else ""); ``text.response`` (or
+        ``full`` minus ``prompt``) without its end-of-turn marker; or ``tokens.response`` decoded
+        without special tokens."""
         num_envs = td.batch_size[0]
         if self.input_mode == "history":
             rows = self._policy_field(td, "full").to_chats(include_state=True)
@@ -433,12 +419,10 @@ class ChatEnv(EnvBase):
 
     def append_messages(self, next_td: TensorDictBase, role: str, contents: list[str | None]) -> TensorDictBase:
         """Add a ``role`` message with ``contents[i]`` to the prompt of row ``i`` of ``next_td``
-        (rows whose content is None are left as they are); used by tool transforms.
-
-        Text and tokens modes render the message with the chat template: the previous
-        assistant turn is closed (its end-of-turn text is completed when the response stopped
-        before or inside it), then the message and a new generation prompt are added.
-        """
+        (None: row left as it is); used by tool transforms. Text and tokens modes render it with
+        the chat template: the previous assistant turn is closed (its end-of-turn text completed
+        when the response stopped before or inside it), then the message and a new generation
+        prompt are added."""
         rows = self.prompt_rows(next_td)
         for i, content in enumerate(contents):
             if content is None:
@@ -469,13 +453,11 @@ class ChatEnv(EnvBase):
 
 
 class DatasetChatEnv(TransformedEnv):
-    """A :class:`ChatEnv` whose prompts come from a dataset through a :class:`DataLoadingPrimer`
-    (a :class:`~rlpost.envs.transforms.TransformedEnv`: ``env.base_env`` is the ChatEnv,
-    ``env.transform[0]`` and ``env.primer`` the primer).
-
-    The base of GSM8KEnv, ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer
-    supplies the query (plus the row's columns, ``answer``, ``prompt_id`` and ``row``).
-    Subclasses set ``SYSTEM_PROMPT``; a ``system_prompt`` argument overrides it.
+    """A :class:`ChatEnv` (``env.base_env``) whose prompts come from a dataset through a
+    :class:`DataLoadingPrimer` (``env.primer``, ``env.transform[0]``): the base of GSM8KEnv,
+    ArithmeticEnv and custom tasks. ``reset()`` needs no input: the primer supplies the query
+    (and the row's columns, ``answer``, ``prompt_id``, ``row``). Subclasses set ``SYSTEM_PROMPT``;
+    a ``system_prompt`` argument overrides it.
 
     Keyword args are TorchRL's (``dataset``, ``shuffle``, ``name`` (subset), ``split``,
     ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``,
@@ -615,92 +597,3 @@ class DatasetChatEnv(TransformedEnv):
         """Restart the prompt stream at epoch 0."""
         self.primer.reset_dataloader()
         return self
-
-
-# ---------------------------------------------------------------------------- small helpers
-
-
-def _is_padded(tokens: Any) -> bool:
-    padded = getattr(tokens, "padded", None)
-    if isinstance(padded, torch.Tensor):
-        return bool(padded.any())
-    return bool(padded)
-
-
-def _is_strings(value: Any) -> bool:
-    """A plain string entry (str, NonTensorData or NonTensorStack of str), not a Text container."""
-    if isinstance(value, str):
-        return True
-    if isinstance(value, (NonTensorData, NonTensorStack)):
-        data = value.tolist() if isinstance(value, NonTensorStack) else [value.data]
-        return all(isinstance(v, str) for v in data)
-    return False
-
-
-def as_list(value: Any, num_rows: int) -> list:
-    """Python values of a batch ``[num_rows]`` entry (non-tensor stack, data or plain list)."""
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    elif isinstance(value, NonTensorData):
-        value = [value.data] * num_rows
-    elif isinstance(value, str) or not isinstance(value, (list, tuple)):
-        value = [value] * num_rows
-    if len(value) != num_rows:
-        raise ValueError(f"expected {num_rows} values, got {len(value)}")
-    return list(value)
-
-
-def _distinct_chats(chats: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
-    """The distinct chats, in first-seen order, and for each input row the index of its chat
-    there. Chats are compared by their messages' (role, content) when those are the only keys
-    and the contents are strings (the messages a reset builds); any other chat counts as
-    distinct from every other."""
-    distinct: list[list[dict]] = []
-    row_of: list[int] = []
-    index_of: dict[tuple, int] = {}
-    for row, chat in enumerate(chats):
-        index = index_of.setdefault(_chat_key(chat) or ("row", row), len(distinct))
-        if index == len(distinct):
-            distinct.append(chat)
-        row_of.append(index)
-    return distinct, row_of
-
-
-def _chat_key(chat: list[dict]) -> tuple | None:
-    if all(message.keys() == {"role", "content"} and isinstance(message["content"], str) for message in chat):
-        return tuple((message["role"], message["content"]) for message in chat)
-    return None
-
-
-def _row_list(td: TensorDictBase, key: tuple[str, str]) -> list[torch.Tensor]:
-    """The rows of entry ``key``, one tensor each, without building a tensorclass per row (a
-    lazy stack gives its stored rows; a dense entry is split along its first dim)."""
-    if is_lazy(td.get(key[0])):
-        return list(td.get(key, as_list=True))
-    return list(td.get(key).unbind(0))
-
-
-def _rows(value: Any, num_rows: int) -> list:
-    if isinstance(value, (torch.Tensor, TensorDictBase)) and not isinstance(value, (NonTensorStack, NonTensorData)):
-        return list(value.unbind(0))
-    return as_list(value, num_rows)
-
-
-def stack_values(values: list) -> Any:
-    """Tensors stacked, TensorDicts lazily stacked; anything else as a NonTensorStack (dicts
-    stay dicts)."""
-    if all(isinstance(v, torch.Tensor) for v in values):
-        return torch.stack(values)
-    if all(isinstance(v, TensorDictBase) and not isinstance(v, NonTensorData) for v in values):
-        return lazy_stack(values)
-    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=[len(values)])
-
-
-def make_text(prompts: list[str]) -> Text:
-    stacked = NonTensorStack(*[NonTensorData(p) for p in prompts], batch_size=[len(prompts)])
-    return Text(prompt=stacked, batch_size=[len(prompts)])
-
-
-def make_tokens(rows: list[torch.Tensor]) -> Tokens:
-    """Unpadded token rows as a lazy stack of Tokens (read with ``as_list=True``)."""
-    return lazy_stack([Tokens(prompt=ids, padded=False) for ids in rows])

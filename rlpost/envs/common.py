@@ -207,33 +207,14 @@ class EnvBase:
             spec = getattr(transform, f"transform_{part}_spec")(spec)
         return spec
 
-    @property
-    def full_observation_spec(self) -> Composite:
-        return self._transformed_spec("observation")
-
-    @property
-    def full_action_spec(self) -> Composite:
-        return self._transformed_spec("action")
-
-    @property
-    def full_state_spec(self) -> Composite:
-        return self._transformed_spec("state")
-
-    @property
-    def full_reward_spec(self) -> Composite:
-        return self._transformed_spec("reward")
-
-    @property
-    def full_done_spec(self) -> Composite:
-        return self._transformed_spec("done")
-
-    @property
-    def observation_spec(self) -> Composite:
-        return self.full_observation_spec
-
-    @property
-    def state_spec(self) -> Composite:
-        return self.full_state_spec
+    full_observation_spec = property(lambda self: self._transformed_spec("observation"))
+    full_action_spec = property(lambda self: self._transformed_spec("action"))
+    full_state_spec = property(lambda self: self._transformed_spec("state"))
+    full_reward_spec = property(lambda self: self._transformed_spec("reward"))
+    full_done_spec = property(lambda self: self._transformed_spec("done"))
+    observation_spec = property(lambda self: self.full_observation_spec)
+    state_spec = property(lambda self: self.full_state_spec)
+    done_spec = property(lambda self: self.full_done_spec)
 
     @property
     def action_spec(self) -> Any:
@@ -244,10 +225,6 @@ class EnvBase:
     @property
     def reward_spec(self) -> Any:
         return self.full_reward_spec["reward"]
-
-    @property
-    def done_spec(self) -> Composite:
-        return self.full_done_spec
 
     @property
     def action_keys(self) -> list:

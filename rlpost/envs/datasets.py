@@ -1,29 +1,23 @@
-"""Prompts from a dataset: :class:`DataLoadingPrimer` (the transform) and the row loaders.
+"""Prompts from a dataset: :class:`DataLoadingPrimer`, the transform that fills a chat env's reset
+input (the env over it, :class:`~rlpost.envs.chat.DatasetChatEnv`, is in :mod:`rlpost.envs.chat`,
+as in TorchRL; the sources it reads are in :mod:`rlpost.envs.row_sources`, its Ray form in
+:mod:`rlpost.envs.ray_primer`).
 
-The env over the primer, :class:`~rlpost.envs.chat.DatasetChatEnv`, is in :mod:`rlpost.envs.chat`
-(as in TorchRL: ``ChatEnv.from_dataloader`` builds one).
-
-A dataset is a Hugging Face hub name (with subset and split: what GPU users run), a local
-json/jsonl/parquet file or dataset folder (what tests and the demo run), an in-memory list of
-row dicts (the synthetic arithmetic task) or a loaded ``datasets.Dataset``.
-
-The primer (:class:`DataLoadingPrimer`) takes either such rows or, as TorchRL's does, a
-DataLoader or any iterable of batches. Rows are walked in a seeded order, ``batch_size_dl`` at a
-time; each loaded batch goes through ``collate_fn`` and into a queue, every row ``repeats``
-times in a row (TorchRL's meaning: a batch ``a b`` with ``repeats=3`` queues ``a a a b b b``;
-each reset of ``k`` envs takes the next ``k`` items, so the copies of a batch continue over the
-next resets until the queue is empty). The copies of a row, one GRPO group, carry the same
-``prompt_id`` and the row itself (for the reward). When the rows run out, the
-next epoch starts with a new seeded order.
+Rows are walked in a seeded order, ``batch_size_dl`` at a time; each loaded batch goes through
+``collate_fn`` and into a queue, every row ``repeats`` times in a row (TorchRL's meaning: a batch
+``a b`` with ``repeats=3`` queues ``a a a b b b``; each reset of ``k`` envs takes the next ``k``
+items, so the copies continue over the next resets until the queue is empty). The copies of a
+row, one GRPO group, carry the same ``prompt_id`` and the row itself (for the reward). When the
+rows run out, the next epoch starts with a new seeded order.
 
 What rlpost adds to TorchRL's primer, on purpose:
 
-- A resumable position: for rows, ``(epoch, position, copies served)``, so
-  ``state_dict()`` / ``load_state_dict()`` make a resumed run draw exactly the prompts the
-  interrupted one would have drawn next (a DataLoader's iterator position cannot be saved: an
-  iterable source is replayed and fast-forwarded instead).
-- The order of epoch ``e`` is ``numpy.random.default_rng([seed, e]).permutation(num_rows)``: each
-  epoch's order depends only on ``(seed, e)``, never on what was drawn before.
+- A resumable position: for rows, ``(epoch, position, copies served)``, so ``state_dict()`` /
+  ``load_state_dict()`` make a resumed run draw exactly the prompts the interrupted one would
+  have drawn next (a DataLoader's iterator position cannot be saved: an iterable source is
+  replayed and fast-forwarded instead).
+- The order of epoch ``e`` is ``numpy.random.default_rng([seed, e]).permutation(num_rows)``: it
+  depends only on ``(seed, e)``, never on what was drawn before.
 - ``num_shards`` / ``shard_index`` split one order between several env pools (pool ``i`` takes
   positions ``i, i + num_shards, ...``); ``prompt_id = epoch * num_rows + position`` stays
   unique across the pools.
@@ -33,117 +27,32 @@ What rlpost adds to TorchRL's primer, on purpose:
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensor_collection
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data.specs import Composite, NonTensor
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor
+from rlpost.envs.row_sources import (  # noqa: F401 (RowList: its old path)
+    RowList,
+    batch_rows,
+    default_collate_fn,
+    is_batch_iterable,
+    load_rows,
+)
+from rlpost.envs.td_rows import stack_rows
 from rlpost.envs.transforms import Transform
-
-# local file extensions and the ``datasets`` builder that reads them (gzip-compressed JSON included)
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
-
-
-# ---------------------------------------------------------------------------- loading rows
-
-
-class RowList:
-    """An in-memory list of row dicts with the parts of ``datasets.Dataset`` the primer reads
-    (``len``, ``[i]``, ``column_names``: the columns every row has)."""
-
-    def __init__(self, rows: Sequence[Mapping[str, Any]], description: str = "in-memory rows") -> None:
-        if not all(isinstance(row, Mapping) for row in rows):
-            raise ValueError(f"{description}: every row must be a mapping (a dict of columns)")
-        self.rows = [dict(row) for row in rows]
-        self.description = description
-        common = set(self.rows[0]) if self.rows else set()
-        for row in self.rows[1:]:
-            common &= set(row)
-        self.column_names = [name for name in (self.rows[0] if self.rows else ()) if name in common]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.rows[index]
-
-
-def load_rows(source: Any, *, name: str | None = None, split: str | None = "train") -> tuple[Any, str]:
-    """The rows of ``source`` and a description of it for error messages.
-
-    ``source``: a local ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (its only split is ``"train"``), a
-    local dataset folder or hub name (``name`` is the subset, ``split`` the split; ``None`` takes
-    ``"train"``), a list of row dicts, or a loaded ``datasets.Dataset``.
-    """
-    if isinstance(source, (list, tuple)):
-        return RowList(source), f"in-memory rows ({len(source)} rows)"
-    if not isinstance(source, (str, os.PathLike)):
-        if hasattr(source, "column_names") and hasattr(source, "__getitem__"):
-            return source, f"dataset object {type(source).__name__}"
-        raise ValueError(
-            f"dataset must be a path, a hub name, a list of rows or a datasets.Dataset, got {type(source).__name__}"
-        )
-    import datasets  # lazily: importing it costs ~1 s and most modules here never need it
-
-    path = Path(source)
-    if path.is_file():
-        return _load_local_file(datasets, path, name=name, split=split)
-    described = _describe_source(str(source), name, split)
-    loaded = datasets.load_dataset(str(source), name, split=split)
-    if isinstance(loaded, Mapping):  # split=None gave a DatasetDict
-        if "train" not in loaded:
-            raise ValueError(f"dataset {described} has splits {sorted(loaded)}; choose one with split=")
-        loaded = loaded["train"]
-    return loaded, described
-
-
-def _load_local_file(datasets, path: Path, *, name: str | None, split: str | None) -> tuple[Any, str]:
-    extension = "".join(path.suffixes[-2:]).lower() if path.suffix.lower() == ".gz" else path.suffix.lower()
-    builder = _LOCAL_BUILDERS.get(extension)
-    if builder is None:
-        raise ValueError(
-            f"dataset file {path}: unsupported extension {extension!r} (use .json, .jsonl, .json.gz, .jsonl.gz or "
-            ".parquet)"
-        )
-    if split not in (None, "train"):
-        raise ValueError(f"dataset file {path} has a single split 'train'; got split={split!r}")
-    if name is not None:
-        raise ValueError(f"dataset file {path} has no subsets; got subset/name={name!r}")
-    return datasets.load_dataset(builder, data_files=str(path), split="train"), f"file {path}"
-
-
-def _describe_source(source: str, name: str | None, split: str | None) -> str:
-    parts = [repr(source)] + [f"{key}={value!r}" for key, value in (("subset", name), ("split", split)) if value]
-    return " ".join(parts)
-
-
-# ---------------------------------------------------------------------------- the primer
 
 # Keys the env loop or the primer writes itself; a dataset column of one of these names would
 # clash. (A column named like an env's observation, e.g. "tokens" for a token LLMEnv, is allowed:
 # it is what that env reads; a ChatEnv refuses a reset input whose container key is not its own.)
 _RESERVED_KEYS = frozenset({"reward", "done", "terminated", "truncated", "next", "step_count", "prompt_id", "row"})
-
-
-def default_collate_fn(batch: Any) -> Any:
-    """TorchRL's default collate for chat datasets: a ``"text"`` column becomes ``"query"`` (a
-    ``"text"`` entry would clash with the env's ``"text"`` container). Takes a list of row
-    dicts or one dict of columns; returns the same kind."""
-    if isinstance(batch, Mapping):
-        batch = dict(batch)
-        if "text" in batch:
-            batch["query"] = batch.pop("text")
-        return batch
-    return [default_collate_fn(row) for row in batch]
 
 
 @dataclass
@@ -159,21 +68,12 @@ class PromptItem:
 class DataLoadingPrimer(Transform):
     """Fill the reset input of a chat env with prompts drawn from a dataset or a dataloader.
 
-    Two kinds of source:
-
-    - **rows** (a local file, a hub name, a ``datasets.Dataset`` or a list of row dicts): walked
-      in a seeded order, ``batch_size_dl`` rows at a time, resumable exactly and shardable (see
-      the module docstring);
-    - **a DataLoader or any other iterable of batches** (TorchRL's ``dataloader`` argument):
-      each batch a dict of columns or a list of row dicts (a bare string or list of strings is
-      read as the ``data_key`` column); iterated endlessly (restarted at its end).
-
-    Each loaded batch goes through ``collate_fn`` (default: :func:`default_collate_fn`, the
-    ``"text"`` -> ``"query"`` rename) and then, as in TorchRL, into a queue with every row
-    ``repeats`` times in a row: with ``batch_size_dl=2`` and ``repeats=3`` the queue is
-    ``a a a b b b`` and each reset of ``k`` envs takes the next ``k`` items (copies continue
-    over the next resets). With ``group_repeats=True`` every reset must take whole loaded
-    batches with all their copies (all copies of a prompt in one reset).
+    The source is rows (a local file, a hub name, a ``datasets.Dataset`` or a list of row dicts:
+    walked in a seeded order, resumable exactly and shardable) or, TorchRL's ``dataloader``, a
+    DataLoader or any iterable of batches (each a dict of columns or a list of row dicts; a bare
+    string or list of strings is the ``data_key`` column), iterated endlessly. Each loaded batch
+    goes through ``collate_fn`` (default :func:`default_collate_fn`) and into the queue of
+    copies the module docstring describes.
 
     A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
     collated row (or those of ``primers``), the prompt under ``data_key`` (from
@@ -392,13 +292,13 @@ class DataLoadingPrimer(Transform):
                 batch = next(self._iterator)
             except StopIteration:
                 raise ValueError(f"{self.description} yields no batches") from None
-        rows = self._collate(_batch_rows(batch, self.data_keys[0], self.description), None)
+        rows = self._collate(batch_rows(batch, self.data_keys[0], self.description), None)
         start = self.served_ids
         self.served_ids += len(rows)
         return [PromptItem(row, -1, start + i) for i, row in enumerate(rows)]
 
     def _collate(self, rows: list[dict[str, Any]], expected: int | None) -> list[dict[str, Any]]:
-        collated = _batch_rows(self.collate_fn(rows), self.data_keys[0], self.description)
+        collated = batch_rows(self.collate_fn(rows), self.data_keys[0], self.description)
         if expected is not None and len(collated) != expected:
             raise ValueError(f"collate_fn turned a batch of {expected} rows into {len(collated)} rows")
         return collated
@@ -473,8 +373,8 @@ class DataLoadingPrimer(Transform):
         takes one TensorDict per row), anything else as a NonTensorStack."""
         if all(isinstance(v, torch.Tensor) for v in values):
             values = [v.to(self.device) if self.device is not None else v for v in values]
-            if self.stack_method is _stack_or_nest:
-                return _stack_or_nest(values)
+            if self.stack_method is stack_rows:
+                return stack_rows(values)
             return self.stack_method([TensorDict({column: v}, batch_size=[]) for v in values]).get(column)
         return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=batch_size)
 
@@ -548,146 +448,9 @@ class DataLoadingPrimer(Transform):
         )
 
 
-class _SharedStream:
-    """The Ray actor behind :class:`RayDataLoadingPrimer`: one primer whose prompt stream every
-    env sharing the actor draws from."""
-
-    def __init__(self, source: Any, factory: bool, kwargs: dict[str, Any]) -> None:
-        self.primer = DataLoadingPrimer(source() if factory else source, **kwargs)
-
-    def next_items(self, num_items: int) -> list[PromptItem]:
-        return self.primer.next_items(num_items)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.primer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.primer.load_state_dict(state)
-
-    def reset_dataloader(self) -> None:
-        self.primer.reset_dataloader()
-
-
-class RayDataLoadingPrimer(DataLoadingPrimer):
-    """A :class:`DataLoadingPrimer` whose prompt stream lives in one Ray actor, shared by every env
-    that names the same actor (TorchRL's): envs in several collectors draw one stream, so no prompt
-    is served twice and the copies of a prompt (``repeats``) keep their shared ``prompt_id``
-    wherever they land. ``state_dict()`` / ``load_state_dict()`` save and restore the shared
-    position.
-
-    Keyword Args:
-        dataloader: a DataLoader or iterable of batches, pickled to the actor.
-        dataloader_factory: a callable building it (called in the actor, and once here to learn
-            the columns).
-        dataset: rlpost's rows source (a file, hub name, ``datasets.Dataset`` or list of rows),
-            loaded in the actor.
-        num_cpus, num_gpus: the actor's resources (rlpost's default: no CPU reserved).
-        device: device of the tensors written.
-        actor_name: the actor's name: an existing actor of that name is used, else it is made.
-            None: a new unnamed actor, this primer's own.
-        timeout_s: bound of each call into the actor (rlpost's).
-        **kwargs: :class:`DataLoadingPrimer`'s (``repeats``, ``batch_size_dl``, ``shuffle``, ``seed``,
-            ``prompt_column``, ...), applied in the actor; the actor made first sets the stream.
-
-    Deviations from TorchRL: a named actor lives with the Ray job, not detached beyond it; this
-    object also reads the source's first row itself, for the columns the env writes.
-    """
-
-    def __init__(self, *, dataloader: Any = None, dataloader_factory: Callable[[], Any] | None = None,
-                 num_cpus: float | None = None, num_gpus: float = 0, device: torch.device | str | None = None,
-                 actor_name: str | None = None, timeout_s: float = 120.0, **kwargs: Any) -> None:  # fmt: skip
-        import ray
-
-        sources = [s for s in (dataloader, dataloader_factory, kwargs.get("dataset")) if s is not None]
-        if len(sources) != 1:
-            raise ValueError("RayDataLoadingPrimer needs exactly one of dataloader=, dataloader_factory= and dataset=")
-        dataset = kwargs.pop("dataset", None)
-        local = dataloader_factory() if dataloader_factory is not None else dataloader
-        super().__init__(local, dataset=dataset, device=device, **kwargs)
-        options: dict[str, Any] = {"num_cpus": num_cpus or 0, "num_gpus": num_gpus}
-        if actor_name is not None:
-            options.update(name=actor_name, get_if_exists=True)
-        factory = dataloader_factory is not None
-        source = dataloader_factory if factory else (dataloader if dataloader is not None else dataset)
-        shared = {**kwargs, "device": None}  # the actor sends rows; this side writes the tensors
-        self.actor_name, self.timeout_s = actor_name, timeout_s
-        self._stream = ray.remote(**options)(_SharedStream).remote(source, factory, shared)
-
-    def _ask(self, method: str, *args: Any) -> Any:
-        import ray
-
-        try:
-            return ray.get(getattr(self._stream, method).remote(*args), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            name = self.actor_name or "unnamed"
-            raise TimeoutError(
-                f"RayDataLoadingPrimer ({name}): {method} did not return within {self.timeout_s:.0f} s"
-            ) from None
-
-    def next_items(self, num_items: int) -> list[PromptItem]:
-        return self._ask("next_items", num_items)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._ask("state_dict")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._ask("load_state_dict", state)
-
-    def reset_dataloader(self) -> DataLoadingPrimer:
-        if hasattr(self, "_stream"):  # DataLoadingPrimer's own set-up calls this before the actor exists
-            self._ask("reset_dataloader")
-        return super().reset_dataloader()
-
-    def __repr__(self) -> str:
-        return f"RayDataLoadingPrimer(actor={self.actor_name or 'unnamed'}, dataset={self.description}, repeats={self.repeats})"
-
-
-def is_batch_iterable(source: Any) -> bool:
-    """A DataLoader or other iterable of batches (not a rows source)."""
-    if isinstance(source, (str, os.PathLike, list, tuple)) or hasattr(source, "column_names"):
-        return False
-    return hasattr(source, "__iter__") or hasattr(source, "__next__")
-
-
-def _batch_rows(batch: Any, data_key: str, description: str) -> list[dict[str, Any]]:
-    """A loaded batch as a list of row dicts: from a TensorDict of batch ``[n]``, a dict of
-    columns, a list of dicts, or bare strings / token-id tensors (read as the ``data_key``
-    column)."""
-    if isinstance(batch, str):
-        return [{data_key: batch}]
-    if is_tensor_collection(batch):  # a TensorDict of batch [n] (TorchRL's collate functions build one)
-        rows = batch.unbind(0) if batch.batch_dims else [batch]
-        return [row.to_dict() for row in rows]
-    if isinstance(batch, Mapping):
-        columns = {key: _column_values(value) for key, value in batch.items()}
-        lengths = {len(values) for values in columns.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"{description}: a batch's columns have different lengths {sorted(lengths)}")
-        size = lengths.pop()
-        return [{key: values[i] for key, values in columns.items()} for i in range(size)]
-    if isinstance(batch, (list, tuple)) and all(isinstance(row, Mapping) for row in batch):
-        return [dict(row) for row in batch]
-    if isinstance(batch, (list, tuple)) and all(isinstance(row, (str, torch.Tensor)) for row in batch):
-        return [{data_key: row} for row in batch]
-    if isinstance(batch, torch.Tensor):  # token ids: [L] (one row) or [n, L] (n rows)
-        return [{data_key: row} for row in (batch.unbind(0) if batch.ndim > 1 else [batch])]
-    raise TypeError(
-        f"{description} yielded a {type(batch).__name__}; a batch must be a dict of columns, a list of row dicts, "
-        "strings or token-id tensors (write a collate_fn that returns one of these)"
-    )
-
-
-def _column_values(value: Any) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return list(value.unbind(0)) if value.ndim else [value]
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
-
-
 def _stack_method(method: Any) -> Callable[[list[torch.Tensor]], Any]:
     if method is None:
-        return _stack_or_nest
+        return stack_rows
     if method == "as_nested_tensor":
         return as_nested_tensor
     if method == "as_padded_tensor":
@@ -695,9 +458,3 @@ def _stack_method(method: Any) -> Callable[[list[torch.Tensor]], Any]:
     if callable(method):
         return method
     raise ValueError(f"stack_method must be None, 'as_nested_tensor', 'as_padded_tensor' or a callable, got {method!r}")
-
-
-def _stack_or_nest(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len({tuple(t.shape) for t in tensors}) == 1:
-        return torch.stack(tensors)
-    return as_nested_tensor(tensors)

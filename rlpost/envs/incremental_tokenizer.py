@@ -26,7 +26,8 @@ from rlpost.data import History
 from rlpost.data.specs import Composite, Unbounded
 from rlpost.data.templates import resolve_template  # the template History itself renders with
 from rlpost.envs.errors import EnvInputError
-from rlpost.envs.llm_transforms import AddThinkingPrompt, NestedKey, as_key, stack_rows, tensor_rows
+from rlpost.envs.llm_transforms import AddThinkingPrompt
+from rlpost.envs.td_rows import NestedKey, as_key, stack_rows, tensor_rows
 from rlpost.envs.tool_transforms import ToolTransformBase
 from rlpost.envs.transforms import Transform
 from rlpost.envs.turns import TurnRenderer, close_with

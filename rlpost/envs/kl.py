@@ -2,47 +2,35 @@
 
 - :class:`RetrieveLogProb` scores a model (``generate=False``) on the full sequences of a step
   (``td[(mode, "full")]``) and writes its log-probs under ``next`` (zeroed outside the assistant
-  tokens when ``assistant_only``), padded (``pad_output=True``, ``padding_side``) or, with
-  ``pad_output=False``, one tensor per row: ``td.get(key, as_list=True)`` gives the rows back,
-  as from TorchRL's transform (:func:`~rlpost.data.stacking.set_rows` says how they are stored).
-- :class:`KLComputation` reads generation and reference log-probs from ``next`` and writes the
-  per-token KL ``gen - ref`` under ``kl_key``; with ``add_to_reward`` the reward becomes
-  per-token: ``reward - coeff * kl`` with shape ``[B, T, 1]`` (rows stored as RetrieveLogProb's
-  when ragged).
+  tokens when ``assistant_only``), padded (``pad_output=True``, ``padding_side``) or one tensor
+  per row (``td.get(key, as_list=True)`` gives them back, as from TorchRL's transform;
+  :func:`~rlpost.data.stacking.set_rows` says how they are stored).
+- :class:`KLComputation` writes the per-token KL ``gen - ref`` of two log-prob entries of
+  ``next`` under ``kl_key``; with ``add_to_reward`` the reward becomes per-token,
+  ``reward - coeff * kl`` of shape ``[B, T, 1]``.
 - :class:`RetrieveKL` chains them (a :class:`~rlpost.envs.transforms.Compose`): generation
-  log-probs (scored by ``gen_model``, or taken from the collector's policy with
-  ``gen_model="from_collector"``), reference log-probs, then the KL.
-- :class:`KLRewardTransform` is TorchRL's legacy one-step form: reference log-probs, and
-  ``reward - coeff * (log_probs - ref_log_probs)`` per token, with ``kl_penalty`` and
-  ``ref_log_prob`` beside it.
-- ``use_ray_service=True`` (or :class:`RayRetrieveKL` / :class:`RayKLRewardTransform`) runs
-  the transform in one named Ray actor shared by every env that asks for it
-  (:class:`KLServiceActor`); rlpost's own ``reference`` actor is such an actor, so an env can
-  attach to a running service's reference model with ``RayRetrieveKL(actor_name="reference")``.
+  log-probs (from ``gen_model``, or the collector's policy with ``gen_model="from_collector"``),
+  reference log-probs, then the KL. ``use_ray_service=True`` gives a :class:`RayRetrieveKL`
+  (:mod:`rlpost.envs.kl_service`). TorchRL's legacy ``KLRewardTransform`` is in
+  :mod:`rlpost.envs.kl_reward`.
 
-As TorchRL, every transform also works on its own: ``transform(td)`` writes into
-``td["next"]`` when there is one, else into ``td``; in an env, ``step`` calls it after the base
-step. Reset does nothing (there is no action to score yet).
+As in TorchRL, ``transform(td)`` also works alone, writing into ``td["next"]`` when there is one,
+else into ``td``; in an env, ``step`` calls it after the base step; reset does nothing.
 
 Deliberate deviations from TorchRL:
 
-- rlpost's env rewards are ``[B, 1]`` (TorchRL's LLM reward parsers write ``[B, 1, 1]``); both
-  are accepted by ``add_to_reward`` and give the same per-token ``[B, T, 1]`` result.
-- ``gen_model=None`` (:class:`RetrieveKL`) uses the generation log-probs already in the data
-  (e.g. the ones the inference engine returned): no second scoring pass.
-- ``estimator="k3"`` (KLComputation, RetrieveKL) gives ``exp(r) - r - 1`` with
-  ``r = ref - gen`` (:func:`rlpost.algo.kl_per_token`), a non-negative estimate; TorchRL has only
-  ``gen - ref`` (k1, the default).
-- KLComputation also accepts the spellings its TorchRL docstring example uses
-  (``gen_log_probs_key``, ``ref_log_probs_key``, ``coef``).
-- ``reward_per="sequence"`` (KLComputation, RetrieveKL) keeps one reward per sequence:
-  ``reward - coeff * sum_t kl_t`` (RLHF's KL-shaped reward, which GRPO's group advantages need:
-  one scalar per sample), where TorchRL's only form makes the reward per token. ``mask_key``
-  zeroes the KL outside a mask of the data (e.g. the generated tokens, when the log-probs of
-  the prompt are not zero), before it is written and summed. rlpost's ``reference`` actor
-  penalises the rewards of ``reference.kl_in: reward`` this way.
-- A remote call has a time limit (``timeout_s``): a dead or stuck service raises
-  ``TimeoutError`` naming the actor instead of hanging the env.
+- rlpost's env rewards are ``[B, 1]`` (TorchRL's reward parsers write ``[B, 1, 1]``); both give
+  the same per-token ``[B, T, 1]`` result.
+- ``gen_model=None`` (RetrieveKL) uses the generation log-probs already in the data (e.g. the
+  inference engine's): no second scoring pass.
+- ``estimator="k3"`` gives ``exp(r) - r - 1`` with ``r = ref - gen``
+  (:func:`rlpost.algo.kl_per_token`), a non-negative estimate; TorchRL has only k1, ``gen - ref``.
+- KLComputation also accepts its TorchRL docstring's spellings (``gen_log_probs_key``,
+  ``ref_log_probs_key``, ``coef``).
+- ``reward_per="sequence"`` keeps one reward per sequence, ``reward - coeff * sum_t kl_t``
+  (RLHF's KL-shaped reward, one scalar per sample as GRPO's group advantages need); ``mask_key``
+  zeroes the KL outside a mask of the data (e.g. the generated tokens) before it is written and
+  summed. rlpost's ``reference`` actor penalises the rewards of ``reference.kl_in: reward`` so.
 """
 
 from __future__ import annotations
@@ -59,12 +47,12 @@ from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.algo import kl_per_token
 from rlpost.data.stacking import get_rows, is_row_stacked, set_rows
+from rlpost.envs.kl_service import DEFAULT_RAY_TIMEOUT_S, RayTransform
 from rlpost.envs.transforms import Compose, Transform
 
 GEN_LOG_PROBS_FULL = ("log_probs", "full")
 REF_LOG_PROBS_FULL = ("ref_log_probs", "full")
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
-DEFAULT_RAY_TIMEOUT_S = 600.0
 
 
 def _target(td: TensorDictBase) -> TensorDictBase:
@@ -86,21 +74,19 @@ def _entry(td: TensorDictBase, key: NestedKey) -> Any:
 def _write(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor], padded: bool, padding_side: str) -> None:
     """Write rows at ``key``: padded into one tensor, or one tensor per row (:func:`set_rows`)."""
     if padded:
-        td.set(key, _pack(rows, True, padding_side))
+        td.set(key, pack_rows(rows, True, padding_side))
     else:
         set_rows(td, key, rows)
 
 
-def _rows(value: Any) -> list[torch.Tensor]:
-    """Per-sample 1-D tensors of a padded [B, T] tensor, a nested tensor or a list."""
+def tensor_list(value: Any) -> list[torch.Tensor]:
+    """Per-sample tensors of a padded [B, T] tensor, a nested tensor or a list."""
     if isinstance(value, (list, tuple)):
         return [torch.as_tensor(v) for v in value]
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return list(value.unbind(0))
     return list(value.unbind(0))
 
 
-def _pack(rows: list[torch.Tensor], padded: bool, padding_side: str) -> torch.Tensor:
+def pack_rows(rows: list[torch.Tensor], padded: bool, padding_side: str) -> torch.Tensor:
     """Rows of different lengths as one tensor: padded with 0 on ``padding_side``, or jagged."""
     if padded:
         return pad_sequence(rows, batch_first=True, padding_value=0.0, padding_side=padding_side)
@@ -182,7 +168,7 @@ class RetrieveLogProb(Transform):
     def log_probs(self, td: TensorDictBase) -> torch.Tensor:
         """The model's log-probs of ``td``'s full sequences, masked, as one tensor: padded, or
         jagged with ``pad_output=False`` (the transform itself stores such rows one per row)."""
-        return _pack(self._rows(td), self.pad_output, self.padding_side)
+        return pack_rows(self._rows(td), self.pad_output, self.padding_side)
 
     def _rows(self, td: TensorDictBase) -> list[torch.Tensor]:
         """The masked log-probs of each full sequence, on ``td``'s device."""
@@ -274,7 +260,7 @@ class KLComputation(Transform):
         """The per-token KL of ``next_td``'s two entries as one tensor (padded in, padded out;
         else jagged)."""
         rows, padded = self._kl_rows(next_td)
-        return _pack(rows, padded, self.padding_side)
+        return pack_rows(rows, padded, self.padding_side)
 
     def _kl_rows(self, next_td: TensorDictBase) -> tuple[list[torch.Tensor], bool]:
         """The per-token KL of each row, and whether the inputs were padded tensors."""
@@ -285,7 +271,7 @@ class KLComputation(Transform):
                     f"KLComputation needs log-probs under {key!r}; found keys "
                     f"{sorted(map(str, next_td.keys(include_nested=True, leaves_only=True)))}"
                 )
-        gen_rows, ref_rows = _rows(gen), _rows(ref)
+        gen_rows, ref_rows = tensor_list(gen), tensor_list(ref)
         if len(gen_rows) != len(ref_rows):
             raise ValueError(f"{len(gen_rows)} generation log-prob rows but {len(ref_rows)} reference rows")
         for i, (g, r) in enumerate(zip(gen_rows, ref_rows)):
@@ -299,7 +285,7 @@ class KLComputation(Transform):
             masks = _entry(next_td, self.mask_key)
             if masks is None:
                 raise ValueError(f"KLComputation(mask_key={self.mask_key!r}) found no mask there")
-            rows = [row.masked_fill(~mask.bool().to(row.device), 0.0) for row, mask in zip(rows, _rows(masks))]
+            rows = [row.masked_fill(~mask.bool().to(row.device), 0.0) for row, mask in zip(rows, tensor_list(masks))]
         return rows, isinstance(gen, torch.Tensor) and not gen.is_nested
 
     def apply(self, next_td: TensorDictBase) -> TensorDictBase:
@@ -309,7 +295,7 @@ class KLComputation(Transform):
         if self.add_to_reward:
             reward = _entry(next_td, "reward")
             if reward is not None:
-                penalised = self._penalised(_rows(reward), kl_rows)
+                penalised = self._penalised(tensor_list(reward), kl_rows)
                 if padded or self.reward_per == "sequence":  # one reward per row: a plain tensor
                     next_td.set("reward", torch.stack(penalised))
                 else:
@@ -499,267 +485,6 @@ def _check_pair(gen_model: Any, ref_model: Any, *, distinct_keys: bool = True) -
         raise ValueError("The generation and reference models must have different log_probs_key values")
 
 
-# ---------------------------------------------------------------------------- KLRewardTransform
-
-
-class KLRewardTransform(Transform):
-    """TorchRL's legacy KL reward: reference log-probs of the action, and per token
-    ``reward - coef * (log_probs - ref_log_probs)`` (``RetrieveKL`` is the recommended form).
-
-    Args:
-        ref_model: the reference as a scoring wrapper (``generate=False``, input_mode "tokens").
-            The legacy form of TorchRL's docstring, ``KLRewardTransform(gen_model, ref_model)``,
-            is accepted too (TorchRL's own signature rejects it): the generation model then only
-            says where its log-probs are (``(gen_model.log_probs_key, "full")``, unless
-            ``log_prob_key`` is given), and a reference in another input mode is scored through
-            its tokens-mode twin (``ref_model.get_new_version(input_mode="tokens")``).
-
-    Keyword Args:
-        ref_model_factory: a callable building it instead.
-        coef: the KL coefficient.
-        in_keys, out_keys: ``["reward"]`` and ``[reward, "kl_penalty", "ref_log_prob"]`` by
-            default (the two extra keys may be named).
-        log_prob_key: the generation log-probs in the step input (``("log_probs", "full")``).
-        device, add_to_reward, tokenizer, assistant_only, padding_side: as TorchRL; with
-            ``assistant_only`` only the response tokens (after the prompt) count.
-        use_ray_service: return a :class:`RayKLRewardTransform` (one shared Ray actor).
-    """
-
-    DEFAULT_IN_KEYS = ["reward"]
-
-    def __new__(cls, *args: Any, use_ray_service: bool = False, **kwargs: Any):
-        if use_ray_service and cls is KLRewardTransform:
-            return RayKLRewardTransform(*args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        ref_model: Any = None,
-        *legacy_ref_model: Any,
-        ref_model_factory: Callable[[], Any] | None = None,
-        coef: float = 1.0,
-        in_keys: list | None = None,
-        out_keys: list | None = None,
-        log_prob_key: NestedKey | None = None,
-        device: torch.device | str | None = None,
-        add_to_reward: bool = True,
-        tokenizer: Any = None,
-        assistant_only: bool = True,
-        padding_side: str = "left",
-        use_ray_service: bool = False,
-    ) -> None:
-        super().__init__()
-        if legacy_ref_model:  # KLRewardTransform(gen_model, ref_model)
-            if len(legacy_ref_model) != 1 or ref_model_factory is not None:
-                raise TypeError(
-                    "KLRewardTransform takes the reference model, or (gen_model, ref_model) in the legacy form; "
-                    f"got {1 + len(legacy_ref_model)} models{' and a ref_model_factory' if ref_model_factory else ''}"
-                )
-            gen_model, ref_model = ref_model, legacy_ref_model[0]
-            if log_prob_key is None:
-                log_prob_key = (getattr(gen_model, "log_probs_key", "log_probs"), "full")
-            if getattr(ref_model, "input_mode", "tokens") != "tokens" and hasattr(ref_model, "get_new_version"):
-                ref_model = ref_model.get_new_version(input_mode="tokens")
-        log_prob_key = GEN_LOG_PROBS_FULL if log_prob_key is None else log_prob_key
-        if ref_model_factory is not None:
-            if ref_model is not None:
-                raise ValueError("Cannot provide both 'ref_model' and 'ref_model_factory'. Choose one.")
-            ref_model = ref_model_factory()
-        elif ref_model is None:
-            raise ValueError("Must provide exactly one of 'ref_model' or 'ref_model_factory'.")
-        if getattr(ref_model, "generate", False):
-            raise ValueError("The actor is configured to generate text, not compute the log-probs.")
-        if getattr(ref_model, "input_mode", "tokens") != "tokens":
-            raise ValueError(
-                "The ref_model must be configured to use tokens as input. Please set the `input_mode` argument to `tokens`."
-            )
-        in_keys = list(in_keys or self.DEFAULT_IN_KEYS)
-        out_keys = list(out_keys or in_keys)
-        if len(out_keys) == len(in_keys):
-            out_keys = out_keys + ["kl_penalty", "ref_log_prob"]
-        if len(in_keys) != 1 or len(out_keys) != 3:
-            raise ValueError(f"Only one in_key/out_key is allowed, got in_keys={in_keys}, out_keys={out_keys}.")
-        self.in_keys, self.out_keys = in_keys, out_keys
-        self.ref_model, self.coef, self.log_prob_full_key = ref_model, float(coef), log_prob_key
-        self.device = torch.device(device) if device is not None else None
-        self.add_to_reward, self._tokenizer = add_to_reward, tokenizer
-        self.assistant_only, self.padding_side = assistant_only, padding_side
-
-    @property
-    def pad_output(self) -> bool:
-        return bool(getattr(self.ref_model, "pad_output", True))
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer if self._tokenizer is not None else getattr(self.ref_model, "tokenizer", None)
-
-    def _response_masks(self, td: TensorDictBase, lengths: list[int]) -> list[torch.Tensor]:
-        """Per row: the tokens after the prompt (and not padding) count."""
-        prompts = get_rows(td, ("tokens", "prompt"))
-        attention = get_rows(td, ("masks", "all_attention_mask"))
-        masks = []
-        for i, length in enumerate(lengths):
-            mask = torch.ones(length, dtype=torch.bool)
-            if attention is not None:
-                mask = torch.as_tensor(attention[i]).bool().clone()
-            if prompts is not None:
-                prompt_len = int(torch.as_tensor(prompts[i]).numel())
-                real = mask.nonzero().flatten()
-                mask[real[: min(prompt_len, len(real))]] = False
-            masks.append(mask)
-        return masks
-
-    def apply(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        if ("tokens", "full") not in td.keys(include_nested=True):
-            raise ValueError(
-                "KLRewardTransform needs the sequence to score under ('tokens', 'full') "
-                "(the policy's output in tokens mode)"
-            )
-        data = td.copy() if self.device is None else td.to(self.device)
-        with torch.no_grad():
-            scored = self.ref_model(data)
-        ref_rows = get_rows(scored, (self.ref_model.log_probs_key, "full"))
-        cur = get_rows(td, self.log_prob_full_key)
-        if cur is None:
-            raise ValueError(f"KLRewardTransform needs the generation log-probs under {self.log_prob_full_key!r}")
-        cur_rows = [row.to(ref_rows[0].device) for row in cur]
-        if self.assistant_only:
-            masks = self._response_masks(td, [len(r) for r in ref_rows])
-            ref_rows = [r.masked_fill(~m, 0.0) for r, m in zip(ref_rows, masks)]
-            cur_rows = [c.masked_fill(~m, 0.0) for c, m in zip(cur_rows, masks)]
-        for i, (c, r) in enumerate(zip(cur_rows, ref_rows)):
-            if c.shape != r.shape:
-                raise ValueError(
-                    f"the log-probability tensor shapes must match, got cur_log_prob.shape={tuple(c.shape)} and "
-                    f"log_prob.shape={tuple(r.shape)} (sample {i}); the padding token may equal the EOS token"
-                )
-        kl = _pack([(c - r).unsqueeze(-1) for c, r in zip(cur_rows, ref_rows)], self.pad_output, self.padding_side)
-        ref = _pack([r.unsqueeze(-1) for r in ref_rows], self.pad_output, self.padding_side)
-        if self.add_to_reward:
-            reward = next_td.get(self.in_keys[0], None)
-            rewards = [torch.zeros(())] * len(ref_rows) if reward is None else _rows(reward)
-            penalised = []
-            for r, k in zip(rewards, _rows(kl)):
-                r = r.reshape(1, 1) if r.numel() == 1 else r  # one reward per sample: every token gets it
-                penalised.append(r.to(k.dtype) - self.coef * k)
-            packed = (
-                torch.stack(penalised)
-                if self.pad_output
-                else torch.nested.as_nested_tensor(penalised, layout=torch.jagged)
-            )
-            next_td.set(self.out_keys[0], packed)
-        next_td.set(self.out_keys[1], kl)
-        next_td.set(self.out_keys[2], ref)
-        return next_td
-
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        return self.apply(td, next_td)
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        next_td = td.get("next", None)
-        if next_td is None:
-            raise ValueError("KLRewardTransform(td) needs td['next'] holding the step's reward")
-        self.apply(td, next_td)
-        return td
-
-    forward = __call__
-
-    def __repr__(self) -> str:
-        return f"KLRewardTransform(coef={self.coef}, out_keys={self.out_keys})"
-
-
-# ---------------------------------------------------------------------------- the shared Ray service
-
-
-class KLServiceActor:
-    """The body of a shared KL actor: one transform, called by any number of envs.
-
-    ``RayRetrieveKL`` / ``RayKLRewardTransform`` create it (or find it by name) with
-    ``ray.remote``; rlpost's ``reference`` actor subclasses it, so envs can attach to it.
-    """
-
-    def __init__(self, transform: Transform | None = None, *, transform_factory: Callable[[], Transform] | None = None):
-        if (transform is None) == (transform_factory is None):
-            raise ValueError("KLServiceActor needs a transform or a transform_factory")
-        self.transform = transform if transform is not None else transform_factory()
-
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        return self.transform(td)
-
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        return self.transform.on_step(td, next_td)
-
-    def describe(self) -> str:
-        return repr(self.transform)
-
-
-class RayTransform(Transform):
-    """A transform that runs in a named Ray actor (:class:`KLServiceActor`) shared by the envs
-    that ask for the same ``actor_name`` (the first creates it; the others attach).
-
-    Every call waits at most ``timeout_s`` seconds, then raises ``TimeoutError`` naming the
-    actor; Ray's own errors (the actor died) propagate with the actor's name.
-    """
-
-    def __init__(
-        self,
-        make_transform: Callable[[], Transform] | None,
-        *,
-        num_cpus: float | None = None,
-        num_gpus: float = 0,
-        device: torch.device | str | None = None,
-        actor_name: str | None = None,
-        timeout_s: float = DEFAULT_RAY_TIMEOUT_S,
-    ) -> None:
-        super().__init__()
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True)
-        self._ray, self.actor_name, self.timeout_s = ray, actor_name, timeout_s
-        self.device = torch.device(device) if device is not None else None
-        self._actor = self._find_actor(actor_name) if actor_name is not None else None
-        if self._actor is None:
-            if make_transform is None:
-                raise ValueError(f"no Ray actor named {actor_name!r} is running and no model was given to start one")
-            options: dict[str, Any] = {"num_cpus": 1 if num_cpus is None else num_cpus, "num_gpus": num_gpus}
-            if actor_name is not None:
-                options.update(name=actor_name, get_if_exists=True)
-            self._actor = ray.remote(KLServiceActor).options(**options).remote(transform_factory=make_transform)
-
-    def _find_actor(self, name: str) -> Any:
-        try:
-            return self._ray.get_actor(name)
-        except ValueError:
-            return None
-
-    def _call(self, method: str, *args: TensorDictBase) -> TensorDictBase:
-        from ray.exceptions import GetTimeoutError
-
-        source_device = args[0].device
-        ref = getattr(self._actor, method).remote(*[arg.cpu() for arg in args])
-        try:
-            out = self._ray.get(ref, timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"the KL service actor {self.actor_name or self._actor} did not answer within {self.timeout_s} s"
-            ) from None
-        return out.to(source_device) if source_device is not None else out
-
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        out = self._call("on_step", td, next_td)
-        next_td.update(out)
-        return next_td
-
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        return self._call("forward", td)
-
-    forward = __call__
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(actor_name={self.actor_name!r})"
-
-
 class RayRetrieveKL(RayTransform):
     """:class:`RetrieveKL` in one shared Ray actor (what ``RetrieveKL(..., use_ray_service=True)``
     returns). Models or factories are sent to the actor, which builds the RetrieveKL there.
@@ -795,36 +520,5 @@ class RayRetrieveKL(RayTransform):
                 RetrieveKL, **kwargs, gen_model=gen_model, ref_model=ref_model, gen_model_factory=gen_model_factory,
                 ref_model_factory=ref_model_factory, device=device,
             )  # fmt: skip
-        super().__init__(make, num_cpus=num_cpus, num_gpus=num_gpus, device=device, actor_name=actor_name,
-                         timeout_s=timeout_s)  # fmt: skip
-
-
-class RayKLRewardTransform(RayTransform):
-    """:class:`KLRewardTransform` in one shared Ray actor (what
-    ``KLRewardTransform(..., use_ray_service=True)`` returns)."""
-
-    def __init__(
-        self,
-        ref_model: Any = None,
-        *,
-        ref_model_factory: Callable[[], Any] | None = None,
-        num_cpus: float | None = None,
-        num_gpus: float = 0,
-        device: torch.device | str | None = None,
-        actor_name: str | None = None,
-        timeout_s: float = DEFAULT_RAY_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
-        if ref_model is not None and ref_model_factory is not None:
-            raise ValueError("Cannot provide both 'ref_model' and 'ref_model_factory'. Choose one.")
-        make = None
-        if ref_model is not None or ref_model_factory is not None:
-            make = functools.partial(
-                KLRewardTransform, **kwargs, ref_model=ref_model, ref_model_factory=ref_model_factory, device=device
-            )
-        elif actor_name is None:
-            raise ValueError(
-                "Must provide exactly one of 'ref_model' or 'ref_model_factory' (or the actor_name of a running one)."
-            )
         super().__init__(make, num_cpus=num_cpus, num_gpus=num_gpus, device=device, actor_name=actor_name,
                          timeout_s=timeout_s)  # fmt: skip

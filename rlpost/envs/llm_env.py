@@ -1,186 +1,41 @@
-"""TorchRL's older LLM envs: :class:`LLMEnv` (strings or token ids, the observation grows by
-each action) and :class:`LLMHashingEnv` (token ids identified by a running hash).
-
-Both run on rlpost's env loop (:class:`~rlpost.envs.common.EnvBase`: reset, step,
-``step_and_maybe_reset``, ``rollout``) and take rlpost's transforms. Their
-``append_transform`` returns a :class:`~rlpost.envs.transforms.TransformedEnv` that also runs the
-transforms' inverse pass (``inv``, e.g. :class:`~rlpost.envs.llm_transforms.Tokenizer`
-decoding a token action into the text the env concatenates) before each step, resets a
-batch-less env, and answers the env's own action, reward and done keys.
-
-::
+"""TorchRL's older text env, :class:`LLMEnv` (strings or token ids; its observation grows by each
+action), on the loop of :mod:`rlpost.envs.llm_env_loop` (LLMHashingEnv is in
+:mod:`rlpost.envs.hashing_env`)::
 
     LLMEnv(from_text=True):   reset: text = the prompt      step: next text = text + text_response
     LLMEnv(from_text=False):  reset: tokens = the prompt    step: next tokens = cat(tokens, tokens_response)
-    LLMHashingEnv:            reset: observation (ids) -> hashing, text
-                              step: next observation = cat(observation, action), next hashing =
-                                    hash(cat(hashing, action))
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from tensordict import (
-    LazyStackedTensorDict,
-    NonTensorData,
-    NonTensorStack,
-    TensorDict,
-    TensorDictBase,
-    is_leaf_nontensor,
-)
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rlpost.data.specs import Composite, NonTensor, Unbounded
 from rlpost.envs.common import FLAGS, EnvBase
 from rlpost.envs.datasets import DataLoadingPrimer
 from rlpost.envs.errors import EnvInputError
-from rlpost.envs.llm_transforms import (
-    Tokenizer,
+from rlpost.envs.hashing_env import LLMHashingEnv, hash_rows
+from rlpost.envs.llm_env_loop import LLMEnvLoop, batch_size_of, merge_rows, restack_nested, stack_row_tds
+from rlpost.envs.llm_transforms import Tokenizer
+from rlpost.envs.td_rows import (
+    NestedKey,
     as_key,
     count_rows,
     has_key,
     object_rows,
     replace_last,
-    run_inverse,
     stack_rows,
     tensor_rows,
 )
-from rlpost.envs.transforms import Compose, Transform, TransformedEnv
-
-NestedKey = Any
+from rlpost.envs.transforms import TransformedEnv
 
 
-# ---------------------------------------------------------------------------- the env loop
-
-
-class _SingleCompose(Compose):
-    """A Compose that answers, while it holds one transform, the attributes of that transform
-    (TorchRL's ``env.transform`` is the transform itself when there is one: ``env.transform.repeats``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        transforms = self.__dict__.get("_transforms")
-        if transforms is not None and len(transforms) == 1 and not name.startswith("_"):
-            return getattr(transforms[0], name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-
-class _LLMEnvLoop:
-    """What the envs of this module add to :class:`~rlpost.envs.common.EnvBase`'s loop: the
-    transforms' inverse pass before a step, batch-less resets, and the base env's keys."""
-
-    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if isinstance(tensordict, TensorDictBase):
-            tensordict = run_inverse(self.transforms, tensordict)
-        return super().step(tensordict)
-
-    def maybe_reset(self, next_td: TensorDictBase) -> TensorDictBase:
-        if next_td.batch_dims:
-            return super().maybe_reset(next_td)
-        base = self.base_env
-        root = next_td.select(base.input_mode, *self.state_keys, *FLAGS, strict=False)
-        if not bool(root.get("done").any()):
-            return root.clone(recurse=False)
-        owned = {key for transform in self.transforms for key in transform.state_keys}
-        return self.reset(root.select(*[key for key in (base.data_key,) if key not in owned], strict=False))
-
-    @property
-    def action_keys(self) -> list:
-        return self.base_env._action_keys()
-
-    @property
-    def action_key(self) -> Any:
-        return self.action_keys[0]
-
-    @property
-    def reward_keys(self) -> list:
-        return self.base_env._reward_keys()
-
-    @property
-    def reward_key(self) -> Any:
-        keys = self.reward_keys
-        return keys[0] if keys else None
-
-    @property
-    def reward_spec(self) -> Any:
-        """The reward's leaf spec, or the empty Composite of an env that writes no reward."""
-        keys = self.reward_keys
-        return self.full_reward_spec[keys[0]] if len(keys) == 1 else self.full_reward_spec
-
-    @property
-    def done_keys(self) -> list:
-        return self.base_env._done_keys()
-
-    def append_transform(self, transform: Transform) -> TransformedEnv:
-        """A new TransformedEnv of this env and ``transform`` (this env is left as it was)."""
-        return _LLMTransformedEnv(self, transform)
-
-
-class _LLMTransformedEnv(_LLMEnvLoop, TransformedEnv):
-    """The TransformedEnv of an :class:`LLMEnv` or :class:`LLMHashingEnv` (see the module doc);
-    ``append_transform`` edits it in place, as any TransformedEnv."""
-
-    def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
-        TransformedEnv.__init__(self, env)
-        inner = list(self.transform)
-        self.__dict__["transform"] = _SingleCompose()
-        for existing in inner:
-            TransformedEnv.append_transform(self, existing)
-        if transform is not None:
-            TransformedEnv.append_transform(self, transform)
-
-    def append_transform(self, transform: Transform) -> _LLMTransformedEnv:
-        return TransformedEnv.append_transform(self, transform)
-
-
-# ---------------------------------------------------------------------------- shared helpers
-
-
-def _stack_row_tds(rows: list[TensorDictBase]) -> TensorDictBase:
-    """Row TensorDicts stacked densely when their entries agree in shape, else lazily."""
-    return LazyStackedTensorDict.maybe_dense_stack(list(rows))
-
-
-def _restack_nested(td: TensorDictBase) -> TensorDictBase:
-    """``td`` with jagged nested tensors turned into a lazy stack of rows (TorchRL's layout for
-    rows of different lengths)."""
-    if td.batch_dims and any(getattr(v, "is_nested", False) for v in td.values(True, True)):
-        return _stack_row_tds(td.unbind(0))
-    return td
-
-
-def merge_rows(kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
-    """``kept`` with rows ``fresh_idx`` taken from ``fresh`` (one row each, in order)."""
-    keys = list(kept.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
-    missing = set(keys) - set(fresh.keys(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
-    if missing:
-        raise ValueError(f"cannot merge reset rows: keys {sorted(map(str, missing))} are missing from the reset output")
-    rows = list(kept.unbind(0))
-    fresh_rows = fresh.unbind(0)
-    for j, i in enumerate(fresh_idx):
-        rows[i] = fresh_rows[j].select(*keys)
-    return _stack_row_tds(rows)
-
-
-def _batch(batch_size: Any, *, what: str, error: type[Exception] = TypeError) -> torch.Size:
-    """``None``/``0``/``()`` -> ``[]``; an int ``n`` -> ``[n]``; 1-D sizes as they are."""
-    if batch_size is None or (isinstance(batch_size, int) and batch_size == 0):
-        return torch.Size([])
-    if isinstance(batch_size, int):
-        return torch.Size([batch_size])
-    size = torch.Size(batch_size)
-    if len(size) > 1:
-        raise error(f"batch-size of {what} must be 0 or 1d. Got batch_size={tuple(size)}.")
-    return size
-
-
-# ---------------------------------------------------------------------------- LLMEnv
-
-
-class LLMEnv(_LLMEnvLoop, EnvBase):
+class LLMEnv(LLMEnvLoop, EnvBase):
     """A text generation env whose observation (a string or token ids) grows by each action.
 
     TorchRL's ``LLMEnv`` (deprecated there in favour of :class:`~rlpost.envs.chat.ChatEnv`, and
@@ -255,7 +110,7 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
         default_action = self._DEFAULT_ACTION_STR_KEY if from_text else self._DEFAULT_ACTION_TOKENS_KEY
         self._action_key = as_key(action_key if action_key is not None else default_action)
         self._reward_key = as_key(reward_key)
-        self.batch_size = _batch(batch_size, what="LLMEnv")
+        self.batch_size = batch_size_of(batch_size, what="LLMEnv")
         self.device = torch.device(device) if device is not None else None
         self.vocab_size, self.has_attention = vocab_size, has_attention
         self.assign_reward, self.assign_done = assign_reward, assign_done
@@ -411,7 +266,7 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
                 out.set(("tokens_data", flag), torch.zeros(num, 1, dtype=torch.bool))
         if self.device is not None:
             out = out.to(self.device)
-        out = _restack_nested(out)
+        out = restack_nested(out)
         return out.squeeze(0) if not self.batch_size else out
 
     # ------------------------------------------------------------------ step
@@ -462,7 +317,7 @@ class LLMEnv(_LLMEnvLoop, EnvBase):
             for key, values in entries.items():
                 row.set(key, NonTensorData(values[i]) if isinstance(values[i], str) else values[i])
             rows.append(row)
-        return rows[0] if td.batch_dims == 0 else _stack_row_tds(rows)
+        return rows[0] if td.batch_dims == 0 else stack_row_tds(rows)
 
     def _token_actions(self, td: TensorDictBase) -> list[torch.Tensor]:
         """The tokens of a text action, which ``eos_token_id`` is looked for in."""
@@ -602,7 +457,7 @@ def _torchrl_primer_batch(batch_size: Any, dataloader: Any, repeats: int | None,
     none, times ``repeats`` with ``group_repeats``."""
     if batch_size is None:
         batch_size = getattr(dataloader, "batch_size", None)
-    size = _batch(batch_size, what="the DataLoadingPrimer", error=ValueError)
+    size = batch_size_of(batch_size, what="the DataLoadingPrimer", error=ValueError)
     if repeats and group_repeats:
         size = torch.Size([repeats]) if not size else torch.Size([size[0] * repeats])
     return size
@@ -690,212 +545,6 @@ def _as_ids(value: Any) -> Any:
     if ints and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return torch.tensor(value, dtype=torch.int64)
     return value
-
-
-# ---------------------------------------------------------------------------- LLMHashingEnv
-
-
-def hash_rows(rows: torch.Tensor) -> torch.Tensor:
-    """One int64 per row of a ``[N, F]`` tensor: the first 8 bytes of the BLAKE2b digest of the
-    row's bytes (the same in every process)."""
-    data = rows.detach().cpu().contiguous()
-    values = [
-        int.from_bytes(hashlib.blake2b(row.numpy().tobytes(), digest_size=8).digest(), "little", signed=True)
-        for row in data
-    ]
-    return torch.tensor(values, dtype=torch.int64)
-
-
-class LLMHashingEnv(_LLMEnvLoop, EnvBase):
-    """Token sequences identified by a running hash (TorchRL's ``LLMHashingEnv``).
-
-    A reset reads token ids under ``observation_key`` (``[L]``, or ``[B, L]``) and writes
-    ``"hashing"`` (the hash of the ids, int64 ``[*B, 1]``), ``done`` / ``terminated`` (False)
-    and, with ``text_output``, the decoded text under ``text_key``. A step reads ``"action"``
-    (one token per row, ``[*B, 1]``): the next observation is ``cat(observation, action)`` and
-    the next hash is ``hash(cat(hashing, action))``, so equal token chains get equal hashes.
-
-    Args:
-        vocab_size: the vocabulary size; defaults to the tokenizer's.
-
-    Keyword Args:
-        hashing_module: ``[N, F]`` int64 -> ``[N]`` int64; default :func:`hash_rows`.
-        observation_key: ``"observation"``.
-        text_output: decode the observation into ``text_key`` (needs a tokenizer with
-            ``decode`` and ``batch_decode``).
-        tokenizer: encodes :meth:`make_tensordict`'s strings and decodes observations.
-        text_key: ``"text"``.
-
-    The env takes the batch of its reset input (TorchRL's env is not batch-locked): its
-    ``batch_size`` is that of the last reset.
-
-    Deliberate deviations from TorchRL: the default hash is BLAKE2b-based and the same in every
-    process (TorchRL's ``SipHash`` uses Python's ``hash``, which changes with
-    ``PYTHONHASHSEED``); a step also writes ``truncated`` (False); the specs are unbounded.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int | None = None,
-        *,
-        hashing_module: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        observation_key: NestedKey = "observation",
-        text_output: bool = True,
-        tokenizer: Any = None,
-        text_key: NestedKey | None = "text",
-    ) -> None:
-        if vocab_size is None:
-            if tokenizer is None:
-                raise TypeError("You must provide a vocab_size integer if tokenizer is `None`.")
-            vocab_size = tokenizer.vocab_size
-        if text_output and tokenizer is None:
-            raise ValueError(
-                "LLMHashingEnv(text_output=True) decodes observations: pass a tokenizer (or text_output=False)"
-            )
-        self.vocab_size = vocab_size
-        self._hashing_module = hashing_module if hashing_module is not None else hash_rows
-        self._tokenizer = tokenizer
-        self.observation_key = as_key(observation_key)
-        self.text_output = text_output
-        self.text_key = as_key(text_key if text_key is not None else "text") if text_output else None
-        self.batch_size = torch.Size([])
-        self.device = None
-
-    # ------------------------------------------------------------------ what the loop reads
-
-    @property
-    def base_env(self) -> LLMHashingEnv:
-        return self
-
-    @property
-    def input_mode(self) -> NestedKey:
-        return self.observation_key
-
-    @property
-    def data_key(self) -> NestedKey:
-        return self.observation_key
-
-    @property
-    def base_state_keys(self) -> tuple:
-        return ("hashing",) + ((self.text_key,) if self.text_output else ())
-
-    def _action_keys(self) -> list:
-        return ["action"]
-
-    def _reward_keys(self) -> list:
-        return []
-
-    def _done_keys(self) -> list:
-        return list(FLAGS)
-
-    def _observation_spec(self) -> Composite:
-        spec = Composite(shape=self.batch_size)
-        spec[self.observation_key] = Unbounded(shape=(*self.batch_size, -1), dtype=torch.int64)
-        spec["hashing"] = Unbounded(shape=(*self.batch_size, 1), dtype=torch.int64)
-        if self.text_output:
-            spec[self.text_key] = NonTensor(example_data="a string", shape=self.batch_size)
-        return spec
-
-    def _action_spec(self) -> Composite:
-        return Composite({"action": Unbounded(shape=(*self.batch_size, 1), dtype=torch.int64)}, shape=self.batch_size)
-
-    def _state_spec(self) -> Composite:
-        return Composite(shape=self.batch_size)
-
-    def _reward_spec(self) -> Composite:
-        return Composite(shape=self.batch_size)
-
-    def _done_spec(self) -> Composite:
-        flags = {flag: Unbounded(shape=(*self.batch_size, 1), dtype=torch.bool) for flag in FLAGS}
-        return Composite(flags, shape=self.batch_size)
-
-    # ------------------------------------------------------------------ reset and step
-
-    def make_tensordict(self, input: str | list[str]) -> TensorDictBase:
-        """Tokenize a string (batch ``[]``) or a list of strings (batch ``[B]``) and reset on it."""
-        if self._tokenizer is None:
-            raise ValueError("LLMHashingEnv.make_tensordict tokenizes its input: the env needs a tokenizer")
-        ids = self._tokenizer(input)
-        if hasattr(ids, "keys") and "input_ids" in ids.keys():
-            ids = ids["input_ids"]
-        if isinstance(ids, torch.Tensor):
-            ids = ids.to(torch.int64)
-        elif isinstance(input, list):
-            lengths = sorted({len(row) for row in ids})
-            if len(lengths) > 1:
-                raise ValueError(
-                    f"make_tensordict: the strings tokenize to different lengths {lengths}; reset on padded ids"
-                )
-            ids = torch.tensor([list(row) for row in ids], dtype=torch.int64)
-        else:
-            ids = torch.tensor(list(ids), dtype=torch.int64)
-        batch = [len(input)] if isinstance(input, list) else []
-        return self.reset(TensorDict({self.observation_key: ids}, batch_size=batch))
-
-    def _reset_input(self, td: TensorDictBase | None) -> TensorDictBase:
-        if td is None:
-            return TensorDict(batch_size=self.batch_size)
-        if not isinstance(td, TensorDictBase):
-            raise EnvInputError(f"LLMHashingEnv.reset expects a TensorDict, got {type(td).__name__}")
-        if td.batch_dims > 1:
-            raise EnvInputError(
-                f"LLMHashingEnv.reset expects a TensorDict of batch [] or [B], got {tuple(td.batch_size)}"
-            )
-        self.batch_size = td.batch_size
-        return td
-
-    def _reset(self, td: TensorDictBase, *, given: bool = True) -> TensorDictBase:
-        if not has_key(td, self.observation_key):
-            raise EnvInputError(
-                f"Resetting the LLMHashingEnv environment requires a prompt: token ids under {self.observation_key!r}; "
-                f"the reset input has keys {sorted(map(str, td.keys(include_nested=True)))}"
-            )
-        obs = td.get(self.observation_key)
-        if not isinstance(obs, torch.Tensor) or obs.is_floating_point():
-            raise EnvInputError(f"LLMHashingEnv needs integer token ids under {self.observation_key!r}")
-        out = td.exclude("next").clone(recurse=False)
-        out.set("hashing", self._hash(obs))
-        if self.text_output:
-            out.set(self.text_key, self._decode(obs, td))
-        for flag in FLAGS:
-            out.set(flag, torch.zeros(*td.batch_size, 1, dtype=torch.bool))
-        return out
-
-    def _step(self, td: TensorDictBase) -> TensorDictBase:
-        for key in (self.observation_key, "hashing", "action"):
-            if not has_key(td, key):
-                raise EnvInputError(
-                    f"LLMHashingEnv.step needs {key!r} (the policy writes 'action', one token id per row); the step "
-                    f"input has keys {sorted(map(str, td.keys(include_nested=True)))}"
-                )
-        action = td.get("action")
-        obs = torch.cat([td.get(self.observation_key), action.to(torch.int64)], -1)
-        next_td = TensorDict(batch_size=td.batch_size)
-        next_td.set(self.observation_key, obs)
-        next_td.set("hashing", self._hash(torch.cat([td.get("hashing"), action.to(torch.int64)], -1)))
-        if self.text_output:
-            next_td.set(self.text_key, self._decode(obs, td))
-        for flag in FLAGS:
-            next_td.set(flag, torch.zeros(*td.batch_size, 1, dtype=torch.bool))
-        return next_td
-
-    def _hash(self, values: torch.Tensor) -> torch.Tensor:
-        if values.ndim > 1:
-            return self._hashing_module(values).reshape(-1, 1)
-        return self._hashing_module(values.unsqueeze(0)).reshape(1)
-
-    def _decode(self, obs: torch.Tensor, td: TensorDictBase) -> Any:
-        if obs.ndim > 1:
-            texts = self._tokenizer.batch_decode(obs.tolist())
-            return NonTensorStack(*[NonTensorData(t) for t in texts], batch_size=td.batch_size)
-        return NonTensorData(self._tokenizer.decode(obs.tolist()))
-
-    def _merge_rows(self, kept: TensorDictBase, fresh: TensorDictBase, fresh_idx: list[int]) -> TensorDictBase:
-        self.batch_size = kept.batch_size  # a partial reset does not change the env's batch
-        return merge_rows(kept, fresh, fresh_idx)
-
-    def __repr__(self) -> str:
-        return f"LLMHashingEnv(vocab_size={self.vocab_size}, observation_key={self.observation_key!r})"
 
 
 __all__ = ["LLMEnv", "LLMHashingEnv", "hash_rows"]

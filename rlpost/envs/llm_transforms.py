@@ -1,131 +1,38 @@
-"""Transforms of TorchRL's LLM stack: :class:`Tokenizer`, :class:`TemplateTransform`,
-:class:`AddThinkingPrompt`, :class:`StepCounter` and :class:`PolicyVersion`.
+"""Transforms of TorchRL's LLM stack: :class:`Tokenizer`, :class:`TemplateTransform` and
+:class:`AddThinkingPrompt` (StepCounter is in :mod:`rlpost.envs.transforms`, PolicyVersion in
+:mod:`rlpost.envs.policy_version`).
 
-They use rlpost's hook protocol (:mod:`rlpost.envs.transforms`: ``reset_preprocess``,
-``on_reset``, ``on_step``) plus one more hook, ``inv(td)``: the inverse pass TorchRL runs on a
-step's input before the base env sees it (e.g. decoding the policy's tokens into the text action
-an :class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of :mod:`rlpost.envs.llm_env`
-run it (transforms in reverse order, as TorchRL's ``Compose.inv``); a plain
+Besides rlpost's hooks (:mod:`rlpost.envs.transforms`) they have ``inv(td)``: the inverse pass
+TorchRL runs on a step's input before the base env sees it (e.g. decoding the policy's tokens
+into the text action an :class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of
+:mod:`rlpost.envs.llm_env` run it (last transform first, as TorchRL's ``Compose.inv``); a plain
 :class:`~rlpost.envs.transforms.TransformedEnv` of a :class:`~rlpost.envs.chat.ChatEnv` does not.
-
-Batches: these transforms accept a ``[B]`` batch and, for a batchless
-:class:`~rlpost.envs.llm_env.LLMEnv`, a ``[]`` one.
+They take a ``[B]`` batch, and the ``[]`` one of a batch-less LLMEnv.
 """
 
 from __future__ import annotations
 
 import random
 import re
-import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Literal
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
 
 from rlpost.data import ChatHistory, History
 from rlpost.envs.errors import EnvInputError
-from rlpost.envs.transforms import Compose, Transform
-
-NestedKey = Any  # a str or a tuple of str
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def as_key(key: NestedKey) -> NestedKey:
-    """A nested key in one spelling: a str, or a tuple of two or more str."""
-    if isinstance(key, tuple):
-        if not key or not all(isinstance(part, str) for part in key):
-            raise ValueError(f"a key must be a str or a tuple of str, got {key!r}")
-        return key[0] if len(key) == 1 else key
-    if not isinstance(key, str):
-        raise ValueError(f"a key must be a str or a tuple of str, got {key!r}")
-    return key
-
-
-def _keys(keys: Sequence[NestedKey] | NestedKey | None) -> list:
-    if keys is None:
-        return []
-    if isinstance(keys, (str, tuple)):
-        keys = [keys]
-    return [as_key(key) for key in keys]
-
-
-def replace_last(key: NestedKey, last: str) -> NestedKey:
-    """``key`` with its last part replaced by ``last`` (``"tokens"`` -> ``last``,
-    ``("a", "ids")`` -> ``("a", last)``)."""
-    return last if isinstance(key, str) else (*key[:-1], last)
-
-
-def has_key(td: TensorDictBase, key: NestedKey) -> bool:
-    return key in td.keys(include_nested=isinstance(key, tuple))
-
-
-def count_rows(td: TensorDictBase) -> int:
-    if td.batch_dims > 1:
-        raise EnvInputError(f"expected a TensorDict of batch [] or [B], got batch {tuple(td.batch_size)}")
-    return td.batch_size[0] if td.batch_dims else 1
-
-
-def object_rows(td: TensorDictBase, key: NestedKey) -> list:
-    """The Python values (strings, chats...) of ``td[key]``, one per row (one for batch ``[]``)."""
-    value = td.get(key)
-    num = count_rows(td)
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    elif isinstance(value, NonTensorData):
-        value = value.data
-        return [value] * num if td.batch_dims else [value]
-    if td.batch_dims == 0:
-        return [value]
-    if isinstance(value, (list, tuple)) and len(value) == num:
-        return list(value)
-    return [value] * num
-
-
-def tensor_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor]:
-    """The tensors of ``td[key]``, one per row: dense, nested (jagged) or lazily stacked rows of
-    different lengths alike (one for batch ``[]``)."""
-    if td.batch_dims == 0:
-        return [td.get(key)]
-    try:
-        value = td.get(key)
-    except RuntimeError:  # a lazy stack whose rows differ in length
-        return [row.get(key) for row in td.unbind(0)]
-    if not isinstance(value, torch.Tensor):
-        raise EnvInputError(f"expected a tensor under {key!r}, got {type(value).__name__}")
-    return list(value.unbind(0))
-
-
-def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Rows stacked densely when they have one shape, else as a jagged nested tensor."""
-    if len({tuple(row.shape) for row in rows}) == 1:
-        return torch.stack(rows)
-    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
-
-
-def batch_value(values: list, td: TensorDictBase) -> Any:
-    """Per-row Python values as a TensorDict entry of ``td``'s batch (NonTensorData for ``[]``)."""
-    if td.batch_dims == 0:
-        return NonTensorData(values[0])
-    return NonTensorStack(*[NonTensorData(v) for v in values], batch_size=td.batch_size)
-
-
-def batch_tensor(rows: list[torch.Tensor], td: TensorDictBase) -> torch.Tensor:
-    return rows[0] if td.batch_dims == 0 else stack_rows(rows)
-
-
-def run_inverse(transforms: Iterable[Transform], td: TensorDictBase) -> TensorDictBase:
-    """Every transform's ``inv`` hook, last transform first (TorchRL's inverse order)."""
-    for transform in reversed(list(transforms)):
-        if isinstance(transform, Compose):
-            td = run_inverse(transform, td)
-        elif getattr(transform, "inv", None) is not None:
-            td = transform.inv(td)
-    return td
+from rlpost.envs.td_rows import (
+    NestedKey,
+    as_keys,
+    batch_value,
+    has_key,
+    object_rows,
+    replace_last,
+    stack_rows,
+    tensor_rows,
+)
+from rlpost.envs.transforms import Transform
 
 
 def _parent_device(transform: Transform) -> torch.device | None:
@@ -202,9 +109,9 @@ class Tokenizer(Transform):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        self.in_keys, self.out_keys = _keys(in_keys), _keys(out_keys if out_keys is not None else in_keys)
-        self.in_keys_inv = _keys(in_keys_inv)
-        self.out_keys_inv = _keys(out_keys_inv if out_keys_inv is not None else in_keys_inv)
+        self.in_keys, self.out_keys = as_keys(in_keys), as_keys(out_keys if out_keys is not None else in_keys)
+        self.in_keys_inv = as_keys(in_keys_inv)
+        self.out_keys_inv = as_keys(out_keys_inv if out_keys_inv is not None else in_keys_inv)
         for name, ins, outs in (("in_keys/out_keys", self.in_keys, self.out_keys),
                                 ("in_keys_inv/out_keys_inv", self.in_keys_inv, self.out_keys_inv)):  # fmt: skip
             if len(ins) != len(outs):
@@ -368,10 +275,10 @@ class TemplateTransform(Transform):
                     f"TemplateTransform: the tokenizer has no chat template; pass chat_template= ({exc})"
                 ) from exc
         self.tokenizer, self.chat_template = tokenizer, chat_template
-        self.in_keys = _keys(in_keys if in_keys is not None else ["message"])
-        self.out_keys = _keys(out_keys if out_keys is not None else self.in_keys)
-        self.in_keys_inv = _keys(in_keys_inv if in_keys_inv is not None else ["action"])
-        self.out_keys_inv = _keys(out_keys_inv if out_keys_inv is not None else self.in_keys_inv)
+        self.in_keys = as_keys(in_keys if in_keys is not None else ["message"])
+        self.out_keys = as_keys(out_keys if out_keys is not None else self.in_keys)
+        self.in_keys_inv = as_keys(in_keys_inv if in_keys_inv is not None else ["action"])
+        self.out_keys_inv = as_keys(out_keys_inv if out_keys_inv is not None else self.in_keys_inv)
         if len(self.in_keys) != len(self.out_keys) or len(self.in_keys_inv) != len(self.out_keys_inv):
             raise ValueError(
                 "TemplateTransform: in_keys/out_keys (and in_keys_inv/out_keys_inv) must have the same length"
@@ -618,228 +525,3 @@ class AddThinkingPrompt(Transform):
             f"AddThinkingPrompt(role={self.role!r}, edit_last_turn={self.edit_last_turn}, "
             f"zero_reward={self.zero_reward}, undo_done={self.undo_done})"
         )
-
-
-# ---------------------------------------------------------------------------- StepCounter
-
-
-class StepCounter(Transform):
-    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
-    ``StepCounter``).
-
-    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
-    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
-    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
-    itself, the count written is the same.
-
-    Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
-    is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
-    """
-
-    def __init__(
-        self,
-        max_steps: int | None = None,
-        truncated_key: NestedKey = "truncated",
-        step_count_key: NestedKey = "step_count",
-        update_done: bool = True,
-    ) -> None:
-        super().__init__()
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"StepCounter max_steps must be a positive int or None, got {max_steps!r}")
-        self.max_steps = max_steps
-        self.truncated_key, self.step_count_key = as_key(truncated_key), as_key(step_count_key)
-        self.update_done = update_done
-
-    @property
-    def state_keys(self) -> tuple:
-        return (self.step_count_key,)
-
-    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
-        reset_td.set(self.step_count_key, torch.zeros(*reset_td.batch_size, 1, dtype=torch.int64))
-        return reset_td
-
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        shape = (*next_td.batch_size, 1)
-        count = (
-            td.get(self.step_count_key) if has_key(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
-        )
-        count = count.reshape(shape).to(torch.int64) + 1
-        next_td.set(self.step_count_key, count)
-        if self.max_steps is not None:
-            reached = count >= self.max_steps
-            current = torch.zeros_like(reached)
-            if has_key(next_td, self.truncated_key):
-                current = next_td.get(self.truncated_key)
-            next_td.set(self.truncated_key, current.reshape(shape) | reached)
-            if self.update_done:
-                next_td.set("done", next_td.get("done").reshape(shape) | reached)
-        return next_td
-
-    def __repr__(self) -> str:
-        return f"StepCounter(max_steps={self.max_steps})"
-
-
-# ---------------------------------------------------------------------------- PolicyVersion
-
-
-@dataclass
-class VersionChange:
-    """One change of a :class:`PolicyVersion`'s version."""
-
-    timestamp: datetime
-    old_version: str | int | None
-    new_version: str | int
-
-
-class PolicyVersion(Transform):
-    """The version of the policy weights: a tracker, and the transform that stamps it on the data.
-
-    TorchRL's ``PolicyVersion``. ``version_type`` is ``int`` / ``"int"`` (a counter starting at
-    0) or ``str`` / ``"uuid"`` (a fresh UUID4 string per version). ``increment_version()``
-    moves to the next version (+1, or a new UUID) and returns it (TorchRL returns None);
-    ``version`` can also be set. Every change is recorded in ``version_history``
-    (:class:`VersionChange`).
-
-    As an env transform, every reset and step writes the current version under ``key``
-    (``"policy_version"``): an int64 tensor of the batch's shape (``[B]``), or for UUIDs a
-    non-tensor entry of that shape.
-
-    For rlpost's collector (:class:`~rlpost.collect.LLMCollector`, integer versions only) it also
-    follows the version the inference engine reports (:meth:`observe`, :meth:`set_version`) and
-    combines the versions of an episode's turns (:meth:`merge`); see
-    :mod:`rlpost.collect.policy_version`.
-
-    Args:
-        version_type: see above. An int given in its place is the starting version of an
-            integer tracker (``PolicyVersion(3)``: rlpost's earlier signature).
-
-    Keyword Args:
-        version: the starting version (default 0, or a fresh UUID).
-        key: the entry written by the transform.
-    """
-
-    def __init__(
-        self,
-        version_type: type | Literal["uuid", "int"] | int = int,
-        *,
-        version: str | int | None = None,
-        key: NestedKey = "policy_version",
-    ) -> None:
-        super().__init__()
-        if isinstance(version_type, int) and not isinstance(version_type, bool):
-            version, version_type = version_type, int
-        if version_type in (int, "int"):
-            self._kind = "int"
-        elif version_type in (str, "uuid"):
-            self._kind = "uuid"
-        else:
-            raise ValueError(f"Invalid version type: {version_type!r} (use int, 'int', str or 'uuid')")
-        self.version_type = version_type
-        self.key = as_key(key)
-        self.state_keys = (self.key,)
-        self.version_history: list[VersionChange] = []
-        self._current_version: str | int | None = None
-        if version is None:
-            version = 0 if self._kind == "int" else str(uuid.uuid4())
-        self._change(self._checked(version))
-
-    # ------------------------------------------------------------------ the version
-
-    @property
-    def version(self) -> str | int:
-        """The current version."""
-        return self._current_version
-
-    @version.setter
-    def version(self, value: str | int) -> None:
-        self._change(self._checked(value))
-
-    def _checked(self, value: Any) -> str | int:
-        if self._kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"an integer PolicyVersion needs int versions, got {value!r}")
-            return int(value)
-        return str(value)
-
-    def _change(self, value: str | int) -> None:
-        old, self._current_version = self._current_version, value
-        self.version_history.append(VersionChange(timestamp=datetime.now(), old_version=old, new_version=value))
-
-    def increment_version(self) -> str | int:
-        """Move to the next version (+1, or a new UUID) and return it."""
-        self._change(self._current_version + 1 if self._kind == "int" else str(uuid.uuid4()))
-        return self._current_version
-
-    def set_version(self, version: int | str) -> None:
-        """The owner's word: the engine now serves ``version`` (e.g. after a local weight load)."""
-        if version != self._current_version:
-            self.version = version
-
-    # ------------------------------------------------------------------ rlpost's collector
-
-    def observe(self, client: Any = None, completions: Iterable[Any] = (), reported: int | None = None) -> int:
-        """The version that served the latest engine call; the tracker follows it.
-
-        Precedence: the oldest ``policy_version`` attribute among ``completions``, then
-        ``reported`` (a ``last_policy_version`` read right after the call), then the client's
-        ``last_policy_version``, then the tracker's own version. Integer trackers only.
-        """
-        if self._kind != "int":
-            raise ValueError(
-                "PolicyVersion(version_type='uuid') cannot follow the integer versions an inference engine "
-                "reports: rlpost's collector needs PolicyVersion(version_type=int)"
-            )
-        per_completion = [v for c in completions if (v := getattr(c, "policy_version", None)) is not None]
-        if per_completion:
-            served = min(int(v) for v in per_completion)
-        elif reported is not None:
-            served = int(reported)
-        elif getattr(client, "last_policy_version", None) is not None:
-            served = int(client.last_policy_version)
-        else:
-            return self._current_version
-        self.set_version(served)
-        return served
-
-    @staticmethod
-    def merge(stamp: int | None, served: int) -> int:
-        """A sample's stamp after one more turn served by ``served``: the oldest of the two."""
-        return served if stamp is None else min(stamp, served)
-
-    # ------------------------------------------------------------------ as an env transform
-
-    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
-        return self._stamp(reset_td)
-
-    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
-        return self._stamp(next_td)
-
-    # TorchRL's hook names, which its tests call directly: ``_step(td, next_td)`` stamps
-    # ``next_td``, ``_reset(td, reset_td)`` stamps ``reset_td``; both return what they stamped.
-    def _step(self, tensordict: TensorDictBase | None, next_tensordict: TensorDictBase) -> TensorDictBase:
-        return self._stamp(next_tensordict)
-
-    def _reset(self, tensordict: TensorDictBase | None, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return self._stamp(tensordict_reset)
-
-    def _stamp(self, td: TensorDictBase) -> TensorDictBase:
-        if self._kind == "int":
-            kwargs = {"device": td.device} if td.device is not None else {}
-            td.set(self.key, torch.full(td.batch_size, self._current_version, dtype=torch.int64, **kwargs))
-        elif td.batch_dims == 0:
-            td.set(self.key, NonTensorData(self._current_version))
-        else:
-            td.set(self.key, NonTensorData(self._current_version).expand(td.batch_size))
-        return td
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self._current_version, "version_type": self._kind}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        kind = state.get("version_type", "int")
-        if kind != self._kind:
-            raise ValueError(f"PolicyVersion state has version_type={kind!r}, this tracker is {self._kind!r}")
-        self.set_version(state["version"])
-
-    def __repr__(self) -> str:
-        return f"PolicyVersion(version_type={self._kind!r}, version={self._current_version!r})"

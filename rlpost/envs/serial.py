@@ -202,25 +202,9 @@ class SerialEnv(EnvBase):
 
     # ------------------------------------------------------------------ specs
 
-    @property
-    def full_observation_spec(self) -> Composite:
-        return _with_leading_dim(self.envs[0].full_observation_spec, self.num_workers)
-
-    @property
-    def full_action_spec(self) -> Composite:
-        return _with_leading_dim(self.envs[0].full_action_spec, self.num_workers)
-
-    @property
-    def full_state_spec(self) -> Composite:
-        return _with_leading_dim(self.envs[0].full_state_spec, self.num_workers)
-
-    @property
-    def full_reward_spec(self) -> Composite:
-        return _with_leading_dim(self.envs[0].full_reward_spec, self.num_workers)
-
-    @property
-    def full_done_spec(self) -> Composite:
-        return _with_leading_dim(self.envs[0].full_done_spec, self.num_workers)
+    def _transformed_spec(self, part: str) -> Composite:
+        """The first sub-env's ``full_<part>_spec`` with ``num_workers`` in front."""
+        return _with_leading_dim(getattr(self.envs[0], f"full_{part}_spec"), self.num_workers)
 
     def __repr__(self) -> str:
         return f"SerialEnv(num_workers={self.num_workers}, env={self.envs[0]!r})"

@@ -1,27 +1,15 @@
-"""Env transforms: the small hook protocol of an env, :class:`Compose` and :class:`TransformedEnv`
-(TorchRL's ``torchrl.envs.transforms``).
+"""Env transforms: the small hook protocol of an env, :class:`Compose`, :class:`TransformedEnv`
+and :class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
 
-A transform adds one capability to a :class:`~rlpost.envs.chat.ChatEnv` (data loading, a reward,
-a tool) through hooks the env calls around its own reset and step::
-
-    reset(td):  td = t.reset_preprocess(td)   for t in transforms    # e.g. load the query
-                out = base reset(td)
-                out = t.on_reset(td, out)      for t in transforms
-    step(td):   next = base step(td)                                  # full -> next prompt
-                next = t.on_step(td, next)     for t in transforms    # e.g. reward, tool turn
-
-This mirrors TorchRL's ``Transform._reset_env_preprocess`` / ``_reset`` / ``_step``; the loop
-that calls the hooks is :class:`~rlpost.envs.common.EnvBase` (a base env alone, or a
-:class:`TransformedEnv` holding its transforms in a :class:`Compose`).
-``base_env.append_transform(t)`` returns a new TransformedEnv, as in TorchRL. A transform that
-writes keys of its own says so in the specs, as in TorchRL: a TransformedEnv's
-``full_observation_spec`` (and action, state, reward and done specs) is the base env's passed
-through each transform's ``transform_observation_spec`` (``transform_action_spec``, ...), which
-return the spec unchanged by default. Deliberate deviation: no ``_call``/``_inv_call``
-(observations and actions are not rewritten on the way in or out).
-
-The tool transforms (:class:`~rlpost.envs.tool_transforms.PythonInterpreter` and the others)
-are in :mod:`rlpost.envs.tool_transforms`.
+A transform adds one capability to an env (data loading, a reward, a tool) through hooks that
+:class:`~rlpost.envs.common.EnvBase` calls around the base env's reset and step (its module doc
+draws the loop): ``reset_preprocess(td)`` before the base reset, ``on_reset(td, out)`` after it,
+``on_step(td, next)`` after the base step; TorchRL's ``_reset_env_preprocess`` / ``_reset`` /
+``_step``. As in TorchRL, ``base_env.append_transform(t)`` returns a new TransformedEnv, and a
+TransformedEnv's ``full_observation_spec`` (action, state, reward, done) is the base env's passed
+through each transform's ``transform_observation_spec`` (...), unchanged by default. Deliberate
+deviation: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
+or out; the older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
 """
 
 from __future__ import annotations
@@ -34,6 +22,7 @@ from tensordict import TensorDictBase
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
 from rlpost.envs.common import EnvBase
 from rlpost.envs.errors import EnvInputError
+from rlpost.envs.td_rows import NestedKey, as_key, has_key
 
 if TYPE_CHECKING:
     from rlpost.data.specs import Composite
@@ -71,24 +60,20 @@ class Transform:
 
     # TorchRL's spec hooks: the env's spec (a Composite) goes through each transform in order;
     # a transform that writes a key adds its spec and returns the Composite (edited in place).
+    # Default: unchanged.
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        """The observation spec after this transform (default: unchanged)."""
         return observation_spec
 
     def transform_action_spec(self, action_spec: Composite) -> Composite:
-        """The action spec after this transform (default: unchanged)."""
         return action_spec
 
     def transform_state_spec(self, state_spec: Composite) -> Composite:
-        """The state spec after this transform (default: unchanged)."""
         return state_spec
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        """The reward spec after this transform (default: unchanged)."""
         return reward_spec
 
     def transform_done_spec(self, done_spec: Composite) -> Composite:
-        """The done spec after this transform (default: unchanged)."""
         return done_spec
 
     def state_dict(self) -> dict[str, Any]:
@@ -289,6 +274,62 @@ class TransformedEnv(EnvBase):
 
     def __repr__(self) -> str:
         return f"TransformedEnv(env={self.base_env!r}, transform={self.transform!r})"
+
+
+class StepCounter(Transform):
+    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
+    ``StepCounter``).
+
+    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
+    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
+    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
+    itself, the count written is the same.
+
+    Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
+    is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
+    """
+
+    def __init__(
+        self,
+        max_steps: int | None = None,
+        truncated_key: NestedKey = "truncated",
+        step_count_key: NestedKey = "step_count",
+        update_done: bool = True,
+    ) -> None:
+        super().__init__()
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"StepCounter max_steps must be a positive int or None, got {max_steps!r}")
+        self.max_steps = max_steps
+        self.truncated_key, self.step_count_key = as_key(truncated_key), as_key(step_count_key)
+        self.update_done = update_done
+
+    @property
+    def state_keys(self) -> tuple:
+        return (self.step_count_key,)
+
+    def on_reset(self, td: TensorDictBase, reset_td: TensorDictBase) -> TensorDictBase:
+        reset_td.set(self.step_count_key, torch.zeros(*reset_td.batch_size, 1, dtype=torch.int64))
+        return reset_td
+
+    def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
+        shape = (*next_td.batch_size, 1)
+        count = (
+            td.get(self.step_count_key) if has_key(td, self.step_count_key) else torch.zeros(shape, dtype=torch.int64)
+        )
+        count = count.reshape(shape).to(torch.int64) + 1
+        next_td.set(self.step_count_key, count)
+        if self.max_steps is not None:
+            reached = count >= self.max_steps
+            current = torch.zeros_like(reached)
+            if has_key(next_td, self.truncated_key):
+                current = next_td.get(self.truncated_key)
+            next_td.set(self.truncated_key, current.reshape(shape) | reached)
+            if self.update_done:
+                next_td.set("done", next_td.get("done").reshape(shape) | reached)
+        return next_td
+
+    def __repr__(self) -> str:
+        return f"StepCounter(max_steps={self.max_steps})"
 
 
 def set_reward_part(next_td: TensorDictBase, name: str, values: list[float]) -> None:

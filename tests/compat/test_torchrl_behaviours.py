@@ -24,7 +24,7 @@ from rlpost.data import ChatHistory, History, Text
 from rlpost.envs import AsyncEnvPool
 from rlpost.envs.chat import ChatEnv
 from rlpost.envs.kl import KLComputation, RetrieveKL, RetrieveLogProb
-from rlpost.envs.llm_transforms import PolicyVersion
+from rlpost.envs.policy_version import PolicyVersion
 from rlpost.policies import TransformersWrapper
 
 pytestmark = pytest.mark.compat

@@ -9,13 +9,8 @@ from tensordict import TensorDict
 
 from rlpost.data import ChatHistory, History
 from rlpost.envs import ChatEnv
-from rlpost.envs.kl import (
-    KLComputation,
-    KLRewardTransform,
-    RayRetrieveKL,
-    RetrieveKL,
-    RetrieveLogProb,
-)
+from rlpost.envs.kl import KLComputation, RayRetrieveKL, RetrieveKL, RetrieveLogProb
+from rlpost.envs.kl_reward import KLRewardTransform
 from rlpost.policies import TransformersWrapper
 
 pytestmark = pytest.mark.integration
@@ -246,7 +241,7 @@ def test_ray_kl_reward_transform_from_a_factory(ray_cluster, tiny_model_path, ti
     from tensordict import lazy_stack
 
     from rlpost.data import Tokens
-    from rlpost.envs.kl import RayKLRewardTransform
+    from rlpost.envs.kl_reward import RayKLRewardTransform
 
     assert isinstance(transform, RayKLRewardTransform)
     ids = [torch.tensor(i) for i in rendered_ids(tiny_tokenizer, CHATS)]

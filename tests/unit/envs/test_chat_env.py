@@ -142,7 +142,7 @@ def test_repeated_prompts_render_once_and_keep_rows_of_their_own(tiny_tokenizer,
 
 
 def test_distinct_chats_compares_role_and_content_only():
-    from rlpost.envs.chat import _distinct_chats
+    from rlpost.envs.chat_rows import distinct_chats as _distinct_chats
 
     a = [{"role": "user", "content": "x"}]
     b = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]

@@ -26,7 +26,7 @@ from rlpost.envs import (
     Transform,
     TransformedEnv,
 )
-from rlpost.envs.llm_env import hash_rows
+from rlpost.envs.hashing_env import hash_rows
 
 pytestmark = [
     pytest.mark.unit,
