@@ -239,11 +239,6 @@ class GroupCollector(LLMCollector):
 
     # ------------------------------------------------------------------ state
 
-    def set_policy_version(self, version: int) -> None:
-        """Tell the pool the weights version its engine now serves (clients without
-        ``last_policy_version``, e.g. an in-process engine after a local weight load)."""
-        self.policy_version_tracker.set_version(version)
-
     def stats(self) -> dict[str, Any]:
         """Running totals: samples, generated tokens, reward errors, filtered groups, seconds
         generating / collecting / blocked in put, and the background run's state."""
