@@ -109,22 +109,20 @@ OBJECTIVES: tuple[str, ...] = ("ppo", "cispo")
 
 @dataclass(frozen=True, eq=False)
 class GRPOLossTerms:
-    """What :func:`grpo_loss` returns; every field is a 0-d tensor (or None), except the loss
-    fields under ``aggregation="none"``, which are ``[B, T]``.
-
-    ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+ loss_kl_to_inference`` when it
-    was requested) and these keep their graph.
-    The rest are detached diagnostics: ``clip_fraction`` (share of masked tokens where the min
-    picks the clipped term, split into ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``:
-    ratio > 1 + eps_high with A > 0), ``kl_approx`` (mean of old - lp: how far the policy has
-    moved from the behaviour policy), ``ess`` (normalised effective sample size of the
-    importance weights, 1 = on-policy), ``kl_to_ref`` (mean per-token KL estimate; None without
-    ``ref_logprobs``), ``entropy`` (mean entropy; None without ``entropy``) and
-    ``kl_to_inference`` (mean k3 KL between the policy and the behaviour log-probs; it and
-    ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given),
-    ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the learner's log-probs at the start of
-    the step against the sampler's) and ``off_policy_fraction`` (share of tokens whose importance
-    weight was truncated or masked; None without a correction).
+    """What :func:`grpo_loss` returns: 0-d tensors (or None), the loss fields ``[B, T]`` under
+    ``aggregation="none"``. ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+
+    loss_kl_to_inference`` when requested), with their graph. The rest are detached diagnostics:
+    ``clip_fraction`` (share of masked tokens where the min picks the clipped term, split into
+    ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``: ratio > 1 + eps_high with A > 0),
+    ``kl_approx`` (mean of old - lp: how far the policy has moved from the behaviour policy),
+    ``ess`` (normalised effective sample size of the importance weights, 1 = on-policy),
+    ``kl_to_ref`` (mean per-token KL estimate; None without ``ref_logprobs``), ``entropy`` (mean
+    entropy; None without ``entropy``), ``kl_to_inference`` (mean k3 KL between the policy and
+    the behaviour log-probs; it and ``loss_kl_to_inference`` are None unless
+    ``kl_to_inference_coef`` was given), ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the
+    learner's log-probs at the start of the step against the sampler's) and
+    ``off_policy_fraction`` (share of tokens whose importance weight was truncated or masked;
+    None without a correction).
 
     :func:`grpo_loss` sets every field its inputs allow. A custom loss (:data:`LossFunction`)
     must set ``loss``; the fields it leaves None are left out of the metrics.
