@@ -25,10 +25,8 @@ def learner_name(rank: int) -> str:
 def start_actor(actor_class: type, *args: Any, name: str, resources: Any, namespace: str | None = None,
                 init_kwargs: dict[str, Any] | None = None, **options: Any) -> Any:  # fmt: skip
     """Start ``actor_class(*args, **init_kwargs)`` as the Ray actor ``name`` with the CPUs and
-    GPUs of ``resources`` (a :class:`~rlpost.config.RoleResources`); ``options`` go to
-    ``.options()`` and win over those (e.g. ``num_cpus=0`` in a test, a placement-group
-    ``scheduling_strategy``). The actor answers the watchdog's heartbeat
-    (:func:`rlpost.runtime.liveness.remote_class`)."""
+    GPUs of ``resources``; ``options`` go to ``.options()`` and win. The actor answers the
+    watchdog's heartbeat (:func:`rlpost.runtime.liveness.remote_class`)."""
     from rlpost.runtime.liveness import remote_class
 
     chosen = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus} | options

@@ -1,45 +1,36 @@
 """AsyncVLLM: a fleet of vLLM replicas as Ray actors behind one object (TorchRL's).
 
-Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`, the
-actor :func:`~rlpost.actors.vllm_workers.make_vllm_worker` starts): one vLLM engine with rlpost's
-weight-update extension, versioned weights, in-flight updates. The fleet gives:
+Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`,
+started by :func:`~rlpost.actors.vllm_workers.make_vllm_worker`): one vLLM engine with versioned,
+in-flight weight updates. The fleet gives:
 
-- ``vLLMWrapper(fleet, ...)``: the policy generates through the fleet's load-balancing client
-  (:class:`~rlpost.policies.RemoteVLLMClient`: each call whole to the least-busy
-  replica, so a GRPO group comes from one set of weights). The wrapper, pickled into another
-  actor (a :class:`~rlpost.collect.RayLLMCollector`), keeps using the same replicas.
-- ``fleet.generate(prompts, SamplingParams(...))``: vLLM's ``RequestOutput`` objects, the
-  prompts spread over the replicas (TorchRL's call form).
-- weight updates: :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` (or
-  :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`, or :class:`vLLMUpdaterV2
-  <rlpost.collect.weight_sync.vLLMUpdaterV2>` on the fleet) sends new weights to every replica;
-  the fleet is an :class:`~rlpost.collect.weight_sync.RLvLLMEngine`, so
-  ``fleet.init_weight_update_group()`` then ``fleet.update_weights(named_tensors)`` does it too.
-- prefix caching: each replica resets its prefix cache whenever its weights change, before it
-  serves its next request, so no completion reuses KV computed with older weights;
-  ``fleet.reset_prefix_cache()`` resets every replica's on demand.
+- ``vLLMWrapper(fleet, ...)``: generation through the load-balancing client
+  (:class:`~rlpost.policies.RemoteVLLMClient`: each call whole to the least-busy replica, so a
+  GRPO group comes from one set of weights); it keeps working pickled into another actor.
+- ``fleet.generate(prompts, SamplingParams(...))``: vLLM ``RequestOutput``\\ s, prompts spread
+  over the replicas (TorchRL's call form).
+- weight updates: :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme`,
+  :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`, :class:`vLLMUpdaterV2
+  <rlpost.collect.weight_sync.vLLMUpdaterV2>`, or (the fleet is an
+  :class:`~rlpost.collect.weight_sync.RLvLLMEngine`) ``init_weight_update_group()`` then
+  ``update_weights(named_tensors)``.
+- prefix caching: a replica resets its prefix cache whenever its weights change, before its next
+  request, so no completion reuses KV from older weights.
 
-A replica that dies (its process crashes, is OOM-killed or ``ray.kill``\\ ed) is restarted by
-Ray (``max_restarts`` per replica) on the model it started from: requests in flight on it are
-re-issued to another replica, or wait for the restart when none is left. The weight sender
-finds the restarted replica outside its group at its next update, re-forms the group and sends
-the current weights to every replica; until then the restarted replica serves the initial weights
-(its completions carry its own version, ``RemoteVLLMClient.last_policy_version``).
-
-``rlpost train``'s inference workers are such a fleet
-(:meth:`AsyncVLLM.from_replica_starter`): each replica is started in its placement bundle with the
-job's engine settings, and the run's supervisor restarts a dead one with
-:meth:`AsyncVLLM.start_replica` (then re-forms the weight bus and tells the env pools).
+A dead replica is restarted by Ray (``max_restarts``) on its starting model; its in-flight
+requests go to another replica or wait for the restart. The weight sender re-forms the group at
+its next update; until then the restarted replica serves the initial weights (its completions
+carry its own version). ``rlpost train``'s inference workers are such a fleet
+(:meth:`AsyncVLLM.from_replica_starter`), whose supervisor restarts replicas with
+:meth:`AsyncVLLM.start_replica`.
 
 Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
-(so they work on the CPU backend too, and take rlpost's weight bus); ``AsyncVLLM(engine_args)``
-takes vLLM's ``AsyncEngineArgs`` or a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's
-own compilation setting as it is; prefix caching left unset (None) stays vLLM's default, on for
-generative models (TorchRL turns it off: safe here, since a replica resets its prefix cache
-whenever its weights change); ``update_weights`` calls no fleet-wide ``reset_prefix_cache``
-(the replicas reset as part of the update, which a running generate call need not finish for);
-no prefix-aware load balancer (least-busy replica instead);
-``enable_fp32_output``, data and pipeline parallelism are refused with a message.
+(they work on the CPU backend and take rlpost's weight bus); ``AsyncVLLM(engine_args)`` also takes
+a dict of ``vllm.LLM`` arguments; ``compile`` leaves vLLM's compilation setting alone; prefix
+caching left unset stays vLLM's default, on (TorchRL turns it off: safe here, replicas reset it
+on weight changes); ``update_weights`` calls no fleet-wide ``reset_prefix_cache``; least-busy
+load balancing, not prefix-aware; ``enable_fp32_output``, data and pipeline parallelism are
+refused with a message.
 """
 
 from __future__ import annotations
@@ -70,18 +61,15 @@ class AsyncVLLM(RLvLLMEngine):
             (``kv_cache_space_gb``, ``cpu_threads``) may be in the dict.
         num_replicas: engines to start.
         actor_class: not supported (the replicas are rlpost's inference workers); must be None.
-        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s (unset there too: vLLM's
-            default, on for generative models). A value given here is written into
-            ``engine_args`` (as TorchRL does). Safe with weight updates: a replica resets its
-            prefix cache whenever its weights change.
+        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s; a value is written into
+            ``engine_args`` (as TorchRL does).
 
     Keyword Args:
         max_restarts: Ray restarts of a replica that died.
         request_timeout_s: bound of one generate call on a replica.
         startup_timeout_s: bound of the replicas' start.
-        placement_timeout_s: bound of the wait for the cluster to place the replicas (their GPUs
-            and CPUs); past it the start fails naming what they ask for and what the cluster has
-            (rlpost's: a cluster without the GPUs would otherwise keep them pending for ever).
+        placement_timeout_s: bound of the wait for the cluster to place the replicas; past it the
+            start fails naming what they ask for (rlpost's: else they would pend for ever).
         verbose: vLLM's INFO logs from the replicas (False: warnings and errors only).
 
     Attributes:
@@ -125,9 +113,8 @@ class AsyncVLLM(RLvLLMEngine):
     def from_replica_starter(cls, start_replica: Callable[[int], Any], num_replicas: int, model_name: str, *,
                              tensor_parallel_size: int = 1, request_timeout_s: float = 600.0,
                              startup_timeout_s: float = STARTUP_TIMEOUT_S) -> AsyncVLLM:  # fmt: skip
-        """A fleet whose replica ``i`` is the actor ``start_replica(i)`` returns (rlpost's; how
-        ``rlpost train`` builds its ``inference-<i>`` workers, each in its placement bundle with
-        the job's engine settings). Nothing starts until :meth:`start_replica` or a first use;
+        """A fleet whose replica ``i`` is the actor ``start_replica(i)`` returns (rlpost's, for
+        ``rlpost train``'s workers). Nothing starts until :meth:`start_replica` or a first use;
         Ray does not restart these replicas: their owner calls :meth:`start_replica` again."""
         fleet = cls({"model": model_name, "tensor_parallel_size": tensor_parallel_size}, num_replicas,
                     max_restarts=0, request_timeout_s=request_timeout_s, startup_timeout_s=startup_timeout_s)  # fmt: skip
@@ -162,9 +149,8 @@ class AsyncVLLM(RLvLLMEngine):
         return bool(self._replicas)
 
     def start_replica(self, index: int) -> Any:
-        """Start replica ``index`` (any of ``0..num_replicas-1``) and return its actor handle
-        without waiting for its engine to load (its first call waits); one already started is
-        replaced (the old one killed first). The fleet's client serves from it from now on."""
+        """Start replica ``index`` and return its handle without waiting for its engine to load;
+        one already started is killed and replaced. The fleet's client serves from it from now on."""
         import ray
 
         if not 0 <= index < self.num_replicas:
@@ -193,10 +179,8 @@ class AsyncVLLM(RLvLLMEngine):
         ray.kill(actor, no_restart=True)
 
     def resize(self, num_replicas: int) -> None:
-        """Let the fleet have ``num_replicas`` replicas: those with an index at or above it are
-        stopped; new indices below it start with :meth:`start_replica` (so that their owner
-        decides where and when: a cluster may have no room for them yet). Beyond TorchRL's
-        AsyncVLLM, whose replica count is fixed."""
+        """Let the fleet have ``num_replicas`` replicas: higher indices are stopped; new ones
+        start only with :meth:`start_replica` (their owner decides when). Beyond TorchRL's."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         for index in [i for i in self._replicas if i >= num_replicas]:
@@ -323,9 +307,8 @@ class AsyncVLLM(RLvLLMEngine):
         return [actor.collective_rpc.remote(method, timeout, args, kwargs) for actor in self.actors]
 
     def reset_prefix_cache(self) -> None:
-        """Drop every replica's cached KV prefixes (a no-op when prefix caching is off). A replica
-        whose running requests still hold cached blocks cannot drop those: one warning names such
-        replicas. Weight updates need no call of this: each replica resets as it switches weights."""
+        """Drop every replica's cached KV prefixes (no-op with prefix caching off); blocks held by
+        running requests stay, with one warning. Weight updates need no call of this."""
         import ray
 
         if self.engine_kwargs.get("enable_prefix_caching") is False:
@@ -374,11 +357,9 @@ class AsyncVLLM(RLvLLMEngine):
         return {}
 
     def init_weight_update_group(self, *, timeout_s: float = 120.0) -> None:
-        """Form the weight group of this process (the sender, on :meth:`get_master_address` and
-        :meth:`get_master_port`) and every started replica; :meth:`update_weights` then sends
-        over it. It is a :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` sender, so a
-        replica that Ray restarted is brought back into the group at the next update.
-        ``timeout_s`` (rlpost's) bounds every step of an update."""
+        """Form the weight group of this process and every started replica for
+        :meth:`update_weights` (a :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` sender:
+        a restarted replica rejoins at the next update). ``timeout_s`` (rlpost's) bounds each step."""
         if not self.actors:
             raise RuntimeError("AsyncVLLM service must be launched before initializing weight update group")
         if self._weight_sender is not None:
@@ -430,12 +411,9 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
                            tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
                            pipeline_parallel_size: int | None = None, **kwargs: Any) -> AsyncVLLM:  # fmt: skip
     """Start an :class:`AsyncVLLM` fleet of ``num_replicas`` engines on ``model_name``, each on
-    ``num_devices`` GPUs (tensor parallel; none on a CPU-only machine). ``**kwargs`` are
-    ``vllm.LLM`` arguments (``max_model_len``, ``gpu_memory_utilization``, ``enforce_eager``,
-    ``seed``, ``dtype``, ...), rlpost's engine settings (``kv_cache_space_gb``), ``num_cpus``, the
-    CPUs Ray reserves for each replica (default 1), and ``placement_timeout_s``, how long the
-    replicas may wait for the cluster to have room for them (a cluster without the GPUs asked for
-    fails then, naming them; default PLACEMENT_TIMEOUT_S)."""
+    ``num_devices`` GPUs (tensor parallel; none on CPU). ``**kwargs``: ``vllm.LLM`` arguments,
+    rlpost's engine settings (``kv_cache_space_gb``), ``num_cpus`` per replica (default 1) and
+    ``placement_timeout_s`` (as :class:`AsyncVLLM`'s)."""
     del compile  # vLLM's own compilation setting is kept
     if enable_fp32_output:
         raise ValueError(

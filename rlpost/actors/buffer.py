@@ -1,10 +1,10 @@
 """The ``buffer`` actor: a :class:`rlpost.transport.buffer.LocalBuffer` in a Ray actor, and its one
 client, :class:`~rlpost.transport.buffer.RayBuffer` (what :func:`start_buffer` returns).
 
-It is a threaded actor (``max_concurrency`` > 1) so that a producer blocked in ``put`` by
-backpressure does not stop the learner's ``take`` from running and freeing space. Ray does not
-restart it (``max_restarts=0``): the supervisor starts a new one from the learner's
-acknowledgements and the env pools put again what they kept, which an empty restart cannot do.
+Threaded (``max_concurrency`` > 1), so a producer blocked in ``put`` by backpressure does not
+stop the learner's ``take`` from freeing space. Ray does not restart it (``max_restarts=0``): the
+supervisor starts a new one and the env pools put again what they kept, which an empty restart
+cannot do.
 """
 
 from __future__ import annotations
@@ -37,12 +37,8 @@ class BufferSettings:
 
 def buffer_capacity(cfg: JobConfig) -> int:
     """Groups the buffer holds: one step in sync mode; in async mode ``max_staleness`` steps.
-
-    A bigger buffer only ages its groups past the staleness cap: with room for 3 steps and
-    ``max_staleness: 1`` a 600-step demo dropped 7568 stale groups (44% of all it generated).
-    Groups generated while the learner trains a step are at most ``max_staleness`` behind when
-    taken, so the producers' backpressure paces them to what the learner can use.
-    """
+    A bigger buffer only ages groups past the cap (room for 3 steps with ``max_staleness: 1``: a
+    600-step demo dropped 44% of its groups as stale); backpressure paces the producers instead."""
     steps_ahead = 1 if cfg.trainer.mode == "sync" else max(1, cfg.trainer.max_staleness)
     return cfg.trainer.prompts_per_step * steps_ahead
 
@@ -66,13 +62,9 @@ def start_buffer(
         "num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus,
         "resources": dict(settings.resources.resources),
     } | options  # fmt: skip
-    handle = (
-        remote_class(LocalBuffer)
-        .options(**actor_options)
-        .remote(
-            capacity=settings.capacity, max_staleness=settings.max_staleness, report=BufferMetrics(settings.run_name)
-        )
-    )
+    init = {"capacity": settings.capacity, "max_staleness": settings.max_staleness,
+            "report": BufferMetrics(settings.run_name)}  # fmt: skip
+    handle = remote_class(LocalBuffer).options(**actor_options).remote(**init)
     try:
         wait_until_placed({name: (handle, asks_of(actor_options))}, placement_timeout_s, "the buffer")
     except BaseException:

@@ -1,7 +1,6 @@
 """Bounded calls into actors, and the errors their failures become.
 
-A call waits a bounded time and turns Ray's ways of failing into errors a caller can recover
-from (:func:`classify`):
+A call waits a bounded time and turns Ray's failures into recoverable errors (:func:`classify`):
 
     the called actor died or was killed                     -> ActorLost(name)
     the call failed because another actor it used died      -> ActorLost(None)
@@ -9,9 +8,6 @@ from (:func:`classify`):
     no answer within the call's timeout                     -> CallTimeout(name)
 
 Any other error propagates as the actor raised it, with the remote traceback chained.
-:class:`Pending` is one call in flight, :class:`GroupPending` one call on every rank of a group,
-:func:`wait_all` waits for several. The run's clients (:mod:`rlpost.service.clients`) and the learner
-group's start are built on them.
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ STOP_POLL_S = 0.5  # a stoppable wait looks for a stop signal this often
 
 
 class InferenceWorkerLost(RuntimeError):
-    """Raised by an env pool's ``wait`` when the pool's engine client found an inference worker
-    dead. The pool goes on collecting (its request waits for the worker's replacement); the
-    error only tells whoever waits on the pool, at once, that a worker needs replacing."""
+    """Raised by an env pool's ``wait`` when its engine client found an inference worker dead: the
+    pool goes on (its request waits for the replacement); this only says at once that one is needed."""
 
 
 class BusFailure(ActorFailure):
@@ -73,11 +68,9 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
 
 
 def _why_dead(exc: BaseException) -> str:
-    """Why the actor died, as a clause: the error its constructor raised (as the actor recorded
-    it, :func:`rlpost.runtime.liveness.recorded_error`, or as Ray reports it), or the sentence of Ray's
-    message that names the death ("The actor is dead because its worker process has died")
-    with the error the actor recorded before it (a process that aborted on its way out);
-    empty when nothing says."""
+    """Why the actor died, as a clause: its constructor's error (as recorded,
+    :func:`rlpost.runtime.liveness.recorded_error`, or as Ray reports it), or Ray's "The actor is dead
+    because ..." sentence with the error the actor recorded; empty when nothing says."""
     recorded = recorded_error(getattr(exc, "actor_id", None))
     if getattr(exc, "actor_init_failed", False) or (recorded or "").startswith("constructor: "):
         return f": its constructor raised {recorded.removeprefix('constructor: ') if recorded else first_line(exc)}"
@@ -103,9 +96,8 @@ class Pending:
     ref: Any
 
     def result(self, timeout_s: float, *, stoppable: bool = False):
-        """The call's result within ``timeout_s``. ``stoppable``: a stop signal (Ctrl-C, SIGTERM:
-        :func:`rlpost.runtime.shutdown.raise_if_stopping`) ends the wait within STOP_POLL_S, raising
-        StopRequested; for the waits of a run's start, where no call in flight must finish first."""
+        """The call's result within ``timeout_s``. ``stoppable`` (a run's start, where nothing in
+        flight must finish first): a stop signal ends the wait within STOP_POLL_S (StopRequested)."""
         import ray
 
         if stoppable:

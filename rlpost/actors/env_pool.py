@@ -1,30 +1,25 @@
 """The env pool: prompts -> inference -> rewards (-> the reference's KL penalty) -> whole GRPO
 groups with their advantages -> buffer.
 
-:class:`GroupCollector` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode (each
-batch's episodes start together and end inside it; whole GRPO groups come out), built from the
-job config: the env of its settings (its shard of the prompt order), a
-:class:`~rlpost.policies.vLLMWrapper` over an engine client (an in-process ``LocalVLLMClient`` or
-the inference workers' remote client), and a :class:`~rlpost.transport.group_writer.GroupWriter` as
-its replay buffer. It is a plain class (no Ray needed) and, unchanged, the Ray actor
-``env-pool-<i>`` (:func:`start_env_pool`). The controller drives it in one of two ways::
+:class:`GroupCollector` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode
+(each batch's episodes start together and end inside it), built from the job config: the env
+(its shard of the prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client,
+and a :class:`~rlpost.transport.group_writer.GroupWriter` as its replay buffer. It is a plain
+class and, unchanged, the Ray actor ``env-pool-<i>`` (:func:`start_env_pool`)::
 
     sync:   groups = pool.collect(num_groups)            one batch with the current weights
     async:  pool.start(num_groups_total) ... pool.stop() the collector's background thread:
             reserve room -> collect -> writer.extend(groups) (ONE batched put per batch;
             backpressure blocks there) until the total, stop(), or an error
 
-Every put carries the pool's :meth:`GroupCollector.state_dict` (its position in the prompt stream and
-the number of prompts collected so far), which the buffer keeps beside the groups: a pool that
-dies is restarted from the position its last put ended at, so no completed group is lost or
-repeated (the prompts it was generating are generated again). A restarted pool has a higher
-``epoch``; the buffer refuses puts of older epochs once it is replaced (a put the dead pool left
-in flight cannot land after it).
+Every put carries the pool's :meth:`GroupCollector.state_dict` (prompt-stream position, prompts
+collected), kept by the buffer beside the groups: a dead pool restarts from its last put's
+position, so no completed group is lost or repeated. A restarted pool has a higher ``epoch``; the
+buffer refuses older epochs' puts (one the dead pool left in flight cannot land after).
 
-The pool also survives its buffer: its writer numbers the groups it puts (``Group.seq``) and keeps
-them until the learner's side acknowledges them. When the buffer actor dies, a call to it waits
-for :meth:`GroupCollector.set_buffer` (the supervisor starting a new one), which puts them again; groups
-the new buffer already has are skipped.
+The pool also survives its buffer: the writer numbers its groups (``Group.seq``) and keeps them
+until acknowledged; after a buffer death, :meth:`GroupCollector.set_buffer` puts them again
+(groups the new buffer has are skipped).
 """
 
 from __future__ import annotations
@@ -92,8 +87,7 @@ class GroupCollector(LLMCollector):
 
     Args:
         cfg: the env pool's sections of the job config (``EnvPoolSettings.from_job(job_config)``).
-        pool_index: this pool's index; it takes shard ``pool_index`` of the prompt stream's
-            ``rollout.env_pool_shards()`` (``max_env_pools``, else ``num_env_pools``), so
+        pool_index: this pool's shard of the prompt stream's ``rollout.env_pool_shards()``, so
             prompt ids never collide across pools, whichever of them run.
         engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
             ``last_policy_version``).
@@ -103,32 +97,17 @@ class GroupCollector(LLMCollector):
     Keyword Args:
         tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
         input_mode: "tokens" (default: exact ids across turns) or "history".
-        policy_version: a shared :class:`PolicyVersion` (e.g. set by the owner after a local
-            weight load); a new one when None.
-        epoch: this pool's incarnation (0 first; the supervisor gives a restarted pool a
-            higher one, and the buffer then refuses puts of older epochs).
-        report_metrics: report each batch's reward and counts as the run's Ray metrics (the
-            actor does; needs Ray).
+        policy_version: a shared :class:`PolicyVersion`; a new one when None.
+        epoch: this pool's incarnation (0 first; a restarted pool's is higher).
+        report_metrics: report each batch's reward and counts as Ray metrics (needs Ray).
         reference: with ``reference.kl_in: reward``, what penalises each batch's rewards before
-            its groups' advantages are computed: an object with the ``penalize(samples)`` of
-            :class:`~rlpost.actors.reference.Reference` (e.g. one in-process); None: the run's
-            ``reference`` actor, through :class:`~rlpost.actors.reference.RemoteReference`.
+            advantages: an object with :class:`~rlpost.actors.reference.Reference`'s
+            ``penalize(samples)``; None: the run's ``reference`` actor (``RemoteReference``).
     """
 
-    def __init__(
-        self,
-        cfg: EnvPoolSettings,
-        pool_index: int,
-        engine_client: Any,
-        buffer: Any = None,
-        *,
-        tokenizer: Any = None,
-        input_mode: str = "tokens",
-        policy_version: PolicyVersion | None = None,
-        epoch: int = 0,
-        report_metrics: bool = False,
-        reference: Any = None,
-    ) -> None:
+    def __init__(self, cfg: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any = None, *,
+                 tokenizer: Any = None, input_mode: str = "tokens", policy_version: PolicyVersion | None = None,
+                 epoch: int = 0, report_metrics: bool = False, reference: Any = None) -> None:  # fmt: skip
         num_shards = cfg.rollout.env_pool_shards()
         if not 0 <= pool_index < num_shards:
             raise ValueError(f"pool_index must be in [0, {num_shards}) (the env pools' shards), got {pool_index}")
@@ -203,10 +182,8 @@ class GroupCollector(LLMCollector):
     # ------------------------------------------------------------------ background (async mode)
 
     def start(self, num_groups_total: int | None = None) -> None:
-        """Collect in the collector's background thread until ``num_groups_total`` more prompts
-        were collected (None: until :meth:`stop`); prompts whose groups the DAPO filter dropped
-        count towards the total. Each batch goes into the buffer with one put, after the pool
-        reserved room for it."""
+        """Collect in the background until ``num_groups_total`` more prompts were collected (None:
+        until :meth:`stop`); prompts whose groups the DAPO filter dropped count too."""
         if self.writer is None:
             raise ValueError(f"env pool {self.pool_index}: start() needs a buffer")
         if self.is_running():
@@ -228,9 +205,8 @@ class GroupCollector(LLMCollector):
 
     def wait(self, timeout_s: float | None = None, report_lost: bool = True) -> bool:
         """Wait for the background run to end; True if it ended. Raises the run's error. With
-        ``report_lost``, returns early by raising :class:`InferenceWorkerLost` (once per death)
-        when the engine client found an inference worker dead: the run goes on, waiting for the
-        worker's replacement, and the caller can start that replacement without delay."""
+        ``report_lost``, raises :class:`InferenceWorkerLost` early (once per death) when the client
+        found a worker dead: the run goes on, and the caller can start the replacement at once."""
         if self.is_running():
             if report_lost:
                 self._woken.wait(timeout_s)
@@ -263,11 +239,6 @@ class GroupCollector(LLMCollector):
 
     # ------------------------------------------------------------------ state
 
-    def set_policy_version(self, version: int) -> None:
-        """Tell the pool the weights version its engine now serves (clients without
-        ``last_policy_version``, e.g. an in-process engine after a local weight load)."""
-        self.policy_version_tracker.set_version(version)
-
     def stats(self) -> dict[str, Any]:
         """Running totals: samples, generated tokens, reward errors, filtered groups, seconds
         generating / collecting / blocked in put, and the background run's state."""
@@ -289,9 +260,8 @@ class GroupCollector(LLMCollector):
         self.engine_client.set_handles(handles)
 
     def set_buffer(self, buffer: Any, timeout_s: float = 60.0) -> int:
-        """Put into ``buffer`` from now on (the supervisor started it after the old one died: its
-        RayBuffer): the writer puts the groups not yet acknowledged into it.
-        Returns how many groups the new buffer took."""
+        """Put into ``buffer`` (the old one's replacement) from now on, first the groups not yet
+        acknowledged; returns how many groups it took."""
         if self.writer is None:
             raise ValueError(f"env pool {self.pool_index} was built without a buffer")
         return self.writer.set_buffer(buffer, timeout_s)
@@ -323,22 +293,11 @@ class GroupCollector(LLMCollector):
             self.writer.outbox = []  # what a restarted pool put before is in the buffer (or acknowledged)
 
 
-def start_env_pool(
-    settings: EnvPoolSettings,
-    pool_index: int,
-    engine_client: Any,
-    buffer: Any,
-    *,
-    namespace: str | None = None,
-    max_concurrency: int = 4,
-    epoch: int = 0,
-    **options: Any,
-):
-    """Start :class:`GroupCollector` as the actor ``env-pool-<pool_index>`` (threaded, so that ``stop``
-    and ``stats`` answer while the background collection runs; reporting its metrics) with the
-    CPUs and GPUs of ``settings.resources`` and return its handle. ``epoch``: the pool's
-    incarnation (see :class:`GroupCollector`); ``options`` go to ``.options()`` and win (e.g. a
-    placement-group scheduling strategy)."""
+def start_env_pool(settings: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any, *,
+                   namespace: str | None = None, max_concurrency: int = 4, epoch: int = 0, **options: Any):  # fmt: skip
+    """Start :class:`GroupCollector` as the actor ``env-pool-<pool_index>`` with
+    ``settings.resources`` and return its handle: threaded, so ``stop`` and ``stats`` answer during
+    the background collection. ``options`` go to ``.options()`` and win."""
     if max_concurrency < 2:
         raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
     return start_actor(
@@ -346,9 +305,6 @@ def start_env_pool(
         resources=settings.resources, namespace=namespace, max_concurrency=max_concurrency,
         init_kwargs={"epoch": epoch, "report_metrics": True}, **options,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- helpers
 
 
 def load_tokenizer(cfg: JobConfig | EnvPoolSettings) -> Any:

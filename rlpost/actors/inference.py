@@ -1,32 +1,24 @@
 """Inference workers: one vLLM engine each, versioned weights.
 
-- :class:`InferenceWorker` (plain class) owns a real ``vllm.LLM`` with
-  :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` mixed into its worker, serves
-  batched generate requests (n samples per prompt, processed log-probs, generated ids) stamped
-  with its policy version, and applies weight updates: receive from the bus and reload in place
-  (each bucket as soon as it arrives) -> label the engine's weights with the new version -> reset
-  the prefix cache (its KV was computed with the old weights) -> bump the version.
-  In-flight updates (``inflight_updates``, on by default): an update that arrives while a
-  generate call runs does not wait for it to finish. The generate call steps the engine itself;
-  the engine's model worker receives the update's bytes on a thread of its own while the
-  engine keeps stepping, and once they are in, between two engine steps, the call pauses the
-  scheduler keeping every running request, reloads, labels the weights and resumes: running
-  requests go on with the new weights (their KV cache, computed
-  with the old ones, is kept, as PipelineRL does), and each completion says which version sampled
-  each of its tokens (``Completion.token_versions``, from vLLM's weight-version spans). The call's
-  version stamp stays the version it started with, the oldest of its tokens. Every other call
-  (score, a later generate, an update when no generate runs) takes the engine alone.
-  ``InferenceActor`` (the Ray actor ``inference-<i>``) is the plain worker with its metrics and
-  an engine watch added; it is a threaded actor so that an update can reach a running
-  generate. On the CPU backend the engine's core and model worker run in the worker's own
-  process (``rollout.engine.in_process``) and every engine call runs on one thread of the
-  worker, the one whose cores the model's threads inherit.
-- :func:`start_inference` starts ``inference-<i>`` for a run, and :func:`start_worker_actor` any
-  worker actor (``make_vllm_worker``'s too, in :mod:`rlpost.actors.vllm_workers`).
+- :class:`InferenceWorker` (plain class) owns a ``vllm.LLM`` with
+  :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` in its worker, serves batched
+  generate requests stamped with its policy version, and applies weight updates: receive from the
+  bus and reload in place, bucket by bucket -> label the weights with the new version -> reset the
+  prefix cache (its KV came from the old weights) -> bump the version.
+  In-flight updates (``inflight_updates``, default on): an update arriving during a generate call
+  does not wait for it. The model worker receives the bytes on its own thread while the engine
+  keeps stepping; then, between two steps, the call pauses the scheduler keeping its requests,
+  reloads, labels and resumes. Running requests go on with the new weights, keeping their old KV
+  (as PipelineRL does); ``Completion.token_versions`` says which version sampled each token, and
+  the call's stamp stays the version it started with. Every other call takes the engine alone.
+  ``InferenceActor`` (Ray actor ``inference-<i>``) adds metrics and an engine watch; it is
+  threaded so an update can reach a running generate. On the CPU backend the engine runs in the
+  worker's process (``rollout.engine.in_process``), every engine call on one thread whose cores
+  the model's threads inherit.
+- :func:`start_inference` starts ``inference-<i>`` for a run, :func:`start_worker_actor` any worker.
 
-The env pools generate on the workers through :class:`~rlpost.policies.RemoteVLLMClient` (each
-call, whole, to the least-busy worker; a dead worker's request re-issued), and the learner's
-vLLMUpdater drives their weight updates.
+The env pools generate through :class:`~rlpost.policies.RemoteVLLMClient`; the learner's
+vLLMUpdater drives the weight updates.
 """
 
 from __future__ import annotations
@@ -69,9 +61,7 @@ class InferenceSettings:
     dtype: str  # ``model.dtype``: the engine's dtype, and the dtype the weights are published in
     resources: RoleResources  # ``resources.inference``
     run_name: str = ""  # the run whose metrics the worker reports under
-    lora: LoraConfig | None = (
-        None  # ``model.lora`` when the engines serve the adapter (rlpost.policies.lora.sync_route)
-    )
+    lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (lora.sync_route)
     inflight_updates: bool = True  # ``weight_sync.inflight_updates``
 
     @classmethod
@@ -118,16 +108,9 @@ def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, ind
     return (
         remote_class(InferenceActor)
         .options(**options)
-        .remote(
-            model_path,
-            engine,
-            dtype=dtype,
-            index=index,
-            run_name=run_name,
-            lora=lora,
-            inflight_updates=inflight_updates,
-        )
-    )
+        .remote(model_path, engine, dtype=dtype, index=index, run_name=run_name, lora=lora,
+                inflight_updates=inflight_updates)
+    )  # fmt: skip
 
 
 def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
@@ -155,11 +138,10 @@ def engine_kwargs(engine: EngineConfig, *, on_gpu: bool) -> dict[str, Any]:
 class InferenceWorker:
     """A vLLM engine behind generate / score / weight-update calls; see the module docstring.
 
-    With ``lora`` (a ``model.lora`` section) the engine serves a LoRA adapter on the base model:
-    each update brings the adapter's tensors, which the worker writes to a folder of its own and
-    loads as the engine's adapter, and every later generate and score uses it. Version 0 is the
-    base model (a fresh adapter changes nothing). An engine that cannot serve LoRA for this model
-    is started without it (logged; ``serves_lora()`` says so and the learner sends merged weights).
+    With ``lora`` the engine serves a LoRA adapter on the base model: each update's adapter is
+    written to a folder and loaded as the engine's adapter. Version 0 is the base model. An
+    engine that cannot serve LoRA for this model starts without it (``serves_lora()`` False: the
+    learner sends merged weights).
     """
 
     def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0,
@@ -205,12 +187,10 @@ class InferenceWorker:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Do at start-up the one-time work that the first generate call and the first weight
-        update would otherwise pay inside the first training step: vLLM compiles its log-prob
-        kernel on the first request that asks for log-probs (2.2 s of a 4 s first generate of
-        the 0.5B-shaped model on 2 CPU cores), and the direct reload checks the engine's CPU
-        kernels when it is first made. (With a seeded engine the samples after it are not those
-        of an engine without it: runs stay reproducible, since every engine does it.)"""
+        """Pay at start-up the one-time costs the first training step would: vLLM compiles its
+        log-prob kernel on the first log-prob request (2.2 s of a 4 s first generate, 0.5B shape, 2
+        CPU cores), and the direct reload checks the CPU kernels. (A seeded engine's later samples
+        differ from one without it; runs stay reproducible, since every engine does it.)"""
         start = time.perf_counter()
 
         def warm_up() -> None:
@@ -226,18 +206,15 @@ class InferenceWorker:
                  time.perf_counter() - start, path)  # fmt: skip
 
     def _on_engine_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the thread that drives an engine running in this process
-        (``rollout.engine.in_process``): its model's threads have that thread's cores, and one
-        thread at a time uses the engine. Called directly when the engine runs in processes of
-        its own, or from that thread."""
+        """``fn(*args, **kwargs)`` on the thread driving an in-process engine (its model's threads
+        have that thread's cores); called directly when the engine has processes of its own."""
         if self._engine_thread is None or threading.get_ident() == self._engine_thread_id:
             return fn(*args, **kwargs)
         return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def _worker_rpc(self, method: str, *args: Any, timeout_s: float = ENGINE_RPC_TIMEOUT_S) -> Any:
         """``method`` of rlpost's extension in the engine's worker (the first worker's answer),
-        never unbounded: past ``timeout_s`` vLLM raises TimeoutError naming the method (an
-        in-process engine runs it in this process, where it returns or raises on its own)."""
+        bounded: past ``timeout_s`` vLLM raises TimeoutError naming the method."""
 
         def call() -> Any:
             return self.llm.collective_rpc(method, args=args, timeout=timeout_s)[0]
@@ -274,9 +251,8 @@ class InferenceWorker:
                 self._turn.notify_all()
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until no generate or score call is running or waiting, at most ``timeout_s``;
-        whether it is idle. A worker leaving a resized fleet is drained once its clients stopped
-        sending to it, so the completions it was generating are finished, not thrown away."""
+        """Wait up to ``timeout_s`` until no generate or score call runs or waits; whether idle.
+        A worker leaving a resized fleet finishes its completions rather than dropping them."""
         with self._turn:
             return self._turn.wait_for(lambda: self._requests == 0, timeout=timeout_s)
 
@@ -291,9 +267,8 @@ class InferenceWorker:
         return completions, version
 
     def _after_step(self) -> None:
-        """After each engine step of a generate call: the work progressed (the watchdog's
-        measure, :mod:`rlpost.runtime.liveness`), and a pending weight update moves on when updates
-        land in flight (:meth:`_between_steps`)."""
+        """After each engine step of a generate call: report progress (the watchdog's measure)
+        and move a pending in-flight update on (:meth:`_between_steps`)."""
         progress()
         if self.inflight_updates and self.lora is None:
             self._between_steps()
@@ -317,9 +292,8 @@ class InferenceWorker:
         return self.lora is not None
 
     def reload_path(self) -> str:
-        """How this engine loads a whole-weight update: "direct" (straight into the CPU kernels,
-        ``rollout.engine.direct_reload``) or "reload_weights" (vLLM's), with the reason after a
-        colon when the direct reload was asked for but cannot serve this engine's model."""
+        """How a whole-weight update loads: "direct" (into the CPU kernels,
+        ``rollout.engine.direct_reload``) or "reload_weights" (vLLM's; after a colon, why not direct)."""
         if not self.direct_reload:
             return "reload_weights"
         with self._engine_turn():
@@ -391,12 +365,10 @@ class InferenceWorker:
     def _between_steps(self) -> None:
         """In a generate call, after each engine step: move a pending update on, if any.
 
-        First the engine's worker process starts receiving it on a thread of its own, and the
-        engine keeps stepping while the bytes arrive (each later step asks whether they are in).
-        Once they are, the scheduler is paused keeping its requests (vLLM's
-        ``pause_scheduler("keep")``) so that no step runs while the weights change, the update
-        is loaded and labelled, and the scheduler resumes. An update that fails fails the
-        generate call too (its running requests would go on with half-loaded weights)."""
+        The worker process receives it on its own thread while the engine keeps stepping; once in,
+        the scheduler is paused keeping its requests (``pause_scheduler("keep")``), the update
+        loaded and labelled, and the scheduler resumed. A failed update fails the generate call
+        too (its running requests would go on with half-loaded weights)."""
         pending = self._pending  # read without the lock: a step must stay cheap
         if pending is None:
             return
@@ -436,8 +408,7 @@ class InferenceWorker:
         return {**info, "in_flight": True, "waited_s": now - pending.posted, "paused_s": now - paused}
 
     def _update_adapter(self, timeout_s: float) -> dict:
-        """Receive the adapter of the next version into a new folder, load it as a new adapter of
-        the engine, then drop the previous one (its id and its folder)."""
+        """Receive the next adapter into a new folder, load it, then drop the previous one."""
         from vllm.lora.request import LoRARequest
 
         from rlpost.policies.lora import adapter_config_dict
@@ -494,10 +465,8 @@ class InferenceWorker:
 
 
 def engine_processes_died(llm: Any) -> bool:
-    """Whether the engine of ``llm`` runs in processes of its own and one of them died: vLLM's
-    client then marks its engine dead and every later call raises EngineDeadError. False for an
-    engine in this process (``rollout.engine.in_process``), which has no such processes, and
-    for None (no engine yet)."""
+    """Whether ``llm``'s engine runs in processes of its own and one died (every later call
+    raises EngineDeadError). False for an in-process engine and for None (no engine yet)."""
     resources = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "resources", None)
     return bool(getattr(resources, "engine_dead", False))
 
@@ -511,11 +480,10 @@ def _is_engine_death(exc: BaseException) -> bool:
 class InferenceActor(InferenceWorker):
     """The Ray actor ``inference-<i>``: the plain worker, one call at a time, reporting metrics.
 
-    When its engine runs in processes of its own (a GPU's default) and one of them dies (the OOM
-    killer, a crash of the engine core), the engine can serve nothing again, yet the actor would
-    live on, failing every call. So the actor ends its own process: at once when a call meets the
-    dead engine, and within ENGINE_WATCH_S when none does. The run's supervisor then sees a dead
-    actor and starts a new worker, as for any crash of the actor's own process.
+    When its engine's own process dies (OOM killer, engine-core crash), the engine can serve
+    nothing again, yet the actor would live on failing every call. So the actor exits: at once
+    when a call meets the dead engine, else within ENGINE_WATCH_S; the supervisor then starts a
+    new worker as for any crash.
     """
 
     ENGINE_WATCH_S = 1.0

@@ -1,22 +1,18 @@
 """The ``reference`` actor: the frozen initial model (or ``reference.model``, a teacher), scoring
 generated tokens for the KL term and for on-policy distillation.
 
-One shared actor (only when ``reference.enabled``). It computes the reference log-probs of every
-generated token with :class:`~rlpost.envs.RetrieveKL` (the generation log-probs are the ones the
-inference engine returned), in one of two places, by ``reference.kl_in``
-(:attr:`~rlpost.config.ReferenceConfig.kl_goes_to`):
+One shared actor (only when ``reference.enabled``), scoring with :class:`~rlpost.envs.RetrieveKL`
+(the generation log-probs are the engine's), by ``reference.kl_in``:
 
-- ``loss``: the loop sends each step's groups (:meth:`Reference.annotate`); the log-probs are
-  stored on the samples for GRPOLoss's KL term (or the distillation teacher's term).
-- ``reward``: each env pool sends its batch's samples before it groups them
-  (:meth:`Reference.penalize`, through :class:`RemoteReference`): the k1 KL summed over the
-  generated tokens is subtracted from each reward by :class:`~rlpost.envs.KLComputation`, the
-  transform that computes the KL (``reward_per="sequence"``: RLHF style, one reward per sequence,
-  where TorchRL's form makes the reward per-token). The pool's MCAdvantage then computes the group
-  advantages once, from the penalised rewards.
+- ``loss``: the loop sends each step's groups (:meth:`Reference.annotate`); the log-probs go on
+  the samples for GRPOLoss's KL term (or the distillation teacher's term).
+- ``reward``: each env pool sends its batch before grouping (:meth:`Reference.penalize`): the k1
+  KL summed over the generated tokens is subtracted from each reward
+  (:class:`~rlpost.envs.KLComputation` with ``reward_per="sequence"``: RLHF style, where
+  TorchRL's form is per-token); advantages then come from the penalised rewards.
 
-With ``reference.model`` set it loads that model instead of the policy's initial weights (the
-teacher of ``loss.distillation``), after checking that its tokenizer gives the policy's token ids.
+``reference.model`` (a distillation teacher) replaces the initial weights; its tokenizer must give
+the policy's token ids.
 """
 
 from __future__ import annotations
@@ -76,19 +72,11 @@ class Reference(KLServiceActor):
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else tokenizer.eos_token_id)
         scorer = TransformersWrapper(
-            model,
-            tokenizer=tokenizer,
-            input_mode="tokens",
-            generate=False,
-            pad_output=True,
-            return_text=False,
-            return_tokens=False,
-            return_masks=False,
-            log_probs_key="ref_log_probs",
-            generate_kwargs={"temperature": cfg.rollout.temperature},
-            chunked_scoring=cfg.model.chunked_scoring,
+            model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=True, return_text=False,
+            return_tokens=False, return_masks=False, log_probs_key="ref_log_probs",
+            generate_kwargs={"temperature": cfg.rollout.temperature}, chunked_scoring=cfg.model.chunked_scoring,
             pack_sequences=cfg.model.pack_sequences,
-        )
+        )  # fmt: skip
         # The generation log-probs are the engine's (gen_model=None); the transform only writes the
         # reference log-probs and the KL (what envs attached to this actor are served).
         self.kl = RetrieveKL(None, scorer, assistant_only=False, add_to_reward=False, estimator="k1")
@@ -107,8 +95,7 @@ class Reference(KLServiceActor):
 
     def penalize(self, samples: list[Sample]) -> list[Sample]:
         """Fill ``ref_logprobs`` and subtract ``kl_coef`` times the k1 KL summed over each
-        sample's generated tokens from its reward (``kl_in: reward``). The env pools call this
-        before computing their groups' advantages, so those come from the penalised rewards."""
+        sample's generated tokens from its reward (``kl_in: reward``)."""
         if self.cfg.reference.kl_goes_to != "reward":
             raise RuntimeError("penalize is the KL-shaped reward of reference.kl_in=reward; this run has kl_in=loss")
         batch = self._score(samples)
@@ -179,12 +166,8 @@ class RemoteReference(NamedActorClient):
 
 
 def check_same_vocabulary(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:
-    """The teacher scores the policy's token ids, so both tokenizers must map every token to the
-    same id.
-
-    Raises:
-        ValueError: the vocabularies differ (the message names the teacher and a differing token).
-    """
+    """Raise ValueError (naming a differing token) unless both tokenizers map every token to the
+    same id: the teacher scores the policy's token ids."""
     ours, theirs = policy_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if ours == theirs:
         return

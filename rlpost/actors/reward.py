@@ -13,16 +13,9 @@ pool's :class:`~rlpost.envs.reward_model.RewardModelReward` transform when an ep
                                               parsed -> verdict / scale
     reward = rule_weight * rule + weight * score  <- scores (+ counts of unparsed verdicts)
 
-``kind: classifier`` loads a Hugging Face sequence-classification model with one label
-(``AutoModelForSequenceClassification``) and scores through TorchRL's
-:class:`~rlpost.policies.trl_interop.HFRewardModelWrapper`. ``kind: generative`` starts a vLLM
-engine of its own on ``name_or_path`` (``reward_model.engine``) and reads the verdict with
-``reward_model.judge.pattern`` (and ``verdicts``); a reply without a readable verdict scores 0
-and is counted as ``unparsed_verdict`` (logged once, with the reply).
-
-The actor is stateless (the model is frozen), so the supervisor starts it again when it dies; an
-env pool's call that meets a dead or restarting actor waits for the new one
-(``reward_model.restart_wait_s``).
+A reply without a readable verdict scores 0 and is counted as ``unparsed_verdict`` (logged once).
+The actor is stateless (the model is frozen): the supervisor restarts a dead one, and an env
+pool's call waits for it (``reward_model.restart_wait_s``).
 """
 
 from __future__ import annotations
@@ -82,8 +75,8 @@ class RewardModel:
         engine: kind=generative only: an engine client to judge with (a
             :class:`~rlpost.policies.VLLMEngineClient`) instead of starting one.
 
-    Raises ValueError when the model cannot serve its kind (a classifier with more than one
-    label; a judge template without ``{completion}``).
+    Raises ValueError when the model cannot serve its kind (a classifier with several labels; a
+    judge template without ``{completion}``).
     """
 
     def __init__(self, cfg: RewardModelConfig, *, engine: Any = None) -> None:
@@ -153,10 +146,7 @@ class RewardModel:
             encoded = self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True,
                                      max_length=self.cfg.max_length, add_special_tokens=False)  # fmt: skip
             device = self.model.device
-            batch = TensorDict(
-                {"input_ids": encoded["input_ids"].to(device), "attention_mask": encoded["attention_mask"].to(device)},
-                batch_size=[len(chunk)],
-            )
+            batch = TensorDict({k: encoded[k].to(device) for k in ("input_ids", "attention_mask")}, [len(chunk)])
             scores += self.scorer(batch).get("reward").float().cpu().tolist()
             progress()
         return scores

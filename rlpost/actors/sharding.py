@@ -1,21 +1,17 @@
 """A sharded learner group: N learner processes that hold one model between them (FSDP2).
 
-Each rank is a process (a Ray actor in a run) that joins the group's own torch.distributed
-process group, then shards the model with ``torch.distributed.fsdp.fully_shard``: every decoder
-layer is one unit (its parameters are gathered for its forward and backward, then freed), and
-the rest (embeddings, final norm, LM head) is the root unit. Each rank keeps 1/N of the
-parameters, gradients and AdamW state::
+Each rank is a process that joins the group's own torch.distributed process group, then shards
+the model with ``fully_shard``: each decoder layer is one unit (gathered for its forward and
+backward, then freed), the rest the root unit. Each rank keeps 1/N of the parameters, gradients
+and AdamW state::
 
     rank 0:  open_rendezvous()  -> GroupSpec (host, port of a TCPStore it hosts)
     every rank: join_group(spec, rank)       the default process group, gloo on CPU, NCCL on GPU
     every rank: shard_model(model)           after loading the same weights from disk
 
 Gradients are summed over the ranks, not averaged: each rank's loss is already divided by the
-whole step's normaliser (the loss tokens of every rank), so the sum of the ranks' gradients is
-the gradient of the loss one process would compute on the whole batch.
-
-Every collective of the group is bounded by ``GroupSpec.timeout_s``: a rank that dies makes the
-others raise (gloo's and NCCL's timeouts) instead of hanging.
+whole step's normaliser, so the sum is the one-process gradient of the whole batch. Every
+collective is bounded by ``GroupSpec.timeout_s``: a dead rank makes the others raise, not hang.
 """
 
 from __future__ import annotations
@@ -181,13 +177,10 @@ def empty_model(name_or_path: str, *, trust_remote_code: bool = False) -> torch.
 
 def load_shards(model: torch.nn.Module, name_or_path: str, device: torch.device, *,
                 trust_remote_code: bool = False) -> str:  # fmt: skip
-    """Give the sharded ``model`` (built by :func:`empty_model`, then :func:`shard_model`) its
-    weights: every rank allocates its shards on ``device``, and rank 0 reads the checkpoint's
-    safetensors one tensor at a time and broadcasts it, each rank keeping its shard. So no rank
-    ever holds the whole model. A checkpoint that is not safetensors files whose names are the
-    model's parameters (a hub model is first fetched into the local cache) is loaded whole on every
-    rank instead, then copied into the shards. A collective: every rank calls it. Returns how the
-    weights came ("streamed" or "whole")."""
+    """Give the sharded ``model`` (:func:`empty_model`, then :func:`shard_model`) its weights: rank
+    0 reads the safetensors one tensor at a time and broadcasts it, each rank keeping its shard, so
+    no rank holds the whole model. A checkpoint whose safetensors do not name the parameters is
+    loaded whole on every rank instead. A collective. Returns "streamed" or "whole"."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}

@@ -31,29 +31,12 @@ def engine_devices(num_devices: int | None) -> int:
     return num_devices if num_devices is not None else (1 if torch.cuda.is_available() else 0)
 
 
-def make_vllm_worker(
-    model_name: str,
-    *,
-    gpu_memory_utilization: float = 0.9,
-    num_devices: int | None = None,
-    num_replicas: int = 1,
-    make_ray_worker: bool = True,
-    enforce_eager: bool = False,
-    dtype: str = "auto",
-    name: str | None = None,
-    num_cpus: float = 1,
-    num_gpus: float | None = None,
-    engine_config: Any = None,
-    index: int = 0,
-    ray_options: dict[str, Any] | None = None,
-    run_name: str = "",
-    lora: Any = None,
-    inflight_updates: bool = True,
-    **kwargs: Any,
-) -> Any:
+def make_vllm_worker(model_name: str, *, gpu_memory_utilization: float = 0.9, num_devices: int | None = None,
+                     num_replicas: int = 1, make_ray_worker: bool = True, enforce_eager: bool = False,
+                     dtype: str = "auto", name: str | None = None, num_cpus: float = 1, num_gpus: float | None = None,
+                     engine_config: Any = None, index: int = 0, ray_options: dict[str, Any] | None = None,
+                     run_name: str = "", lora: Any = None, inflight_updates: bool = True, **kwargs: Any) -> Any:  # fmt: skip
     """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
-
-    rlpost's runs start their ``inference-<i>`` actors with this function too.
 
     Keyword Args:
         gpu_memory_utilization, enforce_eager: vLLM's (on a GPU).

@@ -1,13 +1,10 @@
 """Log-probs of the taken tokens from the final hidden states, through the LM head in chunks.
 
-Scoring a sequence the plain way materialises its ``[tokens, vocabulary]`` logits, a float32
-copy of them for the softmax, and in training the gradient of each: for a 152k-token vocabulary
-that is about 0.6 GB per 1,024 tokens, growing with the completion's length. Only two numbers per
-token are needed: the taken token's logit and the log-sum-exp over the vocabulary. So
-:func:`chunked_token_logprobs` runs the LM head over ``chunk_tokens`` tokens at a time, keeps those
-two numbers, and lets the chunk's logits go; its backward pass computes each chunk's logits again
-(one more matrix product per chunk) to form the gradient, so the ``[chunk, vocabulary]`` logits
-live one chunk at a time in forward and backward alike.
+The plain way materialises ``[tokens, vocabulary]`` logits, a float32 copy for the softmax and
+their gradients: about 0.6 GB per 1,024 tokens of a 152k vocabulary. Only the taken token's logit
+and the log-sum-exp are needed, so :func:`chunked_token_logprobs` runs the LM head ``chunk_tokens``
+at a time and keeps those; its backward recomputes each chunk's logits (one more matrix product),
+so ``[chunk, vocabulary]`` logits live one chunk at a time.
 
 Per token ``t`` with hidden state ``h_t``, taken token ``y_t`` and temperature ``T``::
 
@@ -20,9 +17,8 @@ Per token ``t`` with hidden state ``h_t``, taken token ``y_t`` and temperature `
 :func:`chunked_logprobs_and_entropy` returns the entropy too, from the same chunks: the exact
 entropy bonus without the ``[tokens, vocabulary]`` distribution.
 
-The logits are computed in the hidden states' dtype (as the model's own head does) and the
-softmax in float32, float64 for float64 states (as the dense scoring path does), so values equal
-the dense path's.
+Logits in the hidden states' dtype (as the model's head) and the softmax in float32 (float64 for
+float64 states), so values equal the dense path's.
 """
 
 from __future__ import annotations

@@ -109,22 +109,20 @@ OBJECTIVES: tuple[str, ...] = ("ppo", "cispo")
 
 @dataclass(frozen=True, eq=False)
 class GRPOLossTerms:
-    """What :func:`grpo_loss` returns; every field is a 0-d tensor (or None), except the loss
-    fields under ``aggregation="none"``, which are ``[B, T]``.
-
-    ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+ loss_kl_to_inference`` when it
-    was requested) and these keep their graph.
-    The rest are detached diagnostics: ``clip_fraction`` (share of masked tokens where the min
-    picks the clipped term, split into ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``:
-    ratio > 1 + eps_high with A > 0), ``kl_approx`` (mean of old - lp: how far the policy has
-    moved from the behaviour policy), ``ess`` (normalised effective sample size of the
-    importance weights, 1 = on-policy), ``kl_to_ref`` (mean per-token KL estimate; None without
-    ``ref_logprobs``), ``entropy`` (mean entropy; None without ``entropy``) and
-    ``kl_to_inference`` (mean k3 KL between the policy and the behaviour log-probs; it and
-    ``loss_kl_to_inference`` are None unless ``kl_to_inference_coef`` was given),
-    ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the learner's log-probs at the start of
-    the step against the sampler's) and ``off_policy_fraction`` (share of tokens whose importance
-    weight was truncated or masked; None without a correction).
+    """What :func:`grpo_loss` returns: 0-d tensors (or None), the loss fields ``[B, T]`` under
+    ``aggregation="none"``. ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+
+    loss_kl_to_inference`` when requested), with their graph. The rest are detached diagnostics:
+    ``clip_fraction`` (share of masked tokens where the min picks the clipped term, split into
+    ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``: ratio > 1 + eps_high with A > 0),
+    ``kl_approx`` (mean of old - lp: how far the policy has moved from the behaviour policy),
+    ``ess`` (normalised effective sample size of the importance weights, 1 = on-policy),
+    ``kl_to_ref`` (mean per-token KL estimate; None without ``ref_logprobs``), ``entropy`` (mean
+    entropy; None without ``entropy``), ``kl_to_inference`` (mean k3 KL between the policy and
+    the behaviour log-probs; it and ``loss_kl_to_inference`` are None unless
+    ``kl_to_inference_coef`` was given), ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the
+    learner's log-probs at the start of the step against the sampler's) and
+    ``off_policy_fraction`` (share of tokens whose importance weight was truncated or masked;
+    None without a correction).
 
     :func:`grpo_loss` sets every field its inputs allow. A custom loss (:data:`LossFunction`)
     must set ``loss``; the fields it leaves None are left out of the metrics.
@@ -308,19 +306,10 @@ def grpo_loss(
         return masked_aggregate(x_bt.detach().to(dtype), mask, "token_mean")
 
     loss_objective = aggregate(objective_bt)
-    loss_kl = loss_objective.new_zeros(())
-    loss_entropy = loss_objective.new_zeros(())
-    kl_to_ref = entropy_mean = loss_kl_inf = kl_inf = None
-    if ref_logprobs is not None:
-        kl_bt = kl_per_token(lp_bt, _sanitise(ref_logprobs.detach(), mask, dtype), kl_estimator)
-        kl_to_ref = token_mean(kl_bt)
-        if kl_coef != 0:
-            loss_kl = kl_coef * aggregate(kl_bt)
-    if entropy is not None:
-        entropy_bt = _sanitise(entropy, mask, dtype)
-        entropy_mean = token_mean(entropy_bt)
-        if entropy_coef != 0:
-            loss_entropy = -entropy_coef * aggregate(entropy_bt)
+    loss_kl, loss_entropy, kl_to_ref, entropy_mean = kl_and_entropy_terms(
+        lp_bt, mask, ref_logprobs, kl_coef, kl_estimator, entropy, entropy_coef, aggregate, token_mean
+    )
+    loss_kl_inf = kl_inf = None
     loss = loss_objective + loss_kl + loss_entropy
     if kl_to_inference_coef is not None:
         # masked tokens hold 0 in both, where k3 is exactly 0
@@ -348,6 +337,28 @@ def grpo_loss(
         sampling_logp_diff_mean=token_mean((prox_bt - old_bt).abs()),
         off_policy_fraction=None if corrected_bt is None else token_mean(corrected_bt),
     )
+
+
+def kl_and_entropy_terms(
+    lp_bt: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor | None, kl_coef: float,
+    kl_estimator: KLEstimator, entropy: torch.Tensor | None, entropy_coef: float,
+    aggregate: Callable[[torch.Tensor], torch.Tensor], token_mean: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """``(loss_kl, loss_entropy, kl_to_ref, entropy)`` as every loss of the family adds them to its
+    objective (``lp_bt`` sanitised, in the math dtype); a term with coefficient 0 is exactly 0."""
+    loss_kl, loss_entropy = lp_bt.new_zeros(()), lp_bt.new_zeros(())
+    kl_to_ref = entropy_mean = None
+    if ref_logprobs is not None:
+        kl_bt = kl_per_token(lp_bt, _sanitise(ref_logprobs.detach(), mask, lp_bt.dtype), kl_estimator)
+        kl_to_ref = token_mean(kl_bt)
+        if kl_coef != 0:
+            loss_kl = kl_coef * aggregate(kl_bt)
+    if entropy is not None:
+        entropy_bt = _sanitise(entropy, mask, lp_bt.dtype)
+        entropy_mean = token_mean(entropy_bt)
+        if entropy_coef != 0:
+            loss_entropy = -entropy_coef * aggregate(entropy_bt)
+    return loss_kl, loss_entropy, kl_to_ref, entropy_mean
 
 
 def _importance_weights(

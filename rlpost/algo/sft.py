@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from rlpost.algo.grpo import Aggregation, GRPOLossTerms, masked_aggregate
-from rlpost.algo.kl import KLEstimator, kl_per_token
+from rlpost.algo.grpo import Aggregation, GRPOLossTerms, kl_and_entropy_terms, masked_aggregate
+from rlpost.algo.kl import KLEstimator
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 
@@ -102,23 +102,13 @@ def sft_loss(
         return masked_aggregate(x_bt.detach().to(dtype), mask, "token_mean")
 
     loss_objective = aggregate(-lp_bt)
-    loss_kl = loss_objective.new_zeros(())
-    loss_entropy = loss_objective.new_zeros(())
-    kl_to_ref = entropy_mean = None
-    if ref_logprobs is not None:
-        kl_bt = kl_per_token(lp_bt, torch.where(mask, ref_logprobs.detach().to(dtype), 0.0), kl_estimator)
-        kl_to_ref = token_mean(kl_bt)
-        if kl_coef != 0:
-            loss_kl = kl_coef * aggregate(kl_bt)
-    elif kl_coef != 0:
+    if kl_coef != 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
-    if entropy is not None:
-        entropy_bt = torch.where(mask, entropy.to(dtype), 0.0)
-        entropy_mean = token_mean(entropy_bt)
-        if entropy_coef != 0:
-            loss_entropy = -entropy_coef * aggregate(entropy_bt)
-    elif entropy_coef != 0:
+    if entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs entropy")
+    loss_kl, loss_entropy, kl_to_ref, entropy_mean = kl_and_entropy_terms(
+        lp_bt, mask, ref_logprobs, kl_coef, kl_estimator, entropy, entropy_coef, aggregate, token_mean
+    )
     old_bt = torch.where(mask, old_logprobs.detach().to(dtype), 0.0)
     return GRPOLossTerms(
         loss=loss_objective + loss_kl + loss_entropy,

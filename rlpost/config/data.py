@@ -81,10 +81,9 @@ class DataConfig(Section):
     num_synthetic_rows: int = Field(2000, ge=1, description="Rows generated for task=arithmetic without a dataset.")
     drop_long_prompts: bool = Field(
         False,
-        description="Prompts longer than the engine can take with rollout.max_tokens to generate (rendered with the "
-        "system prompt and chat template, longer than rollout.engine.max_model_len - rollout.max_tokens) are "
-        "found before the run starts. false: the run is refused, naming the longest; true: they are left out of "
-        "the prompt stream, with a count in the log. Off by default so that a dataset never shrinks unseen.",
+        description="Prompts longer than rollout.engine.max_model_len - rollout.max_tokens (rendered with the "
+        "system prompt and chat template) are found before the run starts. false: the run is refused, naming the "
+        "longest; true: they are left out, counted in the log (off by default: a dataset never shrinks unseen).",
     )
     shuffle: bool = Field(True, description="Shuffle prompts with `seed` (the order is reproducible).")
     seed: int = Field(0, description="Seed of the prompt shuffle and the synthetic task.")

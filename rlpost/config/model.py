@@ -34,13 +34,11 @@ class LoraConfig(Section):
     )
     sync: Literal["auto", "adapter", "merged"] = Field(
         "auto",
-        description="What each weight sync sends: 'adapter' (only the adapter's tensors; the engines serve "
-        "it with vLLM's LoRA), 'merged' (every projection's weight with the adapter merged in; the engines "
-        "serve no LoRA and keep the base's embeddings, norms and head) or 'auto': merged where the inference engines "
-        "run on CPUs (resources.inference.num_gpus: 0), whose vLLM LoRA kernels generate at about half the "
-        "full-weight speed (0.5B-shaped model, rank 16, 2 cores: steady steps 15.2 s merged against 18.8 s "
-        "adapter, BENCHMARKS.md section 13), else adapter, or merged with a warning where an engine cannot "
-        "serve LoRA.",
+        description="What each weight sync sends: 'adapter' (the adapter's tensors, served with vLLM's LoRA), "
+        "'merged' (every projection's weight with the adapter merged in; no LoRA in the engines) or 'auto': merged "
+        "on CPU engines (resources.inference.num_gpus: 0), whose LoRA kernels are slow (steps 15.2 s merged "
+        "against 18.8 s, BENCHMARKS.md section 13), else adapter, or merged with a warning where an engine "
+        "cannot serve LoRA.",
     )
     save_merged: bool = Field(
         False,
@@ -74,21 +72,17 @@ class ModelConfig(Section):
     )
     chunked_scoring: bool = Field(
         True,
-        description="The learner and the reference actor compute log-probs (and the exact entropy) from "
-        "the model's final hidden states through the LM head in chunks of tokens, so the [tokens, "
-        "vocabulary] logits are never held whole (measured: 0.21x the peak memory of the dense path for "
-        "a 4,096-token row of a 151,936-token vocabulary on 2 layers, at 1.1-1.3x its time: each chunk's "
-        "logits are computed again in backward). Applies to the Llama, Mistral, Qwen2/3 and Phi-3 families, LoRA "
-        "and a sharded learner group included. false: always the dense logits.",
+        description="The learner and the reference actor compute log-probs (and the exact entropy) through the "
+        "LM head in chunks of tokens, never holding the [tokens, vocabulary] logits whole (0.21x the dense peak "
+        "memory for a 4,096-token row of a 151,936 vocabulary, at 1.1-1.3x its time). Llama, Mistral, Qwen2/3 "
+        "and Phi-3 families, LoRA and sharded groups included. false: always the dense logits.",
     )
     pack_sequences: bool = Field(
         True,
-        description="With chunked scoring, the learner and the reference actor pack the rows of a "
-        "forward pass end to end (each row with its own position ids, attending only to itself) in "
-        "rows as wide as the longest, instead of padding every row to the longest: skewed completion "
-        "lengths cost their tokens, not the longest row's. Needs an attention implementation that "
-        "reads packed rows from their position ids (sdpa, eager, flash, flex); others pad. Same values "
-        "and gradients as padding.",
+        description="With chunked scoring, the learner and the reference actor pack a forward pass's rows end "
+        "to end (each with its own position ids, attending only to itself) in rows as wide as the longest, "
+        "instead of padding each. Needs attention that reads packed rows from position ids (sdpa, eager, flash, "
+        "flex); others pad. Same values and gradients as padding.",
     )
 
     @property

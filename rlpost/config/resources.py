@@ -48,19 +48,16 @@ class LearnerResources(TorchRoleResources):
     num_workers: int = Field(
         1,
         ge=1,
-        description="Learner ranks that shard one model between them with FSDP2 (each decoder layer a unit; "
-        "NCCL on GPU, gloo on CPU): parameters, gradients and AdamW state are split N ways. Each rank reserves "
-        "num_cpus / num_gpus; rank 0 is the actor `learner`, the others `learner-<r>`. The ranks split each "
-        "step's groups and sum their gradients, so a step is the one-rank step. A dead rank restarts the run "
-        "from its last checkpoint (trainer.auto_resume); a checkpoint of any num_workers resumes with any other.",
+        description="Learner ranks that shard one model with FSDP2 (NCCL on GPU, gloo on CPU): parameters, "
+        "gradients and AdamW state split N ways, each rank reserving num_cpus / num_gpus (actors `learner`, "
+        "`learner-<r>`). A step equals the one-rank step. A dead rank restarts the run from its last checkpoint "
+        "(trainer.auto_resume); a checkpoint of any num_workers resumes with any other.",
     )
     release_freed_memory: bool | None = Field(
         None,
-        description="Give freed tensor memory back to the OS after every use (glibc's mmap and trim thresholds "
-        "fixed at 128 KB), so one step's leftovers never sit under the next: a lower peak for slower steps, "
-        "since every large allocation then faults in fresh pages. Measured on the 0.5B-shaped model: one "
-        "learner's peak 12.0 -> 10.1 GB, its step 12.1 -> 15.3 s; a rank of a 2-rank group 8.7 -> 6.6 GB. "
-        "None: on for a group of ranks (num_workers > 1), off for one learner.",
+        description="Give freed tensor memory back to the OS (glibc's mmap and trim thresholds fixed at 128 KB): "
+        "a lower peak for slower steps (0.5B shape: 12.0 -> 10.1 GB, step 12.1 -> 15.3 s; a 2-rank group's rank "
+        "8.7 -> 6.6 GB). None: on for a group of ranks (num_workers > 1), off for one learner.",
     )
     timeout_s: float = Field(
         300.0,
@@ -87,10 +84,9 @@ class ResourcesConfig(Section):
     replacement_wait_s: float = Field(
         10.0,
         ge=0,
-        description="How long a lost inference worker's or env pool's start waits for the cluster to have room for "
-        "it (after a node's loss Ray moves its bundles to other nodes where they fit, at once). Past it, and with "
-        "another of its role serving, the run goes on with fewer (`inference_workers`, `env_pools` in "
-        "metrics.jsonl) and starts it again once its bundle is placed (the node's replacement, or a node added).",
+        description="How long a lost inference worker's or env pool's start waits for room in the cluster. Past "
+        "it, with another of its role serving, the run goes on with fewer (`inference_workers`, `env_pools` in "
+        "metrics.jsonl) and starts it once its bundle is placed (a replacement node, or one added).",
     )
     inference: RoleResources = Field(
         default_factory=lambda: RoleResources(num_cpus=0.5), description="Per inference worker."
@@ -115,11 +111,10 @@ class ResourcesConfig(Section):
         0,
         ge=0,
         le=4294967295,
-        description="PYTHONHASHSEED of every process of the run: the driver (rlpost train starts its Python again "
-        "with it when the shell's differs) and every actor. Python's string hashing orders sets of strings, "
-        "which some generators iterate over (reasoning-gym's isomorphic_strings, knight_swap, "
-        "polynomial_multiplication, ransom_note, word_ladder): with one seed their rows, the held-out split and "
-        "the shuffles agree across processes and across runs.",
+        description="PYTHONHASHSEED of every process of the run (rlpost train restarts its Python when the "
+        "shell's differs). String hashing orders sets that some generators iterate over (reasoning-gym's "
+        "isomorphic_strings, knight_swap, ransom_note, word_ladder, ...): one seed makes their rows, the held-out "
+        "split and shuffles agree across processes and runs.",
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict,
@@ -143,18 +138,16 @@ class RoleDeadlines(Section):
     answer_s: float = Field(
         ...,
         gt=0,
-        description="Most seconds an actor may leave the watchdog's heartbeat unanswered. The heartbeat runs on "
-        "a thread of its own, beside the actor's calls, so only a process that runs no Python misses it: stopped "
-        "(SIGSTOP), on a frozen node, or with a thread holding the GIL for ever. Counted once the actor's "
-        "constructor returned (a model still loading is bounded by the start's own timeout).",
+        description="Most seconds an actor may leave the watchdog's heartbeat unanswered. It is answered on its "
+        "own thread, so only a process running no Python misses it (SIGSTOP, a frozen node, the GIL held for "
+        "ever). Counted once the constructor returned.",
     )
     progress_s: float | None = Field(
         None,
         gt=0,
         description="Most seconds the actor's own work (an engine step, a micro-batch, a checkpoint file) may go "
-        "without progress while a call is working: a thread blocked inside it (a deadlock, a wait that never "
-        "ends). Waiting on another actor is not work and never counts. null: the role is judged by its answers "
-        "alone (its calls only wait on others, each with a timeout of its own).",
+        "without progress (a deadlock, a wait that never ends); waiting on another actor never counts. null: "
+        "judged by its answers alone (its calls only wait on others, each bounded).",
     )
 
 

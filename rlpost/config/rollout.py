@@ -43,30 +43,24 @@ class EngineConfig(Section):
     cpu_threads: int | None = Field(
         None,
         ge=1,
-        description="CPU backend: threads that run the model, each bound to a core of the worker's node (worker i "
-        "takes cores i*n .. i*n+n-1, wrapping round). None keeps vLLM's choice: all the cores but one, which it "
-        "leaves to the engine's other threads and processes (1 thread on a 2-core node). Sync mode on a CPU-only node: the node's "
-        "cores, since the learner waits while the engine generates (a model of 8 0.5B-shaped layers generates "
-        "1.8x faster on 2 threads than on 1; configs/tiny-cpu.yaml's model, with the engine in process, 1.4x); "
+        description="CPU backend: threads that run the model, each bound to a core (worker i takes cores i*n .. "
+        "i*n+n-1, wrapping round). None: vLLM's choice, all cores but one. Sync mode on a CPU-only node: the "
+        "node's cores, since the learner waits meanwhile (8 0.5B-shaped layers: 1.8x faster on 2 threads than 1); "
         "async mode: leave the learner its cores. Ignored on GPU.",
     )
     direct_reload: bool = Field(
         True,
         description="CPU backend: load each weight update straight into the engine's kernels (linear weights "
-        "packed by vLLM's own CPU GEMM dispatch from the update's memory, other tensors copied in place) instead "
-        "of vLLM's reload_weights, which re-creates and copies every parameter first (0.5B-shaped model: "
-        "BENCHMARKS.md, section 10). For dense models of unquantized linear, embedding and norm layers on one "
-        "tensor-parallel rank; any other model, and an update with a name it cannot place, uses reload_weights "
-        "(logged once). false: always reload_weights. Ignored on GPU.",
+        "packed by vLLM's CPU GEMM dispatch, other tensors copied in place) instead of vLLM's reload_weights, which "
+        "re-creates every parameter first (BENCHMARKS.md, section 10). Dense unquantized models on one "
+        "tensor-parallel rank only; otherwise reload_weights (logged once). Ignored on GPU.",
     )
     in_process: bool | None = Field(
         None,
-        description="Run vLLM's engine core and model worker inside the inference worker's own process (vLLM's "
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of two child processes of their own; the worker then runs "
-        "every engine call on one thread of its own, whose cpu_threads cores the model's threads inherit. None: "
-        "true on the CPU backend, where the two child processes cost ~28 s of start-up per engine (each imports "
-        "vLLM) and busy-poll beside the model (tiny race's generate call on 2 threads: 0.33 s in process against "
-        "0.63 s; BENCHMARKS.md, section 14); false on a GPU (vLLM's own layout).",
+        description="Run vLLM's engine core and model worker inside the inference worker's process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), every engine call on one thread whose cpu_threads cores the model "
+        "inherits. None: true on CPU, where the two child processes cost ~28 s of start-up and busy-poll beside "
+        "the model (a generate call 0.33 s against 0.63 s; BENCHMARKS.md, section 14); false on GPU.",
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 
@@ -103,10 +97,9 @@ class RolloutConfig(Section):
         None,
         ge=1,
         description="The most env pools the run may have, and the bounds of `rlpost scale env_pools=M`: the prompt "
-        "stream is split into this many shards (one a pool: env-pool-<j> takes shard j), and the run starts each "
-        "pool beyond num_env_pools whenever the cluster can place it. A pool that is not running (no room for it, "
-        "or scaled down) keeps its shard's position: its prompts wait for it, none is repeated or skipped. None: "
-        "num_env_pools (scaling may lower it, and raise it back up to that).",
+        "stream is split into this many shards (env-pool-<j> takes shard j); pools beyond num_env_pools start "
+        "whenever the cluster can place them. A pool not running keeps its shard's position (no prompt repeated "
+        "or skipped). None: num_env_pools (scaling may lower it, and raise it back up to that).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
 

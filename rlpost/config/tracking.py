@@ -43,9 +43,8 @@ class LoggingConfig(Section):
     dashboard: bool = Field(
         True,
         description="On a local run (no resources.address): start Ray's dashboard on 127.0.0.1 and print its URL, "
-        "the Ray namespace and the Prometheus metrics URL at start; a dashboard that cannot start is reported and "
-        "the run goes on without it. Ignored when connecting to an existing cluster (its dashboard is the cluster's). "
-        "Its processes take CPU: on 2 cores the demo's steps were ~9% slower with it than without.",
+        "the namespace and the metrics URL (one that cannot start is reported; the run goes on). Ignored on an "
+        "existing cluster. It costs CPU: on 2 cores the demo's steps were ~9% slower with it.",
     )
     dashboard_port: int | None = Field(
         None,

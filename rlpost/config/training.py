@@ -192,12 +192,10 @@ class TrainerConfig(Section):
     )
     max_tokens_per_microbatch: typing.Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
         "auto",
-        description="Tokens per learner micro-batch as its forward holds them (rows x the longest row; with "
-        "model.pack_sequences, the packed rows x the longest): rows are taken longest first up to it, and a step "
-        "with a row longer than it fails before training, naming this key. auto: set at the "
-        "learner's first step from the model's shape and its device's free memory (metrics.jsonl's token_budget; "
-        "docs/architecture.md says how); None: no budget (optimizer.grad_accumulation slices only). The step's "
-        "gradient is the same for any split.",
+        description="Tokens per learner micro-batch as its forward holds them (rows x the longest row, packed "
+        "or padded); a longer row fails its step before training, naming this key. auto: set at the first step "
+        "from the model's shape and the free memory (metrics.jsonl's token_budget; docs/architecture.md); None: "
+        "no budget. The step's gradient is the same for any split.",
     )
     weight_sync_interval: int = Field(1, ge=1, description="Optimizer steps between weight publications.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only at the end.")
@@ -223,26 +221,21 @@ class WeightSyncConfig(Section):
     )
     train_during_reload: bool = Field(
         True,
-        description="Async mode: once the learner has sent its weights it trains the next step while the "
-        "inference workers reload them, and the loop waits for their reload at the next sync (at once before a "
-        "probe check, an evaluation and the run's last step). A reload that fails is then found at that next sync "
-        "and recovered as any failed sync. weight_load_s is then the reload of the update before. false: every "
-        "sync waits for the workers. Sync mode always waits: the next collection needs the new weights.",
+        description="Async mode: the learner trains the next step while the workers reload the weights it sent; "
+        "the loop waits for the reload at the next sync (at once before a probe, an evaluation and the last step), "
+        "where a failed reload is recovered as any failed sync; weight_load_s is then the update before's. false: "
+        "every sync waits. Sync mode always waits.",
     )
     probe_every: int = Field(
         1,
         ge=0,
-        description="Check every N-th weight sync (the run's first one always) by scoring a fixed probe sequence "
-        "in one inference worker and in the learner: sync_logprob_diff, their largest log-prob difference, is "
-        "null on the lines of unchecked syncs. The start-up sync before a fresh run's first step is checked too "
-        "(its result in the log). 0: never. A check is a forward pass on each side: ~0.8 s of a "
-        "13 s step on CPU with the 0.5B-shaped model, milliseconds on a GPU.",
+        description="Check every N-th weight sync (and the first, and the start-up sync) by scoring a fixed probe "
+        "in one inference worker and in the learner: sync_logprob_diff, their largest log-prob difference (null "
+        "on unchecked syncs). 0: never. A forward pass on each side: ~0.8 s of a 13 s CPU step (0.5B shape).",
     )
     shared_memory: bool = Field(
         True,
-        description="Inference workers on the learner's node read the weights from memory the learner's process "
-        "shares instead of the collectives: CPU weights from a shared-memory segment, GPU weights through CUDA IPC "
-        "when the worker's engine runs on the learner's own GPU. The segment holds one whole copy of the published "
-        "weights (host memory, or the learner's GPU memory for CUDA IPC), kept between updates. Workers on other "
-        "nodes or other GPUs use the collectives. false: every worker on the collectives.",
+        description="Inference workers on the learner's node read the weights from memory the learner shares "
+        "(a shared-memory segment on CPU, CUDA IPC on the learner's own GPU; one whole copy of the weights, kept "
+        "between updates) instead of the collectives, which other workers use. false: collectives for all.",
     )

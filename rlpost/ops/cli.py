@@ -309,7 +309,7 @@ def _cmd_make_tiny_reward_model(args) -> int:
     return EXIT_OK
 
 
-# ------------------------------------------------------------------------------ Ray Jobs
+# ------------------------------------------------------------------------------ doctor
 
 
 def _add_doctor_command(sub) -> None:
@@ -352,12 +352,8 @@ def _add_monitor_command(sub) -> None:
         "own and start Grafana on port 3000 when a grafana binary is on PATH. Prints the URLs and waits; Ctrl-C or "
         "SIGTERM stops what it started. Exit 2 when Prometheus is not installed or its port is taken.",
     )
-    monitor.add_argument(
-        "run_dir",
-        nargs="?",
-        type=Path,
-        help="a run directory: its URLs are printed, its data kept in RUN_DIR/prometheus",
-    )
+    monitor.add_argument("run_dir", nargs="?", type=Path,
+                         help="a run directory: its URLs are printed, its data kept in RUN_DIR/prometheus")  # fmt: skip
     monitor.add_argument("--port", type=int, default=9090, help="Prometheus's port (default 9090, where Ray looks)")
     monitor.add_argument("--scrape-interval", type=float, default=10.0, metavar="S", help="seconds (default 10)")
     monitor.add_argument("--ray-temp-dir", type=Path, help="the cluster's --temp-dir (default: Ray's, /tmp/ray)")
@@ -390,16 +386,11 @@ def _cmd_monitor(args) -> int:
     if args.scrape_interval < 1 or args.stall_after <= 0:
         raise ConfigError("--scrape-interval must be at least 1 s and --stall-after above 0")
     settings = MonitorSettings(
-        run_dir=args.run_dir,
-        port=args.port,
-        scrape_interval_s=args.scrape_interval,
-        ray_temp_dir=args.ray_temp_dir or default_ray_temp_dir(),
-        data_dir=args.data_dir,
-        prometheus=args.prometheus,
-        grafana=None if args.no_grafana else "grafana",
-        grafana_port=args.grafana_port,
+        run_dir=args.run_dir, port=args.port, scrape_interval_s=args.scrape_interval,
+        ray_temp_dir=args.ray_temp_dir or default_ray_temp_dir(), data_dir=args.data_dir, prometheus=args.prometheus,
+        grafana=None if args.no_grafana else "grafana", grafana_port=args.grafana_port,
         alerts=AlertSettings(stall_after_s=args.stall_after),
-    )
+    )  # fmt: skip
     return run_monitor(settings, say=lambda line: print(line, flush=True))
 
 

@@ -335,6 +335,3 @@ def _cmd_stop(args) -> int:
         print(f"rlpost: failed: job {args.job_id} still {status} after {args.wait:g} s", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
-
-
-# ------------------------------------------------------------------------------ doctor

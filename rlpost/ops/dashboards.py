@@ -1,8 +1,7 @@
 """rlpost's Grafana dashboard and Prometheus alert rules, written from the metrics the run exports.
 
-Every role reports Ray metrics (:mod:`rlpost.record.metrics`); Prometheus scrapes them from each node's
-metrics port with Ray's ``ray_`` prefix and Ray's ``SessionName`` and ``NodeAddress`` labels, plus
-rlpost's ``run`` (and ``actor`` for the per-role ones). This module turns them into two files:
+Prometheus scrapes the roles' Ray metrics (:mod:`rlpost.record.metrics`) with Ray's ``ray_``
+prefix and labels, plus rlpost's ``run`` (and ``actor``). This module writes two files:
 
 - the dashboard (``DASHBOARD_FILE``), built with Grafana's Foundation SDK: one row per view
   (training, throughput, pipeline, weight sync, workers), every panel filtered by the ``run``
@@ -10,10 +9,9 @@ rlpost's ``run`` (and ``actor`` for the per-role ones). This module turns them i
 - the alert rules (``ALERTS_FILE``), a Prometheus rule group: a run with no learner step, a
   restart storm, drifting weight syncs, a run whose metrics stopped, reward collapse.
 
-``deploy/monitoring/`` holds both as written with the default settings, for clusters, and the
-rules as a Prometheus Operator ``PrometheusRule`` for Kubernetes (``python -m rlpost.ops.dashboards``
-rewrites the three; a test checks that they match). ``rlpost monitor``
-writes them again for its own Prometheus, with the settings it was given.
+``deploy/monitoring/`` holds both with the default settings, and the rules as a Prometheus
+Operator ``PrometheusRule`` (``python -m rlpost.ops.dashboards`` rewrites the three; a test checks
+them); ``rlpost monitor`` writes them for its own Prometheus.
 """
 
 from __future__ import annotations

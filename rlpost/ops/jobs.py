@@ -14,12 +14,9 @@ head node in a runtime environment built here:
     rlpost submit --resume RUN_DIR [key=value ...] --address http://HEAD:8265
       runs `rlpost train --resume RUN_DIR ...` (RUN_DIR on storage the nodes share)
 
-Authentication follows Ray's own CLI: with RAY_AUTH_MODE unset or "token", the token comes from
-RAY_AUTH_TOKEN, else the file named by RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (the order of
-Ray's AuthenticationTokenLoader), and goes in an ``Authorization: Bearer`` header.
-
-Every request has a timeout; an unreachable, silent or refusing cluster raises
-:class:`ClusterError`, whose message names the address.
+Authentication follows Ray's own CLI (:func:`find_auth_token`), as an ``Authorization: Bearer``
+header. Every request has a timeout; an unreachable, silent or refusing cluster raises
+:class:`ClusterError` naming the address.
 """
 
 from __future__ import annotations
@@ -108,19 +105,10 @@ class Submission:
     notes: list[str]  # things the user should know (paths that must exist on the cluster)
 
 
-def plan_submission(
-    config: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    *,
-    working_dir: Path | None,
-    job_id: str | None = None,
-    cwd: Path | None = None,
-) -> Submission:
-    """Validate the config locally and build the job (no network).
-
-    ``working_dir`` is the folder uploaded as the job's working dir (the config must lie inside
-    it), or None when the cluster's image holds rlpost and the config at the same relative path.
-    """
+def plan_submission(config: str | Path, overrides: list[str] | tuple[str, ...] = (), *, working_dir: Path | None,
+                    job_id: str | None = None, cwd: Path | None = None) -> Submission:  # fmt: skip
+    """Validate the config locally and build the job (no network). ``working_dir``: the folder
+    uploaded (holding the config), or None when the cluster's image holds rlpost and the config."""
     cwd = (cwd or Path.cwd()).resolve()
     overrides = list(overrides)
     config_path = cwd / config  # an absolute ``config`` stays as it is
@@ -129,9 +117,7 @@ def plan_submission(
         cfg.logging.run_name = default_run_name()
         overrides.append(f"logging.run_name={cfg.logging.run_name}")
     source = "--job-id" if job_id else "logging.run_name"
-    job_id = job_id or f"rlpost-{cfg.logging.run_name}"
-    if not _JOB_ID.match(job_id):
-        raise ConfigError(f"{source}: job id {job_id!r} may hold only letters, digits, '.', '_' and '-'")
+    job_id = _checked_job_id(job_id or f"rlpost-{cfg.logging.run_name}", source)
     config_arg = str(config)
     working_dir = working_dir.resolve() if working_dir is not None else None
     notes = _path_notes(cfg, working_dir, cwd)
@@ -147,19 +133,13 @@ def plan_submission(
     )
 
 
-def plan_resume(
-    run_dir: str | Path,
-    overrides: list[str] | tuple[str, ...] = (),
-    *,
-    working_dir: Path | None,
-    job_id: str | None = None,
-) -> Submission:
+def plan_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, working_dir: Path | None,
+                job_id: str | None = None) -> Submission:  # fmt: skip
     """A job that runs ``rlpost train --resume RUN_DIR key=value ...`` on the cluster (no network).
 
-    RUN_DIR lies on storage the cluster's nodes share, so it must be absolute (a relative one
-    would resolve in the job's temporary working dir). When it is visible here too (the same
-    mount), its config.yaml plus ``overrides`` is validated now and its ``resources.env_vars``
-    go to the job; otherwise the job checks it on the cluster.
+    RUN_DIR must be absolute, on storage the nodes share (a relative one would resolve in the
+    job's temporary working dir). When visible here too, its config.yaml plus ``overrides`` is
+    validated now and its ``resources.env_vars`` go to the job; otherwise the cluster checks it.
     """
     path = Path(run_dir)
     if not path.is_absolute():
@@ -173,9 +153,7 @@ def plan_resume(
         cfg = JobConfig()
         notes.append(f"{path} is not visible here: the job checks on the cluster that it holds a run and a checkpoint")
     run_name = cfg.logging.run_name or path.name
-    job_id = job_id or f"rlpost-{run_name}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not _JOB_ID.match(job_id):
-        raise ConfigError(f"--job-id: job id {job_id!r} may hold only letters, digits, '.', '_' and '-'")
+    job_id = _checked_job_id(job_id or f"rlpost-{run_name}-resume-{time.strftime('%Y%m%d-%H%M%S')}", "--job-id")
     return Submission(
         entrypoint=shlex.join(["rlpost", "train", "--resume", str(path), *overrides]),
         runtime_env=build_runtime_env(cfg, working_dir.resolve() if working_dir is not None else None),
@@ -186,6 +164,12 @@ def plan_resume(
     )
 
 
+def _checked_job_id(job_id: str, source: str) -> str:
+    if not _JOB_ID.match(job_id):
+        raise ConfigError(f"{source}: job id {job_id!r} may hold only letters, digits, '.', '_' and '-'")
+    return job_id
+
+
 def plan_scale(info, job_id: str, changes: list[str], *, wait_s: float = 0.0) -> Submission:
     """A short job that runs ``rlpost scale --namespace rlpost-<run> JOB CHANGES`` beside the
     running job ``job_id`` (:func:`plan_beside`)."""
@@ -194,12 +178,10 @@ def plan_scale(info, job_id: str, changes: list[str], *, wait_s: float = 0.0) ->
 
 
 def plan_beside(info, job_id: str, command: str, args: list[str], what: str) -> Submission:
-    """A short job that runs ``rlpost COMMAND --namespace rlpost-<run> JOB ARGS`` on the cluster,
-    beside the running job ``job_id`` (``info``: its JobDetails), in that job's runtime
-    environment: it reaches the run's mailbox actor from inside the cluster, where Ray is
-    reachable, when only the dashboard's address is known here. Raises ConfigError when the job
-    is not running (``what``: what it cannot be, e.g. "scaled") or was not submitted by ``rlpost
-    submit``."""
+    """A short job that runs ``rlpost COMMAND --namespace rlpost-<run> JOB ARGS`` beside the running
+    job ``job_id`` (``info``: its JobDetails), in its runtime environment: it reaches the run's
+    mailbox actor from inside the cluster, when only the dashboard's address is known here.
+    ConfigError when the job is not running (``what``: e.g. "scaled") or not ``rlpost submit``'s."""
     status = str(info.status)
     if status != "RUNNING":
         raise ConfigError(f"job {job_id} is {status}: only a running job can be {what}")
@@ -316,11 +298,8 @@ def _path_in_upload(key: str, path: Path, working_dir: Path) -> Path:
 
 
 def _path_notes(cfg: JobConfig, working_dir: Path | None, cwd: Path) -> list[str]:
-    """Check the config's local input paths against what the cluster will see.
-
-    A relative path resolves against the job's working dir on the cluster, so it must be uploaded
-    (an error otherwise); an absolute path must exist on the cluster's nodes (a note).
-    """
+    """Check the config's local input paths against what the cluster will see: a relative path
+    must be uploaded (an error otherwise); an absolute one must exist on the nodes (a note)."""
     notes = []
     for key, value in path_values(cfg).items():
         if not (value.startswith((".", "/", "~")) or (cwd / value).exists()):
@@ -348,10 +327,8 @@ def _path_notes(cfg: JobConfig, working_dir: Path | None, cwd: Path) -> list[str
 
 
 def resolve_address(address: str | None, environ: Mapping[str, str] = os.environ) -> str:
-    """The dashboard URL: ``--address``, else RAY_API_SERVER_ADDRESS, else an http(s) RAY_ADDRESS.
-
-    An explicit address wins (Ray's own client lets the environment override it).
-    """
+    """The dashboard URL: ``--address``, else RAY_API_SERVER_ADDRESS, else an http(s) RAY_ADDRESS
+    (an explicit address wins, where Ray's own client lets the environment override it)."""
     chosen = address or environ.get("RAY_API_SERVER_ADDRESS")
     if not chosen and "://" in environ.get("RAY_ADDRESS", "") and environ["RAY_ADDRESS"].startswith("http"):
         chosen = environ["RAY_ADDRESS"]
@@ -389,9 +366,9 @@ def _environ_without(*names: str):
 def _client_class():
     """JobSubmissionClient with a timeout on every request and errors that name the address.
 
-    Ray's client sends its requests without a timeout (a silent head node would hang it), but its
-    private ``_do_request`` forwards keyword arguments to ``requests``; that is where the timeout
-    goes (Ray is pinned to 2.60 in pyproject.toml).
+    Trap: Ray's client sends requests without a timeout (a silent head would hang it); its private
+    ``_do_request`` forwards keyword arguments to ``requests``, so the timeout goes there (Ray is
+    pinned to 2.60 in pyproject.toml).
     """
     import requests
     from ray.exceptions import AuthenticationError
@@ -450,12 +427,8 @@ def _auth_failure(where: str, token: AuthToken | None) -> str:
 
 
 def submit(client, submission: Submission) -> str:
-    return client.submit_job(
-        entrypoint=submission.entrypoint,
-        runtime_env=submission.runtime_env,
-        submission_id=submission.job_id,
-        metadata=submission.metadata,
-    )
+    return client.submit_job(entrypoint=submission.entrypoint, runtime_env=submission.runtime_env,
+                             submission_id=submission.job_id, metadata=submission.metadata)  # fmt: skip
 
 
 def job_info(client, job_id: str):
@@ -477,9 +450,9 @@ def print_logs(client, job_id: str, out: TextIO = sys.stdout) -> None:
 def follow_logs(client, job_id: str, out: TextIO = sys.stdout, *, poll_s: float = 5.0) -> str:
     """Print the job's logs as they come until it ends; returns its final status.
 
-    The log stream (a websocket) has no timeout of its own, so whenever it stays silent for
-    ``poll_s`` the job's status is asked (a bounded request): a vanished cluster raises instead of
-    hanging, and a job that has ended stops the wait even if the stream is not closed.
+    Trap: the log stream (a websocket) has no timeout, so after ``poll_s`` of silence the job's
+    status is asked (bounded): a vanished cluster raises, and an ended job stops the wait even if
+    the stream stays open.
     """
     job_info(client, job_id)
     asyncio.run(_follow(client, job_id, out, poll_s))

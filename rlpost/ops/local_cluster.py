@@ -1,13 +1,10 @@
 """Ray clusters of several nodes on one machine, for the chaos harness and the tests.
 
-Each node is a ``ray start ... --block`` process with a temp dir and ports of its own, so a
-cluster started here never meets another one on the machine. ``ray stop`` is never used: it
-kills every Ray process of the machine (other clusters, other runs). A node stops when its
-``ray start`` gets SIGTERM (it stops what it started); any process left of its tree (workers,
-job drivers, vLLM engines) is then killed by pid. A node is lost the way a host fails by
-killing its raylet (``node.raylet().kill()``): its workers die with it and the head declares it
-dead after its health checks (``RAY_health_check_period_ms`` x ``RAY_health_check_failure_threshold``
-in the head's environment; ~15 s by default).
+Each node is a ``ray start ... --block`` process with its own temp dir and ports, so it never
+meets another cluster on the machine. Trap: ``ray stop`` is never used (it kills every Ray process
+of the machine); a node stops on SIGTERM to its ``ray start``, and what is left of its tree is
+killed by pid. A node is lost as a host fails, by killing its raylet (``node.raylet().kill()``);
+the head declares it dead after its health checks (~15 s by default).
 
     with head_node(num_cpus=2, resources={"slot": 1}) as head:
         with worker_node(head, num_cpus=0, resources={"slot": 1}, name="node2") as node2:

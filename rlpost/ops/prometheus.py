@@ -1,13 +1,11 @@
 """``rlpost monitor``: a Prometheus (and Grafana, where installed) for the runs of one machine.
 
-It starts the ``prometheus`` binary (Debian's and Ubuntu's package, or a release from
-prometheus.io) with Ray's scrape configuration, the job ``ray`` reading the node list that Ray
-keeps in ``<ray temp dir>/prom_metrics_service_discovery.json`` (so it may start before the
-cluster does, and follows it across restarts), plus rlpost's alert rules
-(:mod:`rlpost.ops.dashboards`). It copies rlpost's dashboard into the Grafana folder of Ray's session,
-beside Ray's own dashboards, and starts Grafana with Ray's configuration when a ``grafana``
-binary is on PATH. It prints the URLs, then waits; Ctrl-C (or SIGTERM) stops what it started,
-and what it started gets SIGTERM from the kernel should the command itself be killed.
+It starts the ``prometheus`` binary with Ray's scrape configuration (the node list Ray keeps in
+``<ray temp dir>/prom_metrics_service_discovery.json``, so it may start before the cluster and
+follows it across restarts) and rlpost's alert rules (:mod:`rlpost.ops.dashboards`); it copies
+rlpost's dashboard beside Ray's and starts Grafana with Ray's configuration when ``grafana`` is on
+PATH. Ctrl-C (or SIGTERM) stops what it started, which the kernel also stops should the command
+be killed.
 
 Ray's dashboard charts its Metrics tab from the Prometheus at ``RAY_PROMETHEUS_HOST`` (default
 http://localhost:9090, the port this command takes by default) and the Grafana at

@@ -7,15 +7,11 @@ TorchRL's GRPO and expert-iteration scripts log with::
     wandb_logger.log_str("history", history_str, step=global_step)
     wandb_logger.experiment.finish()
 
-Here the run is the one rlpost's own runs log to: a :class:`~rlpost.record.trackers.WandbTracker`, with
-its files in ``save_dir/wandb/``, its run id kept in ``save_dir/trackers.json`` and every chart's
-x-axis the metric ``step``. Numbers go through the tracker's ``log(metrics, step)``, as a run's
-metrics.jsonl records do; strings, tables, histograms and videos go to the same wandb run
-(:attr:`WandbLogger.experiment`) with the same ``step``.
-
-Offline by default, as rlpost's tracker: ``offline=True`` always writes local files only (upload
-them later with ``wandb sync``); ``offline=False`` leaves the choice to the tracker (``WANDB_MODE``
-when set, else online only when ``WANDB_API_KEY`` is set).
+Here the run is a :class:`~rlpost.record.trackers.WandbTracker` (files in ``save_dir/wandb/``,
+run id in ``save_dir/trackers.json``, every chart's x-axis the metric ``step``): numbers go through
+its ``log(metrics, step)``; strings, tables, histograms and videos go to the same run
+(:attr:`WandbLogger.experiment`) with the same ``step``. ``offline=True`` writes local files only;
+``offline=False`` leaves the mode to :func:`~rlpost.record.trackers.wandb_mode`.
 
 Deviations from TorchRL: the project is ``project``, else ``WANDB_PROJECT``, else ``"rlpost"``
 (TorchRL: wandb's "Uncategorized"); without ``save_dir`` the files go to ``WANDB_DIR`` or the
@@ -52,15 +48,9 @@ def environment_metadata() -> dict[str, Any]:
         name = distribution.metadata.get("Name")
         if name:
             packages[name] = distribution.version
-    return {
-        "python": {
-            "version": sys.version,
-            "executable": sys.executable,
-            "prefix": sys.prefix,
-            "platform": platform.platform(),
-        },
-        "packages": dict(sorted(packages.items())),
-    }
+    python = {"version": sys.version, "executable": sys.executable, "prefix": sys.prefix,
+              "platform": platform.platform()}  # fmt: skip
+    return {"python": python, "packages": dict(sorted(packages.items()))}
 
 
 def plain_metrics(metrics: Any, keys_sep: str = "/") -> dict[str, Any]:
@@ -103,18 +93,9 @@ class WandbLogger:
         ImportError: wandb is not installed (``pip install 'rlpost[wandb]'``).
     """
 
-    def __init__(
-        self,
-        exp_name: str,
-        offline: bool = False,
-        save_dir: str | os.PathLike | None = None,
-        id: str | None = None,  # noqa: A002  (TorchRL's name)
-        project: str | None = None,
-        *,
-        video_fps: int = 32,
-        log_env_packages: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, exp_name: str, offline: bool = False, save_dir: str | os.PathLike | None = None,
+                 id: str | None = None, project: str | None = None, *,  # noqa: A002  (TorchRL's name)
+                 video_fps: int = 32, log_env_packages: bool = True, **kwargs: Any) -> None:  # fmt: skip
         log_dir = kwargs.pop("log_dir", None)
         if save_dir and log_dir:
             raise ValueError("log_dir and save_dir point to the same value in WandbLogger. Both cannot be specified.")
@@ -183,26 +164,13 @@ class WandbLogger:
 
     # ------------------------------------------------------------------ TorchRL's Logger API
 
-    def log_scalar(
-        self,
-        name: str,
-        value: float,
-        step: int | None = None,
-        commit: bool = True,
-        *,
-        override_global_step: bool = False,
-    ) -> None:
+    def log_scalar(self, name: str, value: float, step: int | None = None, commit: bool = True, *,
+                   override_global_step: bool = False) -> None:  # fmt: skip
         """Log one number at ``step`` (default: one more than its group's last step)."""
         self._log({name: value}, step, override_global_step)
 
-    def log_metrics(
-        self,
-        metrics: Mapping[str, Any] | Any,
-        step: int | None = None,
-        *,
-        keys_sep: str = "/",
-        override_global_step: bool = False,
-    ) -> dict[str, Any]:
+    def log_metrics(self, metrics: Mapping[str, Any] | Any, step: int | None = None, *, keys_sep: str = "/",
+                    override_global_step: bool = False) -> dict[str, Any]:  # fmt: skip
         """Log several metrics at one step; a TensorDict's nested keys are joined with
         ``keys_sep``. Returns them with tensors as Python numbers or lists."""
         plain = plain_metrics(metrics, keys_sep)

@@ -18,31 +18,18 @@ from rlpost.record.trackers import Tracker, numeric_values
 
 log = logging.getLogger("rlpost")
 
-REQUIRED_KEYS = (
-    "step",
-    "policy_version",
-    "reward_mean",
-    "reward_std",
-    "loss",
-    "kl_to_ref",
-    "clip_fraction",
-    "staleness_mean",
-    "samples_per_s",
-    "tokens_per_s",
-    "weight_sync_s",
-    "sync_logprob_diff",
-    "elapsed_s",
-)
+REQUIRED_KEYS = ("step", "policy_version", "reward_mean", "reward_std", "loss", "kl_to_ref", "clip_fraction",
+                 "staleness_mean", "samples_per_s", "tokens_per_s", "weight_sync_s", "sync_logprob_diff",
+                 "elapsed_s")  # fmt: skip
 
 
 class MetricsWriter:
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line) and
     hands the same record to the run's trackers (:mod:`rlpost.record.trackers`).
 
-    Appending (never truncating) lets a resumed run continue the same file. Each tracker gets the
-    record's numeric values (:func:`rlpost.record.trackers.numeric_values`) at the record's ``step``. A
-    tracker whose ``log`` raises is closed and dropped with one warning; the file and the other
-    trackers go on. :meth:`close` closes the trackers; records written after it go to the file only.
+    Appending (never truncating) lets a resumed run continue the same file. A tracker whose
+    ``log`` raises is closed and dropped with one warning; the file and the other trackers go on.
+    Records written after :meth:`close` go to the file only.
     """
 
     def __init__(self, run_dir: str | Path, trackers: Sequence[Tracker] = ()):
@@ -70,13 +57,8 @@ class MetricsWriter:
             try:
                 tracker.log(values, step)
             except Exception as exc:
-                log.warning(
-                    "tracker %s failed at step %d (%s: %s); it is off for the rest of the run",
-                    tracker.name,
-                    step,
-                    type(exc).__name__,
-                    exc,
-                )
+                log.warning("tracker %s failed at step %d (%s: %s); it is off for the rest of the run",
+                            tracker.name, step, type(exc).__name__, exc)  # fmt: skip
                 self.trackers.remove(tracker)
                 _close_tracker(tracker)
 
@@ -124,18 +106,10 @@ def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title:
     fig = Figure(figsize=(7, 6))
     ax_r, ax_l = fig.subplots(2, 1, sharex=True)
     ax_r.plot(steps, reward, color="tab:blue", label="reward mean")
-    ax_r.fill_between(
-        steps,
-        [r - s for r, s in zip(reward, std)],
-        [r + s for r, s in zip(reward, std)],
-        color="tab:blue",
-        alpha=0.15,
-        label="± std",
-    )
-    for key, label, color in (
-        ("eval_reward_mean", "eval reward", "tab:green"),
-        ("eval_pass_at_1", "eval pass@1", "tab:purple"),
-    ):
+    ax_r.fill_between(steps, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
+                      color="tab:blue", alpha=0.15, label="± std")  # fmt: skip
+    evals = (("eval_reward_mean", "eval reward", "tab:green"), ("eval_pass_at_1", "eval pass@1", "tab:purple"))
+    for key, label, color in evals:
         values = _series(records, key)
         if values is not None:
             _plot_finite(ax_r, steps, values, label=label, color=color, marker="o")
@@ -161,8 +135,8 @@ def plot_run(
     """Every figure of a run, from its metrics records; returns the paths written.
 
     ``reward.png`` (at ``reward_path``, default ``run_dir/reward.png``) is always drawn
-    (:func:`plot_metrics`). Beside it in ``run_dir``, each drawn only when the records hold its
-    metrics (older runs lack some; a figure or a line without data is skipped, not an error):
+    (:func:`plot_metrics`); beside it in ``run_dir``, each only when the records hold its metrics
+    (older runs lack some):
 
     - ``kl.png``: ``kl_to_ref`` (and ``kl_to_inference``, the learner's KL to the sampling policy);
     - ``length.png``: completion length, ``completion_len_mean`` or else
@@ -177,21 +151,11 @@ def plot_run(
     written = [plot_metrics(records, reward_path or run_dir / "reward.png", title)]
     steps = [r["step"] for r in records]
     figures = {  # file name: (figure title, y label, lines)
-        "kl.png": (
-            "KL",
-            "KL",
-            [("kl_to_ref", _series(records, "kl_to_ref")), ("kl_to_inference", _series(records, "kl_to_inference"))],
-        ),
+        "kl.png": ("KL", "KL", [(k, _series(records, k)) for k in ("kl_to_ref", "kl_to_inference")]),
         "length.png": ("completion length", "tokens", [("completion length", _completion_lengths(records))]),
-        "staleness.png": (
-            "staleness",
-            "policy versions behind",
-            [
-                ("staleness_mean", _series(records, "staleness_mean")),
-                ("staleness_max", _series(records, "staleness_max")),
-            ],
-        ),
-    }
+        "staleness.png": ("staleness", "policy versions behind",
+                          [(k, _series(records, k)) for k in ("staleness_mean", "staleness_max")]),
+    }  # fmt: skip
     for name, (what, ylabel, lines) in figures.items():
         drawn = [(label, values) for label, values in lines if values is not None]
         if drawn:
@@ -223,9 +187,8 @@ def _completion_lengths(records: list[dict[str, Any]]) -> list[float] | None:
         value = _as_float(r.get("completion_len_mean"))
         if not math.isfinite(value):
             tokens, samples = _as_float(r.get("tokens_generated")), _as_float(r.get("samples_generated"))
-            value = (
-                tokens / samples if math.isfinite(tokens) and math.isfinite(samples) and samples > 0 else float("nan")
-            )
+            ok = math.isfinite(tokens) and math.isfinite(samples) and samples > 0
+            value = tokens / samples if ok else float("nan")
         values.append(value)
     return values if any(math.isfinite(v) for v in values) else None
 
@@ -243,6 +206,10 @@ def _line_figure(steps: list[int], lines: list[tuple[str, list[float]]], ylabel:
     ax = fig.subplots()
     for label, values in lines:
         _plot_finite(ax, steps, values, label=label)
+    return _save_figure(fig, ax, ylabel, title, out)
+
+
+def _save_figure(fig: Any, ax: Any, ylabel: str, title: str, out: Path) -> Path:
     ax.set_ylabel(ylabel)
     ax.set_xlabel("learner step")
     ax.legend(loc="best")
@@ -269,13 +236,7 @@ def _step_time_figure(records: list[dict[str, Any]], steps: list[int], title: st
         ax.stackplot(steps, *[values for _, values in parts], labels=[key for key, _ in parts], alpha=0.7)
     if total is not None:
         _plot_finite(ax, steps, total, label="step_time_s", color="black")
-    ax.set_ylabel("seconds")
-    ax.set_xlabel("learner step")
-    ax.legend(loc="best")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return out
+    return _save_figure(fig, ax, "seconds", title, out)
 
 
 def _jsonable(value: Any) -> Any:
@@ -327,10 +288,8 @@ def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
 
 
 class RayMetrics:
-    """The run's metrics in Ray's metrics system (dashboard, Prometheus), tagged by run name.
-
-    Gauges are set from the driver once per step; names are stable (``rlpost_<name>``).
-    """
+    """The run's metrics in Ray's metrics system (dashboard, Prometheus), tagged by run name:
+    gauges set from the driver once per step; names are stable (``rlpost_<name>``)."""
 
     GAUGES = {
         "reward_mean": "Mean reward of the step's samples",

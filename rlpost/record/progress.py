@@ -21,15 +21,8 @@ class Progress:
 
     EVAL_KEYS = ("eval_pass_at_1", "eval_reward_mean")
 
-    def __init__(
-        self,
-        steps: int,
-        enabled: bool,
-        initial: int = 0,
-        every: int | None = None,
-        stream: TextIO | None = None,
-        is_terminal: bool | None = None,
-    ):
+    def __init__(self, steps: int, enabled: bool, initial: int = 0, every: int | None = None,
+                 stream: TextIO | None = None, is_terminal: bool | None = None):  # fmt: skip
         self.steps, self.enabled, self.initial = steps, enabled, initial
         self.every = every if every is not None else max(1, steps // 20)
         self.stream = stream if stream is not None else sys.stderr

@@ -1,26 +1,18 @@
 """Experiment trackers: every metrics.jsonl record also goes to TensorBoard, wandb and/or MLflow.
 
-``logging.trackers`` names them (default ``["tensorboard"]``). Each is a small adapter with the
-same two methods, ``log(metrics, step)`` and ``close()``; :class:`rlpost.record.metrics.MetricsWriter`
-calls them after it appends a line to metrics.jsonl, with the line's numeric values under the
-same names (None and non-numbers skipped, bools as 0/1).
+``logging.trackers`` names them (default ``["tensorboard"]``). Each adapter has ``log(metrics,
+step)`` and ``close()``; :class:`rlpost.record.metrics.MetricsWriter` calls them after each
+metrics.jsonl line, with its numeric values (:func:`numeric_values`).
 
 - ``tensorboard``: event files in ``RUN_DIR/tensorboard/`` (``tensorboard --logdir RUN_DIR``).
-  A resumed run writes into the same folder with ``purge_step`` = its first step, so the steps
-  that a crashed run wrote after its last checkpoint are dropped by TensorBoard's reader.
-- ``wandb`` (``pip install 'rlpost[wandb]'``): offline unless told otherwise. ``WANDB_MODE``
-  decides when it is set; otherwise the run is online when ``WANDB_API_KEY`` is set and offline
-  (files under ``RUN_DIR/wandb/``, upload later with ``wandb sync``) when it is not. The project
-  is ``WANDB_PROJECT`` or ``rlpost``; a resumed run continues the same wandb run, and every
-  chart's x-axis is the metric ``step``.
-- ``mlflow`` (``pip install 'rlpost[mlflow]'``): ``MLFLOW_TRACKING_URI`` when set, otherwise a
-  local SQLite store ``RUN_DIR/mlruns/mlflow.db`` (view it with ``mlflow ui --backend-store-uri
-  sqlite:///RUN_DIR/mlruns/mlflow.db``). The experiment is ``MLFLOW_EXPERIMENT_NAME`` or
-  ``rlpost``; a resumed run continues the same MLflow run.
+- ``wandb`` (``pip install 'rlpost[wandb]'``): mode by :func:`wandb_mode` (offline files under
+  ``RUN_DIR/wandb/``, upload later with ``wandb sync``); project ``WANDB_PROJECT`` or ``rlpost``.
+- ``mlflow`` (``pip install 'rlpost[mlflow]'``): store by :func:`mlflow_tracking_uri` (view a
+  local one with ``mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlruns/mlflow.db``);
+  experiment ``MLFLOW_EXPERIMENT_NAME`` or ``rlpost``.
 
-The wandb and MLflow run ids are kept in ``RUN_DIR/trackers.json`` so that a resume finds them.
-Importing this module imports none of the tracker libraries; each adapter imports its own when it
-is created.
+A resumed run continues the same runs: the wandb and MLflow run ids are kept in
+``RUN_DIR/trackers.json``. Importing this module imports none of the tracker libraries.
 """
 
 from __future__ import annotations
@@ -56,11 +48,8 @@ class Tracker(Protocol):
 
 
 def numeric_values(record: Mapping[str, object]) -> dict[str, float]:
-    """The values of a metrics record that a tracker can chart, as floats under the same names.
-
-    Bools become 0.0/1.0; ints and floats are kept when finite; 0-d tensors and numpy scalars
-    are unwrapped first; None, NaN, infinities, strings, lists and dicts are left out.
-    """
+    """The values of a metrics record that a tracker can chart, as floats under the same names:
+    bools as 0/1, finite numbers (0-d tensors and numpy scalars unwrapped); the rest left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if hasattr(value, "item") and not isinstance(value, (int, float)):
@@ -76,21 +65,16 @@ def numeric_values(record: Mapping[str, object]) -> dict[str, float]:
 
 
 def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_step: int = 1) -> list[Tracker]:
-    """Create the trackers ``cfg.trackers`` names, in that order, for the run in ``run_dir``.
-
-    ``first_step`` is the first step this process will log: above 1 the run is a resume, and
-    TensorBoard purges what an earlier process logged from that step on. A tracker that fails to
-    start is left out with a warning: the training run goes on with the others.
-    """
+    """Create the trackers ``cfg.trackers`` names, in order, for the run in ``run_dir``.
+    ``first_step`` above 1 is a resume (TensorBoard purges what was logged from it on). A tracker
+    that fails to start is left out with a warning: the run goes on with the others."""
     run_dir = Path(run_dir)
-    resumed = first_step > 1
     trackers: list[Tracker] = []
     for name in cfg.trackers:
         try:
             if name == "tensorboard":
-                trackers.append(
-                    TensorBoardTracker(run_dir / TENSORBOARD_DIR, purge_step=first_step if resumed else None)
-                )
+                purge_step = first_step if first_step > 1 else None
+                trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, purge_step=purge_step))
             elif name == "wandb":
                 trackers.append(WandbTracker(run_dir, run_name))
             elif name == "mlflow":
@@ -107,9 +91,8 @@ def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_
 class TensorBoardTracker:
     """Scalars in TensorBoard event files under ``logdir`` (torch's SummaryWriter).
 
-    ``purge_step`` (a resumed run's first step) marks the new event file so that TensorBoard
-    drops the events at that step and later from the files written before it. Every ``log``
-    flushes, so a crash loses nothing already logged.
+    ``purge_step`` (a resumed run's first step): TensorBoard drops the earlier files' events from
+    that step on (what a crashed run logged after its last checkpoint). Every ``log`` flushes.
     """
 
     name = "tensorboard"
@@ -139,10 +122,9 @@ def wandb_mode(environ: Mapping[str, str]) -> str:
 class WandbTracker:
     """A Weights & Biases run, its files in ``RUN_DIR/wandb/``.
 
-    The run id is remembered in ``RUN_DIR/trackers.json``, so a resumed rlpost run continues the
-    same wandb run (``resume="allow"``). Metrics are logged with the record's ``step`` as a value
-    and declared as every metric's x-axis, instead of wandb's own step: wandb refuses a step
-    lower than one it has seen, which a resume from a checkpoint would log.
+    A resume continues the same wandb run (``resume="allow"``). Trap: the record's ``step`` is
+    logged as a value and declared every metric's x-axis, since wandb's own step refuses a step
+    lower than one seen, which a resume from a checkpoint logs.
     """
 
     name = "wandb"
@@ -157,15 +139,9 @@ class WandbTracker:
 
         run_dir = Path(run_dir)
         run_id = remembered_id(run_dir, "wandb", lambda: uuid.uuid4().hex[:12])
-        self.run = wandb.init(
-            project=project or os.environ.get("WANDB_PROJECT") or "rlpost",
-            name=run_name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            mode=mode or wandb_mode(os.environ),
-            **init_kwargs,
-        )
+        self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "rlpost", name=run_name,
+                              id=run_id, resume="allow", dir=str(run_dir), mode=mode or wandb_mode(os.environ),
+                              **init_kwargs)  # fmt: skip
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -186,10 +162,8 @@ def mlflow_tracking_uri(run_dir: str | Path, environ: Mapping[str, str]) -> str:
 class MlflowTracker:
     """An MLflow run, through an ``MlflowClient`` (no global active run).
 
-    The store is :func:`mlflow_tracking_uri`; a local store also keeps its (unused) artifacts in
-    ``RUN_DIR/mlruns/artifacts``. The run id is remembered in ``RUN_DIR/trackers.json``: a
-    resumed rlpost run logs to the same MLflow run (set back to RUNNING), or to a new one when
-    that run is not in the store. Each ``log`` is one ``log_batch`` call.
+    A local store keeps its (unused) artifacts in ``RUN_DIR/mlruns/artifacts``. A resume logs to
+    the remembered run (set back to RUNNING), or a new one when the store lacks it.
     """
 
     name = "mlflow"

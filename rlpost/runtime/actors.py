@@ -18,9 +18,7 @@ from typing import Any
 
 class ActorFailure(RuntimeError):
     """A call failed because an actor of the run is gone or silent; the supervisor recovers.
-
-    ``name`` is the actor known to be lost (None when the failure came from further away).
-    """
+    ``name``: the actor known to be lost (None when the failure came from further away)."""
 
     def __init__(self, message: str, name: str | None = None):
         super().__init__(message)
@@ -35,24 +33,20 @@ class CallTimeout(ActorFailure):
     """The actor ``name`` did not answer a call within its timeout."""
 
 
-# The states of Ray's actor record in which the actor serves no call now or later: DEAD, and
-# RESTARTING (its process died; Ray may start it again, but nothing it held survived). A new
-# actor is PENDING_CREATION or DEPENDENCIES_UNREADY until its constructor ran, then ALIVE.
+# Ray's actor states that serve no call now or later: RESTARTING too (its process died; nothing
+# it held survived).
 LOST_STATES = frozenset({"DEAD", "RESTARTING"})
 NAME_POLL_S = 0.5  # release_names: how often it asks whether a lost actor's name is free
 
 
 def actor_state(handle: Any) -> str:
     """The state of the actor ``handle`` in Ray's control store (GCS): ``"ALIVE"``, ``"DEAD"``,
-    ``"RESTARTING"``, ``"PENDING_CREATION"`` or ``"DEPENDENCIES_UNREADY"``; ``"DEAD"`` when the
-    store holds no record of it.
+    ``"RESTARTING"``, ``"PENDING_CREATION"`` or ``"DEPENDENCIES_UNREADY"``; ``"DEAD"`` without a record.
 
-    Ray keeps a named actor's name, and ``ray.get_actor`` keeps returning its handle, after the
-    actor died of anything but ``ray.kill(handle)`` (a signal, the OOM killer, a lost node,
-    ``ray.kill(..., no_restart=False)``), until its last handle is released: a name lookup alone
-    cannot tell a dead actor from a live one. The record can. It is read with one GCS call
-    (about 1 ms on one node) through ``ray._private.state``: Ray's public state API
-    (``ray.util.state``) asks the dashboard's server, which a run may not have.
+    Trap: after a death by anything but ``ray.kill(handle)``, ``ray.get_actor`` keeps returning
+    the handle until its last handle is released, so a name lookup cannot tell dead from alive.
+    One GCS call (~1 ms) through ``ray._private.state``: the public ``ray.util.state`` needs the
+    dashboard's server, which a run may not have.
     """
     return actor_record(handle).get("State", "DEAD")
 
@@ -90,13 +84,10 @@ def kill(handle: Any) -> None:
 
 def release_names(names: list[str], timeout_s: float) -> None:
     """Free each of ``names`` for a new actor: kill whichever actor holds it and wait until Ray
-    lets the name go, at most ``timeout_s`` in all.
+    lets the name go, at most ``timeout_s`` in all (then RuntimeError naming it).
 
-    Called before an actor is started (again) under a name: its predecessor was judged lost, or
-    belongs to a run being resumed. ``ray.kill`` frees a name at once when the holder is dead or
-    on a live node, but a holder on a lost node keeps it until Ray declares that node dead (its
-    health checks: ~15 s by default); starting the new actor meanwhile fails with
-    ``ActorAlreadyExistsError``. Raises RuntimeError naming the name still held at the deadline.
+    Trap: a holder on a lost node keeps its name until Ray declares the node dead (~15 s of
+    health checks); starting the new actor meanwhile fails with ``ActorAlreadyExistsError``.
     """
     import ray
 

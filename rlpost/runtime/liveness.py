@@ -1,35 +1,23 @@
 """An actor's side of the supervision: a heartbeat that a busy actor still answers, its work's
 progress, and the error that ended it.
 
-Ray's record of an actor says ALIVE for a process that is stopped (SIGSTOP, a frozen node), deadlocked
-or stuck in a call that never returns: the record only changes when the process ends. So the run's
-supervisor asks every actor a question of its own (:mod:`rlpost.service.watchdog`), and each actor answers it
-on a thread of its own, a Ray concurrency group (LIVENESS_GROUP) beside the threads that run its
-calls, so that a long call never delays the answer:
+Ray says ALIVE for a process that is stopped (SIGSTOP, a frozen node), deadlocked or stuck in a
+call that never returns. So the supervisor asks every actor itself (:mod:`rlpost.service.watchdog`),
+answered on a thread of its own (the Ray concurrency group LIVENESS_GROUP), so a long call never
+delays the answer. No answer within the role's deadline: the process runs no Python at all. An
+answer whose work has not progressed for the deadline: the working thread is blocked.
 
-- no answer within the role's deadline: the process runs no Python at all (stopped, frozen, a
-  thread holding the GIL for ever);
-- an answer that says the actor's work has not progressed for the role's deadline: the process
-  runs, but the thread doing the work is blocked (a deadlock, a wait on something that will never
-  come).
+Work is marked: computing code (generate, a learner step, a checkpoint) runs inside
+:func:`working` and calls :func:`progress` at each step it completes. Time outside a ``working``
+section (waiting on another actor, idle) is never a stall: the peer has its own heartbeat and the
+wait its own timeout.
 
-The work is told apart from waiting by marking it: code that computes (an engine's generate, a
-learner step, a checkpoint) runs inside :func:`working`, and calls :func:`progress` at each step it
-completes (an engine step, a micro-batch, a file written). A long legitimate call keeps
-progressing; a blocked one does not. Time spent outside a ``working`` section (a wait on another
-actor, on the buffer, an idle actor) is never a stall: the peer waited on has its own heartbeat,
-and the wait its own timeout.
+Trap: an actor whose constructor raises can die before Ray reports why (Ray formats the error
+with the half-built object's ``repr``, and a ``repr`` that raises kills the worker; a C extension
+may abort on the way out). So :func:`remote_class` gives every actor a ``repr`` that cannot fail
+and records the constructor's error in Ray's key-value store (:func:`recorded_error`).
 
-An actor whose constructor raises can die before Ray reports why: Ray formats the error with the
-half-built object's ``repr``, and a ``repr`` that raises takes the worker process down ("its worker
-process has died", the cause only in the worker's log); a C extension may abort the process on its
-way out. So :func:`remote_class` also gives every actor a ``repr`` that cannot fail, and records the
-constructor's error in Ray's key-value store under the actor's id before it propagates
-(:func:`recorded_error` reads it), so that the driver can name the cause whatever Ray says of the
-death.
-
-This module imports nothing of rlpost or Ray at import: the plain classes that mark their work
-also run in-process, where marking costs a lock and a clock read.
+This module imports nothing of rlpost or Ray at import: in-process, marking costs a lock and a clock read.
 """
 
 from __future__ import annotations
@@ -85,10 +73,9 @@ _WORK = _Work()
 
 @contextlib.contextmanager
 def working(label: str) -> Iterator[None]:
-    """Mark the calling thread's work (``label``: what it does, e.g. ``"generate"``) until the
-    block ends; inside it, the work must call :func:`progress` at least every role's
-    ``watchdog.<role>.progress_s`` or the watchdog takes the actor for hung. Nested sections
-    count as the outer one."""
+    """Mark the calling thread's work (``label``, e.g. ``"generate"``) until the block ends;
+    inside, :func:`progress` must come at least every ``watchdog.<role>.progress_s`` or the
+    watchdog takes the actor for hung. Nested sections count as the outer one."""
     _WORK.enter(label)
     try:
         yield
@@ -117,10 +104,9 @@ def rlpost_heartbeat(self) -> dict[str, Any]:
 
 
 def record_error(exc: BaseException, where: str) -> None:
-    """Keep ``exc`` (type and message) and ``where`` it was raised (``"constructor"``, or what
-    the actor was doing) in Ray's key-value store under this actor's id, for
-    :func:`recorded_error`: an actor about to end its own process says why. Nothing outside an
-    actor, and never an error of its own."""
+    """Keep ``exc`` and ``where`` it was raised (``"constructor"``, or what the actor was doing)
+    in Ray's key-value store under this actor's id, for :func:`recorded_error`. Nothing outside
+    an actor, and never an error of its own."""
     try:
         import ray
         from ray.experimental import internal_kv
@@ -148,10 +134,9 @@ def recorded_error(actor_id: str | None) -> str | None:
 
 
 def remote_class(actor_class: type, **remote_options: Any) -> Any:
-    """``ray.remote`` of a subclass of ``actor_class`` that answers the heartbeat
-    (``rlpost_heartbeat`` in its own concurrency group, one thread), has a ``repr`` that cannot
-    fail, and records its constructor's error (module docstring). ``remote_options`` go to
-    ``ray.remote`` (a concurrency group must be declared there, not in ``.options()``)."""
+    """``ray.remote`` of a subclass of ``actor_class`` that answers the heartbeat, has a ``repr``
+    that cannot fail, and records its constructor's error. ``remote_options`` go to ``ray.remote``
+    (a concurrency group must be declared there, not in ``.options()``)."""
     import ray
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,20 +1,18 @@
 """Whether the cluster gave an actor a place: a bounded wait for resources it may never have.
 
-An actor that asks for what no node has (a GPU on a CPU-only cluster, a custom resource no node
-declares) stays PENDING_CREATION in Ray's record for ever, and every call into it waits: Ray's
-autoscaler, where there is one, only logs that no node type can fulfil the request. So the public
-pieces that start actors of their own (AsyncVLLM's replicas, RayReplayBuffer's buffer,
-RayLLMCollector's collector) first wait here, at most ``placement_timeout_s`` (default
-PLACEMENT_TIMEOUT_S, as ``resources.placement_timeout_s`` bounds a run's placement group), and
-then fail naming each actor still waiting, what it asks for and what the cluster has. An actor is
-placed once Ray started a process for it (its record has a pid), whether or not its constructor
-has returned: a model that loads for minutes is bounded by the start's own timeout, not this one.
+Trap: an actor that asks for what no node has stays PENDING_CREATION for ever and every call
+into it waits (an autoscaler only logs it). So the public pieces that start actors of their own
+(AsyncVLLM, RayReplayBuffer, RayLLMCollector) wait here at most ``placement_timeout_s``, then fail
+naming each actor still waiting, what it asks for and what the cluster has. An actor is placed
+once Ray started its process (a pid), whether or not its constructor returned.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+from rlpost.runtime.actors import actor_record
 
 PLACEMENT_TIMEOUT_S = 120.0  # the default bound of a public piece's wait for its actors' resources
 POLL_S = 0.1
@@ -28,12 +26,9 @@ def placed(handle: Any) -> bool:
     """Whether Ray started a process for the actor ``handle`` (or it ended: its death is its
     callers' news), from the actor's record in Ray's control store (none yet: not placed). An
     object that is no actor handle (an in-process stand-in) needs no place."""
-    from ray._private import state
-
     if not hasattr(handle, "_actor_id"):
         return True
-
-    record = state.actors(actor_id=handle._actor_id.hex()) or {}
+    record = actor_record(handle)
     return bool(record.get("Pid")) or record.get("State") in ("DEAD", "ALIVE")
 
 

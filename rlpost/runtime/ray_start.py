@@ -16,14 +16,11 @@ from rlpost.config import JobConfig
 log = logging.getLogger("rlpost")
 
 # Set for every process of a run (its Ray runtime_env); resources.env_vars may override them.
-# TOKENIZERS_PARALLELISM: the tokenizers' own thread pool off (it warns after a fork, and the
-#   actors already run in parallel).
-# THP_MEM_ALLOC_ENABLE: torch allocates CPU tensors of 2 MB and more on transparent huge pages
-#   (where the kernel allows madvise). Read once when a process starts, and vLLM forks its engine
-#   processes, so it must be in the actors' environment from their start. A vLLM CPU weight
-#   reload re-creates every parameter and faults in each 4 KB page of them without it: on the
-#   0.5B-shaped model a reload took 2.3 s against 3.0 s (the first one 3.6 s against 5.3 s) and
-#   8 completions of 8 tokens 2.7 s against 3.0 s, for 50 MB more resident memory in the engine.
+# TOKENIZERS_PARALLELISM: off (it warns after a fork; the actors already run in parallel).
+# THP_MEM_ALLOC_ENABLE: torch puts CPU tensors >= 2 MB on transparent huge pages; read once at a
+#   process's start (vLLM forks its engines), so it must be in the actors' environment from the
+#   start. Without it a vLLM CPU weight reload faults in every 4 KB page: on the 0.5B-shaped model
+#   a reload took 3.0 s instead of 2.3 s (first 5.3 s vs 3.6 s), for 50 MB more resident memory.
 RUN_ENV_VARS = {"TOKENIZERS_PARALLELISM": "false", "THP_MEM_ALLOC_ENABLE": "1"}
 
 
@@ -37,23 +34,11 @@ def run_env_vars(cfg: JobConfig) -> dict[str, str]:
 # caches of the hubs a run reads from and logs to)
 PROPAGATED_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
 
-# Names (gitignore patterns, matched at any depth unless anchored with "/") never uploaded with the
-# working dir (by `rlpost submit`, and by a script's ray.init through merge_ray_runtime_env).
-# Without a trailing slash a pattern matches the folder itself, so Ray's packer skips it whole
-# instead of walking every file of .venv to exclude them one by one.
-WORKING_DIR_EXCLUDES = (
-    ".git",
-    ".venv",
-    "venv",
-    ".cache",
-    "runs",
-    "__pycache__",
-    "*.egg-info",
-    ".pytest_cache",
-    "*.pyc",
-    "/build",
-    "/dist",
-)
+# gitignore patterns never uploaded with the working dir (`rlpost submit`, merge_ray_runtime_env).
+# No trailing slash: the pattern matches the folder itself, so Ray's packer skips it whole instead
+# of walking every file of .venv.
+WORKING_DIR_EXCLUDES = (".git", ".venv", "venv", ".cache", "runs", "__pycache__", "*.egg-info", ".pytest_cache",
+                        "*.pyc", "/build", "/dist")  # fmt: skip
 
 
 def get_ray_default_runtime_env() -> dict:
@@ -63,11 +48,9 @@ def get_ray_default_runtime_env() -> dict:
 
 
 def merge_ray_runtime_env(ray_init_config: dict) -> dict:
-    """TorchRL's ``merge_ray_runtime_env``: complete the keyword arguments of a script's
-    ``ray.init(**ray_init_config)`` (changed in place and returned) so that a working dir it
-    uploads leaves out what ``rlpost submit`` leaves out (virtual envs, caches, runs, git), after
-    the script's own excludes, and its workers get :data:`RUN_ENV_VARS` and the driver's
-    :data:`PROPAGATED_ENV_VARS`; values the script set are kept."""
+    """TorchRL's ``merge_ray_runtime_env``: complete a script's ``ray.init(**ray_init_config)``
+    arguments (in place, returned) with rlpost submit's excludes after the script's own, and
+    :data:`RUN_ENV_VARS` and the driver's :data:`PROPAGATED_ENV_VARS`; the script's values win."""
     runtime_env = dict(ray_init_config.get("runtime_env") or {})
     excludes = list(runtime_env.get("excludes") or [])
     defaults = get_ray_default_runtime_env()["excludes"]
@@ -82,16 +65,11 @@ def init_ray(cfg: JobConfig) -> bool:
     """Start Ray for the run, or connect to the cluster at ``resources.address`` (else RAY_ADDRESS),
     in the namespace ``rlpost-<run_name>``, and print one line on stdout saying where to watch the
     run (:func:`_ray_start_line`). Returns True when this call started or connected Ray (the caller
-    shuts it down), False when Ray was already initialized (then nothing is started or printed).
+    shuts it down), False when Ray was already initialized (nothing started or printed).
 
-    A local run with ``logging.dashboard`` on asks Ray for its dashboard on 127.0.0.1 at
-    ``logging.dashboard_port`` (None: 8265, or the next free port). It passes
-    ``include_dashboard=None``, with which Ray starts the dashboard when it can and, when it cannot
-    (its packages missing, the port taken, the process failing), logs why and starts the rest of
-    the node anyway: the run never fails over its dashboard, and a warning says it has none.
-    ``logging.dashboard: false`` passes ``include_dashboard=False``. Either way the node exports
-    the Ray metrics (the run's ``rlpost_*`` gauges among them) as Prometheus text on a port Ray
-    picks, whose URL the line gives."""
+    With ``logging.dashboard`` a local run passes ``include_dashboard=None``: Ray starts the
+    dashboard on 127.0.0.1:``logging.dashboard_port`` when it can and otherwise starts the node
+    without it, so the run never fails over its dashboard (a warning says so)."""
     import ray
 
     namespace = f"rlpost-{cfg.logging.run_name}"
@@ -105,20 +83,12 @@ def init_ray(cfg: JobConfig) -> bool:
         print(_ray_start_line(namespace, _http_url(context.dashboard_url), None, cluster=address), flush=True)
         return True
     if cfg.logging.dashboard:
-        context = ray.init(
-            namespace=namespace,
-            runtime_env=env,
-            include_dashboard=None,
-            dashboard_host="127.0.0.1",
-            dashboard_port=cfg.logging.dashboard_port,
-            log_to_driver=False,
-        )
+        context = ray.init(namespace=namespace, runtime_env=env, include_dashboard=None, dashboard_host="127.0.0.1",
+                           dashboard_port=cfg.logging.dashboard_port, log_to_driver=False)  # fmt: skip
         dashboard = _http_url(context.dashboard_url)
         if dashboard is None:
-            log.warning(
-                "Ray's dashboard did not start (%s); the run goes on without it",
-                _why_no_dashboard(context.dashboard_url),
-            )
+            why = _why_no_dashboard(context.dashboard_url)
+            log.warning("Ray's dashboard did not start (%s); the run goes on without it", why)
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
         dashboard = None
@@ -135,9 +105,8 @@ def _http_url(address: str | None) -> str | None:
 
 
 def _why_no_dashboard(reported: str | None) -> str:
-    """Why a local dashboard asked for did not start. Ray reports an empty address when its
-    dashboard packages are missing (it then runs a minimal head without the web UI) and None when
-    the dashboard process could not start (Ray logged its error and log file just before)."""
+    """Why a local dashboard did not start: Ray reports "" when its packages are missing and None
+    when its process could not start (Ray logged why just before)."""
     if reported == "":
         try:
             import ray.dashboard.optional_deps  # noqa: F401
@@ -161,11 +130,8 @@ def _local_metrics_url() -> str | None:
 
 def _ray_start_line(namespace: str, dashboard: str | None, metrics: str | None, cluster: str | None = None) -> str:
     """The line ``rlpost train`` prints once Ray is up, e.g. ``rlpost: Ray dashboard at
-    http://127.0.0.1:8265 (namespace rlpost-r1); metrics at http://127.0.0.1:50123/metrics``.
-    It starts with ``Ray cluster at ADDRESS`` when the run connected to a cluster, says ``no Ray
-    dashboard`` when there is none, and, when Ray runs with token authentication (RAY_AUTH_MODE
-    is token: Ray's default for a new local cluster), ends with where the dashboard's login token
-    comes from."""
+    http://127.0.0.1:8265 (namespace rlpost-r1); metrics at http://127.0.0.1:50123/metrics``;
+    with token authentication (RAY_AUTH_MODE=token) it says where the login token comes from."""
     head = f"Ray dashboard at {dashboard}" if dashboard is not None else "no Ray dashboard"
     parts = ([f"Ray cluster at {cluster}"] if cluster else []) + [f"{head} (namespace {namespace})"]
     if metrics is not None:
@@ -178,9 +144,9 @@ def _ray_start_line(namespace: str, dashboard: str | None, metrics: str | None, 
 def use_ray_token_if_present() -> None:
     """Authenticate to an existing cluster the way Ray's CLI does.
 
-    Ray 2.60 clusters use token authentication by default, but a driver that connects to one only
-    sends a token when RAY_AUTH_MODE=token. When the mode is unset and a token is available
-    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token written by `ray start`), turn it on.
+    Ray 2.60 clusters use token auth by default, but a driver only sends a token with
+    RAY_AUTH_MODE=token: turn it on when unset and a token exists (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token).
     """
     if os.environ.get("RAY_AUTH_MODE"):
         return

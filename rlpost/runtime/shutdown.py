@@ -1,47 +1,33 @@
 """Graceful stop of ``rlpost train`` on SIGTERM and SIGINT, from a terminal or a scheduler.
 
-Schedulers, ``ray job stop``, ``kill``, ``timeout`` and Ctrl-C all stop a run the same way: with
-a signal. Left to Python's defaults, SIGTERM kills the driver where it stands: no checkpoint is
-written, so the steps trained since the last periodic checkpoint are lost, and the actors are
-left running. Two things stand in the way of a clean stop, and this module handles both.
+Schedulers, ``ray job stop``, ``kill``, ``timeout`` and Ctrl-C all stop a run with a signal. Left
+to Python's defaults, SIGTERM kills the driver where it stands: no final checkpoint, actors left
+running. Two things stand in the way of a clean stop, and this module handles both.
 
 **The signal lands at a safe point.** Inside ``with stop_on_signals():`` (main thread only) the
-first SIGINT or SIGTERM prints one line to stderr and only records the stop. The training loop
-asks :func:`raise_if_stopping` at its safe points (before each part of a step, at each poll while
-it waits, between steps), which raises :class:`StopRequested` there, once. The loop unwinds into
-its ``except StopRequested`` cleanup, which stops every actor and, when the learner is alive,
-writes a final checkpoint; a resumed run goes on from the step the run was stopped at. A handler
-that raised at whatever line the main thread was running would also land inside C calls (a
-``ray.get``, a constructor), which then fail with errors such as ``SystemError: ... returned a
-result with an exception set`` instead of stopping. A call in flight (a train step, a weight
-sync) is let finish first: every such call is bounded. The waits of a run's start (the cluster
-placing the actors, the engines and models loading) ask :func:`raise_if_stopping` every half
-second instead (``stoppable`` waits, :mod:`rlpost.actors.calls`): nothing is trained yet, so the
-start ends at once, killing every actor it started.
+first SIGINT or SIGTERM prints one line and only records the stop; the training loop's safe
+points (before each part of a step, each poll while it waits, between steps) call
+:func:`raise_if_stopping`, which raises :class:`StopRequested` once. The loop's cleanup stops
+every actor and, with the learner alive, writes a final checkpoint. Trap: a handler raising at
+any line would land inside C calls (a ``ray.get``, a constructor), which then fail with
+``SystemError: ... returned a result with an exception set``. A call in flight is let finish
+(every one is bounded); the start's waits (``stoppable``, :mod:`rlpost.actors.calls`) ask every
+half second, so a start ends at once, killing what it started.
 
-* Later signals exit at once with ``os._exit(130)``: the way out when the cleanup hangs (an
-  actor that no longer answers). It skips the cleanup, ``finally`` blocks, atexit handlers and
-  buffered output: the last complete checkpoint on disk is what remains.
-* Leaving the block restores the handlers that were installed before it.
-* Outside the main thread Python does not allow signal handlers (``signal.signal`` raises
-  ValueError), so there the context manager does nothing: the signals keep their handlers.
+* Later signals exit at once with ``os._exit(130)`` (the way out of a hung cleanup), skipping
+  cleanup, ``finally`` blocks, atexit and buffered output.
+* Leaving the block restores the previous handlers; outside the main thread (where
+  ``signal.signal`` raises ValueError) the block does nothing.
 
-**The local Ray cluster does not get the signal.** Ctrl-C sends SIGINT to the terminal's whole
-foreground process group, and ``timeout``, systemd and container runtimes send SIGTERM to a
-whole process group. The local Ray processes ``ray.init`` starts (its control store, raylet and
-agents) are in the driver's group and would be stopped by it under the driver, which could then
-write no checkpoint. So :func:`run_in_own_session` runs the driver as a child in a session of its
-own, where ``ray.init`` starts them out of the group's reach; the parent stays in the group,
-passes each SIGINT / SIGTERM (and SIGHUP, as SIGTERM) on to the driver, ends whatever the driver
-left in its process group (Ray's agents outlive an immediate exit by up to minutes) and exits
-with the driver's status. Should the parent die, the driver gets SIGTERM (Linux) and stops
-cleanly; the Ray processes end with the driver, as Ray binds them to the process that started
-them.
+**The local Ray cluster does not get the signal.** Ctrl-C, ``timeout``, systemd and container
+runtimes signal a whole process group; the Ray processes ``ray.init`` starts would be in the
+driver's and stop under it before it could checkpoint. So :func:`run_in_own_session` runs the
+driver as a child in a session of its own; the parent passes SIGINT / SIGTERM (SIGHUP as SIGTERM)
+on, ends whatever the driver left in its group (Ray's agents outlive an immediate exit by up to
+minutes) and exits with its status. Should the parent die, the driver gets SIGTERM (Linux).
 
-:class:`StopRequested` derives from BaseException, like KeyboardInterrupt, so the ``except
-Exception`` blocks of the training loop (retries, fault handling) let it through.
-:func:`exit_code` gives the status the shell convention expects from a process stopped by a
-signal (128 + its number), so a supervisor sees that the run was stopped, not that it failed.
+:class:`StopRequested` is a BaseException, so the loop's ``except Exception`` blocks let it
+through. :func:`exit_code` gives 128 + the signal number, so a supervisor sees a stop, not a failure.
 """
 
 from __future__ import annotations
@@ -61,11 +47,7 @@ DRIVER_SESSION_ENV = "RLPOST_DRIVER_SESSION"
 
 class StopRequested(BaseException):
     """Raised by :func:`raise_if_stopping` after the first SIGINT or SIGTERM inside
-    :func:`stop_on_signals`.
-
-    A BaseException so that ``except Exception`` does not catch it; ``signal_name`` is
-    ``"SIGINT"`` or ``"SIGTERM"``.
-    """
+    :func:`stop_on_signals` (a BaseException); ``signal_name`` is ``"SIGINT"`` or ``"SIGTERM"``."""
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
@@ -109,12 +91,8 @@ def raise_if_stopping() -> None:
 
 
 def _say(line: str) -> None:
-    """Write ``line`` to stderr with one ``os.write``.
-
-    A signal handler can interrupt the main thread inside a write to ``sys.stderr``. Writing to
-    that same buffered stream again from the handler can fail with "reentrant call", and the
-    logging module can block on its own lock. A raw write to fd 2 does neither.
-    """
+    """Write ``line`` to stderr with one ``os.write``: from a signal handler, writing to the
+    buffered ``sys.stderr`` can fail with "reentrant call" and logging can block on its lock."""
     try:
         os.write(2, (line + "\n").encode())
     except OSError:  # stderr closed: the stop itself matters more than the message
@@ -123,11 +101,10 @@ def _say(line: str) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Record SIGINT and SIGTERM inside the block for :func:`raise_if_stopping`; see the module
-    docstring.
+    """Record SIGINT and SIGTERM inside the block for :func:`raise_if_stopping`.
 
-    Put the cleanup (stop the actors, write the final checkpoint) inside the block, so that a
-    second signal during it exits at once rather than meeting the restored handlers::
+    Put the cleanup inside the block, so a second signal during it exits at once rather than
+    meeting the restored handlers::
 
         with stop_on_signals():
             try:
@@ -178,11 +155,8 @@ def in_own_session() -> bool:
 
 def run_in_own_session(argv: Sequence[str]) -> int:
     """Run ``python -m rlpost.ops.cli ARGV`` in a session of its own and return its exit status,
-    passing SIGINT and SIGTERM on to it (SIGHUP as SIGTERM); see the module docstring.
-
-    The child shares this process's stdin, stdout and stderr (a terminal stays a terminal for
-    its progress output) and environment, plus ``RLPOST_DRIVER_SESSION=1``.
-    """
+    passing SIGINT and SIGTERM on (SIGHUP as SIGTERM). The child shares stdio and the environment,
+    plus ``RLPOST_DRIVER_SESSION=1``."""
     env = {**os.environ, DRIVER_SESSION_ENV: "1"}
     child = subprocess.Popen(
         [sys.executable, "-m", "rlpost.ops.cli", *argv], env=env, start_new_session=True, preexec_fn=die_with_parent
@@ -197,10 +171,8 @@ def run_in_own_session(argv: Sequence[str]) -> int:
     for signum in (*STOP_SIGNALS, signal.SIGHUP):
         signal.signal(signum, pass_on)
     status = child.wait()
-    # What the driver started in its process group and left running: nothing after a clean stop,
-    # Ray's agents after a second signal's immediate exit (they wait for their raylet's end for
-    # seconds to minutes). The group is the driver's own (it leads its session), so nothing else
-    # is in it.
+    # Ray's agents may outlive a second signal's immediate exit by minutes; the group is the
+    # driver's own (it leads its session), so nothing else is in it.
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # the group is empty: nothing left

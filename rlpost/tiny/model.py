@@ -1,30 +1,22 @@
 """Build the offline tiny model: a ChatML tokenizer and a small Qwen2 LM warm-started on arithmetic.
 
-Why it exists: tests and the demo must run a real GRPO job with real transformers and a real vLLM
-engine on 2 CPU cores with no hub access. So rlpost builds its own model from a seed, in well
-under 3 minutes (the same bytes on one kind of CPU, not across kinds: the result is shipped in
-models/, and models/README.md says why):
+Tests and the demo must run a real GRPO job with real transformers and vLLM on 2 CPU cores with
+no hub access, so rlpost builds its own model from a seed in under 3 minutes (the same bytes on
+one kind of CPU, not across kinds: the result is shipped in models/, see models/README.md):
 
-1. a byte-level BPE tokenizer trained on the synthetic arithmetic chats, with the ChatML special
-   tokens of Qwen (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``) and a Qwen-style chat
-   template whose assistant turns are wrapped in ``{% generation %}`` so that
-   ``return_assistant_tokens_mask=True`` works. ``pad_token == eos_token == <|im_end|>`` on
-   purpose: it is the configuration that hides the "EOS log-prob masked as padding" bug
-   (a trap several RL trainers fell into), so every test runs with the trap armed.
-2. a Qwen2-architecture causal LM with head_dim 64 (the vLLM CPU backend rejects 16), trained with
-   a short supervised pass on "What is a + b?" -> "<answer>c</answer>" until its sampled reward
-   (temperature 1.0) lies in ``target_reward`` — room for GRPO to show learning.
+1. a byte-level BPE tokenizer trained on the synthetic arithmetic chats, with Qwen's ChatML
+   special tokens and a Qwen-style chat template whose assistant turns sit in
+   ``{% generation %}`` (for ``return_assistant_tokens_mask=True``). ``pad_token == eos_token ==
+   <|im_end|>`` on purpose: it arms the "EOS log-prob masked as padding" trap in every test.
+2. a Qwen2 causal LM with head_dim 64 (the vLLM CPU backend rejects 16), trained with a short
+   supervised pass on "What is a + b?" -> "<answer>c</answer>" until its sampled reward
+   (temperature 1.0) lies in ``target_reward``: room for GRPO to show learning.
 
-The ``tool_arithmetic`` variant (:data:`TOOL_SPEC`, ``rlpost make-tiny-model --task
-tool_arithmetic``) is the same recipe for the multi-turn Python-tool task: its tokenizer also learns
-the tool episodes' text (```` ```python ````, ``print(``, ``<tool_response>``, ``Code block 1
-executed successfully:``) and its supervised pass mixes episodes that call the tool and copy its
-result with episodes that guess the product outright, so that after the warm start it calls the
-tool in some samples but not all (:func:`evaluate_tool_episodes` measures both the reward and the
-tool-call rate) and GRPO has something to learn in both directions. Same architecture, about 2.5
-minutes on 2 cores (most of it the plateau before the model learns to copy digits).
-
-The result is an ordinary Hugging Face folder that both transformers and vLLM load.
+The ``tool_arithmetic`` variant (:data:`TOOL_SPEC`) is the same recipe for the multi-turn
+Python-tool task: the tokenizer also learns the tool episodes' text, and the supervised pass
+mixes episodes that call the tool with ones that guess, so the warm model calls the tool in some
+samples but not all (:func:`evaluate_tool_episodes` measures reward and tool-call rate) and GRPO
+can learn in both directions (about 2.5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -78,11 +70,7 @@ CHAT_TEMPLATE = (
 def build_tiny_model(
     out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print
 ) -> dict:
-    """Build the tokenizer and model into ``out_dir`` (atomically) and return its metadata.
-
-    The folder is written to a temporary sibling and renamed, so an interrupted build never
-    leaves a half-written model that later runs would trust.
-    """
+    """Build the tokenizer and model into ``out_dir`` (atomically) and return its metadata."""
     out_dir = Path(out_dir)
     torch.set_num_threads(spec.num_threads)
     torch.manual_seed(spec.seed)
@@ -131,11 +119,8 @@ def save_model_folder(out_dir: Path, model, tokenizer, meta_file: str, meta: dic
 def ensure_tiny_model(
     out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print
 ) -> bool:
-    """Build the tiny model unless ``out_dir`` already holds one built from the same spec.
-
-    Returns True when it built. A cached model from an older spec is rebuilt, so a change of
-    :class:`TinyModelSpec` never leaves tests or the demo on stale weights.
-    """
+    """Build the tiny model unless ``out_dir`` already holds one built from the same spec
+    (one from another spec is rebuilt); True when it built."""
     current = spec_dict(spec)
     found = built_spec(out_dir)
     if found == current:
@@ -202,9 +187,8 @@ def _operands(question: str) -> tuple[int, int]:
 
 
 def _guess(rng: random.Random, answer: str) -> str:
-    """A random number with as many digits as ``answer``: a guess of the right magnitude, almost
-    always wrong. (Near misses, the product with its last digits made up, ask the model to
-    multiply in its head, which it cannot; in a trial with them it took longer to learn to copy.)"""
+    """A random number with as many digits as ``answer``, almost always wrong. (Near misses
+    made the model try to multiply in its head; in a trial it then took longer to learn to copy.)"""
     digits = len(answer)
     return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
@@ -310,11 +294,8 @@ def _init_model(spec: TinyModelSpec, tokenizer):
 
 
 def _encode_sft_batch(tokenizer, chats: list[list[dict[str, str]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids, attention mask and labels (-100 outside assistant tokens).
-
-    Each chat is a full message list; every assistant turn in it is trained (the chat template's
-    assistant mask), so a tool episode teaches both the code block and the answer after the tool.
-    """
+    """Right-padded ids, attention mask and labels (-100 outside assistant tokens): every
+    assistant turn trains, so a tool episode teaches the code block and the answer after it."""
     encoded = [
         tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         for chat in chats
@@ -395,22 +376,9 @@ def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[
 def evaluate_reward(model, tokenizer, rows: list[dict[str, str]], *, seed: int, temperature: float = 1.0) -> float:
     """Mean answer reward of one sampled completion per row (transformers generate, seeded)."""
     model.eval()
-    prompts = [
-        tokenizer.apply_chat_template(_chat(r["question"]), tokenize=False, add_generation_prompt=True) for r in rows
-    ]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
-    out = model.generate(
-        **batch,
-        do_sample=True,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=16,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    chats = [_chat(r["question"]) for r in rows]
+    completions = _sample_turn(model, tokenizer, chats, temperature=temperature, max_new_tokens=16)
     rewards = [answer_reward(c, r["answer"]) for c, r in zip(completions, rows)]
     return sum(rewards) / len(rewards)
 
@@ -429,10 +397,9 @@ class ToolEvaluation:
 def tool_message_for(completion: str) -> str | None:
     """The tool message the evaluation gives for a first turn that holds a ```` ```python ```` block.
 
-    The warm-start evaluation never executes model-written code: it recognises only a block whose
-    code is exactly ``print(<int> * <int>)`` and computes the product itself. Any other code gives
-    None, and :func:`evaluate_tool_episodes` scores that sample 0 (as if the tool call failed and
-    the episode ended without an answer). Only the first block counts; text around it is ignored.
+    It never executes model-written code: only a first block that is exactly
+    ``print(<int> * <int>)`` gets the product, computed here; any other code gives None (the
+    sample scores 0).
     """
     block = _PYTHON_BLOCK_RE.search(completion)
     if block is None:
@@ -468,11 +435,9 @@ def evaluate_tool_episodes(
 ) -> ToolEvaluation:
     """Play one tool_arithmetic episode per row and score it; for the warm start's band check.
 
-    Turn 1 is sampled for every row (transformers ``generate``, seeded). A first turn with a
-    ```` ```python ```` block counts as a tool call: when its code is ``print(<int> * <int>)`` the
-    tool message with the product (:func:`tool_message_for`) is appended and turn 2 is sampled,
-    otherwise the sample scores 0. The reward is ``answer_reward`` of the last assistant message:
-    turn 2 after a tool call, turn 1 otherwise.
+    A first turn with a ```` ```python ```` block counts as a tool call; with a valid product
+    (:func:`tool_message_for`) the tool message is appended and turn 2 sampled, otherwise it
+    scores 0. The reward is ``answer_reward`` of the last assistant message.
     """
     model.eval()
     torch.manual_seed(seed)

@@ -1,27 +1,22 @@
 """Build the offline tiny reward model: a one-label Qwen2 sequence classifier on the tiny LM's trunk.
 
-Why it exists: the reward-model role (``reward_model.kind: classifier``) must be tested and
-demonstrated with a real Hugging Face reward model, on 2 CPU cores, with no hub access. So rlpost
-trains one from a seed, in about 20 seconds (shipped in models/tiny-reward-model):
+The reward-model role (``reward_model.kind: classifier``) must be tested with a real Hugging Face
+reward model on 2 CPU cores with no hub access, so rlpost trains one from a seed in about 20 s
+(shipped in models/tiny-reward-model):
 
-1. the tiny LM's tokenizer, and its decoder layers as the trunk (``Qwen2ForSequenceClassification``
-   of the same config with ``num_labels=1``; the score head starts at zero);
-2. a regression pass (mean squared error) on synthetic arithmetic conversations: the user asks
-   "What is a + b?" and the assistant answers right (``<answer>c</answer>``), wrong
-   (``<answer>c + d</answer>``) or without the tag; the label is the task's own rule
-   (:func:`rlpost.envs.rewards.answer_reward`: 1.0, 0.1, 0.0). What the model learns is the
-   format half of the rule: on held-out questions a tagged answer scores about 0.7 (the shipped
-   build: 0.697 for right and for wrong ones), an untagged one about 0.007. The arithmetic half is beyond this trunk
-   in the steps it gets (tried: up to 1,200 steps at lr 5e-4 to 2e-3; right and wrong tagged
-   answers never scored more than 0.03 apart). So it is a
-   learned reward that agrees with the rule on format only: the property the reward-model tests
-   and demo rely on, and an honest picture of a reward model that misses part of the task.
+1. the tiny LM's tokenizer and decoder layers as the trunk (``Qwen2ForSequenceClassification``,
+   ``num_labels=1``, score head starting at zero);
+2. a regression pass (MSE) on synthetic "What is a + b?" conversations answered right, wrong or
+   without the tag, labelled by the task's rule (:func:`rlpost.envs.rewards.answer_reward`: 1.0,
+   0.1, 0.0). It learns the format half of the rule only: on held-out questions a tagged answer
+   scores about 0.7 (shipped build: 0.697 right and wrong), an untagged one about 0.007; the
+   arithmetic half is beyond this trunk (up to 1,200 steps at lr 5e-4 to 2e-3: right and wrong
+   never more than 0.03 apart). The tests rely on exactly that: a reward model that misses part
+   of the task.
 
-The conversation is rendered exactly as the reward actor renders what it scores: ``[user,
-assistant]`` through the tokenizer's chat template. The result is an ordinary Hugging Face folder
-(``AutoModelForSequenceClassification`` loads it); ``rlpost make-tiny-reward-model`` writes it,
-and ``rlpost_tiny_reward_model.json`` records the recipe, the LM it was built from and how well
-it separates right answers from wrong ones on held-out questions.
+Conversations are rendered as the reward actor renders them (``[user, assistant]`` through the
+chat template); ``rlpost_tiny_reward_model.json`` records the recipe, the LM and the held-out
+separation.
 """
 
 from __future__ import annotations

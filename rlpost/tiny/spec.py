@@ -53,15 +53,12 @@ TASKS = ("arithmetic", "tool_arithmetic")
 # Fields that only the tool task reads; kept out of an arithmetic build's stored spec.
 _TOOL_ONLY_FIELDS = ("task", "tool_fraction", "target_tool_rate", "max_turn_tokens")
 
-# The tool variant. The same architecture learns to copy the operands into the code block and the
-# tool's output into the answer, after a plateau of some 500 steps; smaller batches (more steps for
-# the same compute) get it there sooner, lr 2e-3 never left the plateau in a trial. Half the
-# episodes call the tool, so the reward cannot pass 0.5 + 0.1 * 0.5 = 0.55 and the build stops
-# once roughly a third to a half of the tool calls are copied right: room for GRPO both to call
-# the tool more and to copy better. Many distinct rows so that copying, not memorising, is what pays.
-# When the plateau ends depends on the CPU's float arithmetic (the threads are fixed, the kernels
-# are not): steps 825-1100 on 2-core Xeons, ~2300 on an AMD EPYC without AVX-512. The cap leaves room
-# past both; it changes no step before the stop, so it changes no byte of a build that stops.
+# The tool variant learns to copy operands into the code block and the tool's output into the
+# answer after a plateau (smaller batches leave it sooner; lr 2e-3 never did in a trial). Half the
+# episodes call the tool, so the reward cannot pass 0.5 + 0.1 * 0.5 = 0.55: the build stops with
+# room for GRPO to call the tool more and copy better. Many distinct rows, so copying pays, not
+# memorising. The plateau's end depends on the CPU's float kernels (steps 825-1100 on 2-core
+# Xeons, ~2300 on an EPYC without AVX-512); the cap leaves room past both and changes no byte.
 TOOL_SPEC = TinyModelSpec(
     task="tool_arithmetic",
     sft_rows=20000,
@@ -74,12 +71,8 @@ TOOL_SPEC = TinyModelSpec(
 
 
 def spec_dict(spec: TinyModelSpec) -> dict:
-    """The spec as stored in ``rlpost_tiny_model.json`` (JSON types: tuples become lists).
-
-    An "arithmetic" spec omits the tool-only fields: they do not touch its bytes, and leaving them
-    out keeps the stored spec, hence :func:`ensure_tiny_model`'s up-to-date check, of builds made
-    before the tool task existed.
-    """
+    """The spec as stored in ``rlpost_tiny_model.json`` (JSON types). An "arithmetic" spec omits
+    the tool-only fields, so builds made before the tool task still pass the up-to-date check."""
     d = asdict(spec)
     if spec.task == "arithmetic":
         for name in _TOOL_ONLY_FIELDS:

@@ -2,10 +2,9 @@
 
 :func:`start_learner` starts one learner actor (``learner``); :func:`start_learner_group` starts
 ``resources.learner.num_workers`` of them (``learner``, ``learner-1``, ...) that shard one model
-with FSDP2 (:mod:`rlpost.actors.sharding`). The actor is the plain
-:class:`~rlpost.actors.learner.core.Learner` itself; it adds only what a process of its own
-needs: its memory and threads (:mod:`rlpost.actors.learner.memory`), the role's metrics, the
-learner group's rendezvous, and the weight bus to the inference workers
+with FSDP2 (:mod:`rlpost.actors.sharding`). The actor adds to the plain
+:class:`~rlpost.actors.learner.core.Learner` what a process of its own needs: memory and
+threads, the role's metrics, the group's rendezvous, and the weight bus
 (:meth:`LearnerActor.connect_workers`).
 """
 
@@ -26,13 +25,10 @@ _MODEL_LOAD_GRACE_S = 600.0
 
 
 class LearnerActor(Learner):
-    """The Ray actor ``learner``: a :class:`Learner` in a process of its own (start it with
-    :func:`start_learner`, or a group of them with :func:`start_learner_group`). Its training
-    calls are the Learner's; ``train_step`` and ``publish`` also record the role's metrics.
-
-    Alone (``world_size`` 1) it builds its model at once. As rank ``rank`` of a group the
-    Learner is built in :meth:`join_group`, after rank 0's :meth:`open_rendezvous` (the model is
-    sharded over the group's process group, which must exist first).
+    """The Ray actor ``learner``: a :class:`Learner` in a process of its own; ``train_step`` and
+    ``publish`` also record the role's metrics. Alone it builds its model at once; as a group's
+    rank, in :meth:`join_group` (after rank 0's :meth:`open_rendezvous`: the process group must
+    exist first).
     """
 
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
@@ -89,15 +85,8 @@ class LearnerActor(Learner):
 
         if self.publisher is not None:
             self.publisher.close()
-        updater = vLLMUpdater(
-            workers,
-            master_address=host,
-            backend=backend,
-            device=self.device,
-            bucket_mb=bucket_mb,
-            timeout_s=timeout_s,
-            shared_memory=shared_memory,
-        )
+        updater = vLLMUpdater(workers, master_address=host, backend=backend, device=self.device, bucket_mb=bucket_mb,
+                              timeout_s=timeout_s, shared_memory=shared_memory)  # fmt: skip
         updater.init()
         self.publisher = updater
         if self.cfg.model.lora is not None:
@@ -147,10 +136,9 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
     between them, and return their handles in rank order once every rank joined the group and
     sharded its model. One worker is a plain :func:`start_learner`.
 
-    ``options_for(rank)`` gives each rank's ``.options()`` (e.g. its placement-group bundle).
-    ``timeout_s`` (default ``resources.learner.timeout_s``) bounds forming the group (+ the
-    model load) and every collective of the group; if forming fails, every rank started is
-    killed and the error raised.
+    ``options_for(rank)``: each rank's ``.options()``. ``timeout_s`` (default
+    ``resources.learner.timeout_s``) bounds forming the group (+ the model load) and every
+    collective; if forming fails, every rank started is killed and the error raised.
     """
     import ray
 
@@ -163,18 +151,10 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
     if num_workers == 1:
         return [start_learner(settings, namespace=namespace, **options_for(0))]
     handles = [
-        start_actor(
-            LearnerActor,
-            settings,
-            rank,
-            num_workers,
-            name=learner_name(rank),
-            resources=settings.resources,
-            namespace=namespace,
-            **options_for(rank),
-        )  # fmt: skip
+        start_actor(LearnerActor, settings, rank, num_workers, name=learner_name(rank), resources=settings.resources,
+                    namespace=namespace, **options_for(rank))
         for rank in range(num_workers)
-    ]
+    ]  # fmt: skip
     try:
         spec = Pending("learner", "open_rendezvous", handles[0].open_rendezvous.remote(backend, timeout_s))
         spec = spec.result(timeout_s, stoppable=True)  # a stop signal ends a start that loads models

@@ -3,20 +3,15 @@
 A single learner's folder holds the model (float32 masters) and tokenizer in HF format and
 ``trainer_state.pt`` (:data:`TRAINER_STATE`: optimizer, scheduler, step, version, torch RNG
 states); a learner group's holds the consolidated model and the trainer state in
-``torch.distributed.checkpoint`` shards (:data:`TRAINER_SHARDS`, with :data:`TRAINER_META`
-beside them); a LoRA learner's holds the adapter in peft's format (and, with
-``model.lora.save_merged``, the merged model in ``merged/``). Each may hold the controller's
-``rollout_state.pkl`` (:data:`ROLLOUT_STATE`). A folder is written beside its place and renamed
-into it, and a failed write raises :class:`CheckpointWriteError` with every earlier checkpoint
-intact.
+``torch.distributed.checkpoint`` shards (:data:`TRAINER_SHARDS`, with :data:`TRAINER_META`); a
+LoRA learner's holds the adapter in peft's format (with ``model.lora.save_merged`` also the
+merged model in ``merged/``). Each may hold the controller's ``rollout_state.pkl``. A folder is
+written beside its place and renamed into it; a failed write raises
+:class:`CheckpointWriteError` with every earlier checkpoint intact.
 
-:class:`Checkpointer` does the I/O for the parts of a learner a checkpoint holds: its model,
-tokenizer, optimizer and scheduler, and whether it is LoRA or sharded. The step and version are
-given to :meth:`Checkpointer.save` and returned by :meth:`Checkpointer.load`: the
-:class:`~rlpost.actors.learner.core.Learner` keeps them, and its ``save_checkpoint`` /
-``load_checkpoint`` build a Checkpointer and call it. The pure parts, :func:`move_into_place`,
-:func:`prune_checkpoints`, :func:`os_error_behind` and :func:`write_error`, take only paths and
-errors. The collectives of a learner group come from :mod:`rlpost.actors.sharding`.
+:class:`Checkpointer` does the I/O; the :class:`~rlpost.actors.learner.core.Learner` keeps the
+step and version, passing them to :meth:`Checkpointer.save` and taking them from
+:meth:`Checkpointer.load`.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written because of an I/O error (disk full, quota, permissions).
 
-    Raised by :meth:`Learner.save_checkpoint` once nothing of the failed write is left on disk
-    and every earlier checkpoint is intact. ``errno`` is the cause's (``errno.ENOSPC`` for a full
-    disk), and the message names the folder, the cause and the checkpoint to resume from.
+    Raised once nothing of the failed write is left and every earlier checkpoint is intact;
+    ``errno`` is the cause's, the message names the folder, the cause and the checkpoint to resume from.
     """
 
 
@@ -89,21 +83,12 @@ class Checkpointer:
     def save(self, run_dir: str | Path, step: int, rollout_state: dict | None = None, *, version: int) -> Path:
         """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``.
 
-        The folder holds the model (float32 masters) and tokenizer in HF format,
-        ``trainer_state.pt`` (optimizer, scheduler, step, ``version``, torch RNG states) and, when
-        given, ``rollout_state.pkl`` (the controller's: the groups still in the buffer and every
-        env pool's position, taken together). It is written to a temporary folder beside it and
-        renamed into place, so a crash never leaves a half-written ``step_<N>``.
-
-        A failed write never costs an earlier checkpoint: older ones are pruned only after the
-        new one is in place. A ``step_<N>`` saved again stays in place during the write. It is
-        then renamed aside, and deleted only once the new folder has taken its name; if that
-        rename fails it is renamed back. (A crash between those two renames leaves it as
-        ``.old-step_<N>-*``.) When the write fails with an I/O error (disk full, quota,
-        permissions; also when torch or safetensors report it as their own exception type), the
-        temporary folder is removed and :class:`CheckpointWriteError` is raised. Its message names
-        the folder, the cause and the latest intact checkpoint to resume from. Any other error
-        also removes the temporary folder, then propagates as it is.
+        ``rollout_state`` (optional) is the controller's: the buffer's groups and every env
+        pool's position, taken together. The folder is written to a temporary folder beside it
+        and renamed into place (:func:`move_into_place`), so a crash never leaves a half-written
+        ``step_<N>``; older checkpoints are pruned only after. On an I/O error (disk full, quota,
+        permissions; also when torch or safetensors wrap it) the temporary folder is removed and
+        :class:`CheckpointWriteError` raised; any other error removes it and propagates as is.
         """
         if self.sharded:
             return self._save_sharded_checkpoint(run_dir, step, rollout_state, version)
@@ -131,10 +116,9 @@ class Checkpointer:
     def _write_checkpoint_files(self, folder: Path, step: int, version: int, rollout_state: dict | None) -> None:
         """Every file of a checkpoint, into ``folder``.
 
-        ``trainer_state.pt`` is written through a Python file object: torch.save to a path
-        writes from C++, and on a full disk it fails with a RuntimeError that has lost the
-        errno. Through a file object, the OSError of the failed write stays in the
-        exception's ``__context__``, where :func:`os_error_behind` finds it.
+        Trap: ``trainer_state.pt`` goes through a Python file object, since torch.save to a path
+        writes from C++ and on a full disk raises a RuntimeError without the errno; this way the
+        OSError stays in ``__context__`` for :func:`os_error_behind`.
         """
         self.model.save_pretrained(folder)  # with LoRA: the adapter (adapter_config.json, adapter_model.safetensors)
         progress()
@@ -163,15 +147,11 @@ class Checkpointer:
     def _save_sharded_checkpoint(
         self, run_dir: str | Path, step: int, rollout_state: dict | None, version: int
     ) -> Path:
-        """:meth:`save` of a learner group (every rank calls it).
+        """:meth:`save` of a learner group (every rank calls it; every rank must see ``run_dir``).
 
-        The folder holds the consolidated model in HF format (what users and the inference
-        engines load) and the tokenizer, written by rank 0, and the trainer state sharded with
-        ``torch.distributed.checkpoint`` in ``trainer_state/`` (the model's float32 masters and
-        AdamW's state: each rank writes its own shards), with ``trainer_meta.pt`` (scheduler,
-        step, version, RNG). Any number of ranks, or a single learner, can load it. Every rank
-        must see ``run_dir`` (one node, or a shared filesystem). The write is atomic as for a
-        single learner: rank 0 moves the folder into place once every rank wrote its part.
+        Rank 0 writes the consolidated HF model and the tokenizer; each rank writes its shards of
+        the float32 masters and AdamW's state; any number of ranks, or a single learner, can load
+        it. Rank 0 moves the folder into place once every rank wrote its part.
         """
         root = Path(run_dir) / "checkpoints"
         final = root / f"step_{int(step)}"
@@ -234,8 +214,8 @@ class Checkpointer:
 
     def load(self, path: str | Path) -> dict:
         """Restore weights, optimizer, scheduler and RNG from a ``step_<N>`` folder in place (the
-        optimizer keeps pointing at the same parameters); returns its ``step``, ``version`` and
-        ``rollout_state`` (None when the checkpoint has none), for the learner to take."""
+        optimizer keeps pointing at the same parameters); returns ``step``, ``version`` and
+        ``rollout_state`` (None when absent)."""
         from transformers import AutoModelForCausalLM
 
         path = Path(path)
@@ -343,9 +323,9 @@ def move_into_place(tmp: Path, final: Path) -> Path | None:
     """Rename the complete ``tmp`` to ``final``; returns the old ``final`` renamed aside (the
     caller deletes it), or None when there was none.
 
-    ``os.replace`` cannot replace a non-empty folder, and deleting the old one first would
-    leave no ``step_<N>`` at all if the rename then failed. So the old one is renamed aside
-    under a name that needs no new directory, and renamed back if ``tmp`` cannot take its place.
+    Trap: ``os.replace`` cannot replace a non-empty folder, and deleting the old one first would
+    leave no ``step_<N>`` if the rename then failed; so it is renamed aside, and back on failure
+    (a crash between the renames leaves ``.old-step_<N>-*``).
     """
     if not final.exists():
         os.replace(tmp, final)
@@ -363,10 +343,9 @@ def move_into_place(tmp: Path, final: Path) -> Path | None:
 def os_error_behind(err: BaseException) -> OSError | None:
     """The OSError that made a checkpoint write fail, or None when ``err`` is no I/O error.
 
-    Writers in C++ and Rust do not raise OSError themselves. torch.save into a Python file
-    raises a RuntimeError ("unexpected pos ...") whose ``__context__`` is the OSError. safetensors
-    (the model's weights) raises SafetensorError("... No space left on device (os error 28)").
-    So this follows the exception chain, and reads an ``(os error N)`` code from a message.
+    C++ and Rust writers raise no OSError: torch.save into a Python file raises a RuntimeError
+    whose ``__context__`` is the OSError; safetensors raises SafetensorError("... (os error 28)").
+    So this follows the exception chain and reads an ``(os error N)`` code from a message.
     """
     seen: set[int] = set()
     while err is not None and id(err) not in seen:

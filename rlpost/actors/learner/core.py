@@ -1,16 +1,10 @@
 """The learner's step: a transformers model, AdamW and :class:`~rlpost.objectives.GRPOLoss`.
 
-:class:`Learner` trains on completed GRPO groups from the buffer, publishes versioned weights on
-the weight bus and writes checkpoints; :class:`LearnerSettings` are the job config sections it
-reads. It is a plain class (no Ray); :class:`~rlpost.actors.learner.actor.LearnerActor`, the Ray
-actor, is this class with a process's set-up, the role's metrics and the weight bus added (the
-logic stays testable without Ray). What the step needs besides
-lives beside this module, in :mod:`rlpost.actors.learner`: the checkpoint I/O
-(:mod:`~rlpost.actors.learner.checkpoint`, behind :meth:`Learner.save_checkpoint` and
-:meth:`Learner.load_checkpoint`), what a weight sync sends and the LoRA route
-(:mod:`~rlpost.actors.learner.lora_sync`), the model's and the process's memory
-(:mod:`~rlpost.actors.learner.memory`) and the step's metrics
-(:mod:`~rlpost.actors.learner.step_metrics`).
+:class:`Learner` trains on completed GRPO groups, publishes versioned weights and writes
+checkpoints. It is a plain class (no Ray); :class:`~rlpost.actors.learner.actor.LearnerActor` adds
+a process's set-up, the role's metrics and the weight bus. Beside it in :mod:`rlpost.actors.learner`:
+checkpoint I/O (``checkpoint``), weight-sync payloads and the LoRA route (``lora_sync``), memory
+(``memory``) and the step's metrics (``step_metrics``).
 
 One learner step, ``train_step(groups)``::
 
@@ -23,61 +17,44 @@ One learner step, ``train_step(groups)``::
         clip_grad_norm_(grad_clip); optimizer.step(); scheduler.step(); zero_grad()
         version += 1
 
-Micro-batch scaling. Every term of the loss (objective, KL, entropy, KL to inference) is
-``numerator(masked terms) / D`` with a denominator ``D`` set by the aggregation
-(:func:`rlpost.algo.loss_normaliser`): the number of loss tokens (``token_mean``), of rows with
-at least one loss token (``sequence_mean``), or of rows times ``max_tokens``
-(``sequence_sum_norm``). Each micro-batch's terms are divided by the whole batch's ``D``, so the
-micro-batch losses add up to the loss over the whole batch and the accumulated gradient equals
-its gradient exactly, for any split and any aggregation: unequal token counts in the
-micro-batches do not tilt the step. (Averaging micro-batch losses, ``1 / grad_accumulation``
-each, is only equal to it when every micro-batch has the same denominator.)
+Micro-batch scaling. Every loss term is ``numerator(masked terms) / D``, ``D`` set by the
+aggregation (:func:`rlpost.algo.loss_normaliser`: loss tokens for ``token_mean``, rows with a
+loss token for ``sequence_mean``, rows x ``max_tokens`` for ``sequence_sum_norm``). Dividing each
+micro-batch by the whole batch's ``D`` makes the accumulated gradient equal the whole batch's
+exactly, for any split and aggregation (averaging micro-batch losses would only be equal when
+every micro-batch has the same denominator).
 
-The loss (``loss.type``) is :class:`~rlpost.objectives.GRPOLoss` over
-:func:`rlpost.algo.grpo_loss` (``grpo``), :class:`~rlpost.objectives.DAPO` (``dapo``: the
-same with DAPO's defaults), :class:`~rlpost.objectives.CISPOLoss` (``cispo``), or GRPOLoss over
-:func:`rlpost.algo.sft_loss` (``sft``: expert iteration on the samples the env pools kept); or
-the function ``loss.custom_fn`` names, called with grpo_loss's arguments. With
-``loss.distillation.coef`` each micro-batch's advantages become per token (the teacher's term,
-:meth:`Learner._with_distillation`) before the loss.
+The loss (``loss.type``): GRPOLoss over :func:`rlpost.algo.grpo_loss` (``grpo``),
+:class:`~rlpost.objectives.DAPO` (``dapo``), :class:`~rlpost.objectives.CISPOLoss` (``cispo``),
+GRPOLoss over :func:`rlpost.algo.sft_loss` (``sft``: expert iteration on the kept samples), or
+``loss.custom_fn`` called with grpo_loss's arguments. ``loss.distillation.coef`` makes the
+advantages per token first (:meth:`Learner._with_distillation`).
 
-Versions. ``version`` = the number of optimizer steps taken since the initial weights (version 0,
-the weights on disk that the inference engines start from); each optimizer step adds 1, so a
-step with ``epochs_per_batch = k`` adds k. Published weights carry the version they are, and
-staleness is measured in it (``version at the start of the step - sample.policy_version``).
+Versions. ``version`` = optimizer steps since the initial weights (version 0, the weights the
+engines start from); a step with ``epochs_per_batch = k`` adds k. Staleness is measured in it
+(``version at the start of the step - sample.policy_version``).
 
-Precision. Master weights and optimizer state are always float32. On CUDA with
-``model.dtype: bfloat16`` the forward runs under ``torch.autocast(bfloat16)`` (the log-softmax
-and the loss math stay float32); float16 is not autocast (it would need loss scaling) and
-trains in float32. On CPU everything is float32. Weights are published in ``model.dtype``, the
-dtype of the inference engines; checkpoints hold the float32 masters.
-
+Precision. Master weights and optimizer state are float32. On CUDA with ``model.dtype:
+bfloat16`` the forward runs under ``torch.autocast(bfloat16)`` (log-softmax and loss stay
+float32); float16 is not autocast (it would need loss scaling) and trains in float32; CPU is
+float32. Weights are published in ``model.dtype``; checkpoints hold the float32 masters.
 Dropout is off (``model.eval()``) for good: the learner's scores must match the engine's.
 
-Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer's activations in the
-backward pass (:func:`~rlpost.actors.learner.memory.enable_activation_checkpointing`); ``trainer.max_tokens_per_microbatch``
-bounds the tokens of a micro-batch's forward (rows x the longest, or with
-``model.pack_sequences`` the packed rows: :func:`rlpost.actors.batch.split_to_budget`), by default
-(``auto``) from the model's shape and the device's free memory at the first step
-(:mod:`rlpost.actors.token_budget`); a row longer than the budget fails its step before any
-pass, naming the key. Neither changes the step's loss or gradient.
+Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer in the backward;
+``trainer.max_tokens_per_microbatch`` bounds a micro-batch's forward tokens (:attr:`Learner.token_budget`).
+Neither changes the step's loss or gradient.
 
-LoRA (``model.lora``): the model is wrapped by ``peft`` with an adapter on each target layer and
-only the adapter trains (AdamW holds state for it alone). A sync sends the adapter's tensors,
-which the inference workers serve as a vLLM LoRA adapter, or the merged weights where an engine
-cannot (``sync_mode``, :meth:`choose_sync_mode`); checkpoints hold the adapter in peft's format
-and, with ``model.lora.save_merged``, the merged model in ``merged/`` (:mod:`rlpost.policies.lora`).
+LoRA (``model.lora``): peft wraps the model and only the adapter trains (AdamW holds state for
+it alone); syncs send the adapter or the merged weights (:meth:`Learner.choose_sync_mode`).
 
 Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
-:mod:`rlpost.actors.sharding`): the model is sharded with FSDP2 over the group; each rank builds
-it empty and is sent only its shards of the weights (``sharding.load_shards``). Every rank is
-given the whole step's groups and trains on its share (rank r takes groups r, r + N, ...); the
-normaliser ``D`` is summed over the ranks, so the ranks' summed gradient is the one-process
-gradient. The ranks run the same number of forward/backward passes (FSDP gathers each layer's
-parameters in every rank's forward): a rank with fewer micro-batches adds passes that contribute
-a zero gradient. Scoring and publishing are collectives too: every rank calls them; rank 0 alone
-sends the gathered weights. On CUDA with ``model.dtype: bfloat16`` the gathered parameters are
-bfloat16 and the reductions float32 (FSDP's mixed precision replaces autocast).
+:mod:`rlpost.actors.sharding`): FSDP2 over the group; each rank builds the model empty and loads
+only its shards. Every rank gets the whole step's groups and trains on its share (rank r takes
+groups r, r + N, ...); ``D`` is summed over the ranks, so the summed gradient is the one-process
+gradient. The ranks run the same number of forward/backward passes (FSDP gathers each layer in
+every rank's forward): a rank with fewer micro-batches adds zero-gradient passes. Scoring and
+publishing are collectives too; rank 0 alone sends. With bfloat16 on CUDA the gathered
+parameters are bfloat16 and reductions float32 (FSDP's mixed precision replaces autocast).
 """
 
 from __future__ import annotations
@@ -88,7 +65,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
@@ -109,16 +85,10 @@ from rlpost.policies import TransformersWrapper, lora
 from rlpost.runtime.liveness import progress, working
 from rlpost.transport.bucketing import StreamedTensors
 
-if TYPE_CHECKING:
-    pass
-
 # loss.type -> the loss module and the function its terms come from (None: rlpost.algo.grpo_loss);
 # expert iteration is SFT through the same module, on the samples the env pools kept
 LOSS_TYPES = {"grpo": (GRPOLoss, None), "dapo": (DAPO, None), "cispo": (CISPOLoss, None), "sft": (GRPOLoss, sft_loss)}
 log = logging.getLogger("rlpost")
-
-
-# ------------------------------------------------------------------------------------ batches
 
 
 def _warmup_factor(step: int, warmup_steps: int) -> float:
@@ -296,9 +266,8 @@ class Learner:
         return metrics
 
     def _with_distillation(self, batch: TensorDict) -> TensorDict:
-        """With ``loss.distillation.coef`` set, ``batch``'s advantages per token: the teacher's
-        term (:func:`rlpost.algo.distillation_advantages`) on each generated token, plus the
-        reward's advantage when ``use_reward``; the teacher's log-probs are the reference
+        """With ``loss.distillation.coef`` set, ``batch``'s advantages per token
+        (:func:`rlpost.algo.distillation_advantages`); the teacher's log-probs are the reference
         actor's, on the samples."""
         distill = self.cfg.loss.distillation
         if distill.coef == 0:
@@ -331,10 +300,9 @@ class Learner:
 
     @property
     def token_budget(self) -> TokenBudget | None:
-        """The tokens a micro-batch's forward may hold (padded or packed, as the scorer lays rows
-        out): ``trainer.max_tokens_per_microbatch``, or
-        with ``auto`` set (and logged) on first use, at the first step: by then the run's other
-        actors on this node, the inference engines and their caches, hold their memory."""
+        """The tokens a micro-batch's forward may hold (padded or packed rows):
+        ``trainer.max_tokens_per_microbatch``; ``auto`` is set on first use, at the first step, when
+        the node's other actors (the engines and their caches) already hold their memory."""
         if self._budget is None and self.cfg.trainer.max_tokens_per_microbatch is not None:
             self._budget = self._make_token_budget()
         return self._budget
@@ -434,38 +402,31 @@ class Learner:
         return [logprobs_bt[i, : len(ids)].float().tolist() for i, ids in enumerate(rows)]
 
     def choose_sync_mode(self, workers_serve_lora: Sequence[bool]) -> str:
-        """With LoRA: send the adapter when every worker serves LoRA (``workers_serve_lora``, in
-        worker order), otherwise the merged weights (``model.lora.sync: auto``, with a warning)
-        or refuse (``sync: adapter``). Returns the mode, also kept in ``sync_mode``
-        (:func:`~rlpost.actors.learner.lora_sync.choose_sync_mode`)."""
+        """With LoRA, the mode a sync sends, kept in ``sync_mode``
+        (:func:`~rlpost.actors.learner.lora_sync.choose_sync_mode`); ``workers_serve_lora`` in worker order."""
         self.sync_mode = lora_sync.choose_sync_mode(self.cfg, self.sync_mode, workers_serve_lora)
         return self.sync_mode
 
     def named_parameters_for_sync(self, device: str | torch.device = "cpu") -> Iterable[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs for the inference engines, lazily, by ``sync_mode``: every weight,
-        the LoRA adapter's or the merged weights, on ``device`` in ``model.dtype``
-        (:func:`~rlpost.actors.learner.lora_sync.named_parameters_for_sync`: the names, and why
-        ``lm_head.weight`` is sent with tied embeddings). With a sharded model each tensor is
-        gathered whole in turn (a collective: every rank iterates, in the same order).
-        """
+        """(name, tensor) pairs for the engines, lazily, by ``sync_mode``, on ``device`` in
+        ``model.dtype`` (:func:`~rlpost.actors.learner.lora_sync.named_parameters_for_sync`).
+        Sharded: each tensor is gathered in turn, a collective every rank iterates in the same order."""
         return lora_sync.named_parameters_for_sync(self.model, self.sync_mode, self.cfg.model.dtype, device)
 
     def weights_for_sync(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> StreamedTensors:
-        """``tensors`` (an iterator of :meth:`named_parameters_for_sync`) as
-        :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes up front,
-        each tensor made (gathered, cast) only when the bus fills its bucket, so the whole model is
-        never copied at once; the caller sees how far the bus consumed it."""
+        """``tensors`` (from :meth:`named_parameters_for_sync`) as
+        :class:`~rlpost.transport.bucketing.StreamedTensors`: each tensor is made only when the bus
+        fills its bucket, so the whole model is never copied at once."""
         return lora_sync.weights_for_sync(self.model, self.sync_mode, self.cfg.model.dtype, tensors)
 
     def publish(self, wait: bool = True) -> dict[str, float]:
         """Publish the current weights at the current version; returns timing and size metrics
         (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). In a sharded
-        group every rank calls it: the others gather the tensors with rank 0, which sends them.
+        group every rank calls it; rank 0 sends.
 
-        ``wait=False`` (a publisher with ``confirm``, such as the vLLMUpdater): return once the
-        weights are sent, while the workers still reload them, so that the next train step
-        overlaps their reload. The next publish, or :meth:`confirm_publish`, waits for it first;
-        ``weight_load_s`` then reports the latest reload confirmed (the update before).
+        ``wait=False`` (a publisher with ``confirm``): return once sent, so the next train step
+        overlaps the workers' reload; the next publish or :meth:`confirm_publish` waits for it,
+        and ``weight_load_s`` then reports the update before.
         """
         if self.sharded and self.rank != 0:
             start = time.perf_counter()
@@ -517,15 +478,9 @@ class Learner:
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, run_dir: str | Path, step: int, rollout_state: dict | None = None) -> Path:
-        """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``.
-
-        The folder holds the model (float32 masters) and tokenizer in HF format, the trainer
-        state (optimizer, scheduler, step, version, torch RNG states) and, when given,
-        ``rollout_state.pkl`` (the controller's). A failed write leaves every earlier checkpoint
-        intact and raises :class:`~rlpost.actors.learner.checkpoint.CheckpointWriteError` when
-        its cause is an I/O error (:meth:`Checkpointer.save
-        <rlpost.actors.learner.checkpoint.Checkpointer.save>` says how).
-        """
+        """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``
+        (:meth:`Checkpointer.save <rlpost.actors.learner.checkpoint.Checkpointer.save>`: the
+        layout, and :class:`~rlpost.actors.learner.checkpoint.CheckpointWriteError` on I/O errors)."""
         with working("save_checkpoint"):
             return self._checkpointer().save(run_dir, step, rollout_state, version=self._version)
 
@@ -539,17 +494,9 @@ class Learner:
         return restored
 
     def _checkpointer(self) -> Checkpointer:
-        """The checkpoint I/O for this learner's model, tokenizer, optimizer and scheduler."""
         cfg = self.cfg
         return Checkpointer(
-            self.model,
-            self.tokenizer,
-            self.optimizer,
-            self.scheduler,
-            lora_config=cfg.model.lora,
-            keep=cfg.trainer.keep_checkpoints,
-            trust_remote_code=cfg.model.trust_remote_code,
-            sharded=self.sharded,
-            rank=self.rank,
-            architecture=self._architecture,
-        )
+            self.model, self.tokenizer, self.optimizer, self.scheduler, lora_config=cfg.model.lora,
+            keep=cfg.trainer.keep_checkpoints, trust_remote_code=cfg.model.trust_remote_code,
+            sharded=self.sharded, rank=self.rank, architecture=self._architecture,
+        )  # fmt: skip

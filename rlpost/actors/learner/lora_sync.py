@@ -9,13 +9,9 @@ A :class:`~rlpost.actors.learner.core.Learner` keeps its ``sync_mode`` and its
 - ``"merged"``: the base weights with the adapter merged in, for engines that serve no LoRA (the
   frozen embeddings, output head and norms left out: the engines loaded the same base).
 
-With LoRA the route starts as the config chose it (:func:`lora_route`), and
-:func:`choose_sync_mode` turns an adapter route merged where an inference worker cannot serve
-LoRA (``LearnerActor.connect_workers``, in :mod:`rlpost.actors.learner.actor`).
-:func:`sync_tensors` lists a mode's tensors; :func:`named_parameters_for_sync` and
-:func:`weights_for_sync` give them as the weight bus takes them (gathered whole from a sharded
-model, cast to ``model.dtype``). :func:`adapter_dropout` turns the adapters' dropout on for one
-training pass. The functions hold no state: the Learner passes its model and mode.
+With LoRA the route starts as the config chose it (:func:`lora_route`); :func:`choose_sync_mode`
+turns an adapter route merged where a worker cannot serve LoRA. The functions hold no state: the
+Learner passes its model and mode.
 """
 
 from __future__ import annotations
@@ -45,10 +41,9 @@ def lora_route(cfg: LearnerSettings) -> str:
 
 
 def choose_sync_mode(cfg: LearnerSettings, current: str, workers_serve_lora: Sequence[bool]) -> str:
-    """With LoRA: send the adapter when every worker serves LoRA (``workers_serve_lora``, in
-    worker order), otherwise the merged weights (``model.lora.sync: auto``, with a warning)
-    or refuse (``sync: adapter``). Returns the mode; ``current`` (the learner's ``sync_mode``)
-    without LoRA or on a merged route."""
+    """With LoRA: the adapter when every worker serves LoRA (``workers_serve_lora``), otherwise
+    the merged weights (``model.lora.sync: auto``, with a warning) or refuse (``sync: adapter``).
+    ``current`` (the learner's ``sync_mode``) without LoRA or on a merged route."""
     section = cfg.model.lora
     if section is None or lora_route(cfg) == "merged":
         return current
@@ -82,23 +77,13 @@ def sync_tensors(
 def named_parameters_for_sync(
     model: torch.nn.Module, sync_mode: str, dtype: str, device: str | torch.device = "cpu"
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs for the inference engines, lazily (``dtype``: ``model.dtype``, the
-    engines').
+    """(name, tensor) pairs of :func:`sync_tensors` for the engines, lazily: detached, contiguous
+    copies on ``device`` in ``dtype`` (``model.dtype``), under the HF checkpoint names vLLM's
+    ``load_weights`` expects (peft's names for an adapter).
 
-    Names are ``model.state_dict()`` keys, i.e. the Hugging Face checkpoint names vLLM's
-    ``load_weights`` / ``reload_weights`` expect; tensors are detached, contiguous copies on
-    ``device`` in ``model.dtype``. With tied embeddings ``lm_head.weight`` is still sent:
-    vLLM's CPU backend keeps its own (repacked) copy of the LM head, so updating only
-    ``model.embed_tokens.weight`` leaves the head stale (measured: sync_logprob_diff 2e-2
-    after one step without it, 3e-6 with it).
-
-    With LoRA (``sync_mode`` "adapter") they are the adapter's tensors under peft's names
-    (``...q_proj.lora_A.weight``), which the workers load as a vLLM LoRA adapter; with
-    ``sync_mode`` "merged", the base model's names and the merged weights of every layer but
-    the frozen embeddings, output head and norms (the engines loaded the same base).
-
-    With a sharded model each tensor is gathered whole in turn (a collective: every rank
-    iterates, in the same order).
+    Trap: with tied embeddings ``lm_head.weight`` is still sent, since vLLM's CPU backend keeps
+    its own repacked copy of the head (measured: sync_logprob_diff 2e-2 without it, 3e-6 with).
+    A sharded model's tensors are gathered in turn (a collective, same order on every rank).
     """
     torch_dtype = _DTYPES[dtype]
     for name, tensor in sync_tensors(model, sync_mode):
@@ -108,10 +93,9 @@ def named_parameters_for_sync(
 def weights_for_sync(
     model: torch.nn.Module, sync_mode: str, dtype: str, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> StreamedTensors:
-    """``tensors`` (an iterator of :func:`named_parameters_for_sync`) as
-    :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes up front,
-    each tensor made (gathered, cast) only when the bus fills its bucket, so the whole model is
-    never copied at once; the caller sees how far the bus consumed it."""
+    """``tensors`` (from :func:`named_parameters_for_sync`) as
+    :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes up front, each
+    tensor made only when the bus fills its bucket, so the whole model is never copied at once."""
     torch_dtype = _DTYPES[dtype]
     specs = tuple((name, torch_dtype, tuple(t.shape)) for name, t in sync_tensors(model, sync_mode, materialise=False))
     return StreamedTensors(specs, lambda: tensors)
