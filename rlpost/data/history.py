@@ -1,18 +1,9 @@
 """History: a batch of chat messages as a tensorclass (TorchRL's ``torchrl.data.llm.History``).
 
-A ``History`` holds one message per batch element: ``role``, ``content`` (a string, or a stack of
-:class:`~rlpost.data.ContentBase` blocks for multimodal messages), ``is_complete`` (a bool
-tensor), and optionally ``tool_calls`` and ``tool_responses``. A conversation is a History of
-batch ``[n_messages]``; a batch of conversations is ``[B, n_messages]``. It batches, indexes,
-stacks and concatenates like any tensorclass: ``h[0]`` is the first conversation, ``h[:, -1]``
-the last message of each, ``torch.stack([h1, h2])`` a batch. ``append`` / ``extend`` grow it
-along any dim, in place or not, dense or lazily stacked.
-
-Conversations of different lengths are padded on the right with messages whose role is
-``"<none>"`` (:data:`PAD_ROLE`), so that a batch stays dense; padding messages are dropped
-whenever a History is turned back into chats or rendered. (A ``lazy_stack`` of ragged Histories
-works everywhere a History is read; ``torch.cat`` of Histories of different lengths, e.g. of two
-collector batches, gives one.)
+One message per batch element: a conversation is ``[n_messages]``, a batch ``[B, n_messages]``.
+Conversations of different lengths are right-padded with ``"<none>"`` (:data:`PAD_ROLE`)
+messages so a batch stays dense; padding is dropped whenever a History becomes chats or text. A
+``lazy_stack`` of ragged Histories works everywhere (``torch.cat`` of different lengths gives one).
 
 Deliberate deviations from TorchRL, each because TorchRL's behaviour is wrong for training:
 
@@ -55,10 +46,7 @@ _OPTIONAL_FIELDS = ("tool_calls", "tool_responses")
 
 class HistoryError(ValueError, RuntimeError):
     """A History operation that cannot be done as asked (wrong batch dims, unparseable text).
-
-    Both a ValueError (rlpost's convention for a caller's mistake) and a RuntimeError (what
-    TorchRL raises in the same cases), so code written against either catches it.
-    """
+    A ValueError (rlpost's convention) and a RuntimeError (TorchRL's), so either catches it."""
 
 
 class History(TensorClass["nocast"]):
@@ -66,15 +54,11 @@ class History(TensorClass["nocast"]):
 
     Fields:
         role: "system", "user", "assistant", "tool" or the padding role ``"<none>"``.
-        content: the message text, or a :class:`ContentBase` stack (one more batch dim than the
-            History) for multimodal content; rendered as a list of block dicts.
-        is_complete: bool tensor shaped like the batch; False for a message that was cut before
-            its end-of-turn marker. Defaults to True.
-        tool_calls: optional list of tool-call dicts per message, passed to the chat template as
-            ``message["tool_calls"]``.
-        tool_responses: optional list of response strings per message, passed to the chat
-            template as ``message["tool_responses"]`` (the ``"qwen"`` template renders one
-            ``<tool_response>`` block per response).
+        content: the text, or a :class:`ContentBase` stack (one more batch dim) for multimodal
+            content, rendered as a list of block dicts.
+        is_complete: False for a message cut before its end-of-turn marker.
+        tool_calls / tool_responses: optional per-message lists, passed to the chat template as
+            ``message["tool_calls"]`` / ``message["tool_responses"]``.
     """
 
     role: str
@@ -100,9 +84,7 @@ class History(TensorClass["nocast"]):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # torch.cat of Histories whose other dims differ (conversations of different lengths, as
-        # in two collector batches): a lazy stack of their elements, as TorchRL's lazily stacked
-        # Histories concatenate. Everything else is the tensorclass's own handling.
+        # torch.cat of Histories of different lengths: a lazy stack, as TorchRL's concatenate.
         if func is torch.cat:
             joined = _cat_ragged(*args, **(kwargs or {}))
             if joined is not None:
@@ -113,14 +95,9 @@ class History(TensorClass["nocast"]):
 
     @classmethod
     def from_chats(cls, chats: Sequence[dict] | Sequence[Sequence[dict]]) -> History:
-        """Build a History from one chat (list of message dicts) or a batch of chats.
-
-        One chat gives batch ``[n_messages]``; a batch gives ``[B, max_n_messages]`` with shorter
-        chats padded by ``"<none>"`` messages. Message dicts need ``role`` and ``content``;
-        ``is_complete``, ``tool_calls`` and ``tool_responses`` are read when present. A content
-        given as a list of blocks (``[{"type": "image", "url": ...}, {"type": "text", ...}]``)
-        becomes a :class:`ContentBase` stack (the result is then a lazy stack).
-        """
+        """A History of one chat (``[n_messages]``) or a ``"<none>"``-padded batch of chats
+        (``[B, max_n_messages]``). Dicts need ``role`` and ``content``; a content given as a
+        list of blocks becomes a :class:`ContentBase` stack (the result is then a lazy stack)."""
         if len(chats) == 0:
             raise HistoryError("from_chats needs at least one message or one chat")
         if isinstance(chats[0], dict):
@@ -162,17 +139,11 @@ class History(TensorClass["nocast"]):
     ) -> History:
         """Parse rendered text back into messages (TorchRL's ``History.from_text``).
 
-        ``chat_template_name`` picks the format ("chatml_format", "qwen", "dialogpt", "falcon",
-        "deepseek", "llama", or one registered with :func:`add_chat_template`); when None it is
-        detected from ``tokenizer.name_or_path`` as TorchRL does ("chatml_format" without a
-        tokenizer). ``chat_template`` is accepted for TorchRL compatibility and has no effect.
-        The tokenizer's BOS/EOS tokens are used by the formats that render them.
-
-        A last message without its end marker is ``is_complete=False``, so rendering the result
-        gives the text back (see :func:`parse_chatml` for ChatML's tool turns). ChatML text after
-        a block's ``<|im_end|>`` that opens no new block (what vLLM generates with
-        ``ignore_eos=True``) is dropped, as in TorchRL. A list of texts
-        gives a ``"<none>"``-padded ``[B, max_n]`` batch.
+        ``chat_template_name``: "chatml_format", "qwen", "dialogpt", "falcon", "deepseek",
+        "llama" or one from :func:`add_chat_template`; None detects it from the tokenizer's name
+        as TorchRL does. ``chat_template`` has no effect (as in TorchRL). A last message without
+        its end marker is ``is_complete=False``, so rendering the result gives the text back;
+        ChatML text after an ``<|im_end|>`` that opens no block is dropped, as in TorchRL.
         """
         del chat_template  # TorchRL's parser ignores it too
         name = chat_template_name or templates.detect_chat_template_name(tokenizer)
@@ -190,13 +161,8 @@ class History(TensorClass["nocast"]):
     # ------------------------------------------------------------------ conversion
 
     def to_chats(self, *, include_state: bool = False) -> list:
-        """Message dicts, nested like the batch dims minus the last; ``"<none>"`` messages dropped.
-
-        A ``[n]`` History gives ``list[dict]``, ``[B, n]`` gives ``list[list[dict]]``. Dicts carry
-        ``role`` and ``content`` (a string, or a list of block dicts), and ``tool_calls`` /
-        ``tool_responses`` when set: what chat templates read. ``include_state=True`` adds
-        ``is_complete`` so that ``from_chats`` restores it.
-        """
+        """Message dicts nested like the batch dims minus the last, ``"<none>"`` messages dropped
+        (what chat templates read); ``include_state=True`` adds ``is_complete`` for ``from_chats``."""
         if self.batch_dims == 0:
             return self.unsqueeze(0).to_chats(include_state=include_state)
         if self.batch_dims > 1:
@@ -260,25 +226,18 @@ class History(TensorClass["nocast"]):
     ):
         """Render (and optionally tokenize) the conversations (TorchRL's signature and defaults).
 
-        ``tokenize=None`` means True when ``return_assistant_tokens_mask`` or ``return_tensors``
-        is set, else False. Tokenizing implies ``return_tensors="pt"`` (the only format
-        supported), and ``return_dict=True`` when the assistant mask is asked for. Results:
+        ``tokenize=None``: True when ``return_assistant_tokens_mask`` or ``return_tensors`` is
+        set. Tokenizing supports only ``return_tensors="pt"``; ``return_dict`` defaults to the
+        assistant mask's flag. Per ``[n]`` conversation: text, a ``[L]`` ids tensor, or a
+        TensorDict of ``[L]`` ``input_ids``, ``attention_mask`` (``assistant_masks``); ``[B, n]``
+        gives a list or a lazy stack, or with ``padding=True`` one dense ``[B, L_max]`` result
+        padded as the tokenizer pads (masks 0 there).
 
-        - text: a string for a ``[n]`` History, a list for ``[B, n]`` (nested for more dims);
-        - ids (``return_dict`` False): a ``[L]`` tensor per conversation (list for ``[B, n]``);
-        - dict: a TensorDict of ``input_ids``, ``attention_mask`` (and ``assistant_masks``),
-          each ``[L]``, per conversation; for ``[B, n]`` a lazy stack of them (read ragged
-          fields with ``td.get(key, as_list=True)`` or ``as_padded_tensor=True``).
-        - ``padding=True`` on ``[B, n]``: one dense ``[B, L_max]`` tensor or TensorDict, padded
-          as the tokenizer pads (its ``padding_side`` and pad id; masks hold 0 there).
-
-        Template: ``chat_template`` if given, else the template named ``chat_template_name``,
-        else one registered for the model with :func:`add_chat_template`, else the tokenizer's
-        own (``"chatml_format"`` when it has none). ``"<none>"`` messages are dropped and an
-        unfinished last message is continued (module docstring). Deviations from TorchRL beyond
-        those: one conversation's ids are ``[L]`` with or without ``return_dict`` (TorchRL gives
-        ``[1, L]`` without it), and ``padding`` pads across the batch (TorchRL renders each
-        conversation alone, so padding has no effect there).
+        Template: ``chat_template``, else ``chat_template_name``, else one registered with
+        :func:`add_chat_template`, else the tokenizer's own (``"chatml_format"`` without one).
+        Deviations from TorchRL beyond the module's: one conversation's ids are ``[L]`` with or
+        without ``return_dict`` (TorchRL: ``[1, L]`` without), and ``padding`` pads across the
+        batch (TorchRL renders each conversation alone, so padding has no effect there).
         """
         if tokenizer is None:
             raise HistoryError("apply_chat_template needs a tokenizer (or processor) to render with")
@@ -309,11 +268,8 @@ class History(TensorClass["nocast"]):
     # ------------------------------------------------------------------ growth
 
     def append(self, history: History, *, inplace: bool = True, dim: int = -1) -> History:
-        """Append ``history`` (one batch dim less than ``self``) along ``dim`` (TorchRL's append).
-
-        With ``inplace=True`` (the default) ``self`` is updated and returned. A 0-d History has
-        no dim to grow: ``unsqueeze(0)`` it first.
-        """
+        """Append ``history`` (one batch dim less than ``self``) along ``dim`` (TorchRL's append);
+        a 0-d History must be ``unsqueeze(0)``-ed first."""
         if not self.batch_dims:
             raise HistoryError("Cannot append an element to a batchless History. Call unsqueeze(dim=0) first on self.")
         if history.batch_dims != self.batch_dims - 1:
@@ -325,11 +281,8 @@ class History(TensorClass["nocast"]):
         return self._grow(history.unsqueeze(dim), dim, inplace)
 
     def extend(self, history: History, *, inplace: bool = True, dim: int = 0) -> History:
-        """Concatenate ``history`` (as many batch dims as ``self``) along ``dim`` (TorchRL's extend).
-
-        ``dim=0`` (TorchRL's default) adds conversations to a ``[B, n]`` batch and messages to a
-        ``[n]`` conversation; ``dim=-1`` adds messages to each conversation of a batch.
-        """
+        """Concatenate ``history`` (as many batch dims as ``self``) along ``dim`` (TorchRL's extend):
+        ``dim=0`` adds conversations to ``[B, n]`` (messages to ``[n]``), ``dim=-1`` messages to each."""
         if not self.batch_dims:
             raise HistoryError("Cannot add an element to a batchless History. Call unsqueeze(dim=0) first on self.")
         if history.batch_dims != self.batch_dims:
@@ -352,13 +305,9 @@ class History(TensorClass["nocast"]):
     # ------------------------------------------------------------------ specs
 
     def _spec_view(self) -> History:
-        """This History as a spec checks it (:meth:`Composite.is_in <rlpost.data.specs.Composite.is_in>`).
-
-        A History built without a batch size from lists (``History(role=[...], content=[...])``,
-        TorchRL's way to write a conversation) is 0-d with its messages stacked inside each
-        field; it is read as the ``[n]`` conversation it holds, so that
-        ``History.default_spec().is_in(history)`` holds as in TorchRL. Anything else is itself.
-        """
+        """This History as :meth:`Composite.is_in <rlpost.data.specs.Composite.is_in>` checks it:
+        a 0-d History built from lists (``History(role=[...], content=[...])``, TorchRL's way)
+        is read as the ``[n]`` conversation it holds, so ``default_spec().is_in`` holds on it."""
         role = self._tensordict.get("role", None)
         if self.batch_dims or not is_non_tensor(role) or role.batch_dims != 1:
             return self
@@ -374,10 +323,9 @@ class History(TensorClass["nocast"]):
     def default_spec(cls, shape=(-1,)):
         """The spec of a History field in an env or transform (TorchRL's ``History.default_spec``).
 
-        ``shape`` is the History's batch shape, message dim last (``-1``: any length). As in
-        TorchRL, the Composite has ``shape[:-1]`` and each field ``shape``; ``zero()`` gives a
-        History with one ``"foo"`` message per conversation. Deviation: ``is_complete`` is an
-        ``Unbounded`` bool spec, because rlpost stores it as a bool tensor.
+        ``shape``: the batch shape, message dim last (``-1``: any length); the Composite has
+        ``shape[:-1]``, each field ``shape``. Deviation: ``is_complete`` is an ``Unbounded`` bool
+        spec (rlpost stores a bool tensor).
         """
         shape = tuple(shape)
         fields = {
@@ -437,12 +385,8 @@ def _is_lazy(history: History) -> bool:
 
 def _join(a: History, b: History, dim: int) -> History:
     """``cat([a, b], dim)`` for any mix of dense, lazily stacked and unsqueezed Histories.
-
-    A lazy stack is joined element by element along its stack dim; dense Histories whose other
-    dims differ become a lazy stack along ``dim``; dense ones are concatenated once their
-    non-tensor fields are rebuilt the same way (``unsqueeze`` leaves them stacked along other
-    dims, which ``torch.cat`` refuses).
-    """
+    Trap: ``unsqueeze`` leaves non-tensor fields stacked along other dims, which ``torch.cat``
+    refuses, so dense ones are rebuilt (:func:`_canonical`) first."""
     lazy = a if _is_lazy(a) else b if _is_lazy(b) else None
     if lazy is not None:
         stack_dim = lazy._tensordict.stack_dim
@@ -464,9 +408,8 @@ def _join(a: History, b: History, dim: int) -> History:
 
 
 def _cat_ragged(tensors, dim: int = 0, *, out=None) -> History | None:
-    """``torch.cat(tensors, dim)`` of Histories that differ off ``dim`` (a lazy stack of all their
-    elements along ``dim``); None when they agree there (or are not all Histories), so that the
-    tensorclass concatenates them as usual."""
+    """``torch.cat`` of Histories that differ off ``dim``: a lazy stack of their elements; None
+    when they agree there (or are not all Histories): the tensorclass concatenates them."""
     histories = list(tensors)
     if out is not None or not histories or not all(isinstance(h, History) for h in histories):
         return None

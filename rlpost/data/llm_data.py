@@ -1,31 +1,22 @@
 """The containers LLM wrappers read and write (TorchRL's ``ChatHistory``, ``Text``, ``Tokens``,
-``LogProbs``, ``Masks``, and the older ``LLMData``), as tensorclasses that live under one key of a
-TensorDict each.
+``LogProbs``, ``Masks`` and the older ``LLMData``), one tensorclass per TensorDict key.
 
-Who makes them: the policies (:mod:`rlpost.policies`) write them; environments write the
-``prompt`` fields; the loss, the KL transforms and the collector read them. They cross process
-boundaries inside TensorDicts (Ray pickles them as they are).
+Policies write them, environments write the ``prompt`` fields; the loss, KL transforms and
+collector read them (they cross processes inside TensorDicts). Layout (one row per sequence):
 
-Layout shared by all of them (``B`` = batch, one row per sequence):
+- ``prompt``: what the model was conditioned on; ``response``: what it generated (when scoring,
+  the part after the prompt); ``full``: prompt followed by response.
+- ``padded=False``: a ``lazy_stack`` of per-row tensors (``td.get(key, as_list=True)``).
+- ``padded=True``: ``prompt`` left-padded, ``response`` right-padded, ``full`` their ``cat``.
+  Trap: ``Masks.all_attention_mask`` marks the real tokens; never infer it from the pad id
+  (the EOS id for Qwen-family tokenizers).
+- ``LogProbs.full[t]`` is ``log p(full[t] | full[:t])``; position 0 holds 0. ``LogProbs`` and
+  ``Masks`` always have the shape of ``Tokens.full``.
 
-- ``prompt``: what the model was conditioned on; ``response``: what it generated (or, when
-  scoring, the part after the prompt); ``full``: prompt followed by response.
-- ``padded=False`` (``pad_output=False``): a ``lazy_stack`` of per-row tensors of their own
-  lengths; read with ``td.get(key, as_list=True)`` or ``as_padded_tensor=True``.
-- ``padded=True``: dense tensors. ``prompt`` is padded on the left, ``response`` on the right and
-  ``full`` is ``cat(prompt, response)`` along the last dim (so padded on both sides).
-  ``Masks.all_attention_mask`` marks the real tokens: never infer it from the pad id, which is
-  the EOS id for Qwen-family tokenizers.
-- ``LogProbs.full[t]`` is ``log p(full[t] | full[:t])``; position 0 has no context and holds 0.
-  ``LogProbs`` and ``Masks`` always have the shape of ``Tokens.full``.
-
-Each class has TorchRL's fields (in TorchRL's order) and ``default_spec``; conversions between
-them (``ChatHistory.to_tokens`` / ``to_text``, ``Text.to_tokens`` / ``to_history``,
-``Tokens.to_text`` / ``to_history``) render with the tokenizer, as the wrappers do. They keep
-TorchRL's layout when a field holds more rows than the container's batch: a 0-d ChatHistory whose
-``full`` is a ``[k, n]`` History (TorchRL's tests build ``ChatHistory(full=History.from_chats([chat]))``)
-converts to a list of ``k`` strings, to ``[k, L]`` ids (a jagged nested tensor when the lengths
-differ), and back; a str, ``[L]`` ids or ``[n]`` History is one row.
+The conversions (``to_tokens`` / ``to_text`` / ``to_history``) render with the tokenizer as the
+wrappers do, and keep TorchRL's layout when a field holds more rows than the batch: a 0-d
+ChatHistory over a ``[k, n]`` History converts to ``k`` strings or ``[k, L]`` ids (jagged when
+lengths differ) and back; a str, ``[L]`` ids or ``[n]`` History is one row.
 """
 
 from __future__ import annotations
@@ -46,11 +37,8 @@ _PARTS = ("prompt", "response", "full")
 class ChatHistory(TensorClass["nocast"]):
     """Conversation state under the ``"history"`` key: the prompt, the response and both joined.
 
-    Each field is a :class:`History` with one more batch dim than the ChatHistory (the messages);
-    ``response`` holds the message(s) the model produced for each row. A History given with as
-    many batch dims as the ChatHistory is read as one message per row and unsqueezed (with a
-    warning), as TorchRL does. The conversions also take fields with two more batch dims (a 0-d
-    ChatHistory over a ``[k, n]`` History: see the module docstring).
+    Each field is a :class:`History` with one more batch dim (the messages); one with as many
+    batch dims is unsqueezed with a warning, as TorchRL does.
     """
 
     prompt: History | None = None
@@ -70,16 +58,14 @@ class ChatHistory(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
-        """The spec of a ChatHistory of batch ``shape`` (TorchRL's): each of ``keys`` (default
-        prompt, response, full) a ``History.default_spec(shape + (-1,))``; ``step_mdp_static``."""
+        """TorchRL's spec: each of ``keys`` a ``History.default_spec(shape + (-1,))``."""
         shape = tuple(shape)
         entries = {key: History.default_spec(shape=shape + (-1,)) for key in (keys or _PARTS)}
         return specs.Composite(entries, shape=shape[:-1], data_cls=cls, step_mdp_static=True)
 
     def apply_chat_template(self, tokenizer=None, **kwargs):
-        """Render the conversation so far: ``full`` when the policy has answered, else
-        ``prompt``; keyword arguments as :meth:`History.apply_chat_template`. Code written for
-        TorchRL 0.9, where ``td["history"]`` held the History itself, keeps working."""
+        """Render ``full`` (else ``prompt``) as :meth:`History.apply_chat_template` does, so code
+        for TorchRL 0.9 (``td["history"]`` was the History) keeps working."""
         history = self.full if self.full is not None else self.prompt
         if history is None:
             raise ValueError("ChatHistory.apply_chat_template: neither full nor prompt is set")
@@ -89,11 +75,8 @@ class ChatHistory(TensorClass["nocast"]):
         """Render the conversations into a :class:`Text` (TorchRL's ``ChatHistory.to_text``).
 
         ``prompt`` is rendered with the generation prompt, ``full`` without; ``response`` is
-        ``full`` minus the ``prompt`` text when both are set (a ValueError when the prompt's
-        text is not a prefix of the full text), else the ``response`` History rendered alone.
-        An unfinished last message is continued, not closed (see :class:`History`). A ChatHistory
-        of two or more batch dims converts row by row along its first dim into a lazy stack of
-        Texts, which keeps its batch size (TorchRL's nested ``[2, 2]`` batch).
+        ``full`` minus the ``prompt`` text when both are set (ValueError unless a prefix), else
+        the ``response`` History alone. Two or more batch dims give a lazy stack of Texts.
         """
         if self.batch_dims > 1:
             return lazy_stack([row.to_text(tokenizer, chat_template_name, chat_template) for row in self.unbind(0)])
@@ -112,11 +95,8 @@ class ChatHistory(TensorClass["nocast"]):
     def to_tokens(self, tokenizer, chat_template_name: str | None = None, chat_template: str | None = None) -> Tokens:
         """Tokenize the conversations into unpadded :class:`Tokens` (TorchRL's ``ChatHistory.to_tokens``).
 
-        Same renderings as :meth:`to_text`; ``response`` is ``full`` sliced after the prompt's
-        length (a ValueError when the prompt's ids are not a prefix of the full ids: the
-        response would not be what follows the prompt). ``padded`` is False; for a batch the
-        result is a lazy stack of per-row Tokens. A field with one batch dim more than
-        ``batch + messages`` gives one ids row per conversation (module docstring).
+        Renderings as :meth:`to_text`; ``response`` is ``full`` after the prompt's ids (ValueError
+        unless they are a prefix). A batch gives a lazy stack of per-row Tokens.
         """
         if self.batch_dims > 1 or (self.batch_dims == 1 and self._num_extra_dims() > 0):
             return lazy_stack([row.to_tokens(tokenizer, chat_template_name, chat_template) for row in self.unbind(0)])
@@ -154,11 +134,8 @@ class ChatHistory(TensorClass["nocast"]):
 
 
 class Text(TensorClass["nocast"]):
-    """Strings under the ``"text"`` key: rendered prompt, decoded response, and their concatenation.
-
-    ``padded`` is TorchRL's field as its LLM-wrapper tutorial reads it (``result["text"].padded``);
-    strings are never padded, so wrappers leave it None.
-    """
+    """Strings under the ``"text"`` key. ``padded`` exists because TorchRL's tutorial reads it;
+    strings are never padded, so wrappers leave it None."""
 
     prompt: Any = None
     response: Any = None
@@ -177,10 +154,8 @@ class Text(TensorClass["nocast"]):
     ) -> Tokens:
         """Tokenize each text field into unpadded :class:`Tokens` (TorchRL's ``Text.to_tokens``).
 
-        A string gives ``[L]`` ids; a list of ``k`` strings in a 0-d Text gives ``[k, L]`` (a
-        jagged nested tensor when the lengths differ). Deviation: no special tokens are added
-        (``add_special_tokens=False``): rendered chat text already holds the template's, and a
-        second BOS would change what the model sees.
+        Deviation: ``add_special_tokens=False``: rendered chat text already holds the
+        template's, and a second BOS would change what the model sees.
         """
         if padding:
             raise ValueError(
@@ -206,10 +181,8 @@ class Text(TensorClass["nocast"]):
     def to_history(self, tokenizer, chat_template_name: str | None = None) -> ChatHistory:
         """Parse the texts back into a :class:`ChatHistory` (TorchRL's ``Text.to_history``).
 
-        A string gives an ``[n]`` History, a list of strings a ``"<none>"``-padded ``[k, n]`` one,
-        nested lists a lazy stack of those. ``response`` texts hold no header of their own: they
-        are parsed after their prompt and the messages beyond the prompt's finished ones are the
-        response.
+        ``response`` texts hold no header of their own: they are parsed after their prompt, and
+        the messages beyond the prompt's finished ones are the response.
         """
         name = chat_template_name or templates.detect_chat_template_name(tokenizer)
         out = {}
@@ -231,16 +204,11 @@ class Tokens(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
-        """The spec of Tokens of batch ``shape`` (TorchRL's): ``[*shape, -1]`` ids per key and a
-        ``padded`` flag. Deviation: the ids are int64 (TorchRL leaves the default float dtype)."""
+        """TorchRL's spec. Deviation: the ids are int64 (TorchRL: the default float dtype)."""
         return _sequence_spec(cls, shape, keys or _PARTS, torch.int64)
 
     def to_text(self, tokenizer, skip_special_tokens: bool = False) -> Text:
-        """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only.
-
-        ``[L]`` ids give a string, ``[k, L]`` ids (or a nested tensor) a list of ``k`` strings;
-        Tokens of two or more batch dims decode row by row along the first (a lazy stack of Texts).
-        """
+        """Decode each field into a :class:`Text` (TorchRL's ``Tokens.to_text``); unpadded only."""
         if _any_flag(self.padded):
             raise ValueError("Tokens.to_text needs unpadded tokens (padded=False): padding ids would be decoded")
         if self.batch_dims > 1:
@@ -274,7 +242,7 @@ class LogProbs(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
-        """The spec of LogProbs of batch ``shape`` (TorchRL's): float32 ``[*shape, -1]`` per key."""
+        """TorchRL's spec: float32 ``[*shape, -1]`` per key."""
         return _sequence_spec(cls, shape, keys or _PARTS, torch.float32)
 
 
@@ -294,19 +262,15 @@ class Masks(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(-1,), keys: list[str] | None = None):
-        """The spec of Masks of batch ``shape`` (TorchRL's), bool ``[*shape, -1]`` per key.
-        Deviation: the masks are bool (TorchRL leaves the default float dtype)."""
+        """TorchRL's spec. Deviation: the masks are bool (TorchRL: the default float dtype)."""
         return _sequence_spec(cls, shape, keys or ("all_attention_mask", "all_assistant_mask"), torch.bool)
 
 
 class LLMData(TensorClass["nocast"]):
     """The input or output of an LLM as one record (TorchRL's older ``torchrl.data.llm.LLMData``).
 
-    rlpost's wrappers write :class:`Tokens`, :class:`Text`, ... instead; this record is kept for
-    code written against TorchRL's data API. Every field defaults to None: ``tokens`` (input or
-    output ids), ``tokens_response`` (the generated ids only), ``attention_mask``,
-    ``token_list`` / ``tokens_response_list`` (the same as Python lists), ``logits``,
-    ``log_probs``, ``text`` and ``text_response``.
+    Kept for code written against TorchRL's data API; rlpost's wrappers write :class:`Tokens`,
+    :class:`Text`, ... instead. ``*_list`` fields hold the same ids as Python lists.
     """
 
     tokens: torch.Tensor | None = None
@@ -321,9 +285,8 @@ class LLMData(TensorClass["nocast"]):
 
 
 class _RaggedField:
-    """A tensor field that also reads rows of different lengths: on a lazy stack whose rows
-    differ (``pad_output=False``), ``tokens.response`` is a jagged nested tensor (TorchRL's
-    tutorial reads ``.response.shape`` there) where tensordict would raise."""
+    """A tensor field that also reads ragged rows: on a lazy stack it is a jagged nested tensor
+    where tensordict would raise (TorchRL's tutorial reads ``.response.shape`` there)."""
 
     def __init__(self, name: str, getter):
         self.name, self.getter = name, getter
