@@ -8,44 +8,33 @@ A wrapper reads a TensorDict of prompts (or full sequences) and writes the conta
     input_mode="tokens":  ("tokens", "prompt") token ids        -> Tokens under "tokens"
     + "text" (Text), "masks" (Masks), "tokens" (Tokens), "log_probs" (LogProbs) as asked for.
 
-``generate=True`` samples ``num_samples`` completions per prompt (output batch ``[B]``, or
-``[B, num_samples]`` when ``num_samples`` is set) and returns the engine's log-probs of the
-sampled tokens. ``generate=False`` scores given full sequences (``("history"|"text"|"tokens",
-"full")``): ``log_probs.full[t] = log p(full[t] | full[:t])`` at the wrapper's temperature, so a
-scoring twin (``get_new_version(generate=False)``) reproduces the generator's log-probs.
-
-The base class does everything engine-independent (templates, tokenisation, layouts, masks);
-a backend implements two methods on plain token-id lists:
+``generate=True`` samples completions (batch ``[B]``, or ``[B, num_samples]``) with the engine's
+log-probs; ``generate=False`` scores full sequences: ``log_probs.full[t] = log p(full[t] |
+full[:t])`` at the wrapper's temperature, so ``get_new_version(generate=False)`` reproduces the
+generator's log-probs. A backend implements two methods on token-id lists:
 
 - ``_generate_ids(prompt_ids, num_samples) -> list[list[Completion]]``
 - ``_score_ids(full_ids, score_from) -> list[Tensor]`` (float32, length ``len(ids)``, 0 at
   position 0; positions before ``score_from`` may be left at 0)
 
-Token ids returned by the engine are used as they are; generated text is decoded for display and
-for the history but never re-tokenised: a decode/encode round trip does not give the same ids
-back in general, and the log-probs belong to the engine's ids.
+Trap: the engine's token ids are used as they are; generated text is decoded but never
+re-tokenised (a decode/encode round trip changes ids, and the log-probs belong to the engine's).
 
-TorchRL's behaviour kept: ``in_keys``/``out_keys`` and ``input_key`` semantics, the output
-flags chosen from the mode, ``max_tokens`` winning over ``max_new_tokens`` and ``n`` over
-``num_return_sequences``, ``inplace`` (True updates the input, also a 0-d one; False and
-"empty" hold the outputs only), 0-d and N-d batches, TorchRL's exception types and messages
-(ValueError for bad arguments and missing keys, TypeError for a wrong input type). Deliberate
-deviations: ``return_text`` /
-``return_tokens`` / ``return_masks`` can turn outputs off; text inputs are tokenised with
-``add_special_tokens=False`` (chat-rendered text carries its own markers); dense token ids
-without a mask at ``attention_mask_key`` are read as they are (TorchRL drops every id equal to
-the pad id, which with pad == EOS drops real EOS tokens too; a container flagged ``padded``
-needs its mask); the output is richer than TorchRL's where TorchRL leaves fields None (e.g.
-``tokens.prompt``/``full`` in text mode): every row has prompt, response and full; in generate
-mode prompt positions are not scored (``log_probs.prompt`` is None, ``log_probs.full``
-holds 0 there) and ``masks.all_assistant_mask`` covers this call's response tokens only
-(earlier assistant turns of a multi-turn prompt have no behaviour log-prob; scoring a history
-gives the template's full mask).
+TorchRL's behaviour kept: key semantics, output flags from the mode, ``max_tokens`` over
+``max_new_tokens`` and ``n`` over ``num_return_sequences``, ``inplace``, 0-d and N-d batches,
+exception types and messages. Deliberate deviations: ``return_text`` / ``return_tokens`` /
+``return_masks`` can turn outputs off; text inputs are tokenised with ``add_special_tokens=False``
+(chat-rendered text carries its own markers); dense ids without a mask at ``attention_mask_key``
+are read as they are (TorchRL drops every id equal to the pad id, which with pad == EOS drops
+real EOS tokens; a container flagged ``padded`` needs its mask); every row has prompt, response
+and full where TorchRL leaves fields None; in generate mode prompt positions are not scored
+(``log_probs.prompt`` None, ``log_probs.full`` 0 there) and ``masks.all_assistant_mask`` covers
+this call's response only (earlier assistant turns have no behaviour log-prob; scoring a
+history gives the template's full mask).
 
-This module is the single place where the layout contract of :mod:`rlpost.data.llm_data` is
-produced, for every backend: reading the input in :mod:`rlpost.policies.wrapper_inputs`, the
-output layout in :mod:`rlpost.policies.wrapper_outputs`, generation arguments in
-:mod:`rlpost.policies.generation`, the TensorDict reading helpers in :mod:`rlpost.policies.inputs`.
+The one producer of :mod:`rlpost.data.llm_data`'s layout for every backend, with
+:mod:`~rlpost.policies.wrapper_inputs`, :mod:`~rlpost.policies.wrapper_outputs`,
+:mod:`~rlpost.policies.generation` and :mod:`~rlpost.policies.inputs`.
 """
 
 from __future__ import annotations
@@ -75,56 +64,39 @@ class LLMWrapperBase(InputReader, OutputWriter, CategoricalSequential):
         tokenizer: a transformers tokenizer (needed for history and text modes and to decode);
             each backend finds the model's own when it is omitted.
         input_mode: "history", "text" or "tokens".
-        input_key: the key the main input is read from, as in TorchRL: defaults to
-            ``(mode, "prompt")`` when generating and ``(mode, "full")`` when scoring. A bare
-            value (a History, strings or token ids) at the mode's key, or at ``input_key``, is
-            read as that main input.
+        input_key: defaults to ``(mode, "prompt")`` when generating, ``(mode, "full")`` when
+            scoring; a bare value (History, strings, ids) at the mode's key is read as the input.
         attention_mask_key: where a dense padded token input finds its mask (pad == EOS makes
-            the mask impossible to infer from ids); defaults to ``("masks", "all_attention_mask")``.
-        generate: True samples completions; False scores the given full sequences.
-        generate_kwargs: max_new_tokens (backend name max_tokens), temperature, top_p, top_k,
-            seed, n (num_return_sequences), do_sample...; see :func:`normalize_generate_kwargs`.
-            Kept as ``self.generate_kwargs`` under the standard names (``max_tokens`` read back
-            as ``max_new_tokens``, ``n`` as ``num_return_sequences``), as TorchRL's
-            TransformersWrapper keeps them; ``self.generate_params`` adds the defaults.
-        tokenizer_kwargs: extra keyword arguments for tokenizing text inputs (padding options
-            are decided by the wrapper).
-        pad_output: dense padded tensors (True) or lazy stacks of per-row tensors (False).
-        inplace: True writes into the input TensorDict (default when ``num_samples`` is None);
-            False (default with ``num_samples``) returns a new TensorDict of the outputs only;
-            ``"empty"`` returns ``input.empty()`` (its type and batch size) holding the outputs.
-        device: device the outputs are moved to (None: where they are made, the CPU).
-        num_samples: completions per prompt; adds a trailing batch dim of that size.
-        chat_template_name: a named template of :meth:`History.apply_chat_template`.
-        chat_template: a Jinja template to use instead of the tokenizer's.
-        return_log_probs: return LogProbs (default True; required when scoring).
-        return_text, return_tokens, return_masks: return Text / Tokens / Masks; by default as
-            TorchRL decides from the mode (text for "text" and "history", tokens and masks
-            always). Turning them off saves work where a caller only needs log-probs.
-        history_key, text_key, tokens_key, masks_key, log_probs_key: output keys.
-        score_assistant_only: rlpost's addition (TorchRL has no such argument), for a loss that
-            reads log-probs only where the input's ``masks.all_assistant_mask`` is True: when
-            scoring, a backend may skip every position before the first assistant token of any
-            row, whose log-probs are then 0 (an input without that mask is scored whole).
-            TransformersWrapper applies its LM head and log-softmax from that position on only
-            (``logits_to_keep``, as TRL scores the completion only), which on a large vocabulary
-            is most of the cost of scoring a prompt. Default False: every position is scored,
-            as in TorchRL.
+            it impossible to infer from ids).
+        generate_kwargs: see :func:`normalize_generate_kwargs`; kept as ``self.generate_kwargs``
+            under the standard names (``max_tokens`` read back as ``max_new_tokens``, ``n`` as
+            ``num_return_sequences``) as TorchRL's TransformersWrapper does;
+            ``self.generate_params`` adds the defaults.
+        tokenizer_kwargs: for tokenizing text inputs (the wrapper decides padding).
+        pad_output: dense padded tensors, or lazy stacks of per-row tensors.
+        inplace: True writes into the input (default without ``num_samples``); False returns
+            the outputs only; ``"empty"`` returns ``input.empty()`` holding them.
+        num_samples: completions per prompt; adds a trailing batch dim.
+        device: where outputs are moved (None: left on the CPU). chat_template_name /
+            chat_template: a named template / a Jinja template instead of the tokenizer's.
+        return_log_probs: required when scoring. return_text, return_tokens, return_masks:
+            default as TorchRL decides from the mode; off saves work for log-probs-only callers.
+        score_assistant_only: rlpost's addition: when scoring, a backend may skip every
+            position before the first assistant token of any row (log-probs 0 there; an input
+            without ``masks.all_assistant_mask`` is scored whole). TransformersWrapper then
+            applies its LM head from there on (``logits_to_keep``, as TRL scores the completion
+            only): most of a prompt's scoring cost on a large vocabulary. Default as TorchRL.
         batching, min_batch_size, max_batch_size, batching_timeout: TorchRL's batching of
-            concurrent calls: rows of calls made from several threads at once run in shared
-            model calls (:mod:`rlpost.policies.batching` gives the rules). ``batching=True``
-            alone means ``min_batch_size=1``: whoever calls first runs at once, and calls that
-            arrive meanwhile run together next. A batch waits at most ``batching_timeout``
-            seconds for ``min_batch_size`` rows. Inputs of more than one batch dimension are
-            refused (ValueError), as in TorchRL.
-        prefer_tokens: TorchRL's token-first generation: in "history" mode, prompt token ids
-            already in the input at ``(tokens_key, "prompt")`` (or else ``(tokens_key, "full")``),
-            as ChatEnv's ``with_tokenizer`` and IncrementalTokenizer keep them, are generated from
-            as they are instead of rendering the history again (the ids a KV cache holds). The
-            prompt text is then decoded from them.
+            concurrent calls (:mod:`rlpost.policies.batching`). ``batching=True`` alone means
+            ``min_batch_size=1``: the first caller runs at once, later arrivals together next. A
+            batch waits at most ``batching_timeout`` s; inputs of >1 batch dim are refused.
+        prefer_tokens: TorchRL's token-first generation: in "history" mode, prompt ids already
+            at ``(tokens_key, "prompt")`` (else ``"full"``), as ChatEnv's ``with_tokenizer``
+            keeps them, are generated from as they are (the ids a KV cache holds) instead of
+            re-rendering the history; the prompt text is decoded from them.
 
-    ``out_keys`` are, in TorchRL's order: text, masks, tokens, log_probs, history (those
-    returned). The history is returned in "history" mode, also when scoring (the input's).
+    ``out_keys``, in TorchRL's order: text, masks, tokens, log_probs, history (those returned;
+    history in "history" mode, also when scoring).
     """
 
     def __init__(
@@ -196,8 +168,6 @@ class LLMWrapperBase(InputReader, OutputWriter, CategoricalSequential):
         self.tokenizer = tokenizer
         self.input_mode = input_mode
         self.generate = generate
-        # TorchRL's TransformersWrapper exposes the kwargs under the standard names (its tests read
-        # generate_kwargs["max_new_tokens"] after passing max_tokens); generate_params adds the defaults
         self.generate_kwargs = standard_names(generate_kwargs)
         self.generate_params = params
         self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
@@ -242,11 +212,9 @@ class LLMWrapperBase(InputReader, OutputWriter, CategoricalSequential):
     def get_new_version(self, **overrides) -> LLMWrapperBase:
         """A twin on the same model with some constructor arguments changed.
 
-        ``get_new_version(generate=False)`` gives the scoring twin of a generator (same
-        tokenizer, temperature and keys). Settings tied to generation are dropped when switching
-        to scoring unless given again: ``num_samples``, ``inplace`` and ``n`` (and
-        ``pad_model_input`` when switching to generation); a changed
-        ``input_mode`` or ``generate`` resets an ``input_key`` that was not given again.
+        Switching to scoring drops ``num_samples``, ``inplace`` and ``n`` unless given again (to
+        generation: ``pad_model_input``); a changed ``input_mode`` or ``generate`` resets an
+        ``input_key`` not given again.
         """
         kwargs = dict(self._kwargs, generate_kwargs=dict(self.generate_kwargs))
         if overrides.get("generate") is True and not self.generate and "pad_model_input" in kwargs:
@@ -336,11 +304,9 @@ class LLMWrapperBase(InputReader, OutputWriter, CategoricalSequential):
         return has_entry(td, "text") and not isinstance(peek(td, "text"), Text)
 
     def _legacy_text_forward(self, td: TensorDictBase) -> TensorDictBase:
-        """Generate from the strings under ``"text"`` and write TorchRL 0.9's flat outputs into
-        ``td``: ``text_response`` (strings), ``tokens_response`` (padded ids) and, with
-        log-probs, ``log_probs`` (the response's, padded with 0): the keys the legacy envs read
-        their action from. Used by TorchRL's LLMCollector example, ``vLLMWrapper(llm)`` over
-        ``LLMEnv.from_dataloader(from_text=True)``, which predates the input modes."""
+        """Generate from the strings under ``"text"`` and write TorchRL 0.9's flat outputs
+        (``text_response``, padded ``tokens_response`` and ``log_probs``): what the legacy envs
+        read (TorchRL's LLMCollector example, ``vLLMWrapper(llm)`` over ``LLMEnv.from_dataloader``)."""
         if getattr(self, "_legacy_twin", None) is None:
             self._legacy_twin = self.get_new_version(input_mode="text", inplace=False)
         prompts = td.get("text")
