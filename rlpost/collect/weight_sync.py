@@ -12,30 +12,19 @@ fleet like this, and so does code ported to rlpost::
     sender.register_collector(collector)                # its version follows each update
     sender.update_weights()                             # every replica now serves the new weights
 
-The model may be a peft model, as TorchRL's scripts train with LoRA by default: the sender then
-sends (and ``get_model_metadata`` describes) its merged weights under the base model's names, as
-TorchRL's scheme does, computed while they are sent and without changing the model
-(:func:`~rlpost.collect.weight_update.peft_merged_weights`; TorchRL merges a deep copy of it).
-
-Underneath, the sender is a :class:`~rlpost.collect.vLLMUpdater` on the fleet's replicas, so an
-update travels rlpost's versioned bus (NCCL on GPU, gloo or shared memory on CPU, in buckets),
-every step bounded by ``timeout_s``. Before each update the sender reads the version each replica
-serves; a replica that Ray restarted (it serves the initial weights and is outside the group)
-makes the sender re-form the group with every replica, so the update reaches it too. A replica
-lost during an update breaks it: the sender re-forms the group (waiting for the restarted replica,
-bounded) and sends once more; an update that fails again raises
+A peft model sends its merged weights as in :mod:`rlpost.collect.weight_update`. The sender is
+a :class:`~rlpost.collect.vLLMUpdater` on the fleet's replicas (rlpost's versioned bus, every step
+bounded by ``timeout_s``). Before each update it reads the version each replica serves: a replica
+Ray restarted (initial weights, outside the group) makes it re-form the group with every replica.
+A replica lost during an update breaks it: the sender re-forms the group (waiting, bounded, for
+the restart) and sends once more; a second failure raises
 :class:`~rlpost.transport.WeightSyncError` (or Ray's error for a replica that stays dead), and
-the next one re-forms the group first.
+the next update re-forms the group first.
 
-:class:`RLvLLMEngine` is the interface an engine that takes weights offers (TorchRL's):
-:class:`~rlpost.actors.async_vllm.AsyncVLLM` implements it, and :class:`vLLMUpdaterV2` takes
-such an engine (or a worker of ``make_vllm_worker``) and reads its address, port and tensor-parallel
-size from it.
-
-Deviations from TorchRL: the replicas join the group from the sender's
-``init_all_workers_group`` (rlpost drives both ends), so the receiver's methods have nothing to
-do; ``strategy`` is accepted and any named tensors may be sent; ``num_replicas`` and
-``gpus_per_replica`` are checked against the fleet; ``timeout_s`` and ``backend`` are rlpost's.
+Deviations from TorchRL: the replicas join from the sender's ``init_all_workers_group`` (rlpost
+drives both ends), so the receiver's methods do nothing; ``strategy`` is accepted and any named
+tensors may be sent; ``num_replicas`` and ``gpus_per_replica`` are checked against the fleet;
+``timeout_s`` and ``backend`` are rlpost's.
 """
 
 from __future__ import annotations
@@ -57,13 +46,9 @@ log = logging.getLogger("rlpost")
 
 
 class RLvLLMEngine(abc.ABC):
-    """A vLLM engine that takes weight updates from a trainer (TorchRL's interface).
-
-    :class:`vLLMUpdaterV2` reads the group's address, port and the engine's tensor-parallel size
-    from it; :meth:`init_weight_update_group` forms the group of the trainer and the engine's
-    workers and :meth:`update_weights` sends one update. An engine with a prefix cache must not
-    serve KV computed with older weights after an update (:meth:`reset_prefix_cache`).
-    """
+    """A vLLM engine that takes weight updates from a trainer (TorchRL's interface; AsyncVLLM
+    implements it). Trap: an engine with a prefix cache must not serve KV computed with older
+    weights after an update (:meth:`reset_prefix_cache`)."""
 
     @abc.abstractmethod
     def get_tp_size(self) -> int:
@@ -224,9 +209,8 @@ class VLLMWeightSender:
         return 0 if self._updater is None else self._updater.version
 
     def update_weights(self, weights: Any = None) -> int:
-        """Send ``weights`` (default: the registered model's) to every replica and return once each
-        serves them; returns the new version. A peft model sends its merged weights, the model
-        unchanged (:func:`~rlpost.collect.weight_update.peft_merged_weights`)."""
+        """Send ``weights`` (default: the registered model's) to every replica; returns the new
+        version once each serves it."""
         if self._updater is None:
             raise RuntimeError("Transport not initialized. Call init_all_workers_group first.")
         if weights is None:
@@ -240,9 +224,7 @@ class VLLMWeightSender:
         return version
 
     def _push(self, weights: Any) -> int:
-        """Push once; when a replica was lost during it (the group broke, or the replica's call
-        failed), re-form the group with the fleet as it is now (a restarted replica answers once
-        Ray has started it again) and push once more."""
+        """Push; on a replica lost during it, re-form the group with the fleet as it is now and push once more."""
         import ray
 
         lost = (WeightSyncError, ray.exceptions.RayError)
@@ -260,9 +242,8 @@ class VLLMWeightSender:
             raise
 
     def _rejoin_restarted_replicas(self) -> None:
-        """Re-form the group when a replica is not where the last update left it (Ray restarted
-        it: it serves its initial weights and has no group), when the fleet's replicas changed, or
-        when the last update failed."""
+        """Re-form the group when a replica serves another version (Ray restarted it), the fleet
+        changed, or the last update failed."""
         workers = engine_workers(self._engine)
         behind = [i for i, version in enumerate(serving_versions(workers)) if version != self._updater.version]
         changed = workers != self._updater.workers
@@ -280,8 +261,7 @@ class VLLMWeightSender:
 
 
 class VLLMWeightReceiver:
-    """The replicas' side of the scheme. In rlpost the sender has every replica join the group and
-    receive each update, so these methods have nothing to do (TorchRL's receiver in a vLLM worker)."""
+    """The replicas' side of the scheme (TorchRL's); nothing to do: the sender drives the replicas."""
 
     def __init__(self, scheme: VLLMWeightSyncScheme, vllm_engine: Any):
         self._scheme, self._vllm_engine = scheme, vllm_engine
@@ -299,19 +279,10 @@ class VLLMWeightReceiver:
 
 class vLLMUpdaterV2(vLLMUpdater):  # noqa: N801  (TorchRL's name)
     """TorchRL's engine-based updater: a :class:`~rlpost.collect.vLLMUpdater` on the workers of
-    ``vllm_engine``, an :class:`RLvLLMEngine` (an AsyncVLLM fleet) or a worker of
-    ``make_vllm_worker``. From an RLvLLMEngine it takes the group's ``master_address`` and
-    ``master_port`` and the engine's ``model_metadata`` ({}: each push is not checked), unless
-    ``kwargs`` (vLLMUpdater's keywords) give them.
-
-    A peft model (given itself or in a TransformersWrapper, to :meth:`push_weights` or
-    :meth:`push_weights_from_transformers`) sends its merged weights under the base model's names,
-    as TorchRL's does, but leaves the model as it is where TorchRL's ``merge_and_unload()``
-    changes it (:func:`~rlpost.collect.weight_update.peft_merged_weights`).
-
-    Deviation from TorchRL: the updater sends over its own group with the engine's workers
-    (rlpost's bus) rather than through the engine's ``update_weights``; so it also takes
-    ``make_vllm_worker``'s workers, which are Ray actor handles or in-process workers.
+    an :class:`RLvLLMEngine` (whose address, port and ``model_metadata`` it takes unless
+    ``kwargs`` give them) or of a ``make_vllm_worker`` worker. Deviation: it sends over rlpost's
+    bus rather than the engine's ``update_weights``, hence also takes ``make_vllm_worker``'s
+    workers; a peft model is sent merged as :func:`~rlpost.collect.weight_update.peft_merged_weights` does.
     """
 
     def __init__(self, vllm_engine: Any, **kwargs: Any):

@@ -1,27 +1,21 @@
 """vLLMUpdater: push a trainer's weights to vLLM workers over the versioned bus (TorchRL's name).
 
-A collector's ``weight_updater``: ``LLMCollector.update_policy_weights_(weights)`` calls
-:meth:`vLLMUpdater.push_weights`, which publishes them as version ``v + 1`` on a weight bus
-(:class:`~rlpost.transport.TorchWeightPublisher`: gloo on CPU, NCCL on GPU, in buckets) while every
-worker (:func:`~rlpost.actors.vllm_workers.make_vllm_worker`, given or found on the collector's
-policy) receives and reloads them in place. The first push forms the bus.
-
-rlpost's runs use this class too: the ``learner`` actor publishes every version through it
-(:meth:`publish`); after a worker restart the run calls :meth:`set_workers` (the bus's next
-generation). In async mode (``weight_sync.train_during_reload``) it publishes with ``wait=False``
-and the next publish first confirms the reload (:meth:`confirm`).
+A collector's ``weight_updater``: ``update_policy_weights_(weights)`` publishes them as version
+``v + 1`` on a :class:`~rlpost.transport.TorchWeightPublisher` while every worker
+(:func:`~rlpost.actors.vllm_workers.make_vllm_worker`, given or found on the collector's policy)
+receives and reloads them in place; the first push forms the bus. The ``learner`` actor publishes
+through it too (:meth:`publish`; ``wait=False`` under ``weight_sync.train_during_reload``), and
+calls :meth:`set_workers` after a worker restart (the bus's next generation).
 
 Every bus step and worker call is bounded by ``timeout_s``: a bus failure raises
-:class:`~rlpost.transport.WeightSyncError`, a silent worker :class:`WorkerTimeout` (a
-WeightSyncError and a ``TimeoutError``), a dead one Ray's error; every worker call of a push is
-waited for before the first failure is raised, so none is left running unobserved.
+:class:`~rlpost.transport.WeightSyncError`, a silent worker :class:`WorkerTimeout`, a dead one
+Ray's error; every worker call of a push is waited for before the first failure is raised, so
+none is left running unobserved.
 
-A peft model (TorchRL's GRPO scripts train with LoRA), alone or in a TransformersWrapper, is sent
-as TorchRL sends it: the base model's names, each adapted weight merged (``W + scale * B @ A``),
-and so is its :func:`get_model_metadata`. Deviation: the trained model is not changed
-(:func:`peft_merged_weights`); TorchRL calls ``merge_and_unload()`` on the live model. Also
-rlpost's: versions are counted here (and stamped by the workers), and a push takes any named
-tensors (a module, a ``state_dict``, a TensorDict), not only TorchRL's ``TensorDict`` of weights.
+A peft model (alone or in a TransformersWrapper) is sent as TorchRL sends it: base names, each
+adapted weight merged (``W + scale * B @ A``). Deviations: the trained model is not changed
+(TorchRL calls ``merge_and_unload()`` on it); versions are counted here (and stamped by the
+workers); a push takes any named tensors, not only TorchRL's ``TensorDict``.
 """
 
 from __future__ import annotations
@@ -59,20 +53,14 @@ def get_model_metadata(model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
 
 
 def peft_merged_weights(model: torch.nn.Module) -> StreamedTensors:
-    """What a push of the peft ``model`` sends: every tensor of its base model under the base
-    model's name, each adapted layer's weight with its active adapters merged in
-    (``W + scale * B @ A``, :func:`rlpost.policies.lora.merged_tensors`, the merge rlpost's own LoRA runs
-    send), in the base weight's dtype.
+    """What a push of the peft ``model`` sends: its base model's tensors under their names, each
+    adapted weight merged (``W + scale * B @ A``, :func:`rlpost.policies.lora.merged_tensors`) in
+    the base dtype.
 
-    The merged tensors are computed, never written into the model: its base weights, adapters,
-    gradients and optimizer state stay as they are, and training goes on with the same
-    parameters (no ``merge_and_unload()`` on the live model, which would fold the adapter into
-    the base weights and drop it). Nor is the model copied: they are made one at a time while the
-    bus sends them (a :class:`~rlpost.transport.bucketing.StreamedTensors`), so the memory a push
-    adds is about one bucket's worth of merged weights (``bucket_mb``, 64 MB by default, two
-    buckets in flight) on top of the buckets every push uses; the tensors no adapter touches are
-    read from the model's own storage. TorchRL's scheme merges a ``copy.deepcopy`` of the model
-    instead, a second copy of the whole model for each sync."""
+    Deviation: the merge is never written into the model (TorchRL's ``merge_and_unload()``
+    would fold the adapter in and drop it) nor made on a copy (TorchRL deep-copies the whole
+    model per sync): merged tensors are streamed while the bus sends them, so a push adds about
+    one bucket of memory (``bucket_mb``, two in flight)."""
     from rlpost.policies import lora
 
     specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in lora.merged_tensors(model, merge=False))
@@ -94,17 +82,14 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
 
     Keyword Args:
         master_address, master_port: where the bus's store listens (port 0 or None: a free one).
-        model_metadata: TorchRL's ``{name: (dtype, shape)}`` of the weights to push
-            (:meth:`get_model_metadata`); when given and not empty, each push is checked against it and a
-            missing, extra or reshaped tensor is a ``ValueError`` naming it.
-        vllm_tp_size: TorchRL's tensor-parallel size of the workers; accepted for porting and
-            not needed (each worker's engine spreads what it receives over its own ranks).
+        model_metadata: TorchRL's ``{name: (dtype, shape)}`` (:meth:`get_model_metadata`); when
+            not empty, a missing, extra or reshaped tensor of a push is a ``ValueError``.
+        vllm_tp_size: accepted for porting, not needed (each engine spreads over its own ranks).
         backend: "auto" (NCCL when the weights are on a GPU, else gloo), "nccl" or "gloo".
         device: where the published tensors live (the trainer's device).
-        bucket_mb: size of the bus's buckets.
         timeout_s: bound of every bus step; a worker call may take ``timeout_s + 30`` s.
-        shared_memory: workers on this node read CPU weights from shared memory instead of the
-            gloo collectives (:mod:`rlpost.transport.weight_bus`).
+        shared_memory: same-node workers read the weights from shared memory
+            (:mod:`rlpost.transport.weight_bus`).
 
     Attributes:
         version: the last version the workers confirmed (0 before the first push).
@@ -169,9 +154,8 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return self.workers
 
     def init(self, model_metadata: Any = None) -> None:
-        """Form the bus with every worker (done by the first push; ``model_metadata`` is
-        TorchRL's argument and not needed: the bus sends each update's layout). The version
-        continues from the highest one the workers serve."""
+        """Form the bus with every worker (done by the first push; ``model_metadata`` is not
+        needed: the bus sends each layout); versions continue from the highest the workers serve."""
         workers = self._targets()
         self._unconfirmed = None
         if self.publisher is not None:
@@ -181,13 +165,10 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
             device=self._device, bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, shared_memory=self.shared_memory,
         )  # fmt: skip
         self._join_workers()
-        # continue from what the workers serve: a version below it would be refused
         self.version = max([self.version, *map(int, self._wait([self._call(w, "get_version") for w in workers]))])
 
     def set_workers(self, workers: Iterable[Any]) -> int:
-        """Use these workers from now on (e.g. after one was restarted): the bus opens its next
-        generation with them, which this returns. The next push sends the full weights to every
-        worker."""
+        """Use these workers from now on (after a restart): returns the bus's next generation."""
         self.workers = list(workers)
         self._unconfirmed = None  # the old set's calls end with the old generation
         if self.publisher is None:
@@ -202,14 +183,12 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         self._wait([self._call(worker, "join_bus", spec, rank) for rank, worker in enumerate(self.workers, start=1)])
 
     def workers_serve_lora(self) -> list[bool]:
-        """Whether each worker's engine serves a LoRA adapter (then a publish sends the adapter's
-        tensors, which the worker loads as one; otherwise whole weights)."""
+        """Whether each worker's engine serves a LoRA adapter (then a publish sends the adapter)."""
         return [bool(served) for served in self._wait([self._call(w, "serves_lora") for w in self._targets()])]
 
     def push_weights(self, weights: Any, *, version: int | None = None) -> int:
-        """Publish ``weights`` as ``version`` (default: the last one, or the workers' at the
-        first push, + 1) and return once every worker serves them; returns the version. A peft
-        model (or a wrapper of one) sends its merged weights (:func:`peft_merged_weights`)."""
+        """Publish ``weights`` as ``version`` (default: the last + 1) and return it once every
+        worker serves them; a peft model sends :func:`peft_merged_weights`."""
         if weights is None:
             raise ValueError("push_weights needs the weights: a module, a state_dict or a TensorDict of parameters")
         if self.publisher is None:
@@ -222,13 +201,11 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return version
 
     def publish(self, named_tensors: NamedTensors, version: int, *, wait: bool = True) -> PublishStats:
-        """Send ``(name, tensor)`` pairs as ``version`` while every worker receives and reloads
-        them; returns the bus's statistics once every worker serves ``version``.
+        """Send ``(name, tensor)`` pairs as ``version``; returns once every worker serves it.
 
-        ``wait=False`` returns once the bytes are sent (the caller may then change its
-        tensors) and leaves the workers reloading: :meth:`confirm` waits for them, and the next
-        publish calls it first. Until then :attr:`version` and :attr:`last_worker_infos` still
-        describe the update before.
+        ``wait=False`` returns once the bytes are sent (the caller may change its tensors) and
+        leaves the reload to :meth:`confirm`, which the next publish calls first; until then
+        :attr:`version` and :attr:`last_worker_infos` describe the update before.
         """
         self.confirm()
         if self.publisher is None:
@@ -251,10 +228,8 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return self._unconfirmed[1] if self._unconfirmed is not None else None
 
     def confirm(self, deadline: float | None = None) -> None:
-        """Wait until every worker serves the version that ``publish(wait=False)`` sent (each
-        worker's call bounded by ``timeout_s + 30`` s from now, or ``deadline``), then record it
-        in :attr:`version` and :attr:`last_worker_infos`; a no-op when there is none. Every
-        worker's call is waited for before the first failure is raised."""
+        """Wait (until ``deadline``, default ``timeout_s + 30`` s) for every worker to serve the
+        version ``publish(wait=False)`` sent, then record it; a no-op when there is none."""
         if self._unconfirmed is None:
             return
         (pending, version), self._unconfirmed = self._unconfirmed, None
@@ -304,8 +279,7 @@ class vLLMUpdater:  # noqa: N801  (TorchRL's name)
         return thread, result
 
     def _wait(self, pending: list[Any], deadline: float | None = None) -> list[Any]:
-        """Every call's result, all waited for (until one shared ``deadline``, by default
-        ``timeout_s + 30`` s from now) before the first failure is raised."""
+        """Every call's result, all waited for (one shared ``deadline``) before the first failure is raised."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s + _WORKER_GRACE_S
         out, failure = [], None
@@ -374,15 +348,13 @@ def _unwrapped(weights: Any) -> Any:
 
 
 def _is_peft_model(weights: Any) -> bool:
-    """Whether ``weights`` is a ``peft.PeftModel`` (peft is not imported for this: a peft model
-    exists only once its maker imported peft)."""
+    """Whether ``weights`` is a ``peft.PeftModel`` (without importing peft: its maker did)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(weights, peft.PeftModel)
 
 
 def _named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from a module, a mapping or a TensorDict (nested keys joined by ".");
-    a TransformersWrapper gives its model's."""
+    """(name, tensor) pairs from a module, mapping or TensorDict (nested keys joined by ".")."""
     weights = _unwrapped(weights)
     if isinstance(weights, torch.nn.Module):
         weights = weights.state_dict()
