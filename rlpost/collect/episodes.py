@@ -11,23 +11,16 @@ In that mode (the mode ``rlpost train``'s env pools and evaluation run) one batc
     rows -> Samples                    full sequences built from the engine's own token ids
     Samples -> Groups                  MCAdvantage (+ "batch" scaling, DAPO filter)
 
-This module holds the pieces the loop uses: its settings (:class:`WholeEpisodes`), the recorder
-of engine calls, the episode being built, the running totals and the grouping.
+A :class:`~rlpost.data.samples.Sample` is the first prompt's ids + per turn (the ids the env
+added, e.g. a tool message) + (the ids the engine generated); ``reward`` is the sum of the step
+rewards (the Monte-Carlo return); ``policy_version`` the oldest that served any turn;
+``finished`` False when its last completion hit max_tokens.
 
-What a Sample holds (rlpost.data.samples): ``token_ids`` = the first prompt's ids + for each turn
-(the ids the env added since the last turn, e.g. a tool message) + (the ids the engine
-generated); ``loss_mask`` is True exactly on generated ids; ``logprobs`` are the engine's
-behaviour log-probs there and 0.0 elsewhere; ``reward`` is the sum of the env's step rewards
-(the Monte-Carlo return); ``policy_version`` the oldest version that served any of its turns;
-``finished`` whether its last completion stopped on EOS / a stop condition (False: it hit
-max_tokens); ``completion_text`` everything after the prompt, decoded without special tokens.
-
-Train on generated ids, never re-tokenised text (an invariant): the collector records each
-engine call (the policy's client is wrapped by :class:`EngineCallRecorder`), builds samples
-from the recorded ids, and checks that the policy's output tokens are those ids. A multi-turn
-prompt must extend the sequence so far; in history mode the policy re-renders the chat each
-turn and a re-rendering that differs from the generated ids ("drift") ends that episode there
-(counted in ``num_drift_truncated``). Tokens mode never drifts: use it for multi-turn tasks.
+Invariant: train on generated ids, never re-tokenised text. The collector records each engine
+call (:class:`EngineCallRecorder` wraps the policy's client), builds samples from the recorded
+ids and checks the policy's output tokens are those ids. A multi-turn prompt must extend the
+sequence so far: in history mode a re-rendering that differs from the generated ids ("drift")
+ends that episode there (``num_drift_truncated``). Tokens mode never drifts: use it for multi-turn.
 """
 
 from __future__ import annotations
@@ -54,26 +47,20 @@ class WholeEpisodes:
 
     Attributes:
         group_size: samples per prompt (the GRPO group); None: the env's ``primer.repeats``
-            (1 without a primer). The env must repeat each prompt this many times.
+            (1 without a primer), which must equal it.
         max_turns: most policy turns per episode; None: the env's ``max_steps``.
         advantage_scale: "group", "batch" (std over the groups kept in one batch) or "none".
         advantage_eps: added to the std (see :func:`rlpost.algo.group_advantages`).
-        filter_equal_rewards: DAPO dynamic sampling: drop (and count) groups whose rewards are
-            all equal.
-        max_prompt_tokens: the longest prompt the engine takes (its context length less one). An
-            episode whose next prompt would be longer (a long tool output, many turns) ends at the
-            turn before, counted in ``num_length_truncated``; None: no check.
+        filter_equal_rewards: DAPO dynamic sampling: drop (and count) all-equal-reward groups.
+        max_prompt_tokens: the engine's context length less one; an episode whose next prompt
+            would be longer ends at the turn before (``num_length_truncated``); None: no check.
         group_info: entries put in every emitted ``Group.info`` (e.g. the env pool's index).
-        keep_top: expert iteration: emit only each group's samples above its median reward,
-            best first, at most ``top_k`` (:func:`rlpost.algo.top_k_above_median`); a group with
-            none (all rewards equal) is dropped and counted with the filtered ones. The group's
-            ``info["sampled_rewards"]`` keeps every sample's reward.
-        top_k: the most samples ``keep_top`` keeps per group; None: all above the median.
-        reward_adjustment: called with a batch's samples once their rewards are in and before
-            the groups and their advantages are made; returns the samples with the rewards to
-            train on (copies are fine). An env pool's is the reference actor's KL penalty
-            (``reference.kl_in: reward``), so the advantages are computed once, from the final
-            rewards. None: the rewards stand.
+        keep_top: expert iteration: emit each group's samples above its median reward, best
+            first, at most ``top_k`` (None: all; :func:`rlpost.algo.top_k_above_median`); a group with none
+            is dropped and counted as filtered; ``info["sampled_rewards"]`` keeps every reward.
+        reward_adjustment: maps a batch's samples to the rewards to train on, before the
+            advantages are made (an env pool's: the reference KL penalty, ``reference.kl_in:
+            reward``, so advantages come once, from the final rewards).
     """
 
     group_size: int | None = None
@@ -88,8 +75,7 @@ class WholeEpisodes:
     reward_adjustment: Callable[[list[Sample]], list[Sample]] | None = None
 
     def resolved(self, env: Any) -> WholeEpisodes:
-        """These settings with ``group_size`` and ``max_turns`` read from ``env`` where None,
-        checked against it."""
+        """These settings with None ``group_size``/``max_turns`` read from ``env``, checked against it."""
         repeats = getattr(getattr(env, "primer", None), "repeats", None)
         group_size = self.group_size if self.group_size is not None else (repeats or 1)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -120,11 +106,8 @@ class EngineCall:
 
 
 class EngineCallRecorder:
-    """Forwards every attribute to an engine client and records its ``generate`` calls.
-
-    Installed by the collector as the policy's ``client``. It reads ``last_policy_version``
-    right after each call, so the version belongs to that call.
-    """
+    """The policy's ``client`` in whole-episodes mode: forwards to the engine client and records
+    each ``generate``, with ``last_policy_version`` read right after it (so it is that call's)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -257,10 +240,9 @@ class CollectorStats:
 
 
 def assemble_groups(samples: list[Sample], settings: WholeEpisodes) -> tuple[list[Group], int]:
-    """Group ``samples`` by prompt with MCAdvantage, which computes their advantages; return the
-    groups and how many the DAPO filter (or ``keep_top``'s selection) dropped. With "batch"
-    scaling, MCAdvantage only centres (it sees groups one at a time, so it has no batch std) and
-    the centred advantages are divided here by the std of the kept groups' rewards."""
+    """Group ``samples`` by prompt with MCAdvantage's advantages; the groups and how many the DAPO
+    filter (or ``keep_top``) dropped. "batch" scaling: MCAdvantage only centres (it sees one group
+    at a time) and the advantages are divided here by the std of the kept groups' rewards."""
     scale = settings.advantage_scale
     mc = MCAdvantage(
         settings.group_size, scale="none" if scale == "batch" else scale, eps=settings.advantage_eps,
@@ -333,8 +315,7 @@ def num_tokens(prompt: Any, env: Any) -> int:
 
 
 def row_tasks(td: TensorDictBase, num_rows: int) -> list[str | None]:
-    """The ``task`` column of each row of a reset (a task mixture's rows name their task), or
-    None per row when the rows have none."""
+    """The ``task`` column of each row of a reset (a task mixture's), else None."""
     rows = as_list(td.get("row"), num_rows) if "row" in td.keys() else [None] * num_rows
     return [str(row["task"]) if isinstance(row, dict) and row.get("task") is not None else None for row in rows]
 
@@ -349,8 +330,7 @@ def reward_parts(next_td: TensorDictBase, num_rows: int) -> list[dict[str, float
 
 
 def tool_stats(next_td: TensorDictBase, num_rows: int) -> list[tuple[float, float, float]]:
-    """Per row: the tool calls, tool errors and tool seconds of this step (the tool transforms
-    write them; zeros without tools)."""
+    """Per row: this step's tool calls, errors and seconds (zeros without tools)."""
     columns = []
     for key in TOOL_STAT_KEYS:
         value = next_td.get(key, None)
