@@ -22,13 +22,10 @@ class WholeEpisodeLoop:
     are the collector's."""
 
     def collect_groups(self, num_groups: int | None = None) -> list[Group]:
-        """One whole-episodes batch: ``num_groups`` prompts (default: ``dialog_turns_per_batch``
-        episodes' worth) x ``group_size`` rows run to their end; their GRPO groups.
-
-        Fewer groups come back when the DAPO filter drops some (counted). Every group's samples
-        were generated together. Batch-level counts in ``Group.info`` (``reward_errors``,
-        ``num_filtered_groups``, ``num_drift_truncated``, ``num_length_truncated``) sit on the
-        batch's first group and are zero on the others, so summing them over groups is right.
+        """One whole-episodes batch: ``num_groups`` prompts (default: ``dialog_turns_per_batch``'s
+        worth) x ``group_size`` rows run to their end; their GRPO groups (fewer when filtered).
+        Batch-level counts in ``Group.info`` sit on the first group, zero on the others, so
+        summing them over groups is right.
         """
         settings = self._whole_episodes("collect_groups")
         if num_groups is None:
@@ -110,10 +107,8 @@ class WholeEpisodeLoop:
         return fits
 
     def _policy_turn(self, td: TensorDictBase, episodes: list[ep.Episode]) -> TensorDictBase:
-        """One policy call over ``td`` (all active rows: whole groups), recorded into ``episodes``.
-
-        A row whose prompt does not extend its sequence (drift) is still generated and stepped
-        with the others, but its episode is frozen (ends at its previous turn) and counted."""
+        """One policy call over all active rows (whole groups), recorded into ``episodes``; a
+        drifted row is still generated and stepped, but its episode is frozen and counted."""
         self.recorder.take()  # drop anything a previous, failed call left behind
         start = time.perf_counter()
         td = self.policy(td)

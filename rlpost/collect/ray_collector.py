@@ -24,8 +24,7 @@ from typing import Any
 from rlpost.collect.llm_collector import LLMCollector
 from rlpost.runtime.placement import PLACEMENT_TIMEOUT_S, asks_of, wait_until_placed
 
-# Ray options of the collector's actor when none are given: it mostly waits on its env and the
-# inference workers, so it reserves no CPU of its own.
+# it mostly waits on its env and the inference workers: no CPU of its own
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
 
 
@@ -36,19 +35,13 @@ class RayLLMCollector(LLMCollector):
         env: an env constructor (built in the actor) or an env (pickled to it).
 
     Keyword Args:
-        policy, policy_factory, dialog_turns_per_batch, total_dialog_turns,
-        yield_only_last_steps, yield_completed_trajectories, postproc, async_envs,
-        replay_buffer, reset_at_each_iter, flatten_data, weight_updater, track_policy_version,
-        whole_episodes, verbose: as :class:`~rlpost.collect.LLMCollector` (the replay buffer is usually a
-            :class:`~rlpost.data.RayReplayBuffer`, which the actor writes to directly).
+        the collector's arguments: as :class:`~rlpost.collect.LLMCollector` (the replay buffer
+            is usually a :class:`~rlpost.data.RayReplayBuffer`, which the actor writes directly).
         ray_init_config: ``ray.init`` arguments when Ray is not initialized yet.
-        remote_config: Ray actor options (default: no CPU, no GPU).
-        num_cpus, num_gpus: shorthands for those options.
-        sync_iter: iterate in lock-step (True) or let the actor collect ahead by one batch.
-        timeout_s: bound of each call into the actor (rlpost's).
-        placement_timeout_s: bound of the wait for the cluster to place the actor (what
-            ``remote_config`` asks for); past it the constructor fails naming the resources
-            (rlpost's; :mod:`rlpost.runtime.placement`).
+        remote_config: Ray actor options (default: no CPU, no GPU); num_cpus, num_gpus: shorthands.
+        sync_iter: iterate in lock-step, or let the actor collect ahead by one batch.
+        timeout_s, placement_timeout_s: rlpost's bounds of each call and of the actor's placement
+            (:mod:`rlpost.runtime.placement`).
     """
 
     def __init__(

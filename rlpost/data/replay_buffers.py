@@ -14,26 +14,13 @@ What TorchRL's GRPO recipe composes, with the same names and call forms
         for batch in rb:                # one pass over the buffer, optim_batch_size at a time
             loss = loss_fn(batch)
 
-Writing (``extend``, ``add``) runs the transforms' write hooks, last appended first: each
-transform's ``inv(data)``; a hook that returns None stops the write (nothing is stored, e.g.
-:class:`~rlpost.objectives.MCAdvantage` holding an incomplete group). Then the items are
-written round-robin: once the storage is full, the oldest slots are overwritten. Reading
-(``sample``, iteration, ``rb[index]``) runs the transforms' read hooks in order: ``forward(data)``,
-or the transform itself when it is a plain callable (a callable without ``inv`` does nothing on
-write). ``append_transform(t, invert=True)`` swaps the two hooks of ``t``.
-
-Storages: :class:`ListStorage` keeps items in a list and stacks what is sampled
-(TensorDicts with ``LazyStackedTensorDict.maybe_dense_stack``, tensors with ``torch.stack``,
-numbers into a tensor, anything else as a list); :class:`LazyStackStorage` keeps TensorDicts in
-a list and returns samples as a lazy stack (heterogeneous shapes, strings: what LLM steps hold).
-
-Samplers: :class:`RandomSampler` (with replacement, the default) and
-:class:`SamplerWithoutReplacement` (each item once per pass; iterating the buffer stops at the
-end of a pass; the last batch of a pass is short unless ``drop_last=True``).
-
-Writes and samples hold a lock, so several writers (threads, e.g. collectors) can share a
-buffer; a write hook (a transform's ``inv``) runs inside that lock, so the groups a stateful
-transform builds never interleave.
+Writes run the transforms' ``inv`` hooks, last appended first (None stops the write, e.g.
+:class:`~rlpost.objectives.MCAdvantage` holding an incomplete group), then fill the storage
+round-robin (the oldest slots are overwritten). Reads run ``forward`` (or a plain callable) in
+order; ``append_transform(t, invert=True)`` swaps the two hooks. Iteration stops at the end of a
+:class:`SamplerWithoutReplacement` pass. Writes and samples hold one lock and a write hook runs
+inside it, so several writer threads can share a buffer and a stateful transform's groups never
+interleave.
 
 Deliberate deviations from TorchRL: no writers, prefetching, priorities, checkpointing or
 memory-mapped/tensor storages (the buffer holds LLM steps in lists); ``add`` of one element
@@ -110,16 +97,11 @@ class ReplayBuffer:
     """A replay buffer: a storage, a sampler and transforms (TorchRL's ``ReplayBuffer``).
 
     Keyword Args:
-        storage: a :class:`Storage`, or a callable building one (default:
-            ``ListStorage(max_size=1_000)``).
-        sampler: a :class:`Sampler`, or a callable building one (default:
+        storage, sampler: or callables building them (default: ``ListStorage(max_size=1_000)``,
             :class:`RandomSampler`).
-        collate_fn: puts sampled items together (default: the storage's; see the module
-            docstring).
-        transform: a transform, a callable, or a list of them (see the module docstring).
-        transform_factory: a callable building ``transform`` (exclusive with it).
-        batch_size: items per :meth:`sample` and per step of iteration (may be given to
-            :meth:`sample` instead).
+        collate_fn: puts sampled items together (default: the storage's).
+        transform: a transform, a callable, or a list of them; or ``transform_factory``.
+        batch_size: items per :meth:`sample` and per step of iteration (or given to :meth:`sample`).
         generator: a ``torch.Generator`` the samplers draw from (default: torch's global one).
     """
 
@@ -196,10 +178,7 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ transforms
 
     def append_transform(self, transform: Any, *, invert: bool = False) -> ReplayBuffer:
-        """Add a transform after the others (read hooks run in order, write hooks in reverse).
-
-        With ``invert=True`` its read hook runs on write and its write hook on read.
-        """
+        """Add a transform after the others (``invert=True``: its hooks swapped)."""
         self._transforms.append(_Hooked(transform, invert))
         return self
 
@@ -223,13 +202,9 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ writing
 
     def add(self, data: Any) -> int | torch.Tensor:
-        """Write one element; return its index.
-
-        A TensorDict goes through the write hooks with a leading dim of 1 added (TorchRL's):
-        what comes back with batch size ``[1]`` is written as one element; a longer batch (a
-        group a transform completed) is written element by element and their indices are
-        returned; None writes nothing and returns an empty index tensor.
-        """
+        """Write one element; return its index. A TensorDict passes the write hooks as a ``[1]``
+        batch (TorchRL's); a longer result (a completed group) is written element by element,
+        returning their indices (a deviation, module docstring)."""
         with self._lock:
             if self._transforms:
                 if is_tensor_collection(data):
@@ -278,10 +253,8 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ reading
 
     def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
-        """``batch_size`` items drawn by the sampler, put together and read-transformed.
-
-        With ``return_info=True``, returns ``(data, {"index": indices})``.
-        """
+        """``batch_size`` items drawn, collated and read-transformed (``return_info``: with
+        ``{"index": indices}``)."""
         if batch_size is not None and self._batch_size is not None and batch_size != self._batch_size:
             warnings.warn(
                 f"ReplayBuffer.sample(batch_size={batch_size}) differs from the buffer's "
@@ -308,8 +281,7 @@ class ReplayBuffer:
         return self._on_read(data)
 
     def __iter__(self) -> Iterator[Any]:
-        """Batches of ``batch_size`` until the sampler ends a pass (never, for
-        :class:`RandomSampler`)."""
+        """Batches of ``batch_size`` until the sampler ends a pass (never, for RandomSampler)."""
         if self._batch_size is None:
             raise RuntimeError("cannot iterate over a ReplayBuffer without batch_size (pass batch_size= to it)")
         self._sampler.ran_out = False

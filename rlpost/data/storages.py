@@ -45,15 +45,8 @@ class Storage:
 
 
 class ListStorage(Storage):
-    """Items in a python list (TorchRL's ``ListStorage``).
-
-    Args:
-        max_size: the most items kept (None: unlimited).
-
-    Keyword Args:
-        device: items with a ``.to`` method are moved there when written (None: left as
-            they are).
-    """
+    """Items in a python list (TorchRL's ``ListStorage``); ``max_size`` None: unlimited;
+    ``device``: where items with a ``.to`` are moved when written."""
 
     def __init__(self, max_size: int | None = None, *, device: torch.device | str | None = None) -> None:
         super().__init__(max_size)
@@ -102,16 +95,8 @@ class ListStorage(Storage):
 class LazyStackStorage(ListStorage):
     """A :class:`ListStorage` of TensorDicts whose reads are lazy stacks (TorchRL's).
 
-    Items may differ in shapes and hold strings (LLM steps do); reading several gives a
-    ``LazyStackedTensorDict`` stacked along ``stack_dim``.
-
-    Args:
-        max_size: the most items kept (None: unlimited).
-
-    Keyword Args:
-        stack_dim: the dim the items are stacked along (negative counts from the end of the
-            stacked batch size).
-        device: as for :class:`ListStorage`.
+    Items may differ in shapes and hold strings (LLM steps do); ``stack_dim`` (negative: from
+    the end of the stacked batch size) is the dim reads stack them along.
     """
 
     def __init__(
@@ -134,7 +119,8 @@ class LazyStackStorage(ListStorage):
 
 
 def default_collate(items: Any) -> Any:
-    """How :class:`ListStorage` samples are put together (see the module docstring)."""
+    """How :class:`ListStorage` samples are put together: TensorDicts dense-stacked if they can
+    be, tensors stacked, numbers into a tensor, anything else a list."""
     if not isinstance(items, list) or not items:
         return items
     if all(is_tensor_collection(item) for item in items):
