@@ -1,37 +1,27 @@
 """TransformersWrapper: the LLM policy interface on a Hugging Face causal LM (the learner's view).
 
-Generation uses ``model.generate`` on left-padded prompts and returns the *processed*
-log-probs of the sampled tokens (``log_softmax`` of the scores after temperature / top-p /
-top-k), i.e. the same quantity vLLM returns with ``logprobs_mode="processed_logprobs"``.
+Generation (``model.generate`` on left-padded prompts) returns the *processed* log-probs of the
+sampled tokens (after temperature / top-p / top-k), as vLLM's ``logprobs_mode="processed_logprobs"``.
 
-Scoring (``generate=False``) is one forward pass over right-padded full sequences:
-``log_softmax(logits / T)`` in float32 (float64 for a float64 model; returned as float32),
-gathered at the next token, where ``T`` is the wrapper's temperature (1 when greedy). Top-p /
-top-k are not applied when scoring (as in TorchRL and TRL), so scores equal sampling log-probs
-only when those are off. Scoring runs under the caller's grad mode: a loss can backpropagate
-through ``log_probs``.
+Scoring is ``log_softmax(logits / T)`` in float32 (float64 for a float64 model; returned as
+float32) at the next token, ``T`` the wrapper's temperature (1 when greedy), under the caller's
+grad mode. Top-p / top-k are not applied when scoring (as in TorchRL and TRL), so scores equal
+sampling log-probs only when those are off.
 
-Chunked scoring (rlpost's; ``chunked_scoring=True`` by default): for a model whose logits are
-exactly its LM head applied to the final norm's output (the Llama, Mistral, Qwen2/3 and Phi-3
-families, a plain ``nn.Linear`` head, tied or not, LoRA adapters and FSDP2 sharding included),
-the log-probs come from those hidden states through
-:func:`rlpost.algo.chunked.chunked_token_logprobs`: the ``[tokens, vocabulary]`` logits are never
-held whole, in forward or backward, only ``score_chunk_tokens`` tokens' worth at a time. The
-hidden states are read with a hook on the final norm during the model's own forward (asked for
-one position's logits), so a sharded model gathers its weights as it always does.
-:meth:`TransformersWrapper.log_probs_and_entropy` gives the exact entropies the same way. Values
-and gradients equal the dense path's. Other models are scored the dense way; so is ``get_dist``,
-which needs every logit.
+Chunked scoring (rlpost's): for a model whose logits are exactly its LM head over the final
+norm's output (Llama, Mistral, Qwen2/3, Phi-3; plain ``nn.Linear`` head, tied or not, LoRA and
+FSDP2 included), log-probs (and :meth:`~TransformersWrapper.log_probs_and_entropy`'s exact
+entropies) come through :func:`rlpost.algo.chunked.chunked_token_logprobs`: the ``[tokens,
+vocab]`` logits are never held whole, forward or backward. The hidden states are read by a hook
+on the final norm during the model's own forward, so a sharded model gathers its weights as
+always. Values and gradients equal the dense path's, which other models and ``get_dist`` use.
 
-Sequence packing (rlpost's; ``pack_sequences=True`` by default, on the chunked path): the rows
-of one call are laid end to end in bins as wide as the longest row
-(:func:`rlpost.algo.packing.pack_lengths`), each row with position ids from 0 and attention
-within itself (transformers builds that mask from the position ids when no attention mask is
-given; SDPA, eager, flash and flex attention support it). Skewed lengths then cost far fewer
-tokens than padding every row to the longest. The outputs are the padded path's: one tensor per
-row, as TorchRL's wrappers return them. TorchRL's ``pad_model_input`` chooses the same thing from
-the other side (True: pad, False: pack); TorchRL packs on every model, rlpost where the chunked
-path runs (other models are scored padded: the values are the same, only the cost differs).
+Sequence packing (rlpost's, on the chunked path): rows are laid end to end in bins as wide as the
+longest row (:func:`rlpost.algo.packing.pack_lengths`), with position ids from 0 per row
+(transformers builds the block mask from them without an attention mask; SDPA, eager, flash and
+flex support it), so skewed lengths cost far fewer tokens. Outputs are the padded path's.
+TorchRL's ``pad_model_input`` is the same choice from the other side; TorchRL packs on every
+model, rlpost where the chunked path runs (elsewhere padded: same values, other cost).
 """
 
 from __future__ import annotations
@@ -57,20 +47,15 @@ class TransformersWrapper(LLMWrapperBase):
 
     Args:
         model: a ``PreTrainedModel`` (or a path, loaded with ``AutoModelForCausalLM`` in fp32).
-        tokenizer: its tokenizer (or a path). When omitted, TorchRL's fallback: a model given as
-            a path loads the tokenizer from there, a model object from its ``name_or_path``
-            (where ``from_pretrained`` loaded it), else from the model's ``get_tokenizer()``;
-            a ValueError says so when none of them gives one.
-        chunked_scoring: score through the LM head in chunks where the model allows it (module
-            docstring; rlpost's). False: always the dense path.
+        tokenizer: its tokenizer (or a path). Omitted: TorchRL's fallback, from the model's path
+            or ``name_or_path``, else its ``get_tokenizer()`` (ValueError when none gives one).
+        chunked_scoring: score through the LM head in chunks where the model allows it.
         score_chunk_tokens: tokens per chunk (None: as many as make 64 MB of float32 logits).
-        pack_sequences: on the chunked path, pack the rows end to end where the model's
-            attention implementation supports it (module docstring; rlpost's). False: pad.
-            None (default): pack, unless ``pad_model_input=True``.
-        pad_model_input: TorchRL's name for the other side of ``pack_sequences``, scoring only
-            (with ``generate=True`` a ValueError, as in TorchRL): True pads the rows, False packs
-            them. None: ``pack_sequences`` decides. ``self.pad_model_input`` reads back whether
-            the model's input is padded (generation always pads).
+        pack_sequences: pack rows on the chunked path where the attention implementation
+            supports it. None (default): pack, unless ``pad_model_input=True``.
+        pad_model_input: TorchRL's name for the inverse choice, scoring only (a ValueError with
+            ``generate=True``, as in TorchRL). ``self.pad_model_input`` reads back whether the
+            model's input is padded (generation always pads).
     """
 
     def __init__(self, model, *, tokenizer=None, chunked_scoring: bool = True, score_chunk_tokens: int | None = None,
@@ -170,14 +155,12 @@ class TransformersWrapper(LLMWrapperBase):
 
     @property
     def scores_in_chunks(self) -> bool:
-        """Whether scoring takes the chunked path through the LM head (rlpost's): chunked
-        scoring is on and the model's logits are a plain linear head over its final norm."""
+        """Whether scoring takes the chunked path (on, and a plain linear head over the final norm)."""
         return self.chunked_scoring and _plain_head(self.model) is not None
 
     @property
     def packs_sequences(self) -> bool:
-        """Whether scoring packs the rows end to end (rlpost's): on the chunked path, with
-        ``pack_sequences`` on and an attention implementation that keeps packed rows apart."""
+        """Whether scoring packs the rows (chunked path, packing on, attention keeps rows apart)."""
         config = getattr(_inner(self.model), "config", None)
         implementation = getattr(config, "_attn_implementation", None)
         return self.pack_sequences and self.scores_in_chunks and implementation in _PACKING_ATTENTION
@@ -194,10 +177,9 @@ class TransformersWrapper(LLMWrapperBase):
         return [next_lp[i, : len(ids)] for i, ids in enumerate(full_ids)]
 
     def log_probs_and_entropy(self, full_ids: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per row, the log-prob of each token given the ones before it and the entropy of that
-        whole next-token distribution (float32, length ``len(row)``, 0 at position 0), at the
-        wrapper's temperature and under the caller's grad mode (rlpost's: the exact entropy
-        bonus of a loss). Chunked where :attr:`scores_in_chunks`, else from the dense logits."""
+        """Per row, each token's log-prob and the entropy of its whole next-token distribution
+        (float32, ``len(row)``, 0 at position 0) at the wrapper's temperature, under the caller's
+        grad mode (rlpost's: the exact entropy bonus of a loss)."""
         if self.scores_in_chunks:
             return self._score_ids_chunked(full_ids, 0, with_entropy=True)
         logits, input_ids = self._forward_logits(full_ids)
