@@ -1,15 +1,8 @@
 """CategoricalSequential: the base of the LLM wrappers (TorchRL's ``torchrl.modules.llm.CategoricalSequential``).
 
-An LLM policy is a categorical distribution over the next token, applied once per position. This
-base gives every wrapper TorchRL's probabilistic-module surface, so code written against TorchRL's
-base class works on rlpost's wrappers:
-
-- ``log_prob(td)``: the log-probabilities of the sequences in ``td`` under a scoring module
-  (``generate=False``), read from ``(log_prob_key, "response")``, or from ``"full"`` when the
-  input gives no prompt/response split;
-- ``get_dist(td)``: a ``torch.distributions.Categorical`` over the vocabulary at every position
-  of the full sequences (backends that can return logits implement ``_full_logits``);
-- ``log_prob_key(s)``, ``dist_sample_keys``, ``register_collector`` / ``collector``.
+TorchRL's probabilistic-module surface (``log_prob``, ``get_dist``, ``log_prob_key(s)``,
+``dist_sample_keys``, ``register_collector``) on every wrapper; backends that return logits
+implement ``_full_logits``.
 
 Deviation from TorchRL: ``get_dist`` returns a plain ``Categorical`` over right-padded positions
 and its mask (``dist.mask``, True on real tokens) instead of TorchRL's masked categorical; its
@@ -73,11 +66,8 @@ class CategoricalSequential(TensorDictModuleBase):
         return self._collector() if self._collector is not None else None
 
     def log_prob(self, data: TensorDictBase, **get_kwargs) -> torch.Tensor | list[torch.Tensor]:
-        """Log-probabilities of the sequences in ``data`` (scoring modules only).
-
-        ``get_kwargs`` go to ``TensorDict.get`` (e.g. ``as_list=True`` or
-        ``as_padded_tensor=True`` for ragged outputs).
-        """
+        """Log-probabilities of the sequences in ``data`` (scoring modules only), the response's
+        (the full sequence's without a split); ``get_kwargs`` go to ``TensorDict.get``."""
         if self.generate:
             raise RuntimeError("log_prob not callable when generate=True: use get_new_version(generate=False)")
         out = self(data)
@@ -89,9 +79,8 @@ class CategoricalSequential(TensorDictModuleBase):
     def get_dist(self, tensordict: TensorDictBase, **kwargs) -> torch.distributions.Categorical:
         """The next-token distribution at every position of the full sequences in ``tensordict``.
 
-        Returns a ``Categorical`` with batch shape ``[B, T]`` (right-padded) whose ``mask``
-        attribute is True on real positions; ``dist.log_prob(tokens)`` at position ``t`` scores
-        token ``t`` given the tokens before it, so position 0 (no context) is masked out.
+        A ``[B, T]`` right-padded Categorical; ``dist.log_prob(tokens)`` at ``t`` scores token
+        ``t`` given those before, so position 0 (no context) is masked out of ``dist.mask``.
         """
         if self.generate:
             raise NotImplementedError(
@@ -119,13 +108,11 @@ class LLMMaskedCategorical(torch.distributions.Distribution):
         ignore_index: the token id :meth:`log_prob` reads as "no token here" (default -100, as
             ``cross_entropy``'s).
 
-    ``log_prob(tokens)`` is ``-cross_entropy(logits, tokens)`` per position, so the logits are
-    never copied for a position-level mask: masked positions and positions holding
-    ``ignore_index`` score 0. With a token-level mask the masked logits are used, so a masked
-    token scores about ``finfo.min`` (a very large negative number, as in TorchRL, not -inf).
-    ``sample``, ``mode`` and ``entropy`` use the masked logits (masked entries set to
-    ``finfo(dtype).min``, made once, on first use; :meth:`clear_cache` drops them), so a masked
-    token is never sampled; a fully masked position samples uniformly.
+    ``log_prob(tokens)`` is ``-cross_entropy(logits, tokens)`` per position (no logits copy for
+    a position-level mask): masked and ``ignore_index`` positions score 0; under a token-level
+    mask a masked token scores about ``finfo.min`` (as TorchRL, not -inf). ``sample``, ``mode``
+    and ``entropy`` use logits masked to ``finfo(dtype).min`` (cached; :meth:`clear_cache`), so a
+    masked token is never sampled; a fully masked position samples uniformly.
     """
 
     arg_constraints: dict = {}

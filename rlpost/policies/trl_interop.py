@@ -1,14 +1,7 @@
 """Adapters between rlpost and Hugging Face's TRL (TorchRL's ``torchrl.modules.llm.trl_interop``).
 
-- :class:`TorchRLBufferDataset`: a replay buffer read as a ``torch.utils.data.IterableDataset``
-  of flat dicts (one per sampled item), or as a ``datasets.IterableDataset``
-  (:meth:`~TorchRLBufferDataset.as_hf_dataset`) for trainers that want that type, such as TRL's
-  ``GRPOTrainer``.
-- :class:`HFRewardModelWrapper`: a Hugging Face reward model (a sequence-classification model
-  with one label, e.g. trained by TRL's ``RewardTrainer``) as a TensorDict module writing one
-  scalar reward per sequence, to use as a reward in a GRPO loop.
-
-Neither ``trl`` nor ``datasets`` is imported here; ``datasets`` only by ``as_hf_dataset``.
+:class:`TorchRLBufferDataset` reads a replay buffer as an iterable dataset (for TRL's
+``GRPOTrainer``); :class:`HFRewardModelWrapper` makes a reward model a TensorDict module. Neither ``trl`` nor ``datasets`` is imported here; ``datasets`` only by ``as_hf_dataset``.
 """
 
 from __future__ import annotations
@@ -30,20 +23,9 @@ log = logging.getLogger("rlpost")
 class TorchRLBufferDataset(torch.utils.data.IterableDataset):
     """Items sampled from a replay buffer, as an iterable dataset of flat dicts.
 
-    Each iterator samples ``num_batches`` batches of ``batch_size`` (None: without end; the
-    consumer then stops it) and yields each item of a batch on its own, as a dict from the
-    item's leaf keys (nested keys joined with dots: ``"tokens.full"``) to its values; non-tensor
-    values (strings) are yielded as the plain Python value.
-
-    Args:
-        replay_buffer: an rlpost :class:`~rlpost.data.ReplayBuffer` (a TypeError otherwise).
-        batch_size: items per sampling call (a positive int).
-
-    Keyword Args:
-        keys: the keys to yield (all leaves by default); a key that a sampled batch lacks is
-            skipped with a warning.
-        device: where tensors are moved before they are yielded (default: left where they are).
-        num_batches: batches per iterator (default 1; None: an unbounded stream).
+    Each item is a dict of its leaf keys joined with dots (``"tokens.full"``), strings as plain
+    values. ``keys``: those to yield (a key a batch lacks is skipped with a warning);
+    ``num_batches``: batches of ``batch_size`` per iterator (None: an unbounded stream).
     """
 
     def __init__(
@@ -132,26 +114,12 @@ def _flat_name(key: NestedKey) -> str:
 class HFRewardModelWrapper(TensorDictModuleBase):
     """A Hugging Face reward model as a TensorDict module: one scalar reward per sequence.
 
-    ``forward(td)`` reads token ids ``[*B, T]`` at ``token_key`` (and the attention mask at
-    ``attention_mask_key``), calls ``model(input_ids=..., attention_mask=...)``, takes the
-    output's ``logits`` (or ``rewards``, or the output itself when it is a tensor) of shape
-    ``[*B]`` or ``[*B, 1]``, and writes it as float32 ``[*B]`` at ``reward_key`` of ``td``
-    (in place; ``td`` is returned).
-
-    Args:
-        model: the reward model (``AutoModelForSequenceClassification`` with ``num_labels=1``,
-            or any module taking ``input_ids`` and ``attention_mask``).
-
-    Keyword Args:
-        token_key: where the token ids are (default ``("tokens", "full")``, the wrappers' layout).
-        attention_mask_key: where the mask is (default ``("masks", "all_attention_mask")``);
-            None calls the model without one.
-        reward_key: where the reward is written (default ``"reward"``).
-        inference_mode: run the model without gradients (``torch.no_grad``: the reward is an
-            ordinary tensor, which later computations may use in a backward pass).
-
-    Errors: a KeyError for a missing token or mask entry; a RuntimeError for an output with no
-    reward in it, or with more than one value per sequence (a multi-label head).
+    ``model``: a one-label sequence classifier (e.g. TRL's ``RewardTrainer``'s) or any module
+    taking ``input_ids`` and ``attention_mask``; its ``logits`` (or ``rewards``, or the output
+    tensor) of ``[*B]`` or ``[*B, 1]`` are written in place as float32 ``[*B]`` at
+    ``reward_key``. ``attention_mask_key`` None calls it without a mask. ``inference_mode``:
+    ``torch.no_grad`` (the reward is then an ordinary tensor). A multi-value output is a
+    RuntimeError.
     """
 
     def __init__(

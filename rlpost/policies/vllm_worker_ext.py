@@ -1,14 +1,12 @@
 """Methods mixed into vLLM's worker process (``worker_extension_cls``) for weight updates.
 
-The weights live in vLLM's worker process, so that process is the weight-bus rank: it joins the
-bus, receives buckets, and reloads them in place with ``model_runner.reload_weights`` — the call
-that works on the CPU backend, whose repacked linear layers make ``model.load_weights`` fail
-after start-up — or, on the CPU backend for the dense models it knows, straight into the
-kernels (:mod:`rlpost.policies.cpu_reload`, ``rollout.engine.direct_reload``). An update that
-meets a running generate call is received on a thread of its own (``rlpost_begin_receive``) while
-the engine keeps stepping, then loaded between two steps (``rlpost_finish_receive``). Methods are
-reached with
-``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data (vLLM serialises them).
+vLLM's worker process holds the weights, so it is the weight-bus rank: it receives buckets and
+reloads them in place with ``model_runner.reload_weights`` (trap: on the CPU backend repacked
+linear layers make ``model.load_weights`` fail after start-up), or straight into the CPU kernels
+(:mod:`rlpost.policies.cpu_reload`, ``rollout.engine.direct_reload``). An update meeting a
+running generate call is received on a thread (``rlpost_begin_receive``) while the engine steps,
+then loaded between two steps (``rlpost_finish_receive``). Reached with
+``llm.collective_rpc("rlpost_...", args=...)``; arguments are plain data.
 """
 
 from __future__ import annotations
@@ -44,14 +42,11 @@ class WeightSyncExtension:
         return rank
 
     def rlpost_receive_weights(self, timeout_s: float, overlap: bool = True, direct: bool = False) -> dict:
-        """Receive the next update from the bus and load it in place while it arrives (each
-        bucket is loaded as soon as it is in, the next ones arriving meanwhile); returns version
-        and timings: ``receive_s`` the time spent waiting for buckets, ``load_s`` the rest.
-        ``overlap=False`` receives the whole update first, then loads it (the benchmarks'
-        baseline, ``bench/bench_lora.py``). ``direct`` (CPU): load into the kernels with
-        :class:`~rlpost.policies.cpu_reload.DirectCpuReload` where it knows the model and the
-        update, else with reload_weights; it takes the whole update's tensors (views of the
-        received memory, no copies) before it writes any, so it waits for the last bucket."""
+        """Receive the next update and load each bucket as soon as it is in; returns version,
+        ``receive_s`` (waiting for buckets) and ``load_s`` (the rest). ``overlap=False``: receive
+        whole, then load (``bench/bench_lora.py``'s baseline). ``direct`` (CPU):
+        :class:`~rlpost.policies.cpu_reload.DirectCpuReload` where it knows the model and update;
+        it takes every tensor before writing any, so it waits for the last bucket."""
         loader = self._rlpost_direct_loader() if direct else None
         if not overlap:
             start = time.perf_counter()
@@ -89,10 +84,9 @@ class WeightSyncExtension:
         return {"version": version, "receive_s": total - load_s, "load_s": load_s, "num_tensors": count[0]}
 
     def rlpost_begin_receive(self, timeout_s: float) -> None:
-        """Start receiving the next update on a thread of this process and return at once: the
-        engine keeps stepping on the main thread while the bytes arrive (an in-flight update),
-        and :meth:`rlpost_finish_receive` loads them once :meth:`rlpost_receive_state` says
-        "arrived". The receive is bounded by ``timeout_s``, and so is the wait for the load."""
+        """Start receiving the next update on a thread and return at once (an in-flight update);
+        :meth:`rlpost_finish_receive` loads it once :meth:`rlpost_receive_state` says "arrived".
+        The receive and the wait for the load are each bounded by ``timeout_s``."""
         abandoned = getattr(self, "_rlpost_incoming", None)
         if abandoned is not None:  # its generate call failed or timed out before loading it
             if not abandoned.arrived.is_set():  # it still reads from the bus: one receive at a time
@@ -165,12 +159,9 @@ class WeightSyncExtension:
     def _rlpost_reload_weights(self, tensors) -> None:
         """vLLM's in-place ``reload_weights`` of the (name, tensor) pairs ``tensors``.
 
-        An update may leave layers out on purpose: a LoRA run's merged sync does not send the
-        frozen embeddings, output head and norms, which the engine loaded from the same base.
-        vLLM keeps such a layer's weights as they were, and warns for each one ("Failed to load
-        weights", then the list of names) at every sync; those warnings are dropped here. Whether
-        the engine computes what the learner does is checked by the run's probe
-        (``sync_logprob_diff``), not by these names."""
+        A LoRA run's merged sync leaves out the frozen embeddings, head and norms on purpose; vLLM
+        keeps them and warns "Failed to load weights" at every sync, which is dropped here. The
+        run's probe (``sync_logprob_diff``) checks the engine computes what the learner does."""
         names = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
         loggers = [logging.getLogger(name) for name in names]
         for each in loggers:
@@ -206,10 +197,9 @@ class WeightSyncExtension:
     def rlpost_spin_after_work(self, seconds: float) -> int:
         """Bound how long this process busy-polls for the engine's next step after one ends.
 
-        vLLM's worker keeps polling its input queue (``sched_yield`` in a loop) for a second after
-        every step before it sleeps on a socket, to shave the wake-up off the next step. Once
-        generation is over, that second of spinning burns a core (0.92 CPU-seconds measured)
-        beside whatever runs next on the node. Returns how many queue readers were changed."""
+        Trap: vLLM's worker spins (``sched_yield``) on its input queue for a second after every
+        step; once generation is over that burns a core (0.92 CPU-s measured) beside whatever
+        runs next. Returns how many queue readers were changed."""
         import gc
 
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
@@ -222,13 +212,9 @@ class WeightSyncExtension:
 
 
 class _BackgroundReceive:
-    """One update received on a thread of the worker process, its tensors held (views of the
-    received memory, valid until the receive confirms) until the main thread loads them.
-
-    The thread runs the receiver's ``receive_streamed``: its consumer takes every tensor, says
-    "arrived", then waits for :meth:`load` to be done with them before it returns (the receive
-    then confirms the update to the publisher). A load that fails fails the update on the bus too.
-    """
+    """One update received on a thread of the worker process, its tensors (views valid until the
+    receive confirms) held until the main thread's :meth:`load`; only then does the receive
+    confirm to the publisher, and a failed load fails the update on the bus too."""
 
     def __init__(self, receiver, timeout_s: float):
         self.timeout_s = timeout_s
