@@ -17,9 +17,8 @@ The rules, TorchRL's:
 - an exception raised by a batch is raised in every caller with a row in it; a caller whose rows
   were all in other batches is not affected.
 
-Every wait is bounded: a caller waits on a condition for at most ``poll_s`` at a time and checks
-again; it returns at most ``timeout_s`` after its call, plus the time of the batches that run
-before and with its rows. Deliberate deviations from TorchRL: a caller whose rows wait for a
+Every wait is bounded: a caller returns at most ``timeout_s`` after its call plus the time of
+the batches that run before and with its rows. Deliberate deviations from TorchRL: a caller whose rows wait for a
 fuller batch waits only ``timeout_s`` (TorchRL's waits with no bound when ``min_batch_size`` is
 never reached); ``min_batch_size=None`` with a ``max_batch_size`` means 1, as TorchRL documents.
 """
@@ -37,12 +36,9 @@ from typing import Any
 def batch_size_bounds(
     batching: bool | None, min_batch_size: int | None, max_batch_size: int | None
 ) -> tuple[int | None, int | None]:
-    """``(min_batch_size, max_batch_size)`` as the wrapper keeps them (both None: no batching).
-
-    TorchRL's rules: ``batching=True`` without sizes means ``min_batch_size=1``; sizes with
-    ``batching=False`` are an error; ``min_batch_size > max_batch_size`` is an error. A size alone
-    turns batching on (``batching=None``); ``min_batch_size`` is then 1 when not given.
-    """
+    """``(min_batch_size, max_batch_size)`` (both None: no batching), by TorchRL's rules: a size
+    alone turns batching on, ``min_batch_size`` defaulting to 1; sizes with ``batching=False``,
+    or ``min > max``, are errors."""
     if batching is False and (min_batch_size is not None or max_batch_size is not None):
         raise ValueError("min_batch_size and max_batch_size must be None if batching is False.")
     for name, size in (("min_batch_size", min_batch_size), ("max_batch_size", max_batch_size)):
@@ -66,17 +62,9 @@ class _Entry:
 
 
 class BatchQueue:
-    """Groups the rows of concurrent :meth:`submit` calls into calls of ``run``; see the module
-    docstring for the rules.
-
-    Args:
-        run: ``run(items) -> results``, one result per item, in order (the wrapper's forward on
-            the stacked rows, unbound again).
-        min_batch_size: rows a batch waits for (at most ``timeout_s``).
-        max_batch_size: rows a batch holds at most (None: every queued row).
-        timeout_s: how long a row waits for a batch of ``min_batch_size`` (TorchRL's
-            ``batching_timeout``).
-        poll_s: the longest single wait on the queue's condition before checking again.
+    """Groups the rows of concurrent :meth:`submit` calls into calls of ``run(items) -> results``
+    (one per item, in order), by the module's rules. ``timeout_s`` is TorchRL's
+    ``batching_timeout``; ``poll_s`` the longest single wait on the condition before checking again.
     """
 
     def __init__(

@@ -52,20 +52,15 @@ def make_vllm_engine(
       of N cores binds N-1 threads and leaves one core to the engine's scheduler process: on 2
       cores, one thread.
 
-    The engine runs in child processes: create it under ``if __name__ == "__main__":`` in
-    scripts and release it with :func:`shutdown_vllm_engine`. With ``in_process=True`` its engine
-    core and model worker run in this process instead (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    for this engine only): no child process to start (on the CPU backend each one imports vLLM,
-    ~15 s on 2 cores) or to compete with the model for the cores. On the CPU backend the calling
-    thread then gets ``cpu_cores`` as its affinity and torch thread count, and must be the thread
-    that generates with the engine: the OpenMP threads of its forward passes inherit them (they
-    are confined to those cores rather than pinned one per core; another thread's forward passes
-    would run on threads of its own). This process's ``torch.set_num_threads`` stays usable (vLLM
-    disables it, rlpost restores it: it sets the calling thread's count only), and vLLM freezes
-    the process's garbage-collected heap (``gc.freeze``), as it does in an engine process. One
-    engine at a time runs in a process (vLLM keeps its parallel state in module globals, which an
-    engine's shutdown tears down): while one does, another asked for in process gets processes
-    of its own (logged).
+    The engine runs in child processes: create it under ``if __name__ == "__main__":`` and
+    release it with :func:`shutdown_vllm_engine`. ``in_process=True`` runs its core and worker
+    here (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for this engine only): no child to start (~15 s of
+    vLLM import per process on 2 CPU cores) or to compete for the cores. Trap (CPU): the calling
+    thread gets ``cpu_cores`` as affinity and torch thread count and must be the one that
+    generates (its OpenMP threads inherit them; another thread's would not).
+    ``torch.set_num_threads`` stays usable (vLLM disables it, rlpost restores it), and vLLM
+    ``gc.freeze``-s the heap as in an engine process. One in-process engine at a time (vLLM's
+    parallel state is module-global and torn down at shutdown); another gets processes (logged).
     """
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -119,12 +114,9 @@ def make_vllm_engine(
 
 
 def _confine_this_thread(cpu_cores: Sequence[int] | None) -> None:
-    """In-process CPU engine: run its model on ``cpu_cores`` (None: vLLM's choice, all the
-    process's cores but one, at least one) from this thread. vLLM binds an engine's model
-    threads only when it starts them in a worker process of their own (through the OpenMP
-    environment of that process); in this process the thread that will generate gets the cores
-    as its affinity, which the OpenMP threads it starts inherit, and as its torch thread count.
-    The threads are confined to those cores, not pinned one per core."""
+    """In-process CPU engine: confine this thread (and the OpenMP threads it starts) to
+    ``cpu_cores`` (None: all the process's cores but one, at least one), as vLLM binds only the
+    threads of a worker process of its own."""
     if cpu_cores is None:
         available = sorted(os.sched_getaffinity(0))
         cpu_cores = available[: max(1, len(available) - 1)]
@@ -152,10 +144,8 @@ def engine_cpu_cores(num_threads: int, index: int = 0) -> list[int]:
 def _vllm_environment(values: dict[str, str]):
     """Set environment variables for an engine's start, then restore what was there.
 
-    An engine core started in this process freezes vLLM's view of the environment (its
-    ``envs`` cache) as it was during the start; the cache is cleared before the start, so that
-    this engine reads ``values``, and rebuilt from the restored environment after it, so that a
-    later engine does not inherit them."""
+    Trap: an in-process engine core freezes vLLM's ``envs`` cache at its start, so the cache is
+    cleared before (this engine reads ``values``) and rebuilt after (a later one does not)."""
     from vllm import envs
 
     was_cached = envs._is_envs_cache_enabled()

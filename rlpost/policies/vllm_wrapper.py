@@ -6,18 +6,14 @@ methods on plain data (:class:`VLLMEngineClient`)::
     generate(prompt_token_ids: list[list[int]], sampling: dict) -> list[list[Completion]]
     score(token_ids: list[list[int]], *, temperature: float) -> list[list[float]]
 
-:class:`LocalVLLMClient` implements it on an in-process ``vllm.LLM``; a Ray inference-worker
-handle that forwards the same calls gives identical results, because the arguments and results
-are plain lists and dicts.
+:class:`LocalVLLMClient` implements it on an in-process ``vllm.LLM``; a Ray worker forwarding
+the same plain-data calls gives identical results.
 
 Engine requirements (:func:`make_vllm_engine` sets them): ``logprobs_mode="processed_logprobs"``
-so that sampled-token log-probs are taken after temperature / top-p (the behaviour policy's;
-vLLM's default raw log-probs are taken before, and a loss built on them would be off by the
-temperature); ``max_logprobs=-1`` so that scoring at temperature != 1 can read the
-full prompt distribution (vLLM's prompt log-probs skip the sampling processors, i.e. are always
-at temperature 1, so the client renormalises ``log_softmax(lp / T)`` over the whole vocabulary --
-exact, but heavy for large vocabularies; the Transformers wrapper is the cheap scorer there).
-A plain ``vllm.LLM`` in raw mode is handled by :class:`vLLMWrapper` (re-scored or refused).
+(sampled-token log-probs after temperature / top-p: the behaviour policy's; vLLM's default raw
+ones are off by the temperature), and ``max_logprobs=-1``: vLLM's prompt log-probs are always at
+temperature 1, so scoring at T != 1 renormalises ``log_softmax(lp / T)`` over the whole
+vocabulary (exact, but heavy for large vocabularies; the Transformers wrapper is the cheap scorer).
 """
 
 from __future__ import annotations
@@ -83,14 +79,10 @@ class vLLMWrapper(LLMWrapperBase):
         pad_model_input: TorchRL's argument, refused as TorchRL refuses it (ValueError when
             given): vLLM schedules its own batches.
 
-    Log-probs are never silently wrong. vLLM's default ``logprobs_mode="raw_logprobs"`` returns
-    log-probs *before* temperature / top-k / top-p, which are not the behaviour policy's when
-    sampling changes the distribution. On such an engine (a plain ``vllm.LLM(model=...)``) the
-    wrapper re-scores the sampled tokens under the processed distribution, which needs the full
-    vocabulary per position (``max_logprobs=-1``; slow, since vLLM then returns every token's
-    log-prob at every position), and otherwise refuses at construction with a ValueError naming
-    ``logprobs_mode`` and the fix. Engines made by :func:`make_vllm_engine`
-    return processed log-probs and need neither.
+    Log-probs are never silently wrong: on an engine in vLLM's default raw mode (a plain
+    ``vllm.LLM(model=...)``) the wrapper re-scores the sampled tokens under the processed
+    distribution when ``max_logprobs=-1`` (slow), else refuses at construction with a ValueError
+    naming ``logprobs_mode`` and the fix.
 
     Attributes:
         sampling_params: the ``vllm.SamplingParams`` a call uses (built on access).
