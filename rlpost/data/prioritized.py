@@ -46,19 +46,13 @@ def reduce_priority(priority: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 class PrioritizedSampler(Sampler):
-    """Samples stored items in proportion to ``(priority + eps) ** alpha`` (see the module
-    docstring).
+    """Samples stored items in proportion to ``(priority + eps) ** alpha`` (module docstring).
 
     Args:
-        max_capacity: the most items the storage holds (the slots priorities are kept for).
-        alpha: how much the priorities count (0: uniform sampling; 1: in proportion to them).
-        beta: the importance-sampling exponent of ``"priority_weight"`` (0: all weights 1).
-        eps: added to every priority, so that no item is never drawn.
-        dtype: of the kept priorities and of the weights (float32 or float64).
-        reduction: how a buffer reduces an item's several priority values to one ("max",
-            "min", "mean" or "median").
-        max_priority_within_buffer: the default priority of new items is the largest among
-            the stored items (True) or the largest ever given (False).
+        max_capacity: the slots priorities are kept for.
+        alpha: 0: uniform sampling; 1: in proportion to the priorities. beta: 0: all weights 1.
+        reduction: how an item's several priority values become one ("max", "min", "mean",
+            "median").
         device: accepted for TorchRL's signature; the priorities stay on the CPU.
     """
 

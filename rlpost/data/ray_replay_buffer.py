@@ -14,20 +14,16 @@ Storage, sampler and transforms are given as constructors, built in the actor::
     rb.sample()               # a batch, read hooks applied
     rb.write_count            # items written so far, by every writer
 
-A transform appended later is pickled to the actor. Any other public method of the buffer class
-runs in the actor too (``rb.stats()``, ``rb.put(...)`` on a
-:class:`~rlpost.transport.buffer.LocalBuffer`), as in TorchRL; :meth:`RayReplayBuffer.call` does
-so with its own bound. :meth:`RayReplayBuffer.client` gives a copy that does not own the actor:
-only the creator's :meth:`close` ends it.
+Any other public method of the buffer class runs in the actor too (as in TorchRL);
+:meth:`RayReplayBuffer.call` does so with its own bound. :meth:`RayReplayBuffer.client` is a copy
+that does not own the actor: only the creator's :meth:`close` ends it.
 
-A buffer actor that dies (crash, OOM kill, ``ray.kill``) is restarted by Ray (``max_restarts``, 3
-by default) empty, with the same storage, sampler and ``transform_factory`` transforms (not those
-appended later); a call made meanwhile waits for it (within ``timeout_s``). The loss is never
-silent: each answer carries the actor's incarnation, and the first call to see a new one logs a
-warning with the items written before and counts it in :attr:`restarts`. Once restarts are spent
-(or with ``remote_config={"max_restarts": 0}``) calls raise Ray's ``RayActorError``. (rlpost's
-service rebuilds its buffer from what the producers kept instead, through
-:class:`~rlpost.transport.buffer.RayBuffer`.)
+A dead buffer actor is restarted by Ray (``max_restarts``, 3 by default) empty, with the
+constructors' storage, sampler and transforms (not those appended later); a call made meanwhile
+waits for it (within ``timeout_s``). The loss is never silent: each answer carries the actor's
+incarnation, and the first call to see a new one logs a warning and counts it in
+:attr:`restarts`. Once restarts are spent calls raise Ray's ``RayActorError``. (rlpost's service
+rebuilds its buffer from what the producers kept instead: :class:`~rlpost.transport.buffer.RayBuffer`.)
 
 Deviations from TorchRL: every call is bounded (TimeoutError naming it past ``timeout_s``); the
 restarts; no ``transport="distributed"``, delayed initialisation or runtime lease (the actor lives
@@ -58,12 +54,10 @@ class RayReplayBuffer(ReplayBuffer):
         replay_buffer_cls: the buffer class built in the actor (default :class:`ReplayBuffer`).
         ray_init_config: ``ray.init`` arguments when Ray is not initialized yet.
         remote_config: Ray actor options (default: no CPU, no GPU).
-        timeout_s: bound of each call into the actor (rlpost's).
-        placement_timeout_s: bound of the wait for the cluster to place the actor (what
-            ``remote_config`` asks for); past it the constructor fails naming the resources
-            (rlpost's; :mod:`rlpost.runtime.placement`).
-        **kwargs: the buffer's arguments (``storage``, ``sampler`` and ``transform_factory`` as
-            constructors; ``batch_size``, ``collate_fn``).
+        timeout_s, placement_timeout_s: rlpost's bounds of each call and of the actor's
+            placement (:mod:`rlpost.runtime.placement`).
+        **kwargs: the buffer's arguments (``storage``, ``sampler``, ``transform_factory`` as
+            constructors).
     """
 
     def __init__(
@@ -113,9 +107,8 @@ class RayReplayBuffer(ReplayBuffer):
 
     def _ask(self, what: str, method: str, *args: Any, timeout_s: float | None = None,
              kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
-        """``actor.method(*args, **kwargs)``, bounded by ``timeout_s`` (the buffer's by default);
-        while Ray restarts the actor the call is made again until it runs. Notes a new
-        incarnation (module docstring)."""
+        """``actor.method(*args, **kwargs)`` bounded by ``timeout_s``, retried while Ray restarts
+        the actor; notes a new incarnation."""
         import ray
 
         if self._rb is None:

@@ -1,27 +1,16 @@
 """Specs: what an env or transform reads and writes, without running it (TorchRL's tensor specs).
 
-rlpost does not depend on TorchRL; these are the few spec types its LLM data classes and envs
-need, with TorchRL's names and shape semantics:
+The few spec types rlpost's LLM data classes and envs need, with TorchRL's names and shape
+semantics: ``-1`` in a shape means "any size" (a sequence length), sampled as 1. A
+:class:`Composite`'s ``data_cls`` is the tensorclass ``zero()``/``rand()`` build and ``is_in``
+expects; ``step_mdp_static`` copies the entry whole from ``next`` to the root at each step.
 
-- :class:`Unbounded`: a tensor of a dtype and shape; ``-1`` in a shape means "any size" (a
-  sequence length), sampled as 1.
-- :class:`NonTensor`: non-tensor data (strings, lists, dicts) with an ``example_data`` that
-  ``zero()``/``rand()`` return.
-- :class:`Composite`: a dict of specs with a leading ``shape`` shared by all entries (the
-  batch), an optional ``data_cls`` (the tensorclass that ``zero()``/``rand()`` build and
-  ``is_in`` expects) and a ``step_mdp_static`` flag (the entry is copied whole from ``next``
-  to the root at each step, never walked leaf by leaf).
+``default_spec`` (History, ChatHistory, Text, ...) builds Composites as TorchRL does: for
+``shape=(B, -1)`` the Composite has ``shape[:-1]``, its entries the last dim, so
+``History.default_spec().zero()`` is a one-message History. A Composite set into one of more
+dims takes the parent's shape (as TorchRL).
 
-The data classes' ``default_spec`` classmethods (History, ChatHistory, Text, Tokens, ...) build
-Composites the way TorchRL does: for ``shape=(B, -1)`` the Composite has ``shape[:-1]`` and its
-entries carry the last dim. ``zero()`` therefore sizes a data class by the dims that all its
-entries share (the last of which is sampled as 1), so ``History.default_spec().zero()`` is a
-one-message History, as TorchRL documents. A Composite set into a Composite of more dims takes
-the parent's shape (TorchRL does the same), so ``Composite(history=ChatHistory.default_spec(
-shape=(B,)), shape=(B,))`` describes a ``[B]`` ChatHistory.
-
-Who makes them: data classes (``default_spec``), envs and transforms. Who reads them: env
-checks, collectors and tests (``is_in``, ``zero``, ``keys``).
+Made by data classes, envs and transforms; read by env checks, collectors and tests.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """TensorDictReplayBuffer: a :class:`~rlpost.data.ReplayBuffer` of TensorDicts that keeps track of
 where each item is (TorchRL's ``TensorDictReplayBuffer``).
 
-- a write sets ``"index"`` in the written TensorDict (after the write hooks) to each item's
-  storage index;
-- a sample carries ``"index"`` and, from a :class:`~rlpost.data.prioritized.PrioritizedSampler`,
-  ``"priority_weight"``, each expanded to the sample's batch size;
-- with a PrioritizedSampler, an item written with a ``priority_key`` entry (default
-  ``"td_error"``; TorchRL's expert-iteration script uses ``("next", "reward")``) gets that
-  priority, several values per item reduced by the sampler's ``reduction``;
-  :meth:`TensorDictReplayBuffer.update_tensordict_priority` does the same for a changed sample
-  (by its ``"index"``), :meth:`TensorDictReplayBuffer.update_priority` from indices.
-
-TorchRL's scripts run it as ``RayReplayBuffer(..., sampler=partial(PrioritizedSampler, ...),
-replay_buffer_cls=TensorDictReplayBuffer, priority_key=("next", "reward"))``.
+Writes set ``"index"`` (after the write hooks); samples carry ``"index"`` and, from a
+:class:`~rlpost.data.prioritized.PrioritizedSampler`, ``"priority_weight"``. With a
+PrioritizedSampler an item's ``priority_key`` entry (default ``"td_error"``; TorchRL's
+expert-iteration script: ``("next", "reward")``) is its priority, several values reduced by the
+sampler's ``reduction``.
 
 Deviations from TorchRL: those of :class:`~rlpost.data.ReplayBuffer` (no writers, prefetching,
 ``dim_extend`` or multi-dimensional storages); ``extend`` reduces several priority values per item
@@ -64,14 +57,8 @@ def _write_index(data: TensorDictBase, index: torch.Tensor) -> None:
 
 
 class TensorDictReplayBuffer(ReplayBuffer):
-    """A replay buffer of TensorDicts whose writes and samples carry ``"index"`` (see the module
-    docstring).
-
-    Keyword Args:
-        priority_key: where the items' priorities are read (with a PrioritizedSampler).
-        **kwargs: those of :class:`~rlpost.data.ReplayBuffer` (``storage``, ``sampler``,
-            ``batch_size``, ``transform``, ...).
-    """
+    """A replay buffer of TensorDicts whose writes and samples carry ``"index"`` (module
+    docstring); ``**kwargs`` as :class:`~rlpost.data.ReplayBuffer`'s."""
 
     def __init__(self, *, priority_key: NestedKey = "td_error", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -184,11 +171,8 @@ class TensorDictReplayBuffer(ReplayBuffer):
     # ------------------------------------------------------------------ reading
 
     def sample(self, batch_size: int | None = None, return_info: bool = False, include_info: bool | None = None) -> Any:
-        """A batch, with the sampler's info (``"index"``, ``"priority_weight"``) set in it.
-
-        ``include_info=False`` leaves them out (TorchRL's deprecated flag); ``return_info=True``
-        also returns them as a dict.
-        """
+        """A batch with the sampler's info set in it (``include_info=False``, TorchRL's deprecated
+        flag: not), and also as a dict with ``return_info=True``."""
         if include_info is not None:
             warnings.warn(
                 "include_info is going to be deprecated soon: the sampler's info is set in the sample by default",
