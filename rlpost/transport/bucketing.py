@@ -1,12 +1,8 @@
 """Bucketing of named parameters into flat per-dtype buffers, and back into views.
 
-The weight bus sends a model as a few large flat tensors ("buckets") instead of one collective
-per parameter (hundreds of small collectives cost far more than a few large ones). `plan_buckets`
-packs tensors of one dtype, in the order given, into buckets of at most `bucket_bytes`; a tensor
-larger than a bucket travels alone in a bucket of its own size (never split, so the receiver can
-hand it out as a view). The plan is a
-`BucketLayout`: plain data that both sides agree on (it travels as JSON), so the receiver can
-allocate the buckets before the bytes arrive and `unflatten` them into views without copies.
+A few large flat tensors instead of hundreds of small collectives. A tensor larger than a bucket
+travels alone (never split, so the receiver hands it out as a view). The `BucketLayout` travels
+as JSON, so the receiver allocates buckets before the bytes arrive and views them without copies.
 
 Pure: imports torch only.
 """
@@ -117,11 +113,9 @@ def as_named_list(
 class StreamedTensors:
     """Named tensors made one at a time while they are sent, so the sender never holds them all.
 
-    ``specs`` gives each tensor's ``(name, dtype, shape)`` up front (the bus plans its buckets
-    and announces the layout before any byte moves); ``produce()`` then yields the
-    ``(name, tensor)`` pairs in the same order. The bus pulls from it bucket by bucket, so the
-    sender holds about a bucket's worth of tensors at a time (a sharded learner gathers each
-    tensor only when its bucket is filled). Iterating it yields the produced pairs.
+    ``specs``: each tensor's ``(name, dtype, shape)`` up front (the layout is announced before
+    any byte moves); ``produce()`` yields the pairs in that order, pulled bucket by bucket (a
+    sharded learner gathers each tensor only when its bucket is filled).
     """
 
     specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]

@@ -1,26 +1,20 @@
 """GPU memory shared between the processes of one node (CUDA IPC), for the weight bus's receivers
 that run on the publisher's own GPU.
 
-A :class:`CudaSegment` is one GPU buffer of the publisher's process, exported with torch's CUDA
-IPC reduction (``torch.multiprocessing.reductions.reduce_tensor``: an IPC handle of the CUDA
-allocation plus torch's reference counter, so the memory outlives the publisher's own tensor
-while a receiver still maps it). Another process maps it with ``rebuild_cuda_tensor``. The
-handle travels as plain JSON (hex bytes and ints, no pickle) in a :class:`CudaSegmentRef`.
+A :class:`CudaSegment` is a GPU buffer of the publisher exported with torch's CUDA IPC reduction
+(``reduce_tensor``: an IPC handle plus torch's reference counter, so the memory outlives the
+publisher's tensor while a receiver maps it); the handle travels as plain JSON in a
+:class:`CudaSegmentRef`.
 
-Only a receiver on the same physical GPU maps a segment: the ref names the GPU by its UUID (the
-index differs between processes that see different ``CUDA_VISIBLE_DEVICES``, as Ray's actors
-do), and a receiver whose device has another UUID stays on the network bus. Mapping a buffer of
-another GPU would open a CUDA context there, and NCCL between two GPUs is fast anyway; the
-memory-speed path matters where the learner and an inference engine share one GPU. A process
-cannot map its own export (CUDA refuses), so a receiver in the publisher's process stays on
-the bus too.
+Only a receiver on the same physical GPU maps it: the ref names the GPU by UUID (indices differ
+under different ``CUDA_VISIBLE_DEVICES``, as Ray's actors have). Mapping another GPU's buffer
+would open a CUDA context there, and NCCL between GPUs is fast anyway; CUDA refuses a process its
+own export, so a receiver in the publisher's process stays on the bus too. As with host segments
+(whose layout it shares, :mod:`rlpost.transport.shared_memory`), a random token read back by
+:meth:`CudaSegment.open` tests the mapping.
 
-As with host segments, whether the mapping reached the right memory is tested, not guessed: the
-segment starts with a random token that :meth:`CudaSegment.open` reads back. The layout
-(header, aligned buckets) is the host segment's (:mod:`rlpost.transport.shared_memory`).
-
-Writes and reads are queued on CUDA streams, so each side calls :meth:`CudaSegment.settle`
-(synchronize its current stream) before it tells the other that a bucket is written or read.
+Trap: writes and reads are queued on CUDA streams, so each side calls :meth:`CudaSegment.settle`
+before it tells the other that a bucket is written or read.
 """
 
 from __future__ import annotations
@@ -160,10 +154,9 @@ class CudaSegment:
         return bucket_views(self.memory, layout)
 
     def ready_points(self, layout: BucketLayout) -> list[int]:
-        """The buckets after which the publisher tells its readers what is written: only the
-        last. On one GPU the readers' copies and the publisher's share the same memory
-        bandwidth, so overlapping them gains nothing, while each handshake (a stream sync and a
-        store round trip) costs tens of microseconds: per 64 MB bucket that halved the rate."""
+        """Only the last bucket: on one GPU readers and publisher share the memory bandwidth, so
+        overlap gains nothing, while a handshake per 64 MB bucket (stream sync + store round
+        trip, tens of µs) halved the rate."""
         return filled_buckets(layout)[-1:]
 
     def settle(self) -> None:

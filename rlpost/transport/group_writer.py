@@ -1,10 +1,4 @@
-"""GroupWriter: one producer's exactly-once writes into the buffer (:mod:`rlpost.transport.buffer`).
-
-An env pool's collector writes its groups through it as through a replay buffer; it numbers them,
-keeps them until the consumer acknowledges them, reserves room before each batch and, when the
-buffer actor dies, puts what it keeps into the new one. The buffer's module docstring says what
-the numbers, fences and acknowledgements guarantee.
-"""
+"""GroupWriter: one producer's exactly-once writes into the buffer (guarantees: :mod:`rlpost.transport.buffer`)."""
 
 from __future__ import annotations
 
@@ -21,29 +15,20 @@ DEFAULT_PUT_TIMEOUT_S = 600.0
 class GroupWriter:
     """One producer's exactly-once writes into a :class:`LocalBuffer` (or a :class:`RayBuffer`).
 
-    A collector writes through it as through a replay buffer: ``extend(groups)`` numbers the
-    groups (``Group.producer`` = ``producer``, ``Group.seq`` = 1, 2, 3, ... over the writer's
-    life, continued across restarts from ``num_groups_put``), keeps them in :attr:`outbox` and
-    puts them with one call, together with ``state()`` (the producer's position, read after
-    the numbering) and ``epoch``. The receipt says how far the consumer acknowledged, and the
-    outbox forgets those groups; a put refused because the producer was replaced (fenced) raises.
-    :meth:`wait_for_room` reserves room for the next batch before it is generated (the collector
-    calls it first), so the pipeline stays one batch deep and no batch ages in a queue.
-
-    When the buffer dies (a call raises :class:`BufferLost`), the call waits up to
-    ``buffer_wait_s`` for :meth:`set_buffer` (the supervisor started a new buffer), which puts the
-    outbox into the new one; groups it already has are skipped there.
+    ``extend(groups)`` (a replay buffer's call) numbers the groups (``Group.producer``,
+    ``Group.seq`` = 1, 2, ... continued across restarts from ``num_groups_put``), keeps them in
+    :attr:`outbox` until the receipt acknowledges them, and puts them in one call with
+    ``state()`` (read after the numbering) and ``epoch``; a fenced put raises.
+    :meth:`wait_for_room` reserves room before a batch is generated, so the pipeline stays one
+    batch deep and no batch ages in a queue. When the buffer dies (:class:`BufferLost`) a call
+    waits up to ``buffer_wait_s`` for :meth:`set_buffer`, which puts the outbox into the new one.
 
     Args:
-        buffer: the buffer (``put``, and ``reserve`` when it has one).
-        producer: the producer's name, unique in the run (an env pool's actor name).
-
-    Keyword Args:
+        producer: unique in the run (an env pool's actor name).
         epoch: the producer's incarnation (the buffer refuses older epochs once fenced).
         state: returns the producer's state to store with each put (None: no state).
         put_timeout_s: how long a put, or the wait for room, may block on a full buffer before
             :class:`BufferTimeout` (a partial put cannot be retried without duplicates).
-        buffer_wait_s: how long a call waits for a new buffer after the old one died.
     """
 
     def __init__(
@@ -108,10 +93,8 @@ class GroupWriter:
         return True
 
     def set_buffer(self, buffer: Any, timeout_s: float = 60.0) -> int:
-        """Write to ``buffer`` from now on (started after the old one died): put the outbox into
-        it (beyond its capacity if need be: the old buffer held these groups) with the
-        producer's state. Returns how many groups the new buffer took (those the consumer had
-        not received)."""
+        """Write to ``buffer`` (the old one died): put the outbox into it, beyond its capacity if
+        need be (the old buffer held these groups); returns how many groups it took."""
         with self._changed:
             self.buffer = buffer
             self._generation += 1

@@ -23,15 +23,11 @@ class NamedActorClient:
     """The bounded client of the named actor ``actor_name``.
 
     Args:
-        actor_name: the actor's name in the run's namespace.
-
-    Keyword Args:
-        namespace: its namespace; None: the caller's (an actor of the run looks up its run's).
-        timeout_s: the most one call waits for its answer (past it: ``TimeoutError``).
-        restart_wait_s: the most a call waits for a lost actor's replacement (past it:
-            ``RuntimeError`` naming the actor).
-        role: how errors name the actor (e.g. "reward actor").
-        settings: the config keys of ``timeout_s`` and ``restart_wait_s``, named in the errors.
+        namespace: None: the caller's (an actor of the run looks up its run's).
+        timeout_s: per call (past it: ``TimeoutError``); restart_wait_s: for a lost actor's
+            replacement (past it: ``RuntimeError`` naming the actor).
+        role: how errors name the actor (e.g. "reward actor"); settings: the config keys of
+            ``timeout_s`` and ``restart_wait_s``, named in the errors.
     """
 
     def __init__(

@@ -1,12 +1,9 @@
 """A torch.distributed group that leaves the global default group alone.
 
-:func:`stateless_init_process_group` (TorchRL's and vLLM's name for it) joins ``world_size``
-processes into a group of their own: rank 0 hosts a ``TCPStore`` at ``master_address:
-master_port``, every rank announces itself there, and a bare gloo (CPU) or NCCL (GPU) backend
-is built on the store, without ``torch.distributed.init_process_group``. A trainer can thus
-talk to inference workers whose engine already owns a default group (vLLM's does). The weight
-bus (:mod:`rlpost.transport.weight_bus`) is built the same way and adds versions, buckets and
-recovery on top.
+:func:`stateless_init_process_group` (TorchRL's and vLLM's name): rank 0 hosts a ``TCPStore``
+and a bare gloo / NCCL backend is built on it without ``init_process_group``, so a trainer can
+talk to inference workers whose engine owns the default group (vLLM's does). The weight bus is
+built the same way, with versions, buckets and recovery on top.
 
 Every wait is bounded by ``timeout_s``: a rank that never joins is named in a ``TimeoutError``,
 and a collective that does not complete raises instead of hanging.
