@@ -1,18 +1,14 @@
 """The buffer between collectors and the learner: bounded, batched, with a staleness cap.
 
-Producers (env pools) ``put`` whole GRPO groups; the learner ``take``s a batch of groups. One
-interface, two implementations: :class:`LocalBuffer` (a deque under a condition variable; in
-process, and the state inside the Ray actor) and :class:`RayBuffer`, the one client of a
-LocalBuffer in a Ray actor (:func:`rlpost.actors.buffer.start_buffer`). One actor call moves a
-whole batch: single-item Ray queue calls cost ~2.5 ms each here, batched ones ~1000x less per
-item. A put travels :class:`~rlpost.transport.group_writer.GroupWriter` -> :class:`RayBuffer` ->
-(the actor) :class:`LocalBuffer`.
+Env pools ``put`` whole GRPO groups; the learner ``take``s a batch. :class:`LocalBuffer` (a deque
+under a condition variable) runs in process or inside the Ray actor, whose one client is
+:class:`RayBuffer` (:func:`rlpost.actors.buffer.start_buffer`); a put travels GroupWriter ->
+RayBuffer -> LocalBuffer. One actor call moves a whole batch: single-item Ray queue calls cost
+~2.5 ms each here, batched ones ~1000x less per item.
 
-A LocalBuffer also has a ReplayBuffer's API (``extend``, ``add``, ``sample``, ``len``,
-``write_count``), so a TorchRL-style script may use it, in process or as
-``RayReplayBuffer(replay_buffer_cls=LocalBuffer, capacity=..., max_staleness=...)``; deviation:
-``extend`` waits for room (backpressure) and ``sample`` takes the oldest groups, each exactly
-once, instead of drawing at random with replacement.
+A LocalBuffer also has a ReplayBuffer's API (also as ``RayReplayBuffer(replay_buffer_cls=
+LocalBuffer, ...)``); deviation: ``extend`` waits for room (backpressure) and ``sample`` takes
+the oldest groups, each exactly once, instead of drawing at random with replacement.
 
 Rules:
 - Backpressure: ``put`` blocks while the buffer is full, up to ``timeout_s``, then raises
@@ -26,10 +22,9 @@ Rules:
   ``put`` releases it), so two producers never generate for the same free slots (without it, 2
   env pools over a one-step buffer generated 18% of their groups only to see them dropped stale).
 
-Producer positions: a put may carry its producer's state (an env pool's position in the prompt
-stream), stored with the groups under the same lock; :meth:`LocalBuffer.snapshot` gives the
-waiting groups and every producer's position after its last put, consistent with each other, so
-a checkpoint loses no completed group and repeats none.
+Producer positions: a put may carry its producer's state (its prompt-stream position), stored
+under the same lock, so :meth:`LocalBuffer.snapshot`'s groups and positions agree: a checkpoint
+loses no completed group and repeats none.
 
 Surviving a lost actor, for groups that carry a ``seq`` (an env pool numbers its groups 1, 2, ...
 across its restarts):
@@ -42,9 +37,8 @@ across its restarts):
   the consumer's acknowledgements and the producers put again what they keep: nothing completed
   is lost or taken twice. ``take`` reports stale drops so the consumer counts each once.
 
-The producer's side of these guarantees is :class:`~rlpost.transport.group_writer.GroupWriter`.
-Items are opaque except for ``policy_version`` and, when present, ``producer`` and ``seq``
-(attributes or keys).
+The producer's side is :class:`~rlpost.transport.group_writer.GroupWriter`. Items are opaque
+except for ``policy_version`` and, when present, ``producer`` and ``seq`` (attributes or keys).
 """
 
 from __future__ import annotations
@@ -120,12 +114,9 @@ class LocalBuffer:
     """Bounded FIFO of groups with blocking, batched put/take and a staleness cap.
 
     Args:
-        capacity: groups held before ``put`` waits (backpressure).
-        max_staleness: policy versions a group may lag behind the consumer's before it is
-            dropped (None: never dropped).
+        max_staleness: policy versions a group may lag the consumer's (None: never dropped).
         batch_size: groups per :meth:`sample` when it is not given one.
-        wait_s: how long :meth:`extend` waits for room and :meth:`sample` for groups, then
-            raises :class:`BufferTimeout`.
+        wait_s: how long :meth:`extend` / :meth:`sample` wait, then :class:`BufferTimeout`.
         report: called with the :class:`BufferStats` after each put, take and restore, outside
             the lock (the service's metrics).
     """
@@ -168,13 +159,10 @@ class LocalBuffer:
         epoch: int = 0,
         force: bool = False,
     ) -> PutReceipt:
-        """Append ``groups`` together, blocking until a slot is free (see the module docstring).
-
-        ``producer_state`` is recorded for ``producer`` with them. Groups already accepted (their
-        ``seq`` is not above the producer's last) are skipped; a put from a fenced-off ``epoch``
-        takes nothing. The producer's reservation is released first: these groups are what it
-        held the room for. ``force`` puts without waiting for room (a producer putting again
-        what a buffer that died held: waiting could block the consumer that rebuilds it).
+        """Append ``groups`` together once a slot is free, skipping replays, refusing a fenced
+        ``epoch`` (module docstring); the producer's reservation is released first (it held the
+        room for these). ``force``: no wait for room (a producer putting again what a dead
+        buffer held: waiting could block the consumer that rebuilds it).
         """
         try:
             return self._put(groups, timeout_s, producer, producer_state, epoch, force)
@@ -214,14 +202,10 @@ class LocalBuffer:
         return PutReceipt(accepted, self._acknowledged.get(producer, 0))
 
     def reserve(self, num_groups: int, timeout_s: float, producer: str | None = None) -> bool:
-        """Wait until ``num_groups`` more groups fit (capped at the capacity) beside what the
-        buffer holds and what *other* producers reserved; then hold that room for ``producer``
-        until its next put. False on timeout (nothing held).
-
-        Producers call it *before* generating, so a batch is not generated while an older one
-        still waits for room: each waiting batch ages towards the staleness cap. A producer's
-        new reservation replaces its old one (a restarted producer does not leak room). Without
-        ``producer`` it only waits.
+        """Wait until ``num_groups`` more groups fit (capped at the capacity) beside what is held
+        and what *other* producers reserved, then hold that room for ``producer`` until its next
+        put; False on timeout (nothing held). A new reservation replaces the producer's old one
+        (a restarted producer leaks no room); without ``producer`` it only waits.
         """
         need = min(num_groups, self.capacity)
         with self._cond:
@@ -240,12 +224,9 @@ class LocalBuffer:
         current_version: int | None = None,
         acknowledged: dict[str, int] | None = None,
     ) -> Taken:
-        """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s``.
-
-        With ``current_version``, stale groups are dropped (counted, and reported in this or the
-        next successful take's reply) before taking. ``acknowledged`` records what the consumer
-        has received (see the module docstring). On a timeout nothing is taken: the groups stay
-        for the next call.
+        """Take exactly ``num_groups`` fresh groups, oldest first, waiting up to ``timeout_s`` (on
+        a timeout nothing is taken). With ``current_version`` stale groups are dropped first,
+        reported in this or the next successful take's reply.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
@@ -298,9 +279,8 @@ class LocalBuffer:
         return len(stale)
 
     def fence(self, producer: str, epoch: int) -> Any:
-        """Accept puts of ``producer`` only from ``epoch`` on (a replacement of a dead producer)
-        and return its state after its last accepted put (None before its first); its room
-        reservation is released."""
+        """Accept ``producer``'s puts only from ``epoch`` on (a dead producer replaced); returns its
+        state after its last accepted put and releases its reservation."""
         with self._cond:
             self._epochs[producer] = max(epoch, self._epochs.get(producer, 0))
             if self._reserved.pop(producer, 0):
@@ -323,9 +303,8 @@ class LocalBuffer:
             )
 
     def restore(self, snapshot: BufferSnapshot) -> None:
-        """Put a checkpoint's groups back (oldest first, beyond the capacity if need be: they
-        were in the buffer when it was taken), its producer states, sequence numbers and
-        acknowledgements; the buffer must be empty."""
+        """Put a checkpoint back into an empty buffer (beyond the capacity if need be: it held
+        these groups)."""
         with self._cond:
             if self._items:
                 raise RuntimeError(f"restore needs an empty buffer, it holds {len(self._items)} groups")
@@ -421,19 +400,14 @@ def _highest_seqs(groups: list[Any]) -> dict[str, int]:
 
 
 class RayBuffer:
-    """The one client of the buffer actor (a :class:`LocalBuffer` in a Ray actor, started by
-    :func:`rlpost.actors.buffer.start_buffer`); same interface as :class:`LocalBuffer`.
-
-    Each method is one call of the actor's LocalBuffer (a whole batch per round trip), waited for
-    ``timeout_s`` plus ``rpc_margin_s``, so a dead actor surfaces as an error, never a hang:
+    """The one client of the buffer actor; :class:`LocalBuffer`'s interface, one actor call per
+    method, waited for ``timeout_s`` plus ``rpc_margin_s``: a dead actor is an error, never a hang:
 
         the actor died or was killed                -> BufferLost (an ActorLost of ``name``)
         no reply within the call's bound            -> CallTimeout(``name``): alive but silent
         the buffer's own wait ran out (full, empty) -> BufferTimeout, as LocalBuffer raises it
 
-    The loop takes through it, the env pools' :class:`GroupWriter` puts through it and the
-    supervisor asks it whether the actor is ``alive()`` and ``kill()`` s it. Pickled (sent to an
-    env pool) it is a copy of the handle, which does not own the actor.
+    Pickled (sent to an env pool) it is a copy of the handle, which does not own the actor.
     """
 
     def __init__(self, handle: Any, name: str = "buffer", rpc_margin_s: float = 30.0):
