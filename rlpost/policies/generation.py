@@ -1,10 +1,4 @@
-"""Generation arguments of the LLM wrappers: TorchRL's names, precedence and checks.
-
-Both backends read the same standard names (``max_new_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``seed``, ``num_return_sequences``...). Backend names are accepted as TorchRL accepts
-them: vLLM's ``max_tokens`` and ``n`` stand for ``max_new_tokens`` and ``num_return_sequences``
-and win when both are given.
-"""
+"""Generation arguments of the LLM wrappers: TorchRL's names, precedence and checks."""
 
 from __future__ import annotations
 
@@ -92,11 +86,8 @@ class Completion:
     """One sampled continuation, as an engine returns it (plain data: it crosses processes).
 
     ``token_ids`` include the EOS token when generation stopped on it (``finished=True``);
-    ``logprobs`` are the processed log-probs of those tokens, or None when not requested.
-    ``token_versions``: the policy version of the weights that sampled each token, when new
-    weights arrived while the completion was generated (an inference worker's in-flight update:
-    its tokens come from several versions); None when one version made them all (the version
-    the call reports) or the engine does not label its weights.
+    ``logprobs``: their processed log-probs (None when not requested). ``token_versions``: each
+    token's policy version after an in-flight update; None when one version (the call's) made all.
     """
 
     token_ids: list[int]

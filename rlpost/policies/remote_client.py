@@ -1,11 +1,9 @@
 """The engine client of inference workers that run as Ray actors: load balancing, bounds, re-issue.
 
-:class:`RemoteVLLMClient` is the :class:`~rlpost.policies.VLLMEngineClient` a
-:class:`~rlpost.policies.vLLMWrapper` generates with when its engine is one or several inference
-workers in Ray actors (``make_vllm_worker``'s, the run's ``inference-<i>`` actors, an
-``AsyncVLLM`` fleet's replicas). :func:`is_remote_worker` and :func:`is_local_worker` recognise
-such workers by what they do (they take weight updates), so this package never imports the
-actors that define them.
+Used by a :class:`~rlpost.policies.vLLMWrapper` on workers in Ray actors (``make_vllm_worker``'s,
+the run's ``inference-<i>``, an ``AsyncVLLM`` fleet's replicas). :func:`is_remote_worker` and
+:func:`is_local_worker` recognise workers by what they do (take weight updates), so this
+package never imports the actors that define them.
 """
 
 from __future__ import annotations
@@ -31,16 +29,11 @@ def is_local_worker(obj: Any) -> bool:
 class RemoteVLLMClient:
     """Load-balancing :class:`~rlpost.policies.VLLMEngineClient` over inference actor handles.
 
-    ``request_timeout_s`` bounds every call. A worker that died (RayActorError) is skipped and
-    the request re-issued on the next one. When every worker has failed, the request waits up to
-    ``worker_wait_s`` for :meth:`set_handles` (the controller restarting workers) and is then
-    re-issued to the new ones; after that the error propagates. ``on_worker_lost(index, error)``,
-    when set, is told of each death as it is found, so that whoever restarts workers hears of it
-    at once (an env pool passes it on to the controller waiting on it).
-
-    ``restartable=True``: the workers are actors Ray restarts itself (``max_restarts``, as
-    :class:`~rlpost.actors.async_vllm.AsyncVLLM` starts them): when every worker has failed,
-    the request waits up to ``worker_wait_s`` for one of the same handles to answer again.
+    ``request_timeout_s`` bounds every call. A dead worker (RayActorError) is skipped and the
+    request re-issued on the next; when every worker has failed the request waits up to
+    ``worker_wait_s`` for :meth:`set_handles` (or, ``restartable=True``: Ray's ``max_restarts``,
+    for one of the same handles to answer again), then the error propagates.
+    ``on_worker_lost(index, error)`` is told of each death at once (an env pool tells the controller).
     """
 
     def __init__(

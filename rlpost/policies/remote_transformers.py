@@ -10,9 +10,8 @@ The wrapper is called as a local one (``remote(td)``, ``remote.log_prob(td)``,
 With ``batching=True`` the concurrent calls of several callers (the actor runs up to
 ``max_concurrency`` at once) are batched in the actor by the wrapper's own batch queue.
 
-Every call is bounded by ``timeout_s`` (rlpost's keyword) and raises a ``TimeoutError`` naming
-the call; an error raised in the actor is raised here as Ray re-raises it (the actor's exception
-type, with its traceback). Deliberate deviations from TorchRL: ``num_gpus`` defaults to 1 only
+Every call is bounded by ``timeout_s`` (rlpost's; a ``TimeoutError`` naming the call); an error
+in the actor is re-raised here as Ray does. Deliberate deviations from TorchRL: ``num_gpus`` defaults to 1 only
 when the cluster has a GPU (TorchRL's 1 would never schedule on a CPU cluster);
 ``get_new_version`` returns a RemoteTransformersWrapper on the same actor and model (TorchRL
 returns the twin itself, model and all, copied out of the actor); attributes are read from the
@@ -65,15 +64,11 @@ class RemoteTransformersWrapper:
     """A :class:`TransformersWrapper` in a Ray actor, called as a local one (module docstring).
 
     Args:
-        model: the model's name or path (the actor loads it); a model object only with
-            ``validate_model=False`` (it is then copied into the actor).
-        max_concurrency: calls the actor runs at once (TorchRL's default 16).
-        validate_model: refuse a model that is not a name or path (ValueError), as TorchRL does.
-        actor_name: name the actor; an actor of that name already alive is used instead of
-            starting one (the other keyword arguments are then ignored, as in TorchRL).
-        num_gpus, num_cpus: the actor's resources (``num_gpus=None``: 1 when the cluster has a
-            GPU, else 0).
-        timeout_s: how long each call waits for the actor's answer (rlpost's).
+        model: the model's name or path (the actor loads it); a model object (copied into the
+            actor) only with ``validate_model=False``.
+        actor_name: an actor of that name already alive is used (the other keyword arguments
+            then ignored, as in TorchRL).
+        num_gpus: None: 1 when the cluster has a GPU, else 0.
         **kwargs: :class:`TransformersWrapper`'s keyword arguments.
     """
 

@@ -35,11 +35,9 @@ class VLLMEngineClient(Protocol):
 class LocalVLLMClient:
     """:class:`VLLMEngineClient` on an in-process ``vllm.LLM``.
 
-    ``lora_request``: the ``vllm.lora.request.LoRARequest`` every call generates and scores with
-    (None: the base model); an inference worker that serves a LoRA adapter sets it at each update.
-    ``run_engine(fn, *args, **kwargs)`` runs each call's engine work (None: in the calling
-    thread); an inference worker whose engine runs in its process passes the function that runs
-    it on the engine's own thread (:func:`make_vllm_engine`, ``in_process``).
+    ``lora_request``: the LoRARequest every call uses (None: the base model; a LoRA worker sets
+    it at each update). ``run_engine(fn, ...)`` runs each call's engine work (None: in the
+    calling thread; an in-process engine's worker runs it on the engine's own thread).
     """
 
     def __init__(self, llm, *, run_engine: Callable[..., Any] | None = None):
@@ -203,10 +201,8 @@ def _completion(output, want_logprobs: bool) -> Completion:
 
 
 def _token_versions(output, num_tokens: int) -> list[int] | None:
-    """Each token's policy version from vLLM's weight-version spans (``CompletionOutput
-    .weight_versions``, labelled by ``llm_engine.set_weight_version``); None where one version
-    made every token (the call's own: nothing more to say, and 16k fewer ints to send back per
-    batch) or the engine has no integer labels (weights nobody labelled say "default")."""
+    """Each token's policy version from vLLM's ``weight_versions`` spans; None where one version
+    made every token (16k fewer ints per batch) or the labels are not integers ("default")."""
     spans = getattr(output, "weight_versions", None)
     if not spans or len(spans) == 1 or not all(span.version.isdigit() for span in spans):
         return None
