@@ -1,14 +1,9 @@
 """ContentBase: one block of a multimodal message (TorchRL's ``torchrl.data.llm.history.ContentBase``).
 
-A message whose content is more than a string (a picture and a question about it, a file, a
-function call) holds a stack of blocks: ``lazy_stack([ContentBase(type="image", url=...),
-ContentBase(type="text", text="What is this?")])`` has batch ``[2]``, one dimension more than the
-:class:`~rlpost.data.History` message that holds it. When a History is rendered, each block
-becomes the dict a chat template or a processor reads (``{"type": "image", "url": ...}``), so
-multimodal messages render through the tokenizer's or processor's own template.
-
-Who makes them: users and environments building prompts. Who reads them: ``History.to_chats``
-and ``History.apply_chat_template``.
+A multimodal message's content is a stack of blocks, one batch dim more than its
+:class:`~rlpost.data.History` message: ``lazy_stack([ContentBase(type="image", url=...),
+ContentBase(type="text", text="What is this?")])``. Rendered, each block is the dict a chat
+template or processor reads, so messages render through the tokenizer's or processor's template.
 """
 
 from __future__ import annotations
@@ -41,11 +36,7 @@ class ContentBase(TensorClass["nocast", "shadow"]):
     function_args: dict | None = None
 
     def to_blocks(self) -> list[dict] | dict:
-        """The block dicts chat templates read: fields left None are omitted.
-
-        A batch of blocks ``[k]`` gives a list of ``k`` dicts (one message's content); one block
-        (batch ``[]``) gives a dict.
-        """
+        """The block dicts chat templates read (None fields omitted): a list for a ``[k]`` batch."""
         raw = self.tolist()
         if isinstance(raw, dict):
             return _clean_block(raw)

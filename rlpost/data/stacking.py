@@ -1,11 +1,6 @@
 """Stack TensorDicts of different sequence lengths (TorchRL's ``as_nested_tensor`` /
-``as_padded_tensor``, the ``stack_method`` choices of its data-loading primer).
-
-Who uses them: data loaders that batch tokenized prompts, and envs whose reset stacks rows.
-:func:`set_rows` writes per-row outputs of different lengths (unpadded log-probs, KL) so that
-``td.get(key, as_list=True)`` reads them back one tensor per row, and :func:`get_rows` reads one
-tensor per row from any layout; the KL transforms and the history losses use them.
-"""
+``as_padded_tensor``, its data-loading primer's ``stack_method`` choices), and write / read one
+tensor per row in any layout (:func:`set_rows`, :func:`get_rows`: the KL transforms and losses)."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictB
 
 
 def as_nested_tensor(list_of_tensordicts: list[TensorDictBase]) -> TensorDictBase:
-    """Stack along a new dim 0, each tensor becoming a jagged nested tensor.
-
-    Entries of different lengths stay unpadded: ``out["ids"][i]`` is the ``i``-th input's tensor.
-    The result's batch size is ``[len(list_of_tensordicts), *first.batch_size]``.
-    """
+    """Stack along a new dim 0, each tensor a jagged nested tensor (``out["ids"][i]`` is the
+    ``i``-th input's)."""
     first, *rest = list_of_tensordicts
     batch_size = [len(list_of_tensordicts), *first.batch_size]
 
@@ -33,10 +25,9 @@ def as_nested_tensor(list_of_tensordicts: list[TensorDictBase]) -> TensorDictBas
 def as_padded_tensor(list_of_tensordicts: list[TensorDictBase], dim: int = 0, stack_dim: int = 0) -> TensorDictBase:
     """Stack along ``stack_dim``, padding each tensor with zeros on the left along ``dim``.
 
-    Left padding (TorchRL's choice) keeps the last real token of every row at the same position,
-    which is where generation continues from. ``dim`` counts from the start of each input tensor
-    and must be >= 0. The result's batch size inserts ``len(list_of_tensordicts)`` at
-    ``stack_dim`` (TorchRL inserts it at ``dim``; the two agree for the defaults).
+    Left padding (TorchRL's) keeps every row's last real token, where generation continues, at
+    one position. ``dim`` >= 0 counts from the start of each input tensor. Deviation: the batch
+    dim is inserted at ``stack_dim`` (TorchRL: at ``dim``; they agree for the defaults).
     """
     if dim < 0:
         raise ValueError(f"as_padded_tensor: dim must be >= 0, got {dim}")
@@ -71,10 +62,8 @@ def is_row_stacked(td: TensorDictBase, key: NestedKey) -> bool:
 
 
 def get_rows(td: TensorDictBase, key: NestedKey) -> list[torch.Tensor] | None:
-    """The per-row tensors of ``td[key]`` (None when absent), whatever the layout: rows kept
-    apart in a lazy stack (:func:`is_row_stacked`), a nested tensor, a list, or a dense
-    ``[*batch, T]`` tensor (its rows over the flattened batch). A 0-d ``td`` has one row. The
-    reading side of :func:`set_rows`."""
+    """The per-row tensors of ``td[key]`` (None when absent) from a lazy stack, nested tensor,
+    list or dense ``[*batch, T]`` tensor (rows over the flattened batch); :func:`set_rows`'s reader."""
     if key not in td.keys(include_nested=True):
         return None
     if is_row_stacked(td, key):
@@ -93,12 +82,9 @@ def set_rows(td: TensorDictBase, key: NestedKey, rows: list[torch.Tensor]) -> Te
     """Write one tensor per row of ``td`` (batch ``[B]``) at ``key``, lengths free, so that
     ``td.get(key, as_list=True)`` gives the ``B`` tensors back (TorchRL's unpadded layout).
 
-    Into a lazy stack each row goes to its own TensorDict. Into a dense ``td`` a two-part key
-    (``("log_probs", "full")``) becomes a lazy stack of one TensorDict per row under its
-    container (an existing dense container is unbound into one first, its other entries kept),
-    as the wrappers write with ``pad_output=False``. A one-part key of a dense ``td`` has no
-    container to hold separate rows: it gets a jagged nested tensor (TorchRL stores a nested
-    tensor there too), whose ``[i]`` is row ``i``. A 0-d ``td`` takes its one row as it is.
+    Into a dense ``td`` a two-part key (``("log_probs", "full")``) makes its container a lazy
+    stack of rows (an existing dense one is unbound, other entries kept), as the wrappers write
+    with ``pad_output=False``; a one-part key gets a jagged nested tensor (as TorchRL stores).
     """
     if td.batch_dims == 0:
         (row,) = rows

@@ -150,17 +150,11 @@ _DEFAULT_TOKENS = {
 def parse_chatml(text: str) -> list[dict]:
     """Message dicts (``role``, ``content``, ``is_complete``) of a rendered ChatML / Qwen text.
 
-    ``"<|im_start|>role\\ncontent<|im_end|>"`` blocks become messages. A block cut before its
-    ``<|im_end|>`` (an open generation prompt, a response cut at ``max_tokens``) is unfinished
-    (``is_complete=False``) when it is the last one; a block that the next ``<|im_start|>``
-    follows ends there, complete, minus a closing ``<|endoftext|>``. A user or tool turn made
-    only of ``<tool_response>`` blocks (how Qwen templates render tool messages) gives one
-    ``"tool"`` message per block.
-
-    Text after a block's ``<|im_end|>`` that opens no new block is dropped, as TorchRL's parser
-    drops it: it is what an engine generates past the end of its turn when told to ignore EOS
-    (vLLM's ``ignore_eos=True``), and belongs to no message. Text before the first block (other
-    than whitespace) is an error: it is not a ChatML rendering.
+    A last block cut before its ``<|im_end|>`` is ``is_complete=False``; one the next
+    ``<|im_start|>`` follows ends there, complete, minus a closing ``<|endoftext|>``. A turn made
+    only of ``<tool_response>`` blocks (Qwen's tool messages) gives one ``"tool"`` message per
+    block. Text after an ``<|im_end|>`` that opens no block (what vLLM generates with
+    ``ignore_eos=True``) is dropped, as TorchRL drops it; text before the first block is an error.
     """
     messages: list[dict] = []
     pos = 0
@@ -317,11 +311,10 @@ def add_chat_template(
 ) -> None:
     """Register a chat template under ``template_name`` (TorchRL's ``add_chat_template``).
 
-    ``template`` must mark the assistant's tokens with ``{% generation %}`` blocks (checked), so
-    that assistant masks work. ``inverse_parser(text) -> History`` makes ``from_text`` work with
-    the name. ``model_family_keywords`` (case-insensitive, matched against the tokenizer's
-    ``name_or_path``) make the template the one chosen for matching tokenizers, by both
-    ``apply_chat_template`` and ``from_text``. Registrations last for the process.
+    ``template`` must mark the assistant's tokens with ``{% generation %}`` (checked).
+    ``inverse_parser(text) -> History`` serves ``from_text``; ``model_family_keywords``
+    (case-insensitive, against ``name_or_path``) pick the template for matching tokenizers.
+    Registrations last for the process.
     """
     if "{% generation %}" not in template:
         raise ValueError(

@@ -1,16 +1,9 @@
 """LLM policies: one interface (LLMWrapperBase) over transformers and vLLM.
 
-TorchRL's layout: the wrappers, their base classes and the containers they fill (ChatHistory,
-Text, Tokens, LogProbs, Masks, also in :mod:`rlpost.data`) are importable from here, as from
-``torchrl.modules.llm.policies``. Importing this package imports neither vLLM nor a model;
-engines are created by the caller (``make_vllm_engine``, or
-:func:`rlpost.actors.vllm_workers.make_vllm_worker` for an engine that takes weight updates) or
-passed in. ``vLLMWorker`` is the weight-update extension mixed into vLLM's worker;
-:class:`RemoteVLLMClient` generates through workers in Ray actors;
-:class:`RemoteTransformersWrapper` is a TransformersWrapper in a Ray actor.
-:class:`LLMMaskedCategorical` is TorchRL's masked distribution over LLM logits;
-:class:`HFRewardModelWrapper` and :class:`TorchRLBufferDataset` are TorchRL's adapters to and from
-TRL (``torchrl.modules.llm.trl_interop``). ``LLMOnDevice`` is loaded on first access.
+The wrappers, their bases and the containers they fill are importable from here, as from
+``torchrl.modules.llm.policies``. Importing it imports neither vLLM nor a model (engines come
+from ``make_vllm_engine`` / :func:`rlpost.actors.vllm_workers.make_vllm_worker` or are passed
+in); ``LLMOnDevice`` is loaded on first access.
 """
 
 from rlpost.data.llm_data import ChatHistory, LogProbs, Masks, Text, Tokens

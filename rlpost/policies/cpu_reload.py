@@ -1,30 +1,18 @@
 """Load new weights straight into vLLM's CPU kernels, without its layerwise reload.
 
-vLLM's ``reload_weights`` serves any model, and on the CPU backend it pays for that: for each
-layer it re-creates every parameter (fresh memory, faulted in page by page), copies the update
-into it through the weight loaders (fusing q/k/v and gate/up), packs the linear weights into
-the GEMM kernel's layout, and drops the dense copy again. On the 0.5B-shaped model in fp32 that
-is 2-2.5 s for 2.5 GB on 2 CPU cores, of which the loaders' copies are about half.
+vLLM's generic ``reload_weights`` on the CPU re-creates every parameter per layer (fresh memory,
+faulted in page by page), copies the update in through the weight loaders, packs the GEMM kernels
+and drops the dense copy: 2-2.5 s for the 0.5B-shaped fp32 model (2.5 GB, 2 cores), half of it
+the loaders' copies. :class:`DirectCpuReload` packs each linear weight straight from the update's
+tensor through vLLM's own ``dispatch_cpu_unquantized_gemm`` (fused q/k/v and gate/up through one
+reused scratch buffer), copies embeddings, norms and biases into the existing tensors and
+re-packs the LM head: 1.05 s against 2.5 s (BENCHMARKS.md, section 10), 80% of it kernel packs.
 
-:class:`DirectCpuReload` does the same work with fewer copies, for the dense models it knows:
-
-- a linear layer's weight is packed straight from the update's tensor (a view of the bus's
-  shared memory or bucket): vLLM's own CPU GEMM dispatch, ``dispatch_cpu_unquantized_gemm``,
-  builds the kernel from it, so the layout and the kernel choice are vLLM's. A fused layer
-  (q/k/v, gate/up) is first concatenated into one scratch buffer, reused layer after layer;
-- an embedding or LM head keeps its dense weight (lookups read it): the update is copied into
-  the existing tensor, then vLLM's dispatch packs the head again;
-- a norm's weight, or a bias, is copied into the existing tensor.
-
-The same update takes 1.05 s this way against 2.5 s through ``reload_weights`` (BENCHMARKS.md,
-section 10); the kernel packs are 80% of it.
-
-It takes a model when every module that holds a parameter is one of vLLM's unquantized linear
-layers on one tensor-parallel rank, an embedding / LM head, or an RMSNorm / LayerNorm
-(:func:`unsupported_reason` names the first that is not), and an update whose every name maps
-onto the model; otherwise the caller uses vLLM's ``reload_weights``. The kernel must own its
-packed copy of the weight, since the update's memory is written again by the next publish
-(checked once per process for each linear shape of the model, :func:`kernel_copies_weight`).
+It takes a model whose every parameter module is an unquantized linear layer on one TP rank, an
+embedding / LM head or an RMSNorm / LayerNorm (:func:`unsupported_reason` names the first that is
+not), and an update whose every name maps onto it; else the caller uses ``reload_weights``. Trap:
+the kernel must own its packed copy, since the next publish rewrites the update's memory
+(checked once per process per linear shape, :func:`kernel_copies_weight`).
 """
 
 from __future__ import annotations
