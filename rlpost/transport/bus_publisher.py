@@ -49,9 +49,7 @@ class TorchWeightPublisher(TorchEnd):
     """Learner side (rank 0) of the distributed bus; hosts the store. See the module docstring.
 
     `world_size`: 1 + number of receivers. `host`: the address receivers dial (this node's IP on
-    a cluster). `device`: where the weights live; with backend "auto" it picks NCCL for a GPU.
-    `shared_memory`: offer receivers on this node the buckets in shared memory (CPU weights on
-    gloo; GPU weights over CUDA IPC to receivers on the same GPU; module docstring).
+    a cluster). `device`: where the weights live (backend "auto": NCCL for a GPU).
     """
 
     def __init__(
@@ -94,11 +92,9 @@ class TorchWeightPublisher(TorchEnd):
     def publish(self, named_tensors: NamedTensors, version: int, *, wait: bool = True) -> PublishStats:
         """Send `named_tensors` as `version` to every receiver; returns once all confirmed.
 
-        ``wait=False`` returns once the bytes are sent: in shared memory or broadcast to the
-        receivers on the bus, so the caller may change its tensors from then on. The receivers'
-        confirmations are collected by :meth:`confirm`, which the next ``publish`` calls first
-        (the shared segment is reused only after every reader confirmed). A failure found
-        there raises from ``confirm`` (or that ``publish``) as it would have here.
+        ``wait=False`` returns once the bytes are sent (the caller may change its tensors) and
+        leaves the confirmations to :meth:`confirm`, which the next ``publish`` calls first (the
+        shared segment is reused only after every reader confirmed); a failure raises there.
         """
         self.confirm()
         check_version(version, self._version)
@@ -283,12 +279,10 @@ class TorchWeightPublisher(TorchEnd):
 
     def _await_confirmations(self, seq: int, ranks: list[int],
                              also: Callable[[list[int]], str | None] | None = None) -> None:  # fmt: skip
-        """Wait (up to ``timeout_s``) until each of ``ranks`` confirmed update ``seq``. A receiver
-        that reports a failure of its own (``failed/{seq}/{rank}``: its receive or its reload
-        raised) fails the update at once, with its message, instead of after the whole timeout;
-        ``also(pending)`` may name another reason to fail (a reader's process gone). Polls the
-        store 0.2 ms apart for the first 20 ms (a GPU update of a small model takes milliseconds),
-        then backs off to 20 ms apart."""
+        """Wait (up to ``timeout_s``) until each of ``ranks`` confirmed update ``seq``. A receiver's
+        own ``failed/{seq}/{rank}`` report fails the update at once, with its message;
+        ``also(pending)`` may name another reason (a reader's process gone). Polls 0.2 ms apart
+        for 20 ms (a small GPU update takes milliseconds), then backs off to 20 ms."""
         keys = self._group.keys
         start = time.monotonic()
         deadline, pause, pending = start + self.spec.timeout_s, 0.0002, list(ranks)

@@ -46,14 +46,11 @@ class TorchWeightReceiver(TorchEnd):
 
     def receive_streamed(self, consume: Callable[[int, Iterator[tuple[str, torch.Tensor]]], None],
                          timeout_s: float | None = None) -> int:  # fmt: skip
-        """Receive the next update as :meth:`receive` does, but hand it to ``consume(version,
-        tensors)`` while it arrives: ``tensors`` yields each bucket's tensors (in the sender's
-        order) as soon as that bucket is in, and the later buckets keep arriving meanwhile, so
-        loading them overlaps the transfer. Returns the version.
-
-        ``consume`` must exhaust ``tensors`` (what it leaves is received and dropped). An error it
-        raises fails the update as a transfer error does: the publisher is told, this generation
-        is given up (the next update re-forms it), and a :class:`WeightSyncError` is raised.
+        """Receive the next update, handing it to ``consume(version, tensors)`` while it arrives:
+        ``tensors`` yields each bucket's tensors as soon as it is in, so loading overlaps the
+        transfer; returns the version. What ``consume`` leaves is received and dropped; an error
+        it raises fails the update as a transfer error does (publisher told, generation given
+        up, :class:`WeightSyncError`).
         """
         wait_s = self.spec.timeout_s if timeout_s is None else timeout_s
         self._join(wait_s, None)

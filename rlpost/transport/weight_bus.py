@@ -1,13 +1,10 @@
 """Weight-sync bus: the learner publishes versioned weights, every inference worker receives them.
 
-Two implementations behind one small interface (:mod:`rlpost.transport.bus_types`):
-`LocalWeightBus` / `LocalWeightReceiver` (one process; `publish` copies the tensors, `receive`
-hands each receiver its own copy of the latest update), and `TorchWeightPublisher` (rank 0, the
-learner; :mod:`~rlpost.transport.bus_publisher`) / `TorchWeightReceiver` (ranks 1..N, one per
-inference worker; :mod:`~rlpost.transport.bus_receiver`): a torch.distributed group of the bus's
-own (:mod:`~rlpost.transport.bus_group`), gloo on CPU and NCCL on GPU through the same code. It
-never touches the global default group (vLLM owns one in its worker): the group is a bare
-`ProcessGroupGloo` / `ProcessGroupNCCL` backend on a `TCPStore`, without `init_process_group`.
+Two implementations of :mod:`rlpost.transport.bus_types`'s interface: `LocalWeightBus` (one
+process; each receiver gets its own copy of the latest update) and `TorchWeightPublisher` (rank 0,
+the learner) / `TorchWeightReceiver` (ranks 1..N, one per inference worker): a bare gloo (CPU) or
+NCCL (GPU) backend on a `TCPStore` of the bus's own, never the global default group (vLLM owns
+one in its worker).
 
 Protocol (store keys under `rlpost-bus/gen{g}/`, g = the generation):
 
@@ -41,17 +38,14 @@ Protocol (store keys under `rlpost-bus/gen{g}/`, g = the generation):
    a receiver from `spec`, and the learner publishes its current weights again (the same version
    is fine). Whom to drop or restart is the caller's decision (the controller sees actor deaths).
 
-Same node (``BusSpec.shared_memory``): before it joins, the publisher offers a segment under
-`shm-probe`: host memory (:mod:`rlpost.transport.shared_memory`) for CPU weights on gloo, GPU memory
-over CUDA IPC (:mod:`rlpost.transport.cuda_ipc`) for GPU weights. Each receiver tries to map it (a
-CPU receiver on the node, a receiver on the same GPU) and sets `route/{rank}` to "shm" or "bus".
-"shm" receivers take no part in the collectives: the publisher writes each bucket into the segment
-(growing it when needed; `update/{s}` names the segment) and sets `ready/{s}/{bucket}` at the
-segment's ready points (every bucket of host memory; only the last of GPU memory, after the
-segment's `settle`), and they read views valid until they confirm `done` (`receive` copies them,
-`receive_streamed` hands the views on). The others form the backend with the publisher (ranks
-renumbered), which broadcasts the same bucket memory: one copy of the weights serves both routes.
-Versions, timeouts, failure reports and `reform` are the same on both.
+Same node (``BusSpec.shared_memory``): before joining, the publisher offers a segment under
+`shm-probe` (host memory for CPU weights on gloo, CUDA IPC for GPU weights); each receiver that
+maps it sets `route/{rank}` to "shm", else "bus". "shm" receivers skip the collectives: the
+publisher writes each bucket into the segment (grown when needed; `update/{s}` names it) and sets
+`ready/{s}/{bucket}` at its ready points (every host bucket; only the last GPU one, after
+`settle`); they read views valid until they confirm `done` (`receive` copies them). The others
+form the backend (ranks renumbered) and get the same bucket memory broadcast: one copy serves
+both routes. Versions, timeouts, failure reports and `reform` are the same on both.
 
 NCCL: by default a timed-out NCCL collective makes torch's watchdog kill the process
 (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the bus builds its NCCL backend with mode 2 (abort the
