@@ -92,12 +92,9 @@ def engine_lora_kwargs(lora: LoraConfig) -> dict[str, Any]:
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """``model`` wrapped by peft with a fresh adapter on every target layer (the base weights
-    frozen; the adapter's B is zero, so the model still computes what the base does).
-
-    A target name that matches no layer of the model is an error naming it (peft would only
-    complain when none matches).
-    """
+    """``model`` wrapped by peft with a fresh adapter (B = 0: it still computes the base) on
+    every target layer, the base frozen. A target matching no layer is an error naming it (peft
+    complains only when none matches)."""
     from peft import get_peft_model
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

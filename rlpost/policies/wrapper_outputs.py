@@ -158,11 +158,8 @@ class OutputWriter:
         return text.reshape(self._batch_shape(n))
 
     def _chat_history(self, prompt: History, prompt_text, response_text, k: int) -> ChatHistory:
-        """prompt / response / full Histories; the response is parsed from the decoded tokens.
-
-        The decoded response is parsed together with the rendered prompt (ChatML), so a response
-        that ends without EOS becomes an assistant message with ``is_complete=False``.
-        """
+        """prompt / response / full Histories; the decoded response is parsed with the rendered
+        prompt, so one that ends without EOS is an assistant message with ``is_complete=False``."""
         prompt_chats = [chat for chat in prompt.to_chats(include_state=True) for _ in range(k)]
         responses = []
         for chat, p_text, r_text in zip(prompt_chats, prompt_text, response_text):
@@ -180,9 +177,8 @@ class OutputWriter:
     # ------------------------------------------------------------------ writing
 
     def _write(self, td: TensorDictBase, outputs: dict[NestedKey, Any]) -> TensorDictBase:
-        """TorchRL's ``inplace``: True writes into ``td``; "empty" into ``td.empty()`` (type and
-        batch size kept); False into a new TensorDict, of batch ``[B, num_samples]`` with samples.
-        Either of the last two holds the outputs only (the input's other entries are not copied)."""
+        """TorchRL's ``inplace``: True writes into ``td``; "empty" into ``td.empty()``; False into a
+        new TensorDict (``[B, num_samples]`` with samples); the last two hold the outputs only."""
         if self.inplace is True:
             result = td
         elif self.inplace == "empty":
