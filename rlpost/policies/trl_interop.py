@@ -1,7 +1,8 @@
 """Adapters between rlpost and Hugging Face's TRL (TorchRL's ``torchrl.modules.llm.trl_interop``).
 
 :class:`TorchRLBufferDataset` reads a replay buffer as an iterable dataset (for TRL's
-``GRPOTrainer``); :class:`HFRewardModelWrapper` makes a reward model a TensorDict module. Neither ``trl`` nor ``datasets`` is imported here; ``datasets`` only by ``as_hf_dataset``.
+``GRPOTrainer``); :class:`HFRewardModelWrapper` makes a reward model a TensorDict module.
+Neither ``trl`` nor ``datasets`` is imported here; ``datasets`` only by ``as_hf_dataset``.
 """
 
 from __future__ import annotations
