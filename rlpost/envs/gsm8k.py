@@ -48,7 +48,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.rewards import count_failure, end_episodes, final_answer
+from rlpost.envs.rewards import count_failure, end_episodes, final_answer, gsm8k_target
 from rlpost.envs.rewards import has_answer as has_answer_tag
 from rlpost.envs.transforms import Transform
 
@@ -95,21 +95,6 @@ def task_env_kwargs(arguments: Mapping[str, Any], **overrides: Any) -> dict[str,
     kwargs.update(overrides)
     kwargs["max_steps"] = kwargs.get("max_steps") or None
     return kwargs
-
-
-# ---------------------------------------------------------------------------- math-verify
-
-
-def gsm8k_target(answer_field: Any) -> str:
-    """The reference answer of a GSM8K answer field: the stripped text after its last ``####``.
-    A field without one (or with nothing after it) raises ``ValueError``."""
-    text = answer_field if isinstance(answer_field, str) else str(answer_field)
-    marker = text.rfind("####")
-    target = text[marker + 4 :].strip() if marker >= 0 else ""
-    if not target:
-        preview = text if len(text) <= 200 else text[:200] + "..."
-        raise ValueError(f"GSM8K answer has no final answer after '####': {preview!r}")
-    return target
 
 
 # ---------------------------------------------------------------------------- the reward
