@@ -70,7 +70,7 @@ Deliberate deviations from TorchRL, each tested in tests/unit/objectives/test_gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -91,6 +91,7 @@ from rlpost.objectives.loss_inputs import (
     read_padded,
     score_and_entropy,
     scoring_twin,
+    set_accepted_keys,
 )
 from rlpost.objectives.loss_output import GRPOLossOutput, LLMLossOutput
 
@@ -266,11 +267,7 @@ class GRPOLoss(torch.nn.Module):
     def set_keys(self, **kwargs) -> None:
         """Set the keys the loss reads, e.g. ``loss.set_keys(advantage="adv")``; None restores a
         key's default; ``ValueError`` for a name not in :class:`GRPOLoss._AcceptedKeys`."""
-        accepted = {f.name for f in fields(self._AcceptedKeys)}
-        for name, value in kwargs.items():
-            if name not in accepted:
-                raise ValueError(f"{name} is not an accepted tensordict key. Accepted keys are: {sorted(accepted)}.")
-            setattr(self._tensor_keys, name, getattr(self.default_keys(), name) if value is None else value)
+        set_accepted_keys(self, **kwargs)
 
     @property
     def in_keys(self) -> list[NestedKey]:
