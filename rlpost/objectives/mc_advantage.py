@@ -82,14 +82,13 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection, lazy_st
 from rlpost.algo import group_advantages
 from rlpost.algo.selection import mean_in_bounds
 from rlpost.objectives.grouping import GroupingTransform, get_entry, group_identity, split_trajectories
-from rlpost.objectives.mc_advantage_state import MCAdvantageState
+from rlpost.objectives.mc_advantage_state import LOCAL_QUEUES_ENV, MCAdvantageState  # noqa: F401  (re-exported)
 from rlpost.objectives.selection import MCAdvantageSelector
 
 logger = logging.getLogger(__name__)
 
 MC_ADVANTAGE_SCALES: tuple[str, ...] = ("group", "none")
 TRAJECTORY_RETURNS: tuple[str, ...] = ("sum", "max", "mean")
-LOCAL_QUEUES_ENV = "TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES"
 
 # Defaults of each way in (see the module docstring).
 _TRAJECTORY_PROMPT_KEY: Any = "query"
