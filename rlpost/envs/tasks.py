@@ -192,17 +192,13 @@ def make_env(
     cfg: EnvSections, tokenizer: Any, batch_size: int, *, input_mode: str = "history",
     num_shards: int = 1, shard_index: int = 0, reward_scorer: Any = None,
 ) -> DatasetChatEnv:  # fmt: skip
-    """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size).
-
-    task "arithmetic": ArithmeticEnv (generated rows unless ``data.dataset`` is set); "gsm8k":
-    GSM8KEnv with ``strict_format=True``; "reasoning_gym": ReasoningGymEnv (``data.reasoning_gym``);
-    "code": CodeEnv (``data.code``, graded in ``tools.sandbox``); "custom": DatasetChatEnv with
-    ``data.reward_fn`` as the reward. ``data.reward_fn`` with another task adds to the task's
-    reward. Then the tools, and last, with a ``reward_model`` section, :class:`RewardModelReward`
-    scoring each episode's final response through ``reward_scorer`` (default: the run's
-    ``reward`` actor). ``rollout.max_turns`` bounds the steps of an episode.
-    ``num_shards``/``shard_index`` split the prompt order between env pools. Mistakes in the data
-    section (a missing column, a bad reward path, an unknown task) raise ``ConfigError`` naming it.
+    """The env of ``cfg.data`` with ``batch_size`` conversations (``repeats`` = group size):
+    the task's env (GSM8K with ``strict_format=True``; "custom": a DatasetChatEnv whose reward is
+    ``data.reward_fn``, which otherwise adds to the task's), then the tools, then with a
+    ``reward_model`` section a :class:`RewardModelReward` scoring each episode's final response
+    through ``reward_scorer`` (default: the run's ``reward`` actor). ``num_shards``/``shard_index``
+    split the prompt order between env pools. Mistakes in the data section raise ``ConfigError``
+    naming it.
     """
     from rlpost.config import ConfigError
 
@@ -219,9 +215,7 @@ def make_env(
             env = env_class(
                 dataset=data.dataset, name=data.subset, split=data.split, num_rows=data.num_synthetic_rows, **common
             )
-        elif data.task == "gsm8k":
-            # rlpost's strict answer rule: text after </answer> scores 0, so the policy learns to
-            # stop after its answer (see rlpost.envs.rewards)
+        elif data.task == "gsm8k":  # strict: text after </answer> scores 0 (the trap in rlpost.envs.rewards)
             env = GSM8KEnv(dataset=data.dataset, name=data.subset, split=data.split, strict_format=True, **common)
         elif data.task == "reasoning_gym":
             from rlpost.envs.reasoning_gym import ReasoningGymEnv
