@@ -15,15 +15,14 @@ Two sides, two trust levels::
 - The dataset's tests are trusted like the user's own reward function: they run here.
 - The model's code runs only in a :class:`~rlpost.envs.sandbox.SandboxProcess` ("bwrap" by
   default: namespaces, CPU/memory/process limits, no network, no host files).
-- Only plain literal values cross: ``None``, ``bool``, ``int``, ``float`` (inf and nan
-  included), ``str``, ``bytes``, ``list``, ``tuple``, ``dict``, ``set`` and ``frozenset``, in a
-  small tagged JSON encoding (:func:`encode_value` / :func:`decode_value`; exact types, so no
-  subclass crosses). Anything else is refused and that test fails. What the sandbox sends back is
-  parsed as JSON, size-bounded, and rebuilt from the tags only (never ``eval``, never ``pickle``).
-  So whatever the code does inside the sandbox (redefining ``check``, patching builtins or
-  ``AssertionError``, returning an object whose ``__eq__`` always says True, printing fake
-  results) changes nothing on this side: the asserts run here, on values built here. Forging a
-  reply is no better than returning that value.
+- Only plain literal values cross (``None``, ``bool``, ``int``, ``float`` with inf and nan,
+  ``str``, ``bytes``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``), in a small tagged
+  JSON encoding (:func:`encode_value` / :func:`decode_value`; exact types, so no subclass
+  crosses); anything else is refused and that test fails. Replies are parsed as JSON,
+  size-bounded, and rebuilt from the tags only (never ``eval``, never ``pickle``). So whatever
+  the code does in the sandbox (redefining ``check``, patching builtins or ``AssertionError``,
+  an always-equal ``__eq__``, printing fake results) changes nothing here: the asserts run here,
+  on values built here. Forging a reply is no better than returning that value.
 
 The tests of a row (parsed with :mod:`ast`): the ``test`` module's top-level statements run
 first, here, after the prompt's own helpers (HumanEval/32's test calls the prompt's ``poly``).

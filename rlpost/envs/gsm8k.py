@@ -104,12 +104,11 @@ class GSM8KRewardParser(Transform):
     """TorchRL's GSM8K reward (see the module docstring for the fields and the deviations).
 
     Args (TorchRL's, in its order):
-        tokenizer: only its ``eos_token`` is used (the env decodes token responses itself).
+        tokenizer: only its ``eos_token`` is used (default of ``eos_token``, cut from responses).
         in_keys: ``[response key, answer key]``. The response is always read from the env's
             ``input_mode`` (:meth:`~rlpost.envs.chat.ChatEnv.last_responses`), so the first must
             be one of TorchRL's response keys (``("history", "full")``, ``"text_response"``, ...).
         out_keys: the names of the five fields, in the module docstring's order.
-        eos_token: removed from the end of responses; defaults to ``tokenizer.eos_token``.
         set_done_if_answer: end the episode once a response holds an answer.
         input_mode: read from the env when None, and an error if it differs.
         format_reward: ``reward_right`` of a wrong answer. correct_reward: that of a right one.
@@ -121,7 +120,7 @@ class GSM8KRewardParser(Transform):
         use_math_verify: False gives TorchRL's string comparison.
         verify_timeout_s: wall-clock limit of one math-verify check.
         pool: the :class:`~rlpost.envs.function_pool.FunctionPool` of the checks (default: one
-            worker process, started on the first check).
+            worker, started on the first check).
 
     ``errors`` counts the samples scored 0 by a failure, by type: ``"ValueError"`` (no ``####``),
     ``"Timeout"``, or the worker's error; the env sums them in ``reward_errors``.

@@ -20,18 +20,16 @@ construction. The other 23 instructions need no data.
 
 Deliberate deviations from TorchRL (each tested):
 
-- The scorer works in every input mode (TorchRL: history only): the response is the env's
-  latest policy response, and "complete" (ended by the end-of-turn or end-of-sequence marker
-  rather than cut at the token limit) is ``History.is_complete`` in history mode, as in TorchRL,
-  and the marker at the end of the raw response in text and tokens modes.
-- The reward is float32 ``[B, 1]`` and is added to ``next["reward"]`` (TorchRL overwrites it
-  with a ``[B, 1, 1]`` tensor), so it composes with other reward transforms.
-- The configured ``instruction_ids_key`` / ``keyword_args_key`` are the keys read (TorchRL's
-  scoring reads the fixed names ``"instruction_id_list"`` / ``"kwargs"`` whatever was passed).
-- The prompt handed to a checker whose arguments include ``prompt`` (as Google's evaluation
-  does; none of the 25 IFEval checkers has one today) is the strings under ``prompt_key`` when
-  there are some, else the env's query (the dataset prompt); TorchRL passes the last message of
-  the prompt history, which is that query in a one-step episode.
+- Every input mode works (TorchRL: history only): "complete" (ended by the end-of-turn or
+  end-of-sequence marker, not cut at the token limit) is ``History.is_complete`` in history mode,
+  as in TorchRL, and the marker ending the raw response in text and tokens modes.
+- The reward is float32 ``[B, 1]``, added to ``next["reward"]`` (TorchRL overwrites it with a
+  ``[B, 1, 1]`` tensor), so it composes with other reward transforms.
+- The configured ``instruction_ids_key`` / ``keyword_args_key`` are read (TorchRL's scoring
+  reads ``"instruction_id_list"`` / ``"kwargs"`` whatever was passed).
+- A checker taking a ``prompt`` (none of the 25 does today) gets the strings under
+  ``prompt_key``, else the env's query; TorchRL passes the prompt history's last message, that
+  query in a one-step episode.
 - An unknown instruction id, a row whose kwargs do not match its instructions, or missing punkt
   data raise an error naming it (TorchRL: a ``KeyError`` or ``TypeError`` deep in the checkers).
 - Only ``None`` arguments are dropped from ``kwargs`` (TorchRL drops every falsy value, so an
