@@ -275,36 +275,15 @@ class CountdownEnv(DatasetChatEnv):
     SYSTEM_PROMPT = COUNTDOWN_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        num_count: int = 4,
-        max_number: int = 100,
-        max_target: int = 1000,
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        dataset: Any = None,
-        num_rows: int = 1_000_000,
-        row_seed: int | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, num_count: int = 4, max_number: int = 100, max_target: int = 1000, shuffle: bool = True,
+        num_envs: int = 1, repeats: int | None = None, batch_size_dl: int = 1, seed: int | None = None,
+        group_repeats: bool = False, tokenizer: Any = None, device: torch.device | str | None = None,
+        template_kwargs: dict[str, Any] | None = None, apply_template: bool | None = False, compute_reward: bool = True,
+        collate_fn: Callable | None = None, max_steps: int | None = 1,
+        input_mode: Literal["history", "text", "tokens"] = "history", dataset: Any = None, num_rows: int = 1_000_000,
+        row_seed: int | None = None, name: str | None = None, split: str | None = "train", data_key: str | None = None,
+        system_prompt: str | None = None, num_shards: int = 1, shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         self.num_count, self.max_number, self.max_target = num_count, max_number, max_target
         if dataset is None:
             problem_seed = row_seed if row_seed is not None else (seed or 0)

@@ -434,35 +434,16 @@ class GSM8KEnv(DatasetChatEnv):
     SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        dataset: Any = "openai/gsm8k",
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        ray_backend: bool = False,
-        dataloader_actor_name: str | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        prompt_column: str | None = None,
-        answer_column: str | None = "answer",
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, dataset: Any = "openai/gsm8k", shuffle: bool = True, num_envs: int = 1, repeats: int | None = None,
+        batch_size_dl: int = 1, seed: int | None = None, group_repeats: bool = False, tokenizer: Any = None,
+        device: torch.device | str | None = None, template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False, compute_reward: bool = True, collate_fn: Callable | None = None,
+        max_steps: int | None = 1, input_mode: Literal["history", "text", "tokens"] = "history",
+        ray_backend: bool = False, dataloader_actor_name: str | None = None, name: str | None = None,
+        split: str | None = "train", data_key: str | None = None, system_prompt: str | None = None,
+        prompt_column: str | None = None, answer_column: str | None = "answer", num_shards: int = 1,
+        shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         if ray_backend and dataloader_actor_name is None:
             dataloader_actor_name = "gsm8k_dataloader"
         if name is None and isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES:

@@ -155,33 +155,15 @@ class MATHEnv(DatasetChatEnv):
     SYSTEM_PROMPT = MATH_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        dataset: Any = "DigitalLearningGmbH/MATH-lighteval",
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        ray_backend: bool = False,
-        dataloader_actor_name: str | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, dataset: Any = "DigitalLearningGmbH/MATH-lighteval", shuffle: bool = True, num_envs: int = 1,
+        repeats: int | None = None, batch_size_dl: int = 1, seed: int | None = None, group_repeats: bool = False,
+        tokenizer: Any = None, device: torch.device | str | None = None, template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False, compute_reward: bool = True, collate_fn: Callable | None = None,
+        max_steps: int | None = 1, input_mode: Literal["history", "text", "tokens"] = "history",
+        ray_backend: bool = False, dataloader_actor_name: str | None = None, name: str | None = None,
+        split: str | None = "train", data_key: str | None = None, system_prompt: str | None = None, num_shards: int = 1,
+        shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         if ray_backend and dataloader_actor_name is None:
             dataloader_actor_name = "math_dataloader"  # TorchRL's name
         if collate_fn is None:
