@@ -1,14 +1,12 @@
 """The synthetic arithmetic tasks of the tiny model, generated offline from a seed.
 
-Rows look like GSM8K rows reduced to their essentials: ``{"question": "What is 7 + 5?",
-"answer": "12"}``. The completion is graded with the same answer format as GSM8K
-(``<answer>...</answer>``, see :mod:`rlpost.envs.rewards`), so the demo and the tests exercise the
-real reward path with no download.
+Rows are GSM8K rows reduced to ``{"question": "What is 7 + 5?", "answer": "12"}``, graded with
+GSM8K's answer format (:mod:`rlpost.envs.rewards`), so the demo and the tests exercise the real
+reward path with no download.
 
-Splits. A fixed eighth of the possible questions is held out (:func:`is_held_out`, a hash of the
-question text): ``split="train"`` never draws them and ``split="test"`` draws only them, so an
-evaluation on the test split scores questions that RL training never saw. ``split=None`` draws
-from every question (the tiny model's supervised warm-start data, made before any RL run).
+Splits: a fixed eighth of the questions is held out (:func:`is_held_out`, a hash of the text):
+``"train"`` never draws them, ``"test"`` only them (evaluation on questions RL never saw), None
+any (the tiny model's supervised warm-start data).
 """
 
 from __future__ import annotations
@@ -34,12 +32,8 @@ def is_held_out(question: str) -> bool:
 def make_arithmetic_rows(
     num_rows: int, *, seed: int = 0, max_operand: int = 10, split: str | None = None
 ) -> list[dict[str, str]]:
-    """``num_rows`` questions "What is a + b?" / "What is a - b?" with operands in [0, max_operand].
-
-    ``split``: "train" (never a held-out question), "test" (only held-out ones) or None (any; see
-    the module docstring). The same seed and split always give the same rows (a private
-    ``random.Random``; no global state).
-    """
+    """``num_rows`` questions "What is a + b?" / "What is a - b?" with operands in [0, max_operand];
+    the same seed and split give the same rows (a private ``random.Random``)."""
 
     def draw(rng: random.Random) -> dict[str, str]:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
@@ -50,10 +44,8 @@ def make_arithmetic_rows(
 
 
 def make_tool_arithmetic_rows(num_rows: int, *, seed: int = 0, split: str | None = None) -> list[dict[str, str]]:
-    """``num_rows`` questions "What is a * b?" with a in [100, 9999] and b in [10, 999]: products
-    too large for a small model to work out in its head, so the way to the reward is the Python
-    tool (the ``tool_arithmetic`` task). ``split`` as in :func:`make_arithmetic_rows`. Same seed
-    and split, same rows."""
+    """``num_rows`` questions "What is a * b?" with a in [100, 9999] and b in [10, 999]: too large
+    for a small model's head, so the way to the reward is the Python tool (``tool_arithmetic``)."""
 
     def draw(rng: random.Random) -> dict[str, str]:
         a, b = rng.randint(100, 9999), rng.randint(10, 999)

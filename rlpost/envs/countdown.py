@@ -8,10 +8,9 @@ target. Problems are generated offline (no dataset); the prompt and the referenc
     query   "Using the numbers [3, 25, 4, 7], create an arithmetic expression that equals 112. ..."
     answer  "target=112, numbers=3,25,4,7"
 
-The parser writes TorchRL's GRPO fields (``reward_answer``, ``reward_think``, ``reward_right``,
-``reward``, ``success``, as for GSM8K: see :mod:`rlpost.envs.gsm8k`): ``correct_reward`` (1.0)
-when the first ``<answer>`` holds a valid expression equal to the target, ``format_reward``
-(0.1) when it holds anything else, 0.0 without one.
+The parser writes TorchRL's GRPO fields (see :mod:`rlpost.envs.gsm8k`): ``correct_reward`` (1.0)
+when the first ``<answer>`` holds a valid expression equal to the target, else ``format_reward``
+(0.1), 0.0 without one.
 
 Deliberate deviations from TorchRL (each tested):
 
@@ -91,13 +90,10 @@ def countdown_answer(target: int, numbers: Sequence[int]) -> str:
 
 class CountdownProblems:
     """``num_rows`` Countdown problems, made on demand: row ``i`` draws ``num_count`` numbers in
-    ``[1, max_number]`` from a generator seeded with ``(seed, i)``, then a target reachable from
-    them (the numbers combined in a random order with random ``+``, ``-``, ``*``, then its absolute
-    value; outside ``[1, max_target]``, the sum of the numbers, else the largest number).
-
-    It has the parts of a ``datasets.Dataset`` the primer reads (``len``, ``[i]``,
-    ``column_names``); a row is ``{"query", "answer", "target", "numbers"}``.
-    """
+    ``[1, max_number]`` seeded with ``(seed, i)``, then a reachable target (the numbers in a random
+    order with random ``+``, ``-``, ``*``, absolute value; outside ``[1, max_target]``, their sum,
+    else the largest). It has the parts of a ``datasets.Dataset`` the primer reads (``len``,
+    ``[i]``, ``column_names``)."""
 
     column_names = ["query", "answer", "target", "numbers"]
 
@@ -146,9 +142,8 @@ class CountdownProblems:
 
 
 class CountdownColumns:
-    """CountdownEnv's collate function: a row without the query key or ``answer`` but with
-    ``target`` and ``nums`` (or ``numbers``) gets TorchRL's query and reference string. Rows that
-    have them pass unchanged. Takes a list of row dicts (what the primer passes) or one row."""
+    """CountdownEnv's collate function: a row lacking the query key or ``answer`` gets TorchRL's
+    query and reference from ``target`` and ``nums`` (or ``numbers``); rows or one row."""
 
     def __init__(self, data_key: str = "query") -> None:
         self.data_key = data_key
@@ -197,12 +192,8 @@ def _evaluate(node: ast.AST) -> Fraction:
 
 
 class CountdownRewardParser(GSM8KRewardParser):
-    """TorchRL's Countdown reward: GSM8K's fields and values, with the first answer tag judged by
-    :meth:`validate_expression` against the row's ``"target=..., numbers=..."`` reference (see
-    the module docstring for the deviations from TorchRL).
-
-    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` but the math-verify ones.
-    """
+    """TorchRL's Countdown reward (module docstring): GSM8K's fields and arguments but the
+    math-verify ones; the answer is judged by :meth:`validate_expression`."""
 
     def __init__(
         self,
@@ -272,55 +263,27 @@ class CountdownRewardParser(GSM8KRewardParser):
 class CountdownEnv(DatasetChatEnv):
     """Countdown as a chat env, with TorchRL's keywords: generated problems, no download.
 
-    Each reset writes the problem's prompt under ``query`` and its reference under ``answer``
-    (plus ``target`` and ``numbers``); the system prompt is TorchRL's
-    (:data:`COUNTDOWN_SYSTEM_PROMPT`), and with ``compute_reward`` a
-    :class:`CountdownRewardParser` scores each response. One step per episode by default.
-
-    Keyword Args: TorchRL's ``num_count`` (numbers per problem, 4), ``max_number`` (100) and
-    ``max_target`` (1000); ``shuffle`` is the order rows are served in (each row is random either
-    way); ``collate_fn`` defaults to :class:`CountdownColumns`; the others are
-    :class:`~rlpost.envs.gsm8k.GSM8KEnv`'s, plus rlpost's
-
-        dataset: rows to serve instead of generated ones: TorchRL's ``query``/``answer`` columns,
-            or ``target`` and ``nums``/``numbers``.
-        num_rows: how many problems are generated (default 1,000,000).
-        row_seed: the seed of the problems (default ``seed``, else 0); ``seed`` sets the order.
+    Each reset writes the prompt under ``query`` and the reference under ``answer`` (plus
+    ``target`` and ``numbers``); a :class:`CountdownRewardParser` scores it. Keywords: TorchRL's
+    ``num_count`` (numbers per problem), ``max_number``, ``max_target``; ``shuffle`` is the order
+    rows are served in; ``collate_fn`` defaults to :class:`CountdownColumns`; the others are
+    :class:`~rlpost.envs.gsm8k.GSM8KEnv`'s, plus rlpost's ``dataset`` (rows instead of generated
+    ones: ``query``/``answer``, or ``target`` and ``nums``/``numbers``), ``num_rows`` (problems
+    generated) and ``row_seed`` (their seed; default ``seed``, else 0; ``seed`` sets the order).
     """
 
     SYSTEM_PROMPT = COUNTDOWN_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        num_count: int = 4,
-        max_number: int = 100,
-        max_target: int = 1000,
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        dataset: Any = None,
-        num_rows: int = 1_000_000,
-        row_seed: int | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, num_count: int = 4, max_number: int = 100, max_target: int = 1000, shuffle: bool = True,
+        num_envs: int = 1, repeats: int | None = None, batch_size_dl: int = 1, seed: int | None = None,
+        group_repeats: bool = False, tokenizer: Any = None, device: torch.device | str | None = None,
+        template_kwargs: dict[str, Any] | None = None, apply_template: bool | None = False, compute_reward: bool = True,
+        collate_fn: Callable | None = None, max_steps: int | None = 1,
+        input_mode: Literal["history", "text", "tokens"] = "history", dataset: Any = None, num_rows: int = 1_000_000,
+        row_seed: int | None = None, name: str | None = None, split: str | None = "train", data_key: str | None = None,
+        system_prompt: str | None = None, num_shards: int = 1, shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         self.num_count, self.max_number, self.max_target = num_count, max_number, max_target
         if dataset is None:
             problem_seed = row_seed if row_seed is not None else (seed or 0)

@@ -1,40 +1,33 @@
 """GSM8K (Cobbe et al. 2021) with TorchRL's API: :class:`GSM8KEnv`, :func:`make_gsm8k_env`,
 :class:`GSM8KPrepareQuestion` and :class:`GSM8KRewardParser`.
 
-The reward follows TorchRL's GRPO convention. For each policy response :class:`GSM8KRewardParser`
-writes, in ``next``::
+The reward is TorchRL's GRPO one; :class:`GSM8KRewardParser` writes in ``next``:
+``reward_answer`` (1.0 for a non-empty <answer>...</answer>), ``reward_think`` (1.0 for a non-empty
+<think>...</think>), ``reward_right`` (correct_reward 1.0 if right, format_reward 0.1 if wrong, 0.0
+without an answer), ``reward`` (reward_right, added to what ``next["reward"]`` holds) and
+``success`` (right).
 
-    reward_answer  1.0 if the response holds a non-empty <answer>...</answer>, else 0.0
-    reward_think   1.0 if it holds a non-empty <think>...</think>, else 0.0
-    reward_right   correct_reward (1.0) if the answer is right, format_reward (0.1) if it is
-                   wrong, 0.0 without an answer
-    reward         reward_right (added to what ``next["reward"]`` already holds)
-    success        True if the answer is right
-
-The reference answer is the text after the last ``####`` of the dataset's answer field. An answer
-is right when it equals the reference once both are normalised (TorchRL's rule,
-:meth:`GSM8KRewardParser.normalize_answer`) or, unless ``use_math_verify=False``, when the
-math-verify library finds them equivalent (``\\boxed{1/2}`` and ``0.5``; two plain numbers are
-compared by value directly, as math-verify would). math-verify runs in a worker process with a
-wall-clock limit: its own time limits use ``signal.alarm``, which works only on a process's main
-thread, so they are turned off here.
+An answer is right when it equals the reference (the text after the last ``####``) once both are
+normalised (TorchRL's :meth:`GSM8KRewardParser.normalize_answer`) or, unless
+``use_math_verify=False``, when math-verify finds them equivalent (``\\boxed{1/2}`` and ``0.5``;
+two plain numbers are compared by value, as math-verify would). Trap: math-verify's own time
+limits use ``signal.alarm`` (main thread only), so they are off and it runs in a worker process
+with a wall-clock limit.
 
 Deliberate deviations from TorchRL:
 
-- Answers TorchRL's string comparison rejects but math-verify accepts are right: equivalent forms
-  (``\\frac{1}{2}`` for ``0.5``) and a number in words (``<answer>36 snakes</answer>`` for 36),
-  which TorchRL scores 0.1. ``use_math_verify=False`` gives TorchRL's comparison exactly.
-- A verification that runs past ``verify_timeout_s`` scores 0 (``reward_right`` 0, ``success``
-  False) and is counted in ``errors["Timeout"]`` (the env's ``reward_errors``); it never hangs.
-- The fields are ``[B, 1]`` like every reward of a :class:`~rlpost.envs.chat.ChatEnv` (TorchRL
-  writes ``[B, 1, 1]``, broadcastable to token rewards).
-- The reference is the text after the *last* ``####`` (TorchRL splits on ``"#### "`` and needs
-  exactly one). A dataset row whose answer has none scores 0 and is counted in
-  ``errors["ValueError"]`` (TorchRL stops with an unpacking error); a missing or empty reference
-  answer raises, naming the key.
-- ``strict_format=True`` keeps rlpost's own answer rule (:func:`~rlpost.envs.rewards.final_answer`:
-  the last ``<answer>``, which may be left unclosed at the end, and nothing but whitespace after
-  its ``</answer>``); :func:`~rlpost.envs.tasks.make_env` uses it for training runs.
+- Answers math-verify accepts are right: equivalent forms (``\\frac{1}{2}`` for ``0.5``) and a
+  number in words (``<answer>36 snakes</answer>`` for 36), which TorchRL scores 0.1.
+  ``use_math_verify=False`` gives TorchRL's comparison exactly.
+- A verification past ``verify_timeout_s`` scores 0 (``success`` False), counted in
+  ``errors["Timeout"]`` (the env's ``reward_errors``); it never hangs.
+- The fields are ``[B, 1]`` like every ChatEnv reward (TorchRL: ``[B, 1, 1]``).
+- The reference follows the *last* ``####`` (TorchRL splits on ``"#### "`` and needs exactly
+  one). A row without one scores 0, counted in ``errors["ValueError"]`` (TorchRL stops with an
+  unpacking error); a missing or empty reference raises, naming the key.
+- ``strict_format=True`` keeps rlpost's answer rule (:func:`~rlpost.envs.rewards.final_answer`:
+  the last ``<answer>``, possibly unclosed at the end, nothing but whitespace after
+  ``</answer>``); :func:`~rlpost.envs.tasks.make_env` uses it for training runs.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 from rlpost.envs.chat import DatasetChatEnv, as_list
 from rlpost.envs.function_pool import FunctionPool
-from rlpost.envs.rewards import count_failure, end_episodes, final_answer
+from rlpost.envs.rewards import count_failure, end_episodes, final_answer, gsm8k_target
 from rlpost.envs.rewards import has_answer as has_answer_tag
 from rlpost.envs.transforms import Transform
 
@@ -104,21 +97,6 @@ def task_env_kwargs(arguments: Mapping[str, Any], **overrides: Any) -> dict[str,
     return kwargs
 
 
-# ---------------------------------------------------------------------------- math-verify
-
-
-def gsm8k_target(answer_field: Any) -> str:
-    """The reference answer of a GSM8K answer field: the stripped text after its last ``####``.
-    A field without one (or with nothing after it) raises ``ValueError``."""
-    text = answer_field if isinstance(answer_field, str) else str(answer_field)
-    marker = text.rfind("####")
-    target = text[marker + 4 :].strip() if marker >= 0 else ""
-    if not target:
-        preview = text if len(text) <= 200 else text[:200] + "..."
-        raise ValueError(f"GSM8K answer has no final answer after '####': {preview!r}")
-    return target
-
-
 # ---------------------------------------------------------------------------- the reward
 
 
@@ -126,33 +104,26 @@ class GSM8KRewardParser(Transform):
     """TorchRL's GSM8K reward (see the module docstring for the fields and the deviations).
 
     Args (TorchRL's, in its order):
-        tokenizer: the model's tokenizer; only its ``eos_token`` is used (removed from the end of
-            a response). The env decodes token responses itself.
+        tokenizer: only its ``eos_token`` is used (default of ``eos_token``, cut from responses).
         in_keys: ``[response key, answer key]``. The response is always read from the env's
-            ``input_mode`` (:meth:`~rlpost.envs.chat.ChatEnv.last_responses`), so the first key
-            must be one of TorchRL's response keys (``("history", "full")``, ``("text",
-            "response")``, ``"text_response"``, ...); the second names the reference answer.
-        out_keys: the names written for ``reward_answer``, ``reward_think``, ``reward_right``,
-            ``reward`` and ``success``, in that order.
-        eos_token: removed from the end of responses; defaults to ``tokenizer.eos_token``.
-        set_done_if_answer: end the episode (``terminated`` and ``done``) once a response holds
-            an answer.
-        input_mode: the env's input mode; read from the env when None, and an error if it differs.
+            ``input_mode`` (:meth:`~rlpost.envs.chat.ChatEnv.last_responses`), so the first must
+            be one of TorchRL's response keys (``("history", "full")``, ``"text_response"``, ...).
+        out_keys: the names of the five fields, in the module docstring's order.
+        set_done_if_answer: end the episode once a response holds an answer.
+        input_mode: read from the env when None, and an error if it differs.
         format_reward: ``reward_right`` of a wrong answer. correct_reward: that of a right one.
 
     Keyword Args (rlpost's):
-        answer_key: the key of the reference answer (default ``in_keys[1]``, else ``"answer"``).
-        strict_format: rlpost's answer rule instead of TorchRL's (see the module docstring); the
-            episode then ends on any ``<answer>`` tag, as rlpost's other answer rewards do.
-        use_math_verify: also accept answers math-verify finds equivalent (default). False gives
-            TorchRL's string comparison.
+        answer_key: the reference answer's key (default ``in_keys[1]``, else ``"answer"``).
+        strict_format: rlpost's answer rule (module docstring); the episode then ends on any
+            ``<answer>`` tag, as rlpost's other answer rewards do.
+        use_math_verify: False gives TorchRL's string comparison.
         verify_timeout_s: wall-clock limit of one math-verify check.
-        pool: the :class:`~rlpost.envs.function_pool.FunctionPool` that runs the checks (one
-            worker process, started on the first check, by default).
+        pool: the :class:`~rlpost.envs.function_pool.FunctionPool` of the checks (default: one
+            worker, started on the first check).
 
-    ``errors`` counts the samples scored 0 because of a failure, by type: ``"ValueError"`` (a
-    dataset answer without ``####``), ``"Timeout"`` (a check past ``verify_timeout_s``), or the
-    worker's error. The env sums them in ``reward_errors``.
+    ``errors`` counts the samples scored 0 by a failure, by type: ``"ValueError"`` (no ``####``),
+    ``"Timeout"``, or the worker's error; the env sums them in ``reward_errors``.
     """
 
     def __init__(
@@ -247,15 +218,13 @@ class GSM8KRewardParser(Transform):
     # ------------------------------------------------------------------ scoring
 
     def check_answer(self, answer: str, true_answer: str) -> bool:
-        """Whether ``answer`` is right for the reference ``true_answer`` (see the module
-        docstring). A check that fails or runs past ``verify_timeout_s`` is False and counted in
-        ``errors``. Safe from any thread."""
+        """Whether ``answer`` is right for ``true_answer``; a failed or timed-out check is False
+        and counted in ``errors``. Safe from any thread."""
         return self.judge(answer, true_answer)[0]
 
     def score(self, completion: str, answer_field: Any) -> dict[str, Any]:
-        """The reward fields of one response against one dataset answer field, under TorchRL's
-        names (``reward_answer``, ``reward_think``, ``reward_right``, ``reward``, ``success``),
-        plus ``"answered"``: whether the response ends the episode (``set_done_if_answer``)."""
+        """The reward fields of one response against one dataset answer field, plus
+        ``"answered"``: whether the response ends the episode (``set_done_if_answer``)."""
         text = self._strip_end(completion)
         think, answer = self.extract_tags(text)
         if self.strict_format:
@@ -283,14 +252,12 @@ class GSM8KRewardParser(Transform):
         }  # fmt: skip
 
     def reference(self, answer_field: Any) -> Any:
-        """The reference a response is judged against, read from the dataset's answer field: for
-        GSM8K the text after ``####``. ``ValueError`` for a malformed row (it then scores 0 and
-        is counted in ``errors["ValueError"]``). A task's parser overrides it (MATH, Countdown)."""
+        """The reference read from the dataset's answer field (GSM8K: the text after ``####``);
+        ``ValueError`` for a malformed row (scored 0, counted). MATH and Countdown override it."""
         return gsm8k_target(answer_field)
 
     def judge(self, answer: str, reference: Any) -> tuple[bool, str | None]:
-        """``(right, error type or None)`` of the answer tag's content against :meth:`reference`'s
-        value; for GSM8K the normalised strings, then math-verify."""
+        """``(right, error type or None)`` of the answer against :meth:`reference`'s value."""
         return self._verify(answer, reference)
 
     def _strip_end(self, completion: str) -> str:
@@ -300,8 +267,7 @@ class GSM8KRewardParser(Transform):
         return text.removesuffix(_TURN_END)
 
     def _verify(self, answer: str, target: str) -> tuple[bool, str | None]:
-        """(right, error type or None). Cheap cases are decided here; the rest by math-verify in a
-        worker process with a deadline."""
+        """Cheap cases decided here; the rest by math-verify in a worker with a deadline."""
         mine, theirs = self.normalize_answer(answer), self.normalize_answer(target)
         if not mine:
             return False, None
@@ -384,20 +350,14 @@ class GSM8KRewardParser(Transform):
 
 
 class GSM8KPrepareQuestion(Transform):
-    """TorchRL's transform that turns each question into the R1-style prompt :data:`BASE_PROMPT`
-    (``"A conversation between User and Assistant. ... User: <question>. Assistant: <think>"``)
-    before the env's reset builds the first prompt.
+    """TorchRL's transform that turns each question (``in_keys`` of the reset input) into the
+    R1-style prompt :data:`BASE_PROMPT` before the reset builds the first prompt; ``out_keys``
+    default to in place. Append it after the DataLoadingPrimer that draws the questions.
 
-    Args:
-        in_keys: keys of the questions in the reset input. out_keys: where the prompts go
-            (default: in place).
-
-    Deviations from TorchRL: ``in_keys`` defaults to the env's query key (``env.data_key``)
-    rather than ``"text"`` (TorchRL 0.9's query key; :func:`make_gsm8k_env`'s env reads its
-    query from ``"text"``, so there the two agree). A question already in the template is left
-    as it is, so a query carried into an automatic reset is not wrapped twice. Transforms run in
-    the order they were appended: append it after the DataLoadingPrimer that draws the
-    questions. A missing key or a value that is not a string raises ``ValueError`` naming it.
+    Deviations from TorchRL: ``in_keys`` defaults to the env's ``data_key`` rather than ``"text"``
+    (the same in :func:`make_gsm8k_env`). A question already in the template is left as it is, so
+    a query carried into an automatic reset is not wrapped twice. A missing key or a non-string
+    raises ``ValueError`` naming it.
     """
 
     _PREFIX, _SUFFIX = BASE_PROMPT.split("%s")
@@ -457,61 +417,33 @@ class GSM8KPrepareQuestion(Transform):
 class GSM8KEnv(DatasetChatEnv):
     """GSM8K as a chat env, with TorchRL's keywords; ``openai/gsm8k`` (subset ``main``) by default.
 
-    Keyword Args (TorchRL's): ``dataset``, ``shuffle``, ``num_envs``, ``repeats``,
-    ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
-    ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``: as
-    :class:`~rlpost.envs.chat.DatasetChatEnv` takes them; plus
+    Keywords are :class:`~rlpost.envs.chat.DatasetChatEnv`'s, plus TorchRL's ``compute_reward``
+    (append a :class:`GSM8KRewardParser`), ``max_steps`` (default 1; 0 or None: no limit),
+    ``ray_backend`` (draw prompts from one shared Ray actor,
+    :class:`~rlpost.envs.datasets.RayDataLoadingPrimer`, so envs in several collectors never serve
+    a prompt twice) and ``dataloader_actor_name`` (default ``"gsm8k_dataloader"`` with
+    ``ray_backend``, as in TorchRL); and rlpost's ``strict_format`` (for the parser).
+    ``system_prompt`` defaults to TorchRL's :data:`GSM8K_SYSTEM_PROMPT`; ``prompt_column`` to the
+    query column a ``collate_fn`` wrote, else ``"question"``.
 
-        compute_reward: append a :class:`GSM8KRewardParser` (default True).
-        max_steps: steps per episode (default 1, one answer); 0 or None for no limit.
-        ray_backend: draw prompts from one Ray actor shared by every env that names it
-            (:class:`~rlpost.envs.datasets.RayDataLoadingPrimer`), so envs in several collectors
-            never serve a prompt twice.
-        dataloader_actor_name: that actor's name (default ``"gsm8k_dataloader"`` with
-            ``ray_backend``, as in TorchRL).
-
-    Keyword Args (rlpost's): ``name`` (subset), ``split``, ``data_key``, ``system_prompt`` (default
-    :data:`GSM8K_SYSTEM_PROMPT`, TorchRL's), ``prompt_column`` (default: the query column a
-    ``collate_fn`` wrote, else ``"question"``), ``answer_column``, ``num_shards``, ``shard_index``,
-    and ``strict_format`` (passed to the reward parser).
-
-    ``dataset`` may be a hub name, a local json/jsonl/parquet file or folder, a list of rows, a
-    ``datasets.Dataset`` or a DataLoader, with ``question`` and ``answer`` columns. TorchRL's
-    default name ``"gsm8k"`` and ``"openai/gsm8k"`` both load subset ``main``.
+    ``dataset``: a hub name, a local json/jsonl/parquet file or folder, a list of rows, a
+    ``datasets.Dataset`` or a DataLoader, with ``question`` and ``answer`` columns. ``"gsm8k"``
+    (TorchRL's default) and ``"openai/gsm8k"`` both load subset ``main``.
     """
 
     SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        dataset: Any = "openai/gsm8k",
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        ray_backend: bool = False,
-        dataloader_actor_name: str | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        prompt_column: str | None = None,
-        answer_column: str | None = "answer",
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, dataset: Any = "openai/gsm8k", shuffle: bool = True, num_envs: int = 1, repeats: int | None = None,
+        batch_size_dl: int = 1, seed: int | None = None, group_repeats: bool = False, tokenizer: Any = None,
+        device: torch.device | str | None = None, template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False, compute_reward: bool = True, collate_fn: Callable | None = None,
+        max_steps: int | None = 1, input_mode: Literal["history", "text", "tokens"] = "history",
+        ray_backend: bool = False, dataloader_actor_name: str | None = None, name: str | None = None,
+        split: str | None = "train", data_key: str | None = None, system_prompt: str | None = None,
+        prompt_column: str | None = None, answer_column: str | None = "answer", num_shards: int = 1,
+        shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         if ray_backend and dataloader_actor_name is None:
             dataloader_actor_name = "gsm8k_dataloader"
         if name is None and isinstance(dataset, str) and dataset in GSM8K_HUB_NAMES:
@@ -530,17 +462,15 @@ def make_gsm8k_env(
     group_repeats: bool = False,
     tokenizer: Any = None,
 ) -> DatasetChatEnv:
-    """TorchRL's older GSM8K builder (TorchRL warns that it is to be deprecated: prefer
-    :class:`GSM8KEnv`, and so does this one).
+    """TorchRL's older GSM8K builder, deprecated as in TorchRL (prefer :class:`GSM8KEnv`).
 
     As in TorchRL: shuffled train split, the question under ``"text"`` turned into
-    :data:`BASE_PROMPT` by :class:`GSM8KPrepareQuestion` (no system prompt), one step per episode,
-    and a :class:`GSM8KRewardParser` only when a ``tokenizer`` is given (otherwise a warning says
-    that no reward is assigned). Actions may use TorchRL 0.9's ``"text_response"`` key.
+    :data:`BASE_PROMPT` (no system prompt), one step per episode, and a :class:`GSM8KRewardParser`
+    only with a ``tokenizer`` (else a warning). Actions may use TorchRL 0.9's ``"text_response"``.
 
-    Deviations: the env is a history-mode :class:`~rlpost.envs.chat.DatasetChatEnv` (the
-    prompt is also in ``history.prompt`` as a user message), and without a tokenizer ``next`` still
-    holds ``reward``, all zeros (a ChatEnv always writes it).
+    Deviations: the env is a history-mode :class:`~rlpost.envs.chat.DatasetChatEnv` (the prompt
+    is also in ``history.prompt``), and without a tokenizer ``next["reward"]`` is still written
+    (zeros).
     """
     warnings.warn("This constructor is to be deprecated. Use GSM8KEnv instead.", UserWarning, stacklevel=2)
     env = DatasetChatEnv(

@@ -55,15 +55,9 @@ IFEVAL_COLUMNS = {"key": "key", "instruction_id_list": "instruction_id_list", "k
 
 
 class IFEvalData(TensorClass["nocast"]):
-    """An IFEval row as :class:`IFEvalEnv` writes it at reset (TorchRL's ``IFEvalData``), with room
-    for what the policy and the scorer add.
-
-    Fields:
-        key: the row's id (int64, ``[*batch]``).
-        instruction_id_list: the row's instruction ids (a list of strings per row).
-        kwargs: one dict of checker arguments per instruction (a list of dicts per row).
-        query: the prompt.
-        response, tokens, tokens_response, logits, reward: optional (None until set).
+    """An IFEval row as :class:`IFEvalEnv` writes it at reset (TorchRL's ``IFEvalData``); the
+    optional fields (None until set) are what the policy and the scorer add. ``key`` is int64
+    ``[*batch]``; ``kwargs`` holds one dict of checker arguments per instruction.
 
     :meth:`default_spec` describes the first four; as ``primers=`` of an :class:`IFEvalEnv` (what
     TorchRL's env passes itself) it makes the env write only those columns of each row.
@@ -81,8 +75,7 @@ class IFEvalData(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(), device: torch.device | str | None = None) -> specs.Composite:
-        """The spec of rows of batch ``shape``: an int64 ``key`` and non-tensor
-        ``instruction_id_list``, ``kwargs`` and ``query`` (each with an example from IFEval)."""
+        """The spec of rows of batch ``shape`` (non-tensor fields with an example from IFEval)."""
         shape = tuple(shape)
         examples = {
             "instruction_id_list": ["punctuation:no_comma"],
@@ -98,15 +91,13 @@ class IFEvalData(TensorClass["nocast"]):
 
 
 class IFEvalColumns(Transform):
-    """Put IFEval's columns of each drawn dataset row at top level of the reset output, in
-    TorchRL's layout, where :class:`IfEvalScorer` reads them, and carry them from step to step.
+    """Put IFEval's columns of each drawn row at top level of the reset output (TorchRL's layout,
+    where :class:`IfEvalScorer` reads them) and carry them from step to step.
 
-    ``columns`` maps a key to its column (default: IFEval's ``key``, ``instruction_id_list`` and
-    ``kwargs``, under the same names). Values come from the reset input when it has the key (the
-    primer may write a row's columns itself), else from the row the
+    ``columns`` maps a key to its column (default: IFEval's three, same names). Values come from
+    the reset input when it has the key, else from the row the
     :class:`~rlpost.envs.datasets.DataLoadingPrimer` wrote under ``row_key``. An integer column
-    (IFEval's ``key``) becomes an int64 tensor, any other a non-tensor stack (one list or dict
-    per row).
+    becomes an int64 tensor, any other a non-tensor stack.
     """
 
     def __init__(self, columns: Mapping[str, str] | None = None, *, row_key: str = "row") -> None:
@@ -143,10 +134,8 @@ class IFEvalColumns(Transform):
 
 
 class PromptAsQuery:
-    """IFEval's collate function (TorchRL's): each row's ``prompt`` column becomes the env's
-    query key (``data_key``), so the reset output holds ``query``, ``key``,
-    ``instruction_id_list`` and ``kwargs``. A row without ``prompt`` (nor the query key) raises
-    ``ValueError`` naming its columns. Takes a list of row dicts or a dict of columns."""
+    """IFEval's collate function (TorchRL's): each row's ``prompt`` becomes the query key
+    (``data_key``); a row with neither raises ``ValueError``. Rows or a dict of columns."""
 
     def __init__(self, data_key: str = "query") -> None:
         self.data_key = data_key
@@ -167,26 +156,16 @@ class PromptAsQuery:
 class IFEvalEnv(DatasetChatEnv):
     """IFEval as a chat env (TorchRL's ``IFEvalEnv``): ``google/IFEval`` by default.
 
-    As in TorchRL, the ``prompt`` column becomes the query (:class:`PromptAsQuery`, the default
-    ``collate_fn``) and each reset also writes the row's ``key`` (int64), ``instruction_id_list``
-    and ``kwargs`` at top level (the primer and :class:`IFEvalColumns`); with
-    ``compute_reward`` (default True) an :class:`IfEvalScorer` scores each response. The system
-    prompt (:data:`IFEVAL_SYSTEM_PROMPT`) asks for ``<think>`` then ``<answer>`` blocks: only the
-    answer is checked. As in TorchRL, ``max_steps`` defaults to 1 (one answer per episode).
-
-    Keyword args are those of :class:`~rlpost.envs.chat.DatasetChatEnv` (``dataset``,
-    ``shuffle``, ``num_envs``, ``repeats``, ``seed``, ``group_repeats``, ``tokenizer``, ``device``,
-    ``template_kwargs``, ``apply_template``, ``collate_fn``, ``batch_size_dl``, ``input_mode``,
-    ``name``, ``split``, ``system_prompt``, ``prompt_column``, ``ray_backend`` (default actor
-    ``"ifeval_dataloader"``), ...), plus ``compute_reward`` and
-    ``scorer_kwargs`` (keyword arguments of the :class:`IfEvalScorer`).
-    Offline, pass a local jsonl/parquet file with IFEval's columns (``key``, ``prompt``,
-    ``instruction_id_list``, ``kwargs``) as ``dataset``.
+    As in TorchRL, ``prompt`` becomes the query (:class:`PromptAsQuery`) and each reset writes
+    the row's ``key``, ``instruction_id_list`` and ``kwargs`` at top level
+    (:class:`IFEvalColumns`); with ``compute_reward`` an :class:`IfEvalScorer` (``scorer_kwargs``)
+    checks the ``<answer>`` block the system prompt asks for; ``max_steps`` defaults to 1.
+    Other keywords are :class:`~rlpost.envs.chat.DatasetChatEnv`'s (``ray_backend``'s actor:
+    ``"ifeval_dataloader"``). Offline, pass a local jsonl/parquet file with IFEval's columns.
 
     Construction fails with ``ValueError`` naming a missing ``instruction_id_list``/``kwargs``
-    column; with ``compute_reward`` every row is also checked (known instruction ids, one kwargs
-    dict per instruction with arguments its checker accepts, the punkt data for the
-    instructions that need it), so a bad dataset fails here rather than during a run.
+    column; with ``compute_reward`` every row is also checked (known ids, one kwargs dict per
+    instruction that its checker accepts, punkt data), so a bad dataset fails here, not mid-run.
     """
 
     SYSTEM_PROMPT = IFEVAL_SYSTEM_PROMPT

@@ -3,44 +3,33 @@ with TorchRL's API; the env and its row record :class:`~rlpost.envs.ifeval.IFEva
 :mod:`rlpost.envs.ifeval`.
 
 An IFEval row is a prompt with verifiable instructions: ``instruction_id_list`` (e.g.
-``["punctuation:no_comma", "length_constraints:number_words"]``) and ``kwargs``, one dict of
-arguments per instruction (e.g. ``{"relation": "at least", "num_words": 300}``). A response is
-checked against each instruction twice:
+``["punctuation:no_comma"]``) and ``kwargs``, one dict of arguments per instruction (e.g.
+``{"relation": "at least", "num_words": 300}``). A response is checked against each instruction
+strictly (as written) and loosely (followed when any of eight variants passes: without its first
+line, its last line or both, each with and without ``*``, forgiving a chatty opening or markdown
+bold). ``prompt_level_*_acc``: every instruction followed; ``inst_level_*_acc``: one flag per
+instruction. The checkers are Google's own classes through the ``if-verifiable`` package
+(``pip install 'rlpost[ifeval]'``); rlpost keeps no copy.
 
-- strict: the response as written;
-- loose: the instruction counts as followed when any of eight variants passes (the response,
-  without its first line, its last line or both, each with and without ``*`` characters), which
-  forgives a chatty opening line or markdown bold.
-
-``prompt_level_*_acc`` is True when every instruction of the row is followed, ``inst_level_*_acc``
-holds one flag per instruction. The checkers are Google's own instruction classes, used through
-the ``if-verifiable`` package (its ``ifeval`` instruction registry and its list of loose
-variants); rlpost keeps no copy of them. Install it with ``pip install 'rlpost[ifeval]'``.
-
-Sentence splitting needs data no package ships: ``length_constraints:number_sentences`` and
-``change_case:capital_word_frequency`` split text with NLTK's punkt tokenizer, whose tables
-(``punkt_tab``) are downloaded separately. rlpost never downloads anything at run time, and does
-not fall back to another splitter (the reward would silently differ from the benchmark's). When
-the tables are missing, scoring one of these instructions raises ``LookupError`` naming the data
-and the command that installs it once: ``python -m nltk.downloader punkt_tab``. An
-``IFEvalEnv`` that computes rewards checks its whole dataset when it is built, so a dataset
-using them fails at construction, not in the middle of a run. The other 23 instructions need no
-data.
+Trap: ``length_constraints:number_sentences`` and ``change_case:capital_word_frequency`` split
+sentences with NLTK's punkt tables (``punkt_tab``), which no package ships. rlpost never
+downloads at run time nor falls back to another splitter (the reward would silently differ from
+the benchmark's): scoring them without the tables raises ``LookupError`` naming
+``python -m nltk.downloader punkt_tab``, and a rewarding ``IFEvalEnv`` checks its dataset at
+construction. The other 23 instructions need no data.
 
 Deliberate deviations from TorchRL (each tested):
 
-- The scorer works in every input mode (TorchRL: history only): the response is the env's
-  latest policy response, and "complete" (ended by the end-of-turn or end-of-sequence marker
-  rather than cut at the token limit) is ``History.is_complete`` in history mode, as in TorchRL,
-  and the marker at the end of the raw response in text and tokens modes.
-- The reward is float32 ``[B, 1]`` and is added to ``next["reward"]`` (TorchRL overwrites it
-  with a ``[B, 1, 1]`` tensor), so it composes with other reward transforms.
-- The configured ``instruction_ids_key`` / ``keyword_args_key`` are the keys read (TorchRL's
-  scoring reads the fixed names ``"instruction_id_list"`` / ``"kwargs"`` whatever was passed).
-- The prompt handed to a checker whose arguments include ``prompt`` (as Google's evaluation
-  does; none of the 25 IFEval checkers has one today) is the strings under ``prompt_key`` when
-  there are some, else the env's query (the dataset prompt); TorchRL passes the last message of
-  the prompt history, which is that query in a one-step episode.
+- Every input mode works (TorchRL: history only): "complete" (ended by the end-of-turn or
+  end-of-sequence marker, not cut at the token limit) is ``History.is_complete`` in history mode,
+  as in TorchRL, and the marker ending the raw response in text and tokens modes.
+- The reward is float32 ``[B, 1]``, added to ``next["reward"]`` (TorchRL overwrites it with a
+  ``[B, 1, 1]`` tensor), so it composes with other reward transforms.
+- The configured ``instruction_ids_key`` / ``keyword_args_key`` are read (TorchRL's scoring
+  reads ``"instruction_id_list"`` / ``"kwargs"`` whatever was passed).
+- A checker taking a ``prompt`` (none of the 25 does today) gets the strings under
+  ``prompt_key``, else the env's query; TorchRL passes the prompt history's last message, that
+  query in a one-step episode.
 - An unknown instruction id, a row whose kwargs do not match its instructions, or missing punkt
   data raise an error naming it (TorchRL: a ``KeyError`` or ``TypeError`` deep in the checkers).
 - Only ``None`` arguments are dropped from ``kwargs`` (TorchRL drops every falsy value, so an
@@ -167,17 +156,13 @@ def _follows(checker: Any, text: str, instruction_id: str) -> bool:
 
 
 class IFEvalScoreData(TensorClass["nocast"]):
-    """The IFEval score of a response (TorchRL's ``IFEvalScoreData``).
+    """The IFEval score of a response (TorchRL's ``IFEvalScoreData``): bool tensors, ``[*batch, 1]``
+    at prompt level and ``[*batch, n]`` (one per instruction) at instruction level.
 
-    Fields (bool tensors):
-        prompt_level_strict_acc: ``[*batch, 1]``, every instruction followed (strict).
-        inst_level_strict_acc: ``[*batch, n]``, one flag per instruction (strict).
-        prompt_level_loose_acc, inst_level_loose_acc: the same for the loose checks.
-
-    A field given without its trailing dim gets it (``unsqueeze(-1)``) and a missing field is
-    ``False`` of shape ``[*batch, 1]``, as in TorchRL. The scorer writes one 0-d score per row,
-    lazily stacked into ``[B]`` (rows have different numbers of instructions; read the
-    instruction-level fields with ``get(..., as_list=True)`` or ``as_padded_tensor=True``).
+    A field without its trailing dim gets it and a missing one is ``False`` ``[*batch, 1]``, as in
+    TorchRL. The scorer writes one 0-d score per row, lazily stacked into ``[B]`` (rows differ in
+    instruction count: read instruction-level fields with ``as_list=True`` or
+    ``as_padded_tensor=True``).
     """
 
     prompt_level_strict_acc: Any = None
@@ -200,8 +185,7 @@ class IFEvalScoreData(TensorClass["nocast"]):
 
     @classmethod
     def default_spec(cls, shape=(), device: torch.device | str | None = None) -> specs.Composite:
-        """The spec of a score of batch ``shape``: bool fields, ``[*shape, 1]`` at prompt level and
-        ``[*shape, -1]`` (any number of instructions) at instruction level."""
+        """The spec of a score of batch ``shape`` (``-1``: any number of instructions)."""
         shape = tuple(shape)
         entries = {
             name: specs.Unbounded((*shape, 1 if name.startswith("prompt") else -1), dtype=torch.bool, device=device)
@@ -214,36 +198,27 @@ class IFEvalScoreData(TensorClass["nocast"]):
 
 
 class IfEvalScorer(Transform):
-    """Score each latest response against its row's IFEval instructions; write the score and a reward.
+    """Score each latest response against its row's IFEval instructions (module docstring).
 
-    The response is parsed as TorchRL does: the ``<think>...</think>`` and ``<answer>...</answer>``
-    blocks are found, and only the first answer block is checked (no answer block: the empty
+    As in TorchRL only the first ``<answer>...</answer>`` block is checked (none: the empty
     response, which follows nothing). ``next[score_key]`` gets an :class:`IFEvalScoreData` per row
-    (lazily stacked); with ``aggregate_reward`` the row's reward is added to ``next["reward"]``;
-    with ``set_done_if_answer`` a row whose response holds an answer block is terminated.
+    (lazily stacked); with ``aggregate_reward`` the reward is added to ``next["reward"]``; with
+    ``set_done_if_answer`` a row whose response holds an answer block is terminated.
 
     Keyword Args:
-        instruction_ids_key: key of each row's instruction ids in the step input
-            (default ``"instruction_id_list"``).
-        prompt_key: key of the prompt handed to checkers that take one, used when it holds
-            strings (default ``"text"``); otherwise the env's query is used.
-        keyword_args_key: key of each row's list of checker arguments (default ``"kwargs"``).
-        id_key: key of the row's identifier, shown in error messages (default ``"key"``).
-        response_column: TorchRL 0.9's response key (default ``"text_response"``), accepted for
-            compatibility: the env turns it into the latest response (as in current TorchRL, the
-            scorer reads the latest policy message).
-        score_key: where the score goes in ``next`` (default ``"ifeval_score"``).
+        prompt_key: the prompt handed to checkers that take one, when it holds strings;
+            otherwise the env's query.
+        id_key: the row's identifier, shown in error messages.
+        response_column: TorchRL 0.9's response key, accepted for compatibility (the scorer
+            reads the env's latest policy message, as current TorchRL does).
         aggregate_reward: True for :meth:`default_reward_aggregator`, a callable
-            ``f(score, think_blocks=..., answer_blocks=..., complete=...)`` returning a
-            one-element tensor (or number) per row, or False for no reward.
-        format_weights: weights of the four score fields in the default aggregator, in the order
-            of :class:`IFEvalScoreData` (default ``[0.4, 0.3, 0.2, 0.1]``).
+            ``f(score, think_blocks=..., answer_blocks=..., complete=...)`` returning one value
+            per row, or False for no reward.
+        format_weights: the default aggregator's weights of the four score fields, in
+            :class:`IFEvalScoreData`'s order.
         verbose: log each row's response and score at INFO level.
-        set_done_if_answer: terminate the episode of a row whose response holds an answer block.
 
-    The step input must hold the instruction ids and kwargs (an ``IFEvalEnv`` puts its rows'
-    columns there); a missing key raises ``ValueError`` naming it. See the module docstring for
-    the checkers, the punkt data and the deviations from TorchRL.
+    A step input without the instruction ids or kwargs raises ``ValueError`` naming the key.
     """
 
     def __init__(
@@ -282,9 +257,9 @@ class IfEvalScorer(Transform):
     # ------------------------------------------------------------------ checking one response
 
     def check_instructions(self, instruction_ids: Any, kwargs: Any = None, *, where: str = "IFEval row") -> tuple:
-        """Validate one row: the ids are known, there is one kwargs dict per id, and the punkt data
-        is installed if a checker needs it. Returns ``(ids, kwargs_list)`` normalised (``None``
-        arguments dropped); raises ``ValueError`` (``LookupError`` for the data) naming the problem."""
+        """``(ids, kwargs_list)`` of one row, normalised (``None`` arguments dropped), after checking
+        the ids are known, one kwargs dict per id, and the punkt data where needed (``ValueError``,
+        ``LookupError`` for the data)."""
         ids = _as_instruction_ids(instruction_ids, where)
         kwargs_list = _as_kwargs_list(kwargs, len(ids), where)
         for instruction_id in ids:
@@ -325,19 +300,14 @@ class IfEvalScorer(Transform):
         answer_blocks: list[str] | None = None,
         complete: bool | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """TorchRL's reward of one row: the weighted IFEval metrics plus a small bonus for the
-        response's structure, in ``[0, 1.15]`` with the default weights (which sum to 1). Shape ``score.batch_size + (1,)`` (``[1]`` for the
-        scorer's 0-d score), default float dtype.
+        """TorchRL's reward of one row, in ``[0, 1.15]`` with the default weights (sum 1), shape
+        ``score.batch_size + (1,)``, default float dtype:
 
-        - ``metrics`` = ``format_weights`` dotted with (the prompt-level strict flag, the mean of
-          the instruction-level strict flags, the prompt-level loose flag, the mean of the
-          instruction-level loose flags).
-        - ``bonus`` = 0.1 for exactly one answer block + 0.05 for exactly one think block.
-        - reward = metrics + bonus.
+            reward = format_weights . (prompt strict, mean inst strict, prompt loose, mean inst loose)
+                     + 0.1 [exactly one answer block] + 0.05 [exactly one think block]
 
-        ``complete`` is accepted (it is part of the aggregator's call) and, as in TorchRL, not
-        used. Without an answer block the scorer checked the empty response, which follows
-        nothing, so such a reply earns at most the think bonus.
+        ``complete`` is accepted and, as in TorchRL, unused. A reply without an answer block
+        earns at most the think bonus.
         """
         dtype = torch.get_default_dtype()
         fields = [getattr(score, name).to(dtype) for name in _FIELDS]

@@ -2,17 +2,12 @@
 TorchRL's API: :class:`MATHEnv` and :class:`MATHRewardParser`.
 
 A MATH row is a competition problem and a worked solution whose final answer is in ``\\boxed{}``
-(``problem``, ``level``, ``type``, ``solution``; TorchRL's default is the hub copy
-``DigitalLearningGmbH/MATH-lighteval``). The env asks for ``<think>...</think>
-<answer>...</answer>``; the parser writes TorchRL's GRPO fields (``reward_answer``,
-``reward_think``, ``reward_right``, ``reward``, ``success``: see :mod:`rlpost.envs.gsm8k`),
-judging the first answer tag against the last ``\\boxed{...}`` of the solution.
-
-An answer is right when it equals the reference once both are normalised
-(:meth:`MATHRewardParser.normalize_answer`: whitespace, ``$``, ``\\left``/``\\right`` and LaTeX
-spacing removed) or when math-verify finds them equivalent (``\\frac{1}{2}`` and ``0.5``,
-``x^2+1`` and ``1+x^2``). math-verify runs in a worker process with a wall-clock limit, as for
-GSM8K (rlpost's one checker, :mod:`rlpost.envs.math_verify_check`).
+(``problem``, ``level``, ``type``, ``solution``). The parser writes TorchRL's GRPO fields (see
+:mod:`rlpost.envs.gsm8k`), judging the first answer tag against the solution's last
+``\\boxed{...}``: right when both are equal once normalised
+(:meth:`MATHRewardParser.normalize_answer`) or when math-verify finds them equivalent
+(``\\frac{1}{2}`` and ``0.5``, ``x^2+1`` and ``1+x^2``), in a worker with a wall-clock limit as
+for GSM8K (:mod:`rlpost.envs.math_verify_check`).
 
 Deliberate deviations from TorchRL (each tested):
 
@@ -32,11 +27,10 @@ Deliberate deviations from TorchRL (each tested):
 - :meth:`MATHRewardParser.answers_match` is a method, not a static method: it uses the parser's
   worker pool and time limit. A check past ``verify_timeout_s`` scores 0, counted in
   ``errors["Timeout"]`` (TorchRL's check has no limit: a hard expression can hang the step).
-- The GSM8K parser's own deviations hold too: ``[B, 1]`` fields added to ``next["reward"]``,
-  ``strict_format``, errors counted rather than raised.
+- The GSM8K parser's deviations hold too (``[B, 1]`` fields, ``strict_format``, errors counted).
 - :class:`MATHEnv` writes TorchRL's reset keys (``query``, ``answer``, ``level``, ``type``) by
-  renaming columns (:class:`MATHColumns`); a dataset that already has an ``answer`` column (a
-  short final answer) keeps it, rather than having it replaced by the solution.
+  renaming columns (:class:`MATHColumns`); a dataset's own ``answer`` column (a short final
+  answer) is kept rather than replaced by the solution.
 """
 
 from __future__ import annotations
@@ -94,12 +88,8 @@ def inline_math(text: str) -> str:
 
 
 class MATHRewardParser(GSM8KRewardParser):
-    """TorchRL's MATH reward: GSM8K's fields and values, with the reference taken from the last
-    ``\\boxed{}`` of the solution and answers compared as LaTeX (see the module docstring for
-    the rule and the deviations from TorchRL).
-
-    Arguments: those of :class:`~rlpost.envs.gsm8k.GSM8KRewardParser`; ``use_math_verify=False``
-    is the normalised string comparison only (TorchRL's fallback without math-verify).
+    """TorchRL's MATH reward (module docstring): GSM8K's fields and arguments, answers compared as
+    LaTeX; ``use_math_verify=False`` is the normalised string comparison only (TorchRL's fallback).
     """
 
     @staticmethod
@@ -111,10 +101,9 @@ class MATHRewardParser(GSM8KRewardParser):
 
     @staticmethod
     def normalize_answer(answer: str) -> str:
-        """The comparable form of a MATH answer: without whitespace, ``$``, ``\\left``/``\\right``
-        and spacing commands (``\\,`` ``\\!`` ...), ``\\dfrac``/``\\tfrac`` written ``\\frac``,
-        and without the commas of a number written with thousands separators (other commas, as
-        in ``(1,2)``, are kept)."""
+        """A MATH answer without whitespace, ``$``, ``\\left``/``\\right`` and spacing commands,
+        ``\\dfrac``/``\\tfrac`` as ``\\frac``, and without thousands separators (other commas,
+        as in ``(1,2)``, are kept)."""
         text = _NO_VALUE.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
         return text.replace(",", "") if _THOUSANDS.fullmatch(text) else text
 
@@ -135,9 +124,8 @@ class MATHRewardParser(GSM8KRewardParser):
 
 
 class MATHColumns:
-    """MATHEnv's collate function (TorchRL renames the same columns): ``problem`` becomes the
-    env's query key and ``solution`` becomes ``answer``, each only when the row does not already
-    have the new name. Takes a list of row dicts or a dict of columns, and returns the same kind."""
+    """MATHEnv's collate function (TorchRL's renames): ``problem`` to the query key and
+    ``solution`` to ``answer``, each unless the row has the new name; rows or a dict of columns."""
 
     def __init__(self, data_key: str = "query") -> None:
         self.renames = {"problem": data_key, "solution": "answer"}
@@ -158,46 +146,24 @@ class MATHEnv(DatasetChatEnv):
     """MATH as a chat env, with TorchRL's keywords; ``DigitalLearningGmbH/MATH-lighteval`` by default.
 
     Each reset writes the problem under ``query`` and the solution under ``answer`` (with the
-    row's other columns, e.g. ``level`` and ``type``); the system prompt is TorchRL's
-    (:data:`MATH_SYSTEM_PROMPT`), and with ``compute_reward`` a :class:`MATHRewardParser` scores
-    each response. One step per episode by default.
-
-    Keyword Args: those of :class:`~rlpost.envs.gsm8k.GSM8KEnv` but ``prompt_column`` and
-    ``answer_column``; ``collate_fn`` defaults to :class:`MATHColumns` and ``dataloader_actor_name``
-    to ``"math_dataloader"`` (TorchRL's). The dataset has MATH's ``problem`` and ``solution``
-    columns (or ``query`` and ``answer``).
+    row's other columns, e.g. ``level`` and ``type``); a :class:`MATHRewardParser` scores it.
+    Keywords: :class:`~rlpost.envs.gsm8k.GSM8KEnv`'s but ``prompt_column`` and ``answer_column``;
+    ``collate_fn`` defaults to :class:`MATHColumns`, ``dataloader_actor_name`` to TorchRL's
+    ``"math_dataloader"``. Columns: ``problem`` and ``solution`` (or ``query`` and ``answer``).
     """
 
     SYSTEM_PROMPT = MATH_SYSTEM_PROMPT
 
     def __init__(
-        self,
-        *,
-        dataset: Any = "DigitalLearningGmbH/MATH-lighteval",
-        shuffle: bool = True,
-        num_envs: int = 1,
-        repeats: int | None = None,
-        batch_size_dl: int = 1,
-        seed: int | None = None,
-        group_repeats: bool = False,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        apply_template: bool | None = False,
-        compute_reward: bool = True,
-        collate_fn: Callable | None = None,
-        max_steps: int | None = 1,
-        input_mode: Literal["history", "text", "tokens"] = "history",
-        ray_backend: bool = False,
-        dataloader_actor_name: str | None = None,
-        name: str | None = None,
-        split: str | None = "train",
-        data_key: str | None = None,
-        system_prompt: str | None = None,
-        num_shards: int = 1,
-        shard_index: int = 0,
-        strict_format: bool = False,
-    ) -> None:
+        self, *, dataset: Any = "DigitalLearningGmbH/MATH-lighteval", shuffle: bool = True, num_envs: int = 1,
+        repeats: int | None = None, batch_size_dl: int = 1, seed: int | None = None, group_repeats: bool = False,
+        tokenizer: Any = None, device: torch.device | str | None = None, template_kwargs: dict[str, Any] | None = None,
+        apply_template: bool | None = False, compute_reward: bool = True, collate_fn: Callable | None = None,
+        max_steps: int | None = 1, input_mode: Literal["history", "text", "tokens"] = "history",
+        ray_backend: bool = False, dataloader_actor_name: str | None = None, name: str | None = None,
+        split: str | None = "train", data_key: str | None = None, system_prompt: str | None = None, num_shards: int = 1,
+        shard_index: int = 0, strict_format: bool = False,
+    ) -> None:  # fmt: skip
         if ray_backend and dataloader_actor_name is None:
             dataloader_actor_name = "math_dataloader"  # TorchRL's name
         if collate_fn is None:

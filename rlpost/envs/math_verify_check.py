@@ -1,11 +1,10 @@
 """math-verify's equivalence check, in a module of its own for the worker processes that run it.
 
-A :class:`~rlpost.envs.function_pool.FunctionPool` worker imports the module of the function it
-runs before the call's time limit starts. Here that is math-verify (sympy: ~1 s, which inside the
-limit took most of a fresh worker's first check), and not ``rlpost.envs`` (torch, tensordict:
-~5 s more on 2 busy cores, paid at the first check and again by every worker that replaces one
-killed past ``verify_timeout_s``, while the env step waits). :mod:`rlpost.envs.gsm8k` names this
-module by path, so the trainer's processes never import math-verify themselves.
+Trap: a :class:`~rlpost.envs.function_pool.FunctionPool` worker imports the function's module
+before the call's time limit starts. Here that is math-verify (sympy: ~1 s, which inside the limit
+took most of a fresh worker's first check) and not ``rlpost.envs`` (torch, tensordict: ~5 s more
+on 2 busy cores, paid again by every worker replacing one killed past ``verify_timeout_s``).
+:mod:`rlpost.envs.gsm8k` names this module by path, so the trainer never imports math-verify.
 """
 
 from __future__ import annotations
@@ -27,15 +26,12 @@ _NOTICE_FILTER = _DropDisabledTimeoutNotice()
 
 
 def math_verify_equal(answer: str, target: str) -> bool:
-    """Whether math-verify finds ``answer`` equivalent to ``target``: ``verify(parse(target),
-    parse(answer))``, False when either has nothing math-verify can read.
+    """``verify(parse(target), parse(answer))``, False when either has nothing math-verify reads.
 
-    math-verify's own time limits are turned off (``parse(..., parsing_timeout=None)``,
-    ``verify(..., timeout_seconds=None)``): they use ``signal.alarm``, which only works on the main
-    thread of the main interpreter, so off it (a thread, a Ray actor's executor) math-verify
-    raises instead of checking. This function therefore works from any thread but has no time
-    limit of its own: :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` runs it in a
-    :class:`~rlpost.envs.function_pool.FunctionPool` worker process that is killed past the limit.
+    Trap: math-verify's own time limits use ``signal.alarm`` (main thread only; elsewhere, e.g. a
+    Ray actor's executor, it raises instead of checking), so they are off and this has no limit
+    of its own: :class:`~rlpost.envs.gsm8k.GSM8KRewardParser` runs it in a
+    :class:`~rlpost.envs.function_pool.FunctionPool` worker that is killed past the limit.
     """
     for name in ("math_verify.parser", "math_verify.grader"):
         math_logger = logging.getLogger(name)

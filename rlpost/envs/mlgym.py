@@ -1,11 +1,9 @@
 """MLGym tasks as LLM chat environments (TorchRL's ``make_mlgym`` and ``MLGymWrapper``).
 
-`MLGym <https://github.com/facebookresearch/MLGym>`_ runs machine-learning research tasks in a
-container. Its env is gymnasium-shaped and speaks text: ``reset()`` starts a task,
-``step(command)`` runs one shell command (or an MLGym command such as ``validate`` /
-``submit``) and returns ``(observation, reward, done, info)``; an agent config (``env.config``)
-holds the prompt templates. :class:`MLGymWrapper` turns it into a chat for an LLM policy, in
-rlpost's history mode (the conventions of :class:`~rlpost.envs.ChatEnv`)::
+`MLGym <https://github.com/facebookresearch/MLGym>`_ runs ML research tasks in a container
+behind a gymnasium-shaped text env (``step(command)`` runs a shell or MLGym command such as
+``validate``/``submit``; ``env.config`` holds the prompt templates). :class:`MLGymWrapper` makes
+it a chat for an LLM policy in rlpost's history mode (:class:`~rlpost.envs.ChatEnv`)::
 
     reset() -> td (batch [B], one MLGym env per row):
         ("history", "prompt")   ChatHistory: [system message, first user message]
@@ -22,25 +20,22 @@ rlpost's history mode (the conventions of :class:`~rlpost.envs.ChatEnv`)::
         td["next"]    the keys of a reset output (the chat grown by the assistant message and a
                       user message showing the command's output) + "reward" float32 [B, 1]
 
-The command is the last fenced block (```...```) of the assistant message, as MLGym's
+The command is the assistant message's last fenced block (```...```), as MLGym's
 ``ThoughtActionParser`` reads it. The user message is the config's ``task_template`` (+
 ``strategy_template``) at reset, then ``next_step_template`` (``next_step_no_output_template``
 when the command printed nothing), filled with the task's fields, the tools' docs and
 variables, the state command's JSON fields, ``current_step``, ``remaining_steps`` and
 ``observation``. The reward is MLGym's (0) plus ``evaluation score - baseline score`` read from
-the message (:class:`EvaluationOutputParser`, e.g. after ``validate``), plus
-``reward_wrong_format`` on a retry. ``done`` is MLGym's ``done`` (``terminated``).
-
-:func:`make_mlgym` builds the MLGym env of a task (MLGym must be installed: it is not on PyPI,
-``pip install git+https://github.com/facebookresearch/MLGym``; it is imported only there).
+the message (:class:`EvaluationOutputParser`), plus ``reward_wrong_format`` on a retry.
+``done`` is MLGym's ``done`` (``terminated``). :func:`make_mlgym` imports MLGym (not on PyPI:
+``pip install git+https://github.com/facebookresearch/MLGym``).
 
 Deliberate deviations from TorchRL (whose ``make_mlgym`` is a ``TransformedEnv`` over a
 batch-less ``MLGymWrapper`` and its transforms):
 
 - One class does the work of TorchRL's wrapper and transforms; no specs, no
-  ``append_transform``. Keys are rlpost's history mode: a :class:`ChatHistory` under
-  ``"history"`` (TorchRL: a plain History) and the rendered prompt under ``("text",
-  "prompt")``; a tokenizer is optional (TorchRL's template transform fails without one).
+  ``append_transform``. A :class:`ChatHistory` under ``"history"`` (TorchRL: a plain History);
+  a tokenizer is optional (TorchRL's template transform fails without one).
 - Batch ``[B]``, one MLGym env per row (TorchRL: batch-less, one env), rewards and flags
   ``[B, 1]`` as in every rlpost env.
 - The user message of a step shows the output of the command run in that step; TorchRL's
@@ -104,29 +99,22 @@ _TURN_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</
 
 
 class MLGymWrapper:
-    """MLGym env(s) as an LLM chat env in history mode; see the module docstring for the keys.
+    """MLGym env(s) as an LLM chat env in history mode (module docstring for the keys).
 
     Args:
-        env: an MLGym env (``mlgym.environment.env.MLGymEnv``, or an object with its methods
-            and an agent config under ``env.config``), or a list of them: one per batch row.
-
-    Keyword Args:
-        tokenizer: a transformers tokenizer, or a name/path for ``AutoTokenizer``; when given,
-            every prompt is also rendered under ``("text", "prompt")``.
-        device: device of the tensors the env creates.
+        env: an MLGym env (``MLGymEnv``, or an object with its methods and ``env.config``), or
+            a list of them, one per batch row.
+        tokenizer: a tokenizer, or a name for ``AutoTokenizer``; renders ``("text", "prompt")``.
         reward_wrong_format: added to the reward of a step whose response held no command.
-        task: name of the task the given env(s) run (None: unnamed).
-        tasks: task names to draw from, uniformly, at each reset of a row (needs ``make_env``).
-        make_env: builds the MLGym env of a task name; used when a reset draws a task, or its
-            input names one under ``"task"``, other than the row's current task (the old env
-            is closed).
-        workdir: directory the MLGym env is driven from (MLGym resolves its config paths
-            relative to its repository root; :func:`make_mlgym` passes it).
+        task: the task the given env(s) run (None: unnamed).
+        tasks: task names drawn uniformly at each reset of a row (needs ``make_env``).
+        make_env: task name -> MLGym env, for a reset that draws or names (``"task"``) another
+            task than the row's (the old env is closed).
+        workdir: where the MLGym env is driven from (MLGym resolves its config paths from its
+            repository root; :func:`make_mlgym` passes it).
         template_kwargs: extra keyword arguments for ``apply_chat_template``.
 
-    Attributes:
-        envs: the MLGym env of each row (replaced when a row changes task).
-        current_tasks: the task name of each row (None: unnamed).
+    ``envs`` and ``current_tasks`` hold each row's env and task name (None: unnamed).
     """
 
     input_mode = "history"
@@ -194,8 +182,7 @@ class MLGymWrapper:
         return td.get("history").prompt.to_chats(include_state=True)
 
     def set_seed(self, seed: int | None, static_seed: bool = False) -> int | None:
-        """Seed the task draws of ``tasks``; returns ``seed`` (``static_seed`` is accepted for
-        TorchRL compatibility and has no effect)."""
+        """Seed the task draws of ``tasks``; ``static_seed`` (TorchRL's) has no effect."""
         self._rng.seed(seed)
         return seed
 
@@ -207,12 +194,9 @@ class MLGymWrapper:
     # ------------------------------------------------------------------ reset
 
     def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
-        """Start a task in every row; the output holds the keys of the module docstring and
-        every key of the input.
-
-        ``td`` (batch ``[B]``, or 0-d for all rows) may name the task of each row under
-        ``"task"``; otherwise rows draw one from ``tasks``, or keep their task.
-        """
+        """Start a task in every row; the output holds the module docstring's keys and the
+        input's. ``td`` (batch ``[B]``, or 0-d) may name each row's task under ``"task"``;
+        otherwise rows draw one from ``tasks``, or keep theirs."""
         td = self._reset_input(td)
         num_rows = self.batch_size[0]
         if "task" in td.keys():
@@ -233,9 +217,12 @@ class MLGymWrapper:
             raise ValueError(f"reset expects a TensorDict or None, got {type(td).__name__}")
         if td.batch_dims == 0:
             td = td.expand(self.batch_size).clone()
+        return self._check_batch(td, "reset")
+
+    def _check_batch(self, td: TensorDictBase, call: str) -> TensorDictBase:
         if td.batch_size != self.batch_size:
             raise ValueError(
-                f"reset expects a TensorDict of batch {tuple(self.batch_size)} (one row per MLGym env), "
+                f"{call} expects a TensorDict of batch {tuple(self.batch_size)} (one row per MLGym env), "
                 f"got batch {tuple(td.batch_size)}"
             )
         return td
@@ -322,15 +309,10 @@ class MLGymWrapper:
         break_when_all_done: bool | None = None,
         tensordict: TensorDictBase | None = None,
     ) -> TensorDictBase:
-        """Run ``policy`` for up to ``max_steps`` steps, stacked along a new last batch dim
-        (``[B, T]``, lazily: the prompts grow), as TorchRL's ``EnvBase.rollout``.
-
-        The env is reset first (``auto_reset``; else ``tensordict`` is the first input); the
-        rollout stops after a step where any row is done (the default), or all are
-        (``break_when_all_done=True``); with neither, finished rows are reset and go on.
-        ``callback(env, td)`` runs after each step. A policy is required (a chat env has no
-        random action).
-        """
+        """TorchRL's ``EnvBase.rollout``: up to ``max_steps`` steps stacked lazily along a new
+        last dim (``[B, T]``: the prompts grow). It stops after a step where any row is done
+        (default) or all are (``break_when_all_done``); with neither, finished rows are reset and
+        go on. A policy is required (a chat env has no random action)."""
         if not callable(policy):
             raise ValueError(f"rollout needs a policy (a callable td -> td, e.g. an LLM wrapper), got {policy!r}")
         if max_steps < 1:
@@ -358,11 +340,7 @@ class MLGymWrapper:
     def _step(self, td: TensorDictBase) -> tuple[TensorDictBase, list[dict[str, Any]], bool]:
         if not isinstance(td, TensorDictBase):
             raise ValueError(f"step expects a TensorDict, got {type(td).__name__}")
-        if td.batch_size != self.batch_size:
-            raise ValueError(
-                f"step expects a TensorDict of batch {tuple(self.batch_size)} (one row per MLGym env), "
-                f"got batch {tuple(td.batch_size)}"
-            )
+        self._check_batch(td, "step")
         num_rows = self.batch_size[0]
         chats, responses = self._responses(td)
         previous = [""] * num_rows
@@ -397,12 +375,9 @@ class MLGymWrapper:
         return td, rows, with_task
 
     def _responses(self, td: TensorDictBase) -> tuple[list[list[dict]], list[str]]:
-        """Each row's chat up to and with the assistant's message, and that message's text.
-
-        From ``("history", "full")``: a chat not ending with an assistant message gets an empty
-        one (TorchRL does the same). From ``"text_response"``: the prompt plus the text, cut at
-        its first end-of-turn marker and stripped.
-        """
+        """Each row's chat up to and with the assistant's message, and that message's text. A
+        ``("history", "full")`` chat not ending with an assistant message gets an empty one (as in
+        TorchRL); a ``"text_response"`` is cut at its first end-of-turn marker."""
         num_rows = self.batch_size[0]
         history = td.get("history", None)
         if isinstance(history, ChatHistory) and history.full is not None:
@@ -481,19 +456,12 @@ def make_mlgym(
 ) -> MLGymWrapper:
     """An :class:`MLGymWrapper` over MLGym's env of a task (TorchRL's ``make_mlgym``).
 
-    Keyword Args:
-        task: the task to run, by its MLGym name (e.g. ``"prisonersDilemma"``, the config
-            ``tasks/<task>.yaml``). Exclusive with ``tasks``.
-        tasks: tasks to run, one drawn at each reset (reported under ``"task"``). Exclusive with
-            ``task``.
-        tokenizer: a transformers tokenizer, or a name/path for ``AutoTokenizer``.
-        device: device of the env's tensors. Defaults to "cpu".
-        reward_wrong_format: reward added when a response holds no command; None for none.
+    ``task``: an MLGym task name (e.g. ``"prisonersDilemma"``, config ``tasks/<task>.yaml``), or
+    ``tasks``: one drawn at each reset (reported under ``"task"``); exactly one of the two.
 
-    As TorchRL does, each task is registered with MLGym's default agent config, at most 10
-    steps, seed 42 and the podman container runtime, and its env is made on device ``cpu_0``;
-    the env of the (last) task is built at once. MLGym must be installed (it is not on PyPI):
-    ``pip install git+https://github.com/facebookresearch/MLGym``.
+    As in TorchRL, each task is registered with MLGym's default agent config, at most 10 steps,
+    seed 42 and the podman runtime, its env made on device ``cpu_0``; the (last) task's env is
+    built at once. MLGym must be installed (module docstring).
     """
     if bool(task) == bool(tasks):
         raise ValueError(

@@ -30,11 +30,10 @@ _SCORE = r"\{'Score': (?:[\w.]+\()?([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|na
 def parse_command(response: str) -> str | None:
     """The command of an assistant message: its last top-level fenced block, stripped.
 
-    Fences are lines starting with three backticks. A fence with a language tag
-    (```` ```bash ````) always opens a block, possibly nested; a bare fence closes the open
-    block, or opens one when none is open. Blocks still open at the end are ignored. Returns
-    None when there is no closed block or the last one is blank (MLGym's
-    ``ThoughtActionParser`` raises its format error there).
+    A fence with a language tag (```` ```bash ````) always opens a block, possibly nested; a bare
+    fence closes the open block, or opens one. Blocks still open at the end are ignored. None
+    without a closed block or when the last is blank (where MLGym's ``ThoughtActionParser``
+    raises its format error).
     """
     if not isinstance(response, str):
         raise ValueError(f"parse_command expects the assistant's text, got {type(response).__name__}")
@@ -57,13 +56,9 @@ def parse_command(response: str) -> str | None:
 
 
 class EvaluationOutputParser:
-    """Reads MLGym's evaluation output (TorchRL's parser of the same name).
-
-    Calling it on a text returns the fields found: ``submission_artefact_path``,
-    ``baseline_score`` and ``evaluation_score`` (floats, from ``Baseline Score: {'Score': x}``
-    and ``Evaluation Score: {'Score': x}``), ``current_step`` and ``remaining_steps`` (ints),
-    ``open_file`` and ``current_directory``. :meth:`reward` is ``evaluation_score -
-    baseline_score``, a missing one counting as 0.
+    """Reads MLGym's evaluation output (TorchRL's parser of the same name): calling it returns
+    the fields of :attr:`patterns` found (scores as floats, steps as ints); :meth:`reward` is
+    ``evaluation_score - baseline_score``, a missing one counting as 0.
 
     Deviation from TorchRL: a score written ``np.float64(x)`` or followed by other metrics in
     the same dict is read; TorchRL's float conversion fails on both.

@@ -1,39 +1,25 @@
 """Tasks of the ``reasoning-gym`` package (imported as ``reasoning_gym``) as an rlpost training task.
 
 ``reasoning_gym`` holds about a hundred procedural task generators (arithmetic, logic puzzles,
-games, graphs, ...), each with a seeded generator of ``{"question", "answer", "metadata"}`` entries
-and its own scorer ``score_answer(answer, entry) -> float`` in [0, 1], which may give partial
-credit. Nothing is downloaded: the generators are procedural (a few read word lists or puzzle
-files that ship inside the package).
+games, graphs, ...), each with a seeded generator of ``{"question", "answer", "metadata"}``
+entries and its own scorer ``score_answer(answer, entry) -> float`` in [0, 1] (partial credit
+possible). Nothing is downloaded (a few tasks read files shipped inside the package).
 
-- :func:`reasoning_gym_rows` turns a task mapping into rows for a
-  :class:`~rlpost.envs.chat.DatasetChatEnv` (an in-memory list of dicts).
-- :class:`ReasoningGymRewardParser` adds the package's own score of the response's
-  ``<answer>...</answer>`` content to the reward.
-- :class:`ReasoningGymEnv` is the env: the rows, a system prompt asking for the answer tag, and
-  the reward parser.
+The task mapping: ``NAME -> WEIGHT`` (a positive number), or ``NAME -> {weight: W, option: value,
+...}`` where ``weight`` (default 1.0) is the task's share of the mixture and every other key an
+option of the task's config (e.g. ``chain_sum: {weight: 2, min_terms: 2, max_terms: 3}``);
+``NAME -> None`` (a bare ``chain_sum:`` in YAML) is weight 1.0 with the defaults. ``seed`` and
+``size`` are set by :func:`reasoning_gym_rows`; ``composite`` is refused (the mapping is the
+mixture).
 
-The task mapping. ``NAME -> WEIGHT`` (a positive number), or ``NAME -> {weight: W, option: value,
-...}`` where ``weight`` (default 1.0) is the task's share of the mixture and every other key is an
-option of that task's config in the package (e.g. ``chain_sum: {weight: 2, min_terms: 2,
-max_terms: 3}``); ``NAME -> None`` (a bare ``chain_sum:`` in YAML) is weight 1.0 with the
-defaults. ``seed`` and ``size`` are not options: :func:`reasoning_gym_rows` sets them. The
-package's ``composite`` task is refused: the mapping itself is the mixture.
+A row: ``question`` (the prompt), ``answer`` (the reference; "" for tasks whose scorer checks by
+rules, e.g. graph_color, rush_hour), ``task`` (for metrics per task) and ``entry`` (the package's
+full entry, which the scorer reads; picklable).
 
-Row format (one dict per prompt)::
-
-    question  str   the prompt (the package's question text)
-    answer    str   the package's reference answer; "" for the tasks that have none (their
-                    scorer checks a response by its rules, e.g. graph_color, rush_hour)
-    task      str   the task's name, for metrics per task
-    entry     dict  the package's full entry (question, answer, metadata), which the task's
-                    scorer reads; plain Python data, picklable
-
-Splits. ``split="train"`` draws with seeds derived from ``seed``; ``split="test"`` (held-out
-evaluation) draws with different derived seeds and then drops every row whose question is among
-the train rows of the same ``(tasks, size, seed)``, so an evaluation never scores a question the
-training run could have seen. The test split may therefore hold fewer than ``size`` rows (many
-fewer for a task with few distinct questions); it raises when none are left.
+Splits: ``"test"`` (held-out evaluation) draws with other derived seeds and drops every row whose
+question is among the train rows of the same ``(tasks, size, seed)``, so an evaluation never
+scores a question training could have seen; it may hold fewer than ``size`` rows (raises when
+none are left).
 
 Determinism. The same ``(tasks, size, seed, split)`` gives the same rows in every process, except
 for the few tasks whose generators iterate over Python sets of strings
@@ -104,8 +90,8 @@ SCORE_OUT_OF_RANGE = "ScoreOutOfRange"
 
 
 def _registry() -> dict[str, tuple[type, type]]:
-    """The package's task registry: name -> (dataset class, config dataclass). Imported here, not
-    at module level: importing ``reasoning_gym`` takes about a second and a half."""
+    """The package's registry: name -> (dataset class, config dataclass). Imported lazily: importing
+    ``reasoning_gym`` takes about 1.5 s."""
     import reasoning_gym.factory
 
     return reasoning_gym.factory.DATASETS
@@ -226,8 +212,8 @@ def _derived_seed(seed: int, split: str, part: str) -> int:
 
 
 def _generate(spec: _TaskSpec, count: int, seed: int) -> list[dict[str, Any]]:
-    """``count`` entries of one task, generated with ``seed``. The package's generators may print
-    (the ``bf`` task's compiler does); what they print is discarded."""
+    """``count`` entries of one task from ``seed``; what generators print (``bf``'s compiler) is
+    discarded."""
     dataset = _create_dataset(spec.name, spec.options, seed=seed, size=max(count, 1))
     entries: list[dict[str, Any]] = []
     with contextlib.redirect_stdout(io.StringIO()):
@@ -273,25 +259,13 @@ def _draw_rows(specs: list[_TaskSpec], size: int, seed: int, split: str) -> list
 
 
 def reasoning_gym_rows(tasks: Mapping[str, Any], *, size: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of reasoning_gym tasks for a :class:`~rlpost.envs.chat.DatasetChatEnv`.
+    """``size`` rows (module docstring) of reasoning_gym ``tasks`` for a
+    :class:`~rlpost.envs.chat.DatasetChatEnv`, each row's task drawn by weight; the same
+    ``(tasks, size, seed, split)`` gives the same rows, whatever the order of ``tasks``.
 
-    Args:
-        tasks: task name -> weight, or -> ``{"weight": W, **options}`` (see the module docstring).
-        size: the number of rows (the test split may keep fewer, see below); each row's task is
-            drawn by weight.
-        seed: the seed the rows are derived from; the same ``(tasks, size, seed, split)`` gives the
-            same rows (the order of ``tasks`` does not matter).
-        split: "train", or "test": drawn with other seeds, without the questions of the train rows
-            of the same ``(tasks, size, seed)``, so evaluation never scores a training question.
-
-    Returns:
-        dicts with ``question``, ``answer`` (``""`` when the package has none), ``task`` and
-        ``entry`` (the package's entry, for its scorer).
-
-    Raises:
-        ValueError: an unknown task, a bad weight, an option the task does not take or a value its
-            validation refuses, ``size < 1``, an unknown split, a task that cannot generate the rows
-            asked, or a test split left with no row.
+    ``ValueError``: an unknown task, a bad weight, an option the task does not take or a value its
+    validation refuses, ``size < 1``, an unknown split, a task that cannot generate the rows
+    asked, or a test split left with no row.
     """
     if split not in SPLITS:
         raise ValueError(f"reasoning_gym split must be one of {list(SPLITS)}, got {split!r}")
@@ -312,11 +286,9 @@ def reasoning_gym_rows(tasks: Mapping[str, Any], *, size: int, seed: int, split:
             "every drawn question is also a train question; widen the tasks' options or lower size"
         )
     if len(rows) < len(drawn):
-        logger.info(
-            "reasoning_gym test split: dropped %d of %d rows whose question is a train question",
-            len(drawn) - len(rows),
-            len(drawn),
-        )
+        dropped = len(drawn) - len(rows)
+        logger.info("reasoning_gym test split: dropped %d of %d rows whose question is a train question", dropped,
+                    len(drawn))  # fmt: skip
     return rows
 
 
@@ -340,30 +312,20 @@ def _warn_hash_seed_dependence(specs: list[_TaskSpec]) -> None:
 class ReasoningGymRewardParser(Transform):
     """``reward += the task's own score of the latest response's answer``.
 
-    The answer is the content of the response's last ``<answer>`` tag
-    (:func:`~rlpost.envs.rewards.extract_answer`); a response without one scores 0.0 and the
-    scorer is not called. The scorer is the package's ``score_answer(answer, entry)`` of the
-    row's ``task`` (read from the row dict under ``row_key``), built once per task with that
-    task's options from ``tasks`` (some scorers read their config, e.g. tolerances), or with the
-    defaults for a task ``tasks`` does not name.
+    The answer is the last ``<answer>`` tag's content (none: 0.0, the scorer is not called),
+    scored by the package's ``score_answer(answer, entry)`` of the row's ``task`` (the row dict
+    under ``row_key``), built once per task with its options from ``tasks`` (some scorers read
+    their config, e.g. tolerances), or the defaults.
 
-    Failures never stop the env; they give that sample 0 and are counted by name in ``errors``
-    (the env sums them in ``env.reward_errors``), the first of each logged:
+    Failures never stop the env: the sample scores 0 and the failure is counted by name in
+    ``errors`` (summed in ``env.reward_errors``; the first of each logged): a scorer that raises
+    (``prime_factorization`` on a non-number) or a row without ``task``/``entry``: the
+    exception's type name; a non-finite score: ``TypeError``/``ValueError``/``"NonFiniteReward"``.
+    A finite score outside [0, 1] is clamped into it and counted as ``"ScoreOutOfRange"``, so the
+    group's advantages stay bounded.
 
-    - the scorer raises (some do on a malformed answer, e.g. ``prime_factorization`` on a
-      non-number), or the row has no ``task``/``entry``: the exception's type name;
-    - the score is not a finite number: ``TypeError``/``ValueError``/``"NonFiniteReward"``.
-
-    A finite score outside [0, 1] is clamped into it and counted as ``"ScoreOutOfRange"``: the
-    sign and size of a bad score are kept as far as they are meaningful, and the advantages of
-    the group stay bounded.
-
-    Args:
-        tasks: the task mapping the rows were made from (for the scorers' options).
-        row_key: key of the row dict in the step input (written by the DataLoadingPrimer).
-        set_done_if_answer: terminate the episode when the response holds an ``<answer>``.
-        strict_format: score 0.0, as for a missing tag, when text other than whitespace follows
-            the closing ``</answer>`` (rlpost's strict answer rule, see :mod:`rlpost.envs.rewards`).
+    ``strict_format``: score 0.0 when anything but whitespace follows ``</answer>`` (rlpost's
+    strict answer rule, :mod:`rlpost.envs.rewards`).
     """
 
     def __init__(
@@ -439,13 +401,9 @@ class ReasoningGymRewardParser(Transform):
 class ReasoningGymEnv(DatasetChatEnv):
     """A :class:`~rlpost.envs.chat.DatasetChatEnv` over generated reasoning_gym rows.
 
-    The rows are :func:`reasoning_gym_rows` of ``tasks`` (``size`` of them, from ``row_seed``,
-    default ``seed`` or 0, and ``split``); the prompt is the ``question`` column and ``answer``
-    the reference. With ``compute_reward`` a :class:`ReasoningGymRewardParser` scores the
-    responses with the tasks' own scorers. One answer per episode by default (``max_steps=1``).
-    Every other keyword goes to :class:`~rlpost.envs.chat.DatasetChatEnv` (``num_envs``,
-    ``repeats``, ``seed``, ``tokenizer``, ``input_mode``, ...), except ``dataset``: the rows are
-    generated.
+    The rows are :func:`reasoning_gym_rows` of ``tasks``, ``size``, ``split`` and ``row_seed``
+    (default ``seed``, else 0); with ``compute_reward`` a :class:`ReasoningGymRewardParser` scores
+    them. Other keywords but ``dataset`` go to :class:`~rlpost.envs.chat.DatasetChatEnv`.
     """
 
     SYSTEM_PROMPT = REASONING_GYM_SYSTEM_PROMPT

@@ -1,20 +1,16 @@
 """A learned reward beside the task's rule: :class:`RewardModelReward` and the ``reward`` actor's client.
 
 When an episode ends (``done`` on its step), :class:`RewardModelReward` sends its conversation,
-``[user prompt, final response]``, to a scorer (the run's ``reward`` actor through
-:class:`RemoteRewardModel`, or any object with the same ``score`` method, e.g. an in-process
-``rlpost.actors.reward.RewardModel``) and sets that step's reward to::
+``[user prompt, final response]``, to a scorer and sets that step's reward to::
 
     reward = rule_weight * rule + weight * score        (rule: what the transforms before it gave)
 
-On the steps before the last, the rule's part is scaled the same way and no score is added (the
-reward is scored once per episode, on its final response). The step also records both parts
-(``rule``, ``reward_model``) under ``next["reward_parts"]``, which the collector sums per episode
-and the metrics report as ``reward_part/<part>``. Append it after every other reward and done
-transform (``make_env`` does), so that it sees the step's whole rule reward and its final ``done``.
-
-The scorer's failures by kind (e.g. a judge reply without a verdict, scored 0) are added to the
-transform's ``errors`` (the env's ``reward_errors``) and the first of each kind is logged.
+Earlier steps get the scaled rule part only (one score per episode, on its final response). Both
+parts go under ``next["reward_parts"]`` (``rule``, ``reward_model``), summed per episode by the
+collector and reported as ``reward_part/<part>``. Trap: append it after every other reward and
+done transform (``make_env`` does), so it sees the step's whole rule reward and final ``done``.
+The scorer's failures by kind (e.g. a judge reply without a verdict, scored 0) are counted in
+``errors`` (the env's ``reward_errors``), the first of each logged.
 """
 
 from __future__ import annotations
@@ -38,16 +34,10 @@ RULE_PART, MODEL_PART = "rule", "reward_model"
 class RewardModelReward(Transform):
     """``reward = rule_weight * reward + weight * scorer.score(...)`` on the step an episode ends.
 
-    Args:
-        scorer: an object with ``score(conversations, answers) -> result`` where ``result`` has
-            ``scores`` (one float per conversation) and ``errors`` (failures by kind):
-            :class:`RemoteRewardModel`, or ``rlpost.actors.reward.RewardModel`` in-process.
-
-    Keyword Args:
-        weight: the score's weight.
-        rule_weight: the weight of the reward the transforms before this one gave.
-        row_key: where the dataset row is in the step input (written by the DataLoadingPrimer);
-            its prompt column is the user's prompt, its ``answer`` the reference shown to a judge.
+    ``scorer``: ``score(conversations, answers) -> result`` with ``scores`` (one float per
+    conversation) and ``errors`` (failures by kind): :class:`RemoteRewardModel`, or
+    ``rlpost.actors.reward.RewardModel`` in-process. ``row_key``: the dataset row, whose prompt
+    column is the user's prompt and ``answer`` the reference shown to a judge.
     """
 
     def __init__(self, scorer: Any, *, weight: float = 1.0, rule_weight: float = 1.0, row_key: str = "row") -> None:
@@ -105,10 +95,9 @@ class RewardModelReward(Transform):
 class RemoteRewardModel(NamedActorClient):
     """The bounded client of the run's named ``reward`` actor (``rlpost.actors.reward``).
 
-    A call waits at most ``timeout_s`` for its answer (past it: ``TimeoutError``). A call that
-    meets a dead or restarting actor (killed, its node lost) looks the name up again every second
-    until the supervisor's replacement answers, for at most ``restart_wait_s``; past that it
-    raises ``RuntimeError`` naming the actor, and the env pool's collection fails.
+    A call waits at most ``timeout_s`` (then ``TimeoutError``); one that meets a dead or
+    restarting actor looks the name up again every second for at most ``restart_wait_s`` until
+    the supervisor's replacement answers, then raises ``RuntimeError`` naming the actor.
     """
 
     def __init__(self, actor_name: str = "reward", *, namespace: str | None = None, timeout_s: float = 120.0,

@@ -9,14 +9,10 @@ systems):
              0.0  otherwise, or when text follows the last ``</answer>`` (the answer must end the
                   completion, as in R1's strict format reward)
 
-The last rule matters for RL: without it what the policy writes after ``</answer>`` is reward-free,
-nothing holds the end-of-sequence token up, and the tiny model drifted within 25 GRPO steps from
+Trap: without the last rule what the policy writes after ``</answer>`` is reward-free, nothing
+holds the end-of-sequence token up, and the tiny model drifted within 25 GRPO steps from
 "<answer>8</answer><|im_end|>" to "<answer>8</answer>0</answer>1</answer>..." up to ``max_tokens``
 (twice the tokens per step, and answers spoilt by a stray ``<answer>``).
-
-User reward functions come from a dotted path in the config (:func:`load_reward_fn`) and are
-called through :func:`call_user_reward`, which turns any exception into reward 0 and the error's
-type name, for the metrics, so that one bad sample never stops an env.
 """
 
 from __future__ import annotations
@@ -40,12 +36,9 @@ _NUMBER_RE = re.compile(r"-?(\d+|\d*\.\d+)")
 
 
 def extract_answer(completion: str) -> str | None:
-    """The stripped content of the last ``<answer>`` tag, or None when there is none.
-
-    A last ``<answer>`` with no ``</answer>`` after it takes the rest of the text: generation
-    usually stops *at* ``</answer>`` (a stop string, which inference engines strip from the
-    output), so the text ending inside the tag is the normal case, not a malformed one.
-    """
+    """The stripped content of the last ``<answer>`` tag, or None. An unclosed last tag takes the
+    rest of the text: generation usually stops *at* ``</answer>`` (a stop string, which engines
+    strip from the output), so text ending inside the tag is the normal case."""
     start = completion.rfind(ANSWER_OPEN)
     if start < 0:
         return None
@@ -67,13 +60,9 @@ def has_answer(completion: str) -> bool:
 
 
 def normalize_answer(answer: str) -> str:
-    """The comparable form of a numeric answer: ``" $1,234.50. "`` -> ``"1234.5"``.
-
-    Removes whitespace, commas and ``$``; then trailing ``.`` and a leading ``+``; then writes
-    numbers canonically (``"12.0"`` -> ``"12"``, ``"12.50"`` -> ``"12.5"``, ``".5"`` -> ``"0.5"``,
-    ``"007"`` -> ``"7"``, ``"-0"`` -> ``"0"``). Text that is not a number is kept as it is after the
-    removals (case included).
-    """
+    """The comparable form of a numeric answer: ``" $1,234.50. "`` -> ``"1234.5"``; without
+    whitespace, commas, ``$``, a trailing ``.`` and a leading ``+``, numbers written canonically
+    (``".5"`` -> ``"0.5"``, ``"007"`` -> ``"7"``, ``"-0"`` -> ``"0"``); other text kept as is."""
     text = re.sub(r"[\s,$]", "", answer).rstrip(".")
     if text.startswith("+"):
         text = text[1:]
@@ -87,19 +76,26 @@ def normalize_answer(answer: str) -> str:
     return number if number == "0" else sign + number
 
 
-def parse_gsm8k_target(answer_field: str) -> str:
-    """The normalised final answer of a GSM8K ``answer`` field: the text after ``####``."""
-    marker = answer_field.rfind("####")
-    target = answer_field[marker + 4 :].strip() if marker >= 0 else ""
+def gsm8k_target(answer_field: Any) -> str:
+    """The reference answer of a GSM8K answer field: the stripped text after its last ``####``
+    (``ValueError`` without one, or with nothing after it)."""
+    text = answer_field if isinstance(answer_field, str) else str(answer_field)
+    marker = text.rfind("####")
+    target = text[marker + 4 :].strip() if marker >= 0 else ""
     if not target:
-        preview = answer_field if len(answer_field) <= 200 else answer_field[:200] + "..."
+        preview = text if len(text) <= 200 else text[:200] + "..."
         raise ValueError(f"GSM8K answer has no final answer after '####': {preview!r}")
-    return normalize_answer(target)
+    return target
+
+
+def parse_gsm8k_target(answer_field: str) -> str:
+    """The normalised :func:`gsm8k_target`."""
+    return normalize_answer(gsm8k_target(answer_field))
 
 
 def final_answer(completion: str) -> str | None:
-    """The last answer (:func:`extract_answer`) when it ends the completion, else None: None when
-    there is no answer tag or when text other than whitespace follows its ``</answer>``."""
+    """The last answer (:func:`extract_answer`), or None when there is none or anything but
+    whitespace follows its ``</answer>``."""
     answer = extract_answer(completion)
     return None if answer is None or _text_after_answer(completion) else answer
 
@@ -117,11 +113,9 @@ RewardFn = Callable[[str, Mapping[str, Any]], float]
 
 
 def call_user_reward(fn: RewardFn, completion: str, row: Mapping[str, Any]) -> tuple[float, str | None]:
-    """``(fn(completion, row), None)``, or ``(0.0, error type name)`` when it fails. Never raises.
-
-    A failure is an exception (``SystemExit`` included, so a stray ``sys.exit`` cannot stop the
-    env), a result that is not a number (the ``TypeError``/``ValueError`` of ``float()``), or a
-    NaN/infinite result (``"NonFiniteReward"``), which would poison the advantages of the group.
+    """``(fn(completion, row), None)``, or ``(0.0, error type name)`` when it fails, so that one
+    bad sample never stops an env: an exception (``SystemExit`` included), a non-number, or a
+    NaN/inf (:func:`reward_value`), which would poison the group's advantages.
     ``KeyboardInterrupt`` still propagates: it is the operator's, not the function's.
     """
     try:
@@ -166,8 +160,8 @@ def end_episodes(next_td: TensorDictBase, ended: Sequence[bool]) -> TensorDictBa
 
 
 def count_failure(errors: Counter, error: str, log: logging.Logger, message: str, *args: Any) -> str:
-    """Count a sample scored 0 because of a failure, by type, in a reward's ``errors`` (an env sums them in
-    ``reward_errors``); the first failure of each type is logged (``message % args``). Returns ``error``."""
+    """Count a sample scored 0 by a failure, by type, in a reward's ``errors`` (an env sums them in
+    ``reward_errors``); the first of each type is logged (``message % args``). Returns ``error``."""
     if not errors[error]:
         log.warning(message, *args)
     errors[error] += 1

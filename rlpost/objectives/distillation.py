@@ -1,9 +1,9 @@
 """DistillationLoss and DistillationLossOutput: TorchRL's token-level distillation loss.
 
 A student (the actor, trained) is pulled toward a frozen teacher through the log-probs both give
-the same tokens. The teacher's are read from the batch, where ``RetrieveLogProb(teacher,
-log_probs_full_key=("teacher_log_probs", "full"))`` writes them; the student's come from running
-the actor on the histories. Keys (``set_keys``)::
+the same tokens: the teacher's read from the batch (``RetrieveLogProb(teacher,
+log_probs_full_key=("teacher_log_probs", "full"))`` writes them), the student's from the actor.
+Keys (``set_keys``)::
 
     history            ("history", "full")
     teacher_log_prob   ("next", "teacher_log_probs", "full")
@@ -61,21 +61,11 @@ def _distillation_loss(summed_kl: torch.Tensor, reduction: str) -> torch.Tensor:
 
 class DistillationLoss(HistoryLoss):
     """Token-level knowledge distillation toward a teacher's log-probs (TorchRL's
-    ``DistillationLoss``); see the module docstring.
-
-    Args:
-        actor_network: the student, scoring histories (``TransformersWrapper(model,
-            generate=False, input_mode="history", pad_output=False)``), or any TensorDict module
-            writing ``("log_probs", "full")``.
-        tokenizer: renders the histories when the batch has no masks; default the actor's.
-        tokenizer_kwargs: passed to ``History.apply_chat_template`` when rendering.
-        kl_direction: ``"reverse"`` (default) or ``"forward"``.
-        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` over rows.
-        normalize_by_seq_length: divide each row's KL by its counted tokens. Default True.
-        assistant_only: count the assistant tokens only (default), else every attended token;
-            it must match the ``assistant_only`` the teacher's log-probs were written with (a
-            mismatch is detected and refused).
-        device: the device the histories are rendered and scored on.
+    ``DistillationLoss``; module docstring). ``actor_network``: the student, scoring histories,
+    or any TensorDict module writing ``("log_probs", "full")``; ``tokenizer``,
+    ``tokenizer_kwargs``, ``device``: as :class:`~rlpost.objectives.SFTLoss`'s.
+    ``assistant_only`` must match the one the teacher's log-probs were written with (a mismatch
+    is detected and refused).
     """
 
     @dataclass

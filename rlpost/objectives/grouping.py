@@ -22,12 +22,8 @@ _MISSING = object()
 def split_trajectories(tensordict: TensorDictBase, done_key: Any, who: str) -> list[TensorDictBase]:
     """The complete trajectories of a write: a 1-D TensorDict of steps laid end to end (each
     trajectory ending with ``done``), 2-D ``[B, T]`` (each row such steps) or more (flattened to
-    2-D). ``who`` names the transform in errors.
-
-    Raises:
-        ValueError: a TensorDict without a batch dimension.
-        RuntimeError: steps after the last ``done`` (an unfinished trajectory).
-    """
+    2-D). ``who`` names the transform in errors: ``ValueError`` without a batch dimension,
+    ``RuntimeError`` for steps after the last ``done`` (an unfinished trajectory)."""
     if tensordict.ndim == 0:
         raise ValueError(
             f"{who}.inv needs steps along a batch dimension (got batch size []); a buffer's add() adds that "

@@ -1,9 +1,8 @@
 """GRPOLoss, DAPO and CISPOLoss, and their outputs: TorchRL's policy losses of ``torchrl.objectives.llm``.
 
-The module reads a TensorDict batch, scores its tokens with the actor (the current policy, with
-its graph) and applies :func:`rlpost.algo.grpo_loss`; the math lives in :mod:`rlpost.algo`, so a
-new loss never needs a copy of this module. Its input, with TorchRL's key names (``set_keys``)
-and defaults::
+The module scores a TensorDict batch's tokens with the actor (the current policy, with its graph)
+and applies :func:`rlpost.algo.grpo_loss`; the math lives in :mod:`rlpost.algo`, so a new loss
+never needs a copy of this module. Its input, with TorchRL's key names (``set_keys``)::
 
     action            ("tokens", "full")         prompt + response ids
     sample_log_prob   ("log_probs", "full")      the inference engine's log-probs (0 on the prompt)
@@ -26,11 +25,9 @@ dims beyond one are flattened.
 - ``"rlhf"``: the assistant mask (every assistant turn of a multi-turn chat).
 - ``"generic"``: every real token (the attention mask).
 
-The output is a :class:`GRPOLossOutput` tensorclass, so TorchRL's ways to make the scalar to
-backpropagate work: ``out.loss_objective + out.loss_entropy + ...``,
-``sum(v for k, v in out.items() if k.startswith("loss_"))``, or ``out.mean(reduce=True)`` (the
-mean of every field, as TorchRL's GRPO scripts do; its gradient is the loss terms' over the
-number of fields).
+The output is a :class:`GRPOLossOutput` tensorclass, so TorchRL's ways to make the scalar work:
+summing the ``loss_*`` fields, or ``out.mean(reduce=True)`` (every field's mean, as TorchRL's GRPO
+scripts do; its gradient is the loss terms' over the number of fields).
 
 Deliberate deviations from TorchRL, each tested in tests/unit/objectives/test_grpo_loss.py:
 
@@ -73,7 +70,7 @@ Deliberate deviations from TorchRL, each tested in tests/unit/objectives/test_gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -94,6 +91,7 @@ from rlpost.objectives.loss_inputs import (
     read_padded,
     score_and_entropy,
     scoring_twin,
+    set_accepted_keys,
 )
 from rlpost.objectives.loss_output import GRPOLossOutput, LLMLossOutput
 
@@ -126,58 +124,44 @@ class GRPOLoss(torch.nn.Module):
 
     Args:
         actor_network: the policy, an rlpost LLM wrapper built with ``generate=False`` (e.g.
-            ``TransformersWrapper(model, generate=False)`` or ``policy.get_new_version(
-            generate=False)``); its temperature must be the sampling one, so that its scores
-            match the engine's. Any input mode: the loss scores the token ids. The loss keeps a
-            twin of it (same model) that returns log-probs only. None builds a loss that cannot
-            run (as in TorchRL, for its helpers).
-
-    Keyword Args:
-        clip_epsilon: ``x`` for the range ``[1 - x, 1 + x]``, or ``(eps_low, eps_high)`` (DAPO's
-            clip-higher: ``(0.2, 0.28)``); non-negative, ``eps_low < 1``. Kept as the buffers
-            ``clip_epsilon_low`` / ``clip_epsilon_high``. Default 0.2.
-        kl_mask_threshold: when set, tokens with ``0.5 * (log p - sample_log_prob)**2`` above it
-            are left out of every term (TorchRL's KL-Mask trust region). Default None.
-        aggregation: ``"token_mean"`` (default; mean over every counted token), ``"prompt_mean"``
-            (per-row mean, then mean over rows), ``"none"`` (per-token ``[B, T, 1]``), or
-            rlpost's ``"sequence_mean"`` / ``"sequence_sum_norm"``.
-        max_tokens: the completion-length cap ``"sequence_sum_norm"`` divides by.
-        entropy_bonus: add ``loss_entropy = -entropy_coeff * entropy``. Default True.
-        entropy_coeff: default 0.01.
-        entropy_estimator: ``"exact"`` (default) or ``"sampled"``; see the module docstring.
-        samples_mc_entropy: TorchRL's Monte-Carlo sample count for distributions without a
-            closed-form entropy; a categorical has one, so it is unused (as in TorchRL).
+            ``policy.get_new_version(generate=False)``); its temperature must be the sampling
+            one, so that its scores match the engine's. Any input mode: the loss scores the token
+            ids, through a twin (same model) that returns log-probs only. None builds a loss that
+            cannot run (as in TorchRL, for its helpers).
+        clip_epsilon: ``x`` for ``[1 - x, 1 + x]``, or ``(eps_low, eps_high)`` (DAPO's
+            clip-higher: ``(0.2, 0.28)``); non-negative, ``eps_low < 1``; kept as the buffers
+            ``clip_epsilon_low`` / ``clip_epsilon_high`` on ``device`` (default: the actor's).
+        kl_mask_threshold: tokens with ``0.5 * (log p - sample_log_prob)**2`` above it are left
+            out of every term (TorchRL's KL-Mask trust region).
+        aggregation: ``"token_mean"`` (over every counted token), ``"prompt_mean"`` (per-row
+            mean, then over rows), ``"none"`` (per token ``[B, T, 1]``), or rlpost's
+            ``"sequence_mean"`` / ``"sequence_sum_norm"`` (divides by ``max_tokens``).
+        entropy_bonus: add ``loss_entropy = -entropy_coeff * entropy``.
+        samples_mc_entropy: TorchRL's Monte-Carlo sample count; a categorical has a closed-form
+            entropy, so it is unused (as in TorchRL).
         reduction: None or ``"mean"`` (use ``aggregation``), or ``"none"`` (per token).
-        kl_to_ref_coeff: weight of the k3 KL to the reference log-probs; None (default) for
-            none, 0.0 to report ``kl_to_ref`` only.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default, TorchRL's) for that KL.
+        kl_to_ref_coeff: weight of the KL (``kl_estimator``, TorchRL's k3 by default) to the
+            reference log-probs; None for none, 0.0 to report ``kl_to_ref`` only.
         kl_to_inference_coeff: weight of the k3 KL between the policy and ``sample_log_prob``;
-            None (default) for none, 0.0 to report ``kl_to_inference`` only.
-        device: the device of the clip buffers (default: the actor's parameters', else torch's
-            default device).
-        masking_strategy: ``"sft"`` (default), ``"rlhf"`` or ``"generic"``.
+            None for none, 0.0 to report ``kl_to_inference`` only.
         gamma, clip_value: TorchRL's PPO arguments; GRPO has no value network, only None.
-        off_policy_correction: rlpost's: ``"none"`` (default), ``"tis"`` or ``"mis"``, the
-            importance-weight correction of :func:`rlpost.algo.grpo_loss` for tokens the policy
-            did not sample exactly; the PPO ratio is then taken against the learner's log-probs
-            at the start of the step (the ``proximal_log_probs`` entry when the batch has it,
+        off_policy_correction: rlpost's ``"tis"`` or ``"mis"``: :func:`rlpost.algo.grpo_loss`'s
+            importance-weight correction for tokens the policy did not sample exactly, capped at
+            ``off_policy_threshold`` (> 1); the PPO ratio is then taken against the learner's
+            log-probs at the start of the step (``proximal_log_probs`` when the batch has it,
             else the current ones, detached).
-        off_policy_threshold: rlpost's: the cap of that importance weight (> 1). Default 2.0.
-        loss_function: rlpost's: a function with :func:`rlpost.algo.grpo_loss`'s signature
-            that computes the terms instead of it (it receives the same arguments and returns
-            :class:`rlpost.algo.GRPOLossTerms` with at least ``loss`` set); None: grpo_loss.
+        loss_function: rlpost's: a function with :func:`rlpost.algo.grpo_loss`'s signature (and
+            result, at least ``loss`` set) that replaces it.
 
-    Raises:
-        ValueError: a bad argument, named with its value.
-        TypeError: an unknown keyword argument, or an actor that is no rlpost LLM wrapper.
+    ``ValueError`` names a bad argument with its value; ``TypeError``: an unknown keyword, or an
+    actor that is no rlpost LLM wrapper.
     """
 
     @dataclass
     class _AcceptedKeys:
-        """The TensorDict keys the loss reads (the module docstring's table); change them with
-        :meth:`GRPOLoss.set_keys`. rlpost's ``proximal_log_probs``: the learner's own log-probs of
-        the tokens under its weights at the start of the step, read (when present) by an
-        off-policy correction."""
+        """The keys the loss reads (module docstring; :meth:`GRPOLoss.set_keys`). rlpost's
+        ``proximal_log_probs``: the learner's log-probs at the start of the step, read by an
+        off-policy correction when present."""
 
         advantage: NestedKey = "advantage"
         action: NestedKey = TOKENS_FULL
@@ -277,22 +261,13 @@ class GRPOLoss(torch.nn.Module):
 
     @property
     def tensor_keys(self) -> _AcceptedKeys:
-        """The keys the loss reads (see :class:`GRPOLoss._AcceptedKeys`); change them with
-        :meth:`set_keys`."""
+        """The keys the loss reads (:class:`GRPOLoss._AcceptedKeys`)."""
         return self._tensor_keys
 
     def set_keys(self, **kwargs) -> None:
-        """Set the TensorDict keys the loss reads, e.g. ``loss.set_keys(advantage="adv")``;
-        None restores a key's default.
-
-        Raises:
-            ValueError: a name that is not one of :class:`GRPOLoss._AcceptedKeys`.
-        """
-        accepted = {f.name for f in fields(self._AcceptedKeys)}
-        for name, value in kwargs.items():
-            if name not in accepted:
-                raise ValueError(f"{name} is not an accepted tensordict key. Accepted keys are: {sorted(accepted)}.")
-            setattr(self._tensor_keys, name, getattr(self.default_keys(), name) if value is None else value)
+        """Set the keys the loss reads, e.g. ``loss.set_keys(advantage="adv")``; None restores a
+        key's default; ``ValueError`` for a name not in :class:`GRPOLoss._AcceptedKeys`."""
+        set_accepted_keys(self, **kwargs)
 
     @property
     def in_keys(self) -> list[NestedKey]:
@@ -347,15 +322,13 @@ class GRPOLoss(torch.nn.Module):
         return self.output_type(**out, batch_size=[])
 
     def loss_terms(self, tensordict: TensorDictBase, normaliser: float | None = None) -> GRPOLossTerms:
-        """The terms :func:`rlpost.algo.grpo_loss` (or the ``loss_function`` given) computes
-        for ``tensordict`` (rlpost's).
+        """rlpost's: the terms :func:`rlpost.algo.grpo_loss` (or ``loss_function``) computes.
 
-        Beyond :meth:`forward`'s output: ``loss``, the sum of every loss term
-        (``loss_objective + loss_kl + loss_entropy + loss_kl_to_inference``, in that order),
-        ``clip_fraction_low`` / ``clip_fraction_high`` and ``metrics()``. Terms the loss does
-        not compute are 0 (``loss_kl``, ``loss_entropy``) or None. ``normaliser``: the loss
-        terms' denominator when ``tensordict`` is a piece of a larger batch (that batch's
-        :func:`rlpost.algo.loss_normaliser`); None: its own.
+        Beyond :meth:`forward`'s output: ``loss = loss_objective + loss_kl + loss_entropy +
+        loss_kl_to_inference`` (in that order), ``clip_fraction_low`` / ``_high`` and
+        ``metrics()``; terms not computed are 0 (``loss_kl``, ``loss_entropy``) or None.
+        ``normaliser``: the denominator when ``tensordict`` is a piece of a larger batch (that
+        batch's :func:`rlpost.algo.loss_normaliser`); None: its own.
         """
         if self.actor_network is None:
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
@@ -426,12 +399,10 @@ class GRPOLoss(torch.nn.Module):
     def score(
         self, tokens_bt: torch.Tensor, attention_bt: torch.Tensor, needed_bt: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Current log-probs ``[B, T]`` of ``tokens_bt`` in its own layout (0 on padding and on
-        each row's first token), with their graph; rlpost's (the learner's scoring probe).
-
-        ``needed_bt``: the positions the caller reads (the loss's tokens), handed to the actor as
-        its assistant mask; an actor built with ``score_assistant_only=True`` may then leave the
-        positions before the first of them at 0. None: every position is scored."""
+        """rlpost's: current log-probs ``[B, T]`` of ``tokens_bt`` in its layout (0 on padding and
+        each row's first token), with their graph. ``needed_bt``: the positions the caller reads,
+        handed to the actor as its assistant mask (an actor with ``score_assistant_only=True``
+        may leave the positions before the first at 0); None: every position."""
         if self.actor_network is None:
             raise RuntimeError("GRPOLoss was built with actor_network=None: it has no policy to score the tokens with")
         actor = self.actor_network

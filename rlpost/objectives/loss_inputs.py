@@ -1,10 +1,11 @@
 """What a policy loss reads from its TensorDict batch and its arguments (shared by
 :class:`~rlpost.objectives.grpo.GRPOLoss` and its variants): entries read through lazy stacks and
 nested tensors, left-padded; per-token and per-sequence shapes checked; TorchRL's argument checks;
-the scoring twin of the actor."""
+the scoring twin of the actor; TorchRL's ``set_keys``."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from numbers import Real
 
 import torch
@@ -12,6 +13,16 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
 from rlpost.policies.inputs import is_lazy
+
+
+def set_accepted_keys(loss, **kwargs) -> None:
+    """TorchRL's ``set_keys`` of a loss with ``_AcceptedKeys``: None restores a key's default;
+    ``ValueError`` for a name it does not accept."""
+    accepted = {f.name for f in fields(loss._AcceptedKeys)}
+    for name, value in kwargs.items():
+        if name not in accepted:
+            raise ValueError(f"{name} is not an accepted tensordict key. Accepted keys are: {sorted(accepted)}.")
+        setattr(loss._tensor_keys, name, getattr(loss.default_keys(), name) if value is None else value)
 
 
 def scoring_twin(actor):

@@ -1,44 +1,33 @@
 """MCAdvantage: gather finished trajectories into per-prompt groups and attach GRPO advantages.
 
-TorchRL's ``torchrl.objectives.llm.MCAdvantage``: Monte-Carlo, group-relative advantages for
-GRPO, computed as data is written to a replay buffer. Completions of one prompt arrive one by
-one, interleaved with other prompts, from any number of ``extend`` calls and writers; the
-transform holds each prompt's trajectories until ``grpo_size`` of them have arrived, then
-releases the whole group with ``advantage`` filled in, and only then is it written::
+TorchRL's ``torchrl.objectives.llm.MCAdvantage``: Monte-Carlo, group-relative GRPO advantages,
+computed as data is written to a replay buffer. Completions of one prompt arrive interleaved with
+other prompts, from any number of ``extend`` calls and writers; each prompt's trajectories are
+held until ``grpo_size`` have arrived, then the group is released (and written) with
+``advantage`` filled in::
 
     rb = ReplayBuffer(storage=LazyStackStorage(1024), batch_size=64)
     rb.append_transform(MCAdvantage(grpo_size=4))
     collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=64, replay_buffer=rb)
 
-Two ways in:
+Two ways in: :meth:`MCAdvantage.inv` (TorchRL's, a buffer's write) takes TensorDicts of steps;
+:meth:`MCAdvantage.add` (rlpost's, LLMCollector's whole-episodes mode) takes flat records.
 
-- :meth:`MCAdvantage.inv` (what a buffer calls on write, TorchRL's): a TensorDict of steps, 1-D
-  (complete trajectories laid end to end, each ending with ``done``), 2-D ``[B, T]`` (each row
-  complete trajectories) or more (flattened to 2-D). Each trajectory is filed under the value
-  of ``prompt_key`` at its first step. The return is None while no group completes, else the
-  steps of the completed groups stacked along dim 0 (a lazy stack), ``advantage`` set on every
-  step in the reward's shape.
-- :meth:`MCAdvantage.add` (rlpost's, used by LLMCollector's whole-episodes mode): an iterable of flat
-  records (dicts or TensorDicts with a scalar reward), returning the completed groups as lists
-  of shallow copies with ``advantage`` set.
+Advantages (:func:`rlpost.algo.group_advantages`): by default, as in TorchRL, a group's rewards
+are normalised over every reward of every step of its trajectories (one per completion in a
+single-turn chat); with ``trajectory_return="sum"|"max"|"mean"`` each trajectory is reduced to a
+return, the returns are normalised across the group and each advantage broadcast to the
+trajectory's steps.
 
-Advantages. By default, as in TorchRL, a group's rewards are normalised over every reward value
-of every step of its trajectories (one step per trajectory in a single-turn chat, so one reward
-per completion); with ``trajectory_return="sum"|"max"|"mean"`` each trajectory is reduced to a
-return first, the returns are normalised across the group and each trajectory's advantage is
-broadcast to all its steps. The normalisation is :func:`rlpost.algo.group_advantages`.
-
-Dynamic sampling and oversampling (``trajectory_return`` only, as in TorchRL). A group is
-useful when its mean return is strictly inside ``keep_return_bounds`` (and, with
+Dynamic sampling and oversampling (``trajectory_return`` only, as in TorchRL): a group is useful
+when its mean return is strictly inside ``keep_return_bounds`` (and, with
 ``filter_equal_rewards``, its returns are not all equal). With ``candidate_group_size >
-grpo_size`` a prompt's group gathers up to that many candidate trajectories: from
-``candidate_selection_min_size`` candidates on (``grpo_size`` by default), each arrival asks
-``candidate_selector`` (:class:`~rlpost.objectives.MCAdvantageSelector` by default) for
-``grpo_size`` of them; a useful choice is released at once (the other candidates are discarded),
-otherwise the group waits for the next candidate, and is dropped when ``candidate_group_size``
-candidates gave no useful choice. The selector is called with a TensorDict of the candidates,
-batch ``[num_candidates]``: ``"return"`` (float64, one per candidate) and ``"trajectories"``
-(their steps, lazily stacked), of which it receives the entries in its ``in_keys``.
+grpo_size`` a group gathers up to that many candidates: from ``candidate_selection_min_size`` on,
+each arrival asks ``candidate_selector`` for ``grpo_size`` of them; a useful choice is released at
+once (the others discarded), else the group waits, and is dropped when ``candidate_group_size``
+candidates gave no useful choice. The selector gets a TensorDict of batch ``[num_candidates]``
+with ``"return"`` (float64) and ``"trajectories"`` (lazily stacked steps), the entries in its
+``in_keys``.
 
 Several writers: threads of one process are safe (the state is behind a lock); for several processes see
 :mod:`rlpost.objectives.mc_advantage_state` (``share_memory_``); across Ray actors use
@@ -93,14 +82,13 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection, lazy_st
 from rlpost.algo import group_advantages
 from rlpost.algo.selection import mean_in_bounds
 from rlpost.objectives.grouping import GroupingTransform, get_entry, group_identity, split_trajectories
-from rlpost.objectives.mc_advantage_state import MCAdvantageState
+from rlpost.objectives.mc_advantage_state import LOCAL_QUEUES_ENV, MCAdvantageState  # noqa: F401  (re-exported)
 from rlpost.objectives.selection import MCAdvantageSelector
 
 logger = logging.getLogger(__name__)
 
 MC_ADVANTAGE_SCALES: tuple[str, ...] = ("group", "none")
 TRAJECTORY_RETURNS: tuple[str, ...] = ("sum", "max", "mean")
-LOCAL_QUEUES_ENV = "TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES"
 
 # Defaults of each way in (see the module docstring).
 _TRAJECTORY_PROMPT_KEY: Any = "query"
@@ -114,30 +102,16 @@ _ALL_EQUAL = "all rewards equal"
 class MCAdvantage(MCAdvantageState, GroupingTransform):
     """Group trajectories (or records) by prompt; release complete groups with advantages.
 
-    Args:
-        grpo_size: trajectories per prompt; a group is released when this many have arrived.
-        prompt_key: key of the group identity (see the module docstring for its default).
-        rewards_key: key of the rewards (see the module docstring for its default).
-        advantage_key: key the advantage is written to.
-        done_key: key of the done flag that ends a trajectory.
+    Args (module docstring for the modes; ``prompt_key``/``rewards_key`` defaults depend on the
+    way in):
         verbose: log each completed group (prompt, rewards' mean and std).
-
-    Keyword Args:
-        trajectory_return: None (normalise every step's reward over the group) or ``"sum"``,
-            ``"max"``, ``"mean"`` (normalise per-trajectory returns, broadcast to the steps).
-            Needs ``grpo_size >= 2``.
-        keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
-            outside them is dropped. Needs ``trajectory_return``.
-        candidate_group_size: the most candidate trajectories a group gathers before it is
-            dropped (default ``grpo_size``); more than ``grpo_size`` needs ``trajectory_return``.
-        candidate_selection_min_size: candidates needed before the first selection, between
-            ``grpo_size`` (the default) and ``candidate_group_size``.
-        candidate_selector: an object whose ``select(candidates, *, group_size,
-            keep_return_bounds)`` returns candidate indices or None (see the module docstring);
-            default :class:`~rlpost.objectives.MCAdvantageSelector`.
+        trajectory_return: needs ``grpo_size >= 2``.
+        keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return.
+        candidate_group_size: default ``grpo_size``; more needs ``trajectory_return``.
+        candidate_selection_min_size: between ``grpo_size`` (default) and ``candidate_group_size``.
+        candidate_selector: ``select(candidates, *, group_size, keep_return_bounds)`` -> candidate
+            indices or None; default :class:`~rlpost.objectives.MCAdvantageSelector`.
         scale: ``"group"`` (divide by the group's std + eps) or ``"none"`` (centre only).
-        eps: added to the std (see :func:`rlpost.algo.group_advantages`).
-        filter_equal_rewards: drop (and count) complete groups whose rewards are all equal.
         reward_key: another name for ``rewards_key``.
 
     Attributes:
@@ -247,8 +221,11 @@ class MCAdvantage(MCAdvantageState, GroupingTransform):
     # ------------------------------------------------------------------ the transform (TorchRL)
 
     def inv(self, tensordict: TensorDictBase) -> TensorDictBase | None:
-        """The write path: file the trajectories of ``tensordict``; return the steps of the
-        groups they complete (stacked along dim 0, ``advantage`` set), or None."""
+        """The write path. ``tensordict``: steps, 1-D (complete trajectories end to end, each ending
+        with ``done``), 2-D ``[B, T]`` (rows of complete trajectories) or more (flattened to 2-D);
+        each trajectory is filed under ``prompt_key`` at its first step. Returns None, or the
+        completed groups' steps lazily stacked along dim 0 with ``advantage`` in the reward's
+        shape."""
         if not is_tensor_collection(tensordict):
             raise TypeError(f"MCAdvantage.inv expects a TensorDict of steps, got {type(tensordict).__name__}")
         # Read and check every trajectory before touching the queues: bad data raises and
@@ -409,14 +386,10 @@ class MCAdvantage(MCAdvantageState, GroupingTransform):
     # ------------------------------------------------------------------ flat records (rlpost)
 
     def add(self, samples: Iterable[Any]) -> list[list[Any]]:
-        """Take flat records; return the groups they complete, in completion order.
-
-        A record is anything indexable by key with ``copy()`` and item assignment (a ``dict`` or
-        a TensorDict) holding a group identity and a scalar reward. Each returned group holds
-        ``grpo_size`` shallow copies of records of one prompt, in arrival order, with
-        ``advantage`` set in the reward's form (a python float for a number, a floating tensor
-        of the reward's shape for a one-element tensor). A prompt that receives more than
-        ``grpo_size`` records starts a new group after the first is released.
+        """Take flat records (a ``dict`` or TensorDict with a group identity and a scalar reward);
+        return the groups they complete, in completion order: ``grpo_size`` shallow copies each,
+        in arrival order, ``advantage`` in the reward's form (a float, or a floating tensor of the
+        reward's shape). More than ``grpo_size`` records of a prompt start a new group.
         """
         if self.candidate_group_size > self.grpo_size:
             raise NotImplementedError(

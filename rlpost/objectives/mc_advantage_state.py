@@ -22,19 +22,10 @@ logger = logging.getLogger(__name__)
 LOCAL_QUEUES_ENV = "TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES"
 
 MC_ADVANTAGE_STATS: tuple[str, ...] = (
-    "completed_trajectories",
-    "completed_decisions",
-    "trajectory_return_sum",
-    "trajectory_return_max",
-    "successful_trajectories",
-    "completed_groups",
-    "written_groups",
-    "dropped_groups",
-    "num_dropped_equal",
-    "rescued_groups",
-    "selected_trajectories",
-    "unselected_trajectories",
-)
+    "completed_trajectories", "completed_decisions", "trajectory_return_sum", "trajectory_return_max",
+    "successful_trajectories", "completed_groups", "written_groups", "dropped_groups", "num_dropped_equal",
+    "rescued_groups", "selected_trajectories", "unselected_trajectories",
+)  # fmt: skip
 
 
 def _fresh_stats() -> dict[str, float | int]:

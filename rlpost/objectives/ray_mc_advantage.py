@@ -1,33 +1,30 @@
 """RayMCAdvantage: an :class:`~rlpost.objectives.MCAdvantage` whose groups and counters live
 in one Ray actor (TorchRL's ``torchrl.objectives.llm.RayMCAdvantage``).
 
-Writers in several Ray actors or processes each hold a copy of the transform (as a replay
-buffer's transform, say); every copy forwards ``inv`` to the same actor, so a prompt's
-trajectories from different writers complete one group. When the whole buffer can live in an
-actor, a :class:`~rlpost.data.RayReplayBuffer` built with ``transform_factory=MCAdvantage``
-does the same with one actor less::
+Writers in several Ray actors or processes each hold a copy of the transform; every copy forwards
+``inv`` to the same actor, so a prompt's trajectories from different writers complete one group.
+A :class:`~rlpost.data.RayReplayBuffer` built with ``transform_factory=MCAdvantage`` does the same
+with one actor less::
 
     mc = RayMCAdvantage(grpo_size=4, trajectory_return="sum", actor_name="grpo-groups")
     rb = ReplayBuffer(storage=LazyStackStorage(1024), transform=mc)
     ...
     mc.close()  # kills the actor (its creator's copy only)
 
-The actor, :class:`MCAdvantageHost`, holds a plain MCAdvantage and forwards each call to it.
-With ``actor_name``, an actor of that name in the current Ray namespace is reused (its settings
-must be this transform's), else it is created under that name.
+The actor, :class:`MCAdvantageHost`, holds a plain MCAdvantage. With ``actor_name``, an actor of
+that name in the current Ray namespace is reused (its settings must be this transform's), else
+created.
 
 Deliberate deviations from TorchRL:
 
-- Every call into the actor is bounded by ``timeout_s``: past it, a TimeoutError names the call.
-  The constructor waits for the actor to answer (within that bound), and checks the arguments
-  in the caller first (by building an MCAdvantage), so a bad one raises here, not in the actor.
-- The actor is owned by the transform that created it, named or not: its :meth:`close` kills the
-  actor. A transform that found a named actor, or a copy sent to another process, does not own
-  it (its ``close`` only lets go). TorchRL never kills a named actor.
-- The actor reserves no CPU unless ``remote_config`` says so (TorchRL: one CPU), as rlpost's
-  other bookkeeping actors.
-- Its keyword arguments are MCAdvantage's, rlpost's included (``scale``, ``eps``,
-  ``filter_equal_rewards``); ``add`` (flat records) is forwarded too.
+- Every call into the actor is bounded by ``timeout_s`` (then a TimeoutError names the call),
+  the constructor's wait for the actor too; the arguments are checked in the caller first (by
+  building an MCAdvantage), so a bad one raises here, not in the actor.
+- The transform that created the actor, named or not, owns it: its :meth:`close` kills it. One
+  that found a named actor, or a copy sent to another process, only lets go. TorchRL never kills
+  a named actor.
+- The actor reserves no CPU unless ``remote_config`` says so (TorchRL: one CPU).
+- Its keyword arguments are MCAdvantage's, rlpost's included; ``add`` is forwarded too.
 - ``repr`` is local (no call into the actor).
 """
 
@@ -46,19 +43,9 @@ DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 0}
 
 # what identifies how an MCAdvantage groups, compared when a named actor is reused
 _SETTINGS: tuple[str, ...] = (
-    "grpo_size",
-    "prompt_key",
-    "rewards_key",
-    "advantage_key",
-    "done_key",
-    "trajectory_return",
-    "keep_return_bounds",
-    "candidate_group_size",
-    "candidate_selection_min_size",
-    "scale",
-    "eps",
-    "filter_equal_rewards",
-)
+    "grpo_size", "prompt_key", "rewards_key", "advantage_key", "done_key", "trajectory_return", "keep_return_bounds",
+    "candidate_group_size", "candidate_selection_min_size", "scale", "eps", "filter_equal_rewards",
+)  # fmt: skip
 
 
 def _settings(transform: Any) -> dict[str, Any]:
@@ -127,24 +114,10 @@ class _RemoteQueues:
 
 
 class RayMCAdvantage(GroupingTransform):
-    """An MCAdvantage in a Ray actor; see the module docstring.
-
-    Args:
-        grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose: as
-            :class:`~rlpost.objectives.MCAdvantage`.
-
-    Keyword Args:
-        ray_init_config: ``ray.init`` arguments, when Ray is not initialized yet.
-        remote_config: the actor's Ray options (default: no CPU).
-        actor_name: the actor's name: an existing actor of that name is reused.
-        timeout_s: bound of each call into the actor (rlpost's).
-        **mc_options: MCAdvantage's keyword arguments (``trajectory_return``,
-            ``keep_return_bounds``, ``candidate_group_size``, ``candidate_selection_min_size``,
-            ``candidate_selector``, ``scale``, ...).
-
-    Raises:
-        ValueError: bad MCAdvantage arguments, or a reused named actor with other settings.
-        TimeoutError: the actor did not answer within ``timeout_s``.
+    """An MCAdvantage in a Ray actor (module docstring). The positional arguments and
+    ``**mc_options`` are :class:`~rlpost.objectives.MCAdvantage`'s; ``ray_init_config``: ``ray.init``
+    arguments when Ray is not initialized; ``remote_config``: the actor's Ray options.
+    ``ValueError``: bad MCAdvantage arguments, or a reused named actor with other settings.
     """
 
     completed_trajectories = _Remote()
@@ -219,13 +192,11 @@ class RayMCAdvantage(GroupingTransform):
             raise TimeoutError(f"RayMCAdvantage: {what} did not return within {bound:g} s") from None
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """``transform.method(*args, **kwargs)`` on the actor's MCAdvantage, bounded by
-        ``timeout_s`` (default: the transform's)."""
+        """``transform.method(*args, **kwargs)`` on the actor's MCAdvantage, within ``timeout_s``."""
         return self._ask(method, "call", method, *args, timeout_s=timeout_s, **kwargs)
 
     def inv(self, tensordict: TensorDictBase) -> TensorDictBase | None:
-        """MCAdvantage's write path, in the actor. Data on an accelerator travels on the CPU and
-        comes back on its device."""
+        """MCAdvantage's write path, in the actor (accelerator data travels on the CPU)."""
         device = getattr(tensordict, "device", None)
         away = device is not None and device.type != "cpu"
         result = self.call("inv", tensordict.to("cpu") if away else tensordict)

@@ -26,19 +26,11 @@ class TopKRewardSelector:
     """A replay-buffer write transform that keeps, for each prompt, the best of its
     trajectories (TorchRL's ``torchrl.data.llm.TopKRewardSelector``, expert iteration).
 
-    Trajectories of one prompt (the value at ``prompt_key`` on their first step) are held until
-    ``total_dialog_turns`` of them have arrived; then those whose reward (the mean of the
-    trajectory's reward entries) is strictly above the group's median are released, best first,
-    at most ``topk_size``, and the rest are dropped. A group whose rewards are all equal is
-    dropped whole. Use it with ``rb.append_transform(TopKRewardSelector(...))``.
-
-    Args:
-        total_dialog_turns: trajectories per prompt (the group's size).
-        topk_size: the most released per group; at most ``total_dialog_turns``.
-        prompt_key: the group's identity. Default ``("text", "prompt")``.
-        rewards_key: default ``("next", "reward")``.
-        done_key: default ``("next", "done")``.
-        verbose: log each group's selection at INFO.
+    Trajectories of one prompt (``prompt_key`` on their first step) are held until
+    ``total_dialog_turns`` have arrived; then those whose reward (the mean of the trajectory's
+    reward entries) is strictly above the group's median are released, best first, at most
+    ``topk_size``; the rest are dropped (all of a group whose rewards are all equal). Use it with
+    ``rb.append_transform(TopKRewardSelector(...))``.
 
     Deliberate deviations from TorchRL: the prompt may be any hashable value (TorchRL requires a
     string); a released group is a lazy stack of the selected trajectories' steps (TorchRL
@@ -120,15 +112,13 @@ class MCAdvantageSelector:
     ``MCAdvantageSelector``, the ``candidate_selector`` of :class:`~rlpost.objectives.MCAdvantage`).
 
     Args:
-        strategy: ``"balanced"`` (default: the subset whose mean return is closest to the middle of
+        strategy: ``"balanced"`` (the subset whose mean return is closest to the middle of
             ``keep_return_bounds``), ``"first"`` or ``"uniform"`` (spread over the sorted
             returns); see :func:`rlpost.algo.select_subset`.
         max_combinations: the most subsets ``"balanced"`` scores exactly; beyond, greedy swaps.
         in_keys: the candidates' entries it reads; the first holds one value per candidate.
-            Default ``["return"]``.
 
-    Subclass it and override :meth:`select` for a choice of your own (MCAdvantage passes a
-    TensorDict of candidates with ``"return"`` and ``"trajectories"``).
+    Override :meth:`select` for a choice of your own.
     """
 
     def __init__(
@@ -156,11 +146,8 @@ class MCAdvantageSelector:
         keep_return_bounds: tuple[float, float] | None = None,
     ) -> list[int] | None:
         """The indices of the ``group_size`` candidates to keep, or None to drop the group (no
-        subset has its mean return strictly inside ``keep_return_bounds``).
-
-        Raises:
-            ValueError: fewer candidates than ``group_size``, or not one value per candidate.
-        """
+        subset has its mean return strictly inside ``keep_return_bounds``). ``ValueError``: fewer
+        candidates than ``group_size``, or not one value per candidate."""
         key = self.in_keys[0]
         values = candidates.get(key)
         if values.numel() != candidates.numel():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -40,6 +40,7 @@ from tensordict import NestedKey, TensorClass, TensorDictBase
 from rlpost.algo import k3_kl_token_estimate
 from rlpost.algo.sft import minor_sft_loss, reduce, sequence_log_likelihood
 from rlpost.data.stacking import batch_shape, get_rows, same_key
+from rlpost.objectives.loss_inputs import set_accepted_keys
 
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -90,20 +91,12 @@ class HistoryLoss(torch.nn.Module):
 
     @property
     def tensor_keys(self):
-        """The keys the loss reads; change them with :meth:`set_keys`."""
+        """The keys the loss reads (:meth:`set_keys`)."""
         return self._tensor_keys
 
     def set_keys(self, **kwargs) -> None:
-        """Set the TensorDict keys the loss reads (None restores a default).
-
-        Raises:
-            ValueError: a name that is not one of the loss's accepted keys.
-        """
-        accepted = {f.name for f in fields(self._AcceptedKeys)}
-        for name, value in kwargs.items():
-            if name not in accepted:
-                raise ValueError(f"{name} is not an accepted tensordict key. Accepted keys are: {sorted(accepted)}.")
-            setattr(self._tensor_keys, name, getattr(self.default_keys(), name) if value is None else value)
+        """Set the keys the loss reads (None restores a default; ``ValueError`` for another name)."""
+        set_accepted_keys(self, **kwargs)
 
     def _device(self):
         return torch.device(self.device) if self.device is not None else contextlib.nullcontext()
@@ -162,7 +155,7 @@ class HistoryLoss(torch.nn.Module):
 
 
 class SFTLoss(HistoryLoss):
-    """Supervised fine-tuning on chat histories (TorchRL's ``SFTLoss``); see the module docstring.
+    """Supervised fine-tuning on chat histories (TorchRL's ``SFTLoss``; module docstring).
 
     Per row, ``LL`` = the summed log-probs of its assistant tokens (divided by their count when
     ``normalize_by_seq_length``): ``loss_function="sft"`` minimises ``-LL``;
@@ -173,17 +166,12 @@ class SFTLoss(HistoryLoss):
         actor_network: the model to train, scoring histories: e.g. ``TransformersWrapper(model,
             generate=False, input_mode="history", pad_output=False)``.
         tokenizer: renders the histories when the batch has no masks; default the actor's.
-        tokenizer_kwargs: passed to ``History.apply_chat_template`` (e.g.
-            ``{"chat_template_name": "qwen"}``); rendering defaults to the full chat with its
-            assistant mask, unpadded.
-        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` over rows.
-        normalize_by_seq_length: divide each row's log-likelihood by its assistant token count.
+        tokenizer_kwargs: for ``History.apply_chat_template`` (e.g. ``{"chat_template_name":
+            "qwen"}``); default: the full chat with its assistant mask, unpadded.
         kl_to_ref_coeff: with ``"sft"``, the weight of the k3 KL to the reference log-probs
             (``loss_kl_to_ref``); None: no KL. With ``"minor_sft"`` it is set to 0.0 with a
             warning (the reference is already in the loss) and the KL is reported only.
-        loss_function: ``"sft"`` or ``"minor_sft"``.
-        beta: MinorSFT's beta. Default 0.1.
-        device: the device the histories are rendered and scored on.
+        device: where the histories are rendered and scored.
     """
 
     @dataclass
