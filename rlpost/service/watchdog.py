@@ -22,9 +22,9 @@ The verdict is a kill (:func:`end`: ``ray.kill``, and SIGKILL at once for a proc
 driver's node; Ray ends a stopped process elsewhere with SIGKILL after its grace period). Every
 call waiting on the actor then fails as on a death, and the supervisor's recovery does the rest:
 a worker or a pool is started again, the learner's loss restarts the run from its last
-checkpoint (``trainer.auto_resume``). The watchdog only kills; the supervisor alone starts
-actors, and reads :meth:`Watchdog.take_verdicts` to say why one was lost and to count it
-(``watchdog_kills`` in metrics.jsonl).
+checkpoint (``trainer.auto_resume``). The watchdog only kills; the supervisor alone decides
+what starts again (the fleet starts it), and reads :meth:`Watchdog.take_verdicts` to say why one
+was lost and to count it (``watchdog_kills`` in metrics.jsonl).
 """
 
 from __future__ import annotations
