@@ -28,7 +28,7 @@ new last batch dim (``[*batch_size, T]``), as TorchRL's ``EnvBase.rollout`` does
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase, lazy_stack
@@ -143,47 +143,41 @@ class EnvBase:
         else:
             td = tensordict
         steps = []
-        for _ in range(max_steps):
-            td = self.step(policy(td))
+        for step in range(max_steps):
+            td, next_root = self._rollout_step(policy(td), last=step == max_steps - 1)
             steps.append(td)
             if callback is not None:
                 callback(self, td)
             done = td.get(("next", "done"))
-            if (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
+            if next_root is None or (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
                 break
-            td = self.maybe_reset(td.get("next"))
+            td = next_root()
         return _stack_steps(steps, dim=len(self.batch_size))
+
+    def _rollout_step(self, td: TensorDictBase, last: bool) -> tuple[TensorDictBase, Callable | None]:
+        """One step of :meth:`rollout` and what makes the next step's input (None: stop). Here
+        the reset comes after the break check and also after the last step, as TorchRL's."""
+        td = self.step(td)
+        return td, lambda: self.maybe_reset(td.get("next"))
 
     # ------------------------------------------------------------------ transforms and state
 
     @property
     def state_keys(self) -> tuple[str, ...]:
         """Keys carried from each step's input to its ``next`` (and into partial resets)."""
-        keys = list(self.base_env.base_state_keys)
-        for transform in self.transforms:
-            keys += [key for key in transform.state_keys if key not in keys]
-        return tuple(keys)
+        return union_state_keys(self.transforms, self.base_env.base_state_keys)
 
     @property
     def reward_errors(self) -> Counter:
         """Failed reward computations so far, by error type, summed over the transforms."""
-        total: Counter = Counter()
-        for transform in self.transforms:
-            total.update(getattr(transform, "errors", Counter()))
-        return total
+        return sum_errors(self.transforms)
 
     def state_dict(self) -> dict[str, Any]:
         """The transforms' state (e.g. the prompt stream's position), for resume."""
         return {"transforms": [t.state_dict() for t in self.transforms]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state["transforms"]
-        if len(states) != len(self.transforms):
-            raise ValueError(
-                f"state has {len(states)} transform states, this env has {len(self.transforms)} transforms"
-            )
-        for transform, transform_state in zip(self.transforms, states):
-            transform.load_state_dict(transform_state)
+        load_each(self.transforms, state["transforms"], "env")
 
     def set_seed(self, seed: int | None, static_seed: bool = False) -> int | None:
         """TorchRL compatibility; a no-op: the prompt order is seeded by the DataLoadingPrimer and
@@ -192,20 +186,14 @@ class EnvBase:
 
     def close(self) -> None:
         """Release what the transforms hold (sandboxes, worker threads)."""
-        for transform in self.transforms:
-            close = getattr(transform, "close", None)
-            if close is not None:
-                close()
+        close_each(self.transforms)
 
     # ------------------------------------------------------------------ specs (the base env's, through the transforms)
 
     def _transformed_spec(self, part: str) -> Composite:
         """The base env's ``part`` spec (a new Composite each call) passed through each
         transform's ``transform_<part>_spec`` in order, as TorchRL's TransformedEnv does."""
-        spec = getattr(self.base_env, f"_{part}_spec")()
-        for transform in self.transforms:
-            spec = getattr(transform, f"transform_{part}_spec")(spec)
-        return spec
+        return through_specs(self.transforms, part, getattr(self.base_env, f"_{part}_spec")())
 
     full_observation_spec = property(lambda self: self._transformed_spec("observation"))
     full_action_spec = property(lambda self: self._transformed_spec("action"))
@@ -257,3 +245,44 @@ def _stack_steps(steps: list[TensorDictBase], dim: int) -> TensorDictBase:
         return lazy_stack(steps, dim=0)
     num_rows = steps[0].batch_size[0]
     return lazy_stack([lazy_stack([step[i] for step in steps], dim - 1) for i in range(num_rows)], 0)
+
+
+# What an env and a Compose both do with their list of transforms
+
+
+def union_state_keys(transforms: Iterable[Any], keys: Iterable[str] = ()) -> tuple[str, ...]:
+    """``keys``, then each transform's ``state_keys`` not among them yet, in order."""
+    keys = list(keys)
+    for transform in transforms:
+        keys += [key for key in transform.state_keys if key not in keys]
+    return tuple(keys)
+
+
+def sum_errors(transforms: Iterable[Any]) -> Counter:
+    """The transforms' ``errors`` counters (failed reward computations by type), summed."""
+    total: Counter = Counter()
+    for transform in transforms:
+        total.update(getattr(transform, "errors", Counter()))
+    return total
+
+
+def load_each(transforms: Sequence[Any], states: Sequence[dict[str, Any]], owner: str) -> None:
+    if len(states) != len(transforms):
+        raise ValueError(f"state has {len(states)} transform states, this {owner} has {len(transforms)} transforms")
+    for transform, transform_state in zip(transforms, states):
+        transform.load_state_dict(transform_state)
+
+
+def close_each(transforms: Iterable[Any]) -> None:
+    for transform in transforms:
+        close = getattr(transform, "close", None)
+        if close is not None:
+            close()
+
+
+def through_specs(transforms: Iterable[Any], part: str, spec: Composite) -> Composite:
+    """``spec`` passed through each transform's ``transform_<part>_spec`` in order, as TorchRL's
+    TransformedEnv does."""
+    for transform in transforms:
+        spec = getattr(transform, f"transform_{part}_spec")(spec)
+    return spec

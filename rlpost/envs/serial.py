@@ -138,49 +138,14 @@ class SerialEnv(EnvBase):
         rows = self._rows(next_td, "maybe_reset")
         return lazy_stack([env.maybe_reset(row) for env, row in zip(self.envs, rows)], 0)
 
-    def rollout(
-        self,
-        max_steps: int,
-        policy: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        callback: Callable[[Any, TensorDictBase], Any] | None = None,
-        *,
-        auto_reset: bool = True,
-        break_when_any_done: bool | None = None,
-        break_when_all_done: bool | None = None,
-        tensordict: TensorDictBase | None = None,
-    ) -> TensorDictBase:
-        """Run ``policy`` for up to ``max_steps`` steps, as :meth:`EnvBase.rollout
-        <rlpost.envs.common.EnvBase.rollout>` does (``[num_workers, *sub_batch, T]``), through the
-        sub-envs' ``step_and_maybe_reset`` (what every env here has; after the last step nothing is
-        reset)."""
-        if policy is None:
-            raise ValueError("SerialEnv.rollout needs a policy (an LLM wrapper or any callable td -> td)")
-        if max_steps < 1:
-            raise ValueError(f"rollout max_steps must be >= 1, got {max_steps}")
-        if break_when_any_done is None:
-            break_when_any_done = not break_when_all_done
-        if auto_reset:
-            td = self.reset(tensordict)
-        elif tensordict is None:
-            raise ValueError("rollout(auto_reset=False) needs the first step's input as tensordict=")
-        else:
-            td = tensordict
-        steps = []
-        for step in range(max_steps):
-            if step == max_steps - 1:
-                td, next_root = self.step(policy(td)), None
-            else:
-                td, next_root = self.step_and_maybe_reset(policy(td))
-            steps.append(td)
-            if callback is not None:
-                callback(self, td)
-            done = td.get(("next", "done"))
-            if next_root is None or (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
-                break
-            td = next_root
-        time_dim = len(self.batch_size) - 1  # in a row of the rollout
-        rows = [lazy_stack([step_td[i] for step_td in steps], time_dim) for i in range(self.num_workers)]
-        return lazy_stack(rows, 0)
+    def _rollout_step(self, td: TensorDictBase, last: bool) -> tuple[TensorDictBase, Callable | None]:
+        """:meth:`EnvBase.rollout <rlpost.envs.common.EnvBase.rollout>`'s step, through the
+        sub-envs' ``step_and_maybe_reset`` (what every env here has; MLGymWrapper has no
+        ``maybe_reset``): the reset comes before the break check, and none after the last step."""
+        if last:
+            return self.step(td), None
+        td, next_root = self.step_and_maybe_reset(td)
+        return td, lambda: next_root
 
     # ------------------------------------------------------------------ the sub-envs' state
 

@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
-from rlpost.envs.common import EnvBase
+from rlpost.envs.common import EnvBase, close_each, load_each, sum_errors, through_specs, union_state_keys
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.td_rows import NestedKey, as_key, has_key
 
@@ -143,21 +143,8 @@ class Compose(Transform):
         for transform in getattr(self, "_transforms", ()):
             transform.parent = env
 
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        keys: list[str] = []
-        for transform in self._transforms:
-            keys += [key for key in transform.state_keys if key not in keys]
-        return tuple(keys)
-
-    @property
-    def errors(self):
-        from collections import Counter
-
-        total: Counter = Counter()
-        for transform in self._transforms:
-            total.update(getattr(transform, "errors", Counter()))
-        return total
+    state_keys = property(lambda self: union_state_keys(self._transforms))
+    errors = property(lambda self: sum_errors(self._transforms))
 
     def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
         for transform in self._transforms:
@@ -174,44 +161,29 @@ class Compose(Transform):
             next_td = transform.on_step(td, next_td)
         return next_td
 
-    def _through_each(self, part: str, spec: Composite) -> Composite:
-        """``spec`` passed through each transform's ``transform_<part>_spec`` in order."""
-        for transform in self._transforms:
-            spec = getattr(transform, f"transform_{part}_spec")(spec)
-        return spec
-
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        return self._through_each("observation", observation_spec)
+        return through_specs(self._transforms, "observation", observation_spec)
 
     def transform_action_spec(self, action_spec: Composite) -> Composite:
-        return self._through_each("action", action_spec)
+        return through_specs(self._transforms, "action", action_spec)
 
     def transform_state_spec(self, state_spec: Composite) -> Composite:
-        return self._through_each("state", state_spec)
+        return through_specs(self._transforms, "state", state_spec)
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        return self._through_each("reward", reward_spec)
+        return through_specs(self._transforms, "reward", reward_spec)
 
     def transform_done_spec(self, done_spec: Composite) -> Composite:
-        return self._through_each("done", done_spec)
+        return through_specs(self._transforms, "done", done_spec)
 
     def state_dict(self) -> dict[str, Any]:
         return {"transforms": [transform.state_dict() for transform in self._transforms]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state.get("transforms", []) if state else []
-        if len(states) != len(self._transforms):
-            raise ValueError(
-                f"Compose state has {len(states)} transform states, this Compose has {len(self._transforms)}"
-            )
-        for transform, transform_state in zip(self._transforms, states):
-            transform.load_state_dict(transform_state)
+        load_each(self._transforms, state.get("transforms", []) if state else [], "Compose")
 
     def close(self) -> None:
-        for transform in self._transforms:
-            close = getattr(transform, "close", None)
-            if close is not None:
-                close()
+        close_each(self._transforms)
 
     def __repr__(self) -> str:
         return f"Compose({', '.join(map(repr, self._transforms))})"
