@@ -1,20 +1,15 @@
 """SerialEnv: several envs run one after the other as one batched env (TorchRL's ``SerialEnv``).
 
-``SerialEnv(num_workers, create_env_fn)`` builds ``num_workers`` sub-envs in this process (one
-constructor for all, or one per worker; ``create_env_kwargs`` one dict for all, or one per worker)
-and has batch ``[num_workers, *sub_env.batch_size]``: row ``i`` of every input and output is
-sub-env ``i``'s. ``reset``, ``step``, ``step_and_maybe_reset`` and ``rollout`` call each sub-env
-in turn and stack their outputs lazily (conversations of different lengths do not stack
-densely). TorchRL's MLGym test builds one so::
+Batch ``[num_workers, *sub_env.batch_size]``: row ``i`` of every input and output is sub-env
+``i``'s, and the outputs stack lazily (conversations of different lengths). Attributes SerialEnv
+lacks are the first sub-env's (``env.input_mode``); specs are the sub-envs' with ``num_workers``
+in front. TorchRL's MLGym test builds one so::
 
     env = SerialEnv(1, [partial(make_mlgym, task="prisonersDilemma", tokenizer=tokenizer)])
     rollout = env.rollout(3, policy)       # batch [1, *sub-env batch, 3]
 
-An attribute SerialEnv does not have is the first sub-env's (``env.input_mode``); the specs are
-the sub-envs' with ``num_workers`` in front.
-
-Deviations from TorchRL: nothing is copied to shared memory or buffers (the sub-envs' outputs are
-stacked as they are); TorchRL's process and memory options (``pin_memory``, ``shared_memory``,
+Deviations from TorchRL: the sub-envs live in this process and nothing is copied to shared
+memory or buffers; TorchRL's process and memory options (``pin_memory``, ``shared_memory``,
 ``num_threads``, ...) are accepted and have no effect; for envs in worker threads use
 :class:`~rlpost.envs.async_pool.AsyncEnvPool`.
 """
@@ -52,16 +47,9 @@ def _with_leading_dim(spec: Any, num: int) -> Any:
 
 
 class SerialEnv(EnvBase):
-    """``num_workers`` envs stepped one after the other as one env of batch
-    ``[num_workers, *sub_batch]`` (see the module docstring).
-
-    Args:
-        num_workers: the number of sub-envs.
-        create_env_fn: a callable building a sub-env, or one per sub-env.
-
-    Keyword Args:
-        create_env_kwargs: keyword arguments of the constructor(s): one dict, or one per sub-env.
-    """
+    """``num_workers`` envs stepped in turn as one env (see the module docstring).
+    ``create_env_fn``: one constructor for all sub-envs or one per sub-env; ``create_env_kwargs``:
+    one dict for all or one per sub-env."""
 
     def __init__(
         self,

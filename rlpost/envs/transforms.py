@@ -1,15 +1,12 @@
-"""Env transforms: the small hook protocol of an env, :class:`Compose`, :class:`TransformedEnv`
-and :class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
+"""Env transforms: the hook protocol, :class:`Compose`, :class:`TransformedEnv` and
+:class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
 
-A transform adds one capability to an env (data loading, a reward, a tool) through hooks that
-:class:`~rlpost.envs.common.EnvBase` calls around the base env's reset and step (its module doc
-draws the loop): ``reset_preprocess(td)`` before the base reset, ``on_reset(td, out)`` after it,
-``on_step(td, next)`` after the base step; TorchRL's ``_reset_env_preprocess`` / ``_reset`` /
-``_step``. As in TorchRL, ``base_env.append_transform(t)`` returns a new TransformedEnv, and a
-TransformedEnv's ``full_observation_spec`` (action, state, reward, done) is the base env's passed
-through each transform's ``transform_observation_spec`` (...), unchanged by default. Deliberate
-deviation: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
-or out; the older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
+A transform adds one capability (data loading, a reward, a tool) through hooks that
+:class:`~rlpost.envs.common.EnvBase` calls (its module docstring draws the loop):
+``reset_preprocess(td)``, ``on_reset(td, out)``, ``on_step(td, next)``; TorchRL's
+``_reset_env_preprocess`` / ``_reset`` / ``_step``. Deliberate deviation: no
+``_call``/``_inv_call`` (observations and actions are not rewritten on the way in or out; the
+older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
 """
 
 from __future__ import annotations
@@ -32,13 +29,9 @@ REWARD_PARTS_KEY = "reward_parts"
 
 
 class Transform:
-    """Base class of env transforms; every hook defaults to "no change".
-
-    Attributes:
-        parent: the env the transform was appended to (set by ``append_transform``).
-        state_keys: keys this transform writes at reset that must be carried from step to step
-            (the env copies them into ``next``), e.g. the dataset row a reward reads later.
-    """
+    """Base class of env transforms; every hook defaults to "no change". ``parent``: the env
+    it was appended to; ``state_keys``: keys it writes at reset that the env carries from step to
+    step (e.g. the dataset row a reward reads later)."""
 
     state_keys: tuple[str, ...] = ()
 
@@ -58,9 +51,7 @@ class Transform:
         step input carrying the policy's output."""
         return next_td
 
-    # TorchRL's spec hooks: the env's spec (a Composite) goes through each transform in order;
-    # a transform that writes a key adds its spec and returns the Composite (edited in place).
-    # Default: unchanged.
+    # TorchRL's spec hooks: a transform that writes a key adds its spec to the Composite in place.
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         return observation_spec
 
@@ -90,8 +81,7 @@ class Transform:
         return self.parent
 
     def _chat_env(self) -> EnvBase:
-        """The env, which must hold a conversation (a ChatEnv, possibly transformed): for the
-        transforms that read the policy's messages or add messages."""
+        """The env, which must hold a conversation (a ChatEnv, possibly transformed)."""
         env = self._env()
         if not callable(getattr(env, "last_responses", None)):
             base = getattr(env, "base_env", env)
@@ -106,9 +96,8 @@ class Transform:
 
 
 class Compose(Transform):
-    """Transforms run in order as one (TorchRL's ``Compose``): each hook calls the transforms'
-    hooks one after the other. A :class:`~rlpost.envs.transforms.TransformedEnv` keeps its
-    transforms in one; ``compose[i]``, ``len(compose)`` and iteration reach them."""
+    """Transforms run in order as one (TorchRL's ``Compose``); a TransformedEnv keeps its
+    transforms in one (``compose[i]``, ``len``, iteration)."""
 
     def __init__(self, *transforms: Transform) -> None:
         super().__init__()
@@ -190,16 +179,9 @@ class Compose(Transform):
 
 
 class TransformedEnv(EnvBase):
-    """A base env with a :class:`~rlpost.envs.transforms.Compose` of transforms (TorchRL's
-    ``TransformedEnv``).
-
-    Args:
-        env: the base env; a TransformedEnv's base env and transforms are taken over (its own
-            transform list is left as it was).
-        transform: a transform, a Compose, or None.
-
-    ``env.transform`` is the Compose (``env.transform[0]`` is the first transform);
-    ``append_transform`` and ``insert_transform`` edit it in place.
+    """A base env with a :class:`Compose` of transforms, ``env.transform`` (TorchRL's
+    ``TransformedEnv``); ``append_transform`` and ``insert_transform`` edit it in place. Given a
+    TransformedEnv as ``env``, its base env and transforms are taken over (it is left as it was).
     """
 
     def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
@@ -249,13 +231,8 @@ class TransformedEnv(EnvBase):
 
 
 class StepCounter(Transform):
-    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
-    ``StepCounter``).
-
-    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
-    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
-    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
-    itself, the count written is the same.
+    """Count each episode's steps (int64 ``[*B, 1]``) and truncate it after ``max_steps``
+    (TorchRL's ``StepCounter``); on a ChatEnv, which counts its steps itself, the count is the same.
 
     Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
     is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
@@ -305,7 +282,6 @@ class StepCounter(Transform):
 
 
 def set_reward_part(next_td: TensorDictBase, name: str, values: list[float]) -> None:
-    """Record ``values`` (one per row) as the part ``name`` of this step's reward, under
-    ``next_td[REWARD_PARTS_KEY, name]``. The parts are what the metrics report beside the reward
-    (``reward_part/<name>``); the reward itself is ``next_td["reward"]``, whatever the parts say."""
+    """Record ``values`` (one per row) as the part ``name`` of this step's reward, which the
+    metrics report as ``reward_part/<name>``; the reward itself is ``next_td["reward"]``."""
     next_td.set((REWARD_PARTS_KEY, name), torch.tensor(values, dtype=torch.float64).view(-1, 1))
