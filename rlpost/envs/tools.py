@@ -110,13 +110,13 @@ def run_python(
     disk_mb: int = 64,
     sandbox: str = "bwrap",
 ) -> PythonResult:
-    """Run ``code`` in a fresh sandboxed interpreter. ``timeout_s`` is wall-clock time; ``cpu_s`` (default ``ceil(timeout_s) + 1``) is CPU time;
-    ``memory_mb`` caps the address space (virtual memory, not RSS); ``max_file_mb`` caps each file
-    written and ``disk_mb`` the whole working directory; ``max_procs`` caps the processes alive at
-    once. Output past ``max_output_bytes`` stops the run (``ok`` False). ``sandbox`` is "bwrap"
-    (namespaces; :class:`~rlpost.envs.sandbox.SandboxUnavailable` where they do not work) or
-    "guard" (the in-process prelude only, not a security boundary). Nothing the code does
-    raises here; invalid arguments raise ``ValueError``.
+    """Run ``code`` in a fresh sandboxed interpreter. ``timeout_s`` is wall-clock time, ``cpu_s``
+    (default ``ceil(timeout_s) + 1``) CPU time; ``memory_mb`` caps the address space (virtual
+    memory, not RSS), ``max_file_mb`` each file written, ``disk_mb`` the working directory,
+    ``max_procs`` the processes alive at once; output past ``max_output_bytes`` stops the run.
+    ``sandbox``: "bwrap" (namespaces; :class:`~rlpost.envs.sandbox.SandboxUnavailable` where they
+    do not work) or "guard" (the in-process prelude only, not a security boundary). Nothing the
+    code does raises here; invalid arguments raise ``ValueError``.
     """
     options = _Options.make(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb, max_procs, disk_mb, sandbox)
     start = time.monotonic()
