@@ -1,9 +1,6 @@
-"""Where a :class:`~rlpost.envs.datasets.DataLoadingPrimer`'s prompts come from.
-
-A *rows source* is a Hugging Face hub name (with subset and split: what GPU users run), a local
-json/jsonl/parquet file or dataset folder (what tests and the demo run), an in-memory list of
-row dicts (the synthetic arithmetic task) or a loaded ``datasets.Dataset``. A *batch iterable*,
-as TorchRL's primer takes, is a DataLoader or any iterable of batches.
+"""Where a :class:`~rlpost.envs.datasets.DataLoadingPrimer`'s prompts come from: a *rows source*
+(a hub name, a local file or dataset folder, a list of row dicts or a ``datasets.Dataset``) or,
+as TorchRL's primer takes, a *batch iterable* (a DataLoader or any iterable of batches).
 """
 
 from __future__ import annotations
