@@ -127,11 +127,10 @@ class AsyncEnvPool:
     # ------------------------------------------------------------------ asynchronous API
 
     def async_step_send(self, tensordict: TensorDictBase, env_index: int | Sequence[int] | None = None) -> None:
-        """Start a step of each row of ``tensordict`` (TorchRL's): the sub-envs are ``env_index``
-        (a list: one per row; an int: the per-env send of one row, received with
-        ``async_step_recv(env_index=i)``), else ``tensordict["env_index"]``, else row ``i`` is
-        sub-env ``i``. A tensordict of batch ``()`` is one row. Raises ``RuntimeError`` when one
-        of them is busy (sent something whose result was not received)."""
+        """Start a step of each row of ``tensordict`` (batch ``()``: one row) on sub-envs
+        ``env_index`` (a list: one per row; an int: a per-env send, received with
+        ``async_step_recv(env_index=i)``), else ``tensordict["env_index"]``, else row ``i`` on
+        sub-env ``i``. ``RuntimeError`` when one of them is busy."""
         self._send(_STEP, tensordict, env_index)
 
     def async_step_recv(

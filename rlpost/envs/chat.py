@@ -11,12 +11,10 @@ Transforms add the rest: prompts from a dataset, rewards, tools. Keys per ``inpu
                step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask),
                or only tokens.response (the next prompt is then prompt + response)
 
-As in TorchRL: ``step(td)`` returns ``td`` with ``"next"``; ``step_and_maybe_reset`` also returns
-the next root input, done envs reset; the reset input's keys are carried into its output;
-``reset(None)`` or a reset input without the query raises
-:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError). TorchRL 0.9's keys, still shown on
-TorchRL's LLM API page, work in history mode: the query under ``"text"``; the response text under
-``"text_response"``, or the whole conversation as a bare History under ``"history"``.
+As in TorchRL, the reset input's keys are carried into its output, and ``reset(None)`` or a reset
+input without the query raises :class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError).
+TorchRL 0.9's keys, still shown on TorchRL's LLM API page, work in history mode: the query under
+``"text"``; the response text under ``"text_response"``, or a bare History under ``"history"``.
 
 Deliberate deviations: transforms use rlpost's hooks (:mod:`rlpost.envs.transforms`);
 ``max_steps`` truncates episodes (TorchRL uses a ``StepCounter``) and ``step_count`` is carried in

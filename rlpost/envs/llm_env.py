@@ -43,8 +43,7 @@ class LLMEnv(LLMEnvLoop, EnvBase):
     action (the attention mask extended by ones with ``has_attention``). Token-only options:
     ``assign_reward`` (a zero reward per action token), ``assign_done`` (per-token
     ``("tokens_data", "done" / "terminated")`` flags, zero, the root flags their ``any``).
-    ``vocab_size`` is recorded (the specs are unbounded); ``as_llm_data``: only False;
-    ``batch_size`` ``None``, ``0`` or ``()``: batch-less. ``eos_token_id``: an action holding it
+    ``as_llm_data``: only False; ``batch_size`` ``None``, ``0`` or ``()``: batch-less. ``eos_token_id``: an action holding it
     ends the episode (a text env reads its action's tokens under ``"tokens_response"``); without
     it the env warns, as TorchRL's. A text env's reset also takes the prompt under ``"query"``,
     where a DataLoadingPrimer puts a dataset's ``"text"`` column; it wins over ``str_key``, so a

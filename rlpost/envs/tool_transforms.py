@@ -221,10 +221,9 @@ class PythonInterpreter(ToolTransformBase):
         return result, result.ok
 
     def render(self, results: list[PythonResult]) -> str:
-        """The tool message's content. Qwen-style templates (the tiny model's too) wrap a
-        ``"tool"`` message in ``<tool_response>\\n...\\n</tool_response>`` themselves, so that
-        role gets the inner text and renders exactly as :func:`format_tool_response`; any other
-        role (e.g. ``"user"``, for templates without a tool role) gets the wrapped text."""
+        """The tool message's content. Trap: Qwen-style templates wrap a ``"tool"`` message in
+        ``<tool_response>`` themselves, so that role gets the inner text (rendering exactly as
+        :func:`format_tool_response`); any other role gets the wrapped text."""
         wrapped = format_tool_response(results)
         if self.tool_role != "tool":
             return wrapped

@@ -11,6 +11,7 @@ older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +96,11 @@ class Transform:
         return f"{type(self).__name__}()"
 
 
+def _through_each(part: str) -> Callable[[Compose, Composite], Composite]:
+    """A Compose's ``transform_<part>_spec``: the spec through each of its transforms in order."""
+    return lambda self, spec: through_specs(self._transforms, part, spec)
+
+
 class Compose(Transform):
     """Transforms run in order as one (TorchRL's ``Compose``); a TransformedEnv keeps its
     transforms in one (``compose[i]``, ``len``, iteration)."""
@@ -150,20 +156,11 @@ class Compose(Transform):
             next_td = transform.on_step(td, next_td)
         return next_td
 
-    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        return through_specs(self._transforms, "observation", observation_spec)
-
-    def transform_action_spec(self, action_spec: Composite) -> Composite:
-        return through_specs(self._transforms, "action", action_spec)
-
-    def transform_state_spec(self, state_spec: Composite) -> Composite:
-        return through_specs(self._transforms, "state", state_spec)
-
-    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        return through_specs(self._transforms, "reward", reward_spec)
-
-    def transform_done_spec(self, done_spec: Composite) -> Composite:
-        return through_specs(self._transforms, "done", done_spec)
+    transform_observation_spec = _through_each("observation")
+    transform_action_spec = _through_each("action")
+    transform_state_spec = _through_each("state")
+    transform_reward_spec = _through_each("reward")
+    transform_done_spec = _through_each("done")
 
     def state_dict(self) -> dict[str, Any]:
         return {"transforms": [transform.state_dict() for transform in self._transforms]}
