@@ -70,15 +70,12 @@ class DataLoadingPrimer(Transform):
     ``name``/``split``, a ``datasets.Dataset`` or a list of row dicts: seeded, resumable exactly,
     shardable) or, as TorchRL's, a DataLoader or any iterable of batches (a dict of columns or a
     list of row dicts; a bare string or list of strings is the ``data_key`` column), iterated
-    endlessly.
-
-    A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
+    endlessly. A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
     collated row (or those of ``primers``), the prompt under ``data_key`` (from
     ``prompt_column``: default ``data_key`` itself, else ``"question"``), ``"answer"`` (from
     ``answer_column``), ``"prompt_id"`` (int64, shared by the copies of one draw) and ``"row"``
     (the row dict, for reward functions); all carried from step to step (``state_keys``).
     Missing columns raise ``ValueError`` naming the column, the dataset and its columns.
-
     ``data_keys``: the column name of batches that are not mappings; ``stack_method``: how tensor
     columns stack across rows (None: ``torch.stack``, or nested when lengths differ;
     ``"as_nested_tensor"``, ``"as_padded_tensor"`` or a callable); ``batch_size`` is TorchRL's

@@ -41,8 +41,8 @@ class IncrementalTokenizer(Transform):
     turn (a tool result), those messages and the generation prompt are tokenized and appended
     to ``tokens.full`` (TorchRL copies ``tokens.full`` alone, so the tokens lose the tool
     result that the history holds); the transform refuses a tokens-mode env (whose own
-    ``tokens.prompt`` it would overwrite) and the misplacement above. ``transform_observation_spec`` adds ``tokens_key`` to the env's observation spec,
-    as TorchRL's does: int64 ids of shape ``[*batch, -1]`` (TorchRL: a ``Bounded`` spec in
+    ``tokens.prompt`` it would overwrite) and the misplacement above; the observation spec of
+    ``tokens_key`` is int64 ids of shape ``[*batch, -1]`` (TorchRL: a ``Bounded`` spec in
     ``[0, vocab_size)``; rlpost's specs have ``Unbounded`` only).
     """
 

@@ -33,13 +33,10 @@ class PolicyVersion(Transform):
     version (TorchRL: None); changes are recorded in ``version_history``. Every reset and step
     writes the current version under ``key``, int64 ``[B]`` (UUIDs: a non-tensor entry).
 
-    For rlpost's collector (:class:`~rlpost.collect.LLMCollector`, integer versions only) it also
-    follows the version the inference engine reports (:meth:`observe`, :meth:`set_version`) and
-    combines the versions of an episode's turns (:meth:`merge`); see
-    :mod:`rlpost.collect.policy_version`.
-
-    An int given as ``version_type`` is the starting version of an integer tracker
-    (``PolicyVersion(3)``: rlpost's earlier signature).
+    For rlpost's collector (integer versions only) it also follows the version the engine
+    reports (:meth:`observe`, :meth:`set_version`) and merges an episode's turns' versions
+    (:meth:`merge`; see :mod:`rlpost.collect.policy_version`). An int given as ``version_type``
+    is the starting version of an integer tracker (``PolicyVersion(3)``: rlpost's earlier API).
     """
 
     def __init__(

@@ -39,12 +39,10 @@ class RowList:
 
 
 def load_rows(source: Any, *, name: str | None = None, split: str | None = "train") -> tuple[Any, str]:
-    """The rows of ``source`` and a description of it for error messages.
-
-    ``source``: a local ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (its only split is ``"train"``), a
-    local dataset folder or hub name (``name`` is the subset, ``split`` the split; ``None`` takes
-    ``"train"``), a list of row dicts, or a loaded ``datasets.Dataset``.
-    """
+    """The rows of ``source`` and a description of it for error messages. ``source``: a local
+    ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (one split, ``"train"``), a local
+    dataset folder or hub name (``name`` the subset; ``split`` None takes ``"train"``), a list of
+    row dicts, or a ``datasets.Dataset``."""
     if isinstance(source, (list, tuple)):
         return RowList(source), f"in-memory rows ({len(source)} rows)"
     if not isinstance(source, (str, os.PathLike)):
@@ -88,9 +86,8 @@ def _describe_source(source: str, name: str | None, split: str | None) -> str:
 
 
 def default_collate_fn(batch: Any) -> Any:
-    """TorchRL's default collate for chat datasets: a ``"text"`` column becomes ``"query"`` (a
-    ``"text"`` entry would clash with the env's ``"text"`` container). Takes a list of row
-    dicts or one dict of columns; returns the same kind."""
+    """TorchRL's default collate for chat datasets (row dicts or a dict of columns, returned
+    alike): a ``"text"`` column becomes ``"query"``, as it would clash with the ``"text"`` container."""
     if isinstance(batch, Mapping):
         batch = dict(batch)
         if "text" in batch:

@@ -84,12 +84,10 @@ class ExecuteToolsInOrder(ToolTransformBase):
     A call fails (counted in ``tool_errors``) when its tool is unknown, the parser could not read
     it, or the service raises or returns a non-dict or a dict with an ``"error"`` key (as TorchRL).
 
-    Deliberate deviations from TorchRL: ``_state`` is the row's state (``{"row": i,
-    "step_count": n, "query": ..., ...}``: the env's state keys as Python values), where
-    TorchRL passes an empty dict; an exception's message names its type
-    (``ValueError: no index``); a service's result is never modified (TorchRL writes its
-    bookkeeping keys into the returned dict) and values JSON cannot encode render with
-    ``str`` (TorchRL's step raises).
+    Deliberate deviations from TorchRL: ``_state`` is the row's state (:meth:`row_state`;
+    TorchRL passes an empty dict); an exception's message names its type (``ValueError: no
+    index``); a service's result is never modified (TorchRL writes its bookkeeping keys into
+    it) and values JSON cannot encode render with ``str`` (TorchRL's step raises).
     """
 
     def __init__(self, registry: ToolRegistry, parser: LLMToolParser, stop_on_error: bool = False,

@@ -260,10 +260,9 @@ class PythonInterpreter(ToolTransformBase):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call found in a response: the tool's name, its arguments and TorchRL's optional
-    ``tag`` (a label the model gave the call, echoed in its result). ``error`` (keyword only,
-    an rlpost addition) is set when the call could not be read, e.g. invalid JSON; it is
-    reported to the model as that tool's failure. Deviation from TorchRL: frozen."""
+    """One call found in a response; ``tag``: TorchRL's label the model gave the call, echoed in
+    its result. Deviations: frozen; ``error`` (rlpost's) says why an unreadable call (e.g.
+    invalid JSON) fails, as reported to the model."""
 
     tool: str
     args: dict

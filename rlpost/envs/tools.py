@@ -32,12 +32,12 @@ SESSION_CPU_BLOCKS = 20
 class PythonResult:
     """What one sandboxed run gave (made by :func:`run_python` / :class:`PythonSession`).
 
-    ``ok``: the code ran to the end (or exited with status 0). ``output`` is stdout
-    and stderr interleaved, cut after ``max_output_bytes`` with a marker line. ``error`` is a
-    one-line reason when not ok: ``"timeout after 5.0s"``, ``"memory limit 512 MB exceeded"``,
-    ``"CPU time limit"``, ``"process limit"``, ``"network disabled"``, ``"file size limit"``,
-    ``"write outside working directory: PATH"``, ``"output limit N bytes exceeded"``,
-    ``"exit code N"``, ``"killed by SIGNAME"``, or the last line of the exception.
+    ``ok``: ran to the end (or exited 0). ``output``: stdout and stderr interleaved, cut after
+    ``max_output_bytes`` with a marker line. ``error``, when not ok, is a one-line reason:
+    ``"timeout after 5.0s"``, ``"memory limit 512 MB exceeded"``, ``"CPU time limit"``,
+    ``"process limit"``, ``"network disabled"``, ``"file size limit"``, ``"write outside working
+    directory: PATH"``, ``"output limit N bytes exceeded"``, ``"exit code N"``, ``"killed by
+    SIGNAME"``, or the last line of the exception.
     ``returncode`` is the process's (negative for a signal; None while a session's interpreter
     lives on).
     """
@@ -244,11 +244,9 @@ def extract_python_blocks(text: str) -> list[str]:
 
 
 def format_tool_response(results: list[PythonResult]) -> str:
-    """The tool message for one assistant message's code blocks (TorchRL's LLM tutorial's format):
-    each block renders as ``Code block i executed successfully:\n<output>\n``, or when it failed
-    as ``Code block i failed:\n<error>\n<output>\n``; all inside
-    ``<tool_response>\n...</tool_response>``.
-    """
+    """The tool message for one assistant message's code blocks, in TorchRL's LLM tutorial's
+    format (see the module docstring); a failed block renders as
+    ``Code block i failed:\n<error>\n<output>\n``."""
     if not results:
         raise ValueError("format_tool_response needs at least one result (no code, no tool turn)")
     parts = []
