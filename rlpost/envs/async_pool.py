@@ -2,19 +2,13 @@
 
 Each of ``len(env_makers)`` sub-envs (batch ``[1]``, or ``()``) is one row of the pool (batch
 ``[N]``), carrying its index under ``"env_index"``. TorchRL's asynchronous API is three
-send/recv pairs: ``async_step_*`` (a step: the input with its ``"next"``),
-``async_step_and_maybe_reset_*`` (a step and the next root, done rows reset) and
-``async_reset_*`` (a reset). A send starts one thread per row of ``td``; a row goes to sub-env
-``env_index=`` (a list, one per row; an int: a per-env send), else ``td["env_index"]``, else row
-``i`` to sub-env ``i``. A sub-env sent something not yet received is busy: a second send to it
-raises ``RuntimeError``. A recv waits for ``min_get`` (default ``pool.min_get``, 1) results of
-its kind, also takes those already done (up to ``max_get``; with ``timeout=``, those done within
-that many seconds of the first) and stacks them in ``env_index`` order (TorchRL's sort);
-``recv(env_index=i)`` after ``send(td, env_index=i)`` returns sub-env ``i``'s row alone.
-``reset``, ``step`` and ``step_and_maybe_reset`` do every row and wait for all. An LLM collector
-with ``async_envs=True`` thus generates for the ready rows while slow ones still run. The specs
-are the sub-envs' with the pool's batch ``[N]``; the key lists are the sub-envs'. ``stack``:
-``"lazy"`` (each row as its sub-env returned it), ``"maybe_dense"`` or ``"dense"`` (``torch.stack``).
+send/recv pairs: ``async_step_*``, ``async_step_and_maybe_reset_*`` and ``async_reset_*``. A send
+starts one thread per row; a sub-env sent something not yet received is busy (a second send to
+it raises ``RuntimeError``); a recv waits for ``min_get`` results of its kind, also takes those
+already done and stacks them in ``env_index`` order (TorchRL's sort). ``reset``, ``step`` and
+``step_and_maybe_reset`` do every row and wait for all. An LLM collector with
+``async_envs=True`` thus generates for the ready rows while slow ones still run. The specs are the
+sub-envs' with the pool's batch ``[N]``.
 
 Deviations from TorchRL: one backend, threads (``backend="multiprocessing"`` raises
 ``ValueError``: rlpost's envs release the GIL in their slow parts, tool sandboxes, reward worker
@@ -57,21 +51,9 @@ _SENDS = {_STEP: "async_step_send", _STEP_RESET: "async_step_and_maybe_reset_sen
 
 
 class AsyncEnvPool:
-    """A pool of sub-envs stepped on threads (see the module docstring).
-
-    Args:
-        env_makers: one callable per sub-env, or one callable and ``num_envs``.
-
-    Keyword Args:
-        num_envs: the number of sub-envs when ``env_makers`` is a single callable.
-        backend: "threading" (the only one).
-        stack: "lazy" (default), "maybe_dense" or "dense": how rows are stacked.
-        timeout_s: bound of every wait for a sub-env.
-
-    Attributes:
-        num_envs: the number of sub-envs; ``envs`` the sub-envs themselves.
-        min_get: the ``min_get`` of a recv that gives none (1, as TorchRL).
-    """
+    """A pool of sub-envs stepped on threads (see the module docstring). ``env_makers``: one
+    callable per sub-env, or one and ``num_envs``; ``stack``: "lazy" (default), "maybe_dense" or
+    "dense" (``torch.stack``); ``min_get``: that of a recv that gives none (1, as TorchRL)."""
 
     _env_idx_key = "env_index"
 
@@ -131,9 +113,8 @@ class AsyncEnvPool:
         return self._run_all(_RESET, indices, rows)[0]
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Step every row of ``tensordict`` (its ``env_index`` says which sub-env, else row ``i``
-        is sub-env ``i``) and wait for all; the rows come back in ``tensordict``'s order, each
-        with its ``"next"``."""
+        """Step every row of ``tensordict`` (sub-envs chosen as in :meth:`async_step_send`) and
+        wait for all; the rows come back in ``tensordict``'s order."""
         indices = self._indices(tensordict, None)
         return self._run_all(_STEP, indices, [self._row(tensordict, row) for row in range(len(indices))])[0]
 
@@ -146,11 +127,10 @@ class AsyncEnvPool:
     # ------------------------------------------------------------------ asynchronous API
 
     def async_step_send(self, tensordict: TensorDictBase, env_index: int | Sequence[int] | None = None) -> None:
-        """Start a step of each row of ``tensordict`` (TorchRL's): the sub-envs are ``env_index``
-        (a list: one per row; an int: the per-env send of one row, received with
-        ``async_step_recv(env_index=i)``), else ``tensordict["env_index"]``, else row ``i`` is
-        sub-env ``i``. A tensordict of batch ``()`` is one row. Raises ``RuntimeError`` when one
-        of them is busy (sent something whose result was not received)."""
+        """Start a step of each row of ``tensordict`` (batch ``()``: one row) on sub-envs
+        ``env_index`` (a list: one per row; an int: a per-env send, received with
+        ``async_step_recv(env_index=i)``), else ``tensordict["env_index"]``, else row ``i`` on
+        sub-env ``i``. ``RuntimeError`` when one of them is busy."""
         self._send(_STEP, tensordict, env_index)
 
     def async_step_recv(
@@ -161,11 +141,10 @@ class AsyncEnvPool:
         max_get: int | None = None,
         timeout: float | None = None,
     ) -> TensorDictBase:
-        """The steps of at least ``min_get`` rows (default ``self.min_get``), stacked in
-        ``env_index`` order: waits until ``min_get`` are done, then takes every other one done
-        (at most ``max_get``; with ``timeout``, those done within ``timeout`` s of the first).
-        ``env_index=i``: sub-env ``i``'s per-env step, its row. Raises ``RuntimeError`` when
-        fewer than ``min_get`` steps are pending."""
+        """The steps of at least ``min_get`` rows (default ``self.min_get``) in ``env_index``
+        order, with every other one done (at most ``max_get``; with ``timeout``, those done within
+        ``timeout`` s of the first); ``env_index=i``: sub-env ``i``'s per-env step, its row.
+        Raises ``RuntimeError`` when fewer than ``min_get`` steps are pending."""
         return self._recv(_STEP, min_get, env_index, max_get, timeout)[0]
 
     def async_step_and_maybe_reset_send(

@@ -6,10 +6,8 @@ The model calls one tool, ``browser``, in TorchRL's ``<tool>`` blocks::
     {"action": "navigate", "url": "https://pytorch.org"}
     </tool>
 
-with the actions of :data:`BROWSER_SCHEMA`: ``navigate`` (url), ``click`` (selector), ``type``
-(selector, text), ``scroll`` (scroll_amount, pixels) and ``extract`` (selector, extract_type
-"text" / "html" / "attribute", attribute). Needs ``pip install playwright`` and
-``playwright install chromium``; playwright is imported when the transform is built.
+with the actions of :data:`BROWSER_SCHEMA`. Needs ``pip install playwright`` and
+``playwright install chromium`` (imported when the transform is built).
 """
 
 from __future__ import annotations
@@ -94,28 +92,22 @@ def action_problem(args: dict[str, Any], allowed_domains: list[str] | None) -> s
 class BrowserTransform(SimpleToolTransform):
     """Let the model browse: each ``browser`` call runs one action on its episode's page.
 
-    TorchRL's constructor (``allowed_domains``, ``headless``, ``timeout`` per action,
-    ``tokenizer`` kept as an attribute, ``tool_name`` the message role), plus
-    ``max_result_chars`` (a longer result is cut, with a marker) and ``max_workers`` (rows
-    concurrently). A result renders as ``Tool browser executed successfully:\\nJSON``, a failure
-    as ``Tool browser failed:\\nERROR``. Chromium starts at the first action;
-    ``close()`` stops it.
+    TorchRL's constructor (``timeout`` per action) plus ``max_result_chars`` (a longer result is
+    cut, with a marker) and ``max_workers``. Chromium starts at the first action; ``close()``
+    stops it.
 
-    Deliberate deviations from TorchRL: (1) each episode has a page in a browser context of its
-    own (cookies and storage not shared), closed when the episode ends; TorchRL drives one page
-    for the whole batch, so rows navigate each other's page, and closes the browser at every
-    reset, which a partial reset of a batch would do to the rows still running. (2) A failed
-    action is a failure (TorchRL reports ``{'success': False, ...}`` as a success). (3)
-    ``allowed_domains`` matches the host exactly or as a parent domain (TorchRL's suffix test
-    lets ``evilexample.com`` pass for ``example.com`` and reads the port and user into the
-    domain), also filters every request the page makes (so a click cannot leave the allowed
-    hosts), and only http(s) URLs open (TorchRL opens ``file://`` URLs). (4) ``scroll`` passes
-    the amount as an argument of the page script, after checking it is an integer (TorchRL
-    formats it into the script, so a string amount runs as JavaScript). (5) ``screenshot`` is
-    not offered: the result is an image a text model cannot read (TorchRL's schema lists it and
-    then rejects it as unknown). (6) The browser runs on its own event loop thread (TorchRL uses
-    the calling thread's loop, which fails inside a running loop). (7) Chromium failing to
-    launch raises :class:`BrowserUnavailable` instead of being shown to the model.
+    Deliberate deviations from TorchRL: (1) each episode has its own page and browser context
+    (cookies and storage not shared), closed when the episode ends; TorchRL drives one page for
+    the batch and closes the browser at every reset, partial ones too. (2) A failed action is a
+    failure (TorchRL reports ``{'success': False, ...}`` as a success). (3) ``allowed_domains``
+    matches the host exactly or as a parent domain (TorchRL's suffix test lets
+    ``evilexample.com`` pass for ``example.com``), also filters every request the page makes,
+    and only http(s) URLs open (TorchRL opens ``file://``). (4) ``scroll`` passes a checked
+    integer amount as a script argument (TorchRL formats it into the script: a string runs as
+    JavaScript). (5) No ``screenshot``: a text model cannot read an image (TorchRL lists it,
+    then rejects it). (6) The browser runs on its own event loop thread (TorchRL's use of the
+    caller's loop fails inside a running loop). (7) Chromium failing to launch raises
+    :class:`BrowserUnavailable` instead of being shown to the model.
     """
 
     state_keys = ("browser_episode",)

@@ -11,12 +11,10 @@ Transforms add the rest: prompts from a dataset, rewards, tools. Keys per ``inpu
                step reads tokens.full (unpadded rows, or padded rows + masks.all_attention_mask),
                or only tokens.response (the next prompt is then prompt + response)
 
-As in TorchRL: ``step(td)`` returns ``td`` with ``"next"``; ``step_and_maybe_reset`` also returns
-the next root input, done envs reset; the reset input's keys are carried into its output;
-``reset(None)`` or a reset input without the query raises
-:class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError). TorchRL 0.9's keys, still shown on
-TorchRL's LLM API page, work in history mode: the query under ``"text"``; the response text under
-``"text_response"``, or the whole conversation as a bare History under ``"history"``.
+As in TorchRL, the reset input's keys are carried into its output, and ``reset(None)`` or a reset
+input without the query raises :class:`~rlpost.envs.errors.EnvInputError` (a RuntimeError).
+TorchRL 0.9's keys, still shown on TorchRL's LLM API page, work in history mode: the query under
+``"text"``; the response text under ``"text_response"``, or a bare History under ``"history"``.
 
 Deliberate deviations: transforms use rlpost's hooks (:mod:`rlpost.envs.transforms`);
 ``max_steps`` truncates episodes (TorchRL uses a ``StepCounter``) and ``step_count`` is carried in
@@ -57,32 +55,20 @@ from rlpost.envs.transforms import Transform, TransformedEnv
 from rlpost.envs.turns import TurnRenderer
 
 INPUT_MODES = ("history", "text", "tokens")
-# TorchRL 0.9's keys, still shown in TorchRL's LLM API page: the query of a reset under "text",
-# the policy's response text under "text_response".
+# TorchRL 0.9's keys (see the module docstring)
 LEGACY_QUERY_KEY = "text"
 LEGACY_RESPONSE_KEY = "text_response"
 _CONTAINERS = {"history": ChatHistory, "text": Text, "tokens": Tokens}
 
 
 class ChatEnv(EnvBase):
-    """A batch of ``B`` conversations; see the module docstring for the keys of each mode.
-
-    Keyword Args:
-        input_mode: "history", "text" or "tokens".
-        batch_size: number of conversations, an int or a 1-D size; defaults to ``(1,)``.
-        system_prompt: system message put before every query at reset (None: none).
-        tokenizer: renders histories in text and tokens modes (its chat template).
-        template_kwargs: extra keyword arguments for ``apply_chat_template``.
-        system_role, user_role, policy_role: message roles of the system prompt, the query and
-            the policy's messages.
-        data_key: key of the query in the reset input; defaults to the class attribute
-            ``data_key`` ("query").
-        device: device of the tensors the env creates.
-        max_steps: episodes are truncated (``truncated`` and ``done``) after this many steps;
-            None for no limit.
-        with_tokenizer: TorchRL's option: return the env in a TransformedEnv with an
-            :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer` of ``tokenizer``
-            (required then), which keeps ``tokens.prompt`` beside ``history.prompt``.
+    """A batch of ``B`` conversations (``batch_size``: an int or a 1-D size); see the module
+    docstring for the keys of each mode. ``tokenizer`` renders histories in text and tokens
+    modes (``template_kwargs`` go to ``apply_chat_template``); ``data_key``: the query's key in
+    the reset input (default the class attribute, "query"); ``max_steps``: episodes are
+    truncated after this many steps. ``with_tokenizer`` (TorchRL's): return the env in a
+    TransformedEnv with an :class:`~rlpost.envs.incremental_tokenizer.IncrementalTokenizer`
+    of ``tokenizer``, which keeps ``tokens.prompt`` beside ``history.prompt``.
     """
 
     data_key = "query"
@@ -295,10 +281,8 @@ class ChatEnv(EnvBase):
         return next_td
 
     def _read_legacy_history(self, td: TensorDictBase) -> None:
-        """TorchRL 0.9's action: the whole conversation as a bare History under ``"history"``
-        (TorchRL's ChatEnv docstring still shows it). Turned in place into
-        ``ChatHistory(prompt=..., full=history)``, the prompt being the conversation without
-        its last message when that one is the policy's."""
+        """TorchRL 0.9's action, a bare History under ``"history"``, turned in place into
+        ``ChatHistory(prompt=..., full=history)`` (the prompt lacks a last policy message)."""
         if self.input_mode != "history" or not isinstance(td.get("history", None), History):
             return
         rows = td.get("history").to_chats(include_state=True)
@@ -307,10 +291,9 @@ class ChatEnv(EnvBase):
         td.set("history", ChatHistory(prompt=History.from_chats(prompts), full=full, batch_size=td.batch_size))
 
     def _read_legacy_response(self, td: TensorDictBase) -> None:
-        """TorchRL 0.9's action: the response text under ``"text_response"`` (history mode),
-        turned into ``history.full`` = prompt + one policy message, in place. The message's
-        content is the text without its end-of-turn marker (when the env has a tokenizer to
-        know it) and surrounding whitespace (as TorchRL 0.9 parsed it)."""
+        """TorchRL 0.9's action, the response text under ``"text_response"``, turned in place
+        into ``history.full`` = prompt + one policy message (stripped, and without the
+        end-of-turn marker when the env has a tokenizer, as TorchRL 0.9 parsed it)."""
         if self.input_mode != "history" or LEGACY_RESPONSE_KEY not in td.keys():
             return
         chat = td.get("history", None)
@@ -418,11 +401,9 @@ class ChatEnv(EnvBase):
         return make_text(rows) if self.input_mode == "text" else make_tokens(rows)
 
     def append_messages(self, next_td: TensorDictBase, role: str, contents: list[str | None]) -> TensorDictBase:
-        """Add a ``role`` message with ``contents[i]`` to the prompt of row ``i`` of ``next_td``
-        (None: row left as it is); used by tool transforms. Text and tokens modes render it with
-        the chat template: the previous assistant turn is closed (its end-of-turn text completed
-        when the response stopped before or inside it), then the message and a new generation
-        prompt are added."""
+        """Add a ``role`` message with ``contents[i]`` to row ``i``'s prompt (None: row left as it
+        is). Text and tokens modes render it with the chat template after closing the previous
+        assistant turn (its end-of-turn text completed when the response stopped inside it)."""
         rows = self.prompt_rows(next_td)
         for i, content in enumerate(contents):
             if content is None:
@@ -459,15 +440,10 @@ class DatasetChatEnv(TransformedEnv):
     (and the row's columns, ``answer``, ``prompt_id``, ``row``). Subclasses set ``SYSTEM_PROMPT``;
     a ``system_prompt`` argument overrides it.
 
-    Keyword args are TorchRL's (``dataset``, ``shuffle``, ``name`` (subset), ``split``,
-    ``num_envs``, ``repeats``, ``batch_size_dl``, ``seed``, ``group_repeats``, ``tokenizer``,
-    ``device``, ``template_kwargs``, ``apply_template``, ``collate_fn``, ``input_mode``,
-    ``data_key``, ``primers``, ``system_prompt``) plus ``prompt_column``, ``answer_column``,
+    TorchRL's keyword args (``name`` is the subset) plus ``prompt_column``, ``answer_column``,
     ``max_steps``, ``num_shards`` and ``shard_index``. ``dataset`` may also be a local file, a
     list of rows, a ``datasets.Dataset``, a DataLoader or any iterable of batches.
-    ``apply_template`` is accepted for compatibility and has no effect: the chat template is
-    applied by the env's ``input_mode`` (text and tokens modes render with the tokenizer), as
-    in TorchRL, whose env does not read it either.
+    ``apply_template`` has no effect, as in TorchRL: ``input_mode`` decides the rendering.
     """
 
     SYSTEM_PROMPT: str | None = None
@@ -549,10 +525,9 @@ class DatasetChatEnv(TransformedEnv):
         return self.transform[0]
 
     def prompt_lengths(self, chunk: int = 256) -> list[int] | None:
-        """The token count of each row's first prompt as a reset renders it (the system prompt, the
-        chat template with its generation prompt, the tools the template lists), in row order;
-        None for a dataloader source, whose rows are not known ahead. rlpost's, not TorchRL's: the
-        run checks the prompts against its engine's length before it starts (rlpost.envs.tasks)."""
+        """The token count of each row's first prompt as a reset renders it (system prompt,
+        template, tools), in row order; None for a dataloader source. rlpost's: the run checks the
+        prompts against its engine's length before it starts (rlpost.envs.tasks)."""
         primer, base = self.primer, self.base_env
         if primer.is_iterable or base.tokenizer is None:
             return None

@@ -1,10 +1,8 @@
 """The run loop of an env and its transforms: :class:`EnvBase` (TorchRL's ``torchrl.envs.common``).
 
-A base env (:class:`~rlpost.envs.chat.ChatEnv`) knows how to build a first prompt (``_reset``)
-and the next one (``_step``). Transforms (:class:`~rlpost.envs.transforms.Transform`) add data
-loading, rewards and tools through hooks. :class:`EnvBase` runs both, for a base env alone and
-for a :class:`~rlpost.envs.transforms.TransformedEnv` (a base env plus a
-:class:`~rlpost.envs.transforms.Compose` of transforms)::
+A base env (:class:`~rlpost.envs.chat.ChatEnv`) builds the first prompt (``_reset``) and the next
+(``_step``); transforms (:mod:`rlpost.envs.transforms`) add data loading, rewards and tools through
+hooks. :class:`EnvBase` runs both, for a base env alone and for a TransformedEnv::
 
     reset(td):  td = t.reset_preprocess(td)   for t in transforms    # e.g. load the query
                 out = base._reset(td)
@@ -14,21 +12,16 @@ for a :class:`~rlpost.envs.transforms.TransformedEnv` (a base env plus a
                 next = t.on_step(td, next)     for t in transforms    # e.g. reward, tool turn
                 next["done"] |= terminated | truncated;  td["next"] = next
 
-As in TorchRL, ``base_env.append_transform(t)`` returns a new :class:`TransformedEnv` and
-leaves ``base_env`` as it was; ``TransformedEnv.append_transform(t)`` appends in place and
-returns the same env. A TransformedEnv answers every attribute it does not have from its base
-env (``env.input_mode``, ``env.tokenizer``, ``env.last_responses``...), so transforms and
-callers treat both alike. Its specs (``full_observation_spec``, ...) are the base env's passed
-through each transform's ``transform_observation_spec`` (...), as in TorchRL.
-
-:meth:`EnvBase.rollout` runs a policy for up to ``max_steps`` steps and stacks the steps along a
-new last batch dim (``[*batch_size, T]``), as TorchRL's ``EnvBase.rollout`` does.
+As in TorchRL, ``base_env.append_transform(t)`` returns a new TransformedEnv (``base_env`` is left
+as it was), ``TransformedEnv.append_transform(t)`` appends in place, a TransformedEnv answers the
+attributes it lacks from its base env (``env.tokenizer``, ``env.last_responses``...) and its specs
+are the base env's passed through each transform's ``transform_<part>_spec``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase, lazy_stack
@@ -43,10 +36,8 @@ FLAGS = ("done", "terminated", "truncated")
 
 class EnvBase:
     """What every env here does with its transforms: reset, step, rollout, state and specs.
-
-    Subclasses provide ``base_env`` (the env whose ``_reset`` / ``_step`` build the prompts)
-    and ``transforms`` (a sequence of :class:`~rlpost.envs.transforms.Transform`).
-    """
+    Subclasses provide ``base_env`` (whose ``_reset`` / ``_step`` build the prompts) and
+    ``transforms``."""
 
     base_env: Any
     transforms: Any = ()
@@ -55,8 +46,8 @@ class EnvBase:
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
         """The first prompt of each conversation of ``tensordict`` (batch ``[k]``, default the
-        env's batch). The base env reads the query from it (a DataLoadingPrimer can fill it);
-        the output also holds every key of the input."""
+        env's batch), which holds the query (or a DataLoadingPrimer fills it); the output keeps
+        every input key."""
         if kwargs:
             raise TypeError(f"{type(self).__name__}.reset got unexpected keyword arguments {sorted(kwargs)}")
         base = self.base_env
@@ -84,9 +75,7 @@ class EnvBase:
         return tensordict
 
     def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
-        """``step(tensordict)``, and the root input of the next step: ``tensordict["next"]``'s
-        prompt and state keys, where the envs that are done were reset (new prompts from the
-        transforms)."""
+        """``step(tensordict)``, and the next step's root input (:meth:`maybe_reset`)."""
         tensordict = self.step(tensordict)
         return tensordict, self.maybe_reset(tensordict.get("next"))
 
@@ -116,16 +105,14 @@ class EnvBase:
         break_when_all_done: bool | None = None,
         tensordict: TensorDictBase | None = None,
     ) -> TensorDictBase:
-        """Run ``policy`` for up to ``max_steps`` steps; the steps stacked along a new last
-        batch dim (``[*batch_size, T]``, lazily: rows may hold prompts of different lengths).
-        The rows' stack is outermost, as in TorchRL's rollout of lazily stacked rows:
-        ``out.get(key, as_list=True)`` gives one ``[T, ...]`` entry per row.
+        """Run ``policy`` for up to ``max_steps`` steps, stacked lazily along a new last batch
+        dim (``[*batch_size, T]``), the rows' stack outermost as in TorchRL's rollout of lazily
+        stacked rows (``out.get(key, as_list=True)``: one ``[T, ...]`` entry per row).
 
-        As TorchRL: the env is reset first (``auto_reset=True``; else ``tensordict`` is the
-        first step's input), the rollout stops after the step where any env is done
-        (``break_when_any_done``, the default) or all are (``break_when_all_done=True``), and
-        with neither the envs that are done are reset and go on. ``callback(env, td)`` runs
-        after each step. Deviation: a policy is required (an LLM env has no random action).
+        As TorchRL: reset first (``auto_reset``; else ``tensordict`` is the first input), stop
+        after a step where any env is done (the default) or all are (``break_when_all_done``);
+        with neither, the done envs are reset and go on; ``callback(env, td)`` after each step.
+        Deviation: a policy is required (an LLM env has no random action).
         """
         if policy is None:
             raise EnvInputError(
@@ -143,47 +130,41 @@ class EnvBase:
         else:
             td = tensordict
         steps = []
-        for _ in range(max_steps):
-            td = self.step(policy(td))
+        for step in range(max_steps):
+            td, next_root = self._rollout_step(policy(td), last=step == max_steps - 1)
             steps.append(td)
             if callback is not None:
                 callback(self, td)
             done = td.get(("next", "done"))
-            if (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
+            if next_root is None or (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
                 break
-            td = self.maybe_reset(td.get("next"))
+            td = next_root()
         return _stack_steps(steps, dim=len(self.batch_size))
+
+    def _rollout_step(self, td: TensorDictBase, last: bool) -> tuple[TensorDictBase, Callable | None]:
+        """One step of :meth:`rollout` and what makes the next step's input (None: stop). Here
+        the reset comes after the break check and also after the last step, as TorchRL's."""
+        td = self.step(td)
+        return td, lambda: self.maybe_reset(td.get("next"))
 
     # ------------------------------------------------------------------ transforms and state
 
     @property
     def state_keys(self) -> tuple[str, ...]:
         """Keys carried from each step's input to its ``next`` (and into partial resets)."""
-        keys = list(self.base_env.base_state_keys)
-        for transform in self.transforms:
-            keys += [key for key in transform.state_keys if key not in keys]
-        return tuple(keys)
+        return union_state_keys(self.transforms, self.base_env.base_state_keys)
 
     @property
     def reward_errors(self) -> Counter:
         """Failed reward computations so far, by error type, summed over the transforms."""
-        total: Counter = Counter()
-        for transform in self.transforms:
-            total.update(getattr(transform, "errors", Counter()))
-        return total
+        return sum_errors(self.transforms)
 
     def state_dict(self) -> dict[str, Any]:
         """The transforms' state (e.g. the prompt stream's position), for resume."""
         return {"transforms": [t.state_dict() for t in self.transforms]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state["transforms"]
-        if len(states) != len(self.transforms):
-            raise ValueError(
-                f"state has {len(states)} transform states, this env has {len(self.transforms)} transforms"
-            )
-        for transform, transform_state in zip(self.transforms, states):
-            transform.load_state_dict(transform_state)
+        load_each(self.transforms, state["transforms"], "env")
 
     def set_seed(self, seed: int | None, static_seed: bool = False) -> int | None:
         """TorchRL compatibility; a no-op: the prompt order is seeded by the DataLoadingPrimer and
@@ -192,20 +173,12 @@ class EnvBase:
 
     def close(self) -> None:
         """Release what the transforms hold (sandboxes, worker threads)."""
-        for transform in self.transforms:
-            close = getattr(transform, "close", None)
-            if close is not None:
-                close()
+        close_each(self.transforms)
 
-    # ------------------------------------------------------------------ specs (the base env's, through the transforms)
+    # ------------------------------------------------------------------ specs
 
     def _transformed_spec(self, part: str) -> Composite:
-        """The base env's ``part`` spec (a new Composite each call) passed through each
-        transform's ``transform_<part>_spec`` in order, as TorchRL's TransformedEnv does."""
-        spec = getattr(self.base_env, f"_{part}_spec")()
-        for transform in self.transforms:
-            spec = getattr(transform, f"transform_{part}_spec")(spec)
-        return spec
+        return through_specs(self.transforms, part, getattr(self.base_env, f"_{part}_spec")())
 
     full_observation_spec = property(lambda self: self._transformed_spec("observation"))
     full_action_spec = property(lambda self: self._transformed_spec("action"))
@@ -228,8 +201,7 @@ class EnvBase:
 
     @property
     def action_keys(self) -> list:
-        """The one action: the policy's ``full`` in the env's mode (the container is read as a
-        whole, as TorchRL's KL transforms do)."""
+        """The policy's ``full`` in the env's mode (read as a whole, as TorchRL's KL transforms do)."""
         return [(self.base_env.input_mode, "full")]
 
     @property
@@ -250,10 +222,50 @@ class EnvBase:
 
 
 def _stack_steps(steps: list[TensorDictBase], dim: int) -> TensorDictBase:
-    """The steps of a rollout stacked along a new batch dim ``dim``, lazily; for a batched env
-    (``dim > 0``) row by row, the rows' stack outermost, as TorchRL's rollout of lazily stacked
-    rows comes out."""
+    """The steps stacked lazily along a new batch dim ``dim``; for ``dim > 0`` row by row, the
+    rows' stack outermost."""
     if dim == 0:
         return lazy_stack(steps, dim=0)
     num_rows = steps[0].batch_size[0]
     return lazy_stack([lazy_stack([step[i] for step in steps], dim - 1) for i in range(num_rows)], 0)
+
+
+# What an env and a Compose both do with their list of transforms
+
+
+def union_state_keys(transforms: Iterable[Any], keys: Iterable[str] = ()) -> tuple[str, ...]:
+    """``keys``, then each transform's ``state_keys`` not among them yet, in order."""
+    keys = list(keys)
+    for transform in transforms:
+        keys += [key for key in transform.state_keys if key not in keys]
+    return tuple(keys)
+
+
+def sum_errors(transforms: Iterable[Any]) -> Counter:
+    """The transforms' ``errors`` counters (failed reward computations by type), summed."""
+    total: Counter = Counter()
+    for transform in transforms:
+        total.update(getattr(transform, "errors", Counter()))
+    return total
+
+
+def load_each(transforms: Sequence[Any], states: Sequence[dict[str, Any]], owner: str) -> None:
+    if len(states) != len(transforms):
+        raise ValueError(f"state has {len(states)} transform states, this {owner} has {len(transforms)} transforms")
+    for transform, transform_state in zip(transforms, states):
+        transform.load_state_dict(transform_state)
+
+
+def close_each(transforms: Iterable[Any]) -> None:
+    for transform in transforms:
+        close = getattr(transform, "close", None)
+        if close is not None:
+            close()
+
+
+def through_specs(transforms: Iterable[Any], part: str, spec: Composite) -> Composite:
+    """``spec`` passed through each transform's ``transform_<part>_spec`` in order, as TorchRL's
+    TransformedEnv does."""
+    for transform in transforms:
+        spec = getattr(transform, f"transform_{part}_spec")(spec)
+    return spec

@@ -1,14 +1,12 @@
 """Prompts from a dataset: :class:`DataLoadingPrimer`, the transform that fills a chat env's reset
-input (the env over it, :class:`~rlpost.envs.chat.DatasetChatEnv`, is in :mod:`rlpost.envs.chat`,
-as in TorchRL; the sources it reads are in :mod:`rlpost.envs.row_sources`, its Ray form in
-:mod:`rlpost.envs.ray_primer`).
+input (its env, :class:`~rlpost.envs.chat.DatasetChatEnv`, is in :mod:`rlpost.envs.chat` as in
+TorchRL; its sources in :mod:`rlpost.envs.row_sources`, its Ray form in :mod:`rlpost.envs.ray_primer`).
 
-Rows are walked in a seeded order, ``batch_size_dl`` at a time; each loaded batch goes through
-``collate_fn`` and into a queue, every row ``repeats`` times in a row (TorchRL's meaning: a batch
-``a b`` with ``repeats=3`` queues ``a a a b b b``; each reset of ``k`` envs takes the next ``k``
-items, so the copies continue over the next resets until the queue is empty). The copies of a
-row, one GRPO group, carry the same ``prompt_id`` and the row itself (for the reward). When the
-rows run out, the next epoch starts with a new seeded order.
+Each loaded batch (``batch_size_dl`` rows of a seeded order) goes through ``collate_fn`` into a
+queue, every row ``repeats`` times in a row (TorchRL's meaning: a batch ``a b`` with ``repeats=3``
+queues ``a a a b b b``; a reset of ``k`` envs takes the next ``k`` items, so copies continue over
+the next resets). The copies of a row, one GRPO group, carry the same ``prompt_id`` and the row
+itself (for the reward). When the rows run out, the next epoch starts with a new seeded order.
 
 What rlpost adds to TorchRL's primer, on purpose:
 
@@ -68,45 +66,21 @@ class PromptItem:
 class DataLoadingPrimer(Transform):
     """Fill the reset input of a chat env with prompts drawn from a dataset or a dataloader.
 
-    The source is rows (a local file, a hub name, a ``datasets.Dataset`` or a list of row dicts:
-    walked in a seeded order, resumable exactly and shardable) or, TorchRL's ``dataloader``, a
-    DataLoader or any iterable of batches (each a dict of columns or a list of row dicts; a bare
-    string or list of strings is the ``data_key`` column), iterated endlessly. Each loaded batch
-    goes through ``collate_fn`` (default :func:`default_collate_fn`) and into the queue of
-    copies the module docstring describes.
-
-    A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
+    ``dataloader`` (or ``dataset=``, rlpost's name) is rows (a local file, a hub name with
+    ``name``/``split``, a ``datasets.Dataset`` or a list of row dicts: seeded, resumable exactly,
+    shardable) or, as TorchRL's, a DataLoader or any iterable of batches (a dict of columns or a
+    list of row dicts; a bare string or list of strings is the ``data_key`` column), iterated
+    endlessly. A reset of ``k`` envs whose input lacks ``data_key`` gets, per env: every column of the
     collated row (or those of ``primers``), the prompt under ``data_key`` (from
-    ``prompt_column`` when given), ``"answer"`` (from ``answer_column`` when given),
-    ``"prompt_id"`` (int64, shared by the copies of one draw) and ``"row"`` (the row dict, for
-    reward functions). These keys are carried from step to step (``state_keys``).
-
-    Args:
-        dataloader: the source (either kind). ``dataset=`` is the same argument by rlpost's name.
-
-    Keyword Args:
-        primers: a Composite whose keys are the columns to write (default: every column).
-        data_keys: the column name of batches that are not mappings (a tensor of token ids, a
-            string or a list of them); default ``[data_key]``.
-        stack_method: how tensor columns are stacked across rows: None (``torch.stack``, or a
-            nested tensor when lengths differ), ``"as_nested_tensor"``, ``"as_padded_tensor"``
-            or a callable taking a list of tensors.
-        batch_size: the batch size the primer serves (TorchRL's; informative here: each reset
-            takes as many items as it has envs).
-        repeats: copies of each loaded batch (None or 0: one).
-        device: device of the tensors written.
-        group_repeats: require every reset to take whole replayed batches.
-        batch_size_dl: rows per loaded batch, for a rows source (a DataLoader has its own).
-        collate_fn: applied to each loaded batch (list of row dicts or dict of columns).
-        prompt_column: the column holding the prompt; None: ``data_key`` itself, else
-            ``"question"``.
-        answer_column: the column written as ``"answer"``; None: ``"answer"`` when present.
-        data_key: key of the prompt in the reset input (the env's ``data_key``).
-        name, split: subset and split of a hub dataset.
-        shuffle, seed: a rows source's seeded order (None draws a seed, saved in ``state_dict``).
-        num_shards, shard_index: take only positions ``shard_index::num_shards`` of each epoch.
-
+    ``prompt_column``: default ``data_key`` itself, else ``"question"``), ``"answer"`` (from
+    ``answer_column``), ``"prompt_id"`` (int64, shared by the copies of one draw) and ``"row"``
+    (the row dict, for reward functions); all carried from step to step (``state_keys``).
     Missing columns raise ``ValueError`` naming the column, the dataset and its columns.
+    ``data_keys``: the column name of batches that are not mappings; ``stack_method``: how tensor
+    columns stack across rows (None: ``torch.stack``, or nested when lengths differ;
+    ``"as_nested_tensor"``, ``"as_padded_tensor"`` or a callable); ``batch_size`` is TorchRL's
+    and informative (a reset takes as many items as it has envs); ``repeats`` None or 0: one
+    copy; ``seed`` None draws one, saved in ``state_dict``.
     """
 
     def __init__(
@@ -186,9 +160,8 @@ class DataLoadingPrimer(Transform):
     # ------------------------------------------------------------------ columns
 
     def _default_prompt_column(self, first: dict[str, Any]) -> str | None:
-        """``data_key`` when the rows have it, else ``"question"`` (GSM8K-style rows), else None:
-        the columns are written under their own names and the env reads its own key (e.g. a
-        token env's ``"tokens"``)."""
+        """``data_key`` when the rows have it, else ``"question"``, else None (the env reads its own
+        key among the columns, e.g. a token env's ``"tokens"``)."""
         if self.data_key in first:
             return self.data_key
         return "question" if "question" in first else None

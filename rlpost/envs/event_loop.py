@@ -1,11 +1,9 @@
 """One asyncio event loop on a thread of its own, for transforms whose clients are coroutines.
 
-The env's hooks are synchronous and may run in any thread (a collector's, a Ray actor's, one of
-a tool transform's row threads), some of which already run a loop of their own, where
-``loop.run_until_complete`` fails. :class:`EventLoopThread` keeps one loop running on a daemon
-thread for the transform's lifetime; ``run(coro, timeout_s)`` submits a coroutine to it and
-waits. The MCP sessions and the browser both live on such a loop: their connections are bound
-to the loop that opened them.
+Trap: the env's hooks may run in any thread, some of which already run a loop of their own, where
+``loop.run_until_complete`` fails; and the MCP sessions' and the browser's connections are bound
+to the loop that opened them. :class:`EventLoopThread` keeps one loop on a daemon thread for the
+transform's lifetime; ``run(coro, timeout_s)`` submits a coroutine to it and waits.
 """
 
 from __future__ import annotations

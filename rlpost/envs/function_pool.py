@@ -1,21 +1,19 @@
 """Worker processes that run the user's own Python functions with a wall-clock limit.
 
-Reward functions (``data.reward_fn``) and tool functions (``tools.functions``) are the user's
-code, trusted but fallible: one that hangs would stall an env pool forever, one that crashes the
-interpreter would take the env pool's actor with it. :class:`FunctionPool` runs them in separate
-worker processes instead::
+Reward functions (``data.reward_fn``) and tool functions (``tools.functions``) are trusted but
+fallible: one that hangs would stall an env pool forever, one that crashes the interpreter would
+take the env pool's actor with it. :class:`FunctionPool` runs them in worker processes::
 
     result = pool.call("my_pkg.rewards:score", (completion, row), timeout_s=30)
     result.ok, result.value, result.error, result.traceback
 
-A call that exceeds ``timeout_s`` is abandoned: its worker is killed (with everything it started)
-and replaced on the next call; the result says ``"timeout after 30.0s"``. An exception comes back
-as its type name and formatted traceback. Nothing raises here but the caller's own mistakes
-(a function that cannot be sent to a worker: a lambda or a closure; use a module-level function
-or a ``"package.module:function"`` path).
+A call past ``timeout_s`` is abandoned: its worker is killed (with everything it started) and
+replaced on the next call; the result says ``"timeout after 30.0s"``. An exception comes back as
+its type name and traceback. Only the caller's own mistakes raise (a function that cannot be sent
+to a worker, e.g. a lambda: use a module-level function or a ``"package.module:function"`` path).
 
-Workers are plain ``python -c`` processes (not ``multiprocessing``, whose spawn re-runs the
-parent's ``__main__``: inside a Ray actor that is Ray's worker script). They get the parent's
+Trap: workers are plain ``python -c`` processes, as ``multiprocessing``'s spawn re-runs the
+parent's ``__main__`` (inside a Ray actor, Ray's worker script). They get the parent's
 ``sys.path``, die with the parent, and write the user's prints to stderr so the protocol on
 stdout stays clean. Model-written code never runs here: that goes to :mod:`rlpost.envs.sandbox`.
 """
@@ -67,9 +65,8 @@ class FunctionPool:
         self.num_timeouts = 0
 
     def call(self, fn: str | Callable, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float) -> CallResult:
-        """``fn(*args, **kwargs)`` in a worker; ``fn`` is a ``"package.module:function"`` path or
-        a module-level callable. Raises ``ValueError`` when ``fn`` or the arguments cannot be
-        sent to a worker."""
+        """``fn(*args, **kwargs)`` in a worker (``fn``: a path or a module-level callable);
+        ``ValueError`` when ``fn`` or the arguments cannot be sent to a worker."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         try:

@@ -35,25 +35,12 @@ def hash_rows(rows: torch.Tensor) -> torch.Tensor:
 class LLMHashingEnv(LLMEnvLoop, EnvBase):
     """Token sequences identified by a running hash (TorchRL's ``LLMHashingEnv``).
 
-    A reset reads token ids under ``observation_key`` (``[L]``, or ``[B, L]``) and writes
-    ``"hashing"`` (the hash of the ids, int64 ``[*B, 1]``), ``done`` / ``terminated`` (False)
-    and, with ``text_output``, the decoded text under ``text_key``. A step reads ``"action"``
-    (one token per row, ``[*B, 1]``): the next observation is ``cat(observation, action)`` and
-    the next hash is ``hash(cat(hashing, action))``, so equal token chains get equal hashes.
-
-    Args:
-        vocab_size: the vocabulary size; defaults to the tokenizer's.
-
-    Keyword Args:
-        hashing_module: ``[N, F]`` int64 -> ``[N]`` int64; default :func:`hash_rows`.
-        observation_key: ``"observation"``.
-        text_output: decode the observation into ``text_key`` (needs a tokenizer with
-            ``decode`` and ``batch_decode``).
-        tokenizer: encodes :meth:`make_tensordict`'s strings and decodes observations.
-        text_key: ``"text"``.
-
-    The env takes the batch of its reset input (TorchRL's env is not batch-locked): its
-    ``batch_size`` is that of the last reset.
+    A reset reads ids under ``observation_key`` (``[L]`` or ``[B, L]``) and writes their hash
+    (int64 ``[*B, 1]``) under ``"hashing"`` and, with ``text_output``, the decoded text; a step
+    reads one token per row under ``"action"`` (see the module docstring), so equal token chains
+    get equal hashes. ``hashing_module``: ``[N, F]`` int64 -> ``[N]`` int64 (default
+    :func:`hash_rows`). The env takes the batch of its last reset input (TorchRL's is not
+    batch-locked).
 
     Deliberate deviations from TorchRL: the default hash is BLAKE2b-based and the same in every
     process (TorchRL's ``SipHash`` uses Python's ``hash``, which changes with

@@ -1,11 +1,8 @@
 """Token ids kept in step with a history-mode conversation: TorchRL's ``IncrementalTokenizer``.
 
-A history-mode :class:`~rlpost.envs.chat.ChatEnv` holds messages; a policy that prefers tokens
-wants the prompt's ids, and the ids it generated kept as they were (re-tokenizing the rendered
-text may split them differently, which changes what the log-probs are computed on). This
-transform writes ``tokens.prompt`` next to ``history.prompt``: at reset the rendered prompt
-tokenized; at a step the policy's own ``tokens.full`` followed by the tokens of the messages
-transforms added after it (a tool result) and the generation prompt::
+A policy that prefers tokens wants the prompt's ids, with the ids it generated kept as they were
+(re-tokenizing the rendered text may split them differently, which changes what the log-probs
+are computed on). This transform writes ``tokens.prompt`` next to ``history.prompt``::
 
     reset:  tokens.prompt = tokenize(render(history.prompt, generation prompt))
     step:   tokens.prompt = tokens.full                                     no message added
@@ -34,29 +31,19 @@ from rlpost.envs.turns import TurnRenderer, close_with
 
 
 class IncrementalTokenizer(Transform):
-    """Keep ``tokens_key`` (default ``tokens.prompt``) in step with ``history_key`` (default
-    ``history.prompt``); see the module docstring for how each prompt's ids are made.
-
-    TorchRL's constructor: ``tokenizer``, and keywords ``history_key``, ``tokens_key``,
-    ``chat_template_name``, ``chat_template`` and ``add_generation_prompt`` (for the prompts it
-    tokenizes whole). A two-part key is stored as a lazy stack of one TensorDict per row,
-    unpadded (read with ``td.get(("tokens", "prompt"), as_list=True)``); a one-part key as a
-    tensor (jagged when the rows differ in length).
-
-    Append it after the transforms that add messages (tool transforms, AddThinkingPrompt): it
-    reads the next prompt they leave; appended before one of them it raises ``ValueError`` at
-    the first reset (its ids would miss that message).
+    """Keep ``tokens_key`` in step with ``history_key`` (see the module docstring); TorchRL's
+    constructor. A two-part key is stored unpadded, one TensorDict per row (read with
+    ``td.get(("tokens", "prompt"), as_list=True)``); a one-part key as a tensor (jagged when the
+    rows differ in length). Trap: append it after the transforms that add messages (tools,
+    AddThinkingPrompt); before one of them it raises ``ValueError`` at the first reset.
 
     Deliberate deviations from TorchRL: when a transform added messages after the policy's
     turn (a tool result), those messages and the generation prompt are tokenized and appended
     to ``tokens.full`` (TorchRL copies ``tokens.full`` alone, so the tokens lose the tool
     result that the history holds); the transform refuses a tokens-mode env (whose own
-    ``tokens.prompt`` it would overwrite) and one where it runs before a transform that adds
-    messages. ``transform_observation_spec`` adds ``tokens_key`` to the env's observation spec,
-    as TorchRL's does: int64 ids of shape ``[*batch, -1]`` (TorchRL: a ``Bounded`` spec in
+    ``tokens.prompt`` it would overwrite) and the misplacement above; the observation spec of
+    ``tokens_key`` is int64 ids of shape ``[*batch, -1]`` (TorchRL: a ``Bounded`` spec in
     ``[0, vocab_size)``; rlpost's specs have ``Unbounded`` only).
-    ``ChatEnv(..., with_tokenizer=True)`` and ``ChatEnv.with_tokenizer(tokenizer, ...)`` append
-    it with its defaults, as in TorchRL.
     """
 
     def __init__(

@@ -1,21 +1,13 @@
 """KL to a reference model, as env transforms (TorchRL's ``torchrl.envs.llm.transforms.kl``).
 
-- :class:`RetrieveLogProb` scores a model (``generate=False``) on the full sequences of a step
-  (``td[(mode, "full")]``) and writes its log-probs under ``next`` (zeroed outside the assistant
-  tokens when ``assistant_only``), padded (``pad_output=True``, ``padding_side``) or one tensor
-  per row (``td.get(key, as_list=True)`` gives them back, as from TorchRL's transform;
-  :func:`~rlpost.data.stacking.set_rows` says how they are stored).
-- :class:`KLComputation` writes the per-token KL ``gen - ref`` of two log-prob entries of
-  ``next`` under ``kl_key``; with ``add_to_reward`` the reward becomes per-token,
-  ``reward - coeff * kl`` of shape ``[B, T, 1]``.
-- :class:`RetrieveKL` chains them (a :class:`~rlpost.envs.transforms.Compose`): generation
-  log-probs (from ``gen_model``, or the collector's policy with ``gen_model="from_collector"``),
-  reference log-probs, then the KL. ``use_ray_service=True`` gives a :class:`RayRetrieveKL`
-  (:mod:`rlpost.envs.kl_service`). TorchRL's legacy ``KLRewardTransform`` is in
-  :mod:`rlpost.envs.kl_reward`.
-
-As in TorchRL, ``transform(td)`` also works alone, writing into ``td["next"]`` when there is one,
-else into ``td``; in an env, ``step`` calls it after the base step; reset does nothing.
+:class:`RetrieveLogProb` scores the full sequences of a step, :class:`KLComputation` writes
+the per-token KL ``gen - ref`` (and penalises the reward), :class:`RetrieveKL` chains them;
+``use_ray_service=True`` gives a :class:`RayRetrieveKL` (:mod:`rlpost.envs.kl_service`);
+TorchRL's legacy ``KLRewardTransform`` is in :mod:`rlpost.envs.kl_reward`. Log-probs of rows of
+different lengths are padded (``pad_output=True``) or stored one tensor per row
+(:func:`~rlpost.data.stacking.set_rows`; ``td.get(key, as_list=True)`` gives them back, as from
+TorchRL). As in TorchRL, ``transform(td)`` also works alone, writing into ``td["next"]`` when
+there is one, else into ``td``.
 
 Deliberate deviations from TorchRL:
 
@@ -62,8 +54,7 @@ def _target(td: TensorDictBase) -> TensorDictBase:
 
 
 def _entry(td: TensorDictBase, key: NestedKey) -> Any:
-    """``td[key]``: a tensor, or a list of its rows when they are stored one per row (a lazy
-    stack, even of rows of one length); None when absent."""
+    """``td[key]``: a tensor, or the list of its rows when stored one per row; None when absent."""
     if key not in td.keys(include_nested=True):
         return None
     if is_row_stacked(td, key):
@@ -97,21 +88,13 @@ def pack_rows(rows: list[torch.Tensor], padded: bool, padding_side: str) -> torc
 
 
 class RetrieveLogProb(Transform):
-    """Write ``model``'s log-probs of each full sequence under ``log_probs_full_key`` in ``next``.
+    """Write ``model``'s log-probs of each full sequence (``td[(mode, "full")]``) under
+    ``log_probs_full_key`` in ``next``; ``model`` is a wrapper with ``generate=False``.
 
-    Args:
-        model: a wrapper built with ``generate=False`` and ``return_log_probs=True``.
-
-    Keyword Args:
-        log_probs_full_key: where to write; default ``(model.log_probs_key, "full")``.
-        assistant_only: zero the log-probs outside the assistant tokens (the model's
-            ``masks.all_assistant_mask``); needs ``input_mode="history"``, as in TorchRL.
-        tokenizer_kwargs: TorchRL's keyword (chat-template arguments for the assistant mask);
-            recorded, the wrapper renders the chat itself.
-        detach: score without gradients.
-        device: the device the model's inputs are moved to (results come back to the data's).
-        tokenizer: recorded for TorchRL compatibility (the model's tokenizer is used).
-        padding_side: side of the padding of padded outputs.
+    ``assistant_only`` zeroes them outside the assistant tokens (needs ``input_mode="history"``,
+    as in TorchRL); ``device``: where the model's inputs go (results come back to the data's);
+    ``tokenizer_kwargs`` and ``tokenizer`` are recorded for TorchRL compatibility (the wrapper
+    renders the chat with its own tokenizer).
     """
 
     def __init__(
@@ -166,8 +149,7 @@ class RetrieveLogProb(Transform):
         return bool(getattr(self.model, "pad_output", True))
 
     def log_probs(self, td: TensorDictBase) -> torch.Tensor:
-        """The model's log-probs of ``td``'s full sequences, masked, as one tensor: padded, or
-        jagged with ``pad_output=False`` (the transform itself stores such rows one per row)."""
+        """The masked log-probs as one tensor: padded, or jagged with ``pad_output=False``."""
         return pack_rows(self._rows(td), self.pad_output, self.padding_side)
 
     def _rows(self, td: TensorDictBase) -> list[torch.Tensor]:
@@ -209,23 +191,12 @@ class RetrieveLogProb(Transform):
 
 
 class KLComputation(Transform):
-    """Per-token KL from two log-prob entries of ``next``; optionally a per-token reward penalty.
-
-    Args:
-        gen_log_probs_full_key, ref_log_probs_full_key: the two log-prob entries.
-
-    Keyword Args:
-        kl_key: where the KL goes.
-        add_to_reward: ``reward = reward - coeff * kl`` per token (``[B, T, 1]``), or per
-            sequence with ``reward_per="sequence"``.
-        coeff: the KL coefficient.
-        reward_per: ``"token"`` (TorchRL's) or ``"sequence"``: ``reward - coeff * kl.sum()``
-            per row, the reward keeping its shape (``[B]`` or ``[B, 1]``).
-        mask_key: a boolean entry of the data (``[B, T]``); the KL is zero where it is False.
-            None: every token's KL counts.
-        padding_side: side of the padding when ragged rows are padded (padded inputs keep their
-            layout; ragged ones are stored one tensor per row).
-        estimator: ``"k1"`` (``gen - ref``, TorchRL's) or ``"k3"`` (see the module docstring).
+    """Per-token KL of two log-prob entries of ``next`` under ``kl_key``; with ``add_to_reward``
+    ``reward - coeff * kl`` per token (``[B, T, 1]``), or with ``reward_per="sequence"``
+    ``reward - coeff * kl.sum()`` per row (the reward keeps its shape, ``[B]`` or ``[B, 1]``).
+    ``mask_key``: a boolean ``[B, T]`` entry, the KL zero where it is False; padded inputs give
+    padded outputs, ragged ones are stored one tensor per row. ``estimator``: see the module
+    docstring.
     """
 
     def __init__(
@@ -257,8 +228,7 @@ class KLComputation(Transform):
         self.reward_per, self.mask_key = reward_per, mask_key
 
     def kl(self, next_td: TensorDictBase) -> torch.Tensor:
-        """The per-token KL of ``next_td``'s two entries as one tensor (padded in, padded out;
-        else jagged)."""
+        """The per-token KL as one tensor (padded in, padded out; else jagged)."""
         rows, padded = self._kl_rows(next_td)
         return pack_rows(rows, padded, self.padding_side)
 
@@ -303,8 +273,7 @@ class KLComputation(Transform):
         return next_td
 
     def _penalised(self, reward_rows: list[torch.Tensor], kl_rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per row, ``reward - coeff * kl`` per token (``[T, 1]``), or with ``reward_per="sequence"``
-        ``reward - coeff * kl.sum()`` (the reward's shape)."""
+        """Each row's penalised reward (see the class docstring)."""
         if self.reward_per == "sequence":
             return [r - self.coeff * k.to(r.dtype).sum() for r, k in zip(reward_rows, kl_rows)]
         out = []
@@ -339,24 +308,13 @@ class KLComputation(Transform):
 class RetrieveKL(Compose):
     """Generation log-probs, reference log-probs, then their KL (TorchRL's ``RetrieveKL``).
 
-    Args:
-        gen_model: the generating policy as a scoring wrapper (``generate=False``,
-            ``return_log_probs=True``); ``"from_collector"`` (the default) builds it at first
-            use from the policy of the collector this transform's env is registered with
-            (``policy.get_new_version(generate=False, ...)``); None uses the generation
-            log-probs already at ``gen_log_probs_full_key``.
-        ref_model: the frozen reference as a scoring wrapper.
-
-    Keyword Args:
-        gen_model_factory, ref_model_factory: callables building the models (instead of the
-            models themselves; what a Ray service runs remotely).
-        assistant_only, tokenizer_kwargs, detach, device, tokenizer, padding_side: as
-            :class:`RetrieveLogProb`.
-        gen_log_probs_full_key, ref_log_probs_full_key, kl_key, add_to_reward, coeff, estimator,
-        reward_per, mask_key: as :class:`KLComputation`.
-        history_key: TorchRL's keyword (the history entry); recorded.
-        use_ray_service: return a :class:`RayRetrieveKL` instead (one shared Ray actor);
-            ``actor_name``, ``num_cpus``, ``num_gpus`` and ``timeout_s`` go to it.
+    ``gen_model``: a scoring wrapper of the generating policy; ``"from_collector"`` (default)
+    builds it at first use from the policy of the collector the env is registered with; None
+    uses the generation log-probs already at ``gen_log_probs_full_key``. The ``*_factory``
+    arguments build the models instead (what a Ray service runs remotely); the other keywords
+    are :class:`RetrieveLogProb`'s and :class:`KLComputation`'s (``history_key`` is recorded).
+    ``use_ray_service``: a :class:`RayRetrieveKL` instead (``actor_name``, ``num_cpus``,
+    ``num_gpus``, ``timeout_s`` go to it).
     """
 
     def __new__(cls, *args: Any, use_ray_service: bool = False, **kwargs: Any):
@@ -426,11 +384,9 @@ class RetrieveKL(Compose):
         self._initialized = True
 
     def _init_deferred(self) -> None:
-        """``gen_model="from_collector"``: the scoring twin of the collector's policy.
-
-        The twin writes to ``gen_log_probs_full_key`` and the reference to
-        ``ref_log_probs_full_key``, so a reference with the default ``log_probs_key`` (the
-        twin's too) is accepted, as in TorchRL, whose deferred build skips that check."""
+        """``gen_model="from_collector"``: the scoring twin of the collector's policy. The two
+        write to distinct full keys, so one ``log_probs_key`` for both is accepted (as TorchRL's
+        deferred build)."""
         collector = getattr(self, "collector", None)
         if collector is None and self.parent is not None:
             collector = getattr(self.parent, "collector", None)
@@ -486,10 +442,9 @@ def _check_pair(gen_model: Any, ref_model: Any, *, distinct_keys: bool = True) -
 
 
 class RayRetrieveKL(RayTransform):
-    """:class:`RetrieveKL` in one shared Ray actor (what ``RetrieveKL(..., use_ray_service=True)``
-    returns). Models or factories are sent to the actor, which builds the RetrieveKL there.
-    With ``actor_name`` of a running actor (e.g. ``"reference"`` in an rlpost run's namespace)
-    no model is needed: the env attaches to it."""
+    """:class:`RetrieveKL` built in one shared Ray actor from the models or factories sent to it;
+    with ``actor_name`` of a running actor (e.g. an rlpost run's ``"reference"``) no model is
+    needed: the env attaches to it."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
-"""TorchRL's legacy KL reward, :class:`KLRewardTransform`: reference log-probs of the action, and
-per token ``reward - coef * (log_probs - ref_log_probs)``, with ``kl_penalty`` and
-``ref_log_prob`` beside it (:class:`~rlpost.envs.kl.RetrieveKL` is the recommended form), and
-:class:`RayKLRewardTransform`, the same in one shared Ray actor (:mod:`rlpost.envs.kl_service`).
+"""TorchRL's legacy KL reward, :class:`KLRewardTransform` (:class:`~rlpost.envs.kl.RetrieveKL`
+is the recommended form), and :class:`RayKLRewardTransform`, the same in one shared Ray actor
+(:mod:`rlpost.envs.kl_service`).
 """
 
 from __future__ import annotations
@@ -24,23 +23,13 @@ class KLRewardTransform(Transform):
     """TorchRL's legacy KL reward: reference log-probs of the action, and per token
     ``reward - coef * (log_probs - ref_log_probs)`` (``RetrieveKL`` is the recommended form).
 
-    Args:
-        ref_model: the reference as a scoring wrapper (``generate=False``, input_mode "tokens").
-            The legacy form of TorchRL's docstring, ``KLRewardTransform(gen_model, ref_model)``,
-            is accepted too (TorchRL's own signature rejects it): the generation model then only
-            says where its log-probs are (``(gen_model.log_probs_key, "full")``, unless
-            ``log_prob_key`` is given), and a reference in another input mode is scored through
-            its tokens-mode twin (``ref_model.get_new_version(input_mode="tokens")``).
-
-    Keyword Args:
-        ref_model_factory: a callable building it instead.
-        coef: the KL coefficient.
-        in_keys, out_keys: ``["reward"]`` and ``[reward, "kl_penalty", "ref_log_prob"]`` by
-            default (the two extra keys may be named).
-        log_prob_key: the generation log-probs in the step input (``("log_probs", "full")``).
-        device, add_to_reward, tokenizer, assistant_only, padding_side: as TorchRL; with
-            ``assistant_only`` only the response tokens (after the prompt) count.
-        use_ray_service: return a :class:`RayKLRewardTransform` (one shared Ray actor).
+    ``ref_model``: a scoring wrapper (``generate=False``, input_mode "tokens"). The legacy form
+    of TorchRL's docstring, ``KLRewardTransform(gen_model, ref_model)``, is accepted too (TorchRL's
+    signature rejects it): ``gen_model`` then only says where its log-probs are (unless
+    ``log_prob_key`` is given), and a reference in another input mode is scored through its
+    tokens-mode twin. ``out_keys`` default to ``[reward, "kl_penalty", "ref_log_prob"]``; with
+    ``assistant_only`` only the response tokens (after the prompt) count; ``use_ray_service``
+    returns a :class:`RayKLRewardTransform`.
     """
 
     DEFAULT_IN_KEYS = ["reward"]
@@ -160,12 +149,7 @@ class KLRewardTransform(Transform):
             for r, k in zip(rewards, tensor_list(kl)):
                 r = r.reshape(1, 1) if r.numel() == 1 else r  # one reward per sample: every token gets it
                 penalised.append(r.to(k.dtype) - self.coef * k)
-            packed = (
-                torch.stack(penalised)
-                if self.pad_output
-                else torch.nested.as_nested_tensor(penalised, layout=torch.jagged)
-            )
-            next_td.set(self.out_keys[0], packed)
+            next_td.set(self.out_keys[0], pack_rows(penalised, self.pad_output, self.padding_side))
         next_td.set(self.out_keys[1], kl)
         next_td.set(self.out_keys[2], ref)
         return next_td

@@ -1,11 +1,10 @@
 """A KL transform in one named Ray actor shared by every env that asks for it: the
 ``use_ray_service=True`` form of :class:`~rlpost.envs.kl.RetrieveKL` and
-:class:`~rlpost.envs.kl_reward.KLRewardTransform`. rlpost's ``reference`` actor is such an actor
-(it subclasses :class:`KLServiceActor`), so an env can attach to a running service's reference
-model with ``RayRetrieveKL(actor_name="reference")``.
+:class:`~rlpost.envs.kl_reward.KLRewardTransform`. rlpost's ``reference`` actor is one (it
+subclasses :class:`KLServiceActor`): ``RayRetrieveKL(actor_name="reference")`` attaches to it.
 
-Deliberate deviation from TorchRL: a remote call has a time limit (``timeout_s``): a dead or
-stuck service raises ``TimeoutError`` naming the actor instead of hanging the env.
+Deliberate deviation from TorchRL: every remote call waits at most ``timeout_s``, then raises
+``TimeoutError`` naming the actor instead of hanging the env.
 """
 
 from __future__ import annotations
@@ -22,11 +21,7 @@ DEFAULT_RAY_TIMEOUT_S = 600.0
 
 
 class KLServiceActor:
-    """The body of a shared KL actor: one transform, called by any number of envs.
-
-    ``RayRetrieveKL`` / ``RayKLRewardTransform`` create it (or find it by name) with
-    ``ray.remote``; rlpost's ``reference`` actor subclasses it, so envs can attach to it.
-    """
+    """The body of a shared KL actor: one transform, called by any number of envs."""
 
     def __init__(self, transform: Transform | None = None, *, transform_factory: Callable[[], Transform] | None = None):
         if (transform is None) == (transform_factory is None):
@@ -44,12 +39,8 @@ class KLServiceActor:
 
 
 class RayTransform(Transform):
-    """A transform that runs in a named Ray actor (:class:`KLServiceActor`) shared by the envs
-    that ask for the same ``actor_name`` (the first creates it; the others attach).
-
-    Every call waits at most ``timeout_s`` seconds, then raises ``TimeoutError`` naming the
-    actor; Ray's own errors (the actor died) propagate with the actor's name.
-    """
+    """A transform run in the :class:`KLServiceActor` named ``actor_name`` (the first env creates
+    it, the others attach); Ray's own errors (the actor died) propagate."""
 
     def __init__(
         self,

@@ -39,34 +39,15 @@ class LLMEnv(LLMEnvLoop, EnvBase):
     """A text generation env whose observation (a string or token ids) grows by each action.
 
     TorchRL's ``LLMEnv`` (deprecated there in favour of :class:`~rlpost.envs.chat.ChatEnv`, and
-    warning so here too). A reset takes the prompt from its input (a DataLoadingPrimer can
-    supply it: :meth:`from_dataloader`) and the observation is that prompt. A step reads the
-    policy's action and the next observation is the observation followed by the action:
-    ``text + text_response`` (``from_text=True``) or ``cat(tokens, tokens_response)``, with the
-    attention mask extended by ones (``has_attention``).
-
-    Keyword Args:
-        token_key: the token observation (``"tokens"``); str_key: the text one (``"text"``).
-        attention_key: the attention mask of the tokens (``"attention_mask"``).
-        action_key: the action (``"text_response"`` or ``"tokens_response"``).
-        reward_key: the reward written with ``assign_reward`` (``"reward"``).
-        from_text: strings (True) or token ids (False).
-        device: device of the data the env writes.
-        vocab_size: the vocabulary size (recorded; the specs are unbounded).
-        assign_reward: write a zero reward per action token (tokens only).
-        assign_done: write per-token ``("tokens_data", "done" / "terminated")`` flags, zero, and
-            the root flags as their ``any`` (tokens only).
-        batch_size: ``None``, ``0`` or ``()`` for a batch-less env, else ``n`` or ``(n,)``.
-        has_attention: extend the attention mask at each step (tokens only).
-        as_llm_data: TorchRL's experimental option; only False is supported.
-        eos_token_id: an action holding this token ends the episode (``done`` and
-            ``terminated``). A text env reads the tokens of its action under
-            ``"tokens_response"`` for this. Without it the env warns, as TorchRL's does.
-
-    A text env's reset also takes the prompt under ``"query"``, where rlpost's
-    :class:`~rlpost.envs.datasets.DataLoadingPrimer` puts a dataset's ``"text"`` column (it
-    wins over ``str_key`` when both are there, so a primer's new prompt replaces the previous
-    observation at a reset).
+    warning so here too): the observation is the prompt of the reset input, then grows by each
+    action (the attention mask extended by ones with ``has_attention``). Token-only options:
+    ``assign_reward`` (a zero reward per action token), ``assign_done`` (per-token
+    ``("tokens_data", "done" / "terminated")`` flags, zero, the root flags their ``any``).
+    ``as_llm_data``: only False; ``batch_size`` ``None``, ``0`` or ``()``: batch-less. ``eos_token_id``: an action holding it
+    ends the episode (a text env reads its action's tokens under ``"tokens_response"``); without
+    it the env warns, as TorchRL's. A text env's reset also takes the prompt under ``"query"``,
+    where a DataLoadingPrimer puts a dataset's ``"text"`` column; it wins over ``str_key``, so a
+    primer's new prompt replaces the previous observation.
 
     Deliberate deviations from TorchRL: a step also writes ``truncated`` (False: rlpost's loop
     reads it); ``vocab_size`` gives no bounded spec; a reset input of a batch-less env must be
@@ -372,24 +353,17 @@ class LLMEnv(LLMEnvLoop, EnvBase):
         group_repeats: bool = True,
         eos_token_id: int | None = None,
     ) -> TransformedEnv:
-        """An LLMEnv whose prompts come from ``dataloader`` (TorchRL's keywords).
-
-        The dataloader (any iterable of batches: a dict of columns or a list of row dicts) is
-        read by a :class:`~rlpost.envs.datasets.DataLoadingPrimer` that writes its columns, as
-        they are named, into each reset input; the observation's column (``str_key`` or
-        ``token_key``) must be one of them. ``batch_size`` defaults to the dataloader's;
-        ``repeats`` serves each row that many times in a row, and ``group_repeats`` (default
-        True) multiplies the env's batch by ``repeats`` so a reset takes all the copies.
-        ``stack_method`` stacks token rows: None (dense when they have one length, else rows of
-        different lengths), ``"as_padded_tensor"`` (left-padded with 0), ``"as_nested_tensor"``
-        or a callable taking the rows as a list of TensorDicts. ``primers`` (a Composite) picks
-        the columns written; ``example_data`` is accepted and unused (the columns are read from
-        the first batch).
-
-        With a ``tokenizer`` (text envs only), a :class:`~rlpost.envs.llm_transforms.Tokenizer`
-        is appended first: the observation text is tokenized under ``token_key`` after each
-        reset and step, and a policy may write token actions under ``"tokens_response"``
-        (decoded into ``action_key`` before each step).
+        """An LLMEnv whose prompts come from ``dataloader`` (any iterable of batches; TorchRL's
+        keywords): a DataLoadingPrimer writes its columns, as named, into each reset input, the
+        observation's (``str_key`` or ``token_key``) among them. ``batch_size`` defaults to the
+        dataloader's; ``group_repeats`` (default True) multiplies the env's batch by ``repeats``
+        so a reset takes all the copies. ``stack_method`` stacks token rows: None (dense when of
+        one length, else lazily), ``"as_padded_tensor"`` (left-padded with 0),
+        ``"as_nested_tensor"`` or a callable taking the row TensorDicts; ``example_data`` is
+        unused (the columns are read from the first batch). A ``tokenizer`` (text envs only)
+        appends a :class:`~rlpost.envs.llm_transforms.Tokenizer` first: the observation is
+        tokenized under ``token_key``, and a policy may write token actions under
+        ``"tokens_response"``.
         """
         cls._warn_deprecated()
         str_key = as_key(str_key if str_key is not None else cls._DEFAULT_STR_KEY)

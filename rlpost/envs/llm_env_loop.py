@@ -1,8 +1,7 @@
 """The loop of TorchRL's older LLM envs (:mod:`rlpost.envs.llm_env`, :mod:`rlpost.envs.hashing_env`)
-on top of :class:`~rlpost.envs.common.EnvBase`: the transforms' inverse pass before each step
-(``inv``, e.g. a :class:`~rlpost.envs.llm_transforms.Tokenizer` decoding a token action into the
-text the env concatenates), batch-less resets, and the env's own action, reward and done keys.
-``append_transform`` returns an :class:`LLMTransformedEnv`, which runs the same loop."""
+on :class:`~rlpost.envs.common.EnvBase`: the transforms' inverse pass (``inv``) before each step,
+batch-less resets and the env's own action, reward and done keys; ``append_transform`` returns an
+:class:`LLMTransformedEnv`, which runs the same loop."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class SingleCompose(Compose):
 
 
 class LLMEnvLoop:
-    """What LLMEnv and LLMHashingEnv add to :class:`~rlpost.envs.common.EnvBase`'s loop: the
-    transforms' inverse pass before a step, batch-less resets, and the base env's keys."""
+    """What LLMEnv and LLMHashingEnv add to EnvBase's loop (see the module docstring)."""
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         if isinstance(tensordict, TensorDictBase):

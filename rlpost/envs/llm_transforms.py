@@ -1,13 +1,12 @@
 """Transforms of TorchRL's LLM stack: :class:`Tokenizer`, :class:`TemplateTransform` and
-:class:`AddThinkingPrompt` (StepCounter is in :mod:`rlpost.envs.transforms`, PolicyVersion in
-:mod:`rlpost.envs.policy_version`).
+:class:`AddThinkingPrompt`.
 
-Besides rlpost's hooks (:mod:`rlpost.envs.transforms`) they have ``inv(td)``: the inverse pass
-TorchRL runs on a step's input before the base env sees it (e.g. decoding the policy's tokens
-into the text action an :class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of
-:mod:`rlpost.envs.llm_env` run it (last transform first, as TorchRL's ``Compose.inv``); a plain
-:class:`~rlpost.envs.transforms.TransformedEnv` of a :class:`~rlpost.envs.chat.ChatEnv` does not.
-They take a ``[B]`` batch, and the ``[]`` one of a batch-less LLMEnv.
+Besides rlpost's hooks they have ``inv(td)``: TorchRL's inverse pass on a step's input before the
+base env sees it (e.g. decoding the policy's tokens into the text action an
+:class:`~rlpost.envs.llm_env.LLMEnv` concatenates). The envs of :mod:`rlpost.envs.llm_env` run it
+(last transform first, as TorchRL's ``Compose.inv``); a TransformedEnv of a
+:class:`~rlpost.envs.chat.ChatEnv` does not. They take a ``[B]`` batch, or the ``[]`` one of a
+batch-less LLMEnv.
 """
 
 from __future__ import annotations
@@ -46,34 +45,15 @@ def _parent_device(transform: Transform) -> torch.device | None:
 class Tokenizer(Transform):
     """Tokenize text entries into token ids (and decode token actions back into text).
 
-    TorchRL's ``Tokenizer`` transform. After a reset and after each step, each ``in_keys`` entry
-    (a string per row) is tokenized into the matching ``out_keys`` entry, with its attention
-    mask next to it (``out_key``'s last part replaced by ``"attention_mask"``) when
-    ``return_attention_mask``. A batch is tokenized in one call and padded as the tokenizer pads
-    (``padding=True``; ``max_length`` pads to that length). Before each step (the inverse pass,
-    ``inv``), each ``out_keys_inv`` entry (token ids) is decoded into the matching
-    ``in_keys_inv`` entry, e.g. the policy's ``"tokens_response"`` into the
-    ``"text_response"`` an :class:`~rlpost.envs.llm_env.LLMEnv` reads.
-
-    Args:
-        in_keys, out_keys: the text entries and the token entries they become.
-        in_keys_inv, out_keys_inv: the text entries written by the inverse pass, and the token
-            entries they are decoded from.
-
-    Keyword Args:
-        tokenizer: a Hugging Face tokenizer, or a hub name / local path to load one from.
-        use_raw_nontensor: accepted for TorchRL compatibility; strings are always extracted
-            from the non-tensor entries before tokenizing.
-        additional_tokens: tokens added to the tokenizer's vocabulary.
-        skip_special_tokens: when decoding (default True).
-        add_special_tokens: when encoding (default False).
-        padding: pad a batch to its longest row (default True).
-        max_length: pad (a batch or a single string) to this length.
-        return_attention_mask: write the attention mask (default True).
-        missing_tolerance: a missing input entry is skipped (default True); otherwise it raises
-            :class:`~rlpost.envs.errors.EnvInputError` naming the key (TorchRL: ``KeyError``).
-        call_before_reset: tokenize the reset input before the base env's reset instead of its
-            output.
+    TorchRL's ``Tokenizer`` transform: after a reset and each step, each ``in_keys`` entry (a
+    string per row) becomes token ids under ``out_keys``, the attention mask beside it
+    (``out_key``'s last part replaced by ``"attention_mask"``); a batch is tokenized in one call
+    and padded as the tokenizer pads. The inverse pass decodes each ``out_keys_inv`` entry into
+    ``in_keys_inv`` (e.g. the policy's ``"tokens_response"`` into an LLMEnv's
+    ``"text_response"``). ``tokenizer``: a Hugging Face tokenizer, hub name or path;
+    ``use_raw_nontensor`` is accepted for TorchRL compatibility; ``missing_tolerance=False``
+    makes a missing entry raise :class:`~rlpost.envs.errors.EnvInputError` (TorchRL:
+    ``KeyError``); ``call_before_reset`` tokenizes the reset input instead of its output.
 
     Deliberate deviations from TorchRL: the tokenizer is required (TorchRL downloads
     ``bert-base-uncased`` when none is given); a batch tokenized with ``padding=False`` whose
@@ -228,21 +208,11 @@ class Tokenizer(Transform):
 class TemplateTransform(Transform):
     """Render conversations through a chat template into the prompt text a policy reads.
 
-    TorchRL's ``TemplateTransform(tokenizer, chat_template=None)``: after a reset and after each
-    step, the ``"message"`` entry is rendered with the template and a generation prompt
-    (``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=False)``) and
-    written back under ``"message"``; before each step (the inverse pass, ``inv``) the
-    ``"action"`` entry, a rendered completion, is cut down to the text of its last assistant
-    turn. ``chat_template`` defaults to the tokenizer's own.
-
-    A row's conversation may be a :class:`~rlpost.data.History`, a list of message dicts or a
-    string (read as one user message).
-
-    Keyword Args (rlpost's, beyond TorchRL's two arguments):
-        in_keys, out_keys: the entries rendered and where the text goes (``["message"]`` each).
-        in_keys_inv, out_keys_inv: the completions parsed and where their last assistant turn
-            goes (``["action"]`` each).
-        add_generation_prompt: end the rendered text with the assistant's header (True).
+    TorchRL's ``TemplateTransform(tokenizer, chat_template=None)``: after a reset and each step
+    the ``"message"`` entry (a History, message dicts, or a string read as one user message) is
+    rendered with a generation prompt and written back; the inverse pass cuts the ``"action"``
+    entry, a rendered completion, down to the text of its last assistant turn. rlpost's keywords
+    name those entries and ``add_generation_prompt``.
 
     Deliberate deviations from TorchRL: the assistant header and end-of-turn marker that the
     inverse pass cuts at are read from the template (TorchRL hard-codes Llama 3's
@@ -381,10 +351,9 @@ def _as_chat(conversation: Any) -> list[dict]:
 class AddThinkingPrompt(Transform):
     """Ask the model to think again: edit or extend the conversation when ``cond`` holds.
 
-    TorchRL's ``AddThinkingPrompt``, for a :class:`~rlpost.envs.chat.ChatEnv` in history mode.
-    After each step, ``cond`` is called with each row's ``next`` (a batch-less TensorDict
-    holding that row's ``history``, ``reward``, ``done``, ``step_count``...). Where it returns
-    True:
+    TorchRL's ``AddThinkingPrompt``, for a ChatEnv in history mode (else
+    :class:`~rlpost.envs.errors.EnvInputError` at the first reset or step). After each step,
+    ``cond(next_row) -> bool`` is called with each row's ``next``; where it holds:
 
     - ``edit_last_turn=True`` (``role="assistant"`` only): the last message becomes an
       assistant message whose last ``<answer>...</answer>`` block (with a trailing
@@ -394,17 +363,9 @@ class AddThinkingPrompt(Transform):
     - ``undo_done``: the done flags of that row are cleared (the episode goes on);
     - ``zero_reward`` (default: ``edit_last_turn``): its rewards are set to 0.
 
-    Args:
-        cond: ``cond(next_row) -> bool``.
-        prompt: the text added; default ``DEFAULT_PROMPTS_EG[0]`` (``egocentric``) or
-            ``DEFAULT_PROMPTS_COG[0]``.
-        random_prompt: draw the prompt from the default list at each use.
-        role: ``"assistant"`` or ``"user"``.
-        edit_last_turn, zero_reward, undo_done: see above.
-        egocentric: whether the prompt speaks as the assistant (default: ``role == "assistant"``).
-
-    On an env that is not in history mode (or not attached to one) the transform raises
-    :class:`~rlpost.envs.errors.EnvInputError` at the first reset or step.
+    ``prompt`` defaults to ``DEFAULT_PROMPTS_EG[0]`` (``egocentric``: the prompt speaks as the
+    assistant, default ``role == "assistant"``) or ``DEFAULT_PROMPTS_COG[0]``; ``random_prompt``
+    draws it from that list at each use.
 
     Deliberate deviation from TorchRL: when the edited message ends with ``<|im_end|>`` after
     its answer block, the answer is replaced and the marker kept; TorchRL's current code keeps

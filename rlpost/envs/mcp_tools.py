@@ -1,19 +1,16 @@
 """Tools served over the Model Context Protocol (MCP): TorchRL's ``MCPToolTransform``.
 
-The transform starts each configured server as a subprocess speaking MCP over stdio (the
-``mcp`` package's client), lists its tools, and calls them when a response holds TorchRL's
-blocks::
+Each configured server runs as a subprocess speaking MCP over stdio (the ``mcp`` package's
+client); its tools are called from TorchRL's blocks::
 
     <tool>server.tool_name
     {"arg": "value"}
     </tool>
 
-The sessions live on one event loop on a thread of the transform's own
-(:class:`~rlpost.envs.event_loop.EventLoopThread`); the env's synchronous hooks submit calls to
-it. A server is a program the user configured, trusted as such; the transform passes it the
-model's arguments and nothing else. A server whose tools run model-written code must contain
-that code itself (or use :class:`~rlpost.envs.tool_transforms.PythonInterpreter`, which runs it in
-rlpost's sandbox).
+The sessions live on the transform's own event loop thread
+(:class:`~rlpost.envs.event_loop.EventLoopThread`). A server is a program the user configured,
+trusted as such: it gets the model's arguments and nothing else, and must contain model-written
+code itself (or use :class:`~rlpost.envs.tool_transforms.PythonInterpreter`'s sandbox).
 """
 
 from __future__ import annotations
@@ -36,25 +33,19 @@ _CONFIG_KEYS = {"command", "args", "env", "cwd"}
 class MCPToolTransform(ToolTransformBase):
     """Call the tools of MCP servers named in each latest response; append a tool message.
 
-    TorchRL's constructor: ``servers`` maps a server name to ``{"command": str, "args":
-    [str, ...], "env": {str: str} (optional, merged over the default environment by the mcp
-    client), "cwd": str (optional)}``; ``tool_call_pattern`` captures (``server.tool``, JSON
-    arguments), default ``<tool>([\\w.]+)\\n(.*?)</tool>``; a name without ``server.`` goes to
-    the first server; ``tool_name`` is the message role; ``timeout`` bounds each call.
-    rlpost adds ``connect_timeout`` (seconds for all servers to start and list their tools) and
-    ``max_workers`` (rows called concurrently). Each call renders as ``Tool server.tool
-    executed successfully:\\nTEXT`` or ``Tool server.tool failed:\\nERROR``; a row's calls make
-    one message. :attr:`tool_schemas` describes the servers' tools (to show to the model).
-    ``close()`` (or ``env.close()``) stops the servers.
+    TorchRL's constructor: ``servers`` maps a name to ``{"command", "args", "env" (merged over
+    the default environment by the mcp client), "cwd"}``; ``tool_call_pattern`` captures
+    (``server.tool``, JSON arguments), a bare ``tool`` goes to the first server; ``timeout``
+    bounds each call. rlpost adds ``connect_timeout`` (seconds for all servers to start and list
+    their tools) and ``max_workers``. :attr:`tool_schemas` describes the tools for the model;
+    ``close()`` stops the servers.
 
-    Deliberate deviations from TorchRL: a server that cannot start, or cannot list its tools,
-    raises at construction with the server's name and command (TorchRL logs it and then
-    answers every call with "not connected"); the session is initialized before use (the MCP
-    handshake); a result renders as the text of its content blocks (TorchRL renders the
-    Python repr of the content list, ``[TextContent(type='text', ...)]``), and a result the
-    server marks ``is_error`` is a failure (TorchRL reports it as a success); a tool the server
-    did not list fails without a round trip, naming the tools it has; a row's calls make one
-    message (TorchRL: one per call), as in rlpost's other tool transforms.
+    Deliberate deviations from TorchRL: a server that cannot start or list its tools raises at
+    construction, naming it and its command (TorchRL logs it, then answers every call "not
+    connected"); the session is initialized (the MCP handshake); a result renders as the text of
+    its content blocks (TorchRL: the repr of the content list) and one marked ``is_error`` is a
+    failure (TorchRL: a success); a tool the server did not list fails without a round trip,
+    naming those it has; a row's calls make one message (TorchRL: one per call).
     """
 
     def __init__(

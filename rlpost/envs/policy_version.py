@@ -28,28 +28,15 @@ class VersionChange:
 class PolicyVersion(Transform):
     """The version of the policy weights: a tracker, and the transform that stamps it on the data.
 
-    TorchRL's ``PolicyVersion``. ``version_type`` is ``int`` / ``"int"`` (a counter starting at
-    0) or ``str`` / ``"uuid"`` (a fresh UUID4 string per version). ``increment_version()``
-    moves to the next version (+1, or a new UUID) and returns it (TorchRL returns None);
-    ``version`` can also be set. Every change is recorded in ``version_history``
-    (:class:`VersionChange`).
+    TorchRL's ``PolicyVersion``: ``version_type`` ``int`` / ``"int"`` (a counter from 0) or
+    ``str`` / ``"uuid"`` (a UUID4 string per version); ``increment_version()`` returns the new
+    version (TorchRL: None); changes are recorded in ``version_history``. Every reset and step
+    writes the current version under ``key``, int64 ``[B]`` (UUIDs: a non-tensor entry).
 
-    As an env transform, every reset and step writes the current version under ``key``
-    (``"policy_version"``): an int64 tensor of the batch's shape (``[B]``), or for UUIDs a
-    non-tensor entry of that shape.
-
-    For rlpost's collector (:class:`~rlpost.collect.LLMCollector`, integer versions only) it also
-    follows the version the inference engine reports (:meth:`observe`, :meth:`set_version`) and
-    combines the versions of an episode's turns (:meth:`merge`); see
-    :mod:`rlpost.collect.policy_version`.
-
-    Args:
-        version_type: see above. An int given in its place is the starting version of an
-            integer tracker (``PolicyVersion(3)``: rlpost's earlier signature).
-
-    Keyword Args:
-        version: the starting version (default 0, or a fresh UUID).
-        key: the entry written by the transform.
+    For rlpost's collector (integer versions only) it also follows the version the engine
+    reports (:meth:`observe`, :meth:`set_version`) and merges an episode's turns' versions
+    (:meth:`merge`; see :mod:`rlpost.collect.policy_version`). An int given as ``version_type``
+    is the starting version of an integer tracker (``PolicyVersion(3)``: rlpost's earlier API).
     """
 
     def __init__(

@@ -1,18 +1,15 @@
 """A shared Python executor: many envs' code blocks run on one bounded set of sandboxes.
 
-:class:`PythonExecutorService` is TorchRL's service of that name: a plain object whose
-``execute(code)`` runs one block and returns TorchRL's result dict (``success``, ``stdout``,
-``stderr``, ``returncode``). Run it locally and pass it to
-``PythonInterpreter(services=executor)``, or as a named Ray actor that
+:class:`PythonExecutorService` is TorchRL's service of that name: ``execute(code)`` runs one block
+and returns TorchRL's result dict (``success``, ``stdout``, ``stderr``, ``returncode``). Pass it
+to ``PythonInterpreter(services=executor)``, or run it as a named Ray actor that
 ``PythonInterpreter(services="ray", service_name=..., namespace=...)`` finds::
 
     executor = ray.remote(PythonExecutorService).options(
         name="python_executor", max_concurrency=32).remote(pool_size=32, timeout=10.0)
 
-The result dict is the one type that crosses the process boundary here: :func:`execution_dict`
-makes it from a :class:`~rlpost.envs.tools.PythonResult` on the service's side and
-:func:`result_from_execution` turns it back on the transform's side, so a block renders the
-same whether it ran locally or in the service.
+The result dict is the one type that crosses the process boundary (:func:`execution_dict` makes
+it, :func:`result_from_execution` reads it back), so a block renders the same locally or remotely.
 """
 
 from __future__ import annotations
@@ -67,10 +64,8 @@ def result_from_execution(execution: dict[str, Any]) -> PythonResult:
 class PythonExecutorService:
     """Run code blocks from many envs in the sandbox, at most ``pool_size`` at a time.
 
-    ``execute(code)`` runs ``code`` with :func:`~rlpost.envs.tools.run_python` (namespaces,
-    rlimits, the prelude guard; ``timeout`` seconds of wall clock) and returns
-    :func:`execution_dict`. It is thread-safe: a Ray actor with ``max_concurrency`` up to
-    ``pool_size`` runs that many blocks at once, and further calls wait for a free slot.
+    ``execute(code)`` is thread-safe: a Ray actor with ``max_concurrency`` up to ``pool_size``
+    runs that many blocks at once (``timeout`` seconds of wall clock each), further calls wait.
 
     Deliberate deviations from TorchRL, whose service keeps ``pool_size`` persistent host
     interpreters and hands blocks to them round-robin: (1) every block runs in a fresh
@@ -111,10 +106,8 @@ class PythonExecutorService:
 
 
 class RayExecutorHandle:
-    """A :class:`PythonExecutorService` running as the named Ray actor ``name``, called like a
-    local one (``execute(code)`` waits for the actor's result, at most ``timeout_s``: the
-    block's own time limit plus its wait for a free slot). Made by
-    ``PythonInterpreter(services="ray")``."""
+    """The :class:`PythonExecutorService` Ray actor ``name``, called like a local one; a call
+    waits at most ``timeout_s`` (the block's own limit plus its wait for a free slot)."""
 
     def __init__(self, name: str, namespace: str | None = None, timeout_s: float = 120.0) -> None:
         import ray

@@ -35,22 +35,13 @@ class RayDataLoadingPrimer(DataLoadingPrimer):
     """A :class:`DataLoadingPrimer` whose prompt stream lives in one Ray actor, shared by every env
     that names the same actor (TorchRL's): envs in several collectors draw one stream, so no prompt
     is served twice and the copies of a prompt (``repeats``) keep their shared ``prompt_id``
-    wherever they land. ``state_dict()`` / ``load_state_dict()`` save and restore the shared
-    position.
+    wherever they land; ``state_dict()`` saves the shared position.
 
-    Keyword Args:
-        dataloader: a DataLoader or iterable of batches, pickled to the actor.
-        dataloader_factory: a callable building it (called in the actor, and once here to learn
-            the columns).
-        dataset: rlpost's rows source (a file, hub name, ``datasets.Dataset`` or list of rows),
-            loaded in the actor.
-        num_cpus, num_gpus: the actor's resources (rlpost's default: no CPU reserved).
-        device: device of the tensors written.
-        actor_name: the actor's name: an existing actor of that name is used, else it is made.
-            None: a new unnamed actor, this primer's own.
-        timeout_s: bound of each call into the actor (rlpost's).
-        **kwargs: :class:`DataLoadingPrimer`'s (``repeats``, ``batch_size_dl``, ``shuffle``, ``seed``,
-            ``prompt_column``, ...), applied in the actor; the actor made first sets the stream.
+    The source (``dataloader``, pickled to the actor; ``dataloader_factory``, called in the actor
+    and once here to learn the columns; or ``dataset``, rlpost's rows) and ``**kwargs``
+    (:class:`DataLoadingPrimer`'s) apply in the actor; the actor made first sets the stream.
+    ``actor_name``: an existing actor of that name is used, else made (None: this primer's own);
+    ``num_cpus`` defaults to none reserved; ``timeout_s`` bounds each call (rlpost's).
 
     Deviations from TorchRL: a named actor lives with the Ray job, not detached beyond it; this
     object also reads the source's first row itself, for the columns the env writes.

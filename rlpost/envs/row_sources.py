@@ -1,9 +1,6 @@
-"""Where a :class:`~rlpost.envs.datasets.DataLoadingPrimer`'s prompts come from.
-
-A *rows source* is a Hugging Face hub name (with subset and split: what GPU users run), a local
-json/jsonl/parquet file or dataset folder (what tests and the demo run), an in-memory list of
-row dicts (the synthetic arithmetic task) or a loaded ``datasets.Dataset``. A *batch iterable*,
-as TorchRL's primer takes, is a DataLoader or any iterable of batches.
+"""Where a :class:`~rlpost.envs.datasets.DataLoadingPrimer`'s prompts come from: a *rows source*
+(a hub name, a local file or dataset folder, a list of row dicts or a ``datasets.Dataset``) or,
+as TorchRL's primer takes, a *batch iterable* (a DataLoader or any iterable of batches).
 """
 
 from __future__ import annotations
@@ -42,12 +39,10 @@ class RowList:
 
 
 def load_rows(source: Any, *, name: str | None = None, split: str | None = "train") -> tuple[Any, str]:
-    """The rows of ``source`` and a description of it for error messages.
-
-    ``source``: a local ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (its only split is ``"train"``), a
-    local dataset folder or hub name (``name`` is the subset, ``split`` the split; ``None`` takes
-    ``"train"``), a list of row dicts, or a loaded ``datasets.Dataset``.
-    """
+    """The rows of ``source`` and a description of it for error messages. ``source``: a local
+    ``.json``/``.jsonl`` (plain or ``.gz``) or ``.parquet`` file (one split, ``"train"``), a local
+    dataset folder or hub name (``name`` the subset; ``split`` None takes ``"train"``), a list of
+    row dicts, or a ``datasets.Dataset``."""
     if isinstance(source, (list, tuple)):
         return RowList(source), f"in-memory rows ({len(source)} rows)"
     if not isinstance(source, (str, os.PathLike)):
@@ -91,9 +86,8 @@ def _describe_source(source: str, name: str | None, split: str | None) -> str:
 
 
 def default_collate_fn(batch: Any) -> Any:
-    """TorchRL's default collate for chat datasets: a ``"text"`` column becomes ``"query"`` (a
-    ``"text"`` entry would clash with the env's ``"text"`` container). Takes a list of row
-    dicts or one dict of columns; returns the same kind."""
+    """TorchRL's default collate for chat datasets (row dicts or a dict of columns, returned
+    alike): a ``"text"`` column becomes ``"query"``, as it would clash with the ``"text"`` container."""
     if isinstance(batch, Mapping):
         batch = dict(batch)
         if "text" in batch:

@@ -1,20 +1,15 @@
 """SerialEnv: several envs run one after the other as one batched env (TorchRL's ``SerialEnv``).
 
-``SerialEnv(num_workers, create_env_fn)`` builds ``num_workers`` sub-envs in this process (one
-constructor for all, or one per worker; ``create_env_kwargs`` one dict for all, or one per worker)
-and has batch ``[num_workers, *sub_env.batch_size]``: row ``i`` of every input and output is
-sub-env ``i``'s. ``reset``, ``step``, ``step_and_maybe_reset`` and ``rollout`` call each sub-env
-in turn and stack their outputs lazily (conversations of different lengths do not stack
-densely). TorchRL's MLGym test builds one so::
+Batch ``[num_workers, *sub_env.batch_size]``: row ``i`` of every input and output is sub-env
+``i``'s, and the outputs stack lazily (conversations of different lengths). Attributes SerialEnv
+lacks are the first sub-env's (``env.input_mode``); specs are the sub-envs' with ``num_workers``
+in front. TorchRL's MLGym test builds one so::
 
     env = SerialEnv(1, [partial(make_mlgym, task="prisonersDilemma", tokenizer=tokenizer)])
     rollout = env.rollout(3, policy)       # batch [1, *sub-env batch, 3]
 
-An attribute SerialEnv does not have is the first sub-env's (``env.input_mode``); the specs are
-the sub-envs' with ``num_workers`` in front.
-
-Deviations from TorchRL: nothing is copied to shared memory or buffers (the sub-envs' outputs are
-stacked as they are); TorchRL's process and memory options (``pin_memory``, ``shared_memory``,
+Deviations from TorchRL: the sub-envs live in this process and nothing is copied to shared
+memory or buffers; TorchRL's process and memory options (``pin_memory``, ``shared_memory``,
 ``num_threads``, ...) are accepted and have no effect; for envs in worker threads use
 :class:`~rlpost.envs.async_pool.AsyncEnvPool`.
 """
@@ -52,16 +47,9 @@ def _with_leading_dim(spec: Any, num: int) -> Any:
 
 
 class SerialEnv(EnvBase):
-    """``num_workers`` envs stepped one after the other as one env of batch
-    ``[num_workers, *sub_batch]`` (see the module docstring).
-
-    Args:
-        num_workers: the number of sub-envs.
-        create_env_fn: a callable building a sub-env, or one per sub-env.
-
-    Keyword Args:
-        create_env_kwargs: keyword arguments of the constructor(s): one dict, or one per sub-env.
-    """
+    """``num_workers`` envs stepped in turn as one env (see the module docstring).
+    ``create_env_fn``: one constructor for all sub-envs or one per sub-env; ``create_env_kwargs``:
+    one dict for all or one per sub-env."""
 
     def __init__(
         self,
@@ -138,49 +126,14 @@ class SerialEnv(EnvBase):
         rows = self._rows(next_td, "maybe_reset")
         return lazy_stack([env.maybe_reset(row) for env, row in zip(self.envs, rows)], 0)
 
-    def rollout(
-        self,
-        max_steps: int,
-        policy: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        callback: Callable[[Any, TensorDictBase], Any] | None = None,
-        *,
-        auto_reset: bool = True,
-        break_when_any_done: bool | None = None,
-        break_when_all_done: bool | None = None,
-        tensordict: TensorDictBase | None = None,
-    ) -> TensorDictBase:
-        """Run ``policy`` for up to ``max_steps`` steps, as :meth:`EnvBase.rollout
-        <rlpost.envs.common.EnvBase.rollout>` does (``[num_workers, *sub_batch, T]``), through the
-        sub-envs' ``step_and_maybe_reset`` (what every env here has; after the last step nothing is
-        reset)."""
-        if policy is None:
-            raise ValueError("SerialEnv.rollout needs a policy (an LLM wrapper or any callable td -> td)")
-        if max_steps < 1:
-            raise ValueError(f"rollout max_steps must be >= 1, got {max_steps}")
-        if break_when_any_done is None:
-            break_when_any_done = not break_when_all_done
-        if auto_reset:
-            td = self.reset(tensordict)
-        elif tensordict is None:
-            raise ValueError("rollout(auto_reset=False) needs the first step's input as tensordict=")
-        else:
-            td = tensordict
-        steps = []
-        for step in range(max_steps):
-            if step == max_steps - 1:
-                td, next_root = self.step(policy(td)), None
-            else:
-                td, next_root = self.step_and_maybe_reset(policy(td))
-            steps.append(td)
-            if callback is not None:
-                callback(self, td)
-            done = td.get(("next", "done"))
-            if next_root is None or (break_when_any_done and done.any()) or (break_when_all_done and done.all()):
-                break
-            td = next_root
-        time_dim = len(self.batch_size) - 1  # in a row of the rollout
-        rows = [lazy_stack([step_td[i] for step_td in steps], time_dim) for i in range(self.num_workers)]
-        return lazy_stack(rows, 0)
+    def _rollout_step(self, td: TensorDictBase, last: bool) -> tuple[TensorDictBase, Callable | None]:
+        """:meth:`EnvBase.rollout <rlpost.envs.common.EnvBase.rollout>`'s step, through the
+        sub-envs' ``step_and_maybe_reset`` (what every env here has; MLGymWrapper has no
+        ``maybe_reset``): the reset comes before the break check, and none after the last step."""
+        if last:
+            return self.step(td), None
+        td, next_root = self.step_and_maybe_reset(td)
+        return td, lambda: next_root
 
     # ------------------------------------------------------------------ the sub-envs' state
 

@@ -1,10 +1,8 @@
 """Tool-call parsers: a model's response in, the ordered calls it makes out (TorchRL's parsers).
 
-A parser is any callable ``parser(response) -> ParseResult`` (:class:`LLMToolParser`): the
-response text (or an already decoded dict) in; the user-visible text without the call blocks,
-the calls as :class:`~rlpost.envs.tool_transforms.ToolCall` in order of appearance, and a ``meta``
-dict out. :class:`ExecuteToolsInOrder <rlpost.envs.tool_services.ExecuteToolsInOrder>` and
-:class:`~rlpost.envs.tool_transforms.SimpleToolTransform` take one. Formats::
+A parser is any callable ``parser(response) -> ParseResult`` (:class:`LLMToolParser`), taken by
+:class:`~rlpost.envs.tool_services.ExecuteToolsInOrder` and
+:class:`~rlpost.envs.tool_transforms.SimpleToolTransform`. Formats::
 
     XMLBlockParser    <tool name="search" tag="A">{"query": "torchrl"}</tool>
     JSONCallParser    {"message": "...", "tools": [{"tool": "search", "args": {...}, "tag": "A"}]}
@@ -40,14 +38,9 @@ def parse_result(text: str, calls: list[ToolCall]) -> ParseResult:
 
 
 class XMLBlockParser:
-    """Calls written as XML-style blocks whose body is a JSON object of arguments::
-
-        <tool name="search" tag="A">{"query": "torchrl"}</tool>
-
-    ``tag`` is optional. An empty body gives no arguments; a body that is not a JSON object is
-    passed on as ``{"raw": body}`` (TorchRL's fallback, so a tool that takes free text still
-    gets it). The returned text is the response with the blocks removed, stripped. A dict
-    response is read from its ``"text"``.
+    """Calls as XML-style blocks whose body is a JSON object of arguments (``tag`` optional).
+    A body that is not a JSON object is passed on as ``{"raw": body}`` (TorchRL's fallback, for
+    tools that take free text); a dict response is read from its ``"text"``.
 
     Deviation from TorchRL: a body that is valid JSON but not an object (``[1, 2]``, ``"x"``)
     is also ``{"raw": body}``; TorchRL makes it the call's arguments, which no tool can take as
@@ -80,12 +73,8 @@ class XMLBlockParser:
 
 
 class JSONCallParser:
-    """Calls given as one JSON object (function-calling style)::
-
-        {"message": "Let me search.", "tools": [{"tool": "search", "args": {"query": "x"}, "tag": "A"}]}
-
-    A string response is decoded first; one that is not a JSON object is plain text with no
-    calls. The returned text is ``message`` ("" when absent).
+    """Calls given as one JSON object (function-calling style; the text is its ``message``); a
+    string that does not decode to a JSON object is plain text with no calls.
 
     Deviation from TorchRL: an entry of ``tools`` that is not ``{"tool": str, "args": dict,
     "tag": str?}`` becomes a call whose ``error`` says why (reported to the model as that call's

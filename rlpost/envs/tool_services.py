@@ -1,20 +1,14 @@
 """Tool services and the transform that calls them in order (TorchRL's tool service library).
 
-A :class:`ToolService` is an object with a ``name``, input and output schemas and
-``__call__(**kwargs) -> dict``; a :class:`ToolRegistry` holds them by name.
-:class:`ExecuteToolsInOrder` reads each response with a parser
-(:mod:`rlpost.envs.tool_parsers`), calls the named services one after the other in the order
-the calls appear, and appends one tool message with every result::
+A :class:`ToolService` is a named object called in the env's process (it may hold a client, a
+cache, a sandbox pool), where :class:`~rlpost.envs.tool_transforms.SimpleToolTransform`'s tools
+are importable functions run in worker processes with a time limit. A service that runs
+model-written code must run it in the sandbox, as
+:class:`~rlpost.envs.python_executor.PythonExecutorService` does::
 
     registry = ToolRegistry([WebSearch(), Calculator()])
     env = ChatEnv(batch_size=(1,)).append_transform(
         ExecuteToolsInOrder(registry=registry, parser=XMLBlockParser()))
-
-How it differs from :class:`~rlpost.envs.tool_transforms.SimpleToolTransform`, which also calls
-named tools: a service is an object called in the env's process (it may hold a client, a
-cache, a sandbox pool), where SimpleToolTransform's tools are importable functions it runs in
-worker processes with a time limit. A service that runs model-written code must run it in the
-sandbox, as :class:`~rlpost.envs.python_executor.PythonExecutorService` does.
 """
 
 from __future__ import annotations
@@ -31,8 +25,8 @@ from rlpost.envs.tool_transforms import ToolCall, ToolTransformBase
 
 
 class ToolService(Protocol):
-    """A named tool: ``service(**kwargs)`` returns a dict of results. ``schema_in`` and
-    ``schema_out`` describe its arguments and results (documentation; not enforced)."""
+    """A named tool: ``service(**kwargs)`` returns a dict of results; the schemas document its
+    arguments and results (not enforced)."""
 
     name: str
     schema_in: dict[str, Any]
@@ -42,11 +36,8 @@ class ToolService(Protocol):
 
 
 class ToolRegistry:
-    """The services a transform may call, by name (TorchRL's ``ToolRegistry``).
-
-    ``get(name)`` raises ``KeyError("Unknown tool: NAME")`` for a name not registered;
-    ``register`` replaces a service of the same name, as in TorchRL.
-    """
+    """The services a transform may call, by name (TorchRL's ``ToolRegistry``: ``register``
+    replaces a service of the same name, ``get`` raises ``KeyError("Unknown tool: NAME")``)."""
 
     def __init__(self, services: Sequence[ToolService] = ()) -> None:
         self._services: dict[str, ToolService] = {}
@@ -77,11 +68,9 @@ class ToolRegistry:
 class ExecuteToolsInOrder(ToolTransformBase):
     """Call the services named in each latest response, in the order the calls appear.
 
-    TorchRL's constructor: ``registry`` (a :class:`ToolRegistry`), ``parser`` (an
-    :class:`~rlpost.envs.tool_parsers.LLMToolParser`), ``stop_on_error`` (a row's calls after
-    its first failure are not made) and ``pass_state_to_tools`` (each service also gets
-    ``_state=``). rlpost adds ``tool_role`` and ``max_workers`` (rows run concurrently on that
-    many threads, so the services must then be thread-safe; a row's calls stay in order).
+    TorchRL's constructor (``pass_state_to_tools``: each service also gets ``_state=``) plus
+    ``tool_role`` and ``max_workers`` (rows run concurrently on that many threads, so the
+    services must then be thread-safe; a row's calls stay in order).
 
     A row's results make one message, as in TorchRL::
 
@@ -92,16 +81,13 @@ class ExecuteToolsInOrder(ToolTransformBase):
           Error: ValueError: no index
         </tool_results>
 
-    A call fails when its tool is unknown, the parser could not read it, the service raises,
-    returns something other than a dict, or returns a dict with an ``"error"`` key (as in
-    TorchRL). Failures are counted in ``tool_errors``.
+    A call fails (counted in ``tool_errors``) when its tool is unknown, the parser could not read
+    it, or the service raises or returns a non-dict or a dict with an ``"error"`` key (as TorchRL).
 
-    Deliberate deviations from TorchRL: ``_state`` is the row's state (``{"row": i,
-    "step_count": n, "query": ..., ...}``: the env's state keys as Python values), where
-    TorchRL passes an empty dict; an exception's message names its type
-    (``ValueError: no index``); a service's result is never modified (TorchRL writes its
-    bookkeeping keys into the returned dict) and values JSON cannot encode render with
-    ``str`` (TorchRL's step raises).
+    Deliberate deviations from TorchRL: ``_state`` is the row's state (:meth:`row_state`;
+    TorchRL passes an empty dict); an exception's message names its type (``ValueError: no
+    index``); a service's result is never modified (TorchRL writes its bookkeeping keys into
+    it) and values JSON cannot encode render with ``str`` (TorchRL's step raises).
     """
 
     def __init__(self, registry: ToolRegistry, parser: LLMToolParser, stop_on_error: bool = False,
@@ -144,8 +130,7 @@ class ExecuteToolsInOrder(ToolTransformBase):
         return out, None
 
     def row_state(self, td: TensorDictBase, row: int) -> dict[str, Any]:
-        """Row ``row``'s entries of the env's state keys (query, step count, dataset row, ...)
-        as Python values, and ``"row"``: the ``_state`` a service gets."""
+        """The ``_state`` a service gets: ``"row"`` and the row's state keys as Python values."""
         state: dict[str, Any] = {"row": row}
         keys = getattr(self.parent, "state_keys", ())
         for key in keys:

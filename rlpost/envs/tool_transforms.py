@@ -1,13 +1,12 @@
-"""The tool transforms: code and function calls in the policy's answer, run, and their results
-appended to the next prompt (TorchRL's ``torchrl.envs.llm.transforms.tools``).
+"""The tool transforms: calls in the policy's answer, run, their results appended to the next
+prompt as one ``"tool"`` message (TorchRL's ``torchrl.envs.llm.transforms.tools``).
 
-:class:`PythonInterpreter` runs the ```` ```python ```` blocks of the last assistant message in
-the sandbox (:mod:`rlpost.envs.sandbox`) and :class:`SimpleToolTransform` calls the user's
-functions named in ``<tool_call>`` blocks (Qwen/Hermes JSON, :class:`HermesToolCallParser`) or
-TorchRL's ``<tool>name\nargs</tool>`` blocks; both append the results as a ``"tool"`` message to
-the next prompt and count their calls, errors and seconds per row under :data:`TOOL_STAT_KEYS`
-in ``next`` (the collector sums them per episode). :class:`StopWithoutToolCall` ends an episode
-whose turn called no tool (a tool-using episode goes on only while there is a result to read).
+:class:`PythonInterpreter` runs ```` ```python ```` blocks in the sandbox
+(:mod:`rlpost.envs.sandbox`); :class:`SimpleToolTransform` calls the user's functions named in
+``<tool_call>`` blocks (:class:`HermesToolCallParser`) or TorchRL's ``<tool>name\nargs</tool>``.
+Both count calls, errors and seconds per row under :data:`TOOL_STAT_KEYS` in ``next`` (the
+collector sums them per episode). :class:`StopWithoutToolCall` ends an episode whose turn called
+no tool.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ def add_tool_stats(next_td: TensorDictBase, calls: list[int], errors: list[int],
 
 
 class ToolTransformBase(Transform):
-    """What every tool transform does on a step: for each row that is not done, find the calls in
-    the latest response, run them (rows concurrently, up to ``max_workers``), append one tool
-    message with the results and count calls, errors and seconds. Subclasses say how to find
-    calls (:meth:`find_calls`), run one (:meth:`run_call`) and render a row's results
-    (:meth:`render`). A failing call is reported to the model in the message; nothing raises.
-    With ``stop_on_error`` (TorchRL's option of ``ExecuteToolsInOrder``) a row's calls after its
-    first failure are not run.
+    """A tool transform's step: for each row not done, run the calls of the latest response (rows
+    concurrently, up to ``max_workers``), append one tool message with the results and count them.
+    Subclasses define :meth:`find_calls`, :meth:`run_call` and :meth:`render`. A failing call is
+    reported to the model in the message; nothing raises. ``stop_on_error`` (TorchRL's option of
+    ``ExecuteToolsInOrder``): a row's calls after its first failure are not run.
     """
 
     stop_on_error: bool = False
@@ -60,9 +57,8 @@ class ToolTransformBase(Transform):
             raise ValueError(f"{type(self).__name__} max_workers must be >= 1, got {max_workers}")
         self.tool_role, self.max_workers = tool_role, max_workers
         self.num_calls = self.num_errors = 0
-        # Long-lived threads: a sandbox dies with the thread that started it (bwrap's
-        # --die-with-parent is per thread), so a persistent interpreter must not be started
-        # from a thread that exits after the step.
+        # Trap: long-lived threads, as a sandbox dies with the thread that started it (bwrap's
+        # --die-with-parent is per thread).
         self._executor: ThreadPoolExecutor | None = None
 
     def find_calls(self, text: str) -> list:
@@ -120,31 +116,17 @@ class ToolTransformBase(Transform):
 
 
 class PythonInterpreter(ToolTransformBase):
-    """Run the ```` ```python ```` blocks of each latest assistant message; append a tool message.
+    """Run the ```` ```python ```` blocks of each latest assistant message in the sandbox; append
+    a tool message (:func:`~rlpost.envs.tools.format_tool_response`).
 
-    TorchRL's constructor, ``PythonInterpreter(tokenizer=None, tool_name="tool",
-    persistent=False, timeout=10.0, services=None, service_name="python_executor",
-    namespace=None)``, plus rlpost's keywords: ``tool_role`` (the same as ``tool_name``),
-    ``max_workers`` (> 1 runs the rows of a batch concurrently, threads each waiting on its own
-    sandboxed process) and ``run_kwargs`` (``timeout_s``, ``memory_mb``, ``max_output_bytes``,
+    TorchRL's constructor plus rlpost's keywords: ``tool_role`` (= ``tool_name``), ``max_workers``
+    (> 1: a batch's rows run concurrently) and ``run_kwargs`` (``timeout_s``, ``memory_mb``,
     ``sandbox``, ... as :func:`~rlpost.envs.tools.run_python` takes them; ``timeout`` is
-    ``timeout_s``, give one of them). ``tokenizer`` is kept as an attribute, as in TorchRL.
-
-    Each block runs in the sandbox (:mod:`rlpost.envs.sandbox`: namespaces, rlimits, a prelude)
-    and a ``tool_name`` message whose content is :func:`~rlpost.envs.tools.format_tool_response`
-    is appended to the next prompt. A failing block (exception, timeout, limit, hostile code) is
-    reported in that message; nothing raises. Responses without code leave the next prompt
-    unchanged; rows already done run nothing.
-
-    ``persistent=True`` gives each episode one interpreter, so a block sees the names earlier
-    blocks of the same episode defined; the interpreter is killed when its episode ends, and a
-    reset of the env's whole batch kills all of them. Otherwise every block is a fresh process.
-
-    ``services`` hands the blocks to a shared executor instead of starting sandboxes here:
-    ``"ray"`` finds the named Ray actor ``service_name`` (in ``namespace``), a
-    :class:`~rlpost.envs.python_executor.PythonExecutorService` started as in that module's
-    docstring; any object with ``execute(code) -> dict`` (e.g. a local
-    ``PythonExecutorService``) is used as it is.
+    ``timeout_s``, give one). ``persistent=True`` gives each episode one interpreter (killed when
+    the episode ends, all of them at a reset of the whole batch); else every block is a fresh
+    process. ``services``: ``"ray"`` finds the Ray actor ``service_name`` (in ``namespace``), a
+    :class:`~rlpost.envs.python_executor.PythonExecutorService`; any object with
+    ``execute(code) -> dict`` is used as it is.
 
     Deliberate deviations from TorchRL: the sandbox limits CPU, memory, files, processes and
     network (TorchRL's only limits time, and runs blocks as plain host processes), and the
@@ -239,10 +221,9 @@ class PythonInterpreter(ToolTransformBase):
         return result, result.ok
 
     def render(self, results: list[PythonResult]) -> str:
-        """The tool message's content. Qwen-style templates (the tiny model's too) wrap a
-        ``"tool"`` message in ``<tool_response>\\n...\\n</tool_response>`` themselves, so that
-        role gets the inner text and renders exactly as :func:`format_tool_response`; any other
-        role (e.g. ``"user"``, for templates without a tool role) gets the wrapped text."""
+        """The tool message's content. Trap: Qwen-style templates wrap a ``"tool"`` message in
+        ``<tool_response>`` themselves, so that role gets the inner text (rendering exactly as
+        :func:`format_tool_response`); any other role gets the wrapped text."""
         wrapped = format_tool_response(results)
         if self.tool_role != "tool":
             return wrapped
@@ -279,10 +260,9 @@ class PythonInterpreter(ToolTransformBase):
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call found in a response: the tool's name, its arguments and TorchRL's optional
-    ``tag`` (a label the model gave the call, echoed in its result). ``error`` (keyword only,
-    an rlpost addition) is set when the call could not be read, e.g. invalid JSON; it is
-    reported to the model as that tool's failure. Deviation from TorchRL: frozen."""
+    """One call found in a response; ``tag``: TorchRL's label the model gave the call, echoed in
+    its result. Deviations: frozen; ``error`` (rlpost's) says why an unreadable call (e.g.
+    invalid JSON) fails, as reported to the model."""
 
     tool: str
     args: dict
@@ -291,9 +271,8 @@ class ToolCall:
 
 
 def find_pattern_calls(pattern: re.Pattern, text: str) -> list[ToolCall]:
-    """The calls matched by ``pattern`` in ``text``, each match being (tool name, JSON arguments)
-    as in TorchRL's ``<tool>name\nargs</tool>`` blocks. Empty arguments are ``{}``; arguments
-    that are not a JSON object make a call whose ``error`` says so."""
+    """The (tool name, JSON arguments) matches of ``pattern`` in ``text`` as calls; empty
+    arguments are ``{}``, arguments that are not a JSON object make a call whose ``error`` says so."""
     calls = []
     for name, args_json in pattern.findall(text):
         try:
@@ -313,9 +292,9 @@ class HermesToolCallParser:
         {"name": "multiply", "arguments": {"a": 3, "b": 4}}
         </tool_call>
 
-    ``parser(text)`` returns ``{"text": text without the calls, "calls": [ToolCall, ...]}``
-    (TorchRL's parser result layout). ``arguments`` may also be a JSON string (some models write
-    one). A block that is not valid JSON, or lacks ``name``, is a call whose ``error`` says why.
+    ``parser(text)`` -> ``{"text": text without the calls, "calls": [ToolCall, ...]}`` (TorchRL's
+    layout). ``arguments`` may be a JSON string (some models write one); an unreadable block is a
+    call whose ``error`` says why.
     """
 
     pattern = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -342,11 +321,9 @@ class HermesToolCallParser:
 class SimpleToolTransform(ToolTransformBase):
     """Call the user's functions named in the latest assistant message; append a tool message.
 
-    TorchRL's constructor: ``tools`` maps a tool name to a function (or a
-    ``"package.module:function"`` path); ``parser`` finds the calls (e.g.
-    :class:`HermesToolCallParser`); without one, ``tool_call_pattern`` (default
-    ``<tool>name\\nargs-json</tool>``) does. Each result renders as ``Tool NAME executed
-    successfully:\\nRESULT`` or ``Tool NAME failed:\\nERROR``, as in TorchRL.
+    TorchRL's constructor: ``tools`` maps a name to a function (or a ``"package.module:function"``
+    path); ``parser`` (e.g. :class:`HermesToolCallParser`), else ``tool_call_pattern``, finds the
+    calls. Results render as in TorchRL (``Tool NAME executed successfully:\\nRESULT``).
 
     Deviation from TorchRL: the functions run in worker processes (:class:`FunctionPool`) with
     ``timeout`` enforced (a call past it is killed and reported as failed); TorchRL calls them in
@@ -401,11 +378,8 @@ class SimpleToolTransform(ToolTransformBase):
 
 
 class StopWithoutToolCall(Transform):
-    """End (``terminated``, ``done``) every episode whose latest turn called no tool.
-
-    Append it after the tool transforms. Without it an episode whose response neither answered
-    nor called a tool would continue with nothing new to respond to, until ``max_steps``.
-    """
+    """End (``terminated``) every episode whose latest turn called no tool, which would else go
+    on with nothing new to respond to until ``max_steps``. Append it after the tool transforms."""
 
     def on_step(self, td: TensorDictBase, next_td: TensorDictBase) -> TensorDictBase:
         calls = next_td.get("tool_calls", None)

@@ -1,13 +1,9 @@
 """Running model-written Python in the sandbox, and rendering the results as tool messages.
 
-``run_python(code)`` runs one code block in a fresh sandboxed interpreter
-(:mod:`rlpost.envs.sandbox`: Linux namespaces through bubblewrap, rlimits and a prelude guard)
-and returns a :class:`PythonResult`; it never raises for anything the code does.
-:class:`PythonSession` keeps one interpreter across blocks, so names defined by one block are
-there for the next (one session per episode is TorchRL's ``persistent=True``). The
-``PythonInterpreter`` transform runs the ```` ```python ```` blocks of the last assistant message
-through them (:func:`extract_python_blocks`) and appends :func:`format_tool_response` as a tool
-message, which renders as in TorchRL's LLM tutorial::
+``run_python(code)`` runs one block in a fresh sandboxed interpreter (:mod:`rlpost.envs.sandbox`:
+bubblewrap namespaces, rlimits and a prelude guard); :class:`PythonSession` keeps one interpreter
+across blocks (one per episode is TorchRL's ``persistent=True``). :func:`format_tool_response`
+renders the results as in TorchRL's LLM tutorial::
 
     <tool_response>
     Code block 1 executed successfully:
@@ -34,15 +30,14 @@ SESSION_CPU_BLOCKS = 20
 
 @dataclass(frozen=True)
 class PythonResult:
-    """What one sandboxed run gave. Made by :func:`run_python` / :class:`PythonSession`, read by
-    the tool transforms.
+    """What one sandboxed run gave (made by :func:`run_python` / :class:`PythonSession`).
 
-    ``ok`` is True when the code ran to the end (or exited with status 0). ``output`` is stdout
-    and stderr interleaved, cut after ``max_output_bytes`` with a marker line. ``error`` is a
-    one-line reason when not ok: ``"timeout after 5.0s"``, ``"memory limit 512 MB exceeded"``,
-    ``"CPU time limit"``, ``"process limit"``, ``"network disabled"``, ``"file size limit"``,
-    ``"write outside working directory: PATH"``, ``"output limit N bytes exceeded"``,
-    ``"exit code N"``, ``"killed by SIGNAME"``, or the last line of the exception.
+    ``ok``: ran to the end (or exited 0). ``output``: stdout and stderr interleaved, cut after
+    ``max_output_bytes`` with a marker line. ``error``, when not ok, is a one-line reason:
+    ``"timeout after 5.0s"``, ``"memory limit 512 MB exceeded"``, ``"CPU time limit"``,
+    ``"process limit"``, ``"network disabled"``, ``"file size limit"``, ``"write outside working
+    directory: PATH"``, ``"output limit N bytes exceeded"``, ``"exit code N"``, ``"killed by
+    SIGNAME"``, or the last line of the exception.
     ``returncode`` is the process's (negative for a signal; None while a session's interpreter
     lives on).
     """
@@ -115,15 +110,13 @@ def run_python(
     disk_mb: int = 64,
     sandbox: str = "bwrap",
 ) -> PythonResult:
-    """Run ``code`` in a fresh sandboxed interpreter and return the result.
-
-    ``timeout_s`` is wall-clock time; ``cpu_s`` (default ``ceil(timeout_s) + 1``) is CPU time;
-    ``memory_mb`` caps the address space (virtual memory, not RSS); ``max_file_mb`` caps each file
-    written and ``disk_mb`` the whole working directory; ``max_procs`` caps the processes alive at
-    once. Output past ``max_output_bytes`` stops the run (``ok`` False). ``sandbox`` is "bwrap"
-    (namespaces; :class:`~rlpost.envs.sandbox.SandboxUnavailable` where they do not work) or
-    "guard" (the in-process prelude only, not a security boundary). Nothing the code does
-    raises here; invalid arguments raise ``ValueError``.
+    """Run ``code`` in a fresh sandboxed interpreter. ``timeout_s`` is wall-clock time, ``cpu_s``
+    (default ``ceil(timeout_s) + 1``) CPU time; ``memory_mb`` caps the address space (virtual
+    memory, not RSS), ``max_file_mb`` each file written, ``disk_mb`` the working directory,
+    ``max_procs`` the processes alive at once; output past ``max_output_bytes`` stops the run.
+    ``sandbox``: "bwrap" (namespaces; :class:`~rlpost.envs.sandbox.SandboxUnavailable` where they
+    do not work) or "guard" (the in-process prelude only, not a security boundary). Nothing the
+    code does raises here; invalid arguments raise ``ValueError``.
     """
     options = _Options.make(timeout_s, memory_mb, cpu_s, max_output_bytes, max_file_mb, max_procs, disk_mb, sandbox)
     start = time.monotonic()
@@ -149,11 +142,10 @@ def _run_python_defaults() -> dict:
 class PythonSession:
     """One sandboxed interpreter that runs many blocks: what one block defines, the next sees.
 
-    ``run(code)`` returns a :class:`PythonResult` like :func:`run_python` (same keyword options).
-    A block that ends the interpreter (a timeout, a limit, a crash, ``os._exit``) loses its state:
-    the next ``run`` starts a new interpreter and its result's output begins with a note saying so.
-    ``cpu_s`` is per block; the interpreter's CPU limit is ``SESSION_CPU_BLOCKS`` times that.
-    ``close()`` (or leaving the ``with`` block) kills it.
+    :func:`run_python`'s options; ``cpu_s`` is per block, the interpreter's CPU limit
+    ``SESSION_CPU_BLOCKS`` times that. A block that ends the interpreter (a timeout, a limit, a
+    crash, ``os._exit``) loses its state: the next ``run`` starts a new one, its output beginning
+    with a note saying so. ``close()`` (or leaving the ``with`` block) kills it.
     """
 
     def __init__(self, **options) -> None:
@@ -246,21 +238,15 @@ _BLOCK_RE = re.compile(r"```(?i:python3?|py)[ \t]*\n(.*?)```", re.DOTALL)
 
 
 def extract_python_blocks(text: str) -> list[str]:
-    """The code of each closed ```` ```python ```` (or ``py``) fenced block in ``text``, in order.
-
-    A block left open at the end (a generation cut by the token limit) is not returned.
-    """
+    """The code of each closed ```` ```python ```` (or ``py``) fenced block in ``text``, in order
+    (a block left open by a generation cut at the token limit is not returned)."""
     return _BLOCK_RE.findall(text)
 
 
 def format_tool_response(results: list[PythonResult]) -> str:
-    """The tool message for the results of one assistant message's code blocks (the format of
-    TorchRL's LLM tutorial).
-
-    Each block renders as ``Code block i executed successfully:\n<output>\n``, or when it failed
-    as ``Code block i failed:\n<error>\n<output>\n``; all inside
-    ``<tool_response>\n...</tool_response>``.
-    """
+    """The tool message for one assistant message's code blocks, in TorchRL's LLM tutorial's
+    format (see the module docstring); a failed block renders as
+    ``Code block i failed:\n<error>\n<output>\n``."""
     if not results:
         raise ValueError("format_tool_response needs at least one result (no code, no tool turn)")
     parts = []

@@ -1,26 +1,24 @@
-"""Env transforms: the small hook protocol of an env, :class:`Compose`, :class:`TransformedEnv`
-and :class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
+"""Env transforms: the hook protocol, :class:`Compose`, :class:`TransformedEnv` and
+:class:`StepCounter` (TorchRL's ``torchrl.envs.transforms``).
 
-A transform adds one capability to an env (data loading, a reward, a tool) through hooks that
-:class:`~rlpost.envs.common.EnvBase` calls around the base env's reset and step (its module doc
-draws the loop): ``reset_preprocess(td)`` before the base reset, ``on_reset(td, out)`` after it,
-``on_step(td, next)`` after the base step; TorchRL's ``_reset_env_preprocess`` / ``_reset`` /
-``_step``. As in TorchRL, ``base_env.append_transform(t)`` returns a new TransformedEnv, and a
-TransformedEnv's ``full_observation_spec`` (action, state, reward, done) is the base env's passed
-through each transform's ``transform_observation_spec`` (...), unchanged by default. Deliberate
-deviation: no ``_call``/``_inv_call`` (observations and actions are not rewritten on the way in
-or out; the older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
+A transform adds one capability (data loading, a reward, a tool) through hooks that
+:class:`~rlpost.envs.common.EnvBase` calls (its module docstring draws the loop):
+``reset_preprocess(td)``, ``on_reset(td, out)``, ``on_step(td, next)``; TorchRL's
+``_reset_env_preprocess`` / ``_reset`` / ``_step``. Deliberate deviation: no
+``_call``/``_inv_call`` (observations and actions are not rewritten on the way in or out; the
+older LLM envs' ``inv`` pass is :mod:`rlpost.envs.llm_env_loop`'s).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
 
 from rlpost.data.stacking import as_nested_tensor, as_padded_tensor  # noqa: F401  (TorchRL's place for them)
-from rlpost.envs.common import EnvBase
+from rlpost.envs.common import EnvBase, close_each, load_each, sum_errors, through_specs, union_state_keys
 from rlpost.envs.errors import EnvInputError
 from rlpost.envs.td_rows import NestedKey, as_key, has_key
 
@@ -32,13 +30,9 @@ REWARD_PARTS_KEY = "reward_parts"
 
 
 class Transform:
-    """Base class of env transforms; every hook defaults to "no change".
-
-    Attributes:
-        parent: the env the transform was appended to (set by ``append_transform``).
-        state_keys: keys this transform writes at reset that must be carried from step to step
-            (the env copies them into ``next``), e.g. the dataset row a reward reads later.
-    """
+    """Base class of env transforms; every hook defaults to "no change". ``parent``: the env
+    it was appended to; ``state_keys``: keys it writes at reset that the env carries from step to
+    step (e.g. the dataset row a reward reads later)."""
 
     state_keys: tuple[str, ...] = ()
 
@@ -58,9 +52,7 @@ class Transform:
         step input carrying the policy's output."""
         return next_td
 
-    # TorchRL's spec hooks: the env's spec (a Composite) goes through each transform in order;
-    # a transform that writes a key adds its spec and returns the Composite (edited in place).
-    # Default: unchanged.
+    # TorchRL's spec hooks: a transform that writes a key adds its spec to the Composite in place.
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         return observation_spec
 
@@ -90,8 +82,7 @@ class Transform:
         return self.parent
 
     def _chat_env(self) -> EnvBase:
-        """The env, which must hold a conversation (a ChatEnv, possibly transformed): for the
-        transforms that read the policy's messages or add messages."""
+        """The env, which must hold a conversation (a ChatEnv, possibly transformed)."""
         env = self._env()
         if not callable(getattr(env, "last_responses", None)):
             base = getattr(env, "base_env", env)
@@ -105,10 +96,14 @@ class Transform:
         return f"{type(self).__name__}()"
 
 
+def _through_each(part: str) -> Callable[[Compose, Composite], Composite]:
+    """A Compose's ``transform_<part>_spec``: the spec through each of its transforms in order."""
+    return lambda self, spec: through_specs(self._transforms, part, spec)
+
+
 class Compose(Transform):
-    """Transforms run in order as one (TorchRL's ``Compose``): each hook calls the transforms'
-    hooks one after the other. A :class:`~rlpost.envs.transforms.TransformedEnv` keeps its
-    transforms in one; ``compose[i]``, ``len(compose)`` and iteration reach them."""
+    """Transforms run in order as one (TorchRL's ``Compose``); a TransformedEnv keeps its
+    transforms in one (``compose[i]``, ``len``, iteration)."""
 
     def __init__(self, *transforms: Transform) -> None:
         super().__init__()
@@ -143,21 +138,8 @@ class Compose(Transform):
         for transform in getattr(self, "_transforms", ()):
             transform.parent = env
 
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        keys: list[str] = []
-        for transform in self._transforms:
-            keys += [key for key in transform.state_keys if key not in keys]
-        return tuple(keys)
-
-    @property
-    def errors(self):
-        from collections import Counter
-
-        total: Counter = Counter()
-        for transform in self._transforms:
-            total.update(getattr(transform, "errors", Counter()))
-        return total
+    state_keys = property(lambda self: union_state_keys(self._transforms))
+    errors = property(lambda self: sum_errors(self._transforms))
 
     def reset_preprocess(self, td: TensorDictBase) -> TensorDictBase:
         for transform in self._transforms:
@@ -174,60 +156,29 @@ class Compose(Transform):
             next_td = transform.on_step(td, next_td)
         return next_td
 
-    def _through_each(self, part: str, spec: Composite) -> Composite:
-        """``spec`` passed through each transform's ``transform_<part>_spec`` in order."""
-        for transform in self._transforms:
-            spec = getattr(transform, f"transform_{part}_spec")(spec)
-        return spec
-
-    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        return self._through_each("observation", observation_spec)
-
-    def transform_action_spec(self, action_spec: Composite) -> Composite:
-        return self._through_each("action", action_spec)
-
-    def transform_state_spec(self, state_spec: Composite) -> Composite:
-        return self._through_each("state", state_spec)
-
-    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
-        return self._through_each("reward", reward_spec)
-
-    def transform_done_spec(self, done_spec: Composite) -> Composite:
-        return self._through_each("done", done_spec)
+    transform_observation_spec = _through_each("observation")
+    transform_action_spec = _through_each("action")
+    transform_state_spec = _through_each("state")
+    transform_reward_spec = _through_each("reward")
+    transform_done_spec = _through_each("done")
 
     def state_dict(self) -> dict[str, Any]:
         return {"transforms": [transform.state_dict() for transform in self._transforms]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        states = state.get("transforms", []) if state else []
-        if len(states) != len(self._transforms):
-            raise ValueError(
-                f"Compose state has {len(states)} transform states, this Compose has {len(self._transforms)}"
-            )
-        for transform, transform_state in zip(self._transforms, states):
-            transform.load_state_dict(transform_state)
+        load_each(self._transforms, state.get("transforms", []) if state else [], "Compose")
 
     def close(self) -> None:
-        for transform in self._transforms:
-            close = getattr(transform, "close", None)
-            if close is not None:
-                close()
+        close_each(self._transforms)
 
     def __repr__(self) -> str:
         return f"Compose({', '.join(map(repr, self._transforms))})"
 
 
 class TransformedEnv(EnvBase):
-    """A base env with a :class:`~rlpost.envs.transforms.Compose` of transforms (TorchRL's
-    ``TransformedEnv``).
-
-    Args:
-        env: the base env; a TransformedEnv's base env and transforms are taken over (its own
-            transform list is left as it was).
-        transform: a transform, a Compose, or None.
-
-    ``env.transform`` is the Compose (``env.transform[0]`` is the first transform);
-    ``append_transform`` and ``insert_transform`` edit it in place.
+    """A base env with a :class:`Compose` of transforms, ``env.transform`` (TorchRL's
+    ``TransformedEnv``); ``append_transform`` and ``insert_transform`` edit it in place. Given a
+    TransformedEnv as ``env``, its base env and transforms are taken over (it is left as it was).
     """
 
     def __init__(self, env: EnvBase, transform: Transform | None = None) -> None:
@@ -277,13 +228,8 @@ class TransformedEnv(EnvBase):
 
 
 class StepCounter(Transform):
-    """Count the steps of each episode and truncate it after ``max_steps`` (TorchRL's
-    ``StepCounter``).
-
-    A reset writes ``step_count_key`` = 0 (int64 ``[*B, 1]``); a step writes the input's count
-    plus one and, with ``max_steps``, sets ``truncated_key`` (and ``done`` when ``update_done``)
-    where the count reaches it. On a :class:`~rlpost.envs.chat.ChatEnv`, which counts its steps
-    itself, the count written is the same.
+    """Count each episode's steps (int64 ``[*B, 1]``) and truncate it after ``max_steps``
+    (TorchRL's ``StepCounter``); on a ChatEnv, which counts its steps itself, the count is the same.
 
     Deliberate deviation from TorchRL: rlpost's env loop sets ``done`` wherever ``truncated``
     is set after every step, so ``update_done=False`` cannot leave ``done`` unset.
@@ -333,7 +279,6 @@ class StepCounter(Transform):
 
 
 def set_reward_part(next_td: TensorDictBase, name: str, values: list[float]) -> None:
-    """Record ``values`` (one per row) as the part ``name`` of this step's reward, under
-    ``next_td[REWARD_PARTS_KEY, name]``. The parts are what the metrics report beside the reward
-    (``reward_part/<name>``); the reward itself is ``next_td["reward"]``, whatever the parts say."""
+    """Record ``values`` (one per row) as the part ``name`` of this step's reward, which the
+    metrics report as ``reward_part/<name>``; the reward itself is ``next_td["reward"]``."""
     next_td.set((REWARD_PARTS_KEY, name), torch.tensor(values, dtype=torch.float64).view(-1, 1))

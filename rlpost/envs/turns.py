@@ -1,8 +1,5 @@
-"""One more message at the end of a rendered conversation, in text or token ids.
-
-:class:`TurnRenderer` finds what a chat template writes for one message (and after an assistant
-turn) by rendering short conversations; ChatEnv's text and tokens modes and the
-IncrementalTokenizer append turns with it, so a conversation is never re-rendered whole.
+"""One more message at the end of a rendered conversation, in text or token ids, so that ChatEnv's
+text and tokens modes and the IncrementalTokenizer never re-render a conversation whole.
 """
 
 from __future__ import annotations
@@ -13,9 +10,8 @@ import torch
 
 
 class TurnRenderer:
-    """Renders one more message at the end of an already rendered conversation (text or ids).
-
-    The message's text is the difference between rendering ``[system, message]`` with a
+    """Renders one more message at the end of an already rendered conversation (text or ids):
+    the message's text is the difference between rendering ``[system, message]`` with a
     generation prompt and rendering ``[system]``; the end of an assistant turn is what follows
     the content when ``[system, assistant]`` is rendered. Both rely on the template rendering
     message by message (true of ChatML/Qwen, Llama and most templates); a template for which
