@@ -1,19 +1,17 @@
 """The controller: the training loop, run on the driver over the actors' clients.
 
-The actors it drives and the data between them are drawn in the repository's README.md (the
-architecture diagram); docs/architecture.md follows a prompt through them module by module.
-
-The loop itself (sync and async, and what each waits on) is :meth:`Controller.run`'s docstring.
+README.md draws the actors and the data between them; docs/architecture.md follows a prompt
+through them. The loop (sync and async, what each waits on) is :meth:`Controller.run`'s docstring.
 
 Failures are the supervisor's (:mod:`rlpost.service.supervisor`): each part of a step runs through
 ``Supervisor.run``, which restarts lost actors and runs the part again, and the waits call
 ``Supervisor.check`` so a death is noticed while the loop waits. A lost learner ends the loop
 with LearnerDied; :func:`rlpost.service.run.run_training` then restarts the run from its last
-checkpoint when ``trainer.auto_resume`` is on. SIGTERM or Ctrl-C stops every actor after writing a final
+checkpoint when ``trainer.auto_resume`` is on. SIGTERM or Ctrl-C stops every actor after a final
 checkpoint (when the learner is alive); a second signal exits at once.
 
-Accounting (metrics.jsonl, after every step): ``groups_put == groups_trained +
-groups_dropped_stale + groups_in_buffer``; it holds across restarts of any actor.
+Accounting (metrics.jsonl, after every step, across restarts of any actor): ``groups_put ==
+groups_trained + groups_dropped_stale + groups_in_buffer``.
 
 Resume (``rlpost train --resume RUN_DIR``): the learner loads the latest checkpoint (weights,
 optimizer, step, version, RNG), the workers receive those weights, the buffer gets back the
@@ -44,9 +42,7 @@ from rlpost.transport.buffer import BufferSnapshot, BufferTimeout
 
 log = logging.getLogger("rlpost")
 SYNC_LOGPROB_WARN = 1e-3
-# A generous bound on one step's collection, reference scoring or training call: a stuck actor
-# surfaces as a clear timeout instead of a hang.
-COLLECT_TIMEOUT_S = 600.0
+COLLECT_TIMEOUT_S = 600.0  # a step's collection, reference scoring or train call: a stuck actor is a timeout
 CHECKPOINT_TIMEOUT_S = 600.0
 POLL_S = 2.0  # how long one wait on the pools or the buffer lasts before the health check
 EVAL_WORKER_WAIT_S = 5.0  # an evaluation whose every worker died gives up this soon (the run goes on)
@@ -60,7 +56,7 @@ class Controller:
     def __init__(self, cfg: JobConfig, run_dir: Path, supervisor: Supervisor, resume: bool = False,
                  evaluator: Evaluator | None = None):  # fmt: skip
         self.cfg, self.run_dir, self.supervisor = cfg, Path(run_dir), supervisor
-        self.state = supervisor.state  # the loop's own (step, version, ledger); the supervisor reads it
+        self.state = supervisor.state  # the loop writes it (step, version, ledger); the supervisor reads it
         self.ray_metrics = RayMetrics(cfg.logging.run_name)
         self.start_time = time.perf_counter()
         self.trained_step = 0  # the last step the learner finished training
@@ -69,13 +65,10 @@ class Controller:
         self.syncs = 0  # weight syncs done by this process (weight_sync.probe_every counts them)
         self.learner_resumes = 0
         self.taken: list = []  # groups of the current step taken from the buffer, not yet trained
-        # the metrics row of the trained step while it is being finished (sync, timing), so that a
-        # stop in between still records every trained step before the final checkpoint
+        # the trained step's row while it is finished (sync, timing): a stop in between still records it
         self.unrecorded: dict | None = None
         self.recorded_step = 0  # the last step whose metrics row this process wrote
-        # each shard's prompts collected at the start of the current step (sync mode's shares;
-        # env-pool-<j> collects shard j)
-        self.pool_prompts = [0] * cfg.rollout.env_pool_shards()
+        self.pool_prompts = [0] * cfg.rollout.env_pool_shards()  # shard j's prompts collected before this step
         self.resumed = resume
         if resume:
             self._resume()
@@ -112,8 +105,8 @@ class Controller:
     # ----------------------------------------------------------------------------- the loop
 
     def run(self) -> None:
-        """Train ``trainer.steps`` steps (from the step after a resumed checkpoint), then write
-        the final checkpoint and the run's figures. Each step::
+        """Train up to ``trainer.steps`` (resumed: from the checkpoint's next step), then write the
+        final checkpoint and the figures. Each step::
 
             groups = collect             sync: the pools collect this step's prompts, then take
                                          async: take from the buffer the pools keep filling
@@ -133,19 +126,18 @@ class Controller:
           weights; the loop polls the pools until each has put its share, then takes the whole
           step (staleness 0). Nothing is generated while the learner trains.
         - async: the pools collect on their own threads from the start, blocking only on a full
-          buffer (it holds ``max_staleness`` steps); the loop waits on ``buffer.take``, which
-          drops groups more than ``max_staleness`` versions behind. A weight update reaching a
-          worker mid-generation is applied between two engine steps
-          (``weight_sync.inflight_updates``) and each token records its version.
+          buffer (``max_staleness`` steps); the loop waits on ``buffer.take``, which drops groups
+          more than ``max_staleness`` versions behind. A weight update reaching a worker
+          mid-generation is applied between two engine steps (``weight_sync.inflight_updates``)
+          and each token records its version.
         - both: the train call (``COLLECT_TIMEOUT_S``); the weight sync (``weight_sync.timeout_s``),
-          then on the syncs ``weight_sync.probe_every`` picks a probe scored by a worker and the
+          then on the syncs ``weight_sync.probe_every`` picks, a probe scored by a worker and the
           learner (``sync_logprob_diff``); an evaluation through the inference workers.
 
-        Sync mode is not async mode with ``max_staleness: 0``: there the pools would generate
-        the next step with the old weights while the learner trains, and the buffer would drop
-        nearly all of it (on the demo: twice the groups generated, 25-38% slower).
-
-        Before the first step of a fresh run, a start-up sync (:meth:`_start_up_sync`).
+        Sync mode is not async mode with ``max_staleness: 0``: there the pools would generate the
+        next step with the old weights while the learner trains, and the buffer would drop nearly
+        all of it (on the demo: twice the groups generated, 25-38% slower). A fresh run starts
+        with :meth:`_start_up_sync`.
         """
         cfg, steps = self.cfg, self.cfg.trainer.steps
         if self.first_step > steps:
@@ -191,10 +183,9 @@ class Controller:
     # ----------------------------------------------------------------------------- evaluating
 
     def _evaluate(self, step: int) -> dict:
-        """Score the weights the inference workers now serve on the held-out prompts (module
-        :mod:`rlpost.service.evaluation`); the result also goes to eval.jsonl. The run's env pools keep
-        collecting meanwhile (async mode). A failed evaluation is a warning, never the run's end:
-        its keys are left out of the step's line."""
+        """Score the weights the workers serve now (:mod:`rlpost.service.evaluation`; also to
+        eval.jsonl) while async pools keep collecting. A failure is a warning, never the run's
+        end: its keys are left out of the step's line."""
         from rlpost.policies import RemoteVLLMClient
 
         client = RemoteVLLMClient([w.handle for w in self.fleet.inference], request_timeout_s=COLLECT_TIMEOUT_S,
@@ -208,8 +199,7 @@ class Controller:
         return metrics
 
     def _evaluate_initial(self) -> None:
-        """``eval.before_training``: the initial weights' scores, at step 0 in eval.jsonl, the
-        trackers and the log (metrics.jsonl starts at step 1)."""
+        """``eval.before_training``: step 0 in eval.jsonl, the trackers and the log (metrics.jsonl starts at 1)."""
         metrics = self._evaluate(0)
         if metrics:
             self.writer.log(metrics, 0)
@@ -222,9 +212,8 @@ class Controller:
     # ----------------------------------------------------------------------------- collecting
 
     def _collect_step(self) -> list:
-        """The step's groups: taken from the buffer (sync: after every pool collected its
-        share), annotated by the reference actor when the KL is in the loss (in the reward, each
-        env pool had its batch penalised before computing the advantages)."""
+        """The step's groups from the buffer (sync: after every pool collected its share),
+        annotated by the reference when the KL is in the loss (in the reward, the pools applied it)."""
         if self.cfg.trainer.mode == "sync":
             targets = self._step_targets()
             self.taken = self.supervisor.run("collect", lambda: self._collect_sync(targets))
@@ -236,9 +225,8 @@ class Controller:
         return self.supervisor.run("reference", lambda: self.fleet.reference.annotate(self.taken, COLLECT_TIMEOUT_S))
 
     def _step_targets(self) -> list[int]:
-        """Sync mode: the prompts each shard will have collected once this step is done. The
-        step's ``prompts_per_step`` are split over the serving pools (the remainder to the lowest
-        slots); a shard whose pool is not serving (vacant, or scaled down) stays where it is."""
+        """Sync mode: each shard's prompts collected once this step is done: ``prompts_per_step``
+        over the serving pools (:meth:`_spread`); a shard without a serving pool stays where it is."""
         targets = list(self.pool_prompts)
         self._spread(targets, self.cfg.trainer.prompts_per_step)
         return targets
@@ -258,15 +246,11 @@ class Controller:
         return self._take(max(1, size))  # the DAPO filter may have dropped groups
 
     def _collect_shares(self, targets: list[int]) -> None:
-        """Sync mode: every serving pool collects prompts into the buffer until its shard has
-        ``targets[j]`` collected in all (its share of the step).
-
-        The controller polls the pools, checking the actors' health between polls. Run again
-        after a recovery, it starts each pool on what is left of its share (the buffer recorded
-        how far each pool's puts got), so a restarted pool neither skips nor repeats prompts.
-        A pool that stops serving during the step (lost with no room for it, or scaled down)
-        hands what is left of its share to the others (:meth:`_hand_over_shares`).
-        """
+        """Sync mode: every serving pool collects until its shard has ``targets[j]`` prompts in all,
+        polled with health checks between polls. Run again after a recovery, each pool starts on
+        what is left of its share (as far as the buffer recorded its puts), so a restarted pool
+        neither skips nor repeats prompts; a pool that stops serving mid-step hands the rest of
+        its share to the others (:meth:`_hand_over_shares`)."""
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         finished: set[tuple[str, int]] = set()  # (pool, target) whose share is in the buffer
         while True:
@@ -305,9 +289,8 @@ class Controller:
                             "pools %s", slot, left, self.state.step, others)  # fmt: skip
 
     def _start_share(self, pool, target: int) -> bool:
-        """Start ``pool`` on what is left of its share (``target``: its shard's prompts collected
-        at the end of the step); False when nothing is left. A pool still collecting is left
-        alone (True)."""
+        """Start ``pool`` on what is left of its share (``target``: its shard's total at the step's
+        end); False when nothing is left; True (left alone) while it still collects."""
         if not pool.wait(0.0):
             return True
         state = self.fleet.buffer.producer_state(pool.name)
@@ -320,8 +303,7 @@ class Controller:
         return True
 
     def _take(self, num_groups: int) -> list:
-        """Take ``num_groups`` groups from the buffer, checking the actors' health while waiting;
-        what was taken (and dropped as stale) goes in the ledger."""
+        """``num_groups`` groups from the buffer, with health checks while waiting; into the ledger."""
         deadline = time.monotonic() + COLLECT_TIMEOUT_S
         while True:
             self.supervisor.check()
@@ -359,14 +341,11 @@ class Controller:
         return record
 
     def _start_up_sync(self) -> None:
-        """Before a fresh run's first step: the workers load the learner's initial weights
-        (version 0, the model they started from) and, unless ``weight_sync.probe_every`` is 0,
-        the probe checks both sides. The first sync of a process pays one-time work: the shared
-        segment's pages, the engine's first packing of its CPU kernels from it, the first scoring
-        calls (on 2 CPU cores with the 0.5B-shaped model: a first sync of 5.8 s against ~1 s
-        later). Paid here, it leaves the first step's sync at the cost of the others, and a
-        weight path that cannot work fails before any step is spent. Not counted in the syncs
-        whose probe ``weight_sync.probe_every`` schedules."""
+        """Before a fresh run's first step: the workers load the learner's version 0 and, unless
+        ``weight_sync.probe_every`` is 0, the probe checks both sides (not counted in the syncs it
+        schedules). A process's first sync pays one-time work (the shared segment's pages, the
+        engine's first CPU kernel packing, the first scoring calls: 5.8 s against ~1 s later on 2
+        CPU cores with the 0.5B-shaped model); paid here, a broken weight path fails before any step."""
         start = time.perf_counter()
         check = bool(self.cfg.weight_sync.probe_every)
         record = self.supervisor.run("weight sync", lambda: self._sync_once(wait=True, probe=check), bus=True)
@@ -378,11 +357,10 @@ class Controller:
         )  # fmt: skip
 
     def _sync_weights(self, wait: bool) -> dict:
-        """Publish the learner's weights to every worker, then score the probe; a failure
-        re-forms the bus and the sync runs again. In async mode with
-        ``weight_sync.train_during_reload`` the sync returns once the weights are sent, unless
-        ``wait`` or the probe checks this sync: the workers reload while the learner trains the
-        next step, and the next sync waits for that reload first."""
+        """Publish the weights to every worker, then score the probe; a failure re-forms the bus
+        and the sync runs again. Async with ``weight_sync.train_during_reload`` (unless ``wait``
+        or a probe): returns once the weights are sent; the workers reload while the learner
+        trains, and the next sync waits for that reload first."""
         ws = self.cfg.weight_sync
         probe = bool(ws.probe_every) and self.syncs % ws.probe_every == 0  # the run's first sync, then every N-th
         record = self.supervisor.run("weight sync", lambda: self._sync_once(wait, probe), bus=True)
@@ -390,8 +368,7 @@ class Controller:
         return record
 
     def _sync_once(self, wait: bool, probe: bool) -> dict:
-        """One attempt: publish (returning before the workers' reload where async mode lets it),
-        then score the probe when ``probe``."""
+        """One attempt of :meth:`_sync_weights`."""
         ws = self.cfg.weight_sync
         overlap = self.cfg.trainer.mode == "async" and ws.train_during_reload and not (wait or probe)
         record = self.fleet.publish(wait=not overlap)
@@ -421,9 +398,8 @@ class Controller:
         self.supervisor.run("checkpoint", lambda: self._write_checkpoint(step))
 
     def _write_checkpoint(self, step: int) -> None:
-        """The learner writes its checkpoint with the rollout state: the groups waiting in the
-        buffer (after any taken but not trained), every pool's position after its last put, and
-        the ledger (one consistent snapshot)."""
+        """The learner's checkpoint with the rollout state as one consistent snapshot: the groups
+        taken but not trained, then those in the buffer, each pool's last put's position, the ledger."""
         snapshot = self.fleet.buffer.snapshot()
         ledger = Ledger(
             self.ledger.groups_taken - len(self.taken), self.ledger.groups_dropped_stale, dict(self.ledger.acknowledged)
@@ -438,15 +414,14 @@ class Controller:
             "fleet": self.fleet.wanted(),
             "elapsed_s": time.perf_counter() - self.start_time,
         }
-        path = self.fleet.learner.save_checkpoint(
-            str(self.run_dir), step, rollout_state, timeout_s=CHECKPOINT_TIMEOUT_S
-        )
+        learner, timeout_s = self.fleet.learner, CHECKPOINT_TIMEOUT_S
+        path = learner.save_checkpoint(str(self.run_dir), step, rollout_state, timeout_s=timeout_s)
         log.info("checkpoint written: %s (%d groups from the buffer)", path, len(rollout_state["buffer_groups"]))
 
     def checkpoint_on_stop(self) -> None:
-        """After SIGTERM / Ctrl-C: a final checkpoint of the last trained step when the learner
-        is alive (a train call the signal interrupted finishes first: the learner runs one
-        call at a time, and its version says whether it did)."""
+        """After SIGTERM / Ctrl-C: a final checkpoint of the last trained step when the learner is
+        alive (an interrupted train call finishes first: the learner runs one call at a time, and
+        its version says whether it did)."""
         if not self.fleet.learner.alive():
             log.warning("stopping: the learner is gone, so no final checkpoint (the last one on disk stays)")
             return
@@ -473,23 +448,16 @@ class Controller:
             log.error("stopping: the final checkpoint failed (%s); the last complete one stays", exc)
 
     def _interrupted_row(self, groups: list, version: int) -> dict:
-        """The metrics row of a step whose train call the stop interrupted after the learner
-        finished it: what the controller knows (rewards, version); the learner's loss is lost."""
+        """The row of a step the learner trained after the stop interrupted its call: rewards and
+        version (its loss is lost)."""
         rewards = [r for g in groups for r in g.rewards]
-        row = {
-            "step": self.state.step,
-            "policy_version": version,
-            "loss": None,
-            "kl_to_ref": None,
-            "clip_fraction": None,
-        }
+        row = dict(step=self.state.step, policy_version=version, loss=None, kl_to_ref=None, clip_fraction=None)
         row.update(reward_mean=mean(rewards) if rewards else None, reward_std=pstdev(rewards) if rewards else None)
         return row
 
     def _accounting_at_stop(self) -> dict:
-        """The accounting keys of a row finished by a stop, as the checkpoint will hold them:
-        groups taken for a step not trained count as in the buffer (the checkpoint puts them
-        back). Empty when the buffer does not answer (the row then has none)."""
+        """A stop's row's accounting as the checkpoint holds it: groups taken but not trained count
+        as in the buffer (the checkpoint puts them back). Empty when the buffer does not answer."""
         try:
             stats = self.fleet.buffer.stats()
         except Exception as exc:  # noqa: BLE001 (the stop goes on; the row says less)
@@ -517,14 +485,9 @@ class Controller:
         state = info["rollout_state"] or {}
         if state:
             ledger = self.state.ledger = Ledger(**state.get("ledger", {}))
-            self.fleet.buffer.restore(
-                BufferSnapshot(
-                    state["buffer_groups"],
-                    state["producer_states"],
-                    state.get("last_seqs", {}),
-                    dict(ledger.acknowledged),
-                )
-            )
+            snapshot = BufferSnapshot(state["buffer_groups"], state["producer_states"], state.get("last_seqs", {}),
+                                      dict(ledger.acknowledged))  # fmt: skip
+            self.fleet.buffer.restore(snapshot)
             for pool in self.fleet.env_pools:
                 pool_state = state["producer_states"].get(pool.name)
                 if pool_state is not None:
@@ -538,13 +501,10 @@ class Controller:
         moved = supersede_metrics_after(self.run_dir, info["step"])
         self._sync_weights(wait=True)  # the workers serve the checkpoint's weights at its version
         log.info(
-            "resumed from %s: step %d, policy version %d, %d groups back in the buffer%s",
-            path,
-            info["step"],
-            self.version,
-            len(state.get("buffer_groups", [])),
+            "resumed from %s: step %d, policy version %d, %d groups back in the buffer%s", path, info["step"],
+            self.version, len(state.get("buffer_groups", [])),
             f"; {moved} metrics lines of later steps moved to metrics.superseded.jsonl" if moved else "",
-        )
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------- metrics
 
