@@ -1,16 +1,10 @@
 """The fleet: a run's actors, their slots and placement, as one object.
 
-:class:`Fleet` holds one client per actor of every role (the buffer, the inference workers, the
-env pools, the learner or its group, the reference, the reward model, the control mailbox), the
-slots of the roles that have a range (``rollout.num_inference_workers: A..B``,
-``rollout.num_env_pools: A..B``: a :class:`Slots` each) and the :class:`ActorStarter` that places
-and starts each role's actor in the run's placement group (:func:`make_placement_group`: a bundle
-per actor that reserves CPUs, GPUs or custom resources; slots beyond it get groups of their
-own; :mod:`rlpost.service.starter`). ``Fleet.start(cfg)`` starts it all, without any training
-loop, and ``fleet.stop()`` ends it. Its methods do what a change of the fleet takes (start an
-actor in a slot, a new buffer, the weight bus's next generation); when to do it is the
-supervisor's (:mod:`rlpost.service.supervisor`), which mends what the fleet loses and resizes it
-on an operator's request. The loop (:mod:`rlpost.service.loop`) drives steps over its clients.
+:class:`Fleet` holds the clients, slots and starter; ``Fleet.start(cfg)`` starts it all without
+any training loop. Its methods do what a change of the fleet takes (start an actor in a slot, a
+new buffer, the weight bus's next generation); when to do it is the supervisor's
+(:mod:`rlpost.service.supervisor`), which mends what the fleet loses and resizes it on an
+operator's request. Where actors start is :mod:`rlpost.service.starter`'s.
 """
 
 from __future__ import annotations
@@ -44,22 +38,15 @@ POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch 
 
 
 class Fleet:
-    """A run's topology: for each role its client (one per actor; the supervisor replaces a lost
-    actor's), the slots of the roles that have a range (inference workers, env pools: wanted,
-    serving, vacant), each env-pool slot's epoch, and where they start (the :class:`ActorStarter`:
-    the run's placement group, the slots' own groups, the inference replicas).
+    """A run's topology: one client per actor of every role, the slots of the roles with a range
+    (``rollout.num_inference_workers: A..B``, ``rollout.num_env_pools: A..B``: a :class:`Slots`
+    each), each env-pool slot's epoch, and the :class:`ActorStarter` (or a test's stand-in) that
+    places and starts them. The one place that answers "what serves now" (:meth:`sizes`).
 
-    It is the one place that answers "what serves now" (:meth:`sizes`). :meth:`start` starts it
-    without any training loop, :meth:`scale` resizes it and :meth:`stop` ends every actor and
-    placement group. After the start, only the supervisor (:mod:`rlpost.service.supervisor`)
-    changes it: through :meth:`scale` on an operator's request, and by replacing the clients of
-    the actors it finds lost.
-
-    Args:
-        cfg: the job config.
-        starter: starts each role's actor (an :class:`ActorStarter`, or a test's stand-in).
-        buffer, inference, env_pools, learner, reference, control, reward: the started actors'
-            clients (``reference``, ``control``, ``reward``: None when the run has none).
+    :meth:`start` starts it without any training loop and :meth:`stop` ends every actor and
+    placement group. After the start only the supervisor changes it: :meth:`scale` on an
+    operator's request, and replacing the clients of the actors it finds lost. ``reference``,
+    ``control``, ``reward``: None when the run has none.
     """
 
     def __init__(self, cfg: JobConfig, starter: Any, buffer: RayBuffer, inference: list[InferenceClient],
@@ -69,7 +56,7 @@ class Fleet:
         self.buffer, self.inference, self.env_pools, self.learner = buffer, inference, env_pools, learner
         self.reference, self.control, self.reward = reference, control, reward
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
-        # each role's slots (serving or vacant); the range's top is opened now, rlpost scale changes them
+        # the range's top is opened now (vacant until placed); rlpost scale changes them
         self.inference_slots = Slots("inference", "inference", set(range(len(inference))))
         self.pool_slots = Slots("env-pool", "env_pools", set(range(len(env_pools))))
         self.open_slots(self.inference_slots, cfg.rollout.inference_worker_target())
@@ -77,9 +64,8 @@ class Fleet:
 
     @classmethod
     def start(cls, cfg: JobConfig, starter: Any = None) -> Fleet:
-        """Place and start every actor of ``cfg``'s run with ``starter`` (default: an
-        :class:`ActorStarter`): the engines up and the weight bus connected. Usable on its own,
-        without a training loop. A start that fails or is stopped (Ctrl-C) leaves no actor."""
+        """Place and start every actor of the run, engines up and the weight bus connected. A start
+        that fails or is stopped (Ctrl-C) leaves no actor."""
         starter = ActorStarter(cfg) if starter is None else starter
         fleet = cls(cfg, starter, **starter.start_all())
         try:
@@ -108,18 +94,14 @@ class Fleet:
         return [client for client in roles if client is not None]
 
     def named_handles(self) -> list[tuple[str, Any]]:
-        """(actor name, handle) of every actor of the run, each learner rank on its own (what the
-        watchdog asks for heartbeats)."""
+        """(actor name, handle) of every actor, each learner rank on its own: what the watchdog asks."""
         pairs = [(w.name, w.handle) for w in self.inference] + [(p.name, p.handle) for p in self.env_pools]
         pairs += self.learner.members + [(self.buffer.name, self.buffer.handle)]
         pairs += [(c.name, c.handle) for c in (self.reference, self.reward, self.control) if c is not None]
         return pairs
 
     def sizes(self) -> dict[str, int]:
-        """What serves now: for each role with slots the serving actors, the vacant slots and the
-        slots it has (metrics.jsonl, each line; the run's mailbox): ``inference_workers``,
-        ``inference_workers_vacant``, ``inference_workers_target``, ``env_pools``,
-        ``env_pools_vacant``, ``env_pools_target``."""
+        """What serves now, for metrics.jsonl and the mailbox (:meth:`Slots.sizes` of each role)."""
         return self.inference_slots.sizes(len(self.inference)) | self.pool_slots.sizes(len(self.env_pools))
 
     def wanted(self) -> dict[str, int]:
@@ -127,8 +109,8 @@ class Fleet:
         return {slots.key: len(slots.wanted) for slots in (self.inference_slots, self.pool_slots)}
 
     def open_slots(self, slots: Slots, count: int) -> None:
-        """Open the lowest unused slots until there are ``count``; each is vacant until it has
-        room and its actor starts (the supervisor's recovery starts it)."""
+        """Open the lowest unused slots until there are ``count``; each is vacant until the
+        supervisor's recovery finds room and starts its actor."""
         slot = 0
         while len(slots.wanted) < count:
             if slot not in slots.wanted:
@@ -153,13 +135,11 @@ class Fleet:
                 self.starter.close_slot(slots.name(slot))
 
     def scale(self, request: dict[str, int]) -> bool:
-        """Resize the roles ``request`` names (``rlpost scale``'s keys: ``inference`` workers,
-        ``env_pools``) within the config's ranges (ValueError outside them, nothing changed). New
-        slots are vacant until the cluster places their bundles (the supervisor's recovery then
-        starts their actors); fewer slots close the vacant ones first, then retire the serving
-        ones with the highest slots (:meth:`retire_workers`, :meth:`retire_pools`). True when a
-        worker left: the weight bus must re-form without it. Safe to run again after a failure
-        part-way."""
+        """Resize the roles ``request`` names (``inference``, ``env_pools``) within the config's
+        ranges (ValueError outside them, nothing changed). New slots are vacant until placed (the
+        supervisor's recovery then starts them); fewer close vacant slots first, then retire the
+        highest serving ones. True when a worker left: the bus must re-form without it. Safe to
+        run again after a failure part-way."""
         from rlpost.service.mailbox import check_scale_request
 
         check_scale_request(self.cfg.rollout.scale_bounds(), request)
@@ -173,9 +153,8 @@ class Fleet:
         return workers_left
 
     def retire_workers(self) -> bool:
-        """Stop the serving workers whose slots closed, after the pools stopped using them and
-        they finished their requests (``DRAIN_TIMEOUT_S``; the rest are re-issued to the others).
-        True when a worker left: the weight bus must then re-form without it (the caller's)."""
+        """Stop the serving workers whose slots closed, after the pools stopped using them and they
+        finished their requests (``DRAIN_TIMEOUT_S``; the rest are re-issued). True when one left."""
         leaving = [w for w in self.inference if slot_of(w.name) not in self.inference_slots.wanted]
         if not leaving:
             return False
@@ -196,10 +175,9 @@ class Fleet:
         return True
 
     def retire_pools(self) -> None:
-        """Stop the serving env pools whose slots closed: each stops after its current batch
-        (``POOL_STOP_TIMEOUT_S``; what it had not put yet is collected again when its shard serves
-        again, from its last put's position), then its actor goes. In sync mode the other pools
-        collect what was left of its share of the step."""
+        """Stop the serving env pools whose slots closed, each after its current batch
+        (``POOL_STOP_TIMEOUT_S``; what it had not put is collected again from its last put's
+        position when its shard serves again). In sync mode the others take over its share."""
         leaving = [p for p in self.env_pools if slot_of(p.name) not in self.pool_slots.wanted]
         for pool in leaving:
             try:
@@ -211,20 +189,17 @@ class Fleet:
             self.fence_pool(slot_of(pool.name))
             self.env_pools = [p for p in self.env_pools if p is not pool]
 
-    # ------------------------------------------------------------------ asked while the supervisor mends
-
     def fence_pool(self, slot: int) -> None:
-        """``env-pool-<slot>`` is gone and no pool replaces it now: the buffer refuses a put its
-        last incarnation left in flight and frees the room that one held for its next batch (which
-        the serving pools need for the shares they take over)."""
+        """``env-pool-<slot>`` is gone and not replaced now: the buffer refuses a put its last
+        incarnation left in flight and frees the room held for its next batch (the serving pools
+        need it for the shares they take over)."""
         self.epochs[slot] += 1
         self.buffer.fence(f"env-pool-{slot}", self.epochs[slot])
 
     def lost(self, named: set[str]) -> list[Any]:
-        """The clients of the actors lost now (the control mailbox aside: its exchange mends it):
-        those ``named`` (a failure named them, the watchdog killed them, a peer could not reach
-        them), killed to be sure since a silent actor is as good as dead, and every one Ray's
-        record says is dead or restarting (:func:`rlpost.runtime.actors.actor_state`)."""
+        """The clients of the actors lost now (not the mailbox: its exchange mends it): those
+        ``named`` (by a failure, the watchdog or an unreachable peer), killed to be sure since a
+        silent actor is as good as dead, and every one Ray's record says is dead or restarting."""
         roles = [self.learner, self.buffer, *self.inference, self.reference, self.reward, *self.env_pools]
         lost = []
         for client in [c for c in roles if c is not None]:
@@ -249,12 +224,9 @@ class Fleet:
             time.sleep(PLACEMENT_POLL_S)
         return True
 
-    # ------------------------------------------------------------------ starting actors again
-
     def restart_buffer(self, acknowledged: dict[str, int]) -> dict[str, int]:
-        """A new buffer in place of the lost one, told what the learner's side already received
-        (``acknowledged``: producer -> its last sequence number taken); every live env pool puts
-        into it again what it put and was not acknowledged. Returns each pool's count put again."""
+        """A new buffer told what the learner's side received (``acknowledged``: producer -> last
+        seq taken); every live pool puts again what was not acknowledged. Returns each one's count."""
         self.buffer.kill()
         buffer = self.starter.buffer()
         buffer.restore(BufferSnapshot([], {}, last_seqs=dict(acknowledged), acknowledged=dict(acknowledged)))
@@ -262,9 +234,8 @@ class Fleet:
         return {pool.name: pool.set_buffer(buffer, timeout_s=CALL_TIMEOUT_S) for pool in self.env_pools if pool.alive()}
 
     def start_inference(self, slot: int) -> bool:
-        """Start ``inference-<slot>`` (again) and wait until its engine is up; it serves once the
-        bus re-forms with it (:meth:`reform_bus`). False when it is the slot's first actor (a new
-        slot), True for a replacement."""
+        """Start ``inference-<slot>`` (again), its engine up; it serves once the bus re-forms with it.
+        True for a replacement, False for a new slot's first."""
         name = self.inference_slots.name(slot)
         worker = self.starter.inference(slot)
         worker.wait_ready(STARTUP_TIMEOUT_S)
@@ -272,12 +243,11 @@ class Fleet:
         return self.inference_slots.filled(slot)
 
     def start_pool(self, slot: int, collecting: bool, has_position: bool = False) -> tuple[dict | None, bool]:
-        """Start ``env-pool-<slot>`` (again) with the next epoch, from the position its
-        predecessor's last put recorded in the buffer (none: its shard's start); ``collecting``:
-        it starts collecting at once (async mode). ``has_position``: the shard is known to have
-        put before, so a buffer that does not know where it stopped means that position is lost
-        (ResumeNeeded, before the pool collects anything). Returns the position (the pool's
-        state, or None) and whether the pool replaced one (False: the slot's first)."""
+        """Start ``env-pool-<slot>`` (again) with the next epoch, from the position its predecessor's
+        last put recorded in the buffer (none: its shard's start); ``collecting``: at once (async).
+        ``has_position``: the shard put before, so a buffer without its position means it is lost
+        (ResumeNeeded, before the pool collects anything). Returns (the position or None, whether
+        it replaced a pool)."""
         name = self.pool_slots.name(slot)
         for old in [p for p in self.env_pools if p.name == name]:
             old.kill()
@@ -299,12 +269,9 @@ class Fleet:
         getattr(self, role).kill()
         setattr(self, role, getattr(self.starter, role)())
 
-    # ------------------------------------------------------------------ the weight bus
-
     def reform_bus(self) -> int:
-        """Open the bus's next generation with every serving worker, publish the learner's
-        weights to them, and give the live env pools the workers' handles; returns the
-        generation. A peer's failure raises a client error (the caller recovers)."""
+        """The bus's next generation with every serving worker, the weights published to them and
+        their handles given to the live pools; returns the generation. A peer's failure raises."""
         handles = [w.handle for w in self.inference]
         generation = self.learner.set_workers(handles, timeout_s=CALL_TIMEOUT_S)
         self.publish()
@@ -314,11 +281,9 @@ class Fleet:
         return generation
 
     def publish(self, wait: bool = True) -> dict:
-        """The learner publishes its weights through its vLLMUpdater, which has every worker
-        receive and reload them; returns the sync's metrics and the ``policy_version`` sent.
-        ``wait=False``: return once the weights are sent and let the workers reload while the
-        learner trains on; the next publish first waits for that reload, and a failure found
-        there is raised then. Raises a client error when a peer fails (the caller recovers)."""
+        """The learner publishes through its vLLMUpdater (every worker receives and reloads);
+        returns the sync's metrics and the ``policy_version`` sent. ``wait=False``: return once
+        sent; the next publish first waits for that reload and raises a failure found there."""
         start = time.perf_counter()
         published = self.learner.publish(wait).result(self.publish_timeout_s)
         return {
@@ -358,15 +323,14 @@ class Slots:
         return f"{self.prefix}-{slot}"
 
     def filled(self, slot: int) -> bool:
-        """``slot``'s actor started: it is neither vacant nor fresh now. Whether it had one before
-        (False: its first)."""
+        """``slot``'s actor started (no longer vacant nor fresh); whether it had one before."""
         self.vacant.pop(slot, None)
         had_one = slot not in self.fresh
         self.fresh.discard(slot)
         return had_one
 
     def sizes(self, serving: int) -> dict[str, int]:
-        """``serving``, the vacant slots and the slots the fleet has, under the role's metrics keys
+        """``serving``, the vacant slots and the slots wanted, under the role's metrics keys
         (``inference_workers``, ``inference_workers_vacant``, ``inference_workers_target``; the
         same for ``env_pools``)."""
         from rlpost.service.mailbox import FLEET_KEYS

@@ -1,32 +1,29 @@
 """The supervisor: it owns every failure of a run's actors, and the fleet's size.
 
-The loop (:mod:`rlpost.service.loop`) runs each part of a step through :meth:`Supervisor.run`.
-When an actor is lost the part's call raises a client error (:mod:`rlpost.service.clients`); the
-supervisor recovers and runs the part again. Every part is safe to run again: a take, an
-annotation, a weight sync and a checkpoint repeat harmlessly, and collection goes on from what
-the buffer recorded. Between parts :meth:`Supervisor.check` reads every actor's state in Ray's
-control store every HEALTH_CHECK_S seconds, so a death is noticed while the loop waits. An actor
-that is alive to Ray but answers nothing is killed by the run's watchdog
-(:mod:`rlpost.service.watchdog`) and then recovered from like a dead one.
+The loop runs each part of a step through :meth:`Supervisor.run`: when an actor is lost the
+part's call raises a client error (:mod:`rlpost.service.clients`); the supervisor recovers and
+runs the part again. Every part is safe to run again: a take, an annotation, a weight sync and a
+checkpoint repeat harmlessly, and collection goes on from what the buffer recorded. Between parts
+:meth:`Supervisor.check` reads every actor's state in Ray's control store every HEALTH_CHECK_S,
+so a death is noticed while the loop waits; an actor alive to Ray but answering nothing is killed
+by the watchdog (:mod:`rlpost.service.watchdog`) and then recovered from like a dead one.
 
-:meth:`Supervisor.recover` decides what to start again, in dependency order, and the fleet
-(:class:`~rlpost.service.fleet.Fleet`) does the starting: the learner's loss is LearnerDied (the
-run restarts from its last checkpoint with ``trainer.auto_resume``, else it stops naming the
-resume command); a new buffer from the ledger, the pools putting again what was not
-acknowledged; a worker started again in its slot, then the bus's next generation with the
-current weights; the stateless reference and reward actors; an env pool with the next epoch
-from its last put's position. A worker or pool with no room in the cluster within
+:meth:`Supervisor.recover` decides what to start again, in dependency order, and the fleet does
+the starting: the learner's loss is LearnerDied (the run restarts from its last checkpoint with
+``trainer.auto_resume``, else it stops naming the resume command); a new buffer from the ledger,
+the pools putting again what was not acknowledged; a worker started again in its slot, then the
+bus's next generation with the current weights; the stateless reference and reward actors; an
+env pool with the next epoch from its last put's position. A worker or pool with no room within
 ``resources.replacement_wait_s`` leaves its slot vacant (another of its role serving) until the
 bundle is placed. docs/failures.md has the whole table and the guarantees.
 
 Ranges (``rollout.num_inference_workers: A..B``, ``rollout.num_env_pools: A..B``) open their top
-as slots that start when placed; an operator's ``rlpost scale`` (a request in the run's
-``control`` mailbox, taken at a health check) opens or closes slots: :meth:`Supervisor.resize`.
+as slots that start when placed; ``rlpost scale`` (a request in the run's ``control`` mailbox,
+taken at a health check) opens or closes slots: :meth:`Supervisor.resize`.
 
-A part that keeps failing after MAX_ATTEMPTS recoveries stops the run with the last cause, and
-so does an error that is not an actor's loss (a bug, a bad input): retrying would not help.
-Restarts are counted in metrics.jsonl (``restarts_<role>``, ``bus_reforms``,
-``watchdog_kills``; ``learner_resumes``).
+A part still failing after MAX_ATTEMPTS tries stops the run with the last cause, and so does an
+error that is not an actor's loss (a bug, a bad input): retrying would not help. Restarts are
+counted in metrics.jsonl (``restarts_<role>``, ``bus_reforms``, ``watchdog_kills``; ``learner_resumes``).
 """
 
 from __future__ import annotations
@@ -43,10 +40,7 @@ from rlpost.actors.calls import ActorFailure, BusFailure, first_line
 from rlpost.config import JobConfig
 from rlpost.record.run_dir import latest_checkpoint
 from rlpost.runtime.shutdown import raise_if_stopping
-from rlpost.service.clients import (
-    EnvPoolClient,
-    InferenceClient,
-)
+from rlpost.service.clients import EnvPoolClient, InferenceClient
 from rlpost.service.fleet import CALL_TIMEOUT_S, Fleet, ResumeNeeded, Slots
 from rlpost.service.run_state import RunState
 from rlpost.service.starter import slot_of
@@ -65,9 +59,6 @@ class LearnerDied(ResumeNeeded):
     """The learner actor is gone; the message says how to resume."""
 
 
-# ----------------------------------------------------------------------------- the supervisor
-
-
 def _replaced(name: str, since: float) -> None:
     """Log that ``name`` serves again, ``since`` (monotonic) being when its loss was acted on.
     For an inference worker that is once the bus re-formed with it and the env pools have it."""
@@ -78,29 +69,19 @@ class Supervisor:
     """Keeps the run's actors alive for the training loop; see the module docstring.
 
     Args:
-        cfg: the job config.
-        run_dir: the run directory (named in LearnerDied's message).
-        fleet: the run's actors (:class:`~rlpost.service.fleet.Fleet`); the supervisor has it
-            start actors in place of the lost ones (the fleet's methods do the starting), and
-            resizes its slots.
-        state: the loop's state (step, policy version, ledger), which the loop writes and the
-            supervisor only reads: the step for its messages and the ledger a new buffer and a
-            new env pool start from. None: a fleet with no training loop (step 0, nothing taken).
+        run_dir: named in LearnerDied's message.
+        fleet: the run's actors; the supervisor has it start replacements and resize its slots.
+        state: the loop's state, which the supervisor only reads: the step for its messages and
+            the ledger a new buffer and a new env pool start from. None: a fleet with no loop.
     """
 
     def __init__(self, cfg: JobConfig, run_dir: Path, fleet: Fleet, state: RunState | None = None):
         self.cfg, self.run_dir, self.fleet = cfg, Path(run_dir), fleet
         self.state = RunState() if state is None else state
-        # recovery's own counts, which the loop reads for metrics.jsonl and checkpoints
-        self.counts = {
-            "restarts_inference": 0,
-            "restarts_env_pool": 0,
-            "restarts_reference": 0,
-            "restarts_reward": 0,
-            "restarts_buffer": 0,
-            "bus_reforms": 0,
-            "watchdog_kills": 0,  # actors found frozen or hung, killed and then replaced like the dead
-        }
+        # recovery's own counts (written here only), which the loop reads for metrics and checkpoints;
+        # watchdog_kills: actors found frozen or hung, killed and then replaced like the dead
+        roles = ("inference", "env_pool", "reference", "reward", "buffer")
+        self.counts = {**{f"restarts_{r}": 0 for r in roles}, "bus_reforms": 0, "watchdog_kills": 0}
         self.pool_failures: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> failed collections
         self.last_check = time.monotonic()
         self.health_check_s = HEALTH_CHECK_S
@@ -109,11 +90,8 @@ class Supervisor:
         self.watchdog: Watchdog | None = None  # finds frozen and hung actors (watch())
         self.verdicts: dict[str, str] = {}  # actor name -> why the watchdog killed it (for the messages)
 
-    # ------------------------------------------------------------------ what the loop calls
-
     def watch(self) -> None:
-        """Start the watchdog over the run's actors (``watchdog``): from now on a frozen or hung
-        actor is killed, and then recovered from like a dead one."""
+        """Start the watchdog: from now on a frozen or hung actor is killed, then recovered from."""
         self.watchdog = Watchdog(self.cfg.watchdog, self.fleet.named_handles).start()
 
     def close(self) -> None:
@@ -148,8 +126,7 @@ class Supervisor:
 
     def check(self, force: bool = False) -> None:
         """Look for lost actors (at most every HEALTH_CHECK_S unless ``force``) and recover, then
-        take an operator's request from the run's mailbox. Raises StopRequested when a stop
-        signal came (the loop calls this at every poll)."""
+        take an operator's request from the mailbox. Raises StopRequested after a stop signal."""
         raise_if_stopping()
         if not force and time.monotonic() - self.last_check < self.health_check_s:
             return
@@ -178,30 +155,22 @@ class Supervisor:
             _replaced(control.name, start)
             return {}
 
-    # ------------------------------------------------------------------ the fleet's size
-
     def resize(self, request: dict[str, int]) -> None:
-        """Give the fleets what ``request`` asks for (``rlpost scale``: ``inference`` workers,
-        ``env_pools``). New slots are vacant until the cluster places their bundles (each beyond
-        the run's placement group has a group of its own), and their actors start like a lost
-        actor's replacement (at once when there is room): a worker loads the current weights and
-        joins the bus, a pool takes up its shard of the prompt stream where it last stopped.
-        Fewer slots: vacant ones close first, then the serving ones with the highest slots leave
-        (:meth:`Fleet.scale`). Raises ValueError outside the config's ranges. Safe to run again
-        after a failure part-way."""
+        """``rlpost scale``'s request (:meth:`Fleet.scale`; ValueError outside the config's ranges;
+        safe to run again after a failure part-way). A new slot's actor starts like a lost one's
+        replacement once its bundle is placed: a worker loads the current weights and joins the
+        bus, a pool takes up its shard where it last stopped."""
         if self.fleet.scale(request):
             self._reform_bus()  # without the workers that left
         self.recover(None)  # vacant slots with room start now
 
     def restore_counts(self, counts: dict[str, int]) -> None:
-        """After a resume: the restart and re-form counts a checkpoint recorded, so that they go
-        on counting across the restart (names the config no longer has are dropped)."""
+        """After a resume: the checkpoint's counts, so they count on across restarts (unknown names dropped)."""
         self.counts.update({name: int(n) for name, n in counts.items() if name in self.counts})
 
     def restore_fleet(self, wanted: dict[str, int]) -> None:
-        """After a resume: the fleet a checkpoint recorded (:meth:`Fleet.wanted`), so that an
-        operator's ``rlpost scale`` outlives a restart; a count the resumed config's ranges no
-        longer allow is left at the config's, and the log says so."""
+        """After a resume: the checkpoint's fleet (:meth:`Fleet.wanted`), so that ``rlpost scale``
+        outlives a restart; a count outside the resumed config's ranges stays the config's (logged)."""
         from rlpost.service.mailbox import check_scale_request
 
         bounds, request = self.cfg.rollout.scale_bounds(), {}
@@ -216,8 +185,8 @@ class Supervisor:
             self.resize(request)
 
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
-        """Restart every actor the fleet reports lost (:meth:`Fleet.lost`), in dependency order
-        (module docstring); re-form the bus when a worker was restarted or ``reform_bus``."""
+        """Restart every actor :meth:`Fleet.lost` reports, in dependency order (module docstring);
+        re-form the bus when a worker was restarted or ``reform_bus``."""
         lost = {failure.name} if failure is not None and failure.name else set()
         lost |= self._killed_by_watchdog()
         if failure is not None and failure.name is None:  # a peer of the callee: which one?
@@ -246,8 +215,7 @@ class Supervisor:
             self._replace_failed_pools()
 
     def _killed_by_watchdog(self) -> set[str]:
-        """The actors the watchdog killed since the last recovery (frozen or hung): counted, and
-        their verdicts kept for the messages of their replacement."""
+        """The actors the watchdog killed since the last recovery: counted, verdicts kept for the log."""
         verdicts = self.watchdog.take_verdicts() if self.watchdog is not None else {}
         self.counts["watchdog_kills"] += len(verdicts)
         self.verdicts.update(verdicts)
@@ -285,8 +253,8 @@ class Supervisor:
         _replaced("buffer", start)
 
     def _replace_inference(self, lost: InferenceClient) -> None:
-        """Start a dead worker again in its slot; with no room for it in the cluster (within
-        ``resources.replacement_wait_s``) and another worker serving, leave its slot vacant."""
+        """Start a dead worker again in its slot; with no room within ``resources.replacement_wait_s``
+        and another worker serving, leave its slot vacant."""
         slot = slot_of(lost.name)
         lost.kill()
         others = [w for w in self.fleet.inference if w is not lost]
@@ -307,8 +275,7 @@ class Supervisor:
         )  # fmt: skip
 
     def _take_vacant(self, slots: Slots, slot: int) -> None:
-        """A vacant slot whose bundle is placed (again): say so; its actor starts next (and the
-        fleet takes the slot out of the vacant ones)."""
+        """Log that a vacant slot's bundle is placed (again); its actor starts next."""
         waited = time.monotonic() - slots.vacant[slot]
         if slot in slots.fresh:
             log.warning("the cluster has room for %s (a new slot, %.0f s); starting it", slots.name(slot), waited)
@@ -321,8 +288,7 @@ class Supervisor:
         self._start_inference(slot)
 
     def _start_inference(self, slot: int) -> None:
-        """Start ``inference-<slot>`` (a replacement, or the first worker of a new slot); it
-        serves once the bus re-forms (:meth:`_reform_bus`)."""
+        """Start ``inference-<slot>`` (a replacement or a new slot's first); it serves once the bus re-forms."""
         start = time.monotonic()
         if self.fleet.start_inference(slot):
             self.restarted_at[self.fleet.inference_slots.name(slot)] = start
@@ -338,8 +304,7 @@ class Supervisor:
         self.restarted_at.clear()
 
     def _restart_stateless(self, role: str) -> None:
-        """Start the dead ``reference`` or ``reward`` actor again: they hold nothing a new one lacks
-        (the env pools' calls to the reward actor wait for its replacement)."""
+        """Start the dead ``reference`` or ``reward`` actor again (:meth:`Fleet.restart`)."""
         log.warning("the %s actor %s; starting it again", role, self._how_lost(role))
         start = time.monotonic()
         self.fleet.restart(role)
@@ -347,9 +312,7 @@ class Supervisor:
         _replaced(role, start)
 
     def _replace_pool(self, lost: EnvPoolClient) -> None:
-        """Start a dead env pool again in its slot; with no room for it in the cluster (within
-        ``resources.replacement_wait_s``) and another pool serving, leave its slot vacant (its
-        shard's prompts wait at its last put's position)."""
+        """As :meth:`_replace_inference` for an env pool (a vacant shard waits at its last put's position)."""
         slot = slot_of(lost.name)
         lost.kill()
         others = [p for p in self.fleet.env_pools if p is not lost]
@@ -367,8 +330,7 @@ class Supervisor:
         self._start_pool(slot)
 
     def _start_pool(self, slot: int) -> None:
-        """Start ``env-pool-<slot>`` (a replacement, or the first pool of a new slot) with a new
-        epoch from the position of its predecessor's last put (none: its shard's start)."""
+        """Start ``env-pool-<slot>`` (a replacement or a new slot's first): :meth:`Fleet.start_pool`."""
         name, start = self.fleet.pool_slots.name(slot), time.monotonic()
         has_position = bool(self.state.ledger.acknowledged.get(name))
         state, restart = self.fleet.start_pool(slot, self.collecting, has_position)
