@@ -1,10 +1,8 @@
 """Clients of the run's actors: the only place the driver waits on a Ray call.
 
 The controller and the supervisor never call ``ray.get`` themselves; they hold one client per
-actor (:class:`InferenceClient`, :class:`EnvPoolClient`, :class:`ReferenceClient`,
-:class:`LearnerClient`; the buffer's is :class:`~rlpost.transport.buffer.RayBuffer`). A
-client call waits a bounded time and turns Ray's ways of failing into the errors the supervisor
-recovers from:
+actor (the buffer's is :class:`~rlpost.transport.buffer.RayBuffer`). A client call waits a
+bounded time and turns Ray's ways of failing into the errors the supervisor recovers from:
 
     the called actor died or was killed                     -> ActorLost(name)
     the call failed because another actor it used died
@@ -13,13 +11,10 @@ recovers from:
     a weight sync failed (a bus peer died or went silent)   -> BusFailure
     no answer within the call's timeout                     -> CallTimeout(name)
 
-Any other error (a bug, a bad input reaching an actor, a checkpoint that cannot be written)
-propagates as the actor raised it, with the remote traceback chained: retrying it would only fail
-again. The bounded call and the errors are :mod:`rlpost.actors.calls` (the learner group's start
-uses them too); the clients add each role's methods.
-
-Every client has ``alive()``, a question asked of Ray's control store (the actor's state in its
-record, :func:`actor_state`), never of the actor, whose queue may be busy with a long call.
+Any other error (a bug, a bad input, a checkpoint that cannot be written) propagates as the
+actor raised it, the remote traceback chained: retrying would only fail again. The bounded call
+and the errors are :mod:`rlpost.actors.calls`; the clients add each role's methods. ``alive()``
+asks Ray's control store (:func:`actor_state`), never the actor, whose queue may be busy.
 """
 
 from __future__ import annotations
@@ -52,10 +47,9 @@ class ActorClient:
         return alive(self.name, self.handle)
 
     def unreachable(self, timeout_s: float) -> bool:
-        """Whether the actor cannot be reached although Ray's record may still say ALIVE: its
-        node stopped answering (a lost node is declared dead only after Ray's health checks,
-        ~15 s), or it is dead. A busy actor that does not answer within ``timeout_s`` is not
-        unreachable: only a refused connection or a death counts."""
+        """Whether the actor is dead or its node stopped answering, although Ray's record may still
+        say ALIVE (a lost node is declared dead after ~15 s of health checks). Only a refused
+        connection or a death counts: a busy actor silent for ``timeout_s`` is not unreachable."""
         import ray
 
         try:
@@ -71,8 +65,7 @@ class ActorClient:
 
 
 class InferenceClient(ActorClient):
-    """``inference-<i>``: a vLLM engine. Its weight updates are driven by the learner's
-    vLLMUpdater (the learner calls ``join_bus`` / ``update_weights`` on the handle)."""
+    """``inference-<i>``: a vLLM engine; the learner's vLLMUpdater drives its weight updates."""
 
     def wait_ready(self, timeout_s: float) -> int:
         return self.call("get_version", timeout_s=timeout_s)
@@ -105,8 +98,8 @@ class EnvPoolClient(ActorClient):
         self.call("set_inference", handles, timeout_s=timeout_s)
 
     def set_buffer(self, buffer: Any, timeout_s: float) -> int:
-        """Point the pool at a new buffer (a :class:`~rlpost.transport.buffer.RayBuffer`, sent as a
-        copy that does not own the actor); returns the groups it put again."""
+        """Point the pool at a new buffer (sent as a copy that does not own the actor); returns the
+        groups it put again."""
         return self.call("set_buffer", buffer, timeout_s=timeout_s)
 
     def load_state_dict(self, state: dict, timeout_s: float = 60.0) -> None:
@@ -117,8 +110,7 @@ class ControlClient(ActorClient):
     """``control``: the run's mailbox for operators' requests (:mod:`rlpost.service.mailbox`)."""
 
     def exchange(self, sizes: dict[str, int], timeout_s: float) -> dict[str, int]:
-        """Report the fleet's sizes; what an operator asked for (``inference``, ``env_pools``;
-        empty: nothing)."""
+        """Report the fleet's sizes; returns what an operator asked for (empty: nothing)."""
         return self.call("exchange", sizes, timeout_s=timeout_s)
 
 
@@ -132,11 +124,10 @@ class ReferenceClient(ActorClient):
 class LearnerClient(ActorClient):
     """``learner``: trains, publishes on the bus, scores the probe, writes checkpoints.
 
-    With ``resources.learner.num_workers`` > 1 it stands for the whole learner group: rank 0
-    (``name``, ``handle``) and the ``others`` (``learner-<r>``, their handles). Training,
-    publishing, scoring and checkpoints are collectives of the group, so they go to every rank
-    and return rank 0's answer (:class:`GroupPending`); the weight bus is rank 0's alone. The
-    group is alive while every rank is.
+    With ``resources.learner.num_workers`` > 1 it stands for the group: rank 0 (``name``,
+    ``handle``) and the ``others`` (``learner-<r>``). Training, publishing, scoring and
+    checkpoints are collectives: they go to every rank and return rank 0's answer
+    (:class:`GroupPending`); the weight bus is rank 0's alone. Alive while every rank is.
     """
 
     def __init__(self, name: str, handle: Any, others: list[tuple[str, Any]] | None = None):
@@ -179,9 +170,8 @@ class LearnerClient(ActorClient):
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, bus_timeout_s: float,
                         timeout_s: float, shared_memory: bool = True) -> int:  # fmt: skip
-        """Form the weight bus between the learner and ``workers`` (handles); the learner drives
-        the workers' side of every later sync itself. A run's start: a stop signal ends the wait
-        (the learner may still be loading its model)."""
+        """Form the weight bus between the learner and ``workers``; the learner drives the workers'
+        side of every later sync. A stop signal ends the wait (it may still load its model)."""
         pending = self.submit("connect_workers", workers, host, backend, bucket_mb, bus_timeout_s, shared_memory)
         return pending.result(timeout_s, stoppable=True)
 

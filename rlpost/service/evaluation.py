@@ -26,9 +26,8 @@ The metrics (keys as in metrics.jsonl):
   reward model, the mean of each part of the reward: ``eval_reward_part/<part>``.
 
 The same weights give the same figures every time: the prompts are fixed, greedy decoding is
-deterministic and sampling is seeded. During training the controller runs it after a weight
-sync on the run's inference workers (collection goes on beside it in async mode);
-``rlpost eval`` runs it on a checkpoint with an engine of its own.
+deterministic and sampling is seeded. The controller runs it after a weight sync on the run's
+workers; ``rlpost eval`` runs it on a checkpoint with an engine of its own.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ EVAL_KEYS = ("eval_reward_mean", "eval_pass_at_1", "eval_pass_at_k", "eval_lengt
 
 
 def eval_job_config(cfg: JobConfig) -> JobConfig:
-    """``cfg`` with its data section pointed at the eval split: the eval dataset (or the training
-    one), no shuffle (the first rows, every time), ``samples_per_prompt`` completions per prompt."""
+    """``cfg`` with its data section on the eval split: no shuffle (the first rows, every time),
+    ``samples_per_prompt`` completions per prompt."""
     ev = cfg.eval
     data = cfg.data.model_copy(update={
         "dataset": ev.dataset if ev.dataset is not None else cfg.data.dataset,
@@ -77,14 +76,8 @@ def pass_metrics(rewards_per_prompt: list[list[float]], threshold: float) -> dic
 class Evaluator:
     """Runs evaluations of ``cfg.eval`` (see the module docstring).
 
-    Args:
-        cfg: the job config (its ``eval``, ``data``, ``rollout``, ``tools`` and ``model`` sections).
-
-    Keyword Args:
-        tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
-        reward_scorer: with a ``reward_model`` section, what scores the final responses (an
-            in-process ``rlpost.actors.reward.RewardModel``); None: the run's ``reward`` actor.
-
+    ``tokenizer``: None loads ``cfg.model``'s. ``reward_scorer``: with a ``reward_model``, what
+    scores the final responses (an in-process ``RewardModel``); None: the run's ``reward`` actor.
     Raises ConfigError at construction when the eval data cannot be loaded (naming the ``eval``
     keys), so a run fails before it trains rather than at its first evaluation.
     """
@@ -98,9 +91,8 @@ class Evaluator:
         self._make_env(check=True)  # fail now on bad eval data, or prompts the engine cannot take
 
     def _make_env(self, check: bool = False) -> Any:
-        """The eval env; ``check``: also its prompts against the engine's length (the first
-        ``eval.num_prompts`` rows, or every row when ``data.drop_long_prompts`` leaves the long ones
-        out: the evaluation then draws the first rows that fit)."""
+        """The eval env; ``check``: also its prompts against the engine's length (every row when
+        ``data.drop_long_prompts`` leaves long ones out: the evaluation draws the first that fit)."""
         from rlpost.envs.tasks import fit_prompts, make_env
 
         ev = self.cfg.eval
@@ -120,10 +112,8 @@ class Evaluator:
         return env
 
     def run(self, engine_client: Any, policy_version: int | None = None) -> dict[str, float]:
-        """One evaluation of the weights ``engine_client`` serves now (the run's
-        :class:`~rlpost.policies.RemoteVLLMClient`, or a local worker's client); returns
-        the metrics. ``policy_version`` is reported when the client does not say which version
-        served the completions."""
+        """The metrics of the weights ``engine_client`` serves now; ``policy_version`` is reported
+        when the client does not say which version served the completions."""
         from rlpost.collect import LLMCollector, WholeEpisodes
         from rlpost.policies import vLLMWrapper
 
@@ -168,8 +158,7 @@ def append_eval_line(run_dir: str | Path, step: int, metrics: dict[str, float]) 
 
 def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
     """(checkpoint folder, its run directory or None) for ``rlpost eval TARGET``: a run directory
-    (its latest checkpoint) or a checkpoint folder (``RUN_DIR/checkpoints/step_<N>``, or any
-    folder holding a Hugging Face model)."""
+    (its latest checkpoint) or a checkpoint folder (any folder holding a Hugging Face model)."""
     from rlpost.record.run_dir import latest_checkpoint
 
     target = Path(target)
@@ -189,15 +178,11 @@ def resolve_checkpoint(target: str | Path) -> tuple[Path, Path | None]:
 
 def evaluate_checkpoint(target: str | Path, config: str | Path | None = None,
                         overrides: list[str] | tuple[str, ...] = ()) -> tuple[Path, dict[str, float]]:  # fmt: skip
-    """Score a checkpoint as a run's evaluation does, with a vLLM engine of its own in this
-    process; returns (the checkpoint scored, its metrics).
-
-    The config is ``config`` (default: the run's config.yaml) plus ``overrides``; its model is
-    replaced by the checkpoint (weights and tokenizer), everything else (the eval section, the
-    task, the engine) is the config's. A LoRA run's checkpoint is scored as its merged model: the
-    checkpoint's ``merged/`` folder, or else the config's base model with the adapter merged in
-    (written to a temporary folder).
-    """
+    """Score a checkpoint as a run's evaluation does, with a vLLM engine in this process; returns
+    (the checkpoint scored, its metrics). ``config`` (default: the run's config.yaml) plus
+    ``overrides``, its model replaced by the checkpoint (weights and tokenizer). A LoRA run's
+    checkpoint is scored merged: its ``merged/`` folder, or else the base model with the adapter
+    merged in (a temporary folder)."""
     from rlpost.actors.reward import RewardModel
     from rlpost.actors.vllm_workers import make_vllm_worker
     from rlpost.config import load_config

@@ -1,16 +1,15 @@
 """A running job's mailbox: how ``rlpost scale`` (or :func:`scale_run`) reaches its driver.
 
-The driver starts one small actor per run, ``control`` in the run's Ray namespace
-(``rlpost-<run_name>``). An operator's request is checked and left there; the supervisor takes
-it at its next health check (every few seconds while the loop waits on the pools or the buffer)
-and reports the fleet's sizes back, so the request's answer says what the run has now::
+The driver starts one small actor per run, ``control`` in Ray namespace ``rlpost-<run_name>``.
+An operator's request is checked and left there; the supervisor takes it at its next health
+check (every few seconds while the loop waits) and reports the fleet's sizes back::
 
     rlpost scale runs/r1 inference=3 env_pools=2  ->  control.request(inference=3, env_pools=2)
     supervisor (health check)  ->  control.exchange(fleet) -> {"inference": 3, "env_pools": 2}
                                ->  resize the inference fleet, then the env pools
 
-Requests outside what the config allows (:func:`check_scale_request`) are refused at once with a
-message naming the bound; nothing about the run changes.
+A request the config does not allow (:func:`check_scale_request`) is refused at once, naming the
+bound; nothing about the run changes.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ Bounds = dict[str, tuple[int, int | None]]  # scale key -> (least, most; None: n
 
 
 def check_scale_request(bounds: Bounds, request: dict[str, int]) -> None:
-    """Raise ValueError naming the key and its bound when ``request`` (scale key -> count) is not
-    allowed: an unknown key, nothing asked, fewer than one, or outside ``bounds``
-    (:meth:`rlpost.config.RolloutConfig.scale_bounds`; a key missing there is unbounded)."""
+    """ValueError naming the key and its bound for an unknown key, nothing asked, fewer than one,
+    or a count outside ``bounds`` (``RolloutConfig.scale_bounds``; a key missing there is unbounded)."""
     if not request:
         raise ValueError("nothing to change: give inference=N and/or env_pools=M")
     for key, count in request.items():
@@ -63,8 +61,8 @@ class RunControl:
         self.sizes: dict[str, int] = {}
 
     def request(self, **counts: int) -> dict[str, Any]:
-        """Leave a request (``inference=N``, ``env_pools=M``; ValueError when not allowed). A
-        later request for a key replaces one not taken yet. Returns the fleet as last reported."""
+        """Leave a request (ValueError when not allowed); a later one for a key replaces one not
+        taken yet. Returns the fleet as last reported."""
         check_scale_request(self.bounds, counts)
         self.requested.update(counts)
         return {"requested": dict(self.requested), **self.sizes}
@@ -101,11 +99,9 @@ def _control(namespace: str):
 def scale_run(
     namespace: str, inference: int | None = None, env_pools: int | None = None, *, timeout_s: float = 30.0
 ) -> dict[str, Any]:
-    """Ask the run in Ray ``namespace`` (``rlpost-<run_name>``) of the cluster this process is
-    connected to (``ray.init``) for ``inference`` workers and/or ``env_pools`` env pools (None:
-    unchanged). Returns the fleet as the run last reported it (the change happens at its next
-    health check). Raises LookupError when no run is there, ValueError when the request is not
-    allowed."""
+    """Ask the run in Ray ``namespace`` of the connected cluster for ``inference`` workers and/or
+    ``env_pools`` (None: unchanged). Returns the fleet as last reported (the change happens at the
+    next health check). LookupError: no run there; ValueError: the request is not allowed."""
     import ray
 
     counts = {k: v for k, v in (("inference", inference), ("env_pools", env_pools)) if v is not None}
@@ -125,9 +121,7 @@ def run_fleet(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
 
 
 def parse_scale_request(changes: list[str]) -> dict[str, int]:
-    """The counts asked for by ``key=value`` words (``inference=N``, ``env_pools=M``). Raises
-    ValueError naming the bad word: an unknown key, a value that is not a whole number, or no
-    word at all."""
+    """The counts asked for by ``key=value`` words; ValueError naming a bad word (or none given)."""
     asked: dict[str, int] = {}
     for word in changes:
         key, sep, value = word.partition("=")
@@ -143,9 +137,8 @@ def parse_scale_request(changes: list[str]) -> dict[str, int]:
 
 
 def run_namespace(run_dir: Path) -> tuple[str, str, Bounds]:
-    """(Ray address, Ray namespace, scale bounds) of the run in ``run_dir``, from its
-    config.yaml and the ``ray_address`` file its driver writes. Raises LookupError naming what
-    is missing."""
+    """(Ray address, Ray namespace, scale bounds) of the run in ``run_dir``, from its config.yaml
+    and the ``ray_address`` file its driver writes (LookupError naming what is missing)."""
     from rlpost.config import load_config
 
     if not (run_dir / "config.yaml").is_file():
@@ -159,8 +152,7 @@ def run_namespace(run_dir: Path) -> tuple[str, str, Bounds]:
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Raise LookupError when nothing listens at Ray's GCS ``address`` (host:port): the run's
-    cluster is gone, and connecting to it would only wait."""
+    """LookupError when nothing listens at Ray's GCS ``address``: connecting would only wait."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
@@ -195,8 +187,8 @@ def fleet_reached(fleet: dict[str, Any], request: dict[str, int]) -> bool:
 
 
 def describe_fleet(fleet: dict[str, Any], key: str = "inference") -> str:
-    """``2 serving of 3 wanted, 1 waiting for room in the cluster`` for one role of a report of the
-    run's mailbox or a metrics line (``key``: a scale key)."""
+    """``2 serving of 3 wanted, 1 waiting for room in the cluster`` for role ``key`` of a mailbox
+    report or a metrics line."""
     serving, wanted, vacant = FLEET_KEYS[key]
     if serving not in fleet:
         return "not reported yet"
@@ -207,8 +199,7 @@ def describe_fleet(fleet: dict[str, Any], key: str = "inference") -> str:
 
 
 def fleet_lines(fleet: dict[str, Any]) -> list[str]:
-    """``inference workers: 2 serving of 3 wanted, ...`` for each role ``fleet`` (a report of the
-    run's mailbox or a metrics line) reports."""
+    """``inference workers: 2 serving of 3 wanted, ...`` for each role ``fleet`` reports."""
     return [f"{_ROLE[key][0]}s: {describe_fleet(fleet, key)}" for key in SCALE_KEYS if FLEET_KEYS[key][0] in fleet]
 
 

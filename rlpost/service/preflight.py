@@ -23,12 +23,10 @@ def check_job(cfg: JobConfig) -> None:
 
 
 def check_data(cfg: JobConfig) -> None:
-    """The training data against the model and the engine, before any actor starts: the env the
-    pools will build is built here (a missing column, a bad reward path or a template the
-    tokenizer cannot render is a ConfigError now, not an env pool's death later), and every
-    prompt is measured against ``rollout.engine.max_model_len`` less ``rollout.max_tokens``
-    (:func:`rlpost.envs.tasks.fit_prompts`: a ConfigError naming the longest, or, with
-    ``data.drop_long_prompts``, a warning with the count)."""
+    """The training data against the model and the engine: the pools' env is built here (a missing
+    column, a bad reward path or a template the tokenizer cannot render is a ConfigError now, not
+    an env pool's death later), and every prompt is measured against ``rollout.engine.max_model_len``
+    less ``rollout.max_tokens`` (:func:`rlpost.envs.tasks.fit_prompts`)."""
     from rlpost.actors.env_pool import load_tokenizer, with_chat_template
     from rlpost.envs.tasks import fit_prompts, make_env
 
@@ -44,9 +42,8 @@ def check_data(cfg: JobConfig) -> None:
 
 
 def check_model_fits(cfg: JobConfig, tokenizer) -> None:
-    """The engine's length against the model's context, and the tokenizer against the model's
-    embeddings (a ``model.tokenizer`` of another model): what an engine would refuse, or a
-    learner index out of range, found before any actor starts (ConfigError)."""
+    """ConfigError for what an engine would refuse or a learner index out of range: the engine's
+    length beyond the model's context, a tokenizer (of another model) beyond its embeddings."""
     from transformers import AutoConfig
 
     from rlpost.config import ConfigError
@@ -69,8 +66,8 @@ def check_model_fits(cfg: JobConfig, tokenizer) -> None:
 
 
 def check_custom_loss(cfg: JobConfig) -> None:
-    """A ``loss.custom_fn`` that cannot be imported here is a ConfigError before any actor starts
-    (the learner imports it again in its own process)."""
+    """A ``loss.custom_fn`` that cannot be imported here is a ConfigError (the learner imports it
+    again in its own process)."""
     from rlpost.algo import load_loss_function
     from rlpost.config import ConfigError
 
@@ -82,9 +79,8 @@ def check_custom_loss(cfg: JobConfig) -> None:
 
 
 def check_tools(cfg: JobConfig) -> None:
-    """Say in the log what guards the tools' code; refuse (ConfigError) before any actor starts when
-    the namespace sandbox is asked for and cannot run here. (Each env pool checks again on its own
-    node.)"""
+    """Log what guards the tools' code; ConfigError when the namespace sandbox is asked for and
+    cannot run here (each env pool checks again on its own node)."""
     from rlpost.config import ConfigError
     from rlpost.envs.sandbox import SandboxUnavailable, check_sandbox
 

@@ -31,11 +31,10 @@ __all__ = ["run_training", "run_with_auto_resume", "start_run"]
 
 
 def run_training(cfg: JobConfig, run_dir: Path, resume: bool = False) -> int:
-    """Run the job (or, with ``resume``, continue it from its latest checkpoint); returns the
-    process exit code (0 on success). With ``trainer.auto_resume`` a lost learner (or an actor
-    lost with the state it needed) restarts the run from its last checkpoint
-    (:func:`run_with_auto_resume`). SIGTERM / Ctrl-C raise StopRequested at the
-    loop's next safe point (rlpost.runtime.shutdown), after the final checkpoint."""
+    """Run the job (``resume``: from its latest checkpoint); returns the exit code (0). With
+    ``trainer.auto_resume`` a lost learner (or an actor lost with the state it needed) restarts
+    the run from its last checkpoint. SIGTERM / Ctrl-C raise StopRequested at the loop's next
+    safe point (rlpost.runtime.shutdown), after the final checkpoint."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
@@ -69,12 +68,8 @@ def run_with_auto_resume(cfg: JobConfig, run_dir: Path, resume: bool, run_once: 
             if not (cfg.trainer.auto_resume and learner_resumes < MAX_AUTO_RESUMES and latest_checkpoint(run_dir)):
                 raise
             learner_resumes += 1
-            log.warning(
-                "%s; auto_resume: restarting the run from its last checkpoint (%d of %d)",
-                exc,
-                learner_resumes,
-                MAX_AUTO_RESUMES,
-            )
+            log.warning("%s; auto_resume: restarting the run from its last checkpoint (%d of %d)", exc,
+                        learner_resumes, MAX_AUTO_RESUMES)  # fmt: skip
             resume = True
 
 

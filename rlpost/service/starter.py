@@ -52,8 +52,7 @@ def role_plan(cfg: JobConfig) -> list[tuple[str, object]]:
 
 
 def role_bundles(cfg: JobConfig) -> list[tuple[str, dict[str, float]]]:
-    """(actor name, its placement bundle) for every actor that reserves something: its CPUs,
-    GPUs and custom resources."""
+    """(actor name, its placement bundle) for every actor that reserves something."""
     return [(name, bundle) for name, role in role_plan(cfg) if (bundle := bundle_of(role))]
 
 
@@ -63,15 +62,11 @@ def bundle_of(role) -> dict[str, float]:
 
 
 def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
-    """One placement group for the run: a bundle per actor that reserves CPUs, GPUs or custom
-    resources (``resources.<role>.resources``).
-
-    Returns the group (None when no actor reserves anything) and each such actor's bundle index.
-    The strategy (PACK/SPREAD/...) comes from ``resources.placement_strategy``: PACK keeps an
-    inference worker's GPUs with the learner's on few nodes, SPREAD puts them on different nodes.
-    If the cluster cannot hold the bundles in ``timeout_s`` (``resources.placement_timeout_s``)
-    the run stops, naming what it asked for and what the cluster has.
-    """
+    """The run's placement group (None when no actor reserves anything) and each reserving
+    actor's bundle index. ``resources.placement_strategy``: PACK keeps an inference worker's GPUs
+    with the learner's on few nodes, SPREAD puts them on different nodes. If the cluster cannot
+    hold the bundles in ``timeout_s`` (``resources.placement_timeout_s``) the run stops, naming
+    what it asked for and what the cluster has."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -100,8 +95,8 @@ def make_placement_group(cfg: JobConfig, timeout_s: float = 120.0):
 
 
 class ActorStarter:
-    """Starts the run's actors: each with its role's start function (``rlpost.actors.<role>``),
-    given only its role's settings, in its bundle of the run's placement group."""
+    """Starts each actor with its role's start function (``rlpost.actors.<role>``), given only its
+    role's settings, in its bundle."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -125,8 +120,8 @@ class ActorStarter:
         return None if held is None else PlacementGroupSchedulingStrategy(*held)
 
     def has_room(self, name: str) -> bool:
-        """Whether actor ``name`` can start now: its bundle is placed on a node (after a node's
-        loss Ray places the bundles it held on other nodes where they fit, or waits for one)."""
+        """Whether actor ``name``'s bundle is placed on a node (after a node's loss Ray moves its
+        bundles to other nodes where they fit, or waits for one)."""
         held = self._group_of(name)
         if held is None:
             return True
@@ -136,10 +131,9 @@ class ActorStarter:
         return bool(placement_group_table(group)["bundles_to_node_id"].get(index))
 
     def open_slot(self, name: str) -> None:
-        """Make ``name`` (``inference-<i>``, ``env-pool-<j>``) a slot of its role's fleet: beyond
-        the run's placement group it gets a one-bundle group of its own, which Ray places whenever
-        the cluster has room (a cluster autoscaler sees it as pending demand and adds a node);
-        :meth:`has_room` says when."""
+        """Make ``name`` (``inference-<i>``, ``env-pool-<j>``) a slot: beyond the run's placement
+        group it gets a one-bundle group of its own, placed whenever the cluster has room (an
+        autoscaler sees pending demand and adds a node); :meth:`has_room` says when."""
         from ray.util.placement_group import placement_group
 
         if name.startswith("inference-") and slot_of(name) >= self.fleet.num_replicas:
@@ -152,9 +146,8 @@ class ActorStarter:
         )
 
     def close_slot(self, name: str) -> None:
-        """``name`` leaves its fleet: an inference worker's replica stops, and a group of the
-        slot's own is removed (a slot of the run's placement group keeps its bundle reserved: Ray
-        cannot take one bundle out of a group)."""
+        """``name`` leaves: a worker's replica stops and the slot's own group is removed (a slot of
+        the run's group keeps its bundle: Ray cannot take one bundle out of a group)."""
         import ray
 
         if name.startswith("inference-"):
@@ -164,13 +157,12 @@ class ActorStarter:
             ray.util.remove_placement_group(group)
 
     def _role_resources(self, name: str):
-        """The RoleResources of the role actor ``name`` belongs to."""
         return self.cfg.resources.inference if name.startswith("inference-") else self.cfg.resources.env_pool
 
     def _inference_fleet(self):
-        """The run's inference workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet:
-        its replica ``i`` is ``inference-<i>``, in its bundle, with the job's engine settings.
-        The supervisor, not Ray, restarts a replica (it re-forms the bus and tells the pools)."""
+        """The workers as an :class:`~rlpost.actors.async_vllm.AsyncVLLM` fleet (replica ``i`` is
+        ``inference-<i>``). The supervisor, not Ray, restarts a replica (it re-forms the bus and
+        tells the pools)."""
         from rlpost.actors.async_vllm import AsyncVLLM
         from rlpost.actors.inference import InferenceSettings, start_inference
 
@@ -185,9 +177,8 @@ class ActorStarter:
         )  # fmt: skip
 
     def buffer(self) -> RayBuffer:
-        """``buffer``. It reserves no bundle; unless ``resources.buffer.resources`` sends it
-        elsewhere it runs on the head node (:func:`on_the_head`), so that losing another node
-        does not take the groups in flight with it."""
+        """``buffer``: no bundle; on the head node (:func:`on_the_head`) unless
+        ``resources.buffer.resources`` sends it elsewhere, so another node's loss keeps its groups."""
         from rlpost.actors.buffer import BufferSettings, start_buffer
 
         settings = BufferSettings.from_job(self.cfg)
@@ -227,22 +218,17 @@ class ActorStarter:
         settings = RewardSettings.from_job(self.cfg)
         return ActorClient(REWARD_ACTOR, start_reward(settings, scheduling_strategy=self.place(REWARD_ACTOR)))
 
-    def env_pool(
-        self, index: int, inference: list[InferenceClient], buffer: RayBuffer, epoch: int = 0
-    ) -> EnvPoolClient:
+    def env_pool(self, index: int, inference: list[InferenceClient], buffer: RayBuffer,
+                 epoch: int = 0) -> EnvPoolClient:  # fmt: skip
         from rlpost.actors.env_pool import EnvPoolSettings, start_env_pool
         from rlpost.policies import RemoteVLLMClient
 
         name = f"env-pool-{index}"
         release_names([name], NAME_RELEASE_TIMEOUT_S)
-        handle = start_env_pool(
-            EnvPoolSettings.from_job(self.cfg),
-            index,
-            RemoteVLLMClient([w.handle for w in inference]),
-            buffer,  # sent to the pool as a copy that does not own the actor
-            epoch=epoch,
-            scheduling_strategy=self.place(name),
-        )
+        # the buffer goes to the pool as a copy that does not own the actor
+        engines = RemoteVLLMClient([w.handle for w in inference])
+        handle = start_env_pool(EnvPoolSettings.from_job(self.cfg), index, engines, buffer, epoch=epoch,
+                                scheduling_strategy=self.place(name))  # fmt: skip
         return EnvPoolClient(name, handle)
 
     def control(self) -> ControlClient:
@@ -254,10 +240,9 @@ class ActorStarter:
         return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
 
     def start_all(self) -> dict[str, Any]:
-        """Every actor of the run, its engines up: the clients by role (``Fleet``'s arguments).
-        A stop signal (Ctrl-C, SIGTERM) while the engines and models load ends the start within
-        a second, and a start that fails or is stopped kills every actor it started and removes
-        the run's placement groups before it raises."""
+        """Every actor, engines up: the clients by role (``Fleet``'s arguments). A stop signal while
+        engines and models load ends the start within a second; a start that fails or is stopped
+        kills every actor it started and removes the placement groups before it raises."""
         cfg = self.cfg
         started: list[ActorClient] = []
 
@@ -297,33 +282,25 @@ class ActorStarter:
         )  # fmt: skip
 
     def remove_placement_groups(self) -> None:
-        """Remove the run's placement group and every slot's own (a start that did not finish, or
-        the fleet's stop)."""
-        _remove_groups([self.placement_group, *self.slot_groups.values()])
+        """Remove the run's placement group and every slot's own, best effort."""
+        import ray
+
+        for group in [self.placement_group, *self.slot_groups.values()]:
+            if group is not None:
+                quietly(functools.partial(ray.util.remove_placement_group, group))
 
 
 def on_the_head():
-    """The scheduling strategy that pins an actor to the cluster's head node, for the actors that
-    reserve nothing and hold the run's state between calls (the buffer, the control mailbox):
-    the head's loss ends the cluster, and the run, anyway, while any other node may go. Ray gives
-    the head the resource ``node:__internal_head__``; without one (an unusual cluster) the
-    driver's node. Not soft: Ray's soft affinity placed half of such actors elsewhere on a
-    two-node cluster, where a node's loss took the buffer with it."""
+    """Pin an actor that reserves nothing but holds the run's state (the buffer, the mailbox) to the
+    head node (``node:__internal_head__``; without one, the driver's): its loss ends the run
+    anyway, while any other node may go. Trap: not soft: Ray's soft affinity placed half of such
+    actors elsewhere on a two-node cluster, where a node's loss took the buffer with it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
     node = heads[0] if heads else ray.get_runtime_context().get_node_id()
     return NodeAffinitySchedulingStrategy(node, soft=False)
-
-
-def _remove_groups(groups: list) -> None:
-    """Remove these placement groups (None: none), best effort."""
-    import ray
-
-    for group in groups:
-        if group is not None:
-            quietly(functools.partial(ray.util.remove_placement_group, group))
 
 
 def quietly(fn: Callable[[], Any]) -> None:

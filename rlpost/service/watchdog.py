@@ -1,13 +1,12 @@
 """The watchdog: the run's actors that are alive to Ray but frozen or hung are killed, so that the
 supervisor replaces them as it replaces the dead.
 
-A process that dies (a crash, a signal, the OOM killer, a lost node) ends its actor in Ray's
-record, and every call into it fails: the supervisor notices at once. A process that is stopped
-(SIGSTOP, a frozen node) or whose working thread is blocked (a deadlock, a collective that never
-returns) stays ALIVE in that record, and a call into it waits until its own timeout, minutes for
-a learner step. So a thread of the driver asks every actor of the run for a heartbeat every
-``watchdog.interval_s`` (:mod:`rlpost.runtime.liveness`, the actor's side) and judges each by its role's
-deadlines (``watchdog.<role>``, :class:`~rlpost.config.RoleDeadlines`):
+Trap: a process that is stopped (SIGSTOP, a frozen node) or whose working thread is blocked (a
+deadlock, a collective that never returns) stays ALIVE in Ray's record, and a call into it waits
+until its own timeout, minutes for a learner step (a dead one fails every call at once). So a
+driver thread asks every actor for a heartbeat every ``watchdog.interval_s``
+(:mod:`rlpost.runtime.liveness`, the actor's side) and judges each by its role's deadlines
+(``watchdog.<role>``, :class:`~rlpost.config.RoleDeadlines`):
 
     no answer for answer_s                      -> frozen: the process runs no Python at all
     an answer saying its work made no progress
@@ -18,13 +17,10 @@ long call (a big generation, a learner step, a checkpoint) marks its progress at
 step, micro-batch or file. Waiting on another actor is never work, so an actor blocked on a frozen
 peer is not blamed for it: the peer is.
 
-The verdict is a kill (:func:`end`: ``ray.kill``, and SIGKILL at once for a process on the
-driver's node; Ray ends a stopped process elsewhere with SIGKILL after its grace period). Every
-call waiting on the actor then fails as on a death, and the supervisor's recovery does the rest:
-a worker or a pool is started again, the learner's loss restarts the run from its last
-checkpoint (``trainer.auto_resume``). The watchdog only kills; the supervisor alone decides
-what starts again (the fleet starts it), and reads :meth:`Watchdog.take_verdicts` to say why one
-was lost and to count it (``watchdog_kills`` in metrics.jsonl).
+The verdict is a kill (:func:`end`); every call waiting on the actor then fails as on a death,
+and the supervisor's recovery does the rest. The watchdog only kills; the supervisor alone
+decides what starts again (the fleet starts it), and reads :meth:`Watchdog.take_verdicts` to say
+why one was lost and to count it (``watchdog_kills`` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ log = logging.getLogger("rlpost")
 
 
 def role_of(name: str) -> str:
-    """The ``watchdog`` section's key for actor ``name``: ``inference-2`` -> ``inference``,
-    ``env-pool-0`` -> ``env_pool``, ``learner-1`` -> ``learner``; other names are their role."""
+    """The ``watchdog`` section's key for actor ``name`` (``env-pool-0`` -> ``env_pool``)."""
     for prefix, role in (("inference-", "inference"), ("env-pool-", "env_pool"), ("learner-", "learner")):
         if name.startswith(prefix):
             return role
@@ -55,9 +50,9 @@ def role_of(name: str) -> str:
 
 
 def end(handle: Any) -> None:
-    """Kill the actor ``handle`` for good. ``ray.kill`` asks the actor's process to exit, which a
-    stopped process cannot do: its node's raylet sends SIGKILL only after a grace period (~6 s
-    here), while every call into it waits. A process on this node gets SIGKILL from here at once."""
+    """Kill the actor ``handle`` for good. Trap: ``ray.kill`` asks the process to exit, which a
+    stopped one cannot: its raylet sends SIGKILL only after a grace period (~6 s here), while
+    every call into it waits. So a process on this node gets SIGKILL from here at once."""
     import ray
 
     record = actor_record(handle)
@@ -71,10 +66,9 @@ def end(handle: Any) -> None:
 
 
 def verdict(deadlines: RoleDeadlines, *, now: float, waiting_since: float | None, reply: dict | None) -> str | None:
-    """Why an actor is to be killed, or None while it is fine.
-
-    ``waiting_since``: since when a heartbeat has gone unanswered, counted from when the actor
-    could answer (None: none is outstanding); ``reply``: its last answer (:func:`rlpost.runtime.liveness.report`)."""
+    """Why an actor is to be killed, or None. ``waiting_since``: since when a heartbeat has gone
+    unanswered, counted from when it could answer (None: none outstanding); ``reply``: its last
+    answer (:func:`rlpost.runtime.liveness.report`)."""
     if waiting_since is not None and now - waiting_since > deadlines.answer_s:
         return f"frozen: no answer to its heartbeat for {now - waiting_since:.0f} s (watchdog answer_s={deadlines.answer_s:g})"
     if reply is None or deadlines.progress_s is None:
@@ -101,10 +95,9 @@ class _Watched:
 
 
 class Watchdog:
-    """Asks every actor ``actors()`` lists (``(name, handle)`` pairs, read anew each round: the
-    supervisor replaces actors) for a heartbeat and kills the frozen and hung ones; see the
-    module docstring. :meth:`check` is one round (tests call it); :meth:`start` runs rounds every
-    ``cfg.interval_s`` on a daemon thread until :meth:`stop`."""
+    """Heartbeats every actor ``actors()`` lists (read anew each round: the supervisor replaces
+    actors) and kills the frozen and hung ones. :meth:`check` is one round; :meth:`start` runs
+    rounds every ``cfg.interval_s`` on a daemon thread until :meth:`stop`."""
 
     def __init__(self, cfg: WatchdogConfig, actors: Callable[[], list[tuple[str, Any]]]):
         self.cfg, self.actors = cfg, actors
@@ -144,8 +137,7 @@ class Watchdog:
                 log.exception("watchdog: a round of heartbeats failed")
 
     def check(self) -> dict[str, str]:
-        """One round: collect the answers, judge every actor, kill the lost ones, ask again.
-        Returns the actors killed in this round (name -> why)."""
+        """One round (answers, verdicts, kills, new heartbeats); returns the killed: name -> why."""
         import ray
 
         now = time.monotonic()
@@ -197,10 +189,9 @@ class Watchdog:
         watched.answered, watched.silent_since = True, None
 
     def _silent_since(self, watched: _Watched, now: float) -> float | None:
-        """Since when ``watched`` has left its heartbeats unanswered, counted from when it could
-        answer: from the first heartbeat after its last answer, or, before its first answer, from
-        when Ray's record first said ALIVE (a constructor loading a model answers nothing, and is
-        bounded by the start's own timeout). None: it answered its last heartbeat."""
+        """Since when ``watched`` has been silent (None: it answered its last heartbeat): from the
+        first heartbeat after its last answer, or, before its first, from when Ray's record first
+        said ALIVE (a constructor loading a model answers nothing; the start's timeout bounds it)."""
         if watched.answered:
             return watched.silent_since
         if watched.ready_since is None and actor_state(watched.handle) == "ALIVE":
