@@ -71,8 +71,8 @@ def named_parameters_for_sync(
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of :func:`sync_tensors` for the engines, lazily: contiguous copies on
     ``device`` in ``dtype``, under the HF names vLLM's ``load_weights`` expects (peft's for an
-    adapter). Trap: with tied embeddings ``lm_head.weight`` is still sent, since vLLM's CPU backend keeps
-    its own repacked copy of the head (measured: sync_logprob_diff 2e-2 without it, 3e-6 with).
+    adapter). Trap: with tied embeddings ``lm_head.weight`` is still sent, since vLLM's CPU
+    backend keeps its own repacked copy of the head (sync_logprob_diff 2e-2 without it, 3e-6 with).
     A sharded model's tensors are gathered in turn (a collective, same order on every rank).
     """
     torch_dtype = _DTYPES[dtype]
