@@ -1,28 +1,24 @@
 """AsyncVLLM: a fleet of vLLM replicas as Ray actors behind one object (TorchRL's).
 
-Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`,
-started by :func:`~rlpost.actors.vllm_workers.make_vllm_worker`): one vLLM engine with versioned,
-in-flight weight updates. The fleet gives:
+Each replica is rlpost's inference worker (:class:`~rlpost.actors.inference.InferenceActor`):
+one vLLM engine with versioned, in-flight weight updates. The fleet gives:
 
-- ``vLLMWrapper(fleet, ...)``: generation through the load-balancing client
-  (:class:`~rlpost.policies.RemoteVLLMClient`: each call whole to the least-busy replica, so a
-  GRPO group comes from one set of weights); it keeps working pickled into another actor.
+- ``vLLMWrapper(fleet, ...)``: generation through :class:`~rlpost.policies.RemoteVLLMClient`
+  (each call whole to the least-busy replica, so a GRPO group comes from one set of weights); it
+  keeps working pickled into another actor.
 - ``fleet.generate(prompts, SamplingParams(...))``: vLLM ``RequestOutput``\\ s, prompts spread
   over the replicas (TorchRL's call form).
 - weight updates: :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme`,
   :class:`~rlpost.collect.vLLMUpdater` on :attr:`actors`, :class:`vLLMUpdaterV2
-  <rlpost.collect.weight_sync.vLLMUpdaterV2>`, or (the fleet is an
-  :class:`~rlpost.collect.weight_sync.RLvLLMEngine`) ``init_weight_update_group()`` then
-  ``update_weights(named_tensors)``.
-- prefix caching: a replica resets its prefix cache whenever its weights change, before its next
-  request, so no completion reuses KV from older weights.
+  <rlpost.collect.weight_sync.vLLMUpdaterV2>`, or ``init_weight_update_group()`` then
+  ``update_weights(named_tensors)``; a replica resets its prefix cache whenever its weights
+  change, before its next request, so no completion reuses KV from older weights.
 
-A dead replica is restarted by Ray (``max_restarts``) on its starting model; its in-flight
-requests go to another replica or wait for the restart. The weight sender re-forms the group at
-its next update; until then the restarted replica serves the initial weights (its completions
-carry its own version). ``rlpost train``'s inference workers are such a fleet
-(:meth:`AsyncVLLM.from_replica_starter`), whose supervisor restarts replicas with
-:meth:`AsyncVLLM.start_replica`.
+A dead replica is restarted by Ray (``max_restarts``) on its starting model, serving the initial
+weights (its completions carry its own version) until the sender re-forms the group at its next
+update; its in-flight requests go to another replica or wait for the restart. ``rlpost train``'s
+inference workers are such a fleet (:meth:`AsyncVLLM.from_replica_starter`), whose supervisor
+restarts replicas with :meth:`AsyncVLLM.start_replica`.
 
 Deviations from TorchRL: replicas are rlpost's inference workers, not vLLM's ``AsyncLLMEngine``
 (they work on the CPU backend and take rlpost's weight bus); ``AsyncVLLM(engine_args)`` also takes
@@ -55,26 +51,14 @@ MAX_RESTARTS = 3  # Ray restarts of one replica before it is given up
 class AsyncVLLM(RLvLLMEngine):
     """vLLM replicas as Ray actors behind one object; see the module docstring.
 
-    Args:
-        engine_args: vLLM's ``AsyncEngineArgs`` (or ``EngineArgs``), or a dict of ``vllm.LLM``
-            arguments with the model under ``"model"``; rlpost's engine settings
-            (``kv_cache_space_gb``, ``cpu_threads``) may be in the dict.
-        num_replicas: engines to start.
-        actor_class: not supported (the replicas are rlpost's inference workers); must be None.
-        enable_prefix_caching: vLLM's; None keeps ``engine_args``'s; a value is written into
-            ``engine_args`` (as TorchRL does).
-
-    Keyword Args:
-        max_restarts: Ray restarts of a replica that died.
-        request_timeout_s: bound of one generate call on a replica.
-        startup_timeout_s: bound of the replicas' start.
-        placement_timeout_s: bound of the wait for the cluster to place the replicas; past it the
-            start fails naming what they ask for (rlpost's: else they would pend for ever).
-        verbose: vLLM's INFO logs from the replicas (False: warnings and errors only).
-
-    Attributes:
-        engine_args: the engine arguments the replicas start with: the ``AsyncEngineArgs`` given,
-            or, for a dict, a namespace of its entries (``enable_prefix_caching`` None when unset).
+    ``engine_args``: vLLM's ``AsyncEngineArgs`` (or ``EngineArgs``), or a dict of ``vllm.LLM``
+    arguments with the model under ``"model"`` (rlpost's ``kv_cache_space_gb``, ``cpu_threads``
+    allowed); kept as :attr:`engine_args` (a dict as a namespace, ``enable_prefix_caching`` None
+    when unset). ``actor_class`` must be None. ``enable_prefix_caching``: None keeps
+    ``engine_args``'s; a value is written into ``engine_args`` (as TorchRL does). Keyword-only
+    (rlpost's): ``request_timeout_s`` bounds one generate call on a replica; ``placement_timeout_s``
+    the wait for the cluster to place the replicas (past it the start fails naming what they ask
+    for; else they would pend for ever); ``verbose=False`` keeps only vLLM's warnings and errors.
     """
 
     def __init__(self, engine_args: Any, num_replicas: int = 1, actor_class: Any = None,
@@ -149,8 +133,8 @@ class AsyncVLLM(RLvLLMEngine):
         return bool(self._replicas)
 
     def start_replica(self, index: int) -> Any:
-        """Start replica ``index`` and return its handle without waiting for its engine to load;
-        one already started is killed and replaced. The fleet's client serves from it from now on."""
+        """Start replica ``index`` (killing one already started) and return its handle without
+        waiting for its engine to load; the fleet's client serves from it from now on."""
         import ray
 
         if not 0 <= index < self.num_replicas:
@@ -264,10 +248,10 @@ class AsyncVLLM(RLvLLMEngine):
                  use_tqdm: bool = True, lora_request: Any = None, prompt_adapter_request: Any = None,
                  guided_options_request: Any = None, timeout_seconds: float | None = None,
                  actor_index: int | None = None) -> Any:  # fmt: skip
-        """vLLM's ``LLM.generate`` on the fleet: one ``RequestOutput`` for one prompt, a list for a
-        list of prompts (spread over the replicas, results in prompt order). ``prompt_token_ids``
-        (one list of ids, or a list of them) replaces ``prompts``; ``actor_index`` sends everything
-        to one replica. ``use_tqdm`` is accepted and has no effect (no progress bar across actors)."""
+        """vLLM's ``LLM.generate`` on the fleet: one ``RequestOutput`` per prompt (spread over the
+        replicas, in prompt order; a lone prompt gives one). ``prompt_token_ids`` (one list of ids,
+        or a list of them) replaces ``prompts``; ``actor_index`` sends everything to one replica;
+        ``use_tqdm`` has no effect."""
         import ray
 
         if lora_request is not None:
@@ -357,9 +341,9 @@ class AsyncVLLM(RLvLLMEngine):
         return {}
 
     def init_weight_update_group(self, *, timeout_s: float = 120.0) -> None:
-        """Form the weight group of this process and every started replica for
-        :meth:`update_weights` (a :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` sender:
-        a restarted replica rejoins at the next update). ``timeout_s`` (rlpost's) bounds each step."""
+        """Form the weight group of this process and every started replica (a
+        :class:`~rlpost.collect.weight_sync.VLLMWeightSyncScheme` sender: a restarted replica
+        rejoins at the next update). ``timeout_s`` (rlpost's) bounds each step."""
         if not self.actors:
             raise RuntimeError("AsyncVLLM service must be launched before initializing weight update group")
         if self._weight_sender is not None:
@@ -371,9 +355,8 @@ class AsyncVLLM(RLvLLMEngine):
 
     def update_weights(self, weights: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int | None:
         """Send ``weights`` (``(name, tensor)`` pairs, as TorchRL takes them; or a state_dict, a
-        module, a TensorDict) to every replica and return once each serves them; returns the new
-        version (None, with a warning, for no weights). Each replica resets its prefix cache
-        before it serves a request with them."""
+        module, a TensorDict) to every replica; returns the new version once each serves them
+        (None, with a warning, for no weights)."""
         import torch
 
         if self._weight_sender is None:
@@ -410,10 +393,9 @@ def make_async_vllm_engine(*, model_name: str, num_devices: int | None = None, n
                            verbose: bool = True, compile: bool = True, enable_fp32_output: bool = False,
                            tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
                            pipeline_parallel_size: int | None = None, **kwargs: Any) -> AsyncVLLM:  # fmt: skip
-    """Start an :class:`AsyncVLLM` fleet of ``num_replicas`` engines on ``model_name``, each on
-    ``num_devices`` GPUs (tensor parallel; none on CPU). ``**kwargs``: ``vllm.LLM`` arguments,
-    rlpost's engine settings (``kv_cache_space_gb``), ``num_cpus`` per replica (default 1) and
-    ``placement_timeout_s`` (as :class:`AsyncVLLM`'s)."""
+    """Start an :class:`AsyncVLLM` fleet, each replica on ``num_devices`` GPUs (tensor parallel;
+    none on CPU). ``**kwargs``: ``vllm.LLM`` arguments, ``kv_cache_space_gb``, ``num_cpus`` per
+    replica (default 1) and ``placement_timeout_s``."""
     del compile  # vLLM's own compilation setting is kept
     if enable_fp32_output:
         raise ValueError(

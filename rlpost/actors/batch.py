@@ -1,7 +1,6 @@
 """The batch the learner trains on and the reference scores: samples as one right-padded TensorDict.
 
-Both roles read the same layout (GRPOLoss's keys), so what the reference scores is exactly what
-the learner trains on::
+Both read GRPOLoss's keys, so the reference scores exactly what the learner trains on::
 
     ("tokens", "full")                   [B, T] prompt + completion ids, padded with the pad id
     ("masks", "all_attention_mask")      [B, T] True on real tokens
@@ -40,11 +39,8 @@ def batch_rows(groups: Sequence[Group]) -> list[tuple[Sample, float]]:
 def collate_samples(
     samples: Sequence[Sample], pad_token_id: int, advantages: Sequence[float] | None = None
 ) -> TensorDict:
-    """``samples`` as the right-padded [B, T] TensorDict of the module docstring.
-
-    ``advantages``: one per sample (None: zeros, for scoring only). Padding: token
-    ``pad_token_id``, masks False, log-probs 0.
-    """
+    """``samples`` as the right-padded [B, T] TensorDict of the module docstring (padding: masks
+    False, log-probs 0); ``advantages`` None: zeros, for scoring only."""
     if not samples:
         raise ValueError("a batch needs at least one sample; got no samples")
     if advantages is not None and len(advantages) != len(samples):
@@ -100,15 +96,11 @@ def split_rows(rows: Sequence, num_chunks: int) -> list[list]:
 def split_to_budget(
     rows: Sequence[tuple[Sample, float]], max_tokens: int, *, packed: bool = False
 ) -> list[list[tuple[Sample, float]]]:
-    """``rows`` (sample, advantage) in micro-batches of at most ``max_tokens`` tokens each as
-    the model's forward holds them: rows x the longest row when padded (what
-    :func:`collate_samples` allocates), or with ``packed`` the bins of
-    :func:`rlpost.algo.packing.pack_lengths` x the longest row (rows laid end to end).
-
-    Rows are taken longest first, so rows of similar length share a micro-batch and little of it
-    is padding; within a micro-batch they keep their order in ``rows``. A row longer than
-    ``max_tokens`` forms a micro-batch of its own. The loss does not depend on the split: every
-    micro-batch is divided by the whole batch's normaliser.
+    """``rows`` (sample, advantage) in micro-batches of at most ``max_tokens`` tokens as the forward
+    holds them: rows x the longest row when padded, or with ``packed`` the bins of
+    :func:`rlpost.algo.packing.pack_lengths` x the longest row. Rows are taken longest first (little
+    padding) and keep their order within a micro-batch; a row over ``max_tokens`` is alone. The
+    loss does not depend on the split (every micro-batch is divided by the whole batch's normaliser).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

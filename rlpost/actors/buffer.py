@@ -52,9 +52,8 @@ def start_buffer(
     settings: BufferSettings, *, name: str = "buffer", namespace: str | None = None, max_concurrency: int = 16,
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S, **options: Any,
 ) -> RayBuffer:  # fmt: skip
-    """Start the named buffer actor (``options`` go to the actor's options and win over the
-    settings'), wait at most ``placement_timeout_s`` for the cluster to place it, and return its
-    client."""
+    """Start the named buffer actor, wait at most ``placement_timeout_s`` for its placement, and
+    return its client."""
     import ray
 
     actor_options = {

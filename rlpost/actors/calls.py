@@ -68,9 +68,8 @@ def classify(exc: BaseException, name: str, method: str) -> BaseException:
 
 
 def _why_dead(exc: BaseException) -> str:
-    """Why the actor died, as a clause: its constructor's error (as recorded,
-    :func:`rlpost.runtime.liveness.recorded_error`, or as Ray reports it), or Ray's "The actor is dead
-    because ..." sentence with the error the actor recorded; empty when nothing says."""
+    """Why the actor died, as a clause: its constructor's error, or Ray's "The actor is dead
+    because ..." sentence, with the error the actor recorded (:func:`recorded_error`); or empty."""
     recorded = recorded_error(getattr(exc, "actor_id", None))
     if getattr(exc, "actor_init_failed", False) or (recorded or "").startswith("constructor: "):
         return f": its constructor raised {recorded.removeprefix('constructor: ') if recorded else first_line(exc)}"
@@ -158,9 +157,8 @@ def wait_stoppably(refs: list, timeout_s: float) -> None:
 
 
 def wait_all(pending: list[Pending], timeout_s: float, *, stoppable: bool = False) -> list:
-    """Results of every call in ``pending``; all are waited for (so none is left running
-    unobserved) and the first failure is raised afterwards. ``stoppable``: as
-    :meth:`Pending.result`'s."""
+    """Results of every call in ``pending``; all are waited for (none left running unobserved),
+    then the first failure is raised."""
     import time
 
     deadline = time.monotonic() + timeout_s

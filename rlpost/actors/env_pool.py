@@ -1,25 +1,22 @@
 """The env pool: prompts -> inference -> rewards (-> the reference's KL penalty) -> whole GRPO
 groups with their advantages -> buffer.
 
-:class:`GroupCollector` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode
-(each batch's episodes start together and end inside it), built from the job config: the env
-(its shard of the prompt order), a :class:`~rlpost.policies.vLLMWrapper` over an engine client,
-and a :class:`~rlpost.transport.group_writer.GroupWriter` as its replay buffer. It is a plain
-class and, unchanged, the Ray actor ``env-pool-<i>`` (:func:`start_env_pool`)::
+:class:`GroupCollector` is an :class:`~rlpost.collect.LLMCollector` in its whole-episodes mode,
+built from the job config: the env (its shard of the prompt order), a
+:class:`~rlpost.policies.vLLMWrapper` over an engine client, and a
+:class:`~rlpost.transport.group_writer.GroupWriter` as its replay buffer; a plain class and,
+unchanged, the Ray actor ``env-pool-<i>`` (:func:`start_env_pool`)::
 
     sync:   groups = pool.collect(num_groups)            one batch with the current weights
     async:  pool.start(num_groups_total) ... pool.stop() the collector's background thread:
             reserve room -> collect -> writer.extend(groups) (ONE batched put per batch;
             backpressure blocks there) until the total, stop(), or an error
 
-Every put carries the pool's :meth:`GroupCollector.state_dict` (prompt-stream position, prompts
-collected), kept by the buffer beside the groups: a dead pool restarts from its last put's
-position, so no completed group is lost or repeated. A restarted pool has a higher ``epoch``; the
-buffer refuses older epochs' puts (one the dead pool left in flight cannot land after).
-
-The pool also survives its buffer: the writer numbers its groups (``Group.seq``) and keeps them
-until acknowledged; after a buffer death, :meth:`GroupCollector.set_buffer` puts them again
-(groups the new buffer has are skipped).
+Every put carries the pool's :meth:`GroupCollector.state_dict`, kept by the buffer beside the
+groups: a dead pool restarts from its last put's position, so no completed group is lost or
+repeated; its higher ``epoch`` makes the buffer refuse a put the dead pool left in flight. The pool
+also survives its buffer: the writer numbers its groups (``Group.seq``) and keeps them until
+acknowledged; :meth:`GroupCollector.set_buffer` puts them again (the new buffer skips those it has).
 """
 
 from __future__ import annotations
@@ -83,26 +80,16 @@ class EnvPoolSettings:
 
 class GroupCollector(LLMCollector):
     """One env pool: an LLMCollector of whole GRPO groups from its shard of the prompts (named for
-    what it does: it collects groups; :class:`~rlpost.envs.AsyncEnvPool` is TorchRL's pool of envs).
+    what it does; :class:`~rlpost.envs.AsyncEnvPool` is TorchRL's pool of envs).
 
-    Args:
-        cfg: the env pool's sections of the job config (``EnvPoolSettings.from_job(job_config)``).
-        pool_index: this pool's shard of the prompt stream's ``rollout.env_pool_shards()``, so
-            prompt ids never collide across pools, whichever of them run.
-        engine_client: a :class:`~rlpost.policies.VLLMEngineClient` (may expose
-            ``last_policy_version``).
-        buffer: where the background run puts groups (a LocalBuffer, the run's RayBuffer, or a
-            script's RayReplayBuffer of a LocalBuffer); None for collect-only.
-
-    Keyword Args:
-        tokenizer: the model's tokenizer; loaded from ``cfg.model`` when None.
-        input_mode: "tokens" (default: exact ids across turns) or "history".
-        policy_version: a shared :class:`PolicyVersion`; a new one when None.
-        epoch: this pool's incarnation (0 first; a restarted pool's is higher).
-        report_metrics: report each batch's reward and counts as Ray metrics (needs Ray).
-        reference: with ``reference.kl_in: reward``, what penalises each batch's rewards before
-            advantages: an object with :class:`~rlpost.actors.reference.Reference`'s
-            ``penalize(samples)``; None: the run's ``reference`` actor (``RemoteReference``).
+    ``pool_index``: its shard of ``rollout.env_pool_shards()`` (prompt ids never collide across
+    pools, whichever run). ``engine_client``: a :class:`~rlpost.policies.VLLMEngineClient`.
+    ``buffer``: where the background run puts groups (a LocalBuffer, the run's RayBuffer, a
+    RayReplayBuffer of a LocalBuffer; None: collect-only). ``input_mode``: "tokens" (exact ids
+    across turns) or "history". ``epoch``: this incarnation (a restarted pool's is higher).
+    ``report_metrics``: each batch's reward and counts as Ray metrics. ``reference``: with
+    ``reference.kl_in: reward``, an object with :class:`~rlpost.actors.reference.Reference`'s
+    ``penalize(samples)`` applied before advantages (None: ``RemoteReference``, the run's actor).
     """
 
     def __init__(self, cfg: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any = None, *,
@@ -204,9 +191,9 @@ class GroupCollector(LLMCollector):
         self._woken.set()
 
     def wait(self, timeout_s: float | None = None, report_lost: bool = True) -> bool:
-        """Wait for the background run to end; True if it ended. Raises the run's error. With
-        ``report_lost``, raises :class:`InferenceWorkerLost` early (once per death) when the client
-        found a worker dead: the run goes on, and the caller can start the replacement at once."""
+        """Wait for the background run to end; True if it ended; raises the run's error. With
+        ``report_lost``, raises :class:`InferenceWorkerLost` early (once per death): the run goes
+        on, and the caller can start the replacement at once."""
         if self.is_running():
             if report_lost:
                 self._woken.wait(timeout_s)
@@ -221,9 +208,8 @@ class GroupCollector(LLMCollector):
         return not self.is_running()
 
     def stop(self, timeout_s: float = DEFAULT_PUT_TIMEOUT_S + 60.0) -> dict[str, Any]:
-        """Ask the background run to stop after its current batch; wait up to ``timeout_s``.
-        Returns the stats; raises the run's error if it failed, or ``TimeoutError`` if it did
-        not stop in time."""
+        """Stop the background run after its current batch (``TimeoutError`` past ``timeout_s``;
+        the run's error if it failed); returns the stats."""
         self._stop.set()
         if not self.wait(timeout_s, report_lost=False):
             raise TimeoutError(f"env pool {self.pool_index} did not stop within {timeout_s:.0f}s")
@@ -240,8 +226,8 @@ class GroupCollector(LLMCollector):
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict[str, Any]:
-        """Running totals: samples, generated tokens, reward errors, filtered groups, seconds
-        generating / collecting / blocked in put, and the background run's state."""
+        """Running totals (samples, tokens, reward errors, filtered groups, seconds generating /
+        collecting / blocked in put) and the background run's state."""
         out = self.episode_stats.as_dict()
         writer = self.writer
         out.update(
@@ -267,8 +253,7 @@ class GroupCollector(LLMCollector):
         return self.writer.set_buffer(buffer, timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        """The prompt stream's position, the prompts collected and groups put so far, and the
-        version tracker."""
+        """The prompt stream's position, prompts collected, groups put, the version tracker."""
         return {
             "pool_index": self.pool_index,
             "num_shards": self.cfg.rollout.env_pool_shards(),
@@ -295,9 +280,8 @@ class GroupCollector(LLMCollector):
 
 def start_env_pool(settings: EnvPoolSettings, pool_index: int, engine_client: Any, buffer: Any, *,
                    namespace: str | None = None, max_concurrency: int = 4, epoch: int = 0, **options: Any):  # fmt: skip
-    """Start :class:`GroupCollector` as the actor ``env-pool-<pool_index>`` with
-    ``settings.resources`` and return its handle: threaded, so ``stop`` and ``stats`` answer during
-    the background collection. ``options`` go to ``.options()`` and win."""
+    """Start :class:`GroupCollector` as the actor ``env-pool-<pool_index>``, threaded so ``stop``
+    and ``stats`` answer during the background collection; ``options`` go to ``.options()``."""
     if max_concurrency < 2:
         raise ValueError("the env pool actor must be threaded (max_concurrency >= 2) so stop() can reach it")
     return start_actor(
@@ -315,8 +299,8 @@ def load_tokenizer(cfg: JobConfig | EnvPoolSettings) -> Any:
 
 
 def with_chat_template(tokenizer: Any, cfg: JobConfig | EnvPoolSettings) -> Any:
-    """``tokenizer`` with ``model.chat_template`` (inline Jinja or a file path) when set; a
-    shallow copy, so the caller's tokenizer is left as it is."""
+    """``tokenizer`` with ``model.chat_template`` (inline Jinja or a file path) when set, as a
+    shallow copy (the caller's is left as it is)."""
     template = cfg.model.chat_template
     if not template:
         return tokenizer

@@ -1,24 +1,19 @@
 """Inference workers: one vLLM engine each, versioned weights.
 
-- :class:`InferenceWorker` (plain class) owns a ``vllm.LLM`` with
-  :class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension` in its worker, serves batched
-  generate requests stamped with its policy version, and applies weight updates: receive from the
-  bus and reload in place, bucket by bucket -> label the weights with the new version -> reset the
-  prefix cache (its KV came from the old weights) -> bump the version.
-  In-flight updates (``inflight_updates``, default on): an update arriving during a generate call
-  does not wait for it. The model worker receives the bytes on its own thread while the engine
-  keeps stepping; then, between two steps, the call pauses the scheduler keeping its requests,
-  reloads, labels and resumes. Running requests go on with the new weights, keeping their old KV
-  (as PipelineRL does); ``Completion.token_versions`` says which version sampled each token, and
-  the call's stamp stays the version it started with. Every other call takes the engine alone.
-  ``InferenceActor`` (Ray actor ``inference-<i>``) adds metrics and an engine watch; it is
-  threaded so an update can reach a running generate. On the CPU backend the engine runs in the
-  worker's process (``rollout.engine.in_process``), every engine call on one thread whose cores
-  the model's threads inherit.
-- :func:`start_inference` starts ``inference-<i>`` for a run, :func:`start_worker_actor` any worker.
-
-The env pools generate through :class:`~rlpost.policies.RemoteVLLMClient`; the learner's
-vLLMUpdater drives the weight updates.
+:class:`InferenceWorker` (plain class) owns a ``vllm.LLM`` with
+:class:`~rlpost.policies.vllm_worker_ext.WeightSyncExtension`, serves batched generate requests
+stamped with its policy version, and applies weight updates: reload in place bucket by bucket as
+they arrive from the bus, label the weights with the new version, reset the prefix cache (its KV
+came from the old weights). In-flight updates (``inflight_updates``, default on): the model worker
+receives an update on its own thread while a generate call keeps stepping; between two steps the
+call pauses the scheduler keeping its requests, reloads, labels and resumes. Running requests go
+on with the new weights and their old KV (as PipelineRL does); ``Completion.token_versions`` says
+which version sampled each token, the call's stamp stays the version it started with. Every other
+call takes the engine alone. ``InferenceActor`` (Ray actor ``inference-<i>``, threaded so an update
+reaches a running generate) adds metrics and an engine watch. On the CPU backend the engine runs
+in the worker's process (``rollout.engine.in_process``), every engine call on one thread whose
+cores the model's threads inherit. Env pools generate through
+:class:`~rlpost.policies.RemoteVLLMClient`; the learner's vLLMUpdater drives the updates.
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ class _PendingUpdate:
 
 def start_inference(settings: InferenceSettings, index: int, *, namespace: str | None = None, **options: Any):
     """Start the actor ``inference-<index>`` (its engine loads in the background: a first call
-    waits for it) with the CPUs and GPUs of ``settings.resources``; ``options`` go to
-    ``.options()`` (e.g. a placement-group scheduling strategy)."""
+    waits for it); ``options`` go to ``.options()`` (e.g. a placement-group strategy)."""
     if namespace is not None:
         options["namespace"] = namespace
     resources = {"num_cpus": settings.resources.num_cpus, "num_gpus": settings.resources.num_gpus}
@@ -99,9 +93,8 @@ def start_inference(settings: InferenceSettings, index: int, *, namespace: str |
 
 def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, index: int, options: dict[str, Any],
                        run_name: str = "", lora: LoraConfig | None = None, inflight_updates: bool = True):  # fmt: skip
-    """Start one :class:`InferenceActor` with the Ray actor ``options`` (resources, name,
-    scheduling). The actor is threaded, so that an update reaches a running generate call
-    (in-flight updates); the worker itself lets one call at a time use its engine."""
+    """Start one threaded :class:`InferenceActor` (an update must reach a running generate call;
+    the worker itself lets one call at a time use its engine)."""
     from rlpost.runtime.liveness import remote_class
 
     options = {"max_concurrency": 8, **options}
@@ -187,10 +180,10 @@ class InferenceWorker:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Pay at start-up the one-time costs the first training step would: vLLM compiles its
-        log-prob kernel on the first log-prob request (2.2 s of a 4 s first generate, 0.5B shape, 2
-        CPU cores), and the direct reload checks the CPU kernels. (A seeded engine's later samples
-        differ from one without it; runs stay reproducible, since every engine does it.)"""
+        """Pay the first step's one-time costs at start-up: vLLM compiles its log-prob kernel on the
+        first log-prob request (2.2 s of a 4 s first generate, 0.5B shape, 2 CPU cores); the direct
+        reload checks the CPU kernels. (Seeded samples differ from an unwarmed engine's; runs stay
+        reproducible, since every engine does it.)"""
         start = time.perf_counter()
 
         def warm_up() -> None:
@@ -307,8 +300,8 @@ class InferenceWorker:
         return self.reload_path()
 
     def update_weights(self, timeout_s: float) -> dict:
-        """Receive the next published weights (blocking up to ``timeout_s``) and switch to them:
-        between two engine steps of a running generate call (``info["in_flight"]``), or alone."""
+        """Receive the next published weights (up to ``timeout_s``) and switch to them: between
+        two steps of a running generate call (``info["in_flight"]``), or alone."""
         with self._turn:
             if self._generating and self.inflight_updates and self.lora is None:
                 pending = self._pending = _PendingUpdate(timeout_s)
@@ -344,15 +337,13 @@ class InferenceWorker:
         return {**info, "in_flight": False}
 
     def _receive_weights(self, timeout_s: float) -> dict:
-        """Receive and reload the next update, then label the engine's weights with its version."""
         args = (timeout_s, self.overlap_reload, self.direct_reload)
         return self._now_serving(
             self._worker_rpc("rlpost_receive_weights", *args, timeout_s=timeout_s + ENGINE_RPC_TIMEOUT_S)
         )
 
     def _finish_receive(self, timeout_s: float) -> dict:
-        """Reload the update the worker process has been receiving (``rlpost_begin_receive``),
-        then label the engine's weights with its version."""
+        """Reload the update the worker process has been receiving (``rlpost_begin_receive``)."""
         # the receive and the worker's wait for it are each bounded by timeout_s
         bound = 2 * timeout_s + 2 * ENGINE_RPC_TIMEOUT_S
         return self._now_serving(self._worker_rpc("rlpost_finish_receive", self.direct_reload, timeout_s=bound))
@@ -363,12 +354,8 @@ class InferenceWorker:
         return info
 
     def _between_steps(self) -> None:
-        """In a generate call, after each engine step: move a pending update on, if any.
-
-        The worker process receives it on its own thread while the engine keeps stepping; once in,
-        the scheduler is paused keeping its requests (``pause_scheduler("keep")``), the update
-        loaded and labelled, and the scheduler resumed. A failed update fails the generate call
-        too (its running requests would go on with half-loaded weights)."""
+        """Move a pending in-flight update on (module docstring; ``pause_scheduler("keep")``). A
+        failed update fails the generate call too (its requests would go on with half-loaded weights)."""
         pending = self._pending  # read without the lock: a step must stay cheap
         if pending is None:
             return
@@ -478,12 +465,11 @@ def _is_engine_death(exc: BaseException) -> bool:
 
 
 class InferenceActor(InferenceWorker):
-    """The Ray actor ``inference-<i>``: the plain worker, one call at a time, reporting metrics.
+    """The Ray actor ``inference-<i>``: the plain worker, reporting metrics.
 
-    When its engine's own process dies (OOM killer, engine-core crash), the engine can serve
-    nothing again, yet the actor would live on failing every call. So the actor exits: at once
-    when a call meets the dead engine, else within ENGINE_WATCH_S; the supervisor then starts a
-    new worker as for any crash.
+    Trap: when the engine's own process dies (OOM killer, engine-core crash) the actor would live
+    on failing every call, so it exits (at once when a call meets the dead engine, else within
+    ENGINE_WATCH_S) and the supervisor starts a new worker as for any crash.
     """
 
     ENGINE_WATCH_S = 1.0

@@ -1,18 +1,14 @@
 """The ``reference`` actor: the frozen initial model (or ``reference.model``, a teacher), scoring
 generated tokens for the KL term and for on-policy distillation.
 
-One shared actor (only when ``reference.enabled``), scoring with :class:`~rlpost.envs.RetrieveKL`
-(the generation log-probs are the engine's), by ``reference.kl_in``:
-
-- ``loss``: the loop sends each step's groups (:meth:`Reference.annotate`); the log-probs go on
-  the samples for GRPOLoss's KL term (or the distillation teacher's term).
-- ``reward``: each env pool sends its batch before grouping (:meth:`Reference.penalize`): the k1
-  KL summed over the generated tokens is subtracted from each reward
-  (:class:`~rlpost.envs.KLComputation` with ``reward_per="sequence"``: RLHF style, where
-  TorchRL's form is per-token); advantages then come from the penalised rewards.
-
-``reference.model`` (a distillation teacher) replaces the initial weights; its tokenizer must give
-the policy's token ids.
+One shared actor (``reference.enabled``), scoring with :class:`~rlpost.envs.RetrieveKL` (the
+generation log-probs are the engine's), by ``reference.kl_in``: ``loss``: the loop sends each
+step's groups (:meth:`Reference.annotate`) for GRPOLoss's KL term (or distillation's teacher
+term); ``reward``: each env pool sends its batch before grouping (:meth:`Reference.penalize`).
+Deviation: the k1 KL summed over the generated tokens is subtracted from each reward
+(:class:`~rlpost.envs.KLComputation` with ``reward_per="sequence"``, RLHF style; TorchRL's form is
+per-token), and advantages come from the penalised rewards. ``reference.model`` (a distillation
+teacher) replaces the initial weights; its tokenizer must give the policy's token ids.
 """
 
 from __future__ import annotations
@@ -88,14 +84,12 @@ class Reference(KLServiceActor):
         KLServiceActor.__init__(self, transform=self.kl)
 
     def annotate(self, groups: list[Group]) -> list[Group]:
-        """Fill ``ref_logprobs`` on every sample of ``groups`` (the loss's KL term, the teacher's
-        term of distillation); rewards and advantages are left as they are."""
+        """Fill ``ref_logprobs`` on every sample (rewards and advantages left as they are)."""
         self._score([s for g in groups for s in g.samples])
         return groups
 
     def penalize(self, samples: list[Sample]) -> list[Sample]:
-        """Fill ``ref_logprobs`` and subtract ``kl_coef`` times the k1 KL summed over each
-        sample's generated tokens from its reward (``kl_in: reward``)."""
+        """Fill ``ref_logprobs`` and subtract ``kl_coef`` x the summed k1 KL from each reward."""
         if self.cfg.reference.kl_goes_to != "reward":
             raise RuntimeError("penalize is the KL-shaped reward of reference.kl_in=reward; this run has kl_in=loss")
         batch = self._score(samples)
@@ -108,8 +102,7 @@ class Reference(KLServiceActor):
         return samples
 
     def _score(self, samples: list[Sample]) -> TensorDict | None:
-        """Set every sample's ``ref_logprobs`` (0 off the generated tokens); return the scored
-        batch, None for no samples."""
+        """Set every sample's ``ref_logprobs`` (0 off the generated tokens); the scored batch."""
         if not samples:
             return None
         with working("score"):
@@ -144,8 +137,7 @@ class ReferenceActor(Reference):
 
 def start_reference(settings: ReferenceSettings, *, name: str = "reference", namespace: str | None = None,
                     **options):  # fmt: skip
-    """Start the named reference actor with the CPUs and GPUs of ``settings.resources``
-    (``options`` go to ``.options()`` and win)."""
+    """Start the named reference actor (``options`` go to ``.options()``)."""
     return start_actor(ReferenceActor, settings, name=name, resources=settings.resources, namespace=namespace,
                        **options)  # fmt: skip
 

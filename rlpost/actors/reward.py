@@ -1,21 +1,13 @@
 """The ``reward`` actor: a learned reward model or an LLM judge, scoring each episode's final response.
 
-One shared actor (only when the job config has a ``reward_model`` section), called by every env
-pool's :class:`~rlpost.envs.reward_model.RewardModelReward` transform when an episode ends::
-
-    env pool (RewardModelReward)              reward actor (RewardModel.score)
-    rows done this step -> [user prompt,      classifier: each conversation rendered with the
-    final response], reference answers        reward model's own chat template, truncated to its
-                            ---- one call --> last max_length tokens, batch_size at a time
-                                              through HFRewardModelWrapper -> one scalar each
-                                              generative: the judge's template filled in, greedy
-                                              generation on its own vLLM engine, the verdict
-                                              parsed -> verdict / scale
-    reward = rule_weight * rule + weight * score  <- scores (+ counts of unparsed verdicts)
-
-A reply without a readable verdict scores 0 and is counted as ``unparsed_verdict`` (logged once).
-The actor is stateless (the model is frozen): the supervisor restarts a dead one, and an env
-pool's call waits for it (``reward_model.restart_wait_s``).
+One shared actor (with a ``reward_model`` section), called with the [user prompt, final response]
+rows and reference answers by every env pool's :class:`~rlpost.envs.reward_model.RewardModelReward`
+when episodes end; the env pool sets ``reward = rule_weight * rule + weight * score``. A classifier
+renders each conversation with its own chat template, truncated to its last ``max_length`` tokens
+(one scalar each); a judge fills its template, generates greedily on its own vLLM engine and
+scores ``verdict / scale``: a reply without a readable verdict scores 0 and is counted as
+``unparsed_verdict`` (logged once). The actor is stateless (the model is frozen): the supervisor
+restarts a dead one, and an env pool's call waits for it (``reward_model.restart_wait_s``).
 """
 
 from __future__ import annotations
@@ -67,17 +59,9 @@ class Scores:
 
 class RewardModel:
     """The plain class behind the ``reward`` actor (usable in-process: ``rlpost eval``, tests).
-
-    Args:
-        cfg: the ``reward_model`` section.
-
-    Keyword Args:
-        engine: kind=generative only: an engine client to judge with (a
-            :class:`~rlpost.policies.VLLMEngineClient`) instead of starting one.
-
-    Raises ValueError when the model cannot serve its kind (a classifier with several labels; a
-    judge template without ``{completion}``).
-    """
+    ``engine`` (a judge's only): a :class:`~rlpost.policies.VLLMEngineClient` to judge with instead
+    of starting one. ValueError when the model cannot serve its kind (a classifier with several
+    labels; a judge template without ``{completion}``)."""
 
     def __init__(self, cfg: RewardModelConfig, *, engine: Any = None) -> None:
         from transformers import AutoTokenizer
@@ -253,6 +237,5 @@ class RewardActor(RewardModel):
 
 
 def start_reward(settings: RewardSettings, *, name: str = REWARD_ACTOR, namespace: str | None = None, **options):
-    """Start the named reward actor with the CPUs and GPUs of ``settings.resources`` (``options``
-    go to ``.options()`` and win)."""
+    """Start the named reward actor (``options`` go to ``.options()``)."""
     return start_actor(RewardActor, settings, name=name, resources=settings.resources, namespace=namespace, **options)

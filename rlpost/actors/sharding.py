@@ -1,9 +1,8 @@
 """A sharded learner group: N learner processes that hold one model between them (FSDP2).
 
-Each rank is a process that joins the group's own torch.distributed process group, then shards
-the model with ``fully_shard``: each decoder layer is one unit (gathered for its forward and
-backward, then freed), the rest the root unit. Each rank keeps 1/N of the parameters, gradients
-and AdamW state::
+Each rank joins the group's own process group and shards the model with ``fully_shard`` (each
+decoder layer one unit, gathered for its forward and backward then freed; the rest the root
+unit), keeping 1/N of the parameters, gradients and AdamW state::
 
     rank 0:  open_rendezvous()  -> GroupSpec (host, port of a TCPStore it hosts)
     every rank: join_group(spec, rank)       the default process group, gloo on CPU, NCCL on GPU
@@ -53,8 +52,8 @@ def node_address() -> str:
 
 def open_rendezvous(world_size: int, *, backend: str | None = None, timeout_s: float = 300.0,
                     host: str | None = None) -> tuple[Any, GroupSpec]:  # fmt: skip
-    """Rank 0's side: start the group's TCPStore on a free port; returns it and the spec to hand
-    to every rank (rank 0 passes the store to :func:`join_group`)."""
+    """Rank 0: start the group's TCPStore on a free port; returns it (for rank 0's
+    :func:`join_group`) and the spec for every rank."""
     if world_size < 1:
         raise ValueError(f"a learner group needs world_size >= 1, got {world_size}")
     host = host or node_address()
@@ -66,8 +65,8 @@ def open_rendezvous(world_size: int, *, backend: str | None = None, timeout_s: f
 
 
 def join_group(spec: GroupSpec, rank: int, store: Any = None) -> None:
-    """Join the learner group as ``rank`` (this process's default process group). Blocks until
-    every rank joined, at most ``spec.timeout_s``."""
+    """Join the learner group as ``rank`` (this process's default process group), waiting at most
+    ``spec.timeout_s`` for every rank."""
     if torch.distributed.is_initialized():
         raise RuntimeError("this process already belongs to a process group: a learner rank needs its own process")
     timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -84,17 +83,14 @@ def leave_group() -> None:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers model: the modules whose class the model names in
-    ``_no_split_modules`` (its decoder layer class)."""
+    """The decoder layers: the modules whose class the model names in ``_no_split_modules``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def shard_model(model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> None:
-    """Shard ``model`` in place over the default process group: each decoder layer, then the
-    root. ``param_dtype`` (e.g. bfloat16 on GPU) is the dtype of the gathered parameters the
-    forward and backward run in; gradient reductions and the sharded master weights stay float32.
-    Gradients are summed over the ranks (module docstring)."""
+    """Shard ``model`` in place (module docstring). ``param_dtype`` (e.g. bfloat16 on GPU): the
+    gathered parameters' dtype; gradient reductions and the sharded masters stay float32."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     layers = decoder_layers(model)
@@ -162,9 +158,8 @@ def all_gather_objects(value: Any) -> list[Any]:
 
 
 def empty_model(name_or_path: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The causal LM of ``name_or_path`` with its parameters on the meta device (no memory, no
-    values) and its buffers (e.g. rotary frequencies) computed as usual; tied weights tied. A
-    learner rank shards it, then :func:`load_shards` fills its shards."""
+    """The causal LM with its parameters on the meta device and its buffers (e.g. rotary
+    frequencies) computed as usual, tied weights tied; :func:`load_shards` fills it once sharded."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -177,10 +172,9 @@ def empty_model(name_or_path: str, *, trust_remote_code: bool = False) -> torch.
 
 def load_shards(model: torch.nn.Module, name_or_path: str, device: torch.device, *,
                 trust_remote_code: bool = False) -> str:  # fmt: skip
-    """Give the sharded ``model`` (:func:`empty_model`, then :func:`shard_model`) its weights: rank
-    0 reads the safetensors one tensor at a time and broadcasts it, each rank keeping its shard, so
-    no rank holds the whole model. A checkpoint whose safetensors do not name the parameters is
-    loaded whole on every rank instead. A collective. Returns "streamed" or "whole"."""
+    """Fill the sharded ``model`` (a collective): rank 0 reads the safetensors one tensor at a time
+    and broadcasts it, each rank keeping its shard, so no rank holds the whole model ("streamed");
+    safetensors that do not name the parameters are loaded whole on every rank ("whole")."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
@@ -217,8 +211,7 @@ def load_shards(model: torch.nn.Module, name_or_path: str, device: torch.device,
 
 
 def _safetensors_of(name_or_path: str, names: list[str]) -> dict[str, str] | None:
-    """{parameter name: safetensors file holding it} when the checkpoint's files hold every one
-    of ``names`` under that name; else None (the caller loads the model whole)."""
+    """{parameter name: its safetensors file} when the files hold every one of ``names``; else None."""
     import json
     import os
 

@@ -1,11 +1,9 @@
 """The learner's default token budget per micro-batch (``trainer.max_tokens_per_microbatch: auto``).
 
-A micro-batch's forward holds rows x its longest row tokens (padded), or bins x its longest row
-(rows packed end to end), and the learner's peak memory grows with that number: every decoder
-layer keeps its activations for the backward pass, and without chunked scoring the ``[tokens,
-vocabulary]`` logits come on top. ``auto`` sets the budget at the
-learner's first step (when the node's inference engines hold their memory) from the model's shape
-and the memory its device has free::
+A micro-batch's forward holds rows (or packed bins) x its longest row tokens, and the peak memory
+grows with that: every decoder layer keeps its activations for the backward, and without chunked
+scoring the ``[tokens, vocabulary]`` logits come on top. ``auto`` sets the budget at the first
+step (when the node's engines hold their memory) from the model's shape and the free memory::
 
     budget = (usable bytes - fixed bytes) / bytes per token        (a multiple of 64, capped)
 
@@ -97,11 +95,8 @@ def auto_token_budget(
     model: torch.nn.Module, device: torch.device, *, gradient_checkpointing: bool, chunked: bool,
     bf16_autocast: bool = False, optimizer_allocated: bool = False,
 ) -> TokenBudget:  # fmt: skip
-    """The ``auto`` budget of ``model`` on ``device`` (module docstring).
-
-    ``optimizer_allocated``: the gradients and AdamW's moments already hold their memory (a
-    learner that has stepped), so they are not set aside again.
-    """
+    """The ``auto`` budget (module docstring). ``optimizer_allocated``: the gradients and AdamW's
+    moments already hold their memory (a learner that has stepped): not set aside again."""
     config = model.config
     per_token = bytes_per_token(
         config, activation_bytes=3 if bf16_autocast else 4, gradient_checkpointing=gradient_checkpointing,

@@ -36,28 +36,16 @@ def make_vllm_worker(model_name: str, *, gpu_memory_utilization: float = 0.9, nu
                      dtype: str = "auto", name: str | None = None, num_cpus: float = 1, num_gpus: float | None = None,
                      engine_config: Any = None, index: int = 0, ray_options: dict[str, Any] | None = None,
                      run_name: str = "", lora: Any = None, inflight_updates: bool = True, **kwargs: Any) -> Any:  # fmt: skip
-    """Start ``num_replicas`` vLLM engines on ``model_name`` with the weight-update extension.
+    """Start ``num_replicas`` vLLM engines on ``model_name`` (more than one: a list).
 
-    Keyword Args:
-        gpu_memory_utilization, enforce_eager: vLLM's (on a GPU).
-        num_devices: GPUs per engine (tensor parallel); None: 1 on a GPU, 0 on CPU.
-        num_replicas: engines to start; more than one returns a list.
-        make_ray_worker: a Ray actor (True) or an in-process worker.
-        dtype: "auto" (bfloat16 on a GPU, float32 on CPU) or a torch dtype name.
-        name: the Ray actor's name (``-<i>`` appended per replica when there are several).
-        num_cpus: CPUs reserved for each Ray actor.
-        num_gpus: GPUs reserved for each Ray actor (may be a fraction); None: ``num_devices``.
-        engine_config: an :class:`~rlpost.config.EngineConfig` (a job config's
-            ``rollout.engine``) used as is instead of the engine keywords.
-        index: the first replica's worker index (it names the worker's metrics).
-        ray_options: more Ray actor options (e.g. ``scheduling_strategy``).
-        run_name: the run whose metrics the worker reports under.
-        lora: a ``model.lora`` section (:class:`~rlpost.config.LoraConfig`): the engines serve a
-            LoRA adapter on the base model, updated by each publish.
-        inflight_updates: apply an update that arrives during a generate call between two of
-            its engine steps (``weight_sync.inflight_updates``; :class:`~rlpost.actors.inference.InferenceWorker`).
-        **kwargs: ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed`` and any
-            other ``vllm.LLM`` argument.
+    ``num_devices``: GPUs per engine (tensor parallel; None: 1 on a GPU, 0 on CPU). ``dtype``
+    "auto": bfloat16 on a GPU, float32 on CPU. ``name``: the Ray actor's (``-<i>`` per replica when
+    several). ``num_gpus``: reserved per actor (may be a fraction; None: ``num_devices``).
+    ``engine_config``: an :class:`~rlpost.config.EngineConfig` used as is instead of the engine
+    keywords. ``index``: the first replica's worker index (it names its metrics). ``lora``: a
+    ``model.lora`` section: the engines serve a LoRA adapter on the base model, updated by each
+    publish. ``inflight_updates``: ``weight_sync.inflight_updates``. ``**kwargs``:
+    ``max_model_len``, ``max_num_seqs``, ``kv_cache_space_gb``, ``seed``, any ``vllm.LLM`` argument.
     """
     import torch
 

@@ -1,13 +1,8 @@
 """What the driver knows of an actor without asking it: Ray's record of it (alive, lost), how to
-kill it and free its name, and the errors a call to a lost or silent actor becomes.
-
-The errors are raised by every bounded client of an actor (:mod:`rlpost.actors.calls`, the run's
-clients in :mod:`rlpost.service.clients`, the buffer's :class:`~rlpost.transport.buffer.RayBuffer`)
-and caught by the supervisor, which replaces what was lost:
-
-    the called actor died or was killed                     -> ActorLost(name)
-    the call failed because another actor it used died      -> ActorLost(None)
-    no answer within the call's timeout                     -> CallTimeout(name)
+kill it and free its name, and the errors a call to a lost or silent actor becomes. Every bounded
+client of an actor raises them (the mapping: :mod:`rlpost.actors.calls`; also
+:mod:`rlpost.service.clients`, :class:`~rlpost.transport.buffer.RayBuffer`); the supervisor
+catches them and replaces what was lost.
 """
 
 from __future__ import annotations
@@ -60,8 +55,8 @@ def actor_record(handle: Any) -> dict:
 
 
 def alive(name: str, handle: Any) -> bool:
-    """Whether the actor ``handle`` is alive by Ray's record of it (:func:`actor_state`) and
-    still holds the name ``name`` (another actor holding it means ``handle`` was replaced)."""
+    """Whether the actor ``handle`` is alive by Ray's record and still holds ``name`` (else it
+    was replaced)."""
     import ray
 
     if actor_state(handle) in LOST_STATES:

@@ -13,12 +13,8 @@ from typing import Any
 
 
 def load_callable(path: str, what: str = "function") -> Callable[..., Any]:
-    """The callable at ``"package.module:function"`` or ``"package.module.function"``.
-
-    The part after ``:`` may itself be dotted (``"pkg.mod:Scorer.score"``). A malformed path, a
-    module that fails to import, a missing attribute or a non-callable raise ``ValueError``
-    naming ``what`` and the path (the config layer adds the key).
-    """
+    """The callable at the path (after ``:`` it may be dotted: ``"pkg.mod:Scorer.score"``); any
+    failure raises ``ValueError`` naming ``what`` and the path (the config layer adds the key)."""
     if ":" in path:
         module_name, _, attr_path = path.partition(":")
     else:

@@ -1,9 +1,5 @@
-"""Starting Ray for a run: a local cluster with its dashboard, or a connection to a cluster.
-
-:func:`init_ray` is called once per ``rlpost train`` before any actor starts. It prints one line
-saying where the dashboard, the run's Ray namespace and the Prometheus metrics are, and never
-lets a dashboard that cannot start stop the run.
-"""
+"""Starting Ray for a run (a local cluster with its dashboard, or a connection to a cluster), and
+the runtime env every process of a run gets."""
 
 from __future__ import annotations
 
@@ -62,14 +58,12 @@ def merge_ray_runtime_env(ray_init_config: dict) -> dict:
 
 
 def init_ray(cfg: JobConfig) -> bool:
-    """Start Ray for the run, or connect to the cluster at ``resources.address`` (else RAY_ADDRESS),
-    in the namespace ``rlpost-<run_name>``, and print one line on stdout saying where to watch the
-    run (:func:`_ray_start_line`). Returns True when this call started or connected Ray (the caller
-    shuts it down), False when Ray was already initialized (nothing started or printed).
-
-    With ``logging.dashboard`` a local run passes ``include_dashboard=None``: Ray starts the
-    dashboard on 127.0.0.1:``logging.dashboard_port`` when it can and otherwise starts the node
-    without it, so the run never fails over its dashboard (a warning says so)."""
+    """Start Ray for the run (once, before any actor), or connect to ``resources.address`` (else
+    RAY_ADDRESS), in the namespace ``rlpost-<run_name>``, and print one line saying where to watch
+    the run (:func:`_ray_start_line`). True when this call started or connected Ray (the caller
+    shuts it down); False when Ray was already up (nothing started or printed). With
+    ``logging.dashboard`` a local run passes ``include_dashboard=None``: Ray starts the dashboard
+    on 127.0.0.1:``logging.dashboard_port`` when it can, else runs without it (a warning says so)."""
     import ray
 
     namespace = f"rlpost-{cfg.logging.run_name}"
@@ -142,12 +136,9 @@ def _ray_start_line(namespace: str, dashboard: str | None, metrics: str | None, 
 
 
 def use_ray_token_if_present() -> None:
-    """Authenticate to an existing cluster the way Ray's CLI does.
-
-    Ray 2.60 clusters use token auth by default, but a driver only sends a token with
-    RAY_AUTH_MODE=token: turn it on when unset and a token exists (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token).
-    """
+    """Authenticate to an existing cluster the way Ray's CLI does. Trap: Ray 2.60 clusters use
+    token auth by default, but a driver only sends a token with RAY_AUTH_MODE=token: turn it on
+    when unset and a token exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token)."""
     if os.environ.get("RAY_AUTH_MODE"):
         return
     token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))

@@ -1,33 +1,28 @@
 """Graceful stop of ``rlpost train`` on SIGTERM and SIGINT, from a terminal or a scheduler.
 
-Schedulers, ``ray job stop``, ``kill``, ``timeout`` and Ctrl-C all stop a run with a signal. Left
-to Python's defaults, SIGTERM kills the driver where it stands: no final checkpoint, actors left
-running. Two things stand in the way of a clean stop, and this module handles both.
+Schedulers, ``ray job stop``, ``kill``, ``timeout`` and Ctrl-C all stop a run with a signal; by
+Python's defaults SIGTERM kills the driver where it stands (no final checkpoint, actors left
+running). Two things stand in the way of a clean stop:
 
-**The signal lands at a safe point.** Inside ``with stop_on_signals():`` (main thread only) the
-first SIGINT or SIGTERM prints one line and only records the stop; the training loop's safe
-points (before each part of a step, each poll while it waits, between steps) call
-:func:`raise_if_stopping`, which raises :class:`StopRequested` once. The loop's cleanup stops
-every actor and, with the learner alive, writes a final checkpoint. Trap: a handler raising at
-any line would land inside C calls (a ``ray.get``, a constructor), which then fail with
-``SystemError: ... returned a result with an exception set``. A call in flight is let finish
-(every one is bounded); the start's waits (``stoppable``, :mod:`rlpost.actors.calls`) ask every
-half second, so a start ends at once, killing what it started.
+**The signal lands at a safe point.** Inside ``with stop_on_signals():`` (main thread only; a
+no-op elsewhere) the first SIGINT or SIGTERM prints one line and records the stop; the training
+loop's safe points (before each part of a step, each poll while it waits, between steps) call
+:func:`raise_if_stopping`, which raises :class:`StopRequested` (a BaseException: ``except
+Exception`` lets it through) once; the cleanup stops every actor and, with the learner alive,
+writes a final checkpoint. Trap: a handler raising at any line would land inside C calls (a
+``ray.get``, a constructor), which then fail with ``SystemError: ... returned a result with an
+exception set``. A call in flight is let finish (every one is bounded); the start's waits
+(``stoppable``, :mod:`rlpost.actors.calls`) ask every half second, so a start ends at once,
+killing what it started. A later signal exits at once with ``os._exit(130)`` (the way out of a
+hung cleanup), skipping cleanup, ``finally`` blocks, atexit and buffered output.
 
-* Later signals exit at once with ``os._exit(130)`` (the way out of a hung cleanup), skipping
-  cleanup, ``finally`` blocks, atexit and buffered output.
-* Leaving the block restores the previous handlers; outside the main thread (where
-  ``signal.signal`` raises ValueError) the block does nothing.
-
-**The local Ray cluster does not get the signal.** Ctrl-C, ``timeout``, systemd and container
-runtimes signal a whole process group; the Ray processes ``ray.init`` starts would be in the
-driver's and stop under it before it could checkpoint. So :func:`run_in_own_session` runs the
-driver as a child in a session of its own; the parent passes SIGINT / SIGTERM (SIGHUP as SIGTERM)
-on, ends whatever the driver left in its group (Ray's agents outlive an immediate exit by up to
+**The local Ray cluster does not get the signal.** Trap: Ctrl-C, ``timeout``, systemd and
+container runtimes signal a whole process group, and the Ray processes ``ray.init`` starts would
+stop under the driver before it could checkpoint. So :func:`run_in_own_session` runs the driver
+as a child in a session of its own; the parent passes SIGINT / SIGTERM (SIGHUP as SIGTERM) on,
+ends whatever the driver left in its group (Ray's agents outlive an immediate exit by up to
 minutes) and exits with its status. Should the parent die, the driver gets SIGTERM (Linux).
-
-:class:`StopRequested` is a BaseException, so the loop's ``except Exception`` blocks let it
-through. :func:`exit_code` gives 128 + the signal number, so a supervisor sees a stop, not a failure.
+:func:`exit_code` gives 128 + the signal number, so a supervisor sees a stop, not a failure.
 """
 
 from __future__ import annotations
@@ -101,10 +96,9 @@ def _say(line: str) -> None:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Record SIGINT and SIGTERM inside the block for :func:`raise_if_stopping`.
-
-    Put the cleanup inside the block, so a second signal during it exits at once rather than
-    meeting the restored handlers::
+    """Record SIGINT and SIGTERM inside the block for :func:`raise_if_stopping` (the previous
+    handlers are restored on leaving). Put the cleanup inside, so a second signal during it exits
+    at once rather than meeting the restored handlers::
 
         with stop_on_signals():
             try:

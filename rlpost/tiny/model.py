@@ -1,22 +1,18 @@
 """Build the offline tiny model: a ChatML tokenizer and a small Qwen2 LM warm-started on arithmetic.
 
-Tests and the demo must run a real GRPO job with real transformers and vLLM on 2 CPU cores with
-no hub access, so rlpost builds its own model from a seed in under 3 minutes (the same bytes on
-one kind of CPU, not across kinds: the result is shipped in models/, see models/README.md):
+Tests and the demo run a real GRPO job with real transformers and vLLM on 2 CPU cores with no hub
+access, so rlpost builds its own model from a seed in under 3 minutes (the same bytes on one kind
+of CPU, not across kinds: the result is shipped in models/, see models/README.md): a byte-level BPE
+tokenizer trained on the synthetic chats, with Qwen's ChatML special tokens and a chat template
+whose assistant turns sit in ``{% generation %}`` (``pad_token == eos_token == <|im_end|>`` on
+purpose: it arms the "EOS log-prob masked as padding" trap in every test), and a Qwen2 causal LM
+with head_dim 64 (the vLLM CPU backend rejects 16) trained on "What is a + b?" ->
+"<answer>c</answer>" until its sampled reward (temperature 1.0) lies in ``target_reward``: room
+for GRPO to show learning.
 
-1. a byte-level BPE tokenizer trained on the synthetic arithmetic chats, with Qwen's ChatML
-   special tokens and a Qwen-style chat template whose assistant turns sit in
-   ``{% generation %}`` (for ``return_assistant_tokens_mask=True``). ``pad_token == eos_token ==
-   <|im_end|>`` on purpose: it arms the "EOS log-prob masked as padding" trap in every test.
-2. a Qwen2 causal LM with head_dim 64 (the vLLM CPU backend rejects 16), trained with a short
-   supervised pass on "What is a + b?" -> "<answer>c</answer>" until its sampled reward
-   (temperature 1.0) lies in ``target_reward``: room for GRPO to show learning.
-
-The ``tool_arithmetic`` variant (:data:`TOOL_SPEC`) is the same recipe for the multi-turn
-Python-tool task: the tokenizer also learns the tool episodes' text, and the supervised pass
-mixes episodes that call the tool with ones that guess, so the warm model calls the tool in some
-samples but not all (:func:`evaluate_tool_episodes` measures reward and tool-call rate) and GRPO
-can learn in both directions (about 2.5 minutes on 2 cores).
+The ``tool_arithmetic`` variant (:data:`TOOL_SPEC`, about 2.5 minutes) mixes episodes that call
+the Python tool with ones that guess, so the warm model calls the tool in some samples but not all
+(:func:`evaluate_tool_episodes`) and GRPO can learn in both directions.
 """
 
 from __future__ import annotations
@@ -100,9 +96,8 @@ def build_tiny_model(
 
 
 def save_model_folder(out_dir: Path, model, tokenizer, meta_file: str, meta: dict) -> None:
-    """Write ``model``, ``tokenizer`` and ``meta`` (as ``meta_file``) into ``out_dir`` atomically:
-    into a temporary sibling first, renamed once complete, so an interrupted build never leaves
-    a half-written folder that later runs would trust."""
+    """Write ``model``, ``tokenizer`` and ``meta`` (as ``meta_file``) into ``out_dir`` atomically (a
+    temporary sibling renamed once complete: no half-written folder later runs would trust)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
@@ -119,8 +114,7 @@ def save_model_folder(out_dir: Path, model, tokenizer, meta_file: str, meta: dic
 def ensure_tiny_model(
     out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), log: Callable[[str], None] = print
 ) -> bool:
-    """Build the tiny model unless ``out_dir`` already holds one built from the same spec
-    (one from another spec is rebuilt); True when it built."""
+    """Build the tiny model unless ``out_dir`` holds one of the same spec; True when it built."""
     current = spec_dict(spec)
     found = built_spec(out_dir)
     if found == current:
@@ -150,8 +144,8 @@ def tool_prompt(question: str) -> list[dict[str, str]]:
 
 
 def tool_episode(question: str) -> list[dict[str, str]]:
-    """The whole episode that uses the tool, as the warm start teaches it: a ```` ```python ````
-    block printing the product of the question's operands, the tool's reply, and the answer."""
+    """The tool episode the warm start teaches: a ```` ```python ```` block printing the product,
+    the tool's reply, the answer."""
     a, b = _operands(question)
     return tool_prompt(question) + [
         {"role": "assistant", "content": f"```python\nprint({a} * {b})\n```"},
@@ -166,9 +160,8 @@ def guess_episode(question: str, guess: str) -> list[dict[str, str]]:
 
 
 def tool_success_message(output: str) -> str:
-    """The content of the tool message for one code block that ran and printed ``output`` (one
-    line): the text that ``rlpost.envs.tools.format_tool_response`` puts between
-    ``<tool_response>\\n`` and ``\\n</tool_response>``; the chat template adds the tags."""
+    """The tool message for one code block that printed ``output`` (one line), as
+    ``rlpost.envs.tools.format_tool_response`` writes it inside the tags the template adds."""
     return f"Code block 1 executed successfully:\n{output}\n"
 
 
@@ -195,7 +188,7 @@ def _guess(rng: random.Random, answer: str) -> str:
 
 def _tool_sft_episodes(spec: TinyModelSpec, rows: list[dict[str, str]], seed: int) -> list[list[dict[str, str]]]:
     """One supervised episode per row: the tool episode with probability ``spec.tool_fraction``,
-    otherwise a guess (mostly wrong). A private ``random.Random(seed)`` picks, so no global state."""
+    otherwise a (mostly wrong) guess; picked by a private ``random.Random(seed)``."""
     rng = random.Random(seed)
     episodes = []
     for r in rows:
@@ -314,11 +307,8 @@ def _encode_sft_batch(tokenizer, chats: list[list[dict[str, str]]]) -> tuple[tor
 
 
 def _supervised_warm_start(model, tokenizer, spec: TinyModelSpec, log) -> tuple[int, float, float | None]:
-    """Train on assistant tokens until the sampled reward enters ``spec.target_reward`` (and, for
-    the tool task, the tool-call rate ``spec.target_tool_rate``).
-
-    Returns the steps taken, the reward and the tool-call rate (None for "arithmetic").
-    """
+    """Train on assistant tokens until the sampled reward (and, for the tool task, the tool-call
+    rate) enters its target band; returns the steps, reward and rate (None for "arithmetic")."""
     tool = spec.task == "tool_arithmetic"
     if tool:
         rows = make_tool_arithmetic_rows(spec.sft_rows, seed=spec.seed + 1)
@@ -395,12 +385,9 @@ class ToolEvaluation:
 
 
 def tool_message_for(completion: str) -> str | None:
-    """The tool message the evaluation gives for a first turn that holds a ```` ```python ```` block.
-
-    It never executes model-written code: only a first block that is exactly
-    ``print(<int> * <int>)`` gets the product, computed here; any other code gives None (the
-    sample scores 0).
-    """
+    """The tool message the evaluation gives a first turn with a ```` ```python ```` block. It never
+    executes model-written code: only exactly ``print(<int> * <int>)`` gets the product, computed
+    here; any other code gives None (the sample scores 0)."""
     block = _PYTHON_BLOCK_RE.search(completion)
     if block is None:
         return None
@@ -433,12 +420,10 @@ def _sample_turn(
 def evaluate_tool_episodes(
     model, tokenizer, rows: list[dict[str, str]], *, seed: int, temperature: float = 1.0, max_new_tokens: int = 24
 ) -> ToolEvaluation:
-    """Play one tool_arithmetic episode per row and score it; for the warm start's band check.
-
-    A first turn with a ```` ```python ```` block counts as a tool call; with a valid product
-    (:func:`tool_message_for`) the tool message is appended and turn 2 sampled, otherwise it
-    scores 0. The reward is ``answer_reward`` of the last assistant message.
-    """
+    """Play and score one tool_arithmetic episode per row (the warm start's band check). A first
+    turn with a ```` ```python ```` block is a tool call; with a valid product
+    (:func:`tool_message_for`) turn 2 is sampled, otherwise it scores 0. The reward is
+    ``answer_reward`` of the last assistant message."""
     model.eval()
     torch.manual_seed(seed)
     chats = [tool_prompt(r["question"]) for r in rows]

@@ -1,22 +1,14 @@
 """Build the offline tiny reward model: a one-label Qwen2 sequence classifier on the tiny LM's trunk.
 
-The reward-model role (``reward_model.kind: classifier``) must be tested with a real Hugging Face
-reward model on 2 CPU cores with no hub access, so rlpost trains one from a seed in about 20 s
-(shipped in models/tiny-reward-model):
-
-1. the tiny LM's tokenizer and decoder layers as the trunk (``Qwen2ForSequenceClassification``,
-   ``num_labels=1``, score head starting at zero);
-2. a regression pass (MSE) on synthetic "What is a + b?" conversations answered right, wrong or
-   without the tag, labelled by the task's rule (:func:`rlpost.envs.rewards.answer_reward`: 1.0,
-   0.1, 0.0). It learns the format half of the rule only: on held-out questions a tagged answer
-   scores about 0.7 (shipped build: 0.697 right and wrong), an untagged one about 0.007; the
-   arithmetic half is beyond this trunk (up to 1,200 steps at lr 5e-4 to 2e-3: right and wrong
-   never more than 0.03 apart). The tests rely on exactly that: a reward model that misses part
-   of the task.
-
-Conversations are rendered as the reward actor renders them (``[user, assistant]`` through the
-chat template); ``rlpost_tiny_reward_model.json`` records the recipe, the LM and the held-out
-separation.
+The reward-model role (``reward_model.kind: classifier``) is tested with a real Hugging Face reward
+model on 2 CPU cores with no hub access, so rlpost trains one from a seed in about 20 s (shipped
+in models/tiny-reward-model): the tiny LM's trunk (score head starting at zero), regressed (MSE)
+on synthetic "What is a + b?" conversations (rendered as the reward actor renders them) answered
+right, wrong or without the tag, labelled by :func:`rlpost.envs.rewards.answer_reward` (1.0, 0.1,
+0.0). It learns the format half of the rule only: on held-out questions a tagged answer scores
+about 0.7 (shipped build: 0.697 right and wrong), an untagged one about 0.007; the arithmetic half
+is beyond this trunk (up to 1,200 steps at lr 5e-4 to 2e-3: right and wrong never more than 0.03
+apart). The tests rely on exactly that: a reward model that misses part of the task.
 """
 
 from __future__ import annotations
@@ -87,8 +79,7 @@ def score_pairs(model, tokenizer, pairs: list[tuple[list, float]]) -> torch.Tens
 
 
 def separation(model, tokenizer, pairs: list[tuple[list, float]]) -> dict[str, float]:
-    """Mean score of right answers, of wrong tagged ones and of untagged ones: how far the model
-    agrees with the rule (1.0, 0.1, 0.0)."""
+    """Mean score of right, wrong tagged and untagged answers (the rule's 1.0, 0.1, 0.0)."""
     scores = score_pairs(model, tokenizer, pairs).tolist()
     means = {}
     for name, label in (("right", 1.0), ("wrong_tagged", 0.1), ("untagged", 0.0)):
@@ -154,8 +145,7 @@ def ensure_tiny_reward_model(
     out_dir: str | Path, lm_dir: str | Path, spec: TinyRewardModelSpec = TinyRewardModelSpec(),
     log: Callable[[str], None] = print,
 ) -> bool:  # fmt: skip
-    """Build the tiny reward model unless ``out_dir`` holds one of the same spec built from the
-    same LM; True when it built."""
+    """Build unless ``out_dir`` holds one of the same spec and LM; True when it built."""
     path = Path(out_dir) / META_FILE
     if path.is_file():
         found = json.loads(path.read_text())

@@ -1,7 +1,5 @@
-"""The tiny model's spec: what determines its bytes, and how a built folder records it.
-
-Kept apart from :mod:`rlpost.tiny.model` (which imports torch and transformers to build it) so
-that ``rlpost make-tiny-model`` tells in a fraction of a second that a folder is up to date.
+"""The tiny model's spec and how a built folder records it; apart from :mod:`rlpost.tiny.model`
+(torch, transformers) so that ``rlpost make-tiny-model`` checks a folder in a fraction of a second.
 """
 
 from __future__ import annotations

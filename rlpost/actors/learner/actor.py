@@ -1,11 +1,6 @@
-"""The learner's Ray actor: :class:`LearnerActor`, and the functions that start it.
-
-:func:`start_learner` starts one learner actor (``learner``); :func:`start_learner_group` starts
-``resources.learner.num_workers`` of them (``learner``, ``learner-1``, ...) that shard one model
-with FSDP2 (:mod:`rlpost.actors.sharding`). The actor adds to the plain
-:class:`~rlpost.actors.learner.core.Learner` what a process of its own needs: memory and
-threads, the role's metrics, the group's rendezvous, and the weight bus
-(:meth:`LearnerActor.connect_workers`).
+"""The learner's Ray actor: :class:`LearnerActor` (the plain
+:class:`~rlpost.actors.learner.core.Learner` plus a process's memory and threads, metrics, the
+group's rendezvous and the weight bus), :func:`start_learner` and :func:`start_learner_group`.
 """
 
 from __future__ import annotations
@@ -25,10 +20,8 @@ _MODEL_LOAD_GRACE_S = 600.0
 
 
 class LearnerActor(Learner):
-    """The Ray actor ``learner``: a :class:`Learner` in a process of its own; ``train_step`` and
-    ``publish`` also record the role's metrics. Alone it builds its model at once; as a group's
-    rank, in :meth:`join_group` (after rank 0's :meth:`open_rendezvous`: the process group must
-    exist first).
+    """The Ray actor ``learner``. Alone it builds its model at once; as a group's rank, in
+    :meth:`join_group` (after rank 0's :meth:`open_rendezvous`: the process group must exist first).
     """
 
     def __init__(self, cfg: LearnerSettings, rank: int = 0, world_size: int = 1):
@@ -51,16 +44,15 @@ class LearnerActor(Learner):
         return spec
 
     def join_group(self, spec: sharding.GroupSpec) -> int:
-        """Join the learner group and build this rank's sharded Learner (every rank at once:
-        it returns once all joined and sharded). Returns the rank."""
+        """Join the learner group and build this rank's sharded Learner (returns, with the rank,
+        once every rank joined and sharded)."""
         sharding.join_group(spec, self.rank, store=self._store)
         Learner.__init__(self, self.cfg, sharded=True)
         return self.rank
 
     def memory(self) -> dict[str, float]:
-        """What this rank holds: ``state_bytes`` (parameters, AdamW state and any gradients: its
-        shards in a group), ``peak_rss_bytes`` (the process's peak resident memory) and, on a
-        GPU, ``peak_gpu_bytes``."""
+        """What this rank holds: ``state_bytes`` (parameters, AdamW state, gradients: its shards
+        in a group), ``peak_rss_bytes`` and, on a GPU, ``peak_gpu_bytes``."""
         import resource
 
         out = {
@@ -77,10 +69,8 @@ class LearnerActor(Learner):
 
     def connect_workers(self, workers: list, host: str, backend: str, bucket_mb: float, timeout_s: float,
                         shared_memory: bool = True) -> int:  # fmt: skip
-        """Form the weight bus with these inference workers (Ray actor handles): a
-        :class:`~rlpost.collect.vLLMUpdater` in this process becomes the learner's publisher and
-        joins every worker to its bus (``shared_memory``: ``weight_sync.shared_memory``).
-        Returns the version the workers serve."""
+        """Form the weight bus with these inference workers: a :class:`~rlpost.collect.vLLMUpdater`
+        here becomes the publisher; returns the version the workers serve."""
         from rlpost.collect.weight_update import vLLMUpdater
 
         if self.publisher is not None:
@@ -123,8 +113,7 @@ class LearnerActor(Learner):
 
 
 def start_learner(settings: LearnerSettings, *, name: str = "learner", namespace: str | None = None, **options):
-    """Start the named learner actor with the CPUs and GPUs of ``settings.resources``
-    (``options`` go to ``.options()`` and win, e.g. a placement-group scheduling strategy)."""
+    """Start the named learner actor (``options`` go to ``.options()``)."""
     return start_actor(LearnerActor, settings, name=name, resources=settings.resources, namespace=namespace,
                        **options)  # fmt: skip
 
@@ -133,10 +122,8 @@ def start_learner_group(settings: LearnerSettings, num_workers: int, *, namespac
                         timeout_s: float | None = None, backend: str | None = None,
                         options_for: Callable[[int], dict] | None = None) -> list:  # fmt: skip
     """Start ``num_workers`` learner ranks (``learner``, ``learner-1``, ...) that shard one model
-    between them, and return their handles in rank order once every rank joined the group and
-    sharded its model. One worker is a plain :func:`start_learner`.
-
-    ``options_for(rank)``: each rank's ``.options()``. ``timeout_s`` (default
+    with FSDP2 (:mod:`rlpost.actors.sharding`); their handles in rank order once every rank joined
+    and sharded. ``options_for(rank)``: each rank's ``.options()``. ``timeout_s`` (default
     ``resources.learner.timeout_s``) bounds forming the group (+ the model load) and every
     collective; if forming fails, every rank started is killed and the error raised.
     """

@@ -5,13 +5,9 @@ A single learner's folder holds the model (float32 masters) and tokenizer in HF 
 states); a learner group's holds the consolidated model and the trainer state in
 ``torch.distributed.checkpoint`` shards (:data:`TRAINER_SHARDS`, with :data:`TRAINER_META`); a
 LoRA learner's holds the adapter in peft's format (with ``model.lora.save_merged`` also the
-merged model in ``merged/``). Each may hold the controller's ``rollout_state.pkl``. A folder is
-written beside its place and renamed into it; a failed write raises
-:class:`CheckpointWriteError` with every earlier checkpoint intact.
-
-:class:`Checkpointer` does the I/O; the :class:`~rlpost.actors.learner.core.Learner` keeps the
-step and version, passing them to :meth:`Checkpointer.save` and taking them from
-:meth:`Checkpointer.load`.
+merged model in ``merged/``). Each may hold the controller's ``rollout_state.pkl``.
+:class:`Checkpointer` does the I/O; the :class:`~rlpost.actors.learner.core.Learner` owns the
+step and version it saves and loads.
 """
 
 from __future__ import annotations
@@ -55,18 +51,10 @@ class CheckpointWriteError(OSError):
 
 @dataclass
 class Checkpointer:
-    """Writes and reads the checkpoints of one learner (or of one rank of a learner group).
-
-    Args:
-        model: the learner's model (with LoRA: peft's wrapper; in a group: this rank's shards).
-        tokenizer: saved beside the model.
-        optimizer, scheduler: the learner's AdamW and its LR schedule.
-        lora_config: ``model.lora`` (None: full fine-tuning).
-        keep: ``trainer.keep_checkpoints``, the newest kept after a save.
-        trust_remote_code: ``model.trust_remote_code``, to load a saved model.
-        sharded, rank: one rank of a learner group (every rank calls save and load).
-        architecture: the model's own class name, before sharding renamed it (a group's
-            consolidated model is saved under it).
+    """Writes and reads the checkpoints of one learner (or of one rank of a learner group: every
+    rank calls save and load). ``model``: with LoRA peft's wrapper, in a group this rank's shards;
+    ``keep``: ``trainer.keep_checkpoints``; ``architecture``: the model's own class name before
+    sharding renamed it (a group's consolidated model is saved under it).
     """
 
     model: torch.nn.Module
@@ -83,12 +71,11 @@ class Checkpointer:
     def save(self, run_dir: str | Path, step: int, rollout_state: dict | None = None, *, version: int) -> Path:
         """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``.
 
-        ``rollout_state`` (optional) is the controller's: the buffer's groups and every env
-        pool's position, taken together. The folder is written to a temporary folder beside it
-        and renamed into place (:func:`move_into_place`), so a crash never leaves a half-written
-        ``step_<N>``; older checkpoints are pruned only after. On an I/O error (disk full, quota,
-        permissions; also when torch or safetensors wrap it) the temporary folder is removed and
-        :class:`CheckpointWriteError` raised; any other error removes it and propagates as is.
+        ``rollout_state``: the controller's buffer groups and env-pool positions, taken together.
+        Written beside its place and renamed in (:func:`move_into_place`): a crash never leaves a
+        half-written ``step_<N>``; older checkpoints are pruned only after. An I/O error (also
+        wrapped by torch or safetensors) removes the temporary folder and raises
+        :class:`CheckpointWriteError`; any other error removes it and propagates as is.
         """
         if self.sharded:
             return self._save_sharded_checkpoint(run_dir, step, rollout_state, version)
@@ -114,12 +101,9 @@ class Checkpointer:
         return final
 
     def _write_checkpoint_files(self, folder: Path, step: int, version: int, rollout_state: dict | None) -> None:
-        """Every file of a checkpoint, into ``folder``.
-
-        Trap: ``trainer_state.pt`` goes through a Python file object, since torch.save to a path
-        writes from C++ and on a full disk raises a RuntimeError without the errno; this way the
-        OSError stays in ``__context__`` for :func:`os_error_behind`.
-        """
+        """Trap: ``trainer_state.pt`` goes through a Python file object: torch.save to a path writes
+        from C++ and on a full disk raises a RuntimeError without the errno; this way the OSError
+        stays in ``__context__`` for :func:`os_error_behind`."""
         self.model.save_pretrained(folder)  # with LoRA: the adapter (adapter_config.json, adapter_model.safetensors)
         progress()
         self.tokenizer.save_pretrained(folder)
@@ -147,12 +131,10 @@ class Checkpointer:
     def _save_sharded_checkpoint(
         self, run_dir: str | Path, step: int, rollout_state: dict | None, version: int
     ) -> Path:
-        """:meth:`save` of a learner group (every rank calls it; every rank must see ``run_dir``).
-
-        Rank 0 writes the consolidated HF model and the tokenizer; each rank writes its shards of
-        the float32 masters and AdamW's state; any number of ranks, or a single learner, can load
-        it. Rank 0 moves the folder into place once every rank wrote its part.
-        """
+        """:meth:`save` of a learner group (every rank must see ``run_dir``): rank 0 writes the
+        consolidated HF model and the tokenizer, each rank its shards of the float32 masters and
+        AdamW's state (any number of ranks, or a single learner, can load it); rank 0 moves the
+        folder into place once every rank wrote its part."""
         root = Path(run_dir) / "checkpoints"
         final = root / f"step_{int(step)}"
         tmp, made = None, None
@@ -290,8 +272,6 @@ class Checkpointer:
         }
 
     def _restore_meta(self, state: dict, path: Path) -> dict:
-        """The scheduler and RNG states back from ``state``; returns the checkpoint's step,
-        version and rollout state."""
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
@@ -321,11 +301,9 @@ def prune_checkpoints(root: Path, keep: int) -> None:
 
 def move_into_place(tmp: Path, final: Path) -> Path | None:
     """Rename the complete ``tmp`` to ``final``; returns the old ``final`` renamed aside (the
-    caller deletes it), or None when there was none.
-
-    Trap: ``os.replace`` cannot replace a non-empty folder, and deleting the old one first would
-    leave no ``step_<N>`` if the rename then failed; so it is renamed aside, and back on failure
-    (a crash between the renames leaves ``.old-step_<N>-*``).
+    caller deletes it), or None. Trap: ``os.replace`` cannot replace a non-empty folder, and
+    deleting the old one first would leave no ``step_<N>`` if the rename then failed; so it is
+    renamed aside, and back on failure (a crash between the renames leaves ``.old-step_<N>-*``).
     """
     if not final.exists():
         os.replace(tmp, final)
@@ -341,12 +319,10 @@ def move_into_place(tmp: Path, final: Path) -> Path | None:
 
 
 def os_error_behind(err: BaseException) -> OSError | None:
-    """The OSError that made a checkpoint write fail, or None when ``err`` is no I/O error.
-
-    C++ and Rust writers raise no OSError: torch.save into a Python file raises a RuntimeError
-    whose ``__context__`` is the OSError; safetensors raises SafetensorError("... (os error 28)").
-    So this follows the exception chain and reads an ``(os error N)`` code from a message.
-    """
+    """The OSError that made a checkpoint write fail, or None when ``err`` is no I/O error. Trap:
+    C++ and Rust writers raise no OSError (torch.save into a Python file: a RuntimeError whose
+    ``__context__`` is the OSError; safetensors: SafetensorError("... (os error 28)")), so this
+    follows the exception chain and reads an ``(os error N)`` code from a message."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

@@ -1,10 +1,8 @@
 """The learner's step: a transformers model, AdamW and :class:`~rlpost.objectives.GRPOLoss`.
 
-:class:`Learner` trains on completed GRPO groups, publishes versioned weights and writes
-checkpoints. It is a plain class (no Ray); :class:`~rlpost.actors.learner.actor.LearnerActor` adds
-a process's set-up, the role's metrics and the weight bus. Beside it in :mod:`rlpost.actors.learner`:
-checkpoint I/O (``checkpoint``), weight-sync payloads and the LoRA route (``lora_sync``), memory
-(``memory``) and the step's metrics (``step_metrics``).
+:class:`Learner` (plain class) trains on completed GRPO groups, publishes versioned weights and
+writes checkpoints; :class:`~rlpost.actors.learner.actor.LearnerActor` adds a process's set-up,
+metrics and the weight bus.
 
 One learner step, ``train_step(groups)``::
 
@@ -19,10 +17,9 @@ One learner step, ``train_step(groups)``::
 
 Micro-batch scaling. Every loss term is ``numerator(masked terms) / D``, ``D`` set by the
 aggregation (:func:`rlpost.algo.loss_normaliser`: loss tokens for ``token_mean``, rows with a
-loss token for ``sequence_mean``, rows x ``max_tokens`` for ``sequence_sum_norm``). Dividing each
-micro-batch by the whole batch's ``D`` makes the accumulated gradient equal the whole batch's
-exactly, for any split and aggregation (averaging micro-batch losses would only be equal when
-every micro-batch has the same denominator).
+loss token for ``sequence_mean``, rows x ``max_tokens`` for ``sequence_sum_norm``), so the
+accumulated gradient equals the whole batch's exactly, for any split and aggregation (averaging
+micro-batch losses would not, unless their denominators were equal).
 
 The loss (``loss.type``): GRPOLoss over :func:`rlpost.algo.grpo_loss` (``grpo``),
 :class:`~rlpost.objectives.DAPO` (``dapo``), :class:`~rlpost.objectives.CISPOLoss` (``cispo``),
@@ -30,9 +27,9 @@ GRPOLoss over :func:`rlpost.algo.sft_loss` (``sft``: expert iteration on the kep
 ``loss.custom_fn`` called with grpo_loss's arguments. ``loss.distillation.coef`` makes the
 advantages per token first (:meth:`Learner._with_distillation`).
 
-Versions. ``version`` = optimizer steps since the initial weights (version 0, the weights the
-engines start from); a step with ``epochs_per_batch = k`` adds k. Staleness is measured in it
-(``version at the start of the step - sample.policy_version``).
+Versions. ``version`` = optimizer steps since the initial weights (version 0, the engines'
+start); a step with ``epochs_per_batch = k`` adds k. Staleness = version at the step's start -
+``sample.policy_version``.
 
 Precision. Master weights and optimizer state are float32. On CUDA with ``model.dtype:
 bfloat16`` the forward runs under ``torch.autocast(bfloat16)`` (log-softmax and loss stay
@@ -40,12 +37,10 @@ float32); float16 is not autocast (it would need loss scaling) and trains in flo
 float32. Weights are published in ``model.dtype``; checkpoints hold the float32 masters.
 Dropout is off (``model.eval()``) for good: the learner's scores must match the engine's.
 
-Memory. ``trainer.gradient_checkpointing`` recomputes each decoder layer in the backward;
-``trainer.max_tokens_per_microbatch`` bounds a micro-batch's forward tokens (:attr:`Learner.token_budget`).
-Neither changes the step's loss or gradient.
-
-LoRA (``model.lora``): peft wraps the model and only the adapter trains (AdamW holds state for
-it alone); syncs send the adapter or the merged weights (:meth:`Learner.choose_sync_mode`).
+Memory. ``trainer.gradient_checkpointing`` and ``trainer.max_tokens_per_microbatch``
+(:attr:`Learner.token_budget`) change neither the step's loss nor its gradient. LoRA
+(``model.lora``): only the adapter trains (AdamW holds state for it alone); syncs send the
+adapter or the merged weights (:meth:`Learner.choose_sync_mode`).
 
 Sharded (``Learner(..., sharded=True)`` in each rank of a learner group,
 :mod:`rlpost.actors.sharding`): FSDP2 over the group; each rank builds the model empty and loads
@@ -102,14 +97,10 @@ def _warmup_factor(step: int, warmup_steps: int) -> float:
 class Learner:
     """Trains the policy with GRPO on groups of samples; see the module docstring.
 
-    Args:
-        cfg: the learner's sections of the job config (``LearnerSettings.from_job(job_config)``).
-        publisher: what ``publish()`` sends the weights through: a
-            :class:`~rlpost.collect.vLLMUpdater` on the inference workers (a run's learner), or
-            any :class:`~rlpost.transport.weight_bus.WeightPublisher`; may be set later
-            (``learner.publisher = ...``). In a sharded group only rank 0's is used.
-        sharded: this process is one rank of a learner group whose process group it has joined
-            (:func:`rlpost.actors.sharding.join_group`): shard the model over it (module docstring).
+    ``publisher``: what ``publish()`` sends through (a :class:`~rlpost.collect.vLLMUpdater` on
+    the inference workers, or any :class:`~rlpost.transport.weight_bus.WeightPublisher`; may be
+    set later; sharded: only rank 0's is used). ``sharded``: this process is one rank of a learner
+    group it has joined (:func:`rlpost.actors.sharding.join_group`).
     """
 
     def __init__(self, cfg: LearnerSettings, *, publisher=None, sharded: bool = False):
@@ -228,8 +219,7 @@ class Learner:
     # -------------------------------------------------------------------------------- training
 
     def train_step(self, groups: Sequence[Group]) -> dict[str, float]:
-        """One learner step on ``groups``: ``epochs_per_batch`` optimizer steps; returns metrics.
-        Its work shows progress at every micro-batch (:mod:`rlpost.runtime.liveness`)."""
+        """One learner step (``epochs_per_batch`` optimizer steps; progress at every micro-batch)."""
         with working("train_step"):
             return self._train_step(groups)
 
@@ -266,9 +256,8 @@ class Learner:
         return metrics
 
     def _with_distillation(self, batch: TensorDict) -> TensorDict:
-        """With ``loss.distillation.coef`` set, ``batch``'s advantages per token
-        (:func:`rlpost.algo.distillation_advantages`); the teacher's log-probs are the reference
-        actor's, on the samples."""
+        """With ``loss.distillation.coef``, per-token advantages from the reference actor's
+        (teacher's) log-probs (:func:`rlpost.algo.distillation_advantages`)."""
         distill = self.cfg.loss.distillation
         if distill.coef == 0:
             return batch
@@ -300,9 +289,8 @@ class Learner:
 
     @property
     def token_budget(self) -> TokenBudget | None:
-        """The tokens a micro-batch's forward may hold (padded or packed rows):
-        ``trainer.max_tokens_per_microbatch``; ``auto`` is set on first use, at the first step, when
-        the node's other actors (the engines and their caches) already hold their memory."""
+        """The tokens a micro-batch's forward may hold (padded or packed rows); ``auto`` is set at
+        the first step, when the node's engines and their caches already hold their memory."""
         if self._budget is None and self.cfg.trainer.max_tokens_per_microbatch is not None:
             self._budget = self._make_token_budget()
         return self._budget
@@ -330,9 +318,8 @@ class Learner:
         return budget
 
     def _micro_batch_rows(self, rows: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
-        """The step's rows in micro-batches: ``optimizer.grad_accumulation`` contiguous slices,
-        each split further to the token budget (:attr:`token_budget`). A row longer than the
-        budget fails the step here, before any pass."""
+        """``optimizer.grad_accumulation`` contiguous slices, each split to the token budget; a row
+        longer than the budget fails the step here, before any pass."""
         slices = split_rows(rows, self.cfg.optimizer.grad_accumulation)
         if self.token_budget is None:
             return slices
@@ -348,9 +335,8 @@ class Learner:
         return [batch for part in slices for batch in split_to_budget(part, budget, packed=packed)]
 
     def _optimizer_step(self, micro_batches: list[TensorDict], normaliser: float, idle: int = 0) -> dict[str, float]:
-        """Accumulate the micro-batch gradients (each divided by the whole batch's
-        ``normaliser``), clip, step; returns this pass's metrics. ``idle``: passes with a zero
-        gradient, so that every rank of a sharded group runs as many (module docstring)."""
+        """Accumulate, clip, step; returns this pass's metrics. ``idle``: zero-gradient passes, so
+        every rank of a sharded group runs as many (module docstring)."""
         parts = []
         for batch in micro_batches:
             with self._autocast(), lora_sync.adapter_dropout(self.model, self.cfg.model.lora):
@@ -402,31 +388,27 @@ class Learner:
         return [logprobs_bt[i, : len(ids)].float().tolist() for i, ids in enumerate(rows)]
 
     def choose_sync_mode(self, workers_serve_lora: Sequence[bool]) -> str:
-        """With LoRA, the mode a sync sends, kept in ``sync_mode``
-        (:func:`~rlpost.actors.learner.lora_sync.choose_sync_mode`); ``workers_serve_lora`` in worker order."""
+        """With LoRA, the mode a sync sends (:func:`~rlpost.actors.learner.lora_sync.choose_sync_mode`)."""
         self.sync_mode = lora_sync.choose_sync_mode(self.cfg, self.sync_mode, workers_serve_lora)
         return self.sync_mode
 
     def named_parameters_for_sync(self, device: str | torch.device = "cpu") -> Iterable[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs for the engines, lazily, by ``sync_mode``, on ``device`` in
-        ``model.dtype`` (:func:`~rlpost.actors.learner.lora_sync.named_parameters_for_sync`).
-        Sharded: each tensor is gathered in turn, a collective every rank iterates in the same order."""
+        """(name, tensor) pairs for the engines, lazily, in ``model.dtype``
+        (:func:`~rlpost.actors.learner.lora_sync.named_parameters_for_sync`). Sharded: each is
+        gathered in turn, a collective every rank iterates in the same order."""
         return lora_sync.named_parameters_for_sync(self.model, self.sync_mode, self.cfg.model.dtype, device)
 
     def weights_for_sync(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> StreamedTensors:
-        """``tensors`` (from :meth:`named_parameters_for_sync`) as
-        :class:`~rlpost.transport.bucketing.StreamedTensors`: each tensor is made only when the bus
-        fills its bucket, so the whole model is never copied at once."""
+        """``tensors`` as :class:`~rlpost.transport.bucketing.StreamedTensors`: each is made only
+        when the bus fills its bucket, so the whole model is never copied at once."""
         return lora_sync.weights_for_sync(self.model, self.sync_mode, self.cfg.model.dtype, tensors)
 
     def publish(self, wait: bool = True) -> dict[str, float]:
         """Publish the current weights at the current version; returns timing and size metrics
-        (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). In a sharded
-        group every rank calls it; rank 0 sends.
-
-        ``wait=False`` (a publisher with ``confirm``): return once sent, so the next train step
-        overlaps the workers' reload; the next publish or :meth:`confirm_publish` waits for it,
-        and ``weight_load_s`` then reports the update before.
+        (with a vLLMUpdater also ``weight_load_s``, the slowest worker's reload). Sharded: every
+        rank calls it; rank 0 sends. ``wait=False`` (a publisher with ``confirm``): return once
+        sent, so the next train step overlaps the reload; the next publish or
+        :meth:`confirm_publish` waits for it (``weight_load_s`` then reports the update before).
         """
         if self.sharded and self.rank != 0:
             start = time.perf_counter()
@@ -459,9 +441,8 @@ class Learner:
         }
 
     def confirm_publish(self) -> dict[str, float]:
-        """Wait until the workers serve what ``publish(wait=False)`` sent (no-op when nothing
-        is pending, and on ranks other than 0); returns ``weight_sync_s`` (the wait) and
-        ``weight_load_s``."""
+        """Wait until the workers serve what ``publish(wait=False)`` sent (no-op when nothing is
+        pending, and on ranks other than 0)."""
         start = time.perf_counter()
         confirm = getattr(self.publisher, "confirm", None)
         if self.rank == 0 and confirm is not None:
@@ -478,16 +459,14 @@ class Learner:
     # ----------------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, run_dir: str | Path, step: int, rollout_state: dict | None = None) -> Path:
-        """Write ``run_dir/checkpoints/step_<step>`` atomically; keep the last ``keep_checkpoints``
-        (:meth:`Checkpointer.save <rlpost.actors.learner.checkpoint.Checkpointer.save>`: the
-        layout, and :class:`~rlpost.actors.learner.checkpoint.CheckpointWriteError` on I/O errors)."""
+        """Write ``run_dir/checkpoints/step_<step>`` atomically
+        (:meth:`Checkpointer.save <rlpost.actors.learner.checkpoint.Checkpointer.save>`)."""
         with working("save_checkpoint"):
             return self._checkpointer().save(run_dir, step, rollout_state, version=self._version)
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        """Restore weights, optimizer, scheduler, version and RNG from a ``step_<N>`` folder in
-        place (the optimizer keeps pointing at the same parameters); returns its ``step``,
-        ``version`` and ``rollout_state`` (None when the checkpoint has none)."""
+        """Restore a ``step_<N>`` folder in place (:meth:`Checkpointer.load
+        <rlpost.actors.learner.checkpoint.Checkpointer.load>`)."""
         with working("load_checkpoint"):
             restored = self._checkpointer().load(path)
         self._version, self._step = restored["version"], restored["step"]

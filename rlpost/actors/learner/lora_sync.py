@@ -1,17 +1,11 @@
 """What a weight sync sends, and by which route; the LoRA adapters' dropout in training.
 
-A :class:`~rlpost.actors.learner.core.Learner` keeps its ``sync_mode`` and its
-``publish()`` sends, by it:
-
-- ``"full"`` (no ``model.lora``): every weight of the model (its ``state_dict()``);
-- ``"adapter"``: the LoRA adapter's tensors under peft's names, which the inference workers load as
-  a vLLM LoRA adapter;
-- ``"merged"``: the base weights with the adapter merged in, for engines that serve no LoRA (the
-  frozen embeddings, output head and norms left out: the engines loaded the same base).
-
-With LoRA the route starts as the config chose it (:func:`lora_route`); :func:`choose_sync_mode`
-turns an adapter route merged where a worker cannot serve LoRA. The functions hold no state: the
-Learner passes its model and mode.
+A Learner's ``publish()`` sends, by its ``sync_mode``: ``"full"`` (no ``model.lora``), the
+``state_dict()``; ``"adapter"``, the LoRA adapter's tensors under peft's names (loaded as a vLLM
+LoRA adapter); ``"merged"``, the base weights with the adapter merged in, for engines that serve
+no LoRA (the frozen embeddings, output head and norms left out: the engines loaded the same base).
+The route starts as the config chose it (:func:`lora_route`); :func:`choose_sync_mode` turns an
+adapter route merged where a worker cannot serve LoRA. Stateless: the Learner passes model and mode.
 """
 
 from __future__ import annotations
@@ -63,10 +57,8 @@ def choose_sync_mode(cfg: LearnerSettings, current: str, workers_serve_lora: Seq
 def sync_tensors(
     model: torch.nn.Module, sync_mode: str, *, materialise: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """What a sync sends, by ``sync_mode``, before any gather or cast: the model's
-    ``state_dict()`` ("full"), the LoRA adapter's tensors ("adapter") or the base weights with
-    the adapter merged in ("merged"; ``materialise=False``: unmerged, for their shapes; the
-    frozen embeddings, output head and norms left out, as the engines hold them already)."""
+    """What a sync sends by ``sync_mode`` (module docstring), before any gather or cast;
+    ``materialise=False``: "merged" unmerged, for the shapes."""
     if sync_mode == "adapter":
         return lora.adapter_tensors(model)
     if sync_mode == "merged":
@@ -77,12 +69,10 @@ def sync_tensors(
 def named_parameters_for_sync(
     model: torch.nn.Module, sync_mode: str, dtype: str, device: str | torch.device = "cpu"
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of :func:`sync_tensors` for the engines, lazily: detached, contiguous
-    copies on ``device`` in ``dtype`` (``model.dtype``), under the HF checkpoint names vLLM's
-    ``load_weights`` expects (peft's names for an adapter).
-
-    Trap: with tied embeddings ``lm_head.weight`` is still sent, since vLLM's CPU backend keeps
-    its own repacked copy of the head (measured: sync_logprob_diff 2e-2 without it, 3e-6 with).
+    """(name, tensor) pairs of :func:`sync_tensors` for the engines, lazily: contiguous copies on
+    ``device`` in ``dtype``, under the HF names vLLM's ``load_weights`` expects (peft's for an
+    adapter). Trap: with tied embeddings ``lm_head.weight`` is still sent, since vLLM's CPU
+    backend keeps its own repacked copy of the head (sync_logprob_diff 2e-2 without it, 3e-6 with).
     A sharded model's tensors are gathered in turn (a collective, same order on every rank).
     """
     torch_dtype = _DTYPES[dtype]
@@ -93,9 +83,8 @@ def named_parameters_for_sync(
 def weights_for_sync(
     model: torch.nn.Module, sync_mode: str, dtype: str, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> StreamedTensors:
-    """``tensors`` (from :func:`named_parameters_for_sync`) as
-    :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes up front, each
-    tensor made only when the bus fills its bucket, so the whole model is never copied at once."""
+    """``tensors`` as :class:`~rlpost.transport.bucketing.StreamedTensors`: names, dtypes and shapes
+    up front, each tensor made only when the bus fills its bucket."""
     torch_dtype = _DTYPES[dtype]
     specs = tuple((name, torch_dtype, tuple(t.shape)) for name, t in sync_tensors(model, sync_mode, materialise=False))
     return StreamedTensors(specs, lambda: tensors)

@@ -1,10 +1,5 @@
-"""How a learner process holds its memory and its threads.
-
-The model's (called by the :class:`~rlpost.actors.learner.core.Learner` as it builds it):
-:func:`own_trainable_weights`, :func:`enable_activation_checkpointing`. The process's (called by
-the :class:`~rlpost.actors.learner.actor.LearnerActor` first): :func:`return_freed_memory_to_os`,
-:func:`set_torch_threads`.
-"""
+"""How a learner holds its memory and threads: the model's (set as the Learner builds it) and the
+process's (set first by the LearnerActor)."""
 
 from __future__ import annotations
 
@@ -12,12 +7,11 @@ import torch
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Have each decoder layer of a transformers ``model`` recompute its activations in the
-    backward pass instead of keeping them from the forward.
+    """Have each decoder layer recompute its activations in the backward instead of keeping them.
 
     Trap: transformers checkpoints a layer only in training mode, and the learner stays in eval
-    mode (dropout off). So the decoder layers alone are switched to training mode; the modules
-    inside them stay in eval mode, so loss and gradients are unchanged. The KV cache goes off too.
+    mode (dropout off); so only the decoder layers themselves are switched to training mode (the
+    modules inside stay in eval: loss and gradients unchanged). The KV cache goes off too.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(
@@ -35,13 +29,11 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def own_trainable_weights(model: torch.nn.Module) -> int:
-    """Copy each trainable CPU parameter of ``model`` into memory of its own; returns how many.
-
-    Trap: transformers' CPU parameters are views of the memory-mapped safetensors file
-    (copy-on-write), so the first optimizer step page-faults every 4 KB page: on the
-    0.5B-shaped model (2 threads) the first AdamW step took 8.6 s instead of 3.4 s (the copy
-    costs 0.6 s at load). Frozen weights keep the mapping. ``.data`` is replaced, so tied
-    weights stay tied."""
+    """Copy each trainable CPU parameter into memory of its own; returns how many. Trap:
+    transformers' CPU parameters are views of the memory-mapped safetensors file (copy-on-write),
+    so the first optimizer step page-faults every 4 KB page: on the 0.5B-shaped model (2 threads)
+    the first AdamW step took 8.6 s instead of 3.4 s (the copy costs 0.6 s at load). Frozen
+    weights keep the mapping. ``.data`` is replaced, so tied weights stay tied."""
     copied = 0
     for param in model.parameters():  # each tied parameter once
         if param.requires_grad and param.device.type == "cpu":
@@ -57,13 +49,12 @@ _LEARNER_MMAP_THRESHOLD = 128 * 1024
 
 def return_freed_memory_to_os() -> bool:
     """Make this process's C allocator give freed tensor memory back to the OS (glibc only;
-    returns whether it applied).
-
-    glibc trims its heaps lazily and raises its mmap threshold as large blocks are freed, so a
-    step's freed activations and gradients stay resident. A fixed 128 KB threshold unmaps them on
-    ``free``, at the cost of fresh-page faults: on the 0.5B-shaped model (16 rows of 78 tokens, 2
-    threads) peak memory 12.0 -> 10.1 GB, step 12.1 -> 15.3 s (tiny model 0.14 -> 0.26 s); a 2-rank
-    group 8.7 -> 6.6 GB per rank (``bench learner_group``). Hence the option."""
+    whether it applied). glibc trims its heaps lazily and raises its mmap threshold as large
+    blocks are freed, so a step's freed activations and gradients stay resident. A fixed 128 KB
+    threshold unmaps them on ``free``, at the cost of fresh-page faults: on the 0.5B-shaped model
+    (16 rows of 78 tokens, 2 threads) peak memory 12.0 -> 10.1 GB, step 12.1 -> 15.3 s (tiny model
+    0.14 -> 0.26 s); a 2-rank group 8.7 -> 6.6 GB per rank (``bench learner_group``). Hence the
+    option."""
     import ctypes
     import ctypes.util
 

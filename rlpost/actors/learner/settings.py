@@ -1,9 +1,5 @@
-"""The job config sections the learner reads, as one value: :class:`LearnerSettings`.
-
-The learner (:mod:`rlpost.actors.learner.core`), its LoRA route (:mod:`rlpost.actors.learner.lora_sync`)
-and its checkpoints read them; it is built once per run from the job config
-(``LearnerSettings.from_job(cfg)``) and shipped to each learner rank.
-"""
+"""The job config sections the learner reads, as one value built once per run
+(``LearnerSettings.from_job(cfg)``) and shipped to each learner rank."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The metrics of a learner step, from its micro-batches' loss terms and its samples.
-
-:meth:`~rlpost.actors.learner.core.Learner.train_step` reports one dict per step: each optimizer
-step (pass) combines its micro-batches' metrics with :func:`combine_micro_metrics`, the passes are
-averaged with :func:`mean_dicts`, and :func:`batch_metrics` adds what the samples themselves say
-(rewards, lengths, staleness, the sampling policy's entropy). Pure functions, no model.
-"""
+"""The metrics of a learner step (pure functions): each pass combines its micro-batches'
+(:func:`combine_micro_metrics`), passes are averaged (:func:`mean_dicts`), and
+:func:`batch_metrics` adds what the samples say."""
 
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def batch_metrics(rows: list[tuple[Sample, float]], version_at_start: int) -> dict[str, float]:
-    """What a step's samples (``rows``: (sample, advantage) pairs) say: rewards, lengths, staleness
-    against ``version_at_start`` and the sampling policy's entropy."""
+    """Rewards, lengths, staleness against ``version_at_start`` and the sampling policy's entropy."""
     rewards = torch.tensor([s.reward for s, _ in rows], dtype=torch.float64)
     staleness = [version_at_start - s.policy_version for s, _ in rows]
     lengths = [s.num_generated for s, _ in rows]
