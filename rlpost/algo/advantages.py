@@ -29,22 +29,10 @@ AdvantageScale = Literal["group", "batch", "none"]
 ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
 
 
-def group_advantages(
-    rewards: torch.Tensor,
-    *,
-    scale: AdvantageScale = "group",
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    """Return advantages shaped like ``rewards`` ([num_groups, group_size]).
-
-    Args:
-        rewards: [num_groups, group_size], one row per prompt. Integer or bool rewards are
-            converted to the default float dtype.
-        scale: "group", "batch" or "none" (see the module docstring).
-        eps: added to the std before dividing (TRL uses 1e-4); must be >= 0.
-
-    Raises:
-        ValueError: ``rewards`` is not 2-D, ``scale`` is unknown or ``eps`` is negative.
+def group_advantages(rewards: torch.Tensor, *, scale: AdvantageScale = "group", eps: float = 1e-4) -> torch.Tensor:
+    """Advantages shaped like ``rewards`` [num_groups, group_size] (one row per prompt; integer
+    or bool rewards become the default float dtype). ``eps`` (>= 0) is added to the std before
+    dividing (TRL uses 1e-4). ValueError: ``rewards`` not 2-D, unknown ``scale``, negative ``eps``.
     """
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
@@ -71,12 +59,8 @@ def group_advantages(
     return torch.where(is_equal_g1, torch.zeros_like(advantages_gn), advantages_gn)
 
 
-def scale_by_batch_std(
-    centred_rows: Sequence[Sequence[float]],
-    reward_rows: Sequence[Sequence[float]],
-    *,
-    eps: float = 1e-4,
-) -> list[list[float]]:
+def scale_by_batch_std(centred_rows: Sequence[Sequence[float]], reward_rows: Sequence[Sequence[float]], *,
+                       eps: float = 1e-4) -> list[list[float]]:  # fmt: skip
     """The "batch" scale of advantages already centred per group (``scale="none"``, e.g.
     MCAdvantage's): each divided by the std of every reward of every group, plus ``eps``. Groups
     may differ in size; for groups of one size the result is :func:`group_advantages`' with
@@ -90,14 +74,9 @@ def scale_by_batch_std(
     return [[a / (std + eps) if a != 0 else 0.0 for a in row] for row in centred_rows]
 
 
-def distillation_advantages(
-    advantages_b: torch.Tensor,
-    teacher_logprobs_bt: torch.Tensor,
-    sampler_logprobs_bt: torch.Tensor,
-    mask_bt: torch.Tensor,
-    coef: float,
-    use_reward: bool = True,
-) -> torch.Tensor:
+def distillation_advantages(advantages_b: torch.Tensor, teacher_logprobs_bt: torch.Tensor,
+                            sampler_logprobs_bt: torch.Tensor, mask_bt: torch.Tensor, coef: float,
+                            use_reward: bool = True) -> torch.Tensor:  # fmt: skip
     """Per-token advantages ``[B, T]`` of on-policy distillation: each sequence's advantage
     (when ``use_reward``) plus ``coef * (teacher_lp - sampler_lp)`` on each masked token, 0
     elsewhere.

@@ -36,24 +36,15 @@ def default_chunk_tokens(vocab_size: int, device_type: str = "cpu") -> int:
     return max(1, CHUNK_BYTES.get(device_type, CHUNK_BYTES["cpu"]) // (4 * vocab_size))
 
 
-def chunked_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-) -> torch.Tensor:
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                           *, temperature: float = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
     """Log-probs ``[N]`` of ``targets`` ``[N]`` under ``softmax((hidden @ weight.T + bias) / temperature)``,
     in float32 (float64 for float64 ``hidden``).
 
     Args:
         hidden: ``[N, H]`` final hidden states (after the model's last norm).
         weight: ``[V, H]`` the LM head's weight (the input embedding when tied).
-        bias: ``[V]`` or None.
         targets: ``[N]`` token ids in ``[0, V)``.
-        temperature: divides the logits (> 0).
         chunk_tokens: tokens per chunk (default: :func:`default_chunk_tokens` of ``V`` on
             ``hidden``'s device type).
 
@@ -64,15 +55,9 @@ def chunked_token_logprobs(
     return logprobs
 
 
-def chunked_logprobs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 targets: torch.Tensor, *, temperature: float = 1.0,
+                                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(log-probs [N], entropies [N])``: :func:`chunked_token_logprobs` and the entropy of each
     token's whole tempered next-token distribution, from the same chunks; gradients flow from
     both, as through the dense ``log_softmax`` and ``Categorical(logits).entropy()``."""

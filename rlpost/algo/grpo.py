@@ -21,25 +21,20 @@ without its min, not CISPO, whose point is that no token (in particular the rare
 "fork" tokens of long reasoning) is dropped from the update.
 
 Each per-token term x_t (objective, KL, entropy) is reduced with the same ``aggregation``
-(m = mask, B = rows in the batch):
+(m = mask, B = rows in the batch), always as ``numerator(x) / D``:
 
 - ``"token_mean"`` (DAPO token-level loss, TRL "bnpo"/"dapo", verl "token-mean"):
-  ``sum(m * x) / sum(m)``.
+  ``sum(m * x) / sum(m)``, D = the loss tokens.
 - ``"sequence_mean"`` (original GRPO, TRL "grpo", verl "seq-mean-token-mean"):
-  ``mean_i(sum_t(m * x) / sum_t(m))``.
+  ``sum_i(sum_t(m * x) / sum_t(m)) / D``, D = the rows with at least one loss token.
 - ``"sequence_sum_norm"`` (Dr.GRPO, Liu et al. 2025, arXiv:2503.20783):
   ``sum(m * x) / (B * max_tokens)``, ``max_tokens`` the configured completion-length cap, a
   constant so that long answers are not down-weighted.
-- ``"none"``: no reduction; the term per token, ``[B, T]``, 0 where the mask is False (for a
-  caller's own reduction).
+- ``"none"``: no reduction; the term per token, ``[B, T]``, 0 where the mask is False.
 
-Every reduction is ``numerator(x) / D``: ``sum(m * x)`` over ``D`` = the loss tokens
-(``token_mean``), ``sum_i(sum_t(m * x) / sum_t(m))`` over ``D`` = the rows with at least one loss
-token (``sequence_mean``), ``sum(m * x)`` over ``D`` = ``B * max_tokens`` (``sequence_sum_norm``).
-:func:`loss_normaliser` computes ``D`` for a batch. A caller that splits one batch into pieces
-(micro-batches, or the shares of several learner ranks) passes the whole batch's ``D`` as
-``normaliser``: the pieces' losses then add up to the whole batch's loss, and so do their
-gradients, whatever the split.
+:func:`loss_normaliser` computes ``D``. A caller that splits one batch into pieces
+(micro-batches, learner ranks) passes the whole batch's ``D`` as ``normaliser``: the pieces'
+losses and gradients then add up to the whole batch's, whatever the split.
 
     loss = objective + kl_coef * KL - entropy_coef * entropy + kl_to_inference_coef * KL_inf
 
@@ -49,21 +44,16 @@ with the KL per token from :func:`rlpost.algo.kl.kl_per_token` (k3 by default, a
 or one per token ``[B, T]``.
 
 Off-policy correction (``off_policy_correction``, for samples the learner's weights did not
-generate exactly: an engine whose numerics differ, weights a few versions old). With
-``prox`` the learner's log-probs of the tokens under its weights at the start of the step
-(``proximal_logprobs``; by default ``logprobs`` detached, which is exact when a batch takes one
-optimizer step), the PPO ratio becomes ``exp(lp - prox)`` and every token's objective is
-weighted by the importance weight ``w = exp(prox - old)`` of the learner's policy against the
-sampler's, with the threshold ``C`` (``off_policy_threshold``):
+generate exactly: engine numerics, stale weights). With ``prox`` the learner's log-probs under
+its weights at the start of the step (``proximal_logprobs``; default ``logprobs`` detached, exact
+when a batch takes one optimizer step), the PPO ratio becomes ``exp(lp - prox)`` and each token's
+objective is weighted by ``w = exp(prox - old)``, with threshold ``C`` (``off_policy_threshold``):
 
 - ``"tis"``, truncated importance sampling: ``min(w, C)`` (TRL's ``token_truncate``);
 - ``"mis"``, masked importance sampling: ``w``, or 0 where ``w > C`` (the token leaves the loss;
   TRL's ``token_mask``).
 
-The weight is a constant of the objective (detached) and the normaliser is unchanged, so a
-masked token counts as a zero. ``sampling_logp_diff_mean`` (the token mean of ``|prox - old|``)
-is reported whatever the correction; ``off_policy_fraction`` is the share of tokens truncated or
-masked.
+The weight is detached and the normaliser unchanged, so a masked token counts as a zero.
 
 Deliberate deviations and choices, each for a reason:
 
@@ -110,22 +100,19 @@ OBJECTIVES: tuple[str, ...] = ("ppo", "cispo")
 @dataclass(frozen=True, eq=False)
 class GRPOLossTerms:
     """What :func:`grpo_loss` returns: 0-d tensors (or None), the loss fields ``[B, T]`` under
-    ``aggregation="none"``. ``loss`` = ``loss_objective + loss_kl + loss_entropy`` (``+
-    loss_kl_to_inference`` when requested), with their graph. The rest are detached diagnostics:
+    ``aggregation="none"``; ``loss`` (the sum of the ``loss_*`` terms) carries the graph. The
+    rest are detached token-mean diagnostics:
     ``clip_fraction`` (share of masked tokens where the min picks the clipped term, split into
     ``_low``: ratio < 1 - eps_low with A < 0, and ``_high``: ratio > 1 + eps_high with A > 0),
     ``kl_approx`` (mean of old - lp: how far the policy has moved from the behaviour policy),
     ``ess`` (normalised effective sample size of the importance weights, 1 = on-policy),
-    ``kl_to_ref`` (mean per-token KL estimate; None without ``ref_logprobs``), ``entropy`` (mean
-    entropy; None without ``entropy``), ``kl_to_inference`` (mean k3 KL between the policy and
-    the behaviour log-probs; it and ``loss_kl_to_inference`` are None unless
-    ``kl_to_inference_coef`` was given), ``sampling_logp_diff_mean`` (mean ``|prox - old|``: the
-    learner's log-probs at the start of the step against the sampler's) and
-    ``off_policy_fraction`` (share of tokens whose importance weight was truncated or masked;
-    None without a correction).
+    ``kl_to_ref`` (None without ``ref_logprobs``), ``entropy`` (None without ``entropy``),
+    ``kl_to_inference`` (k3 KL to the behaviour log-probs; it and ``loss_kl_to_inference`` are
+    None unless ``kl_to_inference_coef`` was given), ``sampling_logp_diff_mean`` (``|prox -
+    old|``, whatever the correction) and ``off_policy_fraction`` (share of tokens whose
+    importance weight was truncated or masked; None without a correction).
 
-    :func:`grpo_loss` sets every field its inputs allow. A custom loss (:data:`LossFunction`)
-    must set ``loss``; the fields it leaves None are left out of the metrics.
+    A custom loss (:data:`LossFunction`) must set ``loss``; fields left None skip the metrics.
     """
 
     loss: torch.Tensor
@@ -152,9 +139,8 @@ class GRPOLossTerms:
 
 
 def loss_normaliser(mask_bt: torch.Tensor, aggregation: Aggregation, max_tokens: int | None = None) -> float:
-    """The denominator ``D`` of ``aggregation`` over the batch ``mask_bt`` [B, T] (module
-    docstring): loss tokens, rows with a loss token, or ``B * max_tokens``. The ``D`` of a batch
-    is the sum of its pieces' ``D``. ``"none"`` has no denominator (1)."""
+    """The denominator ``D`` of ``aggregation`` over ``mask_bt`` [B, T] (module docstring); a
+    batch's ``D`` is the sum of its pieces'. ``"none"``: 1."""
     _check_aggregation(aggregation, max_tokens)
     if mask_bt.ndim != 2 or mask_bt.dtype != torch.bool:
         raise ValueError(f"mask_bt must be a bool [B, T] tensor, got {mask_bt.dtype} {tuple(mask_bt.shape)}")
@@ -174,13 +160,9 @@ def masked_aggregate(
     max_tokens: int | None = None,
     normaliser: float | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token values [B, T] to a 0-d tensor over the tokens where ``mask_bt`` is True.
-
-    ``max_tokens`` is required by (and only used by) ``"sequence_sum_norm"``. ``normaliser``:
-    the denominator to divide by, when this batch is a piece of a larger one (that batch's
-    :func:`loss_normaliser`); None: this batch's own. ``"none"`` returns ``x_bt`` with 0 where
-    the mask is False. See the module docstring for the formulas.
-    """
+    """Reduce per-token values [B, T] over the tokens where ``mask_bt`` is True (module
+    docstring). ``normaliser``: the whole batch's :func:`loss_normaliser` when this batch is a
+    piece of it; None: this batch's own."""
     _check_aggregation(aggregation, max_tokens)
     if x_bt.ndim != 2 or x_bt.shape != mask_bt.shape:
         raise ValueError(f"x_bt {tuple(x_bt.shape)} and mask_bt {tuple(mask_bt.shape)} must be the same [B, T]")
@@ -230,20 +212,14 @@ def grpo_loss(
         advantages: [B] one advantage per sequence, or [B, T] one per token.
         mask: [B, T] bool, True on the tokens that count (completion / assistant tokens).
         clip_eps: eps, or (eps_low, eps_high) for asymmetric (clip-higher) clipping.
-        aggregation: "token_mean", "sequence_mean", "sequence_sum_norm" or "none".
         max_tokens: the completion-length cap; required by "sequence_sum_norm".
         ref_logprobs: [B, T] reference-model log-probs; required when ``kl_coef != 0``.
-        kl_coef: weight of the KL term.
-        kl_estimator: "k1", "k2" or "k3".
         entropy: [B, T] per-token policy entropy; required when ``entropy_coef != 0``.
-        entropy_coef: weight of the entropy bonus (subtracted from the loss).
         kl_to_inference_coef: weight of the k3 KL between the policy and the behaviour
             log-probs ``old_logprobs``; None (the default) computes neither the term nor its
             diagnostic, 0 the diagnostic only.
-        normaliser: the denominator of every loss term when this batch is a piece of a larger
-            one (that batch's :func:`loss_normaliser`); None: this batch's own. The
-            diagnostics stay this batch's token means.
-        off_policy_correction: "none", "tis" or "mis" (module docstring).
+        normaliser: as in :func:`masked_aggregate`, for every loss term (the diagnostics stay
+            this batch's token means).
         off_policy_threshold: the importance-weight cap ``C`` of "tis" and "mis" (> 1).
         proximal_logprobs: [B, T] the learner's log-probs of the tokens under its weights at
             the start of the step (constants); None: ``logprobs`` detached.
@@ -364,9 +340,8 @@ def kl_and_entropy_terms(
 def _importance_weights(
     log_w_bt: torch.Tensor, correction: OffPolicyCorrection, threshold: float
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weight, corrected) per token for an off-policy correction (module docstring): the
-    weight each token's objective is multiplied by, and where it was truncated or masked; both
-    None for "none"."""
+    """(weight, corrected) per token (module docstring): each token's objective weight, and where
+    it was truncated or masked; both None for "none"."""
     if correction == "none":
         return None, None
     w_bt = log_w_bt.exp()
@@ -427,24 +402,13 @@ def _check_aggregation(aggregation: str, max_tokens: int | None) -> None:
         raise ValueError(f"aggregation 'sequence_sum_norm' (Dr.GRPO) needs max_tokens > 0, got {max_tokens!r}")
 
 
-def _check_inputs(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    proximal_logprobs: torch.Tensor | None = None,
-) -> None:
+def _check_inputs(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  ref_logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+                  proximal_logprobs: torch.Tensor | None = None) -> None:  # fmt: skip
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    same_shape = {
-        "old_logprobs": old_logprobs,
-        "mask": mask,
-        "ref_logprobs": ref_logprobs,
-        "entropy": entropy,
-        "proximal_logprobs": proximal_logprobs,
-    }
+    same_shape = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs,
+                  "entropy": entropy, "proximal_logprobs": proximal_logprobs}  # fmt: skip
     for name, tensor in same_shape.items():
         if tensor is not None and tensor.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(logprobs.shape)}")
@@ -464,10 +428,6 @@ LossFunction = Callable[..., GRPOLossTerms]
 
 def load_loss_function(path: str) -> LossFunction:
     """The function ``path`` names (``"package.module:function"``, importable where the learner
-    runs); it replaces :func:`grpo_loss` and is called with the same arguments.
-
-    Raises:
-        ValueError: a malformed path, a module that cannot be imported, or no callable of that
-            name (the message names the part that failed).
-    """
+    runs), called instead of :func:`grpo_loss` with its arguments. ValueError (naming the part
+    that failed) on a malformed path, an unimportable module or no such callable."""
     return load_callable(path, "loss function")

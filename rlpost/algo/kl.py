@@ -22,11 +22,8 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
-    """Return the per-token KL estimate, shaped like the inputs (no masking here).
-
-    Raises:
-        ValueError: unknown ``estimator`` or mismatched shapes.
-    """
+    """The per-token KL estimate, shaped like the inputs (no masking here); ValueError on an
+    unknown ``estimator`` or mismatched shapes."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     if logprobs.shape != ref_logprobs.shape:

@@ -56,13 +56,9 @@ def spread_indices(values: Sequence[float], size: int) -> list[int]:
     return [ordered[round(position * last / (size - 1))] for position in range(size)]
 
 
-def select_subset(
-    values: Sequence[float],
-    size: int,
-    strategy: SelectionStrategy = "balanced",
-    bounds: tuple[float, float] | None = None,
-    max_combinations: int = 100_000,
-) -> list[int] | None:
+def select_subset(values: Sequence[float], size: int, strategy: SelectionStrategy = "balanced",
+                  bounds: tuple[float, float] | None = None,
+                  max_combinations: int = 100_000) -> list[int] | None:  # fmt: skip
     """``size`` of the candidates ``values`` whose mean is strictly inside ``bounds``, or None
     when the strategy finds no such subset (the group is then dropped).
 
@@ -87,9 +83,8 @@ def select_subset(
     return chosen if mean_in_bounds(values, chosen, bounds) else None
 
 
-def _balanced(
-    values: Sequence[float], size: int, bounds: tuple[float, float], max_combinations: int
-) -> list[int] | None:
+def _balanced(values: Sequence[float], size: int, bounds: tuple[float, float],
+              max_combinations: int) -> list[int] | None:  # fmt: skip
     low, high = bounds
     middle = 0.5 * (low + high)
     if math.comb(len(values), size) <= max_combinations:

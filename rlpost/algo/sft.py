@@ -50,9 +50,8 @@ def reduce(values_b: torch.Tensor, reduction: str) -> torch.Tensor:
     raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def minor_sft_loss(
-    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, beta: float, reduction: str = "mean"
-) -> torch.Tensor:
+def minor_sft_loss(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, beta: float,
+                   reduction: str = "mean") -> torch.Tensor:  # fmt: skip
     """MinorSFT: ``-log sigmoid(beta * (log_probs - ref_log_probs))``, reduced; the inputs are
     sequence log-likelihoods (or any matching values) of the model and of the reference."""
     if log_probs.shape != ref_log_probs.shape:

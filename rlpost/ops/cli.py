@@ -1,9 +1,8 @@
 """The `rlpost` command line.
 
-Exit codes (a contract scripts and CI rely on): 0 success; 2 a config or input error, printed as one line that
-names the offending key or file (no traceback); 1 any other failure, with its cause. For the Ray
-Jobs commands a job that failed or was stopped is a failure (1), an unknown job id an input error
-(2), and an unreachable or refusing cluster a failure (1) named by its address.
+Exit codes (a contract scripts and CI rely on): 0 success; 2 a config or input error (one line
+naming the key or file, no traceback; also an unknown job id); 1 any other failure, with its cause
+(also a job that failed or was stopped, and an unreachable or refusing cluster, named by address).
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shield_local_cluster(argv: list[str]) -> bool:
-    """Whether this command line is a ``train`` that starts a local Ray cluster (no --address,
-    no RAY_ADDRESS) on a POSIX system, in a driver not already in a session of its own
-    (:func:`rlpost.runtime.shutdown.run_in_own_session`)."""
+    """Whether this is a ``train`` starting a local Ray cluster on POSIX, in a driver not already in
+    a session of its own (:func:`rlpost.runtime.shutdown.run_in_own_session`)."""
     return (
         bool(argv)
         and argv[0] == "train"
@@ -93,17 +91,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "spec changes, then record the digests in models/SHA256SUMS.",
     )
     tiny.add_argument("dir", help="output folder, e.g. models/tiny-model")
-    tiny.add_argument(
-        "--seed", type=int, default=0, help="seed (the same seed gives identical files on the same kind of CPU)"
-    )
+    tiny.add_argument("--seed", type=int, default=0,
+                      help="seed (the same seed gives identical files on the same kind of CPU)")  # fmt: skip
     tiny.add_argument("--force", action="store_true", help="rebuild even if DIR already holds a model")
-    tiny.add_argument(
-        "--task",
-        choices=["arithmetic", "tool_arithmetic"],
-        default="arithmetic",
-        help="arithmetic: the default model (a + b, answers at once); tool_arithmetic: the variant "
-        "warm-started to sometimes compute a * b with a ```python block",
-    )
+    tiny.add_argument("--task", choices=["arithmetic", "tool_arithmetic"], default="arithmetic",
+                      help="arithmetic: the default model (a + b, answers at once); tool_arithmetic: the variant "
+                      "warm-started to sometimes compute a * b with a ```python block")  # fmt: skip
     tiny.set_defaults(handler=_cmd_make_tiny_model)
 
     tiny_rm = sub.add_parser(
@@ -207,20 +200,18 @@ def _cmd_train(args) -> int:
 
 
 def _start_again_with_hash_seed(seed: int) -> None:
-    """Run this command line again, in this process, with PYTHONHASHSEED=``seed``: Python reads it
-    once, at start, and the driver must hash strings as the run's actors do (it draws the held-out
-    rows that the actors must never train on). Nothing was started yet."""
+    """Run this command line again, in this process, with PYTHONHASHSEED=``seed`` (read once, at
+    start): the driver must hash strings as the run's actors do (it draws the held-out rows they
+    must never train on). Nothing was started yet."""
     argv = [sys.executable, "-m", "rlpost.ops.cli", *sys.argv[1:]]
     sys.stdout.flush()
     os.execve(sys.executable, argv, {**os.environ, "PYTHONHASHSEED": str(seed)})
 
 
 def _resolve_paths_for_a_cluster(cfg: JobConfig) -> None:
-    """On an existing cluster (``--address``, ``resources.address``, RAY_ADDRESS) the actors do
-    not start in this directory: a relative local path of the config resolves against it here,
-    and the resolved config records where it pointed. Not in a Ray job with a working dir
-    (``rlpost submit``): there every actor starts in its copy of that dir, where relative paths
-    resolve as written."""
+    """On an existing cluster the actors do not start in this directory: resolve the config's
+    relative local paths here (the resolved config records them). Not in a Ray job with a working
+    dir (``rlpost submit``), where every actor starts in its copy of it."""
     import json
 
     if not (cfg.resources.address or os.environ.get("RAY_ADDRESS")):
@@ -281,22 +272,18 @@ def _cmd_make_tiny_model(args) -> int:
 
 
 def _idle_openmp_threads_sleep() -> None:
-    """Make torch's OpenMP threads sleep rather than spin when idle, for a tiny model's build
-    (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it; read once, when torch loads, so
-    this runs before the build imports torch).
+    """``OMP_WAIT_POLICY=PASSIVE`` unless set (read once, when torch loads: call before the build
+    imports torch), so a tiny model's build has its idle OpenMP threads sleep, not spin.
 
-    The builds train a 1M-parameter model on 2 threads: thousands of tiny parallel regions, whose
-    idle thread spins by default. With any other busy process on a 2-core machine the spinning
-    thread and the working one fight for the cores: measured on a 2-core Xeon, the tiny model's
-    build took 22 s alone and 257 s beside one busy process; sleeping threads take 31 s and 41 s.
-    The threads' number and work are unchanged, so the files are byte for byte the same.
+    Trap: the builds train a 1M-parameter model on 2 threads (thousands of tiny parallel regions);
+    a spinning idle thread fights any other busy process for a 2-core machine: measured on a
+    2-core Xeon, 22 s alone and 257 s beside one busy process; sleeping threads take 31 s and
+    41 s. Threads and work are unchanged, so the files are byte for byte the same.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _cmd_make_tiny_reward_model(args) -> int:
-    from rlpost.config import ConfigError
-
     if not (Path(args.lm) / "config.json").is_file():
         raise ConfigError(f"--lm {args.lm}: no tiny LM there; build it first with `rlpost make-tiny-model {args.lm}`")
     _idle_openmp_threads_sleep()

@@ -55,143 +55,69 @@ def _gauges(unit: str, title: str, description: str, *names: str) -> Panel:
 
 
 # The dashboard's rows, top to bottom; each panel lists the metrics it reads.
+# fmt: off
 ROWS: dict[str, list[Panel]] = {
     "Training": [
-        _gauges(
-            "short",
-            "Reward",
-            "Mean reward of the step's samples and its spread (standard deviation).",
-            "reward_mean",
-            "reward_std",
-        ),  # fmt: skip
-        _gauges(
-            "percentunit",
-            "Evaluation",
-            "pass@1 and the mean reward on the held-out prompts, at each evaluation.",
-            "eval_pass_at_1",
-            "eval_reward_mean",
-        ),  # fmt: skip
+        _gauges("short", "Reward", "Mean reward of the step's samples and its spread (standard deviation).",
+                "reward_mean", "reward_std"),
+        _gauges("percentunit", "Evaluation", "pass@1 and the mean reward on the held-out prompts, at each evaluation.",
+                "eval_pass_at_1", "eval_reward_mean"),
         _gauges("short", "Loss", "The learner's loss (objective, KL and entropy terms).", "loss"),
-        _gauges(
-            "short",
-            "KL",
-            "KL to the reference model, and the learner's KL to the sampling policy.",
-            "kl_to_ref",
-            "kl_to_inference",
-        ),  # fmt: skip
+        _gauges("short", "KL", "KL to the reference model, and the learner's KL to the sampling policy.", "kl_to_ref",
+                "kl_to_inference"),
         _gauges("percentunit", "Clip fraction", "Share of the loss tokens whose ratio was clipped.", "clip_fraction"),
-        _gauges(
-            "short",
-            "Entropy",
-            "entropy_sampled: -log p of the generated tokens under the sampling policy (every run); "
-            "entropy: the loss's entropy (runs with loss.entropy_coef > 0).",
-            "entropy_sampled",
-            "entropy",
-        ),  # fmt: skip
+        _gauges("short", "Entropy",
+                "entropy_sampled: -log p of the generated tokens under the sampling policy (every run); "
+                "entropy: the loss's entropy (runs with loss.entropy_coef > 0).", "entropy_sampled", "entropy"),
         _gauges("short", "Response length", "Mean generated tokens per trained sample.", "completion_len_mean"),
     ],
     "Throughput": [
         _gauges("short", "Samples per second", "Trained samples per second of the step.", "samples_per_s"),
         _gauges("short", "Tokens per second", "Trained (generated) tokens per second of the step.", "tokens_per_s"),
-        _gauges(
-            "s",
-            "Step time",
-            "step_time_s = collect_s (waiting for the step's groups) + train_s (the learner call) + "
-            "weight_sync_s (publish and receive) + the sync probe.",
-            "step_time_s",
-            "collect_s",
-            "train_s",
-            "weight_sync_s",
-        ),  # fmt: skip
+        _gauges("s", "Step time",
+                "step_time_s = collect_s (waiting for the step's groups) + train_s (the learner call) + "
+                "weight_sync_s (publish and receive) + the sync probe.",
+                "step_time_s", "collect_s", "train_s", "weight_sync_s"),
     ],
     "Pipeline": [
         _gauges("short", "Buffer", "Groups waiting in the buffer.", "buffer_size"),
-        _gauges(
-            "short",
-            "Staleness",
-            "Policy versions between a trained sample and the learner (mean, max).",
-            "staleness_mean",
-            "staleness_max",
-        ),  # fmt: skip
-        Panel(
-            "Groups dropped",
-            "Groups dropped so far, by reason: stale (older than trainer.max_staleness) and filtered "
-            "(the DAPO filter: every reward of the group equal).",
-            (
-                (metric("groups_dropped_stale"), "stale {{run}}"),
-                (f"sum by (run) ({metric('env_pool_groups_filtered')})", "filtered {{run}}"),
-            ),
-        ),
-        _gauges(
-            "percentunit",
-            "In-flight tokens",
-            "Share of the trained tokens generated after a weight update landed mid-completion.",
-            "inflight_token_fraction",
-        ),  # fmt: skip
+        _gauges("short", "Staleness", "Policy versions between a trained sample and the learner (mean, max).",
+                "staleness_mean", "staleness_max"),
+        Panel("Groups dropped",
+              "Groups dropped so far, by reason: stale (older than trainer.max_staleness) and filtered "
+              "(the DAPO filter: every reward of the group equal).",
+              ((metric("groups_dropped_stale"), "stale {{run}}"),
+               (f"sum by (run) ({metric('env_pool_groups_filtered')})", "filtered {{run}}"))),
+        _gauges("percentunit", "In-flight tokens",
+                "Share of the trained tokens generated after a weight update landed mid-completion.",
+                "inflight_token_fraction"),
     ],
     "Weight sync": [
-        _gauges(
-            "s",
-            "Sync time",
-            "Seconds the step spent in the weight sync, and the engines' reload.",
-            "weight_sync_s",
-            "weight_load_s",
-        ),  # fmt: skip
+        _gauges("s", "Sync time", "Seconds the step spent in the weight sync, and the engines' reload.",
+                "weight_sync_s", "weight_load_s"),
         _gauges("bytes", "Bytes per sync", "Bytes the last weight sync sent.", "weight_sync_bytes"),
-        _gauges(
-            "short",
-            "Route",
-            "Receivers of the last sync by route: shared memory (same node) or the bus.",
-            "weight_sync_receivers_shm",
-            "weight_sync_receivers_bus",
-        ),  # fmt: skip
-        _gauges(
-            "short",
-            "Sync log-prob difference",
-            "Max |log-prob| difference between a worker and the learner on a fixed probe after a sync "
-            "(above 1e-3: the workers do not serve the learner's weights).",
-            "sync_logprob_diff",
-        ),  # fmt: skip
+        _gauges("short", "Route", "Receivers of the last sync by route: shared memory (same node) or the bus.",
+                "weight_sync_receivers_shm", "weight_sync_receivers_bus"),
+        _gauges("short", "Sync log-prob difference",
+                "Max |log-prob| difference between a worker and the learner on a fixed probe after a sync "
+                "(above 1e-3: the workers do not serve the learner's weights).", "sync_logprob_diff"),
     ],
     "Workers": [
-        Panel(
-            "Generation rate",
-            "Completion tokens per second, per inference worker.",
-            (
-                (
-                    f"sum by (run, actor) (rate({metric('inference_tokens_generated_total')}[1m]))",
-                    "{{actor}} {{run}}",
-                ),
-            ),
-        ),
-        _gauges(
-            "short",
-            "Restarts",
-            "Actors restarted so far, by role; weight-bus re-formations; learner resumes; actors the watchdog "
-            "found frozen or hung (and killed, to be replaced).",
-            "restarts_inference",
-            "restarts_env_pool",
-            "restarts_reference",
-            "restarts_buffer",
-            "bus_reforms",
-            "learner_resumes",
-            "watchdog_kills",
-        ),  # fmt: skip
-        _gauges(
-            "short",
-            "Fleet",
-            "Inference workers and env pools serving, and the targets they scale to.",
-            "inference_workers",
-            "inference_workers_target",
-            "env_pools",
-            "env_pools_target",
-        ),  # fmt: skip
+        Panel("Generation rate", "Completion tokens per second, per inference worker.",
+              ((f"sum by (run, actor) (rate({metric('inference_tokens_generated_total')}[1m]))",
+                "{{actor}} {{run}}"),)),
+        _gauges("short", "Restarts",
+                "Actors restarted so far, by role; weight-bus re-formations; learner resumes; actors the watchdog "
+                "found frozen or hung (and killed, to be replaced).", "restarts_inference", "restarts_env_pool",
+                "restarts_reference", "restarts_buffer", "bus_reforms", "learner_resumes", "watchdog_kills"),
+        _gauges("short", "Fleet", "Inference workers and env pools serving, and the targets they scale to.",
+                "inference_workers", "inference_workers_target", "env_pools", "env_pools_target"),
         _gauges("percentunit", "Tool errors", "Share of the step's tool calls that failed.", "tool_error_fraction"),
-        _gauges(
-            "short", "Reward-function errors", "Failed reward computations in the step's batches.", "reward_errors"
-        ),  # fmt: skip
+        _gauges("short", "Reward-function errors", "Failed reward computations in the step's batches.",
+                "reward_errors"),
     ],
 }
+# fmt: on
 
 
 def panel_queries() -> list[tuple[str, str]]:

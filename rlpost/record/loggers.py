@@ -8,10 +8,9 @@ TorchRL's GRPO and expert-iteration scripts log with::
     wandb_logger.experiment.finish()
 
 Here the run is a :class:`~rlpost.record.trackers.WandbTracker` (files in ``save_dir/wandb/``,
-run id in ``save_dir/trackers.json``, every chart's x-axis the metric ``step``): numbers go through
-its ``log(metrics, step)``; strings, tables, histograms and videos go to the same run
-(:attr:`WandbLogger.experiment`) with the same ``step``. ``offline=True`` writes local files only;
-``offline=False`` leaves the mode to :func:`~rlpost.record.trackers.wandb_mode`.
+run id in ``save_dir/trackers.json``, every chart's x-axis the metric ``step``); strings, tables,
+histograms and videos go to the same run with the same ``step``. ``offline=True`` writes local
+files only; ``offline=False`` leaves the mode to :func:`~rlpost.record.trackers.wandb_mode`.
 
 Deviations from TorchRL: the project is ``project``, else ``WANDB_PROJECT``, else ``"rlpost"``
 (TorchRL: wandb's "Uncategorized"); without ``save_dir`` the files go to ``WANDB_DIR`` or the
@@ -73,25 +72,11 @@ def _step_group(name: str) -> str:
 
 
 class WandbLogger:
-    """TorchRL's ``torchrl.record.loggers.wandb.WandbLogger`` on rlpost's wandb tracker (see the
-    module docstring).
-
-    Args:
-        exp_name: the run's name.
-        offline: write local files only (True), or let the tracker decide (False).
-        save_dir: where the run's files go (``save_dir/wandb/``); exclusive with ``log_dir``.
-        id: the wandb run id, to continue a run (default: a new run).
-        project: the wandb project.
-
-    Keyword Args:
-        video_fps: frames per second of :meth:`log_video`.
-        log_env_packages: log the Python runtime and package versions under ``config["env"]``.
-        log_dir: the same as ``save_dir``.
-        config, entity, group, tags, notes, job_type: as for ``wandb.init``.
-
-    Raises:
-        ImportError: wandb is not installed (``pip install 'rlpost[wandb]'``).
-    """
+    """TorchRL's ``torchrl.record.loggers.wandb.WandbLogger`` on rlpost's wandb tracker (module
+    docstring). ``id``: a wandb run id to continue (default: a new run); ``log_dir``: the same as
+    ``save_dir`` (give one); ``log_env_packages``: log the Python runtime and package versions
+    under ``config["env"]``; ``config``, ``entity``, ``group``, ``tags``, ``notes``, ``job_type``:
+    as for ``wandb.init``. ImportError without wandb (``pip install 'rlpost[wandb]'``)."""
 
     def __init__(self, exp_name: str, offline: bool = False, save_dir: str | os.PathLike | None = None,
                  id: str | None = None, project: str | None = None, *,  # noqa: A002  (TorchRL's name)

@@ -1,8 +1,8 @@
 """Run metrics: metrics.jsonl (one object per learner step) and its trackers, the figures
 (reward.png and the others of ``rlpost plot``), Ray metrics.
 
-metrics.jsonl is a contract with the tools that read it: every line has at least the keys in
-:data:`REQUIRED_KEYS`; keys may be added, never renamed. Tools (plots, benchmarks, tests) read it.
+metrics.jsonl is a contract with the tools (plots, benchmarks, tests) that read it: every line
+has at least the keys in :data:`REQUIRED_KEYS`; keys may be added, never renamed.
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ REQUIRED_KEYS = ("step", "policy_version", "reward_mean", "reward_std", "loss", 
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line) and
-    hands the same record to the run's trackers (:mod:`rlpost.record.trackers`).
-
-    Appending (never truncating) lets a resumed run continue the same file. A tracker whose
-    ``log`` raises is closed and dropped with one warning; the file and the other trackers go on.
-    Records written after :meth:`close` go to the file only.
-    """
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed every line; never
+    truncated, so a resumed run continues the file) and hands it to the run's trackers. A tracker
+    whose ``log`` raises is closed and dropped with one warning; the others go on. Records written
+    after :meth:`close` go to the file only."""
 
     def __init__(self, run_dir: str | Path, trackers: Sequence[Tracker] = ()):
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -129,14 +126,11 @@ def plot_metrics(records: Iterable[dict[str, Any]], out_path: str | Path, title:
 STEP_TIME_PARTS = ("collect_s", "train_s", "weight_sync_s")
 
 
-def plot_run(
-    records: Iterable[dict[str, Any]], run_dir: str | Path, title: str = "", reward_path: str | Path | None = None
-) -> list[Path]:
-    """Every figure of a run, from its metrics records; returns the paths written.
-
-    ``reward.png`` (at ``reward_path``, default ``run_dir/reward.png``) is always drawn
-    (:func:`plot_metrics`); beside it in ``run_dir``, each only when the records hold its metrics
-    (older runs lack some):
+def plot_run(records: Iterable[dict[str, Any]], run_dir: str | Path, title: str = "",
+             reward_path: str | Path | None = None) -> list[Path]:  # fmt: skip
+    """Every figure of a run; returns the paths written. ``reward.png`` (at ``reward_path``,
+    default ``run_dir/reward.png``) always; beside it in ``run_dir``, each only when the records
+    hold its metrics (older runs lack some):
 
     - ``kl.png``: ``kl_to_ref`` (and ``kl_to_inference``, the learner's KL to the sampling policy);
     - ``length.png``: completion length, ``completion_len_mean`` or else
@@ -248,11 +242,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def reward_breakdown(groups: Iterable[Any], prefix: str = "") -> dict[str, float]:
-    """The reward per task and per part, from groups (``rlpost.data.samples.Group``) whose samples say
-    their ``task`` (a task mixture's rows) or carry ``reward_parts`` (a reward model's score beside
-    the task's rule): ``<prefix>reward_mean/<task>`` over every sampled answer of that task's
-    groups (expert iteration's ``info["sampled_rewards"]`` included), and
-    ``<prefix>reward_part/<part>`` over the samples that have the part. Empty when neither."""
+    """The reward per task and per part, from groups (``rlpost.data.samples.Group``) whose samples
+    say their ``task`` (a task mixture) or carry ``reward_parts`` (a reward model's score beside
+    the rule): ``<prefix>reward_mean/<task>`` over every sampled answer of that task's groups
+    (expert iteration's ``info["sampled_rewards"]`` included), ``<prefix>reward_part/<part>``
+    over the samples that have the part."""
     by_task: dict[str, list[float]] = {}
     by_part: dict[str, list[float]] = {}
     for group in groups:
@@ -268,11 +262,10 @@ def reward_breakdown(groups: Iterable[Any], prefix: str = "") -> dict[str, float
 
 
 def episode_metrics(groups: Iterable[Any]) -> dict[str, float]:
-    """Per-step episode figures from the trained groups (``rlpost.data.samples.Group``): ``turns_mean``
-    and ``tool_calls_mean`` per sample, ``tool_error_fraction`` of the tool calls (0 without
-    calls), ``tool_time_s`` summed over the samples, ``reward_errors``: failed reward
-    computations in the batches these groups came from, and the reward per task and per part
-    (:func:`reward_breakdown`)."""
+    """Per-step episode figures from the trained groups: per sample (``turns_mean``,
+    ``tool_calls_mean``), of the tool calls (``tool_error_fraction``, 0 without calls), summed
+    (``tool_time_s``, ``reward_errors`` of the batches they came from), and
+    :func:`reward_breakdown`."""
     groups = list(groups)
     samples = [s for g in groups for s in g.samples]
     calls = sum(s.num_tool_calls for s in samples)
@@ -377,53 +370,27 @@ class RayMetrics:
 
 
 class RoleMetrics:
-    """Metrics one role reports from its own actor process (Ray metrics: dashboard, Prometheus).
+    """Metrics one role reports from its own actor process (Ray metrics: dashboard, Prometheus):
+    ``rlpost_<role>_<name>`` (Prometheus adds Ray's ``ray_`` prefix), tagged with the run and the
+    actor, e.g. ``rlpost_inference_tokens_generated{run=..., actor="inference-0"}``. Gauges take
+    the last value, counters add up."""
 
-    Names are ``rlpost_<role>_<name>`` (Prometheus shows them with Ray's ``ray_`` prefix), tagged
-    with the run name and the actor's name, e.g. ``rlpost_inference_tokens_generated{run=...,
-    actor="inference-0"}``. Gauges take the last value, counters add up.
-    """
-
-    ROLES = {
-        "inference": (
-            {
-                "policy_version": "Weights version served",
-                "weight_load_s": "Seconds to receive and load the last update",
-            },
-            {"samples_generated": "Completions generated", "tokens_generated": "Completion tokens generated"},
-        ),
-        "env_pool": (
-            {
-                "reward_mean": "Mean reward of the last collected batch",
-                "groups_filtered": "Groups this pool dropped so far for having every reward equal (DAPO filter, expert iteration)",
-            },
-            {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"},
-        ),
-        "learner": (
-            {
-                "loss": "Learner loss",
-                "kl_to_ref": "KL to the reference model",
-                "clip_fraction": "Share of clipped tokens",
-                "step_time_s": "Seconds per learner step",
-                "policy_version": "Learner policy version",
-                "staleness_mean": "Mean policy-version lag of trained samples",
-                "weight_sync_s": "Seconds of the last weight publication",
-            },
-            {},
-        ),
-        "buffer": (
-            {"size": "Groups waiting in the buffer", "groups_dropped_stale": "Groups dropped for staleness (total)"},
-            {},
-        ),
+    _LEARNER = ("loss", "kl_to_ref", "clip_fraction", "step_time_s", "policy_version", "staleness_mean",
+                "weight_sync_s")  # fmt: skip
+    ROLES = {  # role: (gauges, counters)
+        "inference": ({"policy_version": "Weights version served",
+                       "weight_load_s": "Seconds to receive and load the last update"}, dict(RayMetrics.COUNTERS)),
+        "env_pool": ({"reward_mean": "Mean reward of the last collected batch",
+                      "groups_filtered": "Groups this pool dropped so far for having every reward equal (DAPO "
+                                         "filter, expert iteration)"},
+                     {"groups_collected": "GRPO groups collected", "samples_collected": "Samples collected"}),
+        "learner": (dict(zip(_LEARNER, map(RayMetrics.GAUGES.get, _LEARNER))), {}),
+        "buffer": ({"size": "Groups waiting in the buffer",
+                    "groups_dropped_stale": "Groups dropped for staleness (total)"}, {}),
         "reference": ({}, {"samples_scored": "Samples scored by the reference model"}),
-        "reward": (
-            {},
-            {
-                "samples_scored": "Final responses scored by the reward model or judge",
-                "unparsed_verdicts": "Judge replies without a readable verdict (scored 0)",
-            },
-        ),
-    }
+        "reward": ({}, {"samples_scored": "Final responses scored by the reward model or judge",
+                        "unparsed_verdicts": "Judge replies without a readable verdict (scored 0)"}),
+    }  # fmt: skip
 
     def __init__(self, role: str, run_name: str, actor: str):
         from ray.util import metrics

@@ -11,13 +11,9 @@ from typing import TextIO
 
 class Progress:
     """The driver's progress: step, reward, eval score (the last one seen), samples/s and ETA.
-
-    On a terminal it is a tqdm bar (tqdm computes the ETA from ``steps``). When ``stream`` is not
-    a terminal (a Ray job's log, a file) it prints a plain line every ``every`` steps and at the
-    last step instead (default ``max(1, steps // 20)``), e.g. ``rlpost: step 40/200 reward=0.412
-    eval=0.350 samples/s=9.8 eta=0:12:31``, with the ETA from this process's own pace. With
-    ``enabled`` false it shows nothing. ``is_terminal`` overrides the ``stream.isatty()`` check.
-    """
+    On a terminal, a tqdm bar; elsewhere (a Ray job's log, a file; ``is_terminal`` overrides
+    ``stream.isatty()``) a plain line every ``every`` steps and at the last, e.g. ``rlpost: step
+    40/200 reward=0.412 eval=0.350 samples/s=9.8 eta=0:12:31`` (ETA from this process's pace)."""
 
     EVAL_KEYS = ("eval_pass_at_1", "eval_reward_mean")
 

@@ -27,11 +27,9 @@ LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
 def create_run_dir(cfg: JobConfig, run_dir: str | Path | None = None) -> Path:
-    """Make a fresh run directory and write the resolved config into it.
-
-    The run name is filled in on ``cfg`` (so the Ray namespace and the folder agree). An existing
-    run directory is never overwritten: that would mix two runs' metrics and checkpoints.
-    """
+    """Make a fresh run directory holding the resolved config; the run name is filled in on
+    ``cfg`` (so the Ray namespace and the folder agree). An existing run directory is never
+    overwritten: that would mix two runs' metrics and checkpoints."""
     if run_dir is None and cfg.logging.run_name is None:
         cfg.logging.run_name = _unused_name(Path(cfg.logging.run_dir), default_run_name())
     if cfg.logging.run_name is None:
@@ -54,10 +52,8 @@ def _unused_name(parent: Path, base: str) -> str:
 
 
 def check_inputs_exist(cfg: JobConfig) -> None:
-    """Fail early, naming the key, when a local model folder or dataset file is missing.
-
-    Names that are not local paths are hub names, resolved (and checked) by the loaders.
-    """
+    """Fail early, naming the key, when a local model folder or dataset file is missing (other
+    names are hub names, checked by the loaders)."""
     model = Path(cfg.model.name_or_path)
     if _looks_local(cfg.model.name_or_path) and not (model / "config.json").is_file():
         hint = (

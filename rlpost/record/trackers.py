@@ -65,9 +65,9 @@ def numeric_values(record: Mapping[str, object]) -> dict[str, float]:
 
 
 def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_step: int = 1) -> list[Tracker]:
-    """Create the trackers ``cfg.trackers`` names, in order, for the run in ``run_dir``.
-    ``first_step`` above 1 is a resume (TensorBoard purges what was logged from it on). A tracker
-    that fails to start is left out with a warning: the run goes on with the others."""
+    """The trackers ``cfg.trackers`` names, in order. ``first_step`` above 1 is a resume
+    (TensorBoard purges what was logged from it on). One that fails to start is left out with a
+    warning."""
     run_dir = Path(run_dir)
     trackers: list[Tracker] = []
     for name in cfg.trackers:
@@ -89,11 +89,9 @@ def make_trackers(cfg: LoggingConfig, run_dir: str | Path, run_name: str, first_
 
 
 class TensorBoardTracker:
-    """Scalars in TensorBoard event files under ``logdir`` (torch's SummaryWriter).
-
-    ``purge_step`` (a resumed run's first step): TensorBoard drops the earlier files' events from
-    that step on (what a crashed run logged after its last checkpoint). Every ``log`` flushes.
-    """
+    """Scalars in TensorBoard event files under ``logdir``; every ``log`` flushes. ``purge_step``
+    (a resumed run's first step): TensorBoard drops the earlier files' events from that step on
+    (what a crashed run logged after its last checkpoint)."""
 
     name = "tensorboard"
 
@@ -120,21 +118,16 @@ def wandb_mode(environ: Mapping[str, str]) -> str:
 
 
 class WandbTracker:
-    """A Weights & Biases run, its files in ``RUN_DIR/wandb/``.
-
-    A resume continues the same wandb run (``resume="allow"``). Trap: the record's ``step`` is
-    logged as a value and declared every metric's x-axis, since wandb's own step refuses a step
-    lower than one seen, which a resume from a checkpoint logs.
-    """
+    """A Weights & Biases run, its files in ``RUN_DIR/wandb/``; a resume continues it. Trap: the
+    record's ``step`` is logged as a value and declared every metric's x-axis, since wandb's own
+    step refuses a step lower than one seen, which a resume from a checkpoint logs."""
 
     name = "wandb"
 
-    def __init__(
-        self, run_dir: str | Path, run_name: str, *, project: str | None = None, mode: str | None = None, **init_kwargs
-    ):
-        """``project`` (default ``WANDB_PROJECT``, else "rlpost") and ``mode`` (default
-        :func:`wandb_mode`) as a caller gives them; ``init_kwargs`` (entity, group, tags, ...)
-        go to ``wandb.init`` as they are."""
+    def __init__(self, run_dir: str | Path, run_name: str, *, project: str | None = None, mode: str | None = None,
+                 **init_kwargs):  # fmt: skip
+        """``project`` default ``WANDB_PROJECT``, else "rlpost"; ``mode`` default
+        :func:`wandb_mode`; ``init_kwargs`` (entity, group, tags, ...) go to ``wandb.init``."""
         import wandb
 
         run_dir = Path(run_dir)
@@ -160,11 +153,9 @@ def mlflow_tracking_uri(run_dir: str | Path, environ: Mapping[str, str]) -> str:
 
 
 class MlflowTracker:
-    """An MLflow run, through an ``MlflowClient`` (no global active run).
-
-    A local store keeps its (unused) artifacts in ``RUN_DIR/mlruns/artifacts``. A resume logs to
-    the remembered run (set back to RUNNING), or a new one when the store lacks it.
-    """
+    """An MLflow run, through an ``MlflowClient`` (no global active run). A local store keeps its
+    (unused) artifacts in ``RUN_DIR/mlruns/artifacts``. A resume logs to the remembered run (set
+    back to RUNNING), or a new one when the store lacks it."""
 
     name = "mlflow"
 
