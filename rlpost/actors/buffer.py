@@ -48,6 +48,17 @@ def staleness_cap(cfg: JobConfig) -> int:
     return 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
 
 
+class RunBuffer(LocalBuffer):
+    """The LocalBuffer the run's buffer actor holds. Trap: it imports the groups' type as it
+    starts; otherwise the first put's unpickling imports it (``rlpost.data`` loads tensordict),
+    which cost the first step of a tiny async run 1.5 s."""
+
+    def __init__(self, **kwargs: Any):
+        import rlpost.data.samples  # noqa: F401
+
+        super().__init__(**kwargs)
+
+
 def start_buffer(
     settings: BufferSettings, *, name: str = "buffer", namespace: str | None = None, max_concurrency: int = 16,
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S, **options: Any,
@@ -63,7 +74,7 @@ def start_buffer(
     } | options  # fmt: skip
     init = {"capacity": settings.capacity, "max_staleness": settings.max_staleness,
             "report": BufferMetrics(settings.run_name)}  # fmt: skip
-    handle = remote_class(LocalBuffer).options(**actor_options).remote(**init)
+    handle = remote_class(RunBuffer).options(**actor_options).remote(**init)
     try:
         wait_until_placed({name: (handle, asks_of(actor_options))}, placement_timeout_s, "the buffer")
     except BaseException:
