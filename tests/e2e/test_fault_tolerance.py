@@ -117,7 +117,8 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
 
     from rlpost.record.run_dir import create_run_dir
     from rlpost.runtime.actors import actor_record
-    from rlpost.service import loop
+    from rlpost.service import loop, run
+    from rlpost.service.supervisor import LearnerDied
 
     ray = local_ray
     cfg = tiny_cfg(tiny_model_path, "e2e-learner", "trainer.steps=6", "trainer.checkpoint_interval=2")
@@ -129,12 +130,12 @@ def test_learner_death_names_the_checkpoint_and_resume_continues_the_run(tmp_pat
                 os.kill(actor_record(self.fleet.learner.handle)["Pid"], signal.SIGKILL)
             return super()._train(groups, step)
 
-    original, loop.Controller = loop.Controller, KillLearner
+    original, run.Controller = run.Controller, KillLearner
     try:
-        with pytest.raises(loop.LearnerDied) as died:
-            loop.run_training(cfg, run_dir)
+        with pytest.raises(LearnerDied) as died:
+            run.run_training(cfg, run_dir)
     finally:
-        loop.Controller = original
+        run.Controller = original
     message = str(died.value)
     assert "during step 6" in message and str(run_dir / "checkpoints" / "step_4") in message
     assert f"rlpost train --resume {run_dir}" in message

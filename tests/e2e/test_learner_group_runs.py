@@ -58,7 +58,7 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
     from rlpost.config import load_config
     from rlpost.record.run_dir import create_run_dir
     from rlpost.runtime.actors import actor_record
-    from rlpost.service import loop
+    from rlpost.service import loop, run
 
     cfg = load_config(
         "configs/tiny-cpu.yaml",
@@ -79,11 +79,11 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
             return super()._train(groups, step)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    original, loop.Controller = loop.Controller, KillRankOneOnce
+    original, run.Controller = run.Controller, KillRankOneOnce
     try:
-        assert loop.run_training(cfg, run_dir) == 0
+        assert run.run_training(cfg, run_dir) == 0
     finally:
-        loop.Controller = original
+        run.Controller = original
         ray.shutdown()
     assert killed == ["learner-1"]
     rows = read(run_dir / "metrics.jsonl")
