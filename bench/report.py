@@ -143,6 +143,7 @@ A_GPU_SCORING = (
 A_GENHEAVY = "The generation-heavy race with the default token budget (2026-11-28, evening, Intel Xeon)"
 A_REASONING = "reasoning-gym on the tiny model (2026-12-02, Intel Xeon)"
 A_RESTRUCTURE = "The tiny race before and after the package's restructuring (2026-12-02, fifth session, Intel Xeon)"
+A_FLEET = "The tiny race before and after the fleet and the layout (issue 66; 2026-12-06, AMD EPYC)"
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -165,6 +166,8 @@ SUMMARIES: dict[str, Summary] = {
             Figure("qwen05b: rlpost async / TRL, samples_per_s", RACE_TARGET),
             Figure("tiny: rlpost sync / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_house"),
             Figure("tiny: rlpost async / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_house"),
+            Figure("tiny: rlpost sync / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_66_after"),
+            Figure("tiny: rlpost async / TRL, samples_per_s", RACE_TARGET, "e2e_tiny_66_after"),
         ),
         "rlpost's samples/s over TRL's GRPOTrainer on the same model, workload and 2 CPU cores, so the same "
         "FLOPs: 1.0 is parity, above it rlpost is faster; a row naming another results file is a later "
@@ -183,6 +186,7 @@ SUMMARIES: dict[str, Summary] = {
             A_3X,
             A_SMALLER,
             A_RESTRUCTURE,
+            A_FLEET,
         ),  # fmt: skip
     ),
     "weight_sync": Summary(

@@ -222,16 +222,29 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 
 def _sandboxed_processes() -> list[int]:
-    """Live processes in a PID namespace other than ours whose command line runs the child script."""
+    """Live descendants of this process in a PID namespace other than ours whose command line runs
+    the child script (only ours: another pytest worker may be running a sandbox of its own)."""
     ours = os.readlink("/proc/self/ns/pid")
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.readlink(f"/proc/{pid}/ns/pid") != ours and b"STATUS_FD" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
+                if _descends_from_us(int(pid)):
+                    found.append(int(pid))
         except OSError:
             continue
     return found
+
+
+def _descends_from_us(pid: int) -> bool:
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:  # the parent is the 4th field of /proc/<pid>/stat, after the ")" that ends the name
+            pid = int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
 
 
 def test_libc_fork_bomb_dies_with_its_namespace():
