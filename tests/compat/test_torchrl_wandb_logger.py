@@ -188,6 +188,12 @@ def test_a_real_offline_wandb_run_holds_what_the_logger_logged(tmp_path, monkeyp
     logger.log_scalar("reward", 0.625, step=1)
     logger.log_metrics({"reward": 0.875, "kl_to_ref": 0.0312}, step=2)
     logger.experiment.finish()
+    # finish() returns once the run's exit is recorded; wandb's service process writes the run's
+    # file on its own and may still hold it unflushed (seen in CI: only the 7-byte header).
+    # teardown() waits for the service to end, which flushes every file it writes.
+    import wandb
+
+    wandb.teardown()
 
     run_id = json.loads((tmp_path / IDS_FILE).read_text())["wandb"]
     (log,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
