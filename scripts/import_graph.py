@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the collector, the offline tiny models", ("collect", "tiny")),
     ("the Ray roles", ("actors",)),
     ("the service: clients, supervisor, watchdog, mailbox, loop, run state, evaluation", ("service",)),
+    ("the API server for many clients (the Tinker API over a fleet)", ("serve",)),
     ("operations: the CLI, Ray Jobs, doctor, monitoring, local clusters", ("ops",)),
     ("TorchRL's names over all of it", ("torchrl",)),
 ]  # fmt: skip

@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from rlpost.config import EngineConfig, LoraConfig, RoleResources
 from rlpost.policies import LocalVLLMClient, make_vllm_engine, shutdown_vllm_engine
-from rlpost.policies.lora import engine_lora_kwargs, engine_supports_lora, sync_route
+from rlpost.policies.lora import (
+    AdapterServing,
+    engine_adapter_kwargs,
+    engine_lora_kwargs,
+    engine_supports_lora,
+    sync_route,
+)
 from rlpost.policies.vllm_engine import WORKER_EXTENSION, engine_cpu_cores
 from rlpost.runtime.liveness import progress, record_error, working
 
@@ -58,6 +64,7 @@ class InferenceSettings:
     run_name: str = ""  # the run whose metrics the worker reports under
     lora: LoraConfig | None = None  # ``model.lora`` when the engines serve the adapter (lora.sync_route)
     inflight_updates: bool = True  # ``weight_sync.inflight_updates``
+    adapters: AdapterServing | None = None  # a service's engines: clients' adapters chosen per request
 
     @classmethod
     def from_job(cls, cfg: JobConfig) -> InferenceSettings:
@@ -87,12 +94,13 @@ def start_inference(settings: InferenceSettings, index: int, *, namespace: str |
     return start_worker_actor(
         settings.model_path, settings.engine, dtype=settings.dtype, index=index,
         options={**resources, "name": f"inference-{index}", **options}, run_name=settings.run_name,
-        lora=settings.lora, inflight_updates=settings.inflight_updates,
+        lora=settings.lora, inflight_updates=settings.inflight_updates, adapters=settings.adapters,
     )  # fmt: skip
 
 
 def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, index: int, options: dict[str, Any],
-                       run_name: str = "", lora: LoraConfig | None = None, inflight_updates: bool = True):  # fmt: skip
+                       run_name: str = "", lora: LoraConfig | None = None, inflight_updates: bool = True,
+                       adapters: AdapterServing | None = None):  # fmt: skip
     """Start one threaded :class:`InferenceActor` (an update must reach a running generate call;
     the worker itself lets one call at a time use its engine)."""
     from rlpost.runtime.liveness import remote_class
@@ -102,7 +110,7 @@ def start_worker_actor(model_path: str, engine: EngineConfig, *, dtype: str, ind
         remote_class(InferenceActor)
         .options(**options)
         .remote(model_path, engine, dtype=dtype, index=index, run_name=run_name, lora=lora,
-                inflight_updates=inflight_updates)
+                inflight_updates=inflight_updates, adapters=adapters)
     )  # fmt: skip
 
 
@@ -135,10 +143,14 @@ class InferenceWorker:
     written to a folder and loaded as the engine's adapter. Version 0 is the base model. An
     engine that cannot serve LoRA for this model starts without it (``serves_lora()`` False: the
     learner sends merged weights).
+
+    With ``adapters`` (a service's engine) it serves clients' adapters instead, one named per
+    :meth:`sample` call: :meth:`add_adapter` writes one to a folder the engine loads on first use.
     """
 
     def __init__(self, model_path: str, engine: EngineConfig, *, dtype: str = "float32", index: int = 0,
-                 lora: LoraConfig | None = None, inflight_updates: bool = True):  # fmt: skip
+                 lora: LoraConfig | None = None, inflight_updates: bool = True,
+                 adapters: AdapterServing | None = None):  # fmt: skip
         import torch
 
         self.index = index
@@ -154,6 +166,8 @@ class InferenceWorker:
         self.lora = lora
         if lora is not None:
             kwargs.update(engine_lora_kwargs(lora))
+        if adapters is not None:
+            kwargs.update(engine_adapter_kwargs(adapters))
         if engine.cpu_threads is not None and not torch.cuda.is_available():
             kwargs["cpu_cores"] = engine_cpu_cores(engine.cpu_threads, index)
         # an engine in this process is driven from one thread of its own (_on_engine_thread)
@@ -163,7 +177,9 @@ class InferenceWorker:
         )
         self.llm = self._on_engine_thread(make_vllm_engine, model_path, dtype=dtype, **kwargs)
         self.client = LocalVLLMClient(self.llm, run_engine=self._on_engine_thread)
-        self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if self.lora else None
+        serves_adapters = self.lora is not None or adapters is not None
+        self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if serves_adapters else None
+        self._client_adapters: dict[str, Any] = {}  # name -> LoRARequest, least recently used first
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
         # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
         self.overlap_reload = True
@@ -416,6 +432,49 @@ class InferenceWorker:
         self.version = int(info["version"])
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {**info, "load_s": info["load_s"] + time.perf_counter() - start, "in_flight": False}
+
+    # a service's engine keeps this many clients' adapter folders; the least recently used goes
+    MAX_CLIENT_ADAPTERS = 64
+
+    def add_adapter(self, name: str, config: dict, tensors: dict) -> bool:
+        """Make the adapter ``name`` (``adapter_config.json``'s content and its tensors) available
+        to :meth:`sample`; an adapter's name stands for fixed weights, so a known name is kept."""
+        from vllm.lora.request import LoRARequest
+
+        from rlpost.policies.lora import write_adapter
+
+        if self._adapter_root is None:
+            raise RuntimeError(f"inference-{self.index}: this engine was started without adapter serving")
+        if name in self._client_adapters:
+            self._client_adapters[name] = self._client_adapters.pop(name)
+            return False
+        self._adapter_loads += 1
+        folder = write_adapter(os.path.join(self._adapter_root, f"client-{self._adapter_loads}"), tensors, config)
+        self._client_adapters[name] = LoRARequest(name, self._adapter_loads, str(folder))
+        while len(self._client_adapters) > self.MAX_CLIENT_ADAPTERS:
+            oldest = self._client_adapters.pop(next(iter(self._client_adapters)))
+            with self._engine_turn():
+                self._on_engine_thread(self.llm.llm_engine.remove_lora, oldest.lora_int_id)
+            shutil.rmtree(oldest.lora_path, ignore_errors=True)
+        return True
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self._client_adapters
+
+    def sample(self, prompt: list[int], num_samples: int, params: dict[str, Any], adapter: str | None = None,
+               prompt_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
+        """``num_samples`` completions of ``prompt`` under the adapter ``adapter`` (None: the base
+        model), with each sampled token's log-prob (:meth:`LocalVLLMClient.sample`)."""
+        request = None
+        if adapter is not None:
+            if adapter not in self._client_adapters:
+                raise KeyError(f"inference-{self.index}: no adapter {adapter!r} (add_adapter first)")
+            request = self._client_adapters.pop(adapter)
+            self._client_adapters[adapter] = request
+        with self._request(), self._engine_turn(), working("sample"):
+            return self.client.sample(
+                prompt, num_samples, params, lora_request=request, prompt_logprobs=prompt_logprobs
+            )
 
     def generate_outputs(self, prompts: Any, sampling_params: Any = None) -> list:
         """vLLM's own ``LLM.generate(prompts, sampling_params)``: its ``RequestOutput`` list, for

@@ -37,6 +37,7 @@ from rlpost.config.resources import (
 )
 from rlpost.config.rewards import JudgeConfig, RewardModelConfig
 from rlpost.config.rollout import EngineConfig, EvalConfig, RolloutConfig
+from rlpost.config.serve import ServeConfig, ServeResources
 from rlpost.config.tracking import TRACKER_PACKAGES, LoggingConfig, missing_tracker_packages
 from rlpost.config.training import (
     DAPO_CLIP_EPS_HIGH,
@@ -49,7 +50,7 @@ from rlpost.config.training import (
 )
 
 __all__ = [
-    "ConfigError", "LoraConfig", "ModelConfig", "VLLM_LORA_RANKS", "ReasoningGymConfig", "CodeTaskConfig",
+    "ConfigError", "LoraConfig", "ModelConfig", "ServeConfig", "ServeResources", "VLLM_LORA_RANKS", "ReasoningGymConfig", "CodeTaskConfig",
     "DataConfig", "PythonToolConfig", "ToolsConfig", "EngineConfig", "RolloutConfig", "EvalConfig",
     "ReferenceConfig", "DistillationConfig", "LossConfig", "OptimizerConfig", "TrainerConfig", "WeightSyncConfig",
     "DAPO_CLIP_EPS_HIGH", "RoleResources", "TorchRoleResources", "LearnerResources", "ResourcesConfig",

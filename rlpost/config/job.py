@@ -179,19 +179,21 @@ def resolve_local_paths(cfg: JobConfig, base: Path) -> dict[str, tuple[str, str]
 # ---------------------------------------------------------------------------- loading and saving
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Load a YAML job config (or the defaults when ``path`` is None) and apply dotted overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                schema: type[Section] = JobConfig) -> Any:  # fmt: skip
+    """Load a YAML config of ``schema`` (a :class:`JobConfig` unless told; the defaults when
+    ``path`` is None) and apply dotted overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
     for item in overrides:
-        _apply_override(raw, item)
-    return validate_config(raw, source=str(path) if path else "defaults")
+        _apply_override(raw, item, schema)
+    return validate_config(raw, source=str(path) if path else "defaults", schema=schema)
 
 
-def validate_config(raw: dict[str, Any], *, source: str = "config") -> JobConfig:
+def validate_config(raw: dict[str, Any], *, source: str = "config", schema: type[Section] = JobConfig) -> Any:
     try:
-        return JobConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{source}: {_describe(exc)}") from None
 
@@ -231,13 +233,13 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> None:
         _apply_override({}, item)
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str, schema: type[BaseModel] = JobConfig) -> None:
     """Apply ``a.b.c=value``; the value is parsed as YAML (so 20 is an int, [0.9, 0.95] a list)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    _check_known_path(key)
+    _check_known_path(key, schema)
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
@@ -252,8 +254,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def _check_known_path(key: str) -> None:
-    model: type[BaseModel] | None = JobConfig
+def _check_known_path(key: str, schema: type[BaseModel] = JobConfig) -> None:
+    model: type[BaseModel] | None = schema
     walked = []
     for part in key.split("."):
         walked.append(part)

@@ -149,7 +149,42 @@ def _build_parser() -> argparse.ArgumentParser:
     add_scale_command(sub)
     _add_doctor_command(sub)
     _add_monitor_command(sub)
+    _add_serve_command(sub)
     return parser
+
+
+def _add_serve_command(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve the Tinker API (the official tinker SDK, tinker-cookbook) over a fleet on the Ray cluster",
+        description="Start a long-lived service: a trainer holding the base model and each client's LoRA adapter, "
+        "and vLLM inference workers sampling with them, behind the Tinker API at http://HOST:PORT/api/v1 "
+        "(docs/service.md). CONFIG is a serve config (rlpost.config.ServeConfig; configs/serve-tiny-cpu.yaml), "
+        "key=value overrides on top. API keys come from api_keys_file or $RLPOST_SERVE_API_KEYS (tenant=key,...). "
+        "Ctrl-C or SIGTERM stops it.",
+    )
+    serve.add_argument("config", nargs="?", help="YAML serve config (default: every default)")
+    serve.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. port=8080")
+    serve.add_argument("--address", help="Ray address of an existing cluster (overrides resources.address)")
+    serve.add_argument("--host", help="interface to listen on (overrides host)")
+    serve.add_argument("--port", type=int, help="TCP port (overrides port; 0: any free port)")
+    serve.set_defaults(handler=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    from rlpost.config import ServeConfig
+    from rlpost.serve.server import run_server
+
+    config_or_override(args)
+    cfg = load_config(args.config, list(args.overrides), schema=ServeConfig)
+    for key in ("address", "host", "port"):
+        value = getattr(args, key)
+        if value is not None:
+            if key == "address":
+                cfg.resources.address = value
+            else:
+                setattr(cfg, key, value)
+    return run_server(cfg)
 
 
 def _load(args) -> JobConfig:

@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -53,9 +54,14 @@ def peft_config(lora: LoraConfig):
 
 def adapter_config_dict(lora: LoraConfig, base_model: str | None = None) -> dict[str, Any]:
     """What ``adapter_config.json`` holds for this section (plain JSON values)."""
-    config = peft_config(lora)
-    config.base_model_name_or_path = base_model
-    return json.loads(json.dumps(config.to_dict(), default=_json_value))
+    return peft_config_json(peft_config(lora), base_model)
+
+
+def peft_config_json(config, base_model: str | None) -> dict[str, Any]:
+    """A ``peft.LoraConfig`` as ``adapter_config.json`` holds it (plain JSON values)."""
+    values = config.to_dict()
+    values["base_model_name_or_path"] = base_model
+    return json.loads(json.dumps(values, default=_json_value))
 
 
 def _json_value(value: Any) -> Any:
@@ -88,6 +94,24 @@ def engine_lora_kwargs(lora: LoraConfig) -> dict[str, Any]:
         "enable_lora": True,
         "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= lora.rank),
         "max_loras": 1,
+    }
+
+
+@dataclass(frozen=True)
+class AdapterServing:
+    """An engine that serves many clients' adapters, one chosen per request (the service's
+    engines): adapters up to ``max_rank``, ``max_loras`` of them in one batch."""
+
+    max_rank: int
+    max_loras: int = 4
+
+
+def engine_adapter_kwargs(serving: AdapterServing) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for :class:`AdapterServing`."""
+    return {
+        "enable_lora": True,
+        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= serving.max_rank),
+        "max_loras": serving.max_loras,
     }
 
 

@@ -156,7 +156,7 @@ class TransformersWrapper(LLMWrapperBase):
     @property
     def scores_in_chunks(self) -> bool:
         """Whether scoring takes the chunked path (on, and a plain linear head over the final norm)."""
-        return self.chunked_scoring and _plain_head(self.model) is not None
+        return self.chunked_scoring and plain_head(self.model) is not None
 
     @property
     def packs_sequences(self) -> bool:
@@ -198,9 +198,9 @@ class TransformersWrapper(LLMWrapperBase):
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Log-probs (and entropies) per row from the final hidden states through the LM head in
         chunks, positions ``start + 1`` on (0 before); rows packed or padded."""
-        norm, head = _plain_head(self.model)
+        norm, head = plain_head(self.model)
         layout = self._packed_inputs(full_ids) if self.packs_sequences else self._padded_layout(full_ids)
-        hidden = _final_hidden_states(self.model, norm, layout.model_inputs())
+        hidden = final_hidden_states(self.model, norm, layout.model_inputs())
         weight, bias = head.weight, head.bias  # read after the forward: a sharded model's are whole now
         if _is_sharded(weight):
             raise RuntimeError(
@@ -315,7 +315,7 @@ def _inner(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+def plain_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """``(final norm, lm_head)`` when the model's logits are ``lm_head(final norm's output)``
     with a plain linear head; None otherwise (score densely)."""
     inner = _inner(model)
@@ -328,7 +328,7 @@ def _plain_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     return None if norm is None else (norm, head)
 
 
-def _final_hidden_states(model, norm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def final_hidden_states(model, norm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The final norm's output ``[B, T, H]`` (with its graph), read by a hook during the model's
     own forward, which computes one position's logits only: FSDP2 gathers the root's weights
     (embedding, norm, head) in that forward and keeps them until the backward."""

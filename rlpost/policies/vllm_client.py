@@ -138,6 +138,42 @@ class LocalVLLMClient:
         # as llm.generate: outputs carry the external ids, numbered in the order they were added
         return sorted(finished, key=lambda output: int(output.request_id))
 
+    def sample(self, prompt: list[int], num_samples: int, params: dict[str, Any], *, lora_request: Any = None,
+               prompt_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
+        """``num_samples`` completions of one prompt: ``{"sequences": [{"tokens", "logprobs",
+        "stop_reason"}], "prompt_logprobs": [...] | None, "topk_prompt_logprobs": [...] | None}``.
+
+        ``params``: vLLM ``SamplingParams`` keywords (``max_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``seed``, ``stop`` as strings, ``stop_token_ids``). ``prompt_logprobs``: None
+        (none), 0 (each prompt token's own log-prob, None at position 0) or k > 0 (also the k
+        likeliest tokens per position as ``(token, log-prob)`` pairs). ``stop_reason`` is
+        ``"stop"`` (a stop token or string, or the end of sequence) or ``"length"``.
+        """
+        return self._on_engine(self._sample, prompt, num_samples, dict(params), lora_request, prompt_logprobs)
+
+    def _sample(self, prompt: list[int], num_samples: int, params: dict[str, Any], lora_request: Any,
+                prompt_logprobs: int | None) -> dict[str, Any]:  # fmt: skip
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(n=num_samples, logprobs=0, prompt_logprobs=prompt_logprobs,
+                                  detokenize=bool(params.get("stop")), **params)  # fmt: skip
+        (output,) = self.llm.generate(_token_prompts([prompt]), sampling, use_tqdm=False, lora_request=lora_request)
+        sequences = [
+            {
+                "tokens": list(c.token_ids),
+                "logprobs": [position[t].logprob for t, position in zip(c.token_ids, c.logprobs)],
+                "stop_reason": "length" if c.finish_reason == "length" else "stop",
+            }
+            for c in output.outputs
+        ]
+        own = topk = None
+        if prompt_logprobs is not None:
+            positions = output.prompt_logprobs or [None] * len(prompt)
+            own = [None] + [float(p[t].logprob) for t, p in zip(prompt[1:], positions[1:])]
+            if prompt_logprobs > 0:
+                topk = [None] + [_likeliest(position, prompt_logprobs) for position in positions[1:]]
+        return {"sequences": sequences, "prompt_logprobs": own, "topk_prompt_logprobs": topk}
+
     def score(self, token_ids: list[list[int]], *, temperature: float) -> list[list[float]]:
         # prompt log-probs skip the sampling processors: at T != 1 they are renormalised over the
         # whole vocabulary (exact, see processed_logprobs)
@@ -171,6 +207,12 @@ def processed_logprobs(raw: torch.Tensor, *, temperature: float, top_p: float, t
         drop[-1] = False
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.log_softmax(logits, dim=-1)
+
+
+def _likeliest(position: dict, k: int) -> list[tuple[int, float]]:
+    """The ``k`` likeliest ``(token, log-prob)`` of one position's vLLM log-probs."""
+    pairs = [(int(token), float(logprob.logprob)) for token, logprob in position.items()]
+    return sorted(pairs, key=lambda pair: -pair[1])[:k]
 
 
 def _token_prompts(token_ids: list[list[int]]) -> list[dict]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlpost.policies import TransformersWrapper
-from rlpost.policies.transformers_wrapper import _plain_head
+from rlpost.policies.transformers_wrapper import plain_head
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def assert_same_grads(got: dict, want: dict, tol: float) -> None:
 @pytest.mark.parametrize("lora", [False, True])
 def test_chunked_scores_and_gradients_equal_the_dense_path(tiny_model_path, tiny_tokenizer, dtype, tol, lora):
     model = load(tiny_model_path, dtype, lora)
-    assert _plain_head(model) is not None  # the chunked path is the one taken
+    assert plain_head(model) is not None  # the chunked path is the one taken
     if not lora:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
     for score_from in (0, 4):
@@ -159,7 +159,7 @@ def test_the_public_outputs_are_the_same_and_other_models_score_densely(tiny_mod
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     model.config.model_type = "gemma2"  # soft-capped logits: not lm_head(hidden) alone
-    assert _plain_head(model) is None
+    assert plain_head(model) is None
 
 
 @pytest.mark.parametrize("chunked", [True, False])

@@ -1,0 +1,373 @@
+"""The service's trainer: many clients' LoRA adapters over one copy of a base model, trained per
+request (:class:`AdapterTrainer`; :func:`start_adapter_trainer` runs it as a Ray actor).
+
+A client's model is a named peft adapter on the shared, frozen base. A request runs on one
+adapter: ``forward_backward`` computes the log-probs of the client's target tokens, a loss from
+:mod:`rlpost.algo.token_losses` summed over the request, and adds its gradient to that adapter's;
+``optim_step`` applies the sum with the adapter's own AdamW and clears it. Adapters are separate
+parameters and each has its own optimizer, so interleaving two clients' requests changes neither
+one's result.
+
+The output head is not adapted even where a client asks (``train_unembed``, on by default in the
+Tinker SDK): vLLM serves no LoRA on the head, so an adapted head would make the service's samples
+come from another model than the one it trains (a deliberate difference; ``info()["target_modules"]``
+lists the layers adapted). ``AdapterTrainer(adapt_unembed=True)`` adapts it, for a trainer whose
+adapters no vLLM engine serves.
+
+The adapter's scale is ``alpha / rank`` with ``alpha = 32`` whatever the rank: a learning rate
+then carries across ranks (the LoRA-without-regret convention of the Tinker service), where
+``alpha = rank`` would scale the update with the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlpost.algo.chunked import chunked_token_logprobs
+from rlpost.algo.token_losses import check_loss, token_loss
+from rlpost.runtime.liveness import working
+
+log = logging.getLogger(__name__)
+
+LORA_ALPHA = 32
+OPTIMIZER_FILE = "optimizer.pt"
+MODEL_FILE = "rlpost_model.json"
+# a forward pass takes at most this many tokens; a larger request runs in several
+DEFAULT_MAX_BATCH_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A client model's adapter: its rank, the seed of its initial A matrices, and which layers
+    it adapts (attention projections, MLP projections, the output head)."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class Datum:
+    """One sequence of a request: its input tokens and the loss inputs per position
+    (``target_tokens`` ``[N]`` or ``[N, K]``, and ``weights``, ``logprobs``, ``advantages``)."""
+
+    tokens: list[int]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class AdamParams:
+    """One optimizer step's hyperparameters (``grad_clip_norm`` 0: no clipping)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class AdapterTrainer:
+    """One base model and the adapters of the clients' models; see the module docstring."""
+
+    def __init__(self, base_model: str, *, dtype: str = "float32", max_rank: int = 64,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, threads: int | None = None,
+                 adapt_unembed: bool = False):  # fmt: skip
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.base_model = base_model
+        self.max_rank = max_rank
+        self.max_batch_tokens = max_batch_tokens
+        self.adapt_unembed = adapt_unembed
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=getattr(torch, dtype))
+        base.requires_grad_(False)
+        self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
+        self.max_length = int(getattr(base.config, "max_position_embeddings", 0) or 0) or None
+        self._base = base
+        self._linear_layers = _linear_layers(base)
+        self.model: Any = None  # the peft model once an adapter exists
+        self.specs: dict[str, AdapterSpec] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.steps: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------ adapters
+
+    def layers_for(self, spec: AdapterSpec) -> list[str]:
+        """The leaf names of the linear layers ``spec`` adapts, as peft's ``target_modules``."""
+        chosen = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed and self.adapt_unembed}
+        return sorted(name for kind, names in self._linear_layers.items() if chosen[kind] for name in names)
+
+    def create(self, model_id: str, spec: AdapterSpec) -> dict[str, Any]:
+        """Add a fresh adapter (B = 0: it computes the base model) and its optimizer."""
+        from peft import LoraConfig, get_peft_model
+
+        if model_id in self.specs:
+            raise ValueError(f"model_id: {model_id!r} exists already")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{2,127}", model_id) or "lora" in model_id:
+            # peft keys parameters by the adapter's name: no dots, and not a piece of "lora_"
+            raise ValueError(f"model_id: {model_id!r} must be 3-128 letters, digits, '_' or '-', without 'lora'")
+        if not 1 <= spec.rank <= self.max_rank:
+            raise ValueError(
+                f"lora_config.rank: {spec.rank} is outside 1..{self.max_rank} (the server's max_lora_rank)"
+            )
+        targets = self.layers_for(spec)
+        if not targets:
+            raise ValueError("lora_config: train_attn and train_mlp are both false; nothing this server adapts")
+        config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                            bias="none", task_type="CAUSAL_LM")  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            if spec.seed is not None:
+                torch.manual_seed(spec.seed)
+            if self.model is None:
+                self.model = get_peft_model(self._base, config, adapter_name=model_id)
+            else:
+                self.model.add_adapter(model_id, config)
+        self.specs[model_id] = spec
+        self.optimizers[model_id] = torch.optim.AdamW(self._parameters(model_id), lr=1e-4)
+        self.steps[model_id] = 0
+        return self.info(model_id)
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        spec = self._spec(model_id)
+        return {"model_id": model_id, "base_model": self.base_model, "lora": asdict(spec), "step": self.steps[model_id],
+                "target_modules": self.layers_for(spec)}  # fmt: skip
+
+    def remove(self, model_id: str) -> None:
+        self._spec(model_id)
+        del self.specs[model_id], self.optimizers[model_id], self.steps[model_id]
+        if self.specs:
+            self.model.delete_adapter(model_id)
+        else:  # peft cannot delete its last adapter: unwrap to the bare base
+            self._base = self.model.unload()
+            self.model = None
+
+    def _spec(self, model_id: str) -> AdapterSpec:
+        if model_id not in self.specs:
+            raise KeyError(f"model_id: no model {model_id!r} on this trainer")
+        return self.specs[model_id]
+
+    def _parameters(self, model_id: str) -> list[torch.nn.Parameter]:
+        marker = f".{model_id}."
+        return [p for name, p in self.model.named_parameters() if marker in name and "lora_" in name]
+
+    @contextmanager
+    def _active(self, model_id: str) -> Iterator[None]:
+        """Compute with ``model_id``'s adapter, and let only its parameters take gradients."""
+        self._spec(model_id)
+        self.model.set_adapter(model_id)  # peft marks the active adapter's parameters trainable
+        yield
+
+    # ------------------------------------------------------------------------------ training
+
+    def forward_backward(self, model_id: str, data: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: dict[str, float] | None = None, *, backward: bool = True) -> dict[str, Any]:  # fmt: skip
+        """The loss ``loss_fn`` of ``data`` under ``model_id``'s adapter, its gradient added to the
+        adapter's (``backward=False``: a forward only). Returns ``{"loss_fn_outputs": [{"logprobs":
+        tensor}, ...], "metrics": {"loss:sum": float}}``: each datum's target log-probs."""
+        check_loss(loss_fn, loss_fn_config)
+        self._check_data(data)
+        outputs: list[dict[str, torch.Tensor]] = []
+        total = 0.0
+        with self._active(model_id), working("forward_backward"), torch.set_grad_enabled(backward):
+            for batch in self._batches(data):
+                logprobs = self._target_logprobs(batch)
+                loss = sum(token_loss(loss_fn, lp, datum.inputs, loss_fn_config) for lp, datum in zip(logprobs, batch))
+                if backward and loss.requires_grad:
+                    loss.backward()
+                total += float(loss.detach())
+                outputs.extend({"logprobs": lp.detach().float()} for lp in logprobs)
+        return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": total}}
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        """Apply the gradient summed since the last step with the adapter's AdamW, then clear it."""
+        self._spec(model_id)
+        optimizer = self.optimizers[model_id]
+        parameters = self._parameters(model_id)
+        for group in optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)  # fmt: skip
+        grads = [p.grad for p in parameters if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        if params.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(parameters, params.grad_clip_norm)
+        with working("optim_step"):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.steps[model_id] += 1
+        return {"grad_norm:mean": grad_norm, "step:max": float(self.steps[model_id])}
+
+    def _check_data(self, data: Sequence[Datum]) -> None:
+        if not data:
+            raise ValueError("data: a request needs at least one datum")
+        for i, datum in enumerate(data):
+            n = len(datum.tokens)
+            if n == 0:
+                raise ValueError(f"data[{i}].model_input: empty")
+            if self.max_length is not None and n > self.max_length:
+                raise ValueError(f"data[{i}].model_input: {n} tokens, over the model's {self.max_length}")
+            bad = [t for t in datum.tokens if not 0 <= t < self.vocab_size]
+            targets = datum.inputs.get("target_tokens")
+            if targets is None:
+                raise ValueError(f"data[{i}].loss_fn_inputs: target_tokens is missing")
+            if targets.shape[0] != n or targets.ndim not in (1, 2):
+                raise ValueError(
+                    f"data[{i}].loss_fn_inputs.target_tokens: shape {tuple(targets.shape)}, where the input has {n} tokens"
+                )
+            bad += [int(t) for t in targets.flatten() if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"data[{i}]: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _batches(self, data: Sequence[Datum]) -> Iterator[list[Datum]]:
+        """The data in order, in groups of at most ``max_batch_tokens`` padded tokens."""
+        batch: list[Datum] = []
+        for datum in data:
+            width = max([len(d.tokens) for d in batch] + [len(datum.tokens)])
+            if batch and width * (len(batch) + 1) > self.max_batch_tokens:
+                yield batch
+                batch = []
+            batch.append(datum)
+        if batch:
+            yield batch
+
+    def _target_logprobs(self, batch: Sequence[Datum]) -> list[torch.Tensor]:
+        """Each datum's log-probs of its target tokens, ``[N]`` or ``[N, K]``, with their graph:
+        position t's distribution is the model's after reading tokens ``0..t``."""
+        from rlpost.policies.transformers_wrapper import final_hidden_states, plain_head
+
+        width = max(len(d.tokens) for d in batch)
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, datum in enumerate(batch):
+            input_ids[i, : len(datum.tokens)] = torch.tensor(datum.tokens)
+            attention[i, : len(datum.tokens)] = 1
+        inputs = {"input_ids": input_ids, "attention_mask": attention}
+        head = plain_head(self.model)
+        if head is not None:
+            norm, lm_head = head
+            hidden = final_hidden_states(self.model, norm, inputs)
+        else:
+            logprobs_all = torch.log_softmax(self.model(**inputs, use_cache=False).logits.float(), dim=-1)
+        result = []
+        for i, datum in enumerate(batch):
+            n = len(datum.tokens)
+            targets = datum.inputs["target_tokens"].long()
+            columns = targets.reshape(n, -1)
+            if head is not None:
+                rows = hidden[i, :n].repeat_interleave(columns.shape[1], dim=0)
+                lp = chunked_token_logprobs(rows, lm_head.weight, lm_head.bias, columns.reshape(-1))
+            else:
+                lp = logprobs_all[i, :n].gather(-1, columns).reshape(-1)
+            result.append(lp.reshape(targets.shape))
+        return result
+
+    # ---------------------------------------------------------------------------- weights
+
+    def adapter_state(self, model_id: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """``(adapter_config.json's content, the adapter's tensors under peft's file names)``: what
+        an inference engine loads as a LoRA adapter."""
+        from peft import get_peft_model_state_dict
+
+        from rlpost.policies.lora import peft_config_json
+
+        self._spec(model_id)
+        config = peft_config_json(self.model.peft_config[model_id], self.base_model)
+        tensors = get_peft_model_state_dict(self.model, adapter_name=model_id)
+        return config, {name: t.detach().clone().contiguous() for name, t in tensors.items()}
+
+    def save(self, model_id: str, folder: str | Path, *, with_optimizer: bool) -> Path:
+        """Write the adapter (a peft adapter folder), and with ``with_optimizer`` its optimizer
+        state, to ``folder``."""
+        from rlpost.policies.lora import write_adapter
+
+        config, tensors = self.adapter_state(model_id)
+        folder = write_adapter(folder, tensors, config)
+        meta = {"model_id": model_id, "base_model": self.base_model, "lora": asdict(self.specs[model_id]),
+                "step": self.steps[model_id], "optimizer": with_optimizer}  # fmt: skip
+        if with_optimizer:
+            torch.save(self.optimizers[model_id].state_dict(), Path(folder) / OPTIMIZER_FILE)
+        (Path(folder) / MODEL_FILE).write_text(json.dumps(meta, indent=1))
+        return Path(folder)
+
+    def load(self, model_id: str, folder: str | Path, *, with_optimizer: bool) -> dict[str, Any]:
+        """Set ``model_id``'s adapter (created from the folder's spec when it does not exist) to the
+        weights saved in ``folder``, and its optimizer state too with ``with_optimizer`` (else a
+        fresh optimizer)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from rlpost.policies.lora import ADAPTER_WEIGHTS
+
+        folder = Path(folder)
+        meta = json.loads((folder / MODEL_FILE).read_text())
+        spec = AdapterSpec(**meta["lora"])
+        if model_id not in self.specs:
+            self.create(model_id, spec)
+        elif self.specs[model_id].rank != spec.rank:
+            raise ValueError(
+                f"path: the saved adapter has rank {spec.rank}, model {model_id!r} rank {self.specs[model_id].rank}"
+            )
+        result = set_peft_model_state_dict(self.model, load_file(folder / ADAPTER_WEIGHTS), adapter_name=model_id)
+        unexpected = [k for k in result.unexpected_keys if model_id in k or "lora_" in k]
+        if unexpected:
+            raise ValueError(f"path: the saved adapter has tensors this model lacks: {unexpected[:3]}")
+        self.optimizers[model_id] = torch.optim.AdamW(self._parameters(model_id), lr=1e-4)
+        if with_optimizer:
+            if not meta.get("optimizer") or not (folder / OPTIMIZER_FILE).exists():
+                raise ValueError(f"path: {folder.name} was saved without its optimizer state")
+            self.optimizers[model_id].load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
+        self.steps[model_id] = int(meta.get("step", 0))
+        return self.info(model_id)
+
+    def snapshot(self, model_id: str, *, with_optimizer: bool) -> dict[str, bytes]:
+        """:meth:`save`'s files as bytes (for a caller on another machine to store)."""
+        with tempfile.TemporaryDirectory(prefix="rlpost-adapter-") as folder:
+            self.save(model_id, folder, with_optimizer=with_optimizer)
+            return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+
+    def restore(self, model_id: str, files: dict[str, bytes], *, with_optimizer: bool) -> dict[str, Any]:
+        """:meth:`load` from :meth:`snapshot`'s files."""
+        with tempfile.TemporaryDirectory(prefix="rlpost-adapter-") as folder:
+            for name, content in files.items():
+                (Path(folder) / Path(name).name).write_bytes(content)
+            return self.load(model_id, folder, with_optimizer=with_optimizer)
+
+
+def _linear_layers(model: torch.nn.Module) -> dict[str, set[str]]:
+    """The leaf names of the model's linear layers by kind: attention, MLP, output head."""
+    kinds: dict[str, set[str]] = {"attn": set(), "mlp": set(), "unembed": set()}
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        parents = name.split(".")[:-1]
+        if module is head:
+            kinds["unembed"].add(name.rsplit(".", 1)[-1])
+        elif any("attn" in p or "attention" in p for p in parents):
+            kinds["attn"].add(name.rsplit(".", 1)[-1])
+        elif any("mlp" in p or "feed_forward" in p for p in parents):
+            kinds["mlp"].add(name.rsplit(".", 1)[-1])
+    return kinds
+
+
+def start_adapter_trainer(base_model: str, *, name: str, resources: Any, namespace: str | None = None,
+                          init_kwargs: dict[str, Any] | None = None, **options: Any):  # fmt: skip
+    """Start :class:`AdapterTrainer` as the named Ray actor (``init_kwargs`` go to its constructor,
+    ``options`` to ``.options()``)."""
+    from rlpost.actors import start_actor
+
+    return start_actor(AdapterTrainer, base_model, name=name, resources=resources, namespace=namespace,
+                       init_kwargs=init_kwargs, **options)  # fmt: skip

@@ -1,0 +1,95 @@
+"""``rlpost serve``'s config: the base model the service trains adapters on, its engines, where it
+listens, who may call it and where it keeps what clients save (:class:`ServeConfig`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlpost.config.base import Section
+from rlpost.config.model import VLLM_LORA_RANKS
+from rlpost.config.resources import RoleResources, TorchRoleResources
+from rlpost.config.rollout import EngineConfig
+
+
+class ServeResources(Section):
+    """Where the service's actors run."""
+
+    address: str | None = Field(
+        None, description="Ray address of an existing cluster (None: start a local one, as `rlpost train` does)."
+    )
+    trainer: TorchRoleResources = Field(
+        default_factory=lambda: TorchRoleResources(num_cpus=1),
+        description="The trainer actor (the base model and every client's adapter and optimizer).",
+    )
+    inference: RoleResources = Field(
+        default_factory=lambda: RoleResources(num_cpus=1), description="Each inference worker (one vLLM engine)."
+    )
+
+
+class ServeConfig(Section):
+    """A Tinker-API service over one base model."""
+
+    base_model: str = Field(
+        "models/tiny-model",
+        description="Hugging Face hub name or local folder of the base model every client's LoRA adapter is trained "
+        "on; the default is the offline tiny model shipped in models/.",
+    )
+    model_name: str | None = Field(
+        None,
+        description="The name clients ask for in create_model and see in get_info (e.g. the hub name of a local "
+        "copy, so that tinker-cookbook recognises it). None: base_model.",
+    )
+    tokenizer_id: str | None = Field(
+        None, description="What get_info tells clients to load as the tokenizer. None: model_name (or base_model)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The base model's dtype in the trainer and the engines; fp32 on CPU."
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Options of each vLLM engine.")
+    inference_workers: int = Field(1, ge=1, description="Inference workers (one vLLM engine each) that sample.")
+    max_lora_rank: int = Field(
+        64,
+        ge=1,
+        le=max(VLLM_LORA_RANKS),
+        description="Largest LoRA rank a client may ask for (the engines size for it).",
+    )
+    loras_per_batch: int = Field(
+        4, ge=1, description="Different adapters an engine samples with in one batch (vLLM's max_loras)."
+    )
+    max_batch_tokens: int = Field(
+        8192, ge=64, description="Padded tokens per trainer forward pass; a larger request runs in several."
+    )
+    host: str = Field("127.0.0.1", description="Interface the HTTP API listens on (0.0.0.0: every interface).")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port of the HTTP API (0: any free port, printed).")
+    api_keys_file: str | None = Field(
+        None,
+        description="YAML file mapping each tenant to its API key or list of keys ({alice: tml-..., bob: [...]}). "
+        "None: the keys in $RLPOST_SERVE_API_KEYS (tenant=key,tenant=key). There is no built-in key; the tinker SDK "
+        "only sends keys that start with tml-.",
+    )
+    storage_dir: str = Field(
+        "serve-storage", description="Folder of every run's saved weights and optimizer states (kept across restarts)."
+    )
+    long_poll_s: float = Field(
+        30.0, gt=0, lt=45, description="How long a retrieve_future waits for a result before 'try again' (SDK: 45 s)."
+    )
+    gap_timeout_s: float = Field(
+        120.0, gt=0, description="How long a model's requests wait for a missing seq_id before they fail."
+    )
+    keep_results_s: float = Field(3600.0, gt=0, description="How long a finished request's result can be read again.")
+    call_timeout_s: float = Field(
+        600.0, gt=0, description="Longest one trainer or engine call may take before it fails as a server error."
+    )
+    resources: ServeResources = Field(default_factory=ServeResources, description="Where the actors run.")
+
+    @model_validator(mode="after")
+    def _checks(self) -> ServeConfig:
+        if self.engine.max_model_len < 16:
+            raise ValueError("engine.max_model_len must be at least 16")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.base_model

@@ -1,0 +1,186 @@
+"""The HTTP routes of the Tinker API (``/api/v1/...``), as the official SDK 0.38 calls them.
+
+Every route but ``healthz`` needs an ``X-API-Key`` the service knows (401 otherwise, with a
+message). A client's mistake is a 400 whose JSON body names the field (never an empty body: the
+SDK takes an empty 400 for a proxy's and retries it); a request that reached the service but
+failed later is reported through its future, as the SDK expects. 5xx answers are left to real
+server faults, since the SDK retries them for minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rlpost.serve.access import ApiKeys
+from rlpost.serve.futures import RequestError
+from rlpost.serve.service import Service
+from rlpost.serve.wire import BadRequest
+
+log = logging.getLogger("rlpost")
+
+PREFIX = "/api/v1"
+MAX_DECOMPRESSED_BYTES = 1 << 30  # a zstd body may not grow past 1 GiB
+
+
+def _future(future, **extra: Any) -> JSONResponse:
+    return JSONResponse({"request_id": future.request_id, **extra})
+
+
+def build_app(service: Service, keys: ApiKeys) -> Starlette:
+    """The Starlette app serving ``service`` to the holders of ``keys``."""
+
+    async def body_json(request: Request) -> dict[str, Any]:
+        raw = await _body(request)
+        try:
+            value = json.loads(raw or b"{}")
+        except ValueError:
+            raise RequestError("body: not JSON") from None
+        if not isinstance(value, dict):
+            raise RequestError("body: a JSON object is expected")
+        return value
+
+    def route(path: str, handler, methods=("POST",)) -> Route:
+        async def endpoint(request: Request) -> Response:
+            tenant = keys.tenant(request.headers.get("x-api-key"))
+            if tenant is None:
+                missing = not request.headers.get("x-api-key")
+                detail = "X-API-Key is missing" if missing else "X-API-Key is not a key of this service"
+                return JSONResponse({"detail": detail}, status_code=401)
+            try:
+                return await handler(request, tenant)
+            except (RequestError, BadRequest) as exc:
+                return JSONResponse({"detail": str(exc)}, status_code=400)
+
+        return Route(PREFIX + path, endpoint, methods=list(methods))
+
+    async def client_config(request, tenant):
+        return JSONResponse(service.client_config())
+
+    async def create_session(request, tenant):
+        return JSONResponse(service.create_session(tenant, await body_json(request)))
+
+    async def heartbeat(request, tenant):
+        service.session(tenant, (await body_json(request)).get("session_id"))
+        return JSONResponse({"type": "session_heartbeat"})
+
+    async def finish_session(request, tenant):
+        service.session(tenant, request.path_params["session_id"])
+        return JSONResponse({})
+
+    async def telemetry(request, tenant):
+        return JSONResponse({"status": "accepted"})
+
+    async def capabilities(request, tenant):
+        return JSONResponse(service.capabilities())
+
+    async def create_model(request, tenant):
+        return _future(service.create_model(tenant, await body_json(request)))
+
+    async def get_info(request, tenant):
+        return JSONResponse(service.get_info(tenant, await body_json(request)))
+
+    async def unload_model(request, tenant):
+        return _future(service.unload_model(tenant, await body_json(request)))
+
+    async def forward_backward(request, tenant):
+        return _future(service.forward_backward(tenant, await _body(request)))
+
+    async def optim_step(request, tenant):
+        return _future(service.optim_step(tenant, await body_json(request)))
+
+    async def save_weights(request, tenant):
+        return _future(service.save_weights(tenant, await body_json(request)))
+
+    async def save_for_sampler(request, tenant):
+        return _future(service.save_weights_for_sampler(tenant, await body_json(request)))
+
+    async def load_weights(request, tenant):
+        return _future(service.load_weights(tenant, await body_json(request)))
+
+    async def create_sampling_session(request, tenant):
+        return JSONResponse(service.create_sampling_session(tenant, await body_json(request)))
+
+    async def get_sampler(request, tenant):
+        return JSONResponse(service.get_sampler(tenant, request.path_params["sampler_id"]))
+
+    async def asample(request, tenant):
+        future, ids = service.asample(tenant, await body_json(request))
+        return _future(future, sample_sequence_ids=ids)
+
+    async def retrieve_future(request, tenant):
+        payload, content_type = await service.retrieve(tenant, await body_json(request))
+        return Response(payload, media_type=content_type)
+
+    async def weights_info(request, tenant):
+        return JSONResponse(service.weights_info(tenant, await body_json(request)))
+
+    async def training_runs(request, tenant):
+        limit = _int_param(request, "limit", 20)
+        return JSONResponse(service.training_runs(tenant, limit, _int_param(request, "offset", 0)))
+
+    async def training_run(request, tenant):
+        return JSONResponse(service.training_run(tenant, request.path_params["run_id"]))
+
+    async def checkpoints(request, tenant):
+        return JSONResponse(service.checkpoints(tenant, request.path_params["run_id"]))
+
+    async def healthz(request):
+        return JSONResponse({"status": "ok"})
+
+    routes = [
+        Route(PREFIX + "/healthz", healthz, methods=["GET"]),
+        route("/client/config", client_config),
+        route("/create_session", create_session),
+        route("/session_heartbeat", heartbeat),
+        route("/sessions/{session_id}/finish", finish_session),
+        route("/telemetry", telemetry),
+        route("/get_server_capabilities", capabilities, methods=("GET",)),
+        route("/create_model", create_model),
+        route("/get_info", get_info),
+        route("/unload_model", unload_model),
+        route("/forward_backward", forward_backward),
+        route("/forward", forward_backward),
+        route("/optim_step", optim_step),
+        route("/save_weights", save_weights),
+        route("/save_weights_for_sampler", save_for_sampler),
+        route("/load_weights", load_weights),
+        route("/create_sampling_session", create_sampling_session),
+        route("/samplers/{sampler_id:path}", get_sampler, methods=("GET",)),
+        route("/asample", asample),
+        route("/retrieve_future", retrieve_future),
+        route("/weights_info", weights_info),
+        route("/training_runs", training_runs, methods=("GET",)),
+        route("/training_runs/{run_id}", training_run, methods=("GET",)),
+        route("/training_runs/{run_id}/checkpoints", checkpoints, methods=("GET",)),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _body(request: Request) -> bytes:
+    raw = await request.body()
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        import zstandard
+
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_DECOMPRESSED_BYTES)
+        except zstandard.ZstdError as exc:
+            raise RequestError(f"body: not a zstd frame ({exc})") from None
+    return raw
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    try:
+        number = default if value is None else int(value)
+    except ValueError:
+        raise RequestError(f"{name}: {value!r} is not an integer") from None
+    if number < 0:
+        raise RequestError(f"{name}: must be >= 0")
+    return number

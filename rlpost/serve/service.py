@@ -1,0 +1,471 @@
+"""What each Tinker API request does (:class:`Service`): sessions, models, samplers and their owners.
+
+Every method takes the caller's tenant (from its API key) and acts only on what that tenant made:
+a session, model, sampler, future or ``tinker://`` path of another tenant is answered as unknown.
+
+Ids follow the SDK's own scheme, which it relies on when it makes a training client from a saved
+state without asking: a session's models are ``<session>:train:<n>`` and its samplers
+``<session>:sample:<n>``, ``n`` the session's counters the client sends.
+
+A model's requests (forward, forward_backward, optim_step, saves and loads) run in its
+:class:`~rlpost.serve.futures.ModelQueue`, in the client's ``seq_id`` order; sampling runs at
+once on the next inference worker. A sampler is an immutable adapter (or the base model): a
+snapshot of a model's adapter or weights loaded from a path, sent to a worker the first time it
+samples there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec
+from rlpost.config import ServeConfig
+from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
+from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
+from rlpost.serve.wire import (
+    PROTOBUF,
+    decode_forward_backward,
+    encode_forward_backward_output,
+    encode_sample_response,
+    model_input_tokens,
+)
+
+log = logging.getLogger("rlpost")
+
+JSON = "application/json"
+_ADAM_FIELDS = {f for f in AdamParams.__dataclass_fields__}
+
+
+@dataclass
+class Session:
+    tenant: str
+    futures: dict[tuple, Future] = field(default_factory=dict)  # a retried create's first future
+
+
+@dataclass
+class Model:
+    tenant: str
+    model_id: str
+    adapter: str  # the trainer's name for its adapter
+    spec: AdapterSpec
+    queue: ModelQueue
+
+
+@dataclass
+class Sampler:
+    tenant: str
+    sampler_id: str
+    adapter: str | None  # None: the base model
+    payload: tuple[Any, Any] | None = None  # Ray refs to the adapter's config and tensors
+    model_path: str | None = None
+    futures: dict[int, Future] = field(default_factory=dict)
+
+
+def _json(value: dict[str, Any]) -> tuple[bytes, str]:
+    return json.dumps(value).encode(), JSON
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...] = str) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise RequestError(f"{name}: missing or not a {getattr(kind, '__name__', kind)}")
+    return value
+
+
+class Service:
+    """The Tinker API over a fleet (a trainer and inference workers); see the module docstring."""
+
+    def __init__(self, cfg: ServeConfig, fleet: Any, storage: Storage):
+        self.cfg, self.fleet, self.storage = cfg, fleet, storage
+        self.futures = FutureStore(keep_s=cfg.keep_results_s, long_poll_s=cfg.long_poll_s)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._adapter_ids = itertools.count(1)
+        self._next_worker = itertools.count()
+        self._on_worker: dict[int, set[str]] = {}  # adapters each worker was given
+        self.counts: dict[str, int] = {}  # requests by kind, for metrics
+
+    # ------------------------------------------------------------------------------ calls
+
+    async def _call(self, ref: Any, what: str) -> Any:
+        """Await an actor call, bounded; a lost actor is a server error the client may retry."""
+        import ray
+
+        try:
+            return await asyncio.wait_for(ref, self.cfg.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"{what} took over {self.cfg.call_timeout_s:.0f} s", SERVER) from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, (ValueError, KeyError, RequestError)):
+                raise cause from None
+            raise RequestError(f"{what} failed: {type(cause).__name__}: {str(cause).splitlines()[0]}", SERVER) from None
+        except ray.exceptions.RayActorError:
+            raise RequestError(f"{what}: its actor was lost; retry once the service has replaced it", SERVER) from None
+
+    def _future(self, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        future = self.futures.create(tenant, kind)
+        self.futures.run(future, work)
+        return future
+
+    # ------------------------------------------------------------------------ handshake
+
+    def client_config(self) -> dict[str, Any]:
+        return {"use_pyqwest_transport": False, "pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True,
+                "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": False}  # fmt: skip
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.cfg.served_name, "max_context_length":
+                                      self.cfg.engine.max_model_len, "trainable": True, "sampleable": True}]}  # fmt: skip
+
+    def create_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        session_id = f"s{uuid.uuid4().hex[:16]}"
+        self.sessions[session_id] = Session(tenant)
+        self.counts["create_session"] = self.counts.get("create_session", 0) + 1
+        return {"session_id": session_id}
+
+    def session(self, tenant: str, session_id: Any) -> Session:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.tenant != tenant:
+            raise RequestError(f"session_id: no session {session_id!r}")
+        return session
+
+    def model(self, tenant: str, model_id: Any) -> Model:
+        model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None or model.tenant != tenant:
+            raise RequestError(f"model_id: no model {model_id!r}")
+        return model
+
+    def sampler(self, tenant: str, sampler_id: Any) -> Sampler:
+        sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if sampler is None or sampler.tenant != tenant:
+            raise RequestError(f"sampling_session_id: no sampler {sampler_id!r}")
+        return sampler
+
+    # --------------------------------------------------------------------------- models
+
+    def _check_base_model(self, name: Any) -> None:
+        if name not in (None, self.cfg.served_name, self.cfg.base_model):
+            raise RequestError(f"base_model: {name!r} is not served here; this server serves {self.cfg.served_name!r}")
+
+    def create_model(self, tenant: str, body: dict[str, Any]) -> Future:
+        session_id = _field(body, "session_id")
+        session = self.session(tenant, session_id)
+        seq = _field(body, "model_seq_id", int)
+        if ("model", seq) in session.futures:
+            return session.futures[("model", seq)]
+        self._check_base_model(body.get("base_model"))
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise RequestError("lora_config: an object is expected")
+        try:
+            spec = AdapterSpec(**{k: v for k, v in lora.items() if k in AdapterSpec.__dataclass_fields__})
+        except TypeError as exc:
+            raise RequestError(f"lora_config: {exc}") from None
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise RequestError(f"optimizer_config.type: {optimizer!r}; this server trains with adamw only")
+        model_id = f"{session_id}:train:{seq}"
+
+        async def work() -> tuple[bytes, str]:
+            adapter = f"adapter-{next(self._adapter_ids)}"
+            await self._call(self.fleet.trainer.create.remote(adapter, spec), "create_model")
+            self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
+            self._register(tenant, model_id, adapter, spec)
+            return _json({"model_id": model_id, "type": "create_model"})
+
+        future = session.futures[("model", seq)] = self._future(tenant, "create_model", work)
+        return future
+
+    def _register(self, tenant: str, model_id: str, adapter: str, spec: AdapterSpec) -> Model:
+        queue = ModelQueue(self.futures, gap_timeout_s=self.cfg.gap_timeout_s)
+        model = self.models[model_id] = Model(tenant, model_id, adapter, spec, queue)
+        return model
+
+    def get_info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        model = self.model(tenant, body.get("model_id"))
+        tokenizer = self.cfg.tokenizer_id or self.cfg.served_name
+        return {
+            "model_id": model.model_id, "model_name": self.cfg.served_name, "is_lora": True,
+            "lora_rank": model.spec.rank, "optimizer_config": {"type": "adamw"}, "type": "get_info",
+            "model_data": {"arch": "lora", "model_name": self.cfg.served_name, "tokenizer_id": tokenizer},
+        }  # fmt: skip
+
+    def unload_model(self, tenant: str, body: dict[str, Any]) -> Future:
+        model = self.model(tenant, body.get("model_id"))
+
+        async def work() -> tuple[bytes, str]:
+            model.queue.close()
+            del self.models[model.model_id]
+            await self._call(self.fleet.trainer.remove.remote(model.adapter), "unload_model")
+            return _json({"model_id": model.model_id})
+
+        return self._future(tenant, "unload_model", work)
+
+    # ------------------------------------------------------------------------- training
+
+    def forward_backward(self, tenant: str, body: bytes) -> Future:
+        call = decode_forward_backward(body)
+        model = self.model(tenant, call.model_id)
+        trainer = self.fleet.trainer
+        kind = "forward" if call.forward_only else "forward_backward"
+
+        async def work() -> tuple[bytes, str]:
+            ref = trainer.forward_backward.remote(model.adapter, call.data, call.loss_fn, call.loss_fn_config,
+                                                  backward=not call.forward_only)  # fmt: skip
+            result = await self._call(ref, kind)
+            return encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"]), PROTOBUF
+
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        return model.queue.submit(call.seq_id, tenant, kind, work)
+
+    def optim_step(self, tenant: str, body: dict[str, Any]) -> Future:
+        model = self.model(tenant, body.get("model_id"))
+        seq = _field(body, "seq_id", int)
+        adam = body.get("adam_params")
+        if not isinstance(adam, dict):
+            raise RequestError("adam_params: missing (this server trains with adamw only)")
+        try:
+            params = AdamParams(**{k: float(v) for k, v in adam.items() if k in _ADAM_FIELDS})
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"adam_params: {exc}") from None
+        if params.learning_rate < 0 or not 0 <= params.beta1 < 1 or not 0 <= params.beta2 < 1 or params.eps <= 0:
+            raise RequestError(f"adam_params: need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps > 0, got {adam}")
+
+        async def work() -> tuple[bytes, str]:
+            metrics = await self._call(self.fleet.trainer.optim_step.remote(model.adapter, params), "optim_step")
+            return _json({"metrics": metrics, "type": "optim_step"})
+
+        self.counts["optim_step"] = self.counts.get("optim_step", 0) + 1
+        return model.queue.submit(seq, tenant, "optim_step", work)
+
+    def save_weights(self, tenant: str, body: dict[str, Any]) -> Future:
+        model = self.model(tenant, body.get("model_id"))
+        path = WeightsPath(model.model_id, "weights", check_name(body.get("path")))
+        overwrite = bool(body.get("overwrite", True))
+
+        async def work() -> tuple[bytes, str]:
+            ref = self.fleet.trainer.snapshot.remote(model.adapter, with_optimizer=True)
+            self.storage.save(path, tenant, await self._call(ref, "save_weights"), overwrite=overwrite)
+            return _json({"path": str(path), "type": "save_weights"})
+
+        return model.queue.submit(_field(body, "seq_id", int), tenant, "save_weights", work)
+
+    def save_weights_for_sampler(self, tenant: str, body: dict[str, Any]) -> Future:
+        """Named (``path``): the adapter saved as ``tinker://<model>/sampler_weights/<name>``;
+        ephemeral (``sampling_session_seq_id``): a sampler of the adapter as it is now."""
+        model = self.model(tenant, body.get("model_id"))
+        seq = _field(body, "seq_id", int)
+        if body.get("path") is not None:
+            path = WeightsPath(model.model_id, "sampler_weights", check_name(body["path"]))
+
+            async def save_named() -> tuple[bytes, str]:
+                ref = self.fleet.trainer.snapshot.remote(model.adapter, with_optimizer=False)
+                self.storage.save(path, tenant, await self._call(ref, "save_weights_for_sampler"))
+                return _json({"path": str(path), "type": "save_weights_for_sampler"})
+
+            return model.queue.submit(seq, tenant, "save_weights_for_sampler", save_named)
+        sampler_seq = _field(body, "sampling_session_seq_id", int)
+        sampler_id = f"{model.model_id.split(':train:')[0]}:sample:{sampler_seq}"
+
+        async def snapshot() -> tuple[bytes, str]:
+            import ray
+
+            config, tensors = await self._call(self.fleet.trainer.adapter_state.remote(model.adapter), "snapshot")
+            adapter = f"{model.adapter}-s{next(self._adapter_ids)}"
+            self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, (ray.put(config), ray.put(tensors)))
+            return _json({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+        return model.queue.submit(seq, tenant, "save_weights_for_sampler", snapshot)
+
+    def load_weights(self, tenant: str, body: dict[str, Any]) -> Future:
+        """Into an existing model (``model_id``, ``seq_id``), or into a new one the SDK names
+        ``<session>:train:<model_seq_id>`` (a training client made from a saved state)."""
+        path = WeightsPath.parse(body.get("path"))
+        with_optimizer = bool(body.get("optimizer", False))
+        if body.get("model_id") is not None:
+            model = self.model(tenant, body["model_id"])
+
+            async def into_model() -> tuple[bytes, str]:
+                files = self.storage.load(path, tenant)
+                ref = self.fleet.trainer.restore.remote(model.adapter, files, with_optimizer=with_optimizer)
+                await self._call(ref, "load_weights")
+                return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
+
+            return model.queue.submit(_field(body, "seq_id", int), tenant, "load_weights", into_model)
+        session_id = _field(body, "session_id")
+        session = self.session(tenant, session_id)
+        seq = _field(body, "model_seq_id", int)
+        if ("model", seq) in session.futures:
+            return session.futures[("model", seq)]
+        self._check_base_model(body.get("base_model"))
+        model_id = f"{session_id}:train:{seq}"
+
+        async def new_model() -> tuple[bytes, str]:
+            files = self.storage.load(path, tenant)
+            if MODEL_FILE not in files:
+                raise RequestError(f"path: {path} holds no model this server saved")
+            spec = AdapterSpec(**json.loads(files[MODEL_FILE])["lora"])
+            adapter = f"adapter-{next(self._adapter_ids)}"
+            ref = self.fleet.trainer.restore.remote(adapter, files, with_optimizer=with_optimizer)
+            await self._call(ref, "load_weights")
+            self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
+            self._register(tenant, model_id, adapter, spec)
+            return _json({"path": str(path), "model_id": model_id, "type": "load_weights"})
+
+        future = session.futures[("model", seq)] = self._future(tenant, "load_weights", new_model)
+        return future
+
+    # ------------------------------------------------------------------------- sampling
+
+    def create_sampling_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        session_id = _field(body, "session_id")
+        self.session(tenant, session_id)
+        sampler_id = f"{session_id}:sample:{_field(body, 'sampling_session_seq_id', int)}"
+        if sampler_id in self.samplers:
+            return {"sampling_session_id": self.sampler(tenant, sampler_id).sampler_id}
+        model_path = body.get("model_path")
+        if model_path is None:
+            self._check_base_model(body.get("base_model"))
+            self.samplers[sampler_id] = Sampler(tenant, sampler_id, None)
+            return {"sampling_session_id": sampler_id}
+        path = WeightsPath.parse(model_path, "model_path")
+        files = self.storage.load(path, tenant)
+        config, tensors = json.loads(files["adapter_config.json"]), _safetensors(files["adapter_model.safetensors"])
+        adapter = f"p{next(self._adapter_ids)}"
+        payload = (ray.put(config), ray.put(tensors))
+        self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, payload, str(path))
+        return {"sampling_session_id": sampler_id}
+
+    def get_sampler(self, tenant: str, sampler_id: str) -> dict[str, Any]:
+        sampler = self.sampler(tenant, sampler_id)
+        return {"sampler_id": sampler.sampler_id, "base_model": self.cfg.served_name, "model_path": sampler.model_path}
+
+    def asample(self, tenant: str, body: dict[str, Any]) -> tuple[Future, list[str]]:
+        sampler = self.sampler(tenant, body.get("sampling_session_id"))
+        seq = _field(body, "seq_id", int)
+        n = _field(body, "num_samples", int)
+        prompt = model_input_tokens("prompt", body.get("prompt"))
+        params, prompt_logprobs = self._sampling(body, len(prompt), n)
+        ids = [f"{sampler.sampler_id}:{seq}:{i}" for i in range(n)]
+        if seq in sampler.futures:
+            return sampler.futures[seq], ids
+
+        async def work() -> tuple[bytes, str]:
+            result = await self._sample(sampler, prompt, n, params, prompt_logprobs)
+            return encode_sample_response(result, len(prompt)), PROTOBUF
+
+        future = sampler.futures[seq] = self._future(tenant, "sample", work)
+        return future, ids
+
+    def _sampling(self, body: dict[str, Any], prompt_len: int, n: int) -> tuple[dict[str, Any], int | None]:
+        if not prompt_len:
+            raise RequestError("prompt: no tokens")
+        if not 1 <= n <= 1024:
+            raise RequestError(f"num_samples: {n} is outside 1..1024")
+        sp = body.get("sampling_params") or {}
+        room = self.cfg.engine.max_model_len - prompt_len
+        max_tokens = sp.get("max_tokens")
+        max_tokens = room if max_tokens is None else int(max_tokens)
+        if room < 1 or not 1 <= max_tokens <= room:
+            raise RequestError(
+                f"sampling_params.max_tokens: {max_tokens} with a {prompt_len}-token prompt does not fit the "
+                f"model's {self.cfg.engine.max_model_len} tokens"
+            )
+        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": float(sp.get("temperature", 1.0)),
+                                  "top_p": float(sp.get("top_p", 1.0)), "top_k": int(sp.get("top_k", -1))}  # fmt: skip
+        if sp.get("seed") is not None:
+            params["seed"] = int(sp["seed"])
+        stop = sp.get("stop")
+        if isinstance(stop, str):
+            params["stop"] = [stop]
+        elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
+            params["stop"] = stop
+        elif isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
+            params["stop_token_ids"] = stop
+        elif stop == []:
+            params["ignore_eos"] = True  # no stop at all, the end-of-sequence token included
+        elif stop is not None:
+            raise RequestError("sampling_params.stop: a string, a list of strings or a list of token ids")
+        if not body.get("prompt_logprobs"):
+            return params, None
+        return params, max(0, int(body.get("topk_prompt_logprobs") or 0))
+
+    async def _sample(self, sampler: Sampler, prompt, n, params, prompt_logprobs) -> dict[str, Any]:
+        workers = self.fleet.inference
+        index = next(self._next_worker) % len(workers)
+        worker = workers[index]
+        given = self._on_worker.setdefault(index, set())
+        for attempt in range(2):
+            if sampler.adapter is not None and sampler.adapter not in given:
+                ref = worker.add_adapter.remote(sampler.adapter, *sampler.payload)  # Ray hands the worker their values
+                await self._call(ref, "sample (load adapter)")
+                given.add(sampler.adapter)
+            try:
+                ref = worker.sample.remote(prompt, n, params, sampler.adapter, prompt_logprobs)
+                return await self._call(ref, "sample")
+            except KeyError:  # the worker dropped the adapter (least recently used) or restarted
+                given.discard(sampler.adapter)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    # -------------------------------------------------------------------------- futures
+
+    async def retrieve(self, tenant: str, body: dict[str, Any]) -> tuple[bytes, str]:
+        request_id = _field(body, "request_id")
+        future = await self.futures.wait(request_id, tenant)
+        if future is None:
+            raise RequestError(f"request_id: no request {request_id!r}")
+        if not future.done.is_set():
+            return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if future.error is not None:
+            return _json({"error": future.error, "category": future.category if future.category in (USER, SERVER)
+                          else "unknown"})  # fmt: skip
+        return future.payload, future.content_type
+
+    # ------------------------------------------------------------------------------ REST
+
+    def weights_info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        path = WeightsPath.parse(body.get("tinker_path"), "tinker_path")
+        run = self.storage.run(path.run_id, tenant)
+        lora = run["lora"]
+        return {"base_model": run["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+                "train_unembed": False, "train_mlp": lora["train_mlp"], "train_attn": lora["train_attn"]}  # fmt: skip
+
+    def training_run(self, tenant: str, run_id: str) -> dict[str, Any]:
+        run = self.storage.run(run_id, tenant)
+        checkpoints = self.storage.checkpoints(run_id, tenant)
+        last = {kind: [c for c in checkpoints if c["checkpoint_type"] == kind] for kind in ("training", "sampler")}
+        return {
+            "training_run_id": run_id, "base_model": run["base_model"], "model_owner": tenant, "is_lora": True,
+            "lora_rank": run["lora"]["rank"], "corrupted": False, "last_request_time": iso_time(run["created"]),
+            "last_checkpoint": last["training"][-1] if last["training"] else None,
+            "last_sampler_checkpoint": last["sampler"][-1] if last["sampler"] else None,
+        }  # fmt: skip
+
+    def training_runs(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+        runs = self.storage.runs(tenant)
+        page = [self.training_run(tenant, r["run_id"]) for r in runs[offset : offset + limit]]
+        return {"training_runs": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+    def checkpoints(self, tenant: str, run_id: str) -> dict[str, Any]:
+        return {"checkpoints": self.storage.checkpoints(run_id, tenant)}
+
+
+def _safetensors(content: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    return load(content)
