@@ -21,8 +21,9 @@ from rlpost.runtime.shutdown import StopRequested, exit_code, in_own_session, ru
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and _shield_local_cluster(sys.argv[1:]):
-        # `rlpost train` from a shell starting a local cluster: the driver runs in a session of its
-        # own, out of reach of the signals a terminal or scheduler sends a whole process group
+        # `rlpost train` or `rlpost serve` from a shell starting a local cluster: the driver runs in a
+        # session of its own, out of reach of the signals a terminal or scheduler sends a whole
+        # process group
         return run_in_own_session(sys.argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -49,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shield_local_cluster(argv: list[str]) -> bool:
-    """Whether this is a ``train`` starting a local Ray cluster on POSIX, in a driver not already in
-    a session of its own (:func:`rlpost.runtime.shutdown.run_in_own_session`)."""
+    """Whether this is a ``train`` or ``serve`` starting a local Ray cluster on POSIX, in a driver
+    not already in a session of its own (:func:`rlpost.runtime.shutdown.run_in_own_session`)."""
     return (
         bool(argv)
-        and argv[0] == "train"
+        and argv[0] in ("train", "serve")
         and "--address" not in argv
         and not any(arg.startswith("--address=") for arg in argv)
         and not os.environ.get("RAY_ADDRESS")

@@ -411,3 +411,40 @@ class RoleMetrics:
                 self.gauges[key].set(float(value), tags=self.tags)
             elif key in self.counters and value > 0:
                 self.counters[key].inc(float(value), tags=self.tags)
+
+
+class ServiceMetrics:
+    """``rlpost serve``'s metrics (Ray metrics: dashboard, Prometheus): what it holds, and each
+    tenant's requests, failures and tokens. Names ``rlpost_serve_<name>``; the counters are
+    tagged with the tenant (and the request's kind, the failure's category)."""
+
+    GAUGES = {
+        "serve_sessions": "Client sessions opened since the service started",
+        "serve_models": "Client models (LoRA adapters) the trainer holds",
+        "serve_samplers": "Samplers (adapter snapshots, base-model samplers) clients hold",
+        "serve_pending_requests": "Requests accepted and not finished yet",
+    }
+    COUNTERS = {
+        "serve_requests": "Requests accepted, by tenant and kind",
+        "serve_request_errors": "Requests that failed, by tenant, kind and category (user: the client's mistake)",
+        "serve_tokens_trained": "Tokens of forward and forward_backward requests, by tenant",
+        "serve_tokens_sampled": "Tokens sampled, by tenant",
+    }
+    _TAGS = {"serve_requests": ("tenant", "kind"), "serve_request_errors": ("tenant", "kind", "category"),
+             "serve_tokens_trained": ("tenant",), "serve_tokens_sampled": ("tenant",)}  # fmt: skip
+
+    def __init__(self):
+        from ray.util import metrics
+
+        self.gauges = {k: metrics.Gauge(f"rlpost_{k}", description=d) for k, d in self.GAUGES.items()}
+        self.counters = {
+            k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=self._TAGS[k]) for k, d in self.COUNTERS.items()
+        }
+
+    def count(self, key: str, amount: float = 1.0, **tags: str) -> None:
+        if amount > 0:
+            self.counters[key].inc(float(amount), tags=tags)
+
+    def state(self, **values: float) -> None:
+        for key, value in values.items():
+            self.gauges[f"serve_{key}"].set(float(value))

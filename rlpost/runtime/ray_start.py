@@ -86,7 +86,7 @@ def init_ray(cfg: JobConfig) -> bool:
     else:
         ray.init(namespace=namespace, runtime_env=env, include_dashboard=False, log_to_driver=False)
         dashboard = None
-    print(_ray_start_line(namespace, dashboard, _local_metrics_url()), flush=True)
+    print(_ray_start_line(namespace, dashboard, local_metrics_url()), flush=True)
     return True
 
 
@@ -110,7 +110,7 @@ def _why_no_dashboard(reported: str | None) -> str:
     return "see Ray's error above: the port taken, or the dashboard process failing"
 
 
-def _local_metrics_url() -> str | None:
+def local_metrics_url() -> str | None:
     """The Prometheus endpoint of this driver's Ray node, where the run's ``rlpost_*`` gauges are
     exported (Ray picks its port); None when Ray does not report one."""
     import ray

@@ -52,6 +52,7 @@ class Future:
     error: str | None = None
     category: str = USER
     finished_at: float | None = None
+    on_done: Callable[[Future], None] | None = None  # the store's observer (metrics)
 
     def finish(self, payload: bytes, content_type: str) -> None:
         self.payload, self.content_type = payload, content_type
@@ -64,20 +65,23 @@ class Future:
     def _done(self) -> None:
         self.finished_at = time.monotonic()
         self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 class FutureStore:
     """Every request's :class:`Future` by id; see the module docstring."""
 
-    def __init__(self, *, keep_s: float = 3600.0, long_poll_s: float = 30.0):
-        self.keep_s, self.long_poll_s = keep_s, long_poll_s
+    def __init__(self, *, keep_s: float = 3600.0, long_poll_s: float = 30.0,
+                 observer: Callable[[Future], None] | None = None):  # fmt: skip
+        self.keep_s, self.long_poll_s, self.observer = keep_s, long_poll_s, observer
         self.futures: dict[str, Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
 
     def create(self, tenant: str, kind: str) -> Future:
         self._drop_old()
-        future = Future(f"req-{next(self._ids)}-{uuid.uuid4().hex[:12]}", tenant, kind)
+        future = Future(f"req-{next(self._ids)}-{uuid.uuid4().hex[:12]}", tenant, kind, on_done=self.observer)
         self.futures[future.request_id] = future
         return future
 

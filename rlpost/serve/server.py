@@ -5,12 +5,16 @@ HTTP server, until Ctrl-C or SIGTERM; then the server stops taking requests and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from rlpost.config import ServeConfig
+from rlpost.runtime.ray_start import RUN_ENV_VARS, local_metrics_url, use_ray_token_if_present
 from rlpost.serve.access import ApiKeys
 from rlpost.serve.app import build_app
 from rlpost.serve.fleet import NAMESPACE, ServiceFleet
@@ -35,17 +39,48 @@ def local_model_names(cfg: ServeConfig) -> ServeConfig:
     return cfg.model_copy(update={"base_model": base, "tokenizer_id": cfg.tokenizer_id or base})
 
 
+def _uvicorn_server(config):
+    """A ``uvicorn.Server`` that stops on SIGINT and SIGTERM and remembers which came, without
+    raising the signal again once stopped (uvicorn's own does, which would end this process before
+    the fleet is stopped)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stopped_by: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def stop(signum, frame):
+                self.force_exit = self.should_exit  # a second signal: stop without waiting for requests
+                self.should_exit, self.stopped_by = True, signum
+
+            previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+
+    return Server(config)
+
+
 class RunningServer:
     """A started service: its fleet, its HTTP server and the URL it listens on."""
 
     def __init__(self, cfg: ServeConfig, keys: ApiKeys, fleet: ServiceFleet):
         import uvicorn
 
+        from rlpost.record.metrics import ServiceMetrics
+
         self.cfg, self.fleet = cfg, fleet
-        self.service = Service(cfg, fleet, Storage(cfg.storage_dir))
+        self.service = Service(cfg, fleet, Storage(cfg.storage_dir), ServiceMetrics())
         config = uvicorn.Config(build_app(self.service, keys), host=cfg.host, port=cfg.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=5)  # fmt: skip
-        self.server = uvicorn.Server(config)
+        self.server = _uvicorn_server(config)
 
     @property
     def url(self) -> str:
@@ -67,35 +102,41 @@ class RunningServer:
 
 
 def run_server(cfg: ServeConfig) -> int:
-    """``rlpost serve``: returns the exit code once stopped (0)."""
+    """``rlpost serve``: serve until Ctrl-C or SIGTERM, then stop the fleet; the exit code (0, or
+    128 + the signal's number after a signal, as ``rlpost train`` exits)."""
     import ray
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     keys = ApiKeys.load(cfg.api_keys_file)
     cfg = local_model_names(cfg)
     address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
-    from rlpost.runtime.ray_start import RUN_ENV_VARS
-
     env = {"env_vars": dict(RUN_ENV_VARS)}
     if address:
+        use_ray_token_if_present()
         ray.init(address=address, namespace=NAMESPACE, runtime_env=env, log_to_driver=True)
     else:
         ray.init(namespace=NAMESPACE, runtime_env=env, include_dashboard=False, log_to_driver=False)
+    print(f"rlpost serve: Ray cluster {address or 'started here'}; metrics at {local_metrics_url()}", flush=True)
+    stopped_by = None
     try:
         print(f"rlpost serve: starting the trainer and {cfg.inference_workers} inference worker(s) on "
               f"{cfg.base_model}", flush=True)  # fmt: skip
         fleet = ServiceFleet.start(cfg, resolved_base_model(cfg))
         try:
             running = RunningServer(cfg, keys, fleet)
-            say = lambda url: print(  # noqa: E731
-                f"rlpost serve: the Tinker API on {url} (TINKER_BASE_URL={url}); tenants: "
-                f"{', '.join(sorted(keys.tenants))}; storage: {Path(cfg.storage_dir).resolve()}",
-                flush=True,
-            )
+
+            def say(url: str) -> None:
+                print(f"rlpost serve: the Tinker API on {url} (TINKER_BASE_URL={url}); tenants: "
+                      f"{', '.join(sorted(keys.tenants))}; storage: {Path(cfg.storage_dir).resolve()}", flush=True)  # fmt: skip
+
             asyncio.run(running.serve(on_ready=say))
+            stopped_by = running.server.stopped_by
         finally:
             print("rlpost serve: stopping the fleet", flush=True)
             fleet.stop()
     finally:
         ray.shutdown()
-    return 0
+    if stopped_by is None:
+        return 0
+    print(f"rlpost serve: stopped by {signal.Signals(stopped_by).name}", flush=True)
+    return 128 + stopped_by

@@ -27,6 +27,7 @@ from typing import Any
 
 from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec
 from rlpost.config import ServeConfig
+from rlpost.record.metrics import ServiceMetrics
 from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
 from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
 from rlpost.serve.wire import (
@@ -82,16 +83,17 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...] = str)
 class Service:
     """The Tinker API over a fleet (a trainer and inference workers); see the module docstring."""
 
-    def __init__(self, cfg: ServeConfig, fleet: Any, storage: Storage):
-        self.cfg, self.fleet, self.storage = cfg, fleet, storage
-        self.futures = FutureStore(keep_s=cfg.keep_results_s, long_poll_s=cfg.long_poll_s)
+    def __init__(self, cfg: ServeConfig, fleet: Any, storage: Storage, metrics: ServiceMetrics | None = None):
+        self.cfg, self.fleet, self.storage, self.metrics = cfg, fleet, storage, metrics
+        self.futures = FutureStore(keep_s=cfg.keep_results_s, long_poll_s=cfg.long_poll_s, observer=self._settled)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self._adapter_ids = itertools.count(1)
         self._next_worker = itertools.count()
         self._on_worker: dict[int, set[str]] = {}  # adapters each worker was given
-        self.counts: dict[str, int] = {}  # requests by kind, for metrics
+        self.counts: dict[str, int] = {}  # requests by kind
+        self._pending = 0
 
     # ------------------------------------------------------------------------------ calls
 
@@ -112,10 +114,33 @@ class Service:
             raise RequestError(f"{what}: its actor was lost; retry once the service has replaced it", SERVER) from None
 
     def _future(self, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
         future = self.futures.create(tenant, kind)
+        self._accepted(tenant, kind)
         self.futures.run(future, work)
         return future
+
+    def _accepted(self, tenant: str, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self._pending += 1
+        if self.metrics is not None:
+            self.metrics.count("serve_requests", tenant=tenant, kind=kind)
+            self._state()
+
+    def _settled(self, future: Future) -> None:
+        self._pending -= 1
+        if self.metrics is not None:
+            if future.error is not None:
+                self.metrics.count("serve_request_errors", tenant=future.tenant, kind=future.kind,
+                                   category=future.category)  # fmt: skip
+            self._state()
+
+    def _state(self) -> None:
+        self.metrics.state(sessions=len(self.sessions), models=len(self.models), samplers=len(self.samplers),
+                           pending_requests=max(self._pending, 0))  # fmt: skip
+
+    def _tokens(self, key: str, tenant: str, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.count(key, count, tenant=tenant)
 
     # ------------------------------------------------------------------------ handshake
 
@@ -132,6 +157,9 @@ class Service:
         session_id = f"s{uuid.uuid4().hex[:16]}"
         self.sessions[session_id] = Session(tenant)
         self.counts["create_session"] = self.counts.get("create_session", 0) + 1
+        if self.metrics is not None:
+            self.metrics.count("serve_requests", tenant=tenant, kind="create_session")
+            self._state()
         return {"session_id": session_id}
 
     def session(self, tenant: str, session_id: Any) -> Session:
@@ -192,6 +220,14 @@ class Service:
         model = self.models[model_id] = Model(tenant, model_id, adapter, spec, queue)
         return model
 
+    def _in_order(self, model: Model, seq: int, tenant: str, kind: str, work) -> Future:
+        """Queue ``work`` as request ``seq`` of ``model`` (a number seen before: its first future)."""
+        known = seq in model.queue.by_seq
+        future = model.queue.submit(seq, tenant, kind, work)
+        if not known:  # (one refused at once has settled already: the pending count nets to 0)
+            self._accepted(tenant, kind)
+        return future
+
     def get_info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         model = self.model(tenant, body.get("model_id"))
         tokenizer = self.cfg.tokenizer_id or self.cfg.served_name
@@ -224,10 +260,10 @@ class Service:
             ref = trainer.forward_backward.remote(model.adapter, call.data, call.loss_fn, call.loss_fn_config,
                                                   backward=not call.forward_only)  # fmt: skip
             result = await self._call(ref, kind)
+            self._tokens("serve_tokens_trained", tenant, sum(len(d.tokens) for d in call.data))
             return encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"]), PROTOBUF
 
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        return model.queue.submit(call.seq_id, tenant, kind, work)
+        return self._in_order(model, call.seq_id, tenant, kind, work)
 
     def optim_step(self, tenant: str, body: dict[str, Any]) -> Future:
         model = self.model(tenant, body.get("model_id"))
@@ -246,8 +282,7 @@ class Service:
             metrics = await self._call(self.fleet.trainer.optim_step.remote(model.adapter, params), "optim_step")
             return _json({"metrics": metrics, "type": "optim_step"})
 
-        self.counts["optim_step"] = self.counts.get("optim_step", 0) + 1
-        return model.queue.submit(seq, tenant, "optim_step", work)
+        return self._in_order(model, seq, tenant, "optim_step", work)
 
     def save_weights(self, tenant: str, body: dict[str, Any]) -> Future:
         model = self.model(tenant, body.get("model_id"))
@@ -259,7 +294,7 @@ class Service:
             self.storage.save(path, tenant, await self._call(ref, "save_weights"), overwrite=overwrite)
             return _json({"path": str(path), "type": "save_weights"})
 
-        return model.queue.submit(_field(body, "seq_id", int), tenant, "save_weights", work)
+        return self._in_order(model, _field(body, "seq_id", int), tenant, "save_weights", work)
 
     def save_weights_for_sampler(self, tenant: str, body: dict[str, Any]) -> Future:
         """Named (``path``): the adapter saved as ``tinker://<model>/sampler_weights/<name>``;
@@ -274,7 +309,7 @@ class Service:
                 self.storage.save(path, tenant, await self._call(ref, "save_weights_for_sampler"))
                 return _json({"path": str(path), "type": "save_weights_for_sampler"})
 
-            return model.queue.submit(seq, tenant, "save_weights_for_sampler", save_named)
+            return self._in_order(model, seq, tenant, "save_weights_for_sampler", save_named)
         sampler_seq = _field(body, "sampling_session_seq_id", int)
         sampler_id = f"{model.model_id.split(':train:')[0]}:sample:{sampler_seq}"
 
@@ -286,7 +321,7 @@ class Service:
             self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, (ray.put(config), ray.put(tensors)))
             return _json({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
-        return model.queue.submit(seq, tenant, "save_weights_for_sampler", snapshot)
+        return self._in_order(model, seq, tenant, "save_weights_for_sampler", snapshot)
 
     def load_weights(self, tenant: str, body: dict[str, Any]) -> Future:
         """Into an existing model (``model_id``, ``seq_id``), or into a new one the SDK names
@@ -302,7 +337,7 @@ class Service:
                 await self._call(ref, "load_weights")
                 return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
-            return model.queue.submit(_field(body, "seq_id", int), tenant, "load_weights", into_model)
+            return self._in_order(model, _field(body, "seq_id", int), tenant, "load_weights", into_model)
         session_id = _field(body, "session_id")
         session = self.session(tenant, session_id)
         seq = _field(body, "model_seq_id", int)
@@ -365,6 +400,7 @@ class Service:
 
         async def work() -> tuple[bytes, str]:
             result = await self._sample(sampler, prompt, n, params, prompt_logprobs)
+            self._tokens("serve_tokens_sampled", tenant, sum(len(s["tokens"]) for s in result["sequences"]))
             return encode_sample_response(result, len(prompt)), PROTOBUF
 
         future = sampler.futures[seq] = self._future(tenant, "sample", work)

@@ -13,10 +13,11 @@ pytestmark = pytest.mark.unit
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *args], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "RLPOST_SERVE_API_KEYS"}
+    return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *args], capture_output=True, text=True, env=env)
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"], ["plot"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["make-tiny-model"], ["check-config"], ["plot"], ["serve"]])
 def test_help_on_every_command(command):
     out = run_cli(*command, "--help")
     assert out.returncode == 0
@@ -37,6 +38,9 @@ def test_help_on_every_command(command):
             ["train", "configs/tiny-cpu.yaml", "data.task=gsm8k", "data.dataset=./none.jsonl"],
             "data.dataset: file not found",
         ),
+        (["serve", "prot=8000"], "rlpost: error: unknown config key: prot"),
+        (["serve"], "rlpost: error: no API keys: set api_keys_file or $RLPOST_SERVE_API_KEYS"),
+        (["serve", "api_keys_file=missing.yaml"], "api_keys_file: missing.yaml does not exist"),
     ],
 )
 def test_input_errors_exit_2_with_one_line(args, message):

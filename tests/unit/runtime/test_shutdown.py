@@ -142,6 +142,7 @@ def test_only_a_shell_train_that_starts_a_local_cluster_gets_a_session_of_its_ow
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RLPOST_DRIVER_SESSION", raising=False)
     assert _shield_local_cluster(["train", "configs/tiny-cpu.yaml"])
+    assert _shield_local_cluster(["serve", "configs/serve-tiny-cpu.yaml"])
     assert not _shield_local_cluster(["train", "c.yaml", "--address", "10.0.0.1:6379"])
     assert not _shield_local_cluster(["train", "c.yaml", "--address=10.0.0.1:6379"])
     assert not _shield_local_cluster(["eval", "c.yaml"]) and not _shield_local_cluster([])

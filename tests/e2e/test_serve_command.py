@@ -1,0 +1,98 @@
+"""`rlpost serve` as an operator runs it: the command starts its own Ray cluster and fleet, the
+tinker SDK trains and samples through it, the node's Prometheus endpoint shows the service's
+metrics, and SIGTERM stops it (exit 143) leaving none of its processes behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is in the dev extra")
+from tinker import types  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "tml-operator-0123456789"
+
+
+def _session_pids(session: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session:
+                found.append(int(entry))
+    return found
+
+
+def _read_until(process, pattern: str, timeout_s: float, seen: list[str]) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"no line matching {pattern!r}; the command printed:\n{''.join(seen)}")
+
+
+def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
+    env = {**os.environ, "RLPOST_SERVE_API_KEYS": f"operator={KEY}", "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
+    # (the options after the overrides: argparse reads no positional after an option)
+    command = [sys.executable, "-m", "rlpost.ops.cli", "serve", "configs/serve-tiny-cpu.yaml",
+               f"storage_dir={tmp_path / 'storage'}", "resources.trainer.num_cpus=0.5",
+               "resources.inference.num_cpus=0.5", "--port", "0"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)  # fmt: skip
+    seen: list[str] = []
+    try:
+        metrics_url = _read_until(process, r"metrics at (http://\S+/metrics)", 120, seen).group(1)
+        url = _read_until(process, r"the Tinker API on (http://[\d.]+:\d+)", 300, seen).group(1)
+
+        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = client.create_lora_training_client(base_model=str(REPO / "models" / "tiny-model"), rank=8).result()
+        tokens = training.get_tokenizer().encode("What is 2 + 2? 4")
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})  # fmt: skip
+        assert training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sample = sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, types.SamplingParams(max_tokens=3)).result()
+        assert len(sample.sequences[0].tokens) == 3
+
+        deadline, text = time.monotonic() + 90, ""
+        while time.monotonic() < deadline and 'kind="forward_backward"' not in text:
+            time.sleep(3)
+            text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert re.search(r'ray_rlpost_serve_requests_total\{[^}]*kind="forward_backward"[^}]*tenant="operator"', text)
+        assert re.search(r"ray_rlpost_serve_tokens_sampled_total\{[^}]*tenant=\"operator\"[^}]*\} 3", text)
+        assert re.search(r"ray_rlpost_serve_models\{[^}]*\} 1", text)
+
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+        seen += process.stdout.readlines()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(seen)
+    assert code == 143, output
+    assert "rlpost serve: stopping the fleet" in output and "stopped by SIGTERM" in output
+    assert time.monotonic() - started < 90
+    deadline = time.monotonic() + 30
+    while _session_pids(process.pid) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _session_pids(process.pid), "processes of the service outlived it"
