@@ -4,7 +4,8 @@
     python -m rlpost.config.reference --check    exit 1 when docs/config.md is out of date
 
 Every key of :class:`rlpost.config.JobConfig` is listed under its section with its type, its
-default and its field description, so the reference cannot drift from the code (a unit test
+default and its field description, then every key of :class:`rlpost.config.ServeConfig`, so
+the reference cannot drift from the code (a unit test
 compares the file with :func:`render`).
 """
 
@@ -21,7 +22,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlpost.config import JobConfig, section_type
+from rlpost.config import JobConfig, ServeConfig, section_type
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -34,6 +35,13 @@ Unknown keys are errors that name the key.
 """
 
 
+SERVE_HEADER = """# `rlpost serve` config reference
+
+`rlpost serve [CONFIG] [key=value ...]` reads its own config (`rlpost.config.ServeConfig`;
+configs/serve-tiny-cpu.yaml), with the same YAML and dotted overrides (docs/service.md).
+"""
+
+
 def render() -> str:
     """The whole reference as Markdown."""
     parts = [HEADER]
@@ -41,6 +49,8 @@ def render() -> str:
         section = _section_class(field)
         parts.append(f"## `{name}`\n\n{_doc(section)}\n")
         parts.append(_table(section, prefix=name))
+    parts.append(SERVE_HEADER)
+    parts.append(_table(ServeConfig, prefix=""))
     return "\n".join(parts)
 
 
@@ -49,7 +59,7 @@ def _table(model: type[BaseModel], prefix: str) -> str:
     rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     nested = []
     for name, field in model.model_fields.items():
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{name}" if prefix else name
         section = _section_class(field)
         if section is not None:
             if section is not field.annotation:  # an optional section: null turns it off

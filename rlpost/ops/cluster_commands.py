@@ -29,6 +29,11 @@ def add_job_commands(sub) -> None:
     )
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     submit.add_argument(
+        "--serve",
+        action="store_true",
+        help="run `rlpost serve CONFIG key=value ...` (a serve config) instead: the Tinker API on the head node",
+    )
+    submit.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="run `rlpost train --resume RUN_DIR` instead (RUN_DIR: absolute, on storage the nodes share)",
@@ -213,7 +218,11 @@ def _cmd_submit(args) -> int:
 
     working_dir = jobs.choose_working_dir(args.working_dir, upload=not args.no_working_dir)
     config_or_override(args)
-    if args.resume:
+    if args.serve:
+        if args.resume:
+            raise ConfigError("submit: --serve and --resume do not go together")
+        submission = jobs.plan_serve(args.config, args.overrides, working_dir=working_dir, job_id=args.job_id)
+    elif args.resume:
         if args.config:
             raise ConfigError("submit --resume RUN_DIR takes the run's own config.yaml; give changes as key=value")
         submission = jobs.plan_resume(args.resume, args.overrides, working_dir=working_dir, job_id=args.job_id)

@@ -164,6 +164,43 @@ def plan_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
     )
 
 
+def plan_serve(config: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, working_dir: Path | None,
+               job_id: str | None = None, cwd: Path | None = None) -> Submission:  # fmt: skip
+    """A job that runs ``rlpost serve [CONFIG] key=value ...`` on the cluster (no network): the
+    serve config is validated here first. Its driver runs on the head node, where the API listens."""
+    from rlpost.config import ServeConfig
+
+    cwd = (cwd or Path.cwd()).resolve()
+    overrides = list(overrides)
+    config_path = cwd / config if config is not None else None
+    cfg = load_config(config_path if config_path is not None and config_path.is_file() else config, overrides,
+                      schema=ServeConfig)  # fmt: skip
+    job_id = _checked_job_id(job_id or f"rlpost-serve-{time.strftime('%Y%m%d-%H%M%S')}", "--job-id")
+    args = []
+    if config is not None:
+        config_arg = str(config)
+        if working_dir is not None:
+            config_arg = _path_in_upload("config", config_path.resolve(), working_dir.resolve()).as_posix()
+        args.append(config_arg)
+    notes = [f"the API listens on port {cfg.port} of the node the job's driver runs on (the head node)"]
+    if cfg.host in ("127.0.0.1", "localhost"):
+        notes.append(f"host is {cfg.host}: only the head node itself reaches it; set host=0.0.0.0 to serve clients")
+    keys = cfg.api_keys_file or "$RLPOST_SERVE_API_KEYS in the job's environment"
+    notes.append(f"API keys from {keys} on the cluster (resources are the cluster's; keep the key file off the image)")
+    env: dict = {"env_vars": dict(BASE_ENV_VARS)}
+    if working_dir is not None:
+        env["working_dir"] = str(working_dir.resolve())
+        env["excludes"] = list(WORKING_DIR_EXCLUDES) + [f"/{Path(cfg.storage_dir).name}"]
+    return Submission(
+        entrypoint=shlex.join(["rlpost", "serve", *args, *overrides]),
+        runtime_env=env,
+        job_id=job_id,
+        run_name="serve",
+        metadata={"rlpost_serve": args[0] if args else "(defaults)"},
+        notes=notes,
+    )
+
+
 def _checked_job_id(job_id: str, source: str) -> str:
     if not _JOB_ID.match(job_id):
         raise ConfigError(f"{source}: job id {job_id!r} may hold only letters, digits, '.', '_' and '-'")

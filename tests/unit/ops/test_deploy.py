@@ -12,7 +12,7 @@ import pytest
 import tomllib
 import yaml
 
-from rlpost.config import load_config
+from rlpost.config import ServeConfig, load_config
 from rlpost.service.starter import role_plan
 
 pytestmark = pytest.mark.unit
@@ -169,3 +169,20 @@ def test_deploy_readme_covers_each_file():
     readme = (DEPLOY / "README.md").read_text()
     for name in ("rayjob.yaml", "raycluster.yaml", "cluster-launcher.yaml", "storage.yaml", "resources."):
         assert name in readme
+
+
+def test_the_tinker_api_service_reaches_the_heads_serve_port_and_keys():
+    (service,) = load("serve.yaml")
+    (cluster,) = load("raycluster.yaml")
+    assert service["kind"] == "Service"
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
+    (port,) = service["spec"]["ports"]
+    head = cluster["spec"]["headGroupSpec"]
+    (container,) = containers(head)
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    served = load_config(REPO / "configs" / "serve-tiny-cpu.yaml", schema=ServeConfig)
+    assert named[port["targetPort"]] == port["port"] == served.port
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"] for v in head["template"]["spec"]["volumes"] if "secret" in v}
+    assert mounts["serve-keys"] == "/etc/rlpost" and secrets["serve-keys"]["secretName"] == "rlpost-serve-keys"
+    assert "api_keys_file=/etc/rlpost/keys.yaml" in (DEPLOY / "serve.yaml").read_text()

@@ -171,6 +171,20 @@ def test_plan_names_the_job_after_the_run_and_passes_the_config_relative_to_the_
     assert sub.job_id == "my-job" and shlex.split(sub.entrypoint)[2] == "configs/tiny-cpu.yaml"
 
 
+def test_a_serve_job_runs_rlpost_serve_with_its_checked_config():
+    plan = jobs.plan_serve("configs/serve-tiny-cpu.yaml", ["host=0.0.0.0", "port=8080"], working_dir=REPO, cwd=REPO)
+    assert shlex.split(plan.entrypoint) == ["rlpost", "serve", "configs/serve-tiny-cpu.yaml", "host=0.0.0.0",
+                                            "port=8080"]  # fmt: skip
+    assert plan.job_id.startswith("rlpost-serve-") and plan.runtime_env["working_dir"] == str(REPO)
+    assert "/serve-storage" in plan.runtime_env["excludes"]
+    assert any("port 8080 of the node" in note for note in plan.notes)
+    local = jobs.plan_serve(None, [], working_dir=None, job_id="svc")
+    assert local.entrypoint == "rlpost serve" and local.job_id == "svc"
+    assert any("set host=0.0.0.0" in note for note in local.notes)
+    with pytest.raises(ConfigError, match="unknown config key: prot"):
+        jobs.plan_serve(None, ["prot=1"], working_dir=None)
+
+
 def test_plan_refuses_what_the_cluster_would_not_see(tmp_path):
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
