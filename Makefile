@@ -17,7 +17,7 @@ EXTRA ?= cpu
 # rlpost and its tests again (~1 s an actor process; pytest's collection 21 s instead of 7 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-tools demo-distillation demo-reward-model tiny-reward-model tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
+.PHONY: tinker-cookbook demo demo-tools demo-distillation demo-reward-model tiny-reward-model tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -99,7 +99,8 @@ monitor: install monitoring-tools
 # GRPO scripts, the restarts of a fleet's replica and of a Ray replay buffer, a node lost from a
 # two-node cluster, a fleet scaled by `rlpost scale`, the e2e actor restarts, a real Prometheus on
 # a run, the loss-type configs through `rlpost train`, the AsyncVLLM ports on a live fleet, the
-# reasoning-gym and code runs, every HumanEval solution graded. CI runs the set-up, then both
+# reasoning-gym and code runs, every HumanEval solution graded, `rlpost serve` as a command and
+# tinker-cookbook's recipes against it. CI runs the set-up, then both
 # (budget 45 min; hard limit 90). The tiny models' targets only check the
 # shipped folders. Measured times, machine by machine: docs/performance.md.
 # The unit, compat and integration tiers run on TEST_WORKERS pytest-xdist workers (most of their
@@ -116,8 +117,18 @@ test: install-dev lint tiny-model tiny-model-tools tiny-reward-model
 
 # The long tests run on TEST_WORKERS workers too, each test on its own (their runs leave a third
 # of the two cores idle, starting and waiting, which a second run fills).
-test-long: install-dev tiny-model tiny-model-tools tiny-reward-model monitoring-tools
+test-long: install-dev tiny-model tiny-model-tools tiny-reward-model monitoring-tools tinker-cookbook
 	$(PY) -m pytest tests -m long -n $(TEST_WORKERS) --dist load
+
+# tinker-cookbook 0.6.1 for its recipes' long test, without its dependencies (pyproject.toml's
+# cookbook extra says why) and the few its sl_loop and rl_loop import.
+TINKER_COOKBOOK := tinker-cookbook==0.6.1
+tinker-cookbook: $(VENV)/.installed-cookbook
+$(VENV)/.installed-cookbook: pyproject.toml | install-dev
+	@# the extra alone: naming cpu again would bring back the torchvision that install removed
+	$(PIP) install -q -e ".[cookbook]"
+	$(PIP) install -q --no-deps "$(TINKER_COOKBOOK)"
+	@touch $@
 
 lint: install-dev
 	$(PY) -m ruff check .

@@ -82,6 +82,14 @@ class ServeConfig(Section):
     call_timeout_s: float = Field(
         600.0, gt=0, description="Longest one trainer or engine call may take before it fails as a server error."
     )
+    parity_check: bool = Field(
+        True,
+        description="Check each adapter snapshot an engine loads: the engine's log-probs of a fixed 32-token "
+        "sequence against the trainer's at the snapshot (metric rlpost_serve_logprob_diff).",
+    )
+    parity_warn: float = Field(
+        1e-3, gt=0, description="A parity difference above this is logged as a warning (fp32: ~1e-6 expected)."
+    )
     resources: ServeResources = Field(default_factory=ServeResources, description="Where the actors run.")
 
     @model_validator(mode="after")

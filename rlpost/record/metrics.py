@@ -423,6 +423,7 @@ class ServiceMetrics:
         "serve_models": "Client models (LoRA adapters) the trainer holds",
         "serve_samplers": "Samplers (adapter snapshots, base-model samplers) clients hold",
         "serve_pending_requests": "Requests accepted and not finished yet",
+        "serve_logprob_diff": "Largest log-prob difference between an engine and the trainer at the last parity check",
     }
     COUNTERS = {
         "serve_requests": "Requests accepted, by tenant and kind",

@@ -25,7 +25,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec
+import torch
+
+from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec, Datum
 from rlpost.config import ServeConfig
 from rlpost.record.metrics import ServiceMetrics
 from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
@@ -41,6 +43,9 @@ from rlpost.serve.wire import (
 log = logging.getLogger("rlpost")
 
 JSON = "application/json"
+# the parity check's sequence: a snapshot's log-probs of it in the trainer, then in each engine
+# that loads the snapshot, must agree (as a training run's sync_logprob_diff probe checks)
+PROBE = list(range(3, 35))
 _ADAM_FIELDS = {f for f in AdamParams.__dataclass_fields__}
 
 
@@ -67,6 +72,7 @@ class Sampler:
     payload: tuple[Any, Any] | None = None  # Ray refs to the adapter's config and tensors
     model_path: str | None = None
     futures: dict[int, Future] = field(default_factory=dict)
+    probe: list[float] | None = None  # the trainer's log-probs of PROBE under this adapter
 
 
 def _json(value: dict[str, Any]) -> tuple[bytes, str]:
@@ -94,6 +100,7 @@ class Service:
         self._on_worker: dict[int, set[str]] = {}  # adapters each worker was given
         self.counts: dict[str, int] = {}  # requests by kind
         self._pending = 0
+        self.last_logprob_diff: float | None = None  # the last parity check's (PROBE)
 
     # ------------------------------------------------------------------------------ calls
 
@@ -316,9 +323,20 @@ class Service:
         async def snapshot() -> tuple[bytes, str]:
             import ray
 
-            config, tensors = await self._call(self.fleet.trainer.adapter_state.remote(model.adapter), "snapshot")
+            trainer = self.fleet.trainer
+            config, tensors = await self._call(trainer.adapter_state.remote(model.adapter), "snapshot")
+            probe = None
+            if self.cfg.parity_check:
+                data = [
+                    Datum(
+                        PROBE[:-1], {"target_tokens": torch.tensor(PROBE[1:]), "weights": torch.zeros(len(PROBE) - 1)}
+                    )
+                ]
+                ref = trainer.forward_backward.remote(model.adapter, data, "cross_entropy", backward=False)
+                probe = (await self._call(ref, "snapshot"))["loss_fn_outputs"][0]["logprobs"].tolist()
             adapter = f"{model.adapter}-s{next(self._adapter_ids)}"
-            self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, (ray.put(config), ray.put(tensors)))
+            payload = (ray.put(config), ray.put(tensors))
+            self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, payload, probe=probe)
             return _json({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
         return self._in_order(model, seq, tenant, "save_weights_for_sampler", snapshot)
@@ -449,6 +467,8 @@ class Service:
                 ref = worker.add_adapter.remote(sampler.adapter, *sampler.payload)  # Ray hands the worker their values
                 await self._call(ref, "sample (load adapter)")
                 given.add(sampler.adapter)
+                if sampler.probe is not None:
+                    await self._check_parity(index, worker, sampler)
             try:
                 ref = worker.sample.remote(prompt, n, params, sampler.adapter, prompt_logprobs)
                 return await self._call(ref, "sample")
@@ -457,6 +477,20 @@ class Service:
                 if attempt:
                     raise
         raise AssertionError("unreachable")
+
+    async def _check_parity(self, index: int, worker: Any, sampler: Sampler) -> None:
+        """The engine's log-probs of :data:`PROBE` under the adapter it just loaded against the
+        trainer's when the snapshot was taken: their largest difference is a metric, and a
+        warning above ``parity_warn`` (the engine would sample from another model)."""
+        params = {"max_tokens": 1, "temperature": 1.0}
+        result = await self._call(worker.sample.remote(PROBE, 1, params, sampler.adapter, 0), "sample (parity check)")
+        diff = max(abs(a - b) for a, b in zip(result["prompt_logprobs"][1:], sampler.probe))
+        self.last_logprob_diff = diff
+        if self.metrics is not None:
+            self.metrics.state(logprob_diff=diff)
+        if diff > self.cfg.parity_warn:
+            log.warning("serve: inference-%d computes log-probs %.2g away from the trainer's for %s (above %g)",
+                        index, diff, sampler.sampler_id, self.cfg.parity_warn)  # fmt: skip
 
     # -------------------------------------------------------------------------- futures
 

@@ -90,6 +90,7 @@ def test_sft_lowers_the_loss_and_sampled_log_probs_match_forward(service, tokens
     full = tokens[:5] + sequence.tokens
     forward = training.forward([_datum(full)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert max(abs(a - b) for a, b in zip(forward[4:], sequence.logprobs)) < LOGPROB_BOUND
+    assert running.service.last_logprob_diff < LOGPROB_BOUND  # the parity check when the engine loaded it
     prompt_logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     assert prompt_logprobs[0] is None
     assert max(abs(a - b) for a, b in zip(prompt_logprobs[1:], forward)) < LOGPROB_BOUND
@@ -174,6 +175,7 @@ def test_saved_state_resumes_with_its_optimizer_on_a_restarted_server(service, t
     training.optim_step(adam).result()
     path = training.save_state("after-1").result().path
     assert path == f"tinker://{training.model_id}/weights/after-1"
+    at_save = training.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     training.forward_backward([_datum(tokens)], "cross_entropy").result()
     training.optim_step(adam).result()
     expected = training.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
@@ -182,6 +184,11 @@ def test_saved_state_resumes_with_its_optimizer_on_a_restarted_server(service, t
     rest = tinker.RestClient(base_url=restarted.url, api_key=ALICE)
     listed = rest.list_checkpoints(training.model_id).result()
     assert [c.tinker_path for c in listed.checkpoints] == [path]
+    capabilities = rest.get_server_capabilities().result()
+    assert [m.model_name for m in capabilities.supported_models] == [running.cfg.served_name]
+    weights_only = _client(restarted).create_training_client_from_state(path).result()
+    again = weights_only.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert again == pytest.approx(at_save, abs=1e-6)
     resumed = _client(restarted).create_training_client_from_state_with_optimizer(path).result()
     resumed.forward_backward([_datum(tokens)], "cross_entropy").result()
     resumed.optim_step(adam).result()
@@ -205,6 +212,8 @@ def test_keys_tenants_and_bad_requests(service, tokens):
     assert failed.value.category == "user"
     with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
         alice.forward_backward([_datum([1, 2, 10**6])], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="600 tokens, over the model's 512"):
+        alice.forward_backward([_datum([5] * 601)], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="base_model: 'Qwen/Qwen3-8B' is not served here"):
         _client(running).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
     assert alice.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"] > 0  # still serving

@@ -1,0 +1,124 @@
+"""The HTTP layer over a stand-in trainer (pure request handling): keys, error bodies, zstd bodies,
+futures read twice. The real actors and the real SDK: tests/integration/serve/."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+starlette_testclient = pytest.importorskip("starlette.testclient")
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is in the dev extra")
+from tinker import types  # noqa: E402
+from tinker.proto import request_conv, response_conv  # noqa: E402
+
+from rlpost.config import ServeConfig  # noqa: E402
+from rlpost.serve.access import ApiKeys  # noqa: E402
+from rlpost.serve.app import build_app  # noqa: E402
+from rlpost.serve.service import Service  # noqa: E402
+from rlpost.serve.storage import Storage  # noqa: E402
+
+KEY = "tml-alice-0123456789"
+
+
+class Remote:
+    """``actor.method.remote(...)`` over a plain object, answering an awaitable as Ray does."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        method = getattr(self.target, name)
+
+        class Call:
+            @staticmethod
+            def remote(*args, **kwargs):
+                async def run():
+                    return method(*args, **kwargs)
+
+                return run()
+
+        return Call
+
+
+class Trainer:
+    def __init__(self):
+        self.calls = []
+
+    def create(self, adapter, spec):
+        self.calls.append(("create", adapter, spec.rank))
+
+    def forward_backward(self, adapter, data, loss_fn, config, backward=True):
+        self.calls.append(("forward_backward", adapter, [d.tokens for d in data], loss_fn, backward))
+        return {"loss_fn_outputs": [{"logprobs": -torch.ones(len(d.tokens))} for d in data],
+                "metrics": {"loss:sum": float(sum(len(d.tokens) for d in data))}}  # fmt: skip
+
+
+class Fleet:
+    def __init__(self):
+        self.trainer_object = Trainer()
+        self.trainer = Remote(self.trainer_object)
+        self.inference = []
+
+
+@pytest.fixture
+def client(tmp_path):
+    cfg = ServeConfig(storage_dir=str(tmp_path), long_poll_s=2)
+    fleet = Fleet()
+    app = build_app(Service(cfg, fleet, Storage(tmp_path)), ApiKeys({KEY: "alice"}))
+    with starlette_testclient.TestClient(app, headers={"X-API-Key": KEY}) as http:
+        http.fleet = fleet
+        yield http
+
+
+def _post(http, path, body):
+    return http.post(f"/api/v1/{path}", json=body)
+
+
+def _result(http, request_id):
+    return http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+
+
+def test_keys_are_required_and_errors_name_the_field(client):
+    assert client.get("/api/v1/healthz", headers={"X-API-Key": ""}).json() == {"status": "ok"}
+    missing = client.post("/api/v1/create_session", json={}, headers={"X-API-Key": ""})
+    assert missing.status_code == 401 and missing.json() == {"detail": "X-API-Key is missing"}
+    unknown = client.post("/api/v1/create_session", json={}, headers={"X-API-Key": "tml-mallory-0123456789"})
+    assert unknown.status_code == 401 and "not a key of this service" in unknown.json()["detail"]
+    bad = _post(client, "get_info", {"model_id": "s:train:0"})
+    assert bad.status_code == 400 and bad.json() == {"detail": "model_id: no model 's:train:0'"}
+    assert int(bad.headers["content-length"]) > 0  # an empty 400 reads as a proxy's to the SDK
+    garbage = client.post("/api/v1/create_session", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert garbage.status_code == 400 and garbage.json() == {"detail": "body: not JSON"}
+
+
+def test_a_model_trains_through_a_zstd_body_and_a_result_reads_twice(client):
+    import zstandard
+
+    session = _post(client, "create_session", {}).json()["session_id"]
+    created = _post(client, "create_model", {"session_id": session, "model_seq_id": 0, "lora_config": {"rank": 4}})
+    model_id = json.loads(_result(client, created.json()["request_id"]).content)["model_id"]
+    assert model_id == f"{session}:train:0"
+    info = _post(client, "get_info", {"model_id": model_id}).json()
+    assert info["lora_rank"] == 4 and info["model_data"]["model_name"] == "models/tiny-model"
+
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+    request = types.ForwardBackwardRequest(
+        model_id=model_id, seq_id=1, forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="ppo")
+    )
+    body = zstandard.ZstdCompressor().compress(
+        request_conv.forward_backward_request_to_proto(request).SerializeToString()
+    )
+    posted = client.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf",
+                                                                            "Content-Encoding": "zstd"})  # fmt: skip
+    request_id = posted.json()["request_id"]
+    first, second = _result(client, request_id), _result(client, request_id)
+    assert first.headers["content-type"] == "application/x-protobuf" and first.content == second.content
+    output = response_conv.deserialize_forward_backward_output(first.content)
+    assert output.metrics == {"loss:sum": 3.0} and output.loss_fn_outputs[0]["logprobs"].tolist() == [-1.0] * 3
+    assert client.fleet.trainer_object.calls[-1] == ("forward_backward", "adapter-1", [[5, 6, 7]], "ppo", True)
+
+    unknown = _result(client, "req-made-up")
+    assert unknown.status_code == 400 and "no request 'req-made-up'" in unknown.json()["detail"]
