@@ -54,7 +54,8 @@ def _workdir(root: Path) -> Path:
     with open(sft / "train.jsonl", "w") as f:
         for a, b in pairs:
             question = {"role": "user", "content": f"What is {a} + {b}?" + SUFFIX}
-            f.write(json.dumps({"messages": [*FEW_SHOT, question, {"role": "assistant", "content": f"\\boxed{{{a + b}}}"}]}) + "\n")  # fmt: skip
+            answer = {"role": "assistant", "content": f"\\boxed{{{a + b}}}"}
+            f.write(json.dumps({"messages": [*FEW_SHOT, question, answer]}) + "\n")
     gsm8k = root / "openai" / "gsm8k"
     (gsm8k / "main").mkdir(parents=True)
     (gsm8k / "README.md").write_text(
