@@ -1,6 +1,7 @@
 """`rlpost serve` as an operator runs it: the command starts its own Ray cluster and fleet, the
 tinker SDK trains and samples through it, the node's Prometheus endpoint shows the service's
-metrics, and SIGTERM stops it (exit 143) leaving none of its processes behind."""
+metrics, and SIGTERM or Ctrl-C's SIGINT stops it (exit 143, 130) leaving none of its processes
+behind."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _read_until(process, pattern: str, timeout_s: float, seen: list[str]) -> re.
     raise AssertionError(f"no line matching {pattern!r}; the command printed:\n{''.join(seen)}")
 
 
-def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
+@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_serve_trains_samples_exports_metrics_and_stops_on_a_signal(tmp_path, stop, code):
     env = {**os.environ, "RLPOST_SERVE_API_KEYS": f"operator={KEY}", "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1"}
     # (the options after the overrides: argparse reads no positional after an option)
     command = [sys.executable, "-m", "rlpost.ops.cli", "serve", "configs/serve-tiny-cpu.yaml",
@@ -82,15 +84,15 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
         assert re.search(r"ray_rlpost_serve_models\{[^}]*\} 1", text)
 
         started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=120)
+        process.send_signal(stop)
+        exited = process.wait(timeout=120)
         seen += process.stdout.readlines()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     output = "".join(seen)
-    assert code == 143, output
-    assert "rlpost serve: stopping the fleet" in output and "stopped by SIGTERM" in output
+    assert exited == code, output
+    assert "rlpost serve: stopping the fleet" in output and f"stopped by {stop.name}" in output
     assert time.monotonic() - started < 90
     deadline = time.monotonic() + 30
     while _session_pids(process.pid) and time.monotonic() < deadline:
