@@ -16,7 +16,6 @@ samples there.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -31,6 +30,7 @@ from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec, Datum
 from rlpost.config import ServeConfig
 from rlpost.record.metrics import ServiceMetrics
 from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
+from rlpost.serve.recovery import ActorCalls
 from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
 from rlpost.serve.wire import (
     PROTOBUF,
@@ -62,6 +62,10 @@ class Model:
     adapter: str  # the trainer's name for its adapter
     spec: AdapterSpec
     queue: ModelQueue
+    # what a replaced trainer is given back (rlpost.serve.recovery): the adapter and optimizer as of
+    # the last optim_step (or creation, or load), and the forward_backward calls since
+    checkpoint: dict[str, bytes] | None = None
+    replay: list[tuple] = field(default_factory=list)
 
 
 @dataclass
@@ -97,28 +101,37 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         self._adapter_ids = itertools.count(1)
         self._next_worker = itertools.count()
-        self._on_worker: dict[int, set[str]] = {}  # adapters each worker was given
+        self._on_worker: dict[tuple[int, int], set[str]] = {}  # adapters given to (worker, its generation)
+        self.calls = ActorCalls(fleet, cfg.call_timeout_s, on_new_trainer=self._put_models_back)
         self.counts: dict[str, int] = {}  # requests by kind
         self._pending = 0
         self.last_logprob_diff: float | None = None  # the last parity check's (PROBE)
 
     # ------------------------------------------------------------------------------ calls
 
-    async def _call(self, ref: Any, what: str) -> Any:
-        """Await an actor call, bounded; a lost actor is a server error the client may retry."""
-        import ray
+    async def _trainer(self, method: str, *args: Any, what: str, **kwargs: Any) -> Any:
+        return await self.calls.trainer(method, *args, what=what, **kwargs)
 
-        try:
-            return await asyncio.wait_for(ref, self.cfg.call_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(f"{what} took over {self.cfg.call_timeout_s:.0f} s", SERVER) from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            if isinstance(cause, (ValueError, KeyError, RequestError)):
-                raise cause from None
-            raise RequestError(f"{what} failed: {type(cause).__name__}: {str(cause).splitlines()[0]}", SERVER) from None
-        except ray.exceptions.RayActorError:
-            raise RequestError(f"{what}: its actor was lost; retry once the service has replaced it", SERVER) from None
+    async def _checkpoint(self, model: Model) -> None:
+        """Keep ``model``'s adapter and optimizer state as a replaced trainer gets them back."""
+        files = await self._trainer("snapshot", model.adapter, with_optimizer=True, what="snapshot")
+        model.checkpoint, model.replay = files, []
+
+    async def _put_models_back(self) -> None:
+        """On a new trainer: every model from its checkpoint, then its gradients since replayed.
+        Calls the trainer directly (the others wait until this is done)."""
+        trainer = self.fleet.trainer
+        for model in list(self.models.values()):
+            if model.checkpoint is None:
+                continue
+            await self.calls.wait(
+                trainer.restore.remote(model.adapter, model.checkpoint, with_optimizer=True), "restore"
+            )
+            for data, loss_fn, config in model.replay:
+                ref = trainer.forward_backward.remote(model.adapter, data, loss_fn, config, backward=True)
+                await self.calls.wait(ref, "replay")
+            log.info("serve: %s is back on the new trainer (%d forward_backward replayed)", model.model_id,
+                     len(model.replay))  # fmt: skip
 
     def _future(self, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
         future = self.futures.create(tenant, kind)
@@ -214,9 +227,9 @@ class Service:
 
         async def work() -> tuple[bytes, str]:
             adapter = f"adapter-{next(self._adapter_ids)}"
-            await self._call(self.fleet.trainer.create.remote(adapter, spec), "create_model")
+            await self._trainer("create", adapter, spec, what="create_model")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
-            self._register(tenant, model_id, adapter, spec)
+            await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"model_id": model_id, "type": "create_model"})
 
         future = session.futures[("model", seq)] = self._future(tenant, "create_model", work)
@@ -250,7 +263,7 @@ class Service:
         async def work() -> tuple[bytes, str]:
             model.queue.close()
             del self.models[model.model_id]
-            await self._call(self.fleet.trainer.remove.remote(model.adapter), "unload_model")
+            await self._trainer("remove", model.adapter, what="unload_model")
             return _json({"model_id": model.model_id})
 
         return self._future(tenant, "unload_model", work)
@@ -260,13 +273,13 @@ class Service:
     def forward_backward(self, tenant: str, body: bytes) -> Future:
         call = decode_forward_backward(body)
         model = self.model(tenant, call.model_id)
-        trainer = self.fleet.trainer
         kind = "forward" if call.forward_only else "forward_backward"
 
         async def work() -> tuple[bytes, str]:
-            ref = trainer.forward_backward.remote(model.adapter, call.data, call.loss_fn, call.loss_fn_config,
-                                                  backward=not call.forward_only)  # fmt: skip
-            result = await self._call(ref, kind)
+            result = await self._trainer("forward_backward", model.adapter, call.data, call.loss_fn,
+                                         call.loss_fn_config, backward=not call.forward_only, what=kind)  # fmt: skip
+            if not call.forward_only:
+                model.replay.append((call.data, call.loss_fn, call.loss_fn_config))
             self._tokens("serve_tokens_trained", tenant, sum(len(d.tokens) for d in call.data))
             return encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"]), PROTOBUF
 
@@ -286,7 +299,8 @@ class Service:
             raise RequestError(f"adam_params: need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps > 0, got {adam}")
 
         async def work() -> tuple[bytes, str]:
-            metrics = await self._call(self.fleet.trainer.optim_step.remote(model.adapter, params), "optim_step")
+            metrics = await self._trainer("optim_step", model.adapter, params, what="optim_step")
+            await self._checkpoint(model)
             return _json({"metrics": metrics, "type": "optim_step"})
 
         return self._in_order(model, seq, tenant, "optim_step", work)
@@ -297,8 +311,8 @@ class Service:
         overwrite = bool(body.get("overwrite", True))
 
         async def work() -> tuple[bytes, str]:
-            ref = self.fleet.trainer.snapshot.remote(model.adapter, with_optimizer=True)
-            self.storage.save(path, tenant, await self._call(ref, "save_weights"), overwrite=overwrite)
+            files = await self._trainer("snapshot", model.adapter, with_optimizer=True, what="save_weights")
+            self.storage.save(path, tenant, files, overwrite=overwrite)
             return _json({"path": str(path), "type": "save_weights"})
 
         return self._in_order(model, _field(body, "seq_id", int), tenant, "save_weights", work)
@@ -312,8 +326,10 @@ class Service:
             path = WeightsPath(model.model_id, "sampler_weights", check_name(body["path"]))
 
             async def save_named() -> tuple[bytes, str]:
-                ref = self.fleet.trainer.snapshot.remote(model.adapter, with_optimizer=False)
-                self.storage.save(path, tenant, await self._call(ref, "save_weights_for_sampler"))
+                files = await self._trainer(
+                    "snapshot", model.adapter, with_optimizer=False, what="save_weights_for_sampler"
+                )
+                self.storage.save(path, tenant, files)
                 return _json({"path": str(path), "type": "save_weights_for_sampler"})
 
             return self._in_order(model, seq, tenant, "save_weights_for_sampler", save_named)
@@ -323,17 +339,13 @@ class Service:
         async def snapshot() -> tuple[bytes, str]:
             import ray
 
-            trainer = self.fleet.trainer
-            config, tensors = await self._call(trainer.adapter_state.remote(model.adapter), "snapshot")
+            config, tensors = await self._trainer("adapter_state", model.adapter, what="snapshot")
             probe = None
             if self.cfg.parity_check:
-                data = [
-                    Datum(
-                        PROBE[:-1], {"target_tokens": torch.tensor(PROBE[1:]), "weights": torch.zeros(len(PROBE) - 1)}
-                    )
-                ]
-                ref = trainer.forward_backward.remote(model.adapter, data, "cross_entropy", backward=False)
-                probe = (await self._call(ref, "snapshot"))["loss_fn_outputs"][0]["logprobs"].tolist()
+                inputs = {"target_tokens": torch.tensor(PROBE[1:]), "weights": torch.zeros(len(PROBE) - 1)}
+                result = await self._trainer("forward_backward", model.adapter, [Datum(PROBE[:-1], inputs)],
+                                             "cross_entropy", backward=False, what="snapshot")  # fmt: skip
+                probe = result["loss_fn_outputs"][0]["logprobs"].tolist()
             adapter = f"{model.adapter}-s{next(self._adapter_ids)}"
             payload = (ray.put(config), ray.put(tensors))
             self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, payload, probe=probe)
@@ -351,8 +363,8 @@ class Service:
 
             async def into_model() -> tuple[bytes, str]:
                 files = self.storage.load(path, tenant)
-                ref = self.fleet.trainer.restore.remote(model.adapter, files, with_optimizer=with_optimizer)
-                await self._call(ref, "load_weights")
+                await self._trainer("restore", model.adapter, files, with_optimizer=with_optimizer, what="load_weights")
+                await self._checkpoint(model)
                 return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
             return self._in_order(model, _field(body, "seq_id", int), tenant, "load_weights", into_model)
@@ -370,10 +382,9 @@ class Service:
                 raise RequestError(f"path: {path} holds no model this server saved")
             spec = AdapterSpec(**json.loads(files[MODEL_FILE])["lora"])
             adapter = f"adapter-{next(self._adapter_ids)}"
-            ref = self.fleet.trainer.restore.remote(adapter, files, with_optimizer=with_optimizer)
-            await self._call(ref, "load_weights")
+            await self._trainer("restore", adapter, files, with_optimizer=with_optimizer, what="load_weights")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
-            self._register(tenant, model_id, adapter, spec)
+            await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"path": str(path), "model_id": model_id, "type": "load_weights"})
 
         future = session.futures[("model", seq)] = self._future(tenant, "load_weights", new_model)
@@ -458,32 +469,34 @@ class Service:
         return params, max(0, int(body.get("topk_prompt_logprobs") or 0))
 
     async def _sample(self, sampler: Sampler, prompt, n, params, prompt_logprobs) -> dict[str, Any]:
-        workers = self.fleet.inference
-        index = next(self._next_worker) % len(workers)
-        worker = workers[index]
-        given = self._on_worker.setdefault(index, set())
+        """Sample on the next worker, sending it the sampler's adapter first where it has not got it
+        (a replaced worker has none; one that dropped it, least recently used, says so)."""
+        index = next(self._next_worker) % len(self.fleet.inference)
         for attempt in range(2):
+            given = self._on_worker.setdefault((index, self.calls.worker_generations.get(index, 0)), set())
             if sampler.adapter is not None and sampler.adapter not in given:
-                ref = worker.add_adapter.remote(sampler.adapter, *sampler.payload)  # Ray hands the worker their values
-                await self._call(ref, "sample (load adapter)")
+                # Ray hands the worker the payload's values
+                await self.calls.worker(
+                    index, "add_adapter", sampler.adapter, *sampler.payload, what="sample (adapter)"
+                )
                 given.add(sampler.adapter)
                 if sampler.probe is not None:
-                    await self._check_parity(index, worker, sampler)
+                    await self._check_parity(index, sampler)
             try:
-                ref = worker.sample.remote(prompt, n, params, sampler.adapter, prompt_logprobs)
-                return await self._call(ref, "sample")
-            except KeyError:  # the worker dropped the adapter (least recently used) or restarted
+                return await self.calls.worker(index, "sample", prompt, n, params, sampler.adapter, prompt_logprobs,
+                                               what="sample")  # fmt: skip
+            except KeyError:  # the worker dropped the adapter, or was replaced since it got it
                 given.discard(sampler.adapter)
                 if attempt:
                     raise
         raise AssertionError("unreachable")
 
-    async def _check_parity(self, index: int, worker: Any, sampler: Sampler) -> None:
+    async def _check_parity(self, index: int, sampler: Sampler) -> None:
         """The engine's log-probs of :data:`PROBE` under the adapter it just loaded against the
         trainer's when the snapshot was taken: their largest difference is a metric, and a
         warning above ``parity_warn`` (the engine would sample from another model)."""
         params = {"max_tokens": 1, "temperature": 1.0}
-        result = await self._call(worker.sample.remote(PROBE, 1, params, sampler.adapter, 0), "sample (parity check)")
+        result = await self.calls.worker(index, "sample", PROBE, 1, params, sampler.adapter, 0, what="parity check")
         diff = max(abs(a - b) for a, b in zip(result["prompt_logprobs"][1:], sampler.probe))
         self.last_logprob_diff = diff
         if self.metrics is not None:

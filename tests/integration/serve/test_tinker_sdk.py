@@ -218,3 +218,44 @@ def test_keys_tenants_and_bad_requests(service, tokens):
     with pytest.raises(tinker.BadRequestError, match="base_model: 'Qwen/Qwen3-8B' is not served here"):
         _client(running).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
     assert alice.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"] > 0  # still serving
+
+
+def _pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_a_killed_trainer_and_engine_are_replaced_without_losing_or_repeating_a_step(service, tokens):
+    """SIGKILL of the trainer with a gradient pending, then of the engine: the client's calls only
+    take longer, and its model ends where an undisturbed run of the same calls ends."""
+    import signal
+
+    running, _ = service
+    fleet = running.fleet
+    adam = types.AdamParams(learning_rate=5e-3)
+
+    def run(kill_after_first_step):
+        training = _client(running).create_lora_training_client(base_model=running.cfg.served_name, rank=8,
+                                                                 seed=7).result()  # fmt: skip
+        training.forward_backward([_datum(tokens)], "cross_entropy").result()
+        training.optim_step(adam).result()
+        training.forward_backward([_datum(tokens)], "cross_entropy").result()  # a gradient waiting for its step
+        if kill_after_first_step:
+            os.kill(_pid(fleet.trainer), signal.SIGKILL)
+        training.optim_step(adam).result()
+        training.forward_backward([_datum(tokens)], "cross_entropy").result()
+        training.optim_step(adam).result()
+        return training, training.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+
+    _, undisturbed = run(False)
+    restarts = fleet.restarts["trainer"]
+    training, disturbed = run(True)
+    assert fleet.restarts["trainer"] == restarts + 1
+    assert disturbed.tolist() == pytest.approx(undisturbed.tolist(), abs=1e-5)
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    os.kill(_pid(fleet.inference[0]), signal.SIGKILL)
+    sample = sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, types.SamplingParams(max_tokens=3)).result()
+    assert len(sample.sequences[0].tokens) == 3 and fleet.restarts["inference"] >= 1
+    assert running.service.last_logprob_diff < LOGPROB_BOUND  # the new engine serves the same adapter

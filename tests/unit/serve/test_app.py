@@ -49,6 +49,9 @@ class Trainer:
     def create(self, adapter, spec):
         self.calls.append(("create", adapter, spec.rank))
 
+    def snapshot(self, adapter, with_optimizer):
+        return {"adapter_model.safetensors": b"weights of " + adapter.encode()}
+
     def forward_backward(self, adapter, data, loss_fn, config, backward=True):
         self.calls.append(("forward_backward", adapter, [d.tokens for d in data], loss_fn, backward))
         return {"loss_fn_outputs": [{"logprobs": -torch.ones(len(d.tokens))} for d in data],
