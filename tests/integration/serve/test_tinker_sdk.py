@@ -226,6 +226,7 @@ def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
+@pytest.mark.long  # two replacements (~20 s): make test-long
 def test_a_killed_trainer_and_engine_are_replaced_without_losing_or_repeating_a_step(service, tokens):
     """SIGKILL of the trainer with a gradient pending, then of the engine: the client's calls only
     take longer, and its model ends where an undisturbed run of the same calls ends."""
