@@ -78,6 +78,12 @@ class ServeConfig(Section):
     gap_timeout_s: float = Field(
         120.0, gt=0, description="How long a model's requests wait for a missing seq_id before they fail."
     )
+    max_pending_per_tenant: int = Field(
+        256,
+        ge=1,
+        description="Requests one tenant may have accepted and not finished; past that a request is answered 429 "
+        "(the SDK retries it later). Each actor serves the waiting tenants in rotation.",
+    )
     keep_results_s: float = Field(3600.0, gt=0, description="How long a finished request's result can be read again.")
     call_timeout_s: float = Field(
         600.0, gt=0, description="Longest one trainer or engine call may take before it fails as a server error."

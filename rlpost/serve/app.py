@@ -3,7 +3,8 @@
 Every route but ``healthz`` needs an ``X-API-Key`` the service knows (401 otherwise, with a
 message). A client's mistake is a 400 whose JSON body names the field (never an empty body: the
 SDK takes an empty 400 for a proxy's and retries it); a request that reached the service but
-failed later is reported through its future, as the SDK expects. 5xx answers are left to real
+failed later is reported through its future, as the SDK expects. A tenant over its bound of
+pending requests gets 429 (the SDK waits and sends it again). 5xx answers are left to real
 server faults, since the SDK retries them for minutes.
 """
 
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rlpost.serve.access import ApiKeys
+from rlpost.serve.fairness import Busy
 from rlpost.serve.futures import RequestError
 from rlpost.serve.service import Service
 from rlpost.serve.wire import BadRequest
@@ -57,6 +59,8 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
                 return await handler(request, tenant)
             except (RequestError, BadRequest) as exc:
                 return JSONResponse({"detail": str(exc)}, status_code=400)
+            except Busy as exc:  # the SDK backs off and sends it again
+                return JSONResponse({"detail": str(exc)}, status_code=429, headers={"retry-after-ms": "1000"})
 
         return Route(PREFIX + path, endpoint, methods=list(methods))
 

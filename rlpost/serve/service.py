@@ -29,6 +29,7 @@ import torch
 from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec, Datum
 from rlpost.config import ServeConfig
 from rlpost.record.metrics import ServiceMetrics
+from rlpost.serve.fairness import Admission, FairTurns
 from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
 from rlpost.serve.recovery import ActorCalls
 from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
@@ -103,18 +104,28 @@ class Service:
         self._next_worker = itertools.count()
         self._on_worker: dict[tuple[int, int], set[str]] = {}  # adapters given to (worker, its generation)
         self.calls = ActorCalls(fleet, cfg.call_timeout_s, on_new_trainer=self._put_models_back)
+        self.trainer_turns = FairTurns(1)
+        self.worker_turns: dict[int, FairTurns] = {}
+        self.admission = Admission(cfg.max_pending_per_tenant)
         self.counts: dict[str, int] = {}  # requests by kind
         self._pending = 0
         self.last_logprob_diff: float | None = None  # the last parity check's (PROBE)
 
     # ------------------------------------------------------------------------------ calls
 
-    async def _trainer(self, method: str, *args: Any, what: str, **kwargs: Any) -> Any:
-        return await self.calls.trainer(method, *args, what=what, **kwargs)
+    async def _trainer(self, tenant: str, method: str, *args: Any, what: str, **kwargs: Any) -> Any:
+        """A trainer call of ``tenant``'s, in its turn (:mod:`rlpost.serve.fairness`)."""
+        async with self.trainer_turns.turn(tenant):
+            return await self.calls.trainer(method, *args, what=what, **kwargs)
+
+    async def _worker(self, tenant: str, index: int, method: str, *args: Any, what: str) -> Any:
+        """An inference worker's call of ``tenant``'s, in its turn at that worker."""
+        async with self.worker_turns.setdefault(index, FairTurns(1)).turn(tenant):
+            return await self.calls.worker(index, method, *args, what=what)
 
     async def _checkpoint(self, model: Model) -> None:
         """Keep ``model``'s adapter and optimizer state as a replaced trainer gets them back."""
-        files = await self._trainer("snapshot", model.adapter, with_optimizer=True, what="snapshot")
+        files = await self._trainer(model.tenant, "snapshot", model.adapter, with_optimizer=True, what="snapshot")
         model.checkpoint, model.replay = files, []
 
     async def _put_models_back(self) -> None:
@@ -134,6 +145,7 @@ class Service:
                      len(model.replay))  # fmt: skip
 
     def _future(self, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
+        self.admission.check(tenant)
         future = self.futures.create(tenant, kind)
         self._accepted(tenant, kind)
         self.futures.run(future, work)
@@ -142,12 +154,14 @@ class Service:
     def _accepted(self, tenant: str, kind: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self._pending += 1
+        self.admission.started(tenant)
         if self.metrics is not None:
             self.metrics.count("serve_requests", tenant=tenant, kind=kind)
             self._state()
 
     def _settled(self, future: Future) -> None:
         self._pending -= 1
+        self.admission.finished(future.tenant)
         if self.metrics is not None:
             if future.error is not None:
                 self.metrics.count("serve_request_errors", tenant=future.tenant, kind=future.kind,
@@ -227,7 +241,7 @@ class Service:
 
         async def work() -> tuple[bytes, str]:
             adapter = f"adapter-{next(self._adapter_ids)}"
-            await self._trainer("create", adapter, spec, what="create_model")
+            await self._trainer(tenant, "create", adapter, spec, what="create_model")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
             await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"model_id": model_id, "type": "create_model"})
@@ -242,11 +256,11 @@ class Service:
 
     def _in_order(self, model: Model, seq: int, tenant: str, kind: str, work) -> Future:
         """Queue ``work`` as request ``seq`` of ``model`` (a number seen before: its first future)."""
-        known = seq in model.queue.by_seq
-        future = model.queue.submit(seq, tenant, kind, work)
-        if not known:  # (one refused at once has settled already: the pending count nets to 0)
-            self._accepted(tenant, kind)
-        return future
+        if seq in model.queue.by_seq:
+            return model.queue.submit(seq, tenant, kind, work)
+        self.admission.check(tenant, unblocks=seq == model.queue.next_seq)
+        self._accepted(tenant, kind)  # (one refused at once settles in submit: the counts net to 0)
+        return model.queue.submit(seq, tenant, kind, work)
 
     def get_info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         model = self.model(tenant, body.get("model_id"))
@@ -263,7 +277,7 @@ class Service:
         async def work() -> tuple[bytes, str]:
             model.queue.close()
             del self.models[model.model_id]
-            await self._trainer("remove", model.adapter, what="unload_model")
+            await self._trainer(tenant, "remove", model.adapter, what="unload_model")
             return _json({"model_id": model.model_id})
 
         return self._future(tenant, "unload_model", work)
@@ -276,7 +290,7 @@ class Service:
         kind = "forward" if call.forward_only else "forward_backward"
 
         async def work() -> tuple[bytes, str]:
-            result = await self._trainer("forward_backward", model.adapter, call.data, call.loss_fn,
+            result = await self._trainer(tenant, "forward_backward", model.adapter, call.data, call.loss_fn,
                                          call.loss_fn_config, backward=not call.forward_only, what=kind)  # fmt: skip
             if not call.forward_only:
                 model.replay.append((call.data, call.loss_fn, call.loss_fn_config))
@@ -299,7 +313,7 @@ class Service:
             raise RequestError(f"adam_params: need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps > 0, got {adam}")
 
         async def work() -> tuple[bytes, str]:
-            metrics = await self._trainer("optim_step", model.adapter, params, what="optim_step")
+            metrics = await self._trainer(tenant, "optim_step", model.adapter, params, what="optim_step")
             await self._checkpoint(model)
             return _json({"metrics": metrics, "type": "optim_step"})
 
@@ -311,7 +325,7 @@ class Service:
         overwrite = bool(body.get("overwrite", True))
 
         async def work() -> tuple[bytes, str]:
-            files = await self._trainer("snapshot", model.adapter, with_optimizer=True, what="save_weights")
+            files = await self._trainer(tenant, "snapshot", model.adapter, with_optimizer=True, what="save_weights")
             self.storage.save(path, tenant, files, overwrite=overwrite)
             return _json({"path": str(path), "type": "save_weights"})
 
@@ -327,7 +341,7 @@ class Service:
 
             async def save_named() -> tuple[bytes, str]:
                 files = await self._trainer(
-                    "snapshot", model.adapter, with_optimizer=False, what="save_weights_for_sampler"
+                    tenant, "snapshot", model.adapter, with_optimizer=False, what="save_weights_for_sampler"
                 )
                 self.storage.save(path, tenant, files)
                 return _json({"path": str(path), "type": "save_weights_for_sampler"})
@@ -339,11 +353,11 @@ class Service:
         async def snapshot() -> tuple[bytes, str]:
             import ray
 
-            config, tensors = await self._trainer("adapter_state", model.adapter, what="snapshot")
+            config, tensors = await self._trainer(tenant, "adapter_state", model.adapter, what="snapshot")
             probe = None
             if self.cfg.parity_check:
                 inputs = {"target_tokens": torch.tensor(PROBE[1:]), "weights": torch.zeros(len(PROBE) - 1)}
-                result = await self._trainer("forward_backward", model.adapter, [Datum(PROBE[:-1], inputs)],
+                result = await self._trainer(tenant, "forward_backward", model.adapter, [Datum(PROBE[:-1], inputs)],
                                              "cross_entropy", backward=False, what="snapshot")  # fmt: skip
                 probe = result["loss_fn_outputs"][0]["logprobs"].tolist()
             adapter = f"{model.adapter}-s{next(self._adapter_ids)}"
@@ -363,7 +377,9 @@ class Service:
 
             async def into_model() -> tuple[bytes, str]:
                 files = self.storage.load(path, tenant)
-                await self._trainer("restore", model.adapter, files, with_optimizer=with_optimizer, what="load_weights")
+                await self._trainer(
+                    tenant, "restore", model.adapter, files, with_optimizer=with_optimizer, what="load_weights"
+                )
                 await self._checkpoint(model)
                 return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
@@ -382,7 +398,7 @@ class Service:
                 raise RequestError(f"path: {path} holds no model this server saved")
             spec = AdapterSpec(**json.loads(files[MODEL_FILE])["lora"])
             adapter = f"adapter-{next(self._adapter_ids)}"
-            await self._trainer("restore", adapter, files, with_optimizer=with_optimizer, what="load_weights")
+            await self._trainer(tenant, "restore", adapter, files, with_optimizer=with_optimizer, what="load_weights")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
             await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"path": str(path), "model_id": model_id, "type": "load_weights"})
@@ -476,15 +492,14 @@ class Service:
             given = self._on_worker.setdefault((index, self.calls.worker_generations.get(index, 0)), set())
             if sampler.adapter is not None and sampler.adapter not in given:
                 # Ray hands the worker the payload's values
-                await self.calls.worker(
-                    index, "add_adapter", sampler.adapter, *sampler.payload, what="sample (adapter)"
-                )
+                await self._worker(sampler.tenant, index, "add_adapter", sampler.adapter, *sampler.payload,
+                                   what="sample (adapter)")  # fmt: skip
                 given.add(sampler.adapter)
                 if sampler.probe is not None:
                     await self._check_parity(index, sampler)
             try:
-                return await self.calls.worker(index, "sample", prompt, n, params, sampler.adapter, prompt_logprobs,
-                                               what="sample")  # fmt: skip
+                return await self._worker(sampler.tenant, index, "sample", prompt, n, params, sampler.adapter,
+                                          prompt_logprobs, what="sample")  # fmt: skip
             except KeyError:  # the worker dropped the adapter, or was replaced since it got it
                 given.discard(sampler.adapter)
                 if attempt:
@@ -496,7 +511,8 @@ class Service:
         trainer's when the snapshot was taken: their largest difference is a metric, and a
         warning above ``parity_warn`` (the engine would sample from another model)."""
         params = {"max_tokens": 1, "temperature": 1.0}
-        result = await self.calls.worker(index, "sample", PROBE, 1, params, sampler.adapter, 0, what="parity check")
+        result = await self._worker(sampler.tenant, index, "sample", PROBE, 1, params, sampler.adapter, 0,
+                                    what="parity check")  # fmt: skip
         diff = max(abs(a - b) for a, b in zip(result["prompt_logprobs"][1:], sampler.probe))
         self.last_logprob_diff = diff
         if self.metrics is not None:

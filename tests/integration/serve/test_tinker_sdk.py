@@ -226,6 +226,27 @@ def _pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
+def test_a_tenant_over_its_bound_is_told_to_try_again_and_the_sdk_does(service, tokens):
+    """With one pending request allowed, the optim_step the SDK sends while its forward_backward runs
+    is answered 429; the SDK waits and sends it again, and the step is applied once."""
+    running, _ = service
+    admission = running.service.admission
+    training = _client(running).create_lora_training_client(base_model=running.cfg.served_name, rank=8).result()
+    limit, admission.limit = admission.limit, 1
+    try:
+        refused = admission.refused["alice"]
+        first = training.forward_backward([_datum(tokens)], "cross_entropy")
+        second = training.forward_backward([_datum(tokens)], "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        losses = [first.result().metrics["loss:sum"], second.result().metrics["loss:sum"]]
+        assert step.result() is not None and admission.refused["alice"] > refused
+    finally:
+        admission.limit = limit
+    assert losses[0] == pytest.approx(losses[1])  # both before the step
+    after = training.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"]
+    assert after < losses[0]
+
+
 @pytest.mark.long  # two replacements (~20 s): make test-long
 def test_a_killed_trainer_and_engine_are_replaced_without_losing_or_repeating_a_step(service, tokens):
     """SIGKILL of the trainer with a gradient pending, then of the engine: the client's calls only
