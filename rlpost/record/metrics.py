@@ -431,6 +431,9 @@ class ServiceMetrics:
         "serve_tokens_trained": "Tokens of forward and forward_backward requests, by tenant",
         "serve_tokens_sampled": "Tokens sampled, by tenant",
     }
+    TENANT_GAUGES = {
+        "serve_tenant_pending": "Requests of the tenant accepted and not finished (its queue depth)",
+    }
     _TAGS = {"serve_requests": ("tenant", "kind"), "serve_request_errors": ("tenant", "kind", "category"),
              "serve_tokens_trained": ("tenant",), "serve_tokens_sampled": ("tenant",)}  # fmt: skip
 
@@ -438,6 +441,9 @@ class ServiceMetrics:
         from ray.util import metrics
 
         self.gauges = {k: metrics.Gauge(f"rlpost_{k}", description=d) for k, d in self.GAUGES.items()}
+        self.gauges |= {
+            k: metrics.Gauge(f"rlpost_{k}", description=d, tag_keys=("tenant",)) for k, d in self.TENANT_GAUGES.items()
+        }
         self.counters = {
             k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=self._TAGS[k]) for k, d in self.COUNTERS.items()
         }
@@ -449,3 +455,6 @@ class ServiceMetrics:
     def state(self, **values: float) -> None:
         for key, value in values.items():
             self.gauges[f"serve_{key}"].set(float(value))
+
+    def tenant_pending(self, tenant: str, count: int) -> None:
+        self.gauges["serve_tenant_pending"].set(float(count), tags={"tenant": tenant})

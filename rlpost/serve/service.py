@@ -155,6 +155,7 @@ class Service:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self._pending += 1
         self.admission.started(tenant)
+        self._queue_depth(tenant)
         if self.metrics is not None:
             self.metrics.count("serve_requests", tenant=tenant, kind=kind)
             self._state()
@@ -162,6 +163,7 @@ class Service:
     def _settled(self, future: Future) -> None:
         self._pending -= 1
         self.admission.finished(future.tenant)
+        self._queue_depth(future.tenant)
         if self.metrics is not None:
             if future.error is not None:
                 self.metrics.count("serve_request_errors", tenant=future.tenant, kind=future.kind,
@@ -171,6 +173,10 @@ class Service:
     def _state(self) -> None:
         self.metrics.state(sessions=len(self.sessions), models=len(self.models), samplers=len(self.samplers),
                            pending_requests=max(self._pending, 0))  # fmt: skip
+
+    def _queue_depth(self, tenant: str) -> None:
+        if self.metrics is not None:
+            self.metrics.tenant_pending(tenant, self.admission.pending[tenant])
 
     def _tokens(self, key: str, tenant: str, count: int) -> None:
         if self.metrics is not None:
