@@ -200,10 +200,9 @@ class AdapterTrainer:
         for group in optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)  # fmt: skip
-        grads = [p.grad for p in parameters if p.grad is not None]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
-        if params.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(parameters, params.grad_clip_norm)
+        # the norm before clipping (clip_grad_norm_ with an infinite bound measures without clipping)
+        bound = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, bound))
         with working("optim_step"):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -219,7 +218,6 @@ class AdapterTrainer:
                 raise ValueError(f"data[{i}].model_input: empty")
             if self.max_length is not None and n > self.max_length:
                 raise ValueError(f"data[{i}].model_input: {n} tokens, over the model's {self.max_length}")
-            bad = [t for t in datum.tokens if not 0 <= t < self.vocab_size]
             targets = datum.inputs.get("target_tokens")
             if targets is None:
                 raise ValueError(f"data[{i}].loss_fn_inputs: target_tokens is missing")
@@ -227,7 +225,8 @@ class AdapterTrainer:
                 raise ValueError(
                     f"data[{i}].loss_fn_inputs.target_tokens: shape {tuple(targets.shape)}, where the input has {n} tokens"
                 )
-            bad += [int(t) for t in targets.flatten() if not 0 <= int(t) < self.vocab_size]
+            ids = torch.cat([torch.as_tensor(datum.tokens, dtype=torch.long), targets.flatten().long()])
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)].tolist()
             if bad:
                 raise ValueError(f"data[{i}]: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 

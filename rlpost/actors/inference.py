@@ -458,9 +458,6 @@ class InferenceWorker:
             shutil.rmtree(oldest.lora_path, ignore_errors=True)
         return True
 
-    def has_adapter(self, name: str) -> bool:
-        return name in self._client_adapters
-
     def sample(self, prompt: list[int], num_samples: int, params: dict[str, Any], adapter: str | None = None,
                prompt_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
         """``num_samples`` completions of ``prompt`` under the adapter ``adapter`` (None: the base

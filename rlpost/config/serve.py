@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from rlpost.config.base import Section
 from rlpost.config.model import VLLM_LORA_RANKS
@@ -97,12 +97,6 @@ class ServeConfig(Section):
         1e-3, gt=0, description="A parity difference above this is logged as a warning (fp32: ~1e-6 expected)."
     )
     resources: ServeResources = Field(default_factory=ServeResources, description="Where the actors run.")
-
-    @model_validator(mode="after")
-    def _checks(self) -> ServeConfig:
-        if self.engine.max_model_len < 16:
-            raise ValueError("engine.max_model_len must be at least 16")
-        return self
 
     @property
     def served_name(self) -> str:

@@ -64,11 +64,32 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
 
         return Route(PREFIX + path, endpoint, methods=list(methods))
 
+    def answer(method):
+        """A route whose JSON body goes to ``method(tenant, body)`` and whose result is the answer."""
+
+        async def handler(request, tenant):
+            return JSONResponse(method(tenant, await body_json(request)))
+
+        return handler
+
+    def future(method):
+        """A route whose JSON body goes to ``method(tenant, body)``, answered with its future's id."""
+
+        async def handler(request, tenant):
+            return _future(method(tenant, await body_json(request)))
+
+        return handler
+
+    def by_path(method, name):
+        """A route whose path names the object: ``method(tenant, path_params[name])``."""
+
+        async def handler(request, tenant):
+            return JSONResponse(method(tenant, request.path_params[name]))
+
+        return handler
+
     async def client_config(request, tenant):
         return JSONResponse(service.client_config())
-
-    async def create_session(request, tenant):
-        return JSONResponse(service.create_session(tenant, await body_json(request)))
 
     async def heartbeat(request, tenant):
         service.session(tenant, (await body_json(request)).get("session_id"))
@@ -84,35 +105,8 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
     async def capabilities(request, tenant):
         return JSONResponse(service.capabilities())
 
-    async def create_model(request, tenant):
-        return _future(service.create_model(tenant, await body_json(request)))
-
-    async def get_info(request, tenant):
-        return JSONResponse(service.get_info(tenant, await body_json(request)))
-
-    async def unload_model(request, tenant):
-        return _future(service.unload_model(tenant, await body_json(request)))
-
-    async def forward_backward(request, tenant):
+    async def forward_backward(request, tenant):  # a protobuf body
         return _future(service.forward_backward(tenant, await _body(request)))
-
-    async def optim_step(request, tenant):
-        return _future(service.optim_step(tenant, await body_json(request)))
-
-    async def save_weights(request, tenant):
-        return _future(service.save_weights(tenant, await body_json(request)))
-
-    async def save_for_sampler(request, tenant):
-        return _future(service.save_weights_for_sampler(tenant, await body_json(request)))
-
-    async def load_weights(request, tenant):
-        return _future(service.load_weights(tenant, await body_json(request)))
-
-    async def create_sampling_session(request, tenant):
-        return JSONResponse(service.create_sampling_session(tenant, await body_json(request)))
-
-    async def get_sampler(request, tenant):
-        return JSONResponse(service.get_sampler(tenant, request.path_params["sampler_id"]))
 
     async def asample(request, tenant):
         future, ids = service.asample(tenant, await body_json(request))
@@ -122,18 +116,9 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
         payload, content_type = await service.retrieve(tenant, await body_json(request))
         return Response(payload, media_type=content_type)
 
-    async def weights_info(request, tenant):
-        return JSONResponse(service.weights_info(tenant, await body_json(request)))
-
     async def training_runs(request, tenant):
         limit = _int_param(request, "limit", 20)
         return JSONResponse(service.training_runs(tenant, limit, _int_param(request, "offset", 0)))
-
-    async def training_run(request, tenant):
-        return JSONResponse(service.training_run(tenant, request.path_params["run_id"]))
-
-    async def checkpoints(request, tenant):
-        return JSONResponse(service.checkpoints(tenant, request.path_params["run_id"]))
 
     async def healthz(request):
         return JSONResponse({"status": "ok"})
@@ -141,28 +126,28 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
     routes = [
         Route(PREFIX + "/healthz", healthz, methods=["GET"]),
         route("/client/config", client_config),
-        route("/create_session", create_session),
+        route("/create_session", answer(service.create_session)),
         route("/session_heartbeat", heartbeat),
         route("/sessions/{session_id}/finish", finish_session),
         route("/telemetry", telemetry),
         route("/get_server_capabilities", capabilities, methods=("GET",)),
-        route("/create_model", create_model),
-        route("/get_info", get_info),
-        route("/unload_model", unload_model),
+        route("/create_model", future(service.create_model)),
+        route("/get_info", answer(service.get_info)),
+        route("/unload_model", future(service.unload_model)),
         route("/forward_backward", forward_backward),
         route("/forward", forward_backward),
-        route("/optim_step", optim_step),
-        route("/save_weights", save_weights),
-        route("/save_weights_for_sampler", save_for_sampler),
-        route("/load_weights", load_weights),
-        route("/create_sampling_session", create_sampling_session),
-        route("/samplers/{sampler_id:path}", get_sampler, methods=("GET",)),
+        route("/optim_step", future(service.optim_step)),
+        route("/save_weights", future(service.save_weights)),
+        route("/save_weights_for_sampler", future(service.save_weights_for_sampler)),
+        route("/load_weights", future(service.load_weights)),
+        route("/create_sampling_session", answer(service.create_sampling_session)),
+        route("/samplers/{sampler_id:path}", by_path(service.get_sampler, "sampler_id"), methods=("GET",)),
         route("/asample", asample),
         route("/retrieve_future", retrieve_future),
-        route("/weights_info", weights_info),
+        route("/weights_info", answer(service.weights_info)),
         route("/training_runs", training_runs, methods=("GET",)),
-        route("/training_runs/{run_id}", training_run, methods=("GET",)),
-        route("/training_runs/{run_id}/checkpoints", checkpoints, methods=("GET",)),
+        route("/training_runs/{run_id}", by_path(service.training_run, "run_id"), methods=("GET",)),
+        route("/training_runs/{run_id}/checkpoints", by_path(service.checkpoints, "run_id"), methods=("GET",)),
     ]
     return Starlette(routes=routes)
 

@@ -118,6 +118,3 @@ class ServiceFleet:
                 ray.kill(actor)
             except Exception:
                 pass
-
-    def sizes(self) -> dict[str, int]:
-        return {"trainer": 1, "inference": len(self.inference)}

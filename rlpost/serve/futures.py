@@ -103,14 +103,16 @@ class FutureStore:
             pass
         return future
 
-    def pending(self) -> int:
-        return sum(1 for f in self.futures.values() if not f.done.is_set())
-
     def _drop_old(self) -> None:
-        cutoff = time.monotonic() - self.keep_s
-        old = [rid for rid, f in self.futures.items() if f.finished_at is not None and f.finished_at < cutoff]
-        for rid in old:
-            del self.futures[rid]
+        forget_finished(self.futures, self.keep_s)
+
+
+def forget_finished(futures: dict, keep_s: float) -> None:
+    """Drop from ``futures`` (any key) those that finished over ``keep_s`` ago: a retry that late
+    is no retry, and a long-lived service must not keep every result it ever gave."""
+    cutoff = time.monotonic() - keep_s
+    for key in [k for k, f in futures.items() if f.finished_at is not None and f.finished_at < cutoff]:
+        del futures[key]
 
 
 async def settle(future: Future, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> None:
@@ -135,7 +137,7 @@ class ModelQueue:
 
     def __init__(self, store: FutureStore, *, next_seq: int = 1, gap_timeout_s: float = 120.0):
         self.store, self.next_seq, self.gap_timeout_s = store, next_seq, gap_timeout_s
-        self.by_seq: dict[int, Future] = {}  # every number taken, for the retries' answer
+        self.by_seq: dict[int, Future] = {}  # the numbers taken (finished ones for keep_s): a retry's answer
         self._waiting: dict[int, tuple[Future, Callable[[], Awaitable[tuple[bytes, str]]]]] = {}
         self._arrived = asyncio.Event()
         self._runner: asyncio.Task | None = None
@@ -159,10 +161,6 @@ class ModelQueue:
             self._runner = asyncio.get_running_loop().create_task(self._run())
         return future
 
-    @property
-    def depth(self) -> int:
-        return len(self._waiting)
-
     def close(self) -> None:
         self.closed = True
         for future, _ in self._waiting.values():
@@ -184,6 +182,7 @@ class ModelQueue:
             future, work = self._waiting.pop(self.next_seq)
             await settle(future, work)
             self.next_seq += 1
+            forget_finished(self.by_seq, self.store.keep_s)
 
     def _fail_behind_gap(self) -> None:
         missing, last = self.next_seq, max(self._waiting)

@@ -24,19 +24,16 @@ from rlpost.serve.storage import Storage
 log = logging.getLogger("rlpost")
 
 
-def resolved_base_model(cfg: ServeConfig) -> str:
-    """``base_model`` as the actors load it: an existing local folder as an absolute path."""
+def with_local_paths(cfg: ServeConfig) -> ServeConfig:
+    """``cfg`` with a local base model as an absolute path (what the actors load), and, unless a
+    ``model_name`` stands for it, as the served name and tokenizer id too, so that a client in
+    another folder loads the same tokenizer."""
     path = Path(cfg.base_model).expanduser()
-    return str(path.resolve()) if path.is_dir() else cfg.base_model
-
-
-def local_model_names(cfg: ServeConfig) -> ServeConfig:
-    """``cfg`` with a local base model's served name and tokenizer id made absolute, so that a
-    client in another folder loads the same tokenizer."""
-    base = resolved_base_model(cfg)
-    if base == cfg.base_model or cfg.model_name is not None:
-        return cfg
-    return cfg.model_copy(update={"base_model": base, "tokenizer_id": cfg.tokenizer_id or base})
+    if not path.is_dir():
+        return cfg  # a hub name
+    base = str(path.resolve())
+    tokenizer = cfg.tokenizer_id or (base if cfg.model_name is None else None)
+    return cfg.model_copy(update={"base_model": base, "tokenizer_id": tokenizer})
 
 
 def _uvicorn_server(config):
@@ -108,7 +105,7 @@ def run_server(cfg: ServeConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlpost %(levelname)s %(message)s")
     keys = ApiKeys.load(cfg.api_keys_file)
-    cfg = local_model_names(cfg)
+    cfg = with_local_paths(cfg)
     address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": dict(RUN_ENV_VARS)}
     if address:
@@ -121,7 +118,7 @@ def run_server(cfg: ServeConfig) -> int:
     try:
         print(f"rlpost serve: starting the trainer and {cfg.inference_workers} inference worker(s) on "
               f"{cfg.base_model}", flush=True)  # fmt: skip
-        fleet = ServiceFleet.start(cfg, resolved_base_model(cfg))
+        fleet = ServiceFleet.start(cfg, cfg.base_model)
         try:
             running = RunningServer(cfg, keys, fleet)
 

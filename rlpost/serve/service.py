@@ -30,7 +30,7 @@ from rlpost.actors.adapters import MODEL_FILE, AdamParams, AdapterSpec, Datum
 from rlpost.config import ServeConfig
 from rlpost.record.metrics import ServiceMetrics
 from rlpost.serve.fairness import Admission, FairTurns
-from rlpost.serve.futures import SERVER, USER, Future, FutureStore, ModelQueue, RequestError
+from rlpost.serve.futures import Future, FutureStore, ModelQueue, RequestError, forget_finished
 from rlpost.serve.recovery import ActorCalls
 from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
 from rlpost.serve.wire import (
@@ -53,7 +53,7 @@ _ADAM_FIELDS = {f for f in AdamParams.__dataclass_fields__}
 @dataclass
 class Session:
     tenant: str
-    futures: dict[tuple, Future] = field(default_factory=dict)  # a retried create's first future
+    futures: dict[str, Future] = field(default_factory=dict)  # model id -> its making's first future (retries)
 
 
 @dataclass
@@ -107,8 +107,6 @@ class Service:
         self.trainer_turns = FairTurns(1)
         self.worker_turns: dict[int, FairTurns] = {}
         self.admission = Admission(cfg.max_pending_per_tenant)
-        self.counts: dict[str, int] = {}  # requests by kind
-        self._pending = 0
         self.last_logprob_diff: float | None = None  # the last parity check's (PROBE)
 
     # ------------------------------------------------------------------------------ calls
@@ -152,8 +150,6 @@ class Service:
         return future
 
     def _accepted(self, tenant: str, kind: str) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        self._pending += 1
         self.admission.started(tenant)
         self._queue_depth(tenant)
         if self.metrics is not None:
@@ -161,7 +157,6 @@ class Service:
             self._state()
 
     def _settled(self, future: Future) -> None:
-        self._pending -= 1
         self.admission.finished(future.tenant)
         self._queue_depth(future.tenant)
         if self.metrics is not None:
@@ -172,7 +167,7 @@ class Service:
 
     def _state(self) -> None:
         self.metrics.state(sessions=len(self.sessions), models=len(self.models), samplers=len(self.samplers),
-                           pending_requests=max(self._pending, 0))  # fmt: skip
+                           pending_requests=sum(self.admission.pending.values()))  # fmt: skip
 
     def _queue_depth(self, tenant: str) -> None:
         if self.metrics is not None:
@@ -196,7 +191,6 @@ class Service:
     def create_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         session_id = f"s{uuid.uuid4().hex[:16]}"
         self.sessions[session_id] = Session(tenant)
-        self.counts["create_session"] = self.counts.get("create_session", 0) + 1
         if self.metrics is not None:
             self.metrics.count("serve_requests", tenant=tenant, kind="create_session")
             self._state()
@@ -226,13 +220,22 @@ class Service:
         if name not in (None, self.cfg.served_name, self.cfg.base_model):
             raise RequestError(f"base_model: {name!r} is not served here; this server serves {self.cfg.served_name!r}")
 
-    def create_model(self, tenant: str, body: dict[str, Any]) -> Future:
+    def _new_model(self, tenant: str, body: dict[str, Any]) -> tuple[Session, str, Future | None]:
+        """``(session, the model id, the first future of a request sent again or None)`` of a request
+        that makes a model: the SDK's ``<session>:train:<model_seq_id>``."""
         session_id = _field(body, "session_id")
         session = self.session(tenant, session_id)
         seq = _field(body, "model_seq_id", int)
-        if ("model", seq) in session.futures:
-            return session.futures[("model", seq)]
+        model_id = f"{session_id}:train:{seq}"
+        if model_id in session.futures:
+            return session, model_id, session.futures[model_id]
         self._check_base_model(body.get("base_model"))
+        return session, model_id, None
+
+    def create_model(self, tenant: str, body: dict[str, Any]) -> Future:
+        session, model_id, again = self._new_model(tenant, body)
+        if again is not None:
+            return again
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise RequestError("lora_config: an object is expected")
@@ -243,7 +246,6 @@ class Service:
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise RequestError(f"optimizer_config.type: {optimizer!r}; this server trains with adamw only")
-        model_id = f"{session_id}:train:{seq}"
 
         async def work() -> tuple[bytes, str]:
             adapter = f"adapter-{next(self._adapter_ids)}"
@@ -252,7 +254,7 @@ class Service:
             await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"model_id": model_id, "type": "create_model"})
 
-        future = session.futures[("model", seq)] = self._future(tenant, "create_model", work)
+        future = session.futures[model_id] = self._future(tenant, "create_model", work)
         return future
 
     def _register(self, tenant: str, model_id: str, adapter: str, spec: AdapterSpec) -> Model:
@@ -265,7 +267,7 @@ class Service:
         if seq in model.queue.by_seq:
             return model.queue.submit(seq, tenant, kind, work)
         self.admission.check(tenant, unblocks=seq == model.queue.next_seq)
-        self._accepted(tenant, kind)  # (one refused at once settles in submit: the counts net to 0)
+        self._accepted(tenant, kind)  # first: one refused at once settles in submit, and the counts net to 0
         return model.queue.submit(seq, tenant, kind, work)
 
     def get_info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -390,13 +392,9 @@ class Service:
                 return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
             return self._in_order(model, _field(body, "seq_id", int), tenant, "load_weights", into_model)
-        session_id = _field(body, "session_id")
-        session = self.session(tenant, session_id)
-        seq = _field(body, "model_seq_id", int)
-        if ("model", seq) in session.futures:
-            return session.futures[("model", seq)]
-        self._check_base_model(body.get("base_model"))
-        model_id = f"{session_id}:train:{seq}"
+        session, model_id, again = self._new_model(tenant, body)
+        if again is not None:
+            return again
 
         async def new_model() -> tuple[bytes, str]:
             files = self.storage.load(path, tenant)
@@ -409,7 +407,7 @@ class Service:
             await self._checkpoint(self._register(tenant, model_id, adapter, spec))
             return _json({"path": str(path), "model_id": model_id, "type": "load_weights"})
 
-        future = session.futures[("model", seq)] = self._future(tenant, "load_weights", new_model)
+        future = session.futures[model_id] = self._future(tenant, "load_weights", new_model)
         return future
 
     # ------------------------------------------------------------------------- sampling
@@ -429,7 +427,9 @@ class Service:
             return {"sampling_session_id": sampler_id}
         path = WeightsPath.parse(model_path, "model_path")
         files = self.storage.load(path, tenant)
-        config, tensors = json.loads(files["adapter_config.json"]), _safetensors(files["adapter_model.safetensors"])
+        from safetensors.torch import load
+
+        config, tensors = json.loads(files["adapter_config.json"]), load(files["adapter_model.safetensors"])
         adapter = f"p{next(self._adapter_ids)}"
         payload = (ray.put(config), ray.put(tensors))
         self.samplers[sampler_id] = Sampler(tenant, sampler_id, adapter, payload, str(path))
@@ -446,6 +446,7 @@ class Service:
         prompt = model_input_tokens("prompt", body.get("prompt"))
         params, prompt_logprobs = self._sampling(body, len(prompt), n)
         ids = [f"{sampler.sampler_id}:{seq}:{i}" for i in range(n)]
+        forget_finished(sampler.futures, self.cfg.keep_results_s)
         if seq in sampler.futures:
             return sampler.futures[seq], ids
 
@@ -537,8 +538,7 @@ class Service:
         if not future.done.is_set():
             return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if future.error is not None:
-            return _json({"error": future.error, "category": future.category if future.category in (USER, SERVER)
-                          else "unknown"})  # fmt: skip
+            return _json({"error": future.error, "category": future.category})
         return future.payload, future.content_type
 
     # ------------------------------------------------------------------------------ REST
@@ -568,9 +568,3 @@ class Service:
 
     def checkpoints(self, tenant: str, run_id: str) -> dict[str, Any]:
         return {"checkpoints": self.storage.checkpoints(run_id, tenant)}
-
-
-def _safetensors(content: bytes) -> dict[str, Any]:
-    from safetensors.torch import load
-
-    return load(content)

@@ -95,7 +95,6 @@ _ENUMS = {
     "StopReason": ["STOP_REASON_STOP", "STOP_REASON_LENGTH"],
 }
 _NUMPY = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}  # DType -> array dtype
-_DTYPE_OF = {"float32": 1, "int64": 2}
 # a padding cell of a top-k table, as the SDK reads it
 TOPK_PAD_LOGPROB = -99999.0
 
