@@ -1,4 +1,4 @@
-"""The Tinker API's bodies: protobuf messages (the schema written out below), JSON tensors, and the
+"""The Tinker API's bodies: protobuf messages (the schema written out below), JSON model inputs, and the
 conversions between them and what the trainer and the engines take.
 
 The official SDK (``tinker`` 0.38) sends ``forward_backward`` as a protobuf
@@ -212,22 +212,6 @@ def _proto_tensor(where: str, tensor) -> torch.Tensor:
         return _dense_from_csr(where, values, crow, col, shape)
     flat = np.frombuffer(tensor.dense, dtype=dtype)
     return _shaped(where, flat, shape)
-
-
-def tensor_from_json(where: str, value: dict[str, Any]) -> torch.Tensor:
-    """A JSON ``TensorData`` (``data``, ``dtype``, ``shape``, optional CSR indices) as a tensor."""
-    if not isinstance(value, dict) or "data" not in value:
-        raise BadRequest(f"{where}: a TensorData object with 'data' is expected")
-    dtype = {"float32": np.float32, "int64": np.int64}.get(value.get("dtype"))
-    if dtype is None:
-        raise BadRequest(f"{where}.dtype: {value.get('dtype')!r} is not float32 or int64")
-    data = np.asarray(value["data"], dtype=dtype)
-    shape = value.get("shape") or []
-    if value.get("sparse_crow_indices") is not None:
-        crow = np.asarray(value["sparse_crow_indices"], dtype=np.int64)
-        col = np.asarray(value.get("sparse_col_indices") or [], dtype=np.int64)
-        return _dense_from_csr(where, data, crow, col, list(shape))
-    return _shaped(where, data, list(shape))
 
 
 def _shaped(where: str, flat: np.ndarray, shape: list[int]) -> torch.Tensor:

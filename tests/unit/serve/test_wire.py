@@ -9,7 +9,6 @@ from rlpost.serve.wire import (
     encode_forward_backward_output,
     encode_sample_response,
     model_input_tokens,
-    tensor_from_json,
 )
 
 pytestmark = pytest.mark.unit
@@ -91,13 +90,7 @@ def test_a_sample_response_decodes_in_the_sdk_as_written():
     assert decoded.topk_prompt_logprobs[2] == [(4, pytest.approx(-0.2))]
 
 
-def test_json_tensors_and_model_inputs():
-    assert tensor_from_json("x", {"data": [1, 2, 3, 4], "dtype": "int64", "shape": [2, 2]}).tolist() == [[1, 2], [3, 4]]
-    sparse = {"data": [5.0], "dtype": "float32", "shape": [2, 3], "sparse_crow_indices": [0, 0, 1],
-              "sparse_col_indices": [2]}  # fmt: skip
-    assert tensor_from_json("x", sparse).tolist() == [[0, 0, 0], [0, 0, 5.0]]
-    with pytest.raises(BadRequest, match="x: 3 values do not fill shape \\[2, 2\\]"):
-        tensor_from_json("x", {"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]})
+def test_json_model_inputs():
     chunks = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}, {"type": "encoded_text", "tokens": [3]}]}
     assert model_input_tokens("prompt", chunks) == [1, 2, 3]
     with pytest.raises(BadRequest, match="prompt.chunks\\[0\\]: 'image' chunks"):
