@@ -19,11 +19,15 @@ asks Ray's control store (:func:`actor_state`), never the actor, whose queue may
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlpost.actors.calls import GroupPending, Pending
 from rlpost.runtime.actors import alive, kill
+
+STARTED_POLL_S = 0.5  # wait_started looks at the new actor's bundle this often
 
 
 class ActorClient:
@@ -59,6 +63,24 @@ class ActorClient:
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
             return True
         return False
+
+    def wait_started(self, timeout_s: float, placed: Callable[[], bool]) -> bool:
+        """Wait until a just-started actor is up (its constructor ran); False as soon as
+        ``placed()`` says its bundle has no node any more. A node's loss is declared seconds
+        after its actors are found dead, so a replacement may be sent to the bundle's old node
+        and then wait for a node that is gone; this lets the caller leave the slot vacant
+        instead. Raises CallTimeout after ``timeout_s``, or the actor's (mapped) failure."""
+        import ray
+
+        ready = Pending(self.name, "__ray_ready__", self.handle.__ray_ready__.remote())
+        deadline = time.monotonic() + timeout_s
+        while not ray.wait([ready.ref], timeout=min(STARTED_POLL_S, max(0.0, deadline - time.monotonic())))[0]:
+            if not placed():
+                return False
+            if time.monotonic() >= deadline:
+                break
+        ready.result(0.0)  # raises the actor's failure, or CallTimeout if it is still not up
+        return True
 
     def kill(self) -> None:
         kill(self.handle)

@@ -37,6 +37,11 @@ DRAIN_TIMEOUT_S = 120.0  # a worker leaving the fleet finishes its requests (the
 POOL_STOP_TIMEOUT_S = 300.0  # an env pool leaving the fleet finishes its batch (a multi-turn one may be long)
 
 
+class NoRoom(Exception):
+    """A slot actor's bundle lost its node while the actor started (the node was lost, and Ray
+    declared it so only after the actor's death was seen): the slot is left vacant."""
+
+
 class Fleet:
     """A run's topology: one client per actor of every role, the slots of the roles with a range
     (``rollout.num_inference_workers: A..B``, ``rollout.num_env_pools: A..B``: a :class:`Slots`
@@ -233,26 +238,37 @@ class Fleet:
         self.buffer = buffer
         return {pool.name: pool.set_buffer(buffer, timeout_s=CALL_TIMEOUT_S) for pool in self.env_pools if pool.alive()}
 
-    def start_inference(self, slot: int) -> bool:
+    def start_inference(self, slot: int, vacate_without_room: bool = False) -> bool:
         """Start ``inference-<slot>`` (again), its engine up; it serves once the bus re-forms with it.
-        True for a replacement, False for a new slot's first."""
+        True for a replacement, False for a new slot's first. ``vacate_without_room``: if the slot's
+        bundle loses its node while the worker starts, the worker is ended and NoRoom raised (the
+        slot's old worker leaves the fleet); otherwise the start waits for a node."""
         name = self.inference_slots.name(slot)
         worker = self.starter.inference(slot)
+        if not self._started(worker, vacate_without_room):
+            self.inference = [w for w in self.inference if w.name != name]
+            raise NoRoom(name)
         worker.wait_ready(STARTUP_TIMEOUT_S)
         self.inference = sorted([w for w in self.inference if w.name != name] + [worker], key=lambda w: slot_of(w.name))
         return self.inference_slots.filled(slot)
 
-    def start_pool(self, slot: int, collecting: bool, has_position: bool = False) -> tuple[dict | None, bool]:
+    def start_pool(self, slot: int, collecting: bool, has_position: bool = False,
+                   vacate_without_room: bool = False) -> tuple[dict | None, bool]:  # fmt: skip
         """Start ``env-pool-<slot>`` (again) with the next epoch, from the position its predecessor's
         last put recorded in the buffer (none: its shard's start); ``collecting``: at once (async).
         ``has_position``: the shard put before, so a buffer without its position means it is lost
-        (ResumeNeeded, before the pool collects anything). Returns (the position or None, whether
+        (ResumeNeeded, before the pool collects anything). ``vacate_without_room``: as for
+        :meth:`start_inference` (the slot is then fenced). Returns (the position or None, whether
         it replaced a pool)."""
         name = self.pool_slots.name(slot)
         for old in [p for p in self.env_pools if p.name == name]:
             old.kill()
         self.epochs[slot] += 1
         pool = self.starter.env_pool(slot, self.inference, self.buffer, epoch=self.epochs[slot])
+        if not self._started(pool, vacate_without_room):
+            self.env_pools = [p for p in self.env_pools if p.name != name]
+            self.fence_pool(slot)
+            raise NoRoom(name)
         self.env_pools = sorted([p for p in self.env_pools if p.name != name] + [pool], key=lambda p: slot_of(p.name))
         state = self.buffer.fence(name, self.epochs[slot])
         if state is None and has_position:
@@ -262,6 +278,16 @@ class Fleet:
         if collecting:
             pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
         return state, self.pool_slots.filled(slot)
+
+    def _started(self, client: ActorClient, vacate_without_room: bool) -> bool:
+        """Whether a just-started slot actor is up; False (the actor ended) when
+        ``vacate_without_room`` and its bundle lost its node meanwhile (:meth:`ActorClient.wait_started`)."""
+        if not vacate_without_room:
+            return True  # its first call waits for it, however long placing it takes
+        if client.wait_started(STARTUP_TIMEOUT_S, lambda: self.starter.has_room(client.name)):
+            return True
+        client.kill()
+        return False
 
     def restart(self, role: str) -> None:
         """Start the ``reference`` or ``reward`` actor again in place of the lost one: they hold

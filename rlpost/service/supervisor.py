@@ -41,7 +41,7 @@ from rlpost.config import JobConfig
 from rlpost.record.run_dir import latest_checkpoint
 from rlpost.runtime.shutdown import raise_if_stopping
 from rlpost.service.clients import EnvPoolClient, InferenceClient
-from rlpost.service.fleet import CALL_TIMEOUT_S, Fleet, ResumeNeeded, Slots
+from rlpost.service.fleet import CALL_TIMEOUT_S, Fleet, NoRoom, ResumeNeeded, Slots
 from rlpost.service.run_state import RunState
 from rlpost.service.starter import slot_of
 from rlpost.service.watchdog import Watchdog
@@ -263,7 +263,7 @@ class Supervisor:
             self._leave_vacant(self.fleet.inference_slots, slot, len(others), "inference workers")
             return
         log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
-        self._start_inference(slot)
+        self._start_inference(slot, vacate_without_room=bool(others))
 
     def _leave_vacant(self, slots: Slots, slot: int, serving: int, what: str) -> None:
         """A lost actor's slot without room in the cluster: vacant until its bundle is placed."""
@@ -285,12 +285,19 @@ class Supervisor:
     def _refill(self, slot: int) -> None:
         """A vacant inference slot whose bundle is placed (again): its worker starts and joins."""
         self._take_vacant(self.fleet.inference_slots, slot)
-        self._start_inference(slot)
+        self._start_inference(slot, vacate_without_room=bool(self.fleet.inference))
 
-    def _start_inference(self, slot: int) -> None:
-        """Start ``inference-<slot>`` (a replacement or a new slot's first); it serves once the bus re-forms."""
+    def _start_inference(self, slot: int, vacate_without_room: bool) -> None:
+        """Start ``inference-<slot>`` (a replacement or a new slot's first); it serves once the bus
+        re-forms. ``vacate_without_room`` (another worker serves): if its bundle loses its node
+        while it starts, the slot is left vacant (:class:`NoRoom`)."""
         start = time.monotonic()
-        if self.fleet.start_inference(slot):
+        try:
+            replaced = self.fleet.start_inference(slot, vacate_without_room)
+        except NoRoom:
+            self._leave_vacant(self.fleet.inference_slots, slot, len(self.fleet.inference), "inference workers")
+            return
+        if replaced:
             self.restarted_at[self.fleet.inference_slots.name(slot)] = start
             self.counts["restarts_inference"] += 1
 
@@ -322,18 +329,23 @@ class Supervisor:
             self._leave_vacant(self.fleet.pool_slots, slot, len(others), "env pools")
             return
         log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
-        self._start_pool(slot)
+        self._start_pool(slot, vacate_without_room=bool(others))
 
     def _refill_pool(self, slot: int) -> None:
         """A vacant env-pool slot whose bundle is placed (again): its pool starts."""
         self._take_vacant(self.fleet.pool_slots, slot)
-        self._start_pool(slot)
+        self._start_pool(slot, vacate_without_room=bool(self.fleet.env_pools))
 
-    def _start_pool(self, slot: int) -> None:
-        """Start ``env-pool-<slot>`` (a replacement or a new slot's first): :meth:`Fleet.start_pool`."""
+    def _start_pool(self, slot: int, vacate_without_room: bool = False) -> None:
+        """Start ``env-pool-<slot>`` (a replacement or a new slot's first): :meth:`Fleet.start_pool`;
+        ``vacate_without_room`` as for :meth:`_start_inference`."""
         name, start = self.fleet.pool_slots.name(slot), time.monotonic()
         has_position = bool(self.state.ledger.acknowledged.get(name))
-        state, restart = self.fleet.start_pool(slot, self.collecting, has_position)
+        try:
+            state, restart = self.fleet.start_pool(slot, self.collecting, has_position, vacate_without_room)
+        except NoRoom:
+            self._leave_vacant(self.fleet.pool_slots, slot, len(self.fleet.env_pools), "env pools")
+            return
         collected, epoch = state["num_prompts_collected"] if state else 0, self.fleet.epochs[slot]
         if not restart:
             log.warning("%s started (a new slot, epoch %d): %d prompts of its shard collected", name, epoch, collected)

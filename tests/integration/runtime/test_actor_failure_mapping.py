@@ -337,3 +337,35 @@ def test_an_actor_that_aborts_after_recording_its_error_is_reported_with_it(ray_
         "(its last error: engine: RuntimeError: its engine's process died (EngineDeadError))"
     )
     assert ray is not None
+
+
+def test_wait_started_tells_an_actor_up_from_one_whose_bundle_has_no_node(ray_cluster):
+    """A started actor answers True; one that cannot be placed (here: a resource no node has, as
+    a bundle whose node was lost) answers False as soon as ``placed()`` says so, not after the
+    start's timeout; one whose constructor raises is named lost, with the constructor's error."""
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Up:
+        pass
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self):
+            raise ValueError("no such model: /nowhere")
+
+    up = ActorClient("started-up", Up.options(name="started-up").remote())
+    assert up.wait_started(60.0, placed=lambda: True)
+    up.kill()
+
+    asks = []
+    unplaceable = ActorClient("started-nowhere", Up.options(resources={"a_node_that_is_gone": 1}).remote())
+    start = time.monotonic()
+    assert not unplaceable.wait_started(600.0, placed=lambda: asks.append(1) or len(asks) < 3)
+    assert time.monotonic() - start < 10.0 and len(asks) == 3
+    unplaceable.kill()
+
+    broken = ActorClient("started-broken", Broken.remote())
+    with pytest.raises(ActorLost) as lost:
+        broken.wait_started(60.0, placed=lambda: True)
+    assert lost.value.name == "started-broken" and "no such model: /nowhere" in str(lost.value)

@@ -38,6 +38,7 @@ class World:
         self.log: list[tuple[str, str]] = []  # (actor, method) of every call, in order
         self.no_room: set[str] = set()  # actors whose bundle the cluster cannot place ...
         self.room_back_at: int | None = None  # ... until this call (None: never)
+        self.node_lost_late: set[str] = set()  # actors whose replacement finds its bundle's node gone
         self.requests: dict[int, dict] = {}  # the mailbox's k-th exchange -> the scale request it hands over
 
     def enter(self, actor: Stand, method: str) -> None:
@@ -86,6 +87,9 @@ class Stand:
 
     def unreachable(self, timeout_s: float) -> bool:
         return self.dead
+
+    def wait_started(self, timeout_s: float, placed) -> bool:
+        return placed()
 
     def kill(self) -> None:
         self.dead = True
@@ -369,7 +373,14 @@ class Starter:
 
         return FakeBuffer(self.world, buffer_capacity(self.cfg), staleness_cap(self.cfg))
 
+    def _node_lost_late(self, name):
+        """A replacement of an actor in ``world.node_lost_late`` was sent to the bundle's node, which
+        Ray declares lost only now: from here on the bundle has no node."""
+        if name in self.world.node_lost_late and name in self.world.actors:
+            self.world.no_room.add(name)
+
     def inference(self, index):
+        self._node_lost_late(f"inference-{index}")
         return FakeInference(self.world, index)
 
     def open_slot(self, name):
@@ -397,6 +408,7 @@ class Starter:
         return FakeReward(self.world)
 
     def env_pool(self, index, inference, buffer, epoch=0):
+        self._node_lost_late(f"env-pool-{index}")
         return FakePool(self.world, index, buffer, epoch)
 
     def start_all(self):
@@ -439,17 +451,18 @@ def make_cfg(mode, extra=()):
 
 
 def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), no_room=(),
-              room_back_at=None, requests=None, **learner_stops):  # fmt: skip
+              room_back_at=None, requests=None, node_lost_late=(), **learner_stops):  # fmt: skip
     """One run over stand-ins (``extra``: config overrides; ``no_room``: actors the cluster cannot
-    place until call ``room_back_at``; ``requests``: the mailbox's k-th exchange -> workers asked
-    for); returns the world and the metrics lines."""
+    place until call ``room_back_at``; ``node_lost_late``: actors placed while their replacement
+    starts, then not until ``room_back_at``; ``requests``: the mailbox's k-th exchange -> workers
+    asked for); returns the world and the metrics lines."""
     import rlpost.service.loop as ctl
 
     monkeypatch.setattr(ctl, "plot_run", lambda records, run_dir, title: [run_dir / "reward.png"])
     monkeypatch.setattr(ctl, "POLL_S", 0.0)
     monkeypatch.setattr(ctl, "COLLECT_TIMEOUT_S", 10.0)  # a stand-in run never waits long: a hang fails fast
     world = World(kill_at, victim)
-    world.no_room, world.room_back_at = set(no_room), room_back_at
+    world.no_room, world.room_back_at, world.node_lost_late = set(no_room), room_back_at, set(node_lost_late)
     world.requests = dict(requests or {})
     cfg = make_cfg(mode, extra)
     starter = Starter(world, cfg)
@@ -724,6 +737,34 @@ def test_a_pool_lost_without_room_at_any_call_leaves_its_shard_whole(tmp_path, m
         world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=k, victim="env-pool-1", extra=extra,
                                 no_room=["env-pool-1"])  # fmt: skip
         check_shards(world, rows, mode)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_node_declared_lost_after_its_actors_died_leaves_their_slots_vacant(tmp_path, monkeypatch, mode):
+    """A node's raylet dies: its worker and pool are found dead at once, but Ray declares the node
+    lost only seconds later, so their bundles still look placed and their replacements are sent
+    there. Once the bundles have no node the replacements are ended and the slots left vacant (the
+    run goes on with one of each, not waiting for a node that is gone); when a node joins, both
+    start again."""
+    clean, _ = run_world(tmp_path, monkeypatch, mode)
+    node = ("inference-1", "env-pool-1")
+    kill_at = clean.calls // 3
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim=node, node_lost_late=node)
+    check_shards(world, rows, mode)
+    last = rows[-1]
+    assert (last["inference_workers"], last["inference_workers_vacant"], last["restarts_inference"]) == (1, 1, 0)
+    assert (last["env_pools"], last["env_pools_vacant"], last["restarts_env_pool"]) == (1, 1, 0)
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0"]
+
+    back = kill_at + (clean.calls - kill_at) // 2
+    world, rows = run_world(tmp_path, monkeypatch, mode, kill_at=kill_at, victim=node, node_lost_late=node,
+                            room_back_at=back)  # fmt: skip
+    check_shards(world, rows, mode)
+    assert 1 in [r["inference_workers"] for r in rows[:-1]] and 1 in [r["env_pools"] for r in rows[:-1]]
+    last = rows[-1]
+    assert (last["inference_workers"], last["env_pools"], last["restarts_inference"], last["restarts_env_pool"]) == (
+        2, 2, 1, 1,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
