@@ -42,6 +42,8 @@ BENCHMARKS = {
     "scoring": "bench.bench_scoring",  # scoring for training: chunked vs dense LM head, packed vs padded (~8 min)
     # which reasoning-gym tasks the tiny model learns: one 300-step GRPO run on a 4-task mixture (~4 min; ~6 loaded)
     "reasoning_gym": "bench.bench_reasoning_gym",
+    # the service's trainer: bytes per client model resident / parked, a parked model's step (~3 min)
+    "serve_adapters": "bench.bench_serve_adapters",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
     # the qwen05b race with a rank-16 LoRA adapter on both sides (~20 min)

@@ -81,6 +81,7 @@ TITLES = {
     "grpo_async": "15. TorchRL's async GRPO script, ported by its imports, learns",
     "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "reasoning_gym": "17. reasoning-gym: which of the package's tasks the tiny model learns with GRPO",
+    "serve_adapters": "18. The service's trainer: memory per client model, and the cost of parking one",
 }
 
 
@@ -144,6 +145,7 @@ A_GENHEAVY = "The generation-heavy race with the default token budget (2026-11-2
 A_REASONING = "reasoning-gym on the tiny model (2026-12-02, Intel Xeon)"
 A_RESTRUCTURE = "The tiny race before and after the package's restructuring (2026-12-02, fifth session, Intel Xeon)"
 A_FLEET = "The tiny race before and after the fleet and the layout (issue 66; 2026-12-06, AMD EPYC)"
+A_SERVE_MEMORY = "The service's adapters: how many fit where (issue 68; 2026-12-06, AMD EPYC)"
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -332,6 +334,21 @@ SUMMARIES: dict[str, Summary] = {
         "Which reasoning-gym tasks the tiny model learns in one GRPO run, judged by its held-out greedy eval "
         "reward; one sampled run, not a ratio.",
         (A_REASONING,),
+    ),
+    "serve_adapters": Summary(
+        (
+            Figure("qwen05b: formula MB per model"),
+            Figure("qwen05b: resident bytes per model / formula"),
+            Figure("qwen05b: parked-in-memory bytes per model / resident"),
+            Figure("qwen05b: step of a model parked in memory / resident"),
+            Figure("qwen05b: step of a model parked on disk / resident"),
+            Figure("tiny: formula MB per model"),
+            Figure("tiny: resident bytes per model / formula"),
+        ),
+        "What one client model (a rank-32 adapter, its gradient and AdamW state) costs the trainer, measured "
+        "against the formula 4 x rank x (inputs + outputs) x 4 bytes over the adapted layers, and a step of a model "
+        "that must first come back from host memory or a file over a resident model's step.",
+        (A_SERVE_MEMORY,),
     ),
 }
 

@@ -17,6 +17,12 @@ adapters no vLLM engine serves.
 The adapter's scale is ``alpha / rank`` with ``alpha = 32`` whatever the rank: a learning rate
 then carries across ranks (the LoRA-without-regret convention of the Tinker service), where
 ``alpha = rank`` would scale the update with the rank.
+
+Memory: at most ``max_resident`` adapters are in the model (on the trainer's device), each with its
+gradient and AdamW state. Using another parks the least recently used one: its tensors, gradient
+and optimizer state are copied to host memory and the adapter leaves the model; past
+``max_parked_in_memory`` parked ones, the oldest is written to a file in ``spill_dir``. A parked
+model comes back unchanged (the same tensors, gradient and optimizer state) when it is used next.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import logging
 import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -79,12 +86,23 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+@dataclass
+class Parked:
+    """A model's adapter out of the trainer's model: its parameters, gradients and AdamW state
+    (``state``, on the CPU), or the file they were written to (``path``)."""
+
+    state: dict[str, Any] | None
+    path: Path | None = None
+
+
 class AdapterTrainer:
-    """One base model and the adapters of the clients' models; see the module docstring."""
+    """One base model and the adapters of the clients' models; see the module docstring.
+    ``max_resident`` / ``max_parked_in_memory``: 0 is no bound."""
 
     def __init__(self, base_model: str, *, dtype: str = "float32", max_rank: int = 64,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, threads: int | None = None,
-                 adapt_unembed: bool = False):  # fmt: skip
+                 adapt_unembed: bool = False, max_resident: int = 0, max_parked_in_memory: int = 0,
+                 spill_dir: str | None = None):  # fmt: skip
         from transformers import AutoModelForCausalLM
 
         if threads:
@@ -93,6 +111,11 @@ class AdapterTrainer:
         self.max_rank = max_rank
         self.max_batch_tokens = max_batch_tokens
         self.adapt_unembed = adapt_unembed
+        self.max_resident, self.max_parked_in_memory = max_resident, max_parked_in_memory
+        self._spill_root = tempfile.TemporaryDirectory(prefix="rlpost-parked-", dir=spill_dir)
+        self.resident: OrderedDict[str, None] = OrderedDict()  # in the model, least recently used first
+        self.parked: OrderedDict[str, Parked] = OrderedDict()  # out of it, parked longest first
+        self.moves = {"parked": 0, "spilled": 0, "unparked": 0}
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=getattr(torch, dtype))
         base.requires_grad_(False)
         self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
@@ -113,8 +136,6 @@ class AdapterTrainer:
 
     def create(self, model_id: str, spec: AdapterSpec) -> dict[str, Any]:
         """Add a fresh adapter (B = 0: it computes the base model) and its optimizer."""
-        from peft import LoraConfig, get_peft_model
-
         if model_id in self.specs:
             raise ValueError(f"model_id: {model_id!r} exists already")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{2,127}", model_id) or "lora" in model_id:
@@ -127,7 +148,18 @@ class AdapterTrainer:
         targets = self.layers_for(spec)
         if not targets:
             raise ValueError("lora_config: train_attn and train_mlp are both false; nothing this server adapts")
-        config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+        self._add_to_model(model_id, spec)
+        self.specs[model_id] = spec
+        self.optimizers[model_id] = torch.optim.AdamW(self._parameters(model_id), lr=1e-4)
+        self.steps[model_id] = 0
+        self._bound_resident()
+        return self.info(model_id)
+
+    def _add_to_model(self, model_id: str, spec: AdapterSpec) -> None:
+        """A fresh adapter for ``spec`` in the model (B = 0; A from ``spec.seed``), made resident."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=self.layers_for(spec),
                             bias="none", task_type="CAUSAL_LM")  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             if spec.seed is not None:
@@ -136,29 +168,97 @@ class AdapterTrainer:
                 self.model = get_peft_model(self._base, config, adapter_name=model_id)
             else:
                 self.model.add_adapter(model_id, config)
-        self.specs[model_id] = spec
-        self.optimizers[model_id] = torch.optim.AdamW(self._parameters(model_id), lr=1e-4)
-        self.steps[model_id] = 0
-        return self.info(model_id)
+        self.resident[model_id] = None
 
-    def info(self, model_id: str) -> dict[str, Any]:
-        spec = self._spec(model_id)
-        return {"model_id": model_id, "base_model": self.base_model, "lora": asdict(spec), "step": self.steps[model_id],
-                "target_modules": self.layers_for(spec)}  # fmt: skip
-
-    def remove(self, model_id: str) -> None:
-        self._spec(model_id)
-        del self.specs[model_id], self.optimizers[model_id], self.steps[model_id]
-        if self.specs:
+    def _drop_from_model(self, model_id: str) -> None:
+        del self.resident[model_id]
+        if self.resident:
             self.model.delete_adapter(model_id)
         else:  # peft cannot delete its last adapter: unwrap to the bare base
             self._base = self.model.unload()
             self.model = None
 
-    def _spec(self, model_id: str) -> AdapterSpec:
+    def info(self, model_id: str) -> dict[str, Any]:
+        spec = self._known(model_id)
+        return {"model_id": model_id, "base_model": self.base_model, "lora": asdict(spec), "step": self.steps[model_id],
+                "target_modules": self.layers_for(spec)}  # fmt: skip
+
+    def remove(self, model_id: str) -> None:
+        self._known(model_id)
+        del self.specs[model_id], self.steps[model_id]
+        parked = self.parked.pop(model_id, None)
+        if parked is not None:
+            if parked.path is not None:
+                parked.path.unlink(missing_ok=True)
+            return
+        del self.optimizers[model_id]
+        self._drop_from_model(model_id)
+
+    def memory(self) -> dict[str, int]:
+        """Where the models' adapters are: in the model, parked in host memory, in files; and the
+        moves so far (parked, spilled to a file, brought back)."""
+        on_disk = sum(1 for p in self.parked.values() if p.path is not None)
+        return {"resident": len(self.resident), "in_memory": len(self.parked) - on_disk, "on_disk": on_disk,
+                **self.moves}  # fmt: skip
+
+    def _known(self, model_id: str) -> AdapterSpec:
         if model_id not in self.specs:
             raise KeyError(f"model_id: no model {model_id!r} on this trainer")
         return self.specs[model_id]
+
+    def _spec(self, model_id: str) -> AdapterSpec:
+        """``model_id``'s spec, its adapter brought into the model (the most recently used)."""
+        self._known(model_id)
+        if model_id in self.parked:
+            self._unpark(model_id)
+        self.resident.move_to_end(model_id)
+        self._bound_resident()
+        return self.specs[model_id]
+
+    # ------------------------------------------------------------------------- parking
+
+    def _bound_resident(self) -> None:
+        while self.max_resident and len(self.resident) > self.max_resident:
+            self._park(next(iter(self.resident)))
+
+    def _park(self, model_id: str) -> None:
+        """Move ``model_id``'s adapter, gradient and optimizer state out of the model (module docstring)."""
+        named = {name: p for name, p in self.model.named_parameters() if f".{model_id}." in name and "lora_" in name}
+        state = {
+            "tensors": {name: p.detach().to("cpu", copy=True) for name, p in named.items()},
+            "grads": {name: p.grad.detach().to("cpu", copy=True) for name, p in named.items() if p.grad is not None},
+            "optimizer": _on_cpu(self.optimizers.pop(model_id).state_dict()),
+        }
+        self._drop_from_model(model_id)
+        self.parked[model_id] = Parked(state)
+        self.moves["parked"] += 1
+        in_memory = [mid for mid, p in self.parked.items() if p.state is not None]
+        excess = len(in_memory) - self.max_parked_in_memory if self.max_parked_in_memory else 0
+        for oldest in in_memory[: max(0, excess)]:  # to a file, parked longest first
+            parked = self.parked[oldest]
+            parked.path = Path(self._spill_root.name) / f"{oldest}.pt"
+            torch.save(parked.state, parked.path)
+            parked.state = None
+            self.moves["spilled"] += 1
+
+    def _unpark(self, model_id: str) -> None:
+        """Bring a parked model back into the model as it was parked."""
+        parked = self.parked.pop(model_id)
+        state = parked.state if parked.path is None else torch.load(parked.path, weights_only=True)
+        if parked.path is not None:
+            parked.path.unlink(missing_ok=True)
+        self._add_to_model(model_id, self.specs[model_id])
+        named = {name: p for name, p in self.model.named_parameters() if f".{model_id}." in name and "lora_" in name}
+        if set(named) != set(state["tensors"]):
+            raise RuntimeError(f"{model_id}: the parked adapter's tensors do not match the model's layers")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(state["tensors"][name])
+                grad = state["grads"].get(name)
+                param.grad = None if grad is None else grad.to(param.device)
+        self.optimizers[model_id] = torch.optim.AdamW(self._parameters(model_id), lr=1e-4)
+        self.optimizers[model_id].load_state_dict(state["optimizer"])
+        self.moves["unparked"] += 1
 
     def _parameters(self, model_id: str) -> list[torch.nn.Parameter]:
         marker = f".{model_id}."
@@ -315,7 +415,7 @@ class AdapterTrainer:
         spec = AdapterSpec(**meta["lora"])
         if model_id not in self.specs:
             self.create(model_id, spec)
-        elif self.specs[model_id].rank != spec.rank:
+        elif self._spec(model_id).rank != spec.rank:  # (brought into the model)
             raise ValueError(
                 f"path: the saved adapter has rank {spec.rank}, model {model_id!r} rank {self.specs[model_id].rank}"
             )
@@ -343,6 +443,17 @@ class AdapterTrainer:
             for name, content in files.items():
                 (Path(folder) / Path(name).name).write_bytes(content)
             return self.load(model_id, folder, with_optimizer=with_optimizer)
+
+
+def _on_cpu(value: Any) -> Any:
+    """A copy of ``value`` (an optimizer's state dict) with every tensor on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(v) for v in value]
+    return value
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, set[str]]:

@@ -180,6 +180,7 @@ class InferenceWorker:
         serves_adapters = self.lora is not None or adapters is not None
         self._adapter_root = tempfile.mkdtemp(prefix=f"rlpost-lora-inference-{index}-") if serves_adapters else None
         self._client_adapters: dict[str, Any] = {}  # name -> LoRARequest, least recently used first
+        self._adapter_files = adapters.files if adapters is not None else 0  # the most kept (the rest dropped)
         self._adapter_loads = 0  # the engine's adapter ids: one per update (vLLM ids start at 1)
         # load each bucket of a full update as it arrives (False: after the whole update, a baseline)
         self.overlap_reload = True
@@ -433,9 +434,6 @@ class InferenceWorker:
         self.llm.llm_engine.set_weight_version(str(self.version))
         return {**info, "load_s": info["load_s"] + time.perf_counter() - start, "in_flight": False}
 
-    # a service's engine keeps this many clients' adapter folders; the least recently used goes
-    MAX_CLIENT_ADAPTERS = 64
-
     def add_adapter(self, name: str, config: dict, tensors: dict) -> bool:
         """Make the adapter ``name`` (``adapter_config.json``'s content and its tensors) available
         to :meth:`sample`; an adapter's name stands for fixed weights, so a known name is kept."""
@@ -451,7 +449,7 @@ class InferenceWorker:
         self._adapter_loads += 1
         folder = write_adapter(os.path.join(self._adapter_root, f"client-{self._adapter_loads}"), tensors, config)
         self._client_adapters[name] = LoRARequest(name, self._adapter_loads, str(folder))
-        while len(self._client_adapters) > self.MAX_CLIENT_ADAPTERS:
+        while len(self._client_adapters) > self._adapter_files:  # the least recently used goes
             oldest = self._client_adapters.pop(next(iter(self._client_adapters)))
             with self._engine_turn():
                 self._on_engine_thread(self.llm.llm_engine.remove_lora, oldest.lora_int_id)

@@ -28,6 +28,34 @@ class ServeResources(Section):
     )
 
 
+class AdapterMemory(Section):
+    """How many clients' adapters each actor holds where; the least recently used move further
+    out and come back unchanged when used. Per model the trainer holds the adapter, its gradient
+    and AdamW's two moments: 4 x the adapter's parameters in fp32, where the parameters are
+    rank x (inputs + outputs) summed over the adapted layers."""
+
+    trainer_resident: int = Field(
+        16, ge=1, description="Models whose adapter, gradient and optimizer state stay in the trainer's model (on "
+        "its device); using another moves the least recently used one to host memory.",
+    )  # fmt: skip
+    trainer_in_memory: int = Field(
+        64, ge=1, description="Models parked in the trainer's host memory; past that the oldest is written to a file "
+        "in spill_dir.",
+    )  # fmt: skip
+    spill_dir: str | None = Field(
+        None, description="Folder on the trainer's node for parked models' files (None: the system's temporary "
+        "folder); a new trainer starts with none (the service's snapshots bring models back).",
+    )  # fmt: skip
+    engine_in_memory: int = Field(
+        8, ge=1, description="Adapters each engine keeps loaded in host memory beside the loras_per_batch it samples "
+        "with (vLLM's max_cpu_loras); others are read from the engine's files when asked for.",
+    )  # fmt: skip
+    engine_files: int = Field(
+        64, ge=1, description="Adapters each engine keeps as files; past that the least recently used is dropped "
+        "and sent again from the service when next sampled.",
+    )  # fmt: skip
+
+
 class ServeConfig(Section):
     """A Tinker-API service over one base model."""
 
@@ -95,6 +123,9 @@ class ServeConfig(Section):
     )
     parity_warn: float = Field(
         1e-3, gt=0, description="A parity difference above this is logged as a warning (fp32: ~1e-6 expected)."
+    )
+    adapters: AdapterMemory = Field(
+        default_factory=AdapterMemory, description="How many adapters each actor holds in its model, memory, files."
     )
     resources: ServeResources = Field(default_factory=ServeResources, description="Where the actors run.")
 

@@ -100,10 +100,13 @@ def engine_lora_kwargs(lora: LoraConfig) -> dict[str, Any]:
 @dataclass(frozen=True)
 class AdapterServing:
     """An engine that serves many clients' adapters, one chosen per request (the service's
-    engines): adapters up to ``max_rank``, ``max_loras`` of them in one batch."""
+    engines): adapters up to ``max_rank``, ``max_loras`` of them in one batch, ``in_memory`` more
+    loaded in host memory, ``files`` kept as files (the least recently used dropped past that)."""
 
     max_rank: int
     max_loras: int = 4
+    in_memory: int = 8
+    files: int = 64
 
 
 def engine_adapter_kwargs(serving: AdapterServing) -> dict[str, Any]:
@@ -112,6 +115,7 @@ def engine_adapter_kwargs(serving: AdapterServing) -> dict[str, Any]:
         "enable_lora": True,
         "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= serving.max_rank),
         "max_loras": serving.max_loras,
+        "max_cpu_loras": serving.max_loras + serving.in_memory,
     }
 
 

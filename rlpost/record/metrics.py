@@ -434,6 +434,9 @@ class ServiceMetrics:
     TENANT_GAUGES = {
         "serve_tenant_pending": "Requests of the tenant accepted and not finished (its queue depth)",
     }
+    # where the trainer holds the models' adapters (AdapterTrainer.memory)
+    ADAPTERS = "serve_trainer_adapters"
+    ADAPTER_PLACES = ("resident", "in_memory", "on_disk")
     _TAGS = {"serve_requests": ("tenant", "kind"), "serve_request_errors": ("tenant", "kind", "category"),
              "serve_tokens_trained": ("tenant",), "serve_tokens_sampled": ("tenant",)}  # fmt: skip
 
@@ -444,6 +447,10 @@ class ServiceMetrics:
         self.gauges |= {
             k: metrics.Gauge(f"rlpost_{k}", description=d, tag_keys=("tenant",)) for k, d in self.TENANT_GAUGES.items()
         }
+        self.gauges[self.ADAPTERS] = metrics.Gauge(
+            f"rlpost_{self.ADAPTERS}", tag_keys=("where",),
+            description="Client models' adapters in the trainer's model (resident), parked in its memory, on disk",
+        )  # fmt: skip
         self.counters = {
             k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=self._TAGS[k]) for k, d in self.COUNTERS.items()
         }
@@ -458,3 +465,7 @@ class ServiceMetrics:
 
     def tenant_pending(self, tenant: str, count: int) -> None:
         self.gauges["serve_tenant_pending"].set(float(count), tags={"tenant": tenant})
+
+    def trainer_adapters(self, memory: dict[str, int]) -> None:
+        for where in self.ADAPTER_PLACES:
+            self.gauges[self.ADAPTERS].set(float(memory[where]), tags={"where": where})

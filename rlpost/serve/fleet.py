@@ -57,7 +57,8 @@ class ServiceFleet:
         return start_adapter_trainer(
             self.base_model, name=f"{self.prefix}trainer", resources=res.trainer,
             init_kwargs={"dtype": cfg.dtype, "max_rank": cfg.max_lora_rank, "max_batch_tokens": cfg.max_batch_tokens,
-                         "threads": res.trainer.num_threads},
+                         "threads": res.trainer.num_threads, "max_resident": cfg.adapters.trainer_resident,
+                         "max_parked_in_memory": cfg.adapters.trainer_in_memory, "spill_dir": cfg.adapters.spill_dir},
         )  # fmt: skip
 
     def _start_inference(self, index: int) -> Any:
@@ -68,7 +69,8 @@ class ServiceFleet:
         custom = {"resources": res.resources} if res.resources else {}
         return start_worker_actor(
             self.base_model, cfg.engine, dtype=cfg.dtype, index=index,
-            adapters=AdapterServing(max_rank=cfg.max_lora_rank, max_loras=cfg.loras_per_batch),
+            adapters=AdapterServing(max_rank=cfg.max_lora_rank, max_loras=cfg.loras_per_batch,
+                                    in_memory=cfg.adapters.engine_in_memory, files=cfg.adapters.engine_files),
             options={"name": f"{self.prefix}inference-{index}", "num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
                      **custom},
         )  # fmt: skip

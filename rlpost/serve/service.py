@@ -125,6 +125,12 @@ class Service:
         """Keep ``model``'s adapter and optimizer state as a replaced trainer gets them back."""
         files = await self._trainer(model.tenant, "snapshot", model.adapter, with_optimizer=True, what="snapshot")
         model.checkpoint, model.replay = files, []
+        await self._note_memory(model.tenant)
+
+    async def _note_memory(self, tenant: str) -> None:
+        """Where the trainer holds the models' adapters, as metrics."""
+        if self.metrics is not None:
+            self.metrics.trainer_adapters(await self._trainer(tenant, "memory", what="memory"))
 
     async def _put_models_back(self) -> None:
         """On a new trainer: every model from its checkpoint, then its gradients since replayed.
@@ -286,6 +292,7 @@ class Service:
             model.queue.close()
             del self.models[model.model_id]
             await self._trainer(tenant, "remove", model.adapter, what="unload_model")
+            await self._note_memory(tenant)
             return _json({"model_id": model.model_id})
 
         return self._future(tenant, "unload_model", work)

@@ -83,6 +83,7 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
         assert re.search(r"ray_rlpost_serve_tokens_sampled_total\{[^}]*tenant=\"operator\"[^}]*\} 3", text)
         assert re.search(r"ray_rlpost_serve_models\{[^}]*\} 1", text)
         assert re.search(r'ray_rlpost_serve_tenant_pending\{[^}]*tenant="operator"[^}]*\} 0', text)
+        assert re.search(r'ray_rlpost_serve_trainer_adapters\{[^}]*where="resident"[^}]*\} 1', text)
 
         started = time.monotonic()
         process.send_signal(stop)

@@ -106,3 +106,39 @@ def test_bad_requests_name_what_is_wrong(trainer):
     with pytest.raises(ValueError, match="without 'lora'"):
         trainer.create("my.lora", AdapterSpec(rank=8))
     trainer.remove("bad")
+
+
+def test_models_parked_in_memory_and_on_disk_come_back_as_they_left(tiny_model_path, tmp_path):
+    """One model in the trainer's model and one parked in memory: three models' steps interleaved,
+    each parked between its forward_backward and its optim_step (its gradient pending), the
+    oldest written to a file, end with exactly the adapters each gets alone; a removed parked
+    model leaves no file behind."""
+    alone = {}
+    single = AdapterTrainer(str(tiny_model_path))
+    specs = {"m-a": AdapterSpec(rank=8, seed=1), "m-b": AdapterSpec(rank=4, seed=2), "m-c": AdapterSpec(rank=8, seed=3)}
+    for name, spec in specs.items():
+        single.create(name, spec)
+        for _ in range(2):
+            single.forward_backward(name, [_datum()], "cross_entropy")
+            single.optim_step(name, ADAM)
+        alone[name] = _adapter(single, name)
+
+    parking = AdapterTrainer(str(tiny_model_path), max_resident=1, max_parked_in_memory=1, spill_dir=str(tmp_path))
+    for name, spec in specs.items():
+        parking.create(name, spec)
+    for _ in range(2):
+        for name in specs:
+            parking.forward_backward(name, [_datum()], "cross_entropy")
+        for name in specs:
+            parking.optim_step(name, ADAM)
+    memory = parking.memory()
+    assert (memory["resident"], memory["in_memory"], memory["on_disk"]) == (1, 1, 1)
+    assert memory["spilled"] > 0 and memory["unparked"] > 0
+    assert len(list(tmp_path.rglob("*.pt"))) == 1
+    for name in specs:
+        together = _adapter(parking, name)
+        assert together.keys() == alone[name].keys()
+        assert all(torch.equal(together[k], alone[name][k]) for k in together), name
+    on_disk = next(name for name, p in parking.parked.items() if p.path is not None)
+    parking.remove(on_disk)
+    assert not list(tmp_path.rglob("*.pt")) and parking.memory()["on_disk"] == 0
