@@ -17,7 +17,7 @@ EXTRA ?= cpu
 # rlpost and its tests again (~1 s an actor process; pytest's collection 21 s instead of 7 s).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: tinker-cookbook demo demo-tools demo-distillation demo-reward-model tiny-reward-model tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos clean
+.PHONY: tinker-cookbook demo demo-tools demo-distillation demo-reward-model tiny-reward-model tiny-teacher test test-long lint format install install-dev install-bench tiny-model tiny-model-tools monitoring-tools monitor bench bench-quick chaos chaos-serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -158,6 +158,14 @@ CHAOS_RUNS ?= 20
 CHAOS_SEED ?= 0
 chaos: install-dev tiny-model
 	$(PY) scripts/chaos.py --runs $(CHAOS_RUNS) --seed $(CHAOS_SEED) --out runs/chaos
+
+# `make chaos-serve` runs `rlpost serve` with two tenants training through the tinker SDK at once
+# while the trainer or the inference worker is killed (SIGKILL, ray.kill) or frozen (SIGSTOP), 10
+# times, and checks that every tenant's steps were applied exactly once against an undisturbed run
+# (scripts/chaos_serve.py). CHAOS_SERVE_RUNS / CHAOS_SEED change the count and the plans.
+CHAOS_SERVE_RUNS ?= 10
+chaos-serve: install-dev tiny-model
+	$(PY) scripts/chaos_serve.py --runs $(CHAOS_SERVE_RUNS) --seed $(CHAOS_SEED) --out runs/chaos-serve
 
 clean:
 	rm -rf $(VENV) .cache runs  # models/ is shipped, not built: clean leaves it

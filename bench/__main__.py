@@ -44,6 +44,8 @@ BENCHMARKS = {
     "reasoning_gym": "bench.bench_reasoning_gym",
     # the service's trainer: bytes per client model resident / parked, a parked model's step (~3 min)
     "serve_adapters": "bench.bench_serve_adapters",
+    # K tenants on one service fleet against K fleets: memory, tokens/s, step latency, fairness (~15 min)
+    "serve_tenants": "bench.bench_serve_tenants",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
     # the qwen05b race with a rank-16 LoRA adapter on both sides (~20 min)

@@ -82,6 +82,7 @@ TITLES = {
     "scoring": "16. Scoring for training: chunked through the LM head against the dense logits, packed rows against padded",
     "reasoning_gym": "17. reasoning-gym: which of the package's tasks the tiny model learns with GRPO",
     "serve_adapters": "18. The service's trainer: memory per client model, and the cost of parking one",
+    "serve_tenants": "19. Many tenants: K tenants on one service fleet against K fleets, and each one's share",
 }
 
 
@@ -145,7 +146,7 @@ A_GENHEAVY = "The generation-heavy race with the default token budget (2026-11-2
 A_REASONING = "reasoning-gym on the tiny model (2026-12-02, Intel Xeon)"
 A_RESTRUCTURE = "The tiny race before and after the package's restructuring (2026-12-02, fifth session, Intel Xeon)"
 A_FLEET = "The tiny race before and after the fleet and the layout (issue 66; 2026-12-06, AMD EPYC)"
-A_SERVE_MEMORY = "The service's adapters: how many fit where (issue 68; 2026-12-06, AMD EPYC)"
+A_SERVE_MEMORY = "The service's tenants: adapters per actor, one fleet against many (issue 68; 2026-12-06, AMD EPYC)"
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -348,6 +349,21 @@ SUMMARIES: dict[str, Summary] = {
         "What one client model (a rank-32 adapter, its gradient and AdamW state) costs the trainer, measured "
         "against the formula 4 x rank x (inputs + outputs) x 4 bytes over the adapted layers, and a step of a model "
         "that must first come back from host memory or a file over a resident model's step.",
+        (A_SERVE_MEMORY,),
+    ),
+    "serve_tenants": Summary(
+        (
+            Figure("4 tenants: memory, one fleet / 4 fleets"),
+            Figure("4 tenants: tokens/s, one fleet / 4 fleets"),
+            Figure("4 tenants: step latency, one fleet / 4 fleets"),
+            Figure("4 tenants on one fleet: smallest trainer share x 4", ">= 0.8"),
+            Figure("4 tenants on one fleet: smallest engine share x 4", ">= 0.8"),
+            Figure("8 tenants: memory, one fleet / 8 fleets"),
+            Figure("8 tenants: tokens/s, one fleet / 8 fleets"),
+        ),
+        "K tenants driving the tinker SDK as fast as they can on one fleet (one trainer, one engine) over K "
+        "fleets on the same 2 cores (below 1.0 one fleet needs less), and on one fleet the smallest tenant's share "
+        "of each actor's busy time times K (1.0: equal shares; 0.8 is the 20% each of 4 tenants must get).",
         (A_SERVE_MEMORY,),
     ),
 }

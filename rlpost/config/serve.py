@@ -113,6 +113,14 @@ class ServeConfig(Section):
         "(the SDK retries it later). Each actor serves the waiting tenants in rotation.",
     )
     keep_results_s: float = Field(3600.0, gt=0, description="How long a finished request's result can be read again.")
+    session_timeout_s: float = Field(
+        600.0, gt=30, description="A session nothing is heard from for this long (the SDK sends a heartbeat every "
+        "10 s) ends: its models are saved as tinker://<model>/weights/session-end and leave the trainer.",
+    )  # fmt: skip
+    max_models_per_tenant: int = Field(
+        32, ge=1, description="Models one tenant may hold at once (over all its sessions); another create_model is "
+        "refused until one is unloaded or its session ends.",
+    )  # fmt: skip
     call_timeout_s: float = Field(
         600.0, gt=0, description="Longest one trainer or engine call may take before it fails as a server error."
     )

@@ -1,16 +1,18 @@
 """rlpost's Grafana dashboard and Prometheus alert rules, written from the metrics the run exports.
 
 Prometheus scrapes the roles' Ray metrics (:mod:`rlpost.record.metrics`) with Ray's ``ray_``
-prefix and labels, plus rlpost's ``run`` (and ``actor``). This module writes two files:
+prefix and labels, plus rlpost's ``run`` (and ``actor``). This module writes three files:
 
 - the dashboard (``DASHBOARD_FILE``), built with Grafana's Foundation SDK: one row per view
   (training, throughput, pipeline, weight sync, workers), every panel filtered by the ``run``
   variable and reading the ``datasource`` variable, as Ray's own dashboards do;
+- ``rlpost serve``'s dashboard (``SERVE_DASHBOARD_FILE``): its tenants (requests, errors, queue
+  depth, tokens, share of each actor's time; the ``tenant`` variable) and what it holds;
 - the alert rules (``ALERTS_FILE``), a Prometheus rule group: a run with no learner step, a
   restart storm, drifting weight syncs, a run whose metrics stopped, reward collapse.
 
-``deploy/monitoring/`` holds both with the default settings, and the rules as a Prometheus
-Operator ``PrometheusRule`` (``python -m rlpost.ops.dashboards`` rewrites the three; a test checks
+``deploy/monitoring/`` holds the three with the default settings, and the rules as a Prometheus
+Operator ``PrometheusRule`` (``python -m rlpost.ops.dashboards`` rewrites the four; a test checks
 them); ``rlpost monitor`` writes them for its own Prometheus.
 """
 
@@ -120,44 +122,114 @@ ROWS: dict[str, list[Panel]] = {
 # fmt: on
 
 
-def panel_queries() -> list[tuple[str, str]]:
-    """Every ``(panel title, PromQL)`` of the dashboard, with the ``run`` filter as written."""
-    return [(panel.title, expr) for panels in ROWS.values() for panel in panels for expr, _ in panel.queries]
+# ``rlpost serve``'s dashboard (rlpost.record.metrics.ServiceMetrics), filtered by tenant.
+SERVE_DASHBOARD_UID = "rlpost-serve"
+SERVE_DASHBOARD_FILE = "rlpost_serve_grafana_dashboard.json"
+TENANT = '{tenant=~"$tenant"}'  # the service dashboard's filter: the tenants picked in its `tenant` variable
+
+
+def _per_tenant(title: str, description: str, counter: str, by: str = "tenant", unit: str = "short") -> Panel:
+    """A panel of a service counter's rate per second, one line per tenant (and ``by``'s other labels)."""
+    legend = " ".join(f"{{{{{label.strip()}}}}}" for label in by.split(","))
+    return Panel(title, description, ((f"sum by ({by}) (rate(ray_rlpost_serve_{counter}_total{TENANT}[1m]))",
+                                       legend),), unit)  # fmt: skip
+
+
+def _serve_gauges(title: str, description: str, *names: str, unit: str = "short") -> Panel:
+    return Panel(title, description, tuple((f"sum(ray_rlpost_serve_{n})", n) for n in names), unit)
+
+
+# fmt: off
+SERVE_ROWS: dict[str, list[Panel]] = {
+    "Tenants": [
+        _per_tenant("Requests per second", "Requests accepted per second, by tenant and kind.", "requests",
+                    "tenant, kind"),
+        _per_tenant("Errors per second", "Failed requests per second, by tenant and category (user: the client's "
+                    "mistake; server: the service's).", "request_errors", "tenant, category"),
+        Panel("Queue depth", "Requests each tenant has accepted and not finished (bounded by "
+              "max_pending_per_tenant; past it the tenant is told to try again later).",
+              ((f"sum by (tenant) (ray_rlpost_serve_tenant_pending{TENANT})", "{{tenant}}"),)),
+        _per_tenant("Tokens trained per second", "Tokens of forward and forward_backward requests per second.",
+                    "tokens_trained"),
+        _per_tenant("Tokens sampled per second", "Tokens sampled per second.", "tokens_sampled"),
+        Panel("Share of each actor's time",
+              "Share of the trainer's and each engine's busy time spent on each tenant's calls (with K tenants "
+              "busy, fair queuing gives each 1/K).",
+              ((f"sum by (tenant, actor) (rate(ray_rlpost_serve_busy_seconds_total{TENANT}[1m])) / ignoring(tenant) "
+                "group_left sum by (actor) (rate(ray_rlpost_serve_busy_seconds_total[1m]))", "{{tenant}} {{actor}}"),),
+              "percentunit"),
+    ],
+    "Service": [
+        _serve_gauges("Sessions, models, samplers", "What clients hold now, and the requests accepted and not "
+                      "finished.", "sessions", "models", "samplers", "pending_requests"),
+        Panel("Trainer adapters", "Client models' adapters in the trainer's model (resident), parked in its memory "
+              "and in files (adapters.trainer_resident, trainer_in_memory).",
+              (("sum by (where) (ray_rlpost_serve_trainer_adapters)", "{{where}}"),)),
+        _serve_gauges("Engine log-prob difference", "Largest log-prob difference between an engine and the trainer "
+                      "at the last parity check of an adapter snapshot (above parity_warn: the engine samples from "
+                      "another model than the one trained).", "logprob_diff"),
+    ],
+}
+# fmt: on
+
+
+def panel_queries(rows: dict[str, list[Panel]] | None = None) -> list[tuple[str, str]]:
+    """Every ``(panel title, PromQL)`` of a dashboard's rows (the run dashboard's by default)."""
+    rows = ROWS if rows is None else rows
+    return [(panel.title, expr) for panels in rows.values() for panel in panels for expr, _ in panel.queries]
 
 
 # ------------------------------------------------------------------------------------- dashboard
 
 
 def dashboard() -> dict[str, Any]:
-    """The Grafana dashboard as a JSON object (Grafana's dashboard model)."""
+    """The run dashboard as a JSON object (Grafana's dashboard model)."""
+    return _board("rlpost", DASHBOARD_UID, "An rlpost run: training, throughput, pipeline, weight sync and workers, "
+                  "per run", ("run", "Run", "logging.run_name of the runs shown", "ray_rlpost_policy_version"), ROWS)  # fmt: skip
+
+
+def serve_dashboard() -> dict[str, Any]:
+    """``rlpost serve``'s dashboard: its tenants' requests, errors, queues, tokens and shares of the
+    actors' time, and what the service holds."""
+    return _board("rlpost serve", SERVE_DASHBOARD_UID, "An rlpost service: each tenant's requests, errors, queue, "
+                  "tokens and share of the actors' time; the sessions, models and adapters it holds",
+                  ("tenant", "Tenant", "The tenants shown (the names the API keys map to)",
+                   "ray_rlpost_serve_requests_total"), SERVE_ROWS)  # fmt: skip
+
+
+def _board(title: str, uid: str, description: str, variable: tuple[str, str, str, str],
+           rows: dict[str, list[Panel]]) -> dict[str, Any]:  # fmt: skip
+    """A dashboard of ``rows``, with a data-source variable and ``variable`` = (name, label,
+    description, the metric whose label of that name lists its values)."""
     from grafana_foundation_sdk.builders import dashboard as gd
     from grafana_foundation_sdk.builders import prometheus, timeseries
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
 
+    name, label, about, listed_by = variable
     source = DataSourceRef(type_val="prometheus", uid="${datasource}")
     board = (
-        gd.Dashboard("rlpost")
-        .uid(DASHBOARD_UID)
-        .description("An rlpost run: training, throughput, pipeline, weight sync and workers, per run")
+        gd.Dashboard(title)
+        .uid(uid)
+        .description(description)
         .tags(["rlpost", "ray"])
         .editable()
         .refresh("10s")
         .time("now-1h", "now")
         .with_variable(gd.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(
-            gd.QueryVariable("run")
-            .label("Run")
-            .description("logging.run_name of the runs shown")
+            gd.QueryVariable(name)
+            .label(label)
+            .description(about)
             .datasource(source)
-            .query("label_values(ray_rlpost_policy_version, run)")
+            .query(f"label_values({listed_by}, {name})")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(VariableSort.ALPHABETICAL_DESC)
             .multi(True)
             .include_all(True)
         )
     )
-    for row, panels in ROWS.items():
+    for row, panels in rows.items():
         board = board.with_row(gd.Row(row))
         for panel in panels:
             built = (
@@ -286,13 +358,15 @@ _HEADER = "# Written by `python -m rlpost.ops.dashboards` (rlpost/ops/dashboards
 
 
 def write_files(folder: str | Path, settings: AlertSettings = DEFAULT_ALERTS) -> list[Path]:
-    """Write the dashboard and the alert rules into ``folder``; returns their paths."""
+    """Write the run dashboard, the alert rules and the service dashboard into ``folder``; returns
+    their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    board, rules = folder / DASHBOARD_FILE, folder / ALERTS_FILE
+    board, rules, serve = folder / DASHBOARD_FILE, folder / ALERTS_FILE, folder / SERVE_DASHBOARD_FILE
     board.write_text(json.dumps(dashboard(), indent=2, sort_keys=True) + "\n")
     rules.write_text(_HEADER + yaml.safe_dump(alert_rules(settings), sort_keys=False, width=120))
-    return [board, rules]
+    serve.write_text(json.dumps(serve_dashboard(), indent=2, sort_keys=True) + "\n")
+    return [board, rules, serve]
 
 
 def write_deploy_files(folder: str | Path = DEPLOY_DIR) -> list[Path]:

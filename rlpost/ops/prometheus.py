@@ -214,7 +214,7 @@ def run_monitor(settings: MonitorSettings, say: Callable[[str], None] = print) -
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpost-monitor-")))
         work.mkdir(parents=True, exist_ok=True)
-        board, rules = dashboards.write_files(work, settings.alerts)
+        board, rules, _ = dashboards.write_files(work, settings.alerts)  # the service's board: deploy/monitoring
         config = work / "prometheus.yml"
         config.write_text(yaml.safe_dump(prometheus_config(settings, rules), sort_keys=False))
         base = f"http://127.0.0.1:{settings.port}"

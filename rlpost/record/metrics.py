@@ -430,6 +430,7 @@ class ServiceMetrics:
         "serve_request_errors": "Requests that failed, by tenant, kind and category (user: the client's mistake)",
         "serve_tokens_trained": "Tokens of forward and forward_backward requests, by tenant",
         "serve_tokens_sampled": "Tokens sampled, by tenant",
+        "serve_busy_seconds": "Seconds an actor (trainer, inference-<i>) spent on a tenant's calls, by tenant and actor",
     }
     TENANT_GAUGES = {
         "serve_tenant_pending": "Requests of the tenant accepted and not finished (its queue depth)",
@@ -438,7 +439,8 @@ class ServiceMetrics:
     ADAPTERS = "serve_trainer_adapters"
     ADAPTER_PLACES = ("resident", "in_memory", "on_disk")
     _TAGS = {"serve_requests": ("tenant", "kind"), "serve_request_errors": ("tenant", "kind", "category"),
-             "serve_tokens_trained": ("tenant",), "serve_tokens_sampled": ("tenant",)}  # fmt: skip
+             "serve_tokens_trained": ("tenant",), "serve_tokens_sampled": ("tenant",),
+             "serve_busy_seconds": ("tenant", "actor")}  # fmt: skip
 
     def __init__(self):
         from ray.util import metrics

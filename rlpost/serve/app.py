@@ -57,8 +57,8 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
                 return JSONResponse({"detail": detail}, status_code=401)
             try:
                 return await handler(request, tenant)
-            except (RequestError, BadRequest) as exc:
-                return JSONResponse({"detail": str(exc)}, status_code=400)
+            except (RequestError, BadRequest) as exc:  # 410: a session that ended (the SDK stops its heartbeat)
+                return JSONResponse({"detail": str(exc)}, status_code=getattr(exc, "status", 400))
             except Busy as exc:  # the SDK backs off and sends it again
                 return JSONResponse({"detail": str(exc)}, status_code=429, headers={"retry-after-ms": "1000"})
 
@@ -96,7 +96,7 @@ def build_app(service: Service, keys: ApiKeys) -> Starlette:
         return JSONResponse({"type": "session_heartbeat"})
 
     async def finish_session(request, tenant):
-        service.session(tenant, request.path_params["session_id"])
+        await service.finish_session(tenant, request.path_params["session_id"])
         return JSONResponse({})
 
     async def telemetry(request, tenant):

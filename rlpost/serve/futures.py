@@ -32,11 +32,12 @@ USER, SERVER = "user", "server"
 
 
 class RequestError(Exception):
-    """A request that failed for a reason the client should see (``category`` user or server)."""
+    """A request that failed for a reason the client should see (``category`` user or server;
+    ``status``: the HTTP status when it is answered at once)."""
 
-    def __init__(self, message: str, category: str = USER):
+    def __init__(self, message: str, category: str = USER, status: int = 400):
         super().__init__(message)
-        self.category = category
+        self.category, self.status = category, status
 
 
 @dataclass
@@ -141,7 +142,7 @@ class ModelQueue:
         self._waiting: dict[int, tuple[Future, Callable[[], Awaitable[tuple[bytes, str]]]]] = {}
         self._arrived = asyncio.Event()
         self._runner: asyncio.Task | None = None
-        self.closed = False
+        self.closed, self.closed_why = False, ""
 
     def submit(self, seq_id: int, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
         """The future of request ``seq_id``: the first one's when the number was taken before."""
@@ -149,7 +150,7 @@ class ModelQueue:
             return self.by_seq[seq_id]
         future = self.store.create(tenant, kind)
         if self.closed:
-            future.fail("model: this model was unloaded", USER)
+            future.fail(f"model: {self.closed_why}", USER)
             return future
         if seq_id < self.next_seq:
             future.fail(f"seq_id: {seq_id} comes after {self.next_seq - 1} was run; numbers must not go back", USER)
@@ -161,13 +162,18 @@ class ModelQueue:
             self._runner = asyncio.get_running_loop().create_task(self._run())
         return future
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, why: str = "this model was unloaded") -> None:
+        """Fail the requests still waiting (``why``) and any sent later; the one running finishes."""
+        self.closed, self.closed_why = True, why
         for future, _ in self._waiting.values():
-            future.fail("model: this model was unloaded", USER)
+            future.fail(f"model: {why}", USER)
         self._waiting.clear()
+        self._arrived.set()  # the runner, waiting for a number, sees the queue closed
+
+    async def idle(self) -> None:
+        """Wait until the request running (if any) has finished; call after :meth:`close`."""
         if self._runner is not None:
-            self._runner.cancel()
+            await asyncio.shield(self._runner)
 
     async def _run(self) -> None:
         while not self.closed:

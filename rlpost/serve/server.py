@@ -86,13 +86,28 @@ class RunningServer:
         return f"http://{host}:{port}"
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
-        """Serve until :meth:`stop` (or a signal, when uvicorn installs its handlers)."""
-        task = asyncio.get_running_loop().create_task(self.server.serve())
-        while not self.server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if self.server.started and on_ready is not None:
-            on_ready(self.url)
-        await task
+        """Serve until :meth:`stop` (or a signal, when uvicorn installs its handlers), ending the
+        sessions that go silent meanwhile."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.server.serve())
+        reaper = loop.create_task(self._end_silent_sessions())
+        try:
+            while not self.server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if self.server.started and on_ready is not None:
+                on_ready(self.url)
+            await task
+        finally:
+            reaper.cancel()
+
+    async def _end_silent_sessions(self) -> None:
+        every_s = min(30.0, self.cfg.session_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.service.expire_silent()
+            except Exception:  # noqa: BLE001 (logged; the next round tries again)
+                log.exception("serve: ending the silent sessions failed")
 
     def stop(self) -> None:
         self.server.should_exit = True

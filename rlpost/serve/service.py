@@ -3,9 +3,11 @@
 Every method takes the caller's tenant (from its API key) and acts only on what that tenant made:
 a session, model, sampler, future or ``tinker://`` path of another tenant is answered as unknown.
 
-Ids follow the SDK's own scheme, which it relies on when it makes a training client from a saved
-state without asking: a session's models are ``<session>:train:<n>`` and its samplers
-``<session>:sample:<n>``, ``n`` the session's counters the client sends.
+Sessions, models and samplers, their ids and how a session ends: :mod:`rlpost.serve.sessions`.
+A session that ends (finished by its client, or silent for ``session_timeout_s``) takes its
+models and samplers with it once their running requests are done; a silent one's models are first
+saved as ``tinker://<model>/weights/session-end`` (their state as of their last optim_step), since
+their client did not say it was done with them.
 
 A model's requests (forward, forward_backward, optim_step, saves and loads) run in its
 :class:`~rlpost.serve.futures.ModelQueue`, in the client's ``seq_id`` order; sampling runs at
@@ -21,7 +23,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from rlpost.record.metrics import ServiceMetrics
 from rlpost.serve.fairness import Admission, FairTurns
 from rlpost.serve.futures import Future, FutureStore, ModelQueue, RequestError, forget_finished
 from rlpost.serve.recovery import ActorCalls
+from rlpost.serve.sessions import Ended, Model, Sampler, Session, forget_ended, session_of, silent
 from rlpost.serve.storage import Storage, WeightsPath, check_name, iso_time
 from rlpost.serve.wire import (
     PROTOBUF,
@@ -39,6 +42,7 @@ from rlpost.serve.wire import (
     encode_forward_backward_output,
     encode_sample_response,
     model_input_tokens,
+    sampling_params,
 )
 
 log = logging.getLogger("rlpost")
@@ -48,36 +52,6 @@ JSON = "application/json"
 # that loads the snapshot, must agree (as a training run's sync_logprob_diff probe checks)
 PROBE = list(range(3, 35))
 _ADAM_FIELDS = {f for f in AdamParams.__dataclass_fields__}
-
-
-@dataclass
-class Session:
-    tenant: str
-    futures: dict[str, Future] = field(default_factory=dict)  # model id -> its making's first future (retries)
-
-
-@dataclass
-class Model:
-    tenant: str
-    model_id: str
-    adapter: str  # the trainer's name for its adapter
-    spec: AdapterSpec
-    queue: ModelQueue
-    # what a replaced trainer is given back (rlpost.serve.recovery): the adapter and optimizer as of
-    # the last optim_step (or creation, or load), and the forward_backward calls since
-    checkpoint: dict[str, bytes] | None = None
-    replay: list[tuple] = field(default_factory=list)
-
-
-@dataclass
-class Sampler:
-    tenant: str
-    sampler_id: str
-    adapter: str | None  # None: the base model
-    payload: tuple[Any, Any] | None = None  # Ray refs to the adapter's config and tensors
-    model_path: str | None = None
-    futures: dict[int, Future] = field(default_factory=dict)
-    probe: list[float] | None = None  # the trainer's log-probs of PROBE under this adapter
 
 
 def _json(value: dict[str, Any]) -> tuple[bytes, str]:
@@ -98,13 +72,14 @@ class Service:
         self.cfg, self.fleet, self.storage, self.metrics = cfg, fleet, storage, metrics
         self.futures = FutureStore(keep_s=cfg.keep_results_s, long_poll_s=cfg.long_poll_s, observer=self._settled)
         self.sessions: dict[str, Session] = {}
+        self.ended: dict[str, Ended] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self._adapter_ids = itertools.count(1)
         self._next_worker = itertools.count()
         self._on_worker: dict[tuple[int, int], set[str]] = {}  # adapters given to (worker, its generation)
         self.calls = ActorCalls(fleet, cfg.call_timeout_s, on_new_trainer=self._put_models_back)
-        self.trainer_turns = FairTurns(1)
+        self.trainer_turns = FairTurns(1, on_held=lambda tenant, s: self._busy(tenant, "trainer", s))
         self.worker_turns: dict[int, FairTurns] = {}
         self.admission = Admission(cfg.max_pending_per_tenant)
         self.last_logprob_diff: float | None = None  # the last parity check's (PROBE)
@@ -118,7 +93,10 @@ class Service:
 
     async def _worker(self, tenant: str, index: int, method: str, *args: Any, what: str) -> Any:
         """An inference worker's call of ``tenant``'s, in its turn at that worker."""
-        async with self.worker_turns.setdefault(index, FairTurns(1)).turn(tenant):
+        turns = self.worker_turns.get(index)
+        if turns is None:
+            turns = self.worker_turns[index] = FairTurns(1, on_held=lambda t, s: self._busy(t, f"inference-{index}", s))
+        async with turns.turn(tenant):
             return await self.calls.worker(index, method, *args, what=what)
 
     async def _checkpoint(self, model: Model) -> None:
@@ -179,6 +157,10 @@ class Service:
         if self.metrics is not None:
             self.metrics.tenant_pending(tenant, self.admission.pending[tenant])
 
+    def _busy(self, tenant: str, actor: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.count("serve_busy_seconds", seconds, tenant=tenant, actor=actor)
+
     def _tokens(self, key: str, tenant: str, count: int) -> None:
         if self.metrics is not None:
             self.metrics.count(key, count, tenant=tenant)
@@ -203,22 +185,82 @@ class Service:
         return {"session_id": session_id}
 
     def session(self, tenant: str, session_id: Any) -> Session:
+        """``tenant``'s session ``session_id``, marked as heard from; one that ended is answered 410."""
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.tenant != tenant:
+            self._check_ended(tenant, session_id, "session_id")
             raise RequestError(f"session_id: no session {session_id!r}")
+        session.seen()
         return session
 
     def model(self, tenant: str, model_id: Any) -> Model:
         model = self.models.get(model_id) if isinstance(model_id, str) else None
-        if model is None or model.tenant != tenant:
+        session = self.sessions.get(session_of(model_id)) if model is not None else None
+        if model is None or model.tenant != tenant or session is None:
+            self._check_ended(tenant, model_id, "model_id")
             raise RequestError(f"model_id: no model {model_id!r}")
+        session.seen()
         return model
 
     def sampler(self, tenant: str, sampler_id: Any) -> Sampler:
         sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
-        if sampler is None or sampler.tenant != tenant:
+        session = self.sessions.get(session_of(sampler_id)) if sampler is not None else None
+        if sampler is None or sampler.tenant != tenant or session is None:
+            self._check_ended(tenant, sampler_id, "sampling_session_id")
             raise RequestError(f"sampling_session_id: no sampler {sampler_id!r}")
+        session.seen()
         return sampler
+
+    def _check_ended(self, tenant: str, object_id: Any, what: str) -> None:
+        """410 for an id of ``tenant``'s session that ended (or of its models and samplers)."""
+        ended = self.ended.get(session_of(object_id)) if isinstance(object_id, str) else None
+        if ended is not None and ended.tenant == tenant:
+            raise RequestError(f"{what}: {object_id} is gone: its session {ended.why}", status=410)
+
+    # ------------------------------------------------------------------- session ends
+
+    async def finish_session(self, tenant: str, session_id: Any) -> None:
+        """The client is done with the session (``ServiceClient.close``): it ends."""
+        self.session(tenant, session_id)
+        await self.end_session(session_id, "was finished by its client", save=False)
+
+    async def expire_silent(self) -> list[str]:
+        """End every session silent for over ``session_timeout_s``; returns their ids."""
+        forget_ended(self.ended, self.cfg.keep_results_s)
+        expired = silent(self.sessions, self.cfg.session_timeout_s)
+        for session_id in expired:
+            await self.end_session(session_id, f"expired: nothing was heard from it for over "
+                                               f"{self.cfg.session_timeout_s:.0f} s", save=True)  # fmt: skip
+        return expired
+
+    async def end_session(self, session_id: str, why: str, save: bool) -> None:
+        """End ``session_id``: its models' waiting requests fail (``why``), then, once each one's
+        running request is done, the model is saved (``save``) and leaves the trainer; its
+        samplers go (the engines drop their adapters as least recently used)."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        self.ended[session_id] = Ended(session.tenant, why)
+        models = [m for m in self.models.values() if session_of(m.model_id) == session_id]
+        for model in models:
+            model.queue.close(f"its session {why}")
+        saved = []
+        for model in models:
+            await model.queue.idle()
+            if save and model.checkpoint is not None:
+                path = WeightsPath(model.model_id, "weights", "session-end")
+                self.storage.save(path, model.tenant, model.checkpoint)
+                saved.append(str(path))
+            del self.models[model.model_id]
+            await self._trainer(model.tenant, "remove", model.adapter, what="end_session")
+        for sampler_id in [s for s in self.samplers if session_of(s) == session_id]:
+            del self.samplers[sampler_id]
+        log.warning("serve: session %s of %s %s; %d models ended%s", session_id, session.tenant, why, len(models),
+                    f", saved as {', '.join(saved)}" if saved else "")  # fmt: skip
+        if models:
+            await self._note_memory(session.tenant)
+        if self.metrics is not None:
+            self._state()
 
     # --------------------------------------------------------------------------- models
 
@@ -236,6 +278,10 @@ class Service:
         if model_id in session.futures:
             return session, model_id, session.futures[model_id]
         self._check_base_model(body.get("base_model"))
+        held = sum(1 for m in self.models.values() if m.tenant == tenant)
+        if held >= self.cfg.max_models_per_tenant:
+            raise RequestError(f"model_seq_id: this key's tenant holds {held} models, the most this server allows "
+                               "(max_models_per_tenant); unload one first")  # fmt: skip
         return session, model_id, None
 
     def create_model(self, tenant: str, body: dict[str, Any]) -> Future:
@@ -290,6 +336,7 @@ class Service:
 
         async def work() -> tuple[bytes, str]:
             model.queue.close()
+            await model.queue.idle()
             del self.models[model.model_id]
             await self._trainer(tenant, "remove", model.adapter, what="unload_model")
             await self._note_memory(tenant)
@@ -451,7 +498,7 @@ class Service:
         seq = _field(body, "seq_id", int)
         n = _field(body, "num_samples", int)
         prompt = model_input_tokens("prompt", body.get("prompt"))
-        params, prompt_logprobs = self._sampling(body, len(prompt), n)
+        params, prompt_logprobs = sampling_params(body, len(prompt), n, self.cfg.engine.max_model_len)
         ids = [f"{sampler.sampler_id}:{seq}:{i}" for i in range(n)]
         forget_finished(sampler.futures, self.cfg.keep_results_s)
         if seq in sampler.futures:
@@ -464,39 +511,6 @@ class Service:
 
         future = sampler.futures[seq] = self._future(tenant, "sample", work)
         return future, ids
-
-    def _sampling(self, body: dict[str, Any], prompt_len: int, n: int) -> tuple[dict[str, Any], int | None]:
-        if not prompt_len:
-            raise RequestError("prompt: no tokens")
-        if not 1 <= n <= 1024:
-            raise RequestError(f"num_samples: {n} is outside 1..1024")
-        sp = body.get("sampling_params") or {}
-        room = self.cfg.engine.max_model_len - prompt_len
-        max_tokens = sp.get("max_tokens")
-        max_tokens = room if max_tokens is None else int(max_tokens)
-        if room < 1 or not 1 <= max_tokens <= room:
-            raise RequestError(
-                f"sampling_params.max_tokens: {max_tokens} with a {prompt_len}-token prompt does not fit the "
-                f"model's {self.cfg.engine.max_model_len} tokens"
-            )
-        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": float(sp.get("temperature", 1.0)),
-                                  "top_p": float(sp.get("top_p", 1.0)), "top_k": int(sp.get("top_k", -1))}  # fmt: skip
-        if sp.get("seed") is not None:
-            params["seed"] = int(sp["seed"])
-        stop = sp.get("stop")
-        if isinstance(stop, str):
-            params["stop"] = [stop]
-        elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
-            params["stop"] = stop
-        elif isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
-            params["stop_token_ids"] = stop
-        elif stop == []:
-            params["ignore_eos"] = True  # no stop at all, the end-of-sequence token included
-        elif stop is not None:
-            raise RequestError("sampling_params.stop: a string, a list of strings or a list of token ids")
-        if not body.get("prompt_logprobs"):
-            return params, None
-        return params, max(0, int(body.get("topk_prompt_logprobs") or 0))
 
     async def _sample(self, sampler: Sampler, prompt, n, params, prompt_logprobs) -> dict[str, Any]:
         """Sample on the next worker, sending it the sampler's adapter first where it has not got it

@@ -294,3 +294,42 @@ def encode_sample_response(result: dict[str, Any], prompt_length: int) -> bytes:
         response.topk_prompt_logprobs.k = k
         response.topk_prompt_logprobs.length = len(topk)
     return response.SerializeToString()
+
+
+def sampling_params(
+    body: dict[str, Any], prompt_len: int, n: int, max_model_len: int
+) -> tuple[dict[str, Any], int | None]:
+    """An ``asample`` body's vLLM sampling parameters and what it asks of prompt log-probs (None:
+    nothing; else how many top log-probs per prompt token, 0 for the token's own only), checked
+    against the model's length."""
+    if not prompt_len:
+        raise BadRequest("prompt: no tokens")
+    if not 1 <= n <= 1024:
+        raise BadRequest(f"num_samples: {n} is outside 1..1024")
+    sp = body.get("sampling_params") or {}
+    room = max_model_len - prompt_len
+    max_tokens = sp.get("max_tokens")
+    max_tokens = room if max_tokens is None else int(max_tokens)
+    if room < 1 or not 1 <= max_tokens <= room:
+        raise BadRequest(
+            f"sampling_params.max_tokens: {max_tokens} with a {prompt_len}-token prompt does not fit the "
+            f"model's {max_model_len} tokens"
+        )
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": float(sp.get("temperature", 1.0)),
+                              "top_p": float(sp.get("top_p", 1.0)), "top_k": int(sp.get("top_k", -1))}  # fmt: skip
+    if sp.get("seed") is not None:
+        params["seed"] = int(sp["seed"])
+    stop = sp.get("stop")
+    if isinstance(stop, str):
+        params["stop"] = [stop]
+    elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
+        params["stop"] = stop
+    elif isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
+        params["stop_token_ids"] = stop
+    elif stop == []:
+        params["ignore_eos"] = True  # no stop at all, the end-of-sequence token included
+    elif stop is not None:
+        raise BadRequest("sampling_params.stop: a string, a list of strings or a list of token ids")
+    if not body.get("prompt_logprobs"):
+        return params, None
+    return params, max(0, int(body.get("topk_prompt_logprobs") or 0))

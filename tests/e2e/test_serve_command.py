@@ -74,9 +74,11 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
         sampler = training.save_weights_and_get_sampling_client().result()
         sample = sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, types.SamplingParams(max_tokens=3)).result()
         assert len(sample.sequences[0].tokens) == 3
+        with pytest.raises(tinker.RequestFailedError, match="unknown loss"):  # a user error, counted
+            training.forward_backward([datum], "dpo").result()
 
         deadline, text = time.monotonic() + 90, ""
-        while time.monotonic() < deadline and 'kind="forward_backward"' not in text:
+        while time.monotonic() < deadline and not ('kind="forward_backward"' in text and "request_errors" in text):
             time.sleep(3)
             text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
         assert re.search(r'ray_rlpost_serve_requests_total\{[^}]*kind="forward_backward"[^}]*tenant="operator"', text)
@@ -84,6 +86,11 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
         assert re.search(r"ray_rlpost_serve_models\{[^}]*\} 1", text)
         assert re.search(r'ray_rlpost_serve_tenant_pending\{[^}]*tenant="operator"[^}]*\} 0', text)
         assert re.search(r'ray_rlpost_serve_trainer_adapters\{[^}]*where="resident"[^}]*\} 1', text)
+        from rlpost.ops import dashboards
+
+        for title, expr in dashboards.panel_queries(dashboards.SERVE_ROWS):  # the service dashboard has data
+            for name in re.findall(r"\bray_rlpost_serve_\w+", expr):
+                assert re.search(rf"^{name}\{{", text, re.MULTILINE), (title, name)
 
         started = time.monotonic()
         process.send_signal(stop)

@@ -220,6 +220,25 @@ def test_keys_tenants_and_bad_requests(service, tokens):
     assert alice.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"] > 0  # still serving
 
 
+def test_a_closed_client_finishes_its_session_and_its_model_leaves_the_trainer(service, tokens):
+    import json
+    import urllib.error
+    import urllib.request
+
+    running, _ = service
+    with _client(running) as client:
+        training = client.create_lora_training_client(base_model=running.cfg.served_name, rank=8).result()
+        training.forward_backward([_datum(tokens)], "cross_entropy").result()
+        model_id = training.model_id
+        assert model_id in running.service.models
+    assert model_id not in running.service.models  # the SDK's close finished the session
+    request = urllib.request.Request(f"{running.url}/api/v1/get_info", data=json.dumps({"model_id": model_id}).encode(),
+                                     headers={"X-API-Key": ALICE, "Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        urllib.request.urlopen(request, timeout=30)
+    assert gone.value.code == 410 and "was finished by its client" in gone.value.read().decode()
+
+
 def _pid(actor) -> int:
     import ray
 

@@ -18,7 +18,7 @@ import yaml
 from rlpost.config import ConfigError
 from rlpost.ops import dashboards, prometheus
 from rlpost.ops.cli import main
-from rlpost.record.metrics import RayMetrics, RoleMetrics
+from rlpost.record.metrics import RayMetrics, RoleMetrics, ServiceMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -28,13 +28,15 @@ def exported_names() -> set[str]:
     names = {f"ray_rlpost_{k}" for k in RayMetrics.GAUGES} | {f"ray_rlpost_{k}_total" for k in RayMetrics.COUNTERS}
     for role, (gauges, counters) in RoleMetrics.ROLES.items():
         names |= {f"ray_rlpost_{role}_{k}" for k in gauges} | {f"ray_rlpost_{role}_{k}_total" for k in counters}
+    service = [*ServiceMetrics.GAUGES, *ServiceMetrics.TENANT_GAUGES, ServiceMetrics.ADAPTERS]
+    names |= {f"ray_rlpost_{k}" for k in service} | {f"ray_rlpost_{k}_total" for k in ServiceMetrics.COUNTERS}
     return names
 
 
 def test_the_deploy_files_are_the_generators(tmp_path):
     written = dashboards.write_deploy_files(tmp_path)
     assert [p.name for p in written] == [dashboards.DASHBOARD_FILE, dashboards.ALERTS_FILE,
-                                         dashboards.PROMETHEUS_RULE_FILE]  # fmt: skip
+                                         dashboards.SERVE_DASHBOARD_FILE, dashboards.PROMETHEUS_RULE_FILE]  # fmt: skip
     for path in written:
         shipped = dashboards.DEPLOY_DIR / path.name
         assert shipped.read_text() == path.read_text(), f"{shipped} is out of date: run python -m rlpost.ops.dashboards"
@@ -42,7 +44,8 @@ def test_the_deploy_files_are_the_generators(tmp_path):
 
 def test_every_panel_and_alert_reads_metrics_the_code_exports():
     exported = exported_names()
-    exprs = [expr for _, expr in dashboards.panel_queries()] + list(dashboards.alert_expressions().values())
+    exprs = [expr for _, expr in dashboards.panel_queries() + dashboards.panel_queries(dashboards.SERVE_ROWS)]
+    exprs += list(dashboards.alert_expressions().values())
     for expr in exprs:
         for name in re.findall(r"\bray_rlpost_\w+", expr):
             assert name in exported, (name, expr)
@@ -74,6 +77,20 @@ def test_the_dashboard_covers_each_view_filtered_by_run():
     assert [t["expr"] for t in step_time["targets"]] == [
         f'ray_rlpost_{k}{{run=~"$run"}}' for k in ("step_time_s", "collect_s", "train_s", "weight_sync_s")
     ]
+
+
+def test_the_service_dashboard_shows_each_tenant_and_what_the_service_holds():
+    board = dashboards.serve_dashboard()
+    assert board["uid"] == dashboards.SERVE_DASHBOARD_UID
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["tenant"]["query"] == "label_values(ray_rlpost_serve_requests_total, tenant)"
+    assert [p["title"] for p in board["panels"] if p["type"] == "row"] == ["Tenants", "Service"]
+    titles = [p["title"] for p in board["panels"] if p["type"] == "timeseries"]
+    assert titles == ["Requests per second", "Errors per second", "Queue depth", "Tokens trained per second",
+                      "Tokens sampled per second", "Share of each actor's time", "Sessions, models, samplers",
+                      "Trainer adapters", "Engine log-prob difference"]  # fmt: skip
+    for title, expr in dashboards.panel_queries({"Tenants": dashboards.SERVE_ROWS["Tenants"]}):
+        assert 'tenant=~"$tenant"' in expr, (title, expr)
 
 
 def test_alert_rules_take_their_thresholds():
@@ -137,7 +154,7 @@ def ray_session(temp_dir: Path) -> Path:
 
 
 def test_the_dashboard_is_provisioned_beside_rays(tmp_path):
-    board, _ = dashboards.write_files(tmp_path / "work")
+    board, _, _ = dashboards.write_files(tmp_path / "work")
     assert prometheus.provision_dashboard(tmp_path, board) is None  # no session yet
     grafana = ray_session(tmp_path)
     path = prometheus.provision_dashboard(tmp_path, board)

@@ -20,6 +20,7 @@ from rlpost.serve.service import Service  # noqa: E402
 from rlpost.serve.storage import Storage  # noqa: E402
 
 KEY = "tml-alice-0123456789"
+BOB = "tml-bob-0123456789"
 
 
 class Remote:
@@ -49,6 +50,9 @@ class Trainer:
     def create(self, adapter, spec):
         self.calls.append(("create", adapter, spec.rank))
 
+    def remove(self, adapter):
+        self.calls.append(("remove", adapter))
+
     def snapshot(self, adapter, with_optimizer):
         return {"adapter_model.safetensors": b"weights of " + adapter.encode()}
 
@@ -67,11 +71,12 @@ class Fleet:
 
 @pytest.fixture
 def client(tmp_path):
-    cfg = ServeConfig(storage_dir=str(tmp_path), long_poll_s=2)
+    cfg = ServeConfig(storage_dir=str(tmp_path), long_poll_s=2, max_models_per_tenant=2)
     fleet = Fleet()
-    app = build_app(Service(cfg, fleet, Storage(tmp_path)), ApiKeys({KEY: "alice"}))
+    service = Service(cfg, fleet, Storage(tmp_path))
+    app = build_app(service, ApiKeys({KEY: "alice", BOB: "bob"}))
     with starlette_testclient.TestClient(app, headers={"X-API-Key": KEY}) as http:
-        http.fleet = fleet
+        http.fleet, http.service = fleet, service
         yield http
 
 
@@ -125,3 +130,48 @@ def test_a_model_trains_through_a_zstd_body_and_a_result_reads_twice(client):
 
     unknown = _result(client, "req-made-up")
     assert unknown.status_code == 400 and "no request 'req-made-up'" in unknown.json()["detail"]
+
+
+def _new_model(http, seq=0):
+    """A new session of alice's and a model in it: (session id, model id)."""
+    session = _post(http, "create_session", {}).json()["session_id"]
+    created = _post(http, "create_model", {"session_id": session, "model_seq_id": seq, "lora_config": {"rank": 4}})
+    return session, json.loads(_result(http, created.json()["request_id"]).content)["model_id"]
+
+
+def test_a_finished_session_takes_its_models_and_tells_its_client_so(client, tmp_path):
+    session, model_id = _new_model(client)
+    assert client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "ok"}}).status_code == 200
+    gone = _post(client, "get_info", {"model_id": model_id})
+    assert gone.status_code == 410 and "its session was finished by its client" in gone.json()["detail"]
+    beat = _post(client, "session_heartbeat", {"session_id": session})  # 410 stops the SDK's heartbeat
+    assert beat.status_code == 410
+    assert ("remove", "adapter-1") in client.fleet.trainer_object.calls and not client.service.models
+    assert not list(tmp_path.rglob("session-end*"))  # the client said it was done: nothing kept
+    other = client.post(f"/api/v1/sessions/{session}/finish", json={}, headers={"X-API-Key": BOB})
+    assert other.status_code == 400 and "no session" in other.json()["detail"]  # bob learns nothing of it
+
+
+def test_a_silent_session_expires_with_its_models_saved_for_their_tenant_only(client):
+    from rlpost.serve.storage import WeightsPath
+
+    service = client.service
+    silent, silent_model = _new_model(client)
+    heard, heard_model = _new_model(client)
+    service.sessions[silent].last_seen -= service.cfg.session_timeout_s + 1
+    assert client.portal.call(service.expire_silent) == [silent]
+    gone = _post(client, "get_info", {"model_id": silent_model})
+    assert gone.status_code == 410 and "expired: nothing was heard from it for over 600 s" in gone.json()["detail"]
+    saved = WeightsPath(silent_model, "weights", "session-end")
+    assert service.storage.load(saved, "alice") == {"adapter_model.safetensors": b"weights of adapter-1"}
+    with pytest.raises(Exception, match="no"):
+        service.storage.load(saved, "bob")
+    assert _post(client, "get_info", {"model_id": heard_model}).status_code == 200
+    assert client.portal.call(service.expire_silent) == []  # the other one was heard from
+
+
+def test_a_tenant_holds_at_most_max_models_per_tenant(client):
+    _new_model(client)
+    session, _ = _new_model(client)
+    refused = _post(client, "create_model", {"session_id": session, "model_seq_id": 5, "lora_config": {"rank": 4}})
+    assert refused.status_code == 400 and "max_models_per_tenant" in refused.json()["detail"]

@@ -97,3 +97,33 @@ def test_a_poll_waits_for_the_result_then_says_pending_and_other_tenants_see_not
 
     done, again = _run(main())
     assert done.payload == b"{}" and again is done
+
+
+def test_a_closed_queue_finishes_the_request_running_and_fails_the_rest():
+    """Closing (an unload, a session's end) fails the requests waiting and any sent later with the
+    reason; the one running finishes, and idle() returns once it has."""
+
+    async def main():
+        store, ran, release = FutureStore(long_poll_s=1.0), [], asyncio.Event()
+        queue = ModelQueue(store)
+
+        async def slow():
+            await release.wait()
+            ran.append("running")
+            return b"done", "application/json"
+
+        running = queue.submit(1, "t", "fb", slow)
+        waiting = queue.submit(2, "t", "fb", _job(ran, "r2"))
+        await asyncio.sleep(0.01)
+        queue.close("its session expired")
+        later = queue.submit(3, "t", "fb", _job(ran, "r3"))
+        idle = asyncio.ensure_future(queue.idle())
+        await asyncio.sleep(0.01)
+        assert not idle.done()  # the running request holds it
+        release.set()
+        await asyncio.wait_for(idle, 5)
+        return ran, running, waiting, later
+
+    ran, running, waiting, later = _run(main())
+    assert ran == ["running"] and running.payload == b"done"
+    assert waiting.error == later.error == "model: its session expired" and waiting.category == USER
