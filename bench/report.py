@@ -339,16 +339,17 @@ SUMMARIES: dict[str, Summary] = {
     "serve_adapters": Summary(
         (
             Figure("qwen05b: formula MB per model"),
-            Figure("qwen05b: resident bytes per model / formula"),
-            Figure("qwen05b: parked-in-memory bytes per model / resident"),
+            Figure("qwen05b: resident tensor bytes per model / formula"),
+            Figure("qwen05b: resident RSS growth per model / formula"),
+            Figure("qwen05b: on disk, file bytes per model / resident"),
             Figure("qwen05b: step of a model parked in memory / resident"),
             Figure("qwen05b: step of a model parked on disk / resident"),
             Figure("tiny: formula MB per model"),
-            Figure("tiny: resident bytes per model / formula"),
+            Figure("tiny: resident tensor bytes per model / formula"),
         ),
-        "What one client model (a rank-32 adapter, its gradient and AdamW state) costs the trainer, measured "
-        "against the formula 4 x rank x (inputs + outputs) x 4 bytes over the adapted layers, and a step of a model "
-        "that must first come back from host memory or a file over a resident model's step.",
+        "What one client model (a rank-32 adapter and its AdamW state) costs the trainer, against the formula "
+        "3 x rank x (inputs + outputs) x 4 bytes over the adapted layers, what a parked one costs in a file, and a "
+        "step of a model that must first come back from host memory or a file over a resident model's step.",
         (A_SERVE_MEMORY,),
     ),
     "serve_tenants": Summary(

@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import tempfile
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -173,7 +174,9 @@ class AdapterTrainer:
     def _drop_from_model(self, model_id: str) -> None:
         del self.resident[model_id]
         if self.resident:
-            self.model.delete_adapter(model_id)
+            with warnings.catch_warnings():  # peft's note that another adapter is now active: each call sets its own
+                warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+                self.model.delete_adapter(model_id)
         else:  # peft cannot delete its last adapter: unwrap to the bare base
             self._base = self.model.unload()
             self.model = None
@@ -195,11 +198,20 @@ class AdapterTrainer:
         self._drop_from_model(model_id)
 
     def memory(self) -> dict[str, int]:
-        """Where the models' adapters are: in the model, parked in host memory, in files; and the
-        moves so far (parked, spilled to a file, brought back)."""
-        on_disk = sum(1 for p in self.parked.values() if p.path is not None)
-        return {"resident": len(self.resident), "in_memory": len(self.parked) - on_disk, "on_disk": on_disk,
-                **self.moves}  # fmt: skip
+        """Where the models' adapters are: in the model, parked in host memory, in files (counts,
+        and the bytes of their tensors: adapter, gradient, optimizer state); and the moves so far
+        (parked, spilled to a file, brought back)."""
+        on_disk = [p.path for p in self.parked.values() if p.path is not None]
+        in_memory = [p.state for p in self.parked.values() if p.state is not None]
+        resident = 0
+        if self.model is not None:
+            for name, param in self.model.named_parameters():
+                if "lora_" in name:  # a resident adapter's (parked ones are out of the model)
+                    resident += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
+        resident += sum(_nbytes(opt.state_dict()["state"]) for opt in self.optimizers.values())
+        return {"resident": len(self.resident), "in_memory": len(in_memory), "on_disk": len(on_disk),
+                "resident_bytes": resident, "in_memory_bytes": sum(_nbytes(state) for state in in_memory),
+                "on_disk_bytes": sum(path.stat().st_size for path in on_disk), **self.moves}  # fmt: skip
 
     def _known(self, model_id: str) -> AdapterSpec:
         if model_id not in self.specs:
@@ -443,6 +455,17 @@ class AdapterTrainer:
             for name, content in files.items():
                 (Path(folder) / Path(name).name).write_bytes(content)
             return self.load(model_id, folder, with_optimizer=with_optimizer)
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (nested dicts and lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def _on_cpu(value: Any) -> Any:
