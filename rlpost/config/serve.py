@@ -30,9 +30,9 @@ class ServeResources(Section):
 
 class AdapterMemory(Section):
     """How many clients' adapters each actor holds where; the least recently used move further
-    out and come back unchanged when used. Per model the trainer holds the adapter, its gradient
-    and AdamW's two moments: 4 x the adapter's parameters in fp32, where the parameters are
-    rank x (inputs + outputs) summed over the adapted layers."""
+    out and come back unchanged when used. Per model the trainer holds the adapter and AdamW's two
+    moments, 3 x the adapter's parameters in fp32 (4 x while a gradient waits for its optim_step),
+    the parameters being rank x (inputs + outputs) summed over the adapted layers."""
 
     trainer_resident: int = Field(
         16, ge=1, description="Models whose adapter, gradient and optimizer state stay in the trainer's model (on "

@@ -3,11 +3,8 @@
 Every method takes the caller's tenant (from its API key) and acts only on what that tenant made:
 a session, model, sampler, future or ``tinker://`` path of another tenant is answered as unknown.
 
-Sessions, models and samplers, their ids and how a session ends: :mod:`rlpost.serve.sessions`.
-A session that ends (finished by its client, or silent for ``session_timeout_s``) takes its
-models and samplers with it once their running requests are done; a silent one's models are first
-saved as ``tinker://<model>/weights/session-end`` (their state as of their last optim_step), since
-their client did not say it was done with them.
+Sessions, models, samplers, their ids and how a session ends: :mod:`rlpost.serve.sessions`. A
+silent session's models are saved as ``tinker://<model>/weights/session-end`` before they go.
 
 A model's requests (forward, forward_backward, optim_step, saves and loads) run in its
 :class:`~rlpost.serve.futures.ModelQueue`, in the client's ``seq_id`` order; sampling runs at
@@ -52,6 +49,9 @@ JSON = "application/json"
 # that loads the snapshot, must agree (as a training run's sync_logprob_diff probe checks)
 PROBE = list(range(3, 35))
 _ADAM_FIELDS = {f for f in AdamParams.__dataclass_fields__}
+# a sample whose worker lacks the adapter sends it again (the worker replaced, or its least recently
+# used dropped) this many times in all
+SAMPLE_ATTEMPTS = 3
 
 
 def _json(value: dict[str, Any]) -> tuple[bytes, str]:
@@ -111,20 +111,26 @@ class Service:
             self.metrics.trainer_adapters(await self._trainer(tenant, "memory", what="memory"))
 
     async def _put_models_back(self) -> None:
-        """On a new trainer: every model from its checkpoint, then its gradients since replayed.
-        Calls the trainer directly (the others wait until this is done)."""
+        """On a new trainer: every model from its snapshot, then the calls that changed it since
+        replayed in order (:attr:`Model.replay`). Calls the trainer directly (the others wait
+        until this is done)."""
         trainer = self.fleet.trainer
         for model in list(self.models.values()):
-            if model.checkpoint is None:
-                continue
-            await self.calls.wait(
-                trainer.restore.remote(model.adapter, model.checkpoint, with_optimizer=True), "restore"
-            )
-            for data, loss_fn, config in model.replay:
-                ref = trainer.forward_backward.remote(model.adapter, data, loss_fn, config, backward=True)
-                await self.calls.wait(ref, "replay")
-            log.info("serve: %s is back on the new trainer (%d forward_backward replayed)", model.model_id,
-                     len(model.replay))  # fmt: skip
+            if model.checkpoint is not None:
+                ref = trainer.restore.remote(model.adapter, model.checkpoint, with_optimizer=True)
+                await self.calls.wait(ref, "restore")
+            for method, args, kwargs in model.replay:
+                await self.calls.wait(getattr(trainer, method).remote(model.adapter, *args, **kwargs), "replay")
+            log.info("serve: %s is back on the new trainer (%s replayed)", model.model_id,
+                     ", ".join(method for method, _, _ in model.replay) or "nothing")  # fmt: skip
+
+    async def _changed(self, model: Model, method: str, *args: Any, what: str, **kwargs: Any) -> Any:
+        """A trainer call that changes ``model``'s state, recorded once it succeeded for a new
+        trainer to replay until the next snapshot: a step taken between the call and the snapshot
+        is then neither lost nor taken twice when the trainer is replaced in between."""
+        result = await self._trainer(model.tenant, method, model.adapter, *args, what=what, **kwargs)
+        model.replay.append((method, args, kwargs))
+        return result
 
     def _future(self, tenant: str, kind: str, work: Callable[[], Awaitable[tuple[bytes, str]]]) -> Future:
         self.admission.check(tenant)
@@ -303,15 +309,16 @@ class Service:
             adapter = f"adapter-{next(self._adapter_ids)}"
             await self._trainer(tenant, "create", adapter, spec, what="create_model")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
-            await self._checkpoint(self._register(tenant, model_id, adapter, spec))
+            await self._checkpoint(self._register(tenant, model_id, adapter, spec, ("create", (spec,), {})))
             return _json({"model_id": model_id, "type": "create_model"})
 
         future = session.futures[model_id] = self._future(tenant, "create_model", work)
         return future
 
-    def _register(self, tenant: str, model_id: str, adapter: str, spec: AdapterSpec) -> Model:
+    def _register(self, tenant: str, model_id: str, adapter: str, spec: AdapterSpec, made_by: tuple) -> Model:
+        """A new model, its making (``made_by``: the trainer call, as replayed) its first replayed call."""
         queue = ModelQueue(self.futures, gap_timeout_s=self.cfg.gap_timeout_s)
-        model = self.models[model_id] = Model(tenant, model_id, adapter, spec, queue)
+        model = self.models[model_id] = Model(tenant, model_id, adapter, spec, queue, replay=[made_by])
         return model
 
     def _in_order(self, model: Model, seq: int, tenant: str, kind: str, work) -> Future:
@@ -352,10 +359,12 @@ class Service:
         kind = "forward" if call.forward_only else "forward_backward"
 
         async def work() -> tuple[bytes, str]:
-            result = await self._trainer(tenant, "forward_backward", model.adapter, call.data, call.loss_fn,
-                                         call.loss_fn_config, backward=not call.forward_only, what=kind)  # fmt: skip
-            if not call.forward_only:
-                model.replay.append((call.data, call.loss_fn, call.loss_fn_config))
+            args = (call.data, call.loss_fn, call.loss_fn_config)
+            if call.forward_only:
+                result = await self._trainer(tenant, "forward_backward", model.adapter, *args, backward=False,
+                                             what=kind)  # fmt: skip
+            else:
+                result = await self._changed(model, "forward_backward", *args, backward=True, what=kind)
             self._tokens("serve_tokens_trained", tenant, sum(len(d.tokens) for d in call.data))
             return encode_forward_backward_output(result["loss_fn_outputs"], result["metrics"]), PROTOBUF
 
@@ -375,7 +384,7 @@ class Service:
             raise RequestError(f"adam_params: need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps > 0, got {adam}")
 
         async def work() -> tuple[bytes, str]:
-            metrics = await self._trainer(tenant, "optim_step", model.adapter, params, what="optim_step")
+            metrics = await self._changed(model, "optim_step", params, what="optim_step")
             await self._checkpoint(model)
             return _json({"metrics": metrics, "type": "optim_step"})
 
@@ -439,9 +448,7 @@ class Service:
 
             async def into_model() -> tuple[bytes, str]:
                 files = self.storage.load(path, tenant)
-                await self._trainer(
-                    tenant, "restore", model.adapter, files, with_optimizer=with_optimizer, what="load_weights"
-                )
+                await self._changed(model, "restore", files, with_optimizer=with_optimizer, what="load_weights")
                 await self._checkpoint(model)
                 return _json({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
@@ -458,7 +465,8 @@ class Service:
             adapter = f"adapter-{next(self._adapter_ids)}"
             await self._trainer(tenant, "restore", adapter, files, with_optimizer=with_optimizer, what="load_weights")
             self.storage.create_run(model_id, tenant, self.cfg.served_name, asdict(spec))
-            await self._checkpoint(self._register(tenant, model_id, adapter, spec))
+            made_by = ("restore", (files,), {"with_optimizer": with_optimizer})
+            await self._checkpoint(self._register(tenant, model_id, adapter, spec, made_by))
             return _json({"path": str(path), "model_id": model_id, "type": "load_weights"})
 
         future = session.futures[model_id] = self._future(tenant, "load_weights", new_model)
@@ -516,21 +524,21 @@ class Service:
         """Sample on the next worker, sending it the sampler's adapter first where it has not got it
         (a replaced worker has none; one that dropped it, least recently used, says so)."""
         index = next(self._next_worker) % len(self.fleet.inference)
-        for attempt in range(2):
+        for attempt in range(SAMPLE_ATTEMPTS):
             given = self._on_worker.setdefault((index, self.calls.worker_generations.get(index, 0)), set())
-            if sampler.adapter is not None and sampler.adapter not in given:
-                # Ray hands the worker the payload's values
-                await self._worker(sampler.tenant, index, "add_adapter", sampler.adapter, *sampler.payload,
-                                   what="sample (adapter)")  # fmt: skip
-                given.add(sampler.adapter)
-                if sampler.probe is not None:
-                    await self._check_parity(index, sampler)
             try:
+                if sampler.adapter is not None and sampler.adapter not in given:
+                    # Ray hands the worker the payload's values
+                    await self._worker(sampler.tenant, index, "add_adapter", sampler.adapter, *sampler.payload,
+                                       what="sample (adapter)")  # fmt: skip
+                    if sampler.probe is not None:
+                        await self._check_parity(index, sampler)
+                    given.add(sampler.adapter)
                 return await self._worker(sampler.tenant, index, "sample", prompt, n, params, sampler.adapter,
                                           prompt_logprobs, what="sample")  # fmt: skip
-            except KeyError:  # the worker dropped the adapter, or was replaced since it got it
+            except KeyError:  # the worker dropped the adapter, or was replaced since it got it: send it again
                 given.discard(sampler.adapter)
-                if attempt:
+                if attempt == SAMPLE_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
 

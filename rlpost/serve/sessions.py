@@ -7,9 +7,11 @@ state without asking): a session's models are ``<session>:train:<n>`` and its sa
 
 A session lasts until its client finishes it (``ServiceClient`` does when closed) or stops
 sending anything, heartbeats included, for ``session_timeout_s`` (the SDK sends one every 10 s
-while its process lives). Its models and samplers end with it; a session that ended is
-remembered for a while so that its client is told so (410, which also stops the SDK's heartbeat)
-rather than that it never existed.
+while its process lives). Its models and samplers end with it, once their running requests are
+done; a silent session's models are first saved as ``tinker://<model>/weights/session-end``
+(their state as of their last optim_step), since their client did not say it was done with them.
+A session that ended is remembered for a while so that its client is told so (410, which also
+stops the SDK's heartbeat) rather than that it never existed.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ class Model:
     spec: AdapterSpec
     queue: ModelQueue
     # what a replaced trainer is given back (rlpost.serve.recovery): the adapter and optimizer as of
-    # the last optim_step (or creation, or load), and the forward_backward calls since
+    # the last snapshot (after each optim_step, creation and load), and the trainer calls that
+    # changed the model since, as (method, args after the adapter, kwargs), replayed in order
     checkpoint: dict[str, bytes] | None = None
-    replay: list[tuple] = field(default_factory=list)
+    replay: list[tuple[str, tuple, dict]] = field(default_factory=list)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class Remote:
 class Trainer:
     def __init__(self):
         self.calls = []
+        self.steps = 0
+        self.lost_at_snapshot = None  # the snapshot after this many steps finds the trainer lost
 
     def create(self, adapter, spec):
         self.calls.append(("create", adapter, spec.rank))
@@ -53,8 +55,21 @@ class Trainer:
     def remove(self, adapter):
         self.calls.append(("remove", adapter))
 
+    def restore(self, adapter, files, with_optimizer):
+        self.calls.append(("restore", adapter, files["adapter_model.safetensors"]))
+        self.steps = int(files["steps"])
+
+    def optim_step(self, adapter, params):
+        self.calls.append(("optim_step", adapter))
+        self.steps += 1
+        return {"step:max": float(self.steps)}
+
     def snapshot(self, adapter, with_optimizer):
-        return {"adapter_model.safetensors": b"weights of " + adapter.encode()}
+        if self.steps == self.lost_at_snapshot:
+            import ray
+
+            raise ray.exceptions.RayActorError()  # the trainer died between the step and its snapshot
+        return {"adapter_model.safetensors": b"weights of " + adapter.encode(), "steps": str(self.steps).encode()}
 
     def forward_backward(self, adapter, data, loss_fn, config, backward=True):
         self.calls.append(("forward_backward", adapter, [d.tokens for d in data], loss_fn, backward))
@@ -67,6 +82,10 @@ class Fleet:
         self.trainer_object = Trainer()
         self.trainer = Remote(self.trainer_object)
         self.inference = []
+
+    def restart_trainer(self):
+        self.trainer_object = Trainer()
+        self.trainer = Remote(self.trainer_object)
 
 
 @pytest.fixture
@@ -163,7 +182,8 @@ def test_a_silent_session_expires_with_its_models_saved_for_their_tenant_only(cl
     gone = _post(client, "get_info", {"model_id": silent_model})
     assert gone.status_code == 410 and "expired: nothing was heard from it for over 600 s" in gone.json()["detail"]
     saved = WeightsPath(silent_model, "weights", "session-end")
-    assert service.storage.load(saved, "alice") == {"adapter_model.safetensors": b"weights of adapter-1"}
+    assert service.storage.load(saved, "alice") == {"adapter_model.safetensors": b"weights of adapter-1",
+                                                    "steps": b"0"}  # fmt: skip
     with pytest.raises(Exception, match="no"):
         service.storage.load(saved, "bob")
     assert _post(client, "get_info", {"model_id": heard_model}).status_code == 200
@@ -175,3 +195,28 @@ def test_a_tenant_holds_at_most_max_models_per_tenant(client):
     session, _ = _new_model(client)
     refused = _post(client, "create_model", {"session_id": session, "model_seq_id": 5, "lora_config": {"rank": 4}})
     assert refused.status_code == 400 and "max_models_per_tenant" in refused.json()["detail"]
+
+
+def test_a_trainer_lost_between_a_step_and_its_snapshot_gets_the_step_replayed_once(client):
+    """The new trainer gets the model's last snapshot and every call that changed it since, in
+    order: the forward_backward and the optim_step that the lost snapshot would have covered. The
+    step is neither lost nor taken twice (the client's step count says 2 after 2 steps)."""
+    _, model_id = _new_model(client)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})  # fmt: skip
+    adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+    client.fleet.trainer_object.lost_at_snapshot = 2
+    for seq in (1, 3):
+        request = types.ForwardBackwardRequest(
+            model_id=model_id, seq_id=seq, forward_backward_input=types.ForwardBackwardInput(data=[datum],
+                                                                                             loss_fn="cross_entropy"))  # fmt: skip
+        body = request_conv.forward_backward_request_to_proto(request).SerializeToString()
+        posted = client.post(
+            "/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
+        )
+        assert _result(client, posted.json()["request_id"]).status_code == 200
+        stepped = _post(client, "optim_step", {"model_id": model_id, "seq_id": seq + 1, "adam_params": adam})
+        result = json.loads(_result(client, stepped.json()["request_id"]).content)
+        assert result["metrics"]["step:max"] == (seq + 1) / 2, result
+    new = client.fleet.trainer_object  # the snapshot after step 1, then the calls since it, once
+    assert [c[0] for c in new.calls] == ["restore", "forward_backward", "optim_step"] and new.steps == 2
