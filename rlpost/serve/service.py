@@ -261,8 +261,8 @@ class Service:
             await self._trainer(model.tenant, "remove", model.adapter, what="end_session")
         for sampler_id in [s for s in self.samplers if session_of(s) == session_id]:
             del self.samplers[sampler_id]
-        log.warning("serve: session %s of %s %s; %d models ended%s", session_id, session.tenant, why, len(models),
-                    f", saved as {', '.join(saved)}" if saved else "")  # fmt: skip
+        log.log(logging.WARNING if save else logging.INFO, "serve: session %s of %s %s; %d models ended%s",
+                session_id, session.tenant, why, len(models), f", saved as {', '.join(saved)}" if saved else "")  # fmt: skip
         if models:
             await self._note_memory(session.tenant)
         if self.metrics is not None:
