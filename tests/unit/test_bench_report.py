@@ -425,6 +425,8 @@ def test_workload_overrides_and_benchmark_names():
         "sync_route",
         "scoring",
         "reasoning_gym",
+        "serve_adapters",
+        "serve_tenants",
         "race_genheavy",
         "race_lora",
         "profile_tiny",
