@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from rlpost.config.base import Section
 
 
-def _split_range(data: dict[str, Any], key: str, max_key: str) -> dict[str, Any]:
+def split_range(data: dict[str, Any], key: str, max_key: str) -> dict[str, Any]:
     """``data`` with a range ``key: "A..B"`` read as ``key: A`` and ``max_key: B``; anything else
     as it is (a plain number as text is pydantic's to read, or to name as a bad value)."""
     text = data.get(key)
@@ -110,7 +110,7 @@ class RolloutConfig(Section):
         if not isinstance(data, dict):
             return data
         for role in ("inference_workers", "env_pools"):
-            data = _split_range(data, f"num_{role}", f"max_{role}")
+            data = split_range(data, f"num_{role}", f"max_{role}")
         return data
 
     @model_validator(mode="after")

@@ -3,14 +3,14 @@ listens, who may call it and where it keeps what clients save (:class:`ServeConf
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlpost.config.base import Section
 from rlpost.config.model import VLLM_LORA_RANKS
 from rlpost.config.resources import RoleResources, TorchRoleResources
-from rlpost.config.rollout import EngineConfig
+from rlpost.config.rollout import EngineConfig, split_range
 
 
 class ServeResources(Section):
@@ -76,7 +76,14 @@ class ServeConfig(Section):
         "float32", description="The base model's dtype in the trainer and the engines; fp32 on CPU."
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Options of each vLLM engine.")
-    inference_workers: int = Field(1, ge=1, description="Inference workers (one vLLM engine each) that sample.")
+    inference_workers: int = Field(
+        1, ge=1, description="Inference workers (one vLLM engine each) that sample, started with the service; "
+        "`inference_workers: A..B` is A with max_inference_workers B.",
+    )  # fmt: skip
+    max_inference_workers: int | None = Field(
+        None, ge=1, description="The most inference workers `rlpost scale STORAGE_DIR inference=N` may ask for "
+        "(and inference_workers the least). None: inference_workers, and `rlpost scale` may ask for any number.",
+    )  # fmt: skip
     max_lora_rank: int = Field(
         64,
         ge=1,
@@ -136,6 +143,24 @@ class ServeConfig(Section):
         default_factory=AdapterMemory, description="How many adapters each actor holds in its model, memory, files."
     )
     resources: ServeResources = Field(default_factory=ServeResources, description="Where the actors run.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _worker_range(cls, data: Any) -> Any:
+        return split_range(data, "inference_workers", "max_inference_workers") if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _max_covers_start(self) -> ServeConfig:
+        if self.max_inference_workers is not None and self.max_inference_workers < self.inference_workers:
+            raise ValueError(f"max_inference_workers ({self.max_inference_workers}) is below inference_workers "
+                             f"({self.inference_workers})")  # fmt: skip
+        return self
+
+    def scale_bounds(self) -> dict[str, tuple[int, int | None]]:
+        """What `rlpost scale` may ask for: inference workers only, in the range (or from one up)."""
+        if self.max_inference_workers is None:
+            return {"inference": (1, None)}
+        return {"inference": (self.inference_workers, self.max_inference_workers)}
 
     @property
     def served_name(self) -> str:

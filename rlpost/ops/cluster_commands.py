@@ -99,7 +99,8 @@ def add_scale_command(sub) -> None:
         help="change a running job's inference workers and env pools",
         description="Ask a running job for N inference workers and/or M env pools while it trains: `rlpost scale "
         "RUN_DIR inference=N env_pools=M` for a run whose cluster this machine reaches (its run directory), `rlpost "
-        "scale JOB inference=N --address http://HEAD:8265` for a submitted job. New workers and pools start where "
+        "scale JOB inference=N --address http://HEAD:8265` for a submitted job, `rlpost scale STORAGE_DIR inference=N` "
+        "for an `rlpost serve` (its storage_dir; its inference workers only). New workers and pools start where "
         "the cluster has room (until then they wait, and the run trains without them); a new inference worker "
         "loads the current weights and joins the weight bus, a new env pool takes its shard of the prompt stream. "
         "Leaving workers finish their requests first; a leaving env pool stops after its current batch (what it "
@@ -109,7 +110,8 @@ def add_scale_command(sub) -> None:
         "the request (with --wait: once it serves it), 2 for a bad request or an unknown or stopped run, 1 "
         "otherwise.",
     )
-    scale.add_argument("target", metavar="RUN_DIR|JOB", help="the run directory, or a job id from `rlpost submit`")
+    scale.add_argument("target", metavar="RUN_DIR|JOB|STORAGE_DIR",
+                       help="the run directory, a job id from `rlpost submit`, or an `rlpost serve`'s storage_dir")  # fmt: skip
     scale.add_argument(
         "changes", nargs="*", metavar="inference=N|env_pools=M", help="the inference workers / env pools to have"
     )
@@ -136,7 +138,8 @@ def _cmd_scale(args) -> int:
     if target.is_dir():
         try:
             address, namespace, bounds = mailbox.run_namespace(target)
-            mailbox.check_scale_request(bounds, request)
+            service = (target / mailbox.SERVICE_FILE).is_file()  # a service's storage folder
+            mailbox.check_scale_request(bounds, request, mailbox.SERVICE_KEYS if service else mailbox.SCALE_KEYS)
             mailbox.check_reachable(address)
         except (LookupError, ValueError) as exc:
             raise ConfigError(f"scale: {exc}") from None

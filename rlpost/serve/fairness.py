@@ -63,6 +63,11 @@ class FairTurns:
     def waiting(self, tenant: str) -> int:
         return len(self._waiting.get(tenant, ()))
 
+    @property
+    def idle(self) -> bool:
+        """No call holds a turn or waits for one."""
+        return self.active == 0 and not self._waiting
+
     async def _acquire(self, tenant: str) -> None:
         if tenant not in self._waiting:  # not behind a call of its own: its time catches up
             self.vtime[tenant] = max(self.vtime.get(tenant, 0.0), self._now)

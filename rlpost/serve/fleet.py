@@ -104,6 +104,32 @@ class ServiceFleet:
         log.warning("serve: inference-%d was lost; a new one serves (restart %d)", index, self.restarts["inference"])
         return worker
 
+    def add_inference(self) -> Any:
+        """Start the next inference worker (``inference-<len>``) and wait until its engine serves;
+        it is in :attr:`inference` from then on. Blocking: call it off the event loop."""
+        import ray
+
+        worker = self._start_inference(len(self.inference))
+        try:
+            ray.get(worker.get_version.remote(), timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            ray.kill(worker)
+            raise
+        self.inference.append(worker)
+        return worker
+
+    def remove_last_inference(self) -> None:
+        """Shut the last inference worker's engine down and end it (once nothing is sent to it any
+        more: the service's to ensure). Blocking."""
+        import ray
+
+        worker = self.inference.pop()
+        try:
+            ray.get(worker.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 (a stuck or dead engine is killed below anyway)
+            pass
+        ray.kill(worker)
+
     def stop(self) -> None:
         """Shut the engines down and kill every actor (best effort, bounded)."""
         import ray

@@ -18,10 +18,14 @@ from rlpost.runtime.ray_start import RUN_ENV_VARS, local_metrics_url, use_ray_to
 from rlpost.serve.access import ApiKeys
 from rlpost.serve.app import build_app
 from rlpost.serve.fleet import NAMESPACE, ServiceFleet
+from rlpost.serve.scaling import take_scale_requests
 from rlpost.serve.service import Service
 from rlpost.serve.storage import Storage
+from rlpost.service.mailbox import SERVICE_FILE
 
 log = logging.getLogger("rlpost")
+
+MAILBOX_TIMEOUT_S = 30.0  # one exchange with the control actor
 
 
 def with_local_paths(cfg: ServeConfig) -> ServeConfig:
@@ -68,12 +72,14 @@ def _uvicorn_server(config):
 class RunningServer:
     """A started service: its fleet, its HTTP server and the URL it listens on."""
 
-    def __init__(self, cfg: ServeConfig, keys: ApiKeys, fleet: ServiceFleet):
+    def __init__(self, cfg: ServeConfig, keys: ApiKeys, fleet: ServiceFleet,
+                 exchange: Callable[[dict[str, int]], dict[str, int]] | None = None):  # fmt: skip
+        """``exchange``: the mailbox's (``rlpost scale``), :func:`rlpost.serve.scaling.take_scale_requests`."""
         import uvicorn
 
         from rlpost.record.metrics import ServiceMetrics
 
-        self.cfg, self.fleet = cfg, fleet
+        self.cfg, self.fleet, self.exchange = cfg, fleet, exchange
         self.service = Service(cfg, fleet, Storage(cfg.storage_dir), ServiceMetrics())
         config = uvicorn.Config(build_app(self.service, keys), host=cfg.host, port=cfg.port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=5)  # fmt: skip
@@ -87,10 +93,12 @@ class RunningServer:
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Serve until :meth:`stop` (or a signal, when uvicorn installs its handlers), ending the
-        sessions that go silent meanwhile."""
+        sessions that go silent meanwhile and taking operators' scale requests."""
         loop = asyncio.get_running_loop()
         task = loop.create_task(self.server.serve())
-        reaper = loop.create_task(self._end_silent_sessions())
+        chores = [loop.create_task(self._end_silent_sessions())]
+        if self.exchange is not None:
+            chores.append(loop.create_task(take_scale_requests(self.service, self.exchange)))
         try:
             while not self.server.started and not task.done():
                 await asyncio.sleep(0.05)
@@ -98,7 +106,8 @@ class RunningServer:
                 on_ready(self.url)
             await task
         finally:
-            reaper.cancel()
+            for chore in chores:
+                chore.cancel()
 
     async def _end_silent_sessions(self) -> None:
         every_s = min(30.0, self.cfg.session_timeout_s / 4)
@@ -111,6 +120,24 @@ class RunningServer:
 
     def stop(self) -> None:
         self.server.should_exit = True
+
+
+def _open_mailbox(cfg: ServeConfig) -> Callable[[dict[str, int]], dict[str, int]]:
+    """The service's ``control`` actor, and its address in ``storage_dir`` (SERVICE_FILE), where
+    ``rlpost scale STORAGE_DIR inference=N`` finds it; returns its exchange."""
+    import json
+
+    import ray
+
+    from rlpost.service.mailbox import SERVICE_KEYS, start_control
+
+    bounds = cfg.scale_bounds()
+    control = start_control(bounds, keys=SERVICE_KEYS)
+    storage = Path(cfg.storage_dir)
+    storage.mkdir(parents=True, exist_ok=True)
+    (storage / SERVICE_FILE).write_text(json.dumps({"address": ray.get_runtime_context().gcs_address,
+                                                    "namespace": NAMESPACE, "bounds": bounds}))  # fmt: skip
+    return lambda sizes: ray.get(control.exchange.remote(sizes), timeout=MAILBOX_TIMEOUT_S)
 
 
 def run_server(cfg: ServeConfig) -> int:
@@ -135,7 +162,7 @@ def run_server(cfg: ServeConfig) -> int:
               f"{cfg.base_model}", flush=True)  # fmt: skip
         fleet = ServiceFleet.start(cfg, cfg.base_model)
         try:
-            running = RunningServer(cfg, keys, fleet)
+            running = RunningServer(cfg, keys, fleet, exchange=_open_mailbox(cfg))
 
             def say(url: str) -> None:
                 print(f"rlpost serve: the Tinker API on {url} (TINKER_BASE_URL={url}); tenants: "
@@ -145,6 +172,7 @@ def run_server(cfg: ServeConfig) -> int:
             stopped_by = running.server.stopped_by
         finally:
             print("rlpost serve: stopping the fleet", flush=True)
+            (Path(cfg.storage_dir) / SERVICE_FILE).unlink(missing_ok=True)
             fleet.stop()
     finally:
         ray.shutdown()

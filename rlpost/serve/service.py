@@ -77,6 +77,7 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         self._adapter_ids = itertools.count(1)
         self._next_worker = itertools.count()
+        self.serving_workers = len(fleet.inference)  # new samples go to inference-0..n-1 (serve.scaling sets it)
         self._on_worker: dict[tuple[int, int], set[str]] = {}  # adapters given to (worker, its generation)
         self.calls = ActorCalls(fleet, cfg.call_timeout_s, on_new_trainer=self._put_models_back)
         self.trainer_turns = FairTurns(1, on_held=lambda tenant, s: self._busy(tenant, "trainer", s))
@@ -523,7 +524,7 @@ class Service:
     async def _sample(self, sampler: Sampler, prompt, n, params, prompt_logprobs) -> dict[str, Any]:
         """Sample on the next worker, sending it the sampler's adapter first where it has not got it
         (a replaced worker has none; one that dropped it, least recently used, says so)."""
-        index = next(self._next_worker) % len(self.fleet.inference)
+        index = next(self._next_worker) % self.serving_workers
         for attempt in range(SAMPLE_ATTEMPTS):
             given = self._on_worker.setdefault((index, self.calls.worker_generations.get(index, 0)), set())
             try:

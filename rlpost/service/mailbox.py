@@ -21,6 +21,7 @@ from typing import Any
 
 CONTROL_ACTOR = "control"
 SCALE_KEYS = ("inference", "env_pools")  # what `rlpost scale` changes: KEY=N
+SERVICE_KEYS = ("inference",)  # what it changes of `rlpost serve`
 # each key's words in messages, and the config keys that bound it
 _ROLE = {
     "inference": ("inference worker", "rollout.num_inference_workers / rollout.max_inference_workers"),
@@ -29,14 +30,15 @@ _ROLE = {
 Bounds = dict[str, tuple[int, int | None]]  # scale key -> (least, most; None: no bound)
 
 
-def check_scale_request(bounds: Bounds, request: dict[str, int]) -> None:
+def check_scale_request(bounds: Bounds, request: dict[str, int], keys: tuple[str, ...] = SCALE_KEYS) -> None:
     """ValueError naming the key and its bound for an unknown key, nothing asked, fewer than one,
-    or a count outside ``bounds`` (``RolloutConfig.scale_bounds``; a key missing there is unbounded)."""
+    or a count outside ``bounds`` (``RolloutConfig.scale_bounds``; a key missing there is unbounded).
+    ``keys``: the keys this fleet has (``rlpost serve``'s: inference only)."""
     if not request:
         raise ValueError("nothing to change: give inference=N and/or env_pools=M")
     for key, count in request.items():
-        if key not in SCALE_KEYS:
-            raise ValueError(f"{key}: not a scale key (give inference=N and/or env_pools=M)")
+        if key not in keys:
+            raise ValueError(f"{key}: not a scale key of this fleet (give {' and/or '.join(f'{k}=N' for k in keys)})")
         role, config_keys = _ROLE[key]
         if isinstance(count, bool) or not isinstance(count, int):
             raise ValueError(f"{key}: a whole number of {role}s, got {count!r}")
@@ -45,6 +47,9 @@ def check_scale_request(bounds: Bounds, request: dict[str, int]) -> None:
         low, high = bounds.get(key, (1, None))
         if count < low or (high is not None and count > high):
             top = "" if high is None else f"..{high}"
+            if keys == SERVICE_KEYS:
+                raise ValueError(f"{key}={count} is outside the service's range {low}{top} (inference_workers / "
+                                 "max_inference_workers); start it again with a wider range to go beyond it")  # fmt: skip
             raise ValueError(
                 f"{key}={count} is outside the run's range {low}{top} ({config_keys}); "
                 "resume the run with a wider range to go beyond it"
@@ -55,15 +60,16 @@ class RunControl:
     """The mailbox (a Ray actor in a run; a plain object in tests): the request waiting, and the
     fleet's sizes as the driver last reported them."""
 
-    def __init__(self, bounds: Bounds):
+    def __init__(self, bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS):
         self.bounds = {key: tuple(value) for key, value in bounds.items()}
+        self.keys = tuple(keys)
         self.requested: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
 
     def request(self, **counts: int) -> dict[str, Any]:
         """Leave a request (ValueError when not allowed); a later one for a key replaces one not
         taken yet. Returns the fleet as last reported."""
-        check_scale_request(self.bounds, counts)
+        check_scale_request(self.bounds, counts, self.keys)
         self.requested.update(counts)
         return {"requested": dict(self.requested), **self.sizes}
 
@@ -78,12 +84,12 @@ class RunControl:
         return {"requested": dict(self.requested) or None, **self.sizes}
 
 
-def start_control(bounds: Bounds, **options: Any):
+def start_control(bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS, **options: Any):
     """The run's ``control`` actor (no CPU; ``options`` go to Ray's actor options)."""
     from rlpost.runtime.liveness import remote_class
 
     remote = remote_class(RunControl).options(name=CONTROL_ACTOR, num_cpus=0, max_restarts=0, **options)
-    return remote.remote(bounds)
+    return remote.remote(bounds, keys)
 
 
 def _control(namespace: str):
@@ -136,13 +142,23 @@ def parse_scale_request(changes: list[str]) -> dict[str, int]:
     return asked
 
 
+SERVICE_FILE = "rlpost-serve.json"  # in a service's storage_dir: its Ray address, namespace and scale bounds
+
+
 def run_namespace(run_dir: Path) -> tuple[str, str, Bounds]:
     """(Ray address, Ray namespace, scale bounds) of the run in ``run_dir``, from its config.yaml
-    and the ``ray_address`` file its driver writes (LookupError naming what is missing)."""
+    and the ``ray_address`` file its driver writes, or of the service whose storage folder it is
+    (its SERVICE_FILE); LookupError naming what is missing."""
+    import json
+
     from rlpost.config import load_config
 
+    if (run_dir / SERVICE_FILE).is_file():
+        service = json.loads((run_dir / SERVICE_FILE).read_text())
+        return service["address"], service["namespace"], {k: tuple(v) for k, v in service["bounds"].items()}
     if not (run_dir / "config.yaml").is_file():
-        raise LookupError(f"{run_dir}: not a run directory (no config.yaml)")
+        raise LookupError(f"{run_dir}: not a run directory (no config.yaml) nor a service's storage folder "
+                          f"(no {SERVICE_FILE})")  # fmt: skip
     cfg = load_config(run_dir / "config.yaml")
     address_file = run_dir / "ray_address"
     if not address_file.is_file():

@@ -1,6 +1,7 @@
 """`rlpost serve` as an operator runs it: the command starts its own Ray cluster and fleet, the
 tinker SDK trains and samples through it, the node's Prometheus endpoint shows the service's
-metrics, and SIGTERM stops it (exit 143) leaving none of its processes behind."""
+metrics, `rlpost scale STORAGE_DIR` adds an engine and takes it away, and SIGTERM stops it (exit
+143) leaving none of its processes behind."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
     # (the options after the overrides: argparse reads no positional after an option)
     command = [sys.executable, "-m", "rlpost.ops.cli", "serve", "configs/serve-tiny-cpu.yaml",
                f"storage_dir={tmp_path / 'storage'}", "resources.trainer.num_cpus=0.5",
-               "resources.inference.num_cpus=0.5", "--port", "0"]  # fmt: skip
+               "resources.inference.num_cpus=0.5", "inference_workers=1..2", "--port", "0"]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)  # fmt: skip
     seen: list[str] = []
@@ -91,6 +92,22 @@ def test_serve_trains_samples_exports_metrics_and_stops_on_sigterm(tmp_path):
         for title, expr in dashboards.panel_queries(dashboards.SERVE_ROWS):  # the service dashboard has data
             for name in re.findall(r"\bray_rlpost_serve_\w+", expr):
                 assert re.search(rf"^{name}\{{", text, re.MULTILINE), (title, name)
+
+        # an operator adds an engine and takes it away again, as for a training run
+        def scale(*words):
+            return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", "scale", str(tmp_path / "storage"), *words],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+
+        grown = scale("inference=2", "--wait", "300")
+        assert grown.returncode == 0 and "inference workers: 2 serving of 2 wanted" in grown.stdout, grown
+        prompt, params = types.ModelInput.from_ints(tokens[:4]), types.SamplingParams(max_tokens=3)
+        for _ in range(2):  # one on each engine (the new one gets the adapter on its first use)
+            assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 3
+        beyond = scale("inference=3")
+        assert beyond.returncode == 2 and "outside the service's range 1..2" in beyond.stderr, beyond
+        shrunk = scale("inference=1", "--wait", "120")
+        assert shrunk.returncode == 0 and "inference workers: 1 serving of 1 wanted" in shrunk.stdout, shrunk
+        assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 3
 
         started = time.monotonic()
         process.send_signal(stop)
