@@ -7,7 +7,7 @@ one base model and, per client model, a LoRA adapter, its gradient and AdamW's t
 one with random weights, 2 layers in quick mode; the tiny one):
 
 - bytes per resident model (``--models`` models, each created and stepped once, so that its AdamW
-  state exists): its tensors' bytes (``AdapterTrainer.memory``) and the process's RSS growth,
+  state exists): its tensors' bytes (``AdapterTrainer.memory_bytes``) and the process's RSS growth,
   against the formula ``3 x rank x (inputs + outputs) x 4 bytes`` summed over the adapted layers
   (the adapter and two AdamW moments in fp32; a gradient pending adds a fourth copy);
 - bytes per parked model, in host memory and in a file, with the trainer bounded to one resident
@@ -75,7 +75,7 @@ def measure(path, models: int, rank: int, repeats: int) -> dict:
             for i in range(models):
                 trainer.create(f"model{i}", spec)
                 step(trainer, f"model{i}", datum, adam)
-            memory = trainer.memory()
+            memory = trainer.memory() | {f"{where}_bytes": n for where, n in trainer.memory_bytes().items()}
             case[f"{kind}: memory()"] = memory
             if kind == "resident":
                 case["resident: RSS growth per model"] = (rss_bytes() - before) / models

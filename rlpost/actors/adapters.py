@@ -198,20 +198,22 @@ class AdapterTrainer:
         self._drop_from_model(model_id)
 
     def memory(self) -> dict[str, int]:
-        """Where the models' adapters are: in the model, parked in host memory, in files (counts,
-        and the bytes of their tensors: adapter, gradient, optimizer state); and the moves so far
-        (parked, spilled to a file, brought back)."""
-        on_disk = [p.path for p in self.parked.values() if p.path is not None]
-        in_memory = [p.state for p in self.parked.values() if p.state is not None]
+        """Where the models' adapters are (in the model, parked in host memory, in files) and the
+        moves so far (parked, spilled to a file, brought back); cheap: counts only."""
+        on_disk = sum(1 for p in self.parked.values() if p.path is not None)
+        return {"resident": len(self.resident), "in_memory": len(self.parked) - on_disk, "on_disk": on_disk,
+                **self.moves}  # fmt: skip
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The bytes of the models' tensors (adapter, gradient, optimizer state) in each place."""
         resident = 0
         if self.model is not None:
             for name, param in self.model.named_parameters():
                 if "lora_" in name:  # a resident adapter's (parked ones are out of the model)
                     resident += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
         resident += sum(_nbytes(opt.state_dict()["state"]) for opt in self.optimizers.values())
-        return {"resident": len(self.resident), "in_memory": len(in_memory), "on_disk": len(on_disk),
-                "resident_bytes": resident, "in_memory_bytes": sum(_nbytes(state) for state in in_memory),
-                "on_disk_bytes": sum(path.stat().st_size for path in on_disk), **self.moves}  # fmt: skip
+        return {"resident": resident, "in_memory": sum(_nbytes(p.state) for p in self.parked.values() if p.state),
+                "on_disk": sum(p.path.stat().st_size for p in self.parked.values() if p.path is not None)}  # fmt: skip
 
     def _known(self, model_id: str) -> AdapterSpec:
         if model_id not in self.specs:
@@ -235,7 +237,7 @@ class AdapterTrainer:
 
     def _park(self, model_id: str) -> None:
         """Move ``model_id``'s adapter, gradient and optimizer state out of the model (module docstring)."""
-        named = {name: p for name, p in self.model.named_parameters() if f".{model_id}." in name and "lora_" in name}
+        named = self._named_parameters(model_id)
         state = {
             "tensors": {name: p.detach().to("cpu", copy=True) for name, p in named.items()},
             "grads": {name: p.grad.detach().to("cpu", copy=True) for name, p in named.items() if p.grad is not None},
@@ -260,7 +262,7 @@ class AdapterTrainer:
         if parked.path is not None:
             parked.path.unlink(missing_ok=True)
         self._add_to_model(model_id, self.specs[model_id])
-        named = {name: p for name, p in self.model.named_parameters() if f".{model_id}." in name and "lora_" in name}
+        named = self._named_parameters(model_id)
         if set(named) != set(state["tensors"]):
             raise RuntimeError(f"{model_id}: the parked adapter's tensors do not match the model's layers")
         with torch.no_grad():
@@ -272,9 +274,13 @@ class AdapterTrainer:
         self.optimizers[model_id].load_state_dict(state["optimizer"])
         self.moves["unparked"] += 1
 
-    def _parameters(self, model_id: str) -> list[torch.nn.Parameter]:
+    def _named_parameters(self, model_id: str) -> dict[str, torch.nn.Parameter]:
+        """``model_id``'s adapter parameters by their peft names (the model's order)."""
         marker = f".{model_id}."
-        return [p for name, p in self.model.named_parameters() if marker in name and "lora_" in name]
+        return {name: p for name, p in self.model.named_parameters() if marker in name and "lora_" in name}
+
+    def _parameters(self, model_id: str) -> list[torch.nn.Parameter]:
+        return list(self._named_parameters(model_id).values())
 
     @contextmanager
     def _active(self, model_id: str) -> Iterator[None]:

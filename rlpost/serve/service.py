@@ -251,15 +251,7 @@ class Service:
         models = [m for m in self.models.values() if session_of(m.model_id) == session_id]
         for model in models:
             model.queue.close(f"its session {why}")
-        saved = []
-        for model in models:
-            await model.queue.idle()
-            if save and model.checkpoint is not None:
-                path = WeightsPath(model.model_id, "weights", "session-end")
-                self.storage.save(path, model.tenant, model.checkpoint)
-                saved.append(str(path))
-            del self.models[model.model_id]
-            await self._trainer(model.tenant, "remove", model.adapter, what="end_session")
+        saved = [str(path) for model in models if (path := await self._drop(model, save)) is not None]
         for sampler_id in [s for s in self.samplers if session_of(s) == session_id]:
             del self.samplers[sampler_id]
         log.log(logging.WARNING if save else logging.INFO, "serve: session %s of %s %s; %d models ended%s",
@@ -344,13 +336,21 @@ class Service:
 
         async def work() -> tuple[bytes, str]:
             model.queue.close()
-            await model.queue.idle()
-            del self.models[model.model_id]
-            await self._trainer(tenant, "remove", model.adapter, what="unload_model")
+            await self._drop(model)
             await self._note_memory(tenant)
             return _json({"model_id": model.model_id})
 
         return self._future(tenant, "unload_model", work)
+
+    async def _drop(self, model: Model, save: bool = False) -> WeightsPath | None:
+        """``model`` (its queue closed) leaves the service and the trainer once its running request is
+        done; ``save``: its last snapshot is kept first as ``tinker://<model>/weights/session-end``."""
+        await model.queue.idle()
+        path = WeightsPath(model.model_id, "weights", "session-end") if save and model.checkpoint else None
+        if path is not None:
+            self.storage.save(path, model.tenant, model.checkpoint)
+        del self.models[model.model_id]
+        await self._trainer(model.tenant, "remove", model.adapter, what="remove")
 
     # ------------------------------------------------------------------------- training
 
