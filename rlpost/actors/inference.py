@@ -191,6 +191,7 @@ class InferenceWorker:
         self._generating = False
         self._busy = False
         self._requests = 0  # generate and score calls running or waiting for the engine (drain)
+        self._busy_s = 0.0  # seconds the engine spent on generate and score calls (the load policy's measure)
         self._pending: _PendingUpdate | None = None
         self._stale_prefix_cache = False  # an in-flight update left KV of older weights in the cache
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -266,10 +267,23 @@ class InferenceWorker:
         with self._turn:
             return self._turn.wait_for(lambda: self._requests == 0, timeout=timeout_s)
 
+    def busy_s(self) -> float:
+        """Seconds the engine has spent on generate and score calls since the worker started:
+        the load policy reads how busy the engines are from its growth (rlpost.service.autoscale)."""
+        return self._busy_s
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._busy_s += time.perf_counter() - start
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: dict[str, Any]):
         """Completions per prompt plus the version of the weights the call started with (the
         oldest of its tokens; ``Completion.token_versions`` has each token's)."""
-        with self._request(), self._engine_turn(generating=True), working("generate"):
+        with self._request(), self._engine_turn(generating=True), self._timed(), working("generate"):
             version = self.version
             self._reset_stale_prefix_cache()
             completions = self.client.generate(prompt_token_ids, sampling, between_steps=self._after_step)
@@ -284,7 +298,7 @@ class InferenceWorker:
             self._between_steps()
 
     def score(self, token_ids: list[list[int]], temperature: float) -> list[list[float]]:
-        with self._request(), self._engine_turn(), working("score"):
+        with self._request(), self._engine_turn(), self._timed(), working("score"):
             self._reset_stale_prefix_cache()
             return self.client.score(token_ids, temperature=temperature)
 

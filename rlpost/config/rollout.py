@@ -65,6 +65,89 @@ class EngineConfig(Section):
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vllm.LLM keyword arguments, passed as is.")
 
 
+class AutoscaleConfig(Section):
+    """The load policy (``rollout.autoscale``): the run sizes its inference workers and env pools
+    within their ranges from where its time goes (:mod:`rlpost.service.autoscale`).
+
+    Read over ``window_steps`` steps all taken with the fleet as it is: when the learner waits for
+    data (``grow_wait``) the role that holds generation back grows by one (the engines when they are
+    busy, ``busy_share``; else the env pools); when it barely waits (``shrink_wait``) and, in async
+    mode, groups go stale or the buffer stays full, the inference fleet (then the env pools)
+    shrinks by one. A grow that did not raise generation's throughput (``min_gain``) or found no
+    room in the cluster (``room_wait_s``) is undone; a move that is reversed holds the count
+    (``hold_s``); no change follows another within ``cooldown_s``. ``rlpost scale`` pins a role
+    until ``rlpost scale RUN_DIR KEY=auto`` releases it."""
+
+    enabled: bool = Field(
+        False,
+        description="Size the fleet by load within the ranges (rollout.num_inference_workers: A..B, "
+        "rollout.num_env_pools: A..B); the run starts at each range's minimum. Off: a range's top is wanted "
+        "from the start.",
+    )
+    window_steps: int = Field(
+        3, ge=1, description="Learner steps of signals one decision reads, all taken with the fleet as it is now."
+    )
+    cooldown_s: float = Field(
+        60.0, ge=0, description="Seconds after a change before the next one (a new worker starts and serves first)."
+    )
+    grow_wait: float = Field(
+        0.5, gt=0, le=1, description="Grow when the learner waited for its groups at least this share of its steps."
+    )
+    shrink_wait: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="Shrink when the learner waited at most this share of its steps (and, in async "
+        "mode, shrink_stale or shrink_fill holds).",
+    )
+    shrink_stale: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Async: groups dropped as stale per group trained at which generation counts "
+        "as more than the learner uses.",
+    )
+    shrink_fill: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Async: the buffer's fill at the steps' ends (share of its room) at which "
+        "generation counts as more than the learner uses.",
+    )
+    busy_share: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="The engines are what holds generation back when busy at least this share of "
+        "the time the pools generate; below it a starving learner gets another env pool instead.",
+    )
+    min_gain: float = Field(
+        0.5,
+        ge=0,
+        description="A grow from n to n+1 must raise generation's throughput by at least this share of "
+        "the proportional gain (1/n), or it is undone and n held (hold_s).",
+    )
+    room_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="A grow whose actor found no room in the cluster this long (the autoscaler added "
+        "no node) is given up and its count held (hold_s).",
+    )
+    hold_s: float = Field(
+        900.0,
+        ge=0,
+        description="How long an undone grow's count stays the most, and a reversed move's count the "
+        "least, the policy asks for.",
+    )
+
+    @model_validator(mode="after")
+    def _bands(self) -> AutoscaleConfig:
+        if self.shrink_wait >= self.grow_wait:
+            raise ValueError(f"shrink_wait ({self.shrink_wait}) must be below grow_wait ({self.grow_wait}): "
+                             "between them the fleet stays as it is")  # fmt: skip
+        return self
+
+
 class RolloutConfig(Section):
     """Sampling and the inference / environment worker counts."""
 
@@ -83,8 +166,9 @@ class RolloutConfig(Section):
         None,
         ge=1,
         description="The most inference workers the run may have, and the bounds of `rlpost scale`: the run wants "
-        "this many and starts each beyond num_inference_workers whenever the cluster can place it (each has its "
-        "own placement group, which a cluster autoscaler sees as demand), serving without it meanwhile. None: "
+        "this many (with rollout.autoscale, as many as its load calls for) and starts each beyond "
+        "num_inference_workers whenever the cluster can place it (each has its own placement group, which a "
+        "cluster autoscaler sees as demand), serving without it meanwhile. None: "
         "num_inference_workers, and `rlpost scale` may ask for any number.",
     )
     num_env_pools: int = Field(
@@ -102,6 +186,9 @@ class RolloutConfig(Section):
         "or skipped). None: num_env_pools (scaling may lower it, and raise it back up to that).",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine options.")
+    autoscale: AutoscaleConfig = Field(
+        default_factory=AutoscaleConfig, description="The load policy: the fleet's size by where the time goes."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -119,7 +206,19 @@ class RolloutConfig(Section):
             start, most = getattr(self, f"num_{role}"), getattr(self, f"max_{role}")
             if most is not None and most < start:
                 raise ValueError(f"max_{role} ({most}) is below num_{role} ({start})")
+        if self.autoscale.enabled and not self.autoscale_ranges():
+            raise ValueError("rollout.autoscale.enabled needs a range to move in: rollout.num_inference_workers: A..B "
+                             "and/or rollout.num_env_pools: A..B (with A < B)")  # fmt: skip
         return self
+
+    def autoscale_ranges(self) -> dict[str, tuple[int, int]]:
+        """The ranges the load policy moves in, per scale key (a role without a range has none)."""
+        ranges = {}
+        if self.max_inference_workers is not None and self.max_inference_workers > self.num_inference_workers:
+            ranges["inference"] = (self.num_inference_workers, self.max_inference_workers)
+        if self.max_env_pools is not None and self.max_env_pools > self.num_env_pools:
+            ranges["env_pools"] = (self.num_env_pools, self.max_env_pools)
+        return ranges
 
     def inference_worker_bounds(self) -> tuple[int, int | None]:
         """What `rlpost scale` may ask for: (least, most; None: no bound). With a range, the range;
@@ -129,8 +228,16 @@ class RolloutConfig(Section):
         return self.num_inference_workers, self.max_inference_workers
 
     def inference_worker_target(self) -> int:
-        """The inference workers the run wants from its start."""
+        """The inference workers the run wants from its start: the range's top, or with the load
+        policy its minimum."""
+        if self.autoscale.enabled:
+            return self.num_inference_workers
         return self.max_inference_workers or self.num_inference_workers
+
+    def env_pool_target(self) -> int:
+        """The env pools the run wants from its start: every shard, or with the load policy the
+        range's minimum."""
+        return self.num_env_pools if self.autoscale.enabled else self.env_pool_shards()
 
     def env_pool_shards(self) -> int:
         """The prompt stream's shards: the most env pools the run may have."""

@@ -114,6 +114,14 @@ ROWS: dict[str, list[Panel]] = {
                 "restarts_reference", "restarts_buffer", "bus_reforms", "learner_resumes", "watchdog_kills"),
         _gauges("short", "Fleet", "Inference workers and env pools serving, and the targets they scale to.",
                 "inference_workers", "inference_workers_target", "env_pools", "env_pools_target"),
+        _gauges("percentunit", "Load", "The load policy's signals (rollout.autoscale): the share of the step the "
+                "learner waited for data, and the engines' busy share of the generating time.",
+                "autoscale_wait_share", "autoscale_engine_busy"),
+        Panel("Load policy decisions",
+              "The load policy's resizes in the last 5 minutes, by role and reason (engines_bound, env_bound: "
+              "grown; learner_bound: shrunk; no_gain, no_room: a grow undone).",
+              ((f"sum by (run, role, reason) (increase({metric('autoscale_decisions_total')}[5m]))",
+                "{{role}} {{reason}} {{run}}"),)),
         _gauges("percentunit", "Tool errors", "Share of the step's tool calls that failed.", "tool_error_fraction"),
         _gauges("short", "Reward-function errors", "Failed reward computations in the step's batches.",
                 "reward_errors"),

@@ -325,6 +325,9 @@ class RayMetrics:
         "env_pools": "Env pools collecting (fewer than the target while the cluster has no room)",
         "env_pools_vacant": "Env pools waiting for room in the cluster",
         "env_pools_target": "Env pools the run wants (its config's top, or what rlpost scale asked)",
+        "buffer_fill": "Groups in the buffer over its capacity at the step's end",
+        "autoscale_wait_share": "Share of the step the learner waited for its groups (the load policy's signal)",
+        "autoscale_engine_busy": "Share of the generating time the inference engines were busy (the load policy's)",
         # the accounting: groups_put == groups_trained + groups_dropped_stale + groups_in_buffer
         "groups_put": "Groups the env pools put in the buffer so far",
         "groups_trained": "Groups trained so far",
@@ -346,6 +349,7 @@ class RayMetrics:
         "samples_generated": "Completions generated",
         "tokens_generated": "Completion tokens generated",
     }
+    DECISIONS = "autoscale_decisions"  # a counter tagged with the role and the reason too
 
     def __init__(self, run_name: str):
         from ray.util import metrics
@@ -357,6 +361,10 @@ class RayMetrics:
         self.counters = {
             k: metrics.Counter(f"rlpost_{k}", description=d, tag_keys=("run",)) for k, d in self.COUNTERS.items()
         }
+        self.decisions = metrics.Counter(
+            f"rlpost_{self.DECISIONS}", tag_keys=("run", "role", "reason"),
+            description="The load policy's resizes, by role and reason (rlpost.service.autoscale.REASONS)",
+        )  # fmt: skip
 
     def record(self, values: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
@@ -367,6 +375,9 @@ class RayMetrics:
             value = values.get(key)
             if value:
                 counter.inc(float(value), tags=self.tags)
+        if values.get("autoscale_reason"):
+            tags = {**self.tags, "role": values["autoscale_role"], "reason": values["autoscale_reason"]}
+            self.decisions.inc(1.0, tags=tags)
 
 
 class RoleMetrics:

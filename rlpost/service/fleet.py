@@ -61,11 +61,12 @@ class Fleet:
         self.buffer, self.inference, self.env_pools, self.learner = buffer, inference, env_pools, learner
         self.reference, self.control, self.reward = reference, control, reward
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
-        # the range's top is opened now (vacant until placed); rlpost scale changes them
+        # the range's top (with the load policy, its minimum) is opened now, vacant until placed;
+        # rlpost scale and the load policy change them
         self.inference_slots = Slots("inference", "inference", set(range(len(inference))))
         self.pool_slots = Slots("env-pool", "env_pools", set(range(len(env_pools))))
         self.open_slots(self.inference_slots, cfg.rollout.inference_worker_target())
-        self.open_slots(self.pool_slots, cfg.rollout.env_pool_shards())
+        self.open_slots(self.pool_slots, cfg.rollout.env_pool_target())
 
     @classmethod
     def start(cls, cfg: JobConfig, starter: Any = None) -> Fleet:

@@ -167,6 +167,7 @@ class Controller:
                 record.update(self._timing(groups, step_start))
                 if evaluate:
                     record.update(self._evaluate(step))
+                record.update(self.supervisor.autoscale(record))  # the load policy reads the step
                 self._record(step, record)
                 progress.update(record)
                 if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0 and step != steps:
@@ -412,6 +413,7 @@ class Controller:
             "pool_prompts": self.pool_prompts,
             "counts": dict(self.supervisor.counts),
             "fleet": self.fleet.wanted(),
+            "fleet_pins": dict(self.supervisor.policy.pins) if self.supervisor.policy is not None else {},
             "elapsed_s": time.perf_counter() - self.start_time,
         }
         learner, timeout_s = self.fleet.learner, CHECKPOINT_TIMEOUT_S
@@ -497,7 +499,7 @@ class Controller:
             self.supervisor.restore_counts(state["counts"])
             self.start_time -= state["elapsed_s"]
             if state.get("fleet"):  # an operator's rlpost scale outlives the restart
-                self.supervisor.restore_fleet(state["fleet"])
+                self.supervisor.restore_fleet(state["fleet"], state.get("fleet_pins"))
         moved = supersede_metrics_after(self.run_dir, info["step"])
         self._sync_weights(wait=True)  # the workers serve the checkpoint's weights at its version
         log.info(
@@ -519,6 +521,7 @@ class Controller:
             "tokens_per_s": tokens / elapsed_step,
             "elapsed_s": time.perf_counter() - self.start_time,
             "buffer_size": stats.size,
+            "buffer_fill": stats.size / stats.capacity,
             "samples_generated": samples,
             "tokens_generated": tokens,
             **self.ledger.accounting(stats.size, stats.last_seqs),

@@ -9,7 +9,8 @@ check (every few seconds while the loop waits) and reports the fleet's sizes bac
                                ->  resize the inference fleet, then the env pools
 
 A request the config does not allow (:func:`check_scale_request`) is refused at once, naming the
-bound; nothing about the run changes.
+bound; nothing about the run changes. With the load policy on (``rollout.autoscale``) a count
+pins the role; ``KEY=auto`` (:data:`AUTO`) hands it back to the policy.
 """
 
 from __future__ import annotations
@@ -28,18 +29,26 @@ _ROLE = {
     "env_pools": ("env pool", "rollout.num_env_pools / rollout.max_env_pools: the prompt stream's shards"),
 }
 Bounds = dict[str, tuple[int, int | None]]  # scale key -> (least, most; None: no bound)
+AUTO = "auto"  # `rlpost scale RUN_DIR inference=auto`: the load policy sizes the role again (releases a pin)
 
 
-def check_scale_request(bounds: Bounds, request: dict[str, int], keys: tuple[str, ...] = SCALE_KEYS) -> None:
+def check_scale_request(bounds: Bounds, request: dict[str, int | str], keys: tuple[str, ...] = SCALE_KEYS,
+                        auto_keys: tuple[str, ...] | None = None) -> None:  # fmt: skip
     """ValueError naming the key and its bound for an unknown key, nothing asked, fewer than one,
     or a count outside ``bounds`` (``RolloutConfig.scale_bounds``; a key missing there is unbounded).
-    ``keys``: the keys this fleet has (``rlpost serve``'s: inference only)."""
+    ``keys``: the keys this fleet has (``rlpost serve``'s: inference only); ``auto_keys``: those its
+    load policy sizes, the only ones :data:`AUTO` may name (None: not known here, so any)."""
     if not request:
         raise ValueError("nothing to change: give inference=N and/or env_pools=M")
     for key, count in request.items():
         if key not in keys:
             raise ValueError(f"{key}: not a scale key of this fleet (give {' and/or '.join(f'{k}=N' for k in keys)})")
         role, config_keys = _ROLE[key]
+        if count == AUTO:
+            if auto_keys is not None and key not in auto_keys:
+                raise ValueError(f"{key}={AUTO}: the run's load policy does not size its {role}s (rollout.autoscale."
+                                 f"enabled and a range {config_keys.split(':')[0]}); give a number")  # fmt: skip
+            continue
         if isinstance(count, bool) or not isinstance(count, int):
             raise ValueError(f"{key}: a whole number of {role}s, got {count!r}")
         if count < 1:
@@ -60,16 +69,16 @@ class RunControl:
     """The mailbox (a Ray actor in a run; a plain object in tests): the request waiting, and the
     fleet's sizes as the driver last reported them."""
 
-    def __init__(self, bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS):
+    def __init__(self, bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS, auto_keys: tuple[str, ...] = ()):
         self.bounds = {key: tuple(value) for key, value in bounds.items()}
-        self.keys = tuple(keys)
+        self.keys, self.auto_keys = tuple(keys), tuple(auto_keys)
         self.requested: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
 
     def request(self, **counts: int) -> dict[str, Any]:
         """Leave a request (ValueError when not allowed); a later one for a key replaces one not
         taken yet. Returns the fleet as last reported."""
-        check_scale_request(self.bounds, counts, self.keys)
+        check_scale_request(self.bounds, counts, self.keys, self.auto_keys)
         self.requested.update(counts)
         return {"requested": dict(self.requested), **self.sizes}
 
@@ -84,12 +93,13 @@ class RunControl:
         return {"requested": dict(self.requested) or None, **self.sizes}
 
 
-def start_control(bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS, **options: Any):
+def start_control(bounds: Bounds, keys: tuple[str, ...] = SCALE_KEYS, auto_keys: tuple[str, ...] = (),
+                  **options: Any):  # fmt: skip
     """The run's ``control`` actor (no CPU; ``options`` go to Ray's actor options)."""
     from rlpost.runtime.liveness import remote_class
 
     remote = remote_class(RunControl).options(name=CONTROL_ACTOR, num_cpus=0, max_restarts=0, **options)
-    return remote.remote(bounds, keys)
+    return remote.remote(bounds, keys, auto_keys)
 
 
 def _control(namespace: str):
@@ -102,11 +112,10 @@ def _control(namespace: str):
         raise LookupError(f"no running rlpost run in Ray namespace {namespace!r}") from None
 
 
-def scale_run(
-    namespace: str, inference: int | None = None, env_pools: int | None = None, *, timeout_s: float = 30.0
-) -> dict[str, Any]:
+def scale_run(namespace: str, inference: int | str | None = None, env_pools: int | str | None = None, *,
+              timeout_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
     """Ask the run in Ray ``namespace`` of the connected cluster for ``inference`` workers and/or
-    ``env_pools`` (None: unchanged). Returns the fleet as last reported (the change happens at the
+    ``env_pools`` (None: unchanged; AUTO: back to the load policy). Returns the fleet as last reported (the change happens at the
     next health check). LookupError: no run there; ValueError: the request is not allowed."""
     import ray
 
@@ -126,13 +135,17 @@ def run_fleet(namespace: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
     return ray.get(_control(namespace).fleet.remote(), timeout=timeout_s)
 
 
-def parse_scale_request(changes: list[str]) -> dict[str, int]:
-    """The counts asked for by ``key=value`` words; ValueError naming a bad word (or none given)."""
-    asked: dict[str, int] = {}
+def parse_scale_request(changes: list[str]) -> dict[str, int | str]:
+    """The counts asked for by ``key=value`` words (a value ``auto``: :data:`AUTO`); ValueError
+    naming a bad word (or none given)."""
+    asked: dict[str, int | str] = {}
     for word in changes:
         key, sep, value = word.partition("=")
         if not sep or key not in SCALE_KEYS:
             raise ValueError(f"{word!r}: give inference=N and/or env_pools=M (the workers the run should have)")
+        if value == AUTO:
+            asked[key] = AUTO
+            continue
         try:
             asked[key] = int(value)
         except ValueError:
@@ -199,7 +212,8 @@ def fleet_reached(fleet: dict[str, Any], request: dict[str, int]) -> bool:
     """Whether ``fleet`` (a report of the run's mailbox) serves every count of ``request``."""
     if fleet.get("requested"):
         return False
-    return all(fleet.get(FLEET_KEYS[key][0]) == n == fleet.get(FLEET_KEYS[key][1]) for key, n in request.items())
+    counts = {key: n for key, n in request.items() if n != AUTO}  # a release is reached once taken
+    return all(fleet.get(FLEET_KEYS[key][0]) == n == fleet.get(FLEET_KEYS[key][1]) for key, n in counts.items())
 
 
 def describe_fleet(fleet: dict[str, Any], key: str = "inference") -> str:
@@ -219,6 +233,7 @@ def fleet_lines(fleet: dict[str, Any]) -> list[str]:
     return [f"{_ROLE[key][0]}s: {describe_fleet(fleet, key)}" for key in SCALE_KEYS if FLEET_KEYS[key][0] in fleet]
 
 
-def describe_request(request: dict[str, int]) -> str:
-    """``3 inference workers and 2 env pools`` for a scale request."""
-    return " and ".join(f"{n} {_ROLE[key][0]}s" for key, n in request.items())
+def describe_request(request: dict[str, int | str]) -> str:
+    """``3 inference workers and 2 env pools`` (``inference workers by load``) for a scale request."""
+    return " and ".join(f"{_ROLE[key][0]}s by load" if n == AUTO else f"{n} {_ROLE[key][0]}s"
+                        for key, n in request.items())  # fmt: skip

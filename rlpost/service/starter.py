@@ -236,8 +236,10 @@ class ActorStarter:
         from rlpost.service.mailbox import CONTROL_ACTOR, start_control
 
         release_names([CONTROL_ACTOR], NAME_RELEASE_TIMEOUT_S)
-        bounds = self.cfg.rollout.scale_bounds()
-        return ControlClient(CONTROL_ACTOR, start_control(bounds, scheduling_strategy=on_the_head()))
+        rollout = self.cfg.rollout
+        auto = tuple(rollout.autoscale_ranges()) if rollout.autoscale.enabled else ()  # what KEY=auto may name
+        control = start_control(rollout.scale_bounds(), auto_keys=auto, scheduling_strategy=on_the_head())
+        return ControlClient(CONTROL_ACTOR, control)
 
     def start_all(self) -> dict[str, Any]:
         """Every actor, engines up: the clients by role (``Fleet``'s arguments). A stop signal while

@@ -19,7 +19,10 @@ bundle is placed. docs/failures.md has the whole table and the guarantees.
 
 Ranges (``rollout.num_inference_workers: A..B``, ``rollout.num_env_pools: A..B``) open their top
 as slots that start when placed; ``rlpost scale`` (a request in the run's ``control`` mailbox,
-taken at a health check) opens or closes slots: :meth:`Supervisor.resize`.
+taken at a health check) opens or closes slots: :meth:`Supervisor.resize`. With the load policy
+(``rollout.autoscale``, :mod:`rlpost.service.autoscale`) the ranges open at their minimum and the
+policy resizes them after each step (:meth:`Supervisor.autoscale`); an operator's request pins a
+role, ``KEY=auto`` releases it.
 
 A part still failing after MAX_ATTEMPTS tries stops the run with the last cause, and so does an
 error that is not an actor's loss (a bug, a bad input): retrying would not help. Restarts are
@@ -40,8 +43,10 @@ from rlpost.actors.calls import ActorFailure, BusFailure, first_line
 from rlpost.config import JobConfig
 from rlpost.record.run_dir import latest_checkpoint
 from rlpost.runtime.shutdown import raise_if_stopping
+from rlpost.service.autoscale import LoadPolicy, step_load
 from rlpost.service.clients import EnvPoolClient, InferenceClient
 from rlpost.service.fleet import CALL_TIMEOUT_S, Fleet, NoRoom, ResumeNeeded, Slots
+from rlpost.service.mailbox import AUTO
 from rlpost.service.run_state import RunState
 from rlpost.service.starter import slot_of
 from rlpost.service.watchdog import Watchdog
@@ -89,6 +94,12 @@ class Supervisor:
         self.restarted_at: dict[str, float] = {}  # workers started again, until the bus serves them
         self.watchdog: Watchdog | None = None  # finds frozen and hung actors (watch())
         self.verdicts: dict[str, str] = {}  # actor name -> why the watchdog killed it (for the messages)
+        rollout = cfg.rollout
+        self.policy = None  # the load policy (rollout.autoscale), fed by autoscale() after each step
+        if rollout.autoscale.enabled:
+            self.policy = LoadPolicy(rollout.autoscale, rollout.autoscale_ranges(), fleet.wanted())
+        self.load_row: dict | None = None  # the last step's metrics as the policy read them
+        self.busy_seen: dict[str, float] = {}  # inference worker -> its engine's busy seconds when last read
 
     def watch(self) -> None:
         """Start the watchdog: from now on a frozen or hung actor is killed, then recovered from."""
@@ -132,7 +143,7 @@ class Supervisor:
             return
         self.last_check = time.monotonic()
         self.run("health check", lambda: self.recover(None))
-        requested = self._exchange_with_control()
+        requested = self._pin(self._exchange_with_control())
         if requested:
             self.run("scale", lambda: self.resize(requested))
 
@@ -155,6 +166,61 @@ class Supervisor:
             _replaced(control.name, start)
             return {}
 
+    def _pin(self, request: dict[str, int | str]) -> dict[str, int]:
+        """An operator's request with the load policy on: each count pins its role, AUTO releases
+        it (the mailbox refuses AUTO without a policy). Returns the counts to apply."""
+        for key, count in request.items():
+            if self.policy is None:
+                continue
+            if count == AUTO:
+                self.policy.release(key)
+                log.warning("the load policy sizes the %s fleet again (released by an operator)", key)
+            else:
+                self.policy.pin(key, count)
+                log.warning("the %s fleet is pinned at %d by an operator (rlpost scale ... %s=auto releases it)",
+                            key, count, key)  # fmt: skip
+        return {key: count for key, count in request.items() if count != AUTO}
+
+    def autoscale(self, row: dict) -> dict:
+        """The load policy's turn after a step (nothing without ``rollout.autoscale``): it reads the
+        step's metrics ``row`` and the engines' busy time (:func:`~rlpost.service.autoscale.step_load`)
+        and its decision, if any, resizes the fleet (:meth:`resize`). Returns the keys for the step's
+        metrics line: the signals read, and the decision with its reason."""
+        if self.policy is None:
+            return {}
+        async_mode = self.cfg.trainer.mode == "async"
+        busy = self._engine_busy(row["step_time_s"] if async_mode else row["collect_s"])
+        row = {**row, **self.fleet.sizes(), "autoscale_engine_busy": busy}
+        load = step_load(row, self.load_row, async_mode)
+        self.load_row = row
+        now = time.monotonic()
+        waiting = {s.key: now - min(s.vacant.values()) for s in (self.fleet.inference_slots, self.fleet.pool_slots)
+                   if s.vacant}  # fmt: skip
+        decision = self.policy.observe(load, waiting)
+        keys = {"autoscale_engine_busy": busy, "autoscale_wait_share": load.wait_share}
+        if decision is None:
+            return keys
+        log.warning("load policy: %s", decision.describe())
+        self.run("autoscale", lambda: self.resize({decision.role: decision.after}))
+        return {**keys, "autoscale_decision": decision.describe(), "autoscale_reason": decision.reason,
+                "autoscale_role": decision.role}  # fmt: skip
+
+    def _engine_busy(self, generating_s: float) -> float | None:
+        """The serving engines' busy share of ``generating_s`` since the last read (None: no worker
+        answered); a worker that does not answer at once is the health check's to judge."""
+        seen, busy = {}, []
+        for worker in self.fleet.inference:
+            try:
+                seen[worker.name] = worker.busy_s(timeout_s=PING_TIMEOUT_S)
+            except ActorFailure:
+                continue
+            before = self.busy_seen.get(worker.name, 0.0)
+            busy.append(seen[worker.name] - before if seen[worker.name] >= before else seen[worker.name])
+        self.busy_seen = seen
+        if not busy or generating_s <= 0:
+            return None
+        return min(1.0, sum(busy) / (len(busy) * generating_s))
+
     def resize(self, request: dict[str, int]) -> None:
         """``rlpost scale``'s request (:meth:`Fleet.scale`; ValueError outside the config's ranges;
         safe to run again after a failure part-way). A new slot's actor starts like a lost one's
@@ -168,9 +234,10 @@ class Supervisor:
         """After a resume: the checkpoint's counts, so they count on across restarts (unknown names dropped)."""
         self.counts.update({name: int(n) for name, n in counts.items() if name in self.counts})
 
-    def restore_fleet(self, wanted: dict[str, int]) -> None:
-        """After a resume: the checkpoint's fleet (:meth:`Fleet.wanted`), so that ``rlpost scale``
-        outlives a restart; a count outside the resumed config's ranges stays the config's (logged)."""
+    def restore_fleet(self, wanted: dict[str, int], pins: dict[str, int] | None = None) -> None:
+        """After a resume: the checkpoint's fleet (:meth:`Fleet.wanted`) and the load policy's pins,
+        so that ``rlpost scale`` and the policy's sizing outlive a restart; a count outside the
+        resumed config's ranges stays the config's (logged)."""
         from rlpost.service.mailbox import check_scale_request
 
         bounds, request = self.cfg.rollout.scale_bounds(), {}
@@ -183,6 +250,11 @@ class Supervisor:
             request[key] = count
         if request:
             self.resize(request)
+        if self.policy is not None:
+            self.policy.targets.update(self.fleet.wanted())
+            for key, count in (pins or {}).items():
+                if request.get(key) == count:
+                    self.policy.pin(key, count)
 
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
         """Restart every actor :meth:`Fleet.lost` reports, in dependency order (module docstring);

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.unit
 def exported_names() -> set[str]:
     """Every metric name the code exports, as Prometheus shows it (Ray's prefix; counters with _total)."""
     names = {f"ray_rlpost_{k}" for k in RayMetrics.GAUGES} | {f"ray_rlpost_{k}_total" for k in RayMetrics.COUNTERS}
+    names.add(f"ray_rlpost_{RayMetrics.DECISIONS}_total")
     for role, (gauges, counters) in RoleMetrics.ROLES.items():
         names |= {f"ray_rlpost_{role}_{k}" for k in gauges} | {f"ray_rlpost_{role}_{k}_total" for k in counters}
     service = [*ServiceMetrics.GAUGES, *ServiceMetrics.TENANT_GAUGES, ServiceMetrics.ADAPTERS]

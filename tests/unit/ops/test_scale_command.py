@@ -89,6 +89,7 @@ def test_env_pools_have_a_range_and_as_many_prompt_shards_as_its_top(overrides, 
         (["inference=3"], {"inference": 3}),
         (["inference=2", "env_pools=3"], {"inference": 2, "env_pools": 3}),
         (["env_pools=1"], {"env_pools": 1}),
+        (["inference=auto", "env_pools=2"], {"inference": "auto", "env_pools": 2}),
         (["inference=x"], "a whole number"),
         (["inference"], "give inference=N and/or env_pools=M"),
         (["learner=2"], "give inference=N"),
@@ -101,6 +102,20 @@ def test_the_request_words(words, error):
     else:
         with pytest.raises(ValueError, match=error):
             parse_scale_request(words)
+
+
+def test_auto_hands_a_role_back_to_the_load_policy_of_a_run_that_has_one():
+    from rlpost.service.mailbox import RunControl, describe_request
+
+    control = RunControl({"inference": (1, 4), "env_pools": (1, 2)}, auto_keys=("inference",))
+    assert control.request(inference="auto")["requested"] == {"inference": "auto"}
+    with pytest.raises(ValueError, match="env_pools=auto: the run's load policy does not size its env pools"):
+        control.request(env_pools="auto")
+    with pytest.raises(ValueError, match="inference=auto: the run's load policy does not size"):
+        RunControl({"inference": (1, 4)}).request(inference="auto")  # a run without the policy
+    assert describe_request({"inference": "auto", "env_pools": 2}) == "inference workers by load and 2 env pools"
+    taken = {"requested": None, "inference_workers": 3, "inference_workers_target": 3}
+    assert fleet_reached(taken, {"inference": "auto"})  # reached once the run took it
 
 
 def test_the_fleet_in_words():

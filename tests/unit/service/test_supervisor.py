@@ -143,6 +143,10 @@ class FakeInference(Stand):
         self.drained = True
         return True
 
+    def busy_s(self, timeout_s):
+        self.world.enter(self, "busy_s")
+        return 0.0
+
 
 class FakeControl(Stand):
     """The run's mailbox: at its ``k``-th exchange it hands over ``requests[k]``."""
@@ -967,3 +971,43 @@ def test_the_fleet_scales_without_a_training_loop():
         "inference_workers": 1, "inference_workers_vacant": 2, "inference_workers_target": 3,
         "env_pools": 1, "env_pools_vacant": 0, "env_pools_target": 1, "inference": 3,
     }  # fmt: skip
+
+
+AUTOSCALED = ["rollout.num_inference_workers=1..3", "rollout.autoscale.enabled=true",
+              "rollout.autoscale.window_steps=1", "rollout.autoscale.cooldown_s=0"]  # fmt: skip
+
+
+def grow_while_it_can(policy):
+    """A stand-in for the policy's reading of the load: one more worker after every step."""
+    if policy._can_move("inference", +1):
+        return policy._decide("inference", policy.targets["inference"] + 1, "engines_bound", "the test says so")
+    return None
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_load_policy_resizes_the_fleet_after_its_steps_and_says_why(tmp_path, monkeypatch, mode):
+    """With rollout.autoscale the range opens at its minimum; each decision resizes the fleet like
+    an operator's request (the new worker loads the weights and joins the bus) and is on the
+    step's metrics line with its reason and the signals read."""
+    from rlpost.service.autoscale import LoadPolicy
+
+    monkeypatch.setattr(LoadPolicy, "_decide_by_load", grow_while_it_can)
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=AUTOSCALED)
+    check_run(world, rows, mode)
+    assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2), (3, 3), (3, 3)]
+    assert [r.get("autoscale_reason") for r in rows] == ["engines_bound", "engines_bound", None]
+    assert rows[0]["autoscale_decision"] == "grow inference workers 1 -> 2: the test says so"
+    assert all(0.0 <= r["autoscale_wait_share"] <= 1.0 and r["autoscale_engine_busy"] == 0.0 for r in rows)
+    assert [w.name for w in world.actors["learner"].workers] == ["inference-0", "inference-1", "inference-2"]
+    assert world.served_version == 3 and all(w.version == 3 for w in world.actors["learner"].workers)
+    assert rows[-1]["restarts_inference"] == 0  # growing is not a failure
+
+
+def test_an_operators_count_pins_the_role_against_the_load_policy(tmp_path, monkeypatch):
+    from rlpost.service.autoscale import LoadPolicy
+
+    monkeypatch.setattr(LoadPolicy, "_decide_by_load", grow_while_it_can)
+    world, rows = run_world(tmp_path, monkeypatch, "sync", extra=AUTOSCALED, requests={1: {"inference": 2}})
+    check_run(world, rows, "sync")
+    assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2)] * 3
+    assert not any(r.get("autoscale_reason") for r in rows)

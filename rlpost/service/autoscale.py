@@ -1,0 +1,277 @@
+"""The load policy (``rollout.autoscale``): the run sizes its own fleet from where its time goes.
+
+Each learner step gives one :class:`StepLoad`, read from what the run records anyway:
+
+    wait_share     the share of the step the learner waited for its groups (collect_s / step_time_s)
+    engine_busy    the inference workers' busy share of the time the pools generated
+    stale_share    groups dropped as stale in the step, per group trained (async)
+    buffer_fill    the buffer's groups at the step's end over its room (async)
+    generated      groups the pools put in the step, over generating_s (sync: the collection;
+                   async: the whole step): generation's throughput
+
+:class:`LoadPolicy` reads them over ``window_steps`` steps all taken with the fleet as it is and
+moves one role by one actor at a time, within the config's ranges::
+
+    learner waits  >= grow_wait, engines busy >= busy_share  ->  one more inference worker
+    learner waits  >= grow_wait, engines mostly idle         ->  one more env pool (the environments,
+                                                                 tools or rewards hold generation back)
+    learner waits  <= shrink_wait (async: and groups go      ->  one inference worker fewer (none
+                   stale or the buffer stays full)               above the minimum: one env pool fewer)
+    a grow raised throughput less than min_gain x 1/n        ->  undone; n is the most for hold_s
+    a grow's actor found no room within room_wait_s          ->  undone (the autoscaler added no
+                                                                 node); the count held for hold_s
+    a move reversed (a shrink grown back, or the other way)  ->  the new count held for hold_s
+
+A sync run's shrink is also skipped when the collection it predicts (n/(n-1) as long) would make
+the learner wait ``grow_wait`` again. No change follows another within ``cooldown_s``, and none
+is made while the fleet is not what the policy last asked for (a new worker starting, a lost one
+being replaced). A role an operator scaled (``rlpost scale``) is pinned: the policy leaves it
+until ``rlpost scale RUN_DIR KEY=auto`` releases it. Growing needs no call to Ray's autoscaler:
+each slot beyond the run's start is a placement group of its own, pending until the cluster has
+room, and a pending group is the demand Ray's autoscaler launches nodes for; a shrink removes the
+group, so the node it held goes idle and the autoscaler ends it after its idle timeout.
+
+The policy is pure logic on a clock: the supervisor feeds it and applies its decisions
+(:meth:`rlpost.service.supervisor.Supervisor.autoscale`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from rlpost.config.rollout import AutoscaleConfig
+
+ROLES = ("inference", "env_pools")  # the scale keys the policy moves, engines first
+_WORDS = {"inference": "inference workers", "env_pools": "env pools"}
+# why a decision was made: the `reason` tag of rlpost_autoscale_decisions and metrics.jsonl's autoscale_reason
+REASONS = {
+    "engines_bound": "the learner waits for data and the engines are busy",
+    "env_bound": "the learner waits for data and the engines wait for the env pools",
+    "learner_bound": "the learner barely waits: generation outpaces it",
+    "no_gain": "the last grow did not raise generation's throughput",
+    "no_room": "the cluster found no room for the last grow",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLoad:
+    """One learner step's signals (module docstring) and the fleet that served it."""
+
+    wait_share: float
+    generated: int
+    generating_s: float
+    inference: int
+    env_pools: int
+    engine_busy: float | None = None  # None: not measured (no worker answered)
+    stale_share: float = 0.0
+    buffer_fill: float | None = None  # None: sync mode (the buffer holds one step)
+
+
+def step_load(row: dict, previous: dict | None, async_mode: bool) -> StepLoad:
+    """The :class:`StepLoad` of a metrics.jsonl ``row`` (``previous``: the step before it in this
+    process, None for its first): how the supervisor reads each step, and how a test replays a
+    recorded run. ``engine_busy`` is the row's ``autoscale_engine_busy``."""
+    before = previous or {}
+
+    def grew(key: str) -> int:
+        return int(row.get(key) or 0) - int(before.get(key) or 0)
+
+    step_s = max(float(row["step_time_s"]), 1e-9)
+    collect_s = min(float(row["collect_s"]), step_s)
+    return StepLoad(
+        wait_share=collect_s / step_s,
+        generated=max(grew("groups_put"), 0),
+        generating_s=step_s if async_mode else collect_s,
+        inference=int(row["inference_workers"]),
+        env_pools=int(row["env_pools"]),
+        engine_busy=row.get("autoscale_engine_busy"),
+        stale_share=max(grew("groups_dropped_stale"), 0) / max(grew("groups_trained"), 1),
+        buffer_fill=row.get("buffer_fill") if async_mode else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Move ``role`` from ``before`` to ``after`` actors, for ``reason`` (a key of REASONS); ``why``
+    says it with the figures."""
+
+    role: str
+    before: int
+    after: int
+    reason: str
+    why: str
+
+    @property
+    def direction(self) -> str:
+        return "grow" if self.after > self.before else "shrink"
+
+    def describe(self) -> str:
+        return f"{self.direction} {_WORDS[self.role]} {self.before} -> {self.after}: {self.why}"
+
+
+@dataclasses.dataclass
+class _Hold:
+    """A bound the policy keeps on a role's count until ``until`` (clock time)."""
+
+    most: int | None = None
+    least: int | None = None
+    until: float = 0.0
+
+
+class LoadPolicy:
+    """Decides the fleet's targets from step loads (module docstring).
+
+    Args:
+        settings: ``rollout.autoscale``.
+        ranges: (least, most) per scale key it may move (``RolloutConfig.autoscale_ranges``).
+        targets: each role's count now (the fleet's wanted slots).
+        clock: seconds, monotonic (a test steps its own).
+    """
+
+    def __init__(self, settings: AutoscaleConfig, ranges: dict[str, tuple[int, int]], targets: dict[str, int],
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.settings, self.ranges, self.clock = settings, dict(ranges), clock
+        self.targets = {role: int(targets[role]) for role in ROLES if role in targets}
+        self.pins: dict[str, int] = {}
+        self.window: list[StepLoad] = []
+        self.changed_at = -float("inf")
+        self.last: Decision | None = None
+        self.rate_before: float | None = None  # generation's throughput before the last grow, until judged
+        self.holds: dict[str, _Hold] = {}
+
+    # ------------------------------------------------------------------ operator
+
+    def pin(self, role: str, count: int) -> None:
+        """An operator's ``rlpost scale``: ``role`` stays at ``count`` until :meth:`release`."""
+        self.pins[role] = self.targets[role] = int(count)
+        self._restart_window()
+
+    def release(self, role: str) -> None:
+        """``rlpost scale KEY=auto``: the policy sizes ``role`` again, from its count now."""
+        self.pins.pop(role, None)
+        self._restart_window()
+
+    # ------------------------------------------------------------------ deciding
+
+    def observe(self, load: StepLoad, waiting_for_room_s: dict[str, float] | None = None) -> Decision | None:
+        """Take one step's ``load``; the decision it leads to, if any (already in ``targets``).
+        ``waiting_for_room_s``: per role, how long its oldest vacant slot has waited for room."""
+        waiting = waiting_for_room_s or {}
+        for role in self._movable():
+            if waiting.get(role, 0.0) >= self.settings.room_wait_s:
+                serving = self._serving(load, role)
+                if serving < self.targets[role]:
+                    why = f"no room for it in the cluster within {self.settings.room_wait_s:.0f} s"
+                    return self._decide(role, serving, "no_room", why, hold_most=serving)
+        if any(self._serving(load, role) != count for role, count in self.targets.items()):
+            self._restart_window()  # the fleet is changing: its steps do not measure this size
+            return None
+        self.window = [*self.window, load][-self.settings.window_steps :]
+        if len(self.window) < self.settings.window_steps or self.clock() - self.changed_at < self.settings.cooldown_s:
+            return None
+        return self._judge_last_grow() or self._decide_by_load()
+
+    def _judge_last_grow(self) -> Decision | None:
+        """After a grow's first full window: undo it when throughput rose less than ``min_gain``
+        of the proportional gain."""
+        if self.rate_before is None or self.last is None:
+            return None
+        before, rate_before, role = self.last.before, self.rate_before, self.last.role
+        self.rate_before = None
+        rate = self._rate()
+        needed = rate_before * (1 + self.settings.min_gain / before)
+        if rate >= needed or role in self.pins:
+            return None
+        why = (f"generation went from {rate_before:.2f} to {rate:.2f} groups/s with {before + 1} "
+               f"{_WORDS[role]} (needed {needed:.2f})")  # fmt: skip
+        return self._decide(role, before, "no_gain", why, hold_most=before)
+
+    def _decide_by_load(self) -> Decision | None:
+        s = self.settings
+        wait = sum(load.wait_share for load in self.window) / len(self.window)
+        busy_values = [load.engine_busy for load in self.window if load.engine_busy is not None]
+        busy = sum(busy_values) / len(busy_values) if busy_values else None
+        if wait >= s.grow_wait:
+            role = "inference" if busy is None or busy >= s.busy_share else "env_pools"
+            if not self._can_move(role, +1):
+                return None
+            engines = "" if busy is None else f", the engines busy {busy:.0%} of the generating time"
+            why = f"the learner waited {wait:.0%} of its last {len(self.window)} steps{engines}"
+            reason = "engines_bound" if role == "inference" else "env_bound"
+            rate = self._rate()
+            decision = self._decide(role, self.targets[role] + 1, reason, why)
+            self.rate_before = rate  # judged after the new size's first window
+            return decision
+        if wait > s.shrink_wait:
+            return None
+        async_mode = self.window[-1].buffer_fill is not None
+        stale = sum(load.stale_share for load in self.window) / len(self.window)
+        fill = min(load.buffer_fill or 0.0 for load in self.window)
+        surplus = f"{stale:.0%} of the groups trained dropped as stale, the buffer at least {fill:.0%} full"
+        if async_mode and stale < s.shrink_stale and fill < s.shrink_fill:
+            return None
+        for role in ROLES:
+            if not self._can_move(role, -1):
+                continue
+            count = self.targets[role]
+            if not async_mode and role == "inference" and _predicted_wait(wait, count) >= s.grow_wait:
+                return None  # it would grow back: the band is too narrow for one worker fewer
+            why = f"the learner waited {wait:.0%} of its last {len(self.window)} steps"
+            return self._decide(role, count - 1, "learner_bound", why + (f", {surplus}" if async_mode else ""))
+        return None
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _decide(self, role: str, after: int, reason: str, why: str, hold_most: int | None = None) -> Decision:
+        """Move ``role``'s target to ``after`` for ``reason``; ``hold_most``: keep it at most that
+        for ``hold_s`` (an undone grow). A move that reverses the role's last holds its new count."""
+        now = self.clock()
+        decision = Decision(role, self.targets[role], after, reason, why)
+        hold = self.holds.setdefault(role, _Hold())
+        if hold_most is not None:
+            hold.most, hold.least, hold.until = hold_most, None, now + self.settings.hold_s
+        elif self.last is not None and self.last.role == role and self.last.direction != decision.direction:
+            grown_back = decision.direction == "grow"  # a shrink grown back: keep at least this many
+            hold.most, hold.least = (None, after) if grown_back else (after, None)
+            hold.until = now + self.settings.hold_s
+        if decision.direction == "shrink":
+            self.rate_before = None  # only a grow is judged by its gain
+        self.targets[role] = after
+        self.last, self.changed_at = decision, now
+        self._restart_window()
+        return decision
+
+    def _movable(self) -> list[str]:
+        """The roles the policy sizes: a range, and not pinned."""
+        return [role for role in ROLES if role in self.ranges and role in self.targets and role not in self.pins]
+
+    def _can_move(self, role: str, by: int) -> bool:
+        if role not in self._movable():
+            return False
+        least, most = self.ranges[role]
+        hold = self.holds.get(role)
+        if hold is not None and self.clock() < hold.until:
+            least = least if hold.least is None else max(least, hold.least)
+            most = most if hold.most is None else min(most, hold.most)
+        return least <= self.targets[role] + by <= most
+
+    def _rate(self) -> float:
+        """Generation's throughput over the window: groups put per second of generating."""
+        seconds = sum(load.generating_s for load in self.window)
+        return sum(load.generated for load in self.window) / seconds if seconds > 0 else 0.0
+
+    def _restart_window(self) -> None:
+        self.window = []
+
+    @staticmethod
+    def _serving(load: StepLoad, role: str) -> int:
+        return load.inference if role == "inference" else load.env_pools
+
+
+def _predicted_wait(wait: float, workers: int) -> float:
+    """The learner's wait share if a sync run's collection took ``workers / (workers - 1)`` as
+    long (one worker fewer, the rest of the step unchanged)."""
+    collect = wait * workers / (workers - 1)
+    return collect / (collect + 1 - wait)
