@@ -9,6 +9,12 @@ the head declares it dead after its health checks (~15 s by default).
     with head_node(num_cpus=2, resources={"slot": 1}) as head:
         with worker_node(head, num_cpus=0, resources={"slot": 1}, name="node2") as node2:
             subprocess.run(["rlpost", "train", CONFIG, "--address", head.gcs_address], env=head.env)
+
+A cluster whose nodes come and go through Ray's autoscaler, as on a cloud (:func:`autoscaling_head`):
+
+    with autoscaling_head(worker_types={"ray.worker.elastic": {"resources": {"CPU": 1, "elastic": 1},
+                                                               "min_workers": 0, "max_workers": 2}}) as head:
+        ...  # a placement group asking for {"elastic": 1} makes the autoscaler launch a node
 """
 
 from __future__ import annotations
@@ -73,6 +79,75 @@ def head_node(*, dashboard: bool = False, env: dict[str, str] | None = None, num
     dashboard when ``dashboard``; started with ``env`` (default: this process's environment, less
     RAY_ADDRESS), with this Python's bin folder first on PATH (so `rlpost` runs as a job
     entrypoint). Stopped with everything it started when the block ends."""
+    with _head(dashboard=dashboard, env=env, num_cpus=num_cpus, resources=resources) as head:
+        yield head
+
+
+HEAD_NODE_TYPE = "ray.head.default"  # the type FakeMultiNodeProvider gives the head it finds
+
+
+@contextlib.contextmanager
+def autoscaling_head(*, worker_types: dict[str, dict], head_cpus: int = 2,
+                     head_resources: dict[str, float] | None = None, idle_timeout_s: float = 6.0,
+                     env: dict[str, str] | None = None, dashboard: bool = False) -> Iterator[RayHead]:  # fmt: skip
+    """A head node as :func:`head_node`'s, with Ray's own autoscaler (the head's monitor process)
+    and Ray's fake multi-node provider (``FakeMultiNodeProvider``): the fleet grows and shrinks
+    through Ray's autoscaler, as on a cloud, with each node it launches a raylet of this machine.
+
+    ``worker_types`` maps a node type's name to ``{"resources": {"CPU": 1, "elastic": 1},
+    "min_workers": 0, "max_workers": 2}`` (the autoscaler's ``available_node_types``; CPU, GPU and
+    object_store_memory are the node's, the rest its custom resources). A node with nothing
+    running on it for ``idle_timeout_s`` is terminated; the autoscaler looks every second.
+
+    Ray's ``AutoscalingCluster`` (ray.cluster_utils) does the same but cannot serve: its config is
+    built from an example.yaml the wheel does not ship, and its start and shutdown run ``ray stop
+    --force``. The provider starts each node from the monitor's process (``ray._private.node.Node``),
+    so its processes are in the head's process tree and stop with the head; its node IP is the
+    machine's, as the head's (Ray turns the head's --node-ip-address=127.0.0.1 into it), and its
+    ports are ones the OS picks; it inherits the monitor's environment, so it authenticates as the
+    head does (a head that finds a token, ~/.ray/auth_token among them, turns token mode on for
+    the processes it starts). Launching a node takes ~3 s; an idle one goes ~1 s after
+    ``idle_timeout_s``. A driver counts the nodes of a type by their resources
+    (:func:`alive_nodes`). The autoscaler's log is ``session_latest/logs/monitor.log`` in the
+    temp dir; the nodes' logs are there too, numbered (``raylet.1.out``)."""
+    node_types = {HEAD_NODE_TYPE: {"resources": {"CPU": head_cpus, **(head_resources or {})}, "node_config": {},
+                                   "max_workers": 0}}  # fmt: skip
+    for name, spec in worker_types.items():
+        node_types[name] = {"node_config": {}, "min_workers": 0, **spec}
+    config = {
+        "cluster_name": "rlpost-fake-multinode",
+        "max_workers": sum(spec["max_workers"] for spec in worker_types.values()),
+        # the provider's nodes join the GCS at gcs_address (default: port 6379 of this machine's IP)
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True},  # fmt: skip
+        "available_node_types": node_types,
+        "head_node_type": HEAD_NODE_TYPE,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_s / 60,
+        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
+        "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }  # fmt: skip
+    # RAY_FAKE_CLUSTER: the provider refuses to run without it; the autoscaler's period is 5 s by default
+    env = {**(env or os.environ), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    with _head(dashboard=dashboard, env=env, num_cpus=head_cpus, resources=head_resources, autoscaling=config) as head:
+        yield head
+
+
+def alive_nodes(resource: str) -> list[dict]:
+    """The alive nodes that declare ``resource`` (``ray.nodes()`` entries), as this process's
+    driver sees them: the autoscaler names a node's type nowhere a driver reads, its resources do."""
+    import ray
+
+    return [node for node in ray.nodes() if node["Alive"] and node["Resources"].get(resource)]
+
+
+@contextlib.contextmanager
+def _head(*, dashboard: bool, env: dict[str, str] | None, num_cpus: int, resources: dict[str, float] | None,
+          autoscaling: dict | None = None) -> Iterator[RayHead]:  # fmt: skip
+    """:func:`head_node`, and :func:`autoscaling_head` with its autoscaler's config ``autoscaling``
+    (its provider's gcs_address set here: the GCS port is chosen here)."""
     # short: Ray's unix socket paths under the temp dir must stay below 108 characters
     temp_dir = Path(tempfile.mkdtemp(prefix="rlpost-ray-", dir="/tmp"))
     env = dict(env or os.environ)
@@ -92,6 +167,11 @@ def head_node(*, dashboard: bool = False, env: dict[str, str] | None = None, num
         args += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
     else:
         args.append("--include-dashboard=false")
+    if autoscaling is not None:
+        config = temp_dir / "autoscaling.json"
+        autoscaling = {**autoscaling, "provider": {**autoscaling["provider"], "gcs_address": f"127.0.0.1:{gcs}"}}
+        config.write_text(json.dumps(autoscaling, indent=1))
+        args.append(f"--autoscaling-config={config}")
     log = temp_dir / "ray-start.log"
     with log.open("w") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=temp_dir)
@@ -100,8 +180,22 @@ def head_node(*, dashboard: bool = False, env: dict[str, str] | None = None, num
         _wait_until_up(head, log)
         yield head
     finally:
+        if autoscaling is not None:
+            _freeze_autoscaler(head)
         stop_tree(head.process)
         shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _freeze_autoscaler(head: RayHead) -> None:
+    """Suspends (SIGSTOP) the head's autoscaler, so that it launches no node while the head stops:
+    a node it launched after :func:`stop_tree` listed the head's tree would outlive the cluster (its
+    raylet dies ~1 min after the GCS, its log monitor lives on)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for proc in psutil.Process(head.process.pid).children():
+            if any(arg.endswith("autoscaler/_private/monitor.py") for arg in proc.cmdline()):
+                proc.suspend()
 
 
 @contextlib.contextmanager
