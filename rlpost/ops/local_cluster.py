@@ -135,6 +135,26 @@ def autoscaling_head(*, worker_types: dict[str, dict], head_cpus: int = 2,
         yield head
 
 
+@contextlib.contextmanager
+def driver_token(head: RayHead) -> Iterator[None]:
+    """This process authenticates with ``head``'s token (its ``RAY_AUTH_TOKEN_PATH``) while the block
+    runs, for a ``ray.init`` of its own. Ray's cached config and token are reset on the way in and
+    out (the C++ token loader keeps the first token it read), so a cluster started later by this
+    process uses its own again."""
+    from unittest import mock
+
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": head.env["RAY_AUTH_TOKEN_PATH"]}
+    try:
+        with mock.patch.dict(os.environ, token):  # the environment as it was, on the way out
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+            reset_auth_token_state()
+            yield
+    finally:
+        reset_auth_token_state()
+
+
 def alive_nodes(resource: str) -> list[dict]:
     """The alive nodes that declare ``resource`` (``ray.nodes()`` entries), as this process's
     driver sees them: the autoscaler names a node's type nowhere a driver reads, its resources do."""

@@ -17,11 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from unittest import mock
 
 import pytest
 
-from rlpost.ops.local_cluster import RayHead, head_node
+from rlpost.ops.local_cluster import driver_token, head_node
 
 # Ray's processes report their metrics every 10 s by default; the clusters the tests start report
 # every second, so that a test waiting for a run's metrics on Prometheus waits ~1 s, not ~10.
@@ -56,23 +55,6 @@ def ray_head(tmp_path_factory):
         yield head
 
 
-@contextlib.contextmanager
-def _token_of(head: RayHead):
-    """This process authenticates with ``head``'s token while the block runs. Ray's cached config
-    and token are reset on the way in and out (the C++ token loader keeps the first token it
-    read), so a cluster started later by this process uses its own again."""
-    from ray._private.authentication_test_utils import reset_auth_token_state as reset_ray_auth
-
-    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": head.env["RAY_AUTH_TOKEN_PATH"]}
-    try:
-        with mock.patch.dict(os.environ, token):  # the environment as it was, on the way out
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-            reset_ray_auth()
-            yield
-    finally:
-        reset_ray_auth()
-
-
 @pytest.fixture
 def connect_driver(ray_head):
     """``connect_driver(namespace) -> ray``: this test process joins the shared cluster as a
@@ -83,7 +65,7 @@ def connect_driver(ray_head):
     with contextlib.ExitStack() as stack:
 
         def connect(namespace: str):
-            stack.enter_context(_token_of(ray_head))
+            stack.enter_context(driver_token(ray_head))
             ray.init(address=ray_head.gcs_address, namespace=namespace, log_to_driver=False)
             stack.callback(ray.shutdown)
             return ray

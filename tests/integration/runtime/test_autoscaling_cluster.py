@@ -8,15 +8,13 @@ cluster is left. Each phase's time is printed (pytest -s) and bounded."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import time
-from unittest import mock
 
 import pytest
 
-from rlpost.ops.local_cluster import alive_nodes, autoscaling_head
+from rlpost.ops.local_cluster import alive_nodes, autoscaling_head, driver_token
 
 pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(300)]
 
@@ -51,22 +49,6 @@ def running(proc) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def token_of(head):
-    """This process authenticates with ``head``'s token while the block runs (tests/e2e/conftest.py's
-    ``_token_of``): Ray's cached config and token are reset on the way in and out."""
-    from ray._private.authentication_test_utils import reset_auth_token_state
-
-    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": head.env["RAY_AUTH_TOKEN_PATH"]}
-    try:
-        with mock.patch.dict(os.environ, token):
-            os.environ.pop("RAY_AUTH_TOKEN", None)
-            reset_auth_token_state()
-            yield
-    finally:
-        reset_auth_token_state()
-
-
 def test_the_autoscaler_launches_nodes_for_pending_groups_and_releases_idle_ones(tmp_path):
     import psutil
     import ray
@@ -81,7 +63,10 @@ def test_the_autoscaler_launches_nodes_for_pending_groups_and_releases_idle_ones
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(32))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_AUTH_TOKEN_PATH": str(token)}
-    with autoscaling_head(worker_types=ELASTIC, head_cpus=1, idle_timeout_s=IDLE_S, env=env) as head, token_of(head):
+    with (
+        autoscaling_head(worker_types=ELASTIC, head_cpus=1, idle_timeout_s=IDLE_S, env=env) as head,
+        driver_token(head),
+    ):
         ray.init(address=head.gcs_address, log_to_driver=False)
         try:
             assert elastic_ids() == set() and ray.cluster_resources().get("elastic") is None
