@@ -94,6 +94,12 @@ class Pending:
     method: str
     ref: Any
 
+    def done(self) -> bool:
+        """Whether the call has finished (its result, or its failure, can be taken at once)."""
+        import ray
+
+        return bool(ray.wait([self.ref], timeout=0)[0])
+
     def result(self, timeout_s: float, *, stoppable: bool = False):
         """The call's result within ``timeout_s``. ``stoppable`` (a run's start, where nothing in
         flight must finish first): a stop signal ends the wait within STOP_POLL_S (StopRequested)."""

@@ -25,11 +25,17 @@ moves one role by one actor at a time, within the config's ranges::
 A sync run's shrink is also skipped when the collection it predicts (n/(n-1) as long) would make
 the learner wait ``grow_wait`` again. No change follows another within ``cooldown_s``, and none
 is made while the fleet is not what the policy last asked for (a new worker starting, a lost one
-being replaced). A role an operator scaled (``rlpost scale``) is pinned: the policy leaves it
-until ``rlpost scale RUN_DIR KEY=auto`` releases it. Growing needs no call to Ray's autoscaler:
-each slot beyond the run's start is a placement group of its own, pending until the cluster has
-room, and a pending group is the demand Ray's autoscaler launches nodes for; a shrink removes the
-group, so the node it held goes idle and the autoscaler ends it after its idle timeout.
+being replaced); a step during which the fleet changed is not read (a new engine warms up in it).
+A role an operator scaled (``rlpost scale``) is pinned: the policy leaves it until ``rlpost scale
+RUN_DIR KEY=auto`` releases it.
+
+Growing needs no call to Ray's autoscaler: each slot beyond the run's start is a placement group
+of its own, pending until the cluster has room, and a pending group is the demand Ray's
+autoscaler launches nodes for; a shrink removes the group, so the node it held goes idle and the
+autoscaler ends it after its idle timeout. (``ray.autoscaler.sdk.request_resources`` is not used:
+it is one request per cluster, which each caller replaces, so two runs would undo each other's;
+placement groups add up.) A new worker loads its engine in the background while the run trains
+(:meth:`rlpost.service.fleet.Fleet.begin_inference`) and joins at the health check after it is up.
 
 The policy is pure logic on a clock: the supervisor feeds it and applies its decisions
 (:meth:`rlpost.service.supervisor.Supervisor.autoscale`).
@@ -140,6 +146,7 @@ class LoadPolicy:
         self.last: Decision | None = None
         self.rate_before: float | None = None  # generation's throughput before the last grow, until judged
         self.holds: dict[str, _Hold] = {}
+        self.counts: tuple[int, int] | None = None  # the fleet that served the last step
 
     # ------------------------------------------------------------------ operator
 
@@ -165,8 +172,11 @@ class LoadPolicy:
                 if serving < self.targets[role]:
                     why = f"no room for it in the cluster within {self.settings.room_wait_s:.0f} s"
                     return self._decide(role, serving, "no_room", why, hold_most=serving)
-        if any(self._serving(load, role) != count for role, count in self.targets.items()):
-            self._restart_window()  # the fleet is changing: its steps do not measure this size
+        counts, self.counts = self.counts, (load.inference, load.env_pools)
+        if counts not in (None, self.counts) or any(self._serving(load, role) != n for role, n in self.targets.items()):
+            # the fleet is changing, or changed during this step (a worker joined or left mid-step,
+            # its engine still warming up): such steps do not measure a size
+            self._restart_window()
             return None
         self.window = [*self.window, load][-self.settings.window_steps :]
         if len(self.window) < self.settings.window_steps or self.clock() - self.changed_at < self.settings.cooldown_s:
@@ -174,12 +184,14 @@ class LoadPolicy:
         return self._judge_last_grow() or self._decide_by_load()
 
     def _judge_last_grow(self) -> Decision | None:
-        """After a grow's first full window: undo it when throughput rose less than ``min_gain``
-        of the proportional gain."""
+        """After a grow's first full window, while the learner still starves: undo it when
+        throughput rose less than ``min_gain`` of the proportional gain."""
         if self.rate_before is None or self.last is None:
             return None
         before, rate_before, role = self.last.before, self.rate_before, self.last.role
         self.rate_before = None
+        if sum(load.wait_share for load in self.window) / len(self.window) < self.settings.grow_wait:
+            return None  # the learner no longer starves: the load's rules judge the size now
         rate = self._rate()
         needed = rate_before * (1 + self.settings.min_gain / before)
         if rate >= needed or role in self.pins:

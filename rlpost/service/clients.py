@@ -92,6 +92,10 @@ class InferenceClient(ActorClient):
     def wait_ready(self, timeout_s: float) -> int:
         return self.call("get_version", timeout_s=timeout_s)
 
+    def submit_ready(self) -> Pending:
+        """A call that answers once the worker's engine is up (a start watched in the background)."""
+        return self.submit("get_version")
+
     def score(self, token_ids: list[list[int]], temperature: float, timeout_s: float) -> list[list[float]]:
         return self.call("score", token_ids, temperature, timeout_s=timeout_s)
 

@@ -61,6 +61,8 @@ class Fleet:
         self.buffer, self.inference, self.env_pools, self.learner = buffer, inference, env_pools, learner
         self.reference, self.control, self.reward = reference, control, reward
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
+        # inference slots whose worker starts in the background: slot -> (client, its readiness, since)
+        self.starting: dict[int, tuple[InferenceClient, Any, float]] = {}
         # the range's top (with the load policy, its minimum) is opened now, vacant until placed;
         # rlpost scale and the load policy change them
         self.inference_slots = Slots("inference", "inference", set(range(len(inference))))
@@ -90,7 +92,7 @@ class Fleet:
             quietly(functools.partial(pool.stop, timeout_s=30))
         for worker in self.inference:
             quietly(functools.partial(worker.shutdown, timeout_s=60))
-        for client in self.clients():
+        for client in [*self.clients(), *(worker for worker, _, _ in self.starting.values())]:
             client.kill()
         self.starter.remove_placement_groups()
 
@@ -137,6 +139,8 @@ class Fleet:
             slot = vacant[-1] if vacant else max(slots.wanted)
             slots.wanted.discard(slot)
             slots.fresh.discard(slot)
+            if slots is self.inference_slots and slot in self.starting:
+                self.starting.pop(slot)[0].kill()  # still starting: it never served
             if slots.vacant.pop(slot, None) is not None:
                 self.starter.close_slot(slots.name(slot))
 
@@ -252,6 +256,40 @@ class Fleet:
         worker.wait_ready(STARTUP_TIMEOUT_S)
         self.inference = sorted([w for w in self.inference if w.name != name] + [worker], key=lambda w: slot_of(w.name))
         return self.inference_slots.filled(slot)
+
+    def begin_inference(self, slot: int) -> None:
+        """Start ``inference-<slot>`` (a vacant slot whose bundle is placed) in the background, while
+        the others serve: it joins the fleet at :meth:`take_started` once its engine is up. A vLLM
+        engine takes from ~20 s (tiny model, CPU) to minutes to load; the run does not wait for it."""
+        worker = self.starter.inference(slot)
+        self.starting[slot] = (worker, worker.submit_ready(), time.monotonic())
+
+    def take_started(self) -> tuple[list[tuple[int, bool, float]], list[tuple[int, str]]]:
+        """The background starts that ended: each worker whose engine is up joins the fleet (it
+        serves once the bus re-forms with it); one that failed, did not come up within
+        STARTUP_TIMEOUT_S or whose bundle lost its node is ended, its slot still vacant (tried
+        again once placed). Returns ((slot, whether it had a worker before, when its start began)
+        joined, (slot, why) failed)."""
+        joined, failed = [], []
+        for slot, (worker, ready, since) in list(self.starting.items()):
+            why = None
+            if not ready.done():
+                if self.starter.has_room(worker.name) and time.monotonic() - since < STARTUP_TIMEOUT_S:
+                    continue
+                why = "its bundle lost its node" if not self.starter.has_room(worker.name) else "it did not come up"
+            else:
+                try:
+                    ready.result(0.0)
+                except Exception as exc:  # noqa: BLE001 (any start failure leaves the slot vacant)
+                    why = first_line(exc)
+            del self.starting[slot]
+            if why is not None:
+                worker.kill()
+                failed.append((slot, why))
+                continue
+            self.inference = sorted([*self.inference, worker], key=lambda w: slot_of(w.name))
+            joined.append((slot, self.inference_slots.filled(slot), since))
+        return joined, failed
 
     def start_pool(self, slot: int, collecting: bool, has_position: bool = False,
                    vacate_without_room: bool = False) -> tuple[dict | None, bool]:  # fmt: skip

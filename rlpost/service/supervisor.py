@@ -271,10 +271,10 @@ class Supervisor:
         dead = [w for w in self.fleet.inference if w in lost]
         for worker in dead:
             self._replace_inference(worker)
-        placed = self.fleet.placed(self.fleet.inference_slots)
-        for slot in placed:
-            self._refill(slot)
-        if dead or placed or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
+        placed = [slot for slot in self.fleet.placed(self.fleet.inference_slots) if slot not in self.fleet.starting]
+        refilled = [slot for slot in placed if self._refill(slot)]
+        joined = self._join_started()
+        if dead or refilled or joined or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
         for role in ("reference", REWARD_ACTOR):
             if getattr(self.fleet, role) in lost:
@@ -354,10 +354,32 @@ class Supervisor:
         else:
             log.warning("the cluster has room for %s again (vacant %.0f s); starting it", slots.name(slot), waited)
 
-    def _refill(self, slot: int) -> None:
-        """A vacant inference slot whose bundle is placed (again): its worker starts and joins."""
+    def _refill(self, slot: int) -> bool:
+        """A vacant inference slot whose bundle is placed (again): while other workers serve, its
+        worker starts in the background and joins at a later health check (:meth:`_join_started`);
+        with none serving the run waits for it. True when it joined now."""
         self._take_vacant(self.fleet.inference_slots, slot)
-        self._start_inference(slot, vacate_without_room=bool(self.fleet.inference))
+        if self.fleet.inference:
+            self.fleet.begin_inference(slot)
+            return False
+        self._start_inference(slot, vacate_without_room=False)
+        return True
+
+    def _join_started(self) -> list[int]:
+        """The workers started in the background whose engines are up join the fleet (the bus
+        re-forms with them next); a start that failed leaves its slot vacant. Returns the slots joined."""
+        joined, failed = self.fleet.take_started()
+        for slot, why in failed:
+            log.warning("%s did not start (%s); its slot waits to be placed again", f"inference-{slot}", why)
+            self.fleet.inference_slots.vacant[slot] = time.monotonic()
+        for slot, replaced, since in joined:
+            name = self.fleet.inference_slots.name(slot)
+            log.warning("%s is up (%.0f s after its start began); it joins the weight bus", name,
+                        time.monotonic() - since)  # fmt: skip
+            if replaced:
+                self.restarted_at[name] = since
+                self.counts["restarts_inference"] += 1
+        return [slot for slot, _, _ in joined]
 
     def _start_inference(self, slot: int, vacate_without_room: bool) -> None:
         """Start ``inference-<slot>`` (a replacement or a new slot's first); it serves once the bus

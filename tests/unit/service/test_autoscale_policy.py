@@ -91,7 +91,8 @@ def test_the_window_restarts_while_the_fleet_is_not_what_was_asked():
         assert run.step(wait=0.9, waiting={"inference": 50.0}) is None
     run.serving["inference"] = 2
     run.clock.now += 100
-    assert [run.step(wait=0.9, put=16) for _ in range(2)] == [None, None]
+    # the step it joined in is not read (its engine warmed up in it); then a window of 3
+    assert [run.step(wait=0.9, put=16) for _ in range(3)] == [None, None, None]
     assert run.step(wait=0.9, put=16).after == 3
 
 
@@ -111,7 +112,7 @@ def test_a_grow_that_does_not_pay_is_undone_and_held():
         run.step(wait=0.9)
     assert run.serving["inference"] == 2
     run.clock.now += 100
-    decisions = [run.step(wait=0.9, put=8) for _ in range(3)]  # the same throughput with 2 workers
+    decisions = [run.step(wait=0.9, put=8) for _ in range(4)]  # the same throughput with 2 workers
     undo = decisions[-1]
     assert (undo.role, undo.before, undo.after, undo.reason) == ("inference", 2, 1, "no_gain")
     assert "from 0.89 to 0.89 groups/s with 2 inference workers (needed 1.33)" in undo.why
@@ -174,10 +175,20 @@ def test_a_reversed_move_holds_the_new_count():
     run = Run(targets={"inference": 2, "env_pools": 1})
     assert [run.step(wait=0.05) for _ in range(3)][-1].after == 1  # learner bound: shrink
     run.clock.now += 100
-    grown = [run.step(wait=0.9) for _ in range(3)][-1]  # now it starves: grow back
+    grown = [run.step(wait=0.9) for _ in range(4)][-1]  # now it starves: grow back
     assert grown.after == 2
     run.clock.now += 100
     assert [run.step(wait=0.05, put=16) for _ in range(6)] == [None] * 6  # held at 2 for hold_s
+
+
+def test_a_grow_is_not_judged_by_its_gain_once_the_learner_no_longer_starves():
+    run = Run(targets={"inference": 1, "env_pools": 1})
+    assert [run.step(wait=0.9) for _ in range(3)][-1].after == 2
+    run.clock.now += 100
+    # the learner became the bottleneck: generation's throughput is the same, but it is the
+    # learner-bound rule that shrinks, not the grow's lack of gain
+    decision = [run.step(wait=0.05, put=8) for _ in range(4)][-1]
+    assert (decision.after, decision.reason) == (1, "learner_bound")
 
 
 def test_step_load_reads_a_metrics_row():

@@ -40,6 +40,8 @@ class World:
         self.room_back_at: int | None = None  # ... until this call (None: never)
         self.node_lost_late: set[str] = set()  # actors whose replacement finds its bundle's node gone
         self.requests: dict[int, dict] = {}  # the mailbox's k-th exchange -> the scale request it hands over
+        self.start_polls: dict[str, int] = {}  # a worker started in the background: looks before its engine is up
+        self.failing_starts: set[str] = set()  # workers whose background start fails
 
     def enter(self, actor: Stand, method: str) -> None:
         if actor.dead:
@@ -64,6 +66,25 @@ class Done:
 
     def result(self, timeout_s: float):
         return self.value
+
+    def done(self) -> bool:
+        return True
+
+
+class Starting:
+    """A worker's start watched in the background: up after ``polls`` looks, or failed."""
+
+    def __init__(self, worker, polls: int, fails: bool):
+        self.worker, self.polls, self.fails = worker, polls, fails
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def result(self, timeout_s: float):
+        if self.fails:
+            raise RuntimeError(f"{self.worker.name}: the engine failed to load")
+        return self.worker.wait_ready(timeout_s)
 
 
 class Stand:
@@ -124,6 +145,12 @@ class FakeInference(Stand):
     def wait_ready(self, timeout_s):
         self.world.enter(self, "get_version")
         return self.version
+
+    def submit_ready(self):
+        world = self.world
+        if self.name in world.start_polls or self.name in world.failing_starts:
+            return Starting(self, world.start_polls.get(self.name, 0), self.name in world.failing_starts)
+        return Done(self.wait_ready(60.0))
 
     def join_bus(self, spec, rank):
         self.world.enter(self, "join_bus")
@@ -455,7 +482,8 @@ def make_cfg(mode, extra=()):
 
 
 def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_step=None, extra=(), no_room=(),
-              room_back_at=None, requests=None, node_lost_late=(), **learner_stops):  # fmt: skip
+              room_back_at=None, requests=None, node_lost_late=(), start_polls=None, failing_starts=(),
+              **learner_stops):  # fmt: skip
     """One run over stand-ins (``extra``: config overrides; ``no_room``: actors the cluster cannot
     place until call ``room_back_at``; ``node_lost_late``: actors placed while their replacement
     starts, then not until ``room_back_at``; ``requests``: the mailbox's k-th exchange -> workers
@@ -468,6 +496,7 @@ def run_world(tmp_path, monkeypatch, mode, kill_at=None, victim=None, stop_at_st
     world = World(kill_at, victim)
     world.no_room, world.room_back_at, world.node_lost_late = set(no_room), room_back_at, set(node_lost_late)
     world.requests = dict(requests or {})
+    world.start_polls, world.failing_starts = dict(start_polls or {}), set(failing_starts)
     cfg = make_cfg(mode, extra)
     starter = Starter(world, cfg)
     run_dir = tmp_path / f"run-{mode}-{kill_at}-{victim}-{room_back_at}"
@@ -994,8 +1023,9 @@ def test_the_load_policy_resizes_the_fleet_after_its_steps_and_says_why(tmp_path
     monkeypatch.setattr(LoadPolicy, "_decide_by_load", grow_while_it_can)
     world, rows = run_world(tmp_path, monkeypatch, mode, extra=AUTOSCALED)
     check_run(world, rows, mode)
-    assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2), (3, 3), (3, 3)]
-    assert [r.get("autoscale_reason") for r in rows] == ["engines_bound", "engines_bound", None]
+    # the step the new worker joined in is not read: the next grow comes a step later
+    assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2), (2, 2), (3, 3)]
+    assert [r.get("autoscale_reason") for r in rows] == ["engines_bound", None, "engines_bound"]
     assert rows[0]["autoscale_decision"] == "grow inference workers 1 -> 2: the test says so"
     assert all(0.0 <= r["autoscale_wait_share"] <= 1.0 and r["autoscale_engine_busy"] == 0.0 for r in rows)
     assert [w.name for w in world.actors["learner"].workers] == ["inference-0", "inference-1", "inference-2"]
@@ -1011,3 +1041,25 @@ def test_an_operators_count_pins_the_role_against_the_load_policy(tmp_path, monk
     check_run(world, rows, "sync")
     assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2)] * 3
     assert not any(r.get("autoscale_reason") for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_new_worker_starts_in_the_background_while_the_run_trains(tmp_path, monkeypatch, mode):
+    """A grown slot's worker loads its engine while the others serve: the run trains on without
+    waiting, and the worker joins (bus re-formed, current weights) at the health check after it is
+    up; a start that fails leaves its slot vacant and the run goes on."""
+    extra = ["trainer.steps=5"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=extra, requests={1: {"inference": 3}},
+                            start_polls={"inference-2": 3})  # fmt: skip
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    serving = [r["inference_workers"] for r in rows]
+    assert serving[0] == 2 and serving[-1] == 3, serving  # trained while it started, then it served
+    assert world.actors["learner"].workers[-1].name == "inference-2" and world.actors["inference-2"].version == 5
+    assert rows[-1]["restarts_inference"] == 0
+
+    (tmp_path / "failing").mkdir()
+    world, rows = run_world(tmp_path / "failing", monkeypatch, mode, requests={1: {"inference": 3}},
+                            failing_starts={"inference-2"})  # fmt: skip
+    check_run(world, rows, mode)
+    last = rows[-1]
+    assert (last["inference_workers"], last["inference_workers_vacant"], last["inference_workers_target"]) == (2, 1, 3)
