@@ -46,6 +46,8 @@ BENCHMARKS = {
     "serve_adapters": "bench.bench_serve_adapters",
     # K tenants on one service fleet against K fleets: memory, tokens/s, step latency, fairness (~15 min)
     "serve_tenants": "bench.bench_serve_tenants",
+    # the load policy (rollout.autoscale) against the env-pool range's minimum and maximum fixed (~10 min)
+    "autoscale": "bench.bench_autoscale",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
     # the qwen05b race with a rank-16 LoRA adapter on both sides (~20 min)

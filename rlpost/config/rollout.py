@@ -91,10 +91,14 @@ class AutoscaleConfig(Section):
         60.0, ge=0, description="Seconds after a change before the next one (a new worker starts and serves first)."
     )
     grow_wait: float = Field(
-        0.5, gt=0, le=1, description="Grow when the learner waited for its groups at least this share of its steps."
+        0.25,
+        gt=0,
+        le=1,
+        description="Grow when the learner waited for its groups at least this share of its steps (in sync mode: "
+        "when generation took this share; each grow must also pay, min_gain).",
     )
     shrink_wait: float = Field(
-        0.1,
+        0.05,
         ge=0,
         lt=1,
         description="Shrink when the learner waited at most this share of its steps (and, in async "

@@ -34,8 +34,8 @@ of its own, pending until the cluster has room, and a pending group is the deman
 autoscaler launches nodes for; a shrink removes the group, so the node it held goes idle and the
 autoscaler ends it after its idle timeout. (``ray.autoscaler.sdk.request_resources`` is not used:
 it is one request per cluster, which each caller replaces, so two runs would undo each other's;
-placement groups add up.) A new worker loads its engine in the background while the run trains
-(:meth:`rlpost.service.fleet.Fleet.begin_inference`) and joins at the health check after it is up.
+placement groups add up.) A new worker or pool starts in the background while the run trains
+(:meth:`rlpost.service.fleet.Fleet.begin`) and joins at the health check after it is up.
 
 The policy is pure logic on a clock: the supervisor feeds it and applies its decisions
 (:meth:`rlpost.service.supervisor.Supervisor.autoscale`).

@@ -42,6 +42,10 @@ class ActorClient:
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         return self.submit(method, *args).result(timeout_s)
 
+    def submit_ready(self) -> Pending:
+        """A call that answers once the actor's constructor ran (a start watched in the background)."""
+        return Pending(self.name, "__ray_ready__", self.handle.__ray_ready__.remote())
+
     @property
     def names(self) -> list[str]:
         """The actors this client stands for (one, except for a learner group)."""

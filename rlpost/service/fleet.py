@@ -61,8 +61,7 @@ class Fleet:
         self.buffer, self.inference, self.env_pools, self.learner = buffer, inference, env_pools, learner
         self.reference, self.control, self.reward = reference, control, reward
         self.epochs: dict[int, int] = collections.defaultdict(int)  # env-pool-<j> -> its incarnation
-        # inference slots whose worker starts in the background: slot -> (client, its readiness, since)
-        self.starting: dict[int, tuple[InferenceClient, Any, float]] = {}
+        self.starting: dict[str, Starting] = {}  # slot actors starting in the background, by name
         # the range's top (with the load policy, its minimum) is opened now, vacant until placed;
         # rlpost scale and the load policy change them
         self.inference_slots = Slots("inference", "inference", set(range(len(inference))))
@@ -92,7 +91,7 @@ class Fleet:
             quietly(functools.partial(pool.stop, timeout_s=30))
         for worker in self.inference:
             quietly(functools.partial(worker.shutdown, timeout_s=60))
-        for client in [*self.clients(), *(worker for worker, _, _ in self.starting.values())]:
+        for client in [*self.clients(), *(start.client for start in self.starting.values())]:
             client.kill()
         self.starter.remove_placement_groups()
 
@@ -139,8 +138,8 @@ class Fleet:
             slot = vacant[-1] if vacant else max(slots.wanted)
             slots.wanted.discard(slot)
             slots.fresh.discard(slot)
-            if slots is self.inference_slots and slot in self.starting:
-                self.starting.pop(slot)[0].kill()  # still starting: it never served
+            if slots.name(slot) in self.starting:
+                self.starting.pop(slots.name(slot)).client.kill()  # still starting: it never served
             if slots.vacant.pop(slot, None) is not None:
                 self.starter.close_slot(slots.name(slot))
 
@@ -221,8 +220,10 @@ class Fleet:
         return lost
 
     def placed(self, slots: Slots) -> list[int]:
-        """The vacant slots of ``slots`` whose bundles the cluster has placed (by now)."""
-        return [slot for slot in sorted(slots.vacant) if self.starter.has_room(slots.name(slot))]
+        """The vacant slots of ``slots`` whose bundles the cluster has placed (by now), but for those
+        whose actor starts already (:meth:`begin`)."""
+        names = [(slot, slots.name(slot)) for slot in sorted(slots.vacant)]
+        return [slot for slot, name in names if name not in self.starting and self.starter.has_room(name)]
 
     def wait_for_room(self, name: str) -> bool:
         """Whether ``name``'s bundle is placed, waiting up to ``resources.replacement_wait_s``
@@ -254,42 +255,13 @@ class Fleet:
             self.inference = [w for w in self.inference if w.name != name]
             raise NoRoom(name)
         worker.wait_ready(STARTUP_TIMEOUT_S)
-        self.inference = sorted([w for w in self.inference if w.name != name] + [worker], key=lambda w: slot_of(w.name))
-        return self.inference_slots.filled(slot)
+        return self.join_inference(worker)
 
-    def begin_inference(self, slot: int) -> None:
-        """Start ``inference-<slot>`` (a vacant slot whose bundle is placed) in the background, while
-        the others serve: it joins the fleet at :meth:`take_started` once its engine is up. A vLLM
-        engine takes from ~20 s (tiny model, CPU) to minutes to load; the run does not wait for it."""
-        worker = self.starter.inference(slot)
-        self.starting[slot] = (worker, worker.submit_ready(), time.monotonic())
-
-    def take_started(self) -> tuple[list[tuple[int, bool, float]], list[tuple[int, str]]]:
-        """The background starts that ended: each worker whose engine is up joins the fleet (it
-        serves once the bus re-forms with it); one that failed, did not come up within
-        STARTUP_TIMEOUT_S or whose bundle lost its node is ended, its slot still vacant (tried
-        again once placed). Returns ((slot, whether it had a worker before, when its start began)
-        joined, (slot, why) failed)."""
-        joined, failed = [], []
-        for slot, (worker, ready, since) in list(self.starting.items()):
-            why = None
-            if not ready.done():
-                if self.starter.has_room(worker.name) and time.monotonic() - since < STARTUP_TIMEOUT_S:
-                    continue
-                why = "its bundle lost its node" if not self.starter.has_room(worker.name) else "it did not come up"
-            else:
-                try:
-                    ready.result(0.0)
-                except Exception as exc:  # noqa: BLE001 (any start failure leaves the slot vacant)
-                    why = first_line(exc)
-            del self.starting[slot]
-            if why is not None:
-                worker.kill()
-                failed.append((slot, why))
-                continue
-            self.inference = sorted([*self.inference, worker], key=lambda w: slot_of(w.name))
-            joined.append((slot, self.inference_slots.filled(slot), since))
-        return joined, failed
+    def join_inference(self, worker: InferenceClient) -> bool:
+        """``worker`` (up) serves in its slot from the bus's next generation; whether the slot had one before."""
+        self.inference = sorted([w for w in self.inference if w.name != worker.name] + [worker],
+                                key=lambda w: slot_of(w.name))  # fmt: skip
+        return self.inference_slots.filled(slot_of(worker.name))
 
     def start_pool(self, slot: int, collecting: bool, has_position: bool = False,
                    vacate_without_room: bool = False) -> tuple[dict | None, bool]:  # fmt: skip
@@ -302,21 +274,70 @@ class Fleet:
         name = self.pool_slots.name(slot)
         for old in [p for p in self.env_pools if p.name == name]:
             old.kill()
-        self.epochs[slot] += 1
-        pool = self.starter.env_pool(slot, self.inference, self.buffer, epoch=self.epochs[slot])
+        pool = self._new_pool(slot)
         if not self._started(pool, vacate_without_room):
             self.env_pools = [p for p in self.env_pools if p.name != name]
             self.fence_pool(slot)
             raise NoRoom(name)
-        self.env_pools = sorted([p for p in self.env_pools if p.name != name] + [pool], key=lambda p: slot_of(p.name))
-        state = self.buffer.fence(name, self.epochs[slot])
+        return self.join_pool(pool, collecting, has_position)
+
+    def _new_pool(self, slot: int) -> EnvPoolClient:
+        """``env-pool-<slot>``'s next incarnation (its constructor may still run)."""
+        self.epochs[slot] += 1
+        return self.starter.env_pool(slot, self.inference, self.buffer, epoch=self.epochs[slot])
+
+    def join_pool(self, pool: EnvPoolClient, collecting: bool, has_position: bool) -> tuple[dict | None, bool]:
+        """``pool`` (up) takes its slot: fenced at its epoch, from its shard's last put, collecting
+        at once when ``collecting``; :meth:`start_pool` says the rest."""
+        slot = slot_of(pool.name)
+        self.env_pools = sorted([p for p in self.env_pools if p.name != pool.name] + [pool],
+                                key=lambda p: slot_of(p.name))  # fmt: skip
+        state = self.buffer.fence(pool.name, self.epochs[slot])
         if state is None and has_position:
-            raise ResumeNeeded(f"{name} was lost together with the buffer that held its position")
+            raise ResumeNeeded(f"{pool.name} was lost together with the buffer that held its position")
         if state is not None:
             pool.load_state_dict(state, timeout_s=STARTUP_TIMEOUT_S)
         if collecting:
             pool.start(None, timeout_s=STARTUP_TIMEOUT_S)
         return state, self.pool_slots.filled(slot)
+
+    def begin(self, slots: Slots, slot: int) -> None:
+        """Start the actor of vacant slot ``slot`` of ``slots`` (its bundle placed) in the background
+        while others of its role serve: :meth:`take_started` hands it over once it is up. A vLLM
+        engine takes from ~20 s (tiny model, CPU) to minutes to load, an env pool ~8 s on two
+        cores; the run does not wait for either."""
+        client = self.starter.inference(slot) if slots is self.inference_slots else self._new_pool(slot)
+        self.starting[client.name] = Starting(client, client.submit_ready(), time.monotonic(), self.buffer)
+
+    def take_started(self) -> tuple[list[Starting], list[tuple[str, str]]]:
+        """The background starts that ended, out of ``starting``: those up (for the caller to join:
+        :meth:`join_inference`, :meth:`join_pool`; each is pointed at the current workers and
+        buffer first), and (name, why) of those that failed, did not come up within
+        STARTUP_TIMEOUT_S or whose bundle lost its node: ended, their slots still vacant (tried
+        again once placed)."""
+        ready, failed = [], []
+        for name, start in list(self.starting.items()):
+            why = None
+            if not start.ready.done():
+                if self.starter.has_room(name) and time.monotonic() - start.since < STARTUP_TIMEOUT_S:
+                    continue
+                why = "it did not come up" if self.starter.has_room(name) else "its bundle lost its node"
+            else:
+                try:
+                    start.ready.result(0.0)
+                    if isinstance(start.client, EnvPoolClient):  # the fleet may have changed meanwhile
+                        start.client.set_inference([w.handle for w in self.inference])
+                        if start.buffer is not self.buffer:
+                            start.client.set_buffer(self.buffer, timeout_s=CALL_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 (any start failure leaves the slot vacant)
+                    why = first_line(exc)
+            del self.starting[name]
+            if why is None:
+                ready.append(start)
+            else:
+                start.client.kill()
+                failed.append((name, why))
+        return ready, failed
 
     def _started(self, client: ActorClient, vacate_without_room: bool) -> bool:
         """Whether a just-started slot actor is up; False (the actor ended) when
@@ -366,6 +387,16 @@ class Fleet:
         publish its own, each up to two bus waits of ``weight_sync.timeout_s`` and the workers'
         grace (the learner's own bounds end it first)."""
         return 4 * self.cfg.weight_sync.timeout_s + 180
+
+
+@dataclasses.dataclass
+class Starting:
+    """A slot actor starting in the background (:meth:`Fleet.begin`)."""
+
+    client: Any  # an InferenceClient or EnvPoolClient
+    ready: Any  # its Pending readiness call: done once its constructor ran (an engine: loaded)
+    since: float  # monotonic
+    buffer: Any  # the buffer it was given (a pool joins the current one)
 
 
 class ResumeNeeded(RuntimeError):

@@ -271,8 +271,7 @@ class Supervisor:
         dead = [w for w in self.fleet.inference if w in lost]
         for worker in dead:
             self._replace_inference(worker)
-        placed = [slot for slot in self.fleet.placed(self.fleet.inference_slots) if slot not in self.fleet.starting]
-        refilled = [slot for slot in placed if self._refill(slot)]
+        refilled = [slot for slot in self.fleet.placed(self.fleet.inference_slots) if self._refill(slot, "inference")]
         joined = self._join_started()
         if dead or refilled or joined or isinstance(failure, BusFailure) or (failure is not None and reform_bus):
             self._reform_bus()
@@ -282,7 +281,7 @@ class Supervisor:
         for pool in [p for p in self.fleet.env_pools if p in lost]:
             self._replace_pool(pool)
         for slot in self.fleet.placed(self.fleet.pool_slots):
-            self._refill_pool(slot)
+            self._refill(slot, "env_pools")
         if self.collecting:
             self._replace_failed_pools()
 
@@ -354,32 +353,47 @@ class Supervisor:
         else:
             log.warning("the cluster has room for %s again (vacant %.0f s); starting it", slots.name(slot), waited)
 
-    def _refill(self, slot: int) -> bool:
-        """A vacant inference slot whose bundle is placed (again): while other workers serve, its
-        worker starts in the background and joins at a later health check (:meth:`_join_started`);
-        with none serving the run waits for it. True when it joined now."""
-        self._take_vacant(self.fleet.inference_slots, slot)
-        if self.fleet.inference:
-            self.fleet.begin_inference(slot)
+    def _refill(self, slot: int, role: str) -> bool:
+        """A vacant slot of ``role`` (``inference``, ``env_pools``) whose bundle is placed (again):
+        while others of its role serve, its actor starts in the background and joins at a later
+        health check (:meth:`_join_started`); with none serving the run waits for it. True when it
+        started now."""
+        slots, serving = {"inference": (self.fleet.inference_slots, self.fleet.inference),
+                          "env_pools": (self.fleet.pool_slots, self.fleet.env_pools)}[role]  # fmt: skip
+        self._take_vacant(slots, slot)
+        if serving:
+            self.fleet.begin(slots, slot)
             return False
-        self._start_inference(slot, vacate_without_room=False)
+        if role == "inference":
+            self._start_inference(slot, vacate_without_room=False)
+        else:
+            self._start_pool(slot)
         return True
 
-    def _join_started(self) -> list[int]:
-        """The workers started in the background whose engines are up join the fleet (the bus
-        re-forms with them next); a start that failed leaves its slot vacant. Returns the slots joined."""
-        joined, failed = self.fleet.take_started()
-        for slot, why in failed:
-            log.warning("%s did not start (%s); its slot waits to be placed again", f"inference-{slot}", why)
-            self.fleet.inference_slots.vacant[slot] = time.monotonic()
-        for slot, replaced, since in joined:
-            name = self.fleet.inference_slots.name(slot)
-            log.warning("%s is up (%.0f s after its start began); it joins the weight bus", name,
-                        time.monotonic() - since)  # fmt: skip
-            if replaced:
-                self.restarted_at[name] = since
+    def _join_started(self) -> bool:
+        """The actors started in the background that are up join the fleet (a worker serves from
+        the bus's next generation, a pool from its shard's last put); a start that failed leaves
+        its slot vacant. Returns whether a worker joined (the bus must re-form)."""
+        ready, failed = self.fleet.take_started()
+        for name, why in failed:
+            log.warning("%s did not start (%s); its slot waits to be placed again", name, why)
+        worker_joined = False
+        for start in ready:
+            name = start.client.name
+            log.warning(
+                "%s is up (%.0f s after its start began); it joins the fleet", name, time.monotonic() - start.since
+            )
+            if name.startswith(self.fleet.pool_slots.prefix):
+                has_position = bool(self.state.ledger.acknowledged.get(name))
+                self._pool_started(
+                    name, *self.fleet.join_pool(start.client, self.collecting, has_position), start.since
+                )
+                continue
+            worker_joined = True
+            if self.fleet.join_inference(start.client):
+                self.restarted_at[name] = start.since
                 self.counts["restarts_inference"] += 1
-        return [slot for slot, _, _ in joined]
+        return worker_joined
 
     def _start_inference(self, slot: int, vacate_without_room: bool) -> None:
         """Start ``inference-<slot>`` (a replacement or a new slot's first); it serves once the bus
@@ -425,11 +439,6 @@ class Supervisor:
         log.warning("%s %s; starting it again", lost.name, self._how_lost(lost.name))
         self._start_pool(slot, vacate_without_room=bool(others))
 
-    def _refill_pool(self, slot: int) -> None:
-        """A vacant env-pool slot whose bundle is placed (again): its pool starts."""
-        self._take_vacant(self.fleet.pool_slots, slot)
-        self._start_pool(slot, vacate_without_room=bool(self.fleet.env_pools))
-
     def _start_pool(self, slot: int, vacate_without_room: bool = False) -> None:
         """Start ``env-pool-<slot>`` (a replacement or a new slot's first): :meth:`Fleet.start_pool`;
         ``vacate_without_room`` as for :meth:`_start_inference`."""
@@ -440,6 +449,11 @@ class Supervisor:
         except NoRoom:
             self._leave_vacant(self.fleet.pool_slots, slot, len(self.fleet.env_pools), "env pools")
             return
+        self._pool_started(name, state, restart, start)
+
+    def _pool_started(self, name: str, state: dict | None, restart: bool, start: float) -> None:
+        """Log (and count) ``name`` taking its slot from ``state``, its shard's last put."""
+        slot = slot_of(name)
         collected, epoch = state["num_prompts_collected"] if state else 0, self.fleet.epochs[slot]
         if not restart:
             log.warning("%s started (a new slot, epoch %d): %d prompts of its shard collected", name, epoch, collected)

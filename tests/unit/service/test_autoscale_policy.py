@@ -23,7 +23,9 @@ class Clock:
 
 
 def settings(**overrides) -> AutoscaleConfig:
-    return AutoscaleConfig(**{"enabled": True, "cooldown_s": 20.0, "hold_s": 300.0, "room_wait_s": 120.0, **overrides})
+    fixed = {"enabled": True, "cooldown_s": 20.0, "hold_s": 300.0, "room_wait_s": 120.0, "grow_wait": 0.5,
+             "shrink_wait": 0.1}  # fmt: skip
+    return AutoscaleConfig(**{**fixed, **overrides})
 
 
 class Run:

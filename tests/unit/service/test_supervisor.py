@@ -83,8 +83,8 @@ class Starting:
 
     def result(self, timeout_s: float):
         if self.fails:
-            raise RuntimeError(f"{self.worker.name}: the engine failed to load")
-        return self.worker.wait_ready(timeout_s)
+            raise RuntimeError(f"{self.worker.name}: its constructor failed")
+        self.worker.world.enter(self.worker, "__ray_ready__")
 
 
 class Stand:
@@ -111,6 +111,14 @@ class Stand:
 
     def wait_started(self, timeout_s: float, placed) -> bool:
         return placed()
+
+    def submit_ready(self):
+        """Its start watched in the background: up at once, unless the world says otherwise."""
+        world = self.world
+        if self.name in world.start_polls or self.name in world.failing_starts:
+            return Starting(self, world.start_polls.get(self.name, 0), self.name in world.failing_starts)
+        world.enter(self, "__ray_ready__")
+        return Done(None)
 
     def kill(self) -> None:
         self.dead = True
@@ -146,11 +154,6 @@ class FakeInference(Stand):
         self.world.enter(self, "get_version")
         return self.version
 
-    def submit_ready(self):
-        world = self.world
-        if self.name in world.start_polls or self.name in world.failing_starts:
-            return Starting(self, world.start_polls.get(self.name, 0), self.name in world.failing_starts)
-        return Done(self.wait_ready(60.0))
 
     def join_bus(self, spec, rank):
         self.world.enter(self, "join_bus")
@@ -719,10 +722,10 @@ def test_an_operator_grows_then_shrinks_the_fleet_while_it_trains(tmp_path, monk
     assert any(name.startswith("env-pool") and method == "set_inference" for name, method in log[:first_drain])
 
 
-def check_shards(world, rows, mode, prompts=12):
+def check_shards(world, rows, mode, prompts=12, steps=3):
     """Every shard's prompts trained once and in order from its start (none skipped while its
     pool was away); in sync mode the step's prompts all trained, whichever pools collected them."""
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert r["groups_put"] == r["groups_trained"] + r["groups_dropped_stale"] + r["groups_in_buffer"], r
     assert len(world.trained) == len(set(world.trained)), "a group was trained twice"
@@ -1041,6 +1044,23 @@ def test_an_operators_count_pins_the_role_against_the_load_policy(tmp_path, monk
     check_run(world, rows, "sync")
     assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2)] * 3
     assert not any(r.get("autoscale_reason") for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_new_pool_starts_in_the_background_and_takes_its_shard(tmp_path, monkeypatch, mode):
+    """As a worker: a range's third env pool has its constructor run while the run trains; it
+    takes its shard from its start once up (sync: its share of later steps); nothing is lost or
+    trained twice."""
+    extra = ["trainer.steps=5", "rollout.num_env_pools=2..3"]
+    world, rows = run_world(tmp_path, monkeypatch, mode, extra=extra, start_polls={"env-pool-2": 3})
+    check_shards(world, rows, mode, prompts=20, steps=5)
+    serving = [r["env_pools"] for r in rows]
+    assert serving[0] == 2 and serving[-1] == 3, serving
+    if mode == "sync":  # its share of the steps after it joined
+        assert any(p == "env-pool-2" for p, _ in world.trained), "the new pool's groups were trained"
+    else:  # collecting on its own from when it joined
+        assert ("env-pool-2", "start") in world.log
+    assert rows[-1]["restarts_env_pool"] == 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
