@@ -154,7 +154,6 @@ class FakeInference(Stand):
         self.world.enter(self, "get_version")
         return self.version
 
-
     def join_bus(self, spec, rank):
         self.world.enter(self, "join_bus")
         return Done(rank)
