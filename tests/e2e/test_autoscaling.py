@@ -10,7 +10,7 @@ engine is busy: the test's thresholds suit the tiny model, whose learner step is
 the policy grows the fleet to two: the new slot's placement group is pending until the autoscaler
 launches a second node, then the worker starts there while the run trains on, loads the current
 weights and joins the bus. The test makes the learner the bottleneck meanwhile
-(``tests/slow_learner_loss.py``: each learner step sleeps 4 s): once the new worker has served,
+(``tests/slow_learner_loss.py``: each learner step sleeps 2 s): once the new worker has served,
 the policy shrinks the fleet to one, the leaving worker finishes its requests,
 its group is removed, and the autoscaler ends the idle node. Every metrics line keeps the
 accounting, every step trains its prompts once (sync), nothing is counted as a failure, and the
@@ -54,7 +54,7 @@ def test_the_load_policy_grows_the_fleet_onto_new_nodes_and_releases_them(tmp_pa
     env |= {"RAY_AUTH_TOKEN_PATH": str(token), "RLPOST_SLOW_LOSS_FLAG": str(slow), "PYTHONPATH": str(REPO)}
     log = tmp_path / "run.log"
     metrics = tmp_path / "elastic" / "metrics.jsonl"
-    with autoscaling_head(worker_types=ELASTIC, head_cpus=2, idle_timeout_s=5.0, env=env) as head, driver_token(head):
+    with autoscaling_head(worker_types=ELASTIC, head_cpus=2, idle_timeout_s=3.0, env=env) as head, driver_token(head):
         ray.init(address=head.gcs_address, log_to_driver=False)
         args = [
             sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml",
@@ -87,7 +87,7 @@ def test_the_load_policy_grows_the_fleet_onto_new_nodes_and_releases_them(tmp_pa
             rows = wait_for("the policy's grow", lambda rows: any(r.get("autoscale_reason") for r in rows))
             grown = [r for r in rows if r.get("autoscale_reason")]
             assert [(r["autoscale_role"], r["autoscale_reason"]) for r in grown] == [("inference", "engines_bound")]
-            slow.write_text("4")  # the learner is the bottleneck from now on (the new worker still loads)
+            slow.write_text("2")  # the learner is the bottleneck from now on (the new worker still loads)
             rows = wait_for("the grown fleet serving", lambda rows: rows[-1]["inference_workers"] == 2)
             assert len(alive_nodes("elastic")) == 2  # a second node, launched for the new worker's group
             rows = wait_for("the fleet shrunk back", lambda rows: rows[-1]["inference_workers_target"] == 1)

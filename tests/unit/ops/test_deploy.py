@@ -50,7 +50,8 @@ def test_kuberay_cluster_fields(name, spec):
     (head_container,) = containers(head)
     assert {p["containerPort"] for p in head_container["ports"]} >= {6379, 8265, 8080}
     (gpu,) = spec["workerGroupSpecs"]
-    assert 1 <= gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
+    assert 1 <= gpu["minReplicas"] <= gpu["replicas"] < gpu["maxReplicas"]  # room to grow into (rollout.autoscale)
+    assert 0 < spec["autoscalerOptions"]["idleTimeoutSeconds"] <= 600  # a shrunk fleet's pods go
     (worker,) = containers(gpu)
     assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     assert worker["resources"]["requests"] == worker["resources"]["limits"]
