@@ -103,9 +103,10 @@ class InferenceClient(ActorClient):
     def score(self, token_ids: list[list[int]], temperature: float, timeout_s: float) -> list[list[float]]:
         return self.call("score", token_ids, temperature, timeout_s=timeout_s)
 
-    def busy_s(self, timeout_s: float) -> float:
-        """Seconds its engine has spent generating and scoring since it started."""
-        return self.call("busy_s", timeout_s=timeout_s)
+    def ask_busy_s(self) -> Pending:
+        """Seconds its engine has spent generating and scoring since it started, answered later
+        (the supervisor asks every worker at once)."""
+        return self.submit("busy_s")
 
     def drain(self, timeout_s: float) -> bool:
         """Whether the worker finished every generate and score call it had, within ``timeout_s``."""

@@ -209,13 +209,15 @@ class Supervisor:
         """The serving engines' busy share of ``generating_s`` since the last read (None: no worker
         answered); a worker that does not answer at once is the health check's to judge."""
         seen, busy = {}, []
-        for worker in self.fleet.inference:
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        asked = [(worker.name, worker.ask_busy_s()) for worker in self.fleet.inference]  # all at once
+        for name, answer in asked:
             try:
-                seen[worker.name] = worker.busy_s(timeout_s=PING_TIMEOUT_S)
+                seen[name] = answer.result(max(0.0, deadline - time.monotonic()))
             except ActorFailure:
                 continue
-            before = self.busy_seen.get(worker.name, 0.0)
-            busy.append(seen[worker.name] - before if seen[worker.name] >= before else seen[worker.name])
+            before = self.busy_seen.get(name, 0.0)
+            busy.append(seen[name] - before if seen[name] >= before else seen[name])
         self.busy_seen = seen
         if not busy or generating_s <= 0:
             return None

@@ -172,9 +172,9 @@ class FakeInference(Stand):
         self.drained = True
         return True
 
-    def busy_s(self, timeout_s):
+    def ask_busy_s(self):
         self.world.enter(self, "busy_s")
-        return 0.0
+        return Done(0.0)
 
 
 class FakeControl(Stand):
