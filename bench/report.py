@@ -83,6 +83,7 @@ TITLES = {
     "reasoning_gym": "17. reasoning-gym: which of the package's tasks the tiny model learns with GRPO",
     "serve_adapters": "18. The service's trainer: memory per client model, and the cost of parking one",
     "serve_tenants": "19. Many tenants: K tenants on one service fleet against K fleets, and each one's share",
+    "autoscale": "20. The load policy: a run sized by its load against its range's minimum and maximum fixed",
 }
 
 
@@ -147,6 +148,7 @@ A_REASONING = "reasoning-gym on the tiny model (2026-12-02, Intel Xeon)"
 A_RESTRUCTURE = "The tiny race before and after the package's restructuring (2026-12-02, fifth session, Intel Xeon)"
 A_FLEET = "The tiny race before and after the fleet and the layout (issue 66; 2026-12-06, AMD EPYC)"
 A_SERVE_MEMORY = "The service's tenants: adapters per actor, one fleet against many (issue 68; 2026-12-06, AMD EPYC)"
+A_AUTOSCALE = "The load policy against fixed fleets (issue 69; 2026-12-07, AMD EPYC)"
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -366,6 +368,19 @@ SUMMARIES: dict[str, Summary] = {
         "fleets on the same 2 cores (below 1.0 one fleet needs less), and on one fleet the smallest tenant's share "
         "of each actor's busy time times K (1.0: equal shares; 0.8 is the 20% each of 4 tenants must get).",
         (A_SERVE_MEMORY,),
+    ),
+    "autoscale": Summary(
+        (
+            Figure("policy (1..4 pools) / max (4 pools), steps_wall_s", "<= 1.1"),
+            Figure("policy (1..4 pools) / max (4 pools), pool_seconds", "<= 0.9"),
+            Figure("min (1 pool) / max (4 pools), steps_wall_s"),
+            Figure("min (1 pool) / max (4 pools), pool_seconds"),
+        ),
+        "The same sync steps on a workload whose env pools hold generation back (a reward behind a 20 ms round "
+        "trip a sample), with the load policy on 1..4 env pools and with 1 or 4 fixed: each case's wall time and "
+        "pool-seconds (the pools held times the time) over the fixed maximum's (the goal: the policy within 1.1 "
+        "of its wall time at clearly fewer pool-seconds).",
+        (A_AUTOSCALE,),
     ),
 }
 

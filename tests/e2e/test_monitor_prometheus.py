@@ -4,7 +4,8 @@ evaluated through Prometheus's HTTP API, and the stalled-run and stopped-run ale
 the run stopped.
 
 The run is a short one of the tiny model on a cluster of its own (`rlpost train --address`), with
-an evaluation every 2 steps and an entropy term, so that every panel has its metric. Ray's
+an evaluation every 2 steps, an entropy term and the load policy set to grow an env pool at once,
+so that every panel has its metric. Ray's
 processes report every second (the fast_metrics fixture) and Prometheus scrapes every second.
 """
 
@@ -97,6 +98,9 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
                 sys.executable, "-m", "rlpost.ops.cli", "train", "configs/tiny-cpu.yaml",
                 f"model.name_or_path={tiny_model_path}", "trainer.steps=10", "trainer.prompts_per_step=4",
                 "eval.interval=2", "eval.num_prompts=8", "loss.entropy_coef=0.001", "logging.progress=false",
+                # the load policy on, set to grow an env pool after the first step (its panels have data)
+                "rollout.num_env_pools=1..2", "rollout.autoscale.enabled=true", "rollout.autoscale.window_steps=1",
+                "rollout.autoscale.grow_wait=0.01", "rollout.autoscale.shrink_wait=0", "rollout.autoscale.busy_share=1",
                 f"logging.run_dir={tmp_path}", f"logging.run_name={RUN}", "--address", head.gcs_address,
             ]  # fmt: skip
             with run_log.open("w") as out:
@@ -104,6 +108,7 @@ def test_prometheus_evaluates_every_panel_and_alert_of_a_real_run(tmp_path, tiny
             assert run.returncode == 0, run_log.read_text()[-3000:]
             rows = [json.loads(line) for line in (tmp_path / RUN / "metrics.jsonl").read_text().splitlines()]
             assert len(rows) == 10
+            assert rows[0]["autoscale_reason"] == "env_bound" and rows[0]["env_pools_target"] == 2, rows[0]
 
             # every panel's query returns data for the run over the run's time
             def series(expr: str) -> list:

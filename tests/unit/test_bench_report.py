@@ -427,6 +427,7 @@ def test_workload_overrides_and_benchmark_names():
         "reasoning_gym",
         "serve_adapters",
         "serve_tenants",
+        "autoscale",
         "race_genheavy",
         "race_lora",
         "profile_tiny",
