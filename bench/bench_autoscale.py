@@ -11,6 +11,8 @@ cores a second engine only shares them). Each case is a whole run of the same st
     max      rollout.num_env_pools=MAX
     policy   rollout.num_env_pools=1..MAX with rollout.autoscale (its defaults but cooldown_s and
              window_steps, scaled to a run of a few minutes)
+    policy, min_gain 0.25: the same, keeping a pool that adds a quarter of its proportional gain
+             (the default, 0.5, asks half)
 
 Cost is pool-seconds: each step's wall time times the pools the run held in it (serving or
 starting: their slots were reserved); wall is the steps' wall time (the first step's start to
@@ -31,10 +33,13 @@ POLICY = ("rollout.autoscale.enabled=true", "rollout.autoscale.cooldown_s=10", "
 
 
 def cases(max_pools: int) -> dict[str, list[str]]:
+    policy = [f"rollout.num_env_pools=1..{max_pools}", *POLICY]
     return {
         "min (1 pool)": ["rollout.num_env_pools=1"],
         f"max ({max_pools} pools)": [f"rollout.num_env_pools={max_pools}"],
-        f"policy (1..{max_pools} pools)": [f"rollout.num_env_pools=1..{max_pools}", *POLICY],
+        f"policy (1..{max_pools} pools)": policy,
+        # the same policy keeping a pool that raises throughput by a quarter of its proportional share
+        f"policy, min_gain 0.25 (1..{max_pools} pools)": [*policy, "rollout.autoscale.min_gain=0.25"],
     }
 
 
@@ -65,7 +70,7 @@ def main() -> None:
     for r in range(repeats):
         for case, overrides in plan.items():
             load = wait_for_quiet(args.quick)
-            tag = f"autoscale-{case.split()[0]}-{r}"
+            tag = f"autoscale-{case.split()[0].rstrip(',')}{'-gain025' if 'min_gain' in case else ''}-{r}"
             print(f"== repeat {r + 1}/{repeats}: {case} (busy cores {load:.2f})", flush=True)
             run = run_rlpost(tag, work, ["trainer.mode=sync", *overrides], quick=args.quick)
             cost, held, decisions = pool_seconds(tag, args.quick)

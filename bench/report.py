@@ -373,6 +373,8 @@ SUMMARIES: dict[str, Summary] = {
         (
             Figure("policy (1..4 pools) / max (4 pools), steps_wall_s", "<= 1.1"),
             Figure("policy (1..4 pools) / max (4 pools), pool_seconds", "<= 0.9"),
+            Figure("policy, min_gain 0.25 (1..4 pools) / max (4 pools), steps_wall_s"),
+            Figure("policy, min_gain 0.25 (1..4 pools) / max (4 pools), pool_seconds"),
             Figure("min (1 pool) / max (4 pools), steps_wall_s"),
             Figure("min (1 pool) / max (4 pools), pool_seconds"),
         ),

@@ -78,8 +78,11 @@ class StepLoad:
 def step_load(row: dict, previous: dict | None, async_mode: bool) -> StepLoad:
     """The :class:`StepLoad` of a metrics.jsonl ``row`` (``previous``: the step before it in this
     process, None for its first): how the supervisor reads each step, and how a test replays a
-    recorded run. ``engine_busy`` is the row's ``autoscale_engine_busy``."""
+    recorded run. ``engine_busy`` is the row's ``autoscale_engine_busy``; the fleet is the row's
+    ``autoscale_fleet`` (serving workers and pools as the policy read them, before its decision:
+    the row's own counts are taken after it, a shrink's leaving actors gone)."""
     before = previous or {}
+    inference, env_pools = row.get("autoscale_fleet") or (row["inference_workers"], row["env_pools"])
 
     def grew(key: str) -> int:
         return int(row.get(key) or 0) - int(before.get(key) or 0)
@@ -90,8 +93,8 @@ def step_load(row: dict, previous: dict | None, async_mode: bool) -> StepLoad:
         wait_share=collect_s / step_s,
         generated=max(grew("groups_put"), 0),
         generating_s=step_s if async_mode else collect_s,
-        inference=int(row["inference_workers"]),
-        env_pools=int(row["env_pools"]),
+        inference=int(inference),
+        env_pools=int(env_pools),
         engine_busy=row.get("autoscale_engine_busy"),
         stale_share=max(grew("groups_dropped_stale"), 0) / max(grew("groups_trained"), 1),
         buffer_fill=row.get("buffer_fill") if async_mode else None,
@@ -108,6 +111,10 @@ class Decision:
     after: int
     reason: str
     why: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in REASONS or self.after == self.before:
+            raise ValueError(f"not a decision: {self.role} {self.before} -> {self.after} ({self.reason})")
 
     @property
     def direction(self) -> str:

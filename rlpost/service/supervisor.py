@@ -190,14 +190,15 @@ class Supervisor:
             return {}
         async_mode = self.cfg.trainer.mode == "async"
         busy = self._engine_busy(row["step_time_s"] if async_mode else row["collect_s"])
-        row = {**row, **self.fleet.sizes(), "autoscale_engine_busy": busy}
+        serving = [len(self.fleet.inference), len(self.fleet.env_pools)]
+        row = {**row, "autoscale_fleet": serving, "autoscale_engine_busy": busy}
         load = step_load(row, self.load_row, async_mode)
         self.load_row = row
         now = time.monotonic()
         waiting = {s.key: now - min(s.vacant.values()) for s in (self.fleet.inference_slots, self.fleet.pool_slots)
                    if s.vacant}  # fmt: skip
         decision = self.policy.observe(load, waiting)
-        keys = {"autoscale_engine_busy": busy, "autoscale_wait_share": load.wait_share}
+        keys = {"autoscale_engine_busy": busy, "autoscale_wait_share": load.wait_share, "autoscale_fleet": serving}
         if decision is None:
             return keys
         log.warning("load policy: %s", decision.describe())

@@ -213,3 +213,28 @@ def test_the_config_needs_a_range_and_a_band():
     assert cfg.autoscale_ranges() == {"inference": (1, 4)}
     assert cfg.inference_worker_target() == 1 and cfg.env_pool_target() == 2  # starts at the minimum
     assert RolloutConfig(num_inference_workers="1..4").inference_worker_target() == 4  # off: the top
+
+
+def test_a_recorded_run_replays_to_the_decisions_it_made():
+    """tests/data/autoscale_trace_env_bound.jsonl: the metrics of a real run (bench_autoscale's
+    policy case with min_gain 0.25: sync, env pools 1..4, a reward behind a 20 ms round trip), read
+    on the run's own clock (its elapsed_s): the policy decides what the run decided, at the same
+    steps: three env-bound grows as each new pool joined, then the fourth pool undone for too
+    little gain."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(__file__).parents[2] / "data" / "autoscale_trace_env_bound.jsonl")
+            .read_text().splitlines()]  # fmt: skip
+    clock = Clock()
+    settings_ = AutoscaleConfig(enabled=True, window_steps=2, cooldown_s=10, min_gain=0.25)
+    policy = LoadPolicy(settings_, {"env_pools": (1, 4)}, {"inference": 1, "env_pools": 1}, clock=clock)
+    replayed, previous = [], None
+    for row in rows:
+        clock.now = row["elapsed_s"]
+        decision = policy.observe(step_load(row, previous, async_mode=False))
+        previous = row
+        if decision is not None:
+            replayed.append((row["step"], decision.reason, decision.after))
+    recorded = [(r["step"], r["autoscale_reason"], r["env_pools_target"]) for r in rows if r.get("autoscale_reason")]
+    assert replayed == recorded == [(2, "env_bound", 2), (7, "env_bound", 3), (13, "env_bound", 4), (21, "no_gain", 3)]

@@ -1029,6 +1029,7 @@ def test_the_load_policy_resizes_the_fleet_after_its_steps_and_says_why(tmp_path
     assert [(r["inference_workers"], r["inference_workers_target"]) for r in rows] == [(2, 2), (2, 2), (3, 3)]
     assert [r.get("autoscale_reason") for r in rows] == ["engines_bound", None, "engines_bound"]
     assert rows[0]["autoscale_decision"] == "grow inference workers 1 -> 2: the test says so"
+    assert rows[0]["autoscale_fleet"] == [1, 2]  # what it read: one worker, two pools, before the grow
     assert all(0.0 <= r["autoscale_wait_share"] <= 1.0 and r["autoscale_engine_busy"] == 0.0 for r in rows)
     assert [w.name for w in world.actors["learner"].workers] == ["inference-0", "inference-1", "inference-2"]
     assert world.served_version == 3 and all(w.version == 3 for w in world.actors["learner"].workers)
