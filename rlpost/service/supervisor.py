@@ -193,12 +193,15 @@ class Supervisor:
         serving = [len(self.fleet.inference), len(self.fleet.env_pools)]
         row = {**row, "autoscale_fleet": serving, "autoscale_engine_busy": busy}
         load = step_load(row, self.load_row, async_mode)
+        resumed_first = self.load_row is None and row["step"] > 1  # its counts run from the run's start
         self.load_row = row
+        keys = {"autoscale_engine_busy": busy, "autoscale_wait_share": load.wait_share, "autoscale_fleet": serving}
+        if resumed_first:
+            return keys  # not read: the policy's window starts with the next step
         now = time.monotonic()
         waiting = {s.key: now - min(s.vacant.values()) for s in (self.fleet.inference_slots, self.fleet.pool_slots)
                    if s.vacant}  # fmt: skip
         decision = self.policy.observe(load, waiting)
-        keys = {"autoscale_engine_busy": busy, "autoscale_wait_share": load.wait_share, "autoscale_fleet": serving}
         if decision is None:
             return keys
         log.warning("load policy: %s", decision.describe())

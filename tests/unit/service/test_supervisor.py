@@ -1083,3 +1083,18 @@ def test_a_new_worker_starts_in_the_background_while_the_run_trains(tmp_path, mo
     check_run(world, rows, mode)
     last = rows[-1]
     assert (last["inference_workers"], last["inference_workers_vacant"], last["inference_workers_target"]) == (2, 1, 3)
+
+
+def test_a_resumed_runs_first_step_is_not_read_by_the_load_policy(tmp_path):
+    """After a resume the first step's counts (groups put, trained) run from the run's start, not
+    the step's: the policy's window starts with the next step."""
+    cfg = make_cfg("sync", AUTOSCALED)
+    supervisor = Supervisor(cfg, tmp_path, Fleet.start(cfg, Starter(World(), cfg)), RunState())
+    row = {"step": 7, "step_time_s": 2.0, "collect_s": 1.8, "groups_put": 28, "groups_trained": 28,
+           "groups_dropped_stale": 0, "buffer_fill": 0.0}  # fmt: skip
+    keys = supervisor.autoscale(row)
+    assert keys["autoscale_wait_share"] == pytest.approx(0.9) and keys["autoscale_fleet"] == [1, 2]
+    assert supervisor.policy.window == []
+    supervisor.autoscale({**row, "step": 8, "groups_put": 32, "groups_trained": 32})
+    (load,) = supervisor.policy.window
+    assert load.generated == 4  # this step's groups, not the run's
