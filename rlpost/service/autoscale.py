@@ -134,20 +134,22 @@ class _Hold:
 
 
 class LoadPolicy:
-    """Decides the fleet's targets from step loads (module docstring).
+    """Decides the fleet's size from step loads (module docstring).
 
     Args:
         settings: ``rollout.autoscale``.
         ranges: (least, most) per scale key it may move (``RolloutConfig.autoscale_ranges``).
-        targets: each role's count now (the fleet's wanted slots).
         clock: seconds, monotonic (a test steps its own).
+
+    The counts each role has are the fleet's (its wanted slots), handed to every :meth:`observe`:
+    the policy keeps no copy of its own, so an operator's request or a resume needs no telling.
     """
 
-    def __init__(self, settings: AutoscaleConfig, ranges: dict[str, tuple[int, int]], targets: dict[str, int],
+    def __init__(self, settings: AutoscaleConfig, ranges: dict[str, tuple[int, int]],
                  clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.settings, self.ranges, self.clock = settings, dict(ranges), clock
-        self.targets = {role: int(targets[role]) for role in ROLES if role in targets}
-        self.pins: dict[str, int] = {}
+        self.wanted: dict[str, int] = {}  # the fleet's counts, as the running observe() was given them
+        self.pins: set[str] = set()
         self.window: list[StepLoad] = []
         self.changed_at = -float("inf")
         self.last: Decision | None = None
@@ -157,30 +159,33 @@ class LoadPolicy:
 
     # ------------------------------------------------------------------ operator
 
-    def pin(self, role: str, count: int) -> None:
-        """An operator's ``rlpost scale``: ``role`` stays at ``count`` until :meth:`release`."""
-        self.pins[role] = self.targets[role] = int(count)
+    def pin(self, role: str) -> None:
+        """An operator's ``rlpost scale``: the policy leaves ``role`` at its count until :meth:`release`."""
+        self.pins.add(role)
         self._restart_window()
 
     def release(self, role: str) -> None:
         """``rlpost scale KEY=auto``: the policy sizes ``role`` again, from its count now."""
-        self.pins.pop(role, None)
+        self.pins.discard(role)
         self._restart_window()
 
     # ------------------------------------------------------------------ deciding
 
-    def observe(self, load: StepLoad, waiting_for_room_s: dict[str, float] | None = None) -> Decision | None:
-        """Take one step's ``load``; the decision it leads to, if any (already in ``targets``).
-        ``waiting_for_room_s``: per role, how long its oldest vacant slot has waited for room."""
+    def observe(self, load: StepLoad, wanted: dict[str, int],
+                waiting_for_room_s: dict[str, float] | None = None) -> Decision | None:  # fmt: skip
+        """Take one step's ``load``; the decision it leads to, if any, for the caller to apply.
+        ``wanted``: each role's count now (``Fleet.wanted``); ``waiting_for_room_s``: per role, how
+        long its oldest vacant slot has waited for room."""
+        self.wanted = {role: int(wanted[role]) for role in ROLES if role in wanted}
         waiting = waiting_for_room_s or {}
         for role in self._movable():
             if waiting.get(role, 0.0) >= self.settings.room_wait_s:
                 serving = self._serving(load, role)
-                if serving < self.targets[role]:
+                if serving < self.wanted[role]:
                     why = f"no room for it in the cluster within {self.settings.room_wait_s:.0f} s"
                     return self._decide(role, serving, "no_room", why, hold_most=serving)
         counts, self.counts = self.counts, (load.inference, load.env_pools)
-        if counts not in (None, self.counts) or any(self._serving(load, role) != n for role, n in self.targets.items()):
+        if counts not in (None, self.counts) or any(self._serving(load, role) != n for role, n in self.wanted.items()):
             # the fleet is changing, or changed during this step (a worker joined or left mid-step,
             # its engine still warming up): such steps do not measure a size
             self._restart_window()
@@ -220,7 +225,7 @@ class LoadPolicy:
             why = f"the learner waited {wait:.0%} of its last {len(self.window)} steps{engines}"
             reason = "engines_bound" if role == "inference" else "env_bound"
             rate = self._rate()
-            decision = self._decide(role, self.targets[role] + 1, reason, why)
+            decision = self._decide(role, self.wanted[role] + 1, reason, why)
             self.rate_before = rate  # judged after the new size's first window
             return decision
         if wait > s.shrink_wait:
@@ -234,7 +239,7 @@ class LoadPolicy:
         for role in ROLES:
             if not self._can_move(role, -1):
                 continue
-            count = self.targets[role]
+            count = self.wanted[role]
             if not async_mode and role == "inference" and _predicted_wait(wait, count) >= s.grow_wait:
                 return None  # it would grow back: the band is too narrow for one worker fewer
             why = f"the learner waited {wait:.0%} of its last {len(self.window)} steps"
@@ -244,10 +249,10 @@ class LoadPolicy:
     # ------------------------------------------------------------------ bookkeeping
 
     def _decide(self, role: str, after: int, reason: str, why: str, hold_most: int | None = None) -> Decision:
-        """Move ``role``'s target to ``after`` for ``reason``; ``hold_most``: keep it at most that
-        for ``hold_s`` (an undone grow). A move that reverses the role's last holds its new count."""
+        """The decision moving ``role`` to ``after`` for ``reason``; ``hold_most``: keep it at most
+        that for ``hold_s`` (an undone grow). A move that reverses the role's last holds its new count."""
         now = self.clock()
-        decision = Decision(role, self.targets[role], after, reason, why)
+        decision = Decision(role, self.wanted[role], after, reason, why)
         hold = self.holds.setdefault(role, _Hold())
         if hold_most is not None:
             hold.most, hold.least, hold.until = hold_most, None, now + self.settings.hold_s
@@ -257,14 +262,13 @@ class LoadPolicy:
             hold.until = now + self.settings.hold_s
         if decision.direction == "shrink":
             self.rate_before = None  # only a grow is judged by its gain
-        self.targets[role] = after
         self.last, self.changed_at = decision, now
         self._restart_window()
         return decision
 
     def _movable(self) -> list[str]:
         """The roles the policy sizes: a range, and not pinned."""
-        return [role for role in ROLES if role in self.ranges and role in self.targets and role not in self.pins]
+        return [role for role in ROLES if role in self.ranges and role in self.wanted and role not in self.pins]
 
     def _can_move(self, role: str, by: int) -> bool:
         if role not in self._movable():
@@ -274,7 +278,7 @@ class LoadPolicy:
         if hold is not None and self.clock() < hold.until:
             least = least if hold.least is None else max(least, hold.least)
             most = most if hold.most is None else min(most, hold.most)
-        return least <= self.targets[role] + by <= most
+        return least <= self.wanted[role] + by <= most
 
     def _rate(self) -> float:
         """Generation's throughput over the window: groups put per second of generating."""

@@ -413,7 +413,7 @@ class Controller:
             "pool_prompts": self.pool_prompts,
             "counts": dict(self.supervisor.counts),
             "fleet": self.fleet.wanted(),
-            "fleet_pins": dict(self.supervisor.policy.pins) if self.supervisor.policy is not None else {},
+            "fleet_pins": sorted(self.supervisor.policy.pins) if self.supervisor.policy is not None else [],
             "elapsed_s": time.perf_counter() - self.start_time,
         }
         learner, timeout_s = self.fleet.learner, CHECKPOINT_TIMEOUT_S

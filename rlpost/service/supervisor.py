@@ -97,7 +97,7 @@ class Supervisor:
         rollout = cfg.rollout
         self.policy = None  # the load policy (rollout.autoscale), fed by autoscale() after each step
         if rollout.autoscale.enabled:
-            self.policy = LoadPolicy(rollout.autoscale, rollout.autoscale_ranges(), fleet.wanted())
+            self.policy = LoadPolicy(rollout.autoscale, rollout.autoscale_ranges())
         self.load_row: dict | None = None  # the last step's metrics as the policy read them
         self.busy_seen: dict[str, float] = {}  # inference worker -> its engine's busy seconds when last read
 
@@ -176,7 +176,7 @@ class Supervisor:
                 self.policy.release(key)
                 log.warning("the load policy sizes the %s fleet again (released by an operator)", key)
             else:
-                self.policy.pin(key, count)
+                self.policy.pin(key)
                 log.warning("the %s fleet is pinned at %d by an operator (rlpost scale ... %s=auto releases it)",
                             key, count, key)  # fmt: skip
         return {key: count for key, count in request.items() if count != AUTO}
@@ -201,7 +201,7 @@ class Supervisor:
         now = time.monotonic()
         waiting = {s.key: now - min(s.vacant.values()) for s in (self.fleet.inference_slots, self.fleet.pool_slots)
                    if s.vacant}  # fmt: skip
-        decision = self.policy.observe(load, waiting)
+        decision = self.policy.observe(load, self.fleet.wanted(), waiting)
         if decision is None:
             return keys
         log.warning("load policy: %s", decision.describe())
@@ -240,7 +240,7 @@ class Supervisor:
         """After a resume: the checkpoint's counts, so they count on across restarts (unknown names dropped)."""
         self.counts.update({name: int(n) for name, n in counts.items() if name in self.counts})
 
-    def restore_fleet(self, wanted: dict[str, int], pins: dict[str, int] | None = None) -> None:
+    def restore_fleet(self, wanted: dict[str, int], pins: list[str] | None = None) -> None:
         """After a resume: the checkpoint's fleet (:meth:`Fleet.wanted`) and the load policy's pins,
         so that ``rlpost scale`` and the policy's sizing outlive a restart; a count outside the
         resumed config's ranges stays the config's (logged)."""
@@ -256,11 +256,9 @@ class Supervisor:
             request[key] = count
         if request:
             self.resize(request)
-        if self.policy is not None:
-            self.policy.targets.update(self.fleet.wanted())
-            for key, count in (pins or {}).items():
-                if request.get(key) == count:
-                    self.policy.pin(key, count)
+        for key in pins or ():  # a pinned role's count is the one just restored
+            if self.policy is not None and key in request:
+                self.policy.pin(key)
 
     def recover(self, failure: ActorFailure | None, reform_bus: bool = False) -> None:
         """Restart every actor :meth:`Fleet.lost` reports, in dependency order (module docstring);

@@ -29,14 +29,15 @@ def settings(**overrides) -> AutoscaleConfig:
 
 
 class Run:
-    """A policy fed one row a step, the fleet following its targets at once (unless told)."""
+    """A policy fed one row a step; the fleet's wanted counts take each decision, its serving
+    counts follow at once (unless told)."""
 
     def __init__(self, ranges=None, targets=None, async_mode=False, **overrides):
         self.clock = Clock()
         ranges = ranges or {"inference": (1, 4), "env_pools": (1, 2)}
         targets = targets or {role: low for role, (low, _) in ranges.items()}
-        self.policy = LoadPolicy(settings(**overrides), ranges, targets, clock=self.clock)
-        self.serving = dict(targets)
+        self.policy = LoadPolicy(settings(**overrides), ranges, clock=self.clock)
+        self.wanted, self.serving = dict(targets), dict(targets)
         self.async_mode = async_mode
         self.totals = {"groups_put": 0, "groups_trained": 0, "groups_dropped_stale": 0}
         self.previous: dict | None = None
@@ -53,9 +54,10 @@ class Run:
                **self.totals}  # fmt: skip
         load = step_load(row, self.previous, self.async_mode)
         self.previous = row
-        decision = self.policy.observe(load, waiting)
+        decision = self.policy.observe(load, self.wanted, waiting)
         if decision is not None:
             self.decisions.append(decision)
+            self.wanted[decision.role] = decision.after
             if follow:
                 self.serving[decision.role] = decision.after
         return decision
@@ -71,7 +73,7 @@ def test_a_generation_heavy_run_grows_its_engines_while_each_pays_and_undoes_the
         if decision:
             moves.append((decision.before, decision.after, decision.reason))
     assert moves == [(1, 2, "engines_bound"), (2, 3, "engines_bound"), (3, 4, "engines_bound"), (4, 3, "no_gain")]
-    assert run.policy.targets == {"inference": 3, "env_pools": 1}
+    assert run.wanted == {"inference": 3, "env_pools": 1}
 
 
 def test_no_change_within_the_cooldown_nor_before_a_full_window():
@@ -165,8 +167,8 @@ def test_a_sync_shrink_that_would_grow_back_is_skipped():
 
 def test_a_pinned_role_is_left_alone_until_released():
     run = Run()
-    run.policy.pin("inference", 3)
-    run.serving["inference"] = 3
+    run.policy.pin("inference")  # an operator asked for 3
+    run.wanted["inference"] = run.serving["inference"] = 3
     assert [run.step(wait=0.9) for _ in range(6)] == [None] * 6
     run.policy.release("inference")
     run.clock.now += 100
@@ -228,13 +230,14 @@ def test_a_recorded_run_replays_to_the_decisions_it_made():
             .read_text().splitlines()]  # fmt: skip
     clock = Clock()
     settings_ = AutoscaleConfig(enabled=True, window_steps=2, cooldown_s=10, min_gain=0.25)
-    policy = LoadPolicy(settings_, {"env_pools": (1, 4)}, {"inference": 1, "env_pools": 1}, clock=clock)
-    replayed, previous = [], None
+    policy = LoadPolicy(settings_, {"env_pools": (1, 4)}, clock=clock)
+    wanted, replayed, previous = {"inference": 1, "env_pools": 1}, [], None
     for row in rows:
         clock.now = row["elapsed_s"]
-        decision = policy.observe(step_load(row, previous, async_mode=False))
+        decision = policy.observe(step_load(row, previous, async_mode=False), wanted)
         previous = row
         if decision is not None:
+            wanted[decision.role] = decision.after
             replayed.append((row["step"], decision.reason, decision.after))
     recorded = [(r["step"], r["autoscale_reason"], r["env_pools_target"]) for r in rows if r.get("autoscale_reason")]
     assert replayed == recorded == [(2, "env_bound", 2), (7, "env_bound", 3), (13, "env_bound", 4), (21, "no_gain", 3)]

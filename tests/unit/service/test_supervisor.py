@@ -1011,7 +1011,7 @@ AUTOSCALED = ["rollout.num_inference_workers=1..3", "rollout.autoscale.enabled=t
 def grow_while_it_can(policy):
     """A stand-in for the policy's reading of the load: one more worker after every step."""
     if policy._can_move("inference", +1):
-        return policy._decide("inference", policy.targets["inference"] + 1, "engines_bound", "the test says so")
+        return policy._decide("inference", policy.wanted["inference"] + 1, "engines_bound", "the test says so")
     return None
 
 
@@ -1098,3 +1098,10 @@ def test_a_resumed_runs_first_step_is_not_read_by_the_load_policy(tmp_path):
     supervisor.autoscale({**row, "step": 8, "groups_put": 32, "groups_trained": 32})
     (load,) = supervisor.policy.window
     assert load.generated == 4  # this step's groups, not the run's
+
+
+def test_a_resume_restores_the_fleet_and_the_roles_an_operator_pinned(tmp_path):
+    cfg = make_cfg("sync", AUTOSCALED)
+    supervisor = Supervisor(cfg, tmp_path, Fleet.start(cfg, Starter(World(), cfg)), RunState())
+    supervisor.restore_fleet({"inference": 3, "env_pools": 2}, pins=["inference"])
+    assert supervisor.fleet.wanted() == {"inference": 3, "env_pools": 2} and supervisor.policy.pins == {"inference"}
