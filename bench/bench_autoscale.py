@@ -5,20 +5,23 @@ The workload (sync mode, the tiny model, 16 prompts x 8 samples a step) scores e
 a reward behind a 20 ms round trip (``bench/slow_reward.py``), as a hosted judge or a sandbox
 would take: its env pools hold generation back, so the role the policy grows is the env pools
 (``rollout.num_env_pools: 1..MAX``; the inference worker stays one, since on this machine's two
-cores a second engine only shares them). Each case is a whole run of the same steps:
+cores a second engine only shares them). MAX (8) is twice the size past which a pool adds little
+here (the 4th adds 5-12%), as a range set without knowing the useful size is. Each case is a whole
+run of the same steps:
 
     min      rollout.num_env_pools=1
     max      rollout.num_env_pools=MAX
     policy   rollout.num_env_pools=1..MAX with rollout.autoscale (its defaults but cooldown_s and
-             window_steps, scaled to a run of a few minutes)
+             window_steps, scaled to a run of a few minutes): grows as many pools as the learner's
+             wait calls for (at most 4 times as many at once) while each grow pays
     policy, min_gain 0.25: the same, keeping a pool that adds a quarter of its proportional gain
-             (the default, 0.5, asks half)
+             (the default, 0.5, asks half): more pools, a shorter run
 
 Cost is pool-seconds: each step's wall time times the pools the run held in it (serving or
 starting: their slots were reserved); wall is the steps' wall time (the first step's start to
 the last's end). Ratios are against the max case of the same repeat; medians of the repeats.
 
-    python -m bench bench_autoscale [--quick] [--steps 40] [--repeats 2] [--max-pools 4]
+    python -m bench bench_autoscale [--quick] [--steps 60] [--repeats 2] [--max-pools 8]
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 from bench.common import TINY_MODEL, Result, results_dir, summary, wait_for_quiet
 from bench.runs import Workload, model_path, run_rlpost
 
+# every case: pools reserve a tenth of a core (they mostly wait on the judge), so that MAX fit the two
+SHARED = ("resources.env_pool.num_cpus=0.1",)
 POLICY = ("rollout.autoscale.enabled=true", "rollout.autoscale.cooldown_s=10", "rollout.autoscale.window_steps=2")
 
 
@@ -57,10 +62,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--max-pools", type=int, default=4)
+    parser.add_argument("--max-pools", type=int, default=8)
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 2)
-    steps = args.steps or (6 if args.quick else 40)
+    steps = args.steps or (6 if args.quick else 60)
     work = Workload(model_path(TINY_MODEL), steps=steps,
                     rlpost_extra=("data.reward_fn=bench.slow_reward:judged", "data.reward_timeout_s=5"))  # fmt: skip
     plan = cases(args.max_pools)
@@ -72,7 +77,7 @@ def main() -> None:
             load = wait_for_quiet(args.quick)
             tag = f"autoscale-{case.split()[0].rstrip(',')}{'-gain025' if 'min_gain' in case else ''}-{r}"
             print(f"== repeat {r + 1}/{repeats}: {case} (busy cores {load:.2f})", flush=True)
-            run = run_rlpost(tag, work, ["trainer.mode=sync", *overrides], quick=args.quick)
+            run = run_rlpost(tag, work, ["trainer.mode=sync", *SHARED, *overrides], quick=args.quick)
             cost, held, decisions = pool_seconds(tag, args.quick)
             print(f"   steps {run.steps_wall_s:.1f} s, {cost:.0f} pool-seconds, pools per step {held}", flush=True)
             for line in decisions:

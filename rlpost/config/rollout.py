@@ -70,8 +70,9 @@ class AutoscaleConfig(Section):
     within their ranges from where its time goes (:mod:`rlpost.service.autoscale`).
 
     Read over ``window_steps`` steps all taken with the fleet as it is: when the learner waits for
-    data (``grow_wait``) the role that holds generation back grows by one (the engines when they are
-    busy, ``busy_share``; else the env pools); when it barely waits (``shrink_wait``) and, in async
+    data (``grow_wait``) the role that holds generation back grows (the engines when they are busy,
+    ``busy_share``; else the env pools), by as many actors as the wait calls for (at most
+    ``max_grow_factor`` times as many at once); when it barely waits (``shrink_wait``) and, in async
     mode, groups go stale or the buffer stays full, the inference fleet (then the env pools)
     shrinks by one. A grow that did not raise generation's throughput (``min_gain``) or found no
     room in the cluster (``room_wait_s``) is undone; a move that is reversed holds the count
@@ -128,8 +129,15 @@ class AutoscaleConfig(Section):
     min_gain: float = Field(
         0.5,
         ge=0,
-        description="A grow from n to n+1 must raise generation's throughput by at least this share of "
-        "the proportional gain (1/n), or it is undone and n held (hold_s).",
+        description="A grow from n to n+k must raise generation's throughput by at least this share of "
+        "the proportional gain (k/n), or it is undone and n held (hold_s).",
+    )
+    max_grow_factor: float = Field(
+        4.0,
+        ge=1,
+        description="The most one grow multiplies a role's count by (at least one more actor): a grow asks for "
+        "as many as the learner's wait predicts bring it to the middle of the band (grow_wait, shrink_wait), "
+        "generation taking n/n' as long; 1 grows one actor at a time.",
     )
     room_wait_s: float = Field(
         600.0,

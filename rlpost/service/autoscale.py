@@ -10,17 +10,27 @@ Each learner step gives one :class:`StepLoad`, read from what the run records an
                    async: the whole step): generation's throughput
 
 :class:`LoadPolicy` reads them over ``window_steps`` steps all taken with the fleet as it is and
-moves one role by one actor at a time, within the config's ranges::
+moves one role at a time, within the config's ranges::
 
-    learner waits  >= grow_wait, engines busy >= busy_share  ->  one more inference worker
-    learner waits  >= grow_wait, engines mostly idle         ->  one more env pool (the environments,
+    learner waits  >= grow_wait, engines busy >= busy_share  ->  more inference workers
+    learner waits  >= grow_wait, engines mostly idle         ->  more env pools (the environments,
                                                                  tools or rewards hold generation back)
     learner waits  <= shrink_wait (async: and groups go      ->  one inference worker fewer (none
                    stale or the buffer stays full)               above the minimum: one env pool fewer)
-    a grow raised throughput less than min_gain x 1/n        ->  undone; n is the most for hold_s
+    a grow n -> n+k raised throughput less than              ->  undone but for the actors the rise
+                   min_gain x k/n                                is worth; that count is the most
+                                                                 for hold_s
     a grow's actor found no room within room_wait_s          ->  undone (the autoscaler added no
                                                                  node); the count held for hold_s
     a move reversed (a shrink grown back, or the other way)  ->  the new count held for hold_s
+
+A grow asks for as many actors as the learner's wait predicts bring it to the middle of the band
+between ``shrink_wait`` and ``grow_wait``, generation taking n/n' as long with n' actors (for a
+learner waiting a share w of its steps and a target t: n' = n w (1-t) / (t (1-w))), at least one
+more and at most ``max_grow_factor`` times as many, as Kubernetes' horizontal autoscaler sizes by a
+metric's ratio to its target and caps each step's growth: a run that starts far too small reaches
+its size in a few moves instead of one per cooldown. Shrinks go one at a time, since a shrink too
+far costs the learner steps before it is grown back.
 
 A sync run's shrink is also skipped when the collection it predicts (n/(n-1) as long) would make
 the learner wait ``grow_wait`` again. No change follows another within ``cooldown_s``, and none
@@ -44,6 +54,7 @@ The policy is pure logic on a clock: the supervisor feeds it and applies its dec
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -197,20 +208,25 @@ class LoadPolicy:
 
     def _judge_last_grow(self) -> Decision | None:
         """After a grow's first full window, while the learner still starves: undo it when
-        throughput rose less than ``min_gain`` of the proportional gain."""
+        throughput rose less than ``min_gain`` of the proportional gain. A grow of several actors
+        keeps as many of them as the rise is worth at their full share, to the nearest actor (the
+        first ones added are the most useful): 2 -> 4 raising throughput by 45% (0.9 of one actor's
+        share, 1/2) keeps 3."""
         if self.rate_before is None or self.last is None:
             return None
-        before, rate_before, role = self.last.before, self.rate_before, self.last.role
+        before, after, rate_before, role = self.last.before, self.last.after, self.rate_before, self.last.role
         self.rate_before = None
         if sum(load.wait_share for load in self.window) / len(self.window) < self.settings.grow_wait:
             return None  # the learner no longer starves: the load's rules judge the size now
-        rate = self._rate()
-        needed = rate_before * (1 + self.settings.min_gain / before)
+        rate, added = self._rate(), after - before
+        needed = rate_before * (1 + self.settings.min_gain * added / before)
         if rate >= needed or role in self.pins:
             return None
-        why = (f"generation went from {rate_before:.2f} to {rate:.2f} groups/s with {before + 1} "
+        worth = (rate / rate_before - 1) * before if rate_before > 0 else 0.0  # the rise, in actors' full shares
+        keep = before + min(added - 1, max(0, math.floor(worth + 0.5)))
+        why = (f"generation went from {rate_before:.2f} to {rate:.2f} groups/s with {after} "
                f"{_WORDS[role]} (needed {needed:.2f})")  # fmt: skip
-        return self._decide(role, before, "no_gain", why, hold_most=before)
+        return self._decide(role, keep, "no_gain", why, hold_most=keep)
 
     def _decide_by_load(self) -> Decision | None:
         s = self.settings
@@ -225,7 +241,7 @@ class LoadPolicy:
             why = f"the learner waited {wait:.0%} of its last {len(self.window)} steps{engines}"
             reason = "engines_bound" if role == "inference" else "env_bound"
             rate = self._rate()
-            decision = self._decide(role, self.wanted[role] + 1, reason, why)
+            decision = self._decide(role, self._grow_to(role, wait), reason, why)
             self.rate_before = rate  # judged after the new size's first window
             return decision
         if wait > s.shrink_wait:
@@ -273,12 +289,27 @@ class LoadPolicy:
     def _can_move(self, role: str, by: int) -> bool:
         if role not in self._movable():
             return False
+        least, most = self._bounds(role)
+        return least <= self.wanted[role] + by <= most
+
+    def _bounds(self, role: str) -> tuple[int, int]:
+        """The counts ``role`` may take now: its range, narrowed by a hold in force."""
         least, most = self.ranges[role]
         hold = self.holds.get(role)
         if hold is not None and self.clock() < hold.until:
             least = least if hold.least is None else max(least, hold.least)
             most = most if hold.most is None else min(most, hold.most)
-        return least <= self.wanted[role] + by <= most
+        return least, most
+
+    def _grow_to(self, role: str, wait: float) -> int:
+        """The count a grow of ``role`` asks for with the learner waiting ``wait`` of its steps
+        (module docstring): the predicted count, at least one more, at most ``max_grow_factor``
+        times as many and within the bounds (the caller checked one more fits)."""
+        s, count = self.settings, self.wanted[role]
+        target = (s.grow_wait + s.shrink_wait) / 2
+        predicted = count * wait * (1 - target) / (target * (1 - wait)) if wait < 1 else float("inf")
+        most = min(self._bounds(role)[1], max(count + 1, math.floor(count * s.max_grow_factor)))
+        return max(count + 1, min(math.ceil(predicted - 1e-9), most))
 
     def _rate(self) -> float:
         """Generation's throughput over the window: groups put per second of generating."""

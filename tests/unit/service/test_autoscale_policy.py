@@ -23,8 +23,9 @@ class Clock:
 
 
 def settings(**overrides) -> AutoscaleConfig:
+    # one actor a grow unless a test says otherwise (the proportional grow has its own tests)
     fixed = {"enabled": True, "cooldown_s": 20.0, "hold_s": 300.0, "room_wait_s": 120.0, "grow_wait": 0.5,
-             "shrink_wait": 0.1}  # fmt: skip
+             "shrink_wait": 0.1, "max_grow_factor": 1.0}  # fmt: skip
     return AutoscaleConfig(**{**fixed, **overrides})
 
 
@@ -64,7 +65,7 @@ class Run:
 
 
 def test_a_generation_heavy_run_grows_its_engines_while_each_pays_and_undoes_the_one_that_did_not():
-    run = Run()
+    run = Run()  # one actor at a time
     moves = []
     for _ in range(60):
         # 8 groups a step; generation scales with the workers up to 3 (the 4th adds nothing), the learner 2 s
@@ -74,6 +75,42 @@ def test_a_generation_heavy_run_grows_its_engines_while_each_pays_and_undoes_the
             moves.append((decision.before, decision.after, decision.reason))
     assert moves == [(1, 2, "engines_bound"), (2, 3, "engines_bound"), (3, 4, "engines_bound"), (4, 3, "no_gain")]
     assert run.wanted == {"inference": 3, "env_pools": 1}
+
+
+def test_a_grow_asks_for_the_count_the_wait_predicts_within_its_factor_and_keeps_what_the_rise_is_worth():
+    """The same run with proportional grows. Doubling at most (max_grow_factor 2): 1 -> 2 -> 4 in
+    two moves; the 4th worker adds nothing, so 2 -> 4 raised throughput by one worker's full share
+    (min_gain 0.6 asks 1.2 of them) and keeps that one worker. With the default (4) and a range to
+    8: 1 -> 4 pays; 4 -> 8 adds nothing and is undone whole."""
+    moves = []
+
+    def practise(run):
+        for _ in range(60):
+            collect = 8 / min(run.serving["inference"], 3)
+            decision = run.step(wait=collect / (collect + 2), step_s=collect + 2)
+            if decision:
+                moves.append((decision.before, decision.after, decision.reason))
+
+    run = Run(min_gain=0.6, max_grow_factor=2.0)
+    practise(run)
+    assert moves == [(1, 2, "engines_bound"), (2, 4, "engines_bound"), (4, 3, "no_gain")]
+    assert "from 2.00 to 3.00 groups/s with 4 inference workers (needed 3.20)" in run.decisions[-1].why
+    moves.clear()
+    run = Run(ranges={"inference": (1, 8)}, max_grow_factor=AutoscaleConfig().max_grow_factor)
+    practise(run)
+    assert moves == [(1, 4, "engines_bound"), (4, 8, "engines_bound"), (8, 4, "no_gain")]
+    assert run.wanted["inference"] == 4  # held there: one too many, the price of moving in big steps
+    # a learner a little over the band: the predicted count, not the cap (wait 0.55, target 0.3:
+    # 2 x 0.55 x 0.7 / (0.3 x 0.45) = 5.7 -> 6 of the range's 8)
+    run = Run(ranges={"inference": (2, 8)}, max_grow_factor=4.0)
+    assert [run.step(wait=0.55) for _ in range(3)][-1].after == 6
+    run = Run(ranges={"inference": (2, 8)}, max_grow_factor=4.0, grow_wait=0.3, shrink_wait=0.25)
+    assert [run.step(wait=0.31) for _ in range(3)][-1].after == 3  # just over grow_wait: one more
+    # the range's top and a hold bound it as they bound a grow of one
+    run = Run(ranges={"inference": (1, 3)}, max_grow_factor=2.0)
+    assert [run.step(wait=0.9) for _ in range(3)][-1].after == 2
+    run.clock.now += 100
+    assert [run.step(wait=0.9, put=16) for _ in range(4)][-1].after == 3  # (the step it joined in not read)
 
 
 def test_no_change_within_the_cooldown_nor_before_a_full_window():
@@ -229,7 +266,8 @@ def test_a_recorded_run_replays_to_the_decisions_it_made():
     rows = [json.loads(line) for line in (Path(__file__).parents[2] / "data" / "autoscale_trace_env_bound.jsonl")
             .read_text().splitlines()]  # fmt: skip
     clock = Clock()
-    settings_ = AutoscaleConfig(enabled=True, window_steps=2, cooldown_s=10, min_gain=0.25)
+    # recorded before grows were proportional: one actor at a time
+    settings_ = AutoscaleConfig(enabled=True, window_steps=2, cooldown_s=10, min_gain=0.25, max_grow_factor=1.0)
     policy = LoadPolicy(settings_, {"env_pools": (1, 4)}, clock=clock)
     wanted, replayed, previous = {"inference": 1, "env_pools": 1}, [], None
     for row in rows:
