@@ -137,7 +137,8 @@ class AutoscaleConfig(Section):
         ge=1,
         description="The most one grow multiplies a role's count by (at least one more actor): a grow asks for "
         "as many as the learner's wait predicts bring it to the middle of the band (grow_wait, shrink_wait), "
-        "generation taking n/n' as long; 1 grows one actor at a time.",
+        "generation taking n/n' as long, and no more actors than the role's last grow was worth; 1 grows one actor "
+        "at a time.",
     )
     room_wait_s: float = Field(
         600.0,

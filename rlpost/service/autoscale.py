@@ -29,8 +29,11 @@ between ``shrink_wait`` and ``grow_wait``, generation taking n/n' as long with n
 learner waiting a share w of its steps and a target t: n' = n w (1-t) / (t (1-w))), at least one
 more and at most ``max_grow_factor`` times as many, as Kubernetes' horizontal autoscaler sizes by a
 metric's ratio to its target and caps each step's growth: a run that starts far too small reaches
-its size in a few moves instead of one per cooldown. Shrinks go one at a time, since a shrink too
-far costs the learner steps before it is grown back.
+its size in a few moves instead of one per cooldown. The prediction assumes each actor adds its
+full share; a grow adds no more actors than the role's last grow was worth (its rise in actors'
+full shares), so the steps shrink as returns diminish (1 -> 4 worth 1.8 actors: the next adds at
+most 2). Shrinks go one at a time, since a shrink too far costs the learner steps before it is
+grown back.
 
 A sync run's shrink is also skipped when the collection it predicts (n/(n-1) as long) would make
 the learner wait ``grow_wait`` again. No change follows another within ``cooldown_s``, and none
@@ -166,6 +169,7 @@ class LoadPolicy:
         self.last: Decision | None = None
         self.rate_before: float | None = None  # generation's throughput before the last grow, until judged
         self.holds: dict[str, _Hold] = {}
+        self.worth: dict[str, float] = {}  # per role: what its last judged grow's rise was worth, in actors
         self.counts: tuple[int, int] | None = None  # the fleet that served the last step
 
     # ------------------------------------------------------------------ operator
@@ -219,10 +223,11 @@ class LoadPolicy:
         if sum(load.wait_share for load in self.window) / len(self.window) < self.settings.grow_wait:
             return None  # the learner no longer starves: the load's rules judge the size now
         rate, added = self._rate(), after - before
+        worth = (rate / rate_before - 1) * before if rate_before > 0 else 0.0  # the rise, in actors' full shares
+        self.worth[role] = worth
         needed = rate_before * (1 + self.settings.min_gain * added / before)
         if rate >= needed or role in self.pins:
             return None
-        worth = (rate / rate_before - 1) * before if rate_before > 0 else 0.0  # the rise, in actors' full shares
         keep = before + min(added - 1, max(0, math.floor(worth + 0.5)))
         why = (f"generation went from {rate_before:.2f} to {rate:.2f} groups/s with {after} "
                f"{_WORDS[role]} (needed {needed:.2f})")  # fmt: skip
@@ -304,11 +309,15 @@ class LoadPolicy:
     def _grow_to(self, role: str, wait: float) -> int:
         """The count a grow of ``role`` asks for with the learner waiting ``wait`` of its steps
         (module docstring): the predicted count, at least one more, at most ``max_grow_factor``
-        times as many and within the bounds (the caller checked one more fits)."""
+        times as many, no more actors than the role's last judged grow was worth (the prediction
+        assumes each actor adds its full share; once returns diminish, steps shrink) and within
+        the bounds (the caller checked one more fits)."""
         s, count = self.settings, self.wanted[role]
         target = (s.grow_wait + s.shrink_wait) / 2
         predicted = count * wait * (1 - target) / (target * (1 - wait)) if wait < 1 else float("inf")
         most = min(self._bounds(role)[1], max(count + 1, math.floor(count * s.max_grow_factor)))
+        if role in self.worth:
+            most = min(most, count + max(1, math.floor(self.worth[role] + 0.5)))
         return max(count + 1, min(math.ceil(predicted - 1e-9), most))
 
     def _rate(self) -> float:

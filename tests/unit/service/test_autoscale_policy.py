@@ -78,28 +78,28 @@ def test_a_generation_heavy_run_grows_its_engines_while_each_pays_and_undoes_the
 
 
 def test_a_grow_asks_for_the_count_the_wait_predicts_within_its_factor_and_keeps_what_the_rise_is_worth():
-    """The same run with proportional grows. Doubling at most (max_grow_factor 2): 1 -> 2 -> 4 in
-    two moves; the 4th worker adds nothing, so 2 -> 4 raised throughput by one worker's full share
-    (min_gain 0.6 asks 1.2 of them) and keeps that one worker. With the default (4) and a range to
-    8: 1 -> 4 pays; 4 -> 8 adds nothing and is undone whole."""
+    """Proportional grows (the default max_grow_factor, 4) on a range to 8, the learner 1.5 s a
+    step. Generation scales up to 3 workers: 1 -> 4 is worth 2 workers and pays (2.5 needed), the
+    next grow adds at most those 2 (4 -> 6), adds nothing and is undone whole. Up to 5 workers:
+    1 -> 4 is worth 3, 4 -> 7 is worth 1 of the 1.5 it must be (min_gain 0.5 of 3) and keeps 1."""
     moves = []
 
-    def practise(run):
+    def practise(useful: int) -> Run:
+        run = Run(ranges={"inference": (1, 8)}, max_grow_factor=AutoscaleConfig().max_grow_factor)
         for _ in range(60):
-            collect = 8 / min(run.serving["inference"], 3)
-            decision = run.step(wait=collect / (collect + 2), step_s=collect + 2)
+            collect = 8 / min(run.serving["inference"], useful)
+            decision = run.step(wait=collect / (collect + 1.5), step_s=collect + 1.5)
             if decision:
                 moves.append((decision.before, decision.after, decision.reason))
+        return run
 
-    run = Run(min_gain=0.6, max_grow_factor=2.0)
-    practise(run)
-    assert moves == [(1, 2, "engines_bound"), (2, 4, "engines_bound"), (4, 3, "no_gain")]
-    assert "from 2.00 to 3.00 groups/s with 4 inference workers (needed 3.20)" in run.decisions[-1].why
-    moves.clear()
-    run = Run(ranges={"inference": (1, 8)}, max_grow_factor=AutoscaleConfig().max_grow_factor)
-    practise(run)
-    assert moves == [(1, 4, "engines_bound"), (4, 8, "engines_bound"), (8, 4, "no_gain")]
+    run = practise(useful=3)
+    assert moves == [(1, 4, "engines_bound"), (4, 6, "engines_bound"), (6, 4, "no_gain")]
     assert run.wanted["inference"] == 4  # held there: one too many, the price of moving in big steps
+    moves.clear()
+    run = practise(useful=5)
+    assert moves == [(1, 4, "engines_bound"), (4, 7, "engines_bound"), (7, 5, "no_gain")]
+    assert "from 4.00 to 5.00 groups/s with 7 inference workers (needed 5.50)" in run.decisions[-1].why
     # a learner a little over the band: the predicted count, not the cap (wait 0.55, target 0.3:
     # 2 x 0.55 x 0.7 / (0.3 x 0.45) = 5.7 -> 6 of the range's 8)
     run = Run(ranges={"inference": (2, 8)}, max_grow_factor=4.0)
