@@ -149,6 +149,9 @@ A_RESTRUCTURE = "The tiny race before and after the package's restructuring (202
 A_FLEET = "The tiny race before and after the fleet and the layout (issue 66; 2026-12-06, AMD EPYC)"
 A_SERVE_MEMORY = "The service's tenants: adapters per actor, one fleet against many (issue 68; 2026-12-06, AMD EPYC)"
 A_AUTOSCALE = "The load policy against fixed fleets (issue 69; 2026-12-07, AMD EPYC)"
+A_AUTOSCALE_GROW = (
+    "The load policy, grown in proportion, on a range past the useful size (issue 69; 2026-12-07, later, AMD EPYC)"
+)
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -382,7 +385,7 @@ SUMMARIES: dict[str, Summary] = {
         "trip a sample), with the load policy on 1..8 env pools (its default min_gain, 0.5, and 0.25) and with 1 "
         "or 8 fixed: each case's wall time and pool-seconds (the pools held times the time) over the fixed "
         "maximum's (the goal: the policy within 1.1 of its wall time at clearly fewer pool-seconds).",
-        (A_AUTOSCALE,),
+        (A_AUTOSCALE, A_AUTOSCALE_GROW),
     ),
 }
 
