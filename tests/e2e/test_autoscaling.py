@@ -12,9 +12,17 @@ launches a second node, then the worker starts there while the run trains on, lo
 weights and joins the bus. The test makes the learner the bottleneck meanwhile
 (``tests/slow_learner_loss.py``: each learner step sleeps 2 s): once the new worker has served,
 the policy shrinks the fleet to one, the leaving worker finishes its requests,
-its group is removed, and the autoscaler ends the idle node. Every metrics line keeps the
-accounting, every step trains its prompts once (sync), nothing is counted as a failure, and the
-run stops on SIGTERM as an operator stops it.
+its group is removed, and the autoscaler ends the idle node.
+
+An operator then takes over (`rlpost scale`, as on any running job): `inference=2 --wait` pins two
+workers although the learner is the bottleneck (the autoscaler launches a node again, the worker
+joins, the policy leaves the pinned role alone), a request outside the range exits 2 and changes
+nothing, `rlpost status RUN_DIR` shows the fleet, and `inference=1 --wait` shrinks it: the leaving
+worker finishes its requests and the bus re-forms without it. Every metrics line keeps the
+accounting, every step trains its prompts once (sync, on-policy throughout), nothing is counted
+as a failure, and the run stops on SIGTERM as an operator stops it. (`rlpost scale` of the
+service's engines: tests/e2e/test_serve_command.py; env pools leaving a shrink and a lost pool's
+share passing to the one left: the supervisor's unit tests and tests/e2e/test_node_loss.py.)
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import pytest
 
 from rlpost.ops.local_cluster import alive_nodes, autoscaling_head, driver_token
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.long, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 ELASTIC = {"ray.worker.elastic": {"resources": {"CPU": 0, "elastic": 1}, "min_workers": 0, "max_workers": 2}}
@@ -97,6 +105,27 @@ def test_the_load_policy_grows_the_fleet_onto_new_nodes_and_releases_them(tmp_pa
             assert len(alive_nodes("elastic")) == 1, "the autoscaler did not end the idle node"
             trained = len(rows_of(metrics))
             wait_for("a step after the node left", lambda rows: len(rows) > trained)
+
+            def rlpost(*words: str) -> subprocess.CompletedProcess:
+                return subprocess.run([sys.executable, "-m", "rlpost.ops.cli", *words], cwd=REPO, env=head.env,
+                                      capture_output=True, text=True, timeout=400)  # fmt: skip
+
+            run_dir = str(tmp_path / "elastic")
+            grown = rlpost("scale", run_dir, "inference=2", "--wait", "300")
+            assert grown.returncode == 0, grown.stdout + grown.stderr
+            assert "inference workers: 2 serving of 2 wanted" in grown.stdout, grown.stdout
+            assert len(alive_nodes("elastic")) == 2  # the pinned worker's node, launched again
+            refused = rlpost("scale", run_dir, "inference=3")
+            assert refused.returncode == 2 and "outside the run's range 1..2" in refused.stderr, refused.stderr
+            status = rlpost("status", run_dir)
+            assert status.returncode == 0 and "inference workers: 2 serving of 2 wanted" in status.stdout, status.stdout
+            pinned = len(rows_of(metrics))
+            rows = wait_for("three steps with the pin", lambda rows: len(rows) >= pinned + 3)
+            assert all(r["inference_workers_target"] == 2 for r in rows[pinned:])  # the slow learner shrinks nothing
+            shrunk = rlpost("scale", run_dir, "inference=1", "--wait", "180")
+            assert shrunk.returncode == 0 and "inference workers: 1 serving of 1 wanted" in shrunk.stdout, shrunk
+            wait_for("a step with one worker", lambda rows: (rows[-1]["inference_workers"],
+                                                             rows[-1]["inference_workers_target"]) == (1, 1))  # fmt: skip
         finally:
             if run.poll() is None:
                 run.send_signal(signal.SIGTERM)
@@ -119,7 +148,9 @@ def test_the_load_policy_grows_the_fleet_onto_new_nodes_and_releases_them(tmp_pa
         assert row.get("stopped") or 0.0 <= row["autoscale_wait_share"] <= 1.0  # a stop's row has no step time
     assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
     assert all(row["groups_trained"] == 4 * row["step"] for row in rows if not row.get("stopped")), rows
+    assert all(row["staleness_mean"] == 0.0 for row in rows)  # sync mode stays on-policy through the changes
     assert rows[-1]["restarts_inference"] == 0  # growing and shrinking are not failures
     assert "load policy: grow inference workers 1 -> 2: the learner waited" in text
     assert "load policy: shrink inference workers 2 -> 1: the learner waited" in text
     assert "the cluster has room for inference-1 (a new slot" in text and "inference-1 is up (" in text
+    assert "scaling the inference fleet from 2 to 1" in text

@@ -4,10 +4,12 @@ Each role's process is stopped with SIGSTOP mid-run, one after the other: alive 
 answering nothing, as a stuck collective, a deadlock holding the GIL or a frozen node leaves it.
 The run's watchdog finds each (no heartbeat within ``watchdog.<role>.answer_s``), kills it, and
 the supervisor replaces it as it replaces the dead: the run finishes every step with consistent
-accounting, in sync mode and in async mode. A learner whose working thread blocks for ever inside
-its step (a custom loss that never returns: it still answers heartbeats) is killed as hung once
-its work shows no progress for ``watchdog.learner.progress_s``, and the run resumes from its last
-checkpoint (in the sync run, after two freezes). The harness is scripts/chaos.py's (`make chaos` draws SIGSTOP among its ways).
+accounting (the roles in the async run; the mailbox in the sync run too). A learner whose working
+thread blocks for ever inside its step (a custom loss that never returns: it still answers
+heartbeats) is killed as hung once its work shows no progress for ``watchdog.learner.progress_s``,
+and the sync run resumes from its last checkpoint; a frozen learner rank:
+tests/e2e/test_learner_group_runs.py. The harness is scripts/chaos.py's (`make chaos` draws
+SIGSTOP among its ways, in both modes).
 """
 
 from __future__ import annotations
@@ -42,19 +44,16 @@ def check(outcome, run_dir, log_text, victims):
     return rows
 
 
-def test_each_role_frozen_and_a_hung_learner_in_a_sync_run_are_replaced(tmp_path, tiny_model_path,
-                                                                          tiny_reward_model_path, monkeypatch):  # fmt: skip
-    """The run's mailbox, then an inference worker stopped (the async run below stops every role,
-    one after the other; a sync step waits on the inference worker, so both kills are counted
-    before the checkpoint of step 6), then the learner's step blocked for ever in its loss (one
-    micro-batch a step: the 8th call is step 8's): killed as hung, the run resumes from step 6."""
+def test_a_frozen_mailbox_and_a_hung_learner_in_a_sync_run_are_replaced(tmp_path, tiny_model_path, monkeypatch):
+    """The run's mailbox stopped (the async run below stops every other role, one after the
+    other), then the learner's step blocked for ever in its loss (one micro-batch a step: the 8th
+    call is step 8's): killed as hung, the run resumes from step 6."""
     chaos = load_chaos()
     flag = tmp_path / "blocked"
     monkeypatch.setenv("RLPOST_BLOCKING_LOSS_FLAG", str(flag))
     monkeypatch.setenv("RLPOST_BLOCKING_LOSS_AT", "8")
-    victims = ["control", "inference-0"]
-    overrides = [*DEADLINE, f"reward_model.name_or_path={tiny_reward_model_path}", "reward_model.kind=classifier",
-                 "watchdog.learner.progress_s=6", "loss.custom_fn=tests.blocking_loss:loss_that_blocks_once"]  # fmt: skip
+    victims = ["control"]
+    overrides = [*DEADLINE, "watchdog.learner.progress_s=6", "loss.custom_fn=tests.blocking_loss:loss_that_blocks_once"]
     plan = chaos.Plan("frozen-sync", "sync", [chaos.Kill(v, 1 + 3 * i, 0.3, "SIGSTOP") for i, v in enumerate(victims)],
                       steps=12, overrides=overrides)  # fmt: skip
     outcome = chaos.run_plan(plan, tmp_path, tiny_model_path, steps=12, timeout_s=900)

@@ -1,7 +1,8 @@
 """A run whose learner is a group of two sharded ranks (resources.learner.num_workers=2): it
-learns, publishes weights the engines serve, survives losing a rank, checkpoints, and its
-checkpoint resumes with one rank (the group's steps in sync mode: tests/integration/actors/learner/test_learner_group.py).
-Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo).
+learns, publishes weights the engines serve, survives losing a rank and checkpoints the ranks'
+shards. Real actors throughout (vLLM engine, gloo bus, FSDP2 over gloo). The group's steps in sync
+mode, and its checkpoints resuming with one rank (and one learner's with two):
+tests/integration/actors/learner/test_learner_group.py.
 
 Every step practises the same 2 questions (data.num_synthetic_rows=2, 32 completions a step), so
 the reward climbs within 30 steps (a step takes ~0.7 s). Measured with 2 ranks, the last 8 steps'
@@ -11,8 +12,6 @@ moves by ~0.05 from sampling alone, and the curve can dip before it climbs), so 
 long enough for the check to be about learning, not luck."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -37,18 +36,11 @@ def gain(rows, window=8):
     return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
 
 
-def train(*args):
-    out = subprocess.run([sys.executable, "-m", "rlpost.ops.cli", "train", *args], capture_output=True, text=True,
-                         timeout=540)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-
-
-def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_with_one_rank(tmp_path, tiny_model_path):
+def test_a_run_that_loses_learner_rank_1_resumes_by_itself_and_learns(tmp_path, tiny_model_path):
     """Async mode: the checkpoint holds the groups waiting in the buffer and the pool's position;
     learner-1 freezes in step 6 (SIGSTOP: alive to Ray, answering nothing, rank 0 waiting for it
     in the step's collectives), the watchdog kills it, and the run resumes from step_4 by itself
-    (a group of two ranks again), learns and finishes; its last checkpoint (the ranks' shards)
-    then resumes with one rank."""
+    (a group of two ranks again), learns and finishes with the ranks' shards checkpointed."""
     import os
     import pickle
     import signal
@@ -97,8 +89,3 @@ def test_a_run_that_loses_learner_rank_1_resumes_by_itself_learns_and_resumes_wi
     assert state["producer_states"]["env-pool-0"]["num_prompts_collected"] >= 8 + len(state["buffer_groups"])
     checkpoint = run_dir / "checkpoints" / "step_30"
     assert (checkpoint / "trainer_state").is_dir() and (checkpoint / "model.safetensors").is_file()
-
-    train("--resume", str(run_dir), "trainer.steps=32", "resources.learner.num_workers=1")
-    rows = read(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows[-2:]] == [31, 32] and [r["policy_version"] for r in rows[-2:]] == [31, 32]
-    assert all(r["sync_logprob_diff"] <= 1e-3 for r in rows[-2:])  # the engines serve the one rank's weights

@@ -1,6 +1,6 @@
 """The pure parts of `rlpost scale` and `rlpost status RUN_DIR`: the worker range in the config,
 the request's words, the job beside a submitted run, and the exit codes of bad requests (the
-real fleet changes are tests/unit/test_supervisor.py's over stand-ins and tests/e2e/test_scaling.py's)."""
+real fleet changes are tests/unit/test_supervisor.py's over stand-ins and tests/e2e/test_autoscaling.py's)."""
 
 import json
 import socket
