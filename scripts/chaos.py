@@ -89,6 +89,7 @@ class Plan:
     rejoin_s: float | None = None  # a node plan: a new node joins this long after the node's loss
     steps: int | None = None  # the run's steps (None: run_plan's)
     overrides: list[str] = dataclasses.field(default_factory=list)  # more config overrides of the run
+    resumes: int = 0  # restarts from a checkpoint the overrides themselves cause (a learner made to hang)
 
 
 @dataclasses.dataclass
@@ -284,7 +285,7 @@ def run_plan(plan: Plan, out: Path, model: Path, steps: int, timeout_s: float) -
     # pool's position), which restores the counts of that checkpoint: the resume is the count
     resumed_pair = any(k.with_next for k in plan.kills) and restarts.get("learner_resumes")
     problems += unrecovered(killed, late, rows, resumed_pair)
-    if len(killed) == 1 and killed != ["learner"] and restarts.get("learner_resumes"):
+    if len(killed) == 1 and killed != ["learner"] and restarts.get("learner_resumes", 0) > plan.resumes:
         # losing one actor (or a node without the learner) is recovered in place: a restart of
         # the whole run from its checkpoint means the loss was mistaken for the learner's
         problems.append(f"the run restarted from a checkpoint {restarts['learner_resumes']} times (learner_resumes)")

@@ -115,6 +115,7 @@ def test_the_load_policy_grows_the_fleet_onto_new_nodes_and_releases_them(tmp_pa
             assert grown.returncode == 0, grown.stdout + grown.stderr
             assert "inference workers: 2 serving of 2 wanted" in grown.stdout, grown.stdout
             assert len(alive_nodes("elastic")) == 2  # the pinned worker's node, launched again
+            wait_for("a step with both workers", lambda rows: rows[-1]["inference_workers"] == 2)  # what status reads
             refused = rlpost("scale", run_dir, "inference=3")
             assert refused.returncode == 2 and "outside the run's range 1..2" in refused.stderr, refused.stderr
             status = rlpost("status", run_dir)

@@ -55,7 +55,7 @@ def test_a_frozen_mailbox_and_a_hung_learner_in_a_sync_run_are_replaced(tmp_path
     victims = ["control"]
     overrides = [*DEADLINE, "watchdog.learner.progress_s=6", "loss.custom_fn=tests.blocking_loss:loss_that_blocks_once"]
     plan = chaos.Plan("frozen-sync", "sync", [chaos.Kill(v, 1 + 3 * i, 0.3, "SIGSTOP") for i, v in enumerate(victims)],
-                      steps=12, overrides=overrides)  # fmt: skip
+                      steps=12, overrides=overrides, resumes=1)  # fmt: skip
     outcome = chaos.run_plan(plan, tmp_path, tiny_model_path, steps=12, timeout_s=900)
     log_text = (tmp_path / "frozen-sync.log").read_text()
     rows = check(outcome, tmp_path / plan.name, log_text, victims)
