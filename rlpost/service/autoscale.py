@@ -169,7 +169,7 @@ class LoadPolicy:
         self.last: Decision | None = None
         self.rate_before: float | None = None  # generation's throughput before the last grow, until judged
         self.holds: dict[str, _Hold] = {}
-        self.worth: dict[str, float] = {}  # per role: what its last judged grow's rise was worth, in actors
+        self.worth: dict[str, int] = {}  # per role: its last judged grow's rise in actors' full shares, rounded
         self.counts: tuple[int, int] | None = None  # the fleet that served the last step
 
     # ------------------------------------------------------------------ operator
@@ -223,12 +223,12 @@ class LoadPolicy:
         if sum(load.wait_share for load in self.window) / len(self.window) < self.settings.grow_wait:
             return None  # the learner no longer starves: the load's rules judge the size now
         rate, added = self._rate(), after - before
-        worth = (rate / rate_before - 1) * before if rate_before > 0 else 0.0  # the rise, in actors' full shares
-        self.worth[role] = worth
+        rise = (rate / rate_before - 1) * before if rate_before > 0 else 0.0  # in actors' full shares
+        self.worth[role] = max(0, math.floor(rise + 0.5))  # to the nearest actor
         needed = rate_before * (1 + self.settings.min_gain * added / before)
         if rate >= needed or role in self.pins:
             return None
-        keep = before + min(added - 1, max(0, math.floor(worth + 0.5)))
+        keep = before + min(added - 1, self.worth[role])
         why = (f"generation went from {rate_before:.2f} to {rate:.2f} groups/s with {after} "
                f"{_WORDS[role]} (needed {needed:.2f})")  # fmt: skip
         return self._decide(role, keep, "no_gain", why, hold_most=keep)
@@ -317,7 +317,7 @@ class LoadPolicy:
         predicted = count * wait * (1 - target) / (target * (1 - wait)) if wait < 1 else float("inf")
         most = min(self._bounds(role)[1], max(count + 1, math.floor(count * s.max_grow_factor)))
         if role in self.worth:
-            most = min(most, count + max(1, math.floor(self.worth[role] + 0.5)))
+            most = min(most, count + max(1, self.worth[role]))
         return max(count + 1, min(math.ceil(predicted - 1e-9), most))
 
     def _rate(self) -> float:

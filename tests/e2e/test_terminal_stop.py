@@ -199,7 +199,7 @@ def test_ctrl_c_while_the_engines_load_stops_the_start_within_seconds(tmp_path, 
     assert not stopped.left, f"processes of the run left running: {stopped.left}"
 
 
-@pytest.mark.long  # ~150 s: three runs, each resuming the one before (make test keeps rlpost.runtime.shutdown's units)
+@pytest.mark.long  # three runs, each resuming the one before: 261 s beside another test (make test keeps shutdown's units)
 def test_each_stop_writes_the_final_checkpoint_and_the_next_run_resumes_from_it(tmp_path, tiny_model_path):
     """One run folder, three runs: Ctrl-C early in a step (its collection) exits 130; the run
     resumed from that final checkpoint (to 80 steps: an override on resume) is stopped by Ctrl-C
