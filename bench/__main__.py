@@ -46,7 +46,8 @@ BENCHMARKS = {
     "serve_adapters": "bench.bench_serve_adapters",
     # K tenants on one service fleet against K fleets: memory, tokens/s, step latency, fairness (~15 min)
     "serve_tenants": "bench.bench_serve_tenants",
-    # the load policy (rollout.autoscale) against the env-pool range's minimum and maximum fixed (~10 min)
+    # the load policy (rollout.autoscale) against the env-pool range's minimum and maximum fixed,
+    # 200 steps so that its ramp is a few percent of a run (~45 min)
     "autoscale": "bench.bench_autoscale",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
@@ -57,9 +58,9 @@ BENCHMARKS = {
 }
 
 
-# the races that take ~20 min a repeat: run when named (or with --all), not by default, so that the
+# the benchmarks that take ~20 min a repeat: run when named (or with --all), not by default, so that the
 # default set stays near an hour
-LONG = ("race_genheavy", "race_lora")
+LONG = ("race_genheavy", "race_lora", "autoscale")
 
 
 def main(argv: list[str] | None = None) -> int:
