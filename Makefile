@@ -138,9 +138,9 @@ format: install-dev
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# `make bench` runs the default benchmarks (~65 min on 2 CPU cores) and renders BENCHMARKS.md;
+# `make bench` runs the default benchmarks (~55 min on 2 CPU cores) and renders BENCHMARKS.md;
 # `make bench BENCH="weight_sync buffer"` runs some, `make bench BENCH=--all` adds the long
-# races (race_genheavy, race_lora: ~2 h in all); `make bench-quick` smoke-tests them.
+# ones (race_genheavy, race_lora, autoscale: ~3 h in all); `make bench-quick` smoke-tests them.
 BENCH ?=
 bench: install-bench tiny-model
 	$(PY) -m bench $(BENCH)

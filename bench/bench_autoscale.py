@@ -65,6 +65,17 @@ def pool_seconds(rows: list[dict]) -> tuple[float, list[int], list[str]]:
     return sum(r["step_time_s"] * n for r, n in zip(rows, held)), held, decisions
 
 
+def runs_of(held: list[int]) -> str:
+    """The pools held step by step, as runs: ``1 x2, 4 x6, 6 x192``."""
+    out: list[list[int]] = []
+    for n in held:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return ", ".join(f"{n} x{k}" for n, k in out)
+
+
 def settled(policy: list[dict], top: list[dict]) -> dict[str, float] | None:
     """The steps after the policy run's last move against the same steps of the max run: their
     wall times and ratio (None: the policy never moved, or moved at its last step)."""
@@ -104,7 +115,7 @@ def main() -> None:
             run = run_rlpost(tag, work, ["trainer.mode=sync", *SHARED, *overrides], quick=args.quick)
             rows[case, r] = step_rows(tag, args.quick)
             cost, held, decisions = pool_seconds(rows[case, r])
-            print(f"   steps {run.steps_wall_s:.1f} s, {cost:.0f} pool-seconds, pools per step {held}", flush=True)
+            print(f"   steps {run.steps_wall_s:.1f} s, {cost:.0f} pool-seconds, pools {runs_of(held)}", flush=True)
             for line in decisions:
                 print(f"   {line}", flush=True)
             extra = {"pool_seconds": cost, "pools_held": held, "decisions": decisions, "busy_cores_at_start": load}

@@ -152,6 +152,7 @@ A_AUTOSCALE = "The load policy against fixed fleets (issue 69; 2026-12-07, AMD E
 A_AUTOSCALE_GROW = (
     "The load policy, grown in proportion, on a range past the useful size (issue 69; 2026-12-07, later, AMD EPYC)"
 )
+A_AUTOSCALE_LONG = "The load policy over 200 steps (issue 69; 2026-12-07, session 11, AMD EPYC)"
 
 RACE_TARGET = ">= 0.95"  # rlpost's samples/s over TRL's on every workload: the same FLOPs on the same cores
 
@@ -386,7 +387,7 @@ SUMMARIES: dict[str, Summary] = {
         "and pool-seconds (the pools held times the time) over the fixed maximum's, by the medians and by the "
         "median of each repeat's ratio (paired), and the policy's steps after its last move against the same steps "
         "of the maximum (the goal: the policy within 1.1 of its wall time at clearly fewer pool-seconds).",
-        (A_AUTOSCALE, A_AUTOSCALE_GROW),
+        (A_AUTOSCALE, A_AUTOSCALE_GROW, A_AUTOSCALE_LONG),
     ),
 }
 
@@ -627,9 +628,10 @@ def _results_page(data: dict[str, dict], results: Path, out: Path, tables: Path,
         "repeats. Runs happen on machines of the same size but not always the same CPU (the machine column): "
         "compare figures within one run, not across runs.",
         "",
-        "- `make bench` runs the default benchmarks (about 65 minutes on 2 CPU cores; it installs the bench "
+        "- `make bench` runs the default benchmarks (about 55 minutes on 2 CPU cores; it installs the bench "
         'extra, TRL included) and renders this page; `make bench BENCH="weight_sync buffer"` runs the '
-        "benchmarks named, `make bench BENCH=--all` adds the long races (about 2 hours in all).",
+        "benchmarks named, `make bench BENCH=--all` adds the long ones (race_genheavy, race_lora, autoscale: "
+        "about 3 hours in all).",
         "- `make bench-quick` (or `make bench-quick BENCH=NAME`) is a smoke test at tiny sizes; its results go "
         "to `bench/results/quick/` and are not measurements.",
         "- `python -m bench --report` only renders the pages again from `bench/results/*.json`.",

@@ -511,3 +511,18 @@ def test_the_engine_profile_groups_py_spy_samples_by_process_and_phase(tmp_path)
     assert "## 14. The engine's generate call" in text
     assert "| vllm engine, 1 thread(s) | 0.5 | 0.7 | 0.5, 0.6, 0.4 |" in text
     assert "| worker: model forward | 0.5 |" in text and "**2.00**" in text
+
+
+def test_autoscale_bench_splits_the_policy_run_at_its_last_move():
+    """bench_autoscale's ``settled``: the steps after the policy's last move against the same steps
+    of the max run; none when it never moved or moved at its last step. ``runs_of`` condenses the
+    pools held per step."""
+    from bench.bench_autoscale import runs_of, settled
+
+    policy = [{"step": 1, "step_time_s": 4.0}, {"step": 2, "step_time_s": 3.0, "autoscale_decision": "grow"},
+              {"step": 3, "step_time_s": 2.0}, {"step": 4, "step_time_s": 1.0}]  # fmt: skip
+    top = [{"step": s, "step_time_s": 1.0} for s in range(1, 5)]
+    assert settled(policy, top) == {"from_step": 3, "policy_s": 3.0, "max_s": 2.0, "ratio": 1.5}
+    assert settled(policy[:1], top) is None
+    assert settled(policy[:2], top) is None
+    assert runs_of([1, 4, 4, 6, 4]) == "1 x1, 4 x2, 6 x1, 4 x1"
