@@ -227,7 +227,12 @@ class Service:
     # ------------------------------------------------------------------- session ends
 
     async def finish_session(self, tenant: str, session_id: Any) -> None:
-        """The client is done with the session (``ServiceClient.close``): it ends."""
+        """The client is done with the session (``ServiceClient.close``): it ends. Finishing a
+        session that already ended answers as the first finish did (the SDK's close is first-wins,
+        and it retries a finish whose answer was slow: the retry must not fail)."""
+        ended = self.ended.get(session_id) if isinstance(session_id, str) else None
+        if ended is not None and ended.tenant == tenant:
+            return
         self.session(tenant, session_id)
         await self.end_session(session_id, "was finished by its client", save=False)
 

@@ -17,6 +17,7 @@ from tinker import types  # noqa: E402
 ALICE, BOB = "tml-alice-0123456789", "tml-bob-0123456789ab"
 # the engine's sampled log-probs against the trainer's forward on the same tokens (float32, CPU)
 LOGPROB_BOUND = 1e-4
+CLIENTS: list = []  # every client the tests make: closed before the servers stop
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,9 @@ def service(ray_cluster, tiny_model_path, tmp_path_factory):
 
     first = start_server()
     yield first, start_server
+    for client in CLIENTS:  # end their sessions while the servers answer: the SDK's heartbeats stop
+        client.close("success").result(timeout=30)
+    CLIENTS.clear()
     for running, thread in servers:
         running.stop()
         thread.join(10)
@@ -54,7 +58,9 @@ def service(ray_cluster, tiny_model_path, tmp_path_factory):
 
 
 def _client(running, key=ALICE):
-    return tinker.ServiceClient(base_url=running.url, api_key=key)
+    client = tinker.ServiceClient(base_url=running.url, api_key=key)
+    CLIENTS.append(client)
+    return client
 
 
 def _datum(tokens, weights=None):

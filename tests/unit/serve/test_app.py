@@ -167,6 +167,9 @@ def test_a_finished_session_takes_its_models_and_tells_its_client_so(client, tmp
     assert beat.status_code == 410
     assert ("remove", "adapter-1") in client.fleet.trainer_object.calls and not client.service.models
     assert not list(tmp_path.rglob("session-end*"))  # the client said it was done: nothing kept
+    again = client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "error"}})
+    assert again.status_code == 200  # the SDK retries a slow finish: first-wins, not an error
+    assert "was finished by its client" in _post(client, "get_info", {"model_id": model_id}).json()["detail"]
     other = client.post(f"/api/v1/sessions/{session}/finish", json={}, headers={"X-API-Key": BOB})
     assert other.status_code == 400 and "no session" in other.json()["detail"]  # bob learns nothing of it
 
