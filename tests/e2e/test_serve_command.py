@@ -205,6 +205,7 @@ def test_serve_trains_samples_exports_metrics_scales_runs_the_cookbook_and_stops
         shrunk = scale("inference=1", "--wait", "120")
         assert shrunk.returncode == 0 and "inference workers: 1 serving of 1 wanted" in shrunk.stdout, shrunk
         assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 3
+        client.close("success").result(timeout=60)  # its session ends; the SDK's heartbeats stop
 
         # tinker-cookbook's loops, as a second tenant of the same service
         root = _workdir(tmp_path / "work")
