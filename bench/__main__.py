@@ -47,7 +47,7 @@ BENCHMARKS = {
     # K tenants on one service fleet against K fleets: memory, tokens/s, step latency, fairness (~15 min)
     "serve_tenants": "bench.bench_serve_tenants",
     # the load policy (rollout.autoscale) against the env-pool range's minimum and maximum fixed,
-    # 200 steps so that its ramp is a few percent of a run (~45 min)
+    # 200 steps so that its ramp is a few percent of a run (~50 min: 48 on the AMD EPYC)
     "autoscale": "bench.bench_autoscale",
     # rlpost sync / async against TRL where generation dominates: 32 x 128 tokens a step (~25 min)
     "race_genheavy": "bench.bench_e2e --workloads genheavy --name race_genheavy --repeats 2",
